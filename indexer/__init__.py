@@ -1,0 +1,70 @@
+"""Router side of kvtier: the event protocol, its wire codec and transport, and the indexer."""
+
+from indexer.codec import DecodeError, WireFormat, decode_payload, encode_payload, medium_spelling
+from indexer.frames import DUMP_REQUEST, END_SEQ, pack_seq, unpack_seq
+from indexer.protocol import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EngineHash,
+    Event,
+    EventBatch,
+    StorageTier,
+    UnknownMediumError,
+    WorkerId,
+    parse_medium,
+)
+from indexer.publisher import DumpProvider, Publisher
+from indexer.stream import (
+    Delivery,
+    GapDetected,
+    GapFilled,
+    MalformedFrame,
+    PublisherRestarted,
+    Received,
+    ResyncDone,
+    ResyncNeeded,
+    ResyncStarted,
+    StreamId,
+    StreamStats,
+    StreamTracker,
+)
+from indexer.subscriber import EndpointConfig, Subscriber
+
+__all__ = [
+    "DUMP_REQUEST",
+    "END_SEQ",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "DecodeError",
+    "Delivery",
+    "DumpProvider",
+    "EndpointConfig",
+    "EngineHash",
+    "Event",
+    "EventBatch",
+    "GapDetected",
+    "GapFilled",
+    "MalformedFrame",
+    "Publisher",
+    "PublisherRestarted",
+    "Received",
+    "ResyncDone",
+    "ResyncNeeded",
+    "ResyncStarted",
+    "StorageTier",
+    "StreamId",
+    "StreamStats",
+    "StreamTracker",
+    "Subscriber",
+    "UnknownMediumError",
+    "WireFormat",
+    "WorkerId",
+    "decode_payload",
+    "encode_payload",
+    "medium_spelling",
+    "pack_seq",
+    "parse_medium",
+    "unpack_seq",
+]

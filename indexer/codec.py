@@ -1,0 +1,233 @@
+"""msgpack codec for KV event payloads, in the encodings real engines use.
+
+Decoding accepts, without being told which:
+
+* tagged **maps** (SGLang >= 0.5.18, vLLM): ``{"type": "BlockStored", ...}``;
+* tagged **arrays** (SGLang 0.5.17): ``["BlockStored", hashes, parent, tokens, ...]``;
+* int64, uint64 or ``bytes`` block hashes; unknown extra fields (ignored);
+* a batch of two (``[ts, events]``) or three (``[ts, events, dp_rank]``) items.
+
+Encoding writes one of the :class:`WireFormat` layouts. The SGLang 0.5.23 map
+layout is the default and is byte-identical to what SGLang sends for the same
+field values and ``ts`` (tests pin this against captured frames).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+import msgspec
+
+from indexer.protocol import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EngineHash,
+    Event,
+    EventBatch,
+    StorageTier,
+    parse_medium,
+)
+
+_U64 = (1 << 64) - 1
+
+
+class WireFormat(StrEnum):
+    """Event encodings on the wire."""
+
+    SGLANG = "sglang"  # SGLang 0.5.23: tagged maps, optional None fields omitted
+    SGLANG_ARRAY = "sglang-array"  # SGLang 0.5.17: tagged arrays
+    VLLM = "vllm"  # vLLM 0.33: tagged maps, lora_name always present, unsigned hashes
+
+
+class DecodeError(ValueError):
+    """A payload that is not a valid KV event batch; the message says what was wrong."""
+
+
+# --- decoding: lenient structs, one family per event encoding -------------------------------
+
+
+class _MapStored(msgspec.Struct, tag_field="type", tag="BlockStored", gc=False):
+    block_hashes: list[EngineHash]
+    parent_block_hash: EngineHash | None = None
+    token_ids: list[int] = []
+    block_size: int = 0
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    cache_salt: str | None = None
+
+
+class _MapRemoved(msgspec.Struct, tag_field="type", tag="BlockRemoved", gc=False):
+    block_hashes: list[EngineHash]
+    medium: str | None = None
+
+
+class _MapCleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared", gc=False):
+    pass
+
+
+class _MapBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_MapStored | _MapRemoved | _MapCleared]
+    dp_rank: int | None = None
+
+
+class _ArrStored(msgspec.Struct, array_like=True, tag="BlockStored", gc=False):
+    block_hashes: list[EngineHash]
+    parent_block_hash: EngineHash | None = None
+    token_ids: list[int] = []
+    block_size: int = 0
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    cache_salt: str | None = None
+
+
+class _ArrRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved", gc=False):
+    block_hashes: list[EngineHash]
+    medium: str | None = None
+
+
+class _ArrCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared", gc=False):
+    pass
+
+
+class _ArrBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_ArrStored | _ArrRemoved | _ArrCleared]
+    dp_rank: int | None = None
+
+
+_map_decoder = msgspec.msgpack.Decoder(_MapBatch)
+_arr_decoder = msgspec.msgpack.Decoder(_ArrBatch)
+
+
+def _to_event(raw: object) -> Event:
+    if isinstance(raw, _MapStored | _ArrStored):
+        return BlockStored(
+            block_hashes=raw.block_hashes,
+            parent_block_hash=raw.parent_block_hash,
+            token_ids=raw.token_ids,
+            block_size=raw.block_size,
+            lora_id=raw.lora_id,
+            medium=raw.medium,
+            lora_name=raw.lora_name,
+            cache_salt=raw.cache_salt,
+        )
+    if isinstance(raw, _MapRemoved | _ArrRemoved):
+        return BlockRemoved(block_hashes=raw.block_hashes, medium=raw.medium)
+    return AllBlocksCleared()
+
+
+def decode_payload(payload: bytes | memoryview) -> EventBatch:
+    """Decode one msgpack payload into an :class:`EventBatch`. O(payload size).
+
+    Tries the map encoding first (what current engines send), then the array
+    encoding. Raises :class:`DecodeError` naming what was wrong with the payload;
+    never any other exception.
+    """
+    try:
+        mb = _map_decoder.decode(payload)
+        return EventBatch(ts=mb.ts, events=[_to_event(e) for e in mb.events], dp_rank=mb.dp_rank)
+    except msgspec.DecodeError as map_err:
+        try:
+            ab = _arr_decoder.decode(payload)
+        except msgspec.DecodeError:
+            raise DecodeError(f"not a KV event batch: {map_err}") from None
+        return EventBatch(ts=ab.ts, events=[_to_event(e) for e in ab.events], dp_rank=ab.dp_rank)
+    except Exception as exc:  # msgspec raises only DecodeError, but a codec must never leak others
+        raise DecodeError(f"not a KV event batch: {type(exc).__name__}: {exc}") from None
+
+
+# --- encoding: exact field layouts of each publisher -----------------------------------------
+
+
+class _SgStored(msgspec.Struct, tag_field="type", tag="BlockStored", omit_defaults=True, gc=False):
+    block_hashes: list[EngineHash]
+    parent_block_hash: EngineHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None = None  # SGLang omits None-valued optional fields
+    cache_salt: str | None = None
+
+
+class _SgRemoved(msgspec.Struct, tag_field="type", tag="BlockRemoved", gc=False):
+    block_hashes: list[EngineHash]
+    medium: str | None
+
+
+class _VlStored(msgspec.Struct, tag_field="type", tag="BlockStored", gc=False):
+    block_hashes: list[EngineHash]
+    parent_block_hash: EngineHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None  # vLLM always sends it
+
+
+#: Canonical medium spelling per wire format and tier.
+_SPELLING: dict[WireFormat, dict[StorageTier, str]] = {
+    WireFormat.SGLANG: {
+        StorageTier.DEVICE: "GPU",
+        StorageTier.HOST: "CPU_PINNED",
+        StorageTier.DISK: "DISK",
+        StorageTier.EXTERNAL: "EXTERNAL",
+    },
+    WireFormat.VLLM: {
+        StorageTier.DEVICE: "GPU",
+        StorageTier.HOST: "CPU",
+        StorageTier.DISK: "STORAGE",
+        StorageTier.EXTERNAL: "EXTERNAL",
+    },
+}
+_SPELLING[WireFormat.SGLANG_ARRAY] = _SPELLING[WireFormat.SGLANG]
+
+
+def medium_spelling(tier: StorageTier, fmt: WireFormat = WireFormat.SGLANG) -> str:
+    """The medium string ``fmt``'s publisher uses for ``tier``. O(1)."""
+    return _SPELLING[fmt][tier]
+
+
+def _unsigned(h: EngineHash | None) -> EngineHash | None:
+    return h & _U64 if isinstance(h, int) else h
+
+
+def _encode_event(ev: Event, fmt: WireFormat) -> object:
+    if isinstance(ev, BlockStored):
+        medium = medium_spelling(parse_medium(ev.medium), fmt)
+        if fmt is WireFormat.SGLANG:
+            return _SgStored(ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size,
+                             ev.lora_id, medium, ev.lora_name, ev.cache_salt)
+        if fmt is WireFormat.VLLM:
+            return _VlStored([_unsigned(h) for h in ev.block_hashes],  # type: ignore[misc]
+                             _unsigned(ev.parent_block_hash), ev.token_ids, ev.block_size,
+                             ev.lora_id, medium, ev.lora_name)
+        return ["BlockStored", ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size,
+                ev.lora_id, medium]
+    if isinstance(ev, BlockRemoved):
+        medium = medium_spelling(parse_medium(ev.medium), fmt)
+        if fmt is WireFormat.SGLANG_ARRAY:
+            return ["BlockRemoved", ev.block_hashes, medium]
+        hashes = [_unsigned(h) for h in ev.block_hashes] if fmt is WireFormat.VLLM else ev.block_hashes
+        return _SgRemoved(hashes, medium)  # type: ignore[arg-type]
+    if fmt is WireFormat.SGLANG_ARRAY:
+        return ["AllBlocksCleared"]
+    return _MapCleared()
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode_payload(batch: EventBatch, fmt: WireFormat = WireFormat.SGLANG) -> bytes:
+    """Encode ``batch`` as ``fmt``'s publisher would. O(batch size).
+
+    Medium strings are re-spelled in ``fmt``'s canonical spelling (a vLLM ``CPU``
+    becomes SGLang ``CPU_PINNED``); vLLM hashes are written unsigned.
+    Raises :class:`indexer.protocol.UnknownMediumError` for an unknown medium.
+    """
+    events = [_encode_event(ev, fmt) for ev in batch.events]
+    return _encoder.encode([float(batch.ts), events, batch.dp_rank])

@@ -1,0 +1,125 @@
+"""The KV event protocol: storage tiers, the three event types and the batch.
+
+This is the contract between engines (producers) and the indexer (consumer), as
+described in SPEC section 1. The classes here are the decoded, wire-independent
+model; :mod:`indexer.codec` maps them to and from the SGLang and vLLM encodings.
+
+Engine block hashes are opaque: SGLang sends signed int64, vLLM unsigned uint64,
+newer engines raw ``bytes``. They are kept exactly as received, so equality is
+the only operation the indexer relies on.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import NewType, TypeAlias
+
+import msgspec
+
+#: An engine's own block hash: int64, uint64 or bytes, compared only for equality.
+EngineHash: TypeAlias = int | bytes
+
+#: Identifies one worker (one engine instance) in the cluster.
+WorkerId = NewType("WorkerId", str)
+
+
+class StorageTier(IntEnum):
+    """Where a KV block lives. Ordered from fastest to slowest."""
+
+    DEVICE = 0  # GPU HBM (L1)
+    HOST = 1  # pinned CPU memory (L2)
+    DISK = 2  # per-worker local storage (L3)
+    EXTERNAL = 3  # storage pool shared by all workers (L3, e.g. Mooncake store)
+
+
+#: Every medium spelling seen across engines (shared/wire/README.md), upper-cased.
+_MEDIUM_TO_TIER: dict[str, StorageTier] = {
+    "GPU": StorageTier.DEVICE,
+    "DEVICE": StorageTier.DEVICE,
+    "CPU": StorageTier.HOST,
+    "CPU_PINNED": StorageTier.HOST,
+    "CPU_TIER1": StorageTier.HOST,
+    "DISK": StorageTier.DISK,
+    "STORAGE": StorageTier.DISK,
+    "NVME": StorageTier.DISK,
+    "CPU_TIER2": StorageTier.DISK,
+    "EXTERNAL": StorageTier.EXTERNAL,
+    "REMOTE": StorageTier.EXTERNAL,
+    "SHARED": StorageTier.EXTERNAL,
+    "NETWORK": StorageTier.EXTERNAL,
+}
+
+# Exact-case cache in front of the case-insensitive table: the hot path sees a few spellings only.
+_medium_cache: dict[str | None, StorageTier] = {None: StorageTier.DEVICE}
+
+
+class UnknownMediumError(ValueError):
+    """A medium string that names no known storage tier."""
+
+
+def parse_medium(medium: str | None) -> StorageTier:
+    """Map a wire medium string to its tier; ``None`` (absent) means device.
+
+    Case-insensitive. O(1). Raises :class:`UnknownMediumError` naming the spelling.
+    """
+    tier = _medium_cache.get(medium)
+    if tier is not None:
+        return tier
+    assert medium is not None
+    tier = _MEDIUM_TO_TIER.get(medium.strip().upper())
+    if tier is None:
+        raise UnknownMediumError(
+            f"unknown medium {medium!r}; expected one of {sorted(_MEDIUM_TO_TIER)} (any case)"
+        )
+    if len(_medium_cache) < 64:
+        _medium_cache[medium] = tier
+    return tier
+
+
+class BlockStored(msgspec.Struct, kw_only=True, gc=False):
+    """One or more consecutive blocks became resident on ``medium``.
+
+    Invariant (checked by the indexer, not here): ``len(token_ids) ==
+    len(block_hashes) * block_size``; ``block_hashes[0]``'s parent is
+    ``parent_block_hash`` (``None`` under the root) and each further hash's parent
+    is the previous one.
+    """
+
+    block_hashes: list[EngineHash]  # engine hashes, parent first
+    parent_block_hash: EngineHash | None = None  # engine hash of the first block's parent
+    token_ids: list[int] = []  # block_size tokens per block, concatenated
+    block_size: int = 0  # tokens per block
+    lora_id: int | None = None  # engine-local LoRA adapter id
+    medium: str | None = None  # wire spelling of the tier; None means device
+    lora_name: str | None = None  # LoRA adapter name (vLLM); changes the router key space
+    cache_salt: str | None = None  # per-tenant salt; changes the router key space
+
+    @property
+    def tier(self) -> StorageTier:
+        return parse_medium(self.medium)
+
+
+class BlockRemoved(msgspec.Struct, kw_only=True, gc=False):
+    """Blocks stopped being resident on ``medium`` (other tiers are unaffected)."""
+
+    block_hashes: list[EngineHash]  # engine hashes of the removed blocks
+    medium: str | None = None  # wire spelling of the tier; None means device
+
+    @property
+    def tier(self) -> StorageTier:
+        return parse_medium(self.medium)
+
+
+class AllBlocksCleared(msgspec.Struct, kw_only=True, gc=False):
+    """The engine dropped every block on every tier (``reset()``)."""
+
+
+Event: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class EventBatch(msgspec.Struct, kw_only=True, gc=False):
+    """The payload of one live message: ``[ts, [events...], dp_rank]``."""
+
+    ts: float  # publisher wall clock, seconds
+    events: list[Event]  # in the order the engine produced them
+    dp_rank: int | None = None  # data-parallel rank of the publishing engine, if any

@@ -1,0 +1,380 @@
+"""Per-stream ordering, gap detection, replay and resynchronisation (no sockets).
+
+:class:`StreamTracker` is the state machine behind one publisher stream. It is
+fed live messages, replay replies and clock ticks, and answers with
+:data:`Delivery` items for the consumer plus requests for the replay socket.
+Keeping it free of sockets makes every path (gap, replay shortfall, restart,
+duplicate, timeout, dump) testable deterministically; :mod:`indexer.subscriber`
+wires it to ZMQ.
+
+Guarantee: the ``Received`` batches of one stream reach the consumer in strictly
+increasing seq order with no seq skipped, except across a ``ResyncStarted`` /
+``ResyncNeeded`` / ``PublisherRestarted`` notice, which tells the consumer to
+drop what it holds for that stream first.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Literal, NamedTuple, TypeAlias
+
+from indexer.codec import DecodeError, decode_payload
+from indexer.frames import DUMP_REQUEST, END_SEQ, pack_seq, unpack_seq
+from indexer.protocol import EventBatch, WorkerId
+
+log = logging.getLogger(__name__)
+
+
+class StreamId(NamedTuple):
+    """One publisher stream: a worker and its data-parallel rank."""
+
+    worker: WorkerId
+    dp_rank: int = 0
+
+    def __str__(self) -> str:
+        return self.worker if self.dp_rank == 0 else f"{self.worker}/dp{self.dp_rank}"
+
+
+@dataclass(slots=True, frozen=True)
+class Received:
+    """A decoded batch to apply, in order."""
+
+    stream: StreamId  # where it came from
+    seq: int  # its sequence number (for a dump: the last live seq the dump includes)
+    batch: EventBatch  # the events
+    source: Literal["live", "replay", "dump"]  # which socket delivered it
+
+
+@dataclass(slots=True, frozen=True)
+class GapDetected:
+    """Batches ``expected .. received-1`` were missed on the live socket; replay was asked."""
+
+    stream: StreamId  # the stream with the hole
+    expected: int  # first missing seq
+    received: int  # seq that revealed the hole
+
+
+@dataclass(slots=True, frozen=True)
+class GapFilled:
+    """The replay covered the hole; delivery continues in order."""
+
+    stream: StreamId  # the stream that recovered
+    first: int  # first seq recovered
+    last: int  # last seq recovered
+
+
+@dataclass(slots=True, frozen=True)
+class PublisherRestarted:
+    """The publisher's seq went backwards: a new engine process. Drop the stream's state."""
+
+    stream: StreamId  # the restarted stream
+    seq: int  # first seq seen from the new publisher
+
+
+@dataclass(slots=True, frozen=True)
+class ResyncStarted:
+    """Events were lost for good; drop the stream's state now, a full state dump follows."""
+
+    stream: StreamId  # the stream being resynchronised
+    reason: str  # why replay could not recover
+
+
+@dataclass(slots=True, frozen=True)
+class ResyncDone:
+    """The state dump was delivered; live delivery resumes after ``seq``."""
+
+    stream: StreamId  # the resynchronised stream
+    seq: int  # the last live seq the dump includes
+
+
+@dataclass(slots=True, frozen=True)
+class ResyncNeeded:
+    """Events were lost for good and no dump is available: clear the stream, mark it stale."""
+
+    stream: StreamId  # the stream whose state can no longer be trusted
+    reason: str  # why
+
+
+@dataclass(slots=True, frozen=True)
+class MalformedFrame:
+    """A message that could not be parsed or decoded; counted and skipped."""
+
+    stream: StreamId  # where it came from
+    reason: str  # what was wrong with it
+
+
+Delivery: TypeAlias = (
+    Received | GapDetected | GapFilled | PublisherRestarted | ResyncStarted | ResyncDone | ResyncNeeded
+    | MalformedFrame
+)
+
+
+class _Mode(Enum):
+    LIVE = 0  # delivering live messages as they come
+    REPLAY = 1  # waiting for a replay answer; live messages are held back
+    DUMP = 2  # waiting for a state dump; live messages are held back
+
+
+@dataclass(slots=True)
+class StreamStats:
+    """Counters of one stream, for metrics."""
+
+    received: int = 0  # live messages seen
+    delivered: int = 0  # batches handed to the consumer (live, replay and dump)
+    duplicates: int = 0  # messages dropped as already delivered
+    gaps: int = 0  # holes detected
+    gaps_filled: int = 0  # holes recovered by replay
+    restarts: int = 0  # publisher restarts seen
+    resyncs: int = 0  # dumps requested or stale marks (unrecoverable holes)
+    malformed: int = 0  # frames or payloads that failed to parse
+
+
+_DUP_WINDOW = 4096  # how many recent (seq, payload digest) pairs identify duplicates
+
+
+@dataclass(slots=True)
+class StreamTracker:
+    """Orders one stream's messages; see the module docstring for the guarantee.
+
+    The caller sends :attr:`outbox` requests on the replay socket (and clears it),
+    and recreates that socket when :attr:`reset_replay_socket` is set, so a late
+    answer to an abandoned request can never be mistaken for a new one.
+    """
+
+    stream: StreamId  # identity of the stream
+    can_replay: bool  # the publisher has a replay socket
+    can_dump: bool  # the publisher answers DUMP_REQUEST (kvtier engines)
+    timeout_s: float = 2.0  # how long to wait for a replay or dump answer
+    expected: int | None = None  # next seq to deliver; None before the first message
+    stats: StreamStats = field(default_factory=StreamStats)  # counters
+    outbox: list[bytes] = field(default_factory=list)  # requests for the replay socket
+    reset_replay_socket: bool = False  # set when an answer is abandoned
+    _mode: _Mode = _Mode.LIVE  # see _Mode
+    _held: list[tuple[int, bytes]] = field(default_factory=list)  # live messages held back
+    _deadline: float = 0.0  # when the pending request times out
+    _replay_from: int = 0  # first seq asked of the pending replay
+    _replay_hole: bool = False  # the replay answer skipped a seq
+    _dump_seq: int | None = None  # last live seq the incoming dump includes
+    _recent: OrderedDict[int, int] = field(default_factory=OrderedDict)  # seq -> payload digest
+    _suspect: bool = False  # the live socket reconnected: the publisher may be a new process
+    _verify: bool = False  # the pending replay checks the last delivered seq's content
+    _restarted: bool = False  # the check found a new publisher: replay it from 0 next
+
+    # --- inputs --------------------------------------------------------------------------
+
+    def on_live(self, seq: int, payload: bytes, now: float) -> list[Delivery]:
+        """A live message arrived. Amortised O(1) plus decoding."""
+        self.stats.received += 1
+        out: list[Delivery] = []
+        self._live(seq, payload, now, out)
+        return out
+
+    def on_reply(self, seq_frame: bytes, payload: bytes, now: float) -> list[Delivery]:
+        """A frame pair arrived on the replay socket (a batch or the end marker)."""
+        out: list[Delivery] = []
+        if self._mode is _Mode.LIVE:
+            return out  # an answer nobody waits for any more
+        if seq_frame == END_SEQ:
+            if self._mode is _Mode.REPLAY:
+                self._finish_replay(now, out)
+            else:
+                self._finish_dump(now, out)
+            return out
+        try:
+            seq = unpack_seq(seq_frame)
+        except ValueError as exc:
+            self._malformed(f"replay answer: {exc}", out)
+            return out
+        if self._mode is _Mode.REPLAY:
+            self._replayed(seq, payload, out)
+        else:
+            self._dumped(seq, payload, out)
+        return out
+
+    def on_disconnect(self) -> None:
+        """The live socket lost its connection. O(1).
+
+        A publisher that restarts and whose first ``expected`` messages are lost
+        while the socket reconnects looks seamless by seq alone; so the next live
+        message after a reconnect first checks, by replay, that the publisher
+        still holds the same content for the last seq delivered.
+        """
+        if self.expected:
+            self._suspect = True
+
+    def on_tick(self, now: float) -> list[Delivery]:
+        """Checks the pending request's deadline. O(1)."""
+        out: list[Delivery] = []
+        if self._mode is not _Mode.LIVE and now >= self._deadline:
+            self.reset_replay_socket = True
+            if self._mode is _Mode.REPLAY:
+                self._unrecoverable("replay timed out", now, out)
+            else:
+                self._give_up("state dump timed out", now, out)
+        return out
+
+    # --- live path -----------------------------------------------------------------------
+
+    def _live(self, seq: int, payload: bytes, now: float, out: list[Delivery]) -> None:
+        if self._mode is not _Mode.LIVE:
+            self._held.append((seq, payload))
+            return
+        if self.expected is not None and seq < self.expected:
+            if self._recent.get(seq) == hash(payload):
+                self.stats.duplicates += 1
+                return
+            # A PUB socket never repeats a seq with new content: the publisher restarted.
+            self.stats.restarts += 1
+            out.append(PublisherRestarted(self.stream, seq))
+            self.expected = None
+            self._recent.clear()
+        if self.expected is None and seq == 0:
+            self.expected = 0
+        if self._suspect and self.expected and self.can_replay:
+            self._suspect = False
+            self._held.append((seq, payload))
+            self._start_replay(self.expected - 1, now, out)
+            self._verify = True
+            return
+        if seq == self.expected:
+            self._deliver(seq, payload, "live", out)
+            return
+        first_missing = 0 if self.expected is None else self.expected
+        self.stats.gaps += 1
+        out.append(GapDetected(self.stream, first_missing, seq))
+        self._held.append((seq, payload))
+        self.expected = first_missing
+        self._start_replay(first_missing, now, out)
+
+    def _deliver(self, seq: int, payload: bytes, source: Literal["live", "replay"],
+                 out: list[Delivery]) -> None:
+        self.expected = seq + 1
+        self._recent[seq] = hash(payload)
+        if len(self._recent) > _DUP_WINDOW:
+            self._recent.popitem(last=False)
+        try:
+            batch = decode_payload(payload)
+        except DecodeError as exc:
+            self._malformed(f"seq {seq}: {exc}", out)
+            return
+        self.stats.delivered += 1
+        out.append(Received(self.stream, seq, batch, source))
+
+    def _malformed(self, reason: str, out: list[Delivery]) -> None:
+        self.stats.malformed += 1
+        log.warning("stream %s: malformed message: %s", self.stream, reason)
+        out.append(MalformedFrame(self.stream, reason))
+
+    # --- replay path ---------------------------------------------------------------------
+
+    def _start_replay(self, start: int, now: float, out: list[Delivery]) -> None:
+        if not self.can_replay:
+            self._unrecoverable("no replay socket", now, out)
+            return
+        self._mode = _Mode.REPLAY
+        self._replay_from = start
+        self._replay_hole = False
+        self._deadline = now + self.timeout_s
+        self.outbox.append(pack_seq(start))
+
+    def _replayed(self, seq: int, payload: bytes, out: list[Delivery]) -> None:
+        assert self.expected is not None, "replay answer while no seq is expected"
+        if self._verify:
+            self._verify = False
+            if seq == self.expected - 1 and self._recent.get(seq) == hash(payload):
+                return  # same publisher: the replay goes on as usual
+            self._on_new_publisher(seq, out)
+        if self._restarted or seq < self.expected or self._replay_hole:
+            return
+        if seq > self.expected:
+            self._replay_hole = True  # the buffer no longer holds seq `expected`
+            return
+        self._deliver(seq, payload, "replay", out)
+
+    def _on_new_publisher(self, seq: int, out: list[Delivery]) -> None:
+        self.stats.restarts += 1
+        out.append(PublisherRestarted(self.stream, seq))
+        self._recent.clear()
+        self.expected = 0
+        self._restarted = True
+
+    def _finish_replay(self, now: float, out: list[Delivery]) -> None:
+        assert self.expected is not None, "replay finished while no seq is expected"
+        if self._verify:  # nothing came back to compare with: assume the worst
+            self._verify = False
+            self._on_new_publisher(-1, out)
+        if self._restarted:
+            self._restarted = False
+            self._start_replay(0, now, out)
+            return
+        held = sorted(self._held)
+        self._held = []
+        pending = [(s, p) for s, p in held if s >= self.expected]
+        if self._replay_hole or (pending and pending[0][0] > self.expected):
+            self._held = pending
+            self._unrecoverable(f"replay from seq {self._replay_from} came back short", now, out)
+            return
+        self._mode = _Mode.LIVE
+        if self.expected > self._replay_from:
+            self.stats.gaps_filled += 1
+            out.append(GapFilled(self.stream, self._replay_from, self.expected - 1))
+        self._drain(pending, now, out)
+
+    def _drain(self, pending: list[tuple[int, bytes]], now: float, out: list[Delivery]) -> None:
+        for i, (seq, payload) in enumerate(pending):
+            if self.expected is not None and seq < self.expected:
+                continue  # already delivered by the replay or included in the dump
+            self._live(seq, payload, now, out)
+            if self._mode is not _Mode.LIVE:  # a new hole inside the held messages
+                self._held.extend(pending[i + 1:])
+                return
+
+    # --- resynchronisation ---------------------------------------------------------------
+
+    def _unrecoverable(self, reason: str, now: float, out: list[Delivery]) -> None:
+        self.stats.resyncs += 1
+        if self.can_dump:
+            log.warning("stream %s: %s; requesting a state dump", self.stream, reason)
+            self._mode = _Mode.DUMP
+            self._dump_seq = None
+            self._deadline = now + self.timeout_s
+            self.outbox.append(DUMP_REQUEST)
+            out.append(ResyncStarted(self.stream, reason))
+            return
+        self._give_up(reason, now, out)
+
+    def _give_up(self, reason: str, now: float, out: list[Delivery]) -> None:
+        log.warning("stream %s: %s; state marked stale", self.stream, reason)
+        out.append(ResyncNeeded(self.stream, reason))
+        self._mode = _Mode.LIVE
+        held = sorted(self._held)
+        self._held = []
+        # Continue from whatever arrived next: the consumer starts the stream afresh.
+        self.expected = held[0][0] if held else None
+        self._drain(held, now, out)
+
+    def _dumped(self, seq: int, payload: bytes, out: list[Delivery]) -> None:
+        if self._dump_seq is None:
+            self._dump_seq = seq
+        try:
+            batch = decode_payload(payload)
+        except DecodeError as exc:
+            self._malformed(f"dump: {exc}", out)
+            return
+        self.stats.delivered += 1
+        out.append(Received(self.stream, seq, batch, "dump"))
+
+    def _finish_dump(self, now: float, out: list[Delivery]) -> None:
+        if self._dump_seq is None:
+            self._give_up("publisher sent no state dump", now, out)
+            return
+        self._mode = _Mode.LIVE
+        self.expected = self._dump_seq + 1
+        self._recent.clear()
+        out.append(ResyncDone(self.stream, self._dump_seq))
+        held = sorted(self._held)
+        self._held = []
+        self._drain(held, now, out)

@@ -1,0 +1,1 @@
+"""kvtier sim package."""

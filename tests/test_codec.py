@@ -1,0 +1,152 @@
+"""Codec properties: round trips in every format, leniency, and clear errors."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from indexer import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    DecodeError,
+    EventBatch,
+    StorageTier,
+    UnknownMediumError,
+    WireFormat,
+    decode_payload,
+    encode_payload,
+    medium_spelling,
+    parse_medium,
+)
+
+SPELLINGS = {
+    StorageTier.DEVICE: ["GPU", "DEVICE"],
+    StorageTier.HOST: ["CPU", "CPU_PINNED", "CPU_TIER1"],
+    StorageTier.DISK: ["DISK", "STORAGE", "NVME", "CPU_TIER2"],
+    StorageTier.EXTERNAL: ["EXTERNAL", "REMOTE", "SHARED", "NETWORK"],
+}
+
+
+@pytest.mark.parametrize("tier,spelling", [(t, s) for t, ss in SPELLINGS.items() for s in ss])
+def test_every_medium_spelling_any_case(tier: StorageTier, spelling: str) -> None:
+    for variant in (spelling, spelling.lower(), spelling.title()):
+        assert parse_medium(variant) is tier
+
+
+def test_missing_medium_is_device() -> None:
+    assert parse_medium(None) is StorageTier.DEVICE
+    payload = msgspec.msgpack.encode([1.0, [{"type": "BlockRemoved", "block_hashes": [1]}]])
+    ev = decode_payload(payload).events[0]
+    assert isinstance(ev, BlockRemoved) and ev.tier is StorageTier.DEVICE
+
+
+def test_unknown_medium_names_the_spelling() -> None:
+    with pytest.raises(UnknownMediumError, match="'TAPE'"):
+        parse_medium("TAPE")
+
+
+hashes = st.one_of(
+    st.integers(min_value=-(2**63), max_value=2**63 - 1),
+    st.binary(min_size=1, max_size=32),
+)
+tiers = st.sampled_from(list(StorageTier))
+
+
+@st.composite
+def stored(draw: st.DrawFn) -> BlockStored:
+    bs = draw(st.integers(1, 8))
+    n = draw(st.integers(1, 4))
+    return BlockStored(
+        block_hashes=draw(st.lists(hashes, min_size=n, max_size=n)),
+        parent_block_hash=draw(st.none() | hashes),
+        token_ids=draw(st.lists(st.integers(0, 2**31 - 1), min_size=n * bs, max_size=n * bs)),
+        block_size=bs,
+        lora_id=draw(st.none() | st.integers(0, 100)),
+        medium=medium_spelling(draw(tiers)),
+        lora_name=draw(st.none() | st.text(max_size=8)),
+        cache_salt=draw(st.none() | st.text(max_size=8)),
+    )
+
+
+events = st.one_of(
+    stored(),
+    st.builds(lambda h, t: BlockRemoved(block_hashes=h, medium=medium_spelling(t)),
+              st.lists(hashes, min_size=1, max_size=4), tiers),
+    st.just(AllBlocksCleared()),
+)
+batches = st.builds(
+    lambda ts, evs, dp: EventBatch(ts=ts, events=evs, dp_rank=dp),
+    st.floats(0, 1e10, allow_nan=False), st.lists(events, max_size=6), st.none() | st.integers(0, 7),
+)
+
+
+@given(batches)
+def test_sglang_map_round_trip_is_exact(batch: EventBatch) -> None:
+    assert decode_payload(encode_payload(batch)) == batch
+
+
+@given(batches)
+def test_array_round_trip_keeps_core_fields(batch: EventBatch) -> None:
+    again = decode_payload(encode_payload(batch, WireFormat.SGLANG_ARRAY))
+    for a, b in zip(batch.events, again.events, strict=True):
+        if isinstance(a, BlockStored):
+            # SGLang 0.5.17's array layout has no lora_name / cache_salt positions.
+            assert isinstance(b, BlockStored)
+            assert (a.block_hashes, a.parent_block_hash, a.token_ids, a.block_size, a.lora_id, a.tier) == (
+                b.block_hashes, b.parent_block_hash, b.token_ids, b.block_size, b.lora_id, b.tier)
+        else:
+            assert a == b
+
+
+@given(batches)
+def test_vllm_round_trip_writes_unsigned(batch: EventBatch) -> None:
+    again = decode_payload(encode_payload(batch, WireFormat.VLLM))
+    for ev in again.events:
+        if isinstance(ev, BlockStored | BlockRemoved):
+            assert all(not isinstance(h, int) or 0 <= h < 2**64 for h in ev.block_hashes)
+
+
+def test_unknown_fields_are_ignored_in_both_layouts() -> None:
+    m = {"type": "BlockStored", "block_hashes": [7], "parent_block_hash": None, "token_ids": [1, 2],
+         "block_size": 2, "lora_id": None, "medium": "GPU", "group_idx": 3, "extra_keys": [[1]]}
+    ev = decode_payload(msgspec.msgpack.encode([1.0, [m], 0])).events[0]
+    assert isinstance(ev, BlockStored) and ev.block_hashes == [7]
+    arr = ["BlockStored", [7], None, [1, 2], 2, None, "GPU", "lora", "salt", "future", 42]
+    ev = decode_payload(msgspec.msgpack.encode([1.0, [arr], 0])).events[0]
+    assert isinstance(ev, BlockStored) and ev.lora_name == "lora" and ev.cache_salt == "salt"
+
+
+def test_two_item_batch_has_no_dp_rank() -> None:
+    batch = decode_payload(msgspec.msgpack.encode([2.5, [["AllBlocksCleared"]]]))
+    assert batch.dp_rank is None and batch.events == [AllBlocksCleared()]
+
+
+def test_uint64_and_bytes_hashes() -> None:
+    big = 2**64 - 1
+    m = {"type": "BlockRemoved", "block_hashes": [big, b"\x01" * 32], "medium": "cpu"}
+    ev = decode_payload(msgspec.msgpack.encode([0.0, [m]])).events[0]
+    assert isinstance(ev, BlockRemoved) and ev.block_hashes == [big, b"\x01" * 32]
+
+
+@pytest.mark.parametrize("payload,fragment", [
+    (b"\xc1\x00garbage", "not a KV event batch"),
+    (msgspec.msgpack.encode([1.0, [{"type": "BlockMoved", "block_hashes": [1]}]]), "BlockMoved"),
+    (msgspec.msgpack.encode([1.0, [["Teleported", [1]]]]), "not a KV event batch"),
+    (msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": [1]}]])[:-3], "truncated"),
+    (msgspec.msgpack.encode({"ts": 1.0}), "not a KV event batch"),
+    (b"", "not a KV event batch"),
+])
+def test_malformed_payloads_raise_decode_error(payload: bytes, fragment: str) -> None:
+    with pytest.raises(DecodeError, match=fragment):
+        decode_payload(payload)
+
+
+@given(st.binary(max_size=200))
+def test_random_bytes_only_ever_raise_decode_error(data: bytes) -> None:
+    try:
+        decode_payload(data)
+    except DecodeError:
+        pass

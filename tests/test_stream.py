@@ -1,0 +1,171 @@
+"""StreamTracker state machine, driven deterministically without sockets."""
+
+from __future__ import annotations
+
+from indexer import (
+    DUMP_REQUEST,
+    END_SEQ,
+    AllBlocksCleared,
+    Delivery,
+    EventBatch,
+    GapDetected,
+    GapFilled,
+    MalformedFrame,
+    PublisherRestarted,
+    Received,
+    ResyncDone,
+    ResyncNeeded,
+    ResyncStarted,
+    StreamId,
+    StreamTracker,
+    WorkerId,
+    encode_payload,
+    pack_seq,
+    unpack_seq,
+)
+
+S = StreamId(WorkerId("w"), 0)
+
+
+def payload(tag: float) -> bytes:
+    return encode_payload(EventBatch(ts=tag, events=[AllBlocksCleared()], dp_rank=0))
+
+
+def seqs(out: list[Delivery]) -> list[int]:
+    return [d.seq for d in out if isinstance(d, Received)]
+
+
+def tracker(**kw: bool) -> StreamTracker:
+    return StreamTracker(S, can_replay=kw.get("replay", True), can_dump=kw.get("dump", False),
+                         timeout_s=1.0)
+
+
+def test_in_order_delivery() -> None:
+    t = tracker()
+    out = [d for i in range(5) for d in t.on_live(i, payload(i), 0.0)]
+    assert seqs(out) == [0, 1, 2, 3, 4] and t.expected == 5 and not t.outbox
+
+
+def test_gap_is_filled_by_replay_and_held_messages_follow() -> None:
+    t = tracker()
+    t.on_live(0, payload(0), 0.0)
+    out = t.on_live(3, payload(3), 0.0)
+    assert out == [GapDetected(S, 1, 3)]
+    assert [unpack_seq(r) for r in t.outbox] == [1]
+    t.outbox.clear()
+    out = t.on_live(4, payload(4), 0.1)  # held while replaying
+    assert out == []
+    out = t.on_reply(pack_seq(1), payload(1), 0.2) + t.on_reply(pack_seq(2), payload(2), 0.2)
+    out += t.on_reply(pack_seq(3), payload(3), 0.2) + t.on_reply(END_SEQ, b"", 0.3)
+    assert seqs(out) == [1, 2, 3, 4]
+    assert GapFilled(S, 1, 3) in out
+    assert t.stats.gaps == 1 and t.stats.gaps_filled == 1
+
+
+def test_late_joiner_replays_from_zero() -> None:
+    t = tracker()
+    assert t.on_live(7, payload(7), 0.0) == [GapDetected(S, 0, 7)]
+    out = [d for s in range(8) for d in t.on_reply(pack_seq(s), payload(s), 0.1)]
+    out += t.on_reply(END_SEQ, b"", 0.1)
+    assert seqs(out) == list(range(8))
+
+
+def test_short_replay_without_dump_marks_stale_and_continues() -> None:
+    t = tracker()
+    t.on_live(0, payload(0), 0.0)
+    t.on_live(5, payload(5), 0.0)
+    # The buffer lost seqs 1..2: the answer starts at 3.
+    out = t.on_reply(pack_seq(3), payload(3), 0.1) + t.on_reply(END_SEQ, b"", 0.1)
+    assert isinstance(out[0], ResyncNeeded)
+    assert seqs(out) == [5]
+    assert t.expected == 6 and t.stats.resyncs == 1
+
+
+def test_short_replay_with_dump_resynchronises() -> None:
+    t = tracker(dump=True)
+    t.on_live(0, payload(0), 0.0)
+    t.on_live(5, payload(5), 0.0)
+    t.outbox.clear()
+    out = t.on_reply(END_SEQ, b"", 0.1)  # empty answer: nothing buffered any more
+    assert isinstance(out[0], ResyncStarted) and t.outbox == [DUMP_REQUEST]
+    t.on_live(6, payload(6), 0.2)
+    t.on_live(7, payload(7), 0.2)
+    out = t.on_reply(pack_seq(6), payload(100), 0.3) + t.on_reply(END_SEQ, b"", 0.3)
+    assert [(d.seq, d.source) for d in out if isinstance(d, Received)] == [(6, "dump"), (7, "live")]
+    assert ResyncDone(S, 6) in out
+
+
+def test_restart_and_duplicates() -> None:
+    t = tracker()
+    for i in range(3):
+        t.on_live(i, payload(i), 0.0)
+    assert t.on_live(1, payload(1), 0.0) == []  # exact duplicate
+    assert t.stats.duplicates == 1
+    out = t.on_live(0, payload(99), 0.0)  # new content at seq 0: a new publisher
+    assert out[0] == PublisherRestarted(S, 0) and seqs(out) == [0]
+    # A restart first seen past 0 also replays the new publisher from 0.
+    out = t.on_live(0, payload(42), 0.0)
+    assert isinstance(out[0], PublisherRestarted)
+
+
+def test_replay_timeout_gives_up_and_resets_socket() -> None:
+    t = tracker()
+    t.on_live(0, payload(0), 0.0)
+    t.on_live(2, payload(2), 0.0)
+    assert t.on_tick(0.5) == []
+    out = t.on_tick(1.5)
+    assert isinstance(out[0], ResyncNeeded) and seqs(out) == [2]
+    assert t.reset_replay_socket
+    assert t.on_reply(pack_seq(1), payload(1), 2.0) == []  # stale answer ignored
+
+
+def test_no_replay_socket_marks_stale_at_once() -> None:
+    t = tracker(replay=False)
+    t.on_live(0, payload(0), 0.0)
+    out = t.on_live(3, payload(3), 0.0)
+    assert [type(d) for d in out] == [GapDetected, ResyncNeeded, Received]
+
+
+def test_malformed_payload_is_counted_and_skipped() -> None:
+    t = tracker()
+    out = t.on_live(0, b"\x00\x01", 0.0) + t.on_live(1, payload(1), 0.0)
+    assert isinstance(out[0], MalformedFrame) and seqs(out) == [1]
+    assert t.stats.malformed == 1
+
+
+def test_dump_with_no_answer_falls_back_to_stale() -> None:
+    t = tracker(dump=True)
+    t.on_live(0, payload(0), 0.0)
+    t.on_live(3, payload(3), 0.0)
+    t.on_reply(END_SEQ, b"", 0.0)
+    out = t.on_reply(END_SEQ, b"", 0.0)  # publisher answered the dump with nothing
+    assert isinstance(out[0], ResyncNeeded) and seqs(out) == [3]
+
+
+def test_reconnect_to_same_publisher_is_verified_and_continues() -> None:
+    t = tracker()
+    for i in range(3):
+        t.on_live(i, payload(i), 0.0)
+    t.on_disconnect()
+    assert t.on_live(3, payload(3), 0.1) == []  # held until the check answers
+    assert [unpack_seq(r) for r in t.outbox] == [2]
+    out = t.on_reply(pack_seq(2), payload(2), 0.2) + t.on_reply(pack_seq(3), payload(3), 0.2)
+    out += t.on_reply(END_SEQ, b"", 0.2)
+    assert seqs(out) == [3] and t.stats.restarts == 0
+
+
+def test_restart_hidden_behind_reconnect_is_detected() -> None:
+    """A new publisher whose seqs 0..2 were lost while reconnecting looks seamless by seq alone."""
+    t = tracker()
+    for i in range(3):
+        t.on_live(i, payload(i), 0.0)
+    t.on_disconnect()
+    t.on_live(3, payload(103), 0.1)
+    t.outbox.clear()
+    out = t.on_reply(pack_seq(2), payload(102), 0.2)  # different content at seq 2
+    out += t.on_reply(pack_seq(3), payload(103), 0.2) + t.on_reply(END_SEQ, b"", 0.2)
+    assert isinstance(out[0], PublisherRestarted)
+    assert [unpack_seq(r) for r in t.outbox] == [0]  # replays the new publisher from its start
+    out = [d for s in range(4) for d in t.on_reply(pack_seq(s), payload(100 + s), 0.3)]
+    out += t.on_reply(END_SEQ, b"", 0.3)
+    assert [int(d.batch.ts) for d in out if isinstance(d, Received)] == [100, 101, 102, 103]
