@@ -1,0 +1,418 @@
+"""The router's global tiered index: which worker holds which block on which tier.
+
+Layout. Every block key maps to one int, a bitmask with four bits per worker slot
+(bit ``4 * slot + tier``). A worker's engine hashes resolve to keys through a
+per-worker dict, used only to find a stored block's parent and to resolve
+``BlockRemoved``; router keys are always recomputed from token ids.
+
+Invariants (asserted by :meth:`TieredIndex._check`):
+
+* no key maps to a zero mask;
+* for every worker, the keys carrying any of its bits are exactly the values of
+  its engine-hash dict, and the dict is injective (one engine hash per block);
+* ``counts[tier]`` of a worker equals the number of keys carrying its tier bit;
+* slots are unique and no freed slot has bits left anywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from indexer.keys import BlockKey, chain_keys, namespace
+from indexer.overlap import OverlapScores, TierOverlap
+from indexer.protocol import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EngineHash,
+    Event,
+    EventBatch,
+    StorageTier,
+    UnknownMediumError,
+    WorkerId,
+    parse_medium,
+)
+from indexer.stream import StreamId
+
+log = logging.getLogger(__name__)
+
+_TIERS = len(StorageTier)
+_SLOT_MASK = (1 << _TIERS) - 1
+_M64 = (1 << 64) - 1
+_SLOTS_PER_WORD = 64 // _TIERS
+_DEV = sum(1 << (_TIERS * s) for s in range(_SLOTS_PER_WORD))  # the device bit of every slot
+_EXT = _DEV << StorageTier.EXTERNAL
+
+
+class Outcome(Enum):
+    """What applying one event did."""
+
+    APPLIED = "applied"
+    REJECTED = "rejected"  # bad input, counted; the worker's state is unchanged
+    NEEDS_RESYNC = "needs_resync"  # events were lost (unknown parent): resynchronise the worker
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    """Counters for one worker stream."""
+
+    events_applied: int = 0  # events that changed or confirmed state
+    events_rejected: int = 0  # bad events (including unknown parents)
+    unknown_parents: int = 0  # stores whose parent this worker never reported
+    unknown_removals: int = 0  # removals of blocks not on that tier
+    clears: int = 0  # AllBlocksCleared, restarts and resyncs
+    aliases: int = 0  # engine hashes ignored because another one already names the block
+    last_error: str | None = None  # the most recent rejection reason
+
+
+@dataclass(slots=True)
+class _Worker:
+    stream: StreamId  # identity
+    slot: int  # bit position / 4 in every mask
+    hashes: dict[EngineHash, BlockKey] = field(default_factory=dict)  # engine hash -> key
+    counts: list[int] = field(default_factory=lambda: [0] * _TIERS)  # blocks per tier
+    stats: WorkerStats = field(default_factory=WorkerStats)  # counters
+    stale: bool = False  # events were lost and could not be recovered
+
+
+class TieredIndex:
+    """Global per-worker tiered block index for one block size.
+
+    Not thread-safe: callers serialise access (the service holds one lock).
+    """
+
+    def __init__(self, block_size: int) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self._masks: dict[BlockKey, int] = {}
+        self._workers: dict[StreamId, _Worker] = {}
+        self._free_slots: list[int] = []
+        self._next_slot = 0
+
+    # --- workers -------------------------------------------------------------------------
+
+    @property
+    def streams(self) -> list[StreamId]:
+        return list(self._workers)
+
+    def _worker(self, stream: StreamId) -> _Worker:
+        w = self._workers.get(stream)
+        if w is None:
+            if self._free_slots:
+                slot = min(self._free_slots)
+                self._free_slots.remove(slot)
+            else:
+                slot = self._next_slot
+                self._next_slot += 1
+            w = self._workers[stream] = _Worker(stream, slot)
+        return w
+
+    def add_worker(self, stream: StreamId) -> None:
+        """Registers a worker with no blocks (it then appears in every query). O(1)."""
+        self._worker(stream)
+
+    def stats(self, stream: StreamId) -> WorkerStats:
+        return self._workers[stream].stats
+
+    def is_stale(self, stream: StreamId) -> bool:
+        return self._workers[stream].stale
+
+    def block_counts(self, stream: StreamId) -> dict[StorageTier, int]:
+        """Blocks the worker holds per tier. O(1)."""
+        w = self._workers[stream]
+        return {t: w.counts[t] for t in StorageTier}
+
+    def __len__(self) -> int:
+        """Distinct blocks held anywhere."""
+        return len(self._masks)
+
+    def clear_worker(self, stream: StreamId, *, stale: bool = False) -> None:
+        """Drops every block of the worker, keeping its slot. O(blocks of the worker)."""
+        w = self._worker(stream)
+        keep = ~(_SLOT_MASK << (_TIERS * w.slot))
+        masks = self._masks
+        for key in w.hashes.values():
+            m = masks[key] & keep
+            if m:
+                masks[key] = m
+            else:
+                del masks[key]
+        w.hashes.clear()
+        w.counts = [0] * _TIERS
+        w.stats.clears += 1
+        w.stale = stale
+
+    def remove_worker(self, stream: StreamId) -> None:
+        """Forgets the worker and frees its slot. O(blocks of the worker)."""
+        if stream not in self._workers:
+            return
+        self.clear_worker(stream)
+        w = self._workers.pop(stream)
+        self._free_slots.append(w.slot)
+
+    # --- events --------------------------------------------------------------------------
+
+    def apply_batch(self, stream: StreamId, batch: EventBatch) -> list[Outcome]:
+        """Applies a batch's events in order; one outcome per event."""
+        return [self.apply(stream, ev) for ev in batch.events]
+
+    def apply(self, stream: StreamId, event: Event) -> Outcome:
+        """Applies one event of ``stream``. O(blocks in the event).
+
+        Never raises for bad input: it is counted, logged with the worker id and
+        reported as ``REJECTED`` (or ``NEEDS_RESYNC`` for an unknown parent).
+        Other workers' state is never touched.
+        """
+        w = self._worker(stream)
+        try:
+            if isinstance(event, BlockStored):
+                outcome = self._store(w, event)
+            elif isinstance(event, BlockRemoved):
+                outcome = self._remove(w, event)
+            elif isinstance(event, AllBlocksCleared):
+                self.clear_worker(stream)
+                outcome = Outcome.APPLIED
+            else:
+                outcome = self._reject(w, f"unknown event type {type(event).__name__}")
+        except (ValueError, TypeError, UnknownMediumError) as exc:
+            outcome = self._reject(w, str(exc))
+        if outcome is Outcome.APPLIED:
+            w.stats.events_applied += 1
+        return outcome
+
+    def _reject(self, w: _Worker, reason: str, outcome: Outcome = Outcome.REJECTED) -> Outcome:
+        w.stats.events_rejected += 1
+        w.stats.last_error = reason
+        log.warning("worker %s: event rejected: %s", w.stream, reason)
+        return outcome
+
+    def _store(self, w: _Worker, ev: BlockStored) -> Outcome:
+        tier = parse_medium(ev.medium)
+        n = len(ev.block_hashes)
+        bs = ev.block_size
+        if bs != self.block_size:
+            return self._reject(w, f"block_size {bs} differs from the index's {self.block_size}")
+        if n == 0:
+            return self._reject(w, "BlockStored with no block hashes")
+        if len(ev.token_ids) != n * bs:
+            return self._reject(w, f"{len(ev.token_ids)} token ids for {n} blocks of {bs}")
+        hashes = w.hashes
+        if ev.parent_block_hash is None:
+            parent = None
+            ns = namespace(ev.lora_name, ev.cache_salt)
+        else:
+            parent = hashes.get(ev.parent_block_hash)
+            ns = None
+            if parent is None:
+                w.stats.unknown_parents += 1
+                return self._reject(w, f"unknown parent block {ev.parent_block_hash!r}",
+                                    Outcome.NEEDS_RESYNC)
+        keys = chain_keys(ev.token_ids, bs, parent, ns)
+        bit = 1 << (_TIERS * w.slot + tier)
+        slot_bits = _SLOT_MASK << (_TIERS * w.slot)
+        masks = self._masks
+        added = 0
+        for eh, key in zip(ev.block_hashes, keys, strict=True):
+            old = hashes.setdefault(eh, key)
+            m = masks.get(key, 0)
+            if old is key and m & slot_bits:
+                # A second engine hash for a block this worker already names: keep the first
+                # name, so the dict stays injective (a later use of this alias is "unknown").
+                del hashes[eh]
+                w.stats.aliases += 1
+            elif old != key:  # the engine reused a hash for other content: forget the old block
+                self._drop_slot_bits(w, old, slot_bits)
+                hashes[eh] = key
+                m = masks.get(key, 0)
+            if not m & bit:
+                masks[key] = m | bit
+                added += 1
+        w.counts[tier] += added
+        return Outcome.APPLIED
+
+    def _drop_slot_bits(self, w: _Worker, key: BlockKey, slot_bits: int) -> None:
+        m = self._masks[key]
+        shift = _TIERS * w.slot
+        for t in range(_TIERS):
+            if m >> (shift + t) & 1:
+                w.counts[t] -= 1
+        m &= ~slot_bits
+        if m:
+            self._masks[key] = m
+        else:
+            del self._masks[key]
+
+    def _remove(self, w: _Worker, ev: BlockRemoved) -> Outcome:
+        tier = parse_medium(ev.medium)
+        shift = _TIERS * w.slot
+        bit = 1 << (shift + tier)
+        masks, hashes = self._masks, w.hashes
+        unknown = 0
+        for eh in ev.block_hashes:
+            key = hashes.get(eh)
+            m = 0 if key is None else masks[key]
+            if not m & bit:
+                unknown += 1
+                continue
+            assert key is not None
+            m &= ~bit
+            w.counts[tier] -= 1
+            if m:
+                masks[key] = m
+            else:
+                del masks[key]
+            if not (m >> shift) & _SLOT_MASK:
+                del hashes[eh]
+        if unknown:
+            w.stats.unknown_removals += unknown
+            w.stats.last_error = f"removal of {unknown} block(s) not on {tier.name}"
+            log.info("worker %s: %s", w.stream, w.stats.last_error)
+        return Outcome.APPLIED
+
+    # --- queries -------------------------------------------------------------------------
+
+    def find_matches(
+        self, token_ids: list[int], *, lora_name: str | None = None, cache_salt: str | None = None
+    ) -> OverlapScores:
+        """Per-worker tier overlaps of a request given as token ids. O(len(token_ids))."""
+        keys = chain_keys(token_ids, self.block_size, None, namespace(lora_name, cache_salt))
+        return self.find_matches_keys(keys)
+
+    def find_matches_keys(self, keys: list[BlockKey]) -> OverlapScores:
+        """Per-worker tier overlaps of a request given as block keys.
+
+        O(m) dict lookups plus vectorised work over the m leading blocks that
+        anybody holds, independent of the number of indexed blocks.
+        """
+        get = self._masks.get
+        ms = [get(k, 0) for k in keys]
+        try:
+            n = ms.index(0)
+        except ValueError:
+            n = len(ms)
+        result = OverlapScores(total_blocks=len(keys))
+        depths = {w.slot: [0] * _TIERS for w in self._workers.values()}
+        if n:
+            del ms[n:]
+            result.shared_pool = self._levels(ms, n, depths)
+        for stream, w in self._workers.items():
+            d = depths[w.slot]
+            result.workers[stream] = TierOverlap(d[0], d[1], d[2], d[3])
+        return result
+
+    def _levels(self, ms: list[int], n: int, depths: dict[int, list[int]]) -> int:
+        words = max(1, -(-self._next_slot // _SLOTS_PER_WORD))
+        if words == 1:
+            arrs = [np.array(ms, dtype=np.uint64)]
+        else:
+            arrs = [np.fromiter(((m >> (64 * g)) & _M64 for m in ms), dtype=np.uint64, count=n)
+                    for g in range(words)]
+        ext_bits = np.uint64(_EXT)
+        pool = np.zeros(n, dtype=bool)
+        for a in arrs:
+            pool |= (a & ext_bits) != 0
+        pool_run = n if pool.all() else int(np.argmin(pool))
+        dev = np.uint64(_DEV)
+        for g, a in enumerate(arrs):
+            a1 = a | (a >> np.uint64(1))
+            levels = np.empty((_TIERS, n), dtype=np.uint64)
+            np.bitwise_and(a, dev, out=levels[0])
+            np.bitwise_and(a1, dev, out=levels[1])
+            np.bitwise_and(a1 | (a >> np.uint64(2)), dev, out=levels[2])
+            np.bitwise_or(levels[2], np.where(pool, dev, np.uint64(0)), out=levels[3])
+            acc = np.bitwise_and.accumulate(levels, axis=1)
+            for lvl in range(_TIERS):
+                self._depths_from_run(acc[lvl], n, g, lvl, depths)
+        return pool_run
+
+    @staticmethod
+    def _depths_from_run(row: np.ndarray[Any, Any], n: int, word: int, lvl: int,
+                         depths: dict[int, list[int]]) -> None:
+        # `row` is a running AND, so each slot's bit is set on a prefix: find where each drops.
+        base = word * _SLOTS_PER_WORD
+        change = np.flatnonzero(row[1:] != row[:-1])
+        before = row[change].tolist()
+        after = row[change + 1].tolist()
+        for pos, b, a in zip(change.tolist(), before, after, strict=True):
+            dropped = b & ~a
+            while dropped:
+                low = dropped & -dropped
+                slot = base + (low.bit_length() - 1) // _TIERS
+                if slot in depths:
+                    depths[slot][lvl] = pos + 1
+                dropped ^= low
+        last = int(row[-1])
+        while last:
+            low = last & -last
+            slot = base + (low.bit_length() - 1) // _TIERS
+            if slot in depths:
+                depths[slot][lvl] = n
+            last ^= low
+
+    # --- snapshot ------------------------------------------------------------------------
+
+    def snapshot(self) -> bytes:
+        """The whole index as bytes (msgpack). O(total entries)."""
+        workers = []
+        for w in self._workers.values():
+            shift = _TIERS * w.slot
+            entries = [(eh, key, (self._masks[key] >> shift) & _SLOT_MASK) for eh, key in w.hashes.items()]
+            workers.append((w.stream.worker, w.stream.dp_rank, w.stale, entries))
+        return msgspec.msgpack.encode({"version": 1, "block_size": self.block_size, "workers": workers})
+
+    @classmethod
+    def restore(cls, data: bytes) -> TieredIndex:
+        """Inverse of :meth:`snapshot`. Raises ``ValueError`` naming what is wrong with ``data``."""
+        try:
+            obj = msgspec.msgpack.decode(data)
+            if obj.get("version") != 1:
+                raise ValueError(f"unsupported snapshot version {obj.get('version')!r}")
+            index = cls(int(obj["block_size"]))
+            for worker, dp_rank, stale, entries in obj["workers"]:
+                w = index._worker(StreamId(WorkerId(worker), int(dp_rank)))
+                w.stale = bool(stale)
+                shift = _TIERS * w.slot
+                for eh, key, bits in entries:
+                    w.hashes[eh] = BlockKey(key)
+                    index._masks[BlockKey(key)] = index._masks.get(key, 0) | (bits << shift)
+                    for t in range(_TIERS):
+                        w.counts[t] += bits >> t & 1
+        except (msgspec.DecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"not an index snapshot: {exc}") from None
+        return index
+
+    # --- invariants ----------------------------------------------------------------------
+
+    def _check(self) -> None:
+        """Asserts every structural invariant. O(total entries)."""
+        slots = [w.slot for w in self._workers.values()]
+        assert len(set(slots)) == len(slots), f"duplicate slots {slots}"
+        assert not set(slots) & set(self._free_slots), "a live slot is also free"
+        assert all(s < self._next_slot for s in slots + self._free_slots), "slot beyond next_slot"
+        held: dict[int, set[BlockKey]] = {w.slot: set() for w in self._workers.values()}
+        for key, m in self._masks.items():
+            assert m, f"key {key:#x} maps to an empty mask"
+            s = 0
+            while m:
+                if m & _SLOT_MASK:
+                    assert s in held, f"key {key:#x} has bits of slot {s}, which no worker owns"
+                    held[s].add(key)
+                m >>= _TIERS
+                s += 1
+        for w in self._workers.values():
+            values = set(w.hashes.values())
+            assert len(values) == len(w.hashes), f"worker {w.stream}: two engine hashes name one block"
+            assert values == held[w.slot], (
+                f"worker {w.stream}: {len(values - held[w.slot])} mapped keys without bits, "
+                f"{len(held[w.slot] - values)} keys with bits but no engine hash")
+            shift = _TIERS * w.slot
+            for t in range(_TIERS):
+                n = sum(1 for k in values if self._masks[k] >> (shift + t) & 1)
+                assert w.counts[t] == n, f"worker {w.stream}: counts[{t}]={w.counts[t]} but {n} blocks"

@@ -1,0 +1,84 @@
+"""A deliberately naive model of the tiered index, to check the fast one against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from indexer import AllBlocksCleared, BlockRemoved, BlockStored, Event, StorageTier, parse_medium
+from indexer.keys import BlockKey, block_keys, chain_keys, namespace
+from indexer.overlap import OverlapScores, TierOverlap
+from indexer.stream import StreamId
+
+LEVELS = [
+    {StorageTier.DEVICE},
+    {StorageTier.DEVICE, StorageTier.HOST},
+    {StorageTier.DEVICE, StorageTier.HOST, StorageTier.DISK},
+]
+
+
+@dataclass
+class RefWorker:
+    names: dict[object, BlockKey] = field(default_factory=dict)  # engine hash -> key
+    tiers: dict[BlockKey, set[StorageTier]] = field(default_factory=dict)  # key -> tiers held
+
+
+@dataclass
+class ReferenceIndex:
+    block_size: int
+    workers: dict[StreamId, RefWorker] = field(default_factory=dict)
+
+    def apply(self, stream: StreamId, ev: Event) -> str:
+        w = self.workers.setdefault(stream, RefWorker())
+        if isinstance(ev, AllBlocksCleared):
+            self.workers[stream] = RefWorker()
+            return "applied"
+        try:
+            tier = parse_medium(ev.medium)
+        except ValueError:
+            return "rejected"
+        if isinstance(ev, BlockRemoved):
+            for eh in ev.block_hashes:
+                key = w.names.get(eh)
+                if key is not None and tier in w.tiers[key]:
+                    w.tiers[key].discard(tier)
+                    if not w.tiers[key]:
+                        del w.tiers[key]
+                        del w.names[eh]
+            return "applied"
+        assert isinstance(ev, BlockStored)
+        n = len(ev.block_hashes)
+        if ev.block_size != self.block_size or n == 0 or len(ev.token_ids) != n * ev.block_size:
+            return "rejected"
+        if ev.parent_block_hash is None:
+            keys = chain_keys(ev.token_ids, ev.block_size, None, namespace(ev.lora_name, ev.cache_salt))
+        elif ev.parent_block_hash in w.names:
+            keys = chain_keys(ev.token_ids, ev.block_size, w.names[ev.parent_block_hash])
+        else:
+            return "needs_resync"
+        for eh, key in zip(ev.block_hashes, keys, strict=True):
+            w.names[eh] = key
+            w.tiers.setdefault(key, set()).add(tier)
+        return "applied"
+
+    def remove_worker(self, stream: StreamId) -> None:
+        self.workers.pop(stream, None)
+
+    def find_matches(self, token_ids: list[int]) -> OverlapScores:
+        keys = block_keys(token_ids, self.block_size)
+        pool = {k for w in self.workers.values() for k, ts in w.tiers.items() if StorageTier.EXTERNAL in ts}
+        out = OverlapScores(total_blocks=len(keys))
+        out.shared_pool = _run(keys, lambda k: k in pool)
+        for stream, w in self.workers.items():
+            d = [_run(keys, lambda k, lv=lv: bool(w.tiers.get(k, set()) & lv)) for lv in LEVELS]  # type: ignore[misc]
+            ext = _run(keys, lambda k: bool(w.tiers.get(k, set()) & LEVELS[2]) or k in pool)
+            out.workers[stream] = TierOverlap(d[0], d[1], d[2], ext)
+        return out
+
+
+def _run(keys: list[BlockKey], held: object) -> int:
+    n = 0
+    for k in keys:
+        if not held(k):  # type: ignore[operator]
+            break
+        n += 1
+    return n

@@ -1,0 +1,215 @@
+"""The tiered index: keys, events, queries, snapshots, and agreement with a naive model."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import xxhash
+from hypothesis import given
+from hypothesis import strategies as st
+
+from indexer import AllBlocksCleared, BlockRemoved, BlockStored, Event, StorageTier, WorkerId
+from indexer.index import Outcome, TieredIndex
+from indexer.keys import block_keys
+from indexer.stream import StreamId
+from tests.reference_index import ReferenceIndex
+
+A, B, C = (StreamId(WorkerId(n)) for n in "abc")
+A1 = StreamId(WorkerId("a"), 1)
+
+
+def test_keys_pinned_to_independent_xxhash() -> None:
+    def h(data: bytes) -> int:
+        return xxhash.xxh3_64_intdigest(data, seed=1337)
+
+    l0 = h(struct.pack("<4I", 1, 2, 3, 4))
+    l1 = h(struct.pack("<4I", 5, 6, 7, 8))
+    assert l0 == 0xCB38E4D7FB2DCA5C
+    k1 = h(struct.pack("<QQ", l0, l1))
+    assert k1 == 0x44A2B2379D6D3C3D
+    assert block_keys([1, 2, 3, 4, 5, 6, 7, 8, 9], 4) == [l0, k1]  # partial tail block: no key
+
+
+def test_lora_and_salt_open_separate_key_spaces() -> None:
+    toks = list(range(32))
+    base = block_keys(toks, 16)
+    lora = block_keys(toks, 16, lora_name="sql-adapter")
+    salt = block_keys(toks, 16, cache_salt="tenant-7")
+    both = block_keys(toks, 16, lora_name="sql-adapter", cache_salt="tenant-7")
+    assert len({base[0], lora[0], salt[0], both[0]}) == 4
+    assert len({base[1], lora[1], salt[1], both[1]}) == 4
+    assert block_keys(toks, 16, lora_name="x") == block_keys(toks, 16, lora_name="x")
+
+
+def stored(hashes: list[int], parent: int | None, tokens: list[int], medium: str = "GPU",
+           bs: int = 4) -> BlockStored:
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=bs,
+                       medium=medium)
+
+
+TOKS = list(range(100, 116))
+
+
+def test_multi_block_store_and_tiers() -> None:
+    idx = TieredIndex(4)
+    assert idx.apply(A, stored([1, 2, 3, 4], None, TOKS)) is Outcome.APPLIED
+    assert idx.apply(A, stored([1, 2], None, TOKS[:8], "CPU_PINNED")) is Outcome.APPLIED
+    assert idx.apply(A, stored([1], None, TOKS[:4], "disk")) is Outcome.APPLIED
+    idx._check()
+    assert idx.block_counts(A) == {StorageTier.DEVICE: 4, StorageTier.HOST: 2, StorageTier.DISK: 1,
+                                   StorageTier.EXTERNAL: 0}
+    idx.apply(A, BlockRemoved(block_hashes=[1, 2], medium="GPU"))
+    idx._check()
+    o = idx.find_matches(TOKS).workers[A]
+    assert (o.device, o.host, o.disk, o.external) == (0, 4, 4, 4)
+    idx.apply(A, BlockRemoved(block_hashes=[2], medium="CPU"))
+    o = idx.find_matches(TOKS).workers[A]
+    assert (o.device, o.host, o.disk) == (0, 1, 1)
+
+
+def test_unknown_parent_is_rejected_and_reported() -> None:
+    idx = TieredIndex(4)
+    assert idx.apply(A, stored([9], 8, TOKS[:4])) is Outcome.NEEDS_RESYNC
+    assert idx.stats(A).unknown_parents == 1 and idx.stats(A).events_rejected == 1
+    assert len(idx) == 0
+    idx._check()
+
+
+@pytest.mark.parametrize("ev,reason", [
+    (stored([1], None, TOKS[:4], bs=8), "block_size"),
+    (stored([1, 2], None, TOKS[:5]), "token ids"),
+    (stored([], None, []), "no block hashes"),
+    (stored([1], None, TOKS[:4], medium="TAPE"), "TAPE"),
+    (stored([1], None, TOKS[:4], bs=-4), "block_size"),
+])
+def test_bad_events_are_rejected_without_touching_others(ev: BlockStored, reason: str) -> None:
+    idx = TieredIndex(4)
+    idx.apply(B, stored([1, 2], None, TOKS[:8]))
+    before = idx.snapshot()
+    assert idx.apply(A, ev) is Outcome.REJECTED
+    assert reason in (idx.stats(A).last_error or "")
+    idx.remove_worker(A)
+    assert idx.snapshot() == before
+    idx._check()
+
+
+def test_removing_unknown_blocks_is_counted() -> None:
+    idx = TieredIndex(4)
+    idx.apply(A, stored([1], None, TOKS[:4]))
+    idx.apply(A, BlockRemoved(block_hashes=[1, 77], medium="CPU"))
+    assert idx.stats(A).unknown_removals == 2
+    assert idx.block_counts(A)[StorageTier.DEVICE] == 1
+    idx._check()
+
+
+def test_clear_remove_worker_and_dp_ranks() -> None:
+    idx = TieredIndex(4)
+    idx.apply(A, stored([1, 2], None, TOKS[:8]))
+    idx.apply(A1, stored([1, 2, 3], None, TOKS[:12]))
+    idx.apply(B, stored([5], None, TOKS[:4], "EXTERNAL"))
+    m = idx.find_matches(TOKS)
+    assert m.workers[A].device == 2 and m.workers[A1].device == 3
+    assert m.shared_pool == 1 and m.workers[A].external == 2 and m.workers[B].external == 1
+    idx.apply(A, AllBlocksCleared())
+    idx._check()
+    assert idx.find_matches(TOKS).workers[A].device == 0
+    assert idx.find_matches(TOKS).workers[A1].device == 3
+    idx.remove_worker(A1)
+    idx._check()
+    assert A1 not in idx.find_matches(TOKS).workers
+    idx.apply(C, stored([1], None, TOKS[:4]))  # reuses the freed slot
+    idx._check()
+    assert idx.find_matches(TOKS).workers[C].device == 1
+
+
+def test_snapshot_round_trip_and_bad_snapshot() -> None:
+    idx = TieredIndex(4)
+    idx.apply(A, stored([1, 2], None, TOKS[:8]))
+    idx.apply(B, stored([b"\x01" * 32], None, TOKS[:4], "CPU"))
+    idx.clear_worker(C, stale=True)
+    again = TieredIndex.restore(idx.snapshot())
+    again._check()
+    assert again.find_matches(TOKS) == idx.find_matches(TOKS)
+    assert again.is_stale(C) and again.snapshot() == idx.snapshot()
+    with pytest.raises(ValueError, match="snapshot"):
+        TieredIndex.restore(b"\x01\x02")
+
+
+def test_many_workers_beyond_one_word() -> None:
+    idx = TieredIndex(4)
+    streams = [StreamId(WorkerId(f"w{i}")) for i in range(40)]
+    for i, s in enumerate(streams):
+        idx.apply(s, stored(list(range(1 + i % 4)), None, TOKS[: 4 * (1 + i % 4)], ["GPU", "CPU"][i % 2]))
+    idx._check()
+    m = idx.find_matches(TOKS)
+    for i, s in enumerate(streams):
+        assert m.workers[s].host == 1 + i % 4
+        assert m.workers[s].device == (1 + i % 4 if i % 2 == 0 else 0)
+
+
+# --- agreement with the naive model on random event streams -----------------------------------
+
+BS = 2
+DOCS = [[d * 1000 + i for i in range(12)] for d in range(3)] + [[0, 1, 2, 3, 9, 9, 9, 9, 9, 9, 9, 9]]
+TIER_NAMES = ["GPU", "CPU_PINNED", "DISK", "EXTERNAL"]
+WORKERS = [A, B, A1]
+
+
+def engine_hash(worker: StreamId, tokens: tuple[int, ...]) -> int:
+    # A different (opaque) engine hash scheme per worker, content-chained like SGLang's.
+    return hash((worker.worker, worker.dp_rank, tokens)) & ((1 << 63) - 1)
+
+
+@st.composite
+def event_streams(draw: st.DrawFn) -> list[tuple[str, StreamId, Event | None]]:
+    out: list[tuple[str, StreamId, Event | None]] = []
+    for _ in range(draw(st.integers(1, 30))):
+        w = draw(st.sampled_from(WORKERS))
+        kind = draw(st.sampled_from(["store"] * 5 + ["remove"] * 3 + ["clear", "drop", "orphan"]))
+        doc = draw(st.sampled_from(DOCS))
+        start = draw(st.integers(0, 5))
+        n = draw(st.integers(1, 6 - start))
+        tier = draw(st.sampled_from(TIER_NAMES))
+        hashes = [engine_hash(w, tuple(doc[:(i + 1) * BS])) for i in range(start, start + n)]
+        if kind == "store":
+            parent = engine_hash(w, tuple(doc[:start * BS])) if start else None
+            out.append(("event", w, stored(hashes, parent, doc[start * BS:(start + n) * BS], tier, BS)))
+        elif kind == "orphan":
+            out.append(("event", w, stored(hashes, 12345, doc[start * BS:(start + n) * BS], tier, BS)))
+        elif kind == "remove":
+            out.append(("event", w, BlockRemoved(block_hashes=hashes, medium=tier)))
+        elif kind == "clear":
+            out.append(("event", w, AllBlocksCleared()))
+        else:
+            out.append(("drop", w, None))
+    return out
+
+
+queries = st.lists(st.tuples(st.sampled_from(DOCS), st.integers(0, 12)), min_size=1, max_size=4)
+
+
+@given(event_streams(), queries)
+def test_fast_index_agrees_with_naive_model(
+    events: list[tuple[str, StreamId, Event | None]], qs: list[tuple[list[int], int]]
+) -> None:
+    fast, ref = TieredIndex(BS), ReferenceIndex(BS)
+    for kind, w, ev in events:
+        if kind == "drop":
+            fast.remove_worker(w)
+            ref.remove_worker(w)
+        else:
+            assert ev is not None
+            assert fast.apply(w, ev).value == ref.apply(w, ev)
+        fast._check()
+        for doc, cut in qs:
+            f, r = fast.find_matches(doc[:cut]), ref.find_matches(doc[:cut])
+            assert f.shared_pool == r.shared_pool
+            assert f.total_blocks == r.total_blocks
+            assert set(f.workers) == set(r.workers)
+            for s, o in r.workers.items():
+                assert f.workers[s] == o, (s, doc[:cut])
+    again = TieredIndex.restore(fast.snapshot())
+    again._check()
+    for doc, cut in qs:
+        assert again.find_matches(doc[:cut]).workers == fast.find_matches(doc[:cut]).workers
