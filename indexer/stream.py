@@ -76,7 +76,7 @@ class PublisherRestarted:
 
 @dataclass(slots=True, frozen=True)
 class ResyncStarted:
-    """Events were lost for good; drop the stream's state now, a full state dump follows."""
+    """Events were lost; drop the stream's state now: a full replay or a state dump follows."""
 
     stream: StreamId  # the stream being resynchronised
     reason: str  # why replay could not recover
@@ -148,6 +148,7 @@ class StreamTracker:
     can_replay: bool  # the publisher has a replay socket
     can_dump: bool  # the publisher answers DUMP_REQUEST (kvtier engines)
     timeout_s: float = 2.0  # how long to wait for a replay or dump answer
+    attempts: int = 3  # requests sent (on fresh sockets) before giving up
     expected: int | None = None  # next seq to deliver; None before the first message
     stats: StreamStats = field(default_factory=StreamStats)  # counters
     outbox: list[bytes] = field(default_factory=list)  # requests for the replay socket
@@ -156,6 +157,8 @@ class StreamTracker:
     _held: list[tuple[int, bytes]] = field(default_factory=list)  # live messages held back
     _deadline: float = 0.0  # when the pending request times out
     _replay_from: int = 0  # first seq asked of the pending replay
+    _tries: int = 0  # requests sent for the pending replay or dump
+    _for_gap: bool = False  # the pending replay fills a detected gap (not a catch-up or check)
     _replay_hole: bool = False  # the replay answer skipped a seq
     _dump_seq: int | None = None  # last live seq the incoming dump includes
     _recent: OrderedDict[int, int] = field(default_factory=OrderedDict)  # seq -> payload digest
@@ -194,6 +197,35 @@ class StreamTracker:
             self._dumped(seq, payload, out)
         return out
 
+    def start(self, now: float) -> None:
+        """Catches up on join: asks for everything from seq 0 before the first live message.
+
+        Without this, a stream whose first messages were lost while the socket
+        connected would stay unknown until the publisher sent again.
+        """
+        if self.can_replay and self.expected is None and self._mode is _Mode.LIVE:
+            self.expected = 0
+            self._start_replay(0, now, [])
+
+    def request_resync(self, reason: str, now: float) -> list[Delivery]:
+        """The consumer found its state inconsistent (e.g. a store with an unknown parent).
+
+        Tries, in order: a full replay from seq 0, a state dump, marking the stream
+        stale. Ignored while a replay or dump is already under way.
+        """
+        out: list[Delivery] = []
+        if self._mode is not _Mode.LIVE:
+            return out
+        self.stats.resyncs += 1
+        if not self.can_replay:
+            self._unrecoverable(reason, now, out)
+            return out
+        out.append(ResyncStarted(self.stream, reason))
+        self.expected = 0
+        self._recent.clear()
+        self._start_replay(0, now, out)
+        return out
+
     def on_disconnect(self) -> None:
         """The live socket lost its connection. O(1).
 
@@ -204,13 +236,23 @@ class StreamTracker:
         """
         if self.expected:
             self._suspect = True
+        # The replay socket most likely lost the same peer; a request on it could vanish.
+        self.reset_replay_socket = True
 
     def on_tick(self, now: float) -> list[Delivery]:
         """Checks the pending request's deadline. O(1)."""
         out: list[Delivery] = []
         if self._mode is not _Mode.LIVE and now >= self._deadline:
             self.reset_replay_socket = True
-            if self._mode is _Mode.REPLAY:
+            if self._tries < self.attempts:
+                self._tries += 1
+                self._deadline = now + self.timeout_s
+                if self._mode is _Mode.REPLAY:
+                    assert self.expected is not None, "replaying while no seq is expected"
+                    self.outbox.append(pack_seq(self.expected))
+                else:
+                    self.outbox.append(DUMP_REQUEST)
+            elif self._mode is _Mode.REPLAY:
                 self._unrecoverable("replay timed out", now, out)
             else:
                 self._give_up("state dump timed out", now, out)
@@ -248,6 +290,7 @@ class StreamTracker:
         self._held.append((seq, payload))
         self.expected = first_missing
         self._start_replay(first_missing, now, out)
+        self._for_gap = True
 
     def _deliver(self, seq: int, payload: bytes, source: Literal["live", "replay"],
                  out: list[Delivery]) -> None:
@@ -277,6 +320,8 @@ class StreamTracker:
         self._mode = _Mode.REPLAY
         self._replay_from = start
         self._replay_hole = False
+        self._for_gap = False
+        self._tries = 1
         self._deadline = now + self.timeout_s
         self.outbox.append(pack_seq(start))
 
@@ -318,7 +363,7 @@ class StreamTracker:
             self._unrecoverable(f"replay from seq {self._replay_from} came back short", now, out)
             return
         self._mode = _Mode.LIVE
-        if self.expected > self._replay_from:
+        if self._for_gap:
             self.stats.gaps_filled += 1
             out.append(GapFilled(self.stream, self._replay_from, self.expected - 1))
         self._drain(pending, now, out)
@@ -340,6 +385,7 @@ class StreamTracker:
             log.warning("stream %s: %s; requesting a state dump", self.stream, reason)
             self._mode = _Mode.DUMP
             self._dump_seq = None
+            self._tries = 1
             self._deadline = now + self.timeout_s
             self.outbox.append(DUMP_REQUEST)
             out.append(ResyncStarted(self.stream, reason))

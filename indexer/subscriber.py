@@ -92,6 +92,8 @@ class Subscriber:
         conn = _Conn(cfg, tracker, sub, self._new_dealer(cfg), monitor)
         self._conns[cfg.stream] = conn
         self._register(conn)
+        tracker.start(self._clock())
+        self._flush(conn)
 
     def remove_endpoint(self, stream: StreamId) -> None:
         """Disconnect a stream; its pending messages are discarded."""
@@ -102,6 +104,13 @@ class Subscriber:
                 self._poller.unregister(sock)
                 self._by_socket.pop(sock, None)
                 sock.close(linger=0)
+
+    def request_resync(self, stream: StreamId, reason: str) -> list[Delivery]:
+        """Asks for ``stream``'s full state again (see :meth:`StreamTracker.request_resync`)."""
+        conn = self._conns[stream]
+        out = conn.tracker.request_resync(reason, self._clock())
+        self._flush(conn)
+        return out
 
     def _new_dealer(self, cfg: EndpointConfig) -> zmq.Socket[bytes] | None:
         if cfg.replay_endpoint is None:

@@ -69,10 +69,17 @@ class ReferenceIndex:
         out = OverlapScores(total_blocks=len(keys))
         out.shared_pool = _run(keys, lambda k: k in pool)
         for stream, w in self.workers.items():
-            d = [_run(keys, lambda k, lv=lv: bool(w.tiers.get(k, set()) & lv)) for lv in LEVELS]  # type: ignore[misc]
-            ext = _run(keys, lambda k: bool(w.tiers.get(k, set()) & LEVELS[2]) or k in pool)
-            out.workers[stream] = TierOverlap(d[0], d[1], d[2], ext)
+            out.workers[stream] = _worker_overlap(w, keys, pool)
         return out
+
+
+def _worker_overlap(w: RefWorker, keys: list[BlockKey], pool: set[BlockKey]) -> TierOverlap:
+    def on(levels: set[StorageTier], k: BlockKey) -> bool:
+        return bool(w.tiers.get(k, set()) & levels)
+
+    d = [_run(keys, lambda k, lv=lv: on(lv, k)) for lv in LEVELS]  # type: ignore[misc]
+    ext = _run(keys, lambda k: on(LEVELS[2], k) or k in pool)
+    return TierOverlap(d[0], d[1], d[2], ext)
 
 
 def _run(keys: list[BlockKey], held: object) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import msgspec
 import pytest
 from hypothesis import given
@@ -146,7 +148,5 @@ def test_malformed_payloads_raise_decode_error(payload: bytes, fragment: str) ->
 
 @given(st.binary(max_size=200))
 def test_random_bytes_only_ever_raise_decode_error(data: bytes) -> None:
-    try:
+    with contextlib.suppress(DecodeError):  # any other exception fails the test
         decode_payload(data)
-    except DecodeError:
-        pass

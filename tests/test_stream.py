@@ -113,7 +113,10 @@ def test_replay_timeout_gives_up_and_resets_socket() -> None:
     t.on_live(0, payload(0), 0.0)
     t.on_live(2, payload(2), 0.0)
     assert t.on_tick(0.5) == []
-    out = t.on_tick(1.5)
+    t.outbox.clear()
+    assert t.on_tick(1.5) == [] and t.on_tick(2.6) == []  # retried twice on fresh sockets
+    assert [unpack_seq(r) for r in t.outbox] == [1, 1] and t.reset_replay_socket
+    out = t.on_tick(3.7)
     assert isinstance(out[0], ResyncNeeded) and seqs(out) == [2]
     assert t.reset_replay_socket
     assert t.on_reply(pack_seq(1), payload(1), 2.0) == []  # stale answer ignored
@@ -169,3 +172,42 @@ def test_restart_hidden_behind_reconnect_is_detected() -> None:
     out = [d for s in range(4) for d in t.on_reply(pack_seq(s), payload(100 + s), 0.3)]
     out += t.on_reply(END_SEQ, b"", 0.3)
     assert [int(d.batch.ts) for d in out if isinstance(d, Received)] == [100, 101, 102, 103]
+
+
+def test_consumer_requested_resync_replays_from_zero() -> None:
+    t = tracker()
+    for i in range(4):
+        t.on_live(i, payload(i), 0.0)
+    out = t.request_resync("unknown parent", 0.1)
+    assert isinstance(out[0], ResyncStarted) and [unpack_seq(r) for r in t.outbox] == [0]
+    out = [d for s in range(4) for d in t.on_reply(pack_seq(s), payload(s), 0.2)]
+    out += t.on_reply(END_SEQ, b"", 0.2)
+    assert seqs(out) == [0, 1, 2, 3] and t.expected == 4
+
+
+def test_consumer_requested_resync_falls_back_to_dump() -> None:
+    t = tracker(dump=True)
+    for i in range(4):
+        t.on_live(i, payload(i), 0.0)
+    t.request_resync("unknown parent", 0.1)
+    t.outbox.clear()
+    out = t.on_reply(pack_seq(2), payload(2), 0.2) + t.on_reply(END_SEQ, b"", 0.2)  # 0..1 gone
+    assert isinstance(out[-1], ResyncStarted) and t.outbox == [DUMP_REQUEST]
+
+
+def test_join_catches_up_from_zero_before_any_live_message() -> None:
+    t = tracker()
+    t.start(0.0)
+    assert [unpack_seq(r) for r in t.outbox] == [0]
+    t.outbox.clear()
+    assert t.on_live(3, payload(3), 0.1) == []  # held during the catch-up
+    out = [d for s in range(3) for d in t.on_reply(pack_seq(s), payload(s), 0.2)]
+    out += t.on_reply(END_SEQ, b"", 0.2)
+    assert seqs(out) == [0, 1, 2, 3]
+
+
+def test_join_on_a_quiet_publisher() -> None:
+    t = tracker()
+    t.start(0.0)
+    assert t.on_reply(END_SEQ, b"", 0.1) == [] and t.expected == 0
+    assert seqs(t.on_live(0, payload(0), 0.2)) == [0]

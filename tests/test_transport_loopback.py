@@ -217,6 +217,9 @@ def test_captured_sglang_0517_stream_and_replay(shared_dir: Path) -> None:
                                         f"tcp://127.0.0.1:{rport}", dp_rank=3)]) as sub:
             time.sleep(0.3)
             frames = [cap.frames(b) for b in cap.data["batches"]]
+            ident, _, start = router.recv_multipart()  # the catch-up request sent on joining
+            assert unpack_seq(start) == 0
+            router.send_multipart([ident, b"", END_SEQ, b""])  # nothing published yet
             for fr in frames[:5]:
                 pubsock.send_multipart(fr)
             pubsock.send_multipart(frames[6])  # seq 5 lost: the subscriber asks for replay from 5

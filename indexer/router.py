@@ -1,0 +1,83 @@
+"""KV-aware routing: overlaps from the index, load from the router's bookkeeping, a cost model."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from indexer.index import TieredIndex
+from indexer.keys import BlockKey
+from indexer.load import LoadTracker
+from indexer.overlap import OverlapScores, TierOverlap
+from indexer.scoring import CostModel
+from indexer.stream import StreamId
+
+_NONE = TierOverlap(0, 0, 0, 0)
+
+
+@dataclass(slots=True, frozen=True)
+class RouteDecision:
+    """Which worker a request goes to, and why."""
+
+    worker: StreamId  # the chosen worker
+    costs: dict[StreamId, float]  # cost of every candidate
+    overlaps: OverlapScores  # what the index said
+
+
+class Router:
+    """Chooses the lowest-cost worker, or samples by softmax when ``temperature > 0``.
+
+    Ties go to the earliest candidate (in ``workers`` order, else index order),
+    so decisions are deterministic for a seed.
+    """
+
+    def __init__(
+        self,
+        index: TieredIndex,
+        cost_model: CostModel,
+        *,
+        loads: LoadTracker | None = None,
+        workers: Sequence[StreamId] | None = None,
+        temperature: float = 0.0,
+        seed: int = 0,
+    ) -> None:
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        self.index = index
+        self.cost_model = cost_model
+        self.loads = loads or LoadTracker()
+        self.workers = list(workers) if workers is not None else None
+        self.temperature = temperature
+        self._rng = random.Random(seed)
+
+    def route(self, token_ids: list[int], *, lora_name: str | None = None,
+              cache_salt: str | None = None) -> RouteDecision:
+        """Routes a request given as token ids. O(tokens + workers)."""
+        overlaps = self.index.find_matches(token_ids, lora_name=lora_name, cache_salt=cache_salt)
+        return self.choose(overlaps, len(token_ids))
+
+    def route_keys(self, keys: list[BlockKey], num_tokens: int) -> RouteDecision:
+        """Routes a request given as precomputed block keys. O(blocks + workers)."""
+        return self.choose(self.index.find_matches_keys(keys), num_tokens)
+
+    def choose(self, overlaps: OverlapScores, num_tokens: int) -> RouteDecision:
+        """Applies the cost model to given overlaps (an oracle passes true ones). O(workers)."""
+        candidates = self.workers if self.workers is not None else list(overlaps.workers)
+        if not candidates:
+            raise LookupError("no workers to route to")
+        bs = self.index.block_size
+        costs = {
+            w: self.cost_model.cost(num_tokens, bs, overlaps.workers.get(w, _NONE), self.loads.load(w))
+            for w in candidates
+        }
+        return RouteDecision(self._pick(candidates, costs), costs, overlaps)
+
+    def _pick(self, candidates: list[StreamId], costs: dict[StreamId, float]) -> StreamId:
+        if self.temperature == 0.0:
+            return min(candidates, key=costs.__getitem__)  # min() keeps the first of equals
+        lo, hi = min(costs.values()), max(costs.values())
+        span = (hi - lo) or 1.0
+        weights = [math.exp(-(costs[w] - lo) / (span * self.temperature)) for w in candidates]
+        return self._rng.choices(candidates, weights)[0]

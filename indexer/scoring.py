@@ -1,0 +1,87 @@
+"""Cost models that turn per-worker tier overlaps and load into a routing cost (lower is better).
+
+Two models, both small and documented:
+
+* :class:`CreditCost`: Dynamo's shape. A cached block earns credit by tier (device 1.0,
+  host 0.75, disk 0.25 by default); the cost is ``overlap_weight * (blocks to prefill
+  + queued prefill blocks) + (active blocks + this request's blocks)``.
+* :class:`TtftCost`: an estimate of time to first token in ms: queued prefill + load time
+  of each tier's blocks + prefill time of the uncached suffix, from a latency model.
+
+``max_tier`` limits what a model sees, so one class serves kv_device (DEVICE),
+kv_host (HOST) and kv_all (EXTERNAL) policies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from indexer.latency import LatencyModel, MockerLatency, TransferModel
+from indexer.load import WorkerLoad
+from indexer.overlap import TierOverlap
+from indexer.protocol import StorageTier
+
+
+def visible(o: TierOverlap, max_tier: StorageTier) -> TierOverlap:
+    """The overlap as a router that sees only tiers up to ``max_tier`` would know it. O(1)."""
+    d = o.device
+    h = o.host if max_tier >= StorageTier.HOST else d
+    k = o.disk if max_tier >= StorageTier.DISK else h
+    e = o.external if max_tier >= StorageTier.EXTERNAL else k
+    return TierOverlap(d, h, k, e)
+
+
+class CostModel(Protocol):
+    """Routing cost of sending a request of ``num_tokens`` tokens to one worker."""
+
+    def cost(self, num_tokens: int, block_size: int, overlap: TierOverlap, load: WorkerLoad) -> float: ...
+
+
+@dataclass(slots=True, frozen=True)
+class TierCredits:
+    """Credit per cached block by the tier it would be served from."""
+
+    device: float = 1.0  # already in device memory
+    host: float = 0.75  # one host->device copy away
+    disk: float = 0.25  # a storage read and a copy away
+    external: float = 0.25  # a fetch from the shared pool away
+
+    def credited_blocks(self, o: TierOverlap) -> float:
+        """Blocks' worth of prefill saved. O(1)."""
+        return (o.device * self.device + (o.host - o.device) * self.host
+                + (o.disk - o.host) * self.disk + (o.external - o.disk) * self.external)
+
+
+@dataclass(slots=True, frozen=True)
+class CreditCost:
+    """Dynamo-style cost in blocks; see the module docstring."""
+
+    credits: TierCredits = field(default_factory=TierCredits)  # per-tier credit
+    overlap_weight: float = 1.0  # weight of prefill work against decode load
+    max_tier: StorageTier = StorageTier.EXTERNAL  # tiers beyond this are ignored
+
+    def cost(self, num_tokens: int, block_size: int, overlap: TierOverlap, load: WorkerLoad) -> float:
+        blocks = -(-num_tokens // block_size)
+        prefill = blocks - self.credits.credited_blocks(visible(overlap, self.max_tier))
+        queued = load.pending_prefill_tokens / block_size
+        return self.overlap_weight * (prefill + queued) + load.active_blocks + blocks
+
+
+@dataclass(slots=True, frozen=True)
+class TtftCost:
+    """Estimated time to first token in ms; see the module docstring."""
+
+    transfer: TransferModel  # load time per tier
+    latency: LatencyModel = field(default_factory=MockerLatency)  # prefill time
+    max_tier: StorageTier = StorageTier.EXTERNAL  # tiers beyond this are ignored
+
+    def cost(self, num_tokens: int, block_size: int, overlap: TierOverlap, load: WorkerLoad) -> float:
+        o = visible(overlap, self.max_tier)
+        t = self.transfer
+        load_ms = (t.load_ms(StorageTier.HOST, (o.host - o.device) * block_size)
+                   + t.load_ms(StorageTier.DISK, (o.disk - o.host) * block_size)
+                   + t.load_ms(StorageTier.EXTERNAL, (o.external - o.disk) * block_size))
+        uncached = max(0, num_tokens - o.external * block_size)
+        queue_ms = self.latency.prefill_ms(load.pending_prefill_tokens)
+        return queue_ms + load_ms + self.latency.prefill_ms(uncached)

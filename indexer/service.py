@@ -1,0 +1,328 @@
+"""``kvtier indexer``: subscribe to engines, keep the tiered index, answer overlap queries over HTTP.
+
+Endpoints:
+  ``POST /query``  ``{"token_ids": [...], "lora_name"?: str, "cache_salt"?: str}`` ->
+                   per-worker tier overlaps, shared-pool blocks, costs and a recommended worker.
+  ``GET /metrics`` Prometheus text (``?format=json`` for JSON): events applied / rejected,
+                   gaps, resyncs, restarts, malformed frames, blocks per worker and tier, apply lag.
+  ``GET /health``  liveness and per-worker staleness.
+
+Threads: one event loop owns the ZMQ subscriber and applies deliveries; HTTP handler
+threads query. One lock serialises index access between them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import tomllib
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from indexer.index import Outcome, TieredIndex
+from indexer.latency import PRESETS, TransferModel
+from indexer.load import LoadTracker
+from indexer.router import Router
+from indexer.scoring import CostModel, CreditCost, TtftCost
+from indexer.stream import (
+    Delivery,
+    GapDetected,
+    GapFilled,
+    MalformedFrame,
+    PublisherRestarted,
+    Received,
+    ResyncDone,
+    ResyncNeeded,
+    ResyncStarted,
+    StreamId,
+)
+from indexer.subscriber import EndpointConfig, Subscriber
+
+log = logging.getLogger(__name__)
+
+
+class ConfigError(ValueError):
+    """A service configuration problem; the message names the offending entry."""
+
+
+@dataclass(slots=True)
+class ServiceConfig:
+    """Everything ``kvtier indexer`` needs."""
+
+    endpoints: list[EndpointConfig]  # engine streams to subscribe to
+    block_size: int = 16  # tokens per block; events with another size are rejected
+    listen: str = "127.0.0.1:8000"  # HTTP host:port (port 0 picks a free one)
+    replay_timeout_s: float = 2.0  # wait for a replay or dump answer
+    cost: str = "credit"  # "credit" or "ttft"
+    model: str = "llama-3.1-8b"  # preset for the ttft cost's transfer times
+
+
+def parse_endpoint(spec: str) -> EndpointConfig:
+    """Parses ``WORKER=PUB_ENDPOINT[,replay=ENDPOINT][,dp=N][,dump]``."""
+    name, sep, rest = spec.partition("=")
+    if not sep or not name or not rest:
+        raise ConfigError(f"endpoint {spec!r}: expected WORKER=tcp://host:port[,replay=...][,dp=N][,dump]")
+    parts = rest.split(",")
+    opts: dict[str, Any] = {}
+    for p in parts[1:]:
+        key, _, value = p.partition("=")
+        if key == "replay" and value:
+            opts["replay_endpoint"] = value
+        elif key == "dp" and value.isdigit():
+            opts["dp_rank"] = int(value)
+        elif key == "dump" and not value:
+            opts["supports_dump"] = True
+        else:
+            raise ConfigError(f"endpoint {spec!r}: unknown option {p!r}")
+    return EndpointConfig(worker=name, endpoint=parts[0], **opts)
+
+
+def load_config(path: Path) -> ServiceConfig:
+    """Reads a TOML file: top-level settings plus ``[[endpoints]]`` tables."""
+    try:
+        raw = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    eps = []
+    for i, e in enumerate(raw.pop("endpoints", [])):
+        try:
+            eps.append(EndpointConfig(
+                worker=str(e["worker"]), endpoint=str(e["endpoint"]),
+                replay_endpoint=e.get("replay_endpoint"), dp_rank=int(e.get("dp_rank", 0)),
+                supports_dump=bool(e.get("supports_dump", False))))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"{path}: endpoints[{i}]: missing or bad field {exc}") from None
+    known = {"block_size", "listen", "replay_timeout_s", "cost", "model"}
+    if unknown := set(raw) - known:
+        raise ConfigError(f"{path}: unknown settings {sorted(unknown)}")
+    return ServiceConfig(endpoints=eps, **raw)
+
+
+def make_cost_model(name: str, model: str) -> CostModel:
+    if name == "credit":
+        return CreditCost()
+    if name == "ttft":
+        if model not in PRESETS:
+            raise ConfigError(f"unknown model preset {model!r}; known: {sorted(PRESETS)}")
+        return TtftCost(TransferModel(PRESETS[model].bytes_per_token))
+    raise ConfigError(f"unknown cost model {name!r}; expected 'credit' or 'ttft'")
+
+
+@dataclass(slots=True)
+class _Lag:
+    last: float = 0.0  # seconds between publish and apply of the latest batch
+    max: float = 0.0  # the largest seen
+
+
+@dataclass(slots=True)
+class _Counters:
+    batches: int = 0  # batches applied
+    rejected_by_kind: dict[str, int] = field(default_factory=dict)  # outcome -> count
+    lag: dict[StreamId, _Lag] = field(default_factory=dict)  # per stream
+
+
+class IndexerService:
+    """The indexer service; :meth:`start` runs it in background threads."""
+
+    def __init__(self, config: ServiceConfig) -> None:
+        if not config.endpoints:
+            raise ConfigError("no endpoints configured")
+        self.config = config
+        self.index = TieredIndex(config.block_size)
+        self.router = Router(self.index, make_cost_model(config.cost, config.model), loads=LoadTracker())
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._counters = _Counters()
+        self._sub: Subscriber | None = None
+        self._ready = threading.Event()
+        self._loop = threading.Thread(target=self._run_loop, name="kv-indexer", daemon=True)
+        host, _, port = config.listen.rpartition(":")
+        self._http = ThreadingHTTPServer((host or "127.0.0.1", int(port)), _handler(self))
+        self._http.daemon_threads = True
+        self._http_thread = threading.Thread(target=self._http.serve_forever, name="kv-http", daemon=True)
+        for ep in config.endpoints:
+            self.index.add_worker(ep.stream)
+
+    @property
+    def address(self) -> str:
+        host, port = self._http.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+    def start(self) -> None:
+        self._loop.start()
+        self._http_thread.start()
+        self._ready.wait(5.0)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._http.shutdown()
+        self._http.server_close()
+        self._loop.join(timeout=5.0)
+
+    # --- event loop ----------------------------------------------------------------------
+
+    def _run_loop(self) -> None:
+        sub = Subscriber(self.config.endpoints, replay_timeout_s=self.config.replay_timeout_s)
+        self._sub = sub
+        self._ready.set()
+        try:
+            while not self._stop.is_set():
+                deliveries = sub.poll(50)
+                while deliveries:
+                    deliveries = self._handle(sub, deliveries)
+        finally:
+            sub.close()
+
+    def _handle(self, sub: Subscriber, deliveries: list[Delivery]) -> list[Delivery]:
+        """Applies deliveries; returns follow-ups (resync requests answered at once)."""
+        more: list[Delivery] = []
+        with self._lock:
+            for d in deliveries:
+                if isinstance(d, Received):
+                    if self._apply(d):
+                        more.extend(sub.request_resync(d.stream, "store with an unknown parent"))
+                elif isinstance(d, ResyncStarted | PublisherRestarted):
+                    self.index.clear_worker(d.stream)
+                elif isinstance(d, ResyncNeeded):
+                    self.index.clear_worker(d.stream, stale=True)
+                elif isinstance(d, GapDetected | GapFilled | ResyncDone | MalformedFrame):
+                    log.debug("%s", d)
+        return more
+
+    def _apply(self, d: Received) -> bool:
+        """Applies one batch; True if the stream must be resynchronised."""
+        needs_resync = False
+        for ev in d.batch.events:
+            outcome = self.index.apply(d.stream, ev)
+            if outcome is not Outcome.APPLIED:
+                c = self._counters.rejected_by_kind
+                c[outcome.value] = c.get(outcome.value, 0) + 1
+                if outcome is Outcome.NEEDS_RESYNC:
+                    needs_resync = True
+                    break  # the rest of this batch builds on what is missing
+        self._counters.batches += 1
+        if d.source == "live" and d.batch.ts > 0:
+            lag = self._counters.lag.setdefault(d.stream, _Lag())
+            lag.last = max(0.0, time.time() - d.batch.ts)
+            lag.max = max(lag.max, lag.last)
+        return needs_resync
+
+    # --- queries -------------------------------------------------------------------------
+
+    def query(self, body: Any) -> dict[str, Any]:
+        if not isinstance(body, dict) or not isinstance(body.get("token_ids"), list):
+            raise ValueError('body must be a JSON object with "token_ids": [int, ...]')
+        tokens = body["token_ids"]
+        if not all(isinstance(t, int) and 0 <= t < 2**32 for t in tokens):
+            raise ValueError("token_ids must be integers in [0, 2^32)")
+        for opt in ("lora_name", "cache_salt"):
+            if body.get(opt) is not None and not isinstance(body[opt], str):
+                raise ValueError(f"{opt} must be a string")
+        with self._lock:
+            dec = self.router.route(tokens, lora_name=body.get("lora_name"),
+                                    cache_salt=body.get("cache_salt"))
+        out = dec.overlaps.as_dict()
+        out["recommended"] = str(dec.worker)
+        out["costs"] = {str(w): c for w, c in dec.costs.items()}
+        return out
+
+    def metrics(self) -> dict[str, Any]:
+        with self._lock:
+            workers: dict[str, Any] = {}
+            for s in self.index.streams:
+                st = self.index.stats(s)
+                entry: dict[str, Any] = {
+                    "events_applied": st.events_applied, "events_rejected": st.events_rejected,
+                    "unknown_parents": st.unknown_parents, "unknown_removals": st.unknown_removals,
+                    "stale": self.index.is_stale(s),
+                    "blocks": {t.name.lower(): n for t, n in self.index.block_counts(s).items()},
+                }
+                if self._sub is not None and s in self._sub.streams:
+                    ss = self._sub.stats(s)
+                    entry.update(gaps=ss.gaps, gaps_filled=ss.gaps_filled, resyncs=ss.resyncs,
+                                 restarts=ss.restarts, malformed=ss.malformed, duplicates=ss.duplicates)
+                lag = self._counters.lag.get(s, _Lag())
+                entry.update(apply_lag_seconds=lag.last, apply_lag_max_seconds=lag.max)
+                workers[str(s)] = entry
+            return {"batches_applied": self._counters.batches, "indexed_blocks": len(self.index),
+                    "workers": workers}
+
+    def metrics_text(self) -> str:
+        m = self.metrics()
+        lines = [f"kvtier_batches_applied_total {m['batches_applied']}",
+                 f"kvtier_indexed_blocks {m['indexed_blocks']}"]
+        for w, e in m["workers"].items():
+            for k, v in e.items():
+                if k == "blocks":
+                    lines += [f'kvtier_blocks{{worker="{w}",tier="{t}"}} {n}' for t, n in v.items()]
+                else:
+                    suffix = "" if k.endswith("seconds") or k == "stale" else "_total"
+                    lines.append(f'kvtier_{k}{suffix}{{worker="{w}"}} {float(v):g}')
+        return "\n".join(lines) + "\n"
+
+    def health(self) -> dict[str, Any]:
+        with self._lock:
+            stale = [str(s) for s in self.index.streams if self.index.is_stale(s)]
+        return {"status": "ok" if self._loop.is_alive() else "down", "workers": len(self.index.streams),
+                "stale_workers": stale}
+
+
+def _handler(service: IndexerService) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            log.debug("http: " + format, *args)
+
+        def _send(self, code: int, body: str, ctype: str = "application/json") -> None:
+            data = body.encode()
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            path, _, qs = self.path.partition("?")
+            if path == "/metrics":
+                if "format=json" in qs:
+                    self._send(200, json.dumps(service.metrics()))
+                else:
+                    self._send(200, service.metrics_text(), "text/plain; version=0.0.4")
+            elif path == "/health":
+                self._send(200, json.dumps(service.health()))
+            else:
+                self._send(404, json.dumps({"error": f"no such path {path}"}))
+
+        def do_POST(self) -> None:
+            if self.path != "/query":
+                self._send(404, json.dumps({"error": f"no such path {self.path}"}))
+                return
+            try:
+                length = int(self.headers.get("Content-Length", "0"))
+                body = json.loads(self.rfile.read(length) or b"null")
+                self._send(200, json.dumps(service.query(body)))
+            except (ValueError, LookupError) as exc:
+                self._send(400, json.dumps({"error": str(exc)}))
+
+    return Handler
+
+
+def serve(config: ServiceConfig) -> None:
+    """Runs the service until interrupted."""
+    svc = IndexerService(config)
+    svc.start()
+    print(f"kvtier indexer: {len(config.endpoints)} endpoint(s), block size {config.block_size}, "
+          f"HTTP on {svc.address}", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        svc.stop()
+
+
+__all__ = ["ConfigError", "IndexerService", "ServiceConfig", "load_config", "parse_endpoint", "serve"]

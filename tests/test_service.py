@@ -1,0 +1,145 @@
+"""The indexer service end to end: real publishers, real sockets, real HTTP."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from indexer import BlockRemoved, BlockStored, EventBatch, Publisher, StorageTier
+from indexer.service import ConfigError, IndexerService, ServiceConfig, load_config, parse_endpoint
+from sim.cli import main as cli_main
+
+BS = 4
+TOKS = list(range(1000, 1032))  # 8 blocks
+
+
+def stored(hashes: list[int], parent: int | None, lo: int, medium: str = "GPU") -> BlockStored:
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent,
+                       token_ids=TOKS[lo * BS:(lo + len(hashes)) * BS], block_size=BS, medium=medium)
+
+
+def post(url: str, body: Any) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return str(r.read().decode())
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 8.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+@pytest.fixture
+def cluster() -> Iterator[tuple[list[Publisher], IndexerService]]:
+    pubs = [Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0") for _ in range(3)]
+    eps = [parse_endpoint(f"w{i}={p.endpoint},replay={p.replay_endpoint}") for i, p in enumerate(pubs)]
+    svc = IndexerService(ServiceConfig(endpoints=eps, block_size=BS, listen="127.0.0.1:0",
+                                       replay_timeout_s=1.0))
+    svc.start()
+    yield pubs, svc
+    svc.stop()
+    for p in pubs:
+        p.close()
+
+
+def overlaps(svc: IndexerService) -> dict[str, Any]:
+    code, body = post(svc.address + "/query", {"token_ids": TOKS})
+    assert code == 200
+    return body
+
+
+def test_query_metrics_health_end_to_end(cluster: tuple[list[Publisher], IndexerService]) -> None:
+    (p0, p1, p2), svc = cluster
+    p0.publish(EventBatch(ts=time.time(), events=[stored([1, 2, 3], None, 0)]))
+    p1.publish(EventBatch(ts=time.time(), events=[stored([11, 12, 13, 14, 15, 16], None, 0, "CPU_PINNED")]))
+    p1.publish(EventBatch(ts=time.time(), events=[stored([11], None, 0)]))
+    p2.publish(EventBatch(ts=time.time(), events=[stored([21, 22], None, 0, "EXTERNAL")]))
+    wait_for(lambda: overlaps(svc)["workers"]["w1"]["device"] == 1
+             and overlaps(svc)["shared_pool"] == 2)
+    body = overlaps(svc)
+    assert body["total_blocks"] == 8
+    assert body["workers"]["w0"] == {"device": 3, "host": 3, "disk": 3, "external": 3}
+    assert body["workers"]["w1"] == {"device": 1, "host": 6, "disk": 6, "external": 6}
+    assert body["workers"]["w2"] == {"device": 0, "host": 0, "disk": 0, "external": 2}
+    assert body["recommended"] == "w1" and set(body["costs"]) == {"w0", "w1", "w2"}
+    text = get(svc.address + "/metrics")
+    assert 'kvtier_blocks{worker="w1",tier="host"} 6' in text
+    assert 'kvtier_events_applied_total{worker="w0"} 1' in text
+    m = json.loads(get(svc.address + "/metrics?format=json"))
+    assert m["workers"]["w0"]["apply_lag_seconds"] >= 0
+    assert json.loads(get(svc.address + "/health")) == {"status": "ok", "workers": 3, "stale_workers": []}
+    p0.publish(EventBatch(ts=time.time(), events=[BlockRemoved(block_hashes=[3, 2], medium="GPU")]))
+    wait_for(lambda: overlaps(svc)["workers"]["w0"]["device"] == 1)
+
+
+def test_gap_is_replayed_and_unknown_parent_resyncs(cluster: tuple[list[Publisher], IndexerService]) -> None:
+    (p0, _, _), svc = cluster
+    p0.publish(EventBatch(ts=time.time(), events=[stored([1], None, 0)]))
+    wait_for(lambda: overlaps(svc)["workers"]["w0"]["device"] == 1)
+    p0.live_filter = lambda s: s != 1  # seq 1 never arrives live
+    p0.publish(EventBatch(ts=time.time(), events=[stored([2], 1, 1)]))
+    p0.publish(EventBatch(ts=time.time(), events=[stored([3], 2, 2)]))
+    wait_for(lambda: overlaps(svc)["workers"]["w0"]["device"] == 3)
+    m = json.loads(get(svc.address + "/metrics?format=json"))["workers"]["w0"]
+    assert m["gaps"] == 1 and m["gaps_filled"] == 1 and m["events_rejected"] == 0
+    # A store whose parent the indexer never saw: rejected, then the stream is replayed from 0.
+    p0.live_filter = None
+    p0.publish(EventBatch(ts=time.time(), events=[stored([9], 99, 3)]))
+    p0.publish(EventBatch(ts=time.time(), events=[stored([4], 3, 3)]))
+    wait_for(lambda: overlaps(svc)["workers"]["w0"]["device"] == 4)
+    m = json.loads(get(svc.address + "/metrics?format=json"))["workers"]["w0"]
+    assert m["unknown_parents"] >= 1 and m["resyncs"] >= 1 and not m["stale"]
+
+
+def test_bad_queries_get_400(cluster: tuple[list[Publisher], IndexerService]) -> None:
+    _, svc = cluster
+    for body in [{"tokens": [1]}, {"token_ids": ["a"]}, [1, 2], {"token_ids": [1], "lora_name": 3},
+                 {"token_ids": [-1]}]:
+        code, resp = post(svc.address + "/query", body)
+        assert code == 400 and resp["error"]
+    code, _ = post(svc.address + "/nope", {})
+    assert code == 404
+
+
+def test_config_file_and_errors(tmp_path: Path) -> None:
+    cfg = tmp_path / "indexer.toml"
+    cfg.write_text('block_size = 32\nlisten = "127.0.0.1:0"\n[[endpoints]]\nworker = "a"\n'
+                   'endpoint = "tcp://127.0.0.1:5557"\nreplay_endpoint = "tcp://127.0.0.1:5558"\n'
+                   'dp_rank = 2\nsupports_dump = true\n')
+    c = load_config(cfg)
+    assert c.block_size == 32 and c.endpoints[0].dp_rank == 2 and c.endpoints[0].supports_dump
+    (tmp_path / "bad.toml").write_text('colour = "blue"\n')
+    with pytest.raises(ConfigError, match="colour"):
+        load_config(tmp_path / "bad.toml")
+    (tmp_path / "bad2.toml").write_text('[[endpoints]]\nworker = "a"\n')
+    with pytest.raises(ConfigError, match=r"endpoints\[0\]"):
+        load_config(tmp_path / "bad2.toml")
+    assert parse_endpoint("w=tcp://h:1,replay=tcp://h:2,dp=3,dump").dp_rank == 3
+    assert cli_main(["indexer"]) == 2
+    assert cli_main(["indexer", "--endpoint", "oops"]) == 2
+
+
+def test_metrics_cover_all_tiers(cluster: tuple[list[Publisher], IndexerService]) -> None:
+    _, svc = cluster
+    m = json.loads(get(svc.address + "/metrics?format=json"))
+    assert set(m["workers"]["w0"]["blocks"]) == {t.name.lower() for t in StorageTier}
