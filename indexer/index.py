@@ -129,6 +129,18 @@ class TieredIndex:
         w = self._workers[stream]
         return {t: w.counts[t] for t in StorageTier}
 
+    def worker_hashes(self, stream: StreamId) -> dict[StorageTier, set[EngineHash]]:
+        """The engine hashes the worker holds per tier, as the index sees them. O(worker blocks)."""
+        w = self._workers[stream]
+        shift = _TIERS * w.slot
+        out: dict[StorageTier, set[EngineHash]] = {t: set() for t in StorageTier}
+        for eh, key in w.hashes.items():
+            bits = self._masks[key] >> shift
+            for t in StorageTier:
+                if bits >> t & 1:
+                    out[t].add(eh)
+        return out
+
     def __len__(self) -> int:
         """Distinct blocks held anywhere."""
         return len(self._masks)

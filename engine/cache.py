@@ -1,0 +1,722 @@
+"""The tiered KV cache (HiCache-like): device and host page pools over a radix tree,
+optional L3 store, asynchronous copies, and KV events emitted per SPEC section 1.
+
+Events follow acknowledgements: a page is announced on a tier only once the copy
+that put it there has completed, and withdrawn as soon as the cache stops
+counting on it. :meth:`TieredCache.residency` is the ground truth the indexer's
+view must equal once every event has been delivered.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from engine.datapath import CopyKind, CopyOp, DataPath
+from engine.pool import PageId, PagePool, PoolExhausted
+from engine.radix import Node, RadixTree
+from engine.storage import PageMeta, PageStore
+from indexer.codec import medium_spelling
+from indexer.protocol import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EngineHash,
+    Event,
+    EventBatch,
+    StorageTier,
+)
+
+log = logging.getLogger(__name__)
+
+
+class WritePolicy(StrEnum):
+    """When device pages get a host copy."""
+
+    WRITE_THROUGH = "write_through"  # as soon as they are computed
+    WRITE_THROUGH_SELECTIVE = "write_through_selective"  # once matched `selective_threshold` times
+    WRITE_BACK = "write_back"  # when evicted from the device
+
+
+class PrefetchPolicy(StrEnum):
+    """How long a request waits for its L3 prefetch before computing the rest."""
+
+    BEST_EFFORT = "best_effort"  # never waits; uses what has arrived
+    WAIT_COMPLETE = "wait_complete"  # waits for the whole prefetch
+    TIMEOUT = "timeout"  # waits up to `prefetch_timeout_s`
+
+
+@dataclass(slots=True, frozen=True)
+class CacheConfig:
+    """Sizes and policies of one engine's cache."""
+
+    page_size: int = 16  # tokens per page (= block size in events)
+    device_pages: int = 1024  # device KV capacity in pages
+    host_ratio: float = 2.0  # host pages = host_ratio * device_pages; 0 disables the host tier
+    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH  # see WritePolicy
+    selective_threshold: int = 2  # hits before write_through_selective backs a node up
+    load_back: bool = True  # load host hits to device (else recompute them)
+    l3_write_behind: bool = True  # copy host backups to the L3 store
+    prefetch_policy: PrefetchPolicy = PrefetchPolicy.BEST_EFFORT  # see PrefetchPolicy
+    prefetch_min_pages: int = 1  # L3 hit length below which no prefetch is started
+    prefetch_timeout_s: float = 0.05  # for PrefetchPolicy.TIMEOUT
+
+    @property
+    def host_pages(self) -> int:
+        return int(self.device_pages * self.host_ratio)
+
+
+@dataclass(slots=True, eq=False)
+class Admission:
+    """One request's hold on the cache, from admission to release."""
+
+    request_id: str  # caller's id
+    tokens: list[int]  # the prompt
+    last: Node  # deepest matched node; locked while admitted
+    device_pages: int  # pages already on device at admission
+    host_pages: int  # pages found on host (loaded back unless load_back=False)
+    l3_pages: int  # pages found in the L3 store (prefetched)
+    waits: set[int] = field(default_factory=set)  # op ids of loads the request needs
+    prefetch_op: int | None = None  # the L3 prefetch, while in flight
+    private: list[PageId] = field(default_factory=list)  # device pages for the tail and decode
+    compute: list[PageId] = field(default_factory=list)  # device pages for pages to compute
+    started: bool = False  # prefill began: late prefetches no longer load to device
+    released: bool = False  # release() was called
+
+
+@dataclass(slots=True)
+class PrefillPlan:
+    """What a request computes: the rest of its prompt after the device-cached prefix."""
+
+    cached_tokens: int  # tokens whose KV is on device
+    compute_tokens: int  # tokens to prefill
+
+
+@dataclass(slots=True)
+class _OpInfo:
+    op: CopyOp  # the copy
+    nodes: list[Node] = field(default_factory=list)  # D2H / H2D: fragments, parents first
+    metas: list[PageMeta] = field(default_factory=list)  # H2S: per page
+    admission: Admission | None = None  # S2H: who asked
+    parent: Node | None = None  # S2H: node the prefetched pages continue
+    tokens: list[int] = field(default_factory=list)  # S2H: the prefetched pages' tokens
+
+
+class TieredCache:
+    """See the module docstring. Single-threaded: callers serialise access."""
+
+    def __init__(self, config: CacheConfig, datapath: DataPath, store: PageStore | None = None,
+                 name: str = "engine") -> None:
+        self.config = config
+        self.name = name
+        self.dp = datapath
+        self.tree = RadixTree(config.page_size)
+        self.device = PagePool("device", config.device_pages)
+        self.host = PagePool("host", config.host_pages)
+        self.store = store
+        self._events: list[Event] = []
+        self._ops: dict[int, _OpInfo] = {}
+        self._node_ops: dict[int, list[int]] = {}  # node_id -> D2H/H2D ops holding it
+        self._announced: dict[str, int] = {}  # L3 key -> event hash, pages this engine announced
+        self._l3_pending: set[str] = set()  # keys this engine is writing
+        self._dev_heap: list[tuple[int, int, Node]] = []
+        self._host_heap: list[tuple[int, int, Node]] = []
+        self.completed_ops = 0
+        self.tree.on_split = self._on_split
+        if store is not None:
+            store.attach(name, self._on_l3_evicted)
+
+    # --- events --------------------------------------------------------------------------
+
+    def flush_events(self, ts: float = 0.0, dp_rank: int | None = None) -> EventBatch | None:
+        """The events produced since the last flush, as one batch (None if there are none)."""
+        if not self._events:
+            return None
+        batch = EventBatch(ts=ts, events=self._events, dp_rank=dp_rank)
+        self._events = []
+        return batch
+
+    @property
+    def has_events(self) -> bool:
+        return bool(self._events)
+
+    def _medium(self, tier: StorageTier) -> str:
+        return medium_spelling(tier)
+
+    def _stored(self, node: Node, tier: StorageTier) -> None:
+        self._events.append(BlockStored(
+            block_hashes=list(node.hashes), parent_block_hash=node.parent_hash(), token_ids=list(node.tokens),
+            block_size=self.tree.page_size, medium=self._medium(tier)))
+
+    def _removed(self, hashes: list[int], tier: StorageTier) -> None:
+        if hashes:
+            removed: list[EngineHash] = list(hashes)
+            self._events.append(BlockRemoved(block_hashes=removed, medium=self._medium(tier)))
+
+    # --- admission -----------------------------------------------------------------------
+
+    def admit(self, request_id: str, tokens: list[int]) -> Admission:
+        """Matches the prompt, locks its prefix, starts load-back and L3 prefetch. O(prompt)."""
+        path = self.tree.match(tokens)
+        for n in path:
+            n.hits += 1
+        last = path[-1] if path else self.tree.root
+        self._lock(last)
+        dev = 0
+        while dev < len(path) and path[dev].device is not None:
+            dev += 1
+        host_run = []
+        for n in path[dev:]:
+            if n.host is None:
+                break
+            host_run.append(n)
+        adm = Admission(request_id, tokens, last, sum(n.pages for n in path[:dev]),
+                        sum(n.pages for n in host_run), 0)
+        self._backup_path(path)
+        if host_run and self.config.load_back:
+            self._load(host_run, adm)
+        if self.store is not None and len(path) == len(host_run) + dev:
+            self._prefetch(adm, last, tokens, sum(n.pages for n in path))
+        return adm
+
+    def _backup_path(self, path: list[Node]) -> None:
+        policy = self.config.write_policy
+        for n in path:
+            if policy is WritePolicy.WRITE_THROUGH or (
+                    policy is WritePolicy.WRITE_THROUGH_SELECTIVE and n.hits >= self.config.selective_threshold):
+                self._backup(n)
+
+    def _load(self, nodes: list[Node], adm: Admission | None) -> None:
+        """Host -> device for host-only nodes (parents first); joins loads already in flight."""
+        todo = []
+        for n in nodes:
+            if n.loading is not None:
+                if adm is not None:
+                    adm.waits.update(self._node_ops.get(n.node_id, []))
+                continue
+            if n.device is not None:
+                continue
+            pages = self._alloc_device(n.pages)
+            if pages is None:
+                break  # the rest is recomputed
+            n.loading = pages
+            todo.append(n)
+        if not todo:
+            return
+        assert all(n.host is not None for n in todo), "loading a node without host copy"
+        op = self.dp.new_op(CopyKind.H2D, [p for n in todo for p in n.host or []],
+                            [p for n in todo for p in n.loading or []])
+        self._submit(op, _OpInfo(op, nodes=todo))
+        if adm is not None:
+            adm.waits.add(op.op_id)
+
+    def _prefetch(self, adm: Admission, last: Node, tokens: list[int], matched: int) -> None:
+        assert self.store is not None
+        ps = self.config.page_size
+        digests_from = last.digests[-1] if last.digests else b""
+        from engine.hashing import chain  # local: only L3 configurations hash past the tree
+
+        rest = tokens[matched * ps:(len(tokens) // ps) * ps]
+        keys: list[str] = []
+        for d in chain(digests_from, rest, ps):
+            key = d.hex()
+            if key not in self.store:
+                break
+            keys.append(key)
+        if len(keys) < max(1, self.config.prefetch_min_pages) or self.config.host_pages == 0:
+            return
+        pages = self._alloc_host(len(keys))
+        if pages is None:
+            return
+        self.store.pin(keys)
+        self._lock(last)  # the prefetched pages hang below `last`: keep it until they land
+        op = self.dp.new_op(CopyKind.S2H, [], pages, keys, self.store)
+        self._submit(op, _OpInfo(op, admission=adm, parent=last, tokens=rest[:len(keys) * ps]))
+        adm.l3_pages = len(keys)
+        adm.prefetch_op = op.op_id
+
+    def waiting_for(self, adm: Admission) -> set[int]:
+        """Op ids the request still waits for (load-backs; the prefetch per policy is the caller's)."""
+        return {o for o in adm.waits if o in self._ops}
+
+    def begin_prefill(self, adm: Admission, output_tokens: int = 0) -> PrefillPlan | None:
+        """Reserves device pages to compute the rest of the prompt and ``output_tokens``.
+
+        Returns None (nothing reserved) if the device cannot make room now.
+        """
+        ps = self.config.page_size
+        path = self.tree.match(adm.tokens)
+        last = path[-1] if path else self.tree.root
+        if last is not adm.last:
+            self._lock(last)
+            self._unlock(adm.last)
+            adm.last = last
+        cached = 0
+        for n in path:
+            if n.device is None:
+                break
+            cached += n.pages
+        full = len(adm.tokens) // ps
+        tail = -(-(len(adm.tokens) - full * ps + output_tokens) // ps)
+        need = (full - cached) + tail
+        pages = self._alloc_device(need)
+        if pages is None:
+            return None
+        adm.compute, adm.private = pages[:full - cached], pages[full - cached:]
+        adm.started = True
+        return PrefillPlan(cached * ps, len(adm.tokens) - cached * ps)
+
+    def finish_prefill(self, adm: Admission) -> None:
+        """The prompt's KV is computed: its new full pages join the tree (BlockStored GPU)."""
+        ps = self.config.page_size
+        full = len(adm.tokens) // ps
+        path = self.tree.match(adm.tokens)
+        compute = list(adm.compute)
+        adm.compute = []
+        done = 0
+        for n in path:
+            if n.device is None and n.loading is None:  # host-only: recomputed into it
+                n.device, compute = compute[:n.pages], compute[n.pages:]
+                self._stored(n, StorageTier.DEVICE)
+                self._push_dev(n)
+            elif n.device is None:
+                break  # a load is still landing: the pages it brings are dropped here
+            done += n.pages
+        if done < full and not compute:
+            return
+        parent = path[-1] if path else self.tree.root
+        new_pages = full - done
+        if new_pages > 0 and len(compute) >= new_pages and self.tree.page_key(adm.tokens, done) not in parent.children:
+            node = self.tree.add_child(parent, adm.tokens[done * ps:full * ps])
+            node.device, compute = compute[:new_pages], compute[new_pages:]
+            self._stored(node, StorageTier.DEVICE)
+            self._lock(node)
+            self._unlock(adm.last)
+            adm.last = node
+            self._push_dev(node)
+            self._push_dev(parent)
+            if self.config.write_policy is WritePolicy.WRITE_THROUGH:
+                self._backup(node)
+        if compute:
+            self.device.release(compute)  # computed twice concurrently: keep the tree's copy
+        if self.config.write_policy is WritePolicy.WRITE_THROUGH:
+            self._backup_path(path)
+
+    def release(self, adm: Admission) -> None:
+        """The request finished: unlock its prefix, free its private pages. Idempotent."""
+        if adm.released:
+            return
+        adm.released = True
+        self.device.release(adm.private + adm.compute)
+        adm.private, adm.compute = [], []
+        self._unlock(adm.last)
+
+    def _on_split(self, front: Node, back: Node) -> None:
+        """A node with copies in flight was split: the copies now cover both fragments."""
+        for op_id in self._node_ops.get(back.node_id, []):
+            nodes = self._ops[op_id].nodes
+            nodes.insert(nodes.index(back), front)
+            self._node_ops.setdefault(front.node_id, []).append(op_id)
+
+    # --- locks ---------------------------------------------------------------------------
+
+    def _lock(self, node: Node) -> None:
+        n: Node | None = node
+        while n is not None and n is not self.tree.root:
+            n.lock_ref += 1
+            n = n.parent
+
+    def _unlock(self, node: Node) -> None:
+        n: Node | None = node
+        while n is not None and n is not self.tree.root:
+            assert n.lock_ref > 0, f"unlocking node {n.node_id} that is not locked"
+            n.lock_ref -= 1
+            if n.lock_ref == 0:
+                self._push_dev(n)
+                self._push_host(n)
+            n = n.parent
+
+    # --- backups -------------------------------------------------------------------------
+
+    def _backup(self, node: Node) -> bool:
+        """Device -> host copy of ``node`` if its parent is backed up. True if started."""
+        if (self.config.host_pages == 0 or node.device is None or node.host is not None
+                or node.host_pending is not None):
+            return False
+        p = node.parent
+        if p is not None and p is not self.tree.root and p.host is None:
+            return False  # parent first; retried when the parent's copy lands
+        pages = self._alloc_host(node.pages, protect=node)
+        if pages is None:
+            return False
+        node.host_pending = pages
+        op = self.dp.new_op(CopyKind.D2H, list(node.device), list(pages))
+        self._submit(op, _OpInfo(op, nodes=[node]))
+        return True
+
+    def _write_back(self, node: Node) -> None:
+        """write_back eviction: back up the unbacked chain down to ``node``, then free it."""
+        node.evict_after_backup = True
+        chain = [n for n in self.tree.path_to_root(node) if n.host is None]
+        for n in chain:
+            n.want_backup = True
+        if chain and not any(n.host_pending is not None for n in chain):
+            self._backup(chain[0])
+
+    # --- L3 ------------------------------------------------------------------------------
+
+    def _l3_tier(self) -> StorageTier:
+        assert self.store is not None
+        return self.store.tier
+
+    def _l3_write(self, node: Node) -> None:
+        """Write-behind of a host-resident node's pages not yet in the store, parents first."""
+        store = self.store
+        if store is None or not self.config.l3_write_behind or node.host is None:
+            return
+        p = node.parent
+        if p is not None and p is not self.tree.root and p.digests[-1].hex() not in self._announced:
+            self._l3_write(p)
+        keys, metas, src = [], [], []
+        ps = self.config.page_size
+        depth0 = sum(n.pages for n in self.tree.path_to_root(node)) - node.pages
+        for i, d in enumerate(node.digests):
+            key = d.hex()
+            if key in self._announced or key in self._l3_pending:
+                continue
+            parent_key = (node.digests[i - 1] if i else node.parent_digest()).hex() or None
+            parent_hash = node.hashes[i - 1] if i else node.parent_hash()
+            meta = PageMeta(node.hashes[i], parent_key, parent_hash, node.tokens[i * ps:(i + 1) * ps], depth0 + i)
+            if key in store:
+                if store.announce(key, self.name):
+                    self._announce(key, meta)
+                continue
+            if store.is_pending(key):
+                continue  # another engine is writing it into the shared pool
+            if parent_key is not None and parent_key not in store and not store.is_pending(parent_key):
+                break  # the parent page is gone and cannot be rewritten from here: stop the run
+            store.begin_write(key, parent_key)
+            self._l3_pending.add(key)
+            keys.append(key)
+            metas.append(meta)
+            src.append(node.host[i])
+        if keys:
+            op = self.dp.new_op(CopyKind.H2S, src, [], keys, store)
+            self._submit(op, _OpInfo(op, metas=metas))
+
+    def _announce(self, key: str, meta: PageMeta) -> None:
+        self._announced[key] = meta.event_hash
+        self._events.append(BlockStored(
+            block_hashes=[meta.event_hash], parent_block_hash=meta.parent_hash, token_ids=list(meta.tokens),
+            block_size=self.config.page_size, medium=self._medium(self._l3_tier())))
+
+    def _on_l3_evicted(self, keys: list[str]) -> None:
+        hashes = [self._announced.pop(k) for k in keys if k in self._announced]
+        self._removed(hashes, self._l3_tier())
+
+    def l3_delete(self, key: str) -> None:
+        """Deletes a page from the store (BlockRemoved for every engine that announced it)."""
+        assert self.store is not None, "no L3 store configured"
+        self.store.delete(key)
+
+    # --- data path completions -----------------------------------------------------------
+
+    def _submit(self, op: CopyOp, info: _OpInfo) -> None:
+        self._ops[op.op_id] = info
+        for n in info.nodes:
+            self._node_ops.setdefault(n.node_id, []).append(op.op_id)
+        self.dp.submit(op)
+
+    def poll(self) -> list[int]:
+        """Handles completed copies (emitting their events); returns their op ids."""
+        done = []
+        for op in self.dp.poll():
+            info = self._ops.pop(op.op_id, None)
+            if info is None:
+                continue  # from before a reset
+            for n in info.nodes:
+                ids = self._node_ops.get(n.node_id, [])
+                if op.op_id in ids:
+                    ids.remove(op.op_id)
+                if not ids:
+                    self._node_ops.pop(n.node_id, None)
+            self.completed_ops += 1
+            {CopyKind.D2H: self._backed_up, CopyKind.H2D: self._loaded,
+             CopyKind.H2S: self._l3_written, CopyKind.S2H: self._prefetched}[op.kind](info)
+            done.append(op.op_id)
+        return done
+
+    def _backed_up(self, info: _OpInfo) -> None:
+        if info.op.error:
+            raise RuntimeError(f"device->host copy failed: {info.op.error}")
+        for n in info.nodes:
+            assert n.host_pending is not None, f"node {n.node_id}: backup acknowledged twice"
+            n.host, n.host_pending = n.host_pending, None
+            n.want_backup = False
+            self._stored(n, StorageTier.HOST)
+        for n in info.nodes:
+            self._l3_write(n)
+            if n.evict_after_backup:
+                n.evict_after_backup = False
+                if n.lock_ref == 0 and n.device is not None and n.device_leaf():
+                    self._drop_device(n)
+            self._push_dev(n)
+            self._push_host(n)
+            policy = self.config.write_policy
+            for c in list(n.children.values()):
+                if c.want_backup or policy is WritePolicy.WRITE_THROUGH or (
+                        policy is WritePolicy.WRITE_THROUGH_SELECTIVE and c.hits >= self.config.selective_threshold):
+                    self._backup(c)
+
+    def _loaded(self, info: _OpInfo) -> None:
+        if info.op.error:
+            raise RuntimeError(f"host->device copy failed: {info.op.error}")
+        for n in info.nodes:
+            assert n.loading is not None, f"node {n.node_id}: load acknowledged twice"
+            n.device, n.loading = n.loading, None
+            self._stored(n, StorageTier.DEVICE)
+            self._push_dev(n)
+
+    def _l3_written(self, info: _OpInfo) -> None:
+        assert self.store is not None
+        for key, meta in zip(info.op.keys, info.metas, strict=True):
+            self._l3_pending.discard(key)
+            if info.op.error:
+                self.store.abort(key)
+                continue
+            self.store.commit(key, meta, self.name)
+            if key in self.store:  # may have been evicted at once by a tiny store
+                self._announce(key, meta)
+        if info.op.error:
+            log.error("%s: L3 write failed: %s", self.name, info.op.error)
+        # Nodes whose L3 writes just landed may now be host-evictable: _alloc_host rescans
+        # the tree when its heap runs dry, so they need no push here.
+
+    def _prefetched(self, info: _OpInfo) -> None:
+        assert self.store is not None and info.parent is not None and info.admission is not None
+        self.store.unpin(info.op.keys)
+        adm, parent = info.admission, info.parent
+        if adm.prefetch_op == info.op.op_id:
+            adm.prefetch_op = None
+        if info.op.error:
+            log.error("%s: L3 read failed: %s", self.name, info.op.error)
+            self.host.release([PageId(p) for p in info.op.dst])
+            self._unlock(parent)
+            return
+        new = self._insert_host_pages(parent, info.tokens, [PageId(p) for p in info.op.dst])
+        self._unlock(parent)
+        if new and not adm.started and not adm.released and self.config.load_back:
+            self._load(new, adm)
+
+    def _insert_host_pages(self, parent: Node, tokens: list[int], pages: list[PageId]) -> list[Node]:
+        """Prefetched pages below ``parent``: new host-only nodes (BlockStored CPU); pages the
+        tree already has are freed. Returns the new nodes."""
+        ps = self.config.page_size
+        node, pos, n_pages = parent, 0, len(tokens) // ps
+        while pos < n_pages:
+            child = node.children.get(self.tree.page_key(tokens, pos))
+            if child is None:
+                break
+            k = 1
+            while k < child.pages and pos + k < n_pages and \
+                    child.tokens[k * ps:(k + 1) * ps] == tokens[(pos + k) * ps:(pos + k + 1) * ps]:
+                k += 1
+            if k < child.pages:
+                child = self.tree.split(child, k)
+            self.host.release(pages[pos:pos + k])
+            pos += k
+            node = child
+        if pos == n_pages:
+            return []
+        if node is not self.tree.root and node.host is None:
+            self.host.release(pages[pos:])  # the parent has no host copy: keep host prefix-closed
+            return []
+        fresh = self.tree.add_child(node, tokens[pos * ps:])
+        fresh.host = pages[pos:]
+        self._stored(fresh, StorageTier.HOST)
+        self._push_host(fresh)
+        return [fresh]
+
+    # --- eviction ------------------------------------------------------------------------
+
+    def _push_dev(self, n: Node) -> None:
+        if n is not self.tree.root and n.device is not None:
+            heapq.heappush(self._dev_heap, (n.last_access, n.node_id, n))
+
+    def _push_host(self, n: Node) -> None:
+        if n is not self.tree.root and n.host is not None:
+            heapq.heappush(self._host_heap, (n.last_access, n.node_id, n))
+
+    def _device_evictable(self, n: Node) -> bool:
+        return (n.device is not None and n.lock_ref == 0 and n.host_pending is None and not n.evict_after_backup
+                and n.device_leaf() and n.parent is not None)
+
+    def _host_evictable(self, n: Node) -> bool:
+        return (n.host is not None and n.device is None and n.loading is None and n.host_pending is None
+                and n.lock_ref == 0 and not n.children and n.parent is not None
+                and not any(d.hex() in self._l3_pending for d in n.digests))
+
+    def _alloc_device(self, n: int) -> list[PageId] | None:
+        """``n`` device pages, evicting LRU device leaves; None if that cannot free enough now."""
+        rescanned = False
+        while self.device.free < n:
+            if not self._dev_heap:
+                if rescanned:
+                    return None
+                rescanned = True
+                for node in self.tree.nodes():
+                    self._push_dev(node)
+                continue
+            _, _, node = heapq.heappop(self._dev_heap)
+            if not self._device_evictable(node) or node.parent is None:
+                continue
+            self._evict_device(node)
+        try:
+            return self.device.alloc(n)
+        except PoolExhausted:
+            return None
+
+    def _evict_device(self, n: Node) -> None:
+        if n.host is not None:
+            self._drop_device(n)
+        elif self.config.write_policy is WritePolicy.WRITE_BACK and self.config.host_pages:
+            self._write_back(n)
+        else:
+            self._drop_device(n)
+
+    def _drop_device(self, n: Node) -> None:
+        assert n.device is not None
+        self.device.release(n.device)
+        n.device = None
+        self._removed(list(n.hashes), StorageTier.DEVICE)
+        parent = n.parent
+        if n.host is None and n.host_pending is None:
+            assert not n.children, f"node {n.node_id} dropped with children"
+            self.tree.remove(n)
+            n.parent = None
+        if parent is not None:
+            self._push_dev(parent)
+            self._push_host(parent)
+
+    def _alloc_host(self, n: int, protect: Node | None = None) -> list[PageId] | None:
+        if self.config.host_pages == 0:
+            return None
+        rescanned = False
+        while self.host.free < n:
+            if not self._host_heap:
+                if rescanned:
+                    return None
+                rescanned = True
+                for node in self.tree.nodes():
+                    self._push_host(node)
+                continue
+            _, _, node = heapq.heappop(self._host_heap)
+            if node is protect or node.parent is None or not self._host_evictable(node):
+                continue
+            self._evict_host(node)
+        try:
+            return self.host.alloc(n)
+        except PoolExhausted:
+            return None
+
+    def _evict_host(self, n: Node) -> None:
+        assert n.host is not None
+        self.host.release(n.host)
+        n.host = None
+        self._removed(list(n.hashes), StorageTier.HOST)
+        parent = n.parent
+        self.tree.remove(n)
+        n.parent = None
+        if parent is not None:
+            self._push_host(parent)
+            self._push_dev(parent)
+
+    def evict_device(self, pages: int) -> int:
+        """Frees at least ``pages`` device pages if possible; returns how many are free."""
+        got = self._alloc_device(pages)
+        if got is not None:
+            self.device.release(got)
+        return self.device.free
+
+    def evict_host(self, pages: int) -> int:
+        got = self._alloc_host(pages)
+        if got is not None:
+            self.host.release(got)
+        return self.host.free
+
+    # --- whole-cache operations ------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Drops everything on every tier and publishes ``AllBlocksCleared``."""
+        self.dp.reset()
+        for info in self._ops.values():
+            if info.op.kind is CopyKind.H2S and self.store is not None:
+                for k in info.op.keys:
+                    if self.store.is_pending(k):
+                        self.store.abort(k)
+            if info.op.kind is CopyKind.S2H and self.store is not None:
+                self.store.unpin(info.op.keys)
+        self._ops.clear()
+        self._node_ops.clear()
+        self._l3_pending.clear()
+        self.tree = RadixTree(self.config.page_size)
+        self.tree.on_split = self._on_split
+        self.device.reset()
+        self.host.reset()
+        self._dev_heap.clear()
+        self._host_heap.clear()
+        if self.store is not None:
+            if self.store.shared:
+                self.store.withdraw(self.name)
+            else:
+                self.store.clear()
+        self._announced.clear()
+        self._events.append(AllBlocksCleared())
+
+    def residency(self) -> dict[StorageTier, set[int]]:
+        """Per tier, the event hashes of the pages this engine holds and has announced."""
+        out: dict[StorageTier, set[int]] = {t: set() for t in StorageTier}
+        for n in self.tree.nodes():
+            if n.device is not None:
+                out[StorageTier.DEVICE].update(n.hashes)
+            if n.host is not None:
+                out[StorageTier.HOST].update(n.hashes)
+        if self.store is not None:
+            out[self.store.tier].update(self._announced.values())
+        return out
+
+    def dump_events(self, max_events: int = 256) -> list[EventBatch]:
+        """The whole current state as BlockStored events, parents first (for resync)."""
+        saved, self._events = self._events, []
+        for n in self.tree.nodes():
+            if n.device is not None:
+                self._stored(n, StorageTier.DEVICE)
+            if n.host is not None:
+                self._stored(n, StorageTier.HOST)
+        if self.store is not None:
+            for key in self.store.announced_by(self.name):
+                if key in self._announced:
+                    meta = self.store.meta(key)
+                    self._announce(key, meta)
+        events, self._events = self._events, saved
+        return [EventBatch(ts=0.0, events=events[i:i + max_events]) for i in range(0, len(events), max_events)]
+
+    def _check(self) -> None:
+        """Asserts the tree's, the pools' and the bookkeeping's invariants."""
+        self.tree._check()
+        self.device._check()
+        self.host._check()
+        dev_pages = [p for n in self.tree.nodes() for p in (n.device or []) + (n.loading or [])]
+        host_pages = [p for n in self.tree.nodes() for p in (n.host or []) + (n.host_pending or [])]
+        assert len(dev_pages) == len(set(dev_pages)), "a device page is owned twice"
+        assert len(host_pages) == len(set(host_pages)), "a host page is owned twice"
+        prefetching = sum(len(i.op.dst) for i in self._ops.values() if i.op.kind is CopyKind.S2H)
+        assert len(host_pages) + prefetching == self.host.used, (
+            f"host pool: {self.host.used} used, tree holds {len(host_pages)}, prefetch {prefetching}")
+        assert len(dev_pages) <= self.device.used, "tree holds unallocated device pages"
+        if self.store is not None:
+            self.store._check()
+            for k in self._announced:
+                assert k in self.store, f"announced L3 page {k} is not in the store"

@@ -1,0 +1,194 @@
+"""Page-granular radix tree over token ids, with per-node tier residency.
+
+A node holds a run of whole pages (``tokens`` is a multiple of ``page_size``) and
+the residency of those pages: device page ids, host page ids, and in-flight copies.
+Children are keyed by their first page's tokens. ``match`` splits a node when a
+query diverges inside it, so a node's pages always share one residency.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.hashing import ROOT_DIGEST, chain, event_hash
+from engine.pool import PageId
+
+_ids = itertools.count()
+
+
+@dataclass(slots=True, eq=False)
+class Node:
+    """A run of pages. Invariants are listed on :class:`RadixTree`."""
+
+    parent: Node | None  # None only for the root
+    tokens: list[int]  # page_size * pages token ids
+    digests: list[bytes]  # SHA-256 chain digest per page
+    hashes: list[int]  # event hash per page
+    children: dict[tuple[int, ...], Node] = field(default_factory=dict)  # by first page tokens
+    device: list[PageId] | None = None  # device pages (acknowledged), or None if not on device
+    host: list[PageId] | None = None  # host pages (acknowledged backup), or None
+    host_pending: list[PageId] | None = None  # host pages of an in-flight device->host copy
+    loading: list[PageId] | None = None  # device pages of an in-flight host->device load
+    evict_after_backup: bool = False  # write-back: free device pages once the backup lands
+    want_backup: bool = False  # write-back: back up once the parent's copy lands
+    lock_ref: int = 0  # in-flight requests using this node or a descendant
+    last_access: int = 0  # logical time of the last use (LRU)
+    hits: int = 0  # prefix matches through this node (write_through_selective)
+    node_id: int = field(default_factory=lambda: next(_ids))  # stable tie-break for LRU
+
+    @property
+    def pages(self) -> int:
+        return len(self.hashes)
+
+    def parent_hash(self) -> int | None:
+        """Event hash of the page before this node's first page, None under the root."""
+        p = self.parent
+        return p.hashes[-1] if p is not None and p.hashes else None
+
+    def parent_digest(self) -> bytes:
+        p = self.parent
+        return p.digests[-1] if p is not None and p.digests else ROOT_DIGEST
+
+    def device_leaf(self) -> bool:
+        return all(c.device is None and c.loading is None for c in self.children.values())
+
+
+class RadixTree:
+    """The tree; residency bookkeeping lives in :class:`engine.cache.TieredCache`.
+
+    Invariants (asserted by :meth:`_check`):
+
+    * every non-root node has >= 1 page and ``len(tokens) == pages * page_size``;
+    * digests chain from the parent's last digest; hashes are their event hashes;
+    * a child is keyed by its first page's tokens and points back at its parent;
+    * device residency is prefix-closed: a node on device has its parent on device;
+    * host residency is prefix-closed: a node with a host copy has a parent with one;
+    * a node is on some tier (device, host, or a copy in flight), else it is removed.
+    """
+
+    def __init__(self, page_size: int) -> None:
+        if page_size <= 0:
+            raise ValueError(f"page_size must be positive, got {page_size}")
+        self.page_size = page_size
+        self.root = Node(None, [], [], [])
+        self.clock = 0
+        #: Called as on_split(front, back) after a split, so copies in flight cover both.
+        self.on_split: Callable[[Node, Node], None] | None = None
+
+    def tick(self) -> int:
+        self.clock += 1
+        return self.clock
+
+    def page_key(self, tokens: list[int], page: int) -> tuple[int, ...]:
+        ps = self.page_size
+        return tuple(tokens[page * ps:(page + 1) * ps])
+
+    def match(self, tokens: list[int]) -> list[Node]:
+        """Nodes covering the longest cached page prefix of ``tokens``, splitting the last
+        one if the query diverges inside it. O(matched tokens)."""
+        ps = self.page_size
+        pages = len(tokens) // ps
+        node, pos, path = self.root, 0, []
+        now = self.tick()
+        while pos < pages:
+            child = node.children.get(self.page_key(tokens, pos))
+            if child is None:
+                break
+            k = 1
+            while k < child.pages and pos + k < pages and \
+                    child.tokens[k * ps:(k + 1) * ps] == tokens[(pos + k) * ps:(pos + k + 1) * ps]:
+                k += 1
+            if k < child.pages:
+                child = self.split(child, k)
+            child.last_access = now
+            path.append(child)
+            pos += k
+            node = child
+        return path
+
+    def split(self, node: Node, k: int) -> Node:
+        """Cuts ``node`` after ``k`` pages; returns the new front node (its parent now). O(pages)."""
+        assert 0 < k < node.pages, f"split at {k} of a {node.pages}-page node"
+        ps = self.page_size
+        parent = node.parent
+        assert parent is not None, "cannot split the root"
+
+        def cut(pages: list[PageId] | None) -> tuple[list[PageId] | None, list[PageId] | None]:
+            return (None, None) if pages is None else (pages[:k], pages[k:])
+
+        front = Node(parent, node.tokens[:k * ps], node.digests[:k], node.hashes[:k])
+        front.device, node.device = cut(node.device)
+        front.host, node.host = cut(node.host)
+        front.host_pending, node.host_pending = cut(node.host_pending)
+        front.loading, node.loading = cut(node.loading)
+        front.evict_after_backup = False  # only the evicted leaf frees its pages after backup
+        front.want_backup = node.want_backup
+        front.lock_ref, front.last_access, front.hits = node.lock_ref, node.last_access, node.hits
+        node.tokens, node.digests, node.hashes = node.tokens[k * ps:], node.digests[k:], node.hashes[k:]
+        parent.children[tuple(front.tokens[:ps])] = front
+        front.children[tuple(node.tokens[:ps])] = node
+        node.parent = front
+        if self.on_split is not None:
+            self.on_split(front, node)
+        return front
+
+    def add_child(self, parent: Node, tokens: list[int]) -> Node:
+        """A new node under ``parent`` for whole pages of ``tokens`` (no residency yet)."""
+        ps = self.page_size
+        assert tokens and len(tokens) % ps == 0, f"{len(tokens)} tokens is not whole pages of {ps}"
+        key = tuple(tokens[:ps])
+        assert key not in parent.children, "a child with that first page exists"
+        digests = chain(parent.digests[-1] if parent.digests else ROOT_DIGEST, tokens, ps)
+        node = Node(parent, list(tokens), digests, [event_hash(d) for d in digests])
+        node.last_access = self.tick()
+        parent.children[key] = node
+        return node
+
+    def remove(self, node: Node) -> None:
+        """Unlinks a childless node."""
+        assert not node.children, "removing a node that has children"
+        assert node.parent is not None, "removing the root"
+        del node.parent.children[tuple(node.tokens[:self.page_size])]
+
+    def nodes(self) -> list[Node]:
+        """Every non-root node, parents before children. O(nodes)."""
+        out: list[Node] = []
+        stack = list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            out.append(n)
+            stack.extend(n.children.values())
+        return out
+
+    def path_to_root(self, node: Node) -> list[Node]:
+        """``node`` and its ancestors below the root, root-most first."""
+        out = []
+        n: Node | None = node
+        while n is not None and n is not self.root:
+            out.append(n)
+            n = n.parent
+        out.reverse()
+        return out
+
+    def _check(self) -> None:
+        ps = self.page_size
+        for n in self.nodes():
+            p = n.parent
+            assert p is not None, "non-root node without parent"
+            assert n.pages >= 1 and len(n.tokens) == n.pages * ps, f"node {n.node_id}: bad page count"
+            assert len(n.digests) == n.pages, f"node {n.node_id}: digests out of sync"
+            assert p.children.get(tuple(n.tokens[:ps])) is n, f"node {n.node_id}: not keyed in its parent"
+            assert n.digests == chain(n.parent_digest(), n.tokens, ps), f"node {n.node_id}: broken digest chain"
+            assert n.hashes == [event_hash(d) for d in n.digests], f"node {n.node_id}: hashes out of sync"
+            for name in ("device", "host", "host_pending", "loading"):
+                pages = getattr(n, name)
+                assert pages is None or len(pages) == n.pages, f"node {n.node_id}: {name} length"
+            if n.device is not None and p is not self.root:
+                assert p.device is not None, f"node {n.node_id} on device under a device-evicted parent"
+            if n.host is not None and p is not self.root:
+                assert p.host is not None, f"node {n.node_id} backed up under a parent without backup"
+            assert (n.device is not None or n.host is not None or n.host_pending is not None
+                    or n.loading is not None), f"node {n.node_id} is on no tier"
+            assert n.lock_ref >= 0, f"node {n.node_id}: negative lock_ref"

@@ -1,0 +1,262 @@
+"""One test per row of SPEC section 1's transition table, plus write and prefetch policies."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.cache import CacheConfig, PrefetchPolicy, WritePolicy
+from engine.hashing import chain, event_hash
+from engine.storage import PageStore
+from indexer import AllBlocksCleared, BlockRemoved, BlockStored, Event, StorageTier, WorkerId
+from indexer.index import TieredIndex
+from indexer.stream import StreamId
+from tests.engine_harness import Harness
+
+PS = 4
+
+
+def toks(start: int, pages: int) -> list[int]:
+    return list(range(start, start + pages * PS))
+
+
+def hashes(tokens: list[int]) -> list[int]:
+    return [event_hash(d) for d in chain(b"", tokens, PS)]
+
+
+def kinds(events: list[Event]) -> list[tuple[str, str]]:
+    return [(type(e).__name__, getattr(e, "medium", "") or "") for e in events]
+
+
+def test_sglang_hash_scheme_matches_wire_vectors() -> None:
+    assert hashes(list(range(100, 116))) == [
+        -7118152853857507680, -5037572900866013165, -8052603281837994718, 5043830065565855565]
+
+
+def test_insert_emits_gpu_store_at_once_and_host_after_ack() -> None:
+    h = Harness(CacheConfig(page_size=PS, device_pages=16, host_ratio=2.0))
+    t = toks(0, 3) + [7]  # trailing partial page is not cached
+    h.run("r", t)
+    assert kinds(h.log) == [("BlockStored", "GPU")]  # the backup is still in flight
+    ev = h.log[0]
+    assert isinstance(ev, BlockStored) and ev.block_hashes == hashes(t) and ev.parent_block_hash is None
+    assert kinds(h.advance(1.0)) == []  # 3 pages take 3 s
+    assert kinds(h.advance(2.5)) == [("BlockStored", "CPU_PINNED")]
+
+
+def test_device_eviction_with_host_copy_removes_gpu_only() -> None:
+    h = Harness(CacheConfig(page_size=PS, device_pages=4, host_ratio=2.0))
+    a = toks(0, 4)
+    h.run("a", a)
+    h.settle()
+    h.log.clear()
+    h.run("b", toks(1000, 4))  # needs all 4 device pages: evicts a (backed up)
+    assert ("BlockRemoved", "GPU") in kinds(h.log)
+    removed = next(e for e in h.log if isinstance(e, BlockRemoved))
+    assert removed.block_hashes == hashes(a)
+    assert h.cache.residency()[StorageTier.HOST] >= set(hashes(a))
+
+
+def test_device_eviction_without_host_copy_drops_node() -> None:
+    h = Harness(CacheConfig(page_size=PS, device_pages=4, host_ratio=0.0))
+    h.run("a", toks(0, 4))
+    h.run("b", toks(1000, 4))
+    assert kinds(h.log) == [("BlockStored", "GPU"), ("BlockRemoved", "GPU"), ("BlockStored", "GPU")]
+    assert len(h.cache.tree.nodes()) == 1
+
+
+def test_host_eviction_only_of_device_evicted_unlocked_leaves() -> None:
+    h = Harness(CacheConfig(page_size=PS, device_pages=4, host_ratio=1.0))
+    h.run("a", toks(0, 4))
+    h.settle()
+    h.log.clear()
+    h.run("b", toks(1000, 4))  # a leaves the device; b's backup then needs a's host pages
+    h.settle()
+    assert kinds(h.log) == [("BlockRemoved", "GPU"), ("BlockStored", "GPU"), ("BlockRemoved", "CPU_PINNED"),
+                            ("BlockStored", "CPU_PINNED")]
+    assert h.log[0].block_hashes == h.log[2].block_hashes == hashes(toks(0, 4))  # type: ignore[union-attr]
+
+
+def test_load_back_emits_gpu_store_after_the_copy() -> None:
+    h = Harness(CacheConfig(page_size=PS, device_pages=8, host_ratio=2.0))
+    a = toks(0, 4)
+    h.run("a", a)
+    h.settle()
+    h.run("b", toks(1000, 4))
+    h.run("c", toks(2000, 4))  # a is now host-only
+    h.settle()
+    h.log.clear()
+    adm = h.cache.admit("a2", a)
+    h.deliver()
+    assert adm.host_pages == 4 and h.cache.waiting_for(adm)
+    assert ("BlockStored", "GPU") not in kinds(h.log)  # submitted, not acknowledged
+    h.advance(2.0)
+    assert h.cache.waiting_for(adm)
+    events = h.advance(2.5)
+    assert ("BlockStored", "GPU") in kinds(events) and not h.cache.waiting_for(adm)
+    plan = h.cache.begin_prefill(adm)
+    assert plan is not None and plan.cached_tokens == 16 and plan.compute_tokens == 0
+
+
+def test_recompute_into_host_only_node_emits_gpu_store() -> None:
+    h = Harness(CacheConfig(page_size=PS, device_pages=4, host_ratio=2.0, load_back=False))
+    a = toks(0, 4)
+    h.run("a", a)
+    h.settle()
+    h.run("b", toks(1000, 4))
+    h.settle()
+    h.log.clear()
+    adm = h.run("a2", a)
+    assert adm.host_pages == 4
+    stored = [e for e in h.log if isinstance(e, BlockStored) and e.medium == "GPU"]
+    assert stored and stored[0].block_hashes == hashes(a)
+
+
+def test_l3_write_and_eviction_emit_disk_events(tmp_path: Path) -> None:
+    store = PageStore(6, tmp_path)
+    h = Harness(CacheConfig(page_size=PS, device_pages=8, host_ratio=2.0), store)
+    h.run("a", toks(0, 4))
+    h.settle()
+    disk = [e for e in h.log if isinstance(e, BlockStored) and e.medium == "DISK"]
+    assert [e.block_hashes[0] for e in disk] == hashes(toks(0, 4))
+    assert [e.parent_block_hash for e in disk] == [None, *hashes(toks(0, 4))[:3]]
+    h.log.clear()
+    h.run("b", toks(1000, 4))
+    h.settle()  # 8 pages into a 6-page store: two leaf pages of `a` go, deepest first
+    removed = [e for e in h.log if isinstance(e, BlockRemoved) and e.medium == "DISK"]
+    assert [x for e in removed for x in e.block_hashes] == hashes(toks(0, 4))[:1:-1]
+    assert len(store) == 6
+
+
+def test_prefetch_from_l3_emits_host_store_then_loads(tmp_path: Path) -> None:
+    store = PageStore(64, tmp_path)
+    cfg = CacheConfig(page_size=PS, device_pages=8, host_ratio=1.5, prefetch_policy=PrefetchPolicy.WAIT_COMPLETE)
+    h = Harness(cfg, store)
+    a = toks(0, 4)
+    h.run("a", a)
+    h.settle()
+    for i in range(3):  # push `a` out of device and host
+        h.run(f"x{i}", toks(1000 * (i + 1), 4))
+        h.settle()
+    assert not h.cache.tree.match(a)
+    h.log.clear()
+    adm = h.cache.admit("a2", a)
+    assert adm.l3_pages == 4 and adm.prefetch_op is not None
+    h.settle()
+    stores = [e.medium for e in h.log if isinstance(e, BlockStored) and e.block_hashes == hashes(a)]
+    assert stores == ["CPU_PINNED", "GPU"]  # prefetched into host, then loaded for the request
+    plan = h.cache.begin_prefill(adm)
+    assert plan is not None and plan.cached_tokens == 16
+
+
+def test_prefetch_threshold_skips_short_hits(tmp_path: Path) -> None:
+    store = PageStore(64, tmp_path)
+    h = Harness(CacheConfig(page_size=PS, device_pages=8, host_ratio=1.5, prefetch_min_pages=8), store)
+    h.run("a", toks(0, 4))
+    h.settle()
+    for i in range(3):
+        h.run(f"x{i}", toks(1000 * (i + 1), 4))
+        h.settle()
+    adm = h.cache.admit("a2", toks(0, 4))
+    assert adm.l3_pages == 0 and adm.prefetch_op is None
+
+
+def test_shared_pool_emits_external_per_announcer() -> None:
+    pool = PageStore(64, shared=True)
+    idx = TieredIndex(PS)
+    h1 = Harness(CacheConfig(page_size=PS, device_pages=8), pool, name="w1", index=idx)
+    h2 = Harness(CacheConfig(page_size=PS, device_pages=8), pool, name="w2", index=idx)
+    h1.run("a", toks(0, 2))
+    h1.settle()
+    assert ("BlockStored", "EXTERNAL") in kinds(h1.log)
+    h2.run("a", toks(0, 2))
+    h2.settle()  # already in the pool: w2 announces without copying
+    assert [e for e in h2.log if isinstance(e, BlockStored) and e.medium == "EXTERNAL"]
+    assert idx.find_matches(toks(0, 2)).shared_pool == 2
+    h1.cache.l3_delete(pool.announced_by("w1")[-1])
+    h1.deliver()
+    h2.deliver()
+    assert idx.find_matches(toks(0, 2)).shared_pool == 1
+    h1.check()
+    h2.check()
+
+
+def test_split_while_backup_pending_publishes_every_fragment() -> None:
+    h = Harness(CacheConfig(page_size=PS, device_pages=16, host_ratio=2.0))
+    a = toks(0, 4)
+    h.run("a", a)  # backup of 4 pages in flight
+    adm = h.cache.admit("b", a[:2 * PS] + toks(500, 2))  # splits the node after 2 pages
+    assert len(h.cache.tree.nodes()) == 2
+    h.log.clear()
+    events = h.advance(5.0)
+    host = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU_PINNED"]
+    ha = hashes(a)
+    assert [(e.block_hashes, e.parent_block_hash) for e in host] == [(ha[:2], None), (ha[2:], ha[1])]
+    h.cache.release(adm)
+
+
+def test_write_through_selective_backs_up_after_threshold() -> None:
+    cfg = CacheConfig(page_size=PS, device_pages=16, write_policy=WritePolicy.WRITE_THROUGH_SELECTIVE,
+                      selective_threshold=2)
+    h = Harness(cfg)
+    a = toks(0, 2)
+    h.run("a", a)
+    h.settle()
+    assert h.cache.residency()[StorageTier.HOST] == set()
+    h.run("a1", a)
+    h.settle()
+    assert h.cache.residency()[StorageTier.HOST] == set()
+    h.run("a2", a)
+    h.settle()
+    assert h.cache.residency()[StorageTier.HOST] == set(hashes(a))
+
+
+def test_write_back_backs_up_on_eviction_then_frees() -> None:
+    cfg = CacheConfig(page_size=PS, device_pages=4, host_ratio=2.0, write_policy=WritePolicy.WRITE_BACK)
+    h = Harness(cfg)
+    a = toks(0, 4)
+    h.run("a", a)
+    h.settle()
+    assert h.cache.residency()[StorageTier.HOST] == set()
+    adm = h.cache.admit("b", toks(1000, 4))
+    assert h.cache.begin_prefill(adm) is None  # the device frees only once a's backup lands
+    h.settle()
+    assert kinds(h.log)[-2:] == [("BlockStored", "CPU_PINNED"), ("BlockRemoved", "GPU")]
+    assert h.cache.begin_prefill(adm) is not None
+    h.cache.finish_prefill(adm)
+    h.cache.release(adm)
+    h.deliver()
+    h.check()
+
+
+def test_children_wait_for_parent_backup() -> None:
+    h = Harness(CacheConfig(page_size=PS, device_pages=16, host_ratio=2.0))
+    a = toks(0, 2)
+    h.run("a", a)
+    h.run("ab", a + toks(900, 2))  # child computed while the parent's backup is in flight
+    h.settle()
+    host = [e for e in h.log if isinstance(e, BlockStored) and e.medium == "CPU_PINNED"]
+    assert [e.parent_block_hash for e in host] == [None, hashes(a)[-1]]
+
+
+def test_reset_clears_everything() -> None:
+    h = Harness(CacheConfig(page_size=PS, device_pages=8), PageStore(16))
+    h.run("a", toks(0, 2))
+    h.cache.reset()
+    h.deliver()
+    assert isinstance(h.log[-1], AllBlocksCleared)
+    assert all(not v for v in h.cache.residency().values())
+    h.settle()
+    h.run("b", toks(0, 2))
+    h.settle()
+
+
+def test_dump_rebuilds_the_same_view(tmp_path: Path) -> None:
+    h = Harness(CacheConfig(page_size=PS, device_pages=8, host_ratio=1.0), PageStore(64, tmp_path))
+    for i in range(5):
+        h.run(f"r{i}", toks(100 * i, 3))
+        h.settle()
+    fresh = Harness(h.config, None, name="w0")
+    fresh.apply_all(h.cache.dump_events())
+    assert fresh.index is not None
+    seen = fresh.index.worker_hashes(StreamId(WorkerId("w0")))
+    assert seen == h.cache.residency()
