@@ -1,0 +1,54 @@
+"""A cache behind a ZMQ publisher: what one serving process runs.
+
+The node publishes the cache's events as they are produced and answers state-dump
+requests (kvtier's resync extension) with the cache's whole current residency,
+consistent with the last live batch: both happen under one lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from engine.cache import TieredCache
+from indexer.codec import WireFormat
+from indexer.protocol import EventBatch
+from indexer.publisher import Publisher
+
+
+class EngineNode:
+    """Publishes a :class:`TieredCache`'s events; thread-safe through :attr:`lock`."""
+
+    def __init__(self, cache: TieredCache, endpoint: str, replay_endpoint: str | None = None, *,
+                 dp_rank: int | None = None, buffer_size: int = 10_000,
+                 wire_format: WireFormat = WireFormat.SGLANG, clock: Callable[[], float] = time.time) -> None:
+        self.cache = cache
+        self.dp_rank = dp_rank
+        self.clock = clock
+        self.lock = threading.RLock()  # guards the cache and the publisher's live socket
+        self.publisher = Publisher(endpoint, replay_endpoint, buffer_size=buffer_size, wire_format=wire_format,
+                                   dump_provider=self._dump)
+
+    def flush(self) -> int | None:
+        """Publishes pending events as one batch; returns its seq, or None if there were none."""
+        with self.lock:
+            batch = self.cache.flush_events(ts=self.clock(), dp_rank=self.dp_rank)
+            return None if batch is None else self.publisher.publish(batch)
+
+    def step(self) -> int | None:
+        """Handles completed copies and publishes what they changed."""
+        with self.lock:
+            self.cache.poll()
+            return self.flush()
+
+    def _dump(self) -> tuple[int, list[EventBatch]]:
+        with self.lock:
+            self.flush()  # everything before the dump is live, so the dump's seq covers it
+            batches = self.cache.dump_events()
+            for b in batches:
+                b.dp_rank = self.dp_rank
+            return self.publisher.last_seq, batches
+
+    def close(self) -> None:
+        self.publisher.close()
