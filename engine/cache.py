@@ -19,6 +19,7 @@ from engine.pool import PageId, PagePool, PoolExhausted
 from engine.radix import Node, RadixTree
 from engine.storage import PageMeta, PageStore
 from indexer.codec import medium_spelling
+from indexer.overlap import TierOverlap
 from indexer.protocol import (
     AllBlocksCleared,
     BlockRemoved,
@@ -674,6 +675,50 @@ class TieredCache:
                 self.store.clear()
         self._announced.clear()
         self._events.append(AllBlocksCleared())
+
+    def peek_overlap(self, tokens: list[int]) -> TierOverlap:
+        """Cumulative tier overlap of ``tokens`` in pages, read from this cache without side
+        effects (no split, no LRU touch), with the index's semantics: what an index that has
+        received every event would answer for this worker. O(prompt)."""
+        ps = self.config.page_size
+        pages = len(tokens) // ps
+        node, pos = self.tree.root, 0
+        device = -1
+        while pos < pages:
+            child = node.children.get(self.tree.page_key(tokens, pos))
+            if child is None:
+                break
+            k = 1
+            while k < child.pages and pos + k < pages and \
+                    child.tokens[k * ps:(k + 1) * ps] == tokens[(pos + k) * ps:(pos + k + 1) * ps]:
+                k += 1
+            if child.device is None and device < 0:
+                device = pos
+            if child.device is None and child.host is None:
+                break  # only in flight towards host: not announced on any tier yet
+            pos += k
+            node = child
+            if k < child.pages:
+                break
+        host = pos
+        device = host if device < 0 else device
+        disk = ext = host
+        if self.store is not None and host < pages:
+            from engine.hashing import chain
+
+            start = node.digests[-1] if node.digests else b""
+            run = 0
+            for d in chain(start, tokens[host * ps:pages * ps], ps):
+                key = d.hex()
+                ok = key in self._announced if not self.store.shared else self.store.is_announced(key)
+                if not ok:
+                    break
+                run += 1
+            if self.store.shared:
+                ext = host + run
+            else:
+                disk = ext = host + run
+        return TierOverlap(device, host, disk, ext)
 
     def residency(self) -> dict[StorageTier, set[int]]:
         """Per tier, the event hashes of the pages this engine holds and has announced."""

@@ -99,6 +99,11 @@ class PageStore:
         keys = [k for k, e in self._entries.items() if engine in e.announcers]
         return sorted(keys, key=lambda k: self._entries[k].meta.depth)
 
+    def is_announced(self, key: str) -> bool:
+        """Committed and announced by at least one engine."""
+        e = self._entries.get(key)
+        return e is not None and bool(e.announcers)
+
     def announce(self, key: str, engine: EngineTag) -> bool:
         """Marks a committed page as announced by ``engine``; True if it was not already."""
         e = self._entries[key]

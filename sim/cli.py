@@ -1,34 +1,195 @@
-"""The ``kvtier`` command line."""
+"""The ``kvtier`` command line: replay, compare, sweep, gen-trace, indexer."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import logging
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
+from engine.cache import PrefetchPolicy, WritePolicy
 from indexer.service import ConfigError, ServiceConfig, load_config, parse_endpoint, serve
+from sim.cluster import ClusterConfig
+from sim.generators import PRESETS, generate
+from sim.policies import POLICIES
+from sim.run import RunConfig, RunResult
+from sim.trace import TraceError, write_mooncake
+
+DEFAULT_POLICIES = "round_robin,least_loaded,approx,kv_device,kv_host,kv_all,oracle"
 
 
-def _indexer_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("indexer", help="subscribe to engines' KV events and answer overlap queries over HTTP",
-                       description="Subscribes to engine ZMQ endpoints, keeps the tiered index, "
-                                   "serves POST /query, GET /metrics and GET /health.")
-    p.add_argument("--config", type=Path, help="TOML file with settings and [[endpoints]] tables")
-    p.add_argument("--endpoint", action="append", default=[], metavar="SPEC",
-                   help="WORKER=tcp://host:port[,replay=tcp://host:port][,dp=N][,dump] (repeatable)")
-    p.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
-    p.add_argument("--listen", help="HTTP host:port (default 127.0.0.1:8000)")
-    p.add_argument("--cost", choices=["credit", "ttft"], help="routing cost model (default credit)")
-    p.set_defaults(func=_run_indexer)
+class CliError(Exception):
+    """A usage problem reported as ``kvtier: error: ...`` with exit status 2."""
 
 
-def _run_indexer(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config) if args.config else ServiceConfig(endpoints=[])
-    eps = cfg.endpoints + [parse_endpoint(s) for s in args.endpoint]
-    overrides = {k: v for k, v in (("block_size", args.block_size), ("listen", args.listen),
-                                    ("cost", args.cost)) if v is not None}
+# --- shared options ------------------------------------------------------------------------
+
+
+def _add_trace_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", default="builtin:chat",
+                   help="Mooncake JSONL, Azure CSV, or builtin:chat|agentic|sysprompt[:N] (default builtin:chat)")
+    p.add_argument("--limit", type=int, help="use only the first N requests")
+    p.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times (<1 = higher load)")
+    p.add_argument("--trace-seed", type=int, default=0, help="seed of builtin traces")
+
+
+def _add_cluster_args(p: argparse.ArgumentParser) -> None:
+    d = ClusterConfig()
+    g = p.add_argument_group("cluster")
+    g.add_argument("--workers", type=int, default=d.workers)
+    g.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page / router block")
+    g.add_argument("--device-tokens", type=int, default=d.device_tokens, help="device KV per worker, tokens")
+    g.add_argument("--host-ratio", type=float, default=d.host_ratio, help="host / device capacity (0: no host)")
+    g.add_argument("--l3", choices=["none", "disk", "external"], default=d.l3, help="storage tier")
+    g.add_argument("--l3-tokens", type=int, default=d.l3_tokens, help="disk per worker, or the pool, in tokens")
+    g.add_argument("--model", default=d.model, help="KV size preset (bytes per token)")
+    g.add_argument("--write-policy", choices=[w.value for w in WritePolicy], default=d.write_policy.value)
+    g.add_argument("--prefetch-policy", choices=[p.value for p in PrefetchPolicy], default=d.prefetch_policy.value)
+    g.add_argument("--prefill-budget", type=int, default=d.prefill_budget, help="chunked-prefill tokens/iteration")
+    g.add_argument("--max-running", type=int, default=d.max_running)
+    g.add_argument("--h2d-gbps", type=float, default=d.h2d_gbps)
+    g.add_argument("--storage-gbps", type=float, default=d.storage_gbps)
+
+
+def _add_router_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("router")
+    g.add_argument("--cost", choices=["credit", "ttft"], default="credit", help="cost model of kv policies")
+    g.add_argument("--event-delay", type=float, default=0.0, help="engine -> router event delay, seconds")
+    g.add_argument("--event-loss", type=float, default=0.0, help="probability an event batch is lost")
+    g.add_argument("--host-credit", type=float, default=0.75)
+    g.add_argument("--disk-credit", type=float, default=0.25)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=0)
+
+
+def _cluster(a: argparse.Namespace) -> ClusterConfig:
+    cfg = ClusterConfig(workers=a.workers, page_size=a.page_size, device_tokens=a.device_tokens,
+                        host_ratio=a.host_ratio, l3=a.l3, l3_tokens=a.l3_tokens, model=a.model,
+                        write_policy=WritePolicy(a.write_policy), prefetch_policy=PrefetchPolicy(a.prefetch_policy),
+                        prefill_budget=a.prefill_budget, max_running=a.max_running, h2d_gbps=a.h2d_gbps,
+                        storage_gbps=a.storage_gbps)
+    try:
+        cfg.validate()
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    return cfg
+
+
+def _run_cfg(a: argparse.Namespace, policy: str) -> RunConfig:
+    if policy not in POLICIES:
+        raise CliError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
+    return RunConfig(policy, a.cost, a.event_delay, a.event_loss, a.host_credit, a.disk_credit, a.temperature,
+                     a.seed)
+
+
+def _trace(a: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from sim.experiment import resolve_trace
+
+    try:
+        return resolve_trace(a.trace, limit=a.limit, seed=a.trace_seed, time_scale=a.time_scale)
+    except (TraceError, FileNotFoundError, ValueError) as exc:
+        raise CliError(str(exc)) from None
+
+
+def _meta(a: argparse.Namespace, n_requests: int) -> dict[str, Any]:
+    return {"trace": a.trace, "requests": n_requests, "time_scale": a.time_scale,
+            "cluster": dataclasses.asdict(_cluster(a)), "cost": a.cost, "event_delay_s": a.event_delay,
+            "event_loss": a.event_loss}
+
+
+def _tick(bar: Any) -> None:
+    bar.update(1)
+
+
+# --- commands ------------------------------------------------------------------------------
+
+
+def _compare(a: argparse.Namespace, policies: list[str]) -> int:
+    from sim.experiment import Job, run_jobs
+    from sim.report import plot, table, write_csv, write_json
+
+    trace = _trace(a)
+    cluster = _cluster(a)
+    jobs = [Job(tuple(trace), cluster, _run_cfg(a, p), {"policy": p}) for p in policies]
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"kvtier: {len(trace)} requests from {a.trace}, {cluster.workers} workers, "
+          f"{cluster.device_tokens:,} device tokens each, host x{cluster.host_ratio:g}, l3={cluster.l3}; "
+          f"policies: {', '.join(policies)}", file=sys.stderr)
+    t0 = time.monotonic()
+    from tqdm import tqdm
+
+    with tqdm(total=len(jobs), desc="runs", unit="run", disable=None) as bar:
+        results = run_jobs(jobs, processes=a.jobs, on_done=lambda tag, res: _tick(bar))
+    summaries = [res.summary for _, res in results]
+    runs: dict[str, list[Any]] = {res.summary.policy: res.records for _, res in results}
+    print(table(summaries))
+    write_json(out_dir / "summary.json", summaries, _meta(a, len(trace)))
+    write_csv(out_dir / "requests.csv", runs)
+    written = [out_dir / "summary.json", out_dir / "requests.csv"]
+    if not a.no_plots:
+        written += plot(out_dir, summaries, runs, f"{a.trace}, {cluster.workers} workers")
+    print(f"\nwrote {', '.join(str(p) for p in written)} in {time.monotonic() - t0:.1f} s", file=sys.stderr)
+    return 0
+
+
+def cmd_compare(a: argparse.Namespace) -> int:
+    return _compare(a, [p.strip() for p in a.policies.split(",") if p.strip()])
+
+
+def cmd_replay(a: argparse.Namespace) -> int:
+    a.jobs = 1
+    return _compare(a, [a.policy])
+
+
+def cmd_sweep(a: argparse.Namespace) -> int:
+    from sim.experiment import grid_jobs, parse_grid, run_jobs
+    from sim.report import table
+
+    try:
+        grid = parse_grid(a.grid)
+        jobs = grid_jobs(_trace(a), _cluster(a), _run_cfg(a, a.policy), grid)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"kvtier sweep: {len(jobs)} runs over {', '.join(grid)}"
+          f" on {'Ray' if a.ray else 'a local process pool'}", file=sys.stderr)
+    from tqdm import tqdm
+
+    with tqdm(total=len(jobs), desc="runs", unit="run", disable=None) as bar:
+        results = run_jobs(jobs, processes=a.jobs, use_ray=a.ray, on_done=lambda tag, res: _tick(bar))
+    rows = []
+    summaries = []
+    for tag, res in results:
+        s = res.summary
+        s.policy = " ".join(f"{k}={v}" for k, v in tag.items())
+        summaries.append(s)
+        rows.append({**tag, **{k: v for k, v in s.as_dict().items() if k not in ("policy", "extra")}})
+    print(table(summaries))
+    (out_dir / "sweep.json").write_text(json.dumps(rows, indent=2, default=str))
+    print(f"\nwrote {out_dir / 'sweep.json'}", file=sys.stderr)
+    return 0
+
+
+def cmd_gen_trace(a: argparse.Namespace) -> int:
+    spec = replace(PRESETS[a.kind], requests=a.requests, **({"rate": a.rate} if a.rate else {}))
+    reqs = generate(spec, a.seed)
+    write_mooncake(reqs, Path(a.output))
+    print(f"wrote {len(reqs)} {a.kind} requests over {reqs[-1].arrival:.0f} s to {a.output}", file=sys.stderr)
+    return 0
+
+
+def cmd_indexer(a: argparse.Namespace) -> int:
+    cfg = load_config(a.config) if a.config else ServiceConfig(endpoints=[])
+    eps = cfg.endpoints + [parse_endpoint(s) for s in a.endpoint]
+    overrides = {k: v for k, v in (("block_size", a.block_size), ("listen", a.listen), ("cost", a.cost))
+                 if v is not None}
     cfg = replace(cfg, endpoints=eps, **overrides)
     if not cfg.endpoints:
         raise ConfigError("give at least one --endpoint or a --config with [[endpoints]]")
@@ -40,7 +201,56 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description="KV-cache-aware routing toolkit")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
-    _indexer_parser(sub)
+
+    p = sub.add_parser("compare", help="several routing policies on one trace and cluster; table, JSON, CSV, plots")
+    _add_trace_args(p)
+    _add_cluster_args(p)
+    _add_router_args(p)
+    p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated, from {', '.join(POLICIES)}")
+    p.add_argument("--out", default="out/compare", help="output directory")
+    p.add_argument("--jobs", type=int, help="parallel processes (default: one per core)")
+    p.add_argument("--no-plots", action="store_true")
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("replay", help="one policy on one trace")
+    _add_trace_args(p)
+    _add_cluster_args(p)
+    _add_router_args(p)
+    p.add_argument("--policy", default="kv_all", help=f"one of {', '.join(POLICIES)}")
+    p.add_argument("--out", default="out/replay")
+    p.add_argument("--no-plots", action="store_true")
+    p.set_defaults(func=cmd_replay)
+
+    p = sub.add_parser("sweep", help="a grid over cluster and router settings")
+    _add_trace_args(p)
+    _add_cluster_args(p)
+    _add_router_args(p)
+    p.add_argument("--policy", default="kv_all", help="policy unless the grid has a policy axis")
+    p.add_argument("--grid", nargs="+", required=True, metavar="NAME=V1,V2",
+                   help="axes, e.g. device_tokens=65536,131072 host_ratio=0,2 policy=kv_device,kv_all")
+    p.add_argument("--out", default="out/sweep")
+    p.add_argument("--jobs", type=int, help="parallel processes (default: one per core)")
+    p.add_argument("--ray", action="store_true", help="run on a Ray cluster (RAY_ADDRESS or a local one)")
+    p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("gen-trace", help="write a seeded synthetic trace as Mooncake JSONL")
+    p.add_argument("--kind", choices=sorted(PRESETS), default="chat")
+    p.add_argument("--requests", type=int, default=1000)
+    p.add_argument("--rate", type=float, help="new sessions per second (default: the preset's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-o", "--output", required=True)
+    p.set_defaults(func=cmd_gen_trace)
+
+    p = sub.add_parser("indexer", help="subscribe to engines' KV events and answer overlap queries over HTTP",
+                       description="Subscribes to engine ZMQ endpoints, keeps the tiered index, "
+                                   "serves POST /query, GET /metrics and GET /health.")
+    p.add_argument("--config", type=Path, help="TOML file with settings and [[endpoints]] tables")
+    p.add_argument("--endpoint", action="append", default=[], metavar="SPEC",
+                   help="WORKER=tcp://host:port[,replay=tcp://host:port][,dp=N][,dump] (repeatable)")
+    p.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
+    p.add_argument("--listen", help="HTTP host:port (default 127.0.0.1:8000)")
+    p.add_argument("--cost", choices=["credit", "ttft"], help="routing cost model (default credit)")
+    p.set_defaults(func=cmd_indexer)
     return parser
 
 
@@ -50,10 +260,12 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args))
-    except ConfigError as exc:
+    except (ConfigError, CliError) as exc:
         print(f"kvtier: error: {exc}", file=sys.stderr)
         return 2
 
+
+__all__ = ["RunResult", "build_parser", "main"]
 
 if __name__ == "__main__":
     sys.exit(main())

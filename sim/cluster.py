@@ -1,0 +1,320 @@
+"""Simulated workers running the real cache logic on the modeled data path.
+
+A worker does continuous batching: each iteration prefills up to ``prefill_budget``
+uncached prompt tokens (chunked prefill) and decodes one token for every running
+request; its duration comes from the latency model. Iterations with no prefill are
+merged into one closed-form decode run, cut short when new work arrives. Load-back
+and L3 prefetch sit on the critical path of the request that needs them, per the
+cache's prefetch policy.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.cache import Admission, CacheConfig, PrefetchPolicy, TieredCache, WritePolicy
+from engine.datapath import Bandwidths, ModeledDataPath
+from engine.storage import PageStore
+from indexer.latency import PRESETS, LatencyModel, MockerLatency
+from indexer.protocol import EventBatch
+from sim.core import Environment, Timer
+from sim.metrics import RequestRecord
+from sim.trace import Request
+
+
+@dataclass(slots=True, frozen=True)
+class ClusterConfig:
+    """Workers, their caches and links."""
+
+    workers: int = 4  # engine instances
+    page_size: int = 64  # tokens per KV page (= router block size)
+    device_tokens: int = 262_144  # device KV capacity per worker, tokens
+    host_ratio: float = 2.0  # host capacity / device capacity; 0 disables the host tier
+    l3: str = "none"  # "none", "disk" (per worker) or "external" (one pool for all)
+    l3_tokens: int = 4_194_304  # disk capacity per worker, or the pool's total, tokens
+    model: str = "llama-3.1-8b"  # KV bytes per token
+    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH  # device -> host backups
+    prefetch_policy: PrefetchPolicy = PrefetchPolicy.WAIT_COMPLETE  # L3 prefetch waiting
+    prefetch_min_pages: int = 1  # shortest L3 hit worth prefetching
+    prefill_budget: int = 8192  # chunked-prefill tokens per iteration
+    max_running: int = 64  # requests in a batch
+    h2d_gbps: float = 25.0  # host <-> device, GB/s
+    storage_gbps: float = 5.0  # host <-> L3, GB/s
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(
+            page_size=self.page_size, device_pages=self.device_tokens // self.page_size, host_ratio=self.host_ratio,
+            write_policy=self.write_policy, prefetch_policy=self.prefetch_policy,
+            prefetch_min_pages=self.prefetch_min_pages, l3_write_behind=self.l3 != "none")
+
+    def bandwidths(self) -> Bandwidths:
+        return Bandwidths(d2h=self.h2d_gbps * 1e9, h2d=self.h2d_gbps * 1e9, storage_write=self.storage_gbps * 1e9,
+                          storage_read=self.storage_gbps * 1e9)
+
+    def validate(self) -> None:
+        if self.workers < 1:
+            raise ValueError("workers must be >= 1")
+        if self.l3 not in ("none", "disk", "external"):
+            raise ValueError(f"l3 must be 'none', 'disk' or 'external', got {self.l3!r}")
+        if self.model not in PRESETS:
+            raise ValueError(f"unknown model {self.model!r}; known: {sorted(PRESETS)}")
+        if self.device_tokens < self.page_size * 4:
+            raise ValueError("device_tokens must hold at least 4 pages")
+
+
+@dataclass(slots=True, eq=False)
+class Job:
+    """A request inside a worker."""
+
+    req: Request  # from the trace
+    tokens: list[int]  # its prompt
+    record: RequestRecord  # its metrics, filled as it runs
+    adm: Admission | None = None  # its hold on the cache
+    admitted_at: float = 0.0  # when the cache was first asked
+    prefill_left: int = 0  # tokens still to prefill
+    generated: int = 0  # output tokens produced
+    started: bool = False  # prefill began
+
+
+@dataclass(slots=True)
+class _DecodeRun:
+    start: float  # when the run began
+    step: float  # seconds per decode iteration
+    steps: int  # iterations planned
+    timer: Timer  # fires at the end
+
+
+class SimWorker:
+    """One engine: queue, batch, cache. Calls ``on_event`` with each event batch it publishes."""
+
+    def __init__(self, index: int, env: Environment, cfg: ClusterConfig, store: PageStore | None,
+                 on_event: Callable[[int, EventBatch], None], on_first_token: Callable[[Job], None],
+                 on_finish: Callable[[Job], None], latency: LatencyModel | None = None) -> None:
+        self.index = index
+        self.env = env
+        self.cfg = cfg
+        self.latency = latency or MockerLatency()
+        page_bytes = PRESETS[cfg.model].bytes_per_token * cfg.page_size
+        self.dp = ModeledDataPath(page_bytes, lambda: env.now, cfg.bandwidths())
+        self.cache = TieredCache(cfg.cache_config(), self.dp, store, name=f"w{index}")
+        self._on_event = on_event
+        self._on_first_token = on_first_token
+        self._on_finish = on_finish
+        self.queue: deque[Job] = deque()  # arrived, not yet admitted to the cache
+        self.admitted: list[Job] = []  # admitted, waiting for loads or room
+        self.running: list[Job] = []  # prefilling or decoding
+        self._busy_until: Timer | None = None  # the iteration in progress
+        self._decode: _DecodeRun | None = None  # a merged decode run in progress
+        self._wake: Timer | None = None  # next copy completion
+        self.capacity_tokens = cfg.cache_config().device_pages * cfg.page_size
+
+    # --- arrivals and cache bookkeeping --------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        if len(job.tokens) + job.req.output_length > self.capacity_tokens:
+            job.record.rejected = True
+            self._on_finish(job)
+            return
+        self.queue.append(job)
+        self.kick()
+
+    def _flush(self) -> None:
+        batch = self.cache.flush_events(ts=self.env.now)
+        if batch is not None:
+            self._on_event(self.index, batch)
+        self._schedule_wake()
+
+    def _schedule_wake(self) -> None:
+        t = self.dp.next_completion()
+        if t is None or (self._wake is not None and self._wake.time <= t and self._wake.time >= self.env.now):
+            return
+        if self._wake is not None:
+            self._wake.cancel()
+        self._wake = self.env.at(max(t, self.env.now), self._on_copies, priority=1)
+
+    def _on_copies(self) -> None:
+        self._wake = None
+        self.cache.poll()
+        self._flush()
+        self.kick()
+
+    def _ready(self, job: Job) -> bool:
+        adm = job.adm
+        assert adm is not None
+        if self.cache.waiting_for(adm):
+            return False
+        if adm.prefetch_op is None:
+            return True
+        policy = self.cfg.prefetch_policy
+        if policy is PrefetchPolicy.BEST_EFFORT:
+            return True
+        if policy is PrefetchPolicy.TIMEOUT:
+            return self.env.now >= job.admitted_at + self.cache.config.prefetch_timeout_s
+        return False
+
+    def _admit_from_queue(self) -> None:
+        # Admit a bounded number ahead of the batch: admission locks prefixes and starts loads.
+        while self.queue and len(self.admitted) + len(self.running) < self.cfg.max_running:
+            job = self.queue.popleft()
+            job.adm = self.cache.admit(job.req.request_id, job.tokens)
+            job.admitted_at = self.env.now
+            ps = self.cfg.page_size
+            job.record.actual_blocks = job.adm.device_pages + job.adm.host_pages + job.adm.l3_pages
+            job.record.device_tokens = job.adm.device_pages * ps  # refined at prefill start
+            self.admitted.append(job)
+            if self.cfg.prefetch_policy is PrefetchPolicy.TIMEOUT and job.adm.prefetch_op is not None:
+                self.env.after(self.cache.config.prefetch_timeout_s, self.kick)
+        self._flush()
+
+    # --- batching ------------------------------------------------------------------------
+
+    def kick(self) -> None:
+        """New work may be possible: start an iteration, or cut a decode run short."""
+        if self._decode is not None:
+            self._interrupt_decode()
+            return
+        if self._busy_until is None:
+            self._iterate()
+
+    def _start_prefills(self) -> None:
+        ps = self.cfg.page_size
+        for job in list(self.admitted):
+            if len(self.running) >= self.cfg.max_running:
+                break
+            if not self._ready(job):
+                continue
+            assert job.adm is not None
+            plan = self.cache.begin_prefill(job.adm, job.req.output_length)
+            if plan is None and not self.running and not self.dp.ops:
+                self._unlock_others(job)  # nothing will free room: admitted prefixes hold it
+                plan = self.cache.begin_prefill(job.adm, job.req.output_length)
+            if plan is None:
+                break  # no device room: wait for running requests to finish
+            self.admitted.remove(job)
+            rec = job.record
+            cached = plan.cached_tokens
+            rec.device_tokens = min(job.adm.device_pages * ps, cached)
+            rec.host_tokens = min(job.adm.host_pages * ps, cached - rec.device_tokens)
+            rec.storage_tokens = cached - rec.device_tokens - rec.host_tokens
+            rec.recomputed_tokens = plan.compute_tokens
+            rec.prefill_start = self.env.now
+            job.prefill_left = plan.compute_tokens
+            job.started = True
+            self.running.append(job)
+        self._flush()
+
+    def _unlock_others(self, keep: Job) -> None:
+        """Releases every other admission (they re-queue in order) so ``keep`` can get room."""
+        others = [j for j in self.admitted if j is not keep]
+        for j in reversed(others):
+            assert j.adm is not None
+            self.cache.release(j.adm)
+            j.adm = None
+            self.admitted.remove(j)
+            self.queue.appendleft(j)
+
+    def _iterate(self) -> None:
+        self._busy_until = None
+        self._admit_from_queue()
+        self._start_prefills()
+        budget = self.cfg.prefill_budget
+        chunks: list[tuple[Job, int]] = []
+        for job in self.running:
+            if job.prefill_left > 0 and budget > 0:
+                take = min(job.prefill_left, budget)
+                chunks.append((job, take))
+                budget -= take
+        decoders = [j for j in self.running if j.prefill_left == 0]
+        if not chunks and not decoders:
+            return  # idle until an arrival or a copy completion
+        step = self._decode_step() if decoders else 0.0
+        if not chunks:
+            self._start_decode_run(decoders, step)
+            return
+        tokens = sum(t for _, t in chunks)
+        dt = self.latency.prefill_ms(tokens) / 1000.0 + step
+        self._busy_until = self.env.after(dt, lambda: self._end_iteration(chunks, decoders))
+
+    def _decode_step(self) -> float:
+        active = sum(len(j.tokens) + j.generated for j in self.running)
+        return self.latency.decode_ms(active / self.capacity_tokens) / 1000.0
+
+    def _end_iteration(self, chunks: list[tuple[Job, int]], decoders: list[Job]) -> None:
+        for job in decoders:
+            self._advance(job, 1)
+        for job, take in chunks:
+            job.prefill_left -= take
+            if job.prefill_left == 0:
+                assert job.adm is not None
+                self.cache.finish_prefill(job.adm)
+                job.record.first_token = self.env.now
+                self._on_first_token(job)
+                self._advance(job, 1)
+        self._flush()
+        self._iterate()
+
+    def _advance(self, job: Job, steps: int) -> None:
+        job.generated += steps
+        if job.generated >= max(job.req.output_length, 1):
+            job.record.finish = self.env.now
+            assert job.adm is not None
+            self.cache.release(job.adm)
+            self.running.remove(job)
+            self._on_finish(job)
+
+    # --- closed-form decode --------------------------------------------------------------
+
+    def _start_decode_run(self, decoders: list[Job], step: float) -> None:
+        steps = min(max(j.req.output_length, 1) - j.generated for j in decoders)
+        steps = max(steps, 1)
+        timer = self.env.after(steps * step, self._end_decode_run)
+        self._decode = _DecodeRun(self.env.now, step, steps, timer)
+
+    def _interrupt_decode(self) -> None:
+        run = self._decode
+        assert run is not None
+        done = math.floor((self.env.now - run.start) / run.step + 1e-9) if run.step > 0 else 0
+        cut = min(done + 1, run.steps)  # finish the iteration in progress
+        if cut >= run.steps:
+            return
+        run.timer.cancel()
+        run.steps = cut
+        run.timer = self.env.at(run.start + cut * run.step, self._end_decode_run)
+
+    def _end_decode_run(self) -> None:
+        run = self._decode
+        assert run is not None
+        self._decode = None
+        for job in [j for j in self.running if j.prefill_left == 0]:
+            self._advance(job, run.steps)
+        self._flush()
+        self._iterate()
+
+
+@dataclass(slots=True)
+class Cluster:
+    """Workers plus the shared pool, if any."""
+
+    cfg: ClusterConfig  # configuration
+    workers: list[SimWorker] = field(default_factory=list)  # by index
+    pool: PageStore | None = None  # shared external store
+
+    @property
+    def caches(self) -> list[TieredCache]:
+        return [w.cache for w in self.workers]
+
+
+def build_cluster(cfg: ClusterConfig, env: Environment, on_event: Callable[[int, EventBatch], None],
+                  on_first_token: Callable[[Job], None], on_finish: Callable[[Job], None],
+                  latency: LatencyModel | None = None) -> Cluster:
+    cfg.validate()
+    pages = max(1, cfg.l3_tokens // cfg.page_size)
+    pool = PageStore(pages, shared=True) if cfg.l3 == "external" else None
+    cluster = Cluster(cfg, pool=pool)
+    for i in range(cfg.workers):
+        store = pool if pool is not None else (PageStore(pages) if cfg.l3 == "disk" else None)
+        cluster.workers.append(SimWorker(i, env, cfg, store, on_event, on_first_token, on_finish, latency))
+    return cluster

@@ -1,0 +1,148 @@
+"""Trace specs and parallel execution of runs (local process pool, or Ray on request)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.cache import PrefetchPolicy, WritePolicy
+from sim.cluster import ClusterConfig
+from sim.generators import PRESETS, WorkloadSpec, generate
+from sim.run import RunConfig, RunResult, simulate
+from sim.trace import Request, load_trace
+
+
+def resolve_trace(spec: str, *, limit: int | None = None, seed: int = 0, time_scale: float = 1.0) -> list[Request]:
+    """``builtin:KIND[:N]`` (a seeded synthetic workload of N requests) or a trace file path.
+
+    ``time_scale`` < 1 compresses arrivals (a higher request rate), > 1 stretches them.
+    """
+    if spec.startswith("builtin:"):
+        parts = spec.split(":")
+        kind = parts[1] if len(parts) > 1 else ""
+        if kind not in PRESETS:
+            raise ValueError(f"unknown builtin trace {kind!r}; expected one of {sorted(PRESETS)}")
+        n = int(parts[2]) if len(parts) > 2 else (limit or 1000)
+        reqs = generate(dataclasses.replace(PRESETS[kind], requests=n), seed)
+    else:
+        path = Path(spec)
+        if not path.exists():
+            raise FileNotFoundError(f"trace {spec!r} not found (give a file or builtin:chat|agentic|sysprompt)")
+        reqs = load_trace(path, limit)
+    if limit is not None:
+        reqs = reqs[:limit]
+    if time_scale != 1.0:
+        reqs = [dataclasses.replace(r, arrival=r.arrival * time_scale) for r in reqs]
+    return reqs
+
+
+@dataclass(slots=True, frozen=True)
+class Job:
+    """One run to execute: a trace, a cluster, a router configuration."""
+
+    trace: tuple[Request, ...]  # requests
+    cluster: ClusterConfig  # cluster configuration
+    run: RunConfig  # router configuration
+    tag: dict[str, Any]  # grid coordinates (for sweeps)
+
+
+def _execute(job: Job) -> tuple[dict[str, Any], RunResult]:
+    return job.tag, simulate(list(job.trace), job.cluster, job.run)
+
+
+Done = Callable[[dict[str, Any], RunResult], None]
+
+
+def run_jobs(jobs: Sequence[Job], *, processes: int | None = None, use_ray: bool = False,
+             on_done: Done | None = None) -> list[tuple[dict[str, Any], RunResult]]:
+    """Runs every job; results come back in ``jobs`` order."""
+    if use_ray:
+        return _run_ray(jobs, on_done)
+    n = processes if processes is not None else min(len(jobs), os.cpu_count() or 1)
+    if n <= 1 or len(jobs) == 1:
+        out = []
+        for j in jobs:
+            tag, res = _execute(j)
+            if on_done:
+                on_done(tag, res)
+            out.append((tag, res))
+        return out
+    results: dict[int, tuple[dict[str, Any], RunResult]] = {}
+    with ProcessPoolExecutor(max_workers=n) as pool:
+        futures = {pool.submit(_execute, j): i for i, j in enumerate(jobs)}
+        for fut in as_completed(futures):
+            tag, res = fut.result()  # a failed run raises here: never swallowed
+            results[futures[fut]] = (tag, res)
+            if on_done:
+                on_done(tag, res)
+    return [results[i] for i in range(len(jobs))]
+
+
+def _run_ray(jobs: Sequence[Job], on_done: Done | None) -> list[tuple[dict[str, Any], RunResult]]:
+    try:
+        import ray
+    except ImportError:
+        raise RuntimeError("--ray needs Ray: pip install 'ray[default]' (or drop --ray for a local pool)") from None
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS"), ignore_reinit_error=True, log_to_driver=False)
+    remote = ray.remote(_execute)
+    refs = [remote.remote(j) for j in jobs]
+    out = []
+    for ref in refs:
+        tag, res = ray.get(ref)
+        if on_done:
+            on_done(tag, res)
+        out.append((tag, res))
+    return out
+
+
+def _caster(annotation: str) -> Callable[[str], Any]:
+    casts: dict[str, Callable[[str], Any]] = {"int": int, "float": float, "str": str,
+                                                "WritePolicy": WritePolicy, "PrefetchPolicy": PrefetchPolicy}
+    return casts.get(annotation, str)
+
+
+#: Sweep keys: which config holds them and how to read their values.
+_FIELDS: dict[str, tuple[str, Callable[[str], Any]]] = {
+    **{f.name: ("cluster", _caster(str(f.type))) for f in dataclasses.fields(ClusterConfig)},
+    **{f.name: ("run", _caster(str(f.type))) for f in dataclasses.fields(RunConfig)},
+}
+
+
+def parse_grid(items: Sequence[str]) -> dict[str, list[Any]]:
+    """``["device_tokens=65536,131072", "policy=kv_device,kv_all"]`` -> axis -> values."""
+    grid: dict[str, list[Any]] = {}
+    for item in items:
+        key, sep, values = item.partition("=")
+        if not sep or not values:
+            raise ValueError(f"grid axis {item!r}: expected NAME=V1,V2,...")
+        if key not in _FIELDS:
+            raise ValueError(f"grid axis {key!r} is not a setting; known: {sorted(_FIELDS)}")
+        cast = _FIELDS[key][1]
+        try:
+            grid[key] = [cast(v) for v in values.split(",")]
+        except ValueError as exc:
+            raise ValueError(f"grid axis {key!r}: {exc}") from None
+    return grid
+
+
+def grid_jobs(trace: list[Request], base_cluster: ClusterConfig, base_run: RunConfig,
+              grid: dict[str, list[Any]]) -> list[Job]:
+    jobs = []
+    frozen = tuple(trace)
+    for combo in itertools.product(*grid.values()):
+        tag = dict(zip(grid.keys(), combo, strict=True))
+        cluster = dataclasses.replace(base_cluster, **{k: v for k, v in tag.items() if _FIELDS[k][0] == "cluster"})
+        run = dataclasses.replace(base_run, **{k: v for k, v in tag.items() if _FIELDS[k][0] == "run"})
+        cluster.validate()
+        jobs.append(Job(frozen, cluster, run, tag))
+    return jobs
+
+
+__all__ = ["Job", "WorkloadSpec", "grid_jobs", "parse_grid", "resolve_trace", "run_jobs"]

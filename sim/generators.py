@@ -1,0 +1,82 @@
+"""Seeded synthetic workloads, written as Mooncake-style requests.
+
+Each *session* is an append-only token stream (system prompt, then user turns and
+model outputs); a request's prompt is a prefix of its session's stream, so the
+hash ids of 512-token blocks are stable across turns and a partial last block is
+a prefix of the same block in the next turn. System prompts (or tool definitions)
+are shared by many sessions.
+
+* ``chat``: multi-turn conversations, a few shared system prompts, human think times.
+* ``agentic``: tool loops: long shared tool definitions, many short steps, each
+  appending a tool result; seconds between steps.
+* ``sysprompt``: single-turn requests, each one of a few long system prompts plus
+  a unique question.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from sim.trace import HASH_BLOCK, Request
+
+
+@dataclass(slots=True, frozen=True)
+class WorkloadSpec:
+    """Shape of a synthetic workload (token counts are means of exponential draws)."""
+
+    kind: str  # "chat", "agentic" or "sysprompt"
+    requests: int = 1000  # total requests
+    rate: float = 2.0  # new sessions per second
+    system_prompts: int = 8  # distinct shared prefixes
+    system_tokens: int = 2048  # tokens of each shared prefix
+    turns: int = 6  # mean turns (steps) per session
+    user_tokens: int = 400  # mean new prompt tokens per turn (user message or tool result)
+    output_tokens: int = 300  # mean generated tokens per turn
+    think_s: float = 20.0  # mean seconds between a turn's end and the next turn
+
+
+PRESETS: dict[str, WorkloadSpec] = {
+    "chat": WorkloadSpec("chat"),
+    "agentic": WorkloadSpec("agentic", rate=1.0, system_prompts=4, system_tokens=6144, turns=12,
+                            user_tokens=900, output_tokens=120, think_s=2.0),
+    "sysprompt": WorkloadSpec("sysprompt", rate=4.0, system_prompts=6, system_tokens=3072, turns=1,
+                              user_tokens=300, output_tokens=200, think_s=0.0),
+}
+
+
+def generate(spec: WorkloadSpec, seed: int = 0) -> list[Request]:
+    """Requests of ``spec``, sorted by arrival. Deterministic for ``seed``."""
+    if spec.kind not in PRESETS:
+        raise ValueError(f"unknown workload kind {spec.kind!r}; expected one of {sorted(PRESETS)}")
+    rng = np.random.default_rng(seed)
+    sys_blocks = math.ceil(spec.system_tokens / HASH_BLOCK)
+    next_id = spec.system_prompts * sys_blocks
+    out: list[Request] = []
+    t_session = 0.0
+    while len(out) < spec.requests:
+        t_session += float(rng.exponential(1.0 / spec.rate))
+        prompt = int(rng.integers(spec.system_prompts))
+        ids = [prompt * sys_blocks + i for i in range(sys_blocks)]
+        length = spec.system_tokens
+        t = t_session
+        turns = 1 if spec.kind == "sysprompt" else 1 + int(rng.poisson(max(spec.turns - 1, 0)))
+        for _ in range(turns):
+            length += 1 + int(rng.exponential(spec.user_tokens))
+            blocks = math.ceil(length / HASH_BLOCK)
+            # Blocks past the shared prefix belong to this session.
+            while len(ids) < blocks:
+                ids.append(next_id)
+                next_id += 1
+            out_len = 1 + int(rng.exponential(spec.output_tokens))
+            out.append(Request("", t, length, out_len, list(ids[:blocks])))
+            length += out_len
+            t += float(rng.exponential(spec.think_s)) + out_len * 0.02  # think + rough decode time
+            if len(out) >= spec.requests:
+                break
+    out.sort(key=lambda r: r.arrival)
+    for i, r in enumerate(out):
+        r.request_id = f"r{i}"
+    return out

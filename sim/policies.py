@@ -1,0 +1,249 @@
+"""Routing policies compared by the simulator.
+
+Every policy sees the router's own bookkeeping of in-flight work (a LoadTracker);
+the KV-aware ones also see an index fed by engine events through the real codec,
+filtered to the tiers they are allowed to know about.
+
+| policy        | knows                                                  |
+|---------------|--------------------------------------------------------|
+| round_robin   | nothing                                                |
+| random        | nothing (seeded)                                       |
+| least_loaded  | in-flight requests and blocks per worker               |
+| approx        | its own routing history (prefix tree per worker, TTL)  |
+| kv_device     | device events                                          |
+| kv_host       | device + host events                                   |
+| kv_all        | device + host + storage events                         |
+| oracle        | the engines' true state (no events, no delay)          |
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.cache import TieredCache
+from indexer.index import TieredIndex
+from indexer.keys import BlockKey
+from indexer.latency import PRESETS, TransferModel
+from indexer.load import LoadTracker
+from indexer.overlap import OverlapScores, TierOverlap
+from indexer.protocol import BlockRemoved, BlockStored, EventBatch, StorageTier, WorkerId, parse_medium
+from indexer.router import Router
+from indexer.scoring import CostModel, CreditCost, TtftCost, visible
+from indexer.stream import StreamId
+
+POLICIES = ["round_robin", "random", "least_loaded", "approx", "kv_device", "kv_host", "kv_all", "oracle"]
+_TIER = {"kv_device": StorageTier.DEVICE, "kv_host": StorageTier.HOST, "kv_all": StorageTier.EXTERNAL,
+         "oracle": StorageTier.EXTERNAL, "approx": StorageTier.DEVICE}
+
+
+@dataclass(slots=True)
+class RouteInput:
+    """What the router knows about a request."""
+
+    request_id: str  # unique id
+    tokens: list[int]  # prompt token ids
+    keys: list[BlockKey]  # router block keys of the prompt
+    now: float  # simulated time
+
+
+@dataclass(slots=True, frozen=True)
+class Choice:
+    """A routing decision."""
+
+    worker: int  # chosen worker index
+    predicted: TierOverlap | None = None  # what the policy expected there (KV-aware policies)
+
+
+class Policy(Protocol):
+    name: str
+
+    def choose(self, req: RouteInput) -> Choice: ...
+
+    def on_events(self, worker: int, batch: EventBatch) -> None: ...
+
+
+def _streams(n: int) -> list[StreamId]:
+    return [StreamId(WorkerId(f"w{i}")) for i in range(n)]
+
+
+@dataclass(slots=True)
+class RoundRobin:
+    workers: int  # cluster size
+    name: str = "round_robin"
+    _next: int = 0
+
+    def choose(self, req: RouteInput) -> Choice:
+        w = self._next
+        self._next = (w + 1) % self.workers
+        return Choice(w)
+
+    def on_events(self, worker: int, batch: EventBatch) -> None:
+        pass
+
+
+@dataclass(slots=True)
+class RandomPolicy:
+    workers: int  # cluster size
+    seed: int = 0  # rng seed
+    name: str = "random"
+    _rng: random.Random = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed)
+
+    def choose(self, req: RouteInput) -> Choice:
+        return Choice(self._rng.randrange(self.workers))
+
+    def on_events(self, worker: int, batch: EventBatch) -> None:
+        pass
+
+
+@dataclass(slots=True)
+class LeastLoaded:
+    workers: int  # cluster size
+    loads: LoadTracker  # router bookkeeping
+    name: str = "least_loaded"
+
+    def choose(self, req: RouteInput) -> Choice:
+        streams = _streams(self.workers)
+
+        def load(i: int) -> tuple[int, int, int]:
+            ld = self.loads.load(streams[i])
+            return (ld.running, ld.active_blocks, i)
+
+        return Choice(min(range(self.workers), key=load))
+
+    def on_events(self, worker: int, batch: EventBatch) -> None:
+        pass
+
+
+class KvPolicy:
+    """Routes with the real index, fed only the events of tiers up to ``max_tier``."""
+
+    def __init__(self, name: str, workers: int, block_size: int, cost: CostModel, loads: LoadTracker,
+                 max_tier: StorageTier, temperature: float = 0.0, seed: int = 0) -> None:
+        self.name = name
+        self.max_tier = max_tier
+        self.streams = _streams(workers)
+        self.index = TieredIndex(block_size)
+        for s in self.streams:
+            self.index.add_worker(s)
+        self.router = Router(self.index, cost, loads=loads, workers=self.streams, temperature=temperature, seed=seed)
+
+    def choose(self, req: RouteInput) -> Choice:
+        d = self.router.route_keys(req.keys, len(req.tokens))
+        i = self.streams.index(d.worker)
+        return Choice(i, visible(d.overlaps.workers[d.worker], self.max_tier))
+
+    def on_events(self, worker: int, batch: EventBatch) -> None:
+        stream = self.streams[worker]
+        for ev in batch.events:
+            if isinstance(ev, BlockStored | BlockRemoved) and parse_medium(ev.medium) > self.max_tier:
+                continue  # a router that only listens to lower tiers never sees it
+            self.index.apply(stream, ev)
+
+    @property
+    def events_rejected(self) -> int:
+        return sum(self.index.stats(s).events_rejected for s in self.streams)
+
+
+class Oracle:
+    """The same cost model and router, with overlaps read from the engines themselves."""
+
+    def __init__(self, workers: int, caches: Callable[[], list[TieredCache]], block_size: int, cost: CostModel,
+                 loads: LoadTracker, temperature: float = 0.0, seed: int = 0) -> None:
+        self.name = "oracle"
+        self.streams = _streams(workers)
+        self._caches = caches
+        self.router = Router(TieredIndex(block_size), cost, loads=loads, workers=self.streams,
+                             temperature=temperature, seed=seed)
+
+    def choose(self, req: RouteInput) -> Choice:
+        scores = OverlapScores(total_blocks=len(req.keys))
+        for s, cache in zip(self.streams, self._caches(), strict=True):
+            scores.workers[s] = cache.peek_overlap(req.tokens)
+        d = self.router.choose(scores, len(req.tokens))
+        i = self.streams.index(d.worker)
+        return Choice(i, scores.workers[d.worker])
+
+    def on_events(self, worker: int, batch: EventBatch) -> None:
+        pass
+
+
+class Approx:
+    """Predicts each worker's cache from where it sent earlier requests (no events), with a
+    TTL, like SGLang's gateway cache_aware policy and Dynamo's --no-kv-events mode."""
+
+    def __init__(self, workers: int, block_size: int, cost: CostModel, loads: LoadTracker,
+                 ttl_s: float = 120.0) -> None:
+        self.name = "approx"
+        self.streams = _streams(workers)
+        self.ttl = ttl_s
+        self._seen: list[dict[BlockKey, float]] = [{} for _ in range(workers)]  # key -> last routed
+        self.router = Router(TieredIndex(block_size), cost, loads=loads, workers=self.streams)
+        self._routed = 0
+
+    def choose(self, req: RouteInput) -> Choice:
+        scores = OverlapScores(total_blocks=len(req.keys))
+        horizon = req.now - self.ttl
+        for s, seen in zip(self.streams, self._seen, strict=True):
+            n = 0
+            for k in req.keys:
+                t = seen.get(k)
+                if t is None or t < horizon:
+                    break
+                n += 1
+            scores.workers[s] = TierOverlap(n, n, n, n)
+        d = self.router.choose(scores, len(req.tokens))
+        i = self.streams.index(d.worker)
+        seen = self._seen[i]
+        for k in req.keys:
+            seen[k] = req.now
+        self._routed += 1
+        if self._routed % 1024 == 0:
+            self._prune(horizon)
+        return Choice(i, scores.workers[d.worker])
+
+    def _prune(self, horizon: float) -> None:
+        for i, seen in enumerate(self._seen):
+            self._seen[i] = {k: t for k, t in seen.items() if t >= horizon}
+
+    def on_events(self, worker: int, batch: EventBatch) -> None:
+        pass
+
+
+def make_cost(name: str, model: str, h2d_gbps: float, storage_gbps: float, max_tier: StorageTier,
+              host_credit: float = 0.75, disk_credit: float = 0.25) -> CostModel:
+    """``credit`` (Dynamo-style) or ``ttft`` (estimated time to first token)."""
+    from indexer.scoring import TierCredits
+
+    if name == "credit":
+        return CreditCost(TierCredits(host=host_credit, disk=disk_credit, external=disk_credit), max_tier=max_tier)
+    if name == "ttft":
+        t = TransferModel(PRESETS[model].bytes_per_token, host_to_device_gbps=h2d_gbps,
+                          storage_to_host_gbps=storage_gbps, external_to_host_gbps=storage_gbps)
+        return TtftCost(t, max_tier=max_tier)
+    raise ValueError(f"unknown cost model {name!r}; expected 'credit' or 'ttft'")
+
+
+def make_policy(name: str, *, workers: int, block_size: int, loads: LoadTracker,
+                caches: Callable[[], list[TieredCache]], cost: str = "credit", model: str = "llama-3.1-8b",
+                h2d_gbps: float = 25.0, storage_gbps: float = 5.0, host_credit: float = 0.75,
+                disk_credit: float = 0.25, temperature: float = 0.0, seed: int = 0) -> Policy:
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; expected one of {POLICIES}")
+    if name == "round_robin":
+        return RoundRobin(workers)
+    if name == "random":
+        return RandomPolicy(workers, seed)
+    if name == "least_loaded":
+        return LeastLoaded(workers, loads)
+    cm = make_cost(cost, model, h2d_gbps, storage_gbps, _TIER[name], host_credit, disk_credit)
+    if name == "approx":
+        return Approx(workers, block_size, cm, loads)
+    if name == "oracle":
+        return Oracle(workers, caches, block_size, cm, loads, temperature, seed)
+    return KvPolicy(name, workers, block_size, cm, loads, _TIER[name], temperature, seed)

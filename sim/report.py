@@ -1,0 +1,111 @@
+"""Reports of compared runs: terminal table, JSON summary, per-request CSV, PNG plots."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from sim.metrics import RequestRecord, RunSummary
+
+_COLUMNS = [
+    ("policy", "policy", "{}"),
+    ("hit", "hit_rate", "{:.3f}"),
+    ("device", "hit_device", "{:.3f}"),
+    ("host", "hit_host", "{:.3f}"),
+    ("storage", "hit_storage", "{:.3f}"),
+    ("recomp", "recomputed", "{:.3f}"),
+    ("TTFT p50 s", "ttft_p50", "{:.3f}"),
+    ("p90", "ttft_p90", "{:.3f}"),
+    ("p99", "ttft_p99", "{:.3f}"),
+    ("tok/s", "throughput_tok_s", "{:.0f}"),
+    ("imbal", "load_imbalance", "{:.2f}"),
+    ("idx MAE", "index_mae_blocks", "{:.2f}"),
+]
+
+
+def table(summaries: Sequence[RunSummary]) -> str:
+    """A fixed-width comparison table."""
+    rows = [[h for h, _, _ in _COLUMNS]]
+    for s in summaries:
+        d = s.as_dict()
+        rows.append([("-" if isinstance(d[k], float) and math.isnan(d[k]) else f.format(d[k])) for _, k, f in _COLUMNS])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+             for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def write_json(path: Path, summaries: Sequence[RunSummary], meta: dict[str, Any]) -> None:
+    def clean(v: Any) -> Any:
+        return None if isinstance(v, float) and math.isnan(v) else v
+
+    runs = [{k: clean(v) for k, v in s.as_dict().items()} for s in summaries]
+    path.write_text(json.dumps({"meta": meta, "runs": runs}, indent=2, default=str))
+
+
+def write_csv(path: Path, runs: dict[str, list[RequestRecord]]) -> None:
+    fields = ["policy", "request_id", "worker", "arrival", "input_tokens", "output_tokens", "ttft", "e2e", "queue",
+              "device_tokens", "host_tokens", "storage_tokens", "recomputed_tokens", "predicted_blocks",
+              "actual_blocks", "rejected"]
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(fields)
+        for policy, records in runs.items():
+            for r in records:
+                w.writerow([policy, r.request_id, r.worker, f"{r.arrival:.6f}", r.input_tokens, r.output_tokens,
+                            f"{r.ttft:.6f}", f"{r.e2e:.6f}", f"{r.queue:.6f}", r.device_tokens, r.host_tokens,
+                            r.storage_tokens, r.recomputed_tokens, r.predicted_blocks, r.actual_blocks,
+                            int(r.rejected)])
+
+
+def plot(out_dir: Path, summaries: Sequence[RunSummary], runs: dict[str, list[RequestRecord]],
+         title: str) -> list[Path]:
+    """Stacked hit-rate bars per tier and TTFT CDFs; returns the PNG paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    paths = []
+    names = [s.policy for s in summaries]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(names)), 4.2))
+    bottom = np.zeros(len(names))
+    for label, key, color in [("device", "hit_device", "#1b7837"), ("host", "hit_host", "#7fbf7b"),
+                              ("storage", "hit_storage", "#d9f0d3"), ("recomputed", "recomputed", "#bbbbbb")]:
+        vals = np.array([getattr(s, key) for s in summaries])
+        ax.bar(names, vals, bottom=bottom, label=label, color=color, edgecolor="black", linewidth=0.4)
+        bottom += vals
+    ax.set_ylabel("share of prompt tokens")
+    ax.set_ylim(0, 1.0)
+    ax.set_title(f"Prompt tokens by source: {title}")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    p = out_dir / "hit_rate_by_tier.png"
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    paths.append(p)
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, records in runs.items():
+        ttft = np.sort([r.ttft for r in records if not r.rejected and r.first_token >= 0])
+        if len(ttft):
+            ax.plot(ttft, np.arange(1, len(ttft) + 1) / len(ttft), label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("time to first token (s, log scale)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(f"TTFT CDF: {title}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    p = out_dir / "ttft_cdf.png"
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    paths.append(p)
+    return paths

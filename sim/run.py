@@ -1,0 +1,122 @@
+"""One simulated run: a trace through a cluster behind one routing policy."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from indexer.codec import decode_payload, encode_payload
+from indexer.keys import block_keys
+from indexer.load import LoadTracker
+from indexer.protocol import EventBatch, WorkerId
+from indexer.stream import StreamId
+from sim.cluster import ClusterConfig, Job, build_cluster
+from sim.core import Environment
+from sim.metrics import RequestRecord, RunSummary, summarize
+from sim.policies import KvPolicy, RouteInput, make_policy
+from sim.trace import Request, TokenBank
+
+
+@dataclass(slots=True, frozen=True)
+class RunConfig:
+    """How the router behaves in one run."""
+
+    policy: str  # see sim.policies.POLICIES
+    cost: str = "credit"  # "credit" or "ttft"
+    event_delay_s: float = 0.0  # engine -> router event latency
+    event_loss: float = 0.0  # probability a batch is lost on the way
+    host_credit: float = 0.75  # credit model weights
+    disk_credit: float = 0.25
+    temperature: float = 0.0  # softmax sampling of costs (0 = argmin)
+    seed: int = 0  # policy and loss randomness
+
+    @property
+    def label(self) -> str:
+        return self.policy if self.cost == "credit" else f"{self.policy}[{self.cost}]"
+
+
+@dataclass(slots=True)
+class RunResult:
+    """Everything one run produced."""
+
+    summary: RunSummary  # aggregates
+    records: list[RequestRecord]  # per request, in arrival order
+    decisions: list[int] = field(default_factory=list)  # chosen worker per request, in arrival order
+    events_published: int = 0  # batches the engines published
+    events_lost: int = 0  # batches dropped on the way to the router
+
+
+def simulate(trace: list[Request], cluster_cfg: ClusterConfig, run: RunConfig, *, bank: TokenBank | None = None,
+             progress: bool = False) -> RunResult:
+    """Replays ``trace``; deterministic for the configs' seeds."""
+    env = Environment()
+    loads = LoadTracker()
+    bank = bank or TokenBank()
+    rng = random.Random(run.seed)
+    records: list[RequestRecord] = []
+    decisions: list[int] = []
+    counts = {"published": 0, "lost": 0}
+    ps = cluster_cfg.page_size
+    streams = [StreamId(WorkerId(f"w{i}")) for i in range(cluster_cfg.workers)]
+    bar = _progress(len(trace), run.label) if progress else None
+
+    def deliver(worker: int, payload: bytes) -> None:
+        policy.on_events(worker, decode_payload(payload))
+
+    def on_event(worker: int, batch: EventBatch) -> None:
+        counts["published"] += 1
+        if not isinstance(policy, KvPolicy):
+            return  # nobody listens: skip the codec work
+        payload = encode_payload(batch)
+        if run.event_loss and rng.random() < run.event_loss:
+            counts["lost"] += 1
+            return
+        if run.event_delay_s <= 0:
+            deliver(worker, payload)
+        else:
+            env.after(run.event_delay_s, lambda: deliver(worker, payload), priority=-1)
+
+    def on_first_token(job: Job) -> None:
+        loads.prefill_done(job.req.request_id)
+
+    def on_finish(job: Job) -> None:
+        loads.finish(job.req.request_id)
+        if bar is not None:
+            bar.update(1)
+
+    cluster = build_cluster(cluster_cfg, env, on_event, on_first_token, on_finish)
+    policy = make_policy(run.policy, workers=cluster_cfg.workers, block_size=ps, loads=loads,
+                         caches=lambda: cluster.caches, cost=run.cost, model=cluster_cfg.model,
+                         h2d_gbps=cluster_cfg.h2d_gbps, storage_gbps=cluster_cfg.storage_gbps,
+                         host_credit=run.host_credit, disk_credit=run.disk_credit, temperature=run.temperature,
+                         seed=run.seed)
+
+    def arrive(req: Request) -> None:
+        tokens = bank.tokens(req)
+        keys = block_keys(tokens, ps)
+        choice = policy.choose(RouteInput(req.request_id, tokens, keys, env.now))
+        rec = RequestRecord(req.request_id, choice.worker, env.now, req.input_length, req.output_length)
+        if choice.predicted is not None:
+            rec.predicted_blocks = choice.predicted.external
+        records.append(rec)
+        decisions.append(choice.worker)
+        cached = choice.predicted.external * ps if choice.predicted is not None else 0
+        loads.add(req.request_id, streams[choice.worker], -(-(req.input_length + req.output_length) // ps),
+                  max(0, req.input_length - cached))
+        cluster.workers[choice.worker].submit(Job(req, tokens, rec))
+
+    for req in trace:
+        env.at(req.arrival, lambda r=req: arrive(r), priority=2)  # type: ignore[misc]
+    env.run()
+    if bar is not None:
+        bar.close()
+    rejected = policy.events_rejected if isinstance(policy, KvPolicy) else 0
+    summary = summarize(run.label, records, cluster_cfg.workers, rejected)
+    summary.extra.update(events_published=counts["published"], events_lost=counts["lost"])
+    return RunResult(summary, records, decisions, counts["published"], counts["lost"])
+
+
+def _progress(total: int, label: str):  # type: ignore[no-untyped-def]
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=f"{label:>14}", unit="req", leave=False, mininterval=0.5)

@@ -1,0 +1,195 @@
+"""Request traces: Mooncake JSONL, Azure CSV, and seeded synthetic generators.
+
+Mooncake records carry ``hash_ids`` of 512-token blocks and no tokens; the tokens of a
+hash id are derived deterministically from it (:class:`TokenBank`), so equal ids give
+equal tokens and distinct ids distinct ones. The last block of a request is partial:
+``input_length - 512 * (len(hash_ids) - 1)`` tokens.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+HASH_BLOCK = 512  # tokens per Mooncake hash id
+VOCAB = 128_000
+
+
+class TraceError(ValueError):
+    """A malformed trace; the message names the file and line."""
+
+
+@dataclass(slots=True)
+class Request:
+    """One request of a trace."""
+
+    request_id: str  # unique in the trace
+    arrival: float  # seconds since the trace start
+    input_length: int  # prompt tokens
+    output_length: int  # tokens to generate
+    hash_ids: list[int]  # one per 512-token block of the prompt, the last one partial
+
+    def to_json(self) -> str:
+        return json.dumps({"timestamp": round(self.arrival * 1000), "input_length": self.input_length,
+                           "output_length": self.output_length, "hash_ids": self.hash_ids})
+
+
+class TokenBank:
+    """Deterministic token ids per hash id, with an LRU of generated blocks."""
+
+    def __init__(self, seed: int = 0, capacity: int = 50_000) -> None:
+        self.seed = seed
+        self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._capacity = capacity
+
+    def block(self, hash_id: int) -> np.ndarray:
+        arr = self._cache.get(hash_id)
+        if arr is None:
+            rng = np.random.default_rng([self.seed, hash_id & 0xFFFFFFFFFFFF, hash_id >> 48])
+            arr = rng.integers(0, VOCAB, HASH_BLOCK, dtype=np.int64)
+            self._cache[hash_id] = arr
+            if len(self._cache) > self._capacity:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(hash_id)
+        return arr
+
+    def tokens(self, req: Request) -> list[int]:
+        """The prompt's token ids. O(input_length)."""
+        if not req.hash_ids:
+            return []
+        parts = [self.block(h) for h in req.hash_ids]
+        return np.concatenate(parts)[:req.input_length].tolist()  # type: ignore[no-any-return]
+
+
+def _check_record(obj: object, where: str) -> Request:
+    if not isinstance(obj, dict):
+        raise TraceError(f"{where}: expected a JSON object")
+    missing = [k for k in ("timestamp", "input_length", "output_length", "hash_ids") if k not in obj]
+    if missing:
+        raise TraceError(f"{where}: missing field(s) {missing}")
+    ts, n_in, n_out, ids = obj["timestamp"], obj["input_length"], obj["output_length"], obj["hash_ids"]
+    if not isinstance(ts, int | float) or ts < 0:
+        raise TraceError(f"{where}: timestamp must be a non-negative number, got {ts!r}")
+    if not isinstance(n_in, int) or n_in < 1 or not isinstance(n_out, int) or n_out < 0:
+        raise TraceError(f"{where}: input_length must be >= 1 and output_length >= 0 (integers)")
+    if not isinstance(ids, list) or not all(isinstance(h, int) and h >= 0 for h in ids):
+        raise TraceError(f"{where}: hash_ids must be a list of non-negative integers")
+    if len(ids) != math.ceil(n_in / HASH_BLOCK):
+        raise TraceError(f"{where}: {len(ids)} hash_ids for {n_in} input tokens "
+                         f"(expected ceil({n_in}/{HASH_BLOCK}) = {math.ceil(n_in / HASH_BLOCK)})")
+    return Request(str(obj.get("request_id", "")), float(ts) / 1000.0, n_in, n_out, list(ids))
+
+
+def load_mooncake(path: Path, limit: int | None = None) -> list[Request]:
+    """Reads Mooncake JSONL (``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids``).
+
+    Raises :class:`TraceError` naming the line of the first malformed record.
+    Records must be in non-decreasing timestamp order.
+    """
+    out: list[Request] = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise TraceError(f"{where}: not JSON: {exc.msg}") from None
+            req = _check_record(obj, where)
+            if not req.request_id:
+                req.request_id = f"r{len(out)}"
+            if out and req.arrival < out[-1].arrival:
+                raise TraceError(f"{where}: timestamp goes backwards")
+            out.append(req)
+            if limit is not None and len(out) >= limit:
+                break
+    if not out:
+        raise TraceError(f"{path}: no requests")
+    return out
+
+
+def load_azure(path: Path, *, share_prefix_blocks: int = 0, groups: int = 8, seed: int = 0,
+               limit: int | None = None) -> list[Request]:
+    """Reads an Azure LLM trace CSV (``TIMESTAMP``, ``ContextTokens``, ``GeneratedTokens``).
+
+    The trace has lengths only. Sharing is synthesised, documented and seeded: each
+    request joins one of ``groups`` groups at random and its first
+    ``share_prefix_blocks`` 512-token blocks are that group's (like a system prompt
+    per application); all other blocks are unique. 0 keeps every prompt unique.
+    """
+    rng = np.random.default_rng(seed)
+    out: list[Request] = []
+    t0: datetime | None = None
+    next_id = groups * max(share_prefix_blocks, 0)
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        need = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"}
+        if reader.fieldnames is None or not need <= set(reader.fieldnames):
+            raise TraceError(f"{path}:1: expected columns {sorted(need)}, got {reader.fieldnames}")
+        for lineno, row in enumerate(reader, 2):
+            where = f"{path}:{lineno}"
+            try:
+                ts = datetime.fromisoformat(row["TIMESTAMP"].strip()[:26])
+                n_in, n_out = int(row["ContextTokens"]), int(row["GeneratedTokens"])
+            except (ValueError, TypeError, AttributeError) as exc:
+                raise TraceError(f"{where}: {exc}") from None
+            if n_in < 1 or n_out < 0:
+                raise TraceError(f"{where}: ContextTokens must be >= 1 and GeneratedTokens >= 0")
+            t0 = t0 or ts
+            blocks = math.ceil(n_in / HASH_BLOCK)
+            g = int(rng.integers(groups))
+            shared = min(share_prefix_blocks, blocks - 1) if share_prefix_blocks > 0 else 0
+            ids = [g * share_prefix_blocks + i for i in range(shared)]
+            ids += list(range(next_id, next_id + blocks - shared))
+            next_id += blocks - shared
+            out.append(Request(f"r{len(out)}", (ts - t0).total_seconds(), n_in, n_out, ids))
+            if limit is not None and len(out) >= limit:
+                break
+    if not out:
+        raise TraceError(f"{path}: no requests")
+    return out
+
+
+def load_trace(path: Path, limit: int | None = None) -> list[Request]:
+    """Mooncake JSONL or Azure CSV, by extension."""
+    if path.suffix == ".csv":
+        return load_azure(path, limit=limit)
+    return load_mooncake(path, limit=limit)
+
+
+def write_mooncake(requests: list[Request], path: Path) -> None:
+    with open(path, "w") as f:
+        for r in requests:
+            f.write(r.to_json() + "\n")
+
+
+def prefix_reuse(requests: list[Request], page_size: int) -> float:
+    """Token-weighted prefix reuse with an unbounded cache, from hash ids alone.
+
+    A request reuses, block by block, what an earlier request with the same leading
+    hash ids had cached: full pages only (a partial trailing page is never cached).
+    """
+    seen: dict[tuple[int, ...], int] = {}  # prefix of hash ids -> cached tokens of its last block
+    reused = total = 0
+    for r in requests:
+        total += r.input_length
+        lengths = [HASH_BLOCK] * (len(r.hash_ids) - 1) + [r.input_length - HASH_BLOCK * (len(r.hash_ids) - 1)]
+        matching = True
+        for j in range(len(r.hash_ids)):
+            key = tuple(r.hash_ids[:j + 1])
+            mine = lengths[j] // page_size * page_size
+            if matching:
+                take = min(seen.get(key, 0), mine)
+                reused += take
+                matching = take == HASH_BLOCK
+            seen[key] = max(seen.get(key, 0), mine)
+    return reused / total if total else 0.0
