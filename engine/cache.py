@@ -683,6 +683,7 @@ class TieredCache:
         ps = self.config.page_size
         pages = len(tokens) // ps
         node, pos = self.tree.root, 0
+        last_digest = b""  # digest of the last matched page: the L3 chain continues from it
         device = -1
         while pos < pages:
             child = node.children.get(self.tree.page_key(tokens, pos))
@@ -698,6 +699,7 @@ class TieredCache:
                 break  # only in flight towards host: not announced on any tier yet
             pos += k
             node = child
+            last_digest = child.digests[k - 1]
             if k < child.pages:
                 break
         host = pos
@@ -706,9 +708,8 @@ class TieredCache:
         if self.store is not None and host < pages:
             from engine.hashing import chain
 
-            start = node.digests[-1] if node.digests else b""
             run = 0
-            for d in chain(start, tokens[host * ps:pages * ps], ps):
+            for d in chain(last_digest, tokens[host * ps:pages * ps], ps):
                 key = d.hex()
                 ok = key in self._announced if not self.store.shared else self.store.is_announced(key)
                 if not ok:

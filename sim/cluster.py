@@ -19,7 +19,8 @@ from engine.cache import Admission, CacheConfig, PrefetchPolicy, TieredCache, Wr
 from engine.datapath import Bandwidths, ModeledDataPath
 from engine.storage import PageStore
 from indexer.latency import PRESETS, LatencyModel, MockerLatency
-from indexer.protocol import EventBatch
+from indexer.protocol import EventBatch, StorageTier
+from indexer.scoring import visible
 from sim.core import Environment, Timer
 from sim.metrics import RequestRecord
 from sim.trace import Request
@@ -113,7 +114,9 @@ class SimWorker:
 
     # --- arrivals and cache bookkeeping --------------------------------------------------
 
-    def submit(self, job: Job) -> None:
+    def submit(self, job: Job, visible_tier: StorageTier = StorageTier.EXTERNAL) -> None:
+        """A request arrives; ``visible_tier`` limits the true overlap recorded against the router's guess."""
+        job.record.actual_blocks = visible(self.cache.peek_overlap(job.tokens), visible_tier).external
         if len(job.tokens) + job.req.output_length > self.capacity_tokens:
             job.record.rejected = True
             self._on_finish(job)
@@ -161,9 +164,7 @@ class SimWorker:
             job = self.queue.popleft()
             job.adm = self.cache.admit(job.req.request_id, job.tokens)
             job.admitted_at = self.env.now
-            ps = self.cfg.page_size
-            job.record.actual_blocks = job.adm.device_pages + job.adm.host_pages + job.adm.l3_pages
-            job.record.device_tokens = job.adm.device_pages * ps  # refined at prefill start
+            job.record.device_tokens = job.adm.device_pages * self.cfg.page_size  # refined at prefill start
             self.admitted.append(job)
             if self.cfg.prefetch_policy is PrefetchPolicy.TIMEOUT and job.adm.prefetch_op is not None:
                 self.env.after(self.cache.config.prefetch_timeout_s, self.kick)
@@ -184,6 +185,8 @@ class SimWorker:
         for job in list(self.admitted):
             if len(self.running) >= self.cfg.max_running:
                 break
+            if job.adm is None:
+                continue  # sent back to the queue by _unlock_others
             if not self._ready(job):
                 continue
             assert job.adm is not None

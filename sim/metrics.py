@@ -24,7 +24,7 @@ class RequestRecord:
     storage_tokens: int = 0  # ... prefetched from L3
     recomputed_tokens: int = 0  # prompt tokens prefilled
     predicted_blocks: int = -1  # cached blocks the router expected on the chosen worker (-1: no prediction)
-    actual_blocks: int = 0  # cached blocks found at admission (device + host + L3)
+    actual_blocks: int = 0  # cached blocks really there when the request arrived (tiers the policy sees)
     rejected: bool = False  # could never fit on the worker
 
     @property
@@ -69,7 +69,7 @@ class RunSummary:
     throughput_tok_s: float  # output tokens per second of simulated time
     makespan_s: float  # first arrival to last finish
     load_imbalance: float  # max / mean requests per worker
-    index_mae_blocks: float  # mean |predicted - actual| cached blocks (kv policies)
+    index_mae_blocks: float  # mean |predicted - actual| cached blocks at arrival (policies that predict)
     index_exact: float  # share of requests predicted exactly
     events_rejected: int = 0  # events the router's index rejected
     extra: dict[str, Any] = field(default_factory=dict)  # policy-specific numbers

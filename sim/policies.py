@@ -55,6 +55,7 @@ class Choice:
 
     worker: int  # chosen worker index
     predicted: TierOverlap | None = None  # what the policy expected there (KV-aware policies)
+    tier: StorageTier = StorageTier.EXTERNAL  # the deepest tier the policy can see
 
 
 class Policy(Protocol):
@@ -136,7 +137,7 @@ class KvPolicy:
     def choose(self, req: RouteInput) -> Choice:
         d = self.router.route_keys(req.keys, len(req.tokens))
         i = self.streams.index(d.worker)
-        return Choice(i, visible(d.overlaps.workers[d.worker], self.max_tier))
+        return Choice(i, visible(d.overlaps.workers[d.worker], self.max_tier), self.max_tier)
 
     def on_events(self, worker: int, batch: EventBatch) -> None:
         stream = self.streams[worker]
@@ -200,12 +201,13 @@ class Approx:
         d = self.router.choose(scores, len(req.tokens))
         i = self.streams.index(d.worker)
         seen = self._seen[i]
+        choice = Choice(i, scores.workers[d.worker], StorageTier.DEVICE)
         for k in req.keys:
             seen[k] = req.now
         self._routed += 1
         if self._routed % 1024 == 0:
             self._prune(horizon)
-        return Choice(i, scores.workers[d.worker])
+        return choice
 
     def _prune(self, horizon: float) -> None:
         for i, seen in enumerate(self._seen):

@@ -103,7 +103,7 @@ def simulate(trace: list[Request], cluster_cfg: ClusterConfig, run: RunConfig, *
         cached = choice.predicted.external * ps if choice.predicted is not None else 0
         loads.add(req.request_id, streams[choice.worker], -(-(req.input_length + req.output_length) // ps),
                   max(0, req.input_length - cached))
-        cluster.workers[choice.worker].submit(Job(req, tokens, rec))
+        cluster.workers[choice.worker].submit(Job(req, tokens, rec), choice.tier)
 
     for req in trace:
         env.at(req.arrival, lambda r=req: arrive(r), priority=2)  # type: ignore[misc]

@@ -1,0 +1,120 @@
+"""The simulator: validity against theory, kv_all == oracle, timing, determinism, CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from indexer.latency import MockerLatency
+from sim.cli import main as cli
+from sim.cluster import ClusterConfig
+from sim.generators import PRESETS, generate
+from sim.run import RunConfig, simulate
+from sim.trace import Request, prefix_reuse
+
+SMALL = ClusterConfig(workers=3, page_size=64, device_tokens=32_768, host_ratio=1.0, l3="disk", l3_tokens=131_072)
+
+
+def chat(n: int, seed: int = 1) -> list[Request]:
+    return generate(dataclasses.replace(PRESETS["chat"], requests=n, system_tokens=1024, user_tokens=600), seed)
+
+
+def test_unbounded_single_worker_hit_rate_equals_theoretical_reuse() -> None:
+    reqs = chat(120)
+    spaced = [dataclasses.replace(r, arrival=i * 1000.0) for i, r in enumerate(reqs)]  # no overlap in time
+    cfg = ClusterConfig(workers=1, page_size=64, device_tokens=10_000_000, host_ratio=0.0)
+    res = simulate(spaced, cfg, RunConfig("round_robin"))
+    assert res.summary.requests == len(reqs)
+    assert res.summary.hit_rate == pytest.approx(prefix_reuse(spaced, 64), abs=1e-12)
+    assert res.summary.hit_host == 0.0
+
+
+@pytest.mark.parametrize("cost", ["credit", "ttft"])
+def test_kv_all_decides_exactly_like_the_oracle_without_delay(cost: str) -> None:
+    reqs = chat(250)
+    a = simulate(reqs, SMALL, RunConfig("kv_all", cost=cost))
+    o = simulate(reqs, SMALL, RunConfig("oracle", cost=cost))
+    assert a.decisions == o.decisions
+    assert a.summary.hit_rate == o.summary.hit_rate
+    assert a.summary.index_exact == 1.0 and a.summary.events_rejected == 0
+    assert a.summary.hit_host > 0 or a.summary.hit_storage > 0  # the lower tiers were exercised
+
+
+def test_event_delay_and_loss_degrade_the_index_gracefully() -> None:
+    reqs = chat(250)
+    lossy = simulate(reqs, SMALL, RunConfig("kv_all", event_loss=0.3, seed=3))
+    assert lossy.summary.requests == len(reqs)
+    assert lossy.events_lost > 0
+    assert lossy.summary.index_exact < 1.0
+    late = simulate(reqs, SMALL, RunConfig("kv_all", event_delay_s=5.0))
+    assert late.summary.requests == len(reqs) and late.summary.index_exact < 1.0
+
+
+def test_single_request_timing_in_closed_form() -> None:
+    lat = MockerLatency()
+    cfg = ClusterConfig(workers=1, page_size=64, device_tokens=65_536, host_ratio=0.0, prefill_budget=8192)
+    req = Request("r0", 0.0, 3000, 50, [1, 2, 3, 4, 5, 6])
+    rec = simulate([req], cfg, RunConfig("round_robin")).records[0]
+    ttft = lat.prefill_ms(3000) / 1000
+    assert rec.ttft == pytest.approx(ttft)
+    step = lat.decode_ms((3000 + 1) / 65_536) / 1000  # utilisation when the decode run starts
+    assert rec.e2e == pytest.approx(ttft + 49 * step)
+
+
+def test_chunked_prefill_splits_long_prompts() -> None:
+    lat = MockerLatency()
+    cfg = ClusterConfig(workers=1, page_size=64, device_tokens=65_536, host_ratio=0.0, prefill_budget=2048)
+    req = Request("r0", 0.0, 5000, 1, list(range(10)))
+    rec = simulate([req], cfg, RunConfig("round_robin")).records[0]
+    assert rec.ttft == pytest.approx((2 * lat.prefill_ms(2048) + lat.prefill_ms(904)) / 1000)
+
+
+def test_runs_are_deterministic() -> None:
+    reqs = chat(150)
+    a = simulate(reqs, SMALL, RunConfig("random", seed=5))
+    b = simulate(reqs, SMALL, RunConfig("random", seed=5))
+    assert a.records == b.records
+
+
+def test_every_policy_completes() -> None:
+    reqs = chat(120)
+    from sim.policies import POLICIES
+
+    for p in POLICIES:
+        s = simulate(reqs, SMALL, RunConfig(p)).summary
+        assert s.requests == len(reqs), p
+        assert 0.0 <= s.hit_rate <= 1.0
+
+
+def test_cli_compare_writes_table_json_csv_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli(["compare", "--trace", "builtin:chat:120", "--policies", "round_robin,kv_all", "--workers", "2",
+              "--device-tokens", "32768", "--jobs", "2", "--out", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "kv_all" in out and "TTFT p50" in out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [r["policy"] for r in summary["runs"]] == ["round_robin", "kv_all"]
+    assert (tmp_path / "requests.csv").read_text().count("\n") == 1 + 2 * 120
+    for png in ("hit_rate_by_tier.png", "ttft_cdf.png"):
+        assert (tmp_path / png).stat().st_size > 10_000
+
+
+def test_cli_sweep_gen_trace_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.jsonl"
+    assert cli(["gen-trace", "--kind", "agentic", "--requests", "80", "-o", str(trace)]) == 0
+    rc = cli(["sweep", "--trace", str(trace), "--workers", "2", "--device-tokens", "32768",
+              "--grid", "host_ratio=0,2", "policy=kv_device,kv_host", "--jobs", "2", "--out", str(tmp_path / "s")])
+    assert rc == 0
+    rows = json.loads((tmp_path / "s" / "sweep.json").read_text())
+    assert [(r["host_ratio"], r["policy"]) for r in rows] == [(0.0, "kv_device"), (0.0, "kv_host"),
+                                                               (2.0, "kv_device"), (2.0, "kv_host")]
+    assert cli(["replay", "--trace", str(trace), "--policy", "teleport"]) == 2
+    assert "unknown policy" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0}\n')
+    assert cli(["replay", "--trace", str(bad)]) == 2
+    assert "bad.jsonl:1" in capsys.readouterr().err
+    assert cli(["sweep", "--grid", "colour=blue"]) == 2

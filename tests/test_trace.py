@@ -1,0 +1,92 @@
+"""Trace loading, token derivation and generators."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sim.generators import PRESETS, generate
+from sim.trace import (
+    HASH_BLOCK,
+    Request,
+    TokenBank,
+    TraceError,
+    load_azure,
+    load_mooncake,
+    prefix_reuse,
+    write_mooncake,
+)
+
+
+def test_mooncake_trace_loads_and_matches_published_reuse(shared_dir: Path) -> None:
+    reqs = load_mooncake(shared_dir / "traces" / "mooncake_conversation_trace.jsonl")
+    assert len(reqs) == 12_031
+    assert reqs[0].hash_ids[:3] == [0, 1, 2] and reqs[0].input_length == 6758
+    assert abs(reqs[-1].arrival - 3537) < 1.0
+    assert prefix_reuse(reqs, 16) == pytest.approx(0.374, abs=5e-4)  # traces/README.md
+
+
+@pytest.mark.parametrize("line,fragment", [
+    ("{not json", "not JSON"),
+    ('{"timestamp": 1, "input_length": 10, "output_length": 1}', "missing field"),
+    ('{"timestamp": 1, "input_length": 600, "output_length": 1, "hash_ids": [1]}', "expected ceil"),
+    ('{"timestamp": -1, "input_length": 10, "output_length": 1, "hash_ids": [1]}', "timestamp"),
+    ('{"timestamp": 1, "input_length": 0, "output_length": 1, "hash_ids": []}', "input_length"),
+    ('{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": ["a"]}', "hash_ids"),
+    ('[1, 2]', "JSON object"),
+])
+def test_malformed_mooncake_line_is_named(tmp_path: Path, line: str, fragment: str) -> None:
+    p = tmp_path / "t.jsonl"
+    good = '{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}'
+    p.write_text(f"{good}\n{good}\n{line}\n")
+    with pytest.raises(TraceError, match=rf"t\.jsonl:3: .*{fragment}"):
+        load_mooncake(p)
+
+
+def test_backwards_timestamp_is_named(tmp_path: Path) -> None:
+    p = tmp_path / "t.jsonl"
+    p.write_text('{"timestamp": 5, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n'
+                 '{"timestamp": 4, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n')
+    with pytest.raises(TraceError, match=":2: timestamp goes backwards"):
+        load_mooncake(p)
+
+
+def test_azure_csv_lengths_and_synthesised_sharing(shared_dir: Path, tmp_path: Path) -> None:
+    reqs = load_azure(shared_dir / "traces" / "azure_llm_2023_conv.csv", limit=500)
+    assert len(reqs) == 500 and reqs[0].input_length == 374 and reqs[0].output_length == 44
+    assert prefix_reuse(reqs, 16) == 0.0  # no sharing unless asked
+    shared = load_azure(shared_dir / "traces" / "azure_llm_2023_code.csv", share_prefix_blocks=2, groups=4,
+                        limit=500)
+    assert prefix_reuse(shared, 16) > 0.1
+    assert all(len(r.hash_ids) == -(-r.input_length // HASH_BLOCK) for r in shared)
+    bad = tmp_path / "bad.csv"
+    bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,12,3\n2023-11-16 18:15:47,x,1\n")
+    with pytest.raises(TraceError, match=r"bad\.csv:3"):
+        load_azure(bad)
+
+
+def test_tokens_are_deterministic_and_partial_blocks_are_prefixes() -> None:
+    bank = TokenBank(seed=3)
+    a = Request("a", 0, 700, 1, [5, 9])
+    b = Request("b", 0, 1024, 1, [5, 9])
+    ta, tb = bank.tokens(a), TokenBank(seed=3).tokens(b)
+    assert len(ta) == 700 and len(tb) == 1024
+    assert tb[:700] == ta
+    assert bank.tokens(Request("c", 0, 512, 1, [6])) != ta[:512]
+
+
+@pytest.mark.parametrize("kind", sorted(PRESETS))
+def test_generators_are_seeded_and_valid(kind: str, tmp_path: Path) -> None:
+    import dataclasses
+
+    spec = dataclasses.replace(PRESETS[kind], requests=200)
+    a, b = generate(spec, 7), generate(spec, 7)
+    assert [r.to_json() for r in a] == [r.to_json() for r in b]
+    assert generate(spec, 8)[5].to_json() != a[5].to_json()
+    assert all(a[i].arrival <= a[i + 1].arrival for i in range(len(a) - 1))
+    p = tmp_path / "g.jsonl"
+    write_mooncake(a, p)
+    again = load_mooncake(p)
+    assert [r.hash_ids for r in again] == [r.hash_ids for r in a]
+    assert prefix_reuse(a, 64) > 0.3
