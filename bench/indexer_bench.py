@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from indexer import BlockStored, WorkerId
+from indexer import BlockStored, EngineHash, WorkerId
 from indexer.index import Outcome, TieredIndex
 from indexer.keys import block_keys
 from indexer.stream import StreamId
@@ -53,7 +53,7 @@ def engine_hashes(conv: int) -> list[int]:
 
 
 def conversation_events(conv: int, tokens: np.ndarray) -> list[BlockStored]:
-    hashes = engine_hashes(conv)
+    hashes: list[EngineHash] = list(engine_hashes(conv))
     toks = tokens.tolist()
     out = []
     for t in range(TURNS):
