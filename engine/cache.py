@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import heapq
 import logging
+from array import array
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from engine.datapath import CopyKind, CopyOp, DataPath
+from engine.hashing import iter_chain
 from engine.pool import PageId, PagePool, PoolExhausted
 from engine.radix import Node, RadixTree
 from engine.storage import PageMeta, PageStore
@@ -217,11 +219,9 @@ class TieredCache:
         assert self.store is not None
         ps = self.config.page_size
         digests_from = last.digests[-1] if last.digests else b""
-        from engine.hashing import chain  # local: only L3 configurations hash past the tree
-
         rest = tokens[matched * ps:(len(tokens) // ps) * ps]
         keys: list[str] = []
-        for d in chain(digests_from, rest, ps):
+        for d in iter_chain(digests_from, rest, ps):
             key = d.hex()
             if key not in self.store:
                 break
@@ -389,10 +389,11 @@ class TieredCache:
                 continue
             parent_key = (node.digests[i - 1] if i else node.parent_digest()).hex() or None
             parent_hash = node.hashes[i - 1] if i else node.parent_hash()
-            meta = PageMeta(node.hashes[i], parent_key, parent_hash, node.tokens[i * ps:(i + 1) * ps], depth0 + i)
+            meta = PageMeta(node.hashes[i], parent_key, parent_hash,
+                            array("I", node.tokens[i * ps:(i + 1) * ps]).tobytes(), depth0 + i)
             if key in store:
                 if store.announce(key, self.name):
-                    self._announce(key, meta)
+                    self._announce([(key, meta)])
                 continue
             if store.is_pending(key):
                 continue  # another engine is writing it into the shared pool
@@ -407,11 +408,19 @@ class TieredCache:
             op = self.dp.new_op(CopyKind.H2S, src, [], keys, store)
             self._submit(op, _OpInfo(op, metas=metas))
 
-    def _announce(self, key: str, meta: PageMeta) -> None:
-        self._announced[key] = meta.event_hash
-        self._events.append(BlockStored(
-            block_hashes=[meta.event_hash], parent_block_hash=meta.parent_hash, token_ids=list(meta.tokens),
-            block_size=self.config.page_size, medium=self._medium(self._l3_tier())))
+    def _announce(self, pages: list[tuple[str, PageMeta]]) -> None:
+        """BlockStored(DISK or EXTERNAL) for pages, one event per run of consecutive pages."""
+        medium = self._medium(self._l3_tier())
+        run: BlockStored | None = None
+        for key, meta in pages:
+            self._announced[key] = meta.event_hash
+            if run is not None and run.block_hashes[-1] == meta.parent_hash:
+                run.block_hashes.append(meta.event_hash)
+                run.token_ids.extend(meta.token_list())
+                continue
+            run = BlockStored(block_hashes=[meta.event_hash], parent_block_hash=meta.parent_hash,
+                              token_ids=meta.token_list(), block_size=self.config.page_size, medium=medium)
+            self._events.append(run)
 
     def _on_l3_evicted(self, keys: list[str]) -> None:
         hashes = [self._announced.pop(k) for k in keys if k in self._announced]
@@ -482,6 +491,7 @@ class TieredCache:
 
     def _l3_written(self, info: _OpInfo) -> None:
         assert self.store is not None
+        landed: list[tuple[str, PageMeta]] = []
         for key, meta in zip(info.op.keys, info.metas, strict=True):
             self._l3_pending.discard(key)
             if info.op.error:
@@ -489,7 +499,8 @@ class TieredCache:
                 continue
             self.store.commit(key, meta, self.name)
             if key in self.store:  # may have been evicted at once by a tiny store
-                self._announce(key, meta)
+                landed.append((key, meta))
+        self._announce(landed)
         if info.op.error:
             log.error("%s: L3 write failed: %s", self.name, info.op.error)
         # Nodes whose L3 writes just landed may now be host-evictable: _alloc_host rescans
@@ -706,10 +717,8 @@ class TieredCache:
         device = host if device < 0 else device
         disk = ext = host
         if self.store is not None and host < pages:
-            from engine.hashing import chain
-
             run = 0
-            for d in chain(last_digest, tokens[host * ps:pages * ps], ps):
+            for d in iter_chain(last_digest, tokens[host * ps:pages * ps], ps):
                 key = d.hex()
                 ok = key in self._announced if not self.store.shared else self.store.is_announced(key)
                 if not ok:
@@ -742,10 +751,8 @@ class TieredCache:
             if n.host is not None:
                 self._stored(n, StorageTier.HOST)
         if self.store is not None:
-            for key in self.store.announced_by(self.name):
-                if key in self._announced:
-                    meta = self.store.meta(key)
-                    self._announce(key, meta)
+            self._announce([(k, self.store.meta(k)) for k in self.store.announced_by(self.name)
+                            if k in self._announced])
         events, self._events = self._events, saved
         return [EventBatch(ts=0.0, events=events[i:i + max_events]) for i in range(0, len(events), max_events)]
 

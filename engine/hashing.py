@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 ROOT_DIGEST = b""
 
@@ -22,6 +22,14 @@ def page_digest(parent_digest: bytes, page_tokens: Sequence[int]) -> bytes:
 def event_hash(digest: bytes) -> int:
     """The int64 hash SGLang publishes for a page digest. O(1)."""
     return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def iter_chain(parent_digest: bytes, tokens: Sequence[int], page_size: int) -> Iterator[bytes]:
+    """Like :func:`chain`, lazily: a caller that stops at the first miss hashes no further."""
+    d = parent_digest
+    for i in range(0, len(tokens) - page_size + 1, page_size):
+        d = page_digest(d, tokens[i:i + page_size])
+        yield d
 
 
 def chain(parent_digest: bytes, tokens: Sequence[int], page_size: int) -> list[bytes]:

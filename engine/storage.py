@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,8 +42,11 @@ class PageMeta:
     event_hash: int  # the hash published in events
     parent_key: str | None  # L3 key of the parent page; None under the root
     parent_hash: int | None  # event hash of the parent page
-    tokens: list[int]  # the page's token ids
+    tokens: bytes  # the page's token ids as uint32 little-endian (a quarter of a list's memory)
     depth: int  # pages from the root (for parent-first dumps)
+
+    def token_list(self) -> list[int]:
+        return array("I", self.tokens).tolist()
 
 
 @dataclass(slots=True)
@@ -69,7 +73,9 @@ class PageStore:
         self.shared = shared
         self.tier = tier or (StorageTier.EXTERNAL if shared else StorageTier.DISK)
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # committed pages, LRU first
+        self._leaves: OrderedDict[str, None] = OrderedDict()  # committed pages without children, LRU first
         self._pending: dict[str, str | None] = {}  # key being written -> parent key
+        self._pending_children: dict[str, int] = {}  # key being written -> children begun under it
         self._listeners: dict[EngineTag, EvictListener] = {}
         if directory is not None:
             directory.mkdir(parents=True, exist_ok=True)
@@ -107,7 +113,7 @@ class PageStore:
     def announce(self, key: str, engine: EngineTag) -> bool:
         """Marks a committed page as announced by ``engine``; True if it was not already."""
         e = self._entries[key]
-        self._entries.move_to_end(key)
+        self.touch(key)
         if engine in e.announcers:
             return False
         e.announcers.add(engine)
@@ -120,6 +126,25 @@ class PageStore:
 
     def touch(self, key: str) -> None:
         self._entries.move_to_end(key)
+        if key in self._leaves:
+            self._leaves.move_to_end(key)
+
+    def _add_child(self, parent_key: str) -> None:
+        if parent_key in self._entries:
+            e = self._entries[parent_key]
+            e.children += 1
+            self._leaves.pop(parent_key, None)
+        else:
+            self._pending_children[parent_key] = self._pending_children.get(parent_key, 0) + 1
+
+    def _drop_child(self, parent_key: str) -> None:
+        e = self._entries.get(parent_key)
+        if e is not None:
+            e.children -= 1
+            if e.children == 0:
+                self._leaves[parent_key] = None
+        elif parent_key in self._pending_children:
+            self._pending_children[parent_key] -= 1
 
     # --- writes --------------------------------------------------------------------------
 
@@ -129,8 +154,7 @@ class PageStore:
         if parent_key is not None:
             assert parent_key in self._entries or parent_key in self._pending, (
                 f"page {key} written before its parent {parent_key}")
-            if parent_key in self._entries:
-                self._entries[parent_key].children += 1
+            self._add_child(parent_key)
         self._pending[key] = parent_key
 
     def write_bytes(self, key: str, data: bytes) -> None:
@@ -163,22 +187,25 @@ class PageStore:
         parent_key = self._pending.pop(key)
         assert parent_key is None or parent_key in self._entries, (
             f"page {key} committed but its parent {parent_key} is not")
-        children = sum(1 for p in self._pending.values() if p == key)  # written after it began
+        children = self._pending_children.pop(key, 0)  # written after it began
         self._entries[key] = _Entry(meta, children=children, announcers={engine})
+        if children == 0:
+            self._leaves[key] = None
         self._evict_over_capacity(protect=key)
 
     def abort(self, key: str) -> None:
         """Drops a reservation whose write failed."""
         parent_key = self._pending.pop(key)
-        if parent_key is not None and parent_key in self._entries:
-            self._entries[parent_key].children -= 1
+        self._pending_children.pop(key, None)
+        if parent_key is not None:
+            self._drop_child(parent_key)
 
     # --- reads ---------------------------------------------------------------------------
 
     def pin(self, keys: list[str]) -> None:
         for k in keys:
             self._entries[k].pins += 1
-            self._entries.move_to_end(k)
+            self.touch(k)
 
     def unpin(self, keys: list[str]) -> None:
         for k in keys:
@@ -191,8 +218,7 @@ class PageStore:
     def _evict_over_capacity(self, protect: str) -> None:
         lost: dict[EngineTag, list[str]] = {}
         while len(self._entries) > self.capacity:
-            victim = next((k for k, e in self._entries.items()
-                           if e.children == 0 and e.pins == 0 and k != protect), None)
+            victim = next((k for k in self._leaves if self._entries[k].pins == 0 and k != protect), None)
             if victim is None:
                 break  # everything is pinned or has children: over capacity until reads end
             self._remove(victim, lost)
@@ -211,8 +237,9 @@ class PageStore:
 
     def _remove(self, key: str, lost: dict[EngineTag, list[str]]) -> None:
         e = self._entries.pop(key)
-        if e.meta.parent_key is not None and e.meta.parent_key in self._entries:
-            self._entries[e.meta.parent_key].children -= 1
+        self._leaves.pop(key, None)
+        if e.meta.parent_key is not None:
+            self._drop_child(e.meta.parent_key)
         for engine in e.announcers:
             lost.setdefault(engine, []).append(key)
         if self.directory is not None:
@@ -224,6 +251,7 @@ class PageStore:
             if self.directory is not None:
                 self._path(key).unlink(missing_ok=True)
         self._entries.clear()
+        self._leaves.clear()
 
     def _path(self, key: str) -> Path:
         assert self.directory is not None
@@ -236,4 +264,5 @@ class PageStore:
             n = sum(1 for c in self._entries.values() if c.meta.parent_key == k)
             n += sum(1 for pp in self._pending.values() if pp == k)
             assert e.children == n, f"page {k}: children {e.children} but {n} found"
+            assert (k in self._leaves) == (e.children == 0), f"page {k}: leaf list out of sync"
             assert e.pins >= 0, f"page {k}: negative pins"

@@ -145,4 +145,22 @@ def grid_jobs(trace: list[Request], base_cluster: ClusterConfig, base_run: RunCo
     return jobs
 
 
-__all__ = ["Job", "WorkloadSpec", "grid_jobs", "parse_grid", "resolve_trace", "run_jobs"]
+def run_grid(trace: list[Request], cluster: ClusterConfig, run: RunConfig, grid: dict[str, list[Any]],
+             processes: int | None = None) -> list[tuple[dict[str, Any], RunResult]]:
+    """Every combination of ``grid`` (keys are ClusterConfig or RunConfig fields), in grid order."""
+    return run_jobs(grid_jobs(trace, cluster, run, grid), processes=processes)
+
+
+def shared_dir(start: Path | None = None) -> Path:
+    """The ``shared/`` folder beside the checkout (``KVTIER_SHARED`` overrides)."""
+    env = os.environ.get("KVTIER_SHARED")
+    if env:
+        return Path(env)
+    here = (start or Path.cwd()).resolve()
+    for d in [here, *here.parents]:
+        if (d / "shared" / "traces").is_dir():
+            return d / "shared"
+    raise FileNotFoundError("no shared/traces folder above the working directory; set KVTIER_SHARED")
+
+
+__all__ = ["Job", "WorkloadSpec", "grid_jobs", "parse_grid", "resolve_trace", "run_grid", "run_jobs", "shared_dir"]
