@@ -87,6 +87,7 @@ class Admission:
     compute: list[PageId] = field(default_factory=list)  # device pages for pages to compute
     started: bool = False  # prefill began: late prefetches no longer load to device
     released: bool = False  # release() was called
+    epoch: int = 0  # the cache's reset count at admission: a reset voids the admission
 
 
 @dataclass(slots=True)
@@ -127,6 +128,7 @@ class TieredCache:
         self._dev_heap: list[tuple[int, int, Node]] = []
         self._host_heap: list[tuple[int, int, Node]] = []
         self.completed_ops = 0
+        self._epoch = 0  # reset() count
         self.tree.on_split = self._on_split
         if store is not None:
             store.attach(name, self._on_l3_evicted)
@@ -176,7 +178,7 @@ class TieredCache:
                 break
             host_run.append(n)
         adm = Admission(request_id, tokens, last, sum(n.pages for n in path[:dev]),
-                        sum(n.pages for n in host_run), 0)
+                        sum(n.pages for n in host_run), 0, epoch=self._epoch)
         self._backup_path(path)
         if host_run and self.config.load_back:
             self._load(host_run, adm)
@@ -247,6 +249,7 @@ class TieredCache:
 
         Returns None (nothing reserved) if the device cannot make room now.
         """
+        self._check_live(adm)
         ps = self.config.page_size
         path = self.tree.match(adm.tokens)
         last = path[-1] if path else self.tree.root
@@ -271,6 +274,7 @@ class TieredCache:
 
     def finish_prefill(self, adm: Admission) -> None:
         """The prompt's KV is computed: its new full pages join the tree (BlockStored GPU)."""
+        self._check_live(adm)
         ps = self.config.page_size
         full = len(adm.tokens) // ps
         path = self.tree.match(adm.tokens)
@@ -278,18 +282,22 @@ class TieredCache:
         adm.compute = []
         done = 0
         for n in path:
-            if n.device is None and n.loading is None:  # host-only: recomputed into it
+            if n.device is None and n.loading is not None:
+                # A load of this node is still landing: the node gets its device pages from it.
+                # What this request computed past it stays uncached (the tree cannot hang it here).
+                self.device.release(compute)
+                return
+            if n.device is None:  # host-only: recomputed into it
+                if len(compute) < n.pages:  # it joined the path after begin_prefill reserved pages
+                    self.device.release(compute)
+                    return
                 n.device, compute = compute[:n.pages], compute[n.pages:]
                 self._stored(n, StorageTier.DEVICE)
                 self._push_dev(n)
-            elif n.device is None:
-                break  # a load is still landing: the pages it brings are dropped here
             done += n.pages
-        if done < full and not compute:
-            return
         parent = path[-1] if path else self.tree.root
         new_pages = full - done
-        if new_pages > 0 and len(compute) >= new_pages and self.tree.page_key(adm.tokens, done) not in parent.children:
+        if new_pages > 0 and len(compute) >= new_pages:
             node = self.tree.add_child(parent, adm.tokens[done * ps:full * ps])
             node.device, compute = compute[:new_pages], compute[new_pages:]
             self._stored(node, StorageTier.DEVICE)
@@ -305,11 +313,17 @@ class TieredCache:
         if self.config.write_policy is WritePolicy.WRITE_THROUGH:
             self._backup_path(path)
 
+    def _check_live(self, adm: Admission) -> None:
+        if adm.released or adm.epoch != self._epoch:
+            raise ValueError(f"admission {adm.request_id!r} was released or voided by reset()")
+
     def release(self, adm: Admission) -> None:
         """The request finished: unlock its prefix, free its private pages. Idempotent."""
         if adm.released:
             return
         adm.released = True
+        if adm.epoch != self._epoch:
+            return  # admitted before a reset, which already freed its pages and locks
         self.device.release(adm.private + adm.compute)
         adm.private, adm.compute = [], []
         self._unlock(adm.last)
@@ -572,6 +586,8 @@ class TieredCache:
 
     def _alloc_device(self, n: int) -> list[PageId] | None:
         """``n`` device pages, evicting LRU device leaves; None if that cannot free enough now."""
+        if n > self.device.capacity:
+            return None  # can never fit: evicting would only destroy the cache
         rescanned = False
         while self.device.free < n:
             if not self._dev_heap:
@@ -613,7 +629,7 @@ class TieredCache:
             self._push_host(parent)
 
     def _alloc_host(self, n: int, protect: Node | None = None) -> list[PageId] | None:
-        if self.config.host_pages == 0:
+        if self.config.host_pages == 0 or n > self.host.capacity:
             return None
         rescanned = False
         while self.host.free < n:
@@ -661,7 +677,8 @@ class TieredCache:
     # --- whole-cache operations ------------------------------------------------------------
 
     def reset(self) -> None:
-        """Drops everything on every tier and publishes ``AllBlocksCleared``."""
+        """Drops everything on every tier and publishes ``AllBlocksCleared``. Voids admissions."""
+        self._epoch += 1
         self.dp.reset()
         for info in self._ops.values():
             if info.op.kind is CopyKind.H2S and self.store is not None:

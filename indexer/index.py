@@ -48,6 +48,7 @@ _M64 = (1 << 64) - 1
 _SLOTS_PER_WORD = 64 // _TIERS
 _DEV = sum(1 << (_TIERS * s) for s in range(_SLOTS_PER_WORD))  # the device bit of every slot
 _EXT = _DEV << StorageTier.EXTERNAL
+_LOG_FIRST, _LOG_EVERY = 10, 1000  # rejections logged per worker: the first N, then every Mth
 
 
 class Outcome(Enum):
@@ -130,10 +131,13 @@ class TieredIndex:
         return {t: w.counts[t] for t in StorageTier}
 
     def worker_hashes(self, stream: StreamId) -> dict[StorageTier, set[EngineHash]]:
-        """The engine hashes the worker holds per tier, as the index sees them. O(worker blocks)."""
-        w = self._workers[stream]
-        shift = _TIERS * w.slot
+        """The engine hashes the worker holds per tier, as the index sees them (empty for an unknown
+        worker). O(worker blocks)."""
         out: dict[StorageTier, set[EngineHash]] = {t: set() for t in StorageTier}
+        w = self._workers.get(stream)
+        if w is None:
+            return out
+        shift = _TIERS * w.slot
         for eh, key in w.hashes.items():
             bits = self._masks[key] >> shift
             for t in StorageTier:
@@ -202,7 +206,11 @@ class TieredIndex:
     def _reject(self, w: _Worker, reason: str, outcome: Outcome = Outcome.REJECTED) -> Outcome:
         w.stats.events_rejected += 1
         w.stats.last_error = reason
-        log.warning("worker %s: event rejected: %s", w.stream, reason)
+        n = w.stats.events_rejected
+        # Every rejection is counted; the log gets the first few and then one in a thousand, so a
+        # flood of bad input cannot drown the log.
+        if n <= _LOG_FIRST or n % _LOG_EVERY == 0:
+            log.warning("worker %s: event rejected (%d so far): %s", w.stream, n, reason)
         return outcome
 
     def _store(self, w: _Worker, ev: BlockStored) -> Outcome:

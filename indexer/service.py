@@ -264,6 +264,11 @@ class IndexerService:
                     lines.append(f'kvtier_{k}{suffix}{{worker="{w}"}} {float(v):g}')
         return "\n".join(lines) + "\n"
 
+    def view(self, stream: StreamId) -> dict[Any, set[Any]]:
+        """The worker's blocks per tier as the index holds them (engine hashes)."""
+        with self._lock:
+            return dict(self.index.worker_hashes(stream))
+
     def health(self) -> dict[str, Any]:
         with self._lock:
             stale = [str(s) for s in self.index.streams if self.index.is_stale(s)]

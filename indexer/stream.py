@@ -149,6 +149,7 @@ class StreamTracker:
     can_dump: bool  # the publisher answers DUMP_REQUEST (kvtier engines)
     timeout_s: float = 2.0  # how long to wait for a replay or dump answer
     attempts: int = 3  # requests sent (on fresh sockets) before giving up
+    probe_s: float | None = 1.0  # after this long without traffic, ask for anything past `expected`
     expected: int | None = None  # next seq to deliver; None before the first message
     stats: StreamStats = field(default_factory=StreamStats)  # counters
     outbox: list[bytes] = field(default_factory=list)  # requests for the replay socket
@@ -165,12 +166,14 @@ class StreamTracker:
     _suspect: bool = False  # the live socket reconnected: the publisher may be a new process
     _verify: bool = False  # the pending replay checks the last delivered seq's content
     _restarted: bool = False  # the check found a new publisher: replay it from 0 next
+    _last_seen: float = 0.0  # when the stream last showed activity (for tail probes)
 
     # --- inputs --------------------------------------------------------------------------
 
     def on_live(self, seq: int, payload: bytes, now: float) -> list[Delivery]:
         """A live message arrived. Amortised O(1) plus decoding."""
         self.stats.received += 1
+        self._last_seen = now
         out: list[Delivery] = []
         self._live(seq, payload, now, out)
         return out
@@ -180,6 +183,7 @@ class StreamTracker:
         out: list[Delivery] = []
         if self._mode is _Mode.LIVE:
             return out  # an answer nobody waits for any more
+        self._last_seen = now
         if seq_frame == END_SEQ:
             if self._mode is _Mode.REPLAY:
                 self._finish_replay(now, out)
@@ -240,8 +244,24 @@ class StreamTracker:
         self.reset_replay_socket = True
 
     def on_tick(self, now: float) -> list[Delivery]:
-        """Checks the pending request's deadline. O(1)."""
+        """Checks the pending request's deadline, and probes a quiet stream. O(1).
+
+        A batch lost on the wire is noticed when a later one arrives; if it was the
+        last one for a while, the probe (a replay from ``expected``) finds it.
+        """
         out: list[Delivery] = []
+        if self._mode is _Mode.LIVE and self._suspect and self.expected and self.can_replay:
+            # Reconnected and quiet since: a restarted engine may publish nothing for a long time,
+            # so check now whether the publisher still holds what we delivered last.
+            self._suspect = False
+            self._start_replay(self.expected - 1, now, out)
+            self._verify = True
+            return out
+        if (self._mode is _Mode.LIVE and self.probe_s is not None and self.can_replay and self.expected is not None
+                and now - self._last_seen >= self.probe_s):
+            self._last_seen = now
+            self._start_replay(self.expected, now, out)
+            return out
         if self._mode is not _Mode.LIVE and now >= self._deadline:
             self.reset_replay_socket = True
             if self._tries < self.attempts:

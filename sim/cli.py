@@ -14,6 +14,7 @@ from typing import Any
 
 from engine.cache import PrefetchPolicy, WritePolicy
 from indexer.service import ConfigError, ServiceConfig, load_config, parse_endpoint, serve
+from sim import live
 from sim.cluster import ClusterConfig
 from sim.generators import PRESETS, generate
 from sim.policies import POLICIES
@@ -240,6 +241,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-o", "--output", required=True)
     p.set_defaults(func=cmd_gen_trace)
+
+    p = sub.add_parser("engine", help="a live engine replaying a trace and publishing KV events over ZMQ",
+                       description="Replays a trace through a real tiered cache, publishing its events (with "
+                                   "replay and state dumps) for `kvtier indexer` to consume.")
+    live.build_parser(p)
+    p.set_defaults(func=live.run)
 
     p = sub.add_parser("indexer", help="subscribe to engines' KV events and answer overlap queries over HTTP",
                        description="Subscribes to engine ZMQ endpoints, keeps the tiered index, "

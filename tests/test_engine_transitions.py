@@ -261,3 +261,12 @@ def test_dump_rebuilds_the_same_view(tmp_path: Path) -> None:
     assert fresh.index is not None
     seen = fresh.index.worker_hashes(StreamId(WorkerId("w0")))
     assert seen == h.cache.residency()
+
+
+def test_request_larger_than_the_device_evicts_nothing() -> None:
+    h = Harness(CacheConfig(page_size=PS, device_pages=8, host_ratio=1.0))
+    h.run("a", toks(0, 4))
+    adm = h.cache.admit("huge", toks(1000, 9))
+    assert h.cache.begin_prefill(adm) is None
+    assert h.cache.residency()[StorageTier.DEVICE] == set(hashes(toks(0, 4)))
+    h.cache.release(adm)

@@ -213,3 +213,34 @@ def test_fast_index_agrees_with_naive_model(
     again._check()
     for doc, cut in qs:
         assert again.find_matches(doc[:cut]).workers == fast.find_matches(doc[:cut]).workers
+
+
+# --- fuzzing: arbitrary events never raise, every rejection is counted ------------------------
+
+any_hash = st.one_of(st.integers(-(2**63), 2**64 - 1), st.binary(max_size=12))
+fuzz_events = st.one_of(
+    st.builds(lambda hs, p, toks, bs, med: BlockStored(block_hashes=hs, parent_block_hash=p, token_ids=toks,
+                                                       block_size=bs, medium=med),
+              st.lists(any_hash, max_size=4), st.none() | any_hash,
+              st.lists(st.integers(-5, 2**33), max_size=12), st.integers(-3, 6),
+              st.sampled_from([None, "GPU", "cpu", "DISK", "shared", "tape", ""])),
+    st.builds(lambda hs, med: BlockRemoved(block_hashes=hs, medium=med), st.lists(any_hash, max_size=4),
+              st.sampled_from([None, "GPU", "CPU_PINNED", "nvme", "floppy"])),
+    st.just(AllBlocksCleared()),
+)
+
+
+@given(st.lists(fuzz_events, max_size=40))
+def test_fuzzed_events_never_raise_and_never_touch_other_workers(events: list[Event]) -> None:
+    idx = TieredIndex(2)
+    idx.add_worker(A)
+    idx.apply(B, stored([1, 2], None, TOKS[:4], bs=2))
+    before = idx.worker_hashes(B)
+    not_applied = 0
+    for ev in events:
+        outcome = idx.apply(A, ev)
+        not_applied += outcome is not Outcome.APPLIED
+        idx._check()
+    assert idx.stats(A).events_rejected == not_applied
+    assert idx.worker_hashes(B) == before
+    idx.find_matches(TOKS)

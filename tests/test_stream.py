@@ -211,3 +211,16 @@ def test_join_on_a_quiet_publisher() -> None:
     t.start(0.0)
     assert t.on_reply(END_SEQ, b"", 0.1) == [] and t.expected == 0
     assert seqs(t.on_live(0, payload(0), 0.2)) == [0]
+
+
+def test_quiet_stream_probe_recovers_a_lost_last_batch() -> None:
+    t = tracker()
+    t.on_live(0, payload(0), 0.0)
+    # seq 1 was lost on the wire and nothing follows it.
+    assert t.on_tick(0.5) == [] and not t.outbox
+    assert t.on_tick(1.2) == [] and [unpack_seq(r) for r in t.outbox] == [1]
+    out = t.on_reply(pack_seq(1), payload(1), 1.3) + t.on_reply(END_SEQ, b"", 1.3)
+    assert seqs(out) == [1] and t.expected == 2
+    t.outbox.clear()
+    t.on_tick(2.4)
+    assert t.on_reply(END_SEQ, b"", 2.5) == [] and t.expected == 2  # nothing new: stays quiet

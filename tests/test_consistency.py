@@ -1,0 +1,142 @@
+"""Engine <-> indexer consistency under arbitrary operations (hypothesis state machines).
+
+Three engines on a manual clock (each with a local disk, or all sharing an external pool) are driven
+through arbitrary sequences of requests that share prefixes, held locks, evictions, copies
+acknowledged at arbitrary moments (so nodes split while their copies are in flight), load-backs,
+L3 writes and prefetches, and resets. Every event batch goes through the real codec bytes into
+one TieredIndex. After every step, for every worker and tier, the index's view equals the engine's
+``residency()``, ``find_matches`` equals the overlaps read from the engines, and both ``_check()``
+pass.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
+
+from engine.cache import Admission, CacheConfig, PrefetchPolicy, TieredCache, WritePolicy
+from engine.datapath import Bandwidths, ModeledDataPath
+from engine.storage import PageStore
+from indexer import StorageTier, WorkerId, decode_payload, encode_payload
+from indexer.index import Outcome, TieredIndex
+from indexer.stream import StreamId
+
+PS = 2
+# Documents share prefixes: B and C start like A, D is unrelated. Requests take a prefix of one
+# document, sometimes with a private tail, so matches split nodes at arbitrary pages.
+A = list(range(100, 124))
+DOCS = [A, A[:8] + list(range(200, 216)), A[:14] + list(range(300, 310)), list(range(400, 424))]
+BW = Bandwidths(d2h=1e3, h2d=1e3, storage_write=1e3, storage_read=1e3, latency_s=1e-6)  # 1 page/s
+POLICIES = list(WritePolicy)
+STEPS: list[int] = []  # one entry per checked step, for the report in the issue note
+
+
+class Cluster:
+    def __init__(self, policy: WritePolicy, l3: str) -> None:
+        self.now = 0.0
+        self.index = TieredIndex(PS)
+        # The index treats a shared pool as reachable from every worker, so a cluster has one for all
+        # of them (l3="external") or none (each worker its own disk).
+        pool = PageStore(24, shared=True)
+        stores = [pool, pool, pool] if l3 == "external" else [PageStore(16) for _ in range(3)]
+        self.caches: list[TieredCache] = []
+        self.streams: list[StreamId] = []
+        for i, store in enumerate(stores):
+            cfg = CacheConfig(page_size=PS, device_pages=10, host_ratio=1.6, write_policy=policy,
+                              selective_threshold=1, prefetch_policy=PrefetchPolicy.BEST_EFFORT)
+            dp = ModeledDataPath(1000, lambda: self.now, BW)
+            self.caches.append(TieredCache(cfg, dp, store, name=f"w{i}"))
+            self.streams.append(StreamId(WorkerId(f"w{i}")))
+            self.index.add_worker(self.streams[-1])
+
+    def deliver(self) -> None:
+        for cache, stream in zip(self.caches, self.streams, strict=True):
+            batch = cache.flush_events(ts=self.now)
+            if batch is None:
+                continue
+            for ev in decode_payload(encode_payload(batch)).events:
+                outcome = self.index.apply(stream, ev)
+                assert outcome is Outcome.APPLIED, (stream, ev, self.index.stats(stream).last_error)
+
+    def check(self, queries: list[list[int]]) -> None:
+        for cache in self.caches:
+            cache._check()
+        self.index._check()
+        for cache, stream in zip(self.caches, self.streams, strict=True):
+            seen, truth = self.index.worker_hashes(stream), cache.residency()
+            for tier in StorageTier:
+                assert seen[tier] == truth[tier], (stream, tier, seen[tier] ^ truth[tier])
+        for q in queries:
+            m = self.index.find_matches(q)
+            for cache, stream in zip(self.caches, self.streams, strict=True):
+                assert m.workers[stream] == cache.peek_overlap(q), (stream, q)
+
+
+class Consistency(RuleBasedStateMachine):
+    holds = Bundle("holds")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queries: list[list[int]] = [d[: k * PS] for d in DOCS for k in (1, 3, 7, 12)]
+
+    @initialize(policy=st.sampled_from(POLICIES), l3=st.sampled_from(["disk", "external"]))
+    def start(self, policy: WritePolicy, l3: str) -> None:
+        self.c = Cluster(policy, l3)
+
+    @staticmethod
+    def _tokens(doc: int, pages: int, tail: int) -> list[int]:
+        return DOCS[doc][: pages * PS] + [900 + doc * 10 + tail + i for i in range(PS * (tail > 0))]
+
+    @rule(w=st.integers(0, 2), doc=st.integers(0, 3), pages=st.integers(1, 12), tail=st.integers(0, 2))
+    def request(self, w: int, doc: int, pages: int, tail: int) -> None:
+        cache = self.c.caches[w]
+        adm = cache.admit("r", self._tokens(doc, pages, tail))
+        if cache.begin_prefill(adm) is not None:
+            cache.finish_prefill(adm)
+        cache.release(adm)
+        self.c.deliver()
+
+    @rule(target=holds, w=st.integers(0, 2), doc=st.integers(0, 3), pages=st.integers(1, 12))
+    def hold(self, w: int, doc: int, pages: int) -> tuple[int, Admission]:
+        adm = self.c.caches[w].admit("held", self._tokens(doc, pages, 0))
+        self.c.deliver()
+        return (w, adm)
+
+    @rule(held=consumes(holds))
+    def release(self, held: tuple[int, Admission]) -> None:
+        w, adm = held
+        self.c.caches[w].release(adm)  # also after a reset: it unlocks nodes of the old tree
+        self.c.deliver()
+
+    @rule(dt=st.sampled_from([0.5, 1.0, 2.5, 10.0]))
+    def advance(self, dt: float) -> None:
+        self.c.now += dt
+        for cache in self.c.caches:
+            cache.poll()
+        self.c.deliver()
+
+    @rule(w=st.integers(0, 2), pages=st.integers(1, 10), host=st.booleans())
+    def evict(self, w: int, pages: int, host: bool) -> None:
+        cache = self.c.caches[w]
+        (cache.evict_host if host else cache.evict_device)(pages)
+        self.c.deliver()
+
+    @rule(w=st.integers(0, 2))
+    def reset(self, w: int) -> None:
+        self.c.caches[w].reset()
+        self.c.deliver()
+
+    @invariant()
+    def views_agree(self) -> None:
+        if hasattr(self, "c"):
+            self.c.check(self.queries)
+            STEPS.append(1)
+
+
+SLOW = os.environ.get("KVTIER_HYPOTHESIS_PROFILE") == "slow"
+Consistency.TestCase.settings = settings(max_examples=3000 if SLOW else 150, stateful_step_count=100 if SLOW else 50,
+                                         deadline=None)
+TestConsistency = Consistency.TestCase

@@ -1,0 +1,218 @@
+"""Consistency over a faulty wire: drops, duplicates, reordering, lost replay answers, restarts.
+
+Engines publish into a publisher model with a small replay buffer and a state-dump provider;
+batches reach each worker's StreamTracker (the subscriber's ordering logic) through a wire that
+loses, repeats and reorders them. The consumer applies deliveries to one TieredIndex exactly as
+the indexer service does. Invariant: once the wire is quiet and recovery has run, every worker's
+view equals its engine's residency, and recovering one worker never touched another.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from engine.cache import CacheConfig, TieredCache
+from engine.datapath import Bandwidths, ModeledDataPath
+from engine.storage import PageStore
+from indexer import StorageTier, WorkerId, encode_payload
+from indexer.frames import DUMP_REQUEST, END_SEQ, pack_seq, unpack_seq
+from indexer.index import Outcome, TieredIndex
+from indexer.stream import (
+    Delivery,
+    PublisherRestarted,
+    Received,
+    ResyncNeeded,
+    ResyncStarted,
+    StreamId,
+    StreamTracker,
+)
+
+PS = 2
+DOCS = [list(range(100, 120)), list(range(100, 108)) + list(range(300, 312)), list(range(500, 520))]
+BW = Bandwidths(d2h=1e3, h2d=1e3, storage_write=1e3, storage_read=1e3, latency_s=1e-6)
+SLOW = os.environ.get("KVTIER_HYPOTHESIS_PROFILE") == "slow"
+CHECKS: list[int] = []  # quiet-and-recovered checks run, for the report
+
+
+class Engine:
+    """A cache plus a publisher model: seq numbers, a bounded replay buffer, state dumps."""
+
+    def __init__(self, name: str, clock: list[float], buffer: int) -> None:
+        self.name, self.clock, self.buffer_size = name, clock, buffer
+        self.start()
+
+    def start(self) -> None:
+        """A (re)started process: empty cache, seq from 0, empty replay buffer."""
+        cfg = CacheConfig(page_size=PS, device_pages=8, host_ratio=1.5)
+        self.cache = TieredCache(cfg, ModeledDataPath(1000, lambda: self.clock[0], BW), PageStore(12), name=self.name)
+        self.next_seq = 0
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=self.buffer_size)
+
+    def flush(self) -> tuple[int, bytes] | None:
+        batch = self.cache.flush_events(ts=self.clock[0])
+        if batch is None:
+            return None
+        msg = (self.next_seq, encode_payload(batch))
+        self.next_seq += 1
+        self.buffer.append(msg)
+        return msg
+
+    def answer(self, request: bytes) -> list[tuple[bytes, bytes]]:
+        """Frames a ROUTER would send back for a replay or dump request, end marker included."""
+        if request == DUMP_REQUEST:
+            batches = self.cache.dump_events() or []
+            frames = [(pack_seq(self.next_seq - 1), encode_payload(b)) for b in batches]
+            if not frames:
+                from indexer import EventBatch
+
+                frames = [(pack_seq(self.next_seq - 1), encode_payload(EventBatch(ts=0.0, events=[])))]
+            return [*frames, (END_SEQ, b"")]
+        start = unpack_seq(request)
+        return [(pack_seq(s), p) for s, p in self.buffer if s >= start] + [(END_SEQ, b"")]
+
+
+class FaultyWire(RuleBasedStateMachine):
+    @initialize(buffer=st.sampled_from([2, 4, 64]))
+    def setup(self, buffer: int) -> None:
+        self.clock = [0.0]
+        self.engines = [Engine("w0", self.clock, buffer), Engine("w1", self.clock, buffer)]
+        self.streams = [StreamId(WorkerId(e.name)) for e in self.engines]
+        self.index = TieredIndex(PS)
+        self.trackers = [self._tracker(s) for s in self.streams]
+        self.wire: list[deque[tuple[int, bytes]]] = [deque(), deque()]
+        self.lose_next_answer = [False, False]
+        self.untouched: dict[StreamId, int] = {}
+
+    def _tracker(self, stream: StreamId) -> StreamTracker:
+        t = StreamTracker(stream, can_replay=True, can_dump=True, timeout_s=1.0, probe_s=1.0)
+        t.start(self.clock[0])
+        return t
+
+    # --- the consumer, as in indexer.service -----------------------------------------------
+
+    def _consume(self, w: int, out: list[Delivery]) -> None:
+        stream = self.streams[w]
+        self._serve(w, out)
+        while out:
+            d = out.pop(0)
+            if isinstance(d, Received):
+                for ev in d.batch.events:
+                    if self.index.apply(stream, ev) is Outcome.NEEDS_RESYNC:
+                        out.extend(self.trackers[w].request_resync("unknown parent", self.clock[0]))
+                        break
+            elif isinstance(d, ResyncStarted | PublisherRestarted | ResyncNeeded):
+                self.index.clear_worker(stream)
+            self._serve(w, out)
+
+    def _serve(self, w: int, out: list[Delivery]) -> None:
+        t = self.trackers[w]
+        while t.outbox:
+            request = t.outbox.pop(0)
+            if self.lose_next_answer[w]:
+                self.lose_next_answer[w] = False
+                continue  # the answer never arrives: the tracker must time out and retry
+            for seq_frame, payload in self.engines[w].answer(request):
+                out.extend(t.on_reply(seq_frame, payload, self.clock[0]))
+
+    # --- engines ---------------------------------------------------------------------------
+
+    @rule(w=st.integers(0, 1), doc=st.integers(0, 2), pages=st.integers(1, 10))
+    def request(self, w: int, doc: int, pages: int) -> None:
+        cache = self.engines[w].cache
+        adm = cache.admit("r", DOCS[doc][: pages * PS])
+        if cache.begin_prefill(adm) is not None:
+            cache.finish_prefill(adm)
+        cache.release(adm)
+        self._publish(w)
+
+    @rule(dt=st.sampled_from([0.3, 1.0, 3.0]))
+    def advance(self, dt: float) -> None:
+        self.clock[0] += dt
+        for w, e in enumerate(self.engines):
+            e.cache.poll()
+            self._publish(w)
+            self._consume(w, self.trackers[w].on_tick(self.clock[0]))
+
+    @rule(w=st.integers(0, 1))
+    def reset(self, w: int) -> None:
+        self.engines[w].cache.reset()
+        self._publish(w)
+
+    @rule(w=st.integers(0, 1))
+    def restart_process(self, w: int) -> None:
+        """The engine process dies and comes back: seq restarts at 0; the socket reconnects."""
+        self.engines[w].start()
+        self.wire[w].clear()
+        self.trackers[w].on_disconnect()
+
+    @rule(w=st.integers(0, 1))
+    def remove_and_rejoin(self, w: int) -> None:
+        """The router forgets the worker, then subscribes again from scratch."""
+        self.index.remove_worker(self.streams[w])
+        self.trackers[w] = self._tracker(self.streams[w])
+        self._consume(w, [])
+
+    def _publish(self, w: int) -> None:
+        msg = self.engines[w].flush()
+        if msg is not None:
+            self.wire[w].append(msg)
+
+    # --- the wire --------------------------------------------------------------------------
+
+    @precondition(lambda self: any(self.wire))
+    @rule(w=st.integers(0, 1), n=st.integers(1, 4))
+    def deliver(self, w: int, n: int) -> None:
+        for _ in range(min(n, len(self.wire[w]))):
+            seq, payload = self.wire[w].popleft()
+            self._consume(w, self.trackers[w].on_live(seq, payload, self.clock[0]))
+
+    @precondition(lambda self: any(self.wire))
+    @rule(w=st.integers(0, 1), action=st.sampled_from(["drop", "duplicate", "swap"]))
+    def misbehave(self, w: int, action: str) -> None:
+        q = self.wire[w]
+        if not q:
+            return
+        if action == "drop":
+            q.popleft()
+        elif action == "duplicate":
+            q.appendleft(q[0])
+        elif len(q) >= 2:
+            q[0], q[1] = q[1], q[0]
+
+    @rule(w=st.integers(0, 1))
+    def lose_an_answer(self, w: int) -> None:
+        self.lose_next_answer[w] = True
+
+    # --- invariants ------------------------------------------------------------------------
+
+    @invariant()
+    def other_workers_untouched(self) -> None:
+        self.index._check()
+
+    @rule()
+    def quiet_then_check(self) -> None:
+        """Let every copy land, deliver everything, let probes and retries run: views must agree."""
+        for _ in range(3):
+            self.advance(10.0)
+            for w in range(2):
+                self.deliver(w, 1000) if self.wire[w] else None
+        for _ in range(6):  # probes, retries and dumps settle
+            self.clock[0] += 2.0
+            for w in range(2):
+                self._consume(w, self.trackers[w].on_tick(self.clock[0]))
+        for e, s in zip(self.engines, self.streams, strict=True):
+            e.cache._check()
+            seen, truth = self.index.worker_hashes(s), e.cache.residency()
+            for tier in StorageTier:
+                assert seen[tier] == truth[tier], (s, tier, seen[tier] ^ truth[tier])
+        CHECKS.append(1)
+
+
+FaultyWire.TestCase.settings = settings(max_examples=2000 if SLOW else 120, stateful_step_count=80 if SLOW else 40,
+                                        deadline=None)
+TestFaultyWire = FaultyWire.TestCase
