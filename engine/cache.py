@@ -511,8 +511,7 @@ class TieredCache:
             if info.op.error:
                 self.store.abort(key)
                 continue
-            self.store.commit(key, meta, self.name)
-            if key in self.store:  # may have been evicted at once by a tiny store
+            if self.store.commit(key, meta, self.name) and key in self.store:  # a tiny store may evict it at once
                 landed.append((key, meta))
         self._announce(landed)
         if info.op.error:
@@ -534,7 +533,9 @@ class TieredCache:
         new = self._insert_host_pages(parent, info.tokens, [PageId(p) for p in info.op.dst])
         self._unlock(parent)
         if new and not adm.started and not adm.released and self.config.load_back:
-            self._load(new, adm)
+            # The new node may hang under host-only ancestors: load the whole chain, parents first,
+            # so device residency stays prefix-closed.
+            self._load([n for n in self.tree.path_to_root(new[-1]) if n.device is None], adm)
 
     def _insert_host_pages(self, parent: Node, tokens: list[int], pages: list[PageId]) -> list[Node]:
         """Prefetched pages below ``parent``: new host-only nodes (BlockStored CPU); pages the

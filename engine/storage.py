@@ -178,20 +178,27 @@ class PageStore:
         except OSError as exc:
             raise StoreError(f"page {key}: {exc}") from None
 
-    def commit(self, key: str, meta: PageMeta, engine: EngineTag) -> None:
-        """The page's bytes are durable: it becomes readable, announced by ``engine``.
+    def commit(self, key: str, meta: PageMeta, engine: EngineTag) -> bool:
+        """The page's bytes are durable: it becomes readable, announced by ``engine``. True if so.
 
-        Evicts least-recently-used leaves first if the store is over capacity;
-        their announcers are told through their listeners.
+        False (the page is dropped) when its parent is not committed: aborted meanwhile, e.g. by
+        another engine's reset in a shared pool, or still in flight from another engine: a page
+        never lives without its parent. Evicts
+        least-recently-used leaves first if the store is over capacity; their announcers are
+        told through their listeners.
         """
         parent_key = self._pending.pop(key)
-        assert parent_key is None or parent_key in self._entries, (
-            f"page {key} committed but its parent {parent_key} is not")
+        if parent_key is not None and parent_key not in self._entries:
+            self._pending_children.pop(key, None)
+            if self.directory is not None:
+                self._path(key).unlink(missing_ok=True)
+            return False
         children = self._pending_children.pop(key, 0)  # written after it began
         self._entries[key] = _Entry(meta, children=children, announcers={engine})
         if children == 0:
             self._leaves[key] = None
         self._evict_over_capacity(protect=key)
+        return True
 
     def abort(self, key: str) -> None:
         """Drops a reservation whose write failed."""
