@@ -65,6 +65,8 @@ class CacheConfig:
     prefetch_policy: PrefetchPolicy = PrefetchPolicy.BEST_EFFORT  # see PrefetchPolicy
     prefetch_min_pages: int = 1  # L3 hit length below which no prefetch is started
     prefetch_timeout_s: float = 0.05  # for PrefetchPolicy.TIMEOUT
+    swa_window_pages: int = 0  # sliding-window attention: pages of window KV a prefix needs (0: no SWA)
+    swa_pages: int = 0  # window-KV pool size in pages (0: as many as device pages)
 
     @property
     def host_pages(self) -> int:
@@ -85,6 +87,7 @@ class Admission:
     prefetch_op: int | None = None  # the L3 prefetch, while in flight
     private: list[PageId] = field(default_factory=list)  # device pages for the tail and decode
     compute: list[PageId] = field(default_factory=list)  # device pages for pages to compute
+    swa: list[PageId] = field(default_factory=list)  # window-KV pages for computed and tombstoned pages
     started: bool = False  # prefill began: late prefetches no longer load to device
     released: bool = False  # release() was called
     epoch: int = 0  # the cache's reset count at admission: a reset voids the admission
@@ -119,6 +122,8 @@ class TieredCache:
         self.tree = RadixTree(config.page_size)
         self.device = PagePool("device", config.device_pages)
         self.host = PagePool("host", config.host_pages)
+        self.swa = PagePool("swa", (config.swa_pages or config.device_pages) if config.swa_window_pages else 0)
+        self._swa_heap: list[tuple[int, int, Node]] = []
         self.store = store
         self._events: list[Event] = []
         self._ops: dict[int, _OpInfo] = {}
@@ -265,12 +270,36 @@ class TieredCache:
         full = len(adm.tokens) // ps
         tail = -(-(len(adm.tokens) - full * ps + output_tokens) // ps)
         need = (full - cached) + tail
+        usable = self._window_usable(path, cached)
+        swa_need = full - usable if self.config.swa_window_pages else 0
         pages = self._alloc_device(need)
         if pages is None:
             return None
+        swa = self._alloc_swa(swa_need)
+        if swa is None:
+            self.device.release(pages)
+            return None
         adm.compute, adm.private = pages[:full - cached], pages[full - cached:]
+        adm.swa = swa
         adm.started = True
-        return PrefillPlan(cached * ps, len(adm.tokens) - cached * ps)
+        return PrefillPlan(usable * ps, len(adm.tokens) - usable * ps)
+
+    def _window_usable(self, path: list[Node], cached: int) -> int:
+        """Longest reusable device prefix (pages): with SWA, the window before the cut needs its
+        window KV; tombstoned pages inside it are recomputed."""
+        w = self.config.swa_window_pages
+        if not w:
+            return cached
+        present: list[bool] = []
+        for n in path:
+            if len(present) >= cached:
+                break
+            present.extend([n.swa is not None] * n.pages)
+        present = present[:cached]
+        for cut in range(cached, 0, -1):
+            if all(present[max(0, cut - w):cut]):
+                return cut
+        return 0
 
     def finish_prefill(self, adm: Admission) -> None:
         """The prompt's KV is computed: its new full pages join the tree (BlockStored GPU)."""
@@ -294,12 +323,18 @@ class TieredCache:
                 n.device, compute = compute[:n.pages], compute[n.pages:]
                 self._stored(n, StorageTier.DEVICE)
                 self._push_dev(n)
+            if self.config.swa_window_pages and n.swa is None and len(adm.swa) >= n.pages:
+                n.swa, adm.swa = adm.swa[:n.pages], adm.swa[n.pages:]  # recomputed window KV: no event
+                self._push_swa(n)
             done += n.pages
         parent = path[-1] if path else self.tree.root
         new_pages = full - done
         if new_pages > 0 and len(compute) >= new_pages:
             node = self.tree.add_child(parent, adm.tokens[done * ps:full * ps])
             node.device, compute = compute[:new_pages], compute[new_pages:]
+            if self.config.swa_window_pages and len(adm.swa) >= new_pages:
+                node.swa, adm.swa = adm.swa[:new_pages], adm.swa[new_pages:]
+                self._push_swa(node)
             self._stored(node, StorageTier.DEVICE)
             self._lock(node)
             self._unlock(adm.last)
@@ -310,6 +345,8 @@ class TieredCache:
                 self._backup(node)
         if compute:
             self.device.release(compute)  # computed twice concurrently: keep the tree's copy
+        self.swa.release(adm.swa)
+        adm.swa = []
         if self.config.write_policy is WritePolicy.WRITE_THROUGH:
             self._backup_path(path)
 
@@ -325,7 +362,8 @@ class TieredCache:
         if adm.epoch != self._epoch:
             return  # admitted before a reset, which already freed its pages and locks
         self.device.release(adm.private + adm.compute)
-        adm.private, adm.compute = [], []
+        self.swa.release(adm.swa)
+        adm.private, adm.compute, adm.swa = [], [], []
         self._unlock(adm.last)
 
     def _on_split(self, front: Node, back: Node) -> None:
@@ -351,6 +389,7 @@ class TieredCache:
             if n.lock_ref == 0:
                 self._push_dev(n)
                 self._push_host(n)
+                self._push_swa(n)
             n = n.parent
 
     # --- backups -------------------------------------------------------------------------
@@ -367,6 +406,7 @@ class TieredCache:
         if pages is None:
             return False
         node.host_pending = pages
+        node.host_swa = node.swa is not None  # the window KV travels with the page if it is there
         op = self.dp.new_op(CopyKind.D2H, list(node.device), list(pages))
         self._submit(op, _OpInfo(op, nodes=[node]))
         return True
@@ -500,6 +540,9 @@ class TieredCache:
         for n in info.nodes:
             assert n.loading is not None, f"node {n.node_id}: load acknowledged twice"
             n.device, n.loading = n.loading, None
+            if self.config.swa_window_pages and n.host_swa:
+                n.swa = self._alloc_swa(n.pages)  # None: lands tombstoned, the window is recomputed
+                self._push_swa(n)
             self._stored(n, StorageTier.DEVICE)
             self._push_dev(n)
 
@@ -619,6 +662,9 @@ class TieredCache:
         assert n.device is not None
         self.device.release(n.device)
         n.device = None
+        if n.swa is not None:
+            self.swa.release(n.swa)
+            n.swa = None
         self._removed(list(n.hashes), StorageTier.DEVICE)
         parent = n.parent
         if n.host is None and n.host_pending is None:
@@ -628,6 +674,33 @@ class TieredCache:
         if parent is not None:
             self._push_dev(parent)
             self._push_host(parent)
+
+    def _push_swa(self, n: Node) -> None:
+        if n.swa is not None and n is not self.tree.root:
+            heapq.heappush(self._swa_heap, (n.last_access, n.node_id, n))
+
+    def _alloc_swa(self, n: int) -> list[PageId] | None:
+        """``n`` window-KV pages, tombstoning LRU unlocked nodes (which publishes nothing: their
+        full-attention KV stays on device). [] when SWA is off; None if no room now."""
+        if not self.config.swa_window_pages or n == 0:
+            return []
+        if n > self.swa.capacity:
+            return None
+        rescanned = False
+        while self.swa.free < n:
+            if not self._swa_heap:
+                if rescanned:
+                    return None
+                rescanned = True
+                for node in self.tree.nodes():
+                    self._push_swa(node)
+                continue
+            _, _, node = heapq.heappop(self._swa_heap)
+            if node.swa is None or node.lock_ref > 0 or node.parent is None:
+                continue
+            self.swa.release(node.swa)
+            node.swa = None  # tombstone
+        return self.swa.alloc(n)
 
     def _alloc_host(self, n: int, protect: Node | None = None) -> list[PageId] | None:
         if self.config.host_pages == 0 or n > self.host.capacity:
@@ -695,6 +768,8 @@ class TieredCache:
         self.tree.on_split = self._on_split
         self.device.reset()
         self.host.reset()
+        self.swa.reset()
+        self._swa_heap.clear()
         self._dev_heap.clear()
         self._host_heap.clear()
         if self.store is not None:
@@ -779,6 +854,10 @@ class TieredCache:
         self.tree._check()
         self.device._check()
         self.host._check()
+        self.swa._check()
+        swa_pages = [p for n in self.tree.nodes() for p in n.swa or []]
+        assert len(swa_pages) == len(set(swa_pages)), "a window-KV page is owned twice"
+        assert len(swa_pages) <= self.swa.used, "tree holds unallocated window-KV pages"
         dev_pages = [p for n in self.tree.nodes() for p in (n.device or []) + (n.loading or [])]
         host_pages = [p for n in self.tree.nodes() for p in (n.host or []) + (n.host_pending or [])]
         assert len(dev_pages) == len(set(dev_pages)), "a device page is owned twice"

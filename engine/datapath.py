@@ -183,7 +183,8 @@ class TorchDataPath(DataPath):
     """
 
     def __init__(self, device_pages: int, host_pages: int, page_shape: tuple[int, ...],
-                 dtype: torch.dtype | None = None, device: str | None = None) -> None:
+                 dtype: torch.dtype | None = None, device: str | None = None,
+                 draft_page_shape: tuple[int, ...] | None = None) -> None:
         import torch
 
         super().__init__()
@@ -193,7 +194,15 @@ class TorchDataPath(DataPath):
         self.cuda = self.device.type == "cuda"
         self.device_kv = torch.zeros((device_pages, *page_shape), dtype=dtype, device=self.device)
         self.host_kv = torch.zeros((host_pages, *page_shape), dtype=dtype, pin_memory=self.cuda)
-        self.page_bytes = self.device_kv[0].numel() * self.device_kv.element_size() if device_pages else 0
+        # The draft model's KV (speculative decoding) uses the same page ids: every copy of a page
+        # moves its draft page too, and L3 stores it beside the target page under "d:" + key.
+        self.device_draft: torch.Tensor | None = None
+        self.host_draft: torch.Tensor | None = None
+        if draft_page_shape is not None:
+            self.device_draft = torch.zeros((device_pages, *draft_page_shape), dtype=dtype, device=self.device)
+            self.host_draft = torch.zeros((host_pages, *draft_page_shape), dtype=dtype, pin_memory=self.cuda)
+        self.page_bytes = self._bytes(self.device_kv) + (self._bytes(self.device_draft) if self.device_draft is not None
+                                                         else 0)
         self._stream = torch.cuda.Stream(device=self.device) if self.cuda else None  # type: ignore[no-untyped-call]
         self._cuda_inflight: deque[tuple[Any, CopyOp]] = deque()  # (event, op) in submission order
         self._done: queue.SimpleQueue[CopyOp] = queue.SimpleQueue()
@@ -214,11 +223,26 @@ class TorchDataPath(DataPath):
         else:
             self._jobs.put(op)
 
+    @staticmethod
+    def _bytes(pool: torch.Tensor | None) -> int:
+        return 0 if pool is None or len(pool) == 0 else pool[0].numel() * pool.element_size()
+
+    def _pools(self) -> list[tuple[torch.Tensor, torch.Tensor, str]]:
+        """(device pool, host pool, L3 key prefix) for the target and, if any, the draft KV."""
+        pools = [(self.device_kv, self.host_kv, "")]
+        if self.device_draft is not None and self.host_draft is not None:
+            from engine.storage import DRAFT_PREFIX
+
+            pools.append((self.device_draft, self.host_draft, DRAFT_PREFIX))
+        return pools
+
     def _copy_pages(self, op: CopyOp) -> None:
         d2h = op.kind is CopyKind.D2H
-        src, dst = (self.device_kv, self.host_kv) if d2h else (self.host_kv, self.device_kv)
-        for s, d, n in _runs(op.src, op.dst):
-            dst[d:d + n].copy_(src[s:s + n], non_blocking=self.cuda)
+        runs = _runs(op.src, op.dst)
+        for device_pool, host_pool, _ in self._pools():
+            src, dst = (device_pool, host_pool) if d2h else (host_pool, device_pool)
+            for s, d, n in runs:
+                dst[d:d + n].copy_(src[s:s + n], non_blocking=self.cuda)
 
     def _worker(self) -> None:
         while (op := self._jobs.get()) is not None:
@@ -228,16 +252,19 @@ class TorchDataPath(DataPath):
                 elif op.kind is CopyKind.H2S:
                     assert op.store is not None
                     for page, key in zip(op.src, op.keys, strict=True):
-                        op.store.write_bytes(key, self.host_kv[page].contiguous().view(self._torch.uint8)
-                                             .numpy().tobytes())
+                        for _, host_pool, prefix in self._pools():
+                            raw = host_pool[page].contiguous().view(-1).view(self._torch.uint8)
+                            op.store.write_bytes(prefix + key, raw.numpy().tobytes())
                 else:
                     assert op.store is not None
                     for page, key in zip(op.dst, op.keys, strict=True):
-                        data = bytearray(op.store.read_bytes(key))
-                        if len(data) != self.page_bytes:
-                            raise ValueError(f"page file {key}: {len(data)} bytes, not {self.page_bytes}")
-                        raw = self._torch.frombuffer(data, dtype=self._torch.uint8)
-                        self.host_kv[page].view(-1).view(self._torch.uint8).copy_(raw)
+                        for _, host_pool, prefix in self._pools():
+                            data = bytearray(op.store.read_bytes(prefix + key))
+                            want = self._bytes(host_pool)
+                            if len(data) != want:
+                                raise ValueError(f"page file {prefix + key}: {len(data)} bytes, not {want}")
+                            raw = self._torch.frombuffer(data, dtype=self._torch.uint8)
+                            host_pool[page].view(-1).view(self._torch.uint8).copy_(raw)
             except Exception as exc:  # reported with the op, never swallowed
                 op.error = f"{type(exc).__name__}: {exc}"
             self._done.put(op)

@@ -33,6 +33,8 @@ class Node:
     loading: list[PageId] | None = None  # device pages of an in-flight host->device load
     evict_after_backup: bool = False  # write-back: free device pages once the backup lands
     want_backup: bool = False  # write-back: back up once the parent's copy lands
+    swa: list[PageId] | None = None  # sliding-window KV pages (SWA models); None on device = tombstone
+    host_swa: bool = False  # the host copy includes the sliding-window KV
     lock_ref: int = 0  # in-flight requests using this node or a descendant
     last_access: int = 0  # logical time of the last use (LRU)
     hits: int = 0  # prefix matches through this node (write_through_selective)
@@ -123,6 +125,8 @@ class RadixTree:
         front.host, node.host = cut(node.host)
         front.host_pending, node.host_pending = cut(node.host_pending)
         front.loading, node.loading = cut(node.loading)
+        front.swa, node.swa = cut(node.swa)
+        front.host_swa = node.host_swa
         front.evict_after_backup = False  # only the evicted leaf frees its pages after backup
         front.want_backup = node.want_backup
         front.lock_ref, front.last_access, front.hits = node.lock_ref, node.last_access, node.hits
@@ -182,7 +186,8 @@ class RadixTree:
             assert p.children.get(tuple(n.tokens[:ps])) is n, f"node {n.node_id}: not keyed in its parent"
             assert n.digests == chain(n.parent_digest(), n.tokens, ps), f"node {n.node_id}: broken digest chain"
             assert n.hashes == [event_hash(d) for d in n.digests], f"node {n.node_id}: hashes out of sync"
-            for name in ("device", "host", "host_pending", "loading"):
+            assert n.swa is None or n.device is not None, f"node {n.node_id}: window KV without device KV"
+            for name in ("device", "host", "host_pending", "loading", "swa"):
                 pages = getattr(n, name)
                 assert pages is None or len(pages) == n.pages, f"node {n.node_id}: {name} length"
             if n.device is not None and p is not self.root:

@@ -29,6 +29,8 @@ from pathlib import Path
 
 from indexer.protocol import StorageTier
 
+#: L3 key prefix of a page's draft-model KV (speculative decoding), stored beside the target page.
+DRAFT_PREFIX = "d:"
 #: An engine's identity inside a shared store.
 EngineTag = str
 #: Called with the keys an announcer loses to eviction.
@@ -190,8 +192,8 @@ class PageStore:
         parent_key = self._pending.pop(key)
         if parent_key is not None and parent_key not in self._entries:
             self._pending_children.pop(key, None)
-            if self.directory is not None:
-                self._path(key).unlink(missing_ok=True)
+            self._drop_child(parent_key)  # the parent, if it still comes, must not count this page
+            self._unlink(key)
             return False
         children = self._pending_children.pop(key, 0)  # written after it began
         self._entries[key] = _Entry(meta, children=children, announcers={engine})
@@ -249,16 +251,20 @@ class PageStore:
             self._drop_child(e.meta.parent_key)
         for engine in e.announcers:
             lost.setdefault(engine, []).append(key)
-        if self.directory is not None:
-            self._path(key).unlink(missing_ok=True)
+        self._unlink(key)
 
     def clear(self) -> None:
         """Drops every page (a private store's engine was reset)."""
         for key in list(self._entries):
-            if self.directory is not None:
-                self._path(key).unlink(missing_ok=True)
+            self._unlink(key)
         self._entries.clear()
         self._leaves.clear()
+
+    def _unlink(self, key: str) -> None:
+        """Removes a page's file and its draft-model companion (``d:`` + key), if any."""
+        if self.directory is not None:
+            self._path(key).unlink(missing_ok=True)
+            self._path(DRAFT_PREFIX + key).unlink(missing_ok=True)
 
     def _path(self, key: str) -> Path:
         assert self.directory is not None

@@ -37,6 +37,7 @@ class ClusterConfig:
     l3: str = "none"  # "none", "disk" (per worker) or "external" (one pool for all)
     l3_tokens: int = 4_194_304  # disk capacity per worker, or the pool's total, tokens
     model: str = "llama-3.1-8b"  # KV bytes per token
+    draft_model: str | None = None  # speculative-decoding draft model whose KV moves with each page
     write_policy: WritePolicy = WritePolicy.WRITE_THROUGH  # device -> host backups
     prefetch_policy: PrefetchPolicy = PrefetchPolicy.WAIT_COMPLETE  # L3 prefetch waiting
     prefetch_min_pages: int = 1  # shortest L3 hit worth prefetching
@@ -60,8 +61,9 @@ class ClusterConfig:
             raise ValueError("workers must be >= 1")
         if self.l3 not in ("none", "disk", "external"):
             raise ValueError(f"l3 must be 'none', 'disk' or 'external', got {self.l3!r}")
-        if self.model not in PRESETS:
-            raise ValueError(f"unknown model {self.model!r}; known: {sorted(PRESETS)}")
+        for m in (self.model, self.draft_model):
+            if m is not None and m not in PRESETS:
+                raise ValueError(f"unknown model {m!r}; known: {sorted(PRESETS)}")
         if self.device_tokens < self.page_size * 4:
             raise ValueError("device_tokens must hold at least 4 pages")
 
@@ -98,7 +100,10 @@ class SimWorker:
         self.env = env
         self.cfg = cfg
         self.latency = latency or MockerLatency()
-        page_bytes = PRESETS[cfg.model].bytes_per_token * cfg.page_size
+        per_token = PRESETS[cfg.model].bytes_per_token
+        if cfg.draft_model is not None:
+            per_token += PRESETS[cfg.draft_model].bytes_per_token  # the draft pool is copied with every page
+        page_bytes = per_token * cfg.page_size
         self.dp = ModeledDataPath(page_bytes, lambda: env.now, cfg.bandwidths())
         self.cache = TieredCache(cfg.cache_config(), self.dp, store, name=f"w{index}")
         self._on_event = on_event

@@ -3,8 +3,8 @@
 Three engines on a manual clock (each with a local disk, or all sharing an external pool) are driven
 through arbitrary sequences of requests that share prefixes, held locks, evictions, copies
 acknowledged at arbitrary moments (so nodes split while their copies are in flight), load-backs,
-L3 writes and prefetches, and resets. Every event batch goes through the real codec bytes into
-one TieredIndex. After every step, for every worker and tier, the index's view equals the engine's
+L3 writes and prefetches, sliding-window tombstones (SWA configurations), and resets. Every event
+batch goes through the real codec bytes into one TieredIndex. After every step, for every worker and tier, the index's view equals the engine's
 ``residency()``, ``find_matches`` equals the overlaps read from the engines, and both ``_check()``
 pass.
 """
@@ -35,7 +35,7 @@ STEPS: list[int] = []  # one entry per checked step, for the report in the issue
 
 
 class Cluster:
-    def __init__(self, policy: WritePolicy, l3: str) -> None:
+    def __init__(self, policy: WritePolicy, l3: str, swa: bool = False) -> None:
         self.now = 0.0
         self.index = TieredIndex(PS)
         # The index treats a shared pool as reachable from every worker, so a cluster has one for all
@@ -46,7 +46,8 @@ class Cluster:
         self.streams: list[StreamId] = []
         for i, store in enumerate(stores):
             cfg = CacheConfig(page_size=PS, device_pages=10, host_ratio=1.6, write_policy=policy,
-                              selective_threshold=1, prefetch_policy=PrefetchPolicy.BEST_EFFORT)
+                              selective_threshold=1, prefetch_policy=PrefetchPolicy.BEST_EFFORT,
+                              swa_window_pages=2 if swa else 0, swa_pages=5)
             dp = ModeledDataPath(1000, lambda: self.now, BW)
             self.caches.append(TieredCache(cfg, dp, store, name=f"w{i}"))
             self.streams.append(StreamId(WorkerId(f"w{i}")))
@@ -82,9 +83,9 @@ class Consistency(RuleBasedStateMachine):
         super().__init__()
         self.queries: list[list[int]] = [d[: k * PS] for d in DOCS for k in (1, 3, 7, 12)]
 
-    @initialize(policy=st.sampled_from(POLICIES), l3=st.sampled_from(["disk", "external"]))
-    def start(self, policy: WritePolicy, l3: str) -> None:
-        self.c = Cluster(policy, l3)
+    @initialize(policy=st.sampled_from(POLICIES), l3=st.sampled_from(["disk", "external"]), swa=st.booleans())
+    def start(self, policy: WritePolicy, l3: str, swa: bool) -> None:
+        self.c = Cluster(policy, l3, swa)
 
     @staticmethod
     def _tokens(doc: int, pages: int, tail: int) -> list[int]:

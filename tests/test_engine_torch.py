@@ -90,3 +90,44 @@ def test_damaged_page_file_is_reported_not_swallowed(tmp_path: Path) -> None:
 def test_copy_runs_group_contiguous_pages() -> None:
     assert _runs([0, 1, 2, 7, 8], [5, 6, 7, 0, 1]) == [(0, 5, 3), (7, 0, 2)]
     assert _runs([3, 2], [0, 1]) == [(3, 0, 1), (2, 1, 1)]
+
+
+def test_draft_pool_mirrors_backup_file_store_and_load_back(tmp_path: Path) -> None:
+    draft_shape = (1, 2, PS, 1, 8)
+    dp = TorchDataPath(device_pages=4, host_pages=8, page_shape=SHAPE, device="cpu", draft_page_shape=draft_shape)
+    store = PageStore(64, tmp_path / "l3")
+    cfg = CacheConfig(page_size=PS, device_pages=4, host_ratio=2.0, prefetch_policy=PrefetchPolicy.WAIT_COMPLETE)
+    cache = TieredCache(cfg, dp, store)
+    assert dp.device_draft is not None
+    try:
+        a = list(range(4 * PS))
+        adm = cache.admit("a", a)
+        assert cache.begin_prefill(adm) is not None
+        g = torch.Generator().manual_seed(5)
+        dp.device_kv[adm.compute] = torch.randn((4, *SHAPE), generator=g).to(dp.device_kv.dtype)
+        dp.device_draft[adm.compute] = torch.randn((4, *draft_shape), generator=g).to(dp.device_draft.dtype)
+        cache.finish_prefill(adm)
+        node = adm.last
+        assert node.device is not None
+        target, draft = dp.device_kv[node.device].clone(), dp.device_draft[node.device].clone()
+        cache.release(adm)
+        wait(cache)
+        files = sorted(p.name for p in (tmp_path / "l3").iterdir())
+        assert len(files) == 8 and sum(f.startswith("d_") for f in files) == 4  # target + draft per page
+        for i in range(2):
+            run(cache, dp, f"x{i}", list(range(1000 * (i + 1), 1000 * (i + 1) + 4 * PS)), fill=10 + i)
+            wait(cache)
+        adm = cache.admit("a2", a)
+        assert adm.l3_pages == 4
+        wait(cache, adm)
+        assert cache.begin_prefill(adm) is not None
+        node = adm.last
+        assert node.device is not None
+        assert torch.equal(dp.device_kv[node.device], target)
+        assert torch.equal(dp.device_draft[node.device], draft)
+        cache.release(adm)
+        victim = store.announced_by("engine")[-1]
+        store.delete(victim)  # eviction removes the draft companion too
+        assert not (tmp_path / "l3" / ("d_" + victim)).exists()
+    finally:
+        dp.close()

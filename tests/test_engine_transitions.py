@@ -270,3 +270,50 @@ def test_request_larger_than_the_device_evicts_nothing() -> None:
     assert h.cache.begin_prefill(adm) is None
     assert h.cache.residency()[StorageTier.DEVICE] == set(hashes(toks(0, 4)))
     h.cache.release(adm)
+
+
+def test_swa_window_eviction_is_a_silent_tombstone() -> None:
+    cfg = CacheConfig(page_size=PS, device_pages=16, host_ratio=0.0, swa_window_pages=2, swa_pages=4)
+    h = Harness(cfg)
+    a = toks(0, 4)
+    h.run("a", a)
+    h.log.clear()
+    h.run("b", toks(1000, 4))  # needs all 4 window-KV pages: a's window KV goes, a stays on device
+    assert kinds(h.log) == [("BlockStored", "GPU")]
+    assert set(hashes(a)) <= h.cache.residency()[StorageTier.DEVICE]
+    node = h.cache.tree.match(a)[-1]
+    assert node.device is not None and node.swa is None  # tombstone
+
+
+def test_swa_prefix_reuse_needs_the_window_and_recompute_restores_it() -> None:
+    cfg = CacheConfig(page_size=PS, device_pages=32, host_ratio=0.0, swa_window_pages=2, swa_pages=8)
+    h = Harness(cfg)
+    a = toks(0, 4)
+    h.run("a1", a[:2 * PS])
+    h.run("a2", a)  # two nodes: pages 0-1 and pages 2-3
+    second = h.cache.tree.match(a)[-1]
+    assert second.swa is not None
+    h.cache.swa.release(second.swa)  # tombstone only the second node's window KV
+    second.swa = None
+    h.log.clear()
+    adm = h.cache.admit("again", a + [7])
+    plan = h.cache.begin_prefill(adm)
+    assert plan is not None and plan.cached_tokens == 2 * PS  # the window before page 4 is gone: back off
+    h.cache.finish_prefill(adm)
+    h.cache.release(adm)
+    h.deliver()
+    assert kinds(h.log) == []  # restoring window KV publishes nothing
+    assert h.cache.tree.match(a)[-1].swa is not None
+    adm = h.cache.admit("third", a + [7])
+    plan = h.cache.begin_prefill(adm)
+    assert plan is not None and plan.cached_tokens == 4 * PS
+    h.cache.release(adm)
+
+
+def test_swa_full_eviction_emits_gpu_removal() -> None:
+    cfg = CacheConfig(page_size=PS, device_pages=4, host_ratio=0.0, swa_window_pages=2)
+    h = Harness(cfg)
+    h.run("a", toks(0, 4))
+    h.run("b", toks(1000, 4))
+    assert kinds(h.log) == [("BlockStored", "GPU"), ("BlockRemoved", "GPU"), ("BlockStored", "GPU")]
+    assert h.cache.swa.used == 4
