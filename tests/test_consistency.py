@@ -1,12 +1,12 @@
 """Engine <-> indexer consistency under arbitrary operations (hypothesis state machines).
 
-Three engines on a manual clock (each with a local disk, or all sharing an external pool) are driven
-through arbitrary sequences of requests that share prefixes, held locks, evictions, copies
+Three engines on a manual clock (each with a local disk, or all sharing an external pool) are
+driven through arbitrary sequences of requests that share prefixes, held locks, evictions, copies
 acknowledged at arbitrary moments (so nodes split while their copies are in flight), load-backs,
 L3 writes and prefetches, sliding-window tombstones (SWA configurations), and resets. Every event
-batch goes through the real codec bytes into one TieredIndex. After every step, for every worker and tier, the index's view equals the engine's
-``residency()``, ``find_matches`` equals the overlaps read from the engines, and both ``_check()``
-pass.
+batch goes through the real codec bytes into one TieredIndex. After every step, for every worker
+and tier, the index's view equals the engine's ``residency()``, ``find_matches`` equals the
+overlaps read from the engines, and both ``_check()`` pass.
 """
 
 from __future__ import annotations
