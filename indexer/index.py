@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from enum import Enum
+from itertools import groupby
 from typing import Any
 
 import msgspec
@@ -48,6 +49,7 @@ _M64 = (1 << 64) - 1
 _SLOTS_PER_WORD = 64 // _TIERS
 _DEV = sum(1 << (_TIERS * s) for s in range(_SLOTS_PER_WORD))  # the device bit of every slot
 _EXT = _DEV << StorageTier.EXTERNAL
+_MAX_RUNS = 64  # find_matches walks runs of equal masks in Python up to this many, else numpy
 _LOG_FIRST, _LOG_EVERY = 10, 1000  # rejections logged per worker: the first N, then every Mth
 
 
@@ -96,6 +98,8 @@ class TieredIndex:
         self._workers: dict[StreamId, _Worker] = {}
         self._free_slots: list[int] = []
         self._next_slot = 0
+        self._dev_all_cache = 0  # see _dev_all
+        self._dev_all_slots = 0
 
     # --- workers -------------------------------------------------------------------------
 
@@ -321,11 +325,56 @@ class TieredIndex:
         depths = {w.slot: [0] * _TIERS for w in self._workers.values()}
         if n:
             del ms[n:]
-            result.shared_pool = self._levels(ms, n, depths)
+            runs = [(m, sum(1 for _ in g)) for m, g in groupby(ms)]
+            if len(runs) <= _MAX_RUNS:
+                result.shared_pool = self._levels_by_runs(runs, n, depths)
+            else:
+                result.shared_pool = self._levels(ms, n, depths)
         for stream, w in self._workers.items():
             d = depths[w.slot]
             result.workers[stream] = TierOverlap(d[0], d[1], d[2], d[3])
         return result
+
+    def _levels_by_runs(self, runs: list[tuple[int, int]], n: int, depths: dict[int, list[int]]) -> int:
+        """Cumulative tier levels over runs of equal masks, on Python ints (any number of workers).
+
+        Within a run the mask is constant, so a slot's bit can only drop at a run's start.
+        """
+        dev_all = self._dev_all()
+        alive = [dev_all] * _TIERS
+        pool_run = -1
+        pos = 0
+        for m, count in runs:
+            a1 = m | (m >> 1)
+            disk = (a1 | (m >> 2)) & dev_all
+            pooled = bool(m & (dev_all << StorageTier.EXTERNAL))
+            if not pooled and pool_run < 0:
+                pool_run = pos
+            for lvl, held in enumerate((m & dev_all, a1 & dev_all, disk, dev_all if pooled else disk)):
+                dropped = alive[lvl] & ~held
+                if dropped:
+                    alive[lvl] &= held
+                    self._record(dropped, pos, lvl, depths)
+            pos += count
+        for lvl in range(_TIERS):
+            self._record(alive[lvl], n, lvl, depths)
+        return n if pool_run < 0 else pool_run
+
+    @staticmethod
+    def _record(bits: int, depth: int, lvl: int, depths: dict[int, list[int]]) -> None:
+        while bits:
+            low = bits & -bits
+            slot = (low.bit_length() - 1) // _TIERS
+            if slot in depths:
+                depths[slot][lvl] = depth
+            bits ^= low
+
+    def _dev_all(self) -> int:
+        """The device bit of every slot in use (cached until a new slot appears)."""
+        if self._dev_all_slots != self._next_slot:
+            self._dev_all_cache = sum(1 << (_TIERS * s) for s in range(self._next_slot))
+            self._dev_all_slots = self._next_slot
+        return self._dev_all_cache
 
     def _levels(self, ms: list[int], n: int, depths: dict[int, list[int]]) -> int:
         words = max(1, -(-self._next_slot // _SLOTS_PER_WORD))

@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from indexer import AllBlocksCleared, BlockRemoved, BlockStored, Event, StorageTier, WorkerId
+from indexer import index as index_module
 from indexer.index import Outcome, TieredIndex
 from indexer.keys import block_keys
 from indexer.stream import StreamId
@@ -193,6 +194,23 @@ queries = st.lists(st.tuples(st.sampled_from(DOCS), st.integers(0, 12)), min_siz
 def test_fast_index_agrees_with_naive_model(
     events: list[tuple[str, StreamId, Event | None]], qs: list[tuple[list[int], int]]
 ) -> None:
+    _agrees(events, qs)
+
+
+@given(event_streams(), queries)
+def test_vectorised_path_agrees_with_naive_model(
+    events: list[tuple[str, StreamId, Event | None]], qs: list[tuple[list[int], int]]
+) -> None:
+    """find_matches switches to numpy past _MAX_RUNS runs of equal masks: check that path too."""
+    saved = index_module._MAX_RUNS
+    index_module._MAX_RUNS = 0
+    try:
+        _agrees(events, qs)
+    finally:
+        index_module._MAX_RUNS = saved
+
+
+def _agrees(events: list[tuple[str, StreamId, Event | None]], qs: list[tuple[list[int], int]]) -> None:
     fast, ref = TieredIndex(BS), ReferenceIndex(BS)
     for kind, w, ev in events:
         if kind == "drop":
