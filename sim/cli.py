@@ -18,7 +18,7 @@ from sim import live
 from sim.cluster import ClusterConfig
 from sim.generators import PRESETS, generate
 from sim.policies import POLICIES
-from sim.run import RunConfig, RunResult
+from sim.run import RunConfig, RunResult, simulate
 from sim.trace import TraceError, write_mooncake
 
 DEFAULT_POLICIES = "round_robin,least_loaded,approx,kv_device,kv_host,kv_all,oracle"
@@ -125,8 +125,11 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
     t0 = time.monotonic()
     from tqdm import tqdm
 
-    with tqdm(total=len(jobs), desc="runs", unit="run", disable=None) as bar:
-        results = run_jobs(jobs, processes=a.jobs, on_done=lambda tag, res: _tick(bar))
+    if getattr(a, "progress", False):
+        results = [(jobs[0].tag, simulate(trace, cluster, jobs[0].run, progress=True))]
+    else:
+        with tqdm(total=len(jobs), desc="runs", unit="run", disable=None) as bar:
+            results = run_jobs(jobs, processes=a.jobs, on_done=lambda tag, res: _tick(bar))
     summaries = [res.summary for _, res in results]
     runs: dict[str, list[Any]] = {res.summary.policy: res.records for _, res in results}
     print(table(summaries))
@@ -145,6 +148,7 @@ def cmd_compare(a: argparse.Namespace) -> int:
 
 def cmd_replay(a: argparse.Namespace) -> int:
     a.jobs = 1
+    a.progress = True  # one run in this process: a per-request progress bar
     return _compare(a, [a.policy])
 
 

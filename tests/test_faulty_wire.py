@@ -96,6 +96,12 @@ class FaultyWire(RuleBasedStateMachine):
     # --- the consumer, as in indexer.service -----------------------------------------------
 
     def _consume(self, w: int, out: list[Delivery]) -> None:
+        other = self.streams[1 - w]
+        before = self.index.worker_hashes(other)
+        self._consume_one(w, out)
+        assert self.index.worker_hashes(other) == before, f"handling {self.streams[w]} changed {other}"
+
+    def _consume_one(self, w: int, out: list[Delivery]) -> None:
         stream = self.streams[w]
         self._serve(w, out)
         while out:

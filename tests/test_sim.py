@@ -118,3 +118,12 @@ def test_cli_sweep_gen_trace_and_errors(tmp_path: Path, capsys: pytest.CaptureFi
     assert cli(["replay", "--trace", str(bad)]) == 2
     assert "bad.jsonl:1" in capsys.readouterr().err
     assert cli(["sweep", "--grid", "colour=blue"]) == 2
+
+
+def test_sweep_on_ray_when_installed(tmp_path: Path) -> None:
+    pytest.importorskip("ray", reason="Ray is optional (pip install 'ray[default]'); --ray is tested where present")
+    rc = cli(["sweep", "--trace", "builtin:chat:60", "--workers", "2", "--device-tokens", "32768", "--ray",
+              "--grid", "policy=round_robin,kv_all", "--out", str(tmp_path)])
+    assert rc == 0
+    rows = json.loads((tmp_path / "sweep.json").read_text())
+    assert [r["policy"] for r in rows] == ["round_robin", "kv_all"] and all(r["requests"] == 60 for r in rows)
