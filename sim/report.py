@@ -67,6 +67,7 @@ def plot(out_dir: Path, summaries: Sequence[RunSummary], runs: dict[str, list[Re
          title: str) -> list[Path]:
     """Stacked hit-rate bars per tier and TTFT CDFs; returns the PNG paths."""
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -98,6 +99,8 @@ def plot(out_dir: Path, summaries: Sequence[RunSummary], runs: dict[str, list[Re
         if len(ttft):
             ax.plot(ttft, np.arange(1, len(ttft) + 1) / len(ttft), label=name)
     ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("time to first token (s, log scale)")
     ax.set_ylabel("fraction of requests")
     ax.set_title(f"TTFT CDF: {title}")
