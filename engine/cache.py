@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 import logging
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -589,10 +590,7 @@ class TieredCache:
             child = node.children.get(self.tree.page_key(tokens, pos))
             if child is None:
                 break
-            k = 1
-            while k < child.pages and pos + k < n_pages and \
-                    child.tokens[k * ps:(k + 1) * ps] == tokens[(pos + k) * ps:(pos + k + 1) * ps]:
-                k += 1
+            k = self.tree.common_pages(child, tokens, pos, n_pages)
             if k < child.pages:
                 child = self.tree.split(child, k)
             self.host.release(pages[pos:pos + k])
@@ -630,23 +628,32 @@ class TieredCache:
 
     def _alloc_device(self, n: int) -> list[PageId] | None:
         """``n`` device pages, evicting LRU device leaves; None if that cannot free enough now."""
-        if n > self.device.capacity:
+        return self._alloc(self.device, self._dev_heap, self._push_dev, self._device_evictable, self._evict_device, n)
+
+    def _alloc(self, pool: PagePool, heap: list[tuple[int, int, Node]], push: Callable[[Node], None],
+               evictable: Callable[[Node], bool], evict: Callable[[Node], None], n: int) -> list[PageId] | None:
+        """``n`` pages of ``pool``, evicting the least recently used ``evictable`` nodes from ``heap``.
+
+        The heap is lazy: entries may be stale (checked when popped); when it runs dry the tree is
+        rescanned once, so a node that became evictable without being pushed is still found.
+        Returns None, having evicted nothing needlessly, if ``n`` exceeds the pool.
+        """
+        if n > pool.capacity:
             return None  # can never fit: evicting would only destroy the cache
         rescanned = False
-        while self.device.free < n:
-            if not self._dev_heap:
+        while pool.free < n:
+            if not heap:
                 if rescanned:
                     return None
                 rescanned = True
                 for node in self.tree.nodes():
-                    self._push_dev(node)
+                    push(node)
                 continue
-            _, _, node = heapq.heappop(self._dev_heap)
-            if not self._device_evictable(node) or node.parent is None:
-                continue
-            self._evict_device(node)
+            _, _, node = heapq.heappop(heap)
+            if node.parent is not None and evictable(node):
+                evict(node)
         try:
-            return self.device.alloc(n)
+            return pool.alloc(n)
         except PoolExhausted:
             return None
 
@@ -684,44 +691,19 @@ class TieredCache:
         full-attention KV stays on device). [] when SWA is off; None if no room now."""
         if not self.config.swa_window_pages or n == 0:
             return []
-        if n > self.swa.capacity:
-            return None
-        rescanned = False
-        while self.swa.free < n:
-            if not self._swa_heap:
-                if rescanned:
-                    return None
-                rescanned = True
-                for node in self.tree.nodes():
-                    self._push_swa(node)
-                continue
-            _, _, node = heapq.heappop(self._swa_heap)
-            if node.swa is None or node.lock_ref > 0 or node.parent is None:
-                continue
-            self.swa.release(node.swa)
-            node.swa = None  # tombstone
-        return self.swa.alloc(n)
+        return self._alloc(self.swa, self._swa_heap, self._push_swa,
+                           lambda node: node.swa is not None and node.lock_ref == 0, self._tombstone, n)
+
+    def _tombstone(self, node: Node) -> None:
+        assert node.swa is not None
+        self.swa.release(node.swa)
+        node.swa = None
 
     def _alloc_host(self, n: int, protect: Node | None = None) -> list[PageId] | None:
-        if self.config.host_pages == 0 or n > self.host.capacity:
+        if self.config.host_pages == 0:
             return None
-        rescanned = False
-        while self.host.free < n:
-            if not self._host_heap:
-                if rescanned:
-                    return None
-                rescanned = True
-                for node in self.tree.nodes():
-                    self._push_host(node)
-                continue
-            _, _, node = heapq.heappop(self._host_heap)
-            if node is protect or node.parent is None or not self._host_evictable(node):
-                continue
-            self._evict_host(node)
-        try:
-            return self.host.alloc(n)
-        except PoolExhausted:
-            return None
+        return self._alloc(self.host, self._host_heap, self._push_host,
+                           lambda node: node is not protect and self._host_evictable(node), self._evict_host, n)
 
     def _evict_host(self, n: Node) -> None:
         assert n.host is not None
@@ -793,10 +775,7 @@ class TieredCache:
             child = node.children.get(self.tree.page_key(tokens, pos))
             if child is None:
                 break
-            k = 1
-            while k < child.pages and pos + k < pages and \
-                    child.tokens[k * ps:(k + 1) * ps] == tokens[(pos + k) * ps:(pos + k + 1) * ps]:
-                k += 1
+            k = self.tree.common_pages(child, tokens, pos, pages)
             if child.device is None and device < 0:
                 device = pos
             if child.device is None and child.host is None:

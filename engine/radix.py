@@ -90,18 +90,14 @@ class RadixTree:
     def match(self, tokens: list[int]) -> list[Node]:
         """Nodes covering the longest cached page prefix of ``tokens``, splitting the last
         one if the query diverges inside it. O(matched tokens)."""
-        ps = self.page_size
-        pages = len(tokens) // ps
+        pages = len(tokens) // self.page_size
         node, pos, path = self.root, 0, []
         now = self.tick()
         while pos < pages:
             child = node.children.get(self.page_key(tokens, pos))
             if child is None:
                 break
-            k = 1
-            while k < child.pages and pos + k < pages and \
-                    child.tokens[k * ps:(k + 1) * ps] == tokens[(pos + k) * ps:(pos + k + 1) * ps]:
-                k += 1
+            k = self.common_pages(child, tokens, pos, pages)
             if k < child.pages:
                 child = self.split(child, k)
             child.last_access = now
@@ -109,6 +105,18 @@ class RadixTree:
             pos += k
             node = child
         return path
+
+    def common_pages(self, child: Node, tokens: list[int], pos: int, pages: int) -> int:
+        """How many of ``child``'s pages equal ``tokens``' pages from page ``pos`` (of ``pages``).
+
+        The caller found ``child`` by its first page, so the answer is at least 1. O(k * page size).
+        """
+        ps = self.page_size
+        k = 1
+        while k < child.pages and pos + k < pages and \
+                child.tokens[k * ps:(k + 1) * ps] == tokens[(pos + k) * ps:(pos + k + 1) * ps]:
+            k += 1
+        return k
 
     def split(self, node: Node, k: int) -> Node:
         """Cuts ``node`` after ``k`` pages; returns the new front node (its parent now). O(pages)."""
