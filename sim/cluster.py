@@ -116,6 +116,7 @@ class SimWorker:
         self._decode: _DecodeRun | None = None  # a merged decode run in progress
         self._wake: Timer | None = None  # next copy completion
         self.capacity_tokens = cfg.cache_config().device_pages * cfg.page_size
+        self.peers: list[SimWorker] = []  # workers sharing this one's L3 pool
 
     # --- arrivals and cache bookkeeping --------------------------------------------------
 
@@ -130,10 +131,18 @@ class SimWorker:
         self.kick()
 
     def _flush(self) -> None:
+        self._publish()
+        # A write into a shared pool can evict pages other engines announced: their removals
+        # are published now, as a real engine told by its pool would, not at their next step.
+        for peer in self.peers:
+            if peer.cache.has_events:
+                peer._publish()
+        self._schedule_wake()
+
+    def _publish(self) -> None:
         batch = self.cache.flush_events(ts=self.env.now)
         if batch is not None:
             self._on_event(self.index, batch)
-        self._schedule_wake()
 
     def _schedule_wake(self) -> None:
         t = self.dp.next_completion()
@@ -325,4 +334,7 @@ def build_cluster(cfg: ClusterConfig, env: Environment, on_event: Callable[[int,
     for i in range(cfg.workers):
         store = pool if pool is not None else (PageStore(pages) if cfg.l3 == "disk" else None)
         cluster.workers.append(SimWorker(i, env, cfg, store, on_event, on_first_token, on_finish, latency))
+    if pool is not None:
+        for w in cluster.workers:
+            w.peers = [p for p in cluster.workers if p is not w]
     return cluster

@@ -32,11 +32,12 @@ def test_unbounded_single_worker_hit_rate_equals_theoretical_reuse() -> None:
     assert res.summary.hit_host == 0.0
 
 
-@pytest.mark.parametrize("cost", ["credit", "ttft"])
-def test_kv_all_decides_exactly_like_the_oracle_without_delay(cost: str) -> None:
+@pytest.mark.parametrize("cost,l3", [("credit", "disk"), ("ttft", "disk"), ("credit", "external")])
+def test_kv_all_decides_exactly_like_the_oracle_without_delay(cost: str, l3: str) -> None:
     reqs = chat(250)
-    a = simulate(reqs, SMALL, RunConfig("kv_all", cost=cost))
-    o = simulate(reqs, SMALL, RunConfig("oracle", cost=cost))
+    cfg = dataclasses.replace(SMALL, l3=l3, l3_tokens=SMALL.l3_tokens // 3 if l3 == "external" else SMALL.l3_tokens)
+    a = simulate(reqs, cfg, RunConfig("kv_all", cost=cost))
+    o = simulate(reqs, cfg, RunConfig("oracle", cost=cost))
     assert a.decisions == o.decisions
     assert a.summary.hit_rate == o.summary.hit_rate
     assert a.summary.index_exact == 1.0 and a.summary.events_rejected == 0
