@@ -240,8 +240,18 @@ class StreamTracker:
         """
         if self.expected:
             self._suspect = True
-        # The replay socket most likely lost the same peer; a request on it could vanish.
+        # Messages held back came over the connection that dropped: if the publisher restarted
+        # they are stale. Dropping them is always safe, a replay fetches whatever is current.
+        self._held.clear()
+        # The replay socket most likely lost the same peer: a request on it could vanish, so ask
+        # again on a fresh socket.
         self.reset_replay_socket = True
+        if self._mode is _Mode.REPLAY and self.expected is not None:
+            self._replay_hole = False
+            self.outbox.append(pack_seq(self.expected))
+        elif self._mode is _Mode.DUMP:
+            self._dump_seq = None
+            self.outbox.append(DUMP_REQUEST)
 
     def on_tick(self, now: float) -> list[Delivery]:
         """Checks the pending request's deadline, and probes a quiet stream. O(1).

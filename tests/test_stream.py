@@ -224,3 +224,16 @@ def test_quiet_stream_probe_recovers_a_lost_last_batch() -> None:
     t.outbox.clear()
     t.on_tick(2.4)
     assert t.on_reply(END_SEQ, b"", 2.5) == [] and t.expected == 2  # nothing new: stays quiet
+
+
+def test_restart_during_catch_up_drops_what_the_old_publisher_sent() -> None:
+    t = tracker()
+    t.start(0.0)
+    t.outbox.clear()  # the catch-up request's answer is lost
+    t.on_live(0, payload(0), 0.1)  # held: the catch-up is still pending
+    t.on_live(1, payload(1), 0.1)
+    t.on_disconnect()  # the publisher process died and a new one took its port
+    assert [unpack_seq(r) for r in t.outbox] == [0] and t.reset_replay_socket  # asked again at once
+    out = t.on_reply(END_SEQ, b"", 0.2)  # the new publisher has published nothing
+    assert seqs(out) == [] and t.expected == 0
+    assert seqs(t.on_live(0, payload(100), 0.3)) == [0]
