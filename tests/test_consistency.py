@@ -138,6 +138,6 @@ class Consistency(RuleBasedStateMachine):
 
 
 SLOW = os.environ.get("KVTIER_HYPOTHESIS_PROFILE") == "slow"
-Consistency.TestCase.settings = settings(max_examples=3000 if SLOW else 150, stateful_step_count=100 if SLOW else 50,
+Consistency.TestCase.settings = settings(max_examples=3000 if SLOW else 400, stateful_step_count=100 if SLOW else 60,
                                          deadline=None)
 TestConsistency = Consistency.TestCase

@@ -219,6 +219,6 @@ class FaultyWire(RuleBasedStateMachine):
         CHECKS.append(1)
 
 
-FaultyWire.TestCase.settings = settings(max_examples=2000 if SLOW else 120, stateful_step_count=80 if SLOW else 40,
+FaultyWire.TestCase.settings = settings(max_examples=2000 if SLOW else 500, stateful_step_count=80 if SLOW else 50,
                                         deadline=None)
 TestFaultyWire = FaultyWire.TestCase
