@@ -89,20 +89,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--publishers", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=4.0)
-    ap.add_argument("--rates", default="125,250,500,1000,2000", help="batches/s per publisher")
+    ap.add_argument("--rates", default="125,250,500,1000,1500,2000", help="batches/s per publisher")
     args = ap.parse_args()
     best = None
     print(f"{args.publishers} publishers -> 1 subscriber + index, {BLOCKS} blocks x {BS} tokens per batch")
     for rate in [float(r) for r in args.rates.split(",")]:
         r = run(args.publishers, rate, args.seconds)
-        ok = r["gaps"] == 0 and r["applied"] == r["expected"] and r["rejected"] == 0
+        # Sustained: nothing lost or rejected, and the indexer keeps up (no queue building up).
+        ok = (r["gaps"] == 0 and r["applied"] == r["expected"] and r["rejected"] == 0
+              and r["batches_s"] >= 0.95 * r["offered"])
         print(f"  offered {r['offered']:7,.0f} batches/s: applied {r['applied']:6,}/{r['expected']:,} "
               f"at {r['batches_s']:7,.0f} batches/s = {r['blocks_s']:9,.0f} blocks/s, gaps {r['gaps']}, "
-              f"lag p50 {r['lag_p50_ms']:7.1f} ms p99 {r['lag_p99_ms']:7.1f} ms {'(zero loss)' if ok else ''}")
+              f"lag p50 {r['lag_p50_ms']:7.1f} ms p99 {r['lag_p99_ms']:7.1f} ms {'(sustained)' if ok else ''}")
         if ok:
             best = r
     if best:
-        print(f"highest sustained with zero loss: {best['batches_s']:,.0f} batches/s, "
+        print(f"highest rate sustained with zero loss: {best['batches_s']:,.0f} batches/s, "
               f"{best['blocks_s']:,.0f} blocks/s, "
               f"apply lag p50 {best['lag_p50_ms']:.1f} ms, p99 {best['lag_p99_ms']:.1f} ms")
 
