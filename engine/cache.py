@@ -133,7 +133,6 @@ class TieredCache:
         self._l3_pending: set[str] = set()  # keys this engine is writing
         self._dev_heap: list[tuple[int, int, Node]] = []
         self._host_heap: list[tuple[int, int, Node]] = []
-        self.completed_ops = 0
         self._epoch = 0  # reset() count
         self.tree.on_split = self._on_split
         if store is not None:
@@ -507,7 +506,6 @@ class TieredCache:
                     ids.remove(op.op_id)
                 if not ids:
                     self._node_ops.pop(n.node_id, None)
-            self.completed_ops += 1
             {CopyKind.D2H: self._backed_up, CopyKind.H2D: self._loaded,
              CopyKind.H2S: self._l3_written, CopyKind.S2H: self._prefetched}[op.kind](info)
             done.append(op.op_id)

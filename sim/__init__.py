@@ -1,1 +1,43 @@
-"""kvtier sim package."""
+"""Discrete-event simulation of routing over tiered KV caches, and the ``kvtier`` CLI."""
+
+from sim.cluster import Cluster, ClusterConfig, SimWorker
+from sim.core import Environment, Timer
+from sim.experiment import RunSpec, resolve_trace, run_grid, run_jobs
+from sim.generators import PRESETS, WorkloadSpec, generate
+from sim.metrics import RequestRecord, RunSummary, summarize
+from sim.policies import POLICIES, Choice, Policy, RouteInput, make_policy
+from sim.run import RunConfig, RunResult, simulate
+from sim.trace import Request, TokenBank, TraceError, load_azure, load_mooncake, load_trace, prefix_reuse
+
+__all__ = [
+    "POLICIES",
+    "PRESETS",
+    "Choice",
+    "Cluster",
+    "ClusterConfig",
+    "Environment",
+    "Policy",
+    "Request",
+    "RequestRecord",
+    "RouteInput",
+    "RunConfig",
+    "RunResult",
+    "RunSpec",
+    "RunSummary",
+    "SimWorker",
+    "Timer",
+    "TokenBank",
+    "TraceError",
+    "WorkloadSpec",
+    "generate",
+    "load_azure",
+    "load_mooncake",
+    "load_trace",
+    "make_policy",
+    "prefix_reuse",
+    "resolve_trace",
+    "run_grid",
+    "run_jobs",
+    "simulate",
+    "summarize",
+]

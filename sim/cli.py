@@ -111,12 +111,12 @@ def _tick(bar: Any) -> None:
 
 
 def _compare(a: argparse.Namespace, policies: list[str]) -> int:
-    from sim.experiment import Job, run_jobs
+    from sim.experiment import RunSpec, run_jobs
     from sim.report import plot, table, write_csv, write_json
 
     trace = _trace(a)
     cluster = _cluster(a)
-    jobs = [Job(tuple(trace), cluster, _run_cfg(a, p), {"policy": p}) for p in policies]
+    jobs = [RunSpec(tuple(trace), cluster, _run_cfg(a, p), {"policy": p}) for p in policies]
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"kvtier: {len(trace)} requests from {a.trace}, {cluster.workers} workers, "

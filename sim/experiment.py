@@ -43,7 +43,7 @@ def resolve_trace(spec: str, *, limit: int | None = None, seed: int = 0, time_sc
 
 
 @dataclass(slots=True, frozen=True)
-class Job:
+class RunSpec:
     """One run to execute: a trace, a cluster, a router configuration."""
 
     trace: tuple[Request, ...]  # requests
@@ -52,14 +52,14 @@ class Job:
     tag: dict[str, Any]  # grid coordinates (for sweeps)
 
 
-def _execute(job: Job) -> tuple[dict[str, Any], RunResult]:
+def _execute(job: RunSpec) -> tuple[dict[str, Any], RunResult]:
     return job.tag, simulate(list(job.trace), job.cluster, job.run)
 
 
 Done = Callable[[dict[str, Any], RunResult], None]
 
 
-def run_jobs(jobs: Sequence[Job], *, processes: int | None = None, use_ray: bool = False,
+def run_jobs(jobs: Sequence[RunSpec], *, processes: int | None = None, use_ray: bool = False,
              on_done: Done | None = None) -> list[tuple[dict[str, Any], RunResult]]:
     """Runs every job; results come back in ``jobs`` order."""
     if use_ray:
@@ -84,7 +84,7 @@ def run_jobs(jobs: Sequence[Job], *, processes: int | None = None, use_ray: bool
     return [results[i] for i in range(len(jobs))]
 
 
-def _run_ray(jobs: Sequence[Job], on_done: Done | None) -> list[tuple[dict[str, Any], RunResult]]:
+def _run_ray(jobs: Sequence[RunSpec], on_done: Done | None) -> list[tuple[dict[str, Any], RunResult]]:
     try:
         import ray
     except ImportError:
@@ -133,7 +133,7 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[Any]]:
 
 
 def grid_jobs(trace: list[Request], base_cluster: ClusterConfig, base_run: RunConfig,
-              grid: dict[str, list[Any]]) -> list[Job]:
+              grid: dict[str, list[Any]]) -> list[RunSpec]:
     jobs = []
     frozen = tuple(trace)
     for combo in itertools.product(*grid.values()):
@@ -141,7 +141,7 @@ def grid_jobs(trace: list[Request], base_cluster: ClusterConfig, base_run: RunCo
         cluster = dataclasses.replace(base_cluster, **{k: v for k, v in tag.items() if _FIELDS[k][0] == "cluster"})
         run = dataclasses.replace(base_run, **{k: v for k, v in tag.items() if _FIELDS[k][0] == "run"})
         cluster.validate()
-        jobs.append(Job(frozen, cluster, run, tag))
+        jobs.append(RunSpec(frozen, cluster, run, tag))
     return jobs
 
 
@@ -163,4 +163,4 @@ def shared_dir(start: Path | None = None) -> Path:
     raise FileNotFoundError("no shared/traces folder above the working directory; set KVTIER_SHARED")
 
 
-__all__ = ["Job", "WorkloadSpec", "grid_jobs", "parse_grid", "resolve_trace", "run_grid", "run_jobs", "shared_dir"]
+__all__ = ["RunSpec", "WorkloadSpec", "grid_jobs", "parse_grid", "resolve_trace", "run_grid", "run_jobs", "shared_dir"]
