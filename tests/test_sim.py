@@ -128,3 +128,12 @@ def test_sweep_on_ray_when_installed(tmp_path: Path) -> None:
     assert rc == 0
     rows = json.loads((tmp_path / "sweep.json").read_text())
     assert [r["policy"] for r in rows] == ["round_robin", "kv_all"] and all(r["requests"] == 60 for r in rows)
+
+
+def test_cli_engine_replays_and_dumps_residency(tmp_path: Path) -> None:
+    res = tmp_path / "res.json"
+    rc = cli(["engine", "--trace", "builtin:sysprompt:30", "--speed", "1000", "--hold", "0",
+              "--endpoint", "tcp://127.0.0.1:0", "--replay", "tcp://127.0.0.1:0", "--residency", str(res)])
+    assert rc == 0
+    tiers = json.loads(res.read_text())
+    assert set(tiers) == {"DEVICE", "HOST", "DISK", "EXTERNAL"} and tiers["DEVICE"] and tiers["DISK"]
