@@ -361,10 +361,12 @@ class TieredIndex:
         return n if pool_run < 0 else pool_run
 
     @staticmethod
-    def _record(bits: int, depth: int, lvl: int, depths: dict[int, list[int]]) -> None:
+    def _record(bits: int, depth: int, lvl: int, depths: dict[int, list[int]], base: int = 0) -> None:
+        """Sets ``depth`` at level ``lvl`` for every slot whose device bit is in ``bits``
+        (slots numbered from ``base``, the first slot of the mask word)."""
         while bits:
             low = bits & -bits
-            slot = (low.bit_length() - 1) // _TIERS
+            slot = base + (low.bit_length() - 1) // _TIERS
             if slot in depths:
                 depths[slot][lvl] = depth
             bits ^= low
@@ -401,8 +403,7 @@ class TieredIndex:
                 self._depths_from_run(acc[lvl], n, g, lvl, depths)
         return pool_run
 
-    @staticmethod
-    def _depths_from_run(row: np.ndarray[Any, Any], n: int, word: int, lvl: int,
+    def _depths_from_run(self, row: np.ndarray[Any, Any], n: int, word: int, lvl: int,
                          depths: dict[int, list[int]]) -> None:
         # `row` is a running AND, so each slot's bit is set on a prefix: find where each drops.
         base = word * _SLOTS_PER_WORD
@@ -410,20 +411,8 @@ class TieredIndex:
         before = row[change].tolist()
         after = row[change + 1].tolist()
         for pos, b, a in zip(change.tolist(), before, after, strict=True):
-            dropped = b & ~a
-            while dropped:
-                low = dropped & -dropped
-                slot = base + (low.bit_length() - 1) // _TIERS
-                if slot in depths:
-                    depths[slot][lvl] = pos + 1
-                dropped ^= low
-        last = int(row[-1])
-        while last:
-            low = last & -last
-            slot = base + (low.bit_length() - 1) // _TIERS
-            if slot in depths:
-                depths[slot][lvl] = n
-            last ^= low
+            self._record(b & ~a, pos + 1, lvl, depths, base)
+        self._record(int(row[-1]), n, lvl, depths, base)
 
     # --- snapshot ------------------------------------------------------------------------
 

@@ -66,7 +66,6 @@ class Subscriber:
         self._conns: dict[StreamId, _Conn] = {}
         self._by_socket: dict[zmq.Socket[bytes], _Conn] = {}
         self._poller = zmq.Poller()
-        self.unrouted_malformed = 0  # frames too broken to attribute (never happens per socket)
         for cfg in endpoints or []:
             self.add_endpoint(cfg)
 

@@ -79,7 +79,6 @@ class Job:
     admitted_at: float = 0.0  # when the cache was first asked
     prefill_left: int = 0  # tokens still to prefill
     generated: int = 0  # output tokens produced
-    started: bool = False  # prefill began
 
 
 @dataclass(slots=True)
@@ -219,7 +218,6 @@ class SimWorker:
             rec.recomputed_tokens = plan.compute_tokens
             rec.prefill_start = self.env.now
             job.prefill_left = plan.compute_tokens
-            job.started = True
             self.running.append(job)
         self._flush()
 

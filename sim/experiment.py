@@ -13,7 +13,7 @@ from typing import Any
 
 from engine.cache import PrefetchPolicy, WritePolicy
 from sim.cluster import ClusterConfig
-from sim.generators import PRESETS, WorkloadSpec, generate
+from sim.generators import PRESETS, generate
 from sim.run import RunConfig, RunResult, simulate
 from sim.trace import Request, load_trace
 
@@ -163,4 +163,4 @@ def shared_dir(start: Path | None = None) -> Path:
     raise FileNotFoundError("no shared/traces folder above the working directory; set KVTIER_SHARED")
 
 
-__all__ = ["RunSpec", "WorkloadSpec", "grid_jobs", "parse_grid", "resolve_trace", "run_grid", "run_jobs", "shared_dir"]
+__all__ = ["RunSpec", "grid_jobs", "parse_grid", "resolve_trace", "run_grid", "run_jobs", "shared_dir"]
