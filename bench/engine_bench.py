@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from engine.cache import CacheConfig, TieredCache
-from engine.datapath import CopyKind, ModeledDataPath, TorchDataPath
-from indexer.latency import PRESETS
+from kvtier.engine.cache import CacheConfig, TieredCache
+from kvtier.engine.datapath import CopyKind, ModeledDataPath, TorchDataPath
+from kvtier.indexer.latency import PRESETS
 
 PS = 16
 

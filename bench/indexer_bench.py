@@ -21,10 +21,10 @@ import time
 
 import numpy as np
 
-from indexer import BlockStored, EngineHash, WorkerId
-from indexer.index import Outcome, TieredIndex
-from indexer.keys import block_keys
-from indexer.stream import StreamId
+from kvtier.indexer.index import Outcome, TieredIndex
+from kvtier.indexer.keys import block_keys
+from kvtier.wire import BlockStored, EngineHash, WorkerId
+from kvtier.wire.stream import StreamId
 
 BS = 16
 TURNS = 8

@@ -13,9 +13,9 @@ import resource
 import time
 from pathlib import Path
 
-from sim.cluster import ClusterConfig
-from sim.run import RunConfig, simulate
-from sim.trace import load_mooncake
+from kvtier.sim.cluster import ClusterConfig
+from kvtier.sim.run import RunConfig, simulate
+from kvtier.sim.trace import load_mooncake
 
 TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 

@@ -16,14 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from engine.datapath import CopyKind, CopyOp, DataPath
-from engine.hashing import iter_chain
-from engine.pool import PageId, PagePool, PoolExhausted
-from engine.radix import Node, RadixTree
-from engine.storage import PageMeta, PageStore
-from indexer.codec import medium_spelling
-from indexer.overlap import TierOverlap
-from indexer.protocol import (
+from kvtier.engine.datapath import CopyKind, CopyOp, DataPath
+from kvtier.engine.hashing import iter_chain
+from kvtier.engine.pool import PageId, PagePool, PoolExhausted
+from kvtier.engine.radix import Node, RadixTree
+from kvtier.engine.storage import PageMeta, PageStore
+from kvtier.wire.codec import medium_spelling
+from kvtier.wire.overlap import TierOverlap
+from kvtier.wire.protocol import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from engine.storage import PageStore
+    from kvtier.engine.storage import PageStore
 
 
 class CopyKind(Enum):
@@ -231,7 +231,7 @@ class TorchDataPath(DataPath):
         """(device pool, host pool, L3 key prefix) for the target and, if any, the draft KV."""
         pools = [(self.device_kv, self.host_kv, "")]
         if self.device_draft is not None and self.host_draft is not None:
-            from engine.storage import DRAFT_PREFIX
+            from kvtier.engine.storage import DRAFT_PREFIX
 
             pools.append((self.device_draft, self.host_draft, DRAFT_PREFIX))
         return pools

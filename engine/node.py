@@ -11,10 +11,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from engine.cache import TieredCache
-from indexer.codec import WireFormat
-from indexer.protocol import EventBatch
-from indexer.publisher import Publisher
+from kvtier.engine.cache import TieredCache
+from kvtier.wire.codec import WireFormat
+from kvtier.wire.protocol import EventBatch
+from kvtier.wire.publisher import Publisher
 
 
 class EngineNode:

@@ -12,8 +12,8 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.hashing import ROOT_DIGEST, chain, event_hash
-from engine.pool import PageId
+from kvtier.engine.hashing import ROOT_DIGEST, chain, event_hash
+from kvtier.engine.pool import PageId
 
 _ids = itertools.count()
 

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from indexer.protocol import StorageTier
+from kvtier.wire.protocol import StorageTier
 
 #: L3 key prefix of a page's draft-model KV (speculative decoding), stored beside the target page.
 DRAFT_PREFIX = "d:"

@@ -25,9 +25,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from indexer.keys import BlockKey, chain_keys, namespace
-from indexer.overlap import OverlapScores, TierOverlap
-from indexer.protocol import (
+from kvtier.indexer.keys import BlockKey, chain_keys, namespace
+from kvtier.wire.overlap import OverlapScores, TierOverlap
+from kvtier.wire.protocol import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -39,7 +39,7 @@ from indexer.protocol import (
     WorkerId,
     parse_medium,
 )
-from indexer.stream import StreamId
+from kvtier.wire.stream import StreamId
 
 log = logging.getLogger(__name__)
 

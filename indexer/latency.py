@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from indexer.protocol import StorageTier
+from kvtier.wire.protocol import StorageTier
 
 
 class LatencyModel(Protocol):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from indexer.stream import StreamId
+from kvtier.wire.stream import StreamId
 
 
 @dataclass(slots=True)

@@ -7,12 +7,12 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from indexer.index import TieredIndex
-from indexer.keys import BlockKey
-from indexer.load import LoadTracker
-from indexer.overlap import OverlapScores, TierOverlap
-from indexer.scoring import CostModel
-from indexer.stream import StreamId
+from kvtier.indexer.index import TieredIndex
+from kvtier.indexer.keys import BlockKey
+from kvtier.indexer.load import LoadTracker
+from kvtier.indexer.scoring import CostModel
+from kvtier.wire.overlap import OverlapScores, TierOverlap
+from kvtier.wire.stream import StreamId
 
 _NONE = TierOverlap(0, 0, 0, 0)
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from indexer.latency import LatencyModel, MockerLatency, TransferModel
-from indexer.load import WorkerLoad
-from indexer.overlap import TierOverlap
-from indexer.protocol import StorageTier
+from kvtier.indexer.latency import LatencyModel, MockerLatency, TransferModel
+from kvtier.indexer.load import WorkerLoad
+from kvtier.wire.overlap import TierOverlap
+from kvtier.wire.protocol import StorageTier
 
 
 def visible(o: TierOverlap, max_tier: StorageTier) -> TierOverlap:

@@ -23,12 +23,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from indexer.index import Outcome, TieredIndex
-from indexer.latency import PRESETS, TransferModel
-from indexer.load import LoadTracker
-from indexer.router import Router
-from indexer.scoring import CostModel, CreditCost, TtftCost
-from indexer.stream import (
+from kvtier.indexer.index import Outcome, TieredIndex
+from kvtier.indexer.latency import PRESETS, TransferModel
+from kvtier.indexer.load import LoadTracker
+from kvtier.indexer.router import Router
+from kvtier.indexer.scoring import CostModel, CreditCost, TtftCost
+from kvtier.wire.stream import (
     Delivery,
     GapDetected,
     GapFilled,
@@ -40,7 +40,7 @@ from indexer.stream import (
     ResyncStarted,
     StreamId,
 )
-from indexer.subscriber import EndpointConfig, Subscriber
+from kvtier.wire.subscriber import EndpointConfig, Subscriber
 
 log = logging.getLogger(__name__)
 

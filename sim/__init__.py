@@ -1,13 +1,13 @@
 """Discrete-event simulation of routing over tiered KV caches, and the ``kvtier`` CLI."""
 
-from sim.cluster import Cluster, ClusterConfig, SimWorker
-from sim.core import Environment, Timer
-from sim.experiment import RunSpec, resolve_trace, run_grid, run_jobs
-from sim.generators import PRESETS, WorkloadSpec, generate
-from sim.metrics import RequestRecord, RunSummary, summarize
-from sim.policies import POLICIES, Choice, Policy, RouteInput, make_policy
-from sim.run import RunConfig, RunResult, simulate
-from sim.trace import Request, TokenBank, TraceError, load_azure, load_mooncake, load_trace, prefix_reuse
+from kvtier.sim.cluster import Cluster, ClusterConfig, SimWorker
+from kvtier.sim.core import Environment, Timer
+from kvtier.sim.experiment import RunSpec, resolve_trace, run_grid, run_jobs
+from kvtier.sim.generators import PRESETS, WorkloadSpec, generate
+from kvtier.sim.metrics import RequestRecord, RunSummary, summarize
+from kvtier.sim.policies import POLICIES, Choice, Policy, RouteInput, make_policy
+from kvtier.sim.run import RunConfig, RunResult, simulate
+from kvtier.sim.trace import Request, TokenBank, TraceError, load_azure, load_mooncake, load_trace, prefix_reuse
 
 __all__ = [
     "POLICIES",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import sys
@@ -12,14 +13,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from engine.cache import PrefetchPolicy, WritePolicy
-from indexer.service import ConfigError, ServiceConfig, load_config, parse_endpoint, serve
-from sim import live
-from sim.cluster import ClusterConfig
-from sim.generators import PRESETS, generate
-from sim.policies import POLICIES
-from sim.run import RunConfig, RunResult, simulate
-from sim.trace import TraceError, write_mooncake
+from kvtier.engine.cache import PrefetchPolicy, WritePolicy
+from kvtier.sim import live
+from kvtier.sim.cluster import ClusterConfig
+from kvtier.sim.generators import PRESETS, generate
+from kvtier.sim.policies import POLICIES
+from kvtier.sim.run import RunConfig, RunResult, simulate
+from kvtier.sim.trace import TraceError, write_mooncake
 
 DEFAULT_POLICIES = "round_robin,least_loaded,approx,kv_device,kv_host,kv_all,oracle"
 
@@ -28,13 +28,26 @@ class CliError(Exception):
     """A usage problem reported as ``kvtier: error: ...`` with exit status 2."""
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default (``none`` for None); flags show none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = (action.help or "").strip()
+        flag = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction,
+                                   argparse._HelpAction, argparse._VersionAction))
+        if not action.option_strings or flag or action.required or "default" in text or action.default is argparse.SUPPRESS:
+            return text
+        shown = "none" if action.default is None or action.default == [] else "%(default)s"
+        return f"{text} (default: {shown})".strip()
+
+
 # --- shared options ------------------------------------------------------------------------
 
 
 def _add_trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default="builtin:chat",
-                   help="Mooncake JSONL, Azure CSV, or builtin:chat|agentic|sysprompt[:N] (default builtin:chat)")
-    p.add_argument("--limit", type=int, help="use only the first N requests")
+                   help="Mooncake JSONL, Azure CSV, or builtin:chat|agentic|sysprompt[:N]")
+    p.add_argument("--limit", type=int, help="use only the first N requests (default: all)")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times (<1 = higher load)")
     p.add_argument("--trace-seed", type=int, default=0, help="seed of builtin traces")
 
@@ -42,19 +55,21 @@ def _add_trace_args(p: argparse.ArgumentParser) -> None:
 def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     d = ClusterConfig()
     g = p.add_argument_group("cluster")
-    g.add_argument("--workers", type=int, default=d.workers)
+    g.add_argument("--workers", type=int, default=d.workers, help="inference workers")
     g.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page / router block")
     g.add_argument("--device-tokens", type=int, default=d.device_tokens, help="device KV per worker, tokens")
     g.add_argument("--host-ratio", type=float, default=d.host_ratio, help="host / device capacity (0: no host)")
     g.add_argument("--l3", choices=["none", "disk", "external"], default=d.l3, help="storage tier")
     g.add_argument("--l3-tokens", type=int, default=d.l3_tokens, help="disk per worker, or the pool, in tokens")
-    g.add_argument("--model", default=d.model, help="KV size preset (bytes per token)")
-    g.add_argument("--write-policy", choices=[w.value for w in WritePolicy], default=d.write_policy.value)
-    g.add_argument("--prefetch-policy", choices=[p.value for p in PrefetchPolicy], default=d.prefetch_policy.value)
+    g.add_argument("--model", default=d.model, help="model preset: KV bytes per token")
+    g.add_argument("--write-policy", choices=[w.value for w in WritePolicy], default=d.write_policy.value,
+                   help="when device pages are backed up to host")
+    g.add_argument("--prefetch-policy", choices=[p.value for p in PrefetchPolicy], default=d.prefetch_policy.value,
+                   help="how long a request waits for its L3 prefetch")
     g.add_argument("--prefill-budget", type=int, default=d.prefill_budget, help="chunked-prefill tokens/iteration")
-    g.add_argument("--max-running", type=int, default=d.max_running)
-    g.add_argument("--h2d-gbps", type=float, default=d.h2d_gbps)
-    g.add_argument("--storage-gbps", type=float, default=d.storage_gbps)
+    g.add_argument("--max-running", type=int, default=d.max_running, help="requests in a worker's batch at once")
+    g.add_argument("--h2d-gbps", type=float, default=d.h2d_gbps, help="host<->device bandwidth, GB/s each way")
+    g.add_argument("--storage-gbps", type=float, default=d.storage_gbps, help="host<->storage bandwidth, GB/s")
 
 
 def _add_router_args(p: argparse.ArgumentParser) -> None:
@@ -62,10 +77,11 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cost", choices=["credit", "ttft"], default="credit", help="cost model of kv policies")
     g.add_argument("--event-delay", type=float, default=0.0, help="engine -> router event delay, seconds")
     g.add_argument("--event-loss", type=float, default=0.0, help="probability an event batch is lost")
-    g.add_argument("--host-credit", type=float, default=0.75)
-    g.add_argument("--disk-credit", type=float, default=0.25)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--host-credit", type=float, default=0.75, help="credit cost: weight of a host-tier block")
+    g.add_argument("--disk-credit", type=float, default=0.25,
+                   help="credit cost: weight of a disk or external block")
+    g.add_argument("--temperature", type=float, default=0.0, help="softmax sampling over costs (0: argmin)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the router's random choices")
 
 
 def _cluster(a: argparse.Namespace) -> ClusterConfig:
@@ -89,7 +105,7 @@ def _run_cfg(a: argparse.Namespace, policy: str) -> RunConfig:
 
 
 def _trace(a: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from sim.experiment import resolve_trace
+    from kvtier.sim.experiment import resolve_trace
 
     try:
         return resolve_trace(a.trace, limit=a.limit, seed=a.trace_seed, time_scale=a.time_scale)
@@ -111,8 +127,8 @@ def _tick(bar: Any) -> None:
 
 
 def _compare(a: argparse.Namespace, policies: list[str]) -> int:
-    from sim.experiment import RunSpec, run_jobs
-    from sim.report import plot, table, write_csv, write_json
+    from kvtier.sim.experiment import RunSpec, run_jobs
+    from kvtier.sim.report import plot, table, write_csv, write_json
 
     trace = _trace(a)
     cluster = _cluster(a)
@@ -153,8 +169,8 @@ def cmd_replay(a: argparse.Namespace) -> int:
 
 
 def cmd_sweep(a: argparse.Namespace) -> int:
-    from sim.experiment import grid_jobs, parse_grid, run_jobs
-    from sim.report import table
+    from kvtier.sim.experiment import grid_jobs, parse_grid, run_jobs
+    from kvtier.sim.report import table
 
     try:
         grid = parse_grid(a.grid)
@@ -191,76 +207,84 @@ def cmd_gen_trace(a: argparse.Namespace) -> int:
 
 
 def cmd_indexer(a: argparse.Namespace) -> int:
-    cfg = load_config(a.config) if a.config else ServiceConfig(endpoints=[])
-    eps = cfg.endpoints + [parse_endpoint(s) for s in a.endpoint]
-    overrides = {k: v for k, v in (("block_size", a.block_size), ("listen", a.listen), ("cost", a.cost))
-                 if v is not None}
-    cfg = replace(cfg, endpoints=eps, **overrides)
-    if not cfg.endpoints:
-        raise ConfigError("give at least one --endpoint or a --config with [[endpoints]]")
-    serve(cfg)
+    # The service (and http.server) is imported only for this command, so the simulator starts lean.
+    from kvtier.indexer.service import ConfigError, ServiceConfig, load_config, parse_endpoint, serve
+
+    try:
+        cfg = load_config(a.config) if a.config else ServiceConfig(endpoints=[])
+        eps = cfg.endpoints + [parse_endpoint(s) for s in a.endpoint]
+        overrides = {k: v for k, v in (("block_size", a.block_size), ("listen", a.listen), ("cost", a.cost))
+                     if v is not None}
+        cfg = replace(cfg, endpoints=eps, **overrides)
+        if not cfg.endpoints:
+            raise ConfigError("give at least one --endpoint or a --config with [[endpoints]]")
+        serve(cfg)
+    except ConfigError as exc:
+        raise CliError(str(exc)) from None
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvtier", description="KV-cache-aware routing toolkit")
+    parser = argparse.ArgumentParser(prog="kvtier", description="KV-cache-aware routing toolkit",
+                                     formatter_class=HelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
+    add = functools.partial(sub.add_parser, formatter_class=HelpFormatter)
 
-    p = sub.add_parser("compare", help="several routing policies on one trace and cluster; table, JSON, CSV, plots")
+    p = add("compare", help="several routing policies on one trace and cluster; table, JSON, CSV, plots")
     _add_trace_args(p)
     _add_cluster_args(p)
     _add_router_args(p)
     p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated, from {', '.join(POLICIES)}")
     p.add_argument("--out", default="out/compare", help="output directory")
     p.add_argument("--jobs", type=int, help="parallel processes (default: one per core)")
-    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.set_defaults(func=cmd_compare)
 
-    p = sub.add_parser("replay", help="one policy on one trace")
+    p = add("replay", help="one policy on one trace")
     _add_trace_args(p)
     _add_cluster_args(p)
     _add_router_args(p)
     p.add_argument("--policy", default="kv_all", help=f"one of {', '.join(POLICIES)}")
-    p.add_argument("--out", default="out/replay")
-    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--out", default="out/replay", help="output directory")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.set_defaults(func=cmd_replay)
 
-    p = sub.add_parser("sweep", help="a grid over cluster and router settings")
+    p = add("sweep", help="a grid over cluster and router settings")
     _add_trace_args(p)
     _add_cluster_args(p)
     _add_router_args(p)
     p.add_argument("--policy", default="kv_all", help="policy unless the grid has a policy axis")
     p.add_argument("--grid", nargs="+", required=True, metavar="NAME=V1,V2",
                    help="axes, e.g. device_tokens=65536,131072 host_ratio=0,2 policy=kv_device,kv_all")
-    p.add_argument("--out", default="out/sweep")
+    p.add_argument("--out", default="out/sweep", help="output directory")
     p.add_argument("--jobs", type=int, help="parallel processes (default: one per core)")
     p.add_argument("--ray", action="store_true", help="run on a Ray cluster (RAY_ADDRESS or a local one)")
     p.set_defaults(func=cmd_sweep)
 
-    p = sub.add_parser("gen-trace", help="write a seeded synthetic trace as Mooncake JSONL")
-    p.add_argument("--kind", choices=sorted(PRESETS), default="chat")
-    p.add_argument("--requests", type=int, default=1000)
+    p = add("gen-trace", help="write a seeded synthetic trace as Mooncake JSONL")
+    p.add_argument("--kind", choices=sorted(PRESETS), default="chat", help="workload generator")
+    p.add_argument("--requests", type=int, default=1000, help="requests to generate")
     p.add_argument("--rate", type=float, help="new sessions per second (default: the preset's)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("-o", "--output", required=True)
+    p.add_argument("--seed", type=int, default=0, help="generator seed")
+    p.add_argument("-o", "--output", required=True, help="JSONL file to write")
     p.set_defaults(func=cmd_gen_trace)
 
-    p = sub.add_parser("engine", help="a live engine replaying a trace and publishing KV events over ZMQ",
+    p = add("engine", help="a live engine replaying a trace and publishing KV events over ZMQ",
                        description="Replays a trace through a real tiered cache, publishing its events (with "
                                    "replay and state dumps) for `kvtier indexer` to consume.")
     live.build_parser(p)
     p.set_defaults(func=live.run)
 
-    p = sub.add_parser("indexer", help="subscribe to engines' KV events and answer overlap queries over HTTP",
+    p = add("indexer", help="subscribe to engines' KV events and answer overlap queries over HTTP",
                        description="Subscribes to engine ZMQ endpoints, keeps the tiered index, "
                                    "serves POST /query, GET /metrics and GET /health.")
     p.add_argument("--config", type=Path, help="TOML file with settings and [[endpoints]] tables")
     p.add_argument("--endpoint", action="append", default=[], metavar="SPEC",
                    help="WORKER=tcp://host:port[,replay=tcp://host:port][,dp=N][,dump] (repeatable)")
-    p.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
-    p.add_argument("--listen", help="HTTP host:port (default 127.0.0.1:8000)")
-    p.add_argument("--cost", choices=["credit", "ttft"], help="routing cost model (default credit)")
+    p.add_argument("--block-size", type=int, help="tokens per KV block (default: the config's, else 16)")
+    p.add_argument("--listen", help="HTTP host:port (default: the config's, else 127.0.0.1:8000)")
+    p.add_argument("--cost", choices=["credit", "ttft"], help="routing cost model (default: the config's, else credit)")
     p.set_defaults(func=cmd_indexer)
     return parser
 
@@ -271,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args))
-    except (ConfigError, CliError) as exc:
+    except CliError as exc:
         print(f"kvtier: error: {exc}", file=sys.stderr)
         return 2
 

@@ -15,15 +15,15 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.cache import Admission, CacheConfig, PrefetchPolicy, TieredCache, WritePolicy
-from engine.datapath import Bandwidths, ModeledDataPath
-from engine.storage import PageStore
-from indexer.latency import PRESETS, LatencyModel, MockerLatency
-from indexer.protocol import EventBatch, StorageTier
-from indexer.scoring import visible
-from sim.core import Environment, Timer
-from sim.metrics import RequestRecord
-from sim.trace import Request
+from kvtier.engine.cache import Admission, CacheConfig, PrefetchPolicy, TieredCache, WritePolicy
+from kvtier.engine.datapath import Bandwidths, ModeledDataPath
+from kvtier.engine.storage import PageStore
+from kvtier.indexer.latency import PRESETS, LatencyModel, MockerLatency
+from kvtier.indexer.scoring import visible
+from kvtier.sim.core import Environment, Timer
+from kvtier.sim.metrics import RequestRecord
+from kvtier.sim.trace import Request
+from kvtier.wire.protocol import EventBatch, StorageTier
 
 
 @dataclass(slots=True, frozen=True)

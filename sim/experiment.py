@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.cache import PrefetchPolicy, WritePolicy
-from sim.cluster import ClusterConfig
-from sim.generators import PRESETS, generate
-from sim.run import RunConfig, RunResult, simulate
-from sim.trace import Request, load_trace
+from kvtier.engine.cache import PrefetchPolicy, WritePolicy
+from kvtier.sim.cluster import ClusterConfig
+from kvtier.sim.generators import PRESETS, generate
+from kvtier.sim.run import RunConfig, RunResult, simulate
+from kvtier.sim.trace import Request, load_trace
 
 
 def resolve_trace(spec: str, *, limit: int | None = None, seed: int = 0, time_scale: float = 1.0) -> list[Request]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sim.trace import HASH_BLOCK, Request
+from kvtier.sim.trace import HASH_BLOCK, Request
 
 
 @dataclass(slots=True, frozen=True)

@@ -18,12 +18,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine.cache import CacheConfig, TieredCache
-from engine.datapath import Bandwidths, ModeledDataPath
-from engine.node import EngineNode
-from engine.storage import PageStore
-from sim.experiment import resolve_trace
-from sim.trace import TokenBank
+from kvtier.engine.cache import CacheConfig, TieredCache
+from kvtier.engine.datapath import Bandwidths, ModeledDataPath
+from kvtier.engine.node import EngineNode
+from kvtier.engine.storage import PageStore
+from kvtier.sim.experiment import resolve_trace
+from kvtier.sim.trace import TokenBank
 
 
 def write_residency(cache: TieredCache, path: Path) -> None:
@@ -81,13 +81,13 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--name", default="w0", help="engine name (the worker id an indexer should use)")
     p.add_argument("--endpoint", default="tcp://127.0.0.1:5557", help="PUB endpoint to bind")
     p.add_argument("--replay", default="tcp://127.0.0.1:5558", help="ROUTER replay endpoint to bind")
-    p.add_argument("--dp-rank", type=int, default=None)
+    p.add_argument("--dp-rank", type=int, default=None, help="data-parallel rank carried in each batch")
     p.add_argument("--trace", default="builtin:chat:300", help="trace file or builtin:KIND[:N]")
     p.add_argument("--seed", type=int, default=0, help="seed of builtin traces and token ids")
     p.add_argument("--speed", type=float, default=10.0, help="replay speed-up over the trace's timestamps")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--device-pages", type=int, default=4096)
-    p.add_argument("--host-ratio", type=float, default=2.0)
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--device-pages", type=int, default=4096, help="device KV pages")
+    p.add_argument("--host-ratio", type=float, default=2.0, help="host / device capacity (0: no host)")
     p.add_argument("--disk-pages", type=int, default=16384, help="local L3 pages (0: none)")
     p.add_argument("--residency", help="write the final residency as JSON here")
     p.add_argument("--hold", type=float, default=3600.0, help="seconds to keep serving after the trace")

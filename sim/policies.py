@@ -23,16 +23,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.cache import TieredCache
-from indexer.index import TieredIndex
-from indexer.keys import BlockKey
-from indexer.latency import PRESETS, TransferModel
-from indexer.load import LoadTracker
-from indexer.overlap import OverlapScores, TierOverlap
-from indexer.protocol import BlockRemoved, BlockStored, EventBatch, StorageTier, WorkerId, parse_medium
-from indexer.router import Router
-from indexer.scoring import CostModel, CreditCost, TtftCost, visible
-from indexer.stream import StreamId
+from kvtier.engine.cache import TieredCache
+from kvtier.indexer.index import TieredIndex
+from kvtier.indexer.keys import BlockKey
+from kvtier.indexer.latency import PRESETS, TransferModel
+from kvtier.indexer.load import LoadTracker
+from kvtier.indexer.router import Router
+from kvtier.indexer.scoring import CostModel, CreditCost, TtftCost, visible
+from kvtier.wire.overlap import OverlapScores, TierOverlap
+from kvtier.wire.protocol import BlockRemoved, BlockStored, EventBatch, StorageTier, WorkerId, parse_medium
+from kvtier.wire.stream import StreamId
 
 POLICIES = ["round_robin", "random", "least_loaded", "approx", "kv_device", "kv_host", "kv_all", "oracle"]
 _TIER = {"kv_device": StorageTier.DEVICE, "kv_host": StorageTier.HOST, "kv_all": StorageTier.EXTERNAL,
@@ -220,7 +220,7 @@ class Approx:
 def make_cost(name: str, model: str, h2d_gbps: float, storage_gbps: float, max_tier: StorageTier,
               host_credit: float = 0.75, disk_credit: float = 0.25) -> CostModel:
     """``credit`` (Dynamo-style) or ``ttft`` (estimated time to first token)."""
-    from indexer.scoring import TierCredits
+    from kvtier.indexer.scoring import TierCredits
 
     if name == "credit":
         return CreditCost(TierCredits(host=host_credit, disk=disk_credit, external=disk_credit), max_tier=max_tier)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from sim.metrics import RequestRecord, RunSummary
+from kvtier.sim.metrics import RequestRecord, RunSummary
 
 _COLUMNS = [
     ("policy", "policy", "{}"),

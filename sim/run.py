@@ -5,16 +5,16 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from indexer.codec import decode_payload, encode_payload
-from indexer.keys import block_keys
-from indexer.load import LoadTracker
-from indexer.protocol import EventBatch, WorkerId
-from indexer.stream import StreamId
-from sim.cluster import ClusterConfig, Job, build_cluster
-from sim.core import Environment
-from sim.metrics import RequestRecord, RunSummary, summarize
-from sim.policies import KvPolicy, RouteInput, make_policy
-from sim.trace import Request, TokenBank
+from kvtier.indexer.keys import block_keys
+from kvtier.indexer.load import LoadTracker
+from kvtier.sim.cluster import ClusterConfig, Job, build_cluster
+from kvtier.sim.core import Environment
+from kvtier.sim.metrics import RequestRecord, RunSummary, summarize
+from kvtier.sim.policies import KvPolicy, RouteInput, make_policy
+from kvtier.sim.trace import Request, TokenBank
+from kvtier.wire.codec import decode_payload, encode_payload
+from kvtier.wire.protocol import EventBatch, WorkerId
+from kvtier.wire.stream import StreamId
 
 
 @dataclass(slots=True, frozen=True)

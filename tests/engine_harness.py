@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.cache import Admission, CacheConfig, TieredCache
-from engine.datapath import Bandwidths, ModeledDataPath
-from engine.storage import PageStore
-from indexer import Event, EventBatch, StorageTier, WorkerId, decode_payload, encode_payload
-from indexer.index import Outcome, TieredIndex
-from indexer.stream import StreamId
+from kvtier.engine.cache import Admission, CacheConfig, TieredCache
+from kvtier.engine.datapath import Bandwidths, ModeledDataPath
+from kvtier.engine.storage import PageStore
+from kvtier.indexer.index import Outcome, TieredIndex
+from kvtier.wire import Event, EventBatch, StorageTier, WorkerId, decode_payload, encode_payload
+from kvtier.wire.stream import StreamId
 
 PAGE_BYTES = 1000
 # 1 page per second on every link: a copy of n pages completes n s (+1 us) after it starts.

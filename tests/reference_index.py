@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from indexer import AllBlocksCleared, BlockRemoved, BlockStored, Event, StorageTier, parse_medium
-from indexer.keys import BlockKey, block_keys, chain_keys, namespace
-from indexer.overlap import OverlapScores, TierOverlap
-from indexer.stream import StreamId
+from kvtier.indexer.keys import BlockKey, block_keys, chain_keys, namespace
+from kvtier.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, StorageTier, parse_medium
+from kvtier.wire.overlap import OverlapScores, TierOverlap
+from kvtier.wire.stream import StreamId
 
 LEVELS = [
     {StorageTier.DEVICE},

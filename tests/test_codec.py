@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from indexer import (
+from kvtier.wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -17,12 +17,12 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
 
-from engine.cache import Admission, CacheConfig, PrefetchPolicy, TieredCache, WritePolicy
-from engine.datapath import Bandwidths, ModeledDataPath
-from engine.storage import PageStore
-from indexer import StorageTier, WorkerId, decode_payload, encode_payload
-from indexer.index import Outcome, TieredIndex
-from indexer.stream import StreamId
+from kvtier.engine.cache import Admission, CacheConfig, PrefetchPolicy, TieredCache, WritePolicy
+from kvtier.engine.datapath import Bandwidths, ModeledDataPath
+from kvtier.engine.storage import PageStore
+from kvtier.indexer.index import Outcome, TieredIndex
+from kvtier.wire import StorageTier, WorkerId, decode_payload, encode_payload
+from kvtier.wire.stream import StreamId
 
 PS = 2
 # Documents share prefixes: B and C start like A, D is unrelated. Requests take a prefix of one

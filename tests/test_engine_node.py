@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import time
 
-from engine.cache import CacheConfig, TieredCache
-from engine.datapath import Bandwidths, ModeledDataPath
-from engine.node import EngineNode
-from engine.storage import PageStore
-from indexer import EndpointConfig, Received, ResyncNeeded, ResyncStarted, StorageTier, Subscriber
-from indexer.index import Outcome, TieredIndex
+from kvtier.engine.cache import CacheConfig, TieredCache
+from kvtier.engine.datapath import Bandwidths, ModeledDataPath
+from kvtier.engine.node import EngineNode
+from kvtier.engine.storage import PageStore
+from kvtier.indexer.index import Outcome, TieredIndex
+from kvtier.wire import EndpointConfig, Received, ResyncNeeded, ResyncStarted, StorageTier, Subscriber
 
 PS = 4
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-from engine.cache import Admission, CacheConfig, PrefetchPolicy, TieredCache
-from engine.datapath import CopyKind, TorchDataPath, _runs
-from engine.storage import PageStore
-from indexer import StorageTier
+from kvtier.engine.cache import Admission, CacheConfig, PrefetchPolicy, TieredCache
+from kvtier.engine.datapath import CopyKind, TorchDataPath, _runs
+from kvtier.engine.storage import PageStore
+from kvtier.wire import StorageTier
 
 PS = 4
 SHAPE = (2, 2, PS, 2, 8)  # layers, K/V, page size, kv heads, head dim

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.cache import CacheConfig, PrefetchPolicy, WritePolicy
-from engine.hashing import chain, event_hash
-from engine.storage import PageStore
-from indexer import AllBlocksCleared, BlockRemoved, BlockStored, Event, StorageTier, WorkerId
-from indexer.index import TieredIndex
-from indexer.stream import StreamId
+from kvtier.engine.cache import CacheConfig, PrefetchPolicy, WritePolicy
+from kvtier.engine.hashing import chain, event_hash
+from kvtier.engine.storage import PageStore
+from kvtier.indexer.index import TieredIndex
+from kvtier.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, StorageTier, WorkerId
+from kvtier.wire.stream import StreamId
 from tests.engine_harness import Harness
 
 PS = 4

@@ -16,13 +16,13 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from engine.cache import CacheConfig, TieredCache
-from engine.datapath import Bandwidths, ModeledDataPath
-from engine.storage import PageStore
-from indexer import StorageTier, WorkerId, encode_payload
-from indexer.frames import DUMP_REQUEST, END_SEQ, pack_seq, unpack_seq
-from indexer.index import Outcome, TieredIndex
-from indexer.stream import (
+from kvtier.engine.cache import CacheConfig, TieredCache
+from kvtier.engine.datapath import Bandwidths, ModeledDataPath
+from kvtier.engine.storage import PageStore
+from kvtier.indexer.index import Outcome, TieredIndex
+from kvtier.wire import StorageTier, WorkerId, encode_payload
+from kvtier.wire.frames import DUMP_REQUEST, END_SEQ, pack_seq, unpack_seq
+from kvtier.wire.stream import (
     Delivery,
     PublisherRestarted,
     Received,
@@ -68,7 +68,7 @@ class Engine:
             batches = self.cache.dump_events() or []
             frames = [(pack_seq(self.next_seq - 1), encode_payload(b)) for b in batches]
             if not frames:
-                from indexer import EventBatch
+                from kvtier.wire import EventBatch
 
                 frames = [(pack_seq(self.next_seq - 1), encode_payload(EventBatch(ts=0.0, events=[])))]
             return [*frames, (END_SEQ, b"")]

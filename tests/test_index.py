@@ -9,11 +9,11 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from indexer import AllBlocksCleared, BlockRemoved, BlockStored, Event, StorageTier, WorkerId
-from indexer import index as index_module
-from indexer.index import Outcome, TieredIndex
-from indexer.keys import block_keys
-from indexer.stream import StreamId
+from kvtier.indexer import index as index_module
+from kvtier.indexer.index import Outcome, TieredIndex
+from kvtier.indexer.keys import block_keys
+from kvtier.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, StorageTier, WorkerId
+from kvtier.wire.stream import StreamId
 from tests.reference_index import ReferenceIndex
 
 A, B, C = (StreamId(WorkerId(n)) for n in "abc")

@@ -14,9 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-from indexer import StorageTier
-from indexer.service import IndexerService, ServiceConfig
-from indexer.subscriber import EndpointConfig
+from kvtier.indexer.service import IndexerService, ServiceConfig
+from kvtier.wire import StorageTier
+from kvtier.wire.subscriber import EndpointConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,7 +28,7 @@ def free_port() -> int:
 
 
 def start(name: str, pub: int, rep: int, seed: int, residency: Path) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "sim.live", "--name", name, "--endpoint", f"tcp://127.0.0.1:{pub}",
+    cmd = [sys.executable, "-m", "kvtier.sim.live", "--name", name, "--endpoint", f"tcp://127.0.0.1:{pub}",
            "--replay", f"tcp://127.0.0.1:{rep}", "--trace", "builtin:chat:150", "--seed", str(seed),
            "--speed", "60", "--device-pages", "384", "--disk-pages", "2048", "--residency", str(residency)]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from indexer import BlockStored, StorageTier, WorkerId
-from indexer.index import TieredIndex
-from indexer.latency import PRESETS, MockerLatency, TransferModel
-from indexer.load import LoadTracker, WorkerLoad
-from indexer.overlap import TierOverlap
-from indexer.router import Router
-from indexer.scoring import CreditCost, TierCredits, TtftCost, visible
-from indexer.stream import StreamId
+from kvtier.indexer.index import TieredIndex
+from kvtier.indexer.latency import PRESETS, MockerLatency, TransferModel
+from kvtier.indexer.load import LoadTracker, WorkerLoad
+from kvtier.indexer.router import Router
+from kvtier.indexer.scoring import CreditCost, TierCredits, TtftCost, visible
+from kvtier.wire import BlockStored, StorageTier, WorkerId
+from kvtier.wire.overlap import TierOverlap
+from kvtier.wire.stream import StreamId
 
 A, B = StreamId(WorkerId("a")), StreamId(WorkerId("b"))
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from indexer import BlockRemoved, BlockStored, EventBatch, Publisher, StorageTier
-from indexer.service import ConfigError, IndexerService, ServiceConfig, load_config, parse_endpoint
-from sim.cli import main as cli_main
+from kvtier.indexer.service import ConfigError, IndexerService, ServiceConfig, load_config, parse_endpoint
+from kvtier.sim.cli import main as cli_main
+from kvtier.wire import BlockRemoved, BlockStored, EventBatch, Publisher, StorageTier
 
 BS = 4
 TOKS = list(range(1000, 1032))  # 8 blocks

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from indexer.latency import MockerLatency
-from sim.cli import main as cli
-from sim.cluster import ClusterConfig
-from sim.generators import PRESETS, generate
-from sim.run import RunConfig, simulate
-from sim.trace import Request, prefix_reuse
+from kvtier.indexer.latency import MockerLatency
+from kvtier.sim.cli import main as cli
+from kvtier.sim.cluster import ClusterConfig
+from kvtier.sim.generators import PRESETS, generate
+from kvtier.sim.run import RunConfig, simulate
+from kvtier.sim.trace import Request, prefix_reuse
 
 SMALL = ClusterConfig(workers=3, page_size=64, device_tokens=32_768, host_ratio=1.0, l3="disk", l3_tokens=131_072)
 
@@ -82,7 +82,7 @@ def test_runs_are_deterministic() -> None:
 
 def test_every_policy_completes() -> None:
     reqs = chat(120)
-    from sim.policies import POLICIES
+    from kvtier.sim.policies import POLICIES
 
     for p in POLICIES:
         s = simulate(reqs, SMALL, RunConfig(p)).summary

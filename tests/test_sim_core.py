@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sim.core import Environment
+from kvtier.sim.core import Environment
 
 
 def test_time_then_priority_then_scheduling_order() -> None:

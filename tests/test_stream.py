@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from indexer import (
+from kvtier.wire import (
     DUMP_REQUEST,
     END_SEQ,
     AllBlocksCleared,

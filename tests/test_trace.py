@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from sim.generators import PRESETS, generate
-from sim.trace import (
+from kvtier.sim.generators import PRESETS, generate
+from kvtier.sim.trace import (
     HASH_BLOCK,
     Request,
     TokenBank,

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 import zmq
 
-from indexer import (
+from kvtier.wire import (
     AllBlocksCleared,
     BlockStored,
     Delivery,
@@ -29,7 +29,7 @@ from indexer import (
     decode_payload,
     pack_seq,
 )
-from indexer.frames import END_SEQ, unpack_seq
+from kvtier.wire.frames import END_SEQ, unpack_seq
 from tests.wire_vectors import load
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from indexer import (
+from kvtier.wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -20,7 +20,7 @@ from indexer import (
     encode_payload,
     unpack_seq,
 )
-from indexer.frames import END_SEQ
+from kvtier.wire.frames import END_SEQ
 from tests.wire_vectors import FILES, Capture, load
 
 NAMES = sorted(FILES)

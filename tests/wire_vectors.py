@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from indexer.codec import WireFormat
+from kvtier.wire.codec import WireFormat
 
 FILES = {
     "sglang-0.5.23": WireFormat.SGLANG,

@@ -18,7 +18,7 @@ from enum import StrEnum
 
 import msgspec
 
-from indexer.protocol import (
+from kvtier.wire.protocol import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

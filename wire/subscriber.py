@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import zmq
 
-from indexer.frames import unpack_seq
-from indexer.protocol import WorkerId
-from indexer.stream import Delivery, MalformedFrame, StreamId, StreamStats, StreamTracker
+from kvtier.wire.frames import unpack_seq
+from kvtier.wire.protocol import WorkerId
+from kvtier.wire.stream import Delivery, MalformedFrame, StreamId, StreamStats, StreamTracker
 
 log = logging.getLogger(__name__)
 

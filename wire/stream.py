@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Literal, NamedTuple, TypeAlias
 
-from indexer.codec import DecodeError, decode_payload
-from indexer.frames import DUMP_REQUEST, END_SEQ, pack_seq, unpack_seq
-from indexer.protocol import EventBatch, WorkerId
+from kvtier.wire.codec import DecodeError, decode_payload
+from kvtier.wire.frames import DUMP_REQUEST, END_SEQ, pack_seq, unpack_seq
+from kvtier.wire.protocol import EventBatch, WorkerId
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from collections.abc import Callable
 
 import zmq
 
-from indexer.codec import WireFormat, encode_payload
-from indexer.frames import DUMP_REQUEST, END_SEQ, pack_seq, unpack_seq
-from indexer.protocol import EventBatch
+from kvtier.wire.codec import WireFormat, encode_payload
+from kvtier.wire.frames import DUMP_REQUEST, END_SEQ, pack_seq, unpack_seq
+from kvtier.wire.protocol import EventBatch
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,78 @@
+"""The wire contract between engines and routers: the event protocol, its msgpack codec for the SGLang
+and vLLM encodings, the ZMQ frame layout, and the transport (publisher with replay, subscriber with
+per-stream ordering, gap replay and resync).
+
+Both sides build on this package; it imports neither :mod:`kvtier.engine` nor :mod:`kvtier.indexer`.
+"""
+
+from kvtier.wire.codec import DecodeError, WireFormat, decode_payload, encode_payload, medium_spelling
+from kvtier.wire.frames import DUMP_REQUEST, END_SEQ, pack_seq, unpack_seq
+from kvtier.wire.overlap import OverlapScores, TierOverlap
+from kvtier.wire.protocol import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EngineHash,
+    Event,
+    EventBatch,
+    StorageTier,
+    UnknownMediumError,
+    WorkerId,
+    parse_medium,
+)
+from kvtier.wire.publisher import DumpProvider, Publisher
+from kvtier.wire.stream import (
+    Delivery,
+    GapDetected,
+    GapFilled,
+    MalformedFrame,
+    PublisherRestarted,
+    Received,
+    ResyncDone,
+    ResyncNeeded,
+    ResyncStarted,
+    StreamId,
+    StreamStats,
+    StreamTracker,
+)
+from kvtier.wire.subscriber import EndpointConfig, Subscriber
+
+__all__ = [
+    "DUMP_REQUEST",
+    "END_SEQ",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "DecodeError",
+    "Delivery",
+    "DumpProvider",
+    "EndpointConfig",
+    "EngineHash",
+    "Event",
+    "EventBatch",
+    "GapDetected",
+    "GapFilled",
+    "MalformedFrame",
+    "OverlapScores",
+    "Publisher",
+    "PublisherRestarted",
+    "Received",
+    "ResyncDone",
+    "ResyncNeeded",
+    "ResyncStarted",
+    "StorageTier",
+    "StreamId",
+    "StreamStats",
+    "StreamTracker",
+    "Subscriber",
+    "TierOverlap",
+    "UnknownMediumError",
+    "WireFormat",
+    "WorkerId",
+    "decode_payload",
+    "encode_payload",
+    "medium_spelling",
+    "pack_seq",
+    "parse_medium",
+    "unpack_seq",
+]
