@@ -412,13 +412,31 @@ class TieredCache:
         return True
 
     def _write_back(self, node: Node) -> None:
-        """write_back eviction: back up the unbacked chain down to ``node``, then free it."""
-        node.evict_after_backup = True
+        """write_back eviction: back up the unbacked chain down to ``node``, then free it.
+
+        If no copy of the chain is in flight and the first one cannot start (no host room), the page
+        is evicted without a backup, as SGLang's write-back does when host allocation fails: flagging
+        it to wait for a copy that never starts would pin it on device forever.
+        """
         chain = [n for n in self.tree.path_to_root(node) if n.host is None]
+        if not any(n.host_pending is not None for n in chain) and not self._backup(chain[0]):
+            self._drop_device(node)
+            return
+        node.evict_after_backup = True
         for n in chain:
             n.want_backup = True
-        if chain and not any(n.host_pending is not None for n in chain):
-            self._backup(chain[0])
+
+    def _abandon_write_back(self, node: Node) -> None:
+        """The chain below ``node`` cannot be backed up now: its nodes become ordinary device leaves
+        again (evictable, and written back afresh when next chosen)."""
+        todo = [node]
+        while todo:
+            n = todo.pop()
+            if not (n.want_backup or n.evict_after_backup):
+                continue
+            n.want_backup = n.evict_after_backup = False
+            self._push_dev(n)
+            todo.extend(n.children.values())
 
     # --- L3 ------------------------------------------------------------------------------
 
@@ -529,9 +547,10 @@ class TieredCache:
             self._push_host(n)
             policy = self.config.write_policy
             for c in list(n.children.values()):
-                if c.want_backup or policy is WritePolicy.WRITE_THROUGH or (
-                        policy is WritePolicy.WRITE_THROUGH_SELECTIVE and c.hits >= self.config.selective_threshold):
-                    self._backup(c)
+                wanted = c.want_backup or policy is WritePolicy.WRITE_THROUGH or (
+                    policy is WritePolicy.WRITE_THROUGH_SELECTIVE and c.hits >= self.config.selective_threshold)
+                if wanted and not self._backup(c) and c.want_backup and c.host is None and c.host_pending is None:
+                    self._abandon_write_back(c)
 
     def _loaded(self, info: _OpInfo) -> None:
         if info.op.error:

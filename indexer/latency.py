@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -88,3 +89,50 @@ class TransferModel:
         elif tier is StorageTier.EXTERNAL:
             ms += nbytes / (self.external_to_host_gbps * 1e6)
         return ms
+
+
+def _quadratic_sum(a: float, b: float, c: float, u0: float, du: float, n: int) -> float:
+    """``sum(a*u*u + b*u + c for u = u0 + k*du, k < n)`` in O(1)."""
+    s1 = n * (n - 1) / 2  # sum of k
+    s2 = (n - 1) * n * (2 * n - 1) / 6  # sum of k^2
+    return a * (n * u0 * u0 + 2 * u0 * du * s1 + du * du * s2) + b * (n * u0 + du * s1) + c * n
+
+
+def decode_run_ms(model: LatencyModel, u0: float, du: float, steps: int) -> float:
+    """Time of ``steps`` decode iterations whose utilisation starts at ``u0`` and rises by ``du`` per step
+    (each running request adds a token of KV per iteration).
+
+    O(1) for :class:`MockerLatency` wherever its floor cannot bind (always, for the published fit, whose
+    minimum over [0, 1] is 5.74 ms); otherwise, and for other models, the exact sum in O(steps).
+    """
+    if steps <= 0:
+        return 0.0
+    if isinstance(model, MockerLatency):
+        # Utilisation is clamped at 1: split the run where it gets there.
+        below = steps if du <= 0 else min(steps, max(0, math.ceil((1.0 - u0) / du)))
+        if u0 >= 1.0:
+            below = 0
+        lo, hi = max(u0, 0.0), max(u0 + du * max(below - 1, 0), 0.0)
+        quad = (model.decode_a, model.decode_b, model.decode_c)
+        vertex = -quad[1] / (2 * quad[0]) if quad[0] else lo
+        lowest = min(_poly(quad, lo), _poly(quad, hi), _poly(quad, vertex) if lo <= vertex <= hi else math.inf)
+        if below == 0 or lowest >= model.decode_floor:
+            return (_quadratic_sum(*quad, u0, du, below) if below else 0.0) + (steps - below) * model.decode_ms(1.0)
+    return math.fsum(model.decode_ms(u0 + k * du) for k in range(steps))
+
+
+def _poly(q: tuple[float, float, float], u: float) -> float:
+    return q[0] * u * u + q[1] * u + q[2]
+
+
+def decode_steps_done(model: LatencyModel, u0: float, du: float, steps: int, elapsed_ms: float) -> int:
+    """How many whole iterations of such a run have completed ``elapsed_ms`` after it began (at most
+    ``steps``). O(log steps) evaluations of :func:`decode_run_ms`."""
+    lo, hi = 0, steps
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if decode_run_ms(model, u0, du, mid) <= elapsed_ms + 1e-9:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

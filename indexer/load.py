@@ -14,6 +14,7 @@ class WorkerLoad:
     running: int = 0  # requests routed and not finished
     active_blocks: int = 0  # KV blocks those requests occupy (prompt + expected output)
     pending_prefill_tokens: int = 0  # prompt tokens still to compute (cleared at first token)
+    prefilling: int = 0  # of ``running``, requests that have not produced their first token
 
 
 @dataclass(slots=True, frozen=True)
@@ -44,13 +45,16 @@ class LoadTracker:
         ld.running += 1
         ld.active_blocks += blocks
         ld.pending_prefill_tokens += prefill_tokens
+        ld.prefilling += 1
 
     def prefill_done(self, request_id: str) -> None:
         """The request produced its first token; idempotent."""
         if request_id in self._prefilling:
             self._prefilling.discard(request_id)
             f = self._inflight[request_id]
-            self._loads[f.worker].pending_prefill_tokens -= f.prefill_tokens
+            ld = self._loads[f.worker]
+            ld.pending_prefill_tokens -= f.prefill_tokens
+            ld.prefilling -= 1
 
     def finish(self, request_id: str) -> None:
         """The request completed (or failed); unknown ids are ignored."""
@@ -67,6 +71,8 @@ class LoadTracker:
             t = totals.setdefault(f.worker, WorkerLoad())
             t.running += 1
             t.active_blocks += f.blocks
-            t.pending_prefill_tokens += f.prefill_tokens if rid in self._prefilling else 0
+            if rid in self._prefilling:
+                t.pending_prefill_tokens += f.prefill_tokens
+                t.prefilling += 1
         for w, ld in self._loads.items():
             assert ld == totals.get(w, WorkerLoad()), f"load of {w} out of sync: {ld} != {totals.get(w)}"

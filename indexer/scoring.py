@@ -5,8 +5,10 @@ Two models, both small and documented:
 * :class:`CreditCost`: Dynamo's shape. A cached block earns credit by tier (device 1.0,
   host 0.75, disk 0.25 by default); the cost is ``overlap_weight * (blocks to prefill
   + queued prefill blocks) + (active blocks + this request's blocks)``.
-* :class:`TtftCost`: an estimate of time to first token in ms: queued prefill + load time
-  of each tier's blocks + prefill time of the uncached suffix, from a latency model.
+* :class:`TtftCost`: an estimate of time to first token in ms, priced as the worker spends it:
+  the queued prefill and this request's uncached suffix run in chunked-prefill iterations of
+  ``prefill_budget`` tokens, each also carrying one decode step of the running batch, plus the
+  load time of each tier's cached blocks.
 
 ``max_tier`` limits what a model sees, so one class serves kv_device (DEVICE),
 kv_host (HOST) and kv_all (EXTERNAL) policies.
@@ -70,11 +72,30 @@ class CreditCost:
 
 @dataclass(slots=True, frozen=True)
 class TtftCost:
-    """Estimated time to first token in ms; see the module docstring."""
+    """Estimated time to first token in ms; see the module docstring.
+
+    The worker prefills first come, first served in chunks of ``prefill_budget`` tokens, so the
+    request's first token comes after ``ceil((queued + uncached) / budget)`` iterations. Each costs
+    ``prefill_ms(chunk)`` plus, while other requests decode, one decode step at the worker's KV
+    utilisation (``active_blocks * block_size / capacity_tokens``; without a capacity the decode term
+    is left out). For a lone request on an idle worker this equals the simulator's TTFT exactly.
+    """
 
     transfer: TransferModel  # load time per tier
-    latency: LatencyModel = field(default_factory=MockerLatency)  # prefill time
+    latency: LatencyModel = field(default_factory=MockerLatency)  # iteration times
     max_tier: StorageTier = StorageTier.EXTERNAL  # tiers beyond this are ignored
+    prefill_budget: int = 8192  # chunked-prefill tokens per iteration, as the worker runs them
+    capacity_tokens: int | None = None  # device KV per worker, tokens (None: no decode term)
+
+    def prefill_queue_ms(self, tokens: int, decode_step_ms: float) -> float:
+        """Iterations that prefill ``tokens`` in budget-sized chunks, each with a decode step. O(1)."""
+        if tokens <= 0:
+            return 0.0
+        full, rest = divmod(tokens, self.prefill_budget)
+        ms = full * (self.latency.prefill_ms(self.prefill_budget) + decode_step_ms)
+        if rest:
+            ms += self.latency.prefill_ms(rest) + decode_step_ms
+        return ms
 
     def cost(self, num_tokens: int, block_size: int, overlap: TierOverlap, load: WorkerLoad) -> float:
         o = visible(overlap, self.max_tier)
@@ -83,5 +104,7 @@ class TtftCost:
                    + t.load_ms(StorageTier.DISK, (o.disk - o.host) * block_size)
                    + t.load_ms(StorageTier.EXTERNAL, (o.external - o.disk) * block_size))
         uncached = max(0, num_tokens - o.external * block_size)
-        queue_ms = self.latency.prefill_ms(load.pending_prefill_tokens)
-        return queue_ms + load_ms + self.latency.prefill_ms(uncached)
+        step = 0.0
+        if self.capacity_tokens and load.running > load.prefilling:
+            step = self.latency.decode_ms(load.active_blocks * block_size / self.capacity_tokens)
+        return load_ms + self.prefill_queue_ms(load.pending_prefill_tokens + uncached, step)

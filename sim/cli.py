@@ -35,7 +35,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         text = (action.help or "").strip()
         flag = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction,
                                    argparse._HelpAction, argparse._VersionAction))
-        if not action.option_strings or flag or action.required or "default" in text or action.default is argparse.SUPPRESS:
+        if (not action.option_strings or flag or action.required or "default" in text
+                or action.default is argparse.SUPPRESS):
             return text
         shown = "none" if action.default is None or action.default == [] else "%(default)s"
         return f"{text} (default: {shown})".strip()
@@ -82,6 +83,13 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
                    help="credit cost: weight of a disk or external block")
     g.add_argument("--temperature", type=float, default=0.0, help="softmax sampling over costs (0: argmin)")
     g.add_argument("--seed", type=int, default=0, help="seed of the router's random choices")
+    g = p.add_argument_group("replay")
+    g.add_argument("--open-loop", action="store_true",
+                   help="release every turn at its trace timestamp (default: a session's next turn arrives its "
+                        "think time after the previous answer)")
+    g.add_argument("--until", type=float, help="stop simulated time here, seconds (default: run to completion)")
+    g.add_argument("--allow-unfinished", action="store_true",
+                   help="exit 0 even if some requests did not finish (they are reported as unfinished)")
 
 
 def _cluster(a: argparse.Namespace) -> ClusterConfig:
@@ -101,7 +109,7 @@ def _run_cfg(a: argparse.Namespace, policy: str) -> RunConfig:
     if policy not in POLICIES:
         raise CliError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
     return RunConfig(policy, a.cost, a.event_delay, a.event_loss, a.host_credit, a.disk_credit, a.temperature,
-                     a.seed)
+                     a.seed, closed_loop=not a.open_loop, until_s=a.until)
 
 
 def _trace(a: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -155,6 +163,19 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
     if not a.no_plots:
         written += plot(out_dir, summaries, runs, f"{a.trace}, {cluster.workers} workers")
     print(f"\nwrote {', '.join(str(p) for p in written)} in {time.monotonic() - t0:.1f} s", file=sys.stderr)
+    return _unfinished_status(a, summaries, len(trace))
+
+
+def _unfinished_status(a: argparse.Namespace, summaries: list[Any], total: int) -> int:
+    """1 (with the reason on stderr) if some requests did not finish, unless --allow-unfinished."""
+    short = [s for s in summaries if s.unfinished]
+    for s in short:
+        why = f"the run stopped at --until {a.until:g} s" if a.until is not None else "they never completed"
+        print(f"kvtier: {s.unfinished} of {total} requests did not finish under {s.policy} ({why})",
+              file=sys.stderr)
+    if short and not a.allow_unfinished:
+        print("kvtier: error: unfinished requests (pass --allow-unfinished to accept them)", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -195,7 +216,7 @@ def cmd_sweep(a: argparse.Namespace) -> int:
     print(table(summaries))
     (out_dir / "sweep.json").write_text(json.dumps(rows, indent=2, default=str))
     print(f"\nwrote {out_dir / 'sweep.json'}", file=sys.stderr)
-    return 0
+    return _unfinished_status(a, summaries, len(jobs[0].trace) if jobs else 0)
 
 
 def cmd_gen_trace(a: argparse.Namespace) -> int:

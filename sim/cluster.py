@@ -10,7 +10,6 @@ cache's prefetch policy.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ from dataclasses import dataclass, field
 from kvtier.engine.cache import Admission, CacheConfig, PrefetchPolicy, TieredCache, WritePolicy
 from kvtier.engine.datapath import Bandwidths, ModeledDataPath
 from kvtier.engine.storage import PageStore
-from kvtier.indexer.latency import PRESETS, LatencyModel, MockerLatency
+from kvtier.indexer.latency import PRESETS, LatencyModel, MockerLatency, decode_run_ms, decode_steps_done
 from kvtier.indexer.scoring import visible
 from kvtier.sim.core import Environment, Timer
 from kvtier.sim.metrics import RequestRecord
@@ -66,6 +65,9 @@ class ClusterConfig:
                 raise ValueError(f"unknown model {m!r}; known: {sorted(PRESETS)}")
         if self.device_tokens < self.page_size * 4:
             raise ValueError("device_tokens must hold at least 4 pages")
+        if self.l3 != "none" and self.host_ratio <= 0:
+            raise ValueError(f"l3={self.l3!r} needs a host tier (host_ratio > 0): pages reach storage from host "
+                             "memory and are prefetched back into it")
 
 
 @dataclass(slots=True, eq=False)
@@ -76,6 +78,7 @@ class Job:
     tokens: list[int]  # its prompt
     record: RequestRecord  # its metrics, filled as it runs
     adm: Admission | None = None  # its hold on the cache
+    visible_tier: StorageTier = StorageTier.EXTERNAL  # tiers the router saw when it predicted the overlap
     admitted_at: float = 0.0  # when the cache was first asked
     prefill_left: int = 0  # tokens still to prefill
     generated: int = 0  # output tokens produced
@@ -83,8 +86,12 @@ class Job:
 
 @dataclass(slots=True)
 class _DecodeRun:
+    """Decode iterations merged into one event. Each step runs at its own utilisation: every running
+    request adds one token of KV per step, so utilisation rises by ``du`` per step from ``u0``."""
+
     start: float  # when the run began
-    step: float  # seconds per decode iteration
+    u0: float  # KV utilisation at the first step
+    du: float  # utilisation added per step
     steps: int  # iterations planned
     timer: Timer  # fires at the end
 
@@ -121,7 +128,7 @@ class SimWorker:
 
     def submit(self, job: Job, visible_tier: StorageTier = StorageTier.EXTERNAL) -> None:
         """A request arrives; ``visible_tier`` limits the true overlap recorded against the router's guess."""
-        job.record.actual_blocks = visible(self.cache.peek_overlap(job.tokens), visible_tier).external
+        job.visible_tier = visible_tier
         if len(job.tokens) + job.req.output_length > self.capacity_tokens:
             job.record.rejected = True
             self._on_finish(job)
@@ -175,6 +182,8 @@ class SimWorker:
         # Admit a bounded number ahead of the batch: admission locks prefixes and starts loads.
         while self.queue and len(self.admitted) + len(self.running) < self.cfg.max_running:
             job = self.queue.popleft()
+            if job.record.actual_blocks < 0:  # first admission: what the router's prediction is judged by
+                job.record.actual_blocks = visible(self.cache.peek_overlap(job.tokens), job.visible_tier).external
             job.adm = self.cache.admit(job.req.request_id, job.tokens)
             job.admitted_at = self.env.now
             job.record.device_tokens = job.adm.device_pages * self.cfg.page_size  # refined at prefill start
@@ -211,10 +220,14 @@ class SimWorker:
                 break  # no device room: wait for running requests to finish
             self.admitted.remove(job)
             rec = job.record
-            cached = plan.cached_tokens
-            rec.device_tokens = min(job.adm.device_pages * ps, cached)
-            rec.host_tokens = min(job.adm.host_pages * ps, cached - rec.device_tokens)
-            rec.storage_tokens = cached - rec.device_tokens - rec.host_tokens
+            # The split is taken now, when prefill starts: the cached prefix is what was on device at
+            # admission, then the host run loaded back, then the L3 run prefetched; whatever else is
+            # on device now was computed by a concurrent request since admission, a device hit too.
+            adm, cached = job.adm, plan.cached_tokens // ps
+            host = min(adm.host_pages, max(0, cached - adm.device_pages))
+            storage = min(adm.l3_pages, max(0, cached - adm.device_pages - host))
+            rec.device_tokens = (cached - host - storage) * ps
+            rec.host_tokens, rec.storage_tokens = host * ps, storage * ps
             rec.recomputed_tokens = plan.compute_tokens
             rec.prefill_start = self.env.now
             job.prefill_left = plan.compute_tokens
@@ -245,17 +258,19 @@ class SimWorker:
         decoders = [j for j in self.running if j.prefill_left == 0]
         if not chunks and not decoders:
             return  # idle until an arrival or a copy completion
-        step = self._decode_step() if decoders else 0.0
         if not chunks:
-            self._start_decode_run(decoders, step)
+            self._start_decode_run(decoders)
             return
+        step = self._decode_step() if decoders else 0.0
         tokens = sum(t for _, t in chunks)
         dt = self.latency.prefill_ms(tokens) / 1000.0 + step
         self._busy_until = self.env.after(dt, lambda: self._end_iteration(chunks, decoders))
 
+    def _utilisation(self) -> float:
+        return sum(len(j.tokens) + j.generated for j in self.running) / self.capacity_tokens
+
     def _decode_step(self) -> float:
-        active = sum(len(j.tokens) + j.generated for j in self.running)
-        return self.latency.decode_ms(active / self.capacity_tokens) / 1000.0
+        return self.latency.decode_ms(self._utilisation()) / 1000.0
 
     def _end_iteration(self, chunks: list[tuple[Job, int]], decoders: list[Job]) -> None:
         for job in decoders:
@@ -282,22 +297,24 @@ class SimWorker:
 
     # --- closed-form decode --------------------------------------------------------------
 
-    def _start_decode_run(self, decoders: list[Job], step: float) -> None:
-        steps = min(max(j.req.output_length, 1) - j.generated for j in decoders)
-        steps = max(steps, 1)
-        timer = self.env.after(steps * step, self._end_decode_run)
-        self._decode = _DecodeRun(self.env.now, step, steps, timer)
+    def _start_decode_run(self, decoders: list[Job]) -> None:
+        steps = max(1, min(max(j.req.output_length, 1) - j.generated for j in decoders))
+        u0, du = self._utilisation(), len(decoders) / self.capacity_tokens
+        timer = self.env.after(decode_run_ms(self.latency, u0, du, steps) / 1000.0, self._end_decode_run)
+        self._decode = _DecodeRun(self.env.now, u0, du, steps, timer)
 
     def _interrupt_decode(self) -> None:
         run = self._decode
         assert run is not None
-        done = math.floor((self.env.now - run.start) / run.step + 1e-9) if run.step > 0 else 0
+        elapsed_ms = (self.env.now - run.start) * 1000.0
+        done = decode_steps_done(self.latency, run.u0, run.du, run.steps, elapsed_ms)
         cut = min(done + 1, run.steps)  # finish the iteration in progress
         if cut >= run.steps:
             return
         run.timer.cancel()
         run.steps = cut
-        run.timer = self.env.at(run.start + cut * run.step, self._end_decode_run)
+        run.timer = self.env.at(run.start + decode_run_ms(self.latency, run.u0, run.du, cut) / 1000.0,
+                                self._end_decode_run)
 
     def _end_decode_run(self) -> None:
         run = self._decode

@@ -1,9 +1,9 @@
 """Seeded synthetic workloads, written as Mooncake-style requests.
 
-Each *session* is an append-only token stream (system prompt, then user turns and
-model outputs); a request's prompt is a prefix of its session's stream, so the
-hash ids of 512-token blocks are stable across turns and a partial last block is
-a prefix of the same block in the next turn. System prompts (or tool definitions)
+Each *session* (``Request.session``, with each turn's ``think_s``) is an append-only token
+stream (system prompt, then user turns and model outputs); a request's prompt is a prefix of
+its session's stream, so the hash ids of 512-token blocks are stable across turns and a
+partial last block is a prefix of the same block in the next turn. System prompts (or tool definitions)
 are shared by many sessions.
 
 * ``chat``: multi-turn conversations, a few shared system prompts, human think times.
@@ -56,6 +56,7 @@ def generate(spec: WorkloadSpec, seed: int = 0) -> list[Request]:
     next_id = spec.system_prompts * sys_blocks
     out: list[Request] = []
     t_session = 0.0
+    sessions = 0
     while len(out) < spec.requests:
         t_session += float(rng.exponential(1.0 / spec.rate))
         prompt = int(rng.integers(spec.system_prompts))
@@ -63,6 +64,9 @@ def generate(spec: WorkloadSpec, seed: int = 0) -> list[Request]:
         length = spec.system_tokens
         t = t_session
         turns = 1 if spec.kind == "sysprompt" else 1 + int(rng.poisson(max(spec.turns - 1, 0)))
+        session = f"s{sessions}"
+        sessions += 1
+        think: float | None = None  # the first turn has no predecessor
         for _ in range(turns):
             length += 1 + int(rng.exponential(spec.user_tokens))
             blocks = math.ceil(length / HASH_BLOCK)
@@ -71,9 +75,11 @@ def generate(spec: WorkloadSpec, seed: int = 0) -> list[Request]:
                 ids.append(next_id)
                 next_id += 1
             out_len = 1 + int(rng.exponential(spec.output_tokens))
-            out.append(Request("", t, length, out_len, list(ids[:blocks])))
+            out.append(Request("", t, length, out_len, list(ids[:blocks]), session, think))
             length += out_len
-            t += float(rng.exponential(spec.think_s)) + out_len * 0.02  # think + rough decode time
+            # Open loop releases the next turn at t; closed loop, `think` after this turn's last token.
+            think = float(rng.exponential(spec.think_s))
+            t += think + out_len * 0.02  # think + rough decode time
             if len(out) >= spec.requests:
                 break
     out.sort(key=lambda r: r.arrival)

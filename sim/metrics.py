@@ -24,7 +24,7 @@ class RequestRecord:
     storage_tokens: int = 0  # ... prefetched from L3
     recomputed_tokens: int = 0  # prompt tokens prefilled
     predicted_blocks: int = -1  # cached blocks the router expected on the chosen worker (-1: no prediction)
-    actual_blocks: int = 0  # cached blocks really there when the request arrived (tiers the policy sees)
+    actual_blocks: int = -1  # cached blocks really there when the engine admitted it (tiers the policy sees)
     rejected: bool = False  # could never fit on the worker
 
     @property
@@ -54,7 +54,7 @@ class RunSummary:
 
     policy: str  # policy name
     requests: int  # completed requests
-    rejected: int  # requests that could not run
+    rejected: int  # requests that could never fit on their worker
     hit_rate: float  # cached prompt tokens / prompt tokens
     hit_device: float  # share of prompt tokens from device
     hit_host: float  # ... from host
@@ -69,8 +69,9 @@ class RunSummary:
     throughput_tok_s: float  # output tokens per second of simulated time
     makespan_s: float  # first arrival to last finish
     load_imbalance: float  # max / mean requests per worker
-    index_mae_blocks: float  # mean |predicted - actual| cached blocks at arrival (policies that predict)
+    index_mae_blocks: float  # mean |predicted - actual| cached blocks at admission (policies that predict)
     index_exact: float  # share of requests predicted exactly
+    unfinished: int = 0  # requests of the trace neither completed nor rejected (still running, queued or unreleased)
     events_rejected: int = 0  # events the router's index rejected
     extra: dict[str, Any] = field(default_factory=dict)  # policy-specific numbers
 
@@ -78,8 +79,12 @@ class RunSummary:
         return asdict(self)
 
 
-def summarize(policy: str, records: list[RequestRecord], workers: int, events_rejected: int = 0) -> RunSummary:
+def summarize(policy: str, records: list[RequestRecord], workers: int, events_rejected: int = 0,
+              total: int | None = None) -> RunSummary:
+    """Aggregates over completed requests; ``total`` (the trace's size, default ``len(records)``) minus the
+    completed and rejected ones is reported as ``unfinished``, never silently dropped."""
     done = [r for r in records if not r.rejected and r.finish >= 0]
+    rejected = sum(r.rejected for r in records)
     prompt = sum(r.input_tokens for r in done) or 1
     dev = sum(r.device_tokens for r in done)
     host = sum(r.host_tokens for r in done)
@@ -89,11 +94,12 @@ def summarize(policy: str, records: list[RequestRecord], workers: int, events_re
     for r in done:
         per_worker[r.worker] += 1
     mean = sum(per_worker) / workers if workers else 0
-    predicted = [r for r in done if r.predicted_blocks >= 0]
+    predicted = [r for r in done if r.predicted_blocks >= 0 and r.actual_blocks >= 0]
     start = min((r.arrival for r in done), default=0.0)
     end = max((r.finish for r in done), default=0.0)
     return RunSummary(
-        policy=policy, requests=len(done), rejected=sum(r.rejected for r in records),
+        policy=policy, requests=len(done), rejected=rejected,
+        unfinished=(len(records) if total is None else total) - len(done) - rejected,
         hit_rate=(dev + host + sto) / prompt, hit_device=dev / prompt, hit_host=host / prompt,
         hit_storage=sto / prompt, recomputed=sum(r.recomputed_tokens for r in done) / prompt,
         ttft_p50=_pct(ttft, 50), ttft_p90=_pct(ttft, 90), ttft_p99=_pct(ttft, 99),

@@ -218,8 +218,10 @@ class Approx:
 
 
 def make_cost(name: str, model: str, h2d_gbps: float, storage_gbps: float, max_tier: StorageTier,
-              host_credit: float = 0.75, disk_credit: float = 0.25) -> CostModel:
-    """``credit`` (Dynamo-style) or ``ttft`` (estimated time to first token)."""
+              host_credit: float = 0.75, disk_credit: float = 0.25, prefill_budget: int = 8192,
+              capacity_tokens: int | None = None) -> CostModel:
+    """``credit`` (Dynamo-style) or ``ttft`` (estimated time to first token, priced with the workers'
+    chunked-prefill budget and KV capacity)."""
     from kvtier.indexer.scoring import TierCredits
 
     if name == "credit":
@@ -227,14 +229,15 @@ def make_cost(name: str, model: str, h2d_gbps: float, storage_gbps: float, max_t
     if name == "ttft":
         t = TransferModel(PRESETS[model].bytes_per_token, host_to_device_gbps=h2d_gbps,
                           storage_to_host_gbps=storage_gbps, external_to_host_gbps=storage_gbps)
-        return TtftCost(t, max_tier=max_tier)
+        return TtftCost(t, max_tier=max_tier, prefill_budget=prefill_budget, capacity_tokens=capacity_tokens)
     raise ValueError(f"unknown cost model {name!r}; expected 'credit' or 'ttft'")
 
 
 def make_policy(name: str, *, workers: int, block_size: int, loads: LoadTracker,
                 caches: Callable[[], list[TieredCache]], cost: str = "credit", model: str = "llama-3.1-8b",
                 h2d_gbps: float = 25.0, storage_gbps: float = 5.0, host_credit: float = 0.75,
-                disk_credit: float = 0.25, temperature: float = 0.0, seed: int = 0) -> Policy:
+                disk_credit: float = 0.25, temperature: float = 0.0, seed: int = 0, prefill_budget: int = 8192,
+                capacity_tokens: int | None = None) -> Policy:
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; expected one of {POLICIES}")
     if name == "round_robin":
@@ -243,7 +246,8 @@ def make_policy(name: str, *, workers: int, block_size: int, loads: LoadTracker,
         return RandomPolicy(workers, seed)
     if name == "least_loaded":
         return LeastLoaded(workers, loads)
-    cm = make_cost(cost, model, h2d_gbps, storage_gbps, _TIER[name], host_credit, disk_credit)
+    cm = make_cost(cost, model, h2d_gbps, storage_gbps, _TIER[name], host_credit, disk_credit, prefill_budget,
+                   capacity_tokens)
     if name == "approx":
         return Approx(workers, block_size, cm, loads)
     if name == "oracle":

@@ -13,6 +13,9 @@ from kvtier.sim.metrics import RequestRecord, RunSummary
 
 _COLUMNS = [
     ("policy", "policy", "{}"),
+    ("done", "requests", "{}"),
+    ("unfin", "unfinished", "{}"),
+    ("rej", "rejected", "{}"),
     ("hit", "hit_rate", "{:.3f}"),
     ("device", "hit_device", "{:.3f}"),
     ("host", "hit_host", "{:.3f}"),

@@ -29,6 +29,8 @@ class RunConfig:
     disk_credit: float = 0.25
     temperature: float = 0.0  # softmax sampling of costs (0 = argmin)
     seed: int = 0  # policy and loss randomness
+    closed_loop: bool = True  # a session's next turn waits for this turn's answer (see simulate)
+    until_s: float | None = None  # stop simulated time here; what has not finished is counted unfinished
 
     @property
     def label(self) -> str:
@@ -48,7 +50,16 @@ class RunResult:
 
 def simulate(trace: list[Request], cluster_cfg: ClusterConfig, run: RunConfig, *, bank: TokenBank | None = None,
              progress: bool = False) -> RunResult:
-    """Replays ``trace``; deterministic for the configs' seeds."""
+    """Replays ``trace``; deterministic for the configs' seeds.
+
+    Turns of one session (``Request.session``, in trace order) are released closed loop when
+    ``run.closed_loop``: a turn arrives ``think_s`` after its predecessor's last token (or, for traces
+    without think times, at its own timestamp but never before its predecessor finished); a rejected
+    turn releases its successor at once. Open loop uses every timestamp as it is. Simulated time stops at
+    ``run.until_s`` if given; what has not finished by then is counted as ``unfinished``.
+    After the run, every request that started its prefill is checked to have its prompt tokens booked
+    exactly once: device + host + storage + recomputed == prompt.
+    """
     env = Environment()
     loads = LoadTracker()
     bank = bank or TokenBank()
@@ -83,13 +94,18 @@ def simulate(trace: list[Request], cluster_cfg: ClusterConfig, run: RunConfig, *
         loads.finish(job.req.request_id)
         if bar is not None:
             bar.update(1)
+        nxt = successor.get(job.req.request_id)
+        if nxt is not None:
+            release = env.now + nxt.think_s if nxt.think_s is not None else max(env.now, nxt.arrival)
+            env.at(release, lambda: arrive(nxt), priority=2)
 
     cluster = build_cluster(cluster_cfg, env, on_event, on_first_token, on_finish)
     policy = make_policy(run.policy, workers=cluster_cfg.workers, block_size=ps, loads=loads,
                          caches=lambda: cluster.caches, cost=run.cost, model=cluster_cfg.model,
                          h2d_gbps=cluster_cfg.h2d_gbps, storage_gbps=cluster_cfg.storage_gbps,
                          host_credit=run.host_credit, disk_credit=run.disk_credit, temperature=run.temperature,
-                         seed=run.seed)
+                         seed=run.seed, prefill_budget=cluster_cfg.prefill_budget,
+                         capacity_tokens=cluster.workers[0].capacity_tokens)
 
     def arrive(req: Request) -> None:
         tokens = bank.tokens(req)
@@ -105,15 +121,43 @@ def simulate(trace: list[Request], cluster_cfg: ClusterConfig, run: RunConfig, *
                   max(0, req.input_length - cached))
         cluster.workers[choice.worker].submit(Job(req, tokens, rec), choice.tier)
 
+    successor = _session_successors(trace) if run.closed_loop else {}
+    released_later = {r.request_id for r in successor.values()}
     for req in trace:
-        env.at(req.arrival, lambda r=req: arrive(r), priority=2)  # type: ignore[misc]
-    env.run()
+        if req.request_id not in released_later:
+            env.at(req.arrival, lambda r=req: arrive(r), priority=2)  # type: ignore[misc]
+    env.run(run.until_s)
     if bar is not None:
         bar.close()
+    _check_accounting(records)
     rejected = policy.events_rejected if isinstance(policy, KvPolicy) else 0
-    summary = summarize(run.label, records, cluster_cfg.workers, rejected)
+    summary = summarize(run.label, records, cluster_cfg.workers, rejected, total=len(trace))
     summary.extra.update(events_published=counts["published"], events_lost=counts["lost"])
     return RunResult(summary, records, decisions, counts["published"], counts["lost"])
+
+
+def _session_successors(trace: list[Request]) -> dict[str, Request]:
+    """Request id -> the next turn of its session, in trace order. O(len(trace))."""
+    last: dict[str, Request] = {}
+    out: dict[str, Request] = {}
+    for req in trace:
+        if req.session is None:
+            continue
+        prev = last.get(req.session)
+        if prev is not None:
+            out[prev.request_id] = req
+        last[req.session] = req
+    return out
+
+
+def _check_accounting(records: list[RequestRecord]) -> None:
+    for r in records:
+        if r.prefill_start < 0:
+            continue  # never started: nothing booked yet
+        booked = r.device_tokens + r.host_tokens + r.storage_tokens + r.recomputed_tokens
+        assert booked == r.input_tokens, (
+            f"request {r.request_id}: tokens by tier ({r.device_tokens} device + {r.host_tokens} host + "
+            f"{r.storage_tokens} storage + {r.recomputed_tokens} recomputed = {booked}) != prompt {r.input_tokens}")
 
 
 def _progress(total: int, label: str):  # type: ignore[no-untyped-def]

@@ -1,6 +1,7 @@
 """Request traces: Mooncake JSONL, Azure CSV, and seeded synthetic generators.
 
-Mooncake records carry ``hash_ids`` of 512-token blocks and no tokens; the tokens of a
+Mooncake records carry ``hash_ids`` of 512-token blocks and no tokens (kvtier's own traces may add
+``session_id`` and ``think_s``, which the simulator uses to release a session's turns closed loop); the tokens of a
 hash id are derived deterministically from it (:class:`TokenBank`), so equal ids give
 equal tokens and distinct ids distinct ones. The last block of a request is partial:
 ``input_length - 512 * (len(hash_ids) - 1)`` tokens.
@@ -35,10 +36,17 @@ class Request:
     input_length: int  # prompt tokens
     output_length: int  # tokens to generate
     hash_ids: list[int]  # one per 512-token block of the prompt, the last one partial
+    session: str | None = None  # conversation or agent loop it belongs to (turns in trace order)
+    think_s: float | None = None  # seconds between the previous turn's last token and this turn
 
     def to_json(self) -> str:
-        return json.dumps({"timestamp": round(self.arrival * 1000), "input_length": self.input_length,
-                           "output_length": self.output_length, "hash_ids": self.hash_ids})
+        obj: dict[str, object] = {"timestamp": round(self.arrival * 1000), "input_length": self.input_length,
+                                  "output_length": self.output_length, "hash_ids": self.hash_ids}
+        if self.session is not None:
+            obj["session_id"] = self.session
+        if self.think_s is not None:
+            obj["think_s"] = self.think_s
+        return json.dumps(obj)
 
 
 class TokenBank:
@@ -85,7 +93,14 @@ def _check_record(obj: object, where: str) -> Request:
     if len(ids) != math.ceil(n_in / HASH_BLOCK):
         raise TraceError(f"{where}: {len(ids)} hash_ids for {n_in} input tokens "
                          f"(expected ceil({n_in}/{HASH_BLOCK}) = {math.ceil(n_in / HASH_BLOCK)})")
-    return Request(str(obj.get("request_id", "")), float(ts) / 1000.0, n_in, n_out, list(ids))
+    session, think = obj.get("session_id"), obj.get("think_s")
+    if session is not None and not isinstance(session, str | int):
+        raise TraceError(f"{where}: session_id must be a string or an integer, got {session!r}")
+    if think is not None and (not isinstance(think, int | float) or isinstance(think, bool)
+                              or not math.isfinite(think) or think < 0):
+        raise TraceError(f"{where}: think_s must be a non-negative number of seconds, got {think!r}")
+    return Request(str(obj.get("request_id", "")), float(ts) / 1000.0, n_in, n_out, list(ids),
+                   None if session is None else str(session), None if think is None else float(think))
 
 
 def load_mooncake(path: Path, limit: int | None = None) -> list[Request]:

@@ -61,7 +61,8 @@ def test_ttft_cost_adds_queue_transfer_and_prefill() -> None:
     m = TtftCost(t)
     lat = MockerLatency()
     got = m.cost(1600, 16, TierOverlap(50, 80, 80, 80), WorkerLoad(pending_prefill_tokens=500))
-    want = lat.prefill_ms(500) + 30 * 16 * 128 * 1024 / 20e6 + lat.prefill_ms(1600 - 80 * 16)
+    # the queued 500 tokens and the uncached 320 share one chunked-prefill iteration
+    want = lat.prefill_ms(500 + 1600 - 80 * 16) + 30 * 16 * 128 * 1024 / 20e6
     assert got == pytest.approx(want)
     # Loading from host beats recomputing when the link is fast.
     assert m.cost(1600, 16, TierOverlap(0, 100, 100, 100), WorkerLoad()) < \
@@ -74,10 +75,10 @@ def test_load_tracker_bookkeeping() -> None:
     lt.add("r2", A, blocks=5, prefill_tokens=50)
     with pytest.raises(ValueError, match="r1"):
         lt.add("r1", B, 1, 1)
-    assert lt.load(A) == WorkerLoad(2, 15, 150)
+    assert lt.load(A) == WorkerLoad(2, 15, 150, prefilling=2)
     lt.prefill_done("r1")
     lt.prefill_done("r1")
-    assert lt.load(A).pending_prefill_tokens == 50
+    assert lt.load(A).pending_prefill_tokens == 50 and lt.load(A).prefilling == 1
     lt.finish("r2")
     lt.finish("nope")
     lt._check()

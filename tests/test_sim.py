@@ -61,8 +61,9 @@ def test_single_request_timing_in_closed_form() -> None:
     rec = simulate([req], cfg, RunConfig("round_robin")).records[0]
     ttft = lat.prefill_ms(3000) / 1000
     assert rec.ttft == pytest.approx(ttft)
-    step = lat.decode_ms((3000 + 1) / 65_536) / 1000  # utilisation when the decode run starts
-    assert rec.e2e == pytest.approx(ttft + 49 * step)
+    # each decode step at its own utilisation: one more token of KV per step
+    decode = sum(lat.decode_ms((3000 + 1 + k) / 65_536) for k in range(49)) / 1000
+    assert rec.e2e == pytest.approx(ttft + decode, rel=1e-12)
 
 
 def test_chunked_prefill_splits_long_prompts() -> None:
