@@ -23,7 +23,9 @@ class LatencyModel(Protocol):
 
 @dataclass(slots=True, frozen=True)
 class MockerLatency:
-    """NVIDIA Dynamo mocker's published fit (SPEC section 4), in milliseconds."""
+    """NVIDIA Dynamo mocker's functional form, in milliseconds: prefill quadratic in uncached tokens,
+    decode quadratic in KV utilisation. The defaults are the mocker's published fit (SPEC section 4);
+    :func:`fit_latency` fits the same form to measured points (``kvtier fit-latency``)."""
 
     prefill_a: float = 4.209989e-7  # ms per token^2
     prefill_b: float = 1.518344e-2  # ms per token
@@ -74,9 +76,9 @@ class TransferModel:
     """Time to bring cached KV into device memory, per source tier."""
 
     bytes_per_token: int  # from a ModelPreset
-    host_to_device_gbps: float = 25.0  # GB/s, PCIe 5 x16 pinned copies in practice
-    storage_to_host_gbps: float = 5.0  # GB/s, local NVMe
-    external_to_host_gbps: float = 10.0  # GB/s, RDMA to a shared pool
+    host_to_device_gbps: float = 54.0  # GB/s, hardware.GPU_LINKS["h100-pcie5"]
+    storage_to_host_gbps: float = 7.45  # GB/s, hardware.STORAGE_LINKS["nvme-gen4"]
+    external_to_host_gbps: float = 7.45  # GB/s, a pool reached at the storage link's speed
 
     def load_ms(self, tier: StorageTier, tokens: int) -> float:
         """Milliseconds to load ``tokens`` tokens of KV from ``tier`` into device memory."""
@@ -136,3 +138,92 @@ def decode_steps_done(model: LatencyModel, u0: float, du: float, steps: int, ela
         else:
             hi = mid - 1
     return lo
+
+
+def fit_latency(prefill: list[tuple[float, float]], decode: list[tuple[float, float]]) -> MockerLatency:
+    """Least-squares fit of the mocker's functional form to measured points.
+
+    ``prefill``: (uncached tokens in the pass, ms); ``decode``: (KV utilisation in [0, 1], ms). Each
+    needs at least 3 points. A decode set may be empty: the default decode fit is then kept.
+    Raises ``ValueError`` naming what is missing or out of range.
+    """
+    import numpy as np
+
+    def quadratic(points: list[tuple[float, float]], what: str) -> tuple[float, float, float]:
+        if len(points) < 3:
+            raise ValueError(f"fitting {what} needs at least 3 points, got {len(points)}")
+        xs = np.array([x for x, _ in points], dtype=float)
+        ys = np.array([y for _, y in points], dtype=float)
+        if not (np.isfinite(xs).all() and np.isfinite(ys).all()) or (ys <= 0).any() or (xs < 0).any():
+            raise ValueError(f"{what} points must be finite, x >= 0 and ms > 0")
+        if len(set(xs.tolist())) < 3:
+            raise ValueError(f"fitting {what} needs at least 3 distinct x values")
+        a, b, c = np.linalg.lstsq(np.stack([xs * xs, xs, np.ones_like(xs)], axis=1), ys, rcond=None)[0]
+        return float(a), float(b), float(c)
+
+    pa, pb, pc = quadratic(prefill, "prefill")
+    default = MockerLatency()
+    da, db, dc = quadratic(decode, "decode") if decode else (default.decode_a, default.decode_b, default.decode_c)
+    if any(u > 1 for u, _ in decode):
+        raise ValueError("decode utilisation must be in [0, 1]")
+    return MockerLatency(pa, pb, pc, da, db, dc)
+
+
+def load_latency_points(path: str) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """Reads measured points from a CSV with columns ``kind,x,ms``: ``kind`` is ``prefill`` (x = tokens)
+    or ``decode`` (x = KV utilisation). Raises ``ValueError`` naming the file and line of a bad row."""
+    import csv
+
+    prefill: list[tuple[float, float]] = []
+    decode: list[tuple[float, float]] = []
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        if reader.fieldnames is None or not {"kind", "x", "ms"} <= set(reader.fieldnames):
+            raise ValueError(f"{path}:1: expected columns kind,x,ms, got {reader.fieldnames}")
+        for lineno, row in enumerate(reader, 2):
+            kind = (row["kind"] or "").strip()
+            try:
+                x, ms = float(row["x"]), float(row["ms"])
+            except (TypeError, ValueError):
+                got = f"{row['x']!r}, {row['ms']!r}"
+                raise ValueError(f"{path}:{lineno}: x and ms must be numbers, got {got}") from None
+            if kind == "prefill":
+                prefill.append((x, ms))
+            elif kind == "decode":
+                decode.append((x, ms))
+            else:
+                raise ValueError(f"{path}:{lineno}: kind must be 'prefill' or 'decode', got {kind!r}")
+    return prefill, decode
+
+
+def latency_to_json(model: MockerLatency) -> str:
+    """The fit as JSON (what ``--latency`` reads)."""
+    import json
+
+    return json.dumps({"prefill_ms": [model.prefill_a, model.prefill_b, model.prefill_c],
+                       "decode_ms": [model.decode_a, model.decode_b, model.decode_c],
+                       "decode_floor_ms": model.decode_floor}, indent=2) + "\n"
+
+
+def latency_from_json(text: str) -> MockerLatency:
+    """Inverse of :func:`latency_to_json`; ``ValueError`` says which field is wrong."""
+    import json
+
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON: {exc.msg}") from None
+    if not isinstance(obj, dict):
+        raise ValueError("expected a JSON object with prefill_ms and decode_ms")
+    coeffs: dict[str, list[float]] = {}
+    for key in ("prefill_ms", "decode_ms"):
+        v = obj.get(key)
+        if (not isinstance(v, list) or len(v) != 3
+                or not all(isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) for x in v)):
+            raise ValueError(f"{key} must be a list of 3 finite numbers [a, b, c], got {v!r}")
+        coeffs[key] = [float(x) for x in v]
+    floor = obj.get("decode_floor_ms", 1.0)
+    if not isinstance(floor, int | float) or isinstance(floor, bool) or not floor > 0:
+        raise ValueError(f"decode_floor_ms must be a positive number, got {floor!r}")
+    (pa, pb, pc), (da, db, dc) = coeffs["prefill_ms"], coeffs["decode_ms"]
+    return MockerLatency(pa, pb, pc, da, db, dc, float(floor))

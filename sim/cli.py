@@ -1,4 +1,4 @@
-"""The ``kvtier`` command line: replay, compare, sweep, gen-trace, indexer."""
+"""The ``kvtier`` command line: replay, compare, sweep, gen-trace, fit-latency, engine, indexer."""
 
 from __future__ import annotations
 
@@ -7,13 +7,23 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from kvtier.engine.cache import PrefetchPolicy, WritePolicy
+from kvtier.indexer.hardware import DEFAULT_GPU_LINK, DEFAULT_STORAGE_LINK, GPU_LINKS, STORAGE_LINKS
+from kvtier.indexer.latency import (
+    MockerLatency,
+    fit_latency,
+    latency_from_json,
+    latency_to_json,
+    load_latency_points,
+)
 from kvtier.sim import live
 from kvtier.sim.cluster import ClusterConfig
 from kvtier.sim.generators import PRESETS, generate
@@ -69,8 +79,14 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="how long a request waits for its L3 prefetch")
     g.add_argument("--prefill-budget", type=int, default=d.prefill_budget, help="chunked-prefill tokens/iteration")
     g.add_argument("--max-running", type=int, default=d.max_running, help="requests in a worker's batch at once")
-    g.add_argument("--h2d-gbps", type=float, default=d.h2d_gbps, help="host<->device bandwidth, GB/s each way")
-    g.add_argument("--storage-gbps", type=float, default=d.storage_gbps, help="host<->storage bandwidth, GB/s")
+    g.add_argument("--gpu-link", choices=sorted(GPU_LINKS), default=DEFAULT_GPU_LINK,
+                   help="host<->device link preset (its bandwidth and source: kvtier.indexer.hardware)")
+    g.add_argument("--storage-link", choices=sorted(STORAGE_LINKS), default=DEFAULT_STORAGE_LINK,
+                   help="host<->storage link preset")
+    g.add_argument("--h2d-gbps", type=float, help="host<->device bandwidth, GB/s each way (default: --gpu-link's)")
+    g.add_argument("--storage-gbps", type=float, help="host<->storage bandwidth, GB/s (default: --storage-link's)")
+    g.add_argument("--latency", type=Path, metavar="JSON",
+                   help="iteration-time fit written by `kvtier fit-latency` (default: Dynamo mocker's published fit)")
 
 
 def _add_router_args(p: argparse.ArgumentParser) -> None:
@@ -96,13 +112,25 @@ def _cluster(a: argparse.Namespace) -> ClusterConfig:
     cfg = ClusterConfig(workers=a.workers, page_size=a.page_size, device_tokens=a.device_tokens,
                         host_ratio=a.host_ratio, l3=a.l3, l3_tokens=a.l3_tokens, model=a.model,
                         write_policy=WritePolicy(a.write_policy), prefetch_policy=PrefetchPolicy(a.prefetch_policy),
-                        prefill_budget=a.prefill_budget, max_running=a.max_running, h2d_gbps=a.h2d_gbps,
-                        storage_gbps=a.storage_gbps)
+                        prefill_budget=a.prefill_budget, max_running=a.max_running,
+                        h2d_gbps=a.h2d_gbps if a.h2d_gbps is not None else GPU_LINKS[a.gpu_link].gbps,
+                        storage_gbps=(a.storage_gbps if a.storage_gbps is not None
+                                      else STORAGE_LINKS[a.storage_link].gbps),
+                        latency=_latency(a.latency))
     try:
         cfg.validate()
     except ValueError as exc:
         raise CliError(str(exc)) from None
     return cfg
+
+
+def _latency(path: Path | None) -> MockerLatency:
+    if path is None:
+        return MockerLatency()
+    try:
+        return latency_from_json(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CliError(f"--latency {path}: {exc}") from None
 
 
 def _run_cfg(a: argparse.Namespace, policy: str) -> RunConfig:
@@ -227,6 +255,30 @@ def cmd_gen_trace(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fit_latency(a: argparse.Namespace) -> int:
+    try:
+        prefill, decode = load_latency_points(str(a.csv))
+        fit = fit_latency(prefill, decode)
+    except (OSError, ValueError) as exc:
+        raise CliError(str(exc)) from None
+    default = MockerLatency()
+    print(f"prefill_ms = {fit.prefill_a:.6g}*T^2 + {fit.prefill_b:.6g}*T + {fit.prefill_c:.6g}   "
+          f"({len(prefill)} points, rmse {_rmse(prefill, lambda x: fit.prefill_ms(round(x))):.3g} ms)")
+    decoded = f"({len(decode)} points, rmse {_rmse(decode, fit.decode_ms):.3g} ms)" if decode else "(kept: no points)"
+    print(f"decode_ms  = max({fit.decode_floor:g}, {fit.decode_a:.6g}*u^2 + {fit.decode_b:.6g}*u + {fit.decode_c:.6g})"
+          f"   {decoded}")
+    for tokens in (512, 2048, 8192):
+        print(f"  prefill {tokens:>5} tokens: {fit.prefill_ms(tokens):8.2f} ms "
+              f"(mocker fit {default.prefill_ms(tokens):8.2f})")
+    Path(a.output).write_text(latency_to_json(fit))
+    print(f"wrote {a.output}; use it with --latency {a.output}", file=sys.stderr)
+    return 0
+
+
+def _rmse(points: list[tuple[float, float]], f: Callable[[float], float]) -> float:
+    return math.sqrt(math.fsum((f(x) - y) ** 2 for x, y in points) / len(points))
+
+
 def cmd_indexer(a: argparse.Namespace) -> int:
     # The service (and http.server) is imported only for this command, so the simulator starts lean.
     from kvtier.indexer.service import ConfigError, ServiceConfig, load_config, parse_endpoint, serve
@@ -290,6 +342,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="generator seed")
     p.add_argument("-o", "--output", required=True, help="JSONL file to write")
     p.set_defaults(func=cmd_gen_trace)
+
+    p = add("fit-latency", help="fit the prefill/decode latency model to measured points",
+            description="Fits prefill_ms = a*T^2 + b*T + c (T: uncached tokens in a pass) and decode_ms = "
+                        "a*u^2 + b*u + c (u: KV utilisation) by least squares to a CSV with columns kind,x,ms "
+                        "(kind: prefill or decode), and writes the fit as JSON for --latency.")
+    p.add_argument("csv", type=Path, help="measured points: kind,x,ms")
+    p.add_argument("-o", "--output", default="latency.json", help="JSON file to write")
+    p.set_defaults(func=cmd_fit_latency)
 
     p = add("engine", help="a live engine replaying a trace and publishing KV events over ZMQ",
                        description="Replays a trace through a real tiered cache, publishing its events (with "

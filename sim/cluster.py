@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from kvtier.engine.cache import Admission, CacheConfig, PrefetchPolicy, TieredCache, WritePolicy
 from kvtier.engine.datapath import Bandwidths, ModeledDataPath
 from kvtier.engine.storage import PageStore
+from kvtier.indexer.hardware import DEFAULT_GPU_LINK, DEFAULT_STORAGE_LINK, GPU_LINKS, STORAGE_LINKS
 from kvtier.indexer.latency import PRESETS, LatencyModel, MockerLatency, decode_run_ms, decode_steps_done
 from kvtier.indexer.scoring import visible
 from kvtier.sim.core import Environment, Timer
@@ -42,8 +43,9 @@ class ClusterConfig:
     prefetch_min_pages: int = 1  # shortest L3 hit worth prefetching
     prefill_budget: int = 8192  # chunked-prefill tokens per iteration
     max_running: int = 64  # requests in a batch
-    h2d_gbps: float = 25.0  # host <-> device, GB/s
-    storage_gbps: float = 5.0  # host <-> L3, GB/s
+    h2d_gbps: float = GPU_LINKS[DEFAULT_GPU_LINK].gbps  # host <-> device, GB/s (see indexer.hardware)
+    storage_gbps: float = STORAGE_LINKS[DEFAULT_STORAGE_LINK].gbps  # host <-> L3, GB/s
+    latency: MockerLatency = field(default_factory=MockerLatency)  # iteration times (default: the mocker's fit)
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(
@@ -105,7 +107,7 @@ class SimWorker:
         self.index = index
         self.env = env
         self.cfg = cfg
-        self.latency = latency or MockerLatency()
+        self.latency = latency or cfg.latency
         per_token = PRESETS[cfg.model].bytes_per_token
         if cfg.draft_model is not None:
             per_token += PRESETS[cfg.draft_model].bytes_per_token  # the draft pool is copied with every page

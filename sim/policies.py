@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvtier.engine.cache import TieredCache
+from kvtier.indexer.hardware import DEFAULT_GPU_LINK, DEFAULT_STORAGE_LINK, GPU_LINKS, STORAGE_LINKS
 from kvtier.indexer.index import TieredIndex
 from kvtier.indexer.keys import BlockKey
-from kvtier.indexer.latency import PRESETS, TransferModel
+from kvtier.indexer.latency import PRESETS, LatencyModel, MockerLatency, TransferModel
 from kvtier.indexer.load import LoadTracker
 from kvtier.indexer.router import Router
 from kvtier.indexer.scoring import CostModel, CreditCost, TtftCost, visible
@@ -219,7 +220,7 @@ class Approx:
 
 def make_cost(name: str, model: str, h2d_gbps: float, storage_gbps: float, max_tier: StorageTier,
               host_credit: float = 0.75, disk_credit: float = 0.25, prefill_budget: int = 8192,
-              capacity_tokens: int | None = None) -> CostModel:
+              capacity_tokens: int | None = None, latency: LatencyModel | None = None) -> CostModel:
     """``credit`` (Dynamo-style) or ``ttft`` (estimated time to first token, priced with the workers'
     chunked-prefill budget and KV capacity)."""
     from kvtier.indexer.scoring import TierCredits
@@ -229,15 +230,16 @@ def make_cost(name: str, model: str, h2d_gbps: float, storage_gbps: float, max_t
     if name == "ttft":
         t = TransferModel(PRESETS[model].bytes_per_token, host_to_device_gbps=h2d_gbps,
                           storage_to_host_gbps=storage_gbps, external_to_host_gbps=storage_gbps)
-        return TtftCost(t, max_tier=max_tier, prefill_budget=prefill_budget, capacity_tokens=capacity_tokens)
+        return TtftCost(t, latency or MockerLatency(), max_tier, prefill_budget, capacity_tokens)
     raise ValueError(f"unknown cost model {name!r}; expected 'credit' or 'ttft'")
 
 
 def make_policy(name: str, *, workers: int, block_size: int, loads: LoadTracker,
                 caches: Callable[[], list[TieredCache]], cost: str = "credit", model: str = "llama-3.1-8b",
-                h2d_gbps: float = 25.0, storage_gbps: float = 5.0, host_credit: float = 0.75,
+                h2d_gbps: float = GPU_LINKS[DEFAULT_GPU_LINK].gbps,
+                storage_gbps: float = STORAGE_LINKS[DEFAULT_STORAGE_LINK].gbps, host_credit: float = 0.75,
                 disk_credit: float = 0.25, temperature: float = 0.0, seed: int = 0, prefill_budget: int = 8192,
-                capacity_tokens: int | None = None) -> Policy:
+                capacity_tokens: int | None = None, latency: LatencyModel | None = None) -> Policy:
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; expected one of {POLICIES}")
     if name == "round_robin":
@@ -247,7 +249,7 @@ def make_policy(name: str, *, workers: int, block_size: int, loads: LoadTracker,
     if name == "least_loaded":
         return LeastLoaded(workers, loads)
     cm = make_cost(cost, model, h2d_gbps, storage_gbps, _TIER[name], host_credit, disk_credit, prefill_budget,
-                   capacity_tokens)
+                   capacity_tokens, latency)
     if name == "approx":
         return Approx(workers, block_size, cm, loads)
     if name == "oracle":

@@ -105,7 +105,7 @@ def simulate(trace: list[Request], cluster_cfg: ClusterConfig, run: RunConfig, *
                          h2d_gbps=cluster_cfg.h2d_gbps, storage_gbps=cluster_cfg.storage_gbps,
                          host_credit=run.host_credit, disk_credit=run.disk_credit, temperature=run.temperature,
                          seed=run.seed, prefill_budget=cluster_cfg.prefill_budget,
-                         capacity_tokens=cluster.workers[0].capacity_tokens)
+                         capacity_tokens=cluster.workers[0].capacity_tokens, latency=cluster_cfg.latency)
 
     def arrive(req: Request) -> None:
         tokens = bank.tokens(req)

@@ -10,9 +10,18 @@ from pathlib import Path
 import pytest
 
 from kvtier.engine.cache import WritePolicy
-from kvtier.indexer.latency import MockerLatency, TransferModel, decode_run_ms
+from kvtier.indexer.hardware import GPU_LINKS, STORAGE_LINKS
+from kvtier.indexer.latency import (
+    MockerLatency,
+    TransferModel,
+    decode_run_ms,
+    fit_latency,
+    latency_from_json,
+    latency_to_json,
+)
 from kvtier.indexer.load import WorkerLoad
 from kvtier.indexer.scoring import TtftCost
+from kvtier.sim.cli import _cluster, build_parser
 from kvtier.sim.cli import main as cli
 from kvtier.sim.cluster import ClusterConfig
 from kvtier.sim.generators import PRESETS, generate
@@ -152,3 +161,46 @@ def test_sessions_round_trip_through_jsonl(tmp_path: Path) -> None:
 def test_l3_without_a_host_tier_is_an_error() -> None:
     with pytest.raises(ValueError, match="host"):
         ClusterConfig(l3="disk", host_ratio=0.0).validate()
+
+
+def test_fit_latency_recovers_the_coefficients_it_was_measured_with() -> None:
+    truth = MockerLatency(3e-7, 0.02, 5.0, -20.0, 50.0, 6.0)
+    prefill = [(float(t), truth.prefill_ms(t)) for t in (256, 1024, 4096, 8192, 16384)]
+    decode = [(u, truth.decode_ms(u)) for u in (0.05, 0.3, 0.6, 0.95)]
+    fit = fit_latency(prefill, decode)
+    for got, want in zip(dataclasses.astuple(fit), dataclasses.astuple(truth), strict=True):
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-9)
+    assert latency_from_json(latency_to_json(fit)) == fit
+    with pytest.raises(ValueError, match="at least 3"):
+        fit_latency(prefill[:2], [])
+
+
+def test_cli_fit_latency_then_replay_with_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    slow = MockerLatency(8e-7, 0.03, 20.0)  # an engine twice as slow to prefill as the mocker fit
+    rows = ["kind,x,ms"] + [f"prefill,{t},{slow.prefill_ms(t)}" for t in (512, 2048, 8192, 16384)]
+    points = tmp_path / "points.csv"
+    points.write_text("\n".join(rows) + "\n")
+    fit = tmp_path / "lat.json"
+    assert cli(["fit-latency", str(points), "-o", str(fit)]) == 0
+    assert latency_from_json(fit.read_text()).prefill_ms(8192) == pytest.approx(slow.prefill_ms(8192))
+    base = ["replay", "--trace", "builtin:sysprompt:40", "--policy", "round_robin", "--no-plots"]
+    assert cli([*base, "--out", str(tmp_path / "a")]) == 0
+    assert cli([*base, "--latency", str(fit), "--out", str(tmp_path / "b")]) == 0
+    a, b = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("a", "b"))
+    assert b["runs"][0]["ttft_p50"] > 1.5 * a["runs"][0]["ttft_p50"]
+    assert b["meta"]["cluster"]["latency"]["prefill_a"] == pytest.approx(8e-7)
+    points.write_text("kind,x,ms\nprefill,512,fast\n")
+    assert cli(["fit-latency", str(points), "-o", str(fit)]) == 2
+    assert "points.csv:2" in capsys.readouterr().err
+
+
+def test_hardware_presets_name_their_source_and_set_the_links() -> None:
+    for preset in [*GPU_LINKS.values(), *STORAGE_LINKS.values()]:
+        assert preset.gbps > 0 and preset.source, preset.name
+    cfg = ClusterConfig()
+    assert (cfg.h2d_gbps, cfg.storage_gbps) == (GPU_LINKS["h100-pcie5"].gbps, STORAGE_LINKS["nvme-gen4"].gbps)
+    parser = build_parser()
+    args = parser.parse_args(["replay", "--gpu-link", "a100-pcie4", "--storage-link", "nvme-gen5"])
+    assert (_cluster(args).h2d_gbps, _cluster(args).storage_gbps) == (25.0, 14.5)
+    args = parser.parse_args(["replay", "--gpu-link", "a100-pcie4", "--h2d-gbps", "40"])
+    assert _cluster(args).h2d_gbps == 40.0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -18,9 +19,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.slow
 def test_wheel_installs_only_the_kvtier_namespace(tmp_path: Path) -> None:
+    # Built from a copy: setuptools writes build/ and *.egg-info next to the sources it builds.
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for folder in ("kvtier", "wire", "engine", "indexer", "sim"):
+        shutil.copytree(ROOT / folder, src / folder, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp_path), str(ROOT)], check=True, capture_output=True, timeout=240)
-    (wheel,) = tmp_path.glob("kvtier-*.whl")
+                    "-w", str(tmp_path / "dist"), str(src)], check=True, capture_output=True, timeout=240)
+    (wheel,) = (tmp_path / "dist").glob("kvtier-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     outside = [n for n in names if not n.startswith(("kvtier/", "kvtier-"))]
     assert not outside, f"the wheel installs files outside kvtier/: {outside}"

@@ -40,7 +40,10 @@ def test_kv_all_decides_exactly_like_the_oracle_without_delay(cost: str, l3: str
     o = simulate(reqs, cfg, RunConfig("oracle", cost=cost))
     assert a.decisions == o.decisions
     assert a.summary.hit_rate == o.summary.hit_rate
-    assert a.summary.index_exact == 1.0 and a.summary.events_rejected == 0
+    # The index predicts exactly what the engines held when each request was routed (accuracy at
+    # admission may still be below 1: the cache changes while a request queues).
+    assert [r.predicted_blocks for r in a.records] == [r.predicted_blocks for r in o.records]
+    assert a.summary.events_rejected == 0
     assert a.summary.hit_host > 0 or a.summary.hit_storage > 0  # the lower tiers were exercised
 
 
