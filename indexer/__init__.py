@@ -15,7 +15,7 @@ from kvtier.indexer.keys import BlockKey, block_keys, chain_keys
 from kvtier.indexer.latency import PRESETS, LatencyModel, MockerLatency, ModelPreset, TransferModel
 from kvtier.indexer.load import LoadTracker, WorkerLoad
 from kvtier.indexer.router import RouteDecision, Router
-from kvtier.indexer.scoring import CostModel, CreditCost, TierCredits, TtftCost, visible
+from kvtier.indexer.scoring import CostModel, CreditCost, DynamoCost, TierCredits, TtftCost, visible
 
 if TYPE_CHECKING:
     from kvtier.indexer.service import IndexerService, ServiceConfig
@@ -36,6 +36,7 @@ __all__ = [
     "BlockKey",
     "CostModel",
     "CreditCost",
+    "DynamoCost",
     "IndexerService",
     "LatencyModel",
     "LoadTracker",

@@ -1,8 +1,16 @@
-"""The router's own bookkeeping of in-flight work per worker (no engine feedback needed)."""
+"""The router's own bookkeeping of in-flight work per worker.
+
+What a worker holds for its in-flight requests is what its engine holds: the prompt's full blocks,
+each shared prefix once (a radix cache stores one copy however many requests use it), plus each
+request's private blocks (the partial prompt tail and the tokens it has generated so far). So the
+tracker keeps, per worker, a reference count per prompt block key, and per request the private
+blocks, which grow as the router sees tokens stream back (:meth:`LoadTracker.progress`).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
 
 from kvtier.wire.stream import StreamId
 
@@ -12,67 +20,140 @@ class WorkerLoad:
     """Work the router has sent a worker and not yet seen finish."""
 
     running: int = 0  # requests routed and not finished
-    active_blocks: int = 0  # KV blocks those requests occupy (prompt + expected output)
+    active_blocks: int = 0  # KV blocks they hold: distinct prompt blocks (shared prefixes once) + private blocks
     pending_prefill_tokens: int = 0  # prompt tokens still to compute (cleared at first token)
     prefilling: int = 0  # of ``running``, requests that have not produced their first token
+    generated_blocks: int = 0  # of ``active_blocks``, those added by tokens generated so far
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class _InFlight:
     worker: StreamId  # where it went
-    blocks: int  # KV blocks it holds
+    keys: tuple[Hashable, ...]  # its prompt's full blocks, as router block keys
+    prompt_tokens: int  # prompt length
     prefill_tokens: int  # uncached prompt tokens it brought
+    private: int = 0  # blocks only it holds: partial prompt tail + generated tokens
+
+
+@dataclass(slots=True)
+class _Worker:
+    load: WorkerLoad = field(default_factory=WorkerLoad)  # the totals
+    refs: dict[Hashable, int] = field(default_factory=dict)  # prompt block key -> in-flight requests using it
 
 
 class LoadTracker:
-    """Tracks in-flight requests per worker. Every method is O(1)."""
+    """Tracks in-flight requests per worker.
 
-    def __init__(self) -> None:
-        self._loads: dict[StreamId, WorkerLoad] = {}
+    ``add`` and ``finish`` are O(prompt blocks); everything else is O(1).
+    Invariant (see :meth:`_check`): each worker's totals equal the sums over its in-flight requests,
+    with prompt blocks counted once per distinct key.
+    """
+
+    def __init__(self, block_size: int = 16) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self._workers: dict[StreamId, _Worker] = {}
         self._inflight: dict[str, _InFlight] = {}
         self._prefilling: set[str] = set()
 
     def load(self, worker: StreamId) -> WorkerLoad:
-        return self._loads.get(worker) or WorkerLoad()
+        w = self._workers.get(worker)
+        return w.load if w is not None else WorkerLoad()
 
-    def add(self, request_id: str, worker: StreamId, blocks: int, prefill_tokens: int) -> None:
-        """A request was routed. Raises ``ValueError`` if ``request_id`` is already in flight."""
+    def shared_blocks(self, worker: StreamId, keys: Sequence[Hashable]) -> int:
+        """Leading blocks of ``keys`` that in-flight requests on ``worker`` already hold. O(result)."""
+        w = self._workers.get(worker)
+        if w is None:
+            return 0
+        n = 0
+        for k in keys:
+            if k not in w.refs:
+                break
+            n += 1
+        return n
+
+    def add(self, request_id: str, worker: StreamId, keys: Sequence[Hashable], prompt_tokens: int,
+            prefill_tokens: int) -> None:
+        """A request was routed: ``keys`` are its prompt's full blocks. Raises ``ValueError`` if
+        ``request_id`` is already in flight."""
         if request_id in self._inflight:
             raise ValueError(f"request {request_id!r} is already in flight")
-        self._inflight[request_id] = _InFlight(worker, blocks, prefill_tokens)
+        f = _InFlight(worker, tuple(keys), prompt_tokens, prefill_tokens)
+        f.private = self._private_blocks(f, 0)
+        self._inflight[request_id] = f
         self._prefilling.add(request_id)
-        ld = self._loads.setdefault(worker, WorkerLoad())
+        w = self._workers.setdefault(worker, _Worker())
+        ld = w.load
+        for k in f.keys:
+            n = w.refs.get(k, 0)
+            w.refs[k] = n + 1
+            ld.active_blocks += n == 0
         ld.running += 1
-        ld.active_blocks += blocks
+        ld.active_blocks += f.private
         ld.pending_prefill_tokens += prefill_tokens
         ld.prefilling += 1
+
+    def _private_blocks(self, f: _InFlight, generated: int) -> int:
+        return -(-(f.prompt_tokens + generated) // self.block_size) - len(f.keys)
 
     def prefill_done(self, request_id: str) -> None:
         """The request produced its first token; idempotent."""
         if request_id in self._prefilling:
             self._prefilling.discard(request_id)
             f = self._inflight[request_id]
-            ld = self._loads[f.worker]
+            ld = self._workers[f.worker].load
             ld.pending_prefill_tokens -= f.prefill_tokens
             ld.prefilling -= 1
+
+    def progress(self, request_id: str, generated: int) -> None:
+        """The request has generated ``generated`` tokens so far: its private blocks grow. Unknown ids
+        are ignored."""
+        f = self._inflight.get(request_id)
+        if f is None:
+            return
+        private = self._private_blocks(f, generated)
+        ld = self._workers[f.worker].load
+        ld.active_blocks += private - f.private
+        ld.generated_blocks += private - f.private
+        f.private = private
 
     def finish(self, request_id: str) -> None:
         """The request completed (or failed); unknown ids are ignored."""
         self.prefill_done(request_id)
         f = self._inflight.pop(request_id, None)
-        if f is not None:
-            ld = self._loads[f.worker]
-            ld.running -= 1
-            ld.active_blocks -= f.blocks
+        if f is None:
+            return
+        w = self._workers[f.worker]
+        ld = w.load
+        for k in f.keys:
+            n = w.refs[k] - 1
+            if n:
+                w.refs[k] = n
+            else:
+                del w.refs[k]
+                ld.active_blocks -= 1
+        ld.running -= 1
+        ld.active_blocks -= f.private
+        ld.generated_blocks -= f.private - self._private_blocks(f, 0)
 
     def _check(self) -> None:
         totals: dict[StreamId, WorkerLoad] = {}
+        refs: dict[StreamId, dict[Hashable, int]] = {}
         for rid, f in self._inflight.items():
             t = totals.setdefault(f.worker, WorkerLoad())
+            r = refs.setdefault(f.worker, {})
             t.running += 1
-            t.active_blocks += f.blocks
+            t.active_blocks += f.private
+            t.generated_blocks += f.private - self._private_blocks(f, 0)
+            for k in f.keys:
+                r[k] = r.get(k, 0) + 1
             if rid in self._prefilling:
                 t.pending_prefill_tokens += f.prefill_tokens
                 t.prefilling += 1
-        for w, ld in self._loads.items():
-            assert ld == totals.get(w, WorkerLoad()), f"load of {w} out of sync: {ld} != {totals.get(w)}"
+        for w, r in refs.items():
+            totals[w].active_blocks += len(r)
+        for w, state in self._workers.items():
+            assert state.refs == refs.get(w, {}), f"prompt block references of {w} out of sync"
+            assert state.load == totals.get(w, WorkerLoad()), \
+                f"load of {w} out of sync: {state.load} != {totals.get(w)}"

@@ -8,13 +8,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier.indexer.index import TieredIndex
-from kvtier.indexer.keys import BlockKey
+from kvtier.indexer.keys import BlockKey, chain_keys, namespace
 from kvtier.indexer.load import LoadTracker
 from kvtier.indexer.scoring import CostModel
 from kvtier.wire.overlap import OverlapScores, TierOverlap
 from kvtier.wire.stream import StreamId
 
 _NONE = TierOverlap(0, 0, 0, 0)
+_TIE = 1e-9  # relative cost difference below which two workers tie (float noise, not preference)
 
 
 @dataclass(slots=True, frozen=True)
@@ -29,8 +30,9 @@ class RouteDecision:
 class Router:
     """Chooses the lowest-cost worker, or samples by softmax when ``temperature > 0``.
 
-    Ties go to the earliest candidate (in ``workers`` order, else index order),
-    so decisions are deterministic for a seed.
+    Workers whose costs tie (within ``_TIE`` relative) are chosen among uniformly with the router's
+    seeded generator: always taking the first would pile every cold request on one worker, and
+    decisions stay deterministic for a seed.
     """
 
     def __init__(
@@ -55,28 +57,33 @@ class Router:
     def route(self, token_ids: list[int], *, lora_name: str | None = None,
               cache_salt: str | None = None) -> RouteDecision:
         """Routes a request given as token ids. O(tokens + workers)."""
-        overlaps = self.index.find_matches(token_ids, lora_name=lora_name, cache_salt=cache_salt)
-        return self.choose(overlaps, len(token_ids))
+        keys = chain_keys(token_ids, self.index.block_size, None, namespace(lora_name, cache_salt))
+        return self.route_keys(keys, len(token_ids))
 
     def route_keys(self, keys: list[BlockKey], num_tokens: int) -> RouteDecision:
         """Routes a request given as precomputed block keys. O(blocks + workers)."""
-        return self.choose(self.index.find_matches_keys(keys), num_tokens)
+        return self.choose(self.index.find_matches_keys(keys), num_tokens, keys)
 
-    def choose(self, overlaps: OverlapScores, num_tokens: int) -> RouteDecision:
-        """Applies the cost model to given overlaps (an oracle passes true ones). O(workers)."""
+    def choose(self, overlaps: OverlapScores, num_tokens: int, keys: list[BlockKey] | None = None) -> RouteDecision:
+        """Applies the cost model to given overlaps (an oracle passes true ones). With the request's
+        ``keys``, prompt blocks that in-flight requests already hold on a worker are not counted again
+        in its load. O(workers + shared blocks)."""
         candidates = self.workers if self.workers is not None else list(overlaps.workers)
         if not candidates:
             raise LookupError("no workers to route to")
         bs = self.index.block_size
-        costs = {
-            w: self.cost_model.cost(num_tokens, bs, overlaps.workers.get(w, _NONE), self.loads.load(w))
-            for w in candidates
-        }
+        costs = {}
+        for w in candidates:
+            shared = self.loads.shared_blocks(w, keys) if keys else 0
+            costs[w] = self.cost_model.cost(num_tokens, bs, overlaps.workers.get(w, _NONE), self.loads.load(w),
+                                            shared)
         return RouteDecision(self._pick(candidates, costs), costs, overlaps)
 
     def _pick(self, candidates: list[StreamId], costs: dict[StreamId, float]) -> StreamId:
         if self.temperature == 0.0:
-            return min(candidates, key=costs.__getitem__)  # min() keeps the first of equals
+            best = min(costs[w] for w in candidates)
+            tied = [w for w in candidates if costs[w] <= best + _TIE * max(1.0, abs(best))]
+            return tied[0] if len(tied) == 1 else self._rng.choice(tied)
         lo, hi = min(costs.values()), max(costs.values())
         span = (hi - lo) or 1.0
         weights = [math.exp(-(costs[w] - lo) / (span * self.temperature)) for w in candidates]

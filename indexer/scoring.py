@@ -10,6 +10,9 @@ Two models, both small and documented:
   ``prefill_budget`` tokens, each also carrying one decode step of the running batch, plus the
   load time of each tier's cached blocks.
 
+* :class:`DynamoCost`: NVIDIA Dynamo's kv_router cost as its documentation describes it, the
+  baseline every other policy is compared with.
+
 ``max_tier`` limits what a model sees, so one class serves kv_device (DEVICE),
 kv_host (HOST) and kv_all (EXTERNAL) policies.
 """
@@ -35,9 +38,14 @@ def visible(o: TierOverlap, max_tier: StorageTier) -> TierOverlap:
 
 
 class CostModel(Protocol):
-    """Routing cost of sending a request of ``num_tokens`` tokens to one worker."""
+    """Routing cost of sending a request of ``num_tokens`` tokens to one worker.
 
-    def cost(self, num_tokens: int, block_size: int, overlap: TierOverlap, load: WorkerLoad) -> float: ...
+    ``shared_blocks``: leading prompt blocks that requests in flight on that worker already hold, so
+    routing there adds only the rest to its active KV.
+    """
+
+    def cost(self, num_tokens: int, block_size: int, overlap: TierOverlap, load: WorkerLoad,
+             shared_blocks: int = 0) -> float: ...
 
 
 @dataclass(slots=True, frozen=True)
@@ -63,11 +71,42 @@ class CreditCost:
     overlap_weight: float = 1.0  # weight of prefill work against decode load
     max_tier: StorageTier = StorageTier.EXTERNAL  # tiers beyond this are ignored
 
-    def cost(self, num_tokens: int, block_size: int, overlap: TierOverlap, load: WorkerLoad) -> float:
+    def cost(self, num_tokens: int, block_size: int, overlap: TierOverlap, load: WorkerLoad,
+             shared_blocks: int = 0) -> float:
         blocks = -(-num_tokens // block_size)
         prefill = blocks - self.credits.credited_blocks(visible(overlap, self.max_tier))
         queued = load.pending_prefill_tokens / block_size
-        return self.overlap_weight * (prefill + queued) + load.active_blocks + blocks
+        return self.overlap_weight * (prefill + queued) + load.active_blocks + blocks - shared_blocks
+
+
+@dataclass(slots=True, frozen=True)
+class DynamoCost:
+    """Dynamo's kv_router worker cost, rebuilt from its public documentation (Router Design and Routing
+    Concepts pages, Dynamo 1.x); the code is kvtier's own. Term by term:
+
+    * ``raw_prefill_blocks = active_prefill_blocks + incoming_prompt_blocks``: prompt-side work already
+      routed to the worker and not yet prefilled (cleared when its first token comes back), plus the
+      request's prompt, ``ceil(tokens / block_size)`` blocks (load.pending_prefill_tokens, in blocks).
+    * ``adjusted_prefill_blocks = max(raw_prefill_blocks - overlap_credit_blocks, 0)``: cached blocks earn
+      credit by tier: device 1.0, host 0.75, disk and shared pool 0.25 by default.
+    * ``decode_blocks = active_decode_blocks + incoming_active_blocks``: KV blocks of in-flight requests on
+      the worker, a prefix they share counted once, plus the request's blocks not already among them.
+      Output tokens are not tracked (Dynamo's default), so generated blocks are left out.
+    * ``cost = prefill_load_scale * adjusted_prefill_blocks + decode_blocks``; the lowest cost wins, ties
+      are broken at random, and a temperature > 0 samples a softmax over the costs (the Router does both).
+    """
+
+    credits: TierCredits = field(default_factory=TierCredits)  # overlap credit per tier
+    prefill_load_scale: float = 1.0  # weight of prefill blocks against decode blocks (overlap_score_weight)
+    max_tier: StorageTier = StorageTier.EXTERNAL  # tiers the router receives events for
+
+    def cost(self, num_tokens: int, block_size: int, overlap: TierOverlap, load: WorkerLoad,
+             shared_blocks: int = 0) -> float:
+        incoming = -(-num_tokens // block_size)
+        raw_prefill = load.pending_prefill_tokens / block_size + incoming
+        adjusted = max(raw_prefill - self.credits.credited_blocks(visible(overlap, self.max_tier)), 0.0)
+        decode = (load.active_blocks - load.generated_blocks) + incoming - shared_blocks
+        return self.prefill_load_scale * adjusted + decode
 
 
 @dataclass(slots=True, frozen=True)
@@ -97,7 +136,8 @@ class TtftCost:
             ms += self.latency.prefill_ms(rest) + decode_step_ms
         return ms
 
-    def cost(self, num_tokens: int, block_size: int, overlap: TierOverlap, load: WorkerLoad) -> float:
+    def cost(self, num_tokens: int, block_size: int, overlap: TierOverlap, load: WorkerLoad,
+             shared_blocks: int = 0) -> float:
         o = visible(overlap, self.max_tier)
         t = self.transfer
         load_ms = (t.load_ms(StorageTier.HOST, (o.host - o.device) * block_size)

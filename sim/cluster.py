@@ -103,7 +103,8 @@ class SimWorker:
 
     def __init__(self, index: int, env: Environment, cfg: ClusterConfig, store: PageStore | None,
                  on_event: Callable[[int, EventBatch], None], on_first_token: Callable[[Job], None],
-                 on_finish: Callable[[Job], None], latency: LatencyModel | None = None) -> None:
+                 on_finish: Callable[[Job], None], latency: LatencyModel | None = None,
+                 on_progress: Callable[[Job], None] | None = None) -> None:
         self.index = index
         self.env = env
         self.cfg = cfg
@@ -117,6 +118,7 @@ class SimWorker:
         self._on_event = on_event
         self._on_first_token = on_first_token
         self._on_finish = on_finish
+        self._on_progress = on_progress  # tokens streamed back, as a router in the response path sees them
         self.queue: deque[Job] = deque()  # arrived, not yet admitted to the cache
         self.admitted: list[Job] = []  # admitted, waiting for loads or room
         self.running: list[Job] = []  # prefilling or decoding
@@ -296,6 +298,8 @@ class SimWorker:
             self.cache.release(job.adm)
             self.running.remove(job)
             self._on_finish(job)
+        elif self._on_progress is not None:
+            self._on_progress(job)
 
     # --- closed-form decode --------------------------------------------------------------
 
@@ -343,14 +347,15 @@ class Cluster:
 
 def build_cluster(cfg: ClusterConfig, env: Environment, on_event: Callable[[int, EventBatch], None],
                   on_first_token: Callable[[Job], None], on_finish: Callable[[Job], None],
-                  latency: LatencyModel | None = None) -> Cluster:
+                  latency: LatencyModel | None = None, on_progress: Callable[[Job], None] | None = None) -> Cluster:
     cfg.validate()
     pages = max(1, cfg.l3_tokens // cfg.page_size)
     pool = PageStore(pages, shared=True) if cfg.l3 == "external" else None
     cluster = Cluster(cfg, pool=pool)
     for i in range(cfg.workers):
         store = pool if pool is not None else (PageStore(pages) if cfg.l3 == "disk" else None)
-        cluster.workers.append(SimWorker(i, env, cfg, store, on_event, on_first_token, on_finish, latency))
+        cluster.workers.append(SimWorker(i, env, cfg, store, on_event, on_first_token, on_finish, latency,
+                                         on_progress))
     if pool is not None:
         for w in cluster.workers:
             w.peers = [p for p in cluster.workers if p is not w]

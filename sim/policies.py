@@ -13,7 +13,11 @@ filtered to the tiers they are allowed to know about.
 | kv_device     | device events                                          |
 | kv_host       | device + host events                                   |
 | kv_all        | device + host + storage events                         |
+| dynamo        | all events, scored as Dynamo's kv_router (DynamoCost)  |
 | oracle        | the engines' true state (no events, no delay)          |
+
+Every KV-aware policy counts a prefix that in-flight requests share once in a worker's load, and
+breaks cost ties at random (seeded): see :class:`kvtier.indexer.router.Router`.
 """
 
 from __future__ import annotations
@@ -30,14 +34,14 @@ from kvtier.indexer.keys import BlockKey
 from kvtier.indexer.latency import PRESETS, LatencyModel, MockerLatency, TransferModel
 from kvtier.indexer.load import LoadTracker
 from kvtier.indexer.router import Router
-from kvtier.indexer.scoring import CostModel, CreditCost, TtftCost, visible
+from kvtier.indexer.scoring import CostModel, CreditCost, DynamoCost, TierCredits, TtftCost, visible
 from kvtier.wire.overlap import OverlapScores, TierOverlap
 from kvtier.wire.protocol import BlockRemoved, BlockStored, EventBatch, StorageTier, WorkerId, parse_medium
 from kvtier.wire.stream import StreamId
 
-POLICIES = ["round_robin", "random", "least_loaded", "approx", "kv_device", "kv_host", "kv_all", "oracle"]
+POLICIES = ["round_robin", "random", "least_loaded", "approx", "kv_device", "kv_host", "kv_all", "dynamo", "oracle"]
 _TIER = {"kv_device": StorageTier.DEVICE, "kv_host": StorageTier.HOST, "kv_all": StorageTier.EXTERNAL,
-         "oracle": StorageTier.EXTERNAL, "approx": StorageTier.DEVICE}
+         "dynamo": StorageTier.EXTERNAL, "oracle": StorageTier.EXTERNAL, "approx": StorageTier.DEVICE}
 
 
 @dataclass(slots=True)
@@ -167,7 +171,7 @@ class Oracle:
         scores = OverlapScores(total_blocks=len(req.keys))
         for s, cache in zip(self.streams, self._caches(), strict=True):
             scores.workers[s] = cache.peek_overlap(req.tokens)
-        d = self.router.choose(scores, len(req.tokens))
+        d = self.router.choose(scores, len(req.tokens), req.keys)
         i = self.streams.index(d.worker)
         return Choice(i, scores.workers[d.worker])
 
@@ -199,7 +203,7 @@ class Approx:
                     break
                 n += 1
             scores.workers[s] = TierOverlap(n, n, n, n)
-        d = self.router.choose(scores, len(req.tokens))
+        d = self.router.choose(scores, len(req.tokens), req.keys)
         i = self.streams.index(d.worker)
         seen = self._seen[i]
         choice = Choice(i, scores.workers[d.worker], StorageTier.DEVICE)
@@ -223,8 +227,6 @@ def make_cost(name: str, model: str, h2d_gbps: float, storage_gbps: float, max_t
               capacity_tokens: int | None = None, latency: LatencyModel | None = None) -> CostModel:
     """``credit`` (Dynamo-style) or ``ttft`` (estimated time to first token, priced with the workers'
     chunked-prefill budget and KV capacity)."""
-    from kvtier.indexer.scoring import TierCredits
-
     if name == "credit":
         return CreditCost(TierCredits(host=host_credit, disk=disk_credit, external=disk_credit), max_tier=max_tier)
     if name == "ttft":
@@ -248,6 +250,9 @@ def make_policy(name: str, *, workers: int, block_size: int, loads: LoadTracker,
         return RandomPolicy(workers, seed)
     if name == "least_loaded":
         return LeastLoaded(workers, loads)
+    if name == "dynamo":
+        credits = TierCredits(host=host_credit, disk=disk_credit, external=disk_credit)
+        return KvPolicy(name, workers, block_size, DynamoCost(credits), loads, _TIER[name], temperature, seed)
     cm = make_cost(cost, model, h2d_gbps, storage_gbps, _TIER[name], host_credit, disk_credit, prefill_budget,
                    capacity_tokens, latency)
     if name == "approx":

@@ -61,7 +61,7 @@ def simulate(trace: list[Request], cluster_cfg: ClusterConfig, run: RunConfig, *
     exactly once: device + host + storage + recomputed == prompt.
     """
     env = Environment()
-    loads = LoadTracker()
+    loads = LoadTracker(cluster_cfg.page_size)
     bank = bank or TokenBank()
     rng = random.Random(run.seed)
     records: list[RequestRecord] = []
@@ -99,7 +99,10 @@ def simulate(trace: list[Request], cluster_cfg: ClusterConfig, run: RunConfig, *
             release = env.now + nxt.think_s if nxt.think_s is not None else max(env.now, nxt.arrival)
             env.at(release, lambda: arrive(nxt), priority=2)
 
-    cluster = build_cluster(cluster_cfg, env, on_event, on_first_token, on_finish)
+    def on_progress(job: Job) -> None:
+        loads.progress(job.req.request_id, job.generated)
+
+    cluster = build_cluster(cluster_cfg, env, on_event, on_first_token, on_finish, on_progress=on_progress)
     policy = make_policy(run.policy, workers=cluster_cfg.workers, block_size=ps, loads=loads,
                          caches=lambda: cluster.caches, cost=run.cost, model=cluster_cfg.model,
                          h2d_gbps=cluster_cfg.h2d_gbps, storage_gbps=cluster_cfg.storage_gbps,
@@ -117,8 +120,7 @@ def simulate(trace: list[Request], cluster_cfg: ClusterConfig, run: RunConfig, *
         records.append(rec)
         decisions.append(choice.worker)
         cached = choice.predicted.external * ps if choice.predicted is not None else 0
-        loads.add(req.request_id, streams[choice.worker], -(-(req.input_length + req.output_length) // ps),
-                  max(0, req.input_length - cached))
+        loads.add(req.request_id, streams[choice.worker], keys, req.input_length, max(0, req.input_length - cached))
         cluster.workers[choice.worker].submit(Job(req, tokens, rec), choice.tier)
 
     successor = _session_successors(trace) if run.closed_loop else {}

@@ -8,7 +8,7 @@ from kvtier.indexer.index import TieredIndex
 from kvtier.indexer.latency import PRESETS, MockerLatency, TransferModel
 from kvtier.indexer.load import LoadTracker, WorkerLoad
 from kvtier.indexer.router import Router
-from kvtier.indexer.scoring import CreditCost, TierCredits, TtftCost, visible
+from kvtier.indexer.scoring import CreditCost, DynamoCost, TierCredits, TtftCost, visible
 from kvtier.wire import BlockStored, StorageTier, WorkerId
 from kvtier.wire.overlap import TierOverlap
 from kvtier.wire.stream import StreamId
@@ -70,19 +70,62 @@ def test_ttft_cost_adds_queue_transfer_and_prefill() -> None:
 
 
 def test_load_tracker_bookkeeping() -> None:
-    lt = LoadTracker()
-    lt.add("r1", A, blocks=10, prefill_tokens=100)
-    lt.add("r2", A, blocks=5, prefill_tokens=50)
+    lt = LoadTracker(block_size=4)
+    lt.add("r1", A, keys=[1, 2], prompt_tokens=10, prefill_tokens=100)  # 2 full blocks + a partial one
+    lt.add("r2", A, keys=[5], prompt_tokens=4, prefill_tokens=50)
     with pytest.raises(ValueError, match="r1"):
-        lt.add("r1", B, 1, 1)
-    assert lt.load(A) == WorkerLoad(2, 15, 150, prefilling=2)
+        lt.add("r1", B, [9], 4, 1)
+    assert lt.load(A) == WorkerLoad(2, 4, 150, prefilling=2)
     lt.prefill_done("r1")
     lt.prefill_done("r1")
     assert lt.load(A).pending_prefill_tokens == 50 and lt.load(A).prefilling == 1
     lt.finish("r2")
     lt.finish("nope")
     lt._check()
-    assert lt.load(A) == WorkerLoad(1, 10, 0) and lt.load(B) == WorkerLoad()
+    assert lt.load(A) == WorkerLoad(1, 3, 0) and lt.load(B) == WorkerLoad()
+
+
+def test_load_counts_a_shared_prefix_once_and_grows_with_decode() -> None:
+    lt = LoadTracker(block_size=4)
+    lt.add("r1", A, keys=[1, 2, 3], prompt_tokens=12, prefill_tokens=12)
+    lt.add("r2", A, keys=[1, 2, 7], prompt_tokens=12, prefill_tokens=4)  # shares blocks 1, 2 with r1
+    assert lt.load(A).active_blocks == 4  # 1, 2, 3, 7: the engine holds the shared prefix once
+    assert lt.shared_blocks(A, [1, 2, 9]) == 2 and lt.shared_blocks(B, [1]) == 0
+    lt.progress("r1", 5)  # 12 + 5 tokens = 5 blocks: two generated blocks
+    assert (lt.load(A).active_blocks, lt.load(A).generated_blocks) == (6, 2)
+    lt.progress("r1", 8)  # still 5 blocks
+    assert lt.load(A).active_blocks == 6
+    lt._check()
+    lt.finish("r1")
+    assert (lt.load(A).active_blocks, lt.load(A).generated_blocks) == (3, 0)  # 1, 2, 7 stay for r2
+    lt.finish("r2")
+    lt._check()
+    assert lt.load(A) == WorkerLoad()
+
+
+def test_dynamo_cost_terms_by_hand() -> None:
+    # 10 blocks of prompt; worker holds 4 on device and 2 more on host; 8 blocks of prompt queued there;
+    # 20 active blocks of which 6 were generated (not tracked by Dynamo) and 3 shared with this prompt.
+    cost = DynamoCost().cost(40, 4, TierOverlap(4, 6, 6, 6), WorkerLoad(3, 20, 32, 1, generated_blocks=6), 3)
+    prefill = max(8 + 10 - (4 * 1.0 + 2 * 0.75), 0)  # 12.5
+    decode = (20 - 6) + 10 - 3  # 21
+    assert cost == pytest.approx(prefill + decode)
+    # Credit can exceed the raw prefill work only down to zero.
+    assert DynamoCost(prefill_load_scale=2.0).cost(8, 4, TierOverlap(2, 2, 2, 2), WorkerLoad()) == pytest.approx(2)
+
+
+def test_dynamo_policy_decides_as_computed_by_hand() -> None:
+    # a: prompt cached on device, but busy; b: idle and cold. Dynamo's cost weighs both.
+    idx = TieredIndex(4)
+    toks = list(range(16))
+    idx.apply(A, BlockStored(block_hashes=[1, 2, 3, 4], parent_block_hash=None, token_ids=toks, block_size=4))
+    idx.add_worker(B)
+    lt = LoadTracker(block_size=4)
+    router = Router(idx, DynamoCost(), loads=lt, workers=[A, B])
+    assert router.route(toks).worker == A  # a: 0 prefill + 4 decode = 4; b: 4 prefill + 4 decode = 8
+    lt.add("busy", A, keys=[f"x{i}" for i in range(5)], prompt_tokens=20, prefill_tokens=20)
+    d = router.route(toks)
+    assert d.costs == {A: pytest.approx(5 + 9), B: pytest.approx(4 + 4)} and d.worker == B
 
 
 def _index() -> TieredIndex:
@@ -94,14 +137,16 @@ def _index() -> TieredIndex:
     return idx
 
 
-def test_router_picks_lowest_cost_and_breaks_ties_by_order() -> None:
+def test_router_picks_lowest_cost_and_breaks_ties_fairly() -> None:
     idx = _index()
     toks = list(range(16))
     assert Router(idx, CreditCost()).route(toks).worker == B  # 4 host blocks (3.0) > 2 device (2.0)
     assert Router(idx, CreditCost(max_tier=StorageTier.DEVICE)).route(toks).worker == A
-    fresh = [StreamId(WorkerId("x")), StreamId(WorkerId("y"))]
-    d = Router(idx, CreditCost(), workers=fresh).route(toks)
-    assert d.worker == fresh[0] and d.costs[fresh[0]] == d.costs[fresh[1]]
+    fresh = [StreamId(WorkerId(f"w{i}")) for i in range(4)]
+    picks = [Router(idx, CreditCost(), workers=fresh, seed=s).route(toks).worker for s in range(200)]
+    assert picks == [Router(idx, CreditCost(), workers=fresh, seed=s).route(toks).worker for s in range(200)]
+    counts = [picks.count(w) for w in fresh]
+    assert min(counts) > 30, f"ties must be spread over every tied worker, got {counts}"
 
 
 def test_router_temperature_sampling_is_seeded() -> None:
