@@ -31,7 +31,7 @@ from kvtier.sim.policies import POLICIES
 from kvtier.sim.run import RunConfig, RunResult, simulate
 from kvtier.sim.trace import TraceError, write_mooncake
 
-DEFAULT_POLICIES = "round_robin,least_loaded,approx,kv_device,kv_host,kv_all,dynamo,oracle"
+DEFAULT_POLICIES = "round_robin,least_loaded,approx,kv_device,kv_host,kv_all,dynamo,min_ttft,oracle"
 
 
 class CliError(Exception):

@@ -1,0 +1,164 @@
+"""Cross-check kvtier's simulator and routing against NVIDIA Dynamo 1.6.1's mocker on the same cluster.
+
+Runs Dynamo's Rust mocker (``dynamo._core.run_mocker_trace_replay``, from ``ai-dynamo-runtime``) and
+kvtier's simulator on one trace and cluster, device only and with a 4x host tier, and prints them side
+by side: round robin (where the two simulators must agree), Dynamo's kv_router against kvtier's
+``dynamo`` policy (its documented cost rebuilt), and kvtier's own ``min_ttft``.
+
+Dynamo is optional and never needed by the tests. Install it with ``pip install -e '.[crosscheck]'``,
+or into a scratch virtualenv and pass its interpreter with ``--dynamo-python``: it runs in a subprocess
+either way. Without it, only kvtier's side is printed.
+
+    python bench/crosscheck_dynamo.py                       # full Mooncake trace, 16 workers
+    python bench/crosscheck_dynamo.py --limit 3000 --dynamo-python /tmp/dyn/bin/python
+
+Targets (issue 10): round robin within 0.5% relative hit rate and 2% on each TTFT percentile; the
+``dynamo`` policy within 1 point of Dynamo's kv_router hit rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtier.sim.cluster import ClusterConfig
+from kvtier.sim.experiment import shared_dir
+from kvtier.sim.run import RunConfig, simulate
+from kvtier.sim.trace import Request, load_mooncake, write_mooncake
+
+# What Dynamo's side runs, in the interpreter that has ai-dynamo-runtime: one JSON line per run.
+_DYNAMO_SCRIPT = r"""
+import json, sys, time
+import dynamo._core as c
+args = json.loads(sys.argv[1])
+engine = {"block_size": args["page_size"], "num_gpu_blocks": args["device_blocks"],
+          "max_num_seqs": args["max_running"], "max_num_batched_tokens": args["prefill_budget"]}
+if args["host_blocks"]:
+    engine["kv_cache_bytes_per_token"] = args["bytes_per_token"]
+    engine["native_host_offload"] = {"num_host_blocks": args["host_blocks"], "d2h_bandwidth_gbps": args["h2d_gbps"],
+                                     "h2d_bandwidth_gbps": args["h2d_gbps"]}
+for mode in ("round_robin", "kv_router"):
+    router = c.KvRouterConfig(host_cache_hit_weight=args["host_credit"]) if mode == "kv_router" else None
+    t0 = time.perf_counter()
+    s = c.run_mocker_trace_replay([args["trace"]], extra_engine_args={"engine": engine}, router_config=router,
+                                  num_workers=args["workers"], router_mode=mode).summary
+    print(json.dumps({"mode": mode, "hit": s["prefix_cache_reused_ratio"], "p50": s["median_ttft_ms"],
+                      "p90": s["p90_ttft_ms"], "p99": s["p99_ttft_ms"], "done": s["completed_requests"],
+                      "wall_s": time.perf_counter() - t0}), flush=True)
+"""
+
+
+@dataclass(slots=True)
+class Row:
+    """One run's figures."""
+
+    hit: float  # prompt-token hit rate
+    p50: float  # TTFT percentiles, ms
+    p90: float
+    p99: float
+    wall_s: float  # wall time of the run
+
+
+def dynamo_python(explicit: str | None) -> str | None:
+    """The interpreter to run Dynamo with: ``explicit``, else this one if it has ai-dynamo-runtime."""
+    if explicit:
+        return explicit
+    try:
+        import dynamo._core  # noqa: F401
+    except ImportError:
+        return None
+    return sys.executable
+
+
+def run_dynamo(python: str, trace: Path, cfg: ClusterConfig, host_credit: float) -> dict[str, Row]:
+    args = {"trace": str(trace), "workers": cfg.workers, "page_size": cfg.page_size,
+            "device_blocks": cfg.device_tokens // cfg.page_size, "max_running": cfg.max_running,
+            "prefill_budget": cfg.prefill_budget,
+            "host_blocks": int(cfg.device_tokens * cfg.host_ratio) // cfg.page_size,
+            "h2d_gbps": cfg.h2d_gbps, "bytes_per_token": 131072, "host_credit": host_credit}
+    env = {**os.environ, "RUST_LOG": "error"}
+    out = subprocess.run([python, "-c", _DYNAMO_SCRIPT, json.dumps(args)], capture_output=True, text=True,
+                         env=env, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"Dynamo's mocker failed ({python}):\n{out.stderr[-2000:]}")
+    rows = {}
+    for line in out.stdout.splitlines():
+        if line.startswith("{"):
+            d = json.loads(line)
+            rows[d["mode"]] = Row(d["hit"], d["p50"], d["p90"], d["p99"], d["wall_s"])
+    return rows
+
+
+def run_kvtier(trace_reqs: list[Request], cfg: ClusterConfig, policy: str) -> Row:
+    t0 = time.perf_counter()
+    s = simulate(trace_reqs, cfg, RunConfig(policy)).summary
+    return Row(s.hit_rate, s.ttft_p50 * 1000, s.ttft_p90 * 1000, s.ttft_p99 * 1000, time.perf_counter() - t0)
+
+
+def _fmt(r: Row) -> str:
+    return f"{r.hit:7.4f}  {r.p50:6.0f} {r.p90:6.0f} {r.p99:6.0f}  {r.wall_s:6.1f}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trace", type=Path, help="Mooncake JSONL (default: the shared conversation trace)")
+    ap.add_argument("--limit", type=int, help="first N requests only")
+    ap.add_argument("--workers", type=int, default=16)
+    ap.add_argument("--dynamo-python",
+                    help="interpreter with ai-dynamo-runtime==1.6.1 (default: this one, if it has it)")
+    a = ap.parse_args()
+    path = a.trace or shared_dir() / "traces" / "mooncake_conversation_trace.jsonl"
+    reqs = load_mooncake(path, limit=a.limit)
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.jsonl"
+        write_mooncake(reqs, trace)  # the same requests, also when --limit cuts the file
+        base = ClusterConfig(workers=a.workers, page_size=64, device_tokens=16_384 * 64, max_running=256,
+                             prefill_budget=8192, host_ratio=0.0, h2d_gbps=25.0)
+        configs = {"device only": base, "host 4x, 25 GB/s": dataclasses.replace(base, host_ratio=4.0)}
+        py = dynamo_python(a.dynamo_python)
+        print(f"{len(reqs)} requests from {path.name}, {a.workers} workers, 16,384 pages of 64 tokens each, "
+              f"256 running, 8,192 batched tokens; Dynamo: {py or 'not installed (pip install -e .[crosscheck])'}")
+        header = "  hit rate   TTFT p50    p90    p99  wall s"
+        misses = 0
+        for name, cfg in configs.items():
+            dyn = run_dynamo(py, trace, cfg, host_credit=0.75) if py else {}
+            ours = {p: run_kvtier(reqs, cfg, p) for p in ("round_robin", "dynamo", "min_ttft")}
+            print(f"\n{name}\n{'run':<24}{header}")
+            rows = [("Dynamo round_robin", dyn.get("round_robin")), ("kvtier round_robin", ours["round_robin"]),
+                    ("Dynamo kv_router", dyn.get("kv_router")), ("kvtier dynamo", ours["dynamo"]),
+                    ("kvtier min_ttft", ours["min_ttft"])]
+            for label, row in rows:
+                if row is not None:
+                    print(f"{label:<24}{_fmt(row)}")
+            if dyn:
+                misses += _targets(dyn, ours)
+    return 1 if misses else 0
+
+
+def _targets(dyn: dict[str, Row], ours: dict[str, Row]) -> int:
+    d, k = dyn["round_robin"], ours["round_robin"]
+    rr_hit = abs(k.hit / d.hit - 1)
+    rr_ttft = max(abs(getattr(k, p) / getattr(d, p) - 1) for p in ("p50", "p90", "p99"))
+    gap = (ours["dynamo"].hit - dyn["kv_router"].hit) * 100
+    lead = (ours["min_ttft"].hit - dyn["kv_router"].hit) * 100
+    checks = [(f"round robin hit rate within 0.5% (off by {rr_hit:.2%})", rr_hit <= 0.005),
+              (f"round robin TTFT percentiles within 2% (worst {rr_ttft:.2%})", rr_ttft <= 0.02),
+              (f"dynamo policy within 1 point of Dynamo's kv_router ({gap:+.2f} points)", abs(gap) <= 1.0)]
+    print(f"ratios kvtier/Dynamo: round robin hit {k.hit / d.hit:.4f}, TTFT p50/p90/p99 "
+          f"{k.p50 / d.p50:.3f}/{k.p90 / d.p90:.3f}/{k.p99 / d.p99:.3f}; wall {k.wall_s / d.wall_s:.1f}x; "
+          f"min_ttft vs kv_router {lead:+.2f} points of hit rate")
+    for text, ok in checks:
+        print(f"  {'MET ' if ok else 'MISS'} {text}")
+    return sum(not ok for _, ok in checks)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
