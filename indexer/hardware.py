@@ -57,16 +57,3 @@ STORAGE_LINKS: dict[str, LinkPreset] = {
 DEFAULT_GPU_LINK = "h100-pcie5"
 DEFAULT_STORAGE_LINK = "nvme-gen4"
 
-
-def gpu_link(name: str) -> LinkPreset:
-    """The named host<->device link; ``ValueError`` lists the known ones."""
-    if name not in GPU_LINKS:
-        raise ValueError(f"unknown GPU link {name!r}; known: {', '.join(sorted(GPU_LINKS))}")
-    return GPU_LINKS[name]
-
-
-def storage_link(name: str) -> LinkPreset:
-    """The named host<->storage link; ``ValueError`` lists the known ones."""
-    if name not in STORAGE_LINKS:
-        raise ValueError(f"unknown storage link {name!r}; known: {', '.join(sorted(STORAGE_LINKS))}")
-    return STORAGE_LINKS[name]

@@ -49,7 +49,7 @@ class Router:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         self.index = index
         self.cost_model = cost_model
-        self.loads = loads or LoadTracker()
+        self.loads = loads or LoadTracker(index.block_size)
         self.workers = list(workers) if workers is not None else None
         self.temperature = temperature
         self._rng = random.Random(seed)

@@ -8,7 +8,7 @@ Two models, both small and documented:
 * :class:`TtftCost`: an estimate of time to first token in ms, priced as the worker spends it:
   the queued prefill and this request's uncached suffix run in chunked-prefill iterations of
   ``prefill_budget`` tokens, each also carrying one decode step of the running batch, plus the
-  load time of each tier's cached blocks.
+  load time of each tier's cached blocks, plus a wait when the worker's KV memory is full.
 
 * :class:`DynamoCost`: NVIDIA Dynamo's kv_router cost as its documentation describes it, the
   baseline every other policy is compared with.
@@ -116,15 +116,23 @@ class TtftCost:
     The worker prefills first come, first served in chunks of ``prefill_budget`` tokens, so the
     request's first token comes after ``ceil((queued + uncached) / budget)`` iterations. Each costs
     ``prefill_ms(chunk)`` plus, while other requests decode, one decode step at the worker's KV
-    utilisation (``active_blocks * block_size / capacity_tokens``; without a capacity the decode term
-    is left out). For a lone request on an idle worker this equals the simulator's TTFT exactly.
+    utilisation (``active_blocks * block_size / capacity_tokens``). A worker whose in-flight KV plus this
+    request would pass ``memory_headroom`` of its capacity cannot admit it until others finish: that
+    overflow is charged ``memory_wait_ms`` per unit of capacity. Without a capacity the decode and memory
+    terms are left out. For a lone request on an idle worker this equals the simulator's TTFT exactly.
     """
 
     transfer: TransferModel  # load time per tier
     latency: LatencyModel = field(default_factory=MockerLatency)  # iteration times
     max_tier: StorageTier = StorageTier.EXTERNAL  # tiers beyond this are ignored
     prefill_budget: int = 8192  # chunked-prefill tokens per iteration, as the worker runs them
-    capacity_tokens: int | None = None  # device KV per worker, tokens (None: no decode term)
+    capacity_tokens: int | None = None  # device KV per worker, tokens (None: no decode or memory term)
+    # Share of device KV the router's in-flight estimate may fill before the worker counts as full. Below 1
+    # because engines reserve room for output the router cannot see yet (it sees tokens as they stream).
+    memory_headroom: float = 0.7
+    # Cost of a full worker, per unit of projected overflow (of capacity): it holds the request until
+    # running requests finish and free their KV, which takes seconds, not milliseconds.
+    memory_wait_ms: float = 10_000.0
 
     def prefill_queue_ms(self, tokens: int, decode_step_ms: float) -> float:
         """Iterations that prefill ``tokens`` in budget-sized chunks, each with a decode step. O(1)."""
@@ -145,6 +153,10 @@ class TtftCost:
                    + t.load_ms(StorageTier.EXTERNAL, (o.external - o.disk) * block_size))
         uncached = max(0, num_tokens - o.external * block_size)
         step = 0.0
-        if self.capacity_tokens and load.running > load.prefilling:
-            step = self.latency.decode_ms(load.active_blocks * block_size / self.capacity_tokens)
-        return load_ms + self.prefill_queue_ms(load.pending_prefill_tokens + uncached, step)
+        full = 0.0
+        if self.capacity_tokens:
+            if load.running > load.prefilling:
+                step = self.latency.decode_ms(load.active_blocks * block_size / self.capacity_tokens)
+            projected = (load.active_blocks - shared_blocks) * block_size + num_tokens
+            full = max(0.0, projected / self.capacity_tokens - self.memory_headroom) * self.memory_wait_ms
+        return load_ms + self.prefill_queue_ms(load.pending_prefill_tokens + uncached, step) + full

@@ -133,7 +133,8 @@ class IndexerService:
             raise ConfigError("no endpoints configured")
         self.config = config
         self.index = TieredIndex(config.block_size)
-        self.router = Router(self.index, make_cost_model(config.cost, config.model), loads=LoadTracker())
+        self.router = Router(self.index, make_cost_model(config.cost, config.model),
+                             loads=LoadTracker(config.block_size))
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._counters = _Counters()

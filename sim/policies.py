@@ -59,18 +59,21 @@ the router's in-flight load). It prices everything in the unit the user waits in
   chunked-prefill iterations of the worker's budget, and prefill time grows faster than linearly with
   the tokens of a pass;
 * load: each of those iterations also carries one decode step of the worker's running batch, whose
-  duration rises with its KV utilisation (in-flight blocks, a shared prefix counted once).
+  duration rises with its KV utilisation (in-flight blocks, a shared prefix counted once);
+* memory: a worker whose in-flight KV (plus this request) would pass 70% of its device capacity
+  holds new requests until running ones finish, charged as seconds per unit of overflow; without this
+  term the estimate piled sessions onto the workers holding them and TTFT p99 on the built-in chat and
+  agentic traces was several times Dynamo's.
 
 Where it wins: Dynamo adds decode blocks to prefill blocks one for one, so a worker holding a request's
 prefix loses it to an idle worker as soon as its decode load exceeds the blocks the hit saves, although
-that load slows the prefill by only milliseconds. On the Mooncake trace (first 3,000 requests, the
-issue-10 cluster) min_ttft keeps 3.4 points more of the prompt cached than ``dynamo``, with TTFT p50,
-p90 and p99 no worse.
+that load slows the prefill by only milliseconds.
 
-Known weakness (measured, not yet fixed): the estimate has no term for a worker whose device KV is full
-or whose batch is at ``max_running``, where a request waits for others to finish; under such memory
-pressure (built-in chat and agentic traces on small devices) it piles sessions onto the workers that
-hold them and its TTFT p99 is several times Dynamo's. See the note on issue 10.
+Measured against ``dynamo`` and Dynamo 1.6.1's kv_router (note on issue 10, ``bench/crosscheck_dynamo.py``):
+on the full Mooncake trace it keeps 3.6 to 4.1 points more of the prompt cached with TTFT p50, p90 and
+p99 all lower. Under tight device memory (built-in chat and agentic traces) it still caches far more,
+but its median or tail TTFT there is not yet always at Dynamo's: the router cannot see the output space
+engines reserve, and the memory term is a coarse stand-in for it.
 """
 
 
