@@ -162,3 +162,16 @@ def test_router_temperature_sampling_is_seeded() -> None:
 def test_router_with_no_workers_says_so() -> None:
     with pytest.raises(LookupError, match="no workers"):
         Router(TieredIndex(4), CreditCost()).route([1, 2, 3, 4])
+
+
+def test_ttft_cost_charges_a_worker_whose_memory_would_overflow() -> None:
+    lat = MockerLatency()
+    cost = TtftCost(TransferModel(131072), capacity_tokens=1000, memory_headroom=0.7, memory_wait_ms=10_000)
+    roomy = cost.cost(100, 10, TierOverlap(0, 0, 0, 0), WorkerLoad(running=1, active_blocks=50))
+    step = lat.decode_ms(0.5)
+    assert roomy == pytest.approx(lat.prefill_ms(100) + step)  # 600 of 1000 tokens: under the headroom
+    full = cost.cost(100, 10, TierOverlap(0, 0, 0, 0), WorkerLoad(running=1, active_blocks=65))
+    assert full == pytest.approx(lat.prefill_ms(100) + lat.decode_ms(0.65) + (750 / 1000 - 0.7) * 10_000)
+    # a prefix the worker's in-flight requests already hold takes no new room
+    shared = cost.cost(100, 10, TierOverlap(0, 0, 0, 0), WorkerLoad(running=1, active_blocks=65), 10)
+    assert shared == pytest.approx(lat.prefill_ms(100) + lat.decode_ms(0.65))
