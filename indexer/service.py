@@ -23,6 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from kvtier.indexer.exposition import Family, render
 from kvtier.indexer.index import Outcome, TieredIndex
 from kvtier.indexer.latency import PRESETS, TransferModel
 from kvtier.indexer.load import LoadTracker
@@ -110,6 +111,24 @@ def make_cost_model(name: str, model: str) -> CostModel:
             raise ConfigError(f"unknown model preset {model!r}; known: {sorted(PRESETS)}")
         return TtftCost(TransferModel(PRESETS[model].bytes_per_token))
     raise ConfigError(f"unknown cost model {name!r}; expected 'credit' or 'ttft'")
+
+
+#: Per-worker metrics of ``/metrics``: key in :meth:`IndexerService.metrics` -> (type, help).
+_WORKER_METRICS: dict[str, tuple[str, str]] = {
+    "events_applied": ("counter", "Events applied to the worker's index."),
+    "events_rejected": ("counter", "Events rejected (bad input, unknown parent or removal)."),
+    "unknown_parents": ("counter", "Stores whose parent the index did not know (events lost)."),
+    "unknown_removals": ("counter", "Removals of blocks the index did not hold."),
+    "gaps": ("counter", "Sequence gaps detected on the worker's stream."),
+    "gaps_filled": ("counter", "Gaps filled by replay."),
+    "resyncs": ("counter", "Resynchronisations of the worker (replay from 0, dump or clear)."),
+    "restarts": ("counter", "Publisher restarts detected."),
+    "malformed": ("counter", "Malformed frames received."),
+    "duplicates": ("counter", "Duplicate batches dropped."),
+    "stale": ("gauge", "1 while the worker's view is known incomplete."),
+    "apply_lag_seconds": ("gauge", "Delay from a batch's timestamp to its application, last batch."),
+    "apply_lag_max_seconds": ("gauge", "Largest such delay seen."),
+}
 
 
 @dataclass(slots=True)
@@ -253,17 +272,22 @@ class IndexerService:
                     "workers": workers}
 
     def metrics_text(self) -> str:
+        """``/metrics`` in the Prometheus text format: one family per metric, every worker a series."""
         m = self.metrics()
-        lines = [f"kvtier_batches_applied_total {m['batches_applied']}",
-                 f"kvtier_indexed_blocks {m['indexed_blocks']}"]
-        for w, e in m["workers"].items():
-            for k, v in e.items():
-                if k == "blocks":
-                    lines += [f'kvtier_blocks{{worker="{w}",tier="{t}"}} {n}' for t, n in v.items()]
-                else:
-                    suffix = "" if k.endswith("seconds") or k == "stale" else "_total"
-                    lines.append(f'kvtier_{k}{suffix}{{worker="{w}"}} {float(v):g}')
-        return "\n".join(lines) + "\n"
+        applied = Family("kvtier_batches_applied_total", "counter", "Event batches applied to the index.")
+        applied.add(m["batches_applied"])
+        indexed = Family("kvtier_indexed_blocks", "gauge", "Distinct block keys held by any worker.")
+        indexed.add(m["indexed_blocks"])
+        blocks = Family("kvtier_blocks", "gauge", "Blocks a worker holds, per tier.")
+        per_worker = {key: Family(f"kvtier_{key}" + ("_total" if kind == "counter" else ""), kind, text)
+                      for key, (kind, text) in _WORKER_METRICS.items()}
+        for w, entry in m["workers"].items():
+            for tier, n in entry["blocks"].items():
+                blocks.add(n, worker=w, tier=tier)
+            for key, fam in per_worker.items():
+                if key in entry:
+                    fam.add(float(entry[key]), worker=w)
+        return render([applied, indexed, blocks, *per_worker.values()])
 
     def view(self, stream: StreamId) -> dict[Any, set[Any]]:
         """The worker's blocks per tier as the index holds them (engine hashes)."""

@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from kvtier.indexer.exposition import Family, render
 from kvtier.indexer.service import ConfigError, IndexerService, ServiceConfig, load_config, parse_endpoint
 from kvtier.sim.cli import main as cli_main
 from kvtier.wire import BlockRemoved, BlockStored, EventBatch, Publisher, StorageTier
@@ -85,6 +87,12 @@ def test_query_metrics_health_end_to_end(cluster: tuple[list[Publisher], Indexer
     text = get(svc.address + "/metrics")
     assert 'kvtier_blocks{worker="w1",tier="host"} 6' in text
     assert 'kvtier_events_applied_total{worker="w0"} 1' in text
+    families = {f.name: f for f in text_string_to_metric_families(text)}  # the reference parser
+    assert families["kvtier_events_applied"].type == "counter"
+    assert families["kvtier_blocks"].type == "gauge" and families["kvtier_blocks"].documentation
+    got = {(s.labels["worker"], s.labels["tier"]): s.value for s in families["kvtier_blocks"].samples}
+    assert got[("w1", "host")] == 6 and got[("w2", "external")] == 2
+    assert text.count("# TYPE kvtier_blocks ") == 1  # one family, not one per worker
     m = json.loads(get(svc.address + "/metrics?format=json"))
     assert m["workers"]["w0"]["apply_lag_seconds"] >= 0
     assert json.loads(get(svc.address + "/health")) == {"status": "ok", "workers": 3, "stale_workers": []}
@@ -143,3 +151,14 @@ def test_metrics_cover_all_tiers(cluster: tuple[list[Publisher], IndexerService]
     _, svc = cluster
     m = json.loads(get(svc.address + "/metrics?format=json"))
     assert set(m["workers"]["w0"]["blocks"]) == {t.name.lower() for t in StorageTier}
+
+
+def test_exposition_escapes_labels_and_help() -> None:
+    fam = Family("kvtier_x_total", "counter", 'counts "things"\\ across\nlines')
+    odd = 'w"0\\a\nb'
+    fam.add(3, worker=odd)
+    fam.add(1.5, worker="plain")
+    (parsed,) = text_string_to_metric_families(render([fam]))
+    assert parsed.name == "kvtier_x" and parsed.type == "counter"
+    assert parsed.documentation == 'counts "things"\\ across\nlines'
+    assert [(s.labels["worker"], s.value) for s in parsed.samples] == [(odd, 3), ("plain", 1.5)]
