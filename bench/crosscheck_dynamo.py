@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier.indexer.latency import PRESETS
 from kvtier.sim.cluster import ClusterConfig
 from kvtier.sim.experiment import shared_dir
 from kvtier.sim.run import RunConfig, simulate
@@ -83,7 +84,7 @@ def run_dynamo(python: str, trace: Path, cfg: ClusterConfig, host_credit: float)
             "device_blocks": cfg.device_tokens // cfg.page_size, "max_running": cfg.max_running,
             "prefill_budget": cfg.prefill_budget,
             "host_blocks": int(cfg.device_tokens * cfg.host_ratio) // cfg.page_size,
-            "h2d_gbps": cfg.h2d_gbps, "bytes_per_token": 131072, "host_credit": host_credit}
+            "h2d_gbps": cfg.h2d_gbps, "bytes_per_token": PRESETS[cfg.model].bytes_per_token, "host_credit": host_credit}
     env = {**os.environ, "RUST_LOG": "error"}
     out = subprocess.run([python, "-c", _DYNAMO_SCRIPT, json.dumps(args)], capture_output=True, text=True,
                          env=env, check=False)

@@ -306,8 +306,13 @@ class TieredIndex:
         self, token_ids: list[int], *, lora_name: str | None = None, cache_salt: str | None = None
     ) -> OverlapScores:
         """Per-worker tier overlaps of a request given as token ids. O(len(token_ids))."""
-        keys = chain_keys(token_ids, self.block_size, None, namespace(lora_name, cache_salt))
-        return self.find_matches_keys(keys)
+        return self.find_matches_keys(self.request_keys(token_ids, lora_name=lora_name, cache_salt=cache_salt))
+
+    def request_keys(
+        self, token_ids: list[int], *, lora_name: str | None = None, cache_salt: str | None = None
+    ) -> list[BlockKey]:
+        """The router block keys of a request's full blocks, in its LoRA / salt key space. O(len(token_ids))."""
+        return chain_keys(token_ids, self.block_size, None, namespace(lora_name, cache_salt))
 
     def find_matches_keys(self, keys: list[BlockKey]) -> OverlapScores:
         """Per-worker tier overlaps of a request given as block keys.

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier.indexer.index import TieredIndex
-from kvtier.indexer.keys import BlockKey, chain_keys, namespace
+from kvtier.indexer.keys import BlockKey
 from kvtier.indexer.load import LoadTracker
 from kvtier.indexer.scoring import CostModel
 from kvtier.wire.overlap import OverlapScores, TierOverlap
@@ -57,7 +57,7 @@ class Router:
     def route(self, token_ids: list[int], *, lora_name: str | None = None,
               cache_salt: str | None = None) -> RouteDecision:
         """Routes a request given as token ids. O(tokens + workers)."""
-        keys = chain_keys(token_ids, self.index.block_size, None, namespace(lora_name, cache_salt))
+        keys = self.index.request_keys(token_ids, lora_name=lora_name, cache_salt=cache_salt)
         return self.route_keys(keys, len(token_ids))
 
     def route_keys(self, keys: list[BlockKey], num_tokens: int) -> RouteDecision:

@@ -255,13 +255,18 @@ class Approx:
         pass
 
 
+def _credits(host: float, disk: float) -> TierCredits:
+    """The CLI's --host-credit / --disk-credit: a shared pool's blocks earn the disk credit."""
+    return TierCredits(host=host, disk=disk, external=disk)
+
+
 def make_cost(name: str, model: str, h2d_gbps: float, storage_gbps: float, max_tier: StorageTier,
               host_credit: float = 0.75, disk_credit: float = 0.25, prefill_budget: int = 8192,
               capacity_tokens: int | None = None, latency: LatencyModel | None = None) -> CostModel:
     """``credit`` (Dynamo-style) or ``ttft`` (estimated time to first token, priced with the workers'
     chunked-prefill budget and KV capacity)."""
     if name == "credit":
-        return CreditCost(TierCredits(host=host_credit, disk=disk_credit, external=disk_credit), max_tier=max_tier)
+        return CreditCost(_credits(host_credit, disk_credit), max_tier=max_tier)
     if name == "ttft":
         t = TransferModel(PRESETS[model].bytes_per_token, host_to_device_gbps=h2d_gbps,
                           storage_to_host_gbps=storage_gbps, external_to_host_gbps=storage_gbps)
@@ -284,8 +289,8 @@ def make_policy(name: str, *, workers: int, block_size: int, loads: LoadTracker,
     if name == "least_loaded":
         return LeastLoaded(workers, loads)
     if name == "dynamo":
-        credits = TierCredits(host=host_credit, disk=disk_credit, external=disk_credit)
-        return KvPolicy(name, workers, block_size, DynamoCost(credits), loads, _TIER[name], temperature, seed)
+        cm = DynamoCost(_credits(host_credit, disk_credit))
+        return KvPolicy(name, workers, block_size, cm, loads, _TIER[name], temperature, seed)
     if name == "min_ttft":
         # kvtier's own policy: see MIN_TTFT_RATIONALE.
         cm = make_cost("ttft", model, h2d_gbps, storage_gbps, _TIER[name], prefill_budget=prefill_budget,
