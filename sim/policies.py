@@ -289,8 +289,8 @@ def make_policy(name: str, *, workers: int, block_size: int, loads: LoadTracker,
     if name == "least_loaded":
         return LeastLoaded(workers, loads)
     if name == "dynamo":
-        cm = DynamoCost(_credits(host_credit, disk_credit))
-        return KvPolicy(name, workers, block_size, cm, loads, _TIER[name], temperature, seed)
+        dyn = DynamoCost(_credits(host_credit, disk_credit))
+        return KvPolicy(name, workers, block_size, dyn, loads, _TIER[name], temperature, seed)
     if name == "min_ttft":
         # kvtier's own policy: see MIN_TTFT_RATIONALE.
         cm = make_cost("ttft", model, h2d_gbps, storage_gbps, _TIER[name], prefill_budget=prefill_budget,
