@@ -26,6 +26,7 @@ import msgspec
 import numpy as np
 
 from kvtier.indexer.keys import BlockKey, chain_keys, namespace
+from kvtier.indexer.orphans import OrphanPool, OrphanStats
 from kvtier.wire.overlap import OverlapScores, TierOverlap
 from kvtier.wire.protocol import (
     AllBlocksCleared,
@@ -58,7 +59,7 @@ class Outcome(Enum):
 
     APPLIED = "applied"
     REJECTED = "rejected"  # bad input, counted; the worker's state is unchanged
-    NEEDS_RESYNC = "needs_resync"  # events were lost (unknown parent): resynchronise the worker
+    ORPHANED = "orphaned"  # a store whose parent is unknown: held until the parent is known
 
 
 @dataclass(slots=True)
@@ -66,8 +67,8 @@ class WorkerStats:
     """Counters for one worker stream."""
 
     events_applied: int = 0  # events that changed or confirmed state
-    events_rejected: int = 0  # bad events (including unknown parents)
-    unknown_parents: int = 0  # stores whose parent this worker never reported
+    events_rejected: int = 0  # bad events (not counting orphans, which are held)
+    unknown_parents: int = 0  # stores whose parent was unknown on arrival (held as orphans)
     unknown_removals: int = 0  # removals of blocks not on that tier
     clears: int = 0  # AllBlocksCleared, restarts and resyncs
     aliases: int = 0  # engine hashes ignored because another one already names the block
@@ -81,7 +82,8 @@ class _Worker:
     hashes: dict[EngineHash, BlockKey] = field(default_factory=dict)  # engine hash -> key
     counts: list[int] = field(default_factory=lambda: [0] * _TIERS)  # blocks per tier
     stats: WorkerStats = field(default_factory=WorkerStats)  # counters
-    stale: bool = False  # events were lost and could not be recovered
+    orphans: OrphanPool = field(default_factory=OrphanPool)  # stores waiting for their parent
+    partial: bool = False  # events were lost for good: prefixes stored before the loss are unknown
 
 
 class TieredIndex:
@@ -126,8 +128,17 @@ class TieredIndex:
     def stats(self, stream: StreamId) -> WorkerStats:
         return self._workers[stream].stats
 
-    def is_stale(self, stream: StreamId) -> bool:
-        return self._workers[stream].stale
+    def is_partial(self, stream: StreamId) -> bool:
+        """True once events of the worker were lost for good (see :meth:`clear_worker`). O(1)."""
+        return self._workers[stream].partial
+
+    def orphan_stats(self, stream: StreamId) -> OrphanStats:
+        """Counters of the worker's held orphan stores. O(1)."""
+        return self._workers[stream].orphans.stats
+
+    def orphan_blocks(self, stream: StreamId) -> int:
+        """Blocks currently held as orphans (not in the index). O(1)."""
+        return self._workers[stream].orphans.blocks
 
     def block_counts(self, stream: StreamId) -> dict[StorageTier, int]:
         """Blocks the worker holds per tier. O(1)."""
@@ -153,8 +164,15 @@ class TieredIndex:
         """Distinct blocks held anywhere."""
         return len(self._masks)
 
-    def clear_worker(self, stream: StreamId, *, stale: bool = False) -> None:
-        """Drops every block of the worker, keeping its slot. O(blocks of the worker)."""
+    def clear_worker(self, stream: StreamId, *, partial: bool = False) -> None:
+        """Drops every block and held orphan of the worker, keeping its slot. O(blocks of the worker).
+
+        ``partial=True`` records that events were lost for good: what the worker stored before
+        is unknown (and its removals may be lost too, which is why it is dropped rather than
+        kept). Live events are applied from then on, so every prefix stored after the loss is
+        indexed exactly; the flag stays until the worker's state is complete again (a state dump,
+        a replay from seq 0, an ``AllBlocksCleared``).
+        """
         w = self._worker(stream)
         keep = ~(_SLOT_MASK << (_TIERS * w.slot))
         masks = self._masks
@@ -166,8 +184,9 @@ class TieredIndex:
                 del masks[key]
         w.hashes.clear()
         w.counts = [0] * _TIERS
+        w.orphans.clear()
         w.stats.clears += 1
-        w.stale = stale
+        w.partial = partial
 
     def remove_worker(self, stream: StreamId) -> None:
         """Forgets the worker and frees its slot. O(blocks of the worker)."""
@@ -187,8 +206,9 @@ class TieredIndex:
         """Applies one event of ``stream``. O(blocks in the event).
 
         Never raises for bad input: it is counted, logged with the worker id and
-        reported as ``REJECTED`` (or ``NEEDS_RESYNC`` for an unknown parent).
-        Other workers' state is never touched.
+        reported as ``REJECTED``; a store whose parent is unknown is held as an orphan
+        (``ORPHANED``, see :mod:`kvtier.indexer.orphans`). Either way the next event of the
+        batch applies as usual, and other workers' state is never touched.
         """
         w = self._worker(stream)
         try:
@@ -227,23 +247,30 @@ class TieredIndex:
             return self._reject(w, "BlockStored with no block hashes")
         if len(ev.token_ids) != n * bs:
             return self._reject(w, f"{len(ev.token_ids)} token ids for {n} blocks of {bs}")
-        hashes = w.hashes
         if ev.parent_block_hash is None:
             parent = None
             ns = namespace(ev.lora_name, ev.cache_salt)
         else:
-            parent = hashes.get(ev.parent_block_hash)
+            parent = w.hashes.get(ev.parent_block_hash)
             ns = None
             if parent is None:
                 w.stats.unknown_parents += 1
-                return self._reject(w, f"unknown parent block {ev.parent_block_hash!r}",
-                                    Outcome.NEEDS_RESYNC)
+                w.orphans.hold(ev, tier)
+                return Outcome.ORPHANED
         keys = chain_keys(ev.token_ids, bs, parent, ns)
+        self._insert(w, ev.block_hashes, keys, tier)
+        if w.orphans:
+            self._graft(w, ev.block_hashes, keys)
+        return Outcome.APPLIED
+
+    def _insert(self, w: _Worker, block_hashes: list[EngineHash], keys: list[BlockKey], tier: StorageTier) -> None:
+        """Puts the worker's ``tier`` bit on each key, keeping its engine-hash dict injective."""
+        hashes = w.hashes
         bit = 1 << (_TIERS * w.slot + tier)
         slot_bits = _SLOT_MASK << (_TIERS * w.slot)
         masks = self._masks
         added = 0
-        for eh, key in zip(ev.block_hashes, keys, strict=True):
+        for eh, key in zip(block_hashes, keys, strict=True):
             old = hashes.setdefault(eh, key)
             m = masks.get(key, 0)
             if old is key and m & slot_bits:
@@ -259,7 +286,24 @@ class TieredIndex:
                 masks[key] = m | bit
                 added += 1
         w.counts[tier] += added
-        return Outcome.APPLIED
+
+    def _graft(self, w: _Worker, block_hashes: list[EngineHash], keys: list[BlockKey]) -> None:
+        """Indexes the held orphans whose parent is among ``block_hashes`` (keys known now), and
+        theirs in turn. O(blocks grafted)."""
+        work = list(zip(block_hashes, keys, strict=True))
+        while work:
+            eh, key = work.pop()
+            for run in w.orphans.take(eh):
+                ev = run.event
+                try:
+                    run_keys = chain_keys(ev.token_ids, ev.block_size, key, None)
+                except ValueError as exc:  # bad token ids: this run is lost, the others graft
+                    self._reject(w, f"held orphan store: {exc}")
+                    continue
+                kept = [(h, k) for h, k, p in zip(ev.block_hashes, run_keys, run.present, strict=True) if p]
+                self._insert(w, [h for h, _ in kept], [k for _, k in kept], run.tier)
+                # Children may wait on any block of the run, also one removed since: its key is known.
+                work.extend(zip(ev.block_hashes, run_keys, strict=True))
 
     def _drop_slot_bits(self, w: _Worker, key: BlockKey, slot_bits: int) -> None:
         m = self._masks[key]
@@ -283,7 +327,8 @@ class TieredIndex:
             key = hashes.get(eh)
             m = 0 if key is None else masks[key]
             if not m & bit:
-                unknown += 1
+                if not (w.orphans and w.orphans.remove(eh, tier)):
+                    unknown += 1
                 continue
             assert key is not None
             m &= ~bit
@@ -427,7 +472,7 @@ class TieredIndex:
         for w in self._workers.values():
             shift = _TIERS * w.slot
             entries = [(eh, key, (self._masks[key] >> shift) & _SLOT_MASK) for eh, key in w.hashes.items()]
-            workers.append((w.stream.worker, w.stream.dp_rank, w.stale, entries))
+            workers.append((w.stream.worker, w.stream.dp_rank, w.partial, entries))
         return msgspec.msgpack.encode({"version": 1, "block_size": self.block_size, "workers": workers})
 
     @classmethod
@@ -438,9 +483,9 @@ class TieredIndex:
             if obj.get("version") != 1:
                 raise ValueError(f"unsupported snapshot version {obj.get('version')!r}")
             index = cls(int(obj["block_size"]))
-            for worker, dp_rank, stale, entries in obj["workers"]:
+            for worker, dp_rank, partial, entries in obj["workers"]:
                 w = index._worker(StreamId(WorkerId(worker), int(dp_rank)))
-                w.stale = bool(stale)
+                w.partial = bool(partial)
                 shift = _TIERS * w.slot
                 for eh, key, bits in entries:
                     w.hashes[eh] = BlockKey(key)
@@ -479,3 +524,4 @@ class TieredIndex:
             for t in range(_TIERS):
                 n = sum(1 for k in values if self._masks[k] >> (shift + t) & 1)
                 assert w.counts[t] == n, f"worker {w.stream}: counts[{t}]={w.counts[t]} but {n} blocks"
+            w.orphans._check()

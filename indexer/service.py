@@ -16,31 +16,20 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from kvtier.indexer.consumer import IndexConsumer, Lag
 from kvtier.indexer.exposition import Family, render
-from kvtier.indexer.index import Outcome, TieredIndex
+from kvtier.indexer.index import TieredIndex
 from kvtier.indexer.latency import PRESETS, TransferModel
 from kvtier.indexer.load import LoadTracker
 from kvtier.indexer.router import Router
 from kvtier.indexer.scoring import CostModel, CreditCost, TtftCost
-from kvtier.wire.stream import (
-    Delivery,
-    GapDetected,
-    GapFilled,
-    MalformedFrame,
-    PublisherRestarted,
-    Received,
-    ResyncDone,
-    ResyncNeeded,
-    ResyncStarted,
-    StreamId,
-)
+from kvtier.wire.stream import StreamId
 from kvtier.wire.subscriber import EndpointConfig, Subscriber
 
 log = logging.getLogger(__name__)
@@ -48,6 +37,10 @@ log = logging.getLogger(__name__)
 
 class ConfigError(ValueError):
     """A service configuration problem; the message names the offending entry."""
+
+
+class ServiceUnavailable(RuntimeError):
+    """The service cannot answer truthfully (its event loop died)."""
 
 
 @dataclass(slots=True)
@@ -116,32 +109,26 @@ def make_cost_model(name: str, model: str) -> CostModel:
 #: Per-worker metrics of ``/metrics``: key in :meth:`IndexerService.metrics` -> (type, help).
 _WORKER_METRICS: dict[str, tuple[str, str]] = {
     "events_applied": ("counter", "Events applied to the worker's index."),
-    "events_rejected": ("counter", "Events rejected (bad input, unknown parent or removal)."),
-    "unknown_parents": ("counter", "Stores whose parent the index did not know (events lost)."),
+    "events_rejected": ("counter", "Events rejected as bad input."),
+    "unknown_parents": ("counter", "Stores whose parent the index did not know, held as orphans."),
+    "orphans_grafted": ("counter", "Held orphan stores indexed once their parent became known."),
+    "orphans_dropped": ("counter", "Held orphan stores aged out or cleared."),
+    "orphan_blocks": ("gauge", "Blocks held as orphans, not yet indexed."),
     "unknown_removals": ("counter", "Removals of blocks the index did not hold."),
     "gaps": ("counter", "Sequence gaps detected on the worker's stream."),
     "gaps_filled": ("counter", "Gaps filled by replay."),
-    "resyncs": ("counter", "Resynchronisations of the worker (replay from 0, dump or clear)."),
+    "resyncs": ("counter", "Resynchronisations of the worker (replay from 0, dump or partial mark)."),
+    "resyncs_deferred": ("counter", "Resyncs postponed by the rate limit."),
+    "reasks": ("counter", "Replay requests repeated from the first missing seq (frames dropped)."),
+    "probe_timeouts": ("counter", "Idle probes that got no answer (harmless)."),
     "restarts": ("counter", "Publisher restarts detected."),
     "malformed": ("counter", "Malformed frames received."),
     "duplicates": ("counter", "Duplicate batches dropped."),
-    "stale": ("gauge", "1 while the worker's view is known incomplete."),
+    "partial": ("gauge", "1 once events were lost for good: prefixes stored before the loss are unknown."),
+    "recovering": ("gauge", "1 while a catch-up, full replay or state dump is under way."),
     "apply_lag_seconds": ("gauge", "Delay from a batch's timestamp to its application, last batch."),
     "apply_lag_max_seconds": ("gauge", "Largest such delay seen."),
 }
-
-
-@dataclass(slots=True)
-class _Lag:
-    last: float = 0.0  # seconds between publish and apply of the latest batch
-    max: float = 0.0  # the largest seen
-
-
-@dataclass(slots=True)
-class _Counters:
-    batches: int = 0  # batches applied
-    rejected_by_kind: dict[str, int] = field(default_factory=dict)  # outcome -> count
-    lag: dict[StreamId, _Lag] = field(default_factory=dict)  # per stream
 
 
 class IndexerService:
@@ -156,9 +143,12 @@ class IndexerService:
                              loads=LoadTracker(config.block_size))
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._counters = _Counters()
+        self._consumer = IndexConsumer(self.index)
         self._sub: Subscriber | None = None
+        self._loop_error: str | None = None  # why the event loop died, if it did
         self._ready = threading.Event()
+        #: Set when the event loop died: the index no longer follows the engines.
+        self.failed = threading.Event()
         self._loop = threading.Thread(target=self._run_loop, name="kv-indexer", daemon=True)
         host, _, port = config.listen.rpartition(":")
         self._http = ThreadingHTTPServer((host or "127.0.0.1", int(port)), _handler(self))
@@ -186,50 +176,34 @@ class IndexerService:
     # --- event loop ----------------------------------------------------------------------
 
     def _run_loop(self) -> None:
-        sub = Subscriber(self.config.endpoints, replay_timeout_s=self.config.replay_timeout_s)
+        try:
+            sub = Subscriber(self.config.endpoints, replay_timeout_s=self.config.replay_timeout_s)
+        except Exception as exc:
+            self._loop_failed(exc)
+            return
         self._sub = sub
         self._ready.set()
         try:
             while not self._stop.is_set():
                 deliveries = sub.poll(50)
-                while deliveries:
-                    deliveries = self._handle(sub, deliveries)
+                with self._lock:
+                    self._consumer.feed(deliveries)
+        except Exception as exc:
+            self._loop_failed(exc)
         finally:
             sub.close()
 
-    def _handle(self, sub: Subscriber, deliveries: list[Delivery]) -> list[Delivery]:
-        """Applies deliveries; returns follow-ups (resync requests answered at once)."""
-        more: list[Delivery] = []
-        with self._lock:
-            for d in deliveries:
-                if isinstance(d, Received):
-                    if self._apply(d):
-                        more.extend(sub.request_resync(d.stream, "store with an unknown parent"))
-                elif isinstance(d, ResyncStarted | PublisherRestarted):
-                    self.index.clear_worker(d.stream)
-                elif isinstance(d, ResyncNeeded):
-                    self.index.clear_worker(d.stream, stale=True)
-                elif isinstance(d, GapDetected | GapFilled | ResyncDone | MalformedFrame):
-                    log.debug("%s", d)
-        return more
+    def _loop_failed(self, exc: Exception) -> None:
+        self._loop_error = f"{type(exc).__name__}: {exc}"
+        log.critical("event loop died: %s", self._loop_error, exc_info=exc)
+        self._ready.set()
+        self.failed.set()
 
-    def _apply(self, d: Received) -> bool:
-        """Applies one batch; True if the stream must be resynchronised."""
-        needs_resync = False
-        for ev in d.batch.events:
-            outcome = self.index.apply(d.stream, ev)
-            if outcome is not Outcome.APPLIED:
-                c = self._counters.rejected_by_kind
-                c[outcome.value] = c.get(outcome.value, 0) + 1
-                if outcome is Outcome.NEEDS_RESYNC:
-                    needs_resync = True
-                    break  # the rest of this batch builds on what is missing
-        self._counters.batches += 1
-        if d.source == "live" and d.batch.ts > 0:
-            lag = self._counters.lag.setdefault(d.stream, _Lag())
-            lag.last = max(0.0, time.time() - d.batch.ts)
-            lag.max = max(lag.max, lag.last)
-        return needs_resync
+    def worker_flags(self, stream: StreamId) -> dict[str, bool]:
+        """``partial`` (events lost for good) and ``recovering`` (catch-up under way). Caller holds the lock."""
+        sub = self._sub
+        recovering = sub is not None and stream in sub.streams and sub.recovering(stream)
+        return {"partial": self.index.is_partial(stream), "recovering": recovering}
 
     # --- queries -------------------------------------------------------------------------
 
@@ -242,10 +216,14 @@ class IndexerService:
         for opt in ("lora_name", "cache_salt"):
             if body.get(opt) is not None and not isinstance(body[opt], str):
                 raise ValueError(f"{opt} must be a string")
+        if self.failed.is_set():
+            raise ServiceUnavailable(f"event loop died ({self._loop_error}): the index no longer follows the engines")
         with self._lock:
             dec = self.router.route(tokens, lora_name=body.get("lora_name"),
                                     cache_salt=body.get("cache_salt"))
-        out = dec.overlaps.as_dict()
+            flags = {str(s): self.worker_flags(s) for s in self.index.streams}
+        out: dict[str, Any] = dec.overlaps.as_dict()
+        out["workers"] = {str(s): {**o.as_dict(), **flags.get(str(s), {})} for s, o in dec.overlaps.workers.items()}
         out["recommended"] = str(dec.worker)
         out["costs"] = {str(w): c for w, c in dec.costs.items()}
         return out
@@ -255,20 +233,25 @@ class IndexerService:
             workers: dict[str, Any] = {}
             for s in self.index.streams:
                 st = self.index.stats(s)
+                orphans = self.index.orphan_stats(s)
                 entry: dict[str, Any] = {
                     "events_applied": st.events_applied, "events_rejected": st.events_rejected,
                     "unknown_parents": st.unknown_parents, "unknown_removals": st.unknown_removals,
-                    "stale": self.index.is_stale(s),
+                    "orphans_grafted": orphans.grafted, "orphans_dropped": orphans.dropped,
+                    "orphan_blocks": self.index.orphan_blocks(s),
+                    **self.worker_flags(s),
                     "blocks": {t.name.lower(): n for t, n in self.index.block_counts(s).items()},
                 }
                 if self._sub is not None and s in self._sub.streams:
                     ss = self._sub.stats(s)
                     entry.update(gaps=ss.gaps, gaps_filled=ss.gaps_filled, resyncs=ss.resyncs,
+                                 resyncs_deferred=ss.resyncs_deferred, reasks=ss.reasks,
+                                 probe_timeouts=ss.probe_timeouts,
                                  restarts=ss.restarts, malformed=ss.malformed, duplicates=ss.duplicates)
-                lag = self._counters.lag.get(s, _Lag())
+                lag = self._consumer.counters.lag.get(s, Lag())
                 entry.update(apply_lag_seconds=lag.last, apply_lag_max_seconds=lag.max)
                 workers[str(s)] = entry
-            return {"batches_applied": self._counters.batches, "indexed_blocks": len(self.index),
+            return {"batches_applied": self._consumer.counters.batches, "indexed_blocks": len(self.index),
                     "workers": workers}
 
     def metrics_text(self) -> str:
@@ -295,10 +278,19 @@ class IndexerService:
             return dict(self.index.worker_hashes(stream))
 
     def health(self) -> dict[str, Any]:
+        """``status``: ``ok``, ``degraded`` (some worker partial or recovering) or ``down`` (the event
+        loop died: ``/health`` then answers 503)."""
         with self._lock:
-            stale = [str(s) for s in self.index.streams if self.index.is_stale(s)]
-        return {"status": "ok" if self._loop.is_alive() else "down", "workers": len(self.index.streams),
-                "stale_workers": stale}
+            flags = {str(s): self.worker_flags(s) for s in self.index.streams}
+        partial = sorted(w for w, f in flags.items() if f["partial"])
+        recovering = sorted(w for w, f in flags.items() if f["recovering"])
+        alive = self._loop.is_alive() and not self.failed.is_set()
+        out: dict[str, Any] = {
+            "status": "down" if not alive else "degraded" if partial or recovering else "ok",
+            "workers": len(flags), "partial_workers": partial, "recovering_workers": recovering}
+        if self._loop_error is not None:
+            out["error"] = self._loop_error
+        return out
 
 
 def _handler(service: IndexerService) -> type[BaseHTTPRequestHandler]:
@@ -322,7 +314,8 @@ def _handler(service: IndexerService) -> type[BaseHTTPRequestHandler]:
                 else:
                     self._send(200, service.metrics_text(), "text/plain; version=0.0.4")
             elif path == "/health":
-                self._send(200, json.dumps(service.health()))
+                h = service.health()
+                self._send(503 if h["status"] == "down" else 200, json.dumps(h))
             else:
                 self._send(404, json.dumps({"error": f"no such path {path}"}))
 
@@ -334,6 +327,8 @@ def _handler(service: IndexerService) -> type[BaseHTTPRequestHandler]:
                 length = int(self.headers.get("Content-Length", "0"))
                 body = json.loads(self.rfile.read(length) or b"null")
                 self._send(200, json.dumps(service.query(body)))
+            except ServiceUnavailable as exc:
+                self._send(503, json.dumps({"error": str(exc)}))
             except (ValueError, LookupError) as exc:
                 self._send(400, json.dumps({"error": str(exc)}))
 
@@ -347,12 +342,13 @@ def serve(config: ServiceConfig) -> None:
     print(f"kvtier indexer: {len(config.endpoints)} endpoint(s), block size {config.block_size}, "
           f"HTTP on {svc.address}", flush=True)
     try:
-        while True:
-            time.sleep(3600)
+        svc.failed.wait()
     except KeyboardInterrupt:
-        pass
+        return
     finally:
         svc.stop()
+    # The index no longer follows the engines: exit non-zero so a supervisor restarts the service.
+    raise SystemExit(f"kvtier indexer: event loop died: {svc.health().get('error')}")
 
 
 __all__ = ["ConfigError", "IndexerService", "ServiceConfig", "load_config", "parse_endpoint", "serve"]

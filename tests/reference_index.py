@@ -20,6 +20,8 @@ LEVELS = [
 class RefWorker:
     names: dict[object, BlockKey] = field(default_factory=dict)  # engine hash -> key
     tiers: dict[BlockKey, set[StorageTier]] = field(default_factory=dict)  # key -> tiers held
+    # stores whose parent was unknown: (event, tier, per-block still-present flags)
+    orphans: list[tuple[BlockStored, StorageTier, list[bool]]] = field(default_factory=list)
 
 
 @dataclass
@@ -44,6 +46,12 @@ class ReferenceIndex:
                     if not w.tiers[key]:
                         del w.tiers[key]
                         del w.names[eh]
+                    continue
+                for o_ev, o_tier, present in w.orphans:
+                    if o_tier is tier:
+                        for i, h in enumerate(o_ev.block_hashes):
+                            if h == eh:
+                                present[i] = False
             return "applied"
         assert isinstance(ev, BlockStored)
         n = len(ev.block_hashes)
@@ -54,10 +62,27 @@ class ReferenceIndex:
         elif ev.parent_block_hash in w.names:
             keys = chain_keys(ev.token_ids, ev.block_size, w.names[ev.parent_block_hash])
         else:
-            return "needs_resync"
+            w.orphans.append((ev, tier, [True] * n))
+            return "orphaned"
         for eh, key in zip(ev.block_hashes, keys, strict=True):
             w.names[eh] = key
             w.tiers.setdefault(key, set()).add(tier)
+        # Graft held orphans whose parent this store (or a graft) just named, until none is left.
+        known = dict(zip(ev.block_hashes, keys, strict=True))
+        progress = True
+        while progress:
+            progress = False
+            for o in list(w.orphans):
+                o_ev, o_tier, present = o
+                if o_ev.parent_block_hash in known:
+                    w.orphans.remove(o)
+                    o_keys = chain_keys(o_ev.token_ids, o_ev.block_size, known[o_ev.parent_block_hash])
+                    for eh, key, p in zip(o_ev.block_hashes, o_keys, present, strict=True):
+                        known[eh] = key
+                        if p:
+                            w.names[eh] = key
+                            w.tiers.setdefault(key, set()).add(o_tier)
+                    progress = True
         return "applied"
 
     def remove_worker(self, stream: StreamId) -> None:

@@ -8,8 +8,9 @@ from kvtier.engine.cache import CacheConfig, TieredCache
 from kvtier.engine.datapath import Bandwidths, ModeledDataPath
 from kvtier.engine.node import EngineNode
 from kvtier.engine.storage import PageStore
-from kvtier.indexer.index import Outcome, TieredIndex
-from kvtier.wire import EndpointConfig, Received, ResyncNeeded, ResyncStarted, StorageTier, Subscriber
+from kvtier.indexer.consumer import IndexConsumer
+from kvtier.indexer.index import TieredIndex
+from kvtier.wire import EndpointConfig, ResyncNeeded, ResyncStarted, StorageTier, Subscriber
 
 PS = 4
 
@@ -21,6 +22,7 @@ def test_index_converges_through_gaps_and_dumps() -> None:
     node = EngineNode(cache, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", buffer_size=4)
     cfg = EndpointConfig("e0", node.publisher.endpoint, node.publisher.replay_endpoint, supports_dump=True)
     index = TieredIndex(PS)
+    consumer = IndexConsumer(index)
     resyncs = 0
     with Subscriber([cfg], replay_timeout_s=1.0) as sub:
 
@@ -28,14 +30,9 @@ def test_index_converges_through_gaps_and_dumps() -> None:
             nonlocal resyncs
             end = time.monotonic() + seconds
             while time.monotonic() < end:
-                for d in sub.poll(10):
-                    if isinstance(d, Received):
-                        for ev in d.batch.events:
-                            if index.apply(cfg.stream, ev) is Outcome.NEEDS_RESYNC:
-                                sub.request_resync(cfg.stream, "unknown parent")
-                    elif isinstance(d, ResyncStarted | ResyncNeeded):
-                        resyncs += 1
-                        index.clear_worker(cfg.stream)
+                out = sub.poll(10)
+                resyncs += sum(isinstance(d, ResyncStarted | ResyncNeeded) for d in out)
+                consumer.feed(out)
 
         pump(0.2)
         # Lose single batches (replay recovers them) and a run longer than the replay buffer (dump).

@@ -19,18 +19,11 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvtier.engine.cache import CacheConfig, TieredCache
 from kvtier.engine.datapath import Bandwidths, ModeledDataPath
 from kvtier.engine.storage import PageStore
-from kvtier.indexer.index import Outcome, TieredIndex
+from kvtier.indexer.consumer import IndexConsumer
+from kvtier.indexer.index import TieredIndex
 from kvtier.wire import StorageTier, WorkerId, encode_payload
 from kvtier.wire.frames import DUMP_REQUEST, END_SEQ, pack_seq, unpack_seq
-from kvtier.wire.stream import (
-    Delivery,
-    PublisherRestarted,
-    Received,
-    ResyncNeeded,
-    ResyncStarted,
-    StreamId,
-    StreamTracker,
-)
+from kvtier.wire.stream import Delivery, StreamId, StreamTracker
 
 PS = 2
 DOCS = [list(range(100, 120)), list(range(100, 108)) + list(range(300, 312)), list(range(500, 520))]
@@ -83,6 +76,7 @@ class FaultyWire(RuleBasedStateMachine):
         self.engines = [Engine("w0", self.clock, buffer), Engine("w1", self.clock, buffer)]
         self.streams = [StreamId(WorkerId(e.name)) for e in self.engines]
         self.index = TieredIndex(PS)
+        self.consumer = IndexConsumer(self.index)
         self.trackers = [self._tracker(s) for s in self.streams]
         self.wire: list[deque[tuple[int, bytes]]] = [deque(), deque()]
         self.lose_next_answer = [False, False]
@@ -102,17 +96,9 @@ class FaultyWire(RuleBasedStateMachine):
         assert self.index.worker_hashes(other) == before, f"handling {self.streams[w]} changed {other}"
 
     def _consume_one(self, w: int, out: list[Delivery]) -> None:
-        stream = self.streams[w]
         self._serve(w, out)
         while out:
-            d = out.pop(0)
-            if isinstance(d, Received):
-                for ev in d.batch.events:
-                    if self.index.apply(stream, ev) is Outcome.NEEDS_RESYNC:
-                        out.extend(self.trackers[w].request_resync("unknown parent", self.clock[0]))
-                        break
-            elif isinstance(d, ResyncStarted | PublisherRestarted | ResyncNeeded):
-                self.index.clear_worker(stream)
+            self.consumer.feed([out.pop(0)])
             self._serve(w, out)
 
     def _serve(self, w: int, out: list[Delivery]) -> None:

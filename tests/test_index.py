@@ -69,11 +69,54 @@ def test_multi_block_store_and_tiers() -> None:
     assert (o.device, o.host, o.disk) == (0, 1, 1)
 
 
-def test_unknown_parent_is_rejected_and_reported() -> None:
+def test_unknown_parent_is_held_as_an_orphan_and_grafted_when_the_parent_arrives() -> None:
     idx = TieredIndex(4)
-    assert idx.apply(A, stored([9], 8, TOKS[:4])) is Outcome.NEEDS_RESYNC
-    assert idx.stats(A).unknown_parents == 1 and idx.stats(A).events_rejected == 1
-    assert len(idx) == 0
+    # Children first (a shared pool's writers, or a prefix stored before a loss), then the parent.
+    assert idx.apply(A, stored([3], 2, TOKS[8:12])) is Outcome.ORPHANED
+    assert idx.apply(A, stored([2], 1, TOKS[4:8], "CPU")) is Outcome.ORPHANED
+    assert idx.stats(A).unknown_parents == 2 and idx.stats(A).events_rejected == 0
+    assert len(idx) == 0 and idx.orphan_blocks(A) == 2
+    idx.apply(A, BlockRemoved(block_hashes=[3], medium="CPU"))  # wrong tier: block 3 stays
+    assert idx.stats(A).unknown_removals == 1
+    idx._check()
+    assert idx.apply(A, stored([1], None, TOKS[:4])) is Outcome.APPLIED
+    idx._check()
+    o = idx.find_matches(TOKS).workers[A]
+    assert (o.device, o.host) == (1, 3)  # block 2 is on the host only, block 3 on device only
+    assert idx.worker_hashes(A)[StorageTier.DEVICE] == {1, 3}
+    assert idx.orphan_blocks(A) == 0 and idx.orphan_stats(A).grafted == 2
+
+
+def test_orphan_removed_before_its_graft_is_never_indexed() -> None:
+    idx = TieredIndex(4)
+    idx.apply(A, stored([2, 3], 1, TOKS[4:12]))
+    idx.apply(A, BlockRemoved(block_hashes=[3], medium="GPU"))
+    assert idx.stats(A).unknown_removals == 0
+    idx.apply(A, stored([1], None, TOKS[:4]))
+    idx._check()
+    assert idx.worker_hashes(A)[StorageTier.DEVICE] == {1, 2}
+
+
+def test_one_bad_event_costs_one_event() -> None:
+    idx = TieredIndex(4)
+    batch = [stored([7], 99, TOKS[:4]), stored([1, 2], None, TOKS[:8]),
+             stored([5], None, TOKS[:3]), stored([3], 2, TOKS[8:12])]
+    assert [idx.apply(A, ev) for ev in batch] == [Outcome.ORPHANED, Outcome.APPLIED, Outcome.REJECTED,
+                                                  Outcome.APPLIED]
+    assert idx.find_matches(TOKS).workers[A].device == 3
+
+
+def test_orphan_pool_is_bounded_oldest_first() -> None:
+    idx = TieredIndex(4)
+    idx._worker(A).orphans.capacity = 3
+    for i in range(5):
+        idx.apply(A, stored([100 + i], 50 + i, TOKS[:4]))
+    idx._check()
+    assert idx.orphan_blocks(A) == 3 and idx.orphan_stats(A).dropped == 2
+    idx.apply(A, stored([50], None, TOKS[:4]))  # the oldest orphan's parent: it was aged out
+    assert idx.orphan_stats(A).grafted == 0
+    idx.apply(A, stored([54], None, TOKS[:4]))
+    assert idx.orphan_stats(A).grafted == 1
     idx._check()
 
 
@@ -128,11 +171,11 @@ def test_snapshot_round_trip_and_bad_snapshot() -> None:
     idx = TieredIndex(4)
     idx.apply(A, stored([1, 2], None, TOKS[:8]))
     idx.apply(B, stored([b"\x01" * 32], None, TOKS[:4], "CPU"))
-    idx.clear_worker(C, stale=True)
+    idx.clear_worker(C, partial=True)
     again = TieredIndex.restore(idx.snapshot())
     again._check()
     assert again.find_matches(TOKS) == idx.find_matches(TOKS)
-    assert again.is_stale(C) and again.snapshot() == idx.snapshot()
+    assert again.is_partial(C) and again.snapshot() == idx.snapshot()
     with pytest.raises(ValueError, match="snapshot"):
         TieredIndex.restore(b"\x01\x02")
 

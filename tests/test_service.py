@@ -80,9 +80,10 @@ def test_query_metrics_health_end_to_end(cluster: tuple[list[Publisher], Indexer
              and overlaps(svc)["shared_pool"] == 2)
     body = overlaps(svc)
     assert body["total_blocks"] == 8
-    assert body["workers"]["w0"] == {"device": 3, "host": 3, "disk": 3, "external": 3}
-    assert body["workers"]["w1"] == {"device": 1, "host": 6, "disk": 6, "external": 6}
-    assert body["workers"]["w2"] == {"device": 0, "host": 0, "disk": 0, "external": 2}
+    ok = {"partial": False, "recovering": False}
+    assert body["workers"]["w0"] == {"device": 3, "host": 3, "disk": 3, "external": 3, **ok}
+    assert body["workers"]["w1"] == {"device": 1, "host": 6, "disk": 6, "external": 6, **ok}
+    assert body["workers"]["w2"] == {"device": 0, "host": 0, "disk": 0, "external": 2, **ok}
     assert body["recommended"] == "w1" and set(body["costs"]) == {"w0", "w1", "w2"}
     text = get(svc.address + "/metrics")
     assert 'kvtier_blocks{worker="w1",tier="host"} 6' in text
@@ -95,12 +96,13 @@ def test_query_metrics_health_end_to_end(cluster: tuple[list[Publisher], Indexer
     assert text.count("# TYPE kvtier_blocks ") == 1  # one family, not one per worker
     m = json.loads(get(svc.address + "/metrics?format=json"))
     assert m["workers"]["w0"]["apply_lag_seconds"] >= 0
-    assert json.loads(get(svc.address + "/health")) == {"status": "ok", "workers": 3, "stale_workers": []}
+    assert json.loads(get(svc.address + "/health")) == {"status": "ok", "workers": 3, "partial_workers": [],
+                                                        "recovering_workers": []}
     p0.publish(EventBatch(ts=time.time(), events=[BlockRemoved(block_hashes=[3, 2], medium="GPU")]))
     wait_for(lambda: overlaps(svc)["workers"]["w0"]["device"] == 1)
 
 
-def test_gap_is_replayed_and_unknown_parent_resyncs(cluster: tuple[list[Publisher], IndexerService]) -> None:
+def test_gap_is_replayed_and_unknown_parent_is_an_orphan(cluster: tuple[list[Publisher], IndexerService]) -> None:
     (p0, _, _), svc = cluster
     p0.publish(EventBatch(ts=time.time(), events=[stored([1], None, 0)]))
     wait_for(lambda: overlaps(svc)["workers"]["w0"]["device"] == 1)
@@ -110,13 +112,15 @@ def test_gap_is_replayed_and_unknown_parent_resyncs(cluster: tuple[list[Publishe
     wait_for(lambda: overlaps(svc)["workers"]["w0"]["device"] == 3)
     m = json.loads(get(svc.address + "/metrics?format=json"))["workers"]["w0"]
     assert m["gaps"] == 1 and m["gaps_filled"] == 1 and m["events_rejected"] == 0
-    # A store whose parent the indexer never saw: rejected, then the stream is replayed from 0.
+    # A store whose parent the engine never published, then a valid store in the same batch: the
+    # orphan is held (no resync: a replay would bring the same store again), the valid one applies.
     p0.live_filter = None
-    p0.publish(EventBatch(ts=time.time(), events=[stored([9], 99, 3)]))
-    p0.publish(EventBatch(ts=time.time(), events=[stored([4], 3, 3)]))
+    p0.publish(EventBatch(ts=time.time(), events=[stored([9], 99, 3), stored([4], 3, 3)]))
     wait_for(lambda: overlaps(svc)["workers"]["w0"]["device"] == 4)
+    time.sleep(0.3)
     m = json.loads(get(svc.address + "/metrics?format=json"))["workers"]["w0"]
-    assert m["unknown_parents"] >= 1 and m["resyncs"] >= 1 and not m["stale"]
+    assert m["unknown_parents"] == 1 and m["orphan_blocks"] == 1 and m["resyncs"] == 0
+    assert not m["partial"] and m["events_rejected"] == 0
 
 
 def test_bad_queries_get_400(cluster: tuple[list[Publisher], IndexerService]) -> None:

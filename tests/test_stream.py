@@ -70,14 +70,15 @@ def test_late_joiner_replays_from_zero() -> None:
     assert seqs(out) == list(range(8))
 
 
-def test_short_replay_without_dump_marks_stale_and_continues() -> None:
+def test_short_replay_without_dump_marks_partial_and_continues_from_what_is_left() -> None:
     t = tracker()
     t.on_live(0, payload(0), 0.0)
     t.on_live(5, payload(5), 0.0)
-    # The buffer lost seqs 1..2: the answer starts at 3.
-    out = t.on_reply(pack_seq(3), payload(3), 0.1) + t.on_reply(END_SEQ, b"", 0.1)
+    # The buffer lost seqs 1..2: the answer starts at 3. What it holds is not thrown away.
+    out = t.on_reply(pack_seq(3), payload(3), 0.1) + t.on_reply(pack_seq(4), payload(4), 0.1)
+    out += t.on_reply(END_SEQ, b"", 0.1)
     assert isinstance(out[0], ResyncNeeded)
-    assert seqs(out) == [5]
+    assert seqs(out) == [3, 4, 5] and t.expected == 6 and not t.recovering
     assert t.expected == 6 and t.stats.resyncs == 1
 
 
@@ -86,7 +87,8 @@ def test_short_replay_with_dump_resynchronises() -> None:
     t.on_live(0, payload(0), 0.0)
     t.on_live(5, payload(5), 0.0)
     t.outbox.clear()
-    out = t.on_reply(END_SEQ, b"", 0.1)  # empty answer: nothing buffered any more
+    # The buffer no longer reaches back: the answer starts past the seq asked for.
+    out = t.on_reply(pack_seq(4), payload(4), 0.1) + t.on_reply(END_SEQ, b"", 0.1)
     assert isinstance(out[0], ResyncStarted) and t.outbox == [DUMP_REQUEST]
     t.on_live(6, payload(6), 0.2)
     t.on_live(7, payload(7), 0.2)
@@ -136,11 +138,14 @@ def test_malformed_payload_is_counted_and_skipped() -> None:
     assert t.stats.malformed == 1
 
 
-def test_dump_with_no_answer_falls_back_to_stale() -> None:
+def test_dump_with_no_answer_falls_back_to_partial() -> None:
     t = tracker(dump=True)
     t.on_live(0, payload(0), 0.0)
     t.on_live(3, payload(3), 0.0)
-    t.on_reply(END_SEQ, b"", 0.0)
+    for _ in range(t.attempts - 1):  # empty answers: each is asked again, then the stream needs a dump
+        assert not t.on_reply(END_SEQ, b"", 0.0)
+    assert isinstance(t.on_reply(END_SEQ, b"", 0.0)[0], ResyncStarted)
+    assert t.outbox[-1] == DUMP_REQUEST and t.stats.reasks == t.attempts - 1
     out = t.on_reply(END_SEQ, b"", 0.0)  # publisher answered the dump with nothing
     assert isinstance(out[0], ResyncNeeded) and seqs(out) == [3]
 

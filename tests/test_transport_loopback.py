@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,6 +28,7 @@ from kvtier.wire import (
     Subscriber,
     WorkerId,
     decode_payload,
+    encode_payload,
     pack_seq,
 )
 from kvtier.wire.frames import END_SEQ, unpack_seq
@@ -236,3 +238,138 @@ def test_captured_sglang_0517_stream_and_replay(shared_dir: Path) -> None:
     finally:
         pubsock.close(linger=0)
         router.close(linger=0)
+
+
+# --- replay at scale (a late subscriber, lossy replay sockets, dumps beside replays) ------------
+
+
+def big_batch(i: int, tokens: int = 1024) -> EventBatch:
+    """A batch the size of a real one (blocks of 64 tokens), so socket buffers cannot hide drops."""
+    n = tokens // 64
+    return EventBatch(ts=float(i), events=[BlockStored(
+        block_hashes=list(range(i * n, i * n + n)), parent_block_hash=None,
+        token_ids=list(range(100_000, 100_000 + tokens)), block_size=64, medium="GPU")], dp_rank=0)
+
+
+def test_late_subscriber_gets_10000_batches_by_replay() -> None:
+    """The whole default buffer reaches a subscriber that joins late and reads slowly (an event loop
+    busy applying): nothing is dropped at a high-water mark."""
+    with Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", buffer_size=10_000) as p:
+        for i in range(10_000):
+            p.publish(big_batch(i))
+        with Subscriber([EndpointConfig("w0", p.endpoint, p.replay_endpoint)]) as sub:
+            time.sleep(1.0)  # the request went out at once; nobody reads the answer for a while
+            out = drain(sub, has_seqs(10_000), timeout=60.0)
+            assert received(out) == list(range(10_000))
+            st = sub.stats(StreamId(WorkerId("w0")))
+            assert st.resyncs == 0 and not any(isinstance(d, ResyncNeeded) for d in out)
+            assert p.replay_stats.abandoned == 0
+
+
+class LossyReplayPublisher:
+    """A publisher whose replay socket behaves like SGLang's and vLLM's: a ROUTER at ZMQ's default
+    high-water mark (1,000) and without ROUTER_MANDATORY, sending a whole answer in one loop, so
+    frames past the limit are dropped silently (end marker included)."""
+
+    def __init__(self, n: int) -> None:
+        ctx = zmq.Context.instance()
+        self.pub = ctx.socket(zmq.PUB)
+        self.port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        self.router = ctx.socket(zmq.ROUTER)
+        self.rport = self.router.bind_to_random_port("tcp://127.0.0.1")
+        # 20 KB per batch: far more than loopback TCP buffers hold, so drops are certain.
+        self.buffer = [(s, encode_payload(big_batch(s, tokens=4096))) for s in range(n)]
+        self.answers = 0
+        self._stop = False
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop:
+            if not self.router.poll(20):
+                continue
+            ident, _, start = self.router.recv_multipart()
+            self.answers += 1
+            for seq, payload in self.buffer:
+                if seq >= unpack_seq(start):
+                    self.router.send_multipart([ident, b"", b"kv", pack_seq(seq), payload])
+            self.router.send_multipart([ident, b"", b"", END_SEQ, b""])
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join()
+        self.pub.close(0)
+        self.router.close(0)
+
+
+def test_subscriber_reasks_a_lossy_replay_socket_until_it_has_everything() -> None:
+    lossy = LossyReplayPublisher(5_000)
+    try:
+        cfg = EndpointConfig("w0", f"tcp://127.0.0.1:{lossy.port}", f"tcp://127.0.0.1:{lossy.rport}")
+        with Subscriber([cfg]) as sub:
+            time.sleep(1.0)  # a slow reader: the lossy socket drops what does not fit
+            out = drain(sub, has_seqs(5_000), timeout=60.0)
+            assert received(out) == list(range(5_000))
+            st = sub.stats(StreamId(WorkerId("w0")))
+            assert st.resyncs == 0 and not any(isinstance(d, ResyncNeeded) for d in out)
+            # Frames were dropped, and each answer was asked again from the first missing seq.
+            assert st.reasks >= 1 and st.reasks == lossy.answers - 1
+    finally:
+        lossy.close()
+
+
+def test_replays_are_served_while_a_slow_dump_is_built_and_a_failing_dump_leaves_no_end() -> None:
+    gate = threading.Event()
+    calls = [0]
+
+    def slow_dump() -> tuple[int, Iterator[EventBatch]]:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("provider broke")
+        gate.wait(5.0)  # a large engine still building its snapshot
+        return 0, iter([EventBatch(ts=-1.0, events=[AllBlocksCleared()])])
+
+    with Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", dump_provider=slow_dump) as p:
+        p.publish(batch(0))
+        ctx = zmq.Context.instance()
+        dumper, other = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+        try:
+            for s in (dumper, other):
+                s.connect(p.replay_endpoint or "")
+            dumper.send_multipart([b"", b"DUMP"])
+            time.sleep(0.1)
+            other.send_multipart([b"", pack_seq(0)])  # another indexer's probe, behind the dump
+            assert other.poll(2000), "a replay request waited for a dump being built"
+            assert [other.recv_multipart()[2] for _ in range(2)] == [pack_seq(0), END_SEQ]
+            gate.set()
+            assert dumper.poll(2000)
+            assert dumper.recv_multipart()[2] == pack_seq(0)
+            assert dumper.recv_multipart()[2] == END_SEQ
+            dumper.send_multipart([b"", b"DUMP"])  # the provider raises: no end marker, no dead thread
+            assert not dumper.poll(500)
+            other.send_multipart([b"", pack_seq(0)])
+            assert other.poll(2000) and p.replay_stats.dump_errors == 1
+        finally:
+            dumper.close(0)
+            other.close(0)
+
+
+def test_unanswered_idle_probe_changes_nothing() -> None:
+    """A probe that times out (the publisher busy with another client's dump) clears nothing."""
+    ctx = zmq.Context.instance()
+    pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)  # a router that never answers
+    port, rport = pub.bind_to_random_port("tcp://127.0.0.1"), router.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        cfg = EndpointConfig("w0", f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}")
+        with Subscriber([cfg], replay_timeout_s=0.2) as sub:
+            conn = sub._conns[cfg.stream]
+            conn.tracker.probe_s = 0.1
+            conn.tracker.expected = 5  # as if seqs 0..4 had been applied
+            conn.tracker._mode = conn.tracker._mode.LIVE
+            out = drain(sub, lambda o: False, timeout=1.5)
+            st = sub.stats(cfg.stream)
+            assert st.probe_timeouts >= 2 and st.resyncs == 0
+            assert not any(isinstance(d, ResyncNeeded | ResyncStarted) for d in out)
+    finally:
+        pub.close(0)
+        router.close(0)

@@ -1,15 +1,25 @@
 """ZMQ event publisher: live PUB stream, bounded replay buffer, ROUTER replay socket.
 
-Wire-compatible with SGLang's and vLLM's ``ZmqEventPublisher`` (see :mod:`indexer.frames`).
+Wire-compatible with SGLang's and vLLM's ``ZmqEventPublisher`` (see :mod:`kvtier.wire.frames`).
+
+Replay answers are never dropped silently, unlike a ROUTER socket left at ZMQ's defaults (a
+high-water mark of 1,000 messages, past which frames to a peer are discarded): the socket is
+``ROUTER_MANDATORY`` and sends without blocking, and each answer (a replay or a state dump) is a
+queue of frames pumped round-robin with the others. A peer that reads slowly holds up only its own
+answer; a peer that stops reading for :attr:`Publisher.stuck_s` or disconnects has its answer
+abandoned (counted), and the subscriber asks again from its first missing seq.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 
 import zmq
 
@@ -20,8 +30,33 @@ from kvtier.wire.protocol import EventBatch
 log = logging.getLogger(__name__)
 
 #: Returns ``(last_seq, batches)``: the publisher's whole current state, consistent with every
-#: live batch up to and including ``last_seq`` (-1 if none was published yet).
-DumpProvider = Callable[[], tuple[int, list[EventBatch]]]
+#: live batch up to and including ``last_seq`` (-1 if none was published yet). ``batches`` may be
+#: a lazy iterable: it is consumed on the replay thread, a chunk at a time, while other requests
+#: are served, so a provider should snapshot what it needs and build the batches outside its lock.
+DumpProvider = Callable[[], tuple[int, Iterable[EventBatch]]]
+
+_CHUNK = 64  # messages sent to one peer before the next answer gets its turn
+
+
+@dataclass(slots=True)
+class _Answer:
+    """One replay or dump answer being sent to one peer."""
+
+    ident: bytes  # the peer's ROUTER identity
+    frames: Iterator[list[bytes] | None]  # messages still to send (no identity); None: not built yet
+    head: list[bytes] | None = None  # a message taken from `frames` that could not be sent yet
+    since: float = field(default_factory=time.monotonic)  # last time a message went out
+
+
+@dataclass(slots=True)
+class ReplayStats:
+    """Counters of the replay socket."""
+
+    requests: int = 0  # replay and dump requests received
+    dumps: int = 0  # of which dumps
+    messages: int = 0  # messages sent, end markers included
+    abandoned: int = 0  # answers given up because the peer left or stopped reading
+    dump_errors: int = 0  # dumps whose provider raised (answered with an end marker)
 
 
 class Publisher:
@@ -67,9 +102,16 @@ class Publisher:
         self.endpoint = self._bind(self._pub, endpoint)
         self._router: zmq.Socket[bytes] | None = None
         self.replay_endpoint: str | None = None
+        self._answers: deque[_Answer] = deque()  # in progress, served round-robin
+        #: Seconds a peer may go without reading before its answer is abandoned.
+        self.stuck_s = 10.0
+        self.replay_stats = ReplayStats()
         if replay_endpoint is not None:
             self._router = self._ctx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 0)
+            # Fail loudly (EHOSTUNREACH / EAGAIN) instead of dropping frames for a gone or full peer.
+            self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            self._router.setsockopt(zmq.SNDHWM, max(1_000, buffer_size + 2))
             self.replay_endpoint = self._bind(self._router, replay_endpoint)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -113,70 +155,145 @@ class Publisher:
         return seq
 
     def serve_requests(self, timeout_ms: int = 0) -> int:
-        """Answer pending replay/dump requests, waiting up to ``timeout_ms`` for the first."""
+        """Takes pending replay/dump requests (waiting up to ``timeout_ms`` for the first when no
+        answer is in progress) and sends the next chunk of every answer. Returns requests taken."""
         if self._router is None:
             return 0
         served = 0
-        while self._router.poll(timeout_ms if served == 0 else 0, zmq.POLLIN):
+        wait = 0 if self._answers else timeout_ms
+        while self._router.poll(wait if served == 0 else 0, zmq.POLLIN):
             self._answer(self._router.recv_multipart())
             served += 1
+        self._pump()
         return served
+
+    def drain(self, timeout_s: float = 10.0) -> None:
+        """Serves requests until no answer is in progress (for owners without the thread)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.serve_requests(0)
+            if not self._answers or time.monotonic() > deadline:
+                return
+            time.sleep(0.001)
 
     def _serve_forever(self) -> None:
         while not self._stop.is_set():
             try:
                 self.serve_requests(timeout_ms=50)
+                if self._answers:
+                    time.sleep(0.0005)  # peers are reading: let them, without spinning
             except zmq.ZMQError as exc:
                 if self._stop.is_set():
                     return
                 log.error("replay socket error: %s", exc)
+            except Exception:
+                log.exception("replay thread: unexpected error; answers in progress abandoned")
+                self.replay_stats.abandoned += len(self._answers)
+                self._answers.clear()
 
-    def _reply(self, ident: bytes, seq: bytes, payload: bytes) -> None:
+    def _pump(self) -> None:
+        """Sends up to a chunk of each answer in turn, never blocking on a slow peer."""
         assert self._router is not None
-        if self._replay_with_topic:
-            self._router.send_multipart([ident, b"", self._topic, seq, payload])
-        else:
-            self._router.send_multipart([ident, b"", seq, payload])
+        for _ in range(len(self._answers)):
+            ans = self._answers.popleft()
+            if self._send_chunk(ans):
+                self._answers.append(ans)
 
-    def _end(self, ident: bytes) -> None:
+    def _send_chunk(self, ans: _Answer) -> bool:
+        """Returns True while the answer has more to send."""
         assert self._router is not None
-        if self._replay_with_topic:
-            self._router.send_multipart([ident, b"", b"", END_SEQ, b""])
-        else:
-            self._router.send_multipart([ident, b"", END_SEQ, b""])
+        for _ in range(_CHUNK):
+            if ans.head is None:
+                try:
+                    ans.head = next(ans.frames)
+                except StopIteration:
+                    return False
+                if ans.head is None:  # a dump still being built: not the peer's fault
+                    ans.since = time.monotonic()
+                    return True
+            try:
+                self._router.send_multipart([ans.ident, b"", *ans.head], zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.EAGAIN and time.monotonic() - ans.since < self.stuck_s:
+                    return True  # the peer's queue is full: try again on the next turn
+                why = "stopped reading" if exc.errno == zmq.EAGAIN else (
+                    "is gone" if exc.errno == errno.EHOSTUNREACH else str(exc))
+                log.warning("replay: abandoning an answer, the peer %s", why)
+                self.replay_stats.abandoned += 1
+                return False
+            ans.head = None
+            ans.since = time.monotonic()
+            self.replay_stats.messages += 1
+        return True
+
+    def _frame(self, seq: bytes, payload: bytes) -> list[bytes]:
+        return [self._topic, seq, payload] if self._replay_with_topic else [seq, payload]
+
+    def _end_frame(self) -> list[bytes]:
+        return self._frame(END_SEQ, b"")
 
     def _answer(self, frames: list[bytes]) -> None:
         if len(frames) != 3 or frames[1] != b"":
             log.warning("ignoring malformed replay request with %d frames", len(frames))
             return
         ident, request = frames[0], frames[2]
+        self.replay_stats.requests += 1
         if request == DUMP_REQUEST:
-            self._answer_dump(ident)
+            self.replay_stats.dumps += 1
+            self._answers.append(_Answer(ident, self._dump_frames()))
             return
         try:
             start = unpack_seq(request)
         except ValueError as exc:
             log.warning("ignoring replay request: %s", exc)
-            self._end(ident)
+            self._answers.append(_Answer(ident, iter([self._end_frame()])))
             return
         with self._lock:
             pending = [(s, p) for s, p in self._buffer if s >= start]
-        for seq, payload in pending:
-            self._reply(ident, pack_seq(seq), payload)
-        self._end(ident)
+        msgs = [self._frame(pack_seq(s), p) for s, p in pending]
+        msgs.append(self._end_frame())
+        self._answers.append(_Answer(ident, iter(msgs)))
 
-    def _answer_dump(self, ident: bytes) -> None:
+    def _dump_frames(self) -> Iterator[list[bytes] | None]:
+        """A dump answer. The provider runs and encodes on a thread of its own, so replay requests
+        and other answers keep being served meanwhile; ``None`` means "nothing ready yet"."""
         if self._dump_provider is None:
             log.warning("dump requested but this publisher has no dump provider")
-            self._end(ident)
+            yield self._end_frame()
             return
-        last_seq, batches = self._dump_provider()
-        seq = pack_seq(last_seq)
-        if not batches:  # the subscriber learns last_seq from the first batch, so send one
-            batches = [EventBatch(ts=0.0, events=[])]
-        for batch in batches:
-            self._reply(ident, seq, encode_payload(batch, self._format))
-        self._end(ident)
+        ready: queue.Queue[list[bytes] | BaseException | None] = queue.Queue(maxsize=4 * _CHUNK)
+        threading.Thread(target=self._build_dump, args=(ready,), name="kv-dump", daemon=True).start()
+        while True:
+            try:
+                item = ready.get_nowait()
+            except queue.Empty:
+                yield None
+                continue
+            if item is None:
+                yield self._end_frame()
+                return
+            if isinstance(item, BaseException):
+                # No end marker: the subscriber must not take what it got for a whole dump. It times
+                # out and asks again, or marks the stream partial.
+                self.replay_stats.dump_errors += 1
+                log.error("dump provider failed: %s: %s; dump abandoned", type(item).__name__, item)
+                return
+            yield item
+
+    def _build_dump(self, ready: queue.Queue[list[bytes] | BaseException | None]) -> None:
+        assert self._dump_provider is not None
+        try:
+            last_seq, batches = self._dump_provider()
+            seq = pack_seq(last_seq)
+            sent = False
+            for batch in batches:
+                sent = True
+                ready.put(self._frame(seq, encode_payload(batch, self._format)))
+            if not sent:  # the subscriber learns last_seq from the first batch, so send one
+                ready.put(self._frame(seq, encode_payload(EventBatch(ts=0.0, events=[]), self._format)))
+            ready.put(None)
+        except Exception as exc:
+            ready.put(exc)
 
     def close(self) -> None:
         """Stop the replay thread and close both sockets. Idempotent."""

@@ -11,6 +11,15 @@ Guarantee: the ``Received`` batches of one stream reach the consumer in strictly
 increasing seq order with no seq skipped, except across a ``ResyncStarted`` /
 ``ResyncNeeded`` / ``PublisherRestarted`` notice, which tells the consumer to
 drop what it holds for that stream first.
+
+Replay answers may come back incomplete for two different reasons, told apart by
+where the answer starts. If its first batch is past the seq asked for, the
+publisher's buffer no longer reaches back: those batches are lost for good. If
+it starts where asked but skips or stops early, the publisher dropped frames on
+the way (a ZMQ high-water mark: SGLang's replay socket keeps the default of
+1,000 messages), so the tracker asks again from the first missing seq, as often
+as each answer makes progress. Only a loss for good leads to a dump or to
+``ResyncNeeded``; a quiet stream's probe that goes unanswered changes nothing.
 """
 
 from __future__ import annotations
@@ -128,7 +137,11 @@ class StreamStats:
     gaps: int = 0  # holes detected
     gaps_filled: int = 0  # holes recovered by replay
     restarts: int = 0  # publisher restarts seen
-    resyncs: int = 0  # dumps requested or stale marks (unrecoverable holes)
+    resyncs: int = 0  # dumps requested or partial marks (unrecoverable holes)
+    resyncs_deferred: int = 0  # resyncs postponed by the rate limit
+    reasks: int = 0  # replay requests repeated from the first missing seq (frames dropped)
+    probe_timeouts: int = 0  # idle probes that got no answer (harmless)
+    late: int = 0  # live batches that arrived after their seq had been given up for lost
     malformed: int = 0  # frames or payloads that failed to parse
 
 
@@ -147,9 +160,12 @@ class StreamTracker:
     stream: StreamId  # identity of the stream
     can_replay: bool  # the publisher has a replay socket
     can_dump: bool  # the publisher answers DUMP_REQUEST (kvtier engines)
-    timeout_s: float = 2.0  # how long to wait for a replay or dump answer
-    attempts: int = 3  # requests sent (on fresh sockets) before giving up
+    timeout_s: float = 2.0  # how long to wait for a replay or dump answer to start, or a dump to go on
+    stall_s: float = 0.5  # a replay answer that made progress and then went quiet this long is re-asked
+    attempts: int = 3  # requests sent (on fresh sockets) without progress before giving up
     probe_s: float | None = 1.0  # after this long without traffic, ask for anything past `expected`
+    resync_backoff_s: float = 1.0  # least time between two resyncs; doubles while they repeat
+    resync_backoff_max_s: float = 60.0  # the backoff's ceiling
     expected: int | None = None  # next seq to deliver; None before the first message
     stats: StreamStats = field(default_factory=StreamStats)  # counters
     outbox: list[bytes] = field(default_factory=list)  # requests for the replay socket
@@ -160,7 +176,18 @@ class StreamTracker:
     _replay_from: int = 0  # first seq asked of the pending replay
     _tries: int = 0  # requests sent for the pending replay or dump
     _for_gap: bool = False  # the pending replay fills a detected gap (not a catch-up or check)
-    _replay_hole: bool = False  # the replay answer skipped a seq
+    _replay_hole: bool = False  # the replay answer skipped a seq after its start (frames dropped)
+    _lost: bool = False  # the replay answer started past `expected`: the buffer no longer holds it
+    _frames: int = 0  # batches received in the pending answer
+    _progress: int = 0  # batches the pending answer delivered
+    _probe: bool = False  # the pending replay is an idle probe: no answer means nothing
+    _beyond: list[tuple[int, bytes]] = field(default_factory=list)  # replayed past a loss for good
+    _next_resync: float = float("-inf")  # earliest time the next resync may start
+    _backoff: float = 0.0  # current resync interval (0 until the first resync)
+    _last_resync: float = float("-inf")  # when the last resync started
+    _dump_due: bool = False  # a dump was wanted while rate-limited: start it once allowed
+    _skipped: tuple[int, int] = (0, 0)  # seqs [a, b) given up for lost by the last ResyncNeeded
+    _resyncing: bool = False  # the pending replay is a resync (its dump fallback is not rate-limited again)
     _dump_seq: int | None = None  # last live seq the incoming dump includes
     _recent: OrderedDict[int, int] = field(default_factory=OrderedDict)  # seq -> payload digest
     _suspect: bool = False  # the live socket reconnected: the publisher may be a new process
@@ -184,6 +211,8 @@ class StreamTracker:
         if self._mode is _Mode.LIVE:
             return out  # an answer nobody waits for any more
         self._last_seen = now
+        # Every frame shows the answer is flowing: a big replay or dump is not timed as a whole.
+        self._deadline = now + (self.stall_s if self._mode is _Mode.REPLAY else self.timeout_s)
         if seq_frame == END_SEQ:
             if self._mode is _Mode.REPLAY:
                 self._finish_replay(now, out)
@@ -211,14 +240,24 @@ class StreamTracker:
             self.expected = 0
             self._start_replay(0, now, [])
 
+    @property
+    def recovering(self) -> bool:
+        """A catch-up, full replay or dump is under way: the consumer's view is incomplete. O(1)."""
+        return self._mode is not _Mode.LIVE and not self._probe
+
     def request_resync(self, reason: str, now: float) -> list[Delivery]:
-        """The consumer found its state inconsistent (e.g. a store with an unknown parent).
+        """The consumer found its state inconsistent and wants it again from scratch.
 
         Tries, in order: a full replay from seq 0, a state dump, marking the stream
-        stale. Ignored while a replay or dump is already under way.
+        partial. Ignored while a replay or dump is already under way; rate-limited
+        (see :attr:`resync_backoff_s`): a request inside the backoff is deferred, and
+        a dump-capable stream gets its dump once the backoff has passed.
         """
         out: list[Delivery] = []
         if self._mode is not _Mode.LIVE:
+            return out
+        if not self._resync_allowed(now):
+            self._dump_due = self.can_dump
             return out
         self.stats.resyncs += 1
         if not self.can_replay:
@@ -228,6 +267,7 @@ class StreamTracker:
         self.expected = 0
         self._recent.clear()
         self._start_replay(0, now, out)
+        self._resyncing = True
         return out
 
     def on_disconnect(self) -> None:
@@ -247,7 +287,7 @@ class StreamTracker:
         # again on a fresh socket.
         self.reset_replay_socket = True
         if self._mode is _Mode.REPLAY and self.expected is not None:
-            self._replay_hole = False
+            self._new_answer()
             self.outbox.append(pack_seq(self.expected))
         elif self._mode is _Mode.DUMP:
             self._dump_seq = None
@@ -260,6 +300,10 @@ class StreamTracker:
         last one for a while, the probe (a replay from ``expected``) finds it.
         """
         out: list[Delivery] = []
+        if self._mode is _Mode.LIVE and self._dump_due and now >= self._next_resync:
+            self._dump_due = False
+            self._unrecoverable("deferred resync", now, out)
+            return out
         if self._mode is _Mode.LIVE and self._suspect and self.expected and self.can_replay:
             # Reconnected and quiet since: a restarted engine may publish nothing for a long time,
             # so check now whether the publisher still holds what we delivered last.
@@ -271,14 +315,27 @@ class StreamTracker:
                 and now - self._last_seen >= self.probe_s):
             self._last_seen = now
             self._start_replay(self.expected, now, out)
+            self._probe = True
             return out
         if self._mode is not _Mode.LIVE and now >= self._deadline:
             self.reset_replay_socket = True
+            if self._mode is _Mode.REPLAY and self._progress:
+                self._reask(now)  # the answer made progress, then stalled: frames were dropped
+                return out
+            if self._mode is _Mode.REPLAY and self._probe:
+                # An idle probe went unanswered (the publisher may be busy with a dump for another
+                # client): nothing is known to be missing, so nothing changes.
+                self.stats.probe_timeouts += 1
+                self._mode = _Mode.LIVE
+                self._probe = False
+                self._drain_held(now, out)
+                return out
             if self._tries < self.attempts:
                 self._tries += 1
                 self._deadline = now + self.timeout_s
                 if self._mode is _Mode.REPLAY:
                     assert self.expected is not None, "replaying while no seq is expected"
+                    self._new_answer()
                     self.outbox.append(pack_seq(self.expected))
                 else:
                     self.outbox.append(DUMP_REQUEST)
@@ -297,6 +354,11 @@ class StreamTracker:
         if self.expected is not None and seq < self.expected:
             if self._recent.get(seq) == hash(payload):
                 self.stats.duplicates += 1
+                return
+            if self._skipped[0] <= seq < self._skipped[1]:
+                # A straggler of batches already given up for lost (a replay answer overtook it):
+                # applying it now, after later batches, could resurrect removed blocks.
+                self.stats.late += 1
                 return
             # A PUB socket never repeats a seq with new content: the publisher restarted.
             self.stats.restarts += 1
@@ -349,11 +411,34 @@ class StreamTracker:
             return
         self._mode = _Mode.REPLAY
         self._replay_from = start
-        self._replay_hole = False
         self._for_gap = False
+        self._probe = False
+        self._resyncing = False
+        self._beyond = []
+        self._new_answer()
         self._tries = 1
         self._deadline = now + self.timeout_s
         self.outbox.append(pack_seq(start))
+
+    def _new_answer(self) -> None:
+        self._replay_hole = False
+        self._lost = False
+        self._frames = 0
+        self._progress = 0
+
+    def _reask(self, now: float) -> None:
+        """Asks again from the first missing seq on a fresh socket (frames were dropped). O(1).
+
+        An answer that delivered something starts the count of attempts afresh.
+        """
+        assert self.expected is not None, "re-asking while no seq is expected"
+        self.stats.reasks += 1
+        self.reset_replay_socket = True
+        if self._progress:
+            self._tries = 1
+        self._new_answer()
+        self._deadline = now + self.timeout_s
+        self.outbox.append(pack_seq(self.expected))
 
     def _replayed(self, seq: int, payload: bytes, out: list[Delivery]) -> None:
         assert self.expected is not None, "replay answer while no seq is expected"
@@ -362,11 +447,21 @@ class StreamTracker:
             if seq == self.expected - 1 and self._recent.get(seq) == hash(payload):
                 return  # same publisher: the replay goes on as usual
             self._on_new_publisher(seq, out)
+        first = self._frames == 0
+        self._frames += 1
         if self._restarted or seq < self.expected or self._replay_hole:
             return
-        if seq > self.expected:
-            self._replay_hole = True  # the buffer no longer holds seq `expected`
+        if self._lost:
+            self._beyond.append((seq, payload))
             return
+        if seq > self.expected:
+            if first:  # the buffer's oldest batch is past `expected`: the rest is lost for good
+                self._lost = True
+                self._beyond.append((seq, payload))
+            else:  # the answer skipped a seq it holds: frames were dropped on the way
+                self._replay_hole = True
+            return
+        self._progress += 1
         self._deliver(seq, payload, "replay", out)
 
     def _on_new_publisher(self, seq: int, out: list[Delivery]) -> None:
@@ -385,14 +480,28 @@ class StreamTracker:
             self._restarted = False
             self._start_replay(0, now, out)
             return
+        if self._lost:
+            self._unrecoverable(f"replay from seq {self.expected} started at seq {self._beyond[0][0]}: "
+                                "the publisher's buffer no longer holds the batches between", now, out)
+            return
         held = sorted(self._held)
         self._held = []
         pending = [(s, p) for s, p in held if s >= self.expected]
         if self._replay_hole or (pending and pending[0][0] > self.expected):
+            # Frames were dropped, or the answer ended before the held messages: ask again from the
+            # first missing seq. An answer that delivered something never counts against `attempts`.
             self._held = pending
-            self._unrecoverable(f"replay from seq {self._replay_from} came back short", now, out)
+            if self._progress:
+                self._reask(now)
+            elif self._tries < self.attempts:
+                self._tries += 1
+                self._reask(now)
+            else:
+                self._unrecoverable(f"replay from seq {self.expected} came back short {self._tries} times",
+                                    now, out)
             return
         self._mode = _Mode.LIVE
+        self._probe = False
         if self._for_gap:
             self.stats.gaps_filled += 1
             out.append(GapFilled(self.stream, self._replay_from, self.expected - 1))
@@ -409,9 +518,23 @@ class StreamTracker:
 
     # --- resynchronisation ---------------------------------------------------------------
 
+    def _resync_allowed(self, now: float) -> bool:
+        """Rate limit: True (and the backoff advanced) if a resync may start now."""
+        if now < self._next_resync:
+            self.stats.resyncs_deferred += 1
+            return False
+        # Resyncs that keep coming double the interval; a long quiet spell resets it.
+        quiet = now - self._last_resync > 4 * max(self._backoff, self.resync_backoff_s)
+        self._backoff = self.resync_backoff_s if quiet else min(2 * self._backoff, self.resync_backoff_max_s)
+        self._last_resync = now
+        self._next_resync = now + self._backoff
+        return True
+
     def _unrecoverable(self, reason: str, now: float, out: list[Delivery]) -> None:
         self.stats.resyncs += 1
-        if self.can_dump:
+        if self.can_dump and not self._resyncing and not self._resync_allowed(now):
+            self._dump_due = True  # mark partial now, dump when the rate limit allows
+        elif self.can_dump:
             log.warning("stream %s: %s; requesting a state dump", self.stream, reason)
             self._mode = _Mode.DUMP
             self._dump_seq = None
@@ -423,13 +546,25 @@ class StreamTracker:
         self._give_up(reason, now, out)
 
     def _give_up(self, reason: str, now: float, out: list[Delivery]) -> None:
-        log.warning("stream %s: %s; state marked stale", self.stream, reason)
+        log.warning("stream %s: %s; state marked partial", self.stream, reason)
         out.append(ResyncNeeded(self.stream, reason))
         self._mode = _Mode.LIVE
+        self._probe = False
+        # Continue from the oldest batch still at hand (what the replay returned past the loss,
+        # then the held live messages): the consumer rebuilds from there.
+        by_seq = dict(self._beyond)
+        by_seq.update(self._held)
+        held = sorted(by_seq.items())
+        self._beyond = []
+        self._held = []
+        if held and self.expected is not None and held[0][0] > self.expected:
+            self._skipped = (self.expected, held[0][0])
+        self.expected = held[0][0] if held else None
+        self._drain(held, now, out)
+
+    def _drain_held(self, now: float, out: list[Delivery]) -> None:
         held = sorted(self._held)
         self._held = []
-        # Continue from whatever arrived next: the consumer starts the stream afresh.
-        self.expected = held[0][0] if held else None
         self._drain(held, now, out)
 
     def _dumped(self, seq: int, payload: bytes, out: list[Delivery]) -> None:

@@ -20,6 +20,8 @@ from kvtier.wire.stream import Delivery, MalformedFrame, StreamId, StreamStats, 
 
 log = logging.getLogger(__name__)
 
+_REPLAY_HWM = 200_000  # replay frames queued on the subscriber side before ZMQ pushes back
+
 
 @dataclass(slots=True, frozen=True)
 class EndpointConfig:
@@ -76,6 +78,10 @@ class Subscriber:
     def stats(self, stream: StreamId) -> StreamStats:
         return self._conns[stream].tracker.stats
 
+    def recovering(self, stream: StreamId) -> bool:
+        """A catch-up, full replay or dump of ``stream`` is under way. O(1)."""
+        return self._conns[stream].tracker.recovering
+
     def add_endpoint(self, cfg: EndpointConfig) -> None:
         """Connect to a publisher. Raises ``ValueError`` if its stream is already connected."""
         if cfg.stream in self._conns:
@@ -116,6 +122,9 @@ class Subscriber:
             return None
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        # A replay answer is as long as the publisher's buffer (SGLang and kvtier keep 10,000
+        # batches); the default limit of 1,000 would make the publisher block or drop frames.
+        dealer.setsockopt(zmq.RCVHWM, _REPLAY_HWM)
         dealer.connect(cfg.replay_endpoint)
         return dealer
 
