@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from kvtier.engine.datapath import CopyKind, CopyOp, DataPath
+from kvtier.engine.dump import NodeRun, Snapshot, dump_batches, l3_runs
 from kvtier.engine.hashing import iter_chain
 from kvtier.engine.pool import PageId, PagePool, PoolExhausted
 from kvtier.engine.radix import Node, RadixTree
@@ -482,17 +483,9 @@ class TieredCache:
 
     def _announce(self, pages: list[tuple[str, PageMeta]]) -> None:
         """BlockStored(DISK or EXTERNAL) for pages, one event per run of consecutive pages."""
-        medium = self._medium(self._l3_tier())
-        run: BlockStored | None = None
         for key, meta in pages:
             self._announced[key] = meta.event_hash
-            if run is not None and run.block_hashes[-1] == meta.parent_hash:
-                run.block_hashes.append(meta.event_hash)
-                run.token_ids.extend(meta.token_list())
-                continue
-            run = BlockStored(block_hashes=[meta.event_hash], parent_block_hash=meta.parent_hash,
-                              token_ids=meta.token_list(), block_size=self.config.page_size, medium=medium)
-            self._events.append(run)
+        self._events.extend(l3_runs([m for _, m in pages], self._medium(self._l3_tier()), self.config.page_size))
 
     def _on_l3_evicted(self, keys: list[str]) -> None:
         hashes = [self._announced.pop(k) for k in keys if k in self._announced]
@@ -831,19 +824,23 @@ class TieredCache:
             out[self.store.tier].update(self._announced.values())
         return out
 
-    def dump_events(self, max_events: int = 256) -> list[EventBatch]:
-        """The whole current state as BlockStored events, parents first (for resync)."""
-        saved, self._events = self._events, []
+    def dump_snapshot(self) -> Snapshot:
+        """What a state dump sends, by reference (see :mod:`kvtier.engine.dump`). O(nodes + L3 pages)."""
+        runs: list[NodeRun] = []
+        dev, host = self._medium(StorageTier.DEVICE), self._medium(StorageTier.HOST)
         for n in self.tree.nodes():
             if n.device is not None:
-                self._stored(n, StorageTier.DEVICE)
+                runs.append(NodeRun(n.hashes, n.parent_hash(), n.tokens, dev))
             if n.host is not None:
-                self._stored(n, StorageTier.HOST)
-        if self.store is not None:
-            self._announce([(k, self.store.meta(k)) for k in self.store.announced_by(self.name)
-                            if k in self._announced])
-        events, self._events = self._events, saved
-        return [EventBatch(ts=0.0, events=events[i:i + max_events]) for i in range(0, len(events), max_events)]
+                runs.append(NodeRun(n.hashes, n.parent_hash(), n.tokens, host))
+        if self.store is None:
+            return Snapshot(self.tree.page_size, runs, [], "")
+        l3 = [self.store.meta(k) for k in self.store.announced_by(self.name) if k in self._announced]
+        return Snapshot(self.tree.page_size, runs, l3, self._medium(self._l3_tier()))
+
+    def dump_events(self, max_events: int = 256) -> list[EventBatch]:
+        """The whole current state as BlockStored events, parents first (for resync)."""
+        return list(dump_batches(self.dump_snapshot(), max_events=max_events))
 
     def _check(self) -> None:
         """Asserts the tree's, the pools' and the bookkeeping's invariants."""

@@ -2,16 +2,18 @@
 
 The node publishes the cache's events as they are produced and answers state-dump
 requests (kvtier's resync extension) with the cache's whole current residency,
-consistent with the last live batch: both happen under one lock.
+consistent with the last live batch: the snapshot is taken under the same lock as
+publishing, and the dump's events are built from it outside the lock.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from kvtier.engine.cache import TieredCache
+from kvtier.engine.dump import dump_batches
 from kvtier.wire.codec import WireFormat
 from kvtier.wire.protocol import EventBatch
 from kvtier.wire.publisher import Publisher
@@ -42,13 +44,14 @@ class EngineNode:
             self.cache.poll()
             return self.flush()
 
-    def _dump(self) -> tuple[int, list[EventBatch]]:
+    def _dump(self) -> tuple[int, Iterator[EventBatch]]:
+        # Only the snapshot (references, O(nodes)) is taken under the lock; the publisher's dump
+        # thread builds and encodes the batches while the engine goes on.
         with self.lock:
             self.flush()  # everything before the dump is live, so the dump's seq covers it
-            batches = self.cache.dump_events()
-            for b in batches:
-                b.dp_rank = self.dp_rank
-            return self.publisher.last_seq, batches
+            snap = self.cache.dump_snapshot()
+            last_seq = self.publisher.last_seq
+        return last_seq, dump_batches(snap, dp_rank=self.dp_rank)
 
     def close(self) -> None:
         self.publisher.close()

@@ -1,0 +1,68 @@
+"""State dumps (kvtier's resync extension): a snapshot taken under the engine lock, events built outside.
+
+A dump must be consistent with the last live batch, so the snapshot is taken while the engine
+lock is held; but building a whole engine's ``BlockStored`` events (copies of every token id) took
+seconds on a large cache and held the lock, and everything else, that long. The snapshot
+therefore only captures references, O(nodes): a radix node's ``hashes`` and ``tokens`` lists are
+replaced, never mutated in place (a split slices them into new lists), and L3 page metadata is
+immutable once written. The events are built from the snapshot later, on the publisher's dump
+thread, a batch at a time as the subscriber reads them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from kvtier.engine.storage import PageMeta
+from kvtier.wire.protocol import BlockStored, EngineHash, Event, EventBatch
+
+
+@dataclass(slots=True, frozen=True)
+class NodeRun:
+    """One radix node's pages on one tier, by reference."""
+
+    hashes: list[int]  # the node's event hashes (never mutated in place)
+    parent: int | None  # event hash of the parent's last page
+    tokens: list[int]  # the node's token ids (never mutated in place)
+    medium: str  # wire spelling of the tier
+
+
+@dataclass(slots=True, frozen=True)
+class Snapshot:
+    """Everything a dump sends, captured under the engine lock in O(nodes + L3 pages)."""
+
+    page_size: int  # tokens per page
+    runs: list[NodeRun]  # device and host residency, parents first
+    l3_pages: list[PageMeta]  # announced L3 pages, parents first
+    l3_medium: str  # wire spelling of the L3 tier
+
+
+def l3_runs(pages: Iterable[PageMeta], medium: str, page_size: int) -> list[BlockStored]:
+    """BlockStored events for L3 pages, one per run of consecutive pages (parent then child). O(pages)."""
+    out: list[BlockStored] = []
+    run: BlockStored | None = None
+    for meta in pages:
+        if run is not None and run.block_hashes[-1] == meta.parent_hash:
+            run.block_hashes.append(meta.event_hash)
+            run.token_ids.extend(meta.token_list())
+            continue
+        run = BlockStored(block_hashes=[meta.event_hash], parent_block_hash=meta.parent_hash,
+                          token_ids=meta.token_list(), block_size=page_size, medium=medium)
+        out.append(run)
+    return out
+
+
+def dump_batches(snap: Snapshot, *, max_events: int = 256, dp_rank: int | None = None) -> Iterator[EventBatch]:
+    """The snapshot as event batches, built lazily (no lock needed). O(tokens) in all."""
+    events: list[Event] = []
+    for r in snap.runs:
+        hashes: list[EngineHash] = list(r.hashes)
+        events.append(BlockStored(block_hashes=hashes, parent_block_hash=r.parent,
+                                  token_ids=list(r.tokens), block_size=snap.page_size, medium=r.medium))
+        if len(events) == max_events:
+            yield EventBatch(ts=0.0, events=list(events), dp_rank=dp_rank)
+            events.clear()
+    events.extend(l3_runs(snap.l3_pages, snap.l3_medium, snap.page_size))
+    for i in range(0, len(events), max_events):
+        yield EventBatch(ts=0.0, events=events[i:i + max_events], dp_rank=dp_rank)
