@@ -59,7 +59,7 @@ def main() -> None:
 
     node = EngineNode(cache, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
     node.publisher.publish(EventBatch(ts=time.time(), events=[]))  # a dump's seq frame is the last live seq
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     first, end, other_wait, frames = [], [], [], 0
     try:
         for _ in range(args.repeat):
