@@ -17,6 +17,7 @@ Invariants (asserted by :meth:`TieredIndex._check`):
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from itertools import groupby
@@ -25,7 +26,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvtier.indexer.keys import BlockKey, chain_keys, namespace
+from kvtier.indexer.keys import BlockKey, block_keys, chain_keys, namespace, split_extra_keys
 from kvtier.indexer.orphans import OrphanPool, OrphanStats
 from kvtier.wire.overlap import OverlapScores, TierOverlap
 from kvtier.wire.protocol import (
@@ -247,9 +248,15 @@ class TieredIndex:
             return self._reject(w, "BlockStored with no block hashes")
         if len(ev.token_ids) != n * bs:
             return self._reject(w, f"{len(ev.token_ids)} token ids for {n} blocks of {bs}")
+        salt, extras = ev.cache_salt, None
+        if ev.extra_keys is not None:
+            if len(ev.extra_keys) != n:
+                return self._reject(w, f"{len(ev.extra_keys)} extra_keys entries for {n} blocks")
+            vllm_salt, extras = split_extra_keys(ev.extra_keys, ev.lora_name)
+            salt = salt or vllm_salt
         if ev.parent_block_hash is None:
             parent = None
-            ns = namespace(ev.lora_name, ev.cache_salt)
+            ns = namespace(ev.lora_name, salt)
         else:
             parent = w.hashes.get(ev.parent_block_hash)
             ns = None
@@ -257,7 +264,7 @@ class TieredIndex:
                 w.stats.unknown_parents += 1
                 w.orphans.hold(ev, tier)
                 return Outcome.ORPHANED
-        keys = chain_keys(ev.token_ids, bs, parent, ns)
+        keys = chain_keys(ev.token_ids, bs, parent, ns, extras)
         self._insert(w, ev.block_hashes, keys, tier)
         if w.orphans:
             self._graft(w, ev.block_hashes, keys)
@@ -296,7 +303,8 @@ class TieredIndex:
             for run in w.orphans.take(eh):
                 ev = run.event
                 try:
-                    run_keys = chain_keys(ev.token_ids, ev.block_size, key, None)
+                    extras = split_extra_keys(ev.extra_keys, ev.lora_name)[1] if ev.extra_keys else None
+                    run_keys = chain_keys(ev.token_ids, ev.block_size, key, None, extras)
                 except ValueError as exc:  # bad token ids: this run is lost, the others graft
                     self._reject(w, f"held orphan store: {exc}")
                     continue
@@ -348,16 +356,21 @@ class TieredIndex:
     # --- queries -------------------------------------------------------------------------
 
     def find_matches(
-        self, token_ids: list[int], *, lora_name: str | None = None, cache_salt: str | None = None
+        self, token_ids: list[int], *, lora_name: str | None = None, cache_salt: str | None = None,
+        mm_items: Sequence[tuple[str, int, int]] | None = None,
     ) -> OverlapScores:
         """Per-worker tier overlaps of a request given as token ids. O(len(token_ids))."""
-        return self.find_matches_keys(self.request_keys(token_ids, lora_name=lora_name, cache_salt=cache_salt))
+        return self.find_matches_keys(self.request_keys(token_ids, lora_name=lora_name, cache_salt=cache_salt,
+                                                        mm_items=mm_items))
 
     def request_keys(
-        self, token_ids: list[int], *, lora_name: str | None = None, cache_salt: str | None = None
+        self, token_ids: list[int], *, lora_name: str | None = None, cache_salt: str | None = None,
+        mm_items: Sequence[tuple[str, int, int]] | None = None,
     ) -> list[BlockKey]:
-        """The router block keys of a request's full blocks, in its LoRA / salt key space. O(len(token_ids))."""
-        return chain_keys(token_ids, self.block_size, None, namespace(lora_name, cache_salt))
+        """The router block keys of a request's full blocks, in its LoRA / salt key space, with its
+        multimodal items ``(identifier, offset, length)`` scoping the blocks they overlap (see
+        :mod:`kvtier.indexer.keys`). O(len(token_ids) + items)."""
+        return block_keys(token_ids, self.block_size, lora_name=lora_name, cache_salt=cache_salt, mm_items=mm_items)
 
     def find_matches_keys(self, keys: list[BlockKey]) -> OverlapScores:
         """Per-worker tier overlaps of a request given as block keys.

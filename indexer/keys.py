@@ -7,6 +7,15 @@ These are the keys Dynamo's router computes, so requests hashed either way agree
 A LoRA adapter name or a cache salt opens a separate key space: the first key is
 then ``xxh3_64(le64(ns) || le64(local[0]))`` with ``ns = xxh3_64(utf8(lora_name "\\0" salt))``,
 and the chain carries the difference into every later key.
+
+Multimodal inputs and prompt embeddings scope single blocks, as in vLLM's block hashes: a block
+with such extra keys gets ``key[i] = xxh3_64(le64(chained key) || le64(extra))`` where ``extra`` is
+the xxh3 of the msgpack of its extra items, in order. vLLM 0.33 publishes them per block in
+``BlockStored.extra_keys``, untagged: the LoRA name first (when ``lora_name`` is set), then
+``(mm_identifier, offset in block)`` pairs, then the cache salt (first block of a request only),
+then prompt-embedding digests (bytes). :func:`split_extra_keys` maps that list into this key
+space (the salt joins the namespace, the rest becomes per-block extras), and :func:`mm_block_extras`
+computes the same extras for a query from its multimodal items' positions, as vLLM does.
 """
 
 from __future__ import annotations
@@ -14,8 +23,9 @@ from __future__ import annotations
 import struct
 from array import array
 from collections.abc import Sequence
-from typing import NewType
+from typing import Any, NewType
 
+import msgspec
 import xxhash
 
 #: A router-side block key: identifies a block together with its whole prefix.
@@ -45,11 +55,13 @@ def chain_keys(
     block_size: int,
     parent: BlockKey | None = None,
     ns: int | None = None,
+    extras: Sequence[int | None] | None = None,
 ) -> list[BlockKey]:
     """Keys of the full blocks of ``token_ids`` continuing the chain after ``parent``.
 
     A trailing partial block gets no key. ``ns`` (from :func:`namespace`) applies
     only under the root (``parent is None``): the parent key already carries it.
+    ``extras`` (one per block, from :func:`extra_digest`) scope single blocks.
     O(len(token_ids)).
     """
     if block_size <= 0:
@@ -66,8 +78,81 @@ def chain_keys(
             prev = BlockKey(local if ns is None else _h(pack(ns, local), seed=SEED))
         else:
             prev = BlockKey(_h(pack(prev, local), seed=SEED))
+        if extras is not None:
+            e = extras[off // step] if off // step < len(extras) else None
+            if e is not None:
+                prev = BlockKey(_h(pack(prev, e), seed=SEED))
         keys.append(prev)
     return keys
+
+
+_encode = msgspec.msgpack.Encoder().encode
+
+
+def extra_digest(items: Sequence[Any]) -> int | None:
+    """The per-block extra of ``items`` (multimodal pairs, embedding digests); None if empty. O(items).
+
+    Pairs are hashed as lists, so a tuple sent by an engine and the list msgpack decodes it to agree.
+    """
+    if not items:
+        return None
+    norm = [list(i) if isinstance(i, tuple) else i for i in items]
+    return _h(_encode(norm), seed=SEED)
+
+
+def split_extra_keys(
+    extra_keys: Sequence[Any] | None, lora_name: str | None
+) -> tuple[str | None, list[int | None] | None]:
+    """Maps vLLM's published per-block ``extra_keys`` into this key space: ``(cache salt, per-block extras)``.
+
+    Per block, in vLLM's order: the LoRA name when ``lora_name`` is set (carried by the namespace
+    already, so dropped), ``(identifier, offset)`` pairs, the cache salt (a string, first block of
+    a request only), prompt-embedding digests (bytes). Raises ``ValueError`` for an entry of another
+    shape. O(items).
+    """
+    if not extra_keys:
+        return None, None
+    salt: str | None = None
+    per_block: list[int | None] = []
+    for i, entry in enumerate(extra_keys):
+        if entry is None:
+            per_block.append(None)
+            continue
+        if not isinstance(entry, list | tuple):
+            raise ValueError(f"extra_keys[{i}] is {type(entry).__name__}, expected a list or null")
+        items = list(entry)
+        if lora_name is not None and items and items[0] == lora_name:
+            items = items[1:]
+        scoped: list[Any] = []
+        for item in items:
+            if isinstance(item, str):
+                if i != 0 or salt is not None:
+                    raise ValueError(f"extra_keys[{i}]: unexpected string {item!r} (a salt scopes block 0 only)")
+                salt = item
+            elif isinstance(item, bytes) or (isinstance(item, list | tuple) and len(item) == 2
+                                             and isinstance(item[0], str) and type(item[1]) is int):
+                scoped.append(item)
+            else:
+                raise ValueError(f"extra_keys[{i}]: unrecognised item {item!r}")
+        per_block.append(extra_digest(scoped))
+    return salt, per_block if any(e is not None for e in per_block) else None
+
+
+def mm_block_extras(
+    num_tokens: int, block_size: int, mm_items: Sequence[tuple[str, int, int]]
+) -> list[int | None] | None:
+    """Per-block extras of a query from its multimodal items ``(identifier, offset, length)``,
+    placed as vLLM places them: each block lists ``(identifier, item offset - block start)`` for the
+    items overlapping it, in item order. O(blocks + items)."""
+    if not mm_items:
+        return None
+    items = sorted(mm_items, key=lambda m: m[1])
+    out: list[int | None] = []
+    for b in range(num_tokens // block_size):
+        start, end = b * block_size, (b + 1) * block_size
+        pairs = [(ident, off - start) for ident, off, length in items if off < end and off + length > start]
+        out.append(extra_digest(pairs))
+    return out
 
 
 def block_keys(
@@ -76,6 +161,8 @@ def block_keys(
     *,
     lora_name: str | None = None,
     cache_salt: str | None = None,
+    mm_items: Sequence[tuple[str, int, int]] | None = None,
 ) -> list[BlockKey]:
-    """Keys of a request's full blocks, from the root. O(len(token_ids))."""
-    return chain_keys(token_ids, block_size, None, namespace(lora_name, cache_salt))
+    """Keys of a request's full blocks, from the root. O(len(token_ids) + multimodal items)."""
+    extras = mm_block_extras(len(token_ids), block_size, mm_items or ())
+    return chain_keys(token_ids, block_size, None, namespace(lora_name, cache_salt), extras)

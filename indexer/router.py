@@ -55,9 +55,10 @@ class Router:
         self._rng = random.Random(seed)
 
     def route(self, token_ids: list[int], *, lora_name: str | None = None,
-              cache_salt: str | None = None) -> RouteDecision:
-        """Routes a request given as token ids. O(tokens + workers)."""
-        keys = self.index.request_keys(token_ids, lora_name=lora_name, cache_salt=cache_salt)
+              cache_salt: str | None = None, mm_items: Sequence[tuple[str, int, int]] | None = None) -> RouteDecision:
+        """Routes a request given as token ids (multimodal items as ``(identifier, offset, length)``).
+        O(tokens + workers)."""
+        keys = self.index.request_keys(token_ids, lora_name=lora_name, cache_salt=cache_salt, mm_items=mm_items)
         return self.route_keys(keys, len(token_ids))
 
     def route_keys(self, keys: list[BlockKey], num_tokens: int) -> RouteDecision:

@@ -1,8 +1,10 @@
 """``kvtier indexer``: subscribe to engines, keep the tiered index, answer overlap queries over HTTP.
 
 Endpoints:
-  ``POST /query``  ``{"token_ids": [...], "lora_name"?: str, "cache_salt"?: str}`` ->
-                   per-worker tier overlaps, shared-pool blocks, costs and a recommended worker.
+  ``POST /query``  ``{"token_ids": [...], "lora_name"?: str, "cache_salt"?: str,
+                   "mm_items"?: [{"identifier": str, "offset": int, "length": int}]}`` ->
+                   per-worker tier overlaps with ``partial``/``recovering`` flags, shared-pool
+                   blocks, costs and a recommended worker.
   ``GET /metrics`` Prometheus text (``?format=json`` for JSON): events applied / rejected,
                    gaps, resyncs, restarts, malformed frames, blocks per worker and tier, apply lag.
   ``GET /health``  liveness and per-worker staleness.
@@ -216,11 +218,12 @@ class IndexerService:
         for opt in ("lora_name", "cache_salt"):
             if body.get(opt) is not None and not isinstance(body[opt], str):
                 raise ValueError(f"{opt} must be a string")
+        mm_items = _mm_items(body.get("mm_items"))
         if self.failed.is_set():
             raise ServiceUnavailable(f"event loop died ({self._loop_error}): the index no longer follows the engines")
         with self._lock:
             dec = self.router.route(tokens, lora_name=body.get("lora_name"),
-                                    cache_salt=body.get("cache_salt"))
+                                    cache_salt=body.get("cache_salt"), mm_items=mm_items)
             flags = {str(s): self.worker_flags(s) for s in self.index.streams}
         out: dict[str, Any] = dec.overlaps.as_dict()
         out["workers"] = {str(s): {**o.as_dict(), **flags.get(str(s), {})} for s, o in dec.overlaps.workers.items()}
@@ -291,6 +294,24 @@ class IndexerService:
         if self._loop_error is not None:
             out["error"] = self._loop_error
         return out
+
+
+def _mm_items(raw: Any) -> list[tuple[str, int, int]] | None:
+    """``mm_items``: ``[{"identifier": str, "offset": int, "length": int}, ...]`` (token positions)."""
+    if raw is None:
+        return None
+    err = 'mm_items must be a list of {"identifier": str, "offset": int >= 0, "length": int > 0}'
+    if not isinstance(raw, list):
+        raise ValueError(err)
+    out = []
+    for item in raw:
+        if not isinstance(item, dict):
+            raise ValueError(err)
+        ident, off, length = item.get("identifier"), item.get("offset"), item.get("length")
+        if not (isinstance(ident, str) and type(off) is int and type(length) is int and off >= 0 and length > 0):
+            raise ValueError(err)
+        out.append((ident, off, length))
+    return out
 
 
 def _handler(service: IndexerService) -> type[BaseHTTPRequestHandler]:

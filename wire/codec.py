@@ -15,6 +15,7 @@ field values and ``ts`` (tests pin this against captured frames).
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Any
 
 import msgspec
 
@@ -56,6 +57,7 @@ class _MapStored(msgspec.Struct, tag_field="type", tag="BlockStored", gc=False):
     medium: str | None = None
     lora_name: str | None = None
     cache_salt: str | None = None
+    extra_keys: list[Any] | None = None  # vLLM
 
 
 class _MapRemoved(msgspec.Struct, tag_field="type", tag="BlockRemoved", gc=False):
@@ -114,6 +116,7 @@ def _to_event(raw: object) -> Event:
             medium=raw.medium,
             lora_name=raw.lora_name,
             cache_salt=raw.cache_salt,
+            extra_keys=raw.extra_keys if isinstance(raw, _MapStored) else None,
         )
     if isinstance(raw, _MapRemoved | _ArrRemoved):
         return BlockRemoved(block_hashes=raw.block_hashes, medium=raw.medium)
@@ -159,7 +162,7 @@ class _SgRemoved(msgspec.Struct, tag_field="type", tag="BlockRemoved", gc=False)
     medium: str | None
 
 
-class _VlStored(msgspec.Struct, tag_field="type", tag="BlockStored", gc=False):
+class _VlStored(msgspec.Struct, tag_field="type", tag="BlockStored", omit_defaults=True, gc=False):
     block_hashes: list[EngineHash]
     parent_block_hash: EngineHash | None
     token_ids: list[int]
@@ -167,6 +170,7 @@ class _VlStored(msgspec.Struct, tag_field="type", tag="BlockStored", gc=False):
     lora_id: int | None
     medium: str | None
     lora_name: str | None  # vLLM always sends it
+    extra_keys: list[Any] | None = None  # vLLM omits it when None
 
 
 #: Canonical medium spelling per wire format and tier.
@@ -205,7 +209,7 @@ def _encode_event(ev: Event, fmt: WireFormat) -> object:
         if fmt is WireFormat.VLLM:
             return _VlStored([_unsigned(h) for h in ev.block_hashes],  # type: ignore[misc]
                              _unsigned(ev.parent_block_hash), ev.token_ids, ev.block_size,
-                             ev.lora_id, medium, ev.lora_name)
+                             ev.lora_id, medium, ev.lora_name, ev.extra_keys)
         return ["BlockStored", ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size,
                 ev.lora_id, medium]
     if isinstance(ev, BlockRemoved):

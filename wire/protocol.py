@@ -12,7 +12,7 @@ the only operation the indexer relies on.
 from __future__ import annotations
 
 from enum import IntEnum
-from typing import NewType, TypeAlias
+from typing import Any, NewType, TypeAlias
 
 import msgspec
 
@@ -92,7 +92,10 @@ class BlockStored(msgspec.Struct, kw_only=True, gc=False):
     lora_id: int | None = None  # engine-local LoRA adapter id
     medium: str | None = None  # wire spelling of the tier; None means device
     lora_name: str | None = None  # LoRA adapter name (vLLM); changes the router key space
-    cache_salt: str | None = None  # per-tenant salt; changes the router key space
+    cache_salt: str | None = None  # per-tenant salt (SGLang); changes the router key space
+    #: vLLM: per block, the untagged extra keys of its hash (LoRA name, (mm id, offset) pairs,
+    #: cache salt, prompt-embedding digests); see kvtier.indexer.keys.split_extra_keys.
+    extra_keys: list[Any] | None = None
 
     @property
     def tier(self) -> StorageTier:

@@ -1,0 +1,86 @@
+"""vLLM's per-block extra keys (salt, LoRA, multimodal) map into the router's key space as vLLM
+scopes its block hashes; SGLang's ``cache_salt`` lands in the same space."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvtier.indexer.index import Outcome, TieredIndex
+from kvtier.indexer.keys import block_keys, mm_block_extras, split_extra_keys
+from kvtier.wire import BlockStored, EventBatch, StreamId, WireFormat, WorkerId, decode_payload, encode_payload
+
+BS = 4
+TOKS = list(range(100, 116))
+V, S = StreamId(WorkerId("vllm")), StreamId(WorkerId("sglang"))
+
+
+def vllm_store(hashes: list[int], tokens: list[int], extra: list[Any] | None, lora: str | None = None,
+               parent: int | None = None) -> BlockStored:
+    """Through vLLM's wire encoding and back, as the indexer receives it (tuples become lists)."""
+    ev = BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=BS,
+                     medium="GPU", lora_name=lora, extra_keys=extra)
+    got = decode_payload(encode_payload(EventBatch(ts=1.0, events=[ev]), WireFormat.VLLM)).events[0]
+    assert isinstance(got, BlockStored)
+    return got
+
+
+def depth(idx: TieredIndex, stream: StreamId, **kw: Any) -> int:
+    return idx.find_matches(TOKS, **kw).workers[stream].device
+
+
+def test_vllm_salt_in_extra_keys_scopes_the_chain_like_sglang_cache_salt() -> None:
+    idx = TieredIndex(BS)
+    # vLLM puts the salt only in the first block's extra keys; the chain carries it on.
+    assert idx.apply(V, vllm_store([1, 2], TOKS[:8], [("tenant-a",), None])) is Outcome.APPLIED
+    assert idx.apply(V, vllm_store([3], TOKS[8:12], None, parent=2)) is Outcome.APPLIED
+    idx.apply(S, BlockStored(block_hashes=[11, 12, 13], token_ids=TOKS[:12], block_size=BS, cache_salt="tenant-a"))
+    assert depth(idx, V) == 0 and depth(idx, V, cache_salt="tenant-b") == 0
+    assert depth(idx, V, cache_salt="tenant-a") == 3
+    assert depth(idx, S, cache_salt="tenant-a") == 3  # the same key space from either engine
+
+
+def test_vllm_lora_name_in_extra_keys_is_the_namespace_and_salt_follows_it() -> None:
+    idx = TieredIndex(BS)
+    idx.apply(V, vllm_store([1, 2], TOKS[:8], [("adapter", "s"), ("adapter",)], lora="adapter"))
+    assert depth(idx, V, lora_name="adapter", cache_salt="s") == 2
+    assert depth(idx, V, lora_name="adapter") == 0 and depth(idx, V, cache_salt="s") == 0
+
+
+def test_multimodal_items_scope_the_blocks_they_overlap() -> None:
+    idx = TieredIndex(BS)
+    # An image of 6 placeholder tokens at offset 2: blocks 0 and 1 carry it (offset relative to each
+    # block start, as vLLM publishes), block 2 does not, but the chain carries it on.
+    extras = [(("img-1", 2),), (("img-1", -2),), None]
+    idx.apply(V, vllm_store([1, 2, 3], TOKS[:12], extras))
+    assert depth(idx, V) == 0
+    assert depth(idx, V, mm_items=[("img-1", 2, 6)]) == 3
+    assert depth(idx, V, mm_items=[("img-2", 2, 6)]) == 0  # another image, same placeholder tokens
+    assert depth(idx, V, mm_items=[("img-1", 3, 5)]) == 0  # the same image elsewhere
+    assert mm_block_extras(12, BS, [("img-1", 2, 6)])[2] is None
+
+
+def test_prompt_embedding_digests_scope_their_block() -> None:
+    idx = TieredIndex(BS)
+    idx.apply(V, vllm_store([1, 2], TOKS[:8], [None, (b"\x01" * 32,)]))
+    assert depth(idx, V) == 1  # a router cannot know the embeddings: only block 0 matches
+
+
+@pytest.mark.parametrize("extra,reason", [
+    ([("a",), None, None], "3 extra_keys entries for 2 blocks"),
+    ([None, ("late-salt",)], "salt scopes block 0 only"),
+    ([(3.5,), None], "unrecognised item"),
+    (["oops", None], "expected a list or null"),
+])
+def test_malformed_extra_keys_cost_one_event(extra: list[Any], reason: str) -> None:
+    idx = TieredIndex(BS)
+    ev = BlockStored(block_hashes=[1, 2], token_ids=TOKS[:8], block_size=BS, extra_keys=extra)
+    assert idx.apply(V, ev) is Outcome.REJECTED and reason in (idx.stats(V).last_error or "")
+    assert idx.apply(V, BlockStored(block_hashes=[1, 2], token_ids=TOKS[:8], block_size=BS)) is Outcome.APPLIED
+
+
+def test_captured_vllm_frames_without_extra_keys_keep_their_keys() -> None:
+    assert split_extra_keys(None, None) == (None, None)
+    assert split_extra_keys([None, None], None) == (None, None)
+    assert block_keys(TOKS, BS, mm_items=[]) == block_keys(TOKS, BS)
