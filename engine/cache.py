@@ -482,7 +482,29 @@ class TieredCache:
             self._submit(op, _OpInfo(op, metas=metas))
 
     def _announce(self, pages: list[tuple[str, PageMeta]]) -> None:
-        """BlockStored(DISK or EXTERNAL) for pages, one event per run of consecutive pages."""
+        """BlockStored(DISK or EXTERNAL) for pages, one event per run of consecutive pages.
+
+        Keeps this engine's announcements prefix-closed: a page whose parent it has not announced
+        (in a shared pool another engine wrote the parent while this one skipped it) is preceded by
+        its committed ancestors, announced now. A store never holds a page without its parent, and
+        evicts leaves first, so the ancestors are there.
+        """
+        store = self.store
+        assert store is not None
+        closed: list[tuple[str, PageMeta]] = []
+        seen: set[str] = set()
+        for key, meta in pages:
+            missing: list[tuple[str, PageMeta]] = []
+            pk = meta.parent_key
+            while pk is not None and pk not in self._announced and pk not in seen and pk in store:
+                store.announce(pk, self.name)
+                parent = store.meta(pk)
+                missing.append((pk, parent))
+                pk = parent.parent_key
+            for k, m in [*reversed(missing), (key, meta)]:
+                seen.add(k)
+                closed.append((k, m))
+        pages = closed
         for key, meta in pages:
             self._announced[key] = meta.event_hash
         self._events.extend(l3_runs([m for _, m in pages], self._medium(self._l3_tier()), self.config.page_size))

@@ -317,3 +317,36 @@ def test_swa_full_eviction_emits_gpu_removal() -> None:
     h.run("b", toks(1000, 4))
     assert kinds(h.log) == [("BlockStored", "GPU"), ("BlockRemoved", "GPU"), ("BlockStored", "GPU")]
     assert h.cache.swa.used == 4
+
+
+def test_shared_pool_announcements_stay_prefix_closed_when_another_engine_wrote_the_parent() -> None:
+    """w1 writes page P into the shared pool; w2, meanwhile, skips P (in flight) and writes P's
+    child C. When C lands, w2 announces P (now committed by w1) before C, so w2's live events and
+    its dumps never name a parent w2 has not announced."""
+    pool = PageStore(64, shared=True)
+    idx = TieredIndex(PS)
+    h1 = Harness(CacheConfig(page_size=PS, device_pages=8), pool, name="w1", index=idx)
+    h2 = Harness(CacheConfig(page_size=PS, device_pages=8), pool, name="w2", index=idx)
+    p_and_c = toks(0, 2)
+    h1.run("a", p_and_c[:PS])
+    while not h1.cache._l3_pending:  # w1's host backup of P lands, then its L3 write of P starts
+        h1.advance(0.5)
+    (p_key,) = h1.cache._l3_pending
+    h2.run("b", p_and_c)
+    while not h2.cache._l3_pending:  # w2's backup of [P, C] lands: P is in flight (w1's), w2 writes C
+        h2.advance(0.5)
+    assert p_key not in h2.cache._l3_pending and pool.is_pending(p_key)
+    while pool.is_pending(p_key):  # P commits, announced by w1
+        h1.advance(0.5)
+    h2.settle()  # C commits: w2 announces P, then C (Harness.deliver asserts every event applied)
+    ext = [e for e in h2.log if isinstance(e, BlockStored) and e.medium == "EXTERNAL"]
+    assert [h for e in ext for h in e.block_hashes] == hashes(p_and_c)
+    assert idx.worker_hashes(h2.stream)[StorageTier.EXTERNAL] == set(hashes(p_and_c))
+    h2.cache.evict_host(2)
+    h2.cache.evict_device(2)
+    h2.deliver()
+    fresh = TieredIndex(PS)
+    for batch in h2.cache.dump_events():
+        for ev in batch.events:
+            assert fresh.apply(h2.stream, ev).value == "applied", ev
+    assert fresh.worker_hashes(h2.stream) == h2.cache.residency()
