@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 from kvtier.engine.cache import CacheConfig, TieredCache
 from kvtier.engine.datapath import Bandwidths, ModeledDataPath
@@ -10,7 +11,7 @@ from kvtier.engine.node import EngineNode
 from kvtier.engine.storage import PageStore
 from kvtier.indexer.consumer import IndexConsumer
 from kvtier.indexer.index import TieredIndex
-from kvtier.wire import EndpointConfig, ResyncNeeded, ResyncStarted, StorageTier, Subscriber
+from kvtier.wire import EndpointConfig, EventBatch, ResyncNeeded, ResyncStarted, StorageTier, Subscriber
 
 PS = 4
 
@@ -64,4 +65,56 @@ def test_index_converges_through_gaps_and_dumps() -> None:
     seen = index.worker_hashes(cfg.stream)
     assert seen == cache.residency()
     assert len(seen[StorageTier.DEVICE]) == 2 and not seen[StorageTier.HOST]  # only what followed the reset
+    node.close()
+
+
+def test_two_indexers_one_dumping_one_probing_both_converge() -> None:
+    """Indexer A joins late (past the replay buffer) and needs a dump that takes a second to build;
+    indexer B is in sync and probes every 50 ms with a 200 ms timeout. B's probes are answered
+    while A's dump is built, and even unanswered they never clear B; both end exact."""
+    now = [0.0]
+    dp = ModeledDataPath(1000, lambda: now[0], Bandwidths(1e6, 1e6, 1e6, 1e6, 1e-6))
+    cache = TieredCache(CacheConfig(page_size=PS, device_pages=4096, host_ratio=1.0), dp)
+    node = EngineNode(cache, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", buffer_size=8)
+    build = node.publisher._dump_provider
+    assert build is not None
+
+    def slow_dump() -> tuple[int, Iterator[EventBatch]]:
+        time.sleep(1.0)  # a large engine's snapshot and first batches
+        seq, batches = build()
+        return seq, iter(batches)
+
+    node.publisher._dump_provider = slow_dump
+    cfg = EndpointConfig("e0", node.publisher.endpoint, node.publisher.replay_endpoint, supports_dump=True)
+    idx_a, idx_b = TieredIndex(PS), TieredIndex(PS)
+    con_a, con_b = IndexConsumer(idx_a), IndexConsumer(idx_b)
+
+    def serve(i: int) -> None:
+        with node.lock:
+            adm = cache.admit(f"r{i}", list(range(i * 1000, i * 1000 + PS * 8)))
+            if cache.begin_prefill(adm) is not None:
+                cache.finish_prefill(adm)
+            cache.release(adm)
+        now[0] += 0.05
+        node.step()
+
+    with Subscriber([cfg], replay_timeout_s=0.2) as sub_b:
+        sub_b._conns[cfg.stream].tracker.probe_s = 0.05
+        for i in range(200):  # B follows live from the start
+            serve(i)
+            con_b.feed(sub_b.poll(1))
+        with Subscriber([cfg], replay_timeout_s=3.0) as sub_a:  # A joins 200+ batches late
+            end = time.monotonic() + 4.0
+            i = 200
+            while time.monotonic() < end:
+                if i < 260:
+                    serve(i)
+                    i += 1
+                con_a.feed(sub_a.poll(5))
+                con_b.feed(sub_b.poll(5))
+            truth = cache.residency()
+            assert sub_a.stats(cfg.stream).resyncs == 1 and idx_a.worker_hashes(cfg.stream) == truth
+        st_b = sub_b.stats(cfg.stream)
+        assert st_b.resyncs == 0 and idx_b.stats(cfg.stream).clears == 0
+        assert idx_b.worker_hashes(cfg.stream) == truth and not idx_b.is_partial(cfg.stream)
     node.close()
