@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvtier.indexer.index import Outcome, TieredIndex
+from kvtier.wire.protocol import Event
 from kvtier.wire.stream import (
     Delivery,
     PublisherRestarted,
@@ -57,10 +58,12 @@ class IndexConsumer:
     Not thread-safe: the caller holds whatever lock guards the index.
     """
 
-    def __init__(self, index: TieredIndex, *, wall_clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, index: TieredIndex, *, wall_clock: Callable[[], float] = time.time,
+                 keep: Callable[[Event], bool] | None = None) -> None:
         self.index = index
         self.counters = ConsumerCounters()
         self._wall = wall_clock
+        self._keep = keep  # events it returns False for are skipped (a router listening to some tiers)
 
     def feed(self, deliveries: Iterable[Delivery]) -> None:
         """Applies each delivery in order. O(events delivered), plus O(blocks) per clear."""
@@ -75,8 +78,10 @@ class IndexConsumer:
                 log.debug("%s", d)
 
     def _apply(self, d: Received) -> None:
-        index, outcomes = self.index, self.counters.outcomes
+        index, outcomes, keep = self.index, self.counters.outcomes, self._keep
         for ev in d.batch.events:
+            if keep is not None and not keep(ev):
+                continue
             outcome = index.apply(d.stream, ev)
             if outcome is not Outcome.APPLIED:
                 outcomes[outcome.value] = outcomes.get(outcome.value, 0) + 1

@@ -53,6 +53,7 @@ _DEV = sum(1 << (_TIERS * s) for s in range(_SLOTS_PER_WORD))  # the device bit 
 _EXT = _DEV << StorageTier.EXTERNAL
 _MAX_RUNS = 64  # find_matches walks runs of equal masks in Python up to this many, else numpy
 _LOG_FIRST, _LOG_EVERY = 10, 1000  # rejections logged per worker: the first N, then every Mth
+_MAX_GHOSTS = 1 << 20  # remembered keys of blocks dropped at losses, per worker (oldest forgotten first)
 
 
 class Outcome(Enum):
@@ -84,6 +85,9 @@ class _Worker:
     counts: list[int] = field(default_factory=lambda: [0] * _TIERS)  # blocks per tier
     stats: WorkerStats = field(default_factory=WorkerStats)  # counters
     orphans: OrphanPool = field(default_factory=OrphanPool)  # stores waiting for their parent
+    # Engine hash -> key of blocks dropped at a loss for good: no longer reported as held, but
+    # still the parent of a store that extends them (engine hashes name content, so the key stays right).
+    ghosts: dict[EngineHash, BlockKey] = field(default_factory=dict)
     partial: bool = False  # events were lost for good: prefixes stored before the loss are unknown
 
 
@@ -172,9 +176,17 @@ class TieredIndex:
         is unknown (and its removals may be lost too, which is why it is dropped rather than
         kept). Live events are applied from then on, so every prefix stored after the loss is
         indexed exactly; the flag stays until the worker's state is complete again (a state dump,
-        a replay from seq 0, an ``AllBlocksCleared``).
+        a replay from seq 0, an ``AllBlocksCleared``). The dropped blocks' keys are remembered
+        (not reported as held) so that stores extending those prefixes are indexed at once
+        instead of waiting as orphans.
         """
         w = self._worker(stream)
+        if partial:
+            w.ghosts.update(w.hashes)
+            while len(w.ghosts) > _MAX_GHOSTS:
+                del w.ghosts[next(iter(w.ghosts))]
+        else:
+            w.ghosts.clear()
         keep = ~(_SLOT_MASK << (_TIERS * w.slot))
         masks = self._masks
         for key in w.hashes.values():
@@ -259,6 +271,8 @@ class TieredIndex:
             ns = namespace(ev.lora_name, salt)
         else:
             parent = w.hashes.get(ev.parent_block_hash)
+            if parent is None and w.ghosts:
+                parent = w.ghosts.get(ev.parent_block_hash)
             ns = None
             if parent is None:
                 w.stats.unknown_parents += 1

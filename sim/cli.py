@@ -30,6 +30,7 @@ from kvtier.sim.generators import PRESETS, generate
 from kvtier.sim.policies import POLICIES
 from kvtier.sim.run import RunConfig, RunResult, simulate
 from kvtier.sim.trace import TraceError, write_mooncake
+from kvtier.sim.transport import Recovery
 
 DEFAULT_POLICIES = "round_robin,least_loaded,approx,kv_device,kv_host,kv_all,dynamo,min_ttft,oracle"
 
@@ -94,6 +95,10 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cost", choices=["credit", "ttft"], default="credit", help="cost model of kv policies")
     g.add_argument("--event-delay", type=float, default=0.0, help="engine -> router event delay, seconds")
     g.add_argument("--event-loss", type=float, default=0.0, help="probability an event batch is lost")
+    g.add_argument("--recovery", choices=[r.value for r in Recovery], default=Recovery.DUMP.value,
+                   help="what the router does about lost batches: none (they stay missing), replay (seq tracking "
+                        "and replay, as with SGLang/vLLM engines), dump (replay, then state dumps: kvtier engines)")
+    g.add_argument("--replay-buffer", type=int, default=10_000, help="batches each engine keeps for replay")
     g.add_argument("--host-credit", type=float, default=0.75, help="credit cost: weight of a host-tier block")
     g.add_argument("--disk-credit", type=float, default=0.25,
                    help="credit cost: weight of a disk or external block")
@@ -136,8 +141,11 @@ def _latency(path: Path | None) -> MockerLatency:
 def _run_cfg(a: argparse.Namespace, policy: str) -> RunConfig:
     if policy not in POLICIES:
         raise CliError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
+    if a.replay_buffer < 1:
+        raise CliError(f"--replay-buffer must be >= 1, got {a.replay_buffer}")
     return RunConfig(policy, a.cost, a.event_delay, a.event_loss, a.host_credit, a.disk_credit, a.temperature,
-                     a.seed, closed_loop=not a.open_loop, until_s=a.until)
+                     a.seed, closed_loop=not a.open_loop, until_s=a.until, recovery=a.recovery,
+                     replay_buffer=a.replay_buffer)
 
 
 def _trace(a: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -152,7 +160,7 @@ def _trace(a: argparse.Namespace):  # type: ignore[no-untyped-def]
 def _meta(a: argparse.Namespace, n_requests: int) -> dict[str, Any]:
     return {"trace": a.trace, "requests": n_requests, "time_scale": a.time_scale,
             "cluster": dataclasses.asdict(_cluster(a)), "cost": a.cost, "event_delay_s": a.event_delay,
-            "event_loss": a.event_loss}
+            "event_loss": a.event_loss, "recovery": a.recovery, "replay_buffer": a.replay_buffer}
 
 
 def _tick(bar: Any) -> None:

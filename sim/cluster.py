@@ -154,6 +154,10 @@ class SimWorker:
         if batch is not None:
             self._on_event(self.index, batch)
 
+    def flush_events(self) -> None:
+        """Publishes pending events now (before a state dump, which must cover them)."""
+        self._publish()
+
     def _schedule_wake(self) -> None:
         t = self.dp.next_completion()
         if t is None or (self._wake is not None and self._wake.time <= t and self._wake.time >= self.env.now):

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvtier.engine.cache import TieredCache
+from kvtier.indexer.consumer import IndexConsumer
 from kvtier.indexer.hardware import DEFAULT_GPU_LINK, DEFAULT_STORAGE_LINK, GPU_LINKS, STORAGE_LINKS
 from kvtier.indexer.index import TieredIndex
 from kvtier.indexer.keys import BlockKey
@@ -37,8 +38,8 @@ from kvtier.indexer.load import LoadTracker
 from kvtier.indexer.router import Router
 from kvtier.indexer.scoring import CostModel, CreditCost, DynamoCost, TierCredits, TtftCost, visible
 from kvtier.wire.overlap import OverlapScores, TierOverlap
-from kvtier.wire.protocol import BlockRemoved, BlockStored, EventBatch, StorageTier, WorkerId, parse_medium
-from kvtier.wire.stream import StreamId
+from kvtier.wire.protocol import BlockRemoved, BlockStored, Event, EventBatch, StorageTier, WorkerId, parse_medium
+from kvtier.wire.stream import Delivery, Received, StreamId
 
 POLICIES = ["round_robin", "random", "least_loaded", "approx", "kv_device", "kv_host", "kv_all", "dynamo", "min_ttft",
             "oracle"]
@@ -171,6 +172,12 @@ class KvPolicy:
         for s in self.streams:
             self.index.add_worker(s)
         self.router = Router(self.index, cost, loads=loads, workers=self.streams, temperature=temperature, seed=seed)
+        # The service's consumer, so loss and recovery act on the index exactly as in a deployment.
+        self.consumer = IndexConsumer(self.index, wall_clock=lambda: 0.0, keep=self._listens)
+
+    def _listens(self, ev: Event) -> bool:
+        # A router that only listens to lower tiers never sees the others.
+        return not (isinstance(ev, BlockStored | BlockRemoved) and parse_medium(ev.medium) > self.max_tier)
 
     def choose(self, req: RouteInput) -> Choice:
         d = self.router.route_keys(req.keys, len(req.tokens))
@@ -178,11 +185,11 @@ class KvPolicy:
         return Choice(i, visible(d.overlaps.workers[d.worker], self.max_tier), self.max_tier)
 
     def on_events(self, worker: int, batch: EventBatch) -> None:
-        stream = self.streams[worker]
-        for ev in batch.events:
-            if isinstance(ev, BlockStored | BlockRemoved) and parse_medium(ev.medium) > self.max_tier:
-                continue  # a router that only listens to lower tiers never sees it
-            self.index.apply(stream, ev)
+        self.consumer.feed([Received(self.streams[worker], 0, batch, "live")])
+
+    def feed(self, deliveries: list[Delivery]) -> None:
+        """Deliveries of the modeled event path (:mod:`kvtier.sim.transport`), recovery notices included."""
+        self.consumer.feed(deliveries)
 
     @property
     def events_rejected(self) -> int:

@@ -12,9 +12,9 @@ from kvtier.sim.core import Environment
 from kvtier.sim.metrics import RequestRecord, RunSummary, summarize
 from kvtier.sim.policies import KvPolicy, RouteInput, make_policy
 from kvtier.sim.trace import Request, TokenBank
-from kvtier.wire.codec import decode_payload, encode_payload
+from kvtier.sim.transport import Recovery, SimWire, WireConfig, WireCounters
 from kvtier.wire.protocol import EventBatch, WorkerId
-from kvtier.wire.stream import StreamId
+from kvtier.wire.stream import Delivery, StreamId
 
 
 @dataclass(slots=True, frozen=True)
@@ -31,6 +31,8 @@ class RunConfig:
     seed: int = 0  # policy and loss randomness
     closed_loop: bool = True  # a session's next turn waits for this turn's answer (see simulate)
     until_s: float | None = None  # stop simulated time here; what has not finished is counted unfinished
+    recovery: str = "dump"  # what the router does about lost batches: see sim.transport.Recovery
+    replay_buffer: int = 10_000  # batches each engine keeps for replay
 
     @property
     def label(self) -> str:
@@ -46,6 +48,7 @@ class RunResult:
     decisions: list[int] = field(default_factory=list)  # chosen worker per request, in arrival order
     events_published: int = 0  # batches the engines published
     events_lost: int = 0  # batches dropped on the way to the router
+    wire: WireCounters = field(default_factory=WireCounters)  # replays, dumps, partial marks
 
 
 def simulate(trace: list[Request], cluster_cfg: ClusterConfig, run: RunConfig, *, bank: TokenBank | None = None,
@@ -66,26 +69,29 @@ def simulate(trace: list[Request], cluster_cfg: ClusterConfig, run: RunConfig, *
     rng = random.Random(run.seed)
     records: list[RequestRecord] = []
     decisions: list[int] = []
-    counts = {"published": 0, "lost": 0}
     ps = cluster_cfg.page_size
     streams = [StreamId(WorkerId(f"w{i}")) for i in range(cluster_cfg.workers)]
     bar = _progress(len(trace), run.label) if progress else None
+    # Without loss a tracker would only confirm what arrives: skip it (same results, less work).
+    recovery = Recovery(run.recovery) if run.event_loss else Recovery.NONE
+    wire_cfg = WireConfig(run.event_delay_s, run.event_loss, recovery, run.replay_buffer)
 
-    def deliver(worker: int, payload: bytes) -> None:
-        policy.on_events(worker, decode_payload(payload))
+    def sink(deliveries: list[Delivery]) -> None:
+        assert isinstance(policy, KvPolicy)
+        policy.feed(deliveries)
+
+    def dump(worker: int) -> list[EventBatch]:
+        cluster.workers[worker].flush_events()  # the dump must cover every published seq
+        return cluster.caches[worker].dump_events()
+
+    wire = SimWire(env, wire_cfg, cluster_cfg.workers, rng, sink, dump)
+    unheard = WireCounters()  # for policies that read no events: counts only, no codec work
 
     def on_event(worker: int, batch: EventBatch) -> None:
-        counts["published"] += 1
-        if not isinstance(policy, KvPolicy):
-            return  # nobody listens: skip the codec work
-        payload = encode_payload(batch)
-        if run.event_loss and rng.random() < run.event_loss:
-            counts["lost"] += 1
-            return
-        if run.event_delay_s <= 0:
-            deliver(worker, payload)
+        if isinstance(policy, KvPolicy):
+            wire.publish(worker, batch)
         else:
-            env.after(run.event_delay_s, lambda: deliver(worker, payload), priority=-1)
+            unheard.published += 1
 
     def on_first_token(job: Job) -> None:
         loads.prefill_done(job.req.request_id)
@@ -134,8 +140,11 @@ def simulate(trace: list[Request], cluster_cfg: ClusterConfig, run: RunConfig, *
     _check_accounting(records)
     rejected = policy.events_rejected if isinstance(policy, KvPolicy) else 0
     summary = summarize(run.label, records, cluster_cfg.workers, rejected, total=len(trace))
-    summary.extra.update(events_published=counts["published"], events_lost=counts["lost"])
-    return RunResult(summary, records, decisions, counts["published"], counts["lost"])
+    counters = wire.counters if isinstance(policy, KvPolicy) else unheard
+    summary.extra.update(events_published=counters.published, events_lost=counters.lost,
+                         replay_requests=counters.replay_requests, dumps=counters.dumps,
+                         partial_marks=counters.partial_marks)
+    return RunResult(summary, records, decisions, counters.published, counters.lost, counters)
 
 
 def _session_successors(trace: list[Request]) -> dict[str, Request]:

@@ -240,6 +240,24 @@ class StreamTracker:
             self.expected = 0
             self._start_replay(0, now, [])
 
+    def next_tick(self) -> float | None:
+        """When :meth:`on_tick` next has something to do (a deadline, a deferred dump, an idle probe),
+        or None. For owners that schedule ticks instead of polling (the simulator). O(1)."""
+        if self._mode is not _Mode.LIVE:
+            return self._deadline
+        if self._dump_due:
+            return self._next_resync
+        if self._suspect and self.expected and self.can_replay:
+            return self._last_seen
+        if self.probe_s is not None and self.can_replay and self.expected is not None:
+            return self._last_seen + self.probe_s
+        return None
+
+    @property
+    def needs_tick(self) -> bool:
+        """:meth:`on_tick` has work due at :meth:`next_tick` beyond an optional idle probe. O(1)."""
+        return self._mode is not _Mode.LIVE or self._dump_due or bool(self._suspect and self.expected)
+
     @property
     def recovering(self) -> bool:
         """A catch-up, full replay or dump is under way: the consumer's view is incomplete. O(1)."""
