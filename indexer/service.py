@@ -5,31 +5,38 @@ Endpoints:
                    "mm_items"?: [{"identifier": str, "offset": int, "length": int}]}`` ->
                    per-worker tier overlaps with ``partial``/``recovering`` flags, shared-pool
                    blocks, costs and a recommended worker.
+  ``POST /route``  the same plus ``"request_id": str``: picks a worker and books the request as in
+                   flight on it (its load counts in later decisions) until
+  ``POST /requests/{id}/first_token`` and ``POST /requests/{id}/finish`` (or ``request_ttl_s``).
   ``GET /metrics`` Prometheus text (``?format=json`` for JSON): events applied / rejected,
-                   gaps, resyncs, restarts, malformed frames, blocks per worker and tier, apply lag.
-  ``GET /health``  liveness and per-worker staleness.
+                   gaps, resyncs, restarts, malformed frames, blocks per worker and tier, apply
+                   lag, in-flight load per worker.
+  ``GET /health``  ``ok`` / ``degraded`` (partial or recovering workers) / ``down`` (503: the event
+                   loop died; the process then exits non-zero).
 
-Threads: one event loop owns the ZMQ subscriber and applies deliveries; HTTP handler
-threads query. One lock serialises index access between them.
+Threads: one owns the ZMQ subscriber and applies deliveries, a batch per lock hold; the HTTP front
+end (:mod:`kvtier.indexer.http`, asyncio) answers on another. Requests hash their keys before taking
+the lock, so the lock covers lookups and bookkeeping only.
 """
 
 from __future__ import annotations
 
-import json
+import heapq
 import logging
 import threading
+import time
 import tomllib
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 from kvtier.indexer.consumer import IndexConsumer, Lag
 from kvtier.indexer.exposition import Family, render
 from kvtier.indexer.index import TieredIndex
+from kvtier.indexer.keys import BlockKey
 from kvtier.indexer.latency import PRESETS, TransferModel
 from kvtier.indexer.load import LoadTracker
-from kvtier.indexer.router import Router
+from kvtier.indexer.router import RouteDecision, Router
 from kvtier.indexer.scoring import CostModel, CreditCost, TtftCost
 from kvtier.wire.stream import StreamId
 from kvtier.wire.subscriber import EndpointConfig, Subscriber
@@ -55,6 +62,20 @@ class ServiceConfig:
     replay_timeout_s: float = 2.0  # wait for a replay or dump answer
     cost: str = "credit"  # "credit" or "ttft"
     model: str = "llama-3.1-8b"  # preset for the ttft cost's transfer times
+    max_body_bytes: int = 8 << 20  # larger request bodies get 413
+    max_query_tokens: int = 1 << 20  # longer prompts get 400 (bounds a query's lock hold)
+    read_timeout_s: float = 10.0  # a request body must arrive within this (408)
+    keepalive_s: float = 75.0  # idle keep-alive connections are closed after this
+    request_ttl_s: float = 600.0  # a routed request never finished is dropped from the load after this
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_body_bytes", "max_query_tokens"):
+            if type(getattr(self, name)) is not int or getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        for name in ("replay_timeout_s", "read_timeout_s", "keepalive_s", "request_ttl_s"):
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or isinstance(v, bool) or not 0 < v < float("inf"):
+                raise ConfigError(f"{name} must be a positive number of seconds, got {v!r}")
 
 
 def parse_endpoint(spec: str) -> EndpointConfig:
@@ -92,7 +113,8 @@ def load_config(path: Path) -> ServiceConfig:
                 supports_dump=bool(e.get("supports_dump", False))))
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"{path}: endpoints[{i}]: missing or bad field {exc}") from None
-    known = {"block_size", "listen", "replay_timeout_s", "cost", "model"}
+    known = {"block_size", "listen", "replay_timeout_s", "cost", "model", "max_body_bytes", "max_query_tokens",
+             "read_timeout_s", "keepalive_s", "request_ttl_s"}
     if unknown := set(raw) - known:
         raise ConfigError(f"{path}: unknown settings {sorted(unknown)}")
     return ServiceConfig(endpoints=eps, **raw)
@@ -130,6 +152,10 @@ _WORKER_METRICS: dict[str, tuple[str, str]] = {
     "recovering": ("gauge", "1 while a catch-up, full replay or state dump is under way."),
     "apply_lag_seconds": ("gauge", "Delay from a batch's timestamp to its application, last batch."),
     "apply_lag_max_seconds": ("gauge", "Largest such delay seen."),
+    "requests_running": ("gauge", "Routed requests in flight on the worker."),
+    "requests_prefilling": ("gauge", "Routed requests on the worker that have not produced a first token."),
+    "active_blocks": ("gauge", "KV blocks the worker's in-flight requests hold (shared prefixes once)."),
+    "pending_prefill_tokens": ("gauge", "Prompt tokens the worker still has to prefill."),
 }
 
 
@@ -139,11 +165,15 @@ class IndexerService:
     def __init__(self, config: ServiceConfig) -> None:
         if not config.endpoints:
             raise ConfigError("no endpoints configured")
+        streams = [ep.stream for ep in config.endpoints]
+        if len(set(streams)) != len(streams):
+            dup = sorted({str(s) for s in streams if streams.count(s) > 1})
+            raise ConfigError(f"endpoints name the same worker stream twice: {dup}")
         self.config = config
         self.index = TieredIndex(config.block_size)
-        self.router = Router(self.index, make_cost_model(config.cost, config.model),
-                             loads=LoadTracker(config.block_size))
-        self._lock = threading.Lock()
+        self.loads = LoadTracker(config.block_size)
+        self.router = Router(self.index, make_cost_model(config.cost, config.model), loads=self.loads)
+        self._lock = threading.Lock()  # guards index, loads and the request registry
         self._stop = threading.Event()
         self._consumer = IndexConsumer(self.index)
         self._sub: Subscriber | None = None
@@ -151,28 +181,38 @@ class IndexerService:
         self._ready = threading.Event()
         #: Set when the event loop died: the index no longer follows the engines.
         self.failed = threading.Event()
+        self._deadlines: dict[str, float] = {}  # routed request id -> when it expires
+        self._expiry: list[tuple[float, str]] = []  # heap of (deadline, request id)
+        self.requests_expired = 0
         self._loop = threading.Thread(target=self._run_loop, name="kv-indexer", daemon=True)
         host, _, port = config.listen.rpartition(":")
-        self._http = ThreadingHTTPServer((host or "127.0.0.1", int(port)), _handler(self))
-        self._http.daemon_threads = True
-        self._http_thread = threading.Thread(target=self._http.serve_forever, name="kv-http", daemon=True)
-        for ep in config.endpoints:
-            self.index.add_worker(ep.stream)
+        if not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ConfigError(f"listen address {config.listen!r}: expected HOST:PORT with a port in 0..65535")
+        from kvtier.indexer.http import HttpFrontEnd  # aiohttp only where the service runs
+
+        self._http = HttpFrontEnd(self, host or "127.0.0.1", int(port), max_body_bytes=config.max_body_bytes,
+                                  read_timeout_s=config.read_timeout_s, keepalive_s=config.keepalive_s)
+        self._host = host or "127.0.0.1"
+        for s in streams:
+            self.index.add_worker(s)
 
     @property
     def address(self) -> str:
-        host, port = self._http.server_address[:2]
-        return f"http://{host!s}:{port}"
+        return f"http://{self._host}:{self._http.port}"
 
     def start(self) -> None:
+        """Starts the event loop, then the HTTP front end; raises if the port cannot be bound."""
         self._loop.start()
-        self._http_thread.start()
         self._ready.wait(5.0)
+        try:
+            self._http.start()
+        except BaseException:
+            self._stop.set()
+            raise
 
     def stop(self) -> None:
         self._stop.set()
-        self._http.shutdown()
-        self._http.server_close()
+        self._http.stop()
         self._loop.join(timeout=5.0)
 
     # --- event loop ----------------------------------------------------------------------
@@ -187,9 +227,12 @@ class IndexerService:
         self._ready.set()
         try:
             while not self._stop.is_set():
-                deliveries = sub.poll(50)
-                with self._lock:
-                    self._consumer.feed(deliveries)
+                for d in sub.poll(50):
+                    with self._lock:  # one batch per hold: queries wait for a batch, never a backlog
+                        self._consumer.feed((d,))
+                if self._expiry and self._expiry[0][0] <= time.monotonic():
+                    with self._lock:
+                        self._expire(time.monotonic())
         except Exception as exc:
             self._loop_failed(exc)
         finally:
@@ -207,29 +250,91 @@ class IndexerService:
         recovering = sub is not None and stream in sub.streams and sub.recovering(stream)
         return {"partial": self.index.is_partial(stream), "recovering": recovering}
 
-    # --- queries -------------------------------------------------------------------------
+    # --- queries and routing -------------------------------------------------------------
 
-    def query(self, body: Any) -> dict[str, Any]:
+    def _request_keys(self, body: Any) -> tuple[list[int], list[BlockKey]]:
+        """Validates a query body and hashes its keys (no lock needed: pure). O(tokens)."""
         if not isinstance(body, dict) or not isinstance(body.get("token_ids"), list):
             raise ValueError('body must be a JSON object with "token_ids": [int, ...]')
         tokens = body["token_ids"]
-        if not all(isinstance(t, int) and 0 <= t < 2**32 for t in tokens):
+        if len(tokens) > self.config.max_query_tokens:
+            raise ValueError(f"{len(tokens)} token ids; at most {self.config.max_query_tokens} per request")
+        if not all(type(t) is int and 0 <= t < 2**32 for t in tokens):
             raise ValueError("token_ids must be integers in [0, 2^32)")
         for opt in ("lora_name", "cache_salt"):
             if body.get(opt) is not None and not isinstance(body[opt], str):
                 raise ValueError(f"{opt} must be a string")
-        mm_items = _mm_items(body.get("mm_items"))
+        keys = self.index.request_keys(tokens, lora_name=body.get("lora_name"), cache_salt=body.get("cache_salt"),
+                                       mm_items=_mm_items(body.get("mm_items")))
+        return tokens, keys
+
+    def _check_alive(self) -> None:
         if self.failed.is_set():
             raise ServiceUnavailable(f"event loop died ({self._loop_error}): the index no longer follows the engines")
-        with self._lock:
-            dec = self.router.route(tokens, lora_name=body.get("lora_name"),
-                                    cache_salt=body.get("cache_salt"), mm_items=mm_items)
-            flags = {str(s): self.worker_flags(s) for s in self.index.streams}
+
+    def _answer(self, dec: RouteDecision) -> dict[str, Any]:
+        """Overlaps, per-worker flags, costs and the choice. Caller holds the lock."""
         out: dict[str, Any] = dec.overlaps.as_dict()
-        out["workers"] = {str(s): {**o.as_dict(), **flags.get(str(s), {})} for s, o in dec.overlaps.workers.items()}
+        out["workers"] = {str(s): {**o.as_dict(), **self.worker_flags(s)} for s, o in dec.overlaps.workers.items()}
         out["recommended"] = str(dec.worker)
         out["costs"] = {str(w): c for w, c in dec.costs.items()}
         return out
+
+    def query(self, body: Any) -> dict[str, Any]:
+        """``POST /query``: overlaps and a recommendation; books nothing."""
+        tokens, keys = self._request_keys(body)
+        self._check_alive()
+        with self._lock:
+            return self._answer(self.router.route_keys(keys, len(tokens)))
+
+    def route(self, body: Any) -> dict[str, Any]:
+        """``POST /route``: routes and books the request on its worker until it finishes or expires."""
+        rid = body.get("request_id") if isinstance(body, dict) else None
+        if not isinstance(rid, str) or not rid or "/" in rid:
+            raise ValueError('body must carry "request_id": a non-empty string without "/"')
+        tokens, keys = self._request_keys(body)
+        self._check_alive()
+        with self._lock:
+            if rid in self._deadlines:
+                raise ValueError(f"request {rid!r} is already in flight")
+            dec = self.router.route_keys(keys, len(tokens))
+            cached = dec.overlaps.workers[dec.worker].external * self.index.block_size
+            self.loads.add(rid, dec.worker, keys, len(tokens), max(0, len(tokens) - cached))
+            deadline = time.monotonic() + self.config.request_ttl_s
+            self._deadlines[rid] = deadline
+            heapq.heappush(self._expiry, (deadline, rid))
+            out = self._answer(dec)
+        out["request_id"] = rid
+        out["worker"] = out["recommended"]
+        return out
+
+    def first_token(self, rid: str) -> dict[str, Any]:
+        """``POST /requests/{id}/first_token``: its prefill is done (idempotent)."""
+        with self._lock:
+            known = rid in self._deadlines
+            self.loads.prefill_done(rid)
+        if not known:
+            raise LookupError(f"request {rid!r} is not in flight (never routed, finished or expired)")
+        return {"request_id": rid, "in_flight": True}
+
+    def finish(self, rid: str) -> dict[str, Any]:
+        """``POST /requests/{id}/finish``: it completed or failed; its load is released (idempotent)."""
+        with self._lock:
+            known = self._deadlines.pop(rid, None) is not None
+            self.loads.finish(rid)
+        return {"request_id": rid, "was_in_flight": known}
+
+    def _expire(self, now: float) -> None:
+        """Drops requests past their TTL from the load. Caller holds the lock. O(expired log n)."""
+        while self._expiry and self._expiry[0][0] <= now:
+            deadline, rid = heapq.heappop(self._expiry)
+            if self._deadlines.get(rid) == deadline:
+                del self._deadlines[rid]
+                self.loads.finish(rid)
+                self.requests_expired += 1
+                log.info("request %s expired after %g s without finish", rid, self.config.request_ttl_s)
+
+    # --- observability -------------------------------------------------------------------
 
     def metrics(self) -> dict[str, Any]:
         with self._lock:
@@ -237,6 +342,7 @@ class IndexerService:
             for s in self.index.streams:
                 st = self.index.stats(s)
                 orphans = self.index.orphan_stats(s)
+                ld = self.loads.load(s)
                 entry: dict[str, Any] = {
                     "events_applied": st.events_applied, "events_rejected": st.events_rejected,
                     "unknown_parents": st.unknown_parents, "unknown_removals": st.unknown_removals,
@@ -244,6 +350,8 @@ class IndexerService:
                     "orphan_blocks": self.index.orphan_blocks(s),
                     **self.worker_flags(s),
                     "blocks": {t.name.lower(): n for t, n in self.index.block_counts(s).items()},
+                    "requests_running": ld.running, "requests_prefilling": ld.prefilling,
+                    "active_blocks": ld.active_blocks, "pending_prefill_tokens": ld.pending_prefill_tokens,
                 }
                 if self._sub is not None and s in self._sub.streams:
                     ss = self._sub.stats(s)
@@ -255,25 +363,12 @@ class IndexerService:
                 entry.update(apply_lag_seconds=lag.last, apply_lag_max_seconds=lag.max)
                 workers[str(s)] = entry
             return {"batches_applied": self._consumer.counters.batches, "indexed_blocks": len(self.index),
+                    "requests_in_flight": len(self._deadlines), "requests_expired": self.requests_expired,
                     "workers": workers}
 
     def metrics_text(self) -> str:
         """``/metrics`` in the Prometheus text format: one family per metric, every worker a series."""
-        m = self.metrics()
-        applied = Family("kvtier_batches_applied_total", "counter", "Event batches applied to the index.")
-        applied.add(m["batches_applied"])
-        indexed = Family("kvtier_indexed_blocks", "gauge", "Distinct block keys held by any worker.")
-        indexed.add(m["indexed_blocks"])
-        blocks = Family("kvtier_blocks", "gauge", "Blocks a worker holds, per tier.")
-        per_worker = {key: Family(f"kvtier_{key}" + ("_total" if kind == "counter" else ""), kind, text)
-                      for key, (kind, text) in _WORKER_METRICS.items()}
-        for w, entry in m["workers"].items():
-            for tier, n in entry["blocks"].items():
-                blocks.add(n, worker=w, tier=tier)
-            for key, fam in per_worker.items():
-                if key in entry:
-                    fam.add(float(entry[key]), worker=w)
-        return render([applied, indexed, blocks, *per_worker.values()])
+        return render_metrics(self.metrics())
 
     def view(self, stream: StreamId) -> dict[Any, set[Any]]:
         """The worker's blocks per tier as the index holds them (engine hashes)."""
@@ -296,6 +391,28 @@ class IndexerService:
         return out
 
 
+def render_metrics(m: dict[str, Any]) -> str:
+    """The JSON metrics as Prometheus text: one family per metric, every worker a series."""
+    applied = Family("kvtier_batches_applied_total", "counter", "Event batches applied to the index.")
+    applied.add(m["batches_applied"])
+    indexed = Family("kvtier_indexed_blocks", "gauge", "Distinct block keys held by any worker.")
+    indexed.add(m["indexed_blocks"])
+    inflight = Family("kvtier_requests_in_flight", "gauge", "Routed requests not finished yet.")
+    inflight.add(m["requests_in_flight"])
+    expired = Family("kvtier_requests_expired_total", "counter", "Routed requests dropped after their TTL.")
+    expired.add(m["requests_expired"])
+    blocks = Family("kvtier_blocks", "gauge", "Blocks a worker holds, per tier.")
+    per_worker = {key: Family(f"kvtier_{key}" + ("_total" if kind == "counter" else ""), kind, text)
+                  for key, (kind, text) in _WORKER_METRICS.items()}
+    for w, entry in m["workers"].items():
+        for tier, n in entry["blocks"].items():
+            blocks.add(n, worker=w, tier=tier)
+        for key, fam in per_worker.items():
+            if key in entry:
+                fam.add(float(entry[key]), worker=w)
+    return render([applied, indexed, inflight, expired, blocks, *per_worker.values()])
+
+
 def _mm_items(raw: Any) -> list[tuple[str, int, int]] | None:
     """``mm_items``: ``[{"identifier": str, "offset": int, "length": int}, ...]`` (token positions)."""
     if raw is None:
@@ -314,50 +431,8 @@ def _mm_items(raw: Any) -> list[tuple[str, int, int]] | None:
     return out
 
 
-def _handler(service: IndexerService) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, format: str, *args: Any) -> None:
-            log.debug("http: " + format, *args)
-
-        def _send(self, code: int, body: str, ctype: str = "application/json") -> None:
-            data = body.encode()
-            self.send_response(code)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self) -> None:
-            path, _, qs = self.path.partition("?")
-            if path == "/metrics":
-                if "format=json" in qs:
-                    self._send(200, json.dumps(service.metrics()))
-                else:
-                    self._send(200, service.metrics_text(), "text/plain; version=0.0.4")
-            elif path == "/health":
-                h = service.health()
-                self._send(503 if h["status"] == "down" else 200, json.dumps(h))
-            else:
-                self._send(404, json.dumps({"error": f"no such path {path}"}))
-
-        def do_POST(self) -> None:
-            if self.path != "/query":
-                self._send(404, json.dumps({"error": f"no such path {self.path}"}))
-                return
-            try:
-                length = int(self.headers.get("Content-Length", "0"))
-                body = json.loads(self.rfile.read(length) or b"null")
-                self._send(200, json.dumps(service.query(body)))
-            except ServiceUnavailable as exc:
-                self._send(503, json.dumps({"error": str(exc)}))
-            except (ValueError, LookupError) as exc:
-                self._send(400, json.dumps({"error": str(exc)}))
-
-    return Handler
-
-
 def serve(config: ServiceConfig) -> None:
-    """Runs the service until interrupted."""
+    """Runs the service until interrupted; exits non-zero if its event loop dies."""
     svc = IndexerService(config)
     svc.start()
     print(f"kvtier indexer: {len(config.endpoints)} endpoint(s), block size {config.block_size}, "

@@ -288,7 +288,7 @@ def _rmse(points: list[tuple[float, float]], f: Callable[[float], float]) -> flo
 
 
 def cmd_indexer(a: argparse.Namespace) -> int:
-    # The service (and http.server) is imported only for this command, so the simulator starts lean.
+    # The service (and aiohttp) is imported only for this command, so the simulator starts lean.
     from kvtier.indexer.service import ConfigError, ServiceConfig, load_config, parse_endpoint, serve
 
     try:
@@ -302,6 +302,8 @@ def cmd_indexer(a: argparse.Namespace) -> int:
         serve(cfg)
     except ConfigError as exc:
         raise CliError(str(exc)) from None
+    except OSError as exc:  # the HTTP port: in use, or an address this host does not have
+        raise CliError(f"cannot listen on {cfg.listen}: {exc.strerror or exc}") from None
     return 0
 
 
@@ -367,7 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("indexer", help="subscribe to engines' KV events and answer overlap queries over HTTP",
                        description="Subscribes to engine ZMQ endpoints, keeps the tiered index, "
-                                   "serves POST /query, GET /metrics and GET /health.")
+                                   "serves POST /query, POST /route (with /requests/{id}/first_token and "
+                                   "/finish), GET /metrics and GET /health.")
     p.add_argument("--config", type=Path, help="TOML file with settings and [[endpoints]] tables")
     p.add_argument("--endpoint", action="append", default=[], metavar="SPEC",
                    help="WORKER=tcp://host:port[,replay=tcp://host:port][,dp=N][,dump] (repeatable)")

@@ -1,0 +1,155 @@
+"""The indexer service's HTTP front end: asyncio (aiohttp) on a thread of its own.
+
+One event loop serves every connection, so hundreds of keep-alive clients cost no threads and a slow
+client holds nothing but its own socket. Limits: a body-size cap (413), a deadline to read a body
+(408), an idle keep-alive timeout, a listen backlog sized for bursts. Every answer, errors included,
+is JSON (``/metrics`` excepted: Prometheus text). Handlers call the service, whose methods take the
+index lock only for the index work itself (keys are hashed before it), so a query never holds up
+event application for longer than its lookups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+if TYPE_CHECKING:
+    from kvtier.indexer.service import IndexerService
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _json(status: int, body: Any) -> web.Response:
+    return web.Response(status=status, text=json.dumps(body), content_type="application/json")
+
+
+class HttpFrontEnd:
+    """Serves ``service`` on ``host:port`` (port 0 picks one) until :meth:`stop`."""
+
+    def __init__(self, service: IndexerService, host: str, port: int, *, max_body_bytes: int,
+                 read_timeout_s: float, keepalive_s: float, backlog: int = 1024) -> None:
+        self._svc = service
+        self._host, self._port = host, port
+        self._max_body = max_body_bytes
+        self._read_timeout = read_timeout_s
+        self._keepalive = keepalive_s
+        self._backlog = backlog
+        self._loop = asyncio.new_event_loop()
+        self._runner: web.AppRunner | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kv-http", daemon=True)
+        self.port = port
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Binds and starts serving; raises what binding raised (a port in use, a bad host)."""
+        self._thread.start()
+        self._ready.wait(10.0)
+        if self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._start())
+        except BaseException as exc:  # reported to start()'s caller
+            self._error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        self._loop.run_forever()
+        self._loop.run_until_complete(self._cleanup())
+        self._loop.close()
+
+    async def _start(self) -> None:
+        app = web.Application(client_max_size=self._max_body, middlewares=[self._errors])
+        app.router.add_post("/query", self._query)
+        app.router.add_post("/route", self._route)
+        app.router.add_post("/requests/{rid}/first_token", self._first_token)
+        app.router.add_post("/requests/{rid}/finish", self._finish)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/health", self._health)
+        self._runner = web.AppRunner(app, handle_signals=False, access_log=None, keepalive_timeout=self._keepalive)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self._host, self._port, backlog=self._backlog, reuse_address=True)
+        await site.start()
+        server = site._server  # the bound socket: port 0 resolves here
+        assert isinstance(server, asyncio.Server) and server.sockets, "HTTP site did not bind"
+        self.port = int(server.sockets[0].getsockname()[1])
+
+    async def _cleanup(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    def stop(self) -> None:
+        """Closes every connection and the listening socket. Idempotent."""
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10.0)
+
+    # --- plumbing ------------------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Turns every failure into a JSON error with the right status."""
+        from kvtier.indexer.service import ServiceUnavailable
+
+        try:
+            return await handler(request)
+        except web.HTTPRequestEntityTooLarge:
+            return _json(413, {"error": f"body larger than {self._max_body} bytes"})
+        except web.HTTPException as exc:
+            return _json(exc.status, {"error": exc.reason})
+        except ServiceUnavailable as exc:
+            return _json(503, {"error": str(exc)})
+        except (ValueError, LookupError) as exc:
+            return _json(400, {"error": str(exc)})
+        except Exception as exc:
+            log.exception("http: %s %s failed", request.method, request.path)
+            return _json(500, {"error": f"internal error: {type(exc).__name__}"})
+
+    async def _body(self, request: web.Request) -> Any:
+        try:
+            raw = await asyncio.wait_for(request.read(), self._read_timeout)
+        except TimeoutError:
+            raise web.HTTPRequestTimeout(reason=f"body not received within {self._read_timeout:g} s") from None
+        try:
+            return json.loads(raw or b"null")
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"body is not JSON: {exc}") from None
+        except RecursionError:
+            raise ValueError("body is not JSON: nested too deeply") from None
+
+    # --- endpoints -----------------------------------------------------------------------
+
+    async def _query(self, request: web.Request) -> web.Response:
+        return _json(200, self._svc.query(await self._body(request)))
+
+    async def _route(self, request: web.Request) -> web.Response:
+        return _json(200, self._svc.route(await self._body(request)))
+
+    async def _first_token(self, request: web.Request) -> web.Response:
+        return _json(200, self._svc.first_token(request.match_info["rid"]))
+
+    async def _finish(self, request: web.Request) -> web.Response:
+        return _json(200, self._svc.finish(request.match_info["rid"]))
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        if request.query.get("format") == "json":
+            return _json(200, self._svc.metrics())
+        return web.Response(body=self._svc.metrics_text().encode(),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        h = self._svc.health()
+        return _json(503 if h["status"] == "down" else 200, h)

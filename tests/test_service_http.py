@@ -1,0 +1,160 @@
+"""The indexer service's HTTP front end and routing endpoints: limits, keep-alive, JSON errors,
+in-flight bookkeeping with a TTL, and a dead event loop that stops looking healthy."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvtier.indexer.service import ConfigError, IndexerService, ServiceConfig, parse_endpoint
+from kvtier.wire import BlockStored, EventBatch, Publisher
+from tests.test_service import BS, TOKS, get, post, stored, wait_for
+
+
+@pytest.fixture
+def svc() -> Iterator[tuple[Publisher, Publisher, IndexerService]]:
+    pubs = [Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0") for _ in range(2)]
+    eps = [parse_endpoint(f"w{i}={p.endpoint},replay={p.replay_endpoint}") for i, p in enumerate(pubs)]
+    s = IndexerService(ServiceConfig(endpoints=eps, block_size=BS, listen="127.0.0.1:0", max_body_bytes=64_000,
+                                     read_timeout_s=0.5, request_ttl_s=0.6, max_query_tokens=4096))
+    s.start()
+    yield pubs[0], pubs[1], s
+    s.stop()
+    for p in pubs:
+        p.close()
+
+
+def conn(s: IndexerService) -> http.client.HTTPConnection:
+    host, port = s.address.removeprefix("http://").split(":")
+    return http.client.HTTPConnection(host, int(port), timeout=5)
+
+
+def call(c: http.client.HTTPConnection, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    c.request(method, path, body=data, headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    return r.status, json.loads(r.read())
+
+
+def test_route_books_load_until_finish_and_expires_unfinished(svc: tuple[Publisher, Publisher, IndexerService]) -> None:
+    p0, _, s = svc
+    p0.publish(EventBatch(ts=time.time(), events=[stored([1, 2, 3, 4], None, 0)]))
+    wait_for(lambda: post(s.address + "/query", {"token_ids": TOKS})[1]["workers"]["w0"]["device"] == 4)
+    code, body = post(s.address + "/route", {"request_id": "r1", "token_ids": TOKS})
+    assert code == 200 and body["worker"] == "w0" and body["request_id"] == "r1"
+    m = json.loads(get(s.address + "/metrics?format=json"))
+    w0 = m["workers"]["w0"]
+    assert (m["requests_in_flight"], w0["requests_running"], w0["requests_prefilling"]) == (1, 1, 1)
+    assert w0["pending_prefill_tokens"] == len(TOKS) - 4 * BS and w0["active_blocks"] == len(TOKS) // BS
+    assert 'kvtier_requests_running{worker="w0"} 1' in get(s.address + "/metrics")
+    assert post(s.address + "/route", {"request_id": "r1", "token_ids": TOKS})[0] == 400  # already in flight
+    assert post(s.address + "/requests/r1/first_token", {})[0] == 200
+    assert json.loads(get(s.address + "/metrics?format=json"))["workers"]["w0"]["requests_prefilling"] == 0
+    assert post(s.address + "/requests/r1/finish", {}) == (200, {"request_id": "r1", "was_in_flight": True})
+    assert post(s.address + "/requests/r1/finish", {})[1]["was_in_flight"] is False  # idempotent
+    assert post(s.address + "/requests/nope/first_token", {})[0] == 400
+    # A request nobody finishes leaves the load after its TTL (0.6 s here).
+    assert post(s.address + "/route", {"request_id": "lost", "token_ids": TOKS})[0] == 200
+    wait_for(lambda: json.loads(get(s.address + "/metrics?format=json"))["requests_expired"] == 1, timeout=5)
+    m = json.loads(get(s.address + "/metrics?format=json"))
+    assert m["requests_in_flight"] == 0 and all(w["requests_running"] == 0 for w in m["workers"].values())
+
+
+def test_keep_alive_and_json_errors_on_one_connection(svc: tuple[Publisher, Publisher, IndexerService]) -> None:
+    _, _, s = svc
+    c = conn(s)
+    for _ in range(20):  # one TCP connection, many requests
+        assert call(c, "POST", "/query", {"token_ids": TOKS})[0] == 200
+    assert call(c, "GET", "/nope") == (404, {"error": "Not Found"})
+    assert call(c, "PUT", "/query")[0] == 405
+    code, body = call(c, "POST", "/query", {"token_ids": list(range(5000))})
+    assert code == 400 and "at most 4096" in body["error"]
+    c.request("POST", "/query", body=b"{not json", headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    assert r.status == 400 and "not JSON" in json.loads(r.read())["error"]
+    deep = b"[" * 100_000 + b"]" * 100_000
+    c.request("POST", "/query", body=deep[:60_000], headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    assert r.status == 400 and json.loads(r.read())["error"]
+    c.request("POST", "/query", body=b"x" * 100_000, headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    assert r.status == 413 and "larger than" in json.loads(r.read())["error"]
+
+
+def test_slow_clients_hold_nothing_and_time_out(svc: tuple[Publisher, Publisher, IndexerService]) -> None:
+    _, _, s = svc
+    host, port = s.address.removeprefix("http://").split(":")
+    slow = []
+    for _ in range(50):  # each promises a body and never sends it
+        k = socket.create_connection((host, int(port)))
+        k.sendall(b"POST /query HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+        slow.append(k)
+    t0 = time.monotonic()
+    assert post(s.address + "/query", {"token_ids": TOKS})[0] == 200  # served at once meanwhile
+    assert time.monotonic() - t0 < 0.4
+    k = slow[0]
+    k.settimeout(5)
+    answer = k.recv(4096)
+    assert b" 408 " in answer.split(b"\r\n")[0] and b"not received within" in answer
+    for k in slow:
+        k.close()
+
+
+def test_dead_event_loop_is_not_healthy() -> None:
+    # Nothing can be subscribed to at this endpoint: the event loop fails at once.
+    s = IndexerService(ServiceConfig(endpoints=[parse_endpoint("a=garbage")], listen="127.0.0.1:0"))
+    s.start()
+    try:
+        wait_for(s.failed.is_set)
+        with pytest.raises(Exception, match="503"):
+            get(s.address + "/health")
+        code, body = post(s.address + "/query", {"token_ids": [1, 2, 3]})
+        assert code == 503 and "event loop died" in body["error"]
+    finally:
+        s.stop()
+    with pytest.raises(ConfigError, match="same worker stream twice"):
+        IndexerService(ServiceConfig(endpoints=[parse_endpoint("a=tcp://127.0.0.1:1"),
+                                                parse_endpoint("a=tcp://127.0.0.1:2")]))
+
+
+def test_cli_exits_non_zero_when_the_event_loop_dies_and_on_a_busy_port() -> None:
+    r = subprocess.run([sys.executable, "-m", "kvtier", "indexer", "--endpoint", "a=garbage", "--listen",
+                        "127.0.0.1:0"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "event loop died" in r.stderr
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "kvtier", "indexer", "--endpoint", "a=tcp://127.0.0.1:1",
+                            "--listen", f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.startswith("kvtier: error: cannot listen on") and "Traceback" not in r.stderr
+
+
+def test_queries_do_not_wait_for_a_backlog_of_events(svc: tuple[Publisher, Publisher, IndexerService]) -> None:
+    """Events are applied a batch per lock hold: a burst of batches does not stall queries."""
+    p0, _, s = svc
+    done = threading.Event()
+
+    def burst() -> None:
+        for i in range(3000):
+            p0.publish(EventBatch(ts=time.time(), events=[BlockStored(
+                block_hashes=[10_000 + i], parent_block_hash=None, token_ids=[i % 1000 + 5] * BS, block_size=BS)]))
+        done.set()
+
+    threading.Thread(target=burst).start()
+    c = conn(s)
+    worst = 0.0
+    while not done.is_set():
+        t0 = time.perf_counter()
+        assert call(c, "POST", "/query", {"token_ids": TOKS})[0] == 200
+        worst = max(worst, time.perf_counter() - t0)
+    assert worst < 0.5, worst
