@@ -28,7 +28,9 @@ import time
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 from kvtier.indexer.consumer import IndexConsumer, Lag
 from kvtier.indexer.exposition import Family, render
@@ -252,21 +254,13 @@ class IndexerService:
 
     # --- queries and routing -------------------------------------------------------------
 
-    def _request_keys(self, body: Any) -> tuple[list[int], list[BlockKey]]:
-        """Validates a query body and hashes its keys (no lock needed: pure). O(tokens)."""
-        if not isinstance(body, dict) or not isinstance(body.get("token_ids"), list):
-            raise ValueError('body must be a JSON object with "token_ids": [int, ...]')
-        tokens = body["token_ids"]
-        if len(tokens) > self.config.max_query_tokens:
-            raise ValueError(f"{len(tokens)} token ids; at most {self.config.max_query_tokens} per request")
-        if not all(type(t) is int and 0 <= t < 2**32 for t in tokens):
-            raise ValueError("token_ids must be integers in [0, 2^32)")
-        for opt in ("lora_name", "cache_salt"):
-            if body.get(opt) is not None and not isinstance(body[opt], str):
-                raise ValueError(f"{opt} must be a string")
-        keys = self.index.request_keys(tokens, lora_name=body.get("lora_name"), cache_salt=body.get("cache_salt"),
-                                       mm_items=_mm_items(body.get("mm_items")))
-        return tokens, keys
+    def _request_keys(self, req: RequestBody) -> list[BlockKey]:
+        """Hashes a request's keys (no lock needed: pure). O(tokens)."""
+        if len(req.token_ids) > self.config.max_query_tokens:
+            raise ValueError(f"{len(req.token_ids)} token ids; at most {self.config.max_query_tokens} per request")
+        mm = [(m.identifier, m.offset, m.length) for m in req.mm_items] if req.mm_items else None
+        return self.index.request_keys(req.token_ids, lora_name=req.lora_name, cache_salt=req.cache_salt,
+                                       mm_items=mm)
 
     def _check_alive(self) -> None:
         if self.failed.is_set():
@@ -280,19 +274,21 @@ class IndexerService:
         out["costs"] = {str(w): c for w, c in dec.costs.items()}
         return out
 
-    def query(self, body: Any) -> dict[str, Any]:
-        """``POST /query``: overlaps and a recommendation; books nothing."""
-        tokens, keys = self._request_keys(body)
+    def query(self, body: bytes | Any) -> dict[str, Any]:
+        """``POST /query`` (raw JSON or a decoded object): overlaps and a recommendation; books nothing."""
+        req = parse_body(body)
+        keys = self._request_keys(req)
         self._check_alive()
         with self._lock:
-            return self._answer(self.router.route_keys(keys, len(tokens)))
+            return self._answer(self.router.route_keys(keys, len(req.token_ids)))
 
-    def route(self, body: Any) -> dict[str, Any]:
+    def route(self, body: bytes | Any) -> dict[str, Any]:
         """``POST /route``: routes and books the request on its worker until it finishes or expires."""
-        rid = body.get("request_id") if isinstance(body, dict) else None
-        if not isinstance(rid, str) or not rid or "/" in rid:
+        req = parse_body(body)
+        rid, tokens = req.request_id, req.token_ids
+        if not rid or "/" in rid:
             raise ValueError('body must carry "request_id": a non-empty string without "/"')
-        tokens, keys = self._request_keys(body)
+        keys = self._request_keys(req)
         self._check_alive()
         with self._lock:
             if rid in self._deadlines:
@@ -413,22 +409,38 @@ def render_metrics(m: dict[str, Any]) -> str:
     return render([applied, indexed, inflight, expired, blocks, *per_worker.values()])
 
 
-def _mm_items(raw: Any) -> list[tuple[str, int, int]] | None:
-    """``mm_items``: ``[{"identifier": str, "offset": int, "length": int}, ...]`` (token positions)."""
-    if raw is None:
-        return None
-    err = 'mm_items must be a list of {"identifier": str, "offset": int >= 0, "length": int > 0}'
-    if not isinstance(raw, list):
-        raise ValueError(err)
-    out = []
-    for item in raw:
-        if not isinstance(item, dict):
-            raise ValueError(err)
-        ident, off, length = item.get("identifier"), item.get("offset"), item.get("length")
-        if not (isinstance(ident, str) and type(off) is int and type(length) is int and off >= 0 and length > 0):
-            raise ValueError(err)
-        out.append((ident, off, length))
-    return out
+class MmItem(msgspec.Struct, forbid_unknown_fields=True):
+    """A multimodal item of a request: its placeholder tokens' position."""
+
+    identifier: str  # the item's hash or id, as the engine keys it
+    offset: Annotated[int, msgspec.Meta(ge=0)]  # first placeholder token
+    length: Annotated[int, msgspec.Meta(gt=0)]  # placeholder tokens
+
+
+class RequestBody(msgspec.Struct):
+    """The JSON body of ``/query`` and ``/route``; unknown fields are ignored."""
+
+    token_ids: list[Annotated[int, msgspec.Meta(ge=0, lt=2**32)]]  # the prompt
+    lora_name: str | None = None  # LoRA adapter (changes the key space)
+    cache_salt: str | None = None  # tenant salt (changes the key space)
+    mm_items: list[MmItem] | None = None  # multimodal items (scope the blocks they overlap)
+    request_id: str | None = None  # required by /route
+
+
+_decode_body = msgspec.json.Decoder(RequestBody).decode
+
+
+def parse_body(body: bytes | Any) -> RequestBody:
+    """A request body from raw JSON bytes or an already decoded object; ``ValueError`` naming what is
+    wrong (and where, e.g. ``$.token_ids[3]``). O(body)."""
+    try:
+        if isinstance(body, bytes | bytearray | memoryview):
+            return _decode_body(body)
+        return msgspec.convert(body, RequestBody)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"bad request body: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"body is not JSON: {exc}") from None
 
 
 def serve(config: ServiceConfig) -> None:

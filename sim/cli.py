@@ -99,6 +99,9 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
                    help="what the router does about lost batches: none (they stay missing), replay (seq tracking "
                         "and replay, as with SGLang/vLLM engines), dump (replay, then state dumps: kvtier engines)")
     g.add_argument("--replay-buffer", type=int, default=10_000, help="batches each engine keeps for replay")
+    g.add_argument("--loss-burst", type=int, default=1,
+                   help="batches of a worker lost in a row each time one is (an outage longer than the buffer "
+                        "needs a dump or leaves the worker partial)")
     g.add_argument("--host-credit", type=float, default=0.75, help="credit cost: weight of a host-tier block")
     g.add_argument("--disk-credit", type=float, default=0.25,
                    help="credit cost: weight of a disk or external block")
@@ -141,11 +144,11 @@ def _latency(path: Path | None) -> MockerLatency:
 def _run_cfg(a: argparse.Namespace, policy: str) -> RunConfig:
     if policy not in POLICIES:
         raise CliError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
-    if a.replay_buffer < 1:
-        raise CliError(f"--replay-buffer must be >= 1, got {a.replay_buffer}")
+    if a.replay_buffer < 1 or a.loss_burst < 1:
+        raise CliError(f"--replay-buffer and --loss-burst must be >= 1, got {a.replay_buffer}, {a.loss_burst}")
     return RunConfig(policy, a.cost, a.event_delay, a.event_loss, a.host_credit, a.disk_credit, a.temperature,
                      a.seed, closed_loop=not a.open_loop, until_s=a.until, recovery=a.recovery,
-                     replay_buffer=a.replay_buffer)
+                     replay_buffer=a.replay_buffer, loss_burst=a.loss_burst)
 
 
 def _trace(a: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -160,7 +163,8 @@ def _trace(a: argparse.Namespace):  # type: ignore[no-untyped-def]
 def _meta(a: argparse.Namespace, n_requests: int) -> dict[str, Any]:
     return {"trace": a.trace, "requests": n_requests, "time_scale": a.time_scale,
             "cluster": dataclasses.asdict(_cluster(a)), "cost": a.cost, "event_delay_s": a.event_delay,
-            "event_loss": a.event_loss, "recovery": a.recovery, "replay_buffer": a.replay_buffer}
+            "event_loss": a.event_loss, "recovery": a.recovery, "replay_buffer": a.replay_buffer,
+            "loss_burst": a.loss_burst}
 
 
 def _tick(bar: Any) -> None:

@@ -33,6 +33,7 @@ class RunConfig:
     until_s: float | None = None  # stop simulated time here; what has not finished is counted unfinished
     recovery: str = "dump"  # what the router does about lost batches: see sim.transport.Recovery
     replay_buffer: int = 10_000  # batches each engine keeps for replay
+    loss_burst: int = 1  # batches lost in a row each time one is (an outage)
 
     @property
     def label(self) -> str:
@@ -74,7 +75,7 @@ def simulate(trace: list[Request], cluster_cfg: ClusterConfig, run: RunConfig, *
     bar = _progress(len(trace), run.label) if progress else None
     # Without loss a tracker would only confirm what arrives: skip it (same results, less work).
     recovery = Recovery(run.recovery) if run.event_loss else Recovery.NONE
-    wire_cfg = WireConfig(run.event_delay_s, run.event_loss, recovery, run.replay_buffer)
+    wire_cfg = WireConfig(run.event_delay_s, run.event_loss, run.loss_burst, recovery, run.replay_buffer)
 
     def sink(deliveries: list[Delivery]) -> None:
         assert isinstance(policy, KvPolicy)

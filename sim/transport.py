@@ -41,7 +41,8 @@ class WireConfig:
     """The modeled event path."""
 
     delay_s: float = 0.0  # engine -> router latency of live batches
-    loss: float = 0.0  # probability a live batch is lost
+    loss: float = 0.0  # probability a live batch starts a loss
+    burst: int = 1  # batches of that worker lost in a row when one is (an outage, not a drop)
     recovery: Recovery = Recovery.DUMP  # see Recovery
     buffer: int = 10_000  # batches the publisher keeps for replay
     rtt_s: float = 0.001  # round trip of a replay or dump request
@@ -55,6 +56,8 @@ class WireConfig:
             raise ValueError(f"event delay and replay round trip must be >= 0, got {self.delay_s}, {self.rtt_s}")
         if self.buffer < 1:
             raise ValueError(f"replay buffer must hold >= 1 batch, got {self.buffer}")
+        if self.burst < 1:
+            raise ValueError(f"loss burst must be >= 1 batch, got {self.burst}")
 
 
 @dataclass(slots=True)
@@ -84,6 +87,7 @@ class SimWire:
         self._epoch = [0] * workers  # bumped when the tracker abandons an answer (a fresh socket)
         self._timers: list[Timer | None] = [None] * workers
         self._active = [False] * workers  # live traffic since the last tick: idle probes are worth it
+        self._dropping = [0] * workers  # batches still to lose in the current burst
         if cfg.recovery is not Recovery.NONE:
             for i, s in enumerate(self._streams):
                 t = StreamTracker(s, can_replay=True, can_dump=cfg.recovery is Recovery.DUMP,
@@ -99,7 +103,8 @@ class SimWire:
         seq = self._next_seq[worker]
         self._next_seq[worker] = seq + 1
         self._buffers[worker].append((seq, payload))
-        if self.cfg.loss and self.rng.random() < self.cfg.loss:
+        if self._dropping[worker] or (self.cfg.loss and self.rng.random() < self.cfg.loss):
+            self._dropping[worker] = (self._dropping[worker] or self.cfg.burst) - 1
             c.lost += 1
             return
         if self.cfg.delay_s <= 0:

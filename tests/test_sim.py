@@ -71,6 +71,15 @@ def test_lost_events_are_recovered_by_the_routers_stream_tracker() -> None:
     assert dumped.wire.dumps > 0 and dumped.summary.requests == len(reqs)
 
 
+def test_an_outage_longer_than_the_buffer_needs_a_dump() -> None:
+    reqs = chat(250)
+    runs = {rec: simulate(reqs, SMALL, RunConfig("kv_all", event_loss=0.05, seed=3, recovery=rec, replay_buffer=8,
+                                                 loss_burst=12)) for rec in ("replay", "dump")}
+    assert runs["replay"].wire.partial_marks > 0 and runs["replay"].wire.dumps == 0
+    assert runs["dump"].wire.dumps > 0 and runs["dump"].wire.partial_marks == 0
+    assert runs["replay"].events_lost >= 12 and runs["dump"].summary.index_exact > runs["replay"].summary.index_exact
+
+
 def test_single_request_timing_in_closed_form() -> None:
     lat = MockerLatency()
     cfg = ClusterConfig(workers=1, page_size=64, device_tokens=65_536, host_ratio=0.0, prefill_budget=8192)

@@ -1,0 +1,180 @@
+"""Indexer service benchmark: the HTTP front end under load while the index applies live events.
+
+Three processes: ``kvtier indexer`` (the service, as users run it), 8 publishers streaming KV events
+at it, and this load generator (asyncio + aiohttp, keep-alive connections). Printed:
+
+1. 200 concurrent keep-alive connections, each sending queries back to back: errors and resets
+   (target: 0 and 0).
+2. An open-loop load of ``--rate`` queries/s of 2,048 tokens (send times fixed in advance, so a slow
+   answer delays no later send and latency includes queueing): p50 / p99 (target p99 <= 50 ms at
+   1,000 q/s).
+3. The highest offered rate, stepping up, that still holds p99 <= 50 ms.
+
+    python bench/service_bench.py [--rate 1000] [--seconds 5] [--events-per-s 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+TOKENS, BS, DOCS, PUBLISHERS = 2048, 16, 64, 8
+
+PUBLISHER_SCRIPT = """
+import random, sys, time
+from kvtier.wire import BlockStored, EventBatch, Publisher
+rate, docs, tokens, bs = float(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+pubs = [Publisher(f"tcp://127.0.0.1:{p}") for p in sys.argv[5:]]
+rng = random.Random(0)
+doc = lambda d: [(d * 7919 + i) % 50000 + 10 for i in range(tokens)]
+period, nxt, h = 1.0 / rate, time.monotonic(), 1
+while True:
+    for p in pubs:
+        d, n = rng.randrange(docs), rng.randrange(1, tokens // bs + 1)
+        hashes = list(range(h, h + n)); h += n
+        p.publish(EventBatch(ts=time.time(), events=[BlockStored(block_hashes=hashes, parent_block_hash=None,
+                  token_ids=doc(d)[: n * bs], block_size=bs, medium="GPU")]))
+    nxt += period
+    time.sleep(max(0.0, nxt - time.monotonic()))
+"""
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def bodies() -> list[bytes]:
+    return [json.dumps({"token_ids": [(d * 7919 + i) % 50000 + 10 for i in range(TOKENS)]}).encode()
+            for d in range(DOCS)]
+
+
+async def hammer(url: str, conns: int, per_conn: int, payloads: list[bytes]) -> tuple[int, int, float]:
+    """``conns`` keep-alive connections, each sending ``per_conn`` queries back to back."""
+    errors = resets = 0
+    connector = aiohttp.TCPConnector(limit=conns, force_close=False)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as s:
+
+        async def one(i: int) -> None:
+            nonlocal errors, resets
+            for k in range(per_conn):
+                try:
+                    async with s.post(url, data=payloads[(i + k) % len(payloads)],
+                                      headers={"Content-Type": "application/json"}) as r:
+                        await r.read()
+                        errors += r.status != 200
+                except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
+                    resets += 1
+                except (aiohttp.ClientError, TimeoutError):
+                    errors += 1
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(conns)))
+        return errors, resets, conns * per_conn / (time.perf_counter() - t0)
+
+
+async def open_loop(url: str, rate: float, seconds: float, payloads: list[bytes]) -> tuple[list[float], int]:
+    """Sends at fixed times (``rate`` per second); returns latencies from the scheduled send, and errors."""
+    lat: list[float] = []
+    errors = 0
+    connector = aiohttp.TCPConnector(limit=512)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=30)) as s:
+
+        async def one(at: float, body: bytes) -> None:
+            nonlocal errors
+            await asyncio.sleep(max(0.0, at - time.perf_counter()))
+            try:
+                async with s.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+                    await r.read()
+                    errors += r.status != 200
+            except (aiohttp.ClientError, TimeoutError):
+                errors += 1
+                return
+            lat.append(time.perf_counter() - at)
+
+        start = time.perf_counter() + 0.2
+        n = int(rate * seconds)
+        await asyncio.gather(*(one(start + i / rate, payloads[i % len(payloads)]) for i in range(n)))
+    return lat, errors
+
+
+def metrics(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url + "/metrics?format=json") as r:
+        out: dict[str, Any] = json.loads(r.read())
+        return out
+
+
+def p(xs: list[float], q: float) -> float:
+    return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] * 1e3 if xs else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rate", type=float, default=1000.0, help="open-loop queries per second (default: 1000)")
+    ap.add_argument("--seconds", type=float, default=5.0, help="length of each open-loop run (default: 5)")
+    ap.add_argument("--events-per-s", type=float, default=50.0,
+                    help="event batches per second per publisher (default: 50; 8 publishers)")
+    ap.add_argument("--connections", type=int, default=200, help="concurrent keep-alive clients (default: 200)")
+    args = ap.parse_args()
+    ports = free_ports(PUBLISHERS + 1)
+    http_port, pub_ports = ports[0], ports[1:]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    pubs = subprocess.Popen([sys.executable, "-c", PUBLISHER_SCRIPT, str(args.events_per_s), str(DOCS), str(TOKENS),
+                             str(BS), *map(str, pub_ports)], env=env)
+    cmd = [sys.executable, "-m", "kvtier", "indexer", "--listen", f"127.0.0.1:{http_port}", "--block-size", str(BS)]
+    for i, port in enumerate(pub_ports):
+        cmd += ["--endpoint", f"w{i}=tcp://127.0.0.1:{port}"]
+    svc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{http_port}"
+    try:
+        assert svc.stdout is not None
+        print(svc.stdout.readline().strip())  # "kvtier indexer: ... HTTP on ..."
+        time.sleep(2.0)  # events flowing
+        payloads = bodies()
+        m0 = metrics(url)
+        print(f"service: {PUBLISHERS} publishers x {args.events_per_s:g} batches/s; queries of {TOKENS} tokens")
+        errors, resets, qps = asyncio.run(hammer(url + "/query", args.connections, 20, payloads))
+        print(f"{args.connections} concurrent keep-alive connections x 20 queries: {errors} errors, {resets} resets, "
+              f"{qps:.0f} q/s closed-loop (target: 0 errors, 0 resets)")
+        lat, errs = asyncio.run(open_loop(url + "/query", args.rate, args.seconds, payloads))
+        print(f"open loop {args.rate:g} q/s for {args.seconds:g} s: p50 {p(lat, 0.5):.1f} ms, "
+              f"p99 {p(lat, 0.99):.1f} ms, {errs} errors (target p99 <= 50 ms)")
+        best = 0.0
+        for rate in [250, 500, 750, 1000, 1250, 1500, 2000, 2500, 3000, 4000]:
+            lat, errs = asyncio.run(open_loop(url + "/query", rate, min(args.seconds, 3.0), payloads))
+            ok = not errs and p(lat, 0.99) <= 50.0
+            print(f"  {rate:5d} q/s: p50 {p(lat, 0.5):7.1f} ms, p99 {p(lat, 0.99):7.1f} ms, {errs} errors"
+                  f"{'' if ok else '  <- over'}")
+            if not ok:
+                break
+            best = rate
+        m1 = metrics(url)
+        applied = m1["batches_applied"] - m0["batches_applied"]
+        print(f"highest offered rate holding p99 <= 50 ms: {best:g} q/s; meanwhile the index applied {applied} "
+              f"batches ({m1['indexed_blocks']} blocks indexed)")
+    finally:
+        svc.terminate()
+        pubs.terminate()
+        svc.wait(10)
+        pubs.wait(10)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    main()
