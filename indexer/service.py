@@ -32,6 +32,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from kvtier.indexer import persist
 from kvtier.indexer.consumer import IndexConsumer, Lag
 from kvtier.indexer.exposition import Family, render
 from kvtier.indexer.index import TieredIndex
@@ -69,12 +70,14 @@ class ServiceConfig:
     read_timeout_s: float = 10.0  # a request body must arrive within this (408)
     keepalive_s: float = 75.0  # idle keep-alive connections are closed after this
     request_ttl_s: float = 600.0  # a routed request never finished is dropped from the load after this
+    snapshot_path: str | None = None  # where the index is saved (periodically and on stop) and restored from
+    snapshot_interval_s: float = 30.0  # seconds between snapshots
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_body_bytes", "max_query_tokens"):
             if type(getattr(self, name)) is not int or getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        for name in ("replay_timeout_s", "read_timeout_s", "keepalive_s", "request_ttl_s"):
+        for name in ("replay_timeout_s", "read_timeout_s", "keepalive_s", "request_ttl_s", "snapshot_interval_s"):
             v = getattr(self, name)
             if not isinstance(v, int | float) or isinstance(v, bool) or not 0 < v < float("inf"):
                 raise ConfigError(f"{name} must be a positive number of seconds, got {v!r}")
@@ -116,7 +119,7 @@ def load_config(path: Path) -> ServiceConfig:
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"{path}: endpoints[{i}]: missing or bad field {exc}") from None
     known = {"block_size", "listen", "replay_timeout_s", "cost", "model", "max_body_bytes", "max_query_tokens",
-             "read_timeout_s", "keepalive_s", "request_ttl_s"}
+             "read_timeout_s", "keepalive_s", "request_ttl_s", "snapshot_path", "snapshot_interval_s"}
     if unknown := set(raw) - known:
         raise ConfigError(f"{path}: unknown settings {sorted(unknown)}")
     return ServiceConfig(endpoints=eps, **raw)
@@ -173,6 +176,10 @@ class IndexerService:
             raise ConfigError(f"endpoints name the same worker stream twice: {dup}")
         self.config = config
         self.index = TieredIndex(config.block_size)
+        self._resume: persist.Positions = {}  # streams restored from the snapshot, and where they were
+        self.restored_from: str | None = None  # the snapshot file the index was restored from
+        if config.snapshot_path is not None and Path(config.snapshot_path).exists():
+            self._restore(Path(config.snapshot_path), streams)
         self.loads = LoadTracker(config.block_size)
         self.router = Router(self.index, make_cost_model(config.cost, config.model), loads=self.loads)
         self._lock = threading.Lock()  # guards index, loads and the request registry
@@ -186,6 +193,8 @@ class IndexerService:
         self._deadlines: dict[str, float] = {}  # routed request id -> when it expires
         self._expiry: list[tuple[float, str]] = []  # heap of (deadline, request id)
         self.requests_expired = 0
+        self.snapshots = 0  # snapshots written
+        self.snapshot_seconds = 0.0  # how long the last one took
         self._loop = threading.Thread(target=self._run_loop, name="kv-indexer", daemon=True)
         host, _, port = config.listen.rpartition(":")
         if not port.isdigit() or not 0 <= int(port) <= 65535:
@@ -197,6 +206,33 @@ class IndexerService:
         self._host = host or "127.0.0.1"
         for s in streams:
             self.index.add_worker(s)
+
+    def _restore(self, path: Path, streams: list[StreamId]) -> None:
+        try:
+            index, positions = persist.load(path, self.config.block_size)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        for s in index.streams:
+            if s not in streams:
+                index.remove_worker(s)  # no longer configured
+            elif s not in positions:
+                index.clear_worker(s)  # saved mid-recovery or before any batch: start it afresh
+        self.index = index
+        self._resume = {s: p for s, p in positions.items() if s in streams}
+        self.restored_from = str(path)
+        log.info("restored %d blocks from %s; resuming %d of %d streams", len(index), path,
+                 len(self._resume), len(streams))
+
+    def save_snapshot(self) -> int | None:
+        """Writes the snapshot now (event loop thread: the index's only writer, so no lock is needed
+        for a consistent read, and queries go on meanwhile). Returns its size, None if not configured."""
+        if self.config.snapshot_path is None or self._sub is None:
+            return None
+        t0 = time.monotonic()
+        n = persist.save(Path(self.config.snapshot_path), self.index, self._sub.positions())
+        self.snapshots += 1
+        self.snapshot_seconds = time.monotonic() - t0
+        return n
 
     @property
     def address(self) -> str:
@@ -221,24 +257,36 @@ class IndexerService:
 
     def _run_loop(self) -> None:
         try:
-            sub = Subscriber(self.config.endpoints, replay_timeout_s=self.config.replay_timeout_s)
+            sub = Subscriber(self.config.endpoints, replay_timeout_s=self.config.replay_timeout_s,
+                             resume=self._resume)
         except Exception as exc:
             self._loop_failed(exc)
             return
         self._sub = sub
         self._ready.set()
+        next_snapshot = time.monotonic() + self.config.snapshot_interval_s
         try:
             while not self._stop.is_set():
+                if time.monotonic() >= next_snapshot:
+                    self._save_logged()
+                    next_snapshot = time.monotonic() + self.config.snapshot_interval_s
                 for d in sub.poll(50):
                     with self._lock:  # one batch per hold: queries wait for a batch, never a backlog
                         self._consumer.feed((d,))
                 if self._expiry and self._expiry[0][0] <= time.monotonic():
                     with self._lock:
                         self._expire(time.monotonic())
+            self._save_logged()  # on stop
         except Exception as exc:
             self._loop_failed(exc)
         finally:
             sub.close()
+
+    def _save_logged(self) -> None:
+        try:
+            self.save_snapshot()
+        except OSError as exc:  # a full disk must not stop the index from following the engines
+            log.error("snapshot to %s failed: %s", self.config.snapshot_path, exc)
 
     def _loop_failed(self, exc: Exception) -> None:
         self._loop_error = f"{type(exc).__name__}: {exc}"
@@ -360,6 +408,7 @@ class IndexerService:
                 workers[str(s)] = entry
             return {"batches_applied": self._consumer.counters.batches, "indexed_blocks": len(self.index),
                     "requests_in_flight": len(self._deadlines), "requests_expired": self.requests_expired,
+                    "snapshots": self.snapshots, "snapshot_seconds": self.snapshot_seconds,
                     "workers": workers}
 
     def metrics_text(self) -> str:

@@ -298,8 +298,8 @@ def cmd_indexer(a: argparse.Namespace) -> int:
     try:
         cfg = load_config(a.config) if a.config else ServiceConfig(endpoints=[])
         eps = cfg.endpoints + [parse_endpoint(s) for s in a.endpoint]
-        overrides = {k: v for k, v in (("block_size", a.block_size), ("listen", a.listen), ("cost", a.cost))
-                     if v is not None}
+        overrides = {k: v for k, v in (("block_size", a.block_size), ("listen", a.listen), ("cost", a.cost),
+                                       ("snapshot_path", a.snapshot)) if v is not None}
         cfg = replace(cfg, endpoints=eps, **overrides)
         if not cfg.endpoints:
             raise ConfigError("give at least one --endpoint or a --config with [[endpoints]]")
@@ -381,6 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, help="tokens per KV block (default: the config's, else 16)")
     p.add_argument("--listen", help="HTTP host:port (default: the config's, else 127.0.0.1:8000)")
     p.add_argument("--cost", choices=["credit", "ttft"], help="routing cost model (default: the config's, else credit)")
+    p.add_argument("--snapshot", help="file the index is saved to (every 30 s and on stop) and restored from on "
+                                      "start, resuming each stream after its last applied batch (default: none)")
     p.set_defaults(func=cmd_indexer)
     return parser
 

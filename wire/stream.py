@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Literal, NamedTuple, TypeAlias
 
+import xxhash
+
 from kvtier.wire.codec import DecodeError, decode_payload
 from kvtier.wire.frames import DUMP_REQUEST, END_SEQ, pack_seq, unpack_seq
 from kvtier.wire.protocol import EventBatch, WorkerId
@@ -146,6 +148,8 @@ class StreamStats:
 
 
 _DUP_WINDOW = 4096  # how many recent (seq, payload digest) pairs identify duplicates
+#: A stable digest of a payload (unlike ``hash``, the same in every process: positions are persisted).
+_digest = xxhash.xxh3_64_intdigest
 
 
 @dataclass(slots=True)
@@ -239,6 +243,32 @@ class StreamTracker:
         if self.can_replay and self.expected is None and self._mode is _Mode.LIVE:
             self.expected = 0
             self._start_replay(0, now, [])
+
+    def position(self) -> tuple[int, int | None] | None:
+        """``(next seq, digest of the last delivered batch)`` for a snapshot of the consumer's state
+        (digest None right after a state dump, which carries no batch of its own); None while nothing
+        was delivered or a recovery is under way. O(1)."""
+        if self._mode is not _Mode.LIVE or not self.expected:
+            return None
+        return self.expected, self._recent.get(self.expected - 1)
+
+    def resume(self, position: tuple[int, int | None], now: float) -> None:
+        """Continues from a snapshot's :meth:`position` instead of :meth:`start`. With a digest it first
+        checks, by replay, that the publisher still holds the same batch at the last applied seq (else
+        it is a new process: ``PublisherRestarted`` and a replay from 0), then replays what came after.
+        Without one it replays from the next seq; a publisher that restarted meanwhile is then caught
+        only if it has not yet published past the saved seq (its next batch goes backwards)."""
+        expected, digest = position
+        assert expected >= 1 and self.expected is None, "resume() replaces start() on a fresh tracker"
+        self.expected = expected
+        if digest is None:
+            if self.can_replay:
+                self._start_replay(expected, now, [])
+            return
+        self._recent[expected - 1] = digest
+        if self.can_replay:
+            self._start_replay(expected - 1, now, [])
+            self._verify = True
 
     def next_tick(self) -> float | None:
         """When :meth:`on_tick` next has something to do (a deadline, a deferred dump, an idle probe),
@@ -370,7 +400,7 @@ class StreamTracker:
             self._held.append((seq, payload))
             return
         if self.expected is not None and seq < self.expected:
-            if self._recent.get(seq) == hash(payload):
+            if self._recent.get(seq) == _digest(payload):
                 self.stats.duplicates += 1
                 return
             if self._skipped[0] <= seq < self._skipped[1]:
@@ -405,7 +435,7 @@ class StreamTracker:
     def _deliver(self, seq: int, payload: bytes, source: Literal["live", "replay"],
                  out: list[Delivery]) -> None:
         self.expected = seq + 1
-        self._recent[seq] = hash(payload)
+        self._recent[seq] = _digest(payload)
         if len(self._recent) > _DUP_WINDOW:
             self._recent.popitem(last=False)
         try:
@@ -462,7 +492,7 @@ class StreamTracker:
         assert self.expected is not None, "replay answer while no seq is expected"
         if self._verify:
             self._verify = False
-            if seq == self.expected - 1 and self._recent.get(seq) == hash(payload):
+            if seq == self.expected - 1 and self._recent.get(seq) == _digest(payload):
                 return  # same publisher: the replay goes on as usual
             self._on_new_publisher(seq, out)
         first = self._frames == 0

@@ -61,6 +61,7 @@ class Subscriber:
         replay_timeout_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        resume: dict[StreamId, tuple[int, int | None]] | None = None,
     ) -> None:
         self._ctx = context or zmq.Context.instance()
         self._timeout = replay_timeout_s
@@ -69,7 +70,7 @@ class Subscriber:
         self._by_socket: dict[zmq.Socket[bytes], _Conn] = {}
         self._poller = zmq.Poller()
         for cfg in endpoints or []:
-            self.add_endpoint(cfg)
+            self.add_endpoint(cfg, resume=(resume or {}).get(cfg.stream))
 
     @property
     def streams(self) -> list[StreamId]:
@@ -82,8 +83,18 @@ class Subscriber:
         """A catch-up, full replay or dump of ``stream`` is under way. O(1)."""
         return self._conns[stream].tracker.recovering
 
-    def add_endpoint(self, cfg: EndpointConfig) -> None:
-        """Connect to a publisher. Raises ``ValueError`` if its stream is already connected."""
+    def positions(self) -> dict[StreamId, tuple[int, int | None]]:
+        """Each in-sync stream's :meth:`StreamTracker.position` (for a snapshot of the consumer). O(streams)."""
+        out = {}
+        for s, conn in self._conns.items():
+            pos = conn.tracker.position()
+            if pos is not None:
+                out[s] = pos
+        return out
+
+    def add_endpoint(self, cfg: EndpointConfig, resume: tuple[int, int | None] | None = None) -> None:
+        """Connect to a publisher; with ``resume`` (a saved position) continue after it instead of
+        catching up from seq 0. Raises ``ValueError`` if its stream is already connected."""
         if cfg.stream in self._conns:
             raise ValueError(f"stream {cfg.stream} is already subscribed")
         sub = self._ctx.socket(zmq.SUB)
@@ -97,7 +108,10 @@ class Subscriber:
         conn = _Conn(cfg, tracker, sub, self._new_dealer(cfg), monitor)
         self._conns[cfg.stream] = conn
         self._register(conn)
-        tracker.start(self._clock())
+        if resume is not None:
+            tracker.resume(resume, self._clock())
+        else:
+            tracker.start(self._clock())
         self._flush(conn)
 
     def remove_endpoint(self, stream: StreamId) -> None:
