@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from kvtier.indexer.index import TieredIndex
 from kvtier.indexer.keys import BlockKey
 from kvtier.indexer.load import LoadTracker
+from kvtier.indexer.plugins import RouteContext, RoutingPolicy, route_with
 from kvtier.indexer.scoring import CostModel
 from kvtier.wire.overlap import OverlapScores, TierOverlap
 from kvtier.wire.stream import StreamId
@@ -44,6 +45,7 @@ class Router:
         workers: Sequence[StreamId] | None = None,
         temperature: float = 0.0,
         seed: int = 0,
+        policy: RoutingPolicy | None = None,
     ) -> None:
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -53,6 +55,7 @@ class Router:
         self.workers = list(workers) if workers is not None else None
         self.temperature = temperature
         self._rng = random.Random(seed)
+        self.policy = policy  # a plugin (kvtier.indexer.plugins) replaces the cost model and the pick
 
     def route(self, token_ids: list[int], *, lora_name: str | None = None,
               cache_salt: str | None = None, mm_items: Sequence[tuple[str, int, int]] | None = None) -> RouteDecision:
@@ -73,6 +76,11 @@ class Router:
         if not candidates:
             raise LookupError("no workers to route to")
         bs = self.index.block_size
+        if self.policy is not None:
+            partial = frozenset(s for s in self.index.streams if self.index.is_partial(s))
+            ctx = RouteContext(num_tokens, bs, keys or [], overlaps, self.loads, partial)
+            chosen, scores = route_with(self.policy, ctx, list(candidates))
+            return RouteDecision(chosen, scores, overlaps)
         costs = {}
         for w in candidates:
             shared = self.loads.shared_blocks(w, keys) if keys else 0

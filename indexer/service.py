@@ -39,6 +39,7 @@ from kvtier.indexer.index import TieredIndex
 from kvtier.indexer.keys import BlockKey
 from kvtier.indexer.latency import PRESETS, TransferModel
 from kvtier.indexer.load import LoadTracker
+from kvtier.indexer.plugins import load_policy
 from kvtier.indexer.router import RouteDecision, Router
 from kvtier.indexer.scoring import CostModel, CreditCost, TtftCost
 from kvtier.wire.stream import StreamId
@@ -64,6 +65,7 @@ class ServiceConfig:
     listen: str = "127.0.0.1:8000"  # HTTP host:port (port 0 picks a free one)
     replay_timeout_s: float = 2.0  # wait for a replay or dump answer
     cost: str = "credit"  # "credit" or "ttft"
+    policy: str | None = None  # a routing-policy plugin (kvtier.indexer.plugins) used instead of the cost
     model: str = "llama-3.1-8b"  # preset for the ttft cost's transfer times
     max_body_bytes: int = 8 << 20  # larger request bodies get 413
     max_query_tokens: int = 1 << 20  # longer prompts get 400 (bounds a query's lock hold)
@@ -119,7 +121,7 @@ def load_config(path: Path) -> ServiceConfig:
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"{path}: endpoints[{i}]: missing or bad field {exc}") from None
     known = {"block_size", "listen", "replay_timeout_s", "cost", "model", "max_body_bytes", "max_query_tokens",
-             "read_timeout_s", "keepalive_s", "request_ttl_s", "snapshot_path", "snapshot_interval_s"}
+             "read_timeout_s", "keepalive_s", "request_ttl_s", "snapshot_path", "snapshot_interval_s", "policy"}
     if unknown := set(raw) - known:
         raise ConfigError(f"{path}: unknown settings {sorted(unknown)}")
     return ServiceConfig(endpoints=eps, **raw)
@@ -181,7 +183,13 @@ class IndexerService:
         if config.snapshot_path is not None and Path(config.snapshot_path).exists():
             self._restore(Path(config.snapshot_path), streams)
         self.loads = LoadTracker(config.block_size)
-        self.router = Router(self.index, make_cost_model(config.cost, config.model), loads=self.loads)
+        plugin = None
+        if config.policy is not None:
+            try:
+                plugin = load_policy(config.policy)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+        self.router = Router(self.index, make_cost_model(config.cost, config.model), loads=self.loads, policy=plugin)
         self._lock = threading.Lock()  # guards index, loads and the request registry
         self._stop = threading.Event()
         self._consumer = IndexConsumer(self.index)

@@ -143,7 +143,15 @@ def _latency(path: Path | None) -> MockerLatency:
 
 def _run_cfg(a: argparse.Namespace, policy: str) -> RunConfig:
     if policy not in POLICIES:
-        raise CliError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
+        from kvtier.indexer.plugins import is_plugin_spec, load_policy
+
+        if not is_plugin_spec(policy):
+            raise CliError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}, module:attr, "
+                           "file.py:attr, or an entry point of the group kvtier.policies")
+        try:
+            load_policy(policy)  # fail here, with one line, rather than inside the run
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
     if a.replay_buffer < 1 or a.loss_burst < 1:
         raise CliError(f"--replay-buffer and --loss-burst must be >= 1, got {a.replay_buffer}, {a.loss_burst}")
     return RunConfig(policy, a.cost, a.event_delay, a.event_loss, a.host_credit, a.disk_credit, a.temperature,
@@ -299,7 +307,7 @@ def cmd_indexer(a: argparse.Namespace) -> int:
         cfg = load_config(a.config) if a.config else ServiceConfig(endpoints=[])
         eps = cfg.endpoints + [parse_endpoint(s) for s in a.endpoint]
         overrides = {k: v for k, v in (("block_size", a.block_size), ("listen", a.listen), ("cost", a.cost),
-                                       ("snapshot_path", a.snapshot)) if v is not None}
+                                       ("snapshot_path", a.snapshot), ("policy", a.policy)) if v is not None}
         cfg = replace(cfg, endpoints=eps, **overrides)
         if not cfg.endpoints:
             raise ConfigError("give at least one --endpoint or a --config with [[endpoints]]")
@@ -381,6 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, help="tokens per KV block (default: the config's, else 16)")
     p.add_argument("--listen", help="HTTP host:port (default: the config's, else 127.0.0.1:8000)")
     p.add_argument("--cost", choices=["credit", "ttft"], help="routing cost model (default: the config's, else credit)")
+    p.add_argument("--policy", help="a routing-policy plugin: module:attr, file.py:attr or an entry point of "
+                                    "kvtier.policies (default: the --cost model)")
     p.add_argument("--snapshot", help="file the index is saved to (every 30 s and on stop) and restored from on "
                                       "start, resuming each stream after its last applied batch (default: none)")
     p.set_defaults(func=cmd_indexer)

@@ -35,6 +35,7 @@ from kvtier.indexer.index import TieredIndex
 from kvtier.indexer.keys import BlockKey
 from kvtier.indexer.latency import PRESETS, LatencyModel, MockerLatency, TransferModel
 from kvtier.indexer.load import LoadTracker
+from kvtier.indexer.plugins import RoutingPolicy, is_plugin_spec, load_policy
 from kvtier.indexer.router import Router
 from kvtier.indexer.scoring import CostModel, CreditCost, DynamoCost, TierCredits, TtftCost, visible
 from kvtier.wire.overlap import OverlapScores, TierOverlap
@@ -164,14 +165,16 @@ class KvPolicy:
     """Routes with the real index, fed only the events of tiers up to ``max_tier``."""
 
     def __init__(self, name: str, workers: int, block_size: int, cost: CostModel, loads: LoadTracker,
-                 max_tier: StorageTier, temperature: float = 0.0, seed: int = 0) -> None:
+                 max_tier: StorageTier, temperature: float = 0.0, seed: int = 0,
+                 plugin: RoutingPolicy | None = None) -> None:
         self.name = name
         self.max_tier = max_tier
         self.streams = _streams(workers)
         self.index = TieredIndex(block_size)
         for s in self.streams:
             self.index.add_worker(s)
-        self.router = Router(self.index, cost, loads=loads, workers=self.streams, temperature=temperature, seed=seed)
+        self.router = Router(self.index, cost, loads=loads, workers=self.streams, temperature=temperature, seed=seed,
+                             policy=plugin)
         # The service's consumer, so loss and recovery act on the index exactly as in a deployment.
         self.consumer = IndexConsumer(self.index, wall_clock=lambda: 0.0, keep=self._listens)
 
@@ -287,8 +290,13 @@ def make_policy(name: str, *, workers: int, block_size: int, loads: LoadTracker,
                 storage_gbps: float = STORAGE_LINKS[DEFAULT_STORAGE_LINK].gbps, host_credit: float = 0.75,
                 disk_credit: float = 0.25, temperature: float = 0.0, seed: int = 0, prefill_budget: int = 8192,
                 capacity_tokens: int | None = None, latency: LatencyModel | None = None) -> Policy:
+    if name not in POLICIES and is_plugin_spec(name):
+        # A plugin (kvtier.indexer.plugins) routes on everything the index hears, like the service.
+        plugin = load_policy(name)
+        return KvPolicy(plugin.name, workers, block_size, CreditCost(), loads, StorageTier.EXTERNAL, plugin=plugin)
     if name not in POLICIES:
-        raise ValueError(f"unknown policy {name!r}; expected one of {POLICIES}")
+        raise ValueError(f"unknown policy {name!r}; expected one of {POLICIES}, module:attr, or an entry point "
+                         f"of the group kvtier.policies")
     if name == "round_robin":
         return RoundRobin(workers)
     if name == "random":

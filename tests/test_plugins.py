@@ -1,0 +1,94 @@
+"""Routing-policy plugins: loaded by spec, entry point or file, and the same object routes in the
+simulator and in the service."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvtier.indexer.plugins import PolicyBase, RouteContext, RoutingPolicy, is_plugin_spec, load_policy
+from kvtier.indexer.service import IndexerService, ServiceConfig, parse_endpoint
+from kvtier.sim.cli import main as cli_main
+from kvtier.sim.run import RunConfig, simulate
+from kvtier.wire import EventBatch, Publisher
+from kvtier.wire.stream import StreamId
+from tests.test_service import BS, TOKS, post, stored, wait_for
+from tests.test_sim import SMALL, chat
+
+EXAMPLE = str(Path(__file__).resolve().parent.parent / "examples" / "fresh_first_policy.py") + ":FreshFirst"
+
+
+class LeastDevice(PolicyBase):
+    """Perversely sends every request where it has the fewest device hits (a policy a test can see)."""
+
+    name = "least_device"
+
+    def score(self, ctx: RouteContext, worker: StreamId) -> float:
+        return float(ctx.overlap(worker).device)
+
+
+class Nobody(PolicyBase):
+    name = "nobody"
+
+    def filter(self, ctx: RouteContext, workers: list[StreamId]) -> list[StreamId]:
+        return []
+
+
+def test_specs_files_modules_and_entry_points(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert load_policy(EXAMPLE).name == "fresh_first"
+    assert isinstance(load_policy("tests.test_plugins:LeastDevice"), RoutingPolicy)
+    inst = LeastDevice()
+    monkeypatch.setattr(sys.modules[__name__], "INSTANCE", inst, raising=False)
+    assert load_policy("tests.test_plugins:INSTANCE") is inst  # an instance is used as it is
+    for bad, why in [("tests.test_plugins:Missing", "Missing"), ("no_such_module_x:P", "no_such_module_x"),
+                     ("/nope/p.py:P", "no such file"), ("tests.test_plugins:BS", "lacks name"),
+                     ("not_an_entry_point", "entry point")]:
+        with pytest.raises(ValueError, match=why):
+            load_policy(bad)
+    # An installed distribution advertising the policy in the kvtier.policies group.
+    dist = tmp_path / "demo_plugin-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: demo-plugin\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[kvtier.policies]\nleast_device = tests.test_plugins:LeastDevice\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert is_plugin_spec("least_device") and load_policy("least_device").name == "least_device"
+
+
+def test_the_same_plugin_routes_in_the_simulator() -> None:
+    reqs = chat(200)
+    fresh = simulate(reqs, SMALL, RunConfig(EXAMPLE))
+    perverse = simulate(reqs, SMALL, RunConfig("tests.test_plugins:LeastDevice"))
+    rr = simulate(reqs, SMALL, RunConfig("round_robin"))
+    assert fresh.summary.requests == perverse.summary.requests == len(reqs)
+    assert fresh.summary.policy == EXAMPLE and fresh.summary.hit_rate > rr.summary.hit_rate > perverse.summary.hit_rate
+
+
+def test_the_same_plugin_routes_in_the_service() -> None:
+    pubs = [Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0") for _ in range(2)]
+    eps = [parse_endpoint(f"w{i}={p.endpoint},replay={p.replay_endpoint}") for i, p in enumerate(pubs)]
+    svc = IndexerService(ServiceConfig(endpoints=eps, block_size=BS, listen="127.0.0.1:0",
+                                       policy="tests.test_plugins:LeastDevice"))
+    svc.start()
+    try:
+        pubs[0].publish(EventBatch(ts=time.time(), events=[stored([1, 2, 3], None, 0)]))
+        wait_for(lambda: post(svc.address + "/query", {"token_ids": TOKS})[1]["workers"]["w0"]["device"] == 3)
+        body = post(svc.address + "/query", {"token_ids": TOKS})[1]
+        assert body["recommended"] == "w1" and body["costs"] == {"w0": 3.0, "w1": 0.0}
+    finally:
+        svc.stop()
+        for p in pubs:
+            p.close()
+    with pytest.raises(LookupError, match="filter kept"):
+        svc2 = IndexerService(ServiceConfig(endpoints=eps, listen="127.0.0.1:0", policy="tests.test_plugins:Nobody"))
+        svc2.router.route([1] * 32)
+
+
+def test_cli_takes_plugins_and_rejects_bad_ones(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    assert cli_main(["replay", "--trace", "builtin:chat:40", "--workers", "2", "--policy", EXAMPLE,
+                     "--out", str(out), "--no-plots"]) == 0
+    assert cli_main(["replay", "--trace", "builtin:chat:40", "--policy", "tests.test_plugins:Missing",
+                     "--out", str(out), "--no-plots"]) == 2
