@@ -69,7 +69,60 @@ class Engine:
         return [(pack_seq(s), p) for s, p in self.buffer if s >= start] + [(END_SEQ, b"")]
 
 
-class FaultyWire(RuleBasedStateMachine):
+class TwoEngines(RuleBasedStateMachine):
+    """Two engines behind a wire and a tracker each: the rules that drive them, shared by the
+    machines in this file and in test_partial_recovery.py (each defines setup, _publish, _consume)."""
+
+    clock: list[float]
+    engines: list[Engine]
+    trackers: list[StreamTracker]
+    wire: list[deque[tuple[int, bytes]]]
+
+    def _publish(self, w: int) -> None:
+        raise NotImplementedError
+
+    def _consume(self, w: int, out: list[Delivery]) -> None:
+        raise NotImplementedError
+
+    @rule(w=st.integers(0, 1), doc=st.integers(0, 2), pages=st.integers(1, 10))
+    def request(self, w: int, doc: int, pages: int) -> None:
+        cache = self.engines[w].cache
+        adm = cache.admit("r", DOCS[doc][: pages * PS])
+        if cache.begin_prefill(adm) is not None:
+            cache.finish_prefill(adm)
+        cache.release(adm)
+        self._publish(w)
+
+    @rule(dt=st.sampled_from([0.3, 1.0, 3.0]))
+    def advance(self, dt: float) -> None:
+        self.clock[0] += dt
+        for w, e in enumerate(self.engines):
+            e.cache.poll()
+            self._publish(w)
+            self._consume(w, self.trackers[w].on_tick(self.clock[0]))
+
+    @precondition(lambda self: any(self.wire))
+    @rule(w=st.integers(0, 1), n=st.integers(1, 4))
+    def deliver(self, w: int, n: int) -> None:
+        for _ in range(min(n, len(self.wire[w]))):
+            seq, payload = self.wire[w].popleft()
+            self._consume(w, self.trackers[w].on_live(seq, payload, self.clock[0]))
+
+
+    def settle(self, ticks: int) -> None:
+        """Every copy lands, everything on the wire is delivered, then ``ticks`` rounds of 2 s let
+        probes, retries and dumps run."""
+        for _ in range(3):
+            self.advance(10.0)
+            for w in range(2):
+                self.deliver(w, 1000) if self.wire[w] else None
+        for _ in range(ticks):
+            self.clock[0] += 2.0
+            for w in range(2):
+                self._consume(w, self.trackers[w].on_tick(self.clock[0]))
+
+
+class FaultyWire(TwoEngines):
     @initialize(buffer=st.sampled_from([2, 4, 64]))
     def setup(self, buffer: int) -> None:
         self.clock = [0.0]
@@ -113,23 +166,6 @@ class FaultyWire(RuleBasedStateMachine):
 
     # --- engines ---------------------------------------------------------------------------
 
-    @rule(w=st.integers(0, 1), doc=st.integers(0, 2), pages=st.integers(1, 10))
-    def request(self, w: int, doc: int, pages: int) -> None:
-        cache = self.engines[w].cache
-        adm = cache.admit("r", DOCS[doc][: pages * PS])
-        if cache.begin_prefill(adm) is not None:
-            cache.finish_prefill(adm)
-        cache.release(adm)
-        self._publish(w)
-
-    @rule(dt=st.sampled_from([0.3, 1.0, 3.0]))
-    def advance(self, dt: float) -> None:
-        self.clock[0] += dt
-        for w, e in enumerate(self.engines):
-            e.cache.poll()
-            self._publish(w)
-            self._consume(w, self.trackers[w].on_tick(self.clock[0]))
-
     @rule(w=st.integers(0, 1))
     def reset(self, w: int) -> None:
         self.engines[w].cache.reset()
@@ -157,13 +193,6 @@ class FaultyWire(RuleBasedStateMachine):
     # --- the wire --------------------------------------------------------------------------
 
     @precondition(lambda self: any(self.wire))
-    @rule(w=st.integers(0, 1), n=st.integers(1, 4))
-    def deliver(self, w: int, n: int) -> None:
-        for _ in range(min(n, len(self.wire[w]))):
-            seq, payload = self.wire[w].popleft()
-            self._consume(w, self.trackers[w].on_live(seq, payload, self.clock[0]))
-
-    @precondition(lambda self: any(self.wire))
     @rule(w=st.integers(0, 1), action=st.sampled_from(["drop", "duplicate", "swap"]))
     def misbehave(self, w: int, action: str) -> None:
         q = self.wire[w]
@@ -189,14 +218,7 @@ class FaultyWire(RuleBasedStateMachine):
     @rule()
     def quiet_then_check(self) -> None:
         """Let every copy land, deliver everything, let probes and retries run: views must agree."""
-        for _ in range(3):
-            self.advance(10.0)
-            for w in range(2):
-                self.deliver(w, 1000) if self.wire[w] else None
-        for _ in range(6):  # probes, retries and dumps settle
-            self.clock[0] += 2.0
-            for w in range(2):
-                self._consume(w, self.trackers[w].on_tick(self.clock[0]))
+        self.settle(ticks=6)
         for e, s in zip(self.engines, self.streams, strict=True):
             e.cache._check()
             seen, truth = self.index.worker_hashes(s), e.cache.residency()

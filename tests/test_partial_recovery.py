@@ -20,7 +20,7 @@ from collections import deque
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, invariant, precondition, rule
 
 import tests.test_faulty_wire as fw
 from kvtier.indexer.consumer import IndexConsumer
@@ -31,7 +31,7 @@ from kvtier.wire.stream import Delivery, Received, ResyncNeeded, StreamId, Strea
 CHECKS: list[tuple[int, int]] = []  # (partial workers, blocks checked) per quiet check
 
 
-class PartialRecovery(RuleBasedStateMachine):
+class PartialRecovery(fw.TwoEngines):
     @initialize(buffer=st.sampled_from([1, 3]))
     def setup(self, buffer: int) -> None:
         self.clock = [0.0]
@@ -80,30 +80,6 @@ class PartialRecovery(RuleBasedStateMachine):
             self.published[w][msg[0]] = decode_payload(msg[1])
             self.wire[w].append(msg)
 
-    @rule(w=st.integers(0, 1), doc=st.integers(0, 2), pages=st.integers(1, 10))
-    def request(self, w: int, doc: int, pages: int) -> None:
-        cache = self.engines[w].cache
-        adm = cache.admit("r", fw.DOCS[doc][: pages * fw.PS])
-        if cache.begin_prefill(adm) is not None:
-            cache.finish_prefill(adm)
-        cache.release(adm)
-        self._publish(w)
-
-    @rule(dt=st.sampled_from([0.3, 1.0, 3.0]))
-    def advance(self, dt: float) -> None:
-        self.clock[0] += dt
-        for w, e in enumerate(self.engines):
-            e.cache.poll()
-            self._publish(w)
-            self._consume(w, self.trackers[w].on_tick(self.clock[0]))
-
-    @precondition(lambda self: any(self.wire))
-    @rule(w=st.integers(0, 1), n=st.integers(1, 4))
-    def deliver(self, w: int, n: int) -> None:
-        for _ in range(min(n, len(self.wire[w]))):
-            seq, payload = self.wire[w].popleft()
-            self._consume(w, self.trackers[w].on_live(seq, payload, self.clock[0]))
-
     @precondition(lambda self: any(self.wire))
     @rule(w=st.integers(0, 1), n=st.integers(1, 6))
     def lose(self, w: int, n: int) -> None:
@@ -117,14 +93,7 @@ class PartialRecovery(RuleBasedStateMachine):
 
     @rule()
     def quiet_then_check(self) -> None:
-        for _ in range(3):
-            self.advance(10.0)
-            for w in range(2):
-                self.deliver(w, 1000) if self.wire[w] else None
-        for _ in range(4):
-            self.clock[0] += 2.0
-            for w in range(2):
-                self._consume(w, self.trackers[w].on_tick(self.clock[0]))
+        self.settle(ticks=4)
         checked = 0
         for w, (e, s) in enumerate(zip(self.engines, self.streams, strict=True)):
             seen, truth = self.index.worker_hashes(s), e.cache.residency()

@@ -242,3 +242,17 @@ def test_restart_during_catch_up_drops_what_the_old_publisher_sent() -> None:
     out = t.on_reply(END_SEQ, b"", 0.2)  # the new publisher has published nothing
     assert seqs(out) == [] and t.expected == 0
     assert seqs(t.on_live(0, payload(100), 0.3)) == [0]
+
+
+def test_stragglers_of_any_earlier_loss_are_not_taken_for_a_restart() -> None:
+    t = tracker()
+    t.on_live(0, payload(0), 0.0)
+    for answer_from, late in ((3, 5), (8, 10)):  # two losses for good: seqs 1-2, then 6-7
+        t.on_live(late, payload(late), 0.0)  # reveals the gap; replay from `lost_from` asked
+        out = [d for s in range(answer_from, late) for d in t.on_reply(pack_seq(s), payload(s), 0.1)]
+        out += t.on_reply(END_SEQ, b"", 0.1)
+        assert isinstance(out[0], ResyncNeeded) and seqs(out) == list(range(answer_from, late + 1))
+    # The lost batches turn up late (they were only delayed): dropped, not a "new publisher".
+    for s in (1, 2, 6, 7):
+        assert t.on_live(s, payload(s), 0.2) == []
+    assert t.stats.late == 4 and t.stats.restarts == 0 and t.expected == 11

@@ -148,6 +148,7 @@ class StreamStats:
 
 
 _DUP_WINDOW = 4096  # how many recent (seq, payload digest) pairs identify duplicates
+_SKIPPED_RANGES = 64  # how many given-up seq ranges are remembered (to tell stragglers from restarts)
 #: A stable digest of a payload (unlike ``hash``, the same in every process: positions are persisted).
 _digest = xxhash.xxh3_64_intdigest
 
@@ -190,7 +191,7 @@ class StreamTracker:
     _backoff: float = 0.0  # current resync interval (0 until the first resync)
     _last_resync: float = float("-inf")  # when the last resync started
     _dump_due: bool = False  # a dump was wanted while rate-limited: start it once allowed
-    _skipped: tuple[int, int] = (0, 0)  # seqs [a, b) given up for lost by the last ResyncNeeded
+    _skipped: list[tuple[int, int]] = field(default_factory=list)  # seq ranges [a, b) given up for lost
     _resyncing: bool = False  # the pending replay is a resync (its dump fallback is not rate-limited again)
     _dump_seq: int | None = None  # last live seq the incoming dump includes
     _recent: OrderedDict[int, int] = field(default_factory=OrderedDict)  # seq -> payload digest
@@ -403,7 +404,7 @@ class StreamTracker:
             if self._recent.get(seq) == _digest(payload):
                 self.stats.duplicates += 1
                 return
-            if self._skipped[0] <= seq < self._skipped[1]:
+            if any(a <= seq < b for a, b in self._skipped):
                 # A straggler of batches already given up for lost (a replay answer overtook it):
                 # applying it now, after later batches, could resurrect removed blocks.
                 self.stats.late += 1
@@ -413,6 +414,7 @@ class StreamTracker:
             out.append(PublisherRestarted(self.stream, seq))
             self.expected = None
             self._recent.clear()
+            self._skipped.clear()
         if self.expected is None and seq == 0:
             self.expected = 0
         if self._suspect and self.expected and self.can_replay:
@@ -516,6 +518,7 @@ class StreamTracker:
         self.stats.restarts += 1
         out.append(PublisherRestarted(self.stream, seq))
         self._recent.clear()
+        self._skipped.clear()
         self.expected = 0
         self._restarted = True
 
@@ -606,7 +609,8 @@ class StreamTracker:
         self._beyond = []
         self._held = []
         if held and self.expected is not None and held[0][0] > self.expected:
-            self._skipped = (self.expected, held[0][0])
+            self._skipped.append((self.expected, held[0][0]))
+            del self._skipped[:-_SKIPPED_RANGES]
         self.expected = held[0][0] if held else None
         self._drain(held, now, out)
 
