@@ -69,6 +69,11 @@ class HttpFrontEnd:
         self._ready.set()
         self._loop.run_forever()
         self._loop.run_until_complete(self._cleanup())
+        # Handlers of connections still open (a client mid-request) end here, not at interpreter exit.
+        pending = asyncio.all_tasks(self._loop)
+        for task in pending:
+            task.cancel()
+        self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         self._loop.close()
 
     async def _start(self) -> None:

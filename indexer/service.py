@@ -41,7 +41,7 @@ from kvtier.indexer.latency import PRESETS, TransferModel
 from kvtier.indexer.load import LoadTracker
 from kvtier.indexer.plugins import load_policy
 from kvtier.indexer.router import RouteDecision, Router
-from kvtier.indexer.scoring import CostModel, CreditCost, TtftCost
+from kvtier.indexer.scoring import CostModel, CreditCost, DynamoCost, TtftCost
 from kvtier.wire.stream import StreamId
 from kvtier.wire.subscriber import EndpointConfig, Subscriber
 
@@ -64,7 +64,7 @@ class ServiceConfig:
     block_size: int = 16  # tokens per block; events with another size are rejected
     listen: str = "127.0.0.1:8000"  # HTTP host:port (port 0 picks a free one)
     replay_timeout_s: float = 2.0  # wait for a replay or dump answer
-    cost: str = "credit"  # "credit" or "ttft"
+    cost: str = "credit"  # "credit", "dynamo" or "ttft"
     policy: str | None = None  # a routing-policy plugin (kvtier.indexer.plugins) used instead of the cost
     model: str = "llama-3.1-8b"  # preset for the ttft cost's transfer times
     max_body_bytes: int = 8 << 20  # larger request bodies get 413
@@ -128,13 +128,16 @@ def load_config(path: Path) -> ServiceConfig:
 
 
 def make_cost_model(name: str, model: str) -> CostModel:
+    """``credit`` (kvtier's kv_all), ``dynamo`` (Dynamo kv_router's cost, the baseline) or ``ttft``."""
     if name == "credit":
         return CreditCost()
+    if name == "dynamo":
+        return DynamoCost()
     if name == "ttft":
         if model not in PRESETS:
             raise ConfigError(f"unknown model preset {model!r}; known: {sorted(PRESETS)}")
         return TtftCost(TransferModel(PRESETS[model].bytes_per_token))
-    raise ConfigError(f"unknown cost model {name!r}; expected 'credit' or 'ttft'")
+    raise ConfigError(f"unknown cost model {name!r}; expected 'credit', 'dynamo' or 'ttft'")
 
 
 #: Per-worker metrics of ``/metrics``: key in :meth:`IndexerService.metrics` -> (type, help).

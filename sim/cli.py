@@ -388,7 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="WORKER=tcp://host:port[,replay=tcp://host:port][,dp=N][,dump] (repeatable)")
     p.add_argument("--block-size", type=int, help="tokens per KV block (default: the config's, else 16)")
     p.add_argument("--listen", help="HTTP host:port (default: the config's, else 127.0.0.1:8000)")
-    p.add_argument("--cost", choices=["credit", "ttft"], help="routing cost model (default: the config's, else credit)")
+    p.add_argument("--cost", choices=["credit", "dynamo", "ttft"],
+                   help="routing cost model: credit (kv_all), dynamo (Dynamo kv_router's cost) or ttft "
+                        "(default: the config's, else credit)")
     p.add_argument("--policy", help="a routing-policy plugin: module:attr, file.py:attr or an entry point of "
                                     "kvtier.policies (default: the --cost model)")
     p.add_argument("--snapshot", help="file the index is saved to (every 30 s and on stop) and restored from on "

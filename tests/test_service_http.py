@@ -201,3 +201,11 @@ def test_restart_resumes_from_the_snapshot(tmp_path: Any) -> None:
     snap.write_bytes(b"\x93garbage")
     with pytest.raises(ConfigError, match="snapshot"):
         IndexerService(cfg)
+
+
+def test_cost_models_by_name() -> None:
+    eps = [parse_endpoint("a=tcp://127.0.0.1:1")]
+    for cost in ("credit", "dynamo", "ttft"):
+        assert IndexerService(ServiceConfig(endpoints=eps, listen="127.0.0.1:0", cost=cost)).router.cost_model
+    with pytest.raises(ConfigError, match="'dynamo'"):
+        IndexerService(ServiceConfig(endpoints=eps, listen="127.0.0.1:0", cost="magic"))
