@@ -50,9 +50,9 @@ def _fresh_import(code: str) -> dict[str, object]:
 def test_router_side_imports_neither_torch_nor_the_http_service(module: str) -> None:
     loaded = _fresh_import(
         f"import json, sys; import {module}; "
-        "print(json.dumps({m: m in sys.modules for m in ('torch', 'http.server', 'kvtier.indexer.service', "
+        "print(json.dumps({m: m in sys.modules for m in ('torch', 'aiohttp', 'kvtier.indexer.service', "
         "'matplotlib')}))")
-    assert loaded == {"torch": False, "http.server": False, "kvtier.indexer.service": False,
+    assert loaded == {"torch": False, "aiohttp": False, "kvtier.indexer.service": False,
                       "matplotlib": False}, f"import {module} pulled in {[m for m, v in loaded.items() if v]}"
 
 
