@@ -41,6 +41,7 @@ from kvtier.wire.protocol import (
     WorkerId,
     parse_medium,
 )
+from kvtier.wire.ratelog import suffix, worth_logging
 from kvtier.wire.stream import StreamId
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,6 @@ _SLOTS_PER_WORD = 64 // _TIERS
 _DEV = sum(1 << (_TIERS * s) for s in range(_SLOTS_PER_WORD))  # the device bit of every slot
 _EXT = _DEV << StorageTier.EXTERNAL
 _MAX_RUNS = 64  # find_matches walks runs of equal masks in Python up to this many, else numpy
-_LOG_FIRST, _LOG_EVERY = 10, 1000  # rejections logged per worker: the first N, then every Mth
 _MAX_GHOSTS = 1 << 20  # remembered keys of blocks dropped at losses, per worker (oldest forgotten first)
 
 
@@ -246,8 +246,8 @@ class TieredIndex:
         n = w.stats.events_rejected
         # Every rejection is counted; the log gets the first few and then one in a thousand, so a
         # flood of bad input cannot drown the log.
-        if n <= _LOG_FIRST or n % _LOG_EVERY == 0:
-            log.warning("worker %s: event rejected (%d so far): %s", w.stream, n, reason)
+        if worth_logging(n):
+            log.warning("worker %s: event rejected: %s%s", w.stream, reason, suffix(n))
         return outcome
 
     def _store(self, w: _Worker, ev: BlockStored) -> Outcome:

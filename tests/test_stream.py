@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+
+import pytest
+
 from kvtier.wire import (
     DUMP_REQUEST,
     END_SEQ,
@@ -256,3 +260,13 @@ def test_stragglers_of_any_earlier_loss_are_not_taken_for_a_restart() -> None:
     for s in (1, 2, 6, 7):
         assert t.on_live(s, payload(s), 0.2) == []
     assert t.stats.late == 4 and t.stats.restarts == 0 and t.expected == 11
+
+
+def test_a_flood_of_malformed_batches_is_counted_but_logged_sparingly(caplog: pytest.LogCaptureFixture) -> None:
+    t = tracker()
+    with caplog.at_level(logging.WARNING, logger="kvtier.wire.stream"):
+        for i in range(3000):
+            t.on_live(i, b"\xc1 not msgpack", 0.0)
+    assert t.stats.malformed == 3000 and t.expected == 3000
+    assert len(caplog.records) == 10 + 3  # the first ten, then the 1000th, 2000th and 3000th
+    assert "every 1000th" in caplog.records[9].getMessage()

@@ -35,6 +35,7 @@ import xxhash
 from kvtier.wire.codec import DecodeError, decode_payload
 from kvtier.wire.frames import DUMP_REQUEST, END_SEQ, pack_seq, unpack_seq
 from kvtier.wire.protocol import EventBatch, WorkerId
+from kvtier.wire.ratelog import suffix, worth_logging
 
 log = logging.getLogger(__name__)
 
@@ -450,7 +451,8 @@ class StreamTracker:
 
     def _malformed(self, reason: str, out: list[Delivery]) -> None:
         self.stats.malformed += 1
-        log.warning("stream %s: malformed message: %s", self.stream, reason)
+        if worth_logging(self.stats.malformed):
+            log.warning("stream %s: malformed message: %s%s", self.stream, reason, suffix(self.stats.malformed))
         out.append(MalformedFrame(self.stream, reason))
 
     # --- replay path ---------------------------------------------------------------------
