@@ -18,6 +18,9 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+
+from kvtier.wire.ratelog import suffix, worth_logging
 
 if TYPE_CHECKING:
     from kvtier.indexer.service import IndexerService
@@ -25,6 +28,30 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class _OneLineForBadHttp(logging.Filter):
+    """aiohttp logs a full traceback for every request it cannot even parse (its own plain-text 400
+    answers the client); bad input deserves one line, and at most a few of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError):
+            return True
+        self.count += 1
+        record.msg, record.args, record.exc_info, record.exc_text = (
+            "malformed HTTP request: %s%s", (str(exc.message).strip().splitlines()[0], suffix(self.count)),
+            None, None)
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return worth_logging(self.count)
+
+
+_BAD_HTTP = _OneLineForBadHttp()
+logging.getLogger("aiohttp.server").addFilter(_BAD_HTTP)
 
 
 def _json(status: int, body: Any) -> web.Response:

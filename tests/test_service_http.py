@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import socket
 import subprocess
 import sys
@@ -209,3 +210,18 @@ def test_cost_models_by_name() -> None:
         assert IndexerService(ServiceConfig(endpoints=eps, listen="127.0.0.1:0", cost=cost)).router.cost_model
     with pytest.raises(ConfigError, match="'dynamo'"):
         IndexerService(ServiceConfig(endpoints=eps, listen="127.0.0.1:0", cost="magic"))
+
+
+def test_unparseable_http_gets_400_and_one_log_line(svc: tuple[Publisher, Publisher, IndexerService],
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    _, _, s = svc
+    host, port = s.address.removeprefix("http://").split(":")
+    with caplog.at_level(logging.WARNING):
+        for raw in (b"GARBAGE\r\n\r\n", b"POST /query HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n{}"):
+            with socket.create_connection((host, int(port)), timeout=5) as k:
+                k.sendall(raw)
+                assert b" 400 " in k.recv(4096).split(b"\r\n")[0]
+        time.sleep(0.1)
+    assert not any(r.exc_info for r in caplog.records)
+    assert [r.getMessage() for r in caplog.records if "malformed HTTP" in r.getMessage()]
+    assert post(s.address + "/query", {"token_ids": TOKS})[0] == 200  # and the service goes on
