@@ -2,6 +2,7 @@
 
 from kvtier.engine.cache import Admission, CacheConfig, PrefetchPolicy, PrefillPlan, TieredCache, WritePolicy
 from kvtier.engine.datapath import Bandwidths, CopyKind, CopyOp, DataPath, ModeledDataPath, TorchDataPath
+from kvtier.engine.dump import NodeRun, Snapshot, dump_batches
 from kvtier.engine.hashing import chain, event_hash, page_digest
 from kvtier.engine.node import EngineNode
 from kvtier.engine.pool import PageId, PagePool, PoolExhausted
@@ -18,6 +19,7 @@ __all__ = [
     "EngineNode",
     "ModeledDataPath",
     "Node",
+    "NodeRun",
     "PageId",
     "PageMeta",
     "PagePool",
@@ -26,11 +28,13 @@ __all__ = [
     "PrefetchPolicy",
     "PrefillPlan",
     "RadixTree",
+    "Snapshot",
     "StoreError",
     "TieredCache",
     "TorchDataPath",
     "WritePolicy",
     "chain",
+    "dump_batches",
     "event_hash",
     "page_digest",
 ]

@@ -1,7 +1,8 @@
-"""Router side of kvtier: router block keys, the tiered per-worker index, cost models, in-flight load,
-the router, and the ``kvtier indexer`` HTTP service.
+"""Router side of kvtier: router block keys, the tiered per-worker index (with held orphan stores),
+the consumer that applies subscriber deliveries to it, cost models, in-flight load, the router,
+routing-policy plugins, and the ``kvtier indexer`` HTTP service.
 
-The wire contract it consumes lives in :mod:`kvtier.wire`. The service (and with it ``http.server``)
+The wire contract it consumes lives in :mod:`kvtier.wire`. The service (and with it aiohttp)
 is imported only when ``IndexerService`` or ``ServiceConfig`` is first used, so a router embedding
 the index starts fast and small.
 """
@@ -10,10 +11,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kvtier.indexer.consumer import ConsumerCounters, IndexConsumer
 from kvtier.indexer.index import Outcome, TieredIndex, WorkerStats
-from kvtier.indexer.keys import BlockKey, block_keys, chain_keys
+from kvtier.indexer.keys import BlockKey, block_keys, chain_keys, split_extra_keys
 from kvtier.indexer.latency import PRESETS, LatencyModel, MockerLatency, ModelPreset, TransferModel
 from kvtier.indexer.load import LoadTracker, WorkerLoad
+from kvtier.indexer.orphans import OrphanPool, OrphanStats
+from kvtier.indexer.plugins import PolicyBase, RouteContext, RoutingPolicy, load_policy
 from kvtier.indexer.router import RouteDecision, Router
 from kvtier.indexer.scoring import CostModel, CreditCost, DynamoCost, TierCredits, TtftCost, visible
 
@@ -34,17 +38,24 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "PRESETS",
     "BlockKey",
+    "ConsumerCounters",
     "CostModel",
     "CreditCost",
     "DynamoCost",
+    "IndexConsumer",
     "IndexerService",
     "LatencyModel",
     "LoadTracker",
     "MockerLatency",
     "ModelPreset",
+    "OrphanPool",
+    "OrphanStats",
     "Outcome",
+    "PolicyBase",
+    "RouteContext",
     "RouteDecision",
     "Router",
+    "RoutingPolicy",
     "ServiceConfig",
     "TierCredits",
     "TieredIndex",
@@ -54,5 +65,7 @@ __all__ = [
     "WorkerStats",
     "block_keys",
     "chain_keys",
+    "load_policy",
+    "split_extra_keys",
     "visible",
 ]

@@ -8,6 +8,7 @@ from kvtier.sim.metrics import RequestRecord, RunSummary, summarize
 from kvtier.sim.policies import POLICIES, Choice, Policy, RouteInput, make_policy
 from kvtier.sim.run import RunConfig, RunResult, simulate
 from kvtier.sim.trace import Request, TokenBank, TraceError, load_azure, load_mooncake, load_trace, prefix_reuse
+from kvtier.sim.transport import Recovery, SimWire, WireConfig, WireCounters
 
 __all__ = [
     "POLICIES",
@@ -17,6 +18,7 @@ __all__ = [
     "ClusterConfig",
     "Environment",
     "Policy",
+    "Recovery",
     "Request",
     "RequestRecord",
     "RouteInput",
@@ -24,10 +26,13 @@ __all__ = [
     "RunResult",
     "RunSpec",
     "RunSummary",
+    "SimWire",
     "SimWorker",
     "Timer",
     "TokenBank",
     "TraceError",
+    "WireConfig",
+    "WireCounters",
     "WorkloadSpec",
     "generate",
     "load_azure",

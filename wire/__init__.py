@@ -20,7 +20,7 @@ from kvtier.wire.protocol import (
     WorkerId,
     parse_medium,
 )
-from kvtier.wire.publisher import DumpProvider, Publisher
+from kvtier.wire.publisher import DumpProvider, Publisher, ReplayStats
 from kvtier.wire.stream import (
     Delivery,
     GapDetected,
@@ -57,6 +57,7 @@ __all__ = [
     "Publisher",
     "PublisherRestarted",
     "Received",
+    "ReplayStats",
     "ResyncDone",
     "ResyncNeeded",
     "ResyncStarted",
