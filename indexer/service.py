@@ -42,6 +42,7 @@ from kvtier.indexer.load import LoadTracker
 from kvtier.indexer.plugins import load_policy
 from kvtier.indexer.router import RouteDecision, Router
 from kvtier.indexer.scoring import CostModel, CreditCost, DynamoCost, TtftCost
+from kvtier.wire.protocol import StorageTier
 from kvtier.wire.stream import StreamId
 from kvtier.wire.subscriber import EndpointConfig, Subscriber
 
@@ -65,7 +66,11 @@ class ServiceConfig:
     listen: str = "127.0.0.1:8000"  # HTTP host:port (port 0 picks a free one)
     replay_timeout_s: float = 2.0  # wait for a replay or dump answer
     cost: str = "credit"  # "credit", "dynamo" or "ttft"
-    policy: str | None = None  # a routing-policy plugin (kvtier.indexer.plugins) used instead of the cost
+    # A policy by name (kv_device, kv_host, kv_all, dynamo, min_ttft: as in the simulator) or a
+    # routing-policy plugin (kvtier.indexer.plugins); either replaces `cost`.
+    policy: str | None = None
+    prefill_budget: int = 8192  # the workers' chunked-prefill tokens per iteration (min_ttft)
+    capacity_tokens: int | None = None  # each worker's device KV capacity in tokens (min_ttft's memory term)
     model: str = "llama-3.1-8b"  # preset for the ttft cost's transfer times
     max_body_bytes: int = 8 << 20  # larger request bodies get 413
     max_query_tokens: int = 1 << 20  # longer prompts get 400 (bounds a query's lock hold)
@@ -76,9 +81,11 @@ class ServiceConfig:
     snapshot_interval_s: float = 30.0  # seconds between snapshots
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_body_bytes", "max_query_tokens"):
+        for name in ("block_size", "max_body_bytes", "max_query_tokens", "prefill_budget"):
             if type(getattr(self, name)) is not int or getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.capacity_tokens is not None and (type(self.capacity_tokens) is not int or self.capacity_tokens < 1):
+            raise ConfigError(f"capacity_tokens must be a positive integer, got {self.capacity_tokens!r}")
         for name in ("replay_timeout_s", "read_timeout_s", "keepalive_s", "request_ttl_s", "snapshot_interval_s"):
             v = getattr(self, name)
             if not isinstance(v, int | float) or isinstance(v, bool) or not 0 < v < float("inf"):
@@ -121,7 +128,8 @@ def load_config(path: Path) -> ServiceConfig:
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"{path}: endpoints[{i}]: missing or bad field {exc}") from None
     known = {"block_size", "listen", "replay_timeout_s", "cost", "model", "max_body_bytes", "max_query_tokens",
-             "read_timeout_s", "keepalive_s", "request_ttl_s", "snapshot_path", "snapshot_interval_s", "policy"}
+             "read_timeout_s", "keepalive_s", "request_ttl_s", "snapshot_path", "snapshot_interval_s", "policy",
+             "prefill_budget", "capacity_tokens"}
     if unknown := set(raw) - known:
         raise ConfigError(f"{path}: unknown settings {sorted(unknown)}")
     return ServiceConfig(endpoints=eps, **raw)
@@ -138,6 +146,26 @@ def make_cost_model(name: str, model: str) -> CostModel:
             raise ConfigError(f"unknown model preset {model!r}; known: {sorted(PRESETS)}")
         return TtftCost(TransferModel(PRESETS[model].bytes_per_token))
     raise ConfigError(f"unknown cost model {name!r}; expected 'credit', 'dynamo' or 'ttft'")
+
+
+#: The simulator's KV policies the service runs by name: the tiers each one listens to.
+NAMED_POLICIES = {"kv_device": StorageTier.DEVICE, "kv_host": StorageTier.HOST, "kv_all": StorageTier.EXTERNAL,
+                  "dynamo": StorageTier.EXTERNAL, "min_ttft": StorageTier.EXTERNAL}
+
+
+def named_policy_cost(config: ServiceConfig) -> CostModel:
+    """The cost model behind a named policy, as :func:`kvtier.sim.policies.make_policy` builds it."""
+    name = config.policy
+    assert name in NAMED_POLICIES
+    tier = NAMED_POLICIES[name]
+    if name == "dynamo":
+        return DynamoCost()
+    if name == "min_ttft":
+        if config.model not in PRESETS:
+            raise ConfigError(f"unknown model preset {config.model!r}; known: {sorted(PRESETS)}")
+        return TtftCost(TransferModel(PRESETS[config.model].bytes_per_token), max_tier=tier,
+                        prefill_budget=config.prefill_budget, capacity_tokens=config.capacity_tokens)
+    return CreditCost(max_tier=tier)
 
 
 #: Per-worker metrics of ``/metrics``: key in :meth:`IndexerService.metrics` -> (type, help).
@@ -186,13 +214,15 @@ class IndexerService:
         if config.snapshot_path is not None and Path(config.snapshot_path).exists():
             self._restore(Path(config.snapshot_path), streams)
         self.loads = LoadTracker(config.block_size)
-        plugin = None
-        if config.policy is not None:
+        plugin, cost = None, make_cost_model(config.cost, config.model)
+        if config.policy in NAMED_POLICIES:
+            cost = named_policy_cost(config)
+        elif config.policy is not None:
             try:
                 plugin = load_policy(config.policy)
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
-        self.router = Router(self.index, make_cost_model(config.cost, config.model), loads=self.loads, policy=plugin)
+        self.router = Router(self.index, cost, loads=self.loads, policy=plugin)
         self._lock = threading.Lock()  # guards index, loads and the request registry
         self._stop = threading.Event()
         self._consumer = IndexConsumer(self.index)

@@ -208,6 +208,15 @@ def test_cost_models_by_name() -> None:
     eps = [parse_endpoint("a=tcp://127.0.0.1:1")]
     for cost in ("credit", "dynamo", "ttft"):
         assert IndexerService(ServiceConfig(endpoints=eps, listen="127.0.0.1:0", cost=cost)).router.cost_model
+    from kvtier.indexer.scoring import CreditCost, TtftCost
+
+    kv_host = IndexerService(ServiceConfig(endpoints=eps, listen="127.0.0.1:0", policy="kv_host")).router.cost_model
+    assert isinstance(kv_host, CreditCost) and kv_host.max_tier is StorageTier.HOST
+    ttft = IndexerService(ServiceConfig(endpoints=eps, listen="127.0.0.1:0", policy="min_ttft",
+                                        capacity_tokens=65_536)).router.cost_model
+    assert isinstance(ttft, TtftCost) and ttft.capacity_tokens == 65_536
+    with pytest.raises(ConfigError, match="capacity_tokens"):
+        ServiceConfig(endpoints=eps, capacity_tokens=0)
     with pytest.raises(ConfigError, match="'dynamo'"):
         IndexerService(ServiceConfig(endpoints=eps, listen="127.0.0.1:0", cost="magic"))
 
