@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from kvtier.indexer.index import TieredIndex
@@ -46,6 +46,7 @@ class Router:
         temperature: float = 0.0,
         seed: int = 0,
         policy: RoutingPolicy | None = None,
+        rebuilding: Callable[[], Collection[StreamId]] | None = None,
     ) -> None:
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -56,6 +57,11 @@ class Router:
         self.temperature = temperature
         self._rng = random.Random(seed)
         self.policy = policy  # a plugin (kvtier.indexer.plugins) replaces the cost model and the pick
+        # Workers whose index is being rebuilt right now (catch-up, full replay, dump): their overlaps
+        # say little until it ends, in seconds, so they are skipped while any other worker can serve.
+        # Partial workers (events lost for good, for as long as no dump comes) are not skipped: what
+        # their index shows is a lower bound, which the costs already price as such.
+        self.rebuilding = rebuilding
 
     def route(self, token_ids: list[int], *, lora_name: str | None = None,
               cache_salt: str | None = None, mm_items: Sequence[tuple[str, int, int]] | None = None) -> RouteDecision:
@@ -75,6 +81,10 @@ class Router:
         candidates = self.workers if self.workers is not None else list(overlaps.workers)
         if not candidates:
             raise LookupError("no workers to route to")
+        if self.rebuilding is not None:
+            busy = self.rebuilding()
+            if busy:
+                candidates = [w for w in candidates if w not in busy] or candidates
         bs = self.index.block_size
         if self.policy is not None:
             partial = frozenset(s for s in self.index.streams if self.index.is_partial(s))

@@ -222,7 +222,7 @@ class IndexerService:
                 plugin = load_policy(config.policy)
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
-        self.router = Router(self.index, cost, loads=self.loads, policy=plugin)
+        self.router = Router(self.index, cost, loads=self.loads, policy=plugin, rebuilding=self._rebuilding)
         self._lock = threading.Lock()  # guards index, loads and the request registry
         self._stop = threading.Event()
         self._consumer = IndexConsumer(self.index)
@@ -334,6 +334,11 @@ class IndexerService:
         log.critical("event loop died: %s", self._loop_error, exc_info=exc)
         self._ready.set()
         self.failed.set()
+
+    def _rebuilding(self) -> list[StreamId]:
+        """Streams whose catch-up, full replay or dump is under way (the router skips them)."""
+        sub = self._sub
+        return [] if sub is None else [s for s in sub.streams if sub.recovering(s)]
 
     def worker_flags(self, stream: StreamId) -> dict[str, bool]:
         """``partial`` (events lost for good) and ``recovering`` (catch-up under way). Caller holds the lock."""

@@ -234,3 +234,31 @@ def test_unparseable_http_gets_400_and_one_log_line(svc: tuple[Publisher, Publis
     assert not any(r.exc_info for r in caplog.records)
     assert [r.getMessage() for r in caplog.records if "malformed HTTP" in r.getMessage()]
     assert post(s.address + "/query", {"token_ids": TOKS})[0] == 200  # and the service goes on
+
+
+def test_workers_being_rebuilt_are_skipped_while_others_can_serve() -> None:
+    """w1's replay socket never answers: its catch-up is under way (``recovering``) for 3 x 2 s, and
+    the router sends nothing there meanwhile; w0 is in sync."""
+    import zmq
+
+    ctx = zmq.Context.instance()
+    silent = ctx.socket(zmq.ROUTER)
+    rport = silent.bind_to_random_port("tcp://127.0.0.1")
+    good = Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    lonely = Publisher("tcp://127.0.0.1:0")
+    eps = [parse_endpoint(f"w0={good.endpoint},replay={good.replay_endpoint}"),
+           parse_endpoint(f"w1={lonely.endpoint},replay=tcp://127.0.0.1:{rport}")]
+    s = IndexerService(ServiceConfig(endpoints=eps, block_size=BS, listen="127.0.0.1:0", replay_timeout_s=2.0))
+    s.start()
+    try:
+        wait_for(lambda: post(s.address + "/query", {"token_ids": TOKS})[1]["workers"]["w1"]["recovering"]
+                 and not post(s.address + "/query", {"token_ids": TOKS})[1]["workers"]["w0"]["recovering"])
+        picks = {post(s.address + "/query", {"token_ids": TOKS[: 4 * (1 + i % 8)]})[1]["recommended"]
+                 for i in range(30)}
+        assert picks == {"w0"}
+        assert json.loads(get(s.address + "/health"))["recovering_workers"] == ["w1"]
+    finally:
+        s.stop()
+        good.close()
+        lonely.close()
+        silent.close(0)
