@@ -168,6 +168,10 @@ def main() -> None:
         applied = m1["batches_applied"] - m0["batches_applied"]
         print(f"highest offered rate holding p99 <= 50 ms: {best:g} q/s; meanwhile the index applied {applied} "
               f"batches ({m1['indexed_blocks']} blocks indexed)")
+        # How long queries held up event application: the worst delay from a batch's publish to its
+        # application over the whole run (publishers and service share this machine's 2 cores too).
+        worst = max(w["apply_lag_max_seconds"] for w in m1["workers"].values())
+        print(f"event apply lag, worst over every batch of the run: {worst * 1e3:.1f} ms")
     finally:
         svc.terminate()
         pubs.terminate()

@@ -137,3 +137,35 @@ def route_with(
     if chosen not in scores:
         raise LookupError(f"policy {policy.name!r}: picked {chosen!r}, not a scored worker")
     return chosen, scores
+
+
+class RoundRobinPolicy(PolicyBase):
+    """Every worker in turn, ignoring caches and load (the baseline with no router state)."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._turn = 0
+
+    def score(self, ctx: RouteContext, worker: StreamId) -> float:
+        return 0.0
+
+    def pick(self, ctx: RouteContext, scores: dict[StreamId, float]) -> StreamId:
+        workers = sorted(scores)
+        chosen = workers[self._turn % len(workers)]
+        self._turn += 1
+        return chosen
+
+
+class LeastLoadedPolicy(PolicyBase):
+    """The worker with the fewest running requests, then the fewest active blocks (no cache awareness)."""
+
+    name = "least_loaded"
+
+    def score(self, ctx: RouteContext, worker: StreamId) -> float:
+        load = ctx.load(worker)
+        return load.running * 1e9 + load.active_blocks
+
+
+#: kvtier's cache-blind policies as plugins, so the service runs them by name too.
+BUILTIN = {"round_robin": RoundRobinPolicy, "least_loaded": LeastLoadedPolicy}

@@ -39,7 +39,7 @@ from kvtier.indexer.index import TieredIndex
 from kvtier.indexer.keys import BlockKey
 from kvtier.indexer.latency import PRESETS, TransferModel
 from kvtier.indexer.load import LoadTracker
-from kvtier.indexer.plugins import load_policy
+from kvtier.indexer.plugins import BUILTIN, RoutingPolicy, load_policy
 from kvtier.indexer.router import RouteDecision, Router
 from kvtier.indexer.scoring import CostModel, CreditCost, DynamoCost, TtftCost
 from kvtier.wire.protocol import StorageTier
@@ -214,9 +214,12 @@ class IndexerService:
         if config.snapshot_path is not None and Path(config.snapshot_path).exists():
             self._restore(Path(config.snapshot_path), streams)
         self.loads = LoadTracker(config.block_size)
-        plugin, cost = None, make_cost_model(config.cost, config.model)
+        plugin: RoutingPolicy | None = None
+        cost = make_cost_model(config.cost, config.model)
         if config.policy in NAMED_POLICIES:
             cost = named_policy_cost(config)
+        elif config.policy in BUILTIN:
+            plugin = BUILTIN[config.policy]()
         elif config.policy is not None:
             try:
                 plugin = load_policy(config.policy)

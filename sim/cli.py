@@ -391,7 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cost", choices=["credit", "dynamo", "ttft"],
                    help="routing cost model: credit (kv_all), dynamo (Dynamo kv_router's cost) or ttft "
                         "(default: the config's, else credit)")
-    p.add_argument("--policy", help="kv_device, kv_host, kv_all, dynamo or min_ttft (as in the simulator), or a "
+    p.add_argument("--policy", help="round_robin, least_loaded, kv_device, kv_host, kv_all, dynamo or min_ttft (as "
+                                    "in the simulator), or a "
                                     "routing-policy plugin: module:attr, file.py:attr or an entry point of "
                                     "kvtier.policies (default: the --cost model)")
     p.add_argument("--snapshot", help="file the index is saved to (every 30 s and on stop) and restored from on "

@@ -92,3 +92,22 @@ def test_cli_takes_plugins_and_rejects_bad_ones(tmp_path: Path) -> None:
                      "--out", str(out), "--no-plots"]) == 0
     assert cli_main(["replay", "--trace", "builtin:chat:40", "--policy", "tests.test_plugins:Missing",
                      "--out", str(out), "--no-plots"]) == 2
+
+
+def test_cache_blind_builtins_route_by_turn_and_by_load() -> None:
+    from kvtier.indexer.index import TieredIndex
+    from kvtier.indexer.plugins import LeastLoadedPolicy, RoundRobinPolicy
+    from kvtier.indexer.router import Router
+    from kvtier.indexer.scoring import CreditCost
+    from kvtier.wire import WorkerId
+
+    idx = TieredIndex(BS)
+    ws = [StreamId(WorkerId(f"w{i}")) for i in range(3)]
+    for w in ws:
+        idx.add_worker(w)
+    rr = Router(idx, CreditCost(), policy=RoundRobinPolicy())
+    assert [str(rr.route([1] * 8).worker) for _ in range(4)] == ["w0", "w1", "w2", "w0"]
+    ll = Router(idx, CreditCost(), policy=LeastLoadedPolicy())
+    ll.loads.add("a", ws[0], [], 8, 8)
+    ll.loads.add("b", ws[2], [], 8, 8)
+    assert ll.route([1] * 8).worker == ws[1]

@@ -215,6 +215,8 @@ def test_cost_models_by_name() -> None:
     ttft = IndexerService(ServiceConfig(endpoints=eps, listen="127.0.0.1:0", policy="min_ttft",
                                         capacity_tokens=65_536)).router.cost_model
     assert isinstance(ttft, TtftCost) and ttft.capacity_tokens == 65_536
+    for name in ("round_robin", "least_loaded"):
+        assert IndexerService(ServiceConfig(endpoints=eps, listen="127.0.0.1:0", policy=name)).router.policy
     with pytest.raises(ConfigError, match="capacity_tokens"):
         ServiceConfig(endpoints=eps, capacity_tokens=0)
     with pytest.raises(ConfigError, match="'dynamo'"):
