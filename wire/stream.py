@@ -449,6 +449,13 @@ class StreamTracker:
         self.stats.delivered += 1
         out.append(Received(self.stream, seq, batch, source))
 
+    def on_malformed(self, reason: str) -> list[Delivery]:
+        """A frame the caller could not even parse (wrong frame count, bad seq frame): counted,
+        logged sparingly, reported. O(1)."""
+        out: list[Delivery] = []
+        self._malformed(reason, out)
+        return out
+
     def _malformed(self, reason: str, out: list[Delivery]) -> None:
         self.stats.malformed += 1
         if worth_logging(self.stats.malformed):

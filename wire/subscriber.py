@@ -16,8 +16,7 @@ import zmq
 
 from kvtier.wire.frames import unpack_seq
 from kvtier.wire.protocol import WorkerId
-from kvtier.wire.ratelog import suffix, worth_logging
-from kvtier.wire.stream import Delivery, MalformedFrame, StreamId, StreamStats, StreamTracker
+from kvtier.wire.stream import Delivery, StreamId, StreamStats, StreamTracker
 
 log = logging.getLogger(__name__)
 
@@ -205,10 +204,7 @@ class Subscriber:
         self._flush(conn)
 
     def _malformed(self, conn: _Conn, reason: str, out: list[Delivery]) -> None:
-        n = conn.tracker.stats.malformed = conn.tracker.stats.malformed + 1
-        if worth_logging(n):
-            log.warning("stream %s: %s%s", conn.config.stream, reason, suffix(n))
-        out.append(MalformedFrame(conn.config.stream, reason))
+        out.extend(conn.tracker.on_malformed(reason))
 
     def _flush(self, conn: _Conn) -> None:
         tracker = conn.tracker
