@@ -276,7 +276,7 @@ class TieredIndex:
             ns = None
             if parent is None:
                 w.stats.unknown_parents += 1
-                w.orphans.hold(ev, tier)
+                w.orphans.hold(ev, tier, extras)
                 return Outcome.ORPHANED
         keys = chain_keys(ev.token_ids, bs, parent, ns, extras)
         self._insert(w, ev.block_hashes, keys, tier)
@@ -317,8 +317,7 @@ class TieredIndex:
             for run in w.orphans.take(eh):
                 ev = run.event
                 try:
-                    extras = split_extra_keys(ev.extra_keys, ev.lora_name)[1] if ev.extra_keys else None
-                    run_keys = chain_keys(ev.token_ids, ev.block_size, key, None, extras)
+                    run_keys = chain_keys(ev.token_ids, ev.block_size, key, None, run.extras)
                 except ValueError as exc:  # bad token ids: this run is lost, the others graft
                     self._reject(w, f"held orphan store: {exc}")
                     continue

@@ -35,6 +35,7 @@ class OrphanRun:
     event: BlockStored  # the store as received (its parent is unknown)
     tier: StorageTier  # tier the store put its blocks on
     present: list[bool]  # per block: False once a removal on ``tier`` named it
+    extras: list[int | None] | None  # per-block key scopes, already read from the event's extra keys
 
 
 @dataclass(slots=True)
@@ -64,13 +65,13 @@ class OrphanPool:
         """Runs held."""
         return len(self._age)
 
-    def hold(self, event: BlockStored, tier: StorageTier) -> None:
+    def hold(self, event: BlockStored, tier: StorageTier, extras: list[int | None] | None = None) -> None:
         """Parks ``event`` (whose parent is unknown) until its parent is known.
 
         O(blocks in the event), plus the blocks of any runs aged out to make room.
         """
         assert event.parent_block_hash is not None, "a root store is never an orphan"
-        run = OrphanRun(event, tier, [True] * len(event.block_hashes))
+        run = OrphanRun(event, tier, [True] * len(event.block_hashes), extras)
         self._by_parent.setdefault(event.parent_block_hash, []).append(run)
         for eh in event.block_hashes:
             self._by_hash.setdefault(eh, []).append(run)

@@ -84,3 +84,11 @@ def test_captured_vllm_frames_without_extra_keys_keep_their_keys() -> None:
     assert split_extra_keys(None, None) == (None, None)
     assert split_extra_keys([None, None], None) == (None, None)
     assert block_keys(TOKS, BS, mm_items=[]) == block_keys(TOKS, BS)
+
+
+def test_orphan_with_extra_keys_grafts_in_its_scope() -> None:
+    """An orphan's extra keys are read when it arrives and scope its blocks when it is grafted."""
+    idx = TieredIndex(BS)
+    assert idx.apply(V, vllm_store([2, 3], TOKS[4:12], [(("img-1", 0),), None], parent=1)) is Outcome.ORPHANED
+    idx.apply(V, vllm_store([1], TOKS[:4], None))
+    assert depth(idx, V, mm_items=[("img-1", 4, 4)]) == 3 and depth(idx, V) == 1
