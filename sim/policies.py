@@ -39,8 +39,8 @@ from kvtier.indexer.plugins import RoutingPolicy, is_plugin_spec, load_policy
 from kvtier.indexer.router import Router
 from kvtier.indexer.scoring import CostModel, CreditCost, DynamoCost, TierCredits, TtftCost, visible
 from kvtier.wire.overlap import OverlapScores, TierOverlap
-from kvtier.wire.protocol import BlockRemoved, BlockStored, Event, EventBatch, StorageTier, WorkerId, parse_medium
-from kvtier.wire.stream import Delivery, Received, StreamId
+from kvtier.wire.protocol import BlockRemoved, BlockStored, Event, StorageTier, WorkerId, parse_medium
+from kvtier.wire.stream import Delivery, StreamId
 
 POLICIES = ["round_robin", "random", "least_loaded", "approx", "kv_device", "kv_host", "kv_all", "dynamo", "min_ttft",
             "oracle"]
@@ -103,8 +103,6 @@ class Policy(Protocol):
 
     def choose(self, req: RouteInput) -> Choice: ...
 
-    def on_events(self, worker: int, batch: EventBatch) -> None: ...
-
 
 def _streams(n: int) -> list[StreamId]:
     return [StreamId(WorkerId(f"w{i}")) for i in range(n)]
@@ -121,9 +119,6 @@ class RoundRobin:
         self._next = (w + 1) % self.workers
         return Choice(w)
 
-    def on_events(self, worker: int, batch: EventBatch) -> None:
-        pass
-
 
 @dataclass(slots=True)
 class RandomPolicy:
@@ -137,9 +132,6 @@ class RandomPolicy:
 
     def choose(self, req: RouteInput) -> Choice:
         return Choice(self._rng.randrange(self.workers))
-
-    def on_events(self, worker: int, batch: EventBatch) -> None:
-        pass
 
 
 @dataclass(slots=True)
@@ -156,9 +148,6 @@ class LeastLoaded:
             return (ld.running, ld.active_blocks, i)
 
         return Choice(min(range(self.workers), key=load))
-
-    def on_events(self, worker: int, batch: EventBatch) -> None:
-        pass
 
 
 class KvPolicy:
@@ -187,9 +176,6 @@ class KvPolicy:
         i = self.streams.index(d.worker)
         return Choice(i, visible(d.overlaps.workers[d.worker], self.max_tier), self.max_tier)
 
-    def on_events(self, worker: int, batch: EventBatch) -> None:
-        self.consumer.feed([Received(self.streams[worker], 0, batch, "live")])
-
     def feed(self, deliveries: list[Delivery]) -> None:
         """Deliveries of the modeled event path (:mod:`kvtier.sim.transport`), recovery notices included."""
         self.consumer.feed(deliveries)
@@ -217,9 +203,6 @@ class Oracle:
         d = self.router.choose(scores, len(req.tokens), req.keys)
         i = self.streams.index(d.worker)
         return Choice(i, scores.workers[d.worker])
-
-    def on_events(self, worker: int, batch: EventBatch) -> None:
-        pass
 
 
 class Approx:
@@ -260,9 +243,6 @@ class Approx:
     def _prune(self, horizon: float) -> None:
         for i, seen in enumerate(self._seen):
             self._seen[i] = {k: t for k, t in seen.items() if t >= horizon}
-
-    def on_events(self, worker: int, batch: EventBatch) -> None:
-        pass
 
 
 def _credits(host: float, disk: float) -> TierCredits:
