@@ -48,7 +48,9 @@ class DecodeError(ValueError):
 # --- decoding: lenient structs, one family per event encoding -------------------------------
 
 
-class _MapStored(msgspec.Struct, tag_field="type", tag="BlockStored", gc=False):
+class _Stored(msgspec.Struct, gc=False):
+    """BlockStored's fields common to both encodings, in wire order (lenient: all but the hashes optional)."""
+
     block_hashes: list[EngineHash]
     parent_block_hash: EngineHash | None = None
     token_ids: list[int] = []
@@ -57,12 +59,20 @@ class _MapStored(msgspec.Struct, tag_field="type", tag="BlockStored", gc=False):
     medium: str | None = None
     lora_name: str | None = None
     cache_salt: str | None = None
-    extra_keys: list[Any] | None = None  # vLLM
 
 
-class _MapRemoved(msgspec.Struct, tag_field="type", tag="BlockRemoved", gc=False):
+class _Removed(msgspec.Struct, gc=False):
     block_hashes: list[EngineHash]
     medium: str | None = None
+
+
+class _MapStored(_Stored, tag_field="type", tag="BlockStored"):
+    # vLLM's; never in the array layout, whose trailing positions newer publishers may use otherwise.
+    extra_keys: list[Any] | None = None
+
+
+class _MapRemoved(_Removed, tag_field="type", tag="BlockRemoved"):
+    pass
 
 
 class _MapCleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared", gc=False):
@@ -75,20 +85,12 @@ class _MapBatch(msgspec.Struct, array_like=True, gc=False):
     dp_rank: int | None = None
 
 
-class _ArrStored(msgspec.Struct, array_like=True, tag="BlockStored", gc=False):
-    block_hashes: list[EngineHash]
-    parent_block_hash: EngineHash | None = None
-    token_ids: list[int] = []
-    block_size: int = 0
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    cache_salt: str | None = None
+class _ArrStored(_Stored, array_like=True, tag="BlockStored"):
+    pass
 
 
-class _ArrRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved", gc=False):
-    block_hashes: list[EngineHash]
-    medium: str | None = None
+class _ArrRemoved(_Removed, array_like=True, tag="BlockRemoved"):
+    pass
 
 
 class _ArrCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared", gc=False):
@@ -106,7 +108,7 @@ _arr_decoder = msgspec.msgpack.Decoder(_ArrBatch)
 
 
 def _to_event(raw: object) -> Event:
-    if isinstance(raw, _MapStored | _ArrStored):
+    if isinstance(raw, _Stored):
         return BlockStored(
             block_hashes=raw.block_hashes,
             parent_block_hash=raw.parent_block_hash,
@@ -118,7 +120,7 @@ def _to_event(raw: object) -> Event:
             cache_salt=raw.cache_salt,
             extra_keys=raw.extra_keys if isinstance(raw, _MapStored) else None,
         )
-    if isinstance(raw, _MapRemoved | _ArrRemoved):
+    if isinstance(raw, _Removed):
         return BlockRemoved(block_hashes=raw.block_hashes, medium=raw.medium)
     return AllBlocksCleared()
 
