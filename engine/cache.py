@@ -138,6 +138,11 @@ class TieredCache:
         self.tree.on_split = self._on_split
         if store is not None:
             store.attach(name, self._on_l3_evicted)
+            # Pages a directory store adopted on start (a restart): announced with the first flush.
+            adopted = store.unannounced()
+            for key in adopted:
+                store.announce(key, name)
+            self._announce([(k, store.meta(k)) for k in adopted])
 
     # --- events --------------------------------------------------------------------------
 
@@ -231,7 +236,7 @@ class TieredCache:
         keys: list[str] = []
         for d in iter_chain(digests_from, rest, ps):
             key = d.hex()
-            if key not in self.store:
+            if not self.store.lookup(key):
                 break
             keys.append(key)
         if len(keys) < max(1, self.config.prefetch_min_pages) or self.config.host_pages == 0:
@@ -472,7 +477,7 @@ class TieredCache:
                 continue  # another engine is writing it into the shared pool
             if parent_key is not None and parent_key not in store and not store.is_pending(parent_key):
                 break  # the parent page is gone and cannot be rewritten from here: stop the run
-            store.begin_write(key, parent_key)
+            store.begin_write(key, meta)
             self._l3_pending.add(key)
             keys.append(key)
             metas.append(meta)
@@ -587,7 +592,7 @@ class TieredCache:
             if info.op.error:
                 self.store.abort(key)
                 continue
-            if self.store.commit(key, meta, self.name) and key in self.store:  # a tiny store may evict it at once
+            if self.store.commit(key, self.name) and key in self.store:  # a tiny store may evict it at once
                 landed.append((key, meta))
         self._announce(landed)
         if info.op.error:
@@ -603,6 +608,8 @@ class TieredCache:
             adm.prefetch_op = None
         if info.op.error:
             log.error("%s: L3 read failed: %s", self.name, info.op.error)
+            for key in info.op.bad_keys:  # never offered again: dropped, BlockRemoved by each announcer
+                self.store.drop(key)
             self.host.release([PageId(p) for p in info.op.dst])
             self._unlock(parent)
             return

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from kvtier.engine.storage import DRAFT_PREFIX, StoreError
+
 if TYPE_CHECKING:
     import torch
 
@@ -51,6 +53,7 @@ class CopyOp:
     keys: list[str] = field(default_factory=list)  # L3 keys for H2S / S2H, one per page
     store: PageStore | None = None  # the L3 store for H2S / S2H
     error: str | None = None  # set when the copy failed (e.g. a damaged page file)
+    bad_keys: list[str] = field(default_factory=list)  # S2H: pages whose files were gone or damaged
 
     @property
     def pages(self) -> int:
@@ -231,8 +234,6 @@ class TorchDataPath(DataPath):
         """(device pool, host pool, L3 key prefix) for the target and, if any, the draft KV."""
         pools = [(self.device_kv, self.host_kv, "")]
         if self.device_draft is not None and self.host_draft is not None:
-            from kvtier.engine.storage import DRAFT_PREFIX
-
             pools.append((self.device_draft, self.host_draft, DRAFT_PREFIX))
         return pools
 
@@ -251,19 +252,26 @@ class TorchDataPath(DataPath):
                     self._copy_pages(op)
                 elif op.kind is CopyKind.H2S:
                     assert op.store is not None
+                    items: list[tuple[str, bytes | memoryview]] = []
                     for page, key in zip(op.src, op.keys, strict=True):
                         for _, host_pool, prefix in self._pools():
                             raw = host_pool[page].contiguous().view(-1).view(self._torch.uint8)
-                            op.store.write_bytes(prefix + key, raw.numpy().tobytes())
+                            items.append((prefix + key, memoryview(raw.numpy().data)))
+                    op.store.write_pages(items)
                 else:
                     assert op.store is not None
                     for page, key in zip(op.dst, op.keys, strict=True):
                         for _, host_pool, prefix in self._pools():
-                            data = bytearray(op.store.read_bytes(prefix + key))
+                            try:
+                                data = op.store.read_page(prefix + key)
+                            except StoreError as exc:
+                                op.bad_keys.append(exc.key)
+                                raise
                             want = self._bytes(host_pool)
                             if len(data) != want:
+                                op.bad_keys.append(key)
                                 raise ValueError(f"page file {prefix + key}: {len(data)} bytes, not {want}")
-                            raw = self._torch.frombuffer(data, dtype=self._torch.uint8)
+                            raw = self._torch.frombuffer(bytearray(data), dtype=self._torch.uint8)
                             host_pool[page].view(-1).view(self._torch.uint8).copy_(raw)
             except Exception as exc:  # reported with the op, never swallowed
                 op.error = f"{type(exc).__name__}: {exc}"

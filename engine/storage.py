@@ -2,7 +2,11 @@
 
 :class:`PageStore` keeps the metadata every store needs (which pages are committed,
 their parents, LRU order, who announced them) and, when given a directory, the
-page bytes as files written atomically (temporary file + ``os.replace``).
+page bytes as self-checking files (:mod:`kvtier.engine.pagefile`) in a directory several
+processes may share (:mod:`kvtier.engine.pagedir`). A page that fails its check, or whose file
+is gone, is never served: the read fails, the caller drops the page (:meth:`PageStore.drop`) and
+its announcers publish ``BlockRemoved``. On start a directory store adopts the sound pages its
+owner held before (prefix-closed, within capacity), so a restarted engine is warm.
 
 Two invariants make the store safe for event consumers:
 
@@ -19,15 +23,19 @@ is told, so each can publish its own ``BlockRemoved``.
 
 from __future__ import annotations
 
-import os
-import tempfile
+import logging
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvtier.engine.pagedir import PageDir, SyncPolicy
+from kvtier.engine.pagefile import Layout, PageFileError, PageHeader
 from kvtier.wire.protocol import StorageTier
+from kvtier.wire.ratelog import suffix, worth_logging
+
+log = logging.getLogger(__name__)
 
 #: L3 key prefix of a page's draft-model KV (speculative decoding), stored beside the target page.
 DRAFT_PREFIX = "d:"
@@ -59,28 +67,55 @@ class _Entry:
     announcers: set[EngineTag] = field(default_factory=set)  # engines that published it
 
 
+@dataclass(slots=True)
+class StoreStats:
+    """What a directory store found wrong, and what it adopted (exported as engine metrics)."""
+
+    damaged_reads: int = 0  # reads that failed their check (checksum, size, key, layout): never served
+    missing_reads: int = 0  # reads of a page whose file was gone
+    adopted: int = 0  # pages adopted on start
+    dropped_at_start: int = 0  # held pages found damaged, orphaned, or over capacity on start
+    tmp_removed: int = 0  # temporary files of dead writers removed on start
+    unheld_removed: int = 0  # page files no owner held, removed on start
+
+
 class StoreError(RuntimeError):
-    """A page file is missing or damaged."""
+    """A page file is missing or damaged; ``key`` is the page (without a ``d:`` prefix)."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(f"page {key}: {reason}")
+        self.key = key
 
 
 class PageStore:
     """A capacity-bounded L3 page store (see the module docstring)."""
 
     def __init__(self, capacity_pages: int, directory: Path | None = None, *, shared: bool = False,
-                 tier: StorageTier | None = None) -> None:
-        if capacity_pages < 1:
-            raise ValueError(f"store capacity must be >= 1 page, got {capacity_pages}")
+                 tier: StorageTier | None = None, layout: Layout | None = None, owner: str = "store",
+                 sync: SyncPolicy = SyncPolicy.NONE) -> None:
+        """``directory``: where page files live (None: metadata only, a modeled data path). ``layout``
+        and ``owner`` name this store's pages inside it (see :mod:`kvtier.engine.pagedir`): keep the
+        owner stable across restarts to get the pages back. O(files in the directory)."""
+        if type(capacity_pages) is not int or capacity_pages < 1:
+            raise ValueError(f"store capacity must be >= 1 page, got {capacity_pages!r}")
         self.capacity = capacity_pages
         self.directory = directory
         self.shared = shared
         self.tier = tier or (StorageTier.EXTERNAL if shared else StorageTier.DISK)
+        self.stats = StoreStats()
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # committed pages, LRU first
         self._leaves: OrderedDict[str, None] = OrderedDict()  # committed pages without children, LRU first
-        self._pending: dict[str, str | None] = {}  # key being written -> parent key
+        self._pending: dict[str, PageMeta] = {}  # key being written -> its meta
         self._pending_children: dict[str, int] = {}  # key being written -> children begun under it
         self._listeners: dict[EngineTag, EvictListener] = {}
-        if directory is not None:
-            directory.mkdir(parents=True, exist_ok=True)
+        self._dir = PageDir(directory, layout or Layout(), owner, sync) if directory is not None else None
+        if self._dir is not None:
+            self._adopt()
+
+    @property
+    def pages_path(self) -> Path | None:
+        """The folder of this store's page files (None without a directory)."""
+        return None if self._dir is None else self._dir.pages
 
     # --- membership ----------------------------------------------------------------------
 
@@ -101,6 +136,31 @@ class PageStore:
 
     def is_pending(self, key: str) -> bool:
         return key in self._pending
+
+    def lookup(self, key: str) -> bool:
+        """Committed here, or (a shared directory) sound on disk, written by another process: then
+        adopted, unannounced, if its parent is committed here. O(1), plus a header read on a miss."""
+        if key in self._entries:
+            return True
+        if self._dir is None or not self.shared or key in self._pending:
+            return False
+        header = self._dir.probe(key)
+        if header is None:
+            return False
+        meta = _meta_of(header)
+        if meta.parent_key is not None and meta.parent_key not in self._entries:
+            self._dir.release([key])
+            return False
+        if meta.parent_key is not None:
+            self._add_child(meta.parent_key)
+        self._insert(key, meta, set())
+        self._evict_over_capacity(protect=key)
+        return key in self._entries
+
+    def unannounced(self) -> list[str]:
+        """Committed pages no engine announced (adopted on start), parents first. O(pages)."""
+        keys = [k for k, e in self._entries.items() if not e.announcers]
+        return sorted(keys, key=lambda k: self._entries[k].meta.depth)
 
     def announced_by(self, engine: EngineTag) -> list[str]:
         """Keys ``engine`` announced, parents before children. O(pages)."""
@@ -150,37 +210,49 @@ class PageStore:
 
     # --- writes --------------------------------------------------------------------------
 
-    def begin_write(self, key: str, parent_key: str | None) -> None:
-        """Reserves ``key`` before its bytes are written. Asserts its parent is present."""
+    def begin_write(self, key: str, meta: PageMeta) -> None:
+        """Reserves ``key`` before its bytes are written. Asserts its parent is present. O(1)."""
         assert key not in self._entries and key not in self._pending, f"page {key} written twice"
+        parent_key = meta.parent_key
         if parent_key is not None:
             assert parent_key in self._entries or parent_key in self._pending, (
                 f"page {key} written before its parent {parent_key}")
             self._add_child(parent_key)
-        self._pending[key] = parent_key
+        self._pending[key] = meta
 
-    def write_bytes(self, key: str, data: bytes) -> None:
-        """Writes a page file atomically (no-op without a directory)."""
-        if self.directory is None:
+    def write_pages(self, pages: Sequence[tuple[str, bytes | memoryview]]) -> None:
+        """Writes reserved pages' files, all or nothing (no-op without a directory). Runs on a copy
+        thread: it only reads the reservations. A page whose reservation is gone (a reset) is skipped.
+        ``d:`` keys are draft-model companions of the page after the prefix. O(bytes)."""
+        if self._dir is None:
             return
-        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, self._path(key))
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        items = []
+        for key, payload in pages:
+            meta = self._pending.get(key.removeprefix(DRAFT_PREFIX))
+            if meta is not None:
+                items.append((PageHeader(key, self._dir.layout, meta.event_hash, meta.parent_key,
+                                         meta.parent_hash, meta.depth, meta.tokens), payload))
+        self._dir.write(items)
 
-    def read_bytes(self, key: str) -> bytes:
-        if self.directory is None:
-            raise StoreError("this store keeps no bytes (modeled data path)")
+    def read_page(self, key: str) -> memoryview:
+        """A page file's verified KV bytes. Raises :class:`StoreError` if it is gone or damaged (counted,
+        logged sparsely); the caller drops the page. O(bytes)."""
+        if self._dir is None:
+            raise StoreError(key, "this store keeps no bytes (modeled data path)")
+        base = key.removeprefix(DRAFT_PREFIX)
         try:
-            return self._path(key).read_bytes()
-        except OSError as exc:
-            raise StoreError(f"page {key}: {exc}") from None
+            return self._dir.read(key)[1]
+        except FileNotFoundError:
+            self.stats.missing_reads += 1
+            n, why = self.stats.missing_reads, "file is gone"
+        except (OSError, PageFileError) as exc:
+            self.stats.damaged_reads += 1
+            n, why = self.stats.damaged_reads, f"damaged ({exc})"
+        if worth_logging(n):
+            log.warning("L3 %s: page %s not served: %s%s", self._dir.base, key, why, suffix(n))
+        raise StoreError(base, why)
 
-    def commit(self, key: str, meta: PageMeta, engine: EngineTag) -> bool:
+    def commit(self, key: str, engine: EngineTag) -> bool:
         """The page's bytes are durable: it becomes readable, announced by ``engine``. True if so.
 
         False (the page is dropped) when its parent is not committed: aborted meanwhile, e.g. by
@@ -189,25 +261,28 @@ class PageStore:
         least-recently-used leaves first if the store is over capacity; their announcers are
         told through their listeners.
         """
-        parent_key = self._pending.pop(key)
+        meta = self._pending.pop(key)
+        parent_key = meta.parent_key
         if parent_key is not None and parent_key not in self._entries:
             self._pending_children.pop(key, None)
             self._drop_child(parent_key)  # the parent, if it still comes, must not count this page
             self._unlink(key)
             return False
-        children = self._pending_children.pop(key, 0)  # written after it began
-        self._entries[key] = _Entry(meta, children=children, announcers={engine})
-        if children == 0:
-            self._leaves[key] = None
+        self._insert(key, meta, {engine}, children=self._pending_children.pop(key, 0))
         self._evict_over_capacity(protect=key)
         return True
 
+    def _insert(self, key: str, meta: PageMeta, announcers: set[EngineTag], children: int = 0) -> None:
+        self._entries[key] = _Entry(meta, children=children, announcers=announcers)
+        if children == 0:
+            self._leaves[key] = None
+
     def abort(self, key: str) -> None:
-        """Drops a reservation whose write failed."""
-        parent_key = self._pending.pop(key)
+        """Drops a reservation whose write failed (its files, if any, were removed by the write)."""
+        meta = self._pending.pop(key)
         self._pending_children.pop(key, None)
-        if parent_key is not None:
-            self._drop_child(parent_key)
+        if meta.parent_key is not None:
+            self._drop_child(meta.parent_key)
 
     # --- reads ---------------------------------------------------------------------------
 
@@ -244,6 +319,29 @@ class PageStore:
         for engine, keys in lost.items():
             self._listeners[engine](keys)
 
+    def drop(self, key: str) -> list[str]:
+        """Removes a page that cannot be served (damaged, or its file gone) with every committed
+        descendant, whatever reads are in flight: their reads fail too. Announcers are told. Returns
+        the keys removed, children first. O(pages) (a scan for descendants)."""
+        if key not in self._entries:
+            return []
+        kids: dict[str, list[str]] = {}
+        for k, e in self._entries.items():
+            if e.meta.parent_key is not None:
+                kids.setdefault(e.meta.parent_key, []).append(k)
+        order: list[str] = []
+        todo = [key]
+        while todo:
+            k = todo.pop()
+            order.append(k)
+            todo.extend(kids.get(k, []))
+        lost: dict[EngineTag, list[str]] = {}
+        for k in reversed(order):  # leaves first: a parent's children count reaches 0 as it goes
+            self._remove(k, lost)
+        for engine, keys in lost.items():
+            self._listeners[engine](keys)
+        return order[::-1]
+
     def _remove(self, key: str, lost: dict[EngineTag, list[str]]) -> None:
         e = self._entries.pop(key)
         self._leaves.pop(key, None)
@@ -255,27 +353,61 @@ class PageStore:
 
     def clear(self) -> None:
         """Drops every page (a private store's engine was reset)."""
-        for key in list(self._entries):
-            self._unlink(key)
+        if self._dir is not None:
+            self._dir.release([k for key in self._entries for k in (key, DRAFT_PREFIX + key)])
         self._entries.clear()
         self._leaves.clear()
 
     def _unlink(self, key: str) -> None:
-        """Removes a page's file and its draft-model companion (``d:`` + key), if any."""
-        if self.directory is not None:
-            self._path(key).unlink(missing_ok=True)
-            self._path(DRAFT_PREFIX + key).unlink(missing_ok=True)
+        """Releases a page's file and its draft-model companion (``d:`` + key), if any."""
+        if self._dir is not None:
+            self._dir.release([key, DRAFT_PREFIX + key])
 
-    def _path(self, key: str) -> Path:
-        assert self.directory is not None
-        return self.directory / key.replace(":", "_")
+    # --- start-up ------------------------------------------------------------------------
+
+    def _adopt(self) -> None:
+        """Takes back the sound pages this owner held: prefix-closed, most recently written first
+        within capacity; the rest are released. Adopted pages are unannounced until an engine
+        announces them (:meth:`unannounced`)."""
+        assert self._dir is not None
+        found, counts = self._dir.scan()
+        self.stats.tmp_removed += counts["tmp_removed"]
+        self.stats.unheld_removed += counts["orphans_removed"]
+        self.stats.dropped_at_start += counts["damaged"]
+        # Parents before children; among equals the newest first, so capacity keeps what was hot.
+        found.sort(key=lambda hm: (hm[0].depth, -hm[1]))
+        keep: dict[str, tuple[PageMeta, float]] = {}
+        drop: list[str] = []
+        for header, mtime in found:
+            ok = len(keep) < self.capacity and (header.parent_key is None or header.parent_key in keep)
+            if ok:
+                keep[header.key] = (_meta_of(header), mtime)
+            else:
+                drop.append(header.key)
+        self._dir.release([k for key in drop for k in (key, DRAFT_PREFIX + key)])
+        self.stats.dropped_at_start += len(drop)
+        for key, (meta, _) in keep.items():  # parents first
+            if meta.parent_key is not None:
+                self._add_child(meta.parent_key)
+            self._insert(key, meta, set())
+        for key, _ in sorted(keep.items(), key=lambda kv: kv[1][1]):  # LRU order: oldest written first
+            self.touch(key)
+        self.stats.adopted = len(self._entries)
+        if self._entries or drop or any(counts.values()):
+            log.info("L3 %s: adopted %d pages; dropped %d held, removed %d tmp and %d unheld files",
+                     self._dir.base, len(self._entries), self.stats.dropped_at_start, counts["tmp_removed"],
+                     counts["orphans_removed"])
 
     def _check(self) -> None:
         for k, e in self._entries.items():
             p = e.meta.parent_key
             assert p is None or p in self._entries, f"page {k} present without its parent {p}"
             n = sum(1 for c in self._entries.values() if c.meta.parent_key == k)
-            n += sum(1 for pp in self._pending.values() if pp == k)
+            n += sum(1 for m in self._pending.values() if m.parent_key == k)
             assert e.children == n, f"page {k}: children {e.children} but {n} found"
             assert (k in self._leaves) == (e.children == 0), f"page {k}: leaf list out of sync"
             assert e.pins >= 0, f"page {k}: negative pins"
+
+
+def _meta_of(header: PageHeader) -> PageMeta:
+    return PageMeta(header.event_hash, header.parent_key, header.parent_hash, header.tokens, header.depth)

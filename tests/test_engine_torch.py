@@ -9,7 +9,7 @@ import torch
 
 from kvtier.engine.cache import Admission, CacheConfig, PrefetchPolicy, TieredCache
 from kvtier.engine.datapath import CopyKind, TorchDataPath, _runs
-from kvtier.engine.storage import PageStore
+from kvtier.engine.storage import PageMeta, PageStore
 from kvtier.wire import StorageTier
 
 PS = 4
@@ -52,7 +52,8 @@ def test_bytes_round_trip_through_every_tier(tmp_path: Path) -> None:
         a = list(range(4 * PS))
         written = run(cache, dp, "a", a, fill=1)
         wait(cache)
-        assert len(list((tmp_path / "l3").iterdir())) == 4  # one file per page
+        assert store.pages_path is not None
+        assert len(list(store.pages_path.iterdir())) == 4  # one file per page
         for i in range(2):  # push `a` out of device and host
             run(cache, dp, f"x{i}", list(range(1000 * (i + 1), 1000 * (i + 1) + 4 * PS)), fill=10 + i)
             wait(cache)
@@ -73,16 +74,17 @@ def test_bytes_round_trip_through_every_tier(tmp_path: Path) -> None:
         dp.close()
 
 
-def test_damaged_page_file_is_reported_not_swallowed(tmp_path: Path) -> None:
+def test_short_page_payload_is_reported_not_swallowed(tmp_path: Path) -> None:
     dp = TorchDataPath(device_pages=2, host_pages=2, page_shape=SHAPE, device="cpu")
     store = PageStore(8, tmp_path)
     try:
-        store.begin_write("k", None)
-        store.write_bytes("k", b"short")
+        store.begin_write("k", PageMeta(1, None, None, b"", 0))
+        store.write_pages([("k", b"short")])  # a sound file whose payload is not a page of this shape
+        assert store.commit("k", "engine")
         op = dp.new_op(CopyKind.S2H, [], [0], ["k"], store)
         dp.submit(op)
         done = dp.drain()
-        assert done[0].error is not None and "bytes" in done[0].error
+        assert done[0].error is not None and "bytes" in done[0].error and done[0].bad_keys == ["k"]
     finally:
         dp.close()
 
@@ -112,7 +114,8 @@ def test_draft_pool_mirrors_backup_file_store_and_load_back(tmp_path: Path) -> N
         target, draft = dp.device_kv[node.device].clone(), dp.device_draft[node.device].clone()
         cache.release(adm)
         wait(cache)
-        files = sorted(p.name for p in (tmp_path / "l3").iterdir())
+        assert store.pages_path is not None
+        files = sorted(p.name for p in store.pages_path.iterdir())
         assert len(files) == 8 and sum(f.startswith("d_") for f in files) == 4  # target + draft per page
         for i in range(2):
             run(cache, dp, f"x{i}", list(range(1000 * (i + 1), 1000 * (i + 1) + 4 * PS)), fill=10 + i)

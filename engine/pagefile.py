@@ -1,0 +1,140 @@
+"""The on-disk format of one L3 page: a small self-describing header, then the KV bytes.
+
+::
+
+    fixed   <4s H H I Q Q>  magic b"KVTP", version, flags (0), meta length, payload length, checksum
+    meta    msgpack PageHeader (key, layout tag, event hash, parent, depth, token ids)
+    payload the page's KV bytes
+
+The checksum is xxh3-64 over ``meta + payload``, so a flipped bit anywhere after the fixed part, a
+truncated file, or a page of another key or layout is detected on read and never served. The header
+carries everything an engine needs to announce the page again, which is what makes a restart warm:
+the store adopts valid pages from their headers alone (:func:`read_header`), without reading KV bytes.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from dataclasses import dataclass
+
+import msgspec
+import xxhash
+
+MAGIC = b"KVTP"
+VERSION = 1
+_FIXED = struct.Struct("<4sHHIQQ")
+FIXED_SIZE = _FIXED.size  # bytes before the meta
+_MAX_META = 1 << 20  # a header longer than this is damage, not a page
+
+
+class PageFileError(ValueError):
+    """A page file is damaged, truncated, or belongs to another key or layout."""
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """What makes two engines' page bytes interchangeable.
+
+    Pages of different models, page sizes, dtypes or parallel shards have different bytes for the same
+    tokens; the store keeps each layout in its own directory and checks the tag in every header, so
+    engines of different models sharing one pool are never served each other's pages.
+    """
+
+    model: str = "unknown"  # model name or preset
+    page_size: int = 16  # tokens per page
+    dtype: str = "bfloat16"  # KV element type
+    tp_size: int = 1  # tensor-parallel ranks; each stores its own shard of a page
+    tp_rank: int = 0
+    pp_size: int = 1  # pipeline-parallel stages; each stores its own layers
+    pp_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1 or self.tp_size < 1 or self.pp_size < 1:
+            raise ValueError(f"layout: page_size, tp_size and pp_size must be >= 1, got {self}")
+        if not (0 <= self.tp_rank < self.tp_size and 0 <= self.pp_rank < self.pp_size):
+            raise ValueError(f"layout: ranks must be in [0, size), got {self}")
+
+    def tag(self) -> str:
+        """A readable, filesystem-safe name unique to this layout."""
+        model = re.sub(r"[^A-Za-z0-9._-]+", "_", self.model) or "_"
+        return (f"{model}-ps{self.page_size}-{self.dtype}-tp{self.tp_rank}of{self.tp_size}"
+                f"-pp{self.pp_rank}of{self.pp_size}")
+
+
+class PageHeader(msgspec.Struct, array_like=True, frozen=True):
+    """What a page file says about itself (the meta part)."""
+
+    key: str  # the store key ("d:" + key for a draft-model companion)
+    layout: str  # Layout.tag() of the engine that wrote it
+    event_hash: int  # the hash published in events
+    parent_key: str | None  # L3 key of the parent page; None under the root
+    parent_hash: int | None  # event hash of the parent page
+    depth: int  # pages from the root
+    tokens: bytes  # token ids, uint32 little-endian
+
+
+_enc = msgspec.msgpack.Encoder()
+_dec = msgspec.msgpack.Decoder(PageHeader)
+
+
+def encode(header: PageHeader, payload: bytes | memoryview) -> list[bytes | memoryview]:
+    """The file's parts, to be written in order (``writelines``: no copy of the payload)."""
+    meta = _enc.encode(header)
+    h = xxhash.xxh3_64(meta)
+    h.update(payload)
+    fixed = _FIXED.pack(MAGIC, VERSION, 0, len(meta), len(payload), h.intdigest())
+    return [fixed, meta, payload]
+
+
+def _fixed(data: bytes | memoryview) -> tuple[int, int, int]:
+    if len(data) < FIXED_SIZE:
+        raise PageFileError(f"{len(data)} bytes, shorter than the {FIXED_SIZE}-byte header")
+    magic, version, flags, meta_len, payload_len, checksum = _FIXED.unpack_from(data)
+    if magic != MAGIC:
+        raise PageFileError(f"not a kvtier page file (magic {bytes(magic)!r})")
+    if version != VERSION:
+        raise PageFileError(f"page file version {version}, this kvtier reads {VERSION}")
+    if flags != 0:
+        raise PageFileError(f"unknown flags {flags:#x}")
+    if meta_len > _MAX_META:
+        raise PageFileError(f"header of {meta_len} bytes")
+    return meta_len, payload_len, checksum
+
+
+def _meta(raw: bytes | memoryview, key: str, layout: str) -> PageHeader:
+    try:
+        header = _dec.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise PageFileError(f"unreadable header: {exc}") from None
+    if header.key != key:
+        raise PageFileError(f"holds page {header.key!r}, not {key!r}")
+    if header.layout != layout:
+        raise PageFileError(f"written for layout {header.layout!r}, not {layout!r}")
+    return header
+
+
+def decode(data: bytes | memoryview, key: str, layout: str) -> tuple[PageHeader, memoryview]:
+    """Verifies a whole page file; returns its header and payload. Raises :class:`PageFileError`. O(size)."""
+    view = memoryview(data)
+    meta_len, payload_len, checksum = _fixed(view)
+    if len(view) != FIXED_SIZE + meta_len + payload_len:
+        raise PageFileError(f"{len(view)} bytes, the header says {FIXED_SIZE + meta_len + payload_len}")
+    if xxhash.xxh3_64_intdigest(view[FIXED_SIZE:]) != checksum:
+        raise PageFileError("checksum mismatch")
+    header = _meta(view[FIXED_SIZE:FIXED_SIZE + meta_len], key, layout)
+    return header, view[FIXED_SIZE + meta_len:]
+
+
+def read_header(path: str, key: str, layout: str) -> PageHeader:
+    """Reads and checks only a page file's header and size (adoption on start). O(header)."""
+    with open(path, "rb") as f:
+        head = f.read(FIXED_SIZE)
+        meta_len, payload_len, _ = _fixed(head)
+        meta = f.read(meta_len)
+        if len(meta) != meta_len:
+            raise PageFileError("truncated header")
+        size = f.seek(0, 2)
+    if size != FIXED_SIZE + meta_len + payload_len:
+        raise PageFileError(f"{size} bytes, the header says {FIXED_SIZE + meta_len + payload_len}")
+    return _meta(meta, key, layout)

@@ -1,0 +1,288 @@
+"""The L3 file store: damaged pages are never served, restarts are warm, partial writes leave nothing,
+engines of other layouts or other processes sharing the directory never touch each other's pages."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.engine import pagedir
+from kvtier.engine.cache import CacheConfig, PrefetchPolicy, TieredCache
+from kvtier.engine.datapath import TorchDataPath
+from kvtier.engine.hashing import chain
+from kvtier.engine.pagedir import SyncPolicy
+from kvtier.engine.pagefile import FIXED_SIZE, Layout, PageFileError, PageHeader, decode, encode
+from kvtier.engine.storage import PageMeta, PageStore, StoreError
+from kvtier.indexer.index import TieredIndex
+from kvtier.wire import BlockRemoved, BlockStored, StorageTier, WorkerId
+from kvtier.wire.stream import StreamId
+from tests.test_engine_torch import PS, SHAPE, run, wait
+
+L = Layout("m", PS)
+
+
+
+def meta(i: int, parent: int | None) -> PageMeta:
+    return PageMeta(1000 + i, None if parent is None else f"k{parent}", None if parent is None else 1000 + parent,
+                    bytes(4 * PS), i)
+
+
+def chain_store(path: Path, n: int, *, owner: str = "a", capacity: int = 64, shared: bool = False,
+                layout: Layout = L, sync: SyncPolicy = SyncPolicy.NONE) -> PageStore:
+    """A store holding pages k0 <- k1 <- ... (a chain), each 64 bytes of its own."""
+    store = PageStore(capacity, path, owner=owner, shared=shared, layout=layout, sync=sync)
+    store.attach(owner, lambda keys: None)
+    for i in range(n):
+        store.begin_write(f"k{i}", meta(i, i - 1 if i else None))
+        store.write_pages([(f"k{i}", bytes([i]) * 64)])
+        assert store.commit(f"k{i}", owner)
+    return store
+
+
+def files(path: Path) -> list[str]:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != ".lock")
+
+
+# --- the file format -----------------------------------------------------------------------
+
+
+def test_every_damaged_byte_is_caught() -> None:
+    header = PageHeader("k", L.tag(), 7, None, None, 0, b"\x01\x00\x00\x00")
+    good = b"".join(bytes(x) for x in encode(header, bytes(range(256)) * 4))
+    assert bytes(decode(good, "k", L.tag())[1]) == bytes(range(256)) * 4
+    rng = random.Random(0)
+    for pos in range(len(good)):  # every single-byte change is detected, header or payload
+        bad = bytearray(good)
+        bad[pos] ^= rng.randrange(1, 256)
+        with pytest.raises(PageFileError):
+            decode(bytes(bad), "k", L.tag())
+    for cut in (0, FIXED_SIZE - 1, FIXED_SIZE + 3, len(good) - 1):
+        with pytest.raises(PageFileError):
+            decode(good[:cut], "k", L.tag())
+    with pytest.raises(PageFileError, match="holds page"):
+        decode(good, "other", L.tag())
+    with pytest.raises(PageFileError, match="layout"):
+        decode(good, "k", Layout("other-model", PS).tag())
+
+
+def test_overwritten_pages_are_never_served(tmp_path: Path) -> None:
+    """The issue's reproduction: 100 bytes overwritten in every page file."""
+    store = chain_store(tmp_path, 40)
+    assert store.pages_path is not None
+    rng = random.Random(1)
+    for f in store.pages_path.iterdir():
+        data = bytearray(f.read_bytes())
+        at = rng.randrange(0, len(data) - 100)
+        data[at:at + 100] = bytes(rng.randrange(256) for _ in range(100))
+        f.write_bytes(bytes(data))  # in place: the ref links see it too
+    served = 0
+    for i in range(40):
+        try:
+            store.read_page(f"k{i}")
+            served += 1
+        except StoreError as exc:
+            assert exc.key == f"k{i}"
+    assert served == 0 and store.stats.damaged_reads == 40
+
+
+def test_damaged_or_missing_page_is_dropped_with_its_descendants_and_removed_from_the_index(tmp_path: Path) -> None:
+    dp = TorchDataPath(device_pages=4, host_pages=8, page_shape=SHAPE, device="cpu")
+    store = PageStore(64, tmp_path, layout=L)
+    cfg = CacheConfig(page_size=PS, device_pages=4, host_ratio=2.0, prefetch_policy=PrefetchPolicy.WAIT_COMPLETE)
+    cache = TieredCache(cfg, dp, store, name="w0")
+    index = TieredIndex(PS)
+    sid = StreamId(WorkerId("w0"))
+    index.add_worker(sid)
+
+    def deliver() -> list[object]:
+        batch = cache.flush_events()
+        for ev in batch.events if batch else []:
+            index.apply(sid, ev)
+        return list(batch.events) if batch else []
+
+    try:
+        a = list(range(4 * PS))
+        run(cache, dp, "a", a, fill=1)
+        wait(cache)
+        for i in range(2):  # push `a` out of device and host: it is only in the file store now
+            run(cache, dp, f"x{i}", list(range(1000 * (i + 1), 1000 * (i + 1) + 4 * PS)), fill=10 + i)
+            wait(cache)
+        deliver()
+        assert index.find_matches(a).workers[sid].disk == 4
+        second = chain(b"", a, PS)[1].hex()  # a's second page
+        assert store.pages_path is not None
+        target = store.pages_path / second
+        data = bytearray(target.read_bytes())
+        data[-1] ^= 0xFF
+        target.write_bytes(bytes(data))
+        adm = cache.admit("a2", a)
+        assert adm.l3_pages == 4
+        wait(cache, adm)
+        events = deliver()
+        removed = [h for e in events if isinstance(e, BlockRemoved) and e.medium == "DISK" for h in e.block_hashes]
+        assert len(removed) == 3  # the damaged page and its two descendants, announced and now withdrawn
+        assert index.find_matches(a).workers[sid].disk == 1
+        assert store.stats.damaged_reads == 1
+        cache.release(adm)
+        adm = cache.admit("a3", a)
+        assert adm.l3_pages == 1  # the damaged page is never offered again
+        wait(cache, adm)
+        cache.release(adm)
+        first = chain(b"", a, PS)[0].hex()
+        (store.pages_path / first).unlink()  # deleted under the engine
+        with pytest.raises(StoreError, match="gone"):
+            store.read_page(first)
+        assert store.stats.missing_reads == 1
+        cache._check()
+    finally:
+        dp.close()
+
+
+# --- restarts ------------------------------------------------------------------------------
+
+
+def test_restart_adopts_sound_pages_within_capacity_and_cleans_the_rest(tmp_path: Path) -> None:
+    chain_store(tmp_path, 12, capacity=64)  # a process that is killed: nothing cleaned up
+    base = tmp_path / L.tag()
+    (base / ".tmp-999999999-x").write_bytes(b"half a page")  # a dead writer's temporary file
+    (base / f".tmp-{os.getpid()}-y").write_bytes(b"ours, from before")
+    (base / "pages" / "stray").write_bytes(b"nobody holds this")
+    (base / "pages" / "k5").write_bytes(b"KVTP")  # truncated: not adopted, nor its descendants
+    store = PageStore(8, tmp_path, owner="a", layout=L)
+    assert store.stats.tmp_removed == 2 and store.stats.unheld_removed >= 1
+    assert len(store) == 5 and store.stats.adopted == 5 and store.stats.dropped_at_start == 7
+    assert store.unannounced() == [f"k{i}" for i in range(5)]
+    store._check()
+    assert len(files(base / "pages")) == 5 and not [f for f in os.listdir(base) if f.startswith(".tmp")]
+    chain_store(tmp_path / "big", 12)
+    assert len(PageStore(8, tmp_path / "big", owner="a", layout=L)) == 8  # capacity holds on start
+    assert len(files(tmp_path / "big" / L.tag() / "pages")) == 8
+    assert bytes(store.read_page("k3")) == bytes([3]) * 64
+
+
+def test_restarted_engine_announces_its_pages_before_anything_else(tmp_path: Path) -> None:
+    dp = TorchDataPath(device_pages=4, host_pages=8, page_shape=SHAPE, device="cpu")
+    cfg = CacheConfig(page_size=PS, device_pages=4, host_ratio=2.0, prefetch_policy=PrefetchPolicy.WAIT_COMPLETE)
+    try:
+        cache = TieredCache(cfg, dp, PageStore(64, tmp_path, owner="w0", layout=L), name="w0")
+        a = list(range(4 * PS))
+        written = run(cache, dp, "a", a, fill=3)
+        wait(cache)
+        before = cache.residency()[StorageTier.DISK]
+        assert len(before) == 4
+    finally:
+        dp.close()
+    dp = TorchDataPath(device_pages=4, host_pages=8, page_shape=SHAPE, device="cpu")
+    try:
+        store = PageStore(64, tmp_path, owner="w0", layout=L)
+        cache = TieredCache(cfg, dp, store, name="w0")
+        batch = cache.flush_events()
+        assert batch is not None
+        stored = [e for e in batch.events if isinstance(e, BlockStored)]
+        assert {h for e in stored for h in e.block_hashes} == before and stored[0].parent_block_hash is None
+        assert all(e.medium == "DISK" for e in stored)
+        adm = cache.admit("a-again", a)
+        assert adm.l3_pages == 4
+        wait(cache, adm)
+        plan = cache.begin_prefill(adm)
+        assert plan is not None and plan.cached_tokens == 4 * PS
+        assert adm.last.device is not None and torch.equal(dp.device_kv[adm.last.device].cpu(), written)
+        cache.finish_prefill(adm)
+        cache.release(adm)
+    finally:
+        dp.close()
+
+
+# --- writes ----------------------------------------------------------------------------------
+
+
+def test_a_write_that_fails_part_way_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = chain_store(tmp_path, 1)
+    calls = {"n": 0}
+    real = pagedir.encode
+
+    def failing(header: PageHeader, payload: bytes | memoryview) -> list[bytes | memoryview]:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(28, "No space left on device")
+        return real(header, payload)
+
+    monkeypatch.setattr(pagedir, "encode", failing)
+    for i in range(1, 5):
+        store.begin_write(f"k{i}", meta(i, i - 1))
+    before = files(tmp_path)
+    with pytest.raises(OSError, match="No space"):
+        store.write_pages([(f"k{i}", b"x" * 64) for i in range(1, 5)])
+    assert files(tmp_path) == before  # no temporary file, no page, no ref of the batch
+
+
+def test_link_failure_after_some_pages_were_linked_releases_them(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    store = chain_store(tmp_path, 1)
+    for i in range(1, 4):
+        store.begin_write(f"k{i}", meta(i, i - 1))
+    before = files(tmp_path)
+    real, calls = os.link, {"n": 0}
+
+    def link(src: str, dst: str) -> None:
+        calls["n"] += 1
+        if calls["n"] == 4:  # k1 page + ref linked, k2 page linked, k2 ref fails
+            raise OSError(5, "I/O error")
+        real(src, dst)
+
+    monkeypatch.setattr(pagedir.os, "link", link)
+    with pytest.raises(OSError, match="I/O"):
+        store.write_pages([(f"k{i}", b"x" * 64) for i in range(1, 4)])
+    monkeypatch.setattr(pagedir.os, "link", real)
+    assert files(tmp_path) == before
+
+
+@pytest.mark.parametrize("sync", list(SyncPolicy))
+def test_every_sync_policy_writes_sound_pages(tmp_path: Path, sync: SyncPolicy) -> None:
+    store = chain_store(tmp_path, 5, sync=sync)
+    assert [bytes(store.read_page(f"k{i}"))[:1] for i in range(5)] == [bytes([i]) for i in range(5)]
+
+
+# --- sharing one directory -------------------------------------------------------------------
+
+
+def test_other_layouts_in_one_directory_are_isolated(tmp_path: Path) -> None:
+    chain_store(tmp_path, 3, layout=Layout("llama", PS))
+    other = chain_store(tmp_path, 3, layout=Layout("qwen", PS), owner="a")
+    assert bytes(other.read_page("k1")) == bytes([1]) * 64
+    tp1 = PageStore(8, tmp_path, owner="a", layout=Layout("llama", PS, tp_size=2, tp_rank=1))
+    assert len(tp1) == 0  # another shard's pages are not this shard's
+    llama = PageStore(8, tmp_path, owner="a", layout=Layout("llama", PS))
+    assert len(llama) == 3
+    assert {p.name for p in tmp_path.iterdir()} == {Layout("llama", PS).tag(), Layout("qwen", PS).tag(),
+                                                    Layout("llama", PS, tp_size=2, tp_rank=1).tag()}
+
+
+def test_processes_sharing_a_pool_never_delete_each_others_pages(tmp_path: Path) -> None:
+    a = chain_store(tmp_path, 4, owner="a", shared=True)
+    b = PageStore(64, tmp_path, owner="b", shared=True, layout=L)
+    b.attach("b", lambda keys: None)
+    assert all(b.lookup(f"k{i}") for i in range(4))  # found on disk, written by a: now held by b too
+    assert not b.lookup("k9")
+    b.begin_write("k4", meta(4, 3))
+    b.write_pages([("k4", bytes([4]) * 64)])
+    assert b.commit("k4", "b")
+    a.clear()  # a resets (or evicts everything): b's pages stay
+    assert [bytes(b.read_page(f"k{i}"))[:1] for i in range(5)] == [bytes([i]) for i in range(5)]
+    a2 = PageStore(64, tmp_path, owner="a", shared=True, layout=L)
+    assert len(a2) == 0  # a held nothing any more
+    b.delete("k4")
+    b.clear()
+    assert files(tmp_path / L.tag() / "pages") == []  # the last holder gone: the files go
+
+
+def test_a_page_another_process_wrote_without_its_parent_here_is_not_taken(tmp_path: Path) -> None:
+    chain_store(tmp_path, 3, owner="a", shared=True)
+    b = PageStore(64, tmp_path, owner="b", shared=True, layout=L)
+    assert not b.lookup("k2")  # its parent k1 is not held by b: a page never lives without its parent
+    assert b.lookup("k0") and b.lookup("k1") and b.lookup("k2")
+    b._check()
