@@ -5,6 +5,7 @@
     ROOT/<layout tag>/
         pages/<key>          one file per page (kvtier.engine.pagefile format)
         refs/<owner>/<key>   hard links: the pages an owner holds
+        refs/.<owner>.lock   flock held by the one process acting as that owner
         .lock                flock: linking and unlinking decisions are made under it
         .tmp-<pid>-*         writes in flight
 
@@ -37,6 +38,10 @@ from kvtier.engine.pagefile import Layout, PageFileError, PageHeader, decode, en
 log = logging.getLogger(__name__)
 
 _TMP = re.compile(r"^\.tmp-(\d+)-")
+
+
+class OwnerBusy(OSError):
+    """Another process holds this owner's lock on the directory."""
 
 
 class SyncPolicy(StrEnum):
@@ -88,6 +93,23 @@ class PageDir:
         self.pages.mkdir(parents=True, exist_ok=True)
         self.refs.mkdir(parents=True, exist_ok=True)
         self._lock_path = self.base / ".lock"
+        # One process per owner: a second one would adopt, and so release, the first one's pages.
+        self._owner_fd = os.open(self.base / "refs" / f".{owner}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._owner_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._owner_fd)
+            self._owner_fd = -1
+            raise OwnerBusy(f"L3 {self.base}: owner {owner!r} is in use by another process") from None
+
+    def close(self) -> None:
+        """Gives up the owner lock (also released when the process exits)."""
+        if getattr(self, "_owner_fd", -1) >= 0:
+            os.close(self._owner_fd)
+            self._owner_fd = -1
+
+    def __del__(self) -> None:
+        self.close()
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:

@@ -112,6 +112,11 @@ class PageStore:
         if self._dir is not None:
             self._adopt()
 
+    def close(self) -> None:
+        """Lets another process (a restart) act as this store's owner; the pages stay."""
+        if self._dir is not None:
+            self._dir.close()
+
     @property
     def pages_path(self) -> Path | None:
         """The folder of this store's page files (None without a directory)."""

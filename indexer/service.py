@@ -26,12 +26,13 @@ import logging
 import threading
 import time
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
 import msgspec
 
+from kvtier.fields import ConfigError, Domain, at_least, check_fields, one_of, within
 from kvtier.indexer import persist
 from kvtier.indexer.consumer import IndexConsumer, Lag
 from kvtier.indexer.exposition import Family, render
@@ -49,10 +50,6 @@ from kvtier.wire.subscriber import EndpointConfig, Subscriber
 log = logging.getLogger(__name__)
 
 
-class ConfigError(ValueError):
-    """A service configuration problem; the message names the offending entry."""
-
-
 class ServiceUnavailable(RuntimeError):
     """The service cannot answer truthfully (its event loop died)."""
 
@@ -62,34 +59,55 @@ class ServiceConfig:
     """Everything ``kvtier indexer`` needs."""
 
     endpoints: list[EndpointConfig]  # engine streams to subscribe to
-    block_size: int = 16  # tokens per block; events with another size are rejected
-    listen: str = "127.0.0.1:8000"  # HTTP host:port (port 0 picks a free one)
-    replay_timeout_s: float = 2.0  # wait for a replay or dump answer
-    cost: str = "credit"  # "credit", "dynamo" or "ttft"
+    # tokens per block; events with another size are rejected
+    block_size: int = field(default=16, metadata=at_least(1))
+    listen: str = "127.0.0.1:8000"  # HTTP host:port (port 0 picks a free one); checked in __post_init__
+    # wait for a replay or dump answer
+    replay_timeout_s: float = field(default=2.0, metadata=within(0, 3600, lo_open=True))
+    cost: str = field(default="credit", metadata=one_of("credit", "dynamo", "ttft"))
     # A policy by name (kv_device, kv_host, kv_all, dynamo, min_ttft: as in the simulator) or a
-    # routing-policy plugin (kvtier.indexer.plugins); either replaces `cost`.
-    policy: str | None = None
-    prefill_budget: int = 8192  # the workers' chunked-prefill tokens per iteration (min_ttft)
-    capacity_tokens: int | None = None  # each worker's device KV capacity in tokens (min_ttft's memory term)
-    model: str = "llama-3.1-8b"  # preset for the ttft cost's transfer times
-    max_body_bytes: int = 8 << 20  # larger request bodies get 413
-    max_query_tokens: int = 1 << 20  # longer prompts get 400 (bounds a query's lock hold)
-    read_timeout_s: float = 10.0  # a request body must arrive within this (408)
-    keepalive_s: float = 75.0  # idle keep-alive connections are closed after this
-    request_ttl_s: float = 600.0  # a routed request never finished is dropped from the load after this
-    snapshot_path: str | None = None  # where the index is saved (periodically and on stop) and restored from
-    snapshot_interval_s: float = 30.0  # seconds between snapshots
+    # routing-policy plugin (kvtier.indexer.plugins); either replaces `cost`. Checked when the service starts.
+    policy: str | None = field(default=None, metadata=Domain(str, optional=True).meta())
+    # the workers' chunked-prefill tokens per iteration (min_ttft)
+    prefill_budget: int = field(default=8192, metadata=at_least(1))
+    # each worker's device KV capacity in tokens (min_ttft's memory term)
+    capacity_tokens: int | None = field(default=None, metadata=at_least(1, optional=True))
+    model: str = field(default="llama-3.1-8b", metadata=one_of(*PRESETS))  # preset for the ttft cost's transfers
+    max_body_bytes: int = field(default=8 << 20, metadata=at_least(1))  # larger request bodies get 413
+    # longer prompts get 400 (bounds a query's lock hold)
+    max_query_tokens: int = field(default=1 << 20, metadata=at_least(1))
+    # a request body must arrive within this (408)
+    read_timeout_s: float = field(default=10.0, metadata=within(0, 3600, lo_open=True))
+    # idle keep-alive connections are closed after this
+    keepalive_s: float = field(default=75.0, metadata=within(0, 86400, lo_open=True))
+    # a routed request never finished is dropped from the load after this
+    request_ttl_s: float = field(default=600.0, metadata=within(0, 86400 * 7, lo_open=True))
+    # where the index is saved (periodically and on stop) and restored from
+    snapshot_path: str | None = field(default=None, metadata=Domain(str, optional=True).meta())
+    # seconds between snapshots
+    snapshot_interval_s: float = field(default=30.0, metadata=within(0, 86400, lo_open=True))
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_body_bytes", "max_query_tokens", "prefill_budget"):
-            if type(getattr(self, name)) is not int or getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        if self.capacity_tokens is not None and (type(self.capacity_tokens) is not int or self.capacity_tokens < 1):
-            raise ConfigError(f"capacity_tokens must be a positive integer, got {self.capacity_tokens!r}")
-        for name in ("replay_timeout_s", "read_timeout_s", "keepalive_s", "request_ttl_s", "snapshot_interval_s"):
-            v = getattr(self, name)
-            if not isinstance(v, int | float) or isinstance(v, bool) or not 0 < v < float("inf"):
-                raise ConfigError(f"{name} must be a positive number of seconds, got {v!r}")
+        check_fields(self, style="key")
+        if not isinstance(self.listen, str):
+            raise ConfigError(f"listen: {self.listen!r} is not allowed; expected HOST:PORT")
+        _, sep, port = self.listen.rpartition(":")
+        if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ConfigError(f"listen: {self.listen!r} is not allowed; expected HOST:PORT with a port in 0..65535")
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        """Where the HTTP front end binds (an empty host is loopback)."""
+        host, _, port = self.listen.rpartition(":")
+        return host or "127.0.0.1", int(port)
+
+
+#: [[endpoints]] keys: domain, required.
+_ENDPOINT_FIELDS: dict[str, tuple[Domain, bool]] = {
+    "worker": (Domain(str), True), "endpoint": (Domain(str), True),
+    "replay_endpoint": (Domain(str, optional=True), False), "dp_rank": (Domain(int, lo=0), False),
+    "supports_dump": (Domain(bool), False),
+}
 
 
 def parse_endpoint(spec: str) -> EndpointConfig:
@@ -119,14 +137,19 @@ def load_config(path: Path) -> ServiceConfig:
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"{path}: {exc}") from None
     eps = []
-    for i, e in enumerate(raw.pop("endpoints", [])):
-        try:
-            eps.append(EndpointConfig(
-                worker=str(e["worker"]), endpoint=str(e["endpoint"]),
-                replay_endpoint=e.get("replay_endpoint"), dp_rank=int(e.get("dp_rank", 0)),
-                supports_dump=bool(e.get("supports_dump", False))))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ConfigError(f"{path}: endpoints[{i}]: missing or bad field {exc}") from None
+    tables = raw.pop("endpoints", [])
+    if not isinstance(tables, list) or not all(isinstance(e, dict) for e in tables):
+        raise ConfigError(f"{path}: endpoints must be [[endpoints]] tables")
+    for i, e in enumerate(tables):
+        if unknown := set(e) - set(_ENDPOINT_FIELDS):
+            raise ConfigError(f"{path}: endpoints[{i}]: unknown fields {sorted(unknown)}")
+        for name, (domain, required) in _ENDPOINT_FIELDS.items():
+            if name in e:
+                domain.check(f"{path}: endpoints[{i}].{name}", e[name])
+            elif required:
+                raise ConfigError(f"{path}: endpoints[{i}]: missing {name}")
+        eps.append(EndpointConfig(worker=e["worker"], endpoint=e["endpoint"], replay_endpoint=e.get("replay_endpoint"),
+                                  dp_rank=e.get("dp_rank", 0), supports_dump=e.get("supports_dump", False)))
     known = {"block_size", "listen", "replay_timeout_s", "cost", "model", "max_body_bytes", "max_query_tokens",
              "read_timeout_s", "keepalive_s", "request_ttl_s", "snapshot_path", "snapshot_interval_s", "policy",
              "prefill_budget", "capacity_tokens"}
@@ -240,14 +263,11 @@ class IndexerService:
         self.snapshots = 0  # snapshots written
         self.snapshot_seconds = 0.0  # how long the last one took
         self._loop = threading.Thread(target=self._run_loop, name="kv-indexer", daemon=True)
-        host, _, port = config.listen.rpartition(":")
-        if not port.isdigit() or not 0 <= int(port) <= 65535:
-            raise ConfigError(f"listen address {config.listen!r}: expected HOST:PORT with a port in 0..65535")
         from kvtier.indexer.http import HttpFrontEnd  # aiohttp only where the service runs
 
-        self._http = HttpFrontEnd(self, host or "127.0.0.1", int(port), max_body_bytes=config.max_body_bytes,
+        self._host, port = config.host_port
+        self._http = HttpFrontEnd(self, self._host, port, max_body_bytes=config.max_body_bytes,
                                   read_timeout_s=config.read_timeout_s, keepalive_s=config.keepalive_s)
-        self._host = host or "127.0.0.1"
         for s in streams:
             self.index.add_worker(s)
 

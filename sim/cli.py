@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.engine.cache import PrefetchPolicy, WritePolicy
+from kvtier.fields import ConfigError, Domain
 from kvtier.indexer.hardware import DEFAULT_GPU_LINK, DEFAULT_STORAGE_LINK, GPU_LINKS, STORAGE_LINKS
 from kvtier.indexer.latency import (
     MockerLatency,
@@ -27,7 +28,7 @@ from kvtier.indexer.latency import (
 from kvtier.sim import live
 from kvtier.sim.cluster import ClusterConfig
 from kvtier.sim.generators import PRESETS, generate
-from kvtier.sim.policies import POLICIES
+from kvtier.sim.policies import POLICIES, check_policy
 from kvtier.sim.run import RunConfig, RunResult, simulate
 from kvtier.sim.trace import TraceError, write_mooncake
 from kvtier.sim.transport import Recovery
@@ -37,6 +38,20 @@ DEFAULT_POLICIES = "round_robin,least_loaded,approx,kv_device,kv_host,kv_all,dyn
 
 class CliError(Exception):
     """A usage problem reported as ``kvtier: error: ...`` with exit status 2."""
+
+
+#: Domains of options that map to no configuration object (those of ClusterConfig and RunConfig are
+#: stated on their fields).
+COUNT = Domain(int, lo=1)
+SCALE = Domain(float, lo=0, lo_open=True)
+SEED = Domain(int)
+
+
+class Parser(argparse.ArgumentParser):
+    """Usage errors as one line (``kvtier replay: error: ...``, exit 2), not usage plus error."""
+
+    def error(self, message: str) -> Any:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -59,9 +74,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def _add_trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default="builtin:chat",
                    help="Mooncake JSONL, Azure CSV, or builtin:chat|agentic|sysprompt[:N]")
-    p.add_argument("--limit", type=int, help="use only the first N requests (default: all)")
-    p.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times (<1 = higher load)")
-    p.add_argument("--trace-seed", type=int, default=0, help="seed of builtin traces")
+    p.add_argument("--limit", type=COUNT.parse, help="use only the first N requests (default: all)")
+    p.add_argument("--time-scale", type=SCALE.parse, default=1.0, help="multiply arrival times (<1 = higher load)")
+    p.add_argument("--trace-seed", type=SEED.parse, default=0, help="seed of builtin traces")
 
 
 def _add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -117,19 +132,14 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
 
 
 def _cluster(a: argparse.Namespace) -> ClusterConfig:
-    cfg = ClusterConfig(workers=a.workers, page_size=a.page_size, device_tokens=a.device_tokens,
-                        host_ratio=a.host_ratio, l3=a.l3, l3_tokens=a.l3_tokens, model=a.model,
-                        write_policy=WritePolicy(a.write_policy), prefetch_policy=PrefetchPolicy(a.prefetch_policy),
-                        prefill_budget=a.prefill_budget, max_running=a.max_running,
-                        h2d_gbps=a.h2d_gbps if a.h2d_gbps is not None else GPU_LINKS[a.gpu_link].gbps,
-                        storage_gbps=(a.storage_gbps if a.storage_gbps is not None
-                                      else STORAGE_LINKS[a.storage_link].gbps),
-                        latency=_latency(a.latency))
-    try:
-        cfg.validate()
-    except ValueError as exc:
-        raise CliError(str(exc)) from None
-    return cfg
+    return ClusterConfig(workers=a.workers, page_size=a.page_size, device_tokens=a.device_tokens,
+                         host_ratio=a.host_ratio, l3=a.l3, l3_tokens=a.l3_tokens, model=a.model,
+                         write_policy=WritePolicy(a.write_policy), prefetch_policy=PrefetchPolicy(a.prefetch_policy),
+                         prefill_budget=a.prefill_budget, max_running=a.max_running,
+                         h2d_gbps=a.h2d_gbps if a.h2d_gbps is not None else GPU_LINKS[a.gpu_link].gbps,
+                         storage_gbps=(a.storage_gbps if a.storage_gbps is not None
+                                       else STORAGE_LINKS[a.storage_link].gbps),
+                         latency=_latency(a.latency))
 
 
 def _latency(path: Path | None) -> MockerLatency:
@@ -142,18 +152,7 @@ def _latency(path: Path | None) -> MockerLatency:
 
 
 def _run_cfg(a: argparse.Namespace, policy: str) -> RunConfig:
-    if policy not in POLICIES:
-        from kvtier.indexer.plugins import is_plugin_spec, load_policy
-
-        if not is_plugin_spec(policy):
-            raise CliError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}, module:attr, "
-                           "file.py:attr, or an entry point of the group kvtier.policies")
-        try:
-            load_policy(policy)  # fail here, with one line, rather than inside the run
-        except ValueError as exc:
-            raise CliError(str(exc)) from None
-    if a.replay_buffer < 1 or a.loss_burst < 1:
-        raise CliError(f"--replay-buffer and --loss-burst must be >= 1, got {a.replay_buffer}, {a.loss_burst}")
+    check_policy(policy)
     return RunConfig(policy, a.cost, a.event_delay, a.event_loss, a.host_credit, a.disk_credit, a.temperature,
                      a.seed, closed_loop=not a.open_loop, until_s=a.until, recovery=a.recovery,
                      replay_buffer=a.replay_buffer, loss_burst=a.loss_burst)
@@ -166,6 +165,8 @@ def _trace(a: argparse.Namespace):  # type: ignore[no-untyped-def]
         return resolve_trace(a.trace, limit=a.limit, seed=a.trace_seed, time_scale=a.time_scale)
     except (TraceError, FileNotFoundError, ValueError) as exc:
         raise CliError(str(exc)) from None
+    except OSError as exc:
+        raise CliError(f"trace {a.trace}: {exc.strerror or exc}") from None
 
 
 def _meta(a: argparse.Namespace, n_requests: int) -> dict[str, Any]:
@@ -228,7 +229,11 @@ def _unfinished_status(a: argparse.Namespace, summaries: list[Any], total: int) 
 
 
 def cmd_compare(a: argparse.Namespace) -> int:
-    return _compare(a, [p.strip() for p in a.policies.split(",") if p.strip()])
+    policies = [p.strip() for p in a.policies.split(",") if p.strip()]
+    if not policies:
+        raise CliError(f"--policies: {a.policies!r} names no policy; expected a comma-separated list from "
+                       f"{', '.join(POLICIES)} or plugins")
+    return _compare(a, policies)
 
 
 def cmd_replay(a: argparse.Namespace) -> int:
@@ -244,7 +249,7 @@ def cmd_sweep(a: argparse.Namespace) -> int:
     try:
         grid = parse_grid(a.grid)
         jobs = grid_jobs(_trace(a), _cluster(a), _run_cfg(a, a.policy), grid)
-    except ValueError as exc:
+    except ValueError as exc:  # ConfigError included
         raise CliError(str(exc)) from None
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -268,7 +273,7 @@ def cmd_sweep(a: argparse.Namespace) -> int:
 
 
 def cmd_gen_trace(a: argparse.Namespace) -> int:
-    spec = replace(PRESETS[a.kind], requests=a.requests, **({"rate": a.rate} if a.rate else {}))
+    spec = replace(PRESETS[a.kind], requests=a.requests, **({"rate": a.rate} if a.rate is not None else {}))
     reqs = generate(spec, a.seed)
     write_mooncake(reqs, Path(a.output))
     print(f"wrote {len(reqs)} {a.kind} requests over {reqs[-1].arrival:.0f} s to {a.output}", file=sys.stderr)
@@ -320,8 +325,7 @@ def cmd_indexer(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvtier", description="KV-cache-aware routing toolkit",
-                                     formatter_class=HelpFormatter)
+    parser = Parser(prog="kvtier", description="KV-cache-aware routing toolkit", formatter_class=HelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
     add = functools.partial(sub.add_parser, formatter_class=HelpFormatter)
@@ -332,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_router_args(p)
     p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated, from {', '.join(POLICIES)}")
     p.add_argument("--out", default="out/compare", help="output directory")
-    p.add_argument("--jobs", type=int, help="parallel processes (default: one per core)")
+    p.add_argument("--jobs", type=COUNT.parse, help="parallel processes (default: one per core)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.set_defaults(func=cmd_compare)
 
@@ -353,15 +357,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grid", nargs="+", required=True, metavar="NAME=V1,V2",
                    help="axes, e.g. device_tokens=65536,131072 host_ratio=0,2 policy=kv_device,kv_all")
     p.add_argument("--out", default="out/sweep", help="output directory")
-    p.add_argument("--jobs", type=int, help="parallel processes (default: one per core)")
+    p.add_argument("--jobs", type=COUNT.parse, help="parallel processes (default: one per core)")
     p.add_argument("--ray", action="store_true", help="run on a Ray cluster (RAY_ADDRESS or a local one)")
     p.set_defaults(func=cmd_sweep)
 
     p = add("gen-trace", help="write a seeded synthetic trace as Mooncake JSONL")
     p.add_argument("--kind", choices=sorted(PRESETS), default="chat", help="workload generator")
-    p.add_argument("--requests", type=int, default=1000, help="requests to generate")
-    p.add_argument("--rate", type=float, help="new sessions per second (default: the preset's)")
-    p.add_argument("--seed", type=int, default=0, help="generator seed")
+    p.add_argument("--requests", type=COUNT.parse, default=1000, help="requests to generate")
+    p.add_argument("--rate", type=SCALE.parse, help="new sessions per second (default: the preset's)")
+    p.add_argument("--seed", type=SEED.parse, default=0, help="generator seed")
     p.add_argument("-o", "--output", required=True, help="JSONL file to write")
     p.set_defaults(func=cmd_gen_trace)
 
@@ -407,8 +411,12 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args))
-    except CliError as exc:
+    except (CliError, ConfigError, TraceError) as exc:
         print(f"kvtier: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a file or socket the command needed
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"kvtier: error: {where}{exc.strerror or exc}", file=sys.stderr)
         return 2
 
 

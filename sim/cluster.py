@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from kvtier.engine.cache import Admission, CacheConfig, PrefetchPolicy, TieredCache, WritePolicy
 from kvtier.engine.datapath import Bandwidths, ModeledDataPath
 from kvtier.engine.storage import PageStore
+from kvtier.fields import ConfigError, at_least, check_fields, one_of, positive, within
 from kvtier.indexer.hardware import DEFAULT_GPU_LINK, DEFAULT_STORAGE_LINK, GPU_LINKS, STORAGE_LINKS
 from kvtier.indexer.latency import PRESETS, LatencyModel, MockerLatency, decode_run_ms, decode_steps_done
 from kvtier.indexer.scoring import visible
@@ -30,21 +31,26 @@ from kvtier.wire.protocol import EventBatch, StorageTier
 class ClusterConfig:
     """Workers, their caches and links."""
 
-    workers: int = 4  # engine instances
-    page_size: int = 64  # tokens per KV page (= router block size)
-    device_tokens: int = 262_144  # device KV capacity per worker, tokens
-    host_ratio: float = 2.0  # host capacity / device capacity; 0 disables the host tier
-    l3: str = "none"  # "none", "disk" (per worker) or "external" (one pool for all)
-    l3_tokens: int = 4_194_304  # disk capacity per worker, or the pool's total, tokens
-    model: str = "llama-3.1-8b"  # KV bytes per token
-    draft_model: str | None = None  # speculative-decoding draft model whose KV moves with each page
-    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH  # device -> host backups
-    prefetch_policy: PrefetchPolicy = PrefetchPolicy.WAIT_COMPLETE  # L3 prefetch waiting
-    prefetch_min_pages: int = 1  # shortest L3 hit worth prefetching
-    prefill_budget: int = 8192  # chunked-prefill tokens per iteration
-    max_running: int = 64  # requests in a batch
-    h2d_gbps: float = GPU_LINKS[DEFAULT_GPU_LINK].gbps  # host <-> device, GB/s (see indexer.hardware)
-    storage_gbps: float = STORAGE_LINKS[DEFAULT_STORAGE_LINK].gbps  # host <-> L3, GB/s
+    workers: int = field(default=4, metadata=at_least(1))  # engine instances
+    page_size: int = field(default=64, metadata=at_least(1))  # tokens per KV page (= router block size)
+    device_tokens: int = field(default=262_144, metadata=at_least(1))  # device KV capacity per worker, tokens
+    # host capacity / device capacity; 0 disables the host tier
+    host_ratio: float = field(default=2.0, metadata=within(0, 1024))
+    l3: str = field(default="none", metadata=one_of("none", "disk", "external"))  # per worker disk, or one pool
+    l3_tokens: int = field(default=4_194_304, metadata=at_least(1))  # disk per worker, or the pool's total, tokens
+    model: str = field(default="llama-3.1-8b", metadata=one_of(*PRESETS))  # KV bytes per token
+    # speculative-decoding draft model whose KV moves with each page
+    draft_model: str | None = field(default=None, metadata=one_of(*PRESETS, optional=True))
+    write_policy: WritePolicy = field(default=WritePolicy.WRITE_THROUGH,  # device -> host backups
+                                      metadata=one_of(*WritePolicy))
+    prefetch_policy: PrefetchPolicy = field(default=PrefetchPolicy.WAIT_COMPLETE,  # L3 prefetch waiting
+                                            metadata=one_of(*PrefetchPolicy))
+    prefetch_min_pages: int = field(default=1, metadata=at_least(1))  # shortest L3 hit worth prefetching
+    prefill_budget: int = field(default=8192, metadata=at_least(1))  # chunked-prefill tokens per iteration
+    max_running: int = field(default=64, metadata=at_least(1))  # requests in a batch
+    # host <-> device and host <-> L3, GB/s (see indexer.hardware)
+    h2d_gbps: float = field(default=GPU_LINKS[DEFAULT_GPU_LINK].gbps, metadata=positive())
+    storage_gbps: float = field(default=STORAGE_LINKS[DEFAULT_STORAGE_LINK].gbps, metadata=positive())
     latency: MockerLatency = field(default_factory=MockerLatency)  # iteration times (default: the mocker's fit)
 
     def cache_config(self) -> CacheConfig:
@@ -57,20 +63,16 @@ class ClusterConfig:
         return Bandwidths(d2h=self.h2d_gbps * 1e9, h2d=self.h2d_gbps * 1e9, storage_write=self.storage_gbps * 1e9,
                           storage_read=self.storage_gbps * 1e9)
 
-    def validate(self) -> None:
-        if self.workers < 1:
-            raise ValueError("workers must be >= 1")
-        if self.l3 not in ("none", "disk", "external"):
-            raise ValueError(f"l3 must be 'none', 'disk' or 'external', got {self.l3!r}")
-        for m in (self.model, self.draft_model):
-            if m is not None and m not in PRESETS:
-                raise ValueError(f"unknown model {m!r}; known: {sorted(PRESETS)}")
+    def __post_init__(self) -> None:
+        check_fields(self)
         if self.device_tokens < self.page_size * 4:
-            raise ValueError("device_tokens must hold at least 4 pages")
+            raise ConfigError(f"--device-tokens: {self.device_tokens} holds fewer than 4 pages of --page-size "
+                              f"{self.page_size}; expected >= {self.page_size * 4}")
         if self.l3 != "none" and self.host_ratio <= 0:
-            raise ValueError(f"l3={self.l3!r} needs a host tier (host_ratio > 0): pages reach storage from host "
-                             "memory and are prefetched back into it")
-
+            raise ConfigError(f"--l3 {self.l3}: needs a host tier (--host-ratio > 0): pages reach storage from host "
+                              "memory and are prefetched back into it")
+        if self.l3 != "none" and self.l3_tokens < self.page_size:
+            raise ConfigError(f"--l3-tokens: {self.l3_tokens} holds no page of --page-size {self.page_size}")
 
 @dataclass(slots=True, eq=False)
 class Job:
@@ -352,7 +354,6 @@ class Cluster:
 def build_cluster(cfg: ClusterConfig, env: Environment, on_event: Callable[[int, EventBatch], None],
                   on_first_token: Callable[[Job], None], on_finish: Callable[[Job], None],
                   latency: LatencyModel | None = None, on_progress: Callable[[Job], None] | None = None) -> Cluster:
-    cfg.validate()
     pages = max(1, cfg.l3_tokens // cfg.page_size)
     pool = PageStore(pages, shared=True) if cfg.l3 == "external" else None
     cluster = Cluster(cfg, pool=pool)

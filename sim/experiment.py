@@ -12,8 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.engine.cache import PrefetchPolicy, WritePolicy
+from kvtier.fields import ConfigError
 from kvtier.sim.cluster import ClusterConfig
 from kvtier.sim.generators import PRESETS, generate
+from kvtier.sim.policies import check_policy
 from kvtier.sim.run import RunConfig, RunResult, simulate
 from kvtier.sim.trace import Request, load_trace
 
@@ -28,12 +30,16 @@ def resolve_trace(spec: str, *, limit: int | None = None, seed: int = 0, time_sc
         kind = parts[1] if len(parts) > 1 else ""
         if kind not in PRESETS:
             raise ValueError(f"unknown builtin trace {kind!r}; expected one of {sorted(PRESETS)}")
+        if len(parts) > 3 or (len(parts) == 3 and not (parts[2].isdigit() and int(parts[2]) >= 1)):
+            raise ValueError(f"trace {spec!r}: expected builtin:KIND[:N] with N >= 1 requests")
         n = int(parts[2]) if len(parts) > 2 else (limit or 1000)
         reqs = generate(dataclasses.replace(PRESETS[kind], requests=n), seed)
     else:
         path = Path(spec)
         if not path.exists():
             raise FileNotFoundError(f"trace {spec!r} not found (give a file or builtin:chat|agentic|sysprompt)")
+        if not path.is_file():
+            raise ValueError(f"trace {spec!r} is not a file (give a .jsonl or .csv trace)")
         reqs = load_trace(path, limit)
     if limit is not None:
         reqs = reqs[:limit]
@@ -102,10 +108,16 @@ def _run_ray(jobs: Sequence[RunSpec], on_done: Done | None) -> list[tuple[dict[s
     return out
 
 
+def _bool(text: str) -> bool:
+    if text.lower() not in ("true", "false"):
+        raise ValueError(f"{text!r} is not true or false")
+    return text.lower() == "true"
+
+
 def _caster(annotation: str) -> Callable[[str], Any]:
-    casts: dict[str, Callable[[str], Any]] = {"int": int, "float": float, "str": str,
+    casts: dict[str, Callable[[str], Any]] = {"int": int, "float": float, "str": str, "bool": _bool,
                                                 "WritePolicy": WritePolicy, "PrefetchPolicy": PrefetchPolicy}
-    return casts.get(annotation, str)
+    return casts.get(annotation.removesuffix(" | None"), str)
 
 
 #: Sweep keys: which config holds them and how to read their values.
@@ -138,9 +150,13 @@ def grid_jobs(trace: list[Request], base_cluster: ClusterConfig, base_run: RunCo
     frozen = tuple(trace)
     for combo in itertools.product(*grid.values()):
         tag = dict(zip(grid.keys(), combo, strict=True))
-        cluster = dataclasses.replace(base_cluster, **{k: v for k, v in tag.items() if _FIELDS[k][0] == "cluster"})
-        run = dataclasses.replace(base_run, **{k: v for k, v in tag.items() if _FIELDS[k][0] == "run"})
-        cluster.validate()
+        try:
+            cluster = dataclasses.replace(base_cluster, **{k: v for k, v in tag.items()
+                                                           if _FIELDS[k][0] == "cluster"})
+            run = dataclasses.replace(base_run, **{k: v for k, v in tag.items() if _FIELDS[k][0] == "run"})
+            check_policy(run.policy)
+        except ConfigError as exc:
+            raise ConfigError(f"--grid {' '.join(f'{k}={v}' for k, v in tag.items())}: {exc}") from None
         jobs.append(RunSpec(frozen, cluster, run, tag))
     return jobs
 

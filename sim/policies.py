@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvtier.engine.cache import TieredCache
+from kvtier.fields import ConfigError
 from kvtier.indexer.consumer import IndexConsumer
 from kvtier.indexer.hardware import DEFAULT_GPU_LINK, DEFAULT_STORAGE_LINK, GPU_LINKS, STORAGE_LINKS
 from kvtier.indexer.index import TieredIndex
@@ -262,6 +263,20 @@ def make_cost(name: str, model: str, h2d_gbps: float, storage_gbps: float, max_t
                           storage_to_host_gbps=storage_gbps, external_to_host_gbps=storage_gbps)
         return TtftCost(t, latency or MockerLatency(), max_tier, prefill_budget, capacity_tokens)
     raise ValueError(f"unknown cost model {name!r}; expected 'credit' or 'ttft'")
+
+
+def check_policy(name: str) -> None:
+    """Raises :class:`~kvtier.fields.ConfigError` (one line) unless ``name`` is a built-in policy or a
+    plugin that loads. Imports the plugin's module."""
+    if name in POLICIES:
+        return
+    if not is_plugin_spec(name):
+        raise ConfigError(f"unknown policy {name!r}; expected one of {', '.join(POLICIES)}, module:attr, "
+                          "file.py:attr, or an entry point of the group kvtier.policies")
+    try:
+        load_policy(name)  # fail here, with one line, rather than inside the run
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def make_policy(name: str, *, workers: int, block_size: int, loads: LoadTracker,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from kvtier.fields import Domain, at_least, check_fields, one_of, positive, within
 from kvtier.indexer.keys import block_keys
 from kvtier.indexer.load import LoadTracker
 from kvtier.sim.cluster import ClusterConfig, Job, build_cluster
@@ -21,19 +22,25 @@ from kvtier.wire.stream import Delivery, StreamId
 class RunConfig:
     """How the router behaves in one run."""
 
-    policy: str  # see sim.policies.POLICIES
-    cost: str = "credit"  # "credit" or "ttft"
-    event_delay_s: float = 0.0  # engine -> router event latency
-    event_loss: float = 0.0  # probability a batch is lost on the way
-    host_credit: float = 0.75  # credit model weights
-    disk_credit: float = 0.25
-    temperature: float = 0.0  # softmax sampling of costs (0 = argmin)
-    seed: int = 0  # policy and loss randomness
+    policy: str  # see sim.policies.POLICIES (plugins are checked by sim.policies.check_policy)
+    cost: str = field(default="credit", metadata=one_of("credit", "ttft"))  # cost model of kv policies
+    # engine -> router event latency, seconds
+    event_delay_s: float = field(default=0.0, metadata=within(0, 3600, option="--event-delay"))
+    event_loss: float = field(default=0.0, metadata=within(0, 1))  # probability a batch is lost on the way
+    host_credit: float = field(default=0.75, metadata=within(0, 1))  # credit model weights
+    disk_credit: float = field(default=0.25, metadata=within(0, 1))
+    temperature: float = field(default=0.0, metadata=within(0, 1e6))  # softmax sampling of costs (0 = argmin)
+    seed: int = field(default=0, metadata=Domain(int).meta())  # policy and loss randomness
     closed_loop: bool = True  # a session's next turn waits for this turn's answer (see simulate)
-    until_s: float | None = None  # stop simulated time here; what has not finished is counted unfinished
-    recovery: str = "dump"  # what the router does about lost batches: see sim.transport.Recovery
-    replay_buffer: int = 10_000  # batches each engine keeps for replay
-    loss_burst: int = 1  # batches lost in a row each time one is (an outage)
+    # stop simulated time here; what has not finished is counted unfinished
+    until_s: float | None = field(default=None, metadata=positive(optional=True, option="--until"))
+    # what the router does about lost batches: see sim.transport.Recovery
+    recovery: str = field(default="dump", metadata=one_of(*Recovery))
+    replay_buffer: int = field(default=10_000, metadata=at_least(1))  # batches each engine keeps for replay
+    loss_burst: int = field(default=1, metadata=at_least(1))  # batches lost in a row each time one is (an outage)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
     @property
     def label(self) -> str:

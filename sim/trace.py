@@ -12,7 +12,9 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -77,6 +79,25 @@ class TokenBank:
         return np.concatenate(parts)[:req.input_length].tolist()  # type: ignore[no-any-return]
 
 
+def _integer(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON true is not a length
+
+
+def _number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, text) of a UTF-8 file; a line that is not UTF-8 is a :class:`TraceError` naming it."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                yield lineno, raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise TraceError(f"{path}:{lineno}: not UTF-8 (byte {raw[exc.start]:#04x} at column "
+                                 f"{exc.start + 1})") from None
+
+
 def _check_record(obj: object, where: str) -> Request:
     if not isinstance(obj, dict):
         raise TraceError(f"{where}: expected a JSON object")
@@ -84,12 +105,13 @@ def _check_record(obj: object, where: str) -> Request:
     if missing:
         raise TraceError(f"{where}: missing field(s) {missing}")
     ts, n_in, n_out, ids = obj["timestamp"], obj["input_length"], obj["output_length"], obj["hash_ids"]
-    if not isinstance(ts, int | float) or ts < 0:
-        raise TraceError(f"{where}: timestamp must be a non-negative number, got {ts!r}")
-    if not isinstance(n_in, int) or n_in < 1 or not isinstance(n_out, int) or n_out < 0:
-        raise TraceError(f"{where}: input_length must be >= 1 and output_length >= 0 (integers)")
-    if not isinstance(ids, list) or not all(isinstance(h, int) and h >= 0 for h in ids):
-        raise TraceError(f"{where}: hash_ids must be a list of non-negative integers")
+    if not _number(ts) or not math.isfinite(ts) or ts < 0:
+        raise TraceError(f"{where}: timestamp must be a finite non-negative number of ms, got {ts!r}")
+    if not _integer(n_in) or n_in < 1 or not _integer(n_out) or n_out < 0:
+        raise TraceError(f"{where}: input_length must be >= 1 and output_length >= 0 (integers), "
+                         f"got {n_in!r} and {n_out!r}")
+    if not isinstance(ids, list) or not all(_integer(h) and 0 <= h < 1 << 64 for h in ids):
+        raise TraceError(f"{where}: hash_ids must be a list of non-negative 64-bit integers")
     if len(ids) != math.ceil(n_in / HASH_BLOCK):
         raise TraceError(f"{where}: {len(ids)} hash_ids for {n_in} input tokens "
                          f"(expected ceil({n_in}/{HASH_BLOCK}) = {math.ceil(n_in / HASH_BLOCK)})")
@@ -110,26 +132,40 @@ def load_mooncake(path: Path, limit: int | None = None) -> list[Request]:
     Records must be in non-decreasing timestamp order.
     """
     out: list[Request] = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TraceError(f"{where}: not JSON: {exc.msg}") from None
-            req = _check_record(obj, where)
-            if not req.request_id:
-                req.request_id = f"r{len(out)}"
-            if out and req.arrival < out[-1].arrival:
-                raise TraceError(f"{where}: timestamp goes backwards")
-            out.append(req)
-            if limit is not None and len(out) >= limit:
-                break
+    seen: dict[str, int] = {}  # request id -> line
+    for lineno, line in _lines(path):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise TraceError(f"{where}: not JSON: {exc.msg}") from None
+        req = _check_record(obj, where)
+        if not req.request_id:
+            req.request_id = f"r{len(out)}"
+        if req.request_id in seen:
+            raise TraceError(f"{where}: request_id {req.request_id!r} already used on line {seen[req.request_id]}")
+        seen[req.request_id] = lineno
+        if out and req.arrival < out[-1].arrival:
+            raise TraceError(f"{where}: timestamp goes backwards ({req.arrival * 1000:g} ms after "
+                             f"{out[-1].arrival * 1000:g} ms)")
+        out.append(req)
+        if limit is not None and len(out) >= limit:
+            break
     if not out:
         raise TraceError(f"{path}: no requests")
     return out
+
+
+def _azure_time(text: str) -> datetime:
+    """Azure's TIMESTAMP: ISO date and time, up to 7 fractional digits (cut to 6), an optional offset."""
+    m = re.fullmatch(r"(\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:?\d\d)?", text.strip())
+    if not m:
+        raise ValueError(f"TIMESTAMP {text.strip()!r} is not an ISO date and time")
+    frac = (m.group(2) or "0")[:6].ljust(6, "0")
+    tz = m.group(3)
+    return datetime.fromisoformat(f"{m.group(1)}.{frac}" + ("" if tz is None else tz.replace("Z", "+00:00")))
 
 
 def load_azure(path: Path, *, share_prefix_blocks: int = 0, groups: int = 8, seed: int = 0,
@@ -145,30 +181,37 @@ def load_azure(path: Path, *, share_prefix_blocks: int = 0, groups: int = 8, see
     out: list[Request] = []
     t0: datetime | None = None
     next_id = groups * max(share_prefix_blocks, 0)
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        need = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"}
-        if reader.fieldnames is None or not need <= set(reader.fieldnames):
-            raise TraceError(f"{path}:1: expected columns {sorted(need)}, got {reader.fieldnames}")
-        for lineno, row in enumerate(reader, 2):
-            where = f"{path}:{lineno}"
-            try:
-                ts = datetime.fromisoformat(row["TIMESTAMP"].strip()[:26])
-                n_in, n_out = int(row["ContextTokens"]), int(row["GeneratedTokens"])
-            except (ValueError, TypeError, AttributeError) as exc:
-                raise TraceError(f"{where}: {exc}") from None
-            if n_in < 1 or n_out < 0:
-                raise TraceError(f"{where}: ContextTokens must be >= 1 and GeneratedTokens >= 0")
-            t0 = t0 or ts
-            blocks = math.ceil(n_in / HASH_BLOCK)
-            g = int(rng.integers(groups))
-            shared = min(share_prefix_blocks, blocks - 1) if share_prefix_blocks > 0 else 0
-            ids = [g * share_prefix_blocks + i for i in range(shared)]
-            ids += list(range(next_id, next_id + blocks - shared))
-            next_id += blocks - shared
-            out.append(Request(f"r{len(out)}", (ts - t0).total_seconds(), n_in, n_out, ids))
-            if limit is not None and len(out) >= limit:
-                break
+    reader = csv.DictReader(line for _, line in _lines(path))
+    need = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"}
+    if reader.fieldnames is None or not need <= set(reader.fieldnames):
+        raise TraceError(f"{path}:1: expected columns {sorted(need)}, got {reader.fieldnames}")
+    prev: datetime | None = None
+    for row in reader:
+        where = f"{path}:{reader.line_num}"
+        try:
+            ts = _azure_time(row["TIMESTAMP"])
+            n_in, n_out = int(row["ContextTokens"]), int(row["GeneratedTokens"])
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise TraceError(f"{where}: {exc}") from None
+        if n_in < 1 or n_out < 0:
+            raise TraceError(f"{where}: ContextTokens must be >= 1 and GeneratedTokens >= 0")
+        if prev is not None:
+            if (ts.tzinfo is None) != (prev.tzinfo is None):
+                raise TraceError(f"{where}: TIMESTAMP {row['TIMESTAMP'].strip()!r} mixes time zones with "
+                                 "earlier rows (some have an offset, some not)")
+            if ts < prev:
+                raise TraceError(f"{where}: TIMESTAMP goes backwards ({ts} after {prev})")
+        prev = ts
+        t0 = t0 or ts
+        blocks = math.ceil(n_in / HASH_BLOCK)
+        g = int(rng.integers(groups))
+        shared = min(share_prefix_blocks, blocks - 1) if share_prefix_blocks > 0 else 0
+        ids = [g * share_prefix_blocks + i for i in range(shared)]
+        ids += list(range(next_id, next_id + blocks - shared))
+        next_id += blocks - shared
+        out.append(Request(f"r{len(out)}", (ts - t0).total_seconds(), n_in, n_out, ids))
+        if limit is not None and len(out) >= limit:
+            break
     if not out:
         raise TraceError(f"{path}: no requests")
     return out

@@ -160,7 +160,7 @@ def test_sessions_round_trip_through_jsonl(tmp_path: Path) -> None:
 
 def test_l3_without_a_host_tier_is_an_error() -> None:
     with pytest.raises(ValueError, match="host"):
-        ClusterConfig(l3="disk", host_ratio=0.0).validate()
+        ClusterConfig(l3="disk", host_ratio=0.0)
 
 
 def test_fit_latency_recovers_the_coefficients_it_was_measured_with() -> None:

@@ -14,7 +14,7 @@ from kvtier.engine import pagedir
 from kvtier.engine.cache import CacheConfig, PrefetchPolicy, TieredCache
 from kvtier.engine.datapath import TorchDataPath
 from kvtier.engine.hashing import chain
-from kvtier.engine.pagedir import SyncPolicy
+from kvtier.engine.pagedir import OwnerBusy, SyncPolicy
 from kvtier.engine.pagefile import FIXED_SIZE, Layout, PageFileError, PageHeader, decode, encode
 from kvtier.engine.storage import PageMeta, PageStore, StoreError
 from kvtier.indexer.index import TieredIndex
@@ -176,6 +176,7 @@ def test_restarted_engine_announces_its_pages_before_anything_else(tmp_path: Pat
         assert len(before) == 4
     finally:
         dp.close()
+        cache.store.close() if cache.store else None
     dp = TorchDataPath(device_pages=4, host_pages=8, page_shape=SHAPE, device="cpu")
     try:
         store = PageStore(64, tmp_path, owner="w0", layout=L)
@@ -254,6 +255,7 @@ def test_other_layouts_in_one_directory_are_isolated(tmp_path: Path) -> None:
     chain_store(tmp_path, 3, layout=Layout("llama", PS))
     other = chain_store(tmp_path, 3, layout=Layout("qwen", PS), owner="a")
     assert bytes(other.read_page("k1")) == bytes([1]) * 64
+    other.close()
     tp1 = PageStore(8, tmp_path, owner="a", layout=Layout("llama", PS, tp_size=2, tp_rank=1))
     assert len(tp1) == 0  # another shard's pages are not this shard's
     llama = PageStore(8, tmp_path, owner="a", layout=Layout("llama", PS))
@@ -273,6 +275,9 @@ def test_processes_sharing_a_pool_never_delete_each_others_pages(tmp_path: Path)
     assert b.commit("k4", "b")
     a.clear()  # a resets (or evicts everything): b's pages stay
     assert [bytes(b.read_page(f"k{i}"))[:1] for i in range(5)] == [bytes([i]) for i in range(5)]
+    with pytest.raises(OwnerBusy, match="in use"):
+        PageStore(64, tmp_path, owner="a", shared=True, layout=L)  # one process per owner
+    a.close()
     a2 = PageStore(64, tmp_path, owner="a", shared=True, layout=L)
     assert len(a2) == 0  # a held nothing any more
     b.delete("k4")

@@ -219,7 +219,7 @@ def test_cost_models_by_name() -> None:
         assert IndexerService(ServiceConfig(endpoints=eps, listen="127.0.0.1:0", policy=name)).router.policy
     with pytest.raises(ConfigError, match="capacity_tokens"):
         ServiceConfig(endpoints=eps, capacity_tokens=0)
-    with pytest.raises(ConfigError, match="'dynamo'"):
+    with pytest.raises(ConfigError, match="cost: 'magic' is not allowed; expected one of credit, dynamo, ttft"):
         IndexerService(ServiceConfig(endpoints=eps, listen="127.0.0.1:0", cost="magic"))
 
 

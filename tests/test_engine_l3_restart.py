@@ -1,0 +1,78 @@
+"""`kvtier engine --l3 disk --l3-dir DIR`: real page files, an engine killed mid-write comes back warm.
+
+The first engine process is SIGKILLed while its copy thread writes pages. The restarted one (same
+--name, smaller --disk-pages) removes what the dead one left half-written, adopts what fits, and
+announces it: an indexer service subscribed to it ends with exactly the engine's residency, and
+every page file left on disk is a sound page the engine holds and the router knows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kvtier.engine.pagefile import Layout, read_header
+from kvtier.indexer.service import IndexerService, ServiceConfig
+from kvtier.wire import StorageTier
+from kvtier.wire.subscriber import EndpointConfig
+from tests.test_multiprocess import ROOT, free_port, read_residency
+
+LAYOUT = Layout("kvtier-live", 16)
+
+
+def engine(l3_dir: Path, pub: int, rep: int, *extra: str) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "kvtier", "engine", "--name", "w0", "--endpoint", f"tcp://127.0.0.1:{pub}",
+           "--replay", f"tcp://127.0.0.1:{rep}", "--l3", "disk", "--l3-dir", str(l3_dir), "--device-pages", "1024",
+           "--host-ratio", "2", *extra]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+
+
+def test_engine_killed_mid_write_restarts_warm(tmp_path: Path) -> None:
+    base = tmp_path / LAYOUT.tag()
+    pub, rep = free_port(), free_port()
+    first = engine(tmp_path, pub, rep, "--trace", "builtin:chat:400", "--speed", "20")
+    try:
+        deadline = time.monotonic() + 60
+        while len(os.listdir(base / "pages")) < 300 if (base / "pages").exists() else True:
+            assert time.monotonic() < deadline and first.poll() is None, "the engine wrote too few pages"
+            time.sleep(0.05)
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=10)
+    held = len(os.listdir(base / "refs" / "w0"))
+    assert held >= 300
+    (base / f".tmp-{first.pid}-torn").write_bytes(b"KVTP half a page")  # what a kill mid-write leaves
+
+    residency = tmp_path / "res.json"
+    pub, rep = free_port(), free_port()
+    second = engine(tmp_path, pub, rep, "--trace", "builtin:chat:3", "--speed", "1000", "--disk-pages", "200",
+                    "--residency", str(residency), "--hold", "60")
+    svc = IndexerService(ServiceConfig(endpoints=[EndpointConfig("w0", f"tcp://127.0.0.1:{pub}",
+                                                                 f"tcp://127.0.0.1:{rep}", supports_dump=True)],
+                                       block_size=16, listen="127.0.0.1:0", replay_timeout_s=1.0))
+    svc.start()
+    try:
+        assert second.stdout is not None
+        line = second.stdout.readline().decode()
+        found = re.search(r"adopted (\d+) pages; removed (\d+) temporary", line)
+        assert found and int(found[1]) == 200 and int(found[2]) >= 1, line  # the torn write is gone
+        deadline = time.monotonic() + 60
+        while (truth := read_residency(residency)) is None or svc.view(svc.config.endpoints[0].stream) != truth:
+            assert time.monotonic() < deadline, "the indexer did not converge on the restarted engine"
+            assert second.poll() is None, "the restarted engine exited"
+            time.sleep(0.1)
+        on_disk = {read_header(str(base / "pages" / f), f, LAYOUT.tag()).event_hash
+                   for f in os.listdir(base / "pages")}
+        assert len(on_disk) <= 200 and not [f for f in os.listdir(base) if f.startswith(".tmp")]
+        assert on_disk == truth[StorageTier.DISK]  # every file is a page the engine and the router know
+        assert json.loads(residency.read_text())["DISK"]
+    finally:
+        svc.stop()
+        second.send_signal(signal.SIGTERM)
+        second.wait(timeout=10)
