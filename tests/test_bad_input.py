@@ -1,0 +1,294 @@
+"""Every bad input through the real CLI: one line naming what was wrong, exit 2, never a traceback.
+
+The table holds each input issue 15 listed (and ones found since); the hypothesis tests throw
+random argument vectors at ``kvtier replay`` and ``kvtier indexer``.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvtier.indexer import service
+from kvtier.sim.cli import main
+from tests.test_multiprocess import ROOT, free_port
+
+SMALL = ["--trace", "builtin:chat:4", "--no-plots"]
+
+
+def mooncake(tmp: Path, name: str, records: list[dict[str, Any]] | list[str]) -> str:
+    path = tmp / name
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return str(path)
+
+
+def rec(ts: Any = 0, n_in: Any = 100, n_out: Any = 10, ids: Any = None, **kw: Any) -> dict[str, Any]:
+    return {"timestamp": ts, "input_length": n_in, "output_length": n_out, "hash_ids": ids or [1], **kw}
+
+
+def azure(tmp: Path, name: str, stamps: list[str]) -> str:
+    path = tmp / name
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(f"{s},100,10\n" for s in stamps))
+    return str(path)
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    """A TCP port something else listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield int(s.getsockname()[1])
+
+
+@pytest.fixture
+def busy_zmq() -> Iterator[str]:
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.PUB)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    yield f"tcp://127.0.0.1:{port}"
+    sock.close(linger=0)
+
+
+def engine(*args: str) -> list[str]:
+    return ["engine", "--endpoint", f"tcp://127.0.0.1:{free_port()}", "--replay", f"tcp://127.0.0.1:{free_port()}",
+            "--trace", "builtin:chat:2", "--hold", "0", *args]
+
+
+def indexer(*args: str) -> list[str]:
+    return ["indexer", "--endpoint", f"w0=tcp://127.0.0.1:{free_port()}", *args]
+
+
+def toml(tmp: Path, text: str) -> str:
+    path = tmp / "svc.toml"
+    path.write_text(text)
+    return str(path)
+
+
+# (argument vector builder, what the error line must say)
+Case = tuple[Callable[[Path, dict[str, Any]], list[str]], str]
+CASES: dict[str, Case] = {
+    # cluster options (ClusterConfig's domains)
+    "page-size 0": (lambda t, f: ["replay", *SMALL, "--page-size", "0"],
+                    "--page-size: 0 is not allowed; expected an integer >= 1"),
+    "page-size negative": (lambda t, f: ["replay", *SMALL, "--page-size", "-16"], "--page-size: -16 is not allowed"),
+    "workers 0": (lambda t, f: ["replay", *SMALL, "--workers", "0"], "--workers: 0 is not allowed"),
+    "device-tokens below 4 pages": (lambda t, f: ["replay", *SMALL, "--device-tokens", "100"],
+                                    "--device-tokens: 100 holds fewer than 4 pages"),
+    "host-ratio -1": (lambda t, f: ["replay", *SMALL, "--host-ratio", "-1"],
+                      "--host-ratio: -1.0 is not allowed; expected a number in [0, 1024]"),
+    "host-ratio nan": (lambda t, f: ["replay", *SMALL, "--host-ratio", "nan"], "--host-ratio: nan is not allowed"),
+    "host-ratio inf": (lambda t, f: ["replay", *SMALL, "--host-ratio", "inf"], "--host-ratio: inf is not allowed"),
+    "h2d-gbps 0": (lambda t, f: ["replay", *SMALL, "--h2d-gbps", "0"],
+                   "--h2d-gbps: 0.0 is not allowed; expected a number > 0"),
+    "storage-gbps -1": (lambda t, f: ["replay", *SMALL, "--storage-gbps", "-1"], "--storage-gbps: -1.0 is not allowed"),
+    "l3-tokens 0": (lambda t, f: ["replay", *SMALL, "--l3", "disk", "--l3-tokens", "0"],
+                    "--l3-tokens: 0 is not allowed"),
+    "l3 without host": (lambda t, f: ["replay", *SMALL, "--l3", "disk", "--host-ratio", "0"],
+                        "--l3 disk: needs a host tier"),
+    "prefill-budget 0": (lambda t, f: ["replay", *SMALL, "--prefill-budget", "0"], "--prefill-budget: 0 is not allowed"),
+    "max-running 0": (lambda t, f: ["replay", *SMALL, "--max-running", "0"], "--max-running: 0 is not allowed"),
+    "page-size not a number": (lambda t, f: ["replay", *SMALL, "--page-size", "x"],
+                               "argument --page-size: invalid int value: 'x'"),
+    # router options (RunConfig's domains)
+    "temperature -1": (lambda t, f: ["replay", *SMALL, "--temperature", "-1"], "--temperature: -1.0 is not allowed"),
+    "temperature nan": (lambda t, f: ["replay", *SMALL, "--temperature", "nan"], "--temperature: nan is not allowed"),
+    "event-loss 2": (lambda t, f: ["replay", *SMALL, "--event-loss", "2"],
+                     "--event-loss: 2.0 is not allowed; expected a number in [0, 1]"),
+    "event-delay -5": (lambda t, f: ["replay", *SMALL, "--event-delay", "-5"], "--event-delay: -5.0 is not allowed"),
+    "host-credit nan": (lambda t, f: ["replay", *SMALL, "--host-credit", "nan"], "--host-credit: nan is not allowed"),
+    "until -1": (lambda t, f: ["replay", *SMALL, "--until", "-1"], "--until: -1.0 is not allowed"),
+    "replay-buffer 0": (lambda t, f: ["replay", *SMALL, "--replay-buffer", "0"], "--replay-buffer: 0 is not allowed"),
+    "loss-burst 0": (lambda t, f: ["replay", *SMALL, "--loss-burst", "0"], "--loss-burst: 0 is not allowed"),
+    "unknown policy": (lambda t, f: ["replay", *SMALL, "--policy", "bogus"], "unknown policy 'bogus'"),
+    # trace options
+    "time-scale -1": (lambda t, f: ["replay", *SMALL, "--time-scale", "-1"],
+                      "argument --time-scale: -1 is not allowed; expected a number > 0"),
+    "time-scale nan": (lambda t, f: ["replay", *SMALL, "--time-scale", "nan"], "argument --time-scale: nan"),
+    "limit -5": (lambda t, f: ["replay", *SMALL, "--limit", "-5"], "argument --limit: -5 is not allowed"),
+    "limit 0": (lambda t, f: ["replay", *SMALL, "--limit", "0"], "argument --limit: 0 is not allowed"),
+    "builtin:chat:0": (lambda t, f: ["replay", "--no-plots", "--trace", "builtin:chat:0"], "with N >= 1 requests"),
+    "builtin:chat:x": (lambda t, f: ["replay", "--no-plots", "--trace", "builtin:chat:x"], "with N >= 1 requests"),
+    "unknown builtin": (lambda t, f: ["replay", "--no-plots", "--trace", "builtin:nope"], "unknown builtin trace"),
+    "missing trace": (lambda t, f: ["replay", "--no-plots", "--trace", str(t / "none.jsonl")], "not found"),
+    "directory as trace": (lambda t, f: ["replay", "--no-plots", "--trace", str(t)], "is not a file"),
+    # trace contents
+    "duplicate request_id": (lambda t, f: ["replay", "--no-plots", "--trace", mooncake(
+        t, "dup.jsonl", [rec(request_id="a"), rec(5, request_id="a")])], "dup.jsonl:2: request_id 'a' already used"),
+    "NaN timestamp": (lambda t, f: ["replay", "--no-plots", "--trace", mooncake(
+        t, "nan.jsonl", [json.dumps(rec()), json.dumps(rec(float("nan")))])], "nan.jsonl:2: timestamp must be a finite non-negative number"),
+    "Infinity timestamp": (lambda t, f: ["replay", "--no-plots", "--trace", mooncake(
+        t, "inf.jsonl", [json.dumps(rec(float("inf")))])], "inf.jsonl:1: timestamp must be a finite non-negative number"),
+    "backwards timestamp": (lambda t, f: ["replay", "--no-plots", "--trace", mooncake(
+        t, "back.jsonl", [rec(10), rec(5)])], "back.jsonl:2: timestamp goes backwards"),
+    "boolean input_length": (lambda t, f: ["replay", "--no-plots", "--trace", mooncake(
+        t, "bool.jsonl", [rec(n_in=True)])], "bool.jsonl:1: input_length must be >= 1"),
+    "boolean hash id": (lambda t, f: ["replay", "--no-plots", "--trace", mooncake(
+        t, "boolid.jsonl", [rec(ids=[True])])], "boolid.jsonl:1: hash_ids must be"),
+    "non-UTF-8 trace": (lambda t, f: ["replay", "--no-plots", "--trace", _bytes(
+        t, "latin.jsonl", json.dumps(rec()).encode() + b"\n" + b'{"x": "caf\xe9"}\n')], "latin.jsonl:2: not UTF-8"),
+    "azure backwards": (lambda t, f: ["replay", "--no-plots", "--trace", azure(
+        t, "back.csv", ["2023-11-16 18:15:46.6805900", "2023-11-16 18:15:40.1"])], "back.csv:3: TIMESTAMP goes back"),
+    "azure mixed time zones": (lambda t, f: ["replay", "--no-plots", "--trace", azure(
+        t, "tz.csv", ["2023-11-16 18:15:46.68", "2023-11-16 18:15:47+00:00"])], "tz.csv:3: TIMESTAMP"),
+    "azure bad timestamp": (lambda t, f: ["replay", "--no-plots", "--trace", azure(t, "bad.csv", ["yesterday"])],
+                            "bad.csv:2: TIMESTAMP 'yesterday' is not an ISO date"),
+    # compare and sweep
+    "policies empty": (lambda t, f: ["compare", *SMALL, "--policies", ""], "--policies: '' names no policy"),
+    "policies commas": (lambda t, f: ["compare", *SMALL, "--policies", " , "], "names no policy"),
+    "jobs 0": (lambda t, f: ["compare", *SMALL, "--jobs", "0"], "argument --jobs: 0 is not allowed"),
+    "grid policy=bogus": (lambda t, f: ["sweep", *SMALL[:2], "--grid", "policy=bogus"],
+                          "--grid policy=bogus: unknown policy 'bogus'"),
+    "grid page_size=0": (lambda t, f: ["sweep", *SMALL[:2], "--grid", "page_size=0"],
+                         "--grid page_size=0: --page-size: 0 is not allowed"),
+    "grid unknown axis": (lambda t, f: ["sweep", *SMALL[:2], "--grid", "colour=red"], "grid axis 'colour'"),
+    "grid bad value": (lambda t, f: ["sweep", *SMALL[:2], "--grid", "workers=x"], "grid axis 'workers'"),
+    # gen-trace
+    "gen-trace requests 0": (lambda t, f: ["gen-trace", "--requests", "0", "-o", str(t / "x.jsonl")],
+                             "argument --requests: 0 is not allowed"),
+    "gen-trace rate -1": (lambda t, f: ["gen-trace", "--rate", "-1", "-o", str(t / "x.jsonl")],
+                          "argument --rate: -1 is not allowed"),
+    "gen-trace missing directory": (lambda t, f: ["gen-trace", "--requests", "3", "-o", str(t / "no" / "x.jsonl")],
+                                    "No such file or directory"),
+    # fit-latency
+    "fit-latency missing csv": (lambda t, f: ["fit-latency", str(t / "none.csv")], "No such file"),
+    # kvtier engine
+    "engine missing trace": (lambda t, f: engine("--trace", str(t / "none.jsonl")), "not found"),
+    "engine port in use": (lambda t, f: [*engine(), "--endpoint", f["busy_zmq"]], "cannot bind"),
+    "engine speed 0": (lambda t, f: engine("--speed", "0"), "argument --speed: 0 is not allowed"),
+    "engine disk-pages -1": (lambda t, f: engine("--disk-pages", "-1"), "argument --disk-pages: -1 is not allowed"),
+    "engine page-size 0": (lambda t, f: engine("--page-size", "0"), "argument --page-size: 0 is not allowed"),
+    "engine l3 without host": (lambda t, f: engine("--host-ratio", "0"), "--l3 disk: needs a host tier"),
+    "engine residency in a missing directory": (lambda t, f: engine("--residency", str(t / "no" / "r.json")),
+                                                "--residency"),
+    "engine l3-dir is a file": (lambda t, f: engine("--l3-dir", _bytes(t, "afile", b"x")), "--l3-dir"),
+    # kvtier indexer
+    "indexer listen foo": (lambda t, f: indexer("--listen", "foo"), "listen: 'foo' is not allowed"),
+    "indexer port 99999": (lambda t, f: indexer("--listen", "127.0.0.1:99999"), "port in 0..65535"),
+    "indexer address in use": (lambda t, f: indexer("--listen", f"127.0.0.1:{f['busy_port']}"),
+                               "cannot listen on 127.0.0.1"),
+    "indexer block-size 0": (lambda t, f: indexer("--block-size", "0"), "block_size: 0 is not allowed"),
+    "indexer no endpoints": (lambda t, f: ["indexer"], "give at least one --endpoint"),
+    "indexer bad endpoint": (lambda t, f: ["indexer", "--endpoint", "garbage"], "endpoint 'garbage'"),
+    "indexer unknown policy": (lambda t, f: indexer("--policy", "nope"), "policy 'nope'"),
+    "indexer missing config": (lambda t, f: ["indexer", "--config", str(t / "none.toml")], "none.toml"),
+    "indexer TOML wrong type": (lambda t, f: ["indexer", "--config", toml(
+        t, 'block_size = "16"\n[[endpoints]]\nworker = "w0"\nendpoint = "tcp://127.0.0.1:1"\n')],
+        "block_size: '16' is not allowed"),
+    "indexer TOML bool as int": (lambda t, f: ["indexer", "--config", toml(
+        t, 'block_size = true\n[[endpoints]]\nworker = "w0"\nendpoint = "tcp://127.0.0.1:1"\n')],
+        "block_size: True is not allowed"),
+    "indexer TOML endpoint type": (lambda t, f: ["indexer", "--config", toml(
+        t, '[[endpoints]]\nworker = 5\nendpoint = "tcp://127.0.0.1:1"\n')], "endpoints[0].worker: 5"),
+    "indexer TOML dp_rank bool": (lambda t, f: ["indexer", "--config", toml(
+        t, '[[endpoints]]\nworker = "w0"\nendpoint = "tcp://127.0.0.1:1"\ndp_rank = true\n')],
+        "endpoints[0].dp_rank: True"),
+    "indexer TOML endpoints not tables": (lambda t, f: ["indexer", "--config", toml(t, 'endpoints = 3\n')],
+                                          "endpoints must be [[endpoints]] tables"),
+    "indexer TOML syntax": (lambda t, f: ["indexer", "--config", toml(t, 'block_size = \n')], "svc.toml"),
+    "indexer TOML listen int": (lambda t, f: ["indexer", "--config", toml(
+        t, 'listen = 8000\n[[endpoints]]\nworker = "w0"\nendpoint = "tcp://127.0.0.1:1"\n')], "listen: 8000"),
+    "indexer snapshot garbage": (lambda t, f: indexer("--listen", "127.0.0.1:0", "--snapshot",
+                                                      _bytes(t, "snap", b"\x93garbage")), "snap"),
+}
+
+
+def _bytes(tmp: Path, name: str, data: bytes) -> str:
+    (tmp / name).write_bytes(data)
+    return str(tmp / name)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bad_input_gets_one_line_and_exit_2(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                             busy_port: int, busy_zmq: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    build, expected = CASES[name]
+    monkeypatch.chdir(tmp_path)
+    argv = build(tmp_path, {"busy_port": busy_port, "busy_zmq": busy_zmq})
+    try:
+        rc = main(argv)
+    except SystemExit as exc:  # argparse's usage errors
+        rc = exc.code if isinstance(exc.code, int) else 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert rc == 2, (argv, err)
+    assert len(err) == 1 and "error: " in err[0], err
+    assert expected in err[0], err
+
+
+def test_through_a_real_process(tmp_path: Path) -> None:
+    """The installed entry point: exit status 2 and one stderr line, for a few of the table's inputs."""
+    for argv in (["replay", "--page-size", "0"], ["indexer", "--listen", "foo", "--endpoint", "w=tcp://h:1"],
+                 ["engine", "--speed", "0"], ["replay", "--trace", str(tmp_path)]):
+        out = subprocess.run([sys.executable, "-m", "kvtier", *argv], cwd=ROOT, capture_output=True, text=True,
+                             timeout=60)
+        lines = [line for line in out.stderr.splitlines() if line.strip()]
+        assert out.returncode == 2 and len(lines) == 1 and "error:" in lines[0], (argv, out.stderr)
+
+
+# --- random argument vectors -------------------------------------------------------------------------
+
+_VALUES = ["0", "-1", "1", "2", "nan", "inf", "-inf", "1e309", "x", "", "3.5", "true", "builtin:chat:2", "16",
+           "127.0.0.1:0", "foo", "w0=tcp://127.0.0.1:1", "kv_all", "none", "disk", "99999", "a:b"]
+_REPLAY_OPTS = ["--page-size", "--workers", "--device-tokens", "--host-ratio", "--l3", "--l3-tokens", "--model",
+                "--write-policy", "--prefetch-policy", "--prefill-budget", "--max-running", "--h2d-gbps",
+                "--storage-gbps", "--cost", "--event-delay", "--event-loss", "--recovery", "--replay-buffer",
+                "--loss-burst", "--host-credit", "--disk-credit", "--temperature", "--seed", "--until", "--limit",
+                "--time-scale", "--trace-seed", "--policy", "--gpu-link", "--storage-link"]
+_INDEXER_OPTS = ["--endpoint", "--block-size", "--listen", "--cost", "--policy", "--snapshot"]
+
+
+def _argv(opts: list[str]) -> st.SearchStrategy[list[str]]:
+    pair = st.tuples(st.sampled_from(opts), st.sampled_from(_VALUES)).map(list)
+    noise = st.sampled_from(["--open-loop", "--bogus", "-v", "extra"]).map(lambda s: [s])
+    return st.lists(st.one_of(pair, pair, pair, noise), max_size=6).map(lambda parts: [x for p in parts for x in p])
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        rc = main(argv)
+    except SystemExit as exc:
+        rc = exc.code if isinstance(exc.code, int) else 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    if rc == 2:
+        lines = [line for line in err.splitlines() if line.strip() and "%" not in line]  # tqdm bars
+        assert lines and "error:" in lines[-1], err
+
+
+@settings(max_examples=60, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(args=_argv(_REPLAY_OPTS))
+def test_random_replay_arguments_never_escape_as_a_traceback(args: list[str], tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    _run(["replay", "--trace", "builtin:chat:3", "--no-plots", "--allow-unfinished", *args,
+          "--trace", "builtin:chat:3"], capsys)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(args=_argv(_INDEXER_OPTS))
+def test_random_indexer_arguments_never_escape_as_a_traceback(args: list[str], tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    started: list[service.IndexerService] = []
+
+    def serve(cfg: service.ServiceConfig) -> None:  # everything serve() checks, then stop instead of serving
+        svc = service.IndexerService(cfg)
+        svc.start()
+        started.append(svc)
+        svc.stop()
+
+    monkeypatch.setattr(service, "serve", serve)
+    _run(["indexer", *args], capsys)
