@@ -96,7 +96,8 @@ CASES: dict[str, Case] = {
                     "--l3-tokens: 0 is not allowed"),
     "l3 without host": (lambda t, f: ["replay", *SMALL, "--l3", "disk", "--host-ratio", "0"],
                         "--l3 disk: needs a host tier"),
-    "prefill-budget 0": (lambda t, f: ["replay", *SMALL, "--prefill-budget", "0"], "--prefill-budget: 0 is not allowed"),
+    "prefill-budget 0": (lambda t, f: ["replay", *SMALL, "--prefill-budget", "0"],
+                         "--prefill-budget: 0 is not allowed"),
     "max-running 0": (lambda t, f: ["replay", *SMALL, "--max-running", "0"], "--max-running: 0 is not allowed"),
     "page-size not a number": (lambda t, f: ["replay", *SMALL, "--page-size", "x"],
                                "argument --page-size: invalid int value: 'x'"),
@@ -126,9 +127,11 @@ CASES: dict[str, Case] = {
     "duplicate request_id": (lambda t, f: ["replay", "--no-plots", "--trace", mooncake(
         t, "dup.jsonl", [rec(request_id="a"), rec(5, request_id="a")])], "dup.jsonl:2: request_id 'a' already used"),
     "NaN timestamp": (lambda t, f: ["replay", "--no-plots", "--trace", mooncake(
-        t, "nan.jsonl", [json.dumps(rec()), json.dumps(rec(float("nan")))])], "nan.jsonl:2: timestamp must be a finite non-negative number"),
+        t, "nan.jsonl", [json.dumps(rec()), json.dumps(rec(float("nan")))])],
+        "nan.jsonl:2: timestamp must be a finite non-negative number"),
     "Infinity timestamp": (lambda t, f: ["replay", "--no-plots", "--trace", mooncake(
-        t, "inf.jsonl", [json.dumps(rec(float("inf")))])], "inf.jsonl:1: timestamp must be a finite non-negative number"),
+        t, "inf.jsonl", [json.dumps(rec(float("inf")))])],
+        "inf.jsonl:1: timestamp must be a finite non-negative number"),
     "backwards timestamp": (lambda t, f: ["replay", "--no-plots", "--trace", mooncake(
         t, "back.jsonl", [rec(10), rec(5)])], "back.jsonl:2: timestamp goes backwards"),
     "boolean input_length": (lambda t, f: ["replay", "--no-plots", "--trace", mooncake(

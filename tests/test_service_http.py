@@ -264,3 +264,22 @@ def test_workers_being_rebuilt_are_skipped_while_others_can_serve() -> None:
         good.close()
         lonely.close()
         silent.close(0)
+
+
+def test_a_flood_of_bad_events_from_one_worker_is_counted_per_worker_and_logged_sparingly(
+        svc: tuple[Publisher, Publisher, IndexerService], caplog: pytest.LogCaptureFixture) -> None:
+    p0, p1, s = svc
+    p1.publish(EventBatch(ts=time.time(), events=[stored([1, 2], None, 0)]))
+    wrong_size = BlockStored(block_hashes=[7], parent_block_hash=None, token_ids=list(range(BS + 1)),
+                             block_size=BS + 1)
+    with caplog.at_level(logging.WARNING, logger="kvtier.indexer.index"):
+        for _ in range(30):
+            p0.publish(EventBatch(ts=time.time(), events=[wrong_size] * 100))
+        wait_for(lambda: json.loads(get(s.address + "/metrics?format=json"))["workers"]["w0"]["events_rejected"]
+                 == 3000, timeout=10)
+    m = json.loads(get(s.address + "/metrics?format=json"))["workers"]
+    assert m["w1"]["events_rejected"] == 0 and m["w1"]["events_applied"] == 1  # the other worker is untouched
+    assert 'kvtier_events_rejected_total{worker="w0"} 3000' in get(s.address + "/metrics")
+    lines = [r.getMessage() for r in caplog.records if "event rejected" in r.getMessage()]
+    assert 10 <= len(lines) <= 13 and "further ones logged every 1000th" in lines[9], lines[-3:]
+    assert post(s.address + "/query", {"token_ids": TOKS})[1]["workers"]["w1"]["device"] == 2
