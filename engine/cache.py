@@ -22,6 +22,7 @@ from kvtier.engine.hashing import iter_chain
 from kvtier.engine.pool import PageId, PagePool, PoolExhausted
 from kvtier.engine.radix import Node, RadixTree
 from kvtier.engine.storage import PageMeta, PageStore
+from kvtier.fields import at_least, check_fields, one_of, within
 from kvtier.wire.codec import medium_spelling
 from kvtier.wire.overlap import TierOverlap
 from kvtier.wire.protocol import (
@@ -57,18 +58,25 @@ class PrefetchPolicy(StrEnum):
 class CacheConfig:
     """Sizes and policies of one engine's cache."""
 
-    page_size: int = 16  # tokens per page (= block size in events)
-    device_pages: int = 1024  # device KV capacity in pages
-    host_ratio: float = 2.0  # host pages = host_ratio * device_pages; 0 disables the host tier
-    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH  # see WritePolicy
-    selective_threshold: int = 2  # hits before write_through_selective backs a node up
+    page_size: int = field(default=16, metadata=at_least(1))  # tokens per page (= block size in events)
+    device_pages: int = field(default=1024, metadata=at_least(1))  # device KV capacity in pages
+    # host pages = host_ratio * device_pages; 0 disables the host tier
+    host_ratio: float = field(default=2.0, metadata=within(0, 1024))
+    write_policy: WritePolicy = field(default=WritePolicy.WRITE_THROUGH, metadata=one_of(*WritePolicy))
+    # hits before write_through_selective backs a node up
+    selective_threshold: int = field(default=2, metadata=at_least(1))
     load_back: bool = True  # load host hits to device (else recompute them)
     l3_write_behind: bool = True  # copy host backups to the L3 store
-    prefetch_policy: PrefetchPolicy = PrefetchPolicy.BEST_EFFORT  # see PrefetchPolicy
-    prefetch_min_pages: int = 1  # L3 hit length below which no prefetch is started
-    prefetch_timeout_s: float = 0.05  # for PrefetchPolicy.TIMEOUT
-    swa_window_pages: int = 0  # sliding-window attention: pages of window KV a prefix needs (0: no SWA)
-    swa_pages: int = 0  # window-KV pool size in pages (0: as many as device pages)
+    prefetch_policy: PrefetchPolicy = field(default=PrefetchPolicy.BEST_EFFORT, metadata=one_of(*PrefetchPolicy))
+    # L3 hit length below which no prefetch is started
+    prefetch_min_pages: int = field(default=1, metadata=at_least(0))
+    prefetch_timeout_s: float = field(default=0.05, metadata=within(0, 3600))  # for PrefetchPolicy.TIMEOUT
+    # sliding-window attention: pages of window KV a prefix needs (0: no SWA)
+    swa_window_pages: int = field(default=0, metadata=at_least(0))
+    swa_pages: int = field(default=0, metadata=at_least(0))  # window-KV pool size in pages (0: as many as device)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
     @property
     def host_pages(self) -> int:
