@@ -379,16 +379,7 @@ class PageStore:
         self.stats.tmp_removed += counts["tmp_removed"]
         self.stats.unheld_removed += counts["orphans_removed"]
         self.stats.dropped_at_start += counts["damaged"]
-        # Parents before children; among equals the newest first, so capacity keeps what was hot.
-        found.sort(key=lambda hm: (hm[0].depth, -hm[1]))
-        keep: dict[str, tuple[PageMeta, float]] = {}
-        drop: list[str] = []
-        for header, mtime in found:
-            ok = len(keep) < self.capacity and (header.parent_key is None or header.parent_key in keep)
-            if ok:
-                keep[header.key] = (_meta_of(header), mtime)
-            else:
-                drop.append(header.key)
+        keep, drop = _choose(found, self.capacity)
         self._dir.release([k for key in drop for k in (key, DRAFT_PREFIX + key)])
         self.stats.dropped_at_start += len(drop)
         for key, (meta, _) in keep.items():  # parents first
@@ -416,3 +407,20 @@ class PageStore:
 
 def _meta_of(header: PageHeader) -> PageMeta:
     return PageMeta(header.event_hash, header.parent_key, header.parent_hash, header.tokens, header.depth)
+
+
+_Kept = dict[str, tuple[PageMeta, float]]  # key -> (meta, mtime)
+
+
+def _choose(found: list[tuple[PageHeader, float]], capacity: int) -> tuple[_Kept, list[str]]:
+    """Which found pages to adopt (parents first, the newest first among equals, at most ``capacity``,
+    none without its parent) and which to drop. O(n log n)."""
+    found = sorted(found, key=lambda hm: (hm[0].depth, -hm[1]))
+    keep: _Kept = {}
+    drop: list[str] = []
+    for header, mtime in found:
+        if len(keep) < capacity and (header.parent_key is None or header.parent_key in keep):
+            keep[header.key] = (_meta_of(header), mtime)
+        else:
+            drop.append(header.key)
+    return keep, drop
