@@ -134,7 +134,9 @@ def load_config(path: Path) -> ServiceConfig:
     """Reads a TOML file: top-level settings plus ``[[endpoints]]`` tables."""
     try:
         raw = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+    except OSError as exc:
+        raise ConfigError(f"{path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: {exc}") from None
     eps = []
     tables = raw.pop("endpoints", [])

@@ -147,7 +147,9 @@ def _latency(path: Path | None) -> MockerLatency:
         return MockerLatency()
     try:
         return latency_from_json(path.read_text())
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
+        raise CliError(f"--latency {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
         raise CliError(f"--latency {path}: {exc}") from None
 
 
@@ -284,7 +286,9 @@ def cmd_fit_latency(a: argparse.Namespace) -> int:
     try:
         prefill, decode = load_latency_points(str(a.csv))
         fit = fit_latency(prefill, decode)
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
+        raise CliError(f"{a.csv}: {exc.strerror or exc}") from None
+    except ValueError as exc:
         raise CliError(str(exc)) from None
     default = MockerLatency()
     print(f"prefill_ms = {fit.prefill_a:.6g}*T^2 + {fit.prefill_b:.6g}*T + {fit.prefill_c:.6g}   "

@@ -164,7 +164,9 @@ CASES: dict[str, Case] = {
     "gen-trace missing directory": (lambda t, f: ["gen-trace", "--requests", "3", "-o", str(t / "no" / "x.jsonl")],
                                     "No such file or directory"),
     # fit-latency
-    "fit-latency missing csv": (lambda t, f: ["fit-latency", str(t / "none.csv")], "No such file"),
+    "fit-latency missing csv": (lambda t, f: ["fit-latency", str(t / "none.csv")], "none.csv: No such file"),
+    "latency file missing": (lambda t, f: ["replay", *SMALL, "--latency", str(t / "l.json")],
+                             "l.json: No such file"),
     # kvtier engine
     "engine missing trace": (lambda t, f: engine("--trace", str(t / "none.jsonl")), "not found"),
     "engine port in use": (lambda t, f: [*engine(), "--endpoint", f["busy_zmq"]], "cannot bind"),
@@ -184,7 +186,8 @@ CASES: dict[str, Case] = {
     "indexer no endpoints": (lambda t, f: ["indexer"], "give at least one --endpoint"),
     "indexer bad endpoint": (lambda t, f: ["indexer", "--endpoint", "garbage"], "endpoint 'garbage'"),
     "indexer unknown policy": (lambda t, f: indexer("--policy", "nope"), "policy 'nope'"),
-    "indexer missing config": (lambda t, f: ["indexer", "--config", str(t / "none.toml")], "none.toml"),
+    "indexer missing config": (lambda t, f: ["indexer", "--config", str(t / "none.toml")],
+                               "none.toml: No such file or directory"),
     "indexer TOML wrong type": (lambda t, f: ["indexer", "--config", toml(
         t, 'block_size = "16"\n[[endpoints]]\nworker = "w0"\nendpoint = "tcp://127.0.0.1:1"\n')],
         "block_size: '16' is not allowed"),

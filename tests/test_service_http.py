@@ -283,3 +283,5 @@ def test_a_flood_of_bad_events_from_one_worker_is_counted_per_worker_and_logged_
     lines = [r.getMessage() for r in caplog.records if "event rejected" in r.getMessage()]
     assert 10 <= len(lines) <= 13 and "further ones logged every 1000th" in lines[9], lines[-3:]
     assert post(s.address + "/query", {"token_ids": TOKS})[1]["workers"]["w1"]["device"] == 2
+    code, body = post(s.address + "/query", {"token_ids": [True, 2]})  # a boolean is no token id
+    assert code == 400 and "Expected `int`, got `bool`" in body["error"]
