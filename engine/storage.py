@@ -69,7 +69,7 @@ class _Entry:
 
 @dataclass(slots=True)
 class StoreStats:
-    """What a directory store found wrong, and what it adopted (exported as engine metrics)."""
+    """What a directory store found wrong, and what it adopted (``kvtier engine`` prints them)."""
 
     damaged_reads: int = 0  # reads that failed their check (checksum, size, key, layout): never served
     missing_reads: int = 0  # reads of a page whose file was gone
@@ -254,7 +254,7 @@ class PageStore:
             self.stats.damaged_reads += 1
             n, why = self.stats.damaged_reads, f"damaged ({exc})"
         if worth_logging(n):
-            log.warning("L3 %s: page %s not served: %s%s", self._dir.base, key, why, suffix(n))
+            log.warning("L3 %s: page %s not served: %s%s", self._dir.base, key, why, suffix(n, "PageStore.stats"))
         raise StoreError(base, why)
 
     def commit(self, key: str, engine: EngineTag) -> bool:

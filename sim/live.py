@@ -137,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
         if isinstance(dp, TorchDataPath):
             dp.close()
         if cache.store is not None:
+            if cache.store.directory is not None:
+                print(f"engine {args.name}: L3 {cache.store.stats}", flush=True)
             cache.store.close()
     return 0
 

@@ -11,8 +11,8 @@ def worth_logging(count: int) -> bool:
     return count <= FIRST or count % EVERY == 0
 
 
-def suffix(count: int) -> str:
-    """Tells the reader the log is thinned out from here on."""
+def suffix(count: int, counted_in: str = "/metrics") -> str:
+    """Tells the reader the log is thinned out from here on, and where every occurrence is counted."""
     if count == FIRST:
-        return f" (further ones logged every {EVERY}th; all are counted in /metrics)"
+        return f" (further ones logged every {EVERY}th; all are counted in {counted_in})"
     return f" ({count} so far)" if count > FIRST else ""
