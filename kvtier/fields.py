@@ -117,3 +117,10 @@ def check_fields(obj: Any, style: str = "option") -> None:
             continue
         name = domain.option or f"--{f.name.replace('_', '-')}" if style == "option" else f.name
         domain.check(name, getattr(obj, f.name))
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Usage errors as one line (``kvtier replay: error: ...``, exit 2), not usage plus error."""
+
+    def error(self, message: str) -> Any:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

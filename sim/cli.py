@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.engine.cache import PrefetchPolicy, WritePolicy
-from kvtier.fields import ConfigError, Domain
+from kvtier.fields import ConfigError, Domain, OneLineParser
 from kvtier.indexer.hardware import DEFAULT_GPU_LINK, DEFAULT_STORAGE_LINK, GPU_LINKS, STORAGE_LINKS
 from kvtier.indexer.latency import (
     MockerLatency,
@@ -45,13 +45,6 @@ class CliError(Exception):
 COUNT = Domain(int, lo=1)
 SCALE = Domain(float, lo=0, lo_open=True)
 SEED = Domain(int)
-
-
-class Parser(argparse.ArgumentParser):
-    """Usage errors as one line (``kvtier replay: error: ...``, exit 2), not usage plus error."""
-
-    def error(self, message: str) -> Any:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -329,7 +322,7 @@ def cmd_indexer(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="kvtier", description="KV-cache-aware routing toolkit", formatter_class=HelpFormatter)
+    parser = OneLineParser(prog="kvtier", description="KV-cache-aware routing toolkit", formatter_class=HelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
     add = functools.partial(sub.add_parser, formatter_class=HelpFormatter)

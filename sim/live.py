@@ -29,7 +29,7 @@ from kvtier.engine.node import EngineNode
 from kvtier.engine.pagedir import SyncPolicy
 from kvtier.engine.pagefile import Layout
 from kvtier.engine.storage import PageStore
-from kvtier.fields import Domain
+from kvtier.fields import Domain, OneLineParser
 from kvtier.sim.experiment import resolve_trace
 from kvtier.sim.trace import Request, TokenBank
 
@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    p = p or argparse.ArgumentParser(prog="kvtier engine", description=__doc__)
+    p = p or OneLineParser(prog="kvtier engine", description=__doc__)
     count, scale = Domain(int, lo=1), Domain(float, lo=0, lo_open=True)
     p.add_argument("--name", default="w0", help="engine name (the worker id an indexer should use)")
     p.add_argument("--endpoint", default="tcp://127.0.0.1:5557", help="PUB endpoint to bind")
