@@ -600,9 +600,11 @@ class TieredCache:
             if info.op.error:
                 self.store.abort(key)
                 continue
-            if self.store.commit(key, self.name) and key in self.store:  # a tiny store may evict it at once
+            if self.store.commit(key, self.name):
                 landed.append((key, meta))
-        self._announce(landed)
+        # A store smaller than the run may have evicted some of it at once (leaves first: a kept page's
+        # parent is kept too).
+        self._announce([(k, m) for k, m in landed if k in self.store])
         if info.op.error:
             log.error("%s: L3 write failed: %s", self.name, info.op.error)
         # Nodes whose L3 writes just landed may now be host-evictable: _alloc_host rescans

@@ -308,8 +308,12 @@ class PageStore:
         lost: dict[EngineTag, list[str]] = {}
         while len(self._entries) > self.capacity:
             victim = next((k for k in self._leaves if self._entries[k].pins == 0 and k != protect), None)
+            if victim is None and protect in self._leaves and self._entries[protect].pins == 0:
+                # Nothing older to give up: the new leaf goes itself, and then, a leaf in turn, its
+                # parent, so a chain longer than the store is trimmed to what fits once written.
+                victim, protect = protect, ""
             if victim is None:
-                break  # everything is pinned or has children: over capacity until reads end
+                break  # everything is pinned or has children pending: over capacity until those land
             self._remove(victim, lost)
         for engine, keys in lost.items():
             self._listeners[engine](keys)

@@ -26,9 +26,10 @@ from tests.test_multiprocess import ROOT, free_port, read_residency
 LAYOUT = Layout("kvtier-live", 16)
 
 
-def engine(l3_dir: Path, pub: int, rep: int, *extra: str) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "kvtier", "engine", "--name", "w0", "--endpoint", f"tcp://127.0.0.1:{pub}",
-           "--replay", f"tcp://127.0.0.1:{rep}", "--l3", "disk", "--l3-dir", str(l3_dir), "--device-pages", "1024",
+def engine(l3_dir: Path, pub: int, rep: int, *extra: str, name: str = "w0", l3: str = "disk"
+           ) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "kvtier", "engine", "--name", name, "--endpoint", f"tcp://127.0.0.1:{pub}",
+           "--replay", f"tcp://127.0.0.1:{rep}", "--l3", l3, "--l3-dir", str(l3_dir), "--device-pages", "1024",
            "--host-ratio", "2", *extra]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
 
@@ -76,3 +77,31 @@ def test_engine_killed_mid_write_restarts_warm(tmp_path: Path) -> None:
         svc.stop()
         second.send_signal(signal.SIGTERM)
         second.wait(timeout=10)
+
+
+def test_engines_sharing_a_pool_never_delete_each_others_pages(tmp_path: Path) -> None:
+    """Two engine processes share one --l3 external directory and write the same prompts; one is killed and
+    restarted with a capacity far below what it held. Every page the other holds stays, sound."""
+    base = tmp_path / LAYOUT.tag()
+    common = ("--trace", "builtin:sysprompt:60", "--speed", "200", "--l3-sync", "batch")
+    a = engine(tmp_path, free_port(), free_port(), *common, "--hold", "60", name="a", l3="external")
+    b = engine(tmp_path, free_port(), free_port(), *common, "--hold", "0", name="b", l3="external")
+    try:
+        assert b.wait(timeout=120) == 0
+        held_by_b = sorted(os.listdir(base / "refs" / "b"))
+        shared = set(held_by_b) & set(os.listdir(base / "refs" / "a"))
+        assert len(held_by_b) > 50 and shared, "the engines should have written some of the same pages"
+        a.send_signal(signal.SIGKILL)
+        a.wait(timeout=10)
+        again = engine(tmp_path, free_port(), free_port(), "--trace", "builtin:chat:1", "--disk-pages", "5",
+                       "--hold", "0", name="a", l3="external")
+        assert again.wait(timeout=60) == 0
+        assert len(os.listdir(base / "refs" / "a")) <= 5 + 5  # what fits, plus the one new prompt's chain
+        for name in held_by_b:  # b's pages, the ones a dropped included, are all there and sound
+            key = name.replace("_", ":", 1) if name.startswith("d_") else name
+            read_header(str(base / "pages" / name), key, LAYOUT.tag())
+    finally:
+        for proc in (a, b):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
