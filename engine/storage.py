@@ -106,7 +106,9 @@ class PageStore:
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # committed pages, LRU first
         self._leaves: OrderedDict[str, None] = OrderedDict()  # committed pages without children, LRU first
         self._pending: dict[str, PageMeta] = {}  # key being written -> its meta
-        self._pending_children: dict[str, int] = {}  # key being written -> children begun under it
+        # Uncommitted key -> children begun under it and still pending. It outlives an aborted write of
+        # the key (another engine of a shared pool may write it again, and those children still count).
+        self._pending_children: dict[str, int] = {}
         self._listeners: dict[EngineTag, EvictListener] = {}
         self._dir = PageDir(directory, layout or Layout(), owner, sync) if directory is not None else None
         if self._dir is not None:
@@ -212,6 +214,8 @@ class PageStore:
                 self._leaves[parent_key] = None
         elif parent_key in self._pending_children:
             self._pending_children[parent_key] -= 1
+            if self._pending_children[parent_key] == 0:
+                del self._pending_children[parent_key]
 
     # --- writes --------------------------------------------------------------------------
 
@@ -269,7 +273,6 @@ class PageStore:
         meta = self._pending.pop(key)
         parent_key = meta.parent_key
         if parent_key is not None and parent_key not in self._entries:
-            self._pending_children.pop(key, None)
             self._drop_child(parent_key)  # the parent, if it still comes, must not count this page
             self._unlink(key)
             return False
@@ -285,7 +288,6 @@ class PageStore:
     def abort(self, key: str) -> None:
         """Drops a reservation whose write failed (its files, if any, were removed by the write)."""
         meta = self._pending.pop(key)
-        self._pending_children.pop(key, None)
         if meta.parent_key is not None:
             self._drop_child(meta.parent_key)
 
@@ -354,6 +356,8 @@ class PageStore:
     def _remove(self, key: str, lost: dict[EngineTag, list[str]]) -> None:
         e = self._entries.pop(key)
         self._leaves.pop(key, None)
+        if e.children:  # only a drop() removes a page with children: those still being written
+            self._pending_children[key] = e.children
         if e.meta.parent_key is not None:
             self._drop_child(e.meta.parent_key)
         for engine in e.announcers:
@@ -407,6 +411,12 @@ class PageStore:
             assert e.children == n, f"page {k}: children {e.children} but {n} found"
             assert (k in self._leaves) == (e.children == 0), f"page {k}: leaf list out of sync"
             assert e.pins >= 0, f"page {k}: negative pins"
+        pending_kids: dict[str, int] = {}
+        for m in self._pending.values():
+            if m.parent_key is not None and m.parent_key not in self._entries:
+                pending_kids[m.parent_key] = pending_kids.get(m.parent_key, 0) + 1
+        assert pending_kids == self._pending_children, (
+            f"children pending under uncommitted pages out of sync: {pending_kids} != {self._pending_children}")
 
 
 def _meta_of(header: PageHeader) -> PageMeta:

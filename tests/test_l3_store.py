@@ -291,3 +291,27 @@ def test_a_page_another_process_wrote_without_its_parent_here_is_not_taken(tmp_p
     assert not b.lookup("k2")  # its parent k1 is not held by b: a page never lives without its parent
     assert b.lookup("k0") and b.lookup("k1") and b.lookup("k2")
     b._check()
+
+
+def test_children_begun_under_a_page_whose_write_was_aborted_still_count_when_it_is_written_again() -> None:
+    """The shared-pool case the slow consistency profile found: w1 writes P, w0 writes C under P, w1 is
+    reset (P aborted) and writes P again; P's children must count C, or a later eviction goes wrong."""
+    pool = PageStore(8, shared=True)
+    for w in ("w0", "w1"):
+        pool.attach(w, lambda keys: None)
+    pool.begin_write("P", meta(0, None))
+    pool.begin_write("C", PageMeta(2, "P", 1000, bytes(4 * PS), 1))
+    pool.abort("P")  # w1's reset
+    pool._check()
+    pool.begin_write("P", meta(0, None))  # w1 writes it again
+    assert pool.commit("P", "w1")
+    pool._check()
+    assert pool.commit("C", "w0")
+    pool._check()
+    pool.begin_write("Q", meta(3, None))
+    pool.abort("Q")
+    pool.begin_write("D", PageMeta(4, "P", 1000, bytes(4 * PS), 1))
+    pool.drop("P")  # damaged: its committed child goes with it, the one still being written is counted
+    pool._check()
+    assert not pool.commit("D", "w0")  # its parent is gone: dropped, and nothing is left counting it
+    pool._check()
