@@ -169,7 +169,7 @@ class HttpFrontEnd:
         return _json(200, self._svc.first_token(request.match_info["rid"]))
 
     async def _finish(self, request: web.Request) -> web.Response:
-        return _json(200, self._svc.finish(request.match_info["rid"]))
+        return _json(200, self._svc.finish(request.match_info["rid"], await self._body(request)))
 
     async def _metrics(self, request: web.Request) -> web.Response:
         if request.query.get("format") == "json":

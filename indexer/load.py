@@ -24,6 +24,12 @@ class WorkerLoad:
     pending_prefill_tokens: int = 0  # prompt tokens still to compute (cleared at first token)
     prefilling: int = 0  # of ``running``, requests that have not produced their first token
     generated_blocks: int = 0  # of ``active_blocks``, those added by tokens generated so far
+    # Prompt + generated tokens of the in-flight requests, each counted in full: what a decode step
+    # attends over (a shared prefix is stored once but read by every request that uses it).
+    context_tokens: int = 0
+    # Output tokens the engines are expected to reserve and not yet written: sum over in-flight requests
+    # of max(0, expected output at routing - generated). Engines reserve room for the output at admission.
+    unwritten_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -33,6 +39,8 @@ class _InFlight:
     prompt_tokens: int  # prompt length
     prefill_tokens: int  # uncached prompt tokens it brought
     private: int = 0  # blocks only it holds: partial prompt tail + generated tokens
+    generated: int = 0  # output tokens seen so far
+    reserve: int = 0  # output tokens expected when it was routed (LoadTracker.expected_output)
 
 
 @dataclass(slots=True)
@@ -42,12 +50,14 @@ class _Worker:
 
 
 class LoadTracker:
-    """Tracks in-flight requests per worker.
+    """Tracks in-flight requests per worker, and the mean output length of those that finished.
 
     ``add`` and ``finish`` are O(prompt blocks); everything else is O(1).
     Invariant (see :meth:`_check`): each worker's totals equal the sums over its in-flight requests,
     with prompt blocks counted once per distinct key.
     """
+
+    _OUTPUT_WEIGHT = 1 / 32  # weight of each finished request in expected_output
 
     def __init__(self, block_size: int = 16) -> None:
         if block_size < 1:
@@ -56,6 +66,9 @@ class LoadTracker:
         self._workers: dict[StreamId, _Worker] = {}
         self._inflight: dict[str, _InFlight] = {}
         self._prefilling: set[str] = set()
+        # Mean output length of finished requests (exponentially weighted, 0 until one finishes with a
+        # known length): the output room engines reserve that the router cannot see yet.
+        self.expected_output = 0.0
 
     def load(self, worker: StreamId) -> WorkerLoad:
         w = self._workers.get(worker)
@@ -79,7 +92,7 @@ class LoadTracker:
         ``request_id`` is already in flight."""
         if request_id in self._inflight:
             raise ValueError(f"request {request_id!r} is already in flight")
-        f = _InFlight(worker, tuple(keys), prompt_tokens, prefill_tokens)
+        f = _InFlight(worker, tuple(keys), prompt_tokens, prefill_tokens, reserve=round(self.expected_output))
         f.private = self._private_blocks(f, 0)
         self._inflight[request_id] = f
         self._prefilling.add(request_id)
@@ -93,6 +106,8 @@ class LoadTracker:
         ld.active_blocks += f.private
         ld.pending_prefill_tokens += prefill_tokens
         ld.prefilling += 1
+        ld.context_tokens += prompt_tokens
+        ld.unwritten_tokens += f.reserve
 
     def _private_blocks(self, f: _InFlight, generated: int) -> int:
         return -(-(f.prompt_tokens + generated) // self.block_size) - len(f.keys)
@@ -116,14 +131,23 @@ class LoadTracker:
         ld = self._workers[f.worker].load
         ld.active_blocks += private - f.private
         ld.generated_blocks += private - f.private
+        ld.context_tokens += generated - f.generated
+        ld.unwritten_tokens += max(0, f.reserve - generated) - max(0, f.reserve - f.generated)
         f.private = private
+        f.generated = generated
 
-    def finish(self, request_id: str) -> None:
-        """The request completed (or failed); unknown ids are ignored."""
+    def finish(self, request_id: str, generated: int | None = None) -> None:
+        """The request completed (or failed). ``generated``: its output length, if known; it updates
+        :attr:`expected_output` (None leaves the estimate alone). Unknown ids are ignored."""
         self.prefill_done(request_id)
-        f = self._inflight.pop(request_id, None)
+        f = self._inflight.get(request_id)
         if f is None:
             return
+        if generated is not None:
+            self.progress(request_id, generated)
+            e = self.expected_output
+            self.expected_output = float(generated) if e == 0.0 else e + (generated - e) * self._OUTPUT_WEIGHT
+        del self._inflight[request_id]
         w = self._workers[f.worker]
         ld = w.load
         for k in f.keys:
@@ -136,6 +160,8 @@ class LoadTracker:
         ld.running -= 1
         ld.active_blocks -= f.private
         ld.generated_blocks -= f.private - self._private_blocks(f, 0)
+        ld.context_tokens -= f.prompt_tokens + f.generated
+        ld.unwritten_tokens -= max(0, f.reserve - f.generated)
 
     def _check(self) -> None:
         totals: dict[StreamId, WorkerLoad] = {}
@@ -146,6 +172,8 @@ class LoadTracker:
             t.running += 1
             t.active_blocks += f.private
             t.generated_blocks += f.private - self._private_blocks(f, 0)
+            t.context_tokens += f.prompt_tokens + f.generated
+            t.unwritten_tokens += max(0, f.reserve - f.generated)
             for k in f.keys:
                 r[k] = r.get(k, 0) + 1
             if rid in self._prefilling:

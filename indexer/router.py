@@ -95,7 +95,7 @@ class Router:
         for w in candidates:
             shared = self.loads.shared_blocks(w, keys) if keys else 0
             costs[w] = self.cost_model.cost(num_tokens, bs, overlaps.workers.get(w, _NONE), self.loads.load(w),
-                                            shared)
+                                            shared, self.loads.expected_output)
         return RouteDecision(self._pick(candidates, costs), costs, overlaps)
 
     def _pick(self, candidates: list[StreamId], costs: dict[StreamId, float]) -> StreamId:

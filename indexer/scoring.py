@@ -1,6 +1,6 @@
 """Cost models that turn per-worker tier overlaps and load into a routing cost (lower is better).
 
-Two models, both small and documented:
+Three models, each small and documented:
 
 * :class:`CreditCost`: Dynamo's shape. A cached block earns credit by tier (device 1.0,
   host 0.75, disk 0.25 by default); the cost is ``overlap_weight * (blocks to prefill
@@ -8,8 +8,8 @@ Two models, both small and documented:
 * :class:`TtftCost`: an estimate of time to first token in ms, priced as the worker spends it:
   the queued prefill and this request's uncached suffix run in chunked-prefill iterations of
   ``prefill_budget`` tokens, each also carrying one decode step of the running batch, plus the
-  load time of each tier's cached blocks, plus a wait when the worker's KV memory is full.
-
+  load time of each tier's cached blocks, plus a wait when the worker's KV memory is full; the decode
+  steps weigh more than once (they are paid again by the session's later turns and by later arrivals).
 * :class:`DynamoCost`: NVIDIA Dynamo's kv_router cost as its documentation describes it, the
   baseline every other policy is compared with.
 
@@ -41,11 +41,12 @@ class CostModel(Protocol):
     """Routing cost of sending a request of ``num_tokens`` tokens to one worker.
 
     ``shared_blocks``: leading prompt blocks that requests in flight on that worker already hold, so
-    routing there adds only the rest to its active KV.
+    routing there adds only the rest to its active KV. ``output_tokens``: the output the request is
+    expected to generate (:attr:`kvtier.indexer.load.LoadTracker.expected_output`; 0 while unknown).
     """
 
     def cost(self, num_tokens: int, block_size: int, overlap: TierOverlap, load: WorkerLoad,
-             shared_blocks: int = 0) -> float: ...
+             shared_blocks: int = 0, output_tokens: float = 0.0) -> float: ...
 
 
 @dataclass(slots=True, frozen=True)
@@ -72,7 +73,7 @@ class CreditCost:
     max_tier: StorageTier = StorageTier.EXTERNAL  # tiers beyond this are ignored
 
     def cost(self, num_tokens: int, block_size: int, overlap: TierOverlap, load: WorkerLoad,
-             shared_blocks: int = 0) -> float:
+             shared_blocks: int = 0, output_tokens: float = 0.0) -> float:
         blocks = -(-num_tokens // block_size)
         prefill = blocks - self.credits.credited_blocks(visible(overlap, self.max_tier))
         queued = load.pending_prefill_tokens / block_size
@@ -101,7 +102,7 @@ class DynamoCost:
     max_tier: StorageTier = StorageTier.EXTERNAL  # tiers the router receives events for
 
     def cost(self, num_tokens: int, block_size: int, overlap: TierOverlap, load: WorkerLoad,
-             shared_blocks: int = 0) -> float:
+             shared_blocks: int = 0, output_tokens: float = 0.0) -> float:
         incoming = -(-num_tokens // block_size)
         raw_prefill = load.pending_prefill_tokens / block_size + incoming
         adjusted = max(raw_prefill - self.credits.credited_blocks(visible(overlap, self.max_tier)), 0.0)
@@ -111,15 +112,24 @@ class DynamoCost:
 
 @dataclass(slots=True, frozen=True)
 class TtftCost:
-    """Estimated time to first token in ms; see the module docstring.
+    """Estimated time to first token in ms, with the worker's decode load weighted; see the module docstring.
 
     The worker prefills first come, first served in chunks of ``prefill_budget`` tokens, so the
     request's first token comes after ``ceil((queued + uncached) / budget)`` iterations. Each costs
-    ``prefill_ms(chunk)`` plus, while other requests decode, one decode step at the worker's KV
-    utilisation (``active_blocks * block_size / capacity_tokens``). A worker whose in-flight KV plus this
-    request would pass ``memory_headroom`` of its capacity cannot admit it until others finish: that
-    overflow is charged ``memory_wait_ms`` per unit of capacity. Without a capacity the decode and memory
-    terms are left out. For a lone request on an idle worker this equals the simulator's TTFT exactly.
+    ``prefill_ms(chunk)`` plus, while other requests decode, one decode step at the worker's decode
+    utilisation (``context_tokens / capacity_tokens``: every in-flight request's prompt and output, a
+    shared prefix once per request that reads it, as attention does). A worker whose in-flight KV (shared
+    prefixes once), the output its requests are expected still to write, and this request with its
+    expected output would pass ``memory_headroom`` of its capacity cannot admit it until others finish:
+    that overflow is charged ``memory_wait_ms`` per unit of capacity. Without a capacity the decode and
+    memory terms are left out.
+
+    ``decode_weight`` counts each decode step that many times: the decode batch a worker carries is not
+    paid once by this request's first token and gone, as a prefill backlog is. It slows every iteration on
+    that worker for as long as the batch runs, so it is paid again by the later turns of the session, which
+    come back where their context is cached, and by every request that queues behind this one. With
+    ``decode_weight = 1`` the cost is the request's own TTFT estimate, which for a lone request on an idle
+    worker equals the simulator's TTFT exactly (no decode step is involved there, so any weight does).
     """
 
     transfer: TransferModel  # load time per tier
@@ -127,12 +137,19 @@ class TtftCost:
     max_tier: StorageTier = StorageTier.EXTERNAL  # tiers beyond this are ignored
     prefill_budget: int = 8192  # chunked-prefill tokens per iteration, as the worker runs them
     capacity_tokens: int | None = None  # device KV per worker, tokens (None: no decode or memory term)
-    # Share of device KV the router's in-flight estimate may fill before the worker counts as full. Below 1
-    # because engines reserve room for output the router cannot see yet (it sees tokens as they stream).
-    memory_headroom: float = 0.7
+    # Share of device KV the projection may fill before the worker counts as full, once the router knows
+    # the output engines reserve (``output_tokens`` > 0): below 1 for the prefixes engines keep locked and
+    # the spread of output lengths around their mean.
+    memory_headroom: float = 0.9
+    # The same while no output length is known (no request has finished with one): the in-flight estimate
+    # then misses the output room engines reserve, so the worker counts as full earlier.
+    blind_headroom: float = 0.7
     # Cost of a full worker, per unit of projected overflow (of capacity): it holds the request until
     # running requests finish and free their KV, which takes seconds, not milliseconds.
     memory_wait_ms: float = 10_000.0
+    # Weight of each decode step in the estimate (see above). 7 was chosen by a sweep over 1-9 on the
+    # Mooncake trace and the built-in chat and agentic traces (note on issue 10); it is not derived.
+    decode_weight: float = 7.0
 
     def prefill_queue_ms(self, tokens: int, decode_step_ms: float) -> float:
         """Iterations that prefill ``tokens`` in budget-sized chunks, each with a decode step. O(1)."""
@@ -145,7 +162,7 @@ class TtftCost:
         return ms
 
     def cost(self, num_tokens: int, block_size: int, overlap: TierOverlap, load: WorkerLoad,
-             shared_blocks: int = 0) -> float:
+             shared_blocks: int = 0, output_tokens: float = 0.0) -> float:
         o = visible(overlap, self.max_tier)
         t = self.transfer
         load_ms = (t.load_ms(StorageTier.HOST, (o.host - o.device) * block_size)
@@ -156,7 +173,10 @@ class TtftCost:
         full = 0.0
         if self.capacity_tokens:
             if load.running > load.prefilling:
-                step = self.latency.decode_ms(load.active_blocks * block_size / self.capacity_tokens)
-            projected = (load.active_blocks - shared_blocks) * block_size + num_tokens
-            full = max(0.0, projected / self.capacity_tokens - self.memory_headroom) * self.memory_wait_ms
-        return load_ms + self.prefill_queue_ms(load.pending_prefill_tokens + uncached, step) + full
+                step = self.latency.decode_ms(load.context_tokens / self.capacity_tokens)
+            projected = ((load.active_blocks - shared_blocks) * block_size + load.unwritten_tokens + num_tokens
+                         + output_tokens)
+            headroom = self.memory_headroom if output_tokens > 0 else self.blind_headroom
+            full = max(0.0, projected / self.capacity_tokens - headroom) * self.memory_wait_ms
+        return load_ms + self.prefill_queue_ms(load.pending_prefill_tokens + uncached,
+                                               step * self.decode_weight) + full

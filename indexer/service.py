@@ -28,7 +28,7 @@ import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar, cast
 
 import msgspec
 
@@ -432,11 +432,14 @@ class IndexerService:
             raise LookupError(f"request {rid!r} is not in flight (never routed, finished or expired)")
         return {"request_id": rid, "in_flight": True}
 
-    def finish(self, rid: str) -> dict[str, Any]:
-        """``POST /requests/{id}/finish``: it completed or failed; its load is released (idempotent)."""
+    def finish(self, rid: str, body: bytes | Any = b"") -> dict[str, Any]:
+        """``POST /requests/{id}/finish``: it completed or failed; its load is released (idempotent).
+        An optional body ``{"output_tokens": N}`` says how many tokens it generated: the router learns
+        from it the output room engines reserve (``min_ttft``'s memory term)."""
+        out = parse_finish(body).output_tokens
         with self._lock:
             known = self._deadlines.pop(rid, None) is not None
-            self.loads.finish(rid)
+            self.loads.finish(rid, out)
         return {"request_id": rid, "was_in_flight": known}
 
     def _expire(self, now: float) -> None:
@@ -547,20 +550,39 @@ class RequestBody(msgspec.Struct):
     request_id: str | None = None  # required by /route
 
 
-_decode_body = msgspec.json.Decoder(RequestBody).decode
+class FinishBody(msgspec.Struct, forbid_unknown_fields=True):
+    """The optional JSON body of ``/requests/{id}/finish``."""
+
+    output_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None  # tokens it generated, if known
+
+
+_B = TypeVar("_B", RequestBody, FinishBody)
+_decoders: dict[type, msgspec.json.Decoder[Any]] = {RequestBody: msgspec.json.Decoder(RequestBody),
+                                                     FinishBody: msgspec.json.Decoder(FinishBody)}
+
+
+def _parse(body: bytes | Any, kind: type[_B], what: str) -> _B:
+    try:
+        if isinstance(body, bytes | bytearray | memoryview):
+            return cast(_B, _decoders[kind].decode(body))
+        return msgspec.convert(body, kind)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"bad {what}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"body is not JSON: {exc}") from None
 
 
 def parse_body(body: bytes | Any) -> RequestBody:
     """A request body from raw JSON bytes or an already decoded object; ``ValueError`` naming what is
     wrong (and where, e.g. ``$.token_ids[3]``). O(body)."""
-    try:
-        if isinstance(body, bytes | bytearray | memoryview):
-            return _decode_body(body)
-        return msgspec.convert(body, RequestBody)
-    except msgspec.ValidationError as exc:
-        raise ValueError(f"bad request body: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise ValueError(f"body is not JSON: {exc}") from None
+    return _parse(body, RequestBody, "request body")
+
+
+def parse_finish(body: bytes | Any) -> FinishBody:
+    """A finish body (empty: nothing known); ``ValueError`` naming what is wrong. O(body)."""
+    if isinstance(body, bytes | bytearray | memoryview) and not bytes(body).strip():
+        return FinishBody()
+    return _parse(body, FinishBody, "finish body")
 
 
 def serve(config: ServiceConfig) -> None:

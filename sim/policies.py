@@ -62,21 +62,24 @@ the router's in-flight load). It prices everything in the unit the user waits in
   chunked-prefill iterations of the worker's budget, and prefill time grows faster than linearly with
   the tokens of a pass;
 * load: each of those iterations also carries one decode step of the worker's running batch, whose
-  duration rises with its KV utilisation (in-flight blocks, a shared prefix counted once);
-* memory: a worker whose in-flight KV (plus this request) would pass 70% of its device capacity
-  holds new requests until running ones finish, charged as seconds per unit of overflow; without this
-  term the estimate piled sessions onto the workers holding them and TTFT p99 on the built-in chat and
-  agentic traces was several times Dynamo's.
+  duration rises with the context it attends over (every in-flight request's prompt and output). That
+  step is counted ``decode_weight`` (7) times: unlike a prefill backlog, which is gone in milliseconds,
+  a decode batch keeps slowing every iteration on that worker, for the later turns of the session (which
+  come back where their context is) and for every request queued behind this one;
+* memory: engines reserve room for a request's output when they admit it; the router learns the mean
+  output length from finished requests and charges a worker whose in-flight KV, the output still to be
+  written, and this request would pass 90% of its device memory, in seconds per unit of overflow.
 
 Where it wins: Dynamo adds decode blocks to prefill blocks one for one, so a worker holding a request's
-prefix loses it to an idle worker as soon as its decode load exceeds the blocks the hit saves, although
-that load slows the prefill by only milliseconds.
+prefix loses it to an idle worker as soon as its decode load exceeds the blocks the hit saves; min_ttft
+keeps the prefix where the decode load costs less than the recompute, in milliseconds on the modeled
+hardware, and stops before the batch or the reserved memory make the worker slower for everyone. With the
+decode step counted once, the estimate left a third of the workers idle on the built-in agentic trace
+(sessions piled where their tool specs were cached) and its median TTFT was worse than Dynamo's.
 
 Measured against ``dynamo`` and Dynamo 1.6.1's kv_router (note on issue 10, ``bench/crosscheck_dynamo.py``):
-on the full Mooncake trace it keeps 3.6 to 4.1 points more of the prompt cached with TTFT p50, p90 and
-p99 all lower. Under tight device memory (built-in chat and agentic traces) it still caches far more,
-but its median or tail TTFT there is not yet always at Dynamo's: the router cannot see the output space
-engines reserve, and the memory term is a coarse stand-in for it.
+more of the prompt cached and TTFT p50, p90 and p99 no worse on the full Mooncake trace (device only,
+host 4x, host 4x + disk) and on the built-in chat and agentic traces.
 """
 
 

@@ -105,7 +105,7 @@ def simulate(trace: list[Request], cluster_cfg: ClusterConfig, run: RunConfig, *
         loads.prefill_done(job.req.request_id)
 
     def on_finish(job: Job) -> None:
-        loads.finish(job.req.request_id)
+        loads.finish(job.req.request_id, job.generated)
         if bar is not None:
             bar.update(1)
         nxt = successor.get(job.req.request_id)

@@ -112,8 +112,10 @@ def test_ttft_cost_of_an_idle_worker_equals_the_simulated_ttft(tokens: int) -> N
 
 def test_ttft_cost_adds_a_decode_step_to_each_mixed_iteration() -> None:
     lat = MockerLatency()
-    cost = TtftCost(TransferModel(131072), prefill_budget=8192, capacity_tokens=100 * 64)
-    busy = WorkerLoad(running=3, active_blocks=50, pending_prefill_tokens=10_000, prefilling=1)
+    # decode_weight 1: the request's own TTFT (min_ttft weighs the steps more; test_scoring)
+    cost = TtftCost(TransferModel(131072), prefill_budget=8192, capacity_tokens=100 * 64, decode_weight=1.0)
+    busy = WorkerLoad(running=3, active_blocks=50, pending_prefill_tokens=10_000, prefilling=1,
+                      context_tokens=50 * 64)
     step = lat.decode_ms(50 * 64 / (100 * 64))
     chunks = [8192, 10_000 + 1000 - 8192]
     expected = sum(lat.prefill_ms(c) + step for c in chunks)

@@ -75,14 +75,14 @@ def test_load_tracker_bookkeeping() -> None:
     lt.add("r2", A, keys=[5], prompt_tokens=4, prefill_tokens=50)
     with pytest.raises(ValueError, match="r1"):
         lt.add("r1", B, [9], 4, 1)
-    assert lt.load(A) == WorkerLoad(2, 4, 150, prefilling=2)
+    assert lt.load(A) == WorkerLoad(2, 4, 150, prefilling=2, context_tokens=14)
     lt.prefill_done("r1")
     lt.prefill_done("r1")
     assert lt.load(A).pending_prefill_tokens == 50 and lt.load(A).prefilling == 1
     lt.finish("r2")
     lt.finish("nope")
     lt._check()
-    assert lt.load(A) == WorkerLoad(1, 3, 0) and lt.load(B) == WorkerLoad()
+    assert lt.load(A) == WorkerLoad(1, 3, 0, context_tokens=10) and lt.load(B) == WorkerLoad()
 
 
 def test_load_counts_a_shared_prefix_once_and_grows_with_decode() -> None:
@@ -101,6 +101,63 @@ def test_load_counts_a_shared_prefix_once_and_grows_with_decode() -> None:
     lt.finish("r2")
     lt._check()
     assert lt.load(A) == WorkerLoad()
+
+
+def test_load_tracks_context_read_by_decode_and_output_engines_reserve() -> None:
+    lt = LoadTracker(block_size=4)
+    lt.add("r1", A, keys=[1, 2, 3], prompt_tokens=12, prefill_tokens=12)
+    assert lt.expected_output == 0 and lt.load(A).unwritten_tokens == 0  # nothing learned yet
+    lt.finish("r1", 40)  # the first finished output sets the estimate
+    assert lt.expected_output == 40
+    lt.add("r2", A, keys=[1, 2, 3], prompt_tokens=12, prefill_tokens=0)
+    lt.add("r3", A, keys=[1, 2, 7], prompt_tokens=12, prefill_tokens=4)
+    ld = lt.load(A)
+    # decode reads the shared prefix once per request; memory holds it once
+    assert (ld.context_tokens, ld.active_blocks, ld.unwritten_tokens) == (24, 4, 80)
+    lt.progress("r2", 10)
+    assert (lt.load(A).context_tokens, lt.load(A).unwritten_tokens) == (34, 70)
+    lt.progress("r2", 50)  # past the estimate: nothing left to reserve for it
+    assert (lt.load(A).context_tokens, lt.load(A).unwritten_tokens) == (74, 40)
+    lt._check()
+    lt.finish("r2", 56)
+    assert lt.expected_output == pytest.approx(40 + (56 - 40) / 32)
+    lt.finish("r3")  # length unknown: the estimate stays
+    assert lt.expected_output == pytest.approx(40.5) and lt.load(A) == WorkerLoad()
+    lt._check()
+
+
+def test_ttft_cost_weights_decode_steps_and_prices_reserved_output() -> None:
+    lat = MockerLatency()
+    m = TtftCost(TransferModel(131072), capacity_tokens=10_000, decode_weight=7.0)
+    busy = WorkerLoad(running=3, active_blocks=30, prefilling=1, pending_prefill_tokens=100, context_tokens=4000)
+    step = lat.decode_ms(4000 / 10_000)
+    got = m.cost(600, 10, TierOverlap(50, 50, 50, 50), busy)
+    assert got == pytest.approx(lat.prefill_ms(100 + 100) + 7 * step)  # one iteration, its step counted 7 times
+    # The memory projection adds the output in-flight requests still reserve and this request's own, and
+    # uses memory_headroom (0.9) once an output length is known, blind_headroom (0.7) before.
+    full = WorkerLoad(running=3, active_blocks=700, prefilling=1, unwritten_tokens=1500, context_tokens=4000)
+    known = m.cost(600, 10, TierOverlap(0, 0, 0, 0), full, output_tokens=400)
+    assert known == pytest.approx(lat.prefill_ms(600) + 7 * step + (9500 / 10_000 - 0.9) * 10_000)
+    blind = m.cost(600, 10, TierOverlap(0, 0, 0, 0), full)
+    assert blind == pytest.approx(lat.prefill_ms(600) + 7 * step + (9100 / 10_000 - 0.7) * 10_000)
+
+
+def test_min_ttft_leaves_a_worker_whose_decode_batch_would_slow_the_session() -> None:
+    # Worker A holds the request's 40-block prefix but decodes a large batch; B is idle and cold. The
+    # request's own TTFT is lower on A (a 160-token prefill and one decode step against 4,160 tokens), so a
+    # cost that counts the step once sends it there; weighted as the decode load is paid (by the session's
+    # later turns and those queued behind), B wins.
+    lat = MockerLatency()
+    a = WorkerLoad(running=40, active_blocks=400, context_tokens=150_000)
+    once = TtftCost(TransferModel(131072), capacity_tokens=262_144, decode_weight=1.0)
+    weighted = TtftCost(TransferModel(131072), capacity_tokens=262_144)
+    on_a, on_b = TierOverlap(40, 40, 40, 40), TierOverlap(0, 0, 0, 0)
+    step = lat.decode_ms(150_000 / 262_144)
+    assert once.cost(4160, 100, on_a, a) == pytest.approx(lat.prefill_ms(160) + step)
+    assert once.cost(4160, 100, on_a, a) < once.cost(4160, 100, on_b, WorkerLoad())
+    assert weighted.cost(4160, 100, on_a, a) == pytest.approx(lat.prefill_ms(160) + 7 * step)
+    assert weighted.cost(4160, 100, on_a, a) > weighted.cost(4160, 100, on_b, WorkerLoad()) == \
+        pytest.approx(lat.prefill_ms(4160))
 
 
 def test_dynamo_cost_terms_by_hand() -> None:
@@ -166,12 +223,14 @@ def test_router_with_no_workers_says_so() -> None:
 
 def test_ttft_cost_charges_a_worker_whose_memory_would_overflow() -> None:
     lat = MockerLatency()
-    cost = TtftCost(TransferModel(131072), capacity_tokens=1000, memory_headroom=0.7, memory_wait_ms=10_000)
-    roomy = cost.cost(100, 10, TierOverlap(0, 0, 0, 0), WorkerLoad(running=1, active_blocks=50))
+    cost = TtftCost(TransferModel(131072), capacity_tokens=1000, blind_headroom=0.7, memory_wait_ms=10_000,
+                    decode_weight=1.0)
+    roomy = cost.cost(100, 10, TierOverlap(0, 0, 0, 0), WorkerLoad(running=1, active_blocks=50, context_tokens=500))
     step = lat.decode_ms(0.5)
     assert roomy == pytest.approx(lat.prefill_ms(100) + step)  # 600 of 1000 tokens: under the headroom
-    full = cost.cost(100, 10, TierOverlap(0, 0, 0, 0), WorkerLoad(running=1, active_blocks=65))
+    full = cost.cost(100, 10, TierOverlap(0, 0, 0, 0), WorkerLoad(running=1, active_blocks=65, context_tokens=650))
     assert full == pytest.approx(lat.prefill_ms(100) + lat.decode_ms(0.65) + (750 / 1000 - 0.7) * 10_000)
     # a prefix the worker's in-flight requests already hold takes no new room
-    shared = cost.cost(100, 10, TierOverlap(0, 0, 0, 0), WorkerLoad(running=1, active_blocks=65), 10)
+    shared = cost.cost(100, 10, TierOverlap(0, 0, 0, 0), WorkerLoad(running=1, active_blocks=65, context_tokens=650),
+                       10)
     assert shared == pytest.approx(lat.prefill_ms(100) + lat.decode_ms(0.65))

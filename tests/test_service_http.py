@@ -62,6 +62,11 @@ def test_route_books_load_until_finish_and_expires_unfinished(svc: tuple[Publish
     assert json.loads(get(s.address + "/metrics?format=json"))["workers"]["w0"]["requests_prefilling"] == 0
     assert post(s.address + "/requests/r1/finish", {}) == (200, {"request_id": "r1", "was_in_flight": True})
     assert post(s.address + "/requests/r1/finish", {})[1]["was_in_flight"] is False  # idempotent
+    # A finish that says how long the output was teaches the router the output room engines reserve.
+    assert post(s.address + "/route", {"request_id": "r2", "token_ids": TOKS})[0] == 200
+    assert post(s.address + "/requests/r2/finish", {"output_tokens": -1})[0] == 400
+    assert post(s.address + "/requests/r2/finish", {"output_tokens": 300})[0] == 200
+    assert s.loads.expected_output == 300
     assert post(s.address + "/requests/nope/first_token", {})[0] == 400
     # A request nobody finishes leaves the load after its TTL (0.6 s here).
     assert post(s.address + "/route", {"request_id": "lost", "token_ids": TOKS})[0] == 200
