@@ -1,111 +1,100 @@
-"""Indexer benchmark: apply throughput, find_matches latency and memory per indexed block.
+"""Indexer benchmark: apply throughput, find_matches latency and memory per indexed block, beside NVIDIA
+Dynamo's RadixTree on the same workload when ``ai-dynamo-runtime`` is installed.
 
-Workload (issue 3): 16 workers; 8-turn conversations of 512 blocks of 16 tokens, one
-BlockStored of 64 blocks per turn; 16 shared system prompts of 32 blocks; a quarter of the
-conversations also live on a second worker. Then 512-block queries, 40% of which diverge
-from a cached conversation part-way.
+Workload (``bench/index_workload.py``): 16 workers; 8-turn conversations of 512 blocks of 16 tokens, one
+BlockStored of 64 blocks per turn; 16 shared system prompts of 32 blocks; a quarter of the conversations
+also live on a second worker. Then 512-block queries, 40% of which diverge from a cached conversation
+part-way. Before any query is timed, every query's device overlap per worker from kvtier's index is
+checked against Dynamo's answer (the bench stops on the first difference).
 
-Targets on the 2-core dev machine: apply >= 1,000,000 blocks/s; find_matches p50 <= 20 us
-from keys and <= 150 us from 8,192 token ids; <= 200 bytes per (block, worker) entry.
+Dynamo runs in a subprocess (``bench/dynamo_index.py``): in this interpreter if it has
+``ai-dynamo-runtime`` (``pip install -e '.[crosscheck]'``), or in the one ``--dynamo-python`` names
+(a scratch virtualenv with ``ai-dynamo-runtime==1.6.1`` and numpy). Without it only kvtier's side prints.
+
+Targets (issue 12), on the 2-core machine: find_matches p50 from keys <= 0.5x Dynamo's and <= 40 us; from
+8,192 token ids <= 1.0x Dynamo's hashing plus find_matches; apply >= 2x Dynamo's blocks/s and >= 1.5M
+blocks/s; <= 200 bytes per (block, worker) entry.
 
     python bench/indexer_bench.py                    # full size (100,000 events, 10,000 queries)
-    python bench/indexer_bench.py --events 2000 --queries 200   # quick
+    python bench/indexer_bench.py --events 2000 --queries 200 --dynamo-python /tmp/dyn/bin/python
+    python bench/indexer_bench.py --workers 256
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import statistics
+import importlib.util
+import json
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
+from typing import Any
 
-import numpy as np
+from index_workload import BLOCKS_PER_TURN, BS, CONV_BLOCKS, TURNS, conversations, make_queries, percentile, rss_bytes
 
 from kvtier.indexer.index import Outcome, TieredIndex
 from kvtier.indexer.keys import block_keys
 from kvtier.wire import BlockStored, EngineHash, WorkerId
 from kvtier.wire.stream import StreamId
 
-BS = 16
-TURNS = 8
-BLOCKS_PER_TURN = 64
-CONV_BLOCKS = TURNS * BLOCKS_PER_TURN
-SYS_BLOCKS = 32
-N_SYS = 16
-VOCAB = 128_000
+HERE = Path(__file__).resolve().parent
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
-
-
-def conversation_tokens(conv: int) -> np.ndarray:
-    sys_prompt = np.random.default_rng(1_000_000 + conv % N_SYS).integers(0, VOCAB, SYS_BLOCKS * BS)
-    rest = np.random.default_rng(conv).integers(0, VOCAB, (CONV_BLOCKS - SYS_BLOCKS) * BS)
-    return np.concatenate([sys_prompt, rest]).astype(np.int64)
-
-
-def engine_hashes(conv: int) -> list[int]:
-    # Content-chained like SGLang: system-prompt blocks hash the same in every conversation.
-    sys_part = [(conv % N_SYS) << 40 | i for i in range(SYS_BLOCKS)]
-    return sys_part + [(1 << 62) | conv << 16 | i for i in range(SYS_BLOCKS, CONV_BLOCKS)]
-
-
-def conversation_events(conv: int, tokens: np.ndarray) -> list[BlockStored]:
-    hashes: list[EngineHash] = list(engine_hashes(conv))
-    toks = tokens.tolist()
+def conversation_events(tokens: list[int], hashes: list[EngineHash]) -> list[BlockStored]:
     out = []
     for t in range(TURNS):
         lo = t * BLOCKS_PER_TURN
         out.append(BlockStored(
             block_hashes=hashes[lo:lo + BLOCKS_PER_TURN],
             parent_block_hash=hashes[lo - 1] if lo else None,
-            token_ids=toks[lo * BS:(lo + BLOCKS_PER_TURN) * BS], block_size=BS, medium="GPU"))
+            token_ids=tokens[lo * BS:(lo + BLOCKS_PER_TURN) * BS], block_size=BS, medium="GPU"))
     return out
-
-
-def placement(conv: int, workers: int) -> list[int]:
-    first = conv % workers
-    return [first, (first + 1 + conv % 3) % workers] if conv % 4 == 0 else [first]
 
 
 def apply_phase(index: TieredIndex, streams: list[StreamId], n_events: int) -> tuple[float, int, int, int]:
     """Returns (seconds spent in apply, events, blocks, conversations)."""
     spent = 0.0
-    events = blocks = conv = 0
-    while events < n_events:
-        evs = conversation_events(conv, conversation_tokens(conv))
-        for w in placement(conv, len(streams)):
-            gc_was = gc.isenabled()
+    events = blocks = convs = 0
+    for _conv, tokens, hashes, where in conversations(n_events, len(streams)):
+        evs = conversation_events(tokens, list(hashes))
+        for w in where:
             t0 = time.perf_counter()
             for ev in evs:
                 outcome = index.apply(streams[w], ev)
                 assert outcome is Outcome.APPLIED, outcome
             spent += time.perf_counter() - t0
-            if not gc_was:
-                gc.enable()
             events += len(evs)
             blocks += len(evs) * BLOCKS_PER_TURN
-        conv += 1
-    return spent, events, blocks, conv
+        convs += 1
+    return spent, events, blocks, convs
 
 
-def make_queries(n: int, convs: int, seed: int = 7) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for q in range(n):
-        tokens = conversation_tokens(int(rng.integers(0, convs)))
-        if q % 5 < 2:  # 40% diverge part-way
-            cut = int(rng.integers(1, CONV_BLOCKS)) * BS
-            tokens = tokens.copy()
-            tokens[cut:] = rng.integers(0, VOCAB, len(tokens) - cut)
-        out.append(tokens.tolist())
-    return out
+def run_dynamo(python: str, workers: int, events: int, queries: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "dynamo.json"
+        proc = subprocess.run([python, str(HERE / "dynamo_index.py"), str(workers), str(events), str(queries),
+                               str(out)], capture_output=True, text=True, cwd=HERE)
+        if proc.returncode != 0:
+            raise SystemExit(f"indexer_bench: Dynamo's side failed:\n{proc.stderr.strip()[-2000:]}")
+        result: dict[str, Any] = json.loads(out.read_text())
+        return result
 
 
-def percentile(xs: list[float], p: float) -> float:
-    return statistics.quantiles(xs, n=100, method="inclusive")[int(p) - 1] if len(xs) > 1 else xs[0]
+def dynamo_python(arg: str | None) -> str | None:
+    if arg:
+        return arg
+    try:
+        return sys.executable if importlib.util.find_spec("dynamo.llm") is not None else None
+    except ModuleNotFoundError:
+        return None
+
+
+def line(name: str, ours: float, theirs: float | None, unit: str, target: str, fmt: str = "{:12,.1f}") -> None:
+    peer = f"   Dynamo {fmt.format(theirs)} {unit}   ratio {ours / theirs:5.2f}x" if theirs else ""
+    print(f"{name:<30}{fmt.format(ours)} {unit}{peer}   ({target})")
 
 
 def main() -> None:
@@ -113,7 +102,11 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--events", type=int, default=100_000)
     ap.add_argument("--queries", type=int, default=10_000)
+    ap.add_argument("--dynamo-python", help="interpreter with ai-dynamo-runtime (default: this one, if it has it)")
     args = ap.parse_args()
+
+    py = dynamo_python(args.dynamo_python)
+    dyn = run_dynamo(py, args.workers, args.events, args.queries) if py else None
 
     streams = [StreamId(WorkerId(f"w{i}")) for i in range(args.workers)]
     index = TieredIndex(BS)
@@ -124,30 +117,43 @@ def main() -> None:
     rss1 = rss_bytes()
     entries = sum(sum(index.block_counts(s).values()) for s in streams)
     print(f"workload: {args.workers} workers, {convs} conversations, {events} BlockStored events, "
-          f"{blocks} blocks stored, {entries} (block, worker) entries, {len(index)} distinct blocks")
-    print(f"apply:          {blocks / spent:12,.0f} blocks/s   {events / spent:10,.0f} events/s   "
-          f"(target >= 1,000,000 blocks/s)")
-    print(f"memory:         {(rss1 - rss0) / entries:12,.0f} bytes per (block, worker) entry "
-          f"(RSS growth {(rss1 - rss0) / 2**20:,.0f} MiB; target <= 200)")
+          f"{blocks} blocks stored, {entries} (block, worker) entries, {len(index)} distinct blocks"
+          + (f"; Dynamo: {py}" if py else "; Dynamo: not installed (pass --dynamo-python)"))
 
     queries = make_queries(args.queries, convs)
     keyed = [block_keys(q, BS) for q in queries]
-    from_keys, from_tokens = [], []
     matched = 0
+    for i, keys in enumerate(keyed):
+        r = index.find_matches_keys(keys)
+        got = [r.workers[s].device for s in streams]
+        matched += max(got)
+        if dyn is not None and got != dyn["depths"][i]:
+            raise SystemExit(f"indexer_bench: query {i}: kvtier's device overlaps {got} != Dynamo's {dyn['depths'][i]}")
+    if dyn is not None:
+        print(f"checked: device overlaps of all {len(queries)} queries equal Dynamo's on every worker")
+    from_keys, from_tokens = [], []
     for q, keys in zip(queries, keyed, strict=True):
         t0 = time.perf_counter()
-        r = index.find_matches_keys(keys)
+        index.find_matches_keys(keys)
         t1 = time.perf_counter()
         index.find_matches(q)
         t2 = time.perf_counter()
         from_keys.append((t1 - t0) * 1e6)
         from_tokens.append((t2 - t1) * 1e6)
-        matched += max(o.device for o in r.workers.values())
-    print(f"find_matches:   from keys p50 {percentile(from_keys, 50):7.1f} us  p99 {percentile(from_keys, 99):7.1f} us"
-          f"   (target p50 <= 20 us)")
-    print(f"                from {CONV_BLOCKS * BS} token ids p50 {percentile(from_tokens, 50):7.1f} us  "
-          f"p99 {percentile(from_tokens, 99):7.1f} us   (target p50 <= 150 us)")
-    print(f"                mean best device overlap {matched / len(queries):.0f} of {CONV_BLOCKS} blocks")
+
+    d_apply = dyn["blocks"] / dyn["apply_s"] if dyn else None
+    line("apply", blocks / spent, d_apply, "blocks/s", "target >= 2x Dynamo and >= 1,500,000", "{:12,.0f}")
+    d_mem = dyn["rss_growth"] / entries if dyn else None
+    line("memory", (rss1 - rss0) / entries, d_mem, "B/entry", "target <= 200", "{:12,.0f}")
+    for name, ours, key, target in (
+        ("find_matches from keys", from_keys, "from_keys_us", "target p50 <= 0.5x Dynamo and <= 40 us"),
+        (f"from {CONV_BLOCKS * BS} token ids", from_tokens, "from_tokens_us",
+         "target p50 <= 1.0x Dynamo's hashing + find_matches"),
+    ):
+        for p in (50, 99):
+            theirs = percentile(dyn[key], p) if dyn else None
+            line(f"{name} p{p}", percentile(ours, p), theirs, "us", target if p == 50 else "reported")
+    print(f"mean best device overlap {matched / len(queries):.0f} of {CONV_BLOCKS} blocks")
 
 
 if __name__ == "__main__":

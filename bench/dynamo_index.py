@@ -1,0 +1,72 @@
+"""Dynamo's side of ``bench/indexer_bench.py``: NVIDIA Dynamo's ``dynamo.llm.RadixTree`` driven from Python
+on the same workload. Runs in the interpreter that has ``ai-dynamo-runtime`` (and numpy); never imports
+kvtier. Usage (the indexer bench runs it): ``python bench/dynamo_index.py WORKERS EVENTS QUERIES OUT.json``.
+
+Stores are JSON events as Dynamo's router receives them, encoded before the clock starts, so apply time
+includes Dynamo's JSON parsing (its Python binding takes bytes) but not building them. Queries time
+``find_matches`` from the local block hashes, and ``compute_block_hash_for_seq`` plus ``find_matches``
+from token ids.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+
+from index_workload import BLOCKS_PER_TURN, BS, TURNS, conversations, make_queries, rss_bytes
+
+
+def main() -> None:
+    from dynamo.llm import RadixTree, compute_block_hash_for_seq
+
+    workers, n_events, n_queries, out_path = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    tree = RadixTree()
+    gc.collect()
+    rss0 = rss_bytes()
+    spent = 0.0
+    event_id = blocks = convs = 0
+    for _conv, tokens, hashes, where in conversations(n_events, workers):
+        local = compute_block_hash_for_seq(tokens, BS)
+        frames = []
+        for t in range(TURNS):
+            lo = t * BLOCKS_PER_TURN
+            event_id += 1
+            frames.append(json.dumps({"event_id": event_id, "data": {"stored": {
+                "parent_hash": hashes[lo - 1] if lo else None,
+                "blocks": [{"block_hash": hashes[i], "tokens_hash": local[i]}
+                           for i in range(lo, lo + BLOCKS_PER_TURN)]}}}).encode())
+        for w in where:
+            t0 = time.perf_counter()
+            for f in frames:
+                tree.apply_event(w, f)
+            spent += time.perf_counter() - t0
+            blocks += TURNS * BLOCKS_PER_TURN
+        convs += 1
+    gc.collect()
+    rss1 = rss_bytes()
+    queries = make_queries(n_queries, convs)
+    depths: list[list[int]] = []
+    from_keys: list[float] = []
+    from_tokens: list[float] = []
+    for q in queries:
+        local = compute_block_hash_for_seq(q, BS)
+        t0 = time.perf_counter()
+        scores = tree.find_matches(local).scores
+        t1 = time.perf_counter()
+        tree.find_matches(compute_block_hash_for_seq(q, BS))
+        t2 = time.perf_counter()
+        from_keys.append((t1 - t0) * 1e6)
+        from_tokens.append((t2 - t1) * 1e6)
+        row = [0] * workers
+        for (w, _dp), depth in scores.items():
+            row[w] = depth
+        depths.append(row)
+    with open(out_path, "w") as out:
+        json.dump({"blocks": blocks, "apply_s": spent, "rss_growth": rss1 - rss0, "depths": depths,
+                   "from_keys_us": from_keys, "from_tokens_us": from_tokens}, out)
+
+
+if __name__ == "__main__":
+    main()
