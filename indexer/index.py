@@ -53,6 +53,7 @@ _SLOTS_PER_WORD = 64 // _TIERS
 _DEV = sum(1 << (_TIERS * s) for s in range(_SLOTS_PER_WORD))  # the device bit of every slot
 _EXT = _DEV << StorageTier.EXTERNAL
 _MAX_RUNS = 64  # find_matches walks runs of equal masks in Python up to this many, else numpy
+_ZERO = TierOverlap(0, 0, 0, 0)  # the overlap of every worker that holds none of a query (shared: frozen)
 _MAX_GHOSTS = 1 << 20  # remembered keys of blocks dropped at losses, per worker (oldest forgotten first)
 
 
@@ -103,6 +104,7 @@ class TieredIndex:
         self.block_size = block_size
         self._masks: dict[BlockKey, int] = {}
         self._workers: dict[StreamId, _Worker] = {}
+        self._slot_stream: dict[int, StreamId] = {}  # slot -> the worker that owns it
         self._free_slots: list[int] = []
         self._next_slot = 0
         self._dev_all_cache = 0  # see _dev_all
@@ -124,6 +126,7 @@ class TieredIndex:
                 slot = self._next_slot
                 self._next_slot += 1
             w = self._workers[stream] = _Worker(stream, slot)
+            self._slot_stream[slot] = stream
         return w
 
     def add_worker(self, stream: StreamId) -> None:
@@ -207,6 +210,7 @@ class TieredIndex:
             return
         self.clear_worker(stream)
         w = self._workers.pop(stream)
+        del self._slot_stream[w.slot]
         self._free_slots.append(w.slot)
 
     # --- events --------------------------------------------------------------------------
@@ -398,7 +402,9 @@ class TieredIndex:
         except ValueError:
             n = len(ms)
         result = OverlapScores(total_blocks=len(keys))
-        depths = {w.slot: [0] * _TIERS for w in self._workers.values()}
+        # Only slots with a non-zero depth get an entry: the rest share one zero overlap, so a query's cost
+        # grows with the workers that hold its prefix, not with the cluster.
+        depths: dict[int, list[int]] = {}
         if n:
             del ms[n:]
             runs = [(m, sum(1 for _ in g)) for m, g in groupby(ms)]
@@ -406,9 +412,10 @@ class TieredIndex:
                 result.shared_pool = self._levels_by_runs(runs, n, depths)
             else:
                 result.shared_pool = self._levels(ms, n, depths)
-        for stream, w in self._workers.items():
-            d = depths[w.slot]
-            result.workers[stream] = TierOverlap(d[0], d[1], d[2], d[3])
+        result.workers = dict.fromkeys(self._workers, _ZERO)
+        owner = self._slot_stream
+        for slot, d in depths.items():
+            result.workers[owner[slot]] = TierOverlap(d[0], d[1], d[2], d[3])
         return result
 
     def _levels_by_runs(self, runs: list[tuple[int, int]], n: int, depths: dict[int, list[int]]) -> int:
@@ -436,15 +443,20 @@ class TieredIndex:
             self._record(alive[lvl], n, lvl, depths)
         return n if pool_run < 0 else pool_run
 
-    @staticmethod
-    def _record(bits: int, depth: int, lvl: int, depths: dict[int, list[int]], base: int = 0) -> None:
-        """Sets ``depth`` at level ``lvl`` for every slot whose device bit is in ``bits``
-        (slots numbered from ``base``, the first slot of the mask word)."""
+    def _record(self, bits: int, depth: int, lvl: int, depths: dict[int, list[int]], base: int = 0) -> None:
+        """Sets ``depth`` at level ``lvl`` for every owned slot whose device bit is in ``bits`` (slots numbered
+        from ``base``, the first slot of the mask word). Depth 0 is every slot's default: nothing to record."""
+        if not depth:
+            return
+        owned = self._slot_stream
         while bits:
             low = bits & -bits
             slot = base + (low.bit_length() - 1) // _TIERS
-            if slot in depths:
-                depths[slot][lvl] = depth
+            if slot in owned:
+                d = depths.get(slot)
+                if d is None:
+                    d = depths[slot] = [0] * _TIERS
+                d[lvl] = depth
             bits ^= low
 
     def _dev_all(self) -> int:
@@ -528,6 +540,7 @@ class TieredIndex:
         """Asserts every structural invariant. O(total entries)."""
         slots = [w.slot for w in self._workers.values()]
         assert len(set(slots)) == len(slots), f"duplicate slots {slots}"
+        assert self._slot_stream == {w.slot: s for s, w in self._workers.items()}, "slot owners out of sync"
         assert not set(slots) & set(self._free_slots), "a live slot is also free"
         assert all(s < self._next_slot for s in slots + self._free_slots), "slot beyond next_slot"
         held: dict[int, set[BlockKey]] = {w.slot: set() for w in self._workers.values()}
