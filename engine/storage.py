@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -367,14 +367,14 @@ class PageStore:
     def clear(self) -> None:
         """Drops every page (a private store's engine was reset)."""
         if self._dir is not None:
-            self._dir.release([k for key in self._entries for k in (key, DRAFT_PREFIX + key)])
+            self._dir.release(_with_drafts(self._entries))
         self._entries.clear()
         self._leaves.clear()
 
     def _unlink(self, key: str) -> None:
         """Releases a page's file and its draft-model companion (``d:`` + key), if any."""
         if self._dir is not None:
-            self._dir.release([key, DRAFT_PREFIX + key])
+            self._dir.release(_with_drafts([key]))
 
     # --- start-up ------------------------------------------------------------------------
 
@@ -388,7 +388,7 @@ class PageStore:
         self.stats.unheld_removed += counts["orphans_removed"]
         self.stats.dropped_at_start += counts["damaged"]
         keep, drop = _choose(found, self.capacity)
-        self._dir.release([k for key in drop for k in (key, DRAFT_PREFIX + key)])
+        self._dir.release(_with_drafts(drop))
         self.stats.dropped_at_start += len(drop)
         for key, (meta, _) in keep.items():  # parents first
             if meta.parent_key is not None:
@@ -417,6 +417,11 @@ class PageStore:
                 pending_kids[m.parent_key] = pending_kids.get(m.parent_key, 0) + 1
         assert pending_kids == self._pending_children, (
             f"children pending under uncommitted pages out of sync: {pending_kids} != {self._pending_children}")
+
+
+def _with_drafts(keys: Iterable[str]) -> list[str]:
+    """Each key and its draft-model companion's (``d:`` + key), which lives and goes with it."""
+    return [k for key in keys for k in (key, DRAFT_PREFIX + key)]
 
 
 def _meta_of(header: PageHeader) -> PageMeta:
