@@ -75,49 +75,55 @@ def toml(tmp: Path, text: str) -> str:
     return str(path)
 
 
+Argv = Callable[[Path, dict[str, Any]], list[str]]  # (temporary dir, fixtures) -> argument vector
 # (argument vector builder, what the error line must say)
-Case = tuple[Callable[[Path, dict[str, Any]], list[str]], str]
+Case = tuple[Argv, str]
+
+
+def replay(*opts: str) -> Argv:
+    """``kvtier replay`` of a tiny builtin trace with ``opts``."""
+    return lambda t, f: ["replay", *SMALL, *opts]
 CASES: dict[str, Case] = {
     # cluster options (ClusterConfig's domains)
-    "page-size 0": (lambda t, f: ["replay", *SMALL, "--page-size", "0"],
+    "page-size 0": (replay("--page-size", "0"),
                     "--page-size: 0 is not allowed; expected an integer >= 1"),
-    "page-size negative": (lambda t, f: ["replay", *SMALL, "--page-size", "-16"], "--page-size: -16 is not allowed"),
-    "workers 0": (lambda t, f: ["replay", *SMALL, "--workers", "0"], "--workers: 0 is not allowed"),
-    "device-tokens below 4 pages": (lambda t, f: ["replay", *SMALL, "--device-tokens", "100"],
+    "page-size negative": (replay("--page-size", "-16"), "--page-size: -16 is not allowed"),
+    "workers 0": (replay("--workers", "0"), "--workers: 0 is not allowed"),
+    "device-tokens below 4 pages": (replay("--device-tokens", "100"),
                                     "--device-tokens: 100 holds fewer than 4 pages"),
-    "host-ratio -1": (lambda t, f: ["replay", *SMALL, "--host-ratio", "-1"],
+    "host-ratio -1": (replay("--host-ratio", "-1"),
                       "--host-ratio: -1.0 is not allowed; expected a number in [0, 1024]"),
-    "host-ratio nan": (lambda t, f: ["replay", *SMALL, "--host-ratio", "nan"], "--host-ratio: nan is not allowed"),
-    "host-ratio inf": (lambda t, f: ["replay", *SMALL, "--host-ratio", "inf"], "--host-ratio: inf is not allowed"),
-    "h2d-gbps 0": (lambda t, f: ["replay", *SMALL, "--h2d-gbps", "0"],
+    "host-ratio nan": (replay("--host-ratio", "nan"), "--host-ratio: nan is not allowed"),
+    "host-ratio inf": (replay("--host-ratio", "inf"), "--host-ratio: inf is not allowed"),
+    "h2d-gbps 0": (replay("--h2d-gbps", "0"),
                    "--h2d-gbps: 0.0 is not allowed; expected a number > 0"),
-    "storage-gbps -1": (lambda t, f: ["replay", *SMALL, "--storage-gbps", "-1"], "--storage-gbps: -1.0 is not allowed"),
-    "l3-tokens 0": (lambda t, f: ["replay", *SMALL, "--l3", "disk", "--l3-tokens", "0"],
+    "storage-gbps -1": (replay("--storage-gbps", "-1"), "--storage-gbps: -1.0 is not allowed"),
+    "l3-tokens 0": (replay("--l3", "disk", "--l3-tokens", "0"),
                     "--l3-tokens: 0 is not allowed"),
-    "l3 without host": (lambda t, f: ["replay", *SMALL, "--l3", "disk", "--host-ratio", "0"],
+    "l3 without host": (replay("--l3", "disk", "--host-ratio", "0"),
                         "--l3 disk: needs a host tier"),
-    "prefill-budget 0": (lambda t, f: ["replay", *SMALL, "--prefill-budget", "0"],
+    "prefill-budget 0": (replay("--prefill-budget", "0"),
                          "--prefill-budget: 0 is not allowed"),
-    "max-running 0": (lambda t, f: ["replay", *SMALL, "--max-running", "0"], "--max-running: 0 is not allowed"),
-    "page-size not a number": (lambda t, f: ["replay", *SMALL, "--page-size", "x"],
+    "max-running 0": (replay("--max-running", "0"), "--max-running: 0 is not allowed"),
+    "page-size not a number": (replay("--page-size", "x"),
                                "argument --page-size: invalid int value: 'x'"),
     # router options (RunConfig's domains)
-    "temperature -1": (lambda t, f: ["replay", *SMALL, "--temperature", "-1"], "--temperature: -1.0 is not allowed"),
-    "temperature nan": (lambda t, f: ["replay", *SMALL, "--temperature", "nan"], "--temperature: nan is not allowed"),
-    "event-loss 2": (lambda t, f: ["replay", *SMALL, "--event-loss", "2"],
+    "temperature -1": (replay("--temperature", "-1"), "--temperature: -1.0 is not allowed"),
+    "temperature nan": (replay("--temperature", "nan"), "--temperature: nan is not allowed"),
+    "event-loss 2": (replay("--event-loss", "2"),
                      "--event-loss: 2.0 is not allowed; expected a number in [0, 1]"),
-    "event-delay -5": (lambda t, f: ["replay", *SMALL, "--event-delay", "-5"], "--event-delay: -5.0 is not allowed"),
-    "host-credit nan": (lambda t, f: ["replay", *SMALL, "--host-credit", "nan"], "--host-credit: nan is not allowed"),
-    "until -1": (lambda t, f: ["replay", *SMALL, "--until", "-1"], "--until: -1.0 is not allowed"),
-    "replay-buffer 0": (lambda t, f: ["replay", *SMALL, "--replay-buffer", "0"], "--replay-buffer: 0 is not allowed"),
-    "loss-burst 0": (lambda t, f: ["replay", *SMALL, "--loss-burst", "0"], "--loss-burst: 0 is not allowed"),
-    "unknown policy": (lambda t, f: ["replay", *SMALL, "--policy", "bogus"], "unknown policy 'bogus'"),
+    "event-delay -5": (replay("--event-delay", "-5"), "--event-delay: -5.0 is not allowed"),
+    "host-credit nan": (replay("--host-credit", "nan"), "--host-credit: nan is not allowed"),
+    "until -1": (replay("--until", "-1"), "--until: -1.0 is not allowed"),
+    "replay-buffer 0": (replay("--replay-buffer", "0"), "--replay-buffer: 0 is not allowed"),
+    "loss-burst 0": (replay("--loss-burst", "0"), "--loss-burst: 0 is not allowed"),
+    "unknown policy": (replay("--policy", "bogus"), "unknown policy 'bogus'"),
     # trace options
-    "time-scale -1": (lambda t, f: ["replay", *SMALL, "--time-scale", "-1"],
+    "time-scale -1": (replay("--time-scale", "-1"),
                       "argument --time-scale: -1 is not allowed; expected a number > 0"),
-    "time-scale nan": (lambda t, f: ["replay", *SMALL, "--time-scale", "nan"], "argument --time-scale: nan"),
-    "limit -5": (lambda t, f: ["replay", *SMALL, "--limit", "-5"], "argument --limit: -5 is not allowed"),
-    "limit 0": (lambda t, f: ["replay", *SMALL, "--limit", "0"], "argument --limit: 0 is not allowed"),
+    "time-scale nan": (replay("--time-scale", "nan"), "argument --time-scale: nan"),
+    "limit -5": (replay("--limit", "-5"), "argument --limit: -5 is not allowed"),
+    "limit 0": (replay("--limit", "0"), "argument --limit: 0 is not allowed"),
     "builtin:chat:0": (lambda t, f: ["replay", "--no-plots", "--trace", "builtin:chat:0"], "with N >= 1 requests"),
     "builtin:chat:x": (lambda t, f: ["replay", "--no-plots", "--trace", "builtin:chat:x"], "with N >= 1 requests"),
     "unknown builtin": (lambda t, f: ["replay", "--no-plots", "--trace", "builtin:nope"], "unknown builtin trace"),
