@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import heapq
 import logging
-from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -26,13 +25,17 @@ from kvtier.fields import at_least, check_fields, one_of, within
 from kvtier.wire.codec import medium_spelling
 from kvtier.wire.overlap import TierOverlap
 from kvtier.wire.protocol import (
+    TOKEN_BYTES,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EngineHash,
     Event,
     EventBatch,
+    PackedTokens,
     StorageTier,
+    pack_tokens,
+    unpack_tokens,
 )
 
 log = logging.getLogger(__name__)
@@ -88,7 +91,7 @@ class Admission:
     """One request's hold on the cache, from admission to release."""
 
     request_id: str  # caller's id
-    tokens: list[int]  # the prompt
+    tokens: PackedTokens  # the prompt (4 bytes a token)
     last: Node  # deepest matched node; locked while admitted
     device_pages: int  # pages already on device at admission
     host_pages: int  # pages found on host (loaded back unless load_back=False)
@@ -118,7 +121,7 @@ class _OpInfo:
     metas: list[PageMeta] = field(default_factory=list)  # H2S: per page
     admission: Admission | None = None  # S2H: who asked
     parent: Node | None = None  # S2H: node the prefetched pages continue
-    tokens: list[int] = field(default_factory=list)  # S2H: the prefetched pages' tokens
+    tokens: PackedTokens = b""  # S2H: the prefetched pages' tokens
 
 
 class TieredCache:
@@ -171,7 +174,7 @@ class TieredCache:
 
     def _stored(self, node: Node, tier: StorageTier) -> None:
         self._events.append(BlockStored(
-            block_hashes=list(node.hashes), parent_block_hash=node.parent_hash(), token_ids=list(node.tokens),
+            block_hashes=list(node.hashes), parent_block_hash=node.parent_hash(), token_ids=unpack_tokens(node.tokens),
             block_size=self.tree.page_size, medium=self._medium(tier)))
 
     def _removed(self, hashes: list[int], tier: StorageTier) -> None:
@@ -181,8 +184,10 @@ class TieredCache:
 
     # --- admission -----------------------------------------------------------------------
 
-    def admit(self, request_id: str, tokens: list[int]) -> Admission:
-        """Matches the prompt, locks its prefix, starts load-back and L3 prefetch. O(prompt)."""
+    def admit(self, request_id: str, tokens: Sequence[int] | PackedTokens) -> Admission:
+        """Matches the prompt (token ids, or packed: :func:`~kvtier.wire.pack_tokens`), locks its prefix,
+        starts load-back and L3 prefetch. O(prompt)."""
+        tokens = pack_tokens(tokens)
         path = self.tree.match(tokens)
         for n in path:
             n.hits += 1
@@ -236,11 +241,11 @@ class TieredCache:
         if adm is not None:
             adm.waits.add(op.op_id)
 
-    def _prefetch(self, adm: Admission, last: Node, tokens: list[int], matched: int) -> None:
+    def _prefetch(self, adm: Admission, last: Node, tokens: PackedTokens, matched: int) -> None:
         assert self.store is not None
-        ps = self.config.page_size
+        ps, s = self.config.page_size, self.tree.stride
         digests_from = last.digests[-1] if last.digests else b""
-        rest = tokens[matched * ps:(len(tokens) // ps) * ps]
+        rest = tokens[matched * s:(len(tokens) // s) * s]
         keys: list[str] = []
         for d in iter_chain(digests_from, rest, ps):
             key = d.hex()
@@ -255,7 +260,7 @@ class TieredCache:
         self.store.pin(keys)
         self._lock(last)  # the prefetched pages hang below `last`: keep it until they land
         op = self.dp.new_op(CopyKind.S2H, [], pages, keys, self.store)
-        self._submit(op, _OpInfo(op, admission=adm, parent=last, tokens=rest[:len(keys) * ps]))
+        self._submit(op, _OpInfo(op, admission=adm, parent=last, tokens=rest[:len(keys) * s]))
         adm.l3_pages = len(keys)
         adm.prefetch_op = op.op_id
 
@@ -281,8 +286,9 @@ class TieredCache:
             if n.device is None:
                 break
             cached += n.pages
-        full = len(adm.tokens) // ps
-        tail = -(-(len(adm.tokens) - full * ps + output_tokens) // ps)
+        n_tokens = len(adm.tokens) // TOKEN_BYTES
+        full = n_tokens // ps
+        tail = -(-(n_tokens - full * ps + output_tokens) // ps)
         need = (full - cached) + tail
         usable = self._window_usable(path, cached)
         swa_need = full - usable if self.config.swa_window_pages else 0
@@ -296,7 +302,7 @@ class TieredCache:
         adm.compute, adm.private = pages[:full - cached], pages[full - cached:]
         adm.swa = swa
         adm.started = True
-        return PrefillPlan(usable * ps, len(adm.tokens) - usable * ps)
+        return PrefillPlan(usable * ps, n_tokens - usable * ps)
 
     def _window_usable(self, path: list[Node], cached: int) -> int:
         """Longest reusable device prefix (pages): with SWA, the window before the cut needs its
@@ -318,8 +324,8 @@ class TieredCache:
     def finish_prefill(self, adm: Admission) -> None:
         """The prompt's KV is computed: its new full pages join the tree (BlockStored GPU)."""
         self._check_live(adm)
-        ps = self.config.page_size
-        full = len(adm.tokens) // ps
+        s = self.tree.stride
+        full = len(adm.tokens) // s
         path = self.tree.match(adm.tokens)
         compute = list(adm.compute)
         adm.compute = []
@@ -344,7 +350,7 @@ class TieredCache:
         parent = path[-1] if path else self.tree.root
         new_pages = full - done
         if new_pages > 0 and len(compute) >= new_pages:
-            node = self.tree.add_child(parent, adm.tokens[done * ps:full * ps])
+            node = self.tree.add_child(parent, adm.tokens[done * s:full * s])
             node.device, compute = compute[:new_pages], compute[new_pages:]
             if self.config.swa_window_pages and len(adm.swa) >= new_pages:
                 node.swa, adm.swa = adm.swa[:new_pages], adm.swa[new_pages:]
@@ -467,7 +473,7 @@ class TieredCache:
         if p is not None and p is not self.tree.root and p.digests[-1].hex() not in self._announced:
             self._l3_write(p)
         keys, metas, src = [], [], []
-        ps = self.config.page_size
+        s = self.tree.stride
         depth0 = sum(n.pages for n in self.tree.path_to_root(node)) - node.pages
         for i, d in enumerate(node.digests):
             key = d.hex()
@@ -476,7 +482,7 @@ class TieredCache:
             parent_key = (node.digests[i - 1] if i else node.parent_digest()).hex() or None
             parent_hash = node.hashes[i - 1] if i else node.parent_hash()
             meta = PageMeta(node.hashes[i], parent_key, parent_hash,
-                            array("I", node.tokens[i * ps:(i + 1) * ps]).tobytes(), depth0 + i)
+                            node.tokens[i * s:(i + 1) * s], depth0 + i)
             if key in store:
                 if store.announce(key, self.name):
                     self._announce([(key, meta)])
@@ -630,11 +636,11 @@ class TieredCache:
             # so device residency stays prefix-closed.
             self._load([n for n in self.tree.path_to_root(new[-1]) if n.device is None], adm)
 
-    def _insert_host_pages(self, parent: Node, tokens: list[int], pages: list[PageId]) -> list[Node]:
+    def _insert_host_pages(self, parent: Node, tokens: PackedTokens, pages: list[PageId]) -> list[Node]:
         """Prefetched pages below ``parent``: new host-only nodes (BlockStored CPU); pages the
         tree already has are freed. Returns the new nodes."""
-        ps = self.config.page_size
-        node, pos, n_pages = parent, 0, len(tokens) // ps
+        s = self.tree.stride
+        node, pos, n_pages = parent, 0, len(tokens) // s
         while pos < n_pages:
             child = node.children.get(self.tree.page_key(tokens, pos))
             if child is None:
@@ -650,7 +656,7 @@ class TieredCache:
         if node is not self.tree.root and node.host is None:
             self.host.release(pages[pos:])  # the parent has no host copy: keep host prefix-closed
             return []
-        fresh = self.tree.add_child(node, tokens[pos * ps:])
+        fresh = self.tree.add_child(node, tokens[pos * s:])
         fresh.host = pages[pos:]
         self._stored(fresh, StorageTier.HOST)
         self._push_host(fresh)
@@ -811,12 +817,13 @@ class TieredCache:
         self._announced.clear()
         self._events.append(AllBlocksCleared())
 
-    def peek_overlap(self, tokens: list[int]) -> TierOverlap:
-        """Cumulative tier overlap of ``tokens`` in pages, read from this cache without side
-        effects (no split, no LRU touch), with the index's semantics: what an index that has
+    def peek_overlap(self, tokens: Sequence[int] | PackedTokens) -> TierOverlap:
+        """Cumulative tier overlap of ``tokens`` (ids, or packed) in pages, read from this cache without
+        side effects (no split, no LRU touch), with the index's semantics: what an index that has
         received every event would answer for this worker. O(prompt)."""
-        ps = self.config.page_size
-        pages = len(tokens) // ps
+        tokens = pack_tokens(tokens)
+        ps, s = self.config.page_size, self.tree.stride
+        pages = len(tokens) // s
         node, pos = self.tree.root, 0
         last_digest = b""  # digest of the last matched page: the L3 chain continues from it
         device = -1
@@ -839,7 +846,7 @@ class TieredCache:
         disk = ext = host
         if self.store is not None and host < pages:
             run = 0
-            for d in iter_chain(last_digest, tokens[host * ps:pages * ps], ps):
+            for d in iter_chain(last_digest, tokens[host * s:pages * s], ps):
                 key = d.hex()
                 ok = key in self._announced if not self.store.shared else self.store.is_announced(key)
                 if not ok:

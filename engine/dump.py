@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from kvtier.engine.storage import PageMeta
-from kvtier.wire.protocol import BlockStored, EngineHash, Event, EventBatch
+from kvtier.wire.protocol import BlockStored, EngineHash, Event, EventBatch, PackedTokens, unpack_tokens
 
 
 @dataclass(slots=True, frozen=True)
@@ -24,7 +24,7 @@ class NodeRun:
 
     hashes: list[int]  # the node's event hashes (never mutated in place)
     parent: int | None  # event hash of the parent's last page
-    tokens: list[int]  # the node's token ids (never mutated in place)
+    tokens: PackedTokens  # the node's token ids (immutable bytes)
     medium: str  # wire spelling of the tier
 
 
@@ -59,7 +59,7 @@ def dump_batches(snap: Snapshot, *, max_events: int = 256, dp_rank: int | None =
     for r in snap.runs:
         hashes: list[EngineHash] = list(r.hashes)
         events.append(BlockStored(block_hashes=hashes, parent_block_hash=r.parent,
-                                  token_ids=list(r.tokens), block_size=snap.page_size, medium=r.medium))
+                                  token_ids=unpack_tokens(r.tokens), block_size=snap.page_size, medium=r.medium))
         if len(events) == max_events:
             yield EventBatch(ts=0.0, events=list(events), dp_rank=dp_rank)
             events.clear()

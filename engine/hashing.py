@@ -8,15 +8,16 @@ signed int64. Pinned against captured SGLang frames in the tests.
 from __future__ import annotations
 
 import hashlib
-from array import array
 from collections.abc import Iterator, Sequence
+
+from kvtier.wire.protocol import TOKEN_BYTES, PackedTokens, pack_tokens
 
 ROOT_DIGEST = b""
 
 
-def page_digest(parent_digest: bytes, page_tokens: Sequence[int]) -> bytes:
+def page_digest(parent_digest: bytes, page_tokens: Sequence[int] | PackedTokens) -> bytes:
     """The 32-byte digest of one page. O(page size)."""
-    return hashlib.sha256(parent_digest + array("I", page_tokens).tobytes()).digest()
+    return hashlib.sha256(parent_digest + pack_tokens(page_tokens)).digest()
 
 
 def event_hash(digest: bytes) -> int:
@@ -24,19 +25,17 @@ def event_hash(digest: bytes) -> int:
     return int.from_bytes(digest[:8], "big", signed=True)
 
 
-def iter_chain(parent_digest: bytes, tokens: Sequence[int], page_size: int) -> Iterator[bytes]:
+def iter_chain(parent_digest: bytes, tokens: Sequence[int] | PackedTokens, page_size: int) -> Iterator[bytes]:
     """Like :func:`chain`, lazily: a caller that stops at the first miss hashes no further."""
+    buf = pack_tokens(tokens)
+    step = page_size * TOKEN_BYTES
     d = parent_digest
-    for i in range(0, len(tokens) - page_size + 1, page_size):
-        d = page_digest(d, tokens[i:i + page_size])
+    for off in range(0, len(buf) - step + 1, step):
+        d = hashlib.sha256(d + buf[off:off + step]).digest()
         yield d
 
 
-def chain(parent_digest: bytes, tokens: Sequence[int], page_size: int) -> list[bytes]:
-    """Digests of the full pages of ``tokens`` following ``parent_digest``. O(len(tokens))."""
-    out = []
-    d = parent_digest
-    for i in range(0, len(tokens) - page_size + 1, page_size):
-        d = page_digest(d, tokens[i:i + page_size])
-        out.append(d)
-    return out
+def chain(parent_digest: bytes, tokens: Sequence[int] | PackedTokens, page_size: int) -> list[bytes]:
+    """Digests of the full pages of ``tokens`` following ``parent_digest`` (a trailing partial page has
+    none). O(len(tokens))."""
+    return list(iter_chain(parent_digest, tokens, page_size))

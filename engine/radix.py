@@ -1,19 +1,20 @@
 """Page-granular radix tree over token ids, with per-node tier residency.
 
-A node holds a run of whole pages (``tokens`` is a multiple of ``page_size``) and
-the residency of those pages: device page ids, host page ids, and in-flight copies.
-Children are keyed by their first page's tokens. ``match`` splits a node when a
+A node holds a run of whole pages (``tokens``, packed as uint32 LE: ``page_size * 4`` bytes a
+page) and the residency of those pages: device page ids, host page ids, and in-flight copies.
+Children are keyed by their first page's packed tokens. ``match`` splits a node when a
 query diverges inside it, so a node's pages always share one residency.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.engine.hashing import ROOT_DIGEST, chain, event_hash
 from kvtier.engine.pool import PageId
+from kvtier.wire.protocol import TOKEN_BYTES, PackedTokens, pack_tokens
 
 _ids = itertools.count()
 
@@ -23,10 +24,10 @@ class Node:
     """A run of pages. Invariants are listed on :class:`RadixTree`."""
 
     parent: Node | None  # None only for the root
-    tokens: list[int]  # page_size * pages token ids
+    tokens: PackedTokens  # page_size * pages token ids, packed (bytes compare and slice at C speed)
     digests: list[bytes]  # SHA-256 chain digest per page
     hashes: list[int]  # event hash per page
-    children: dict[tuple[int, ...], Node] = field(default_factory=dict)  # by first page tokens
+    children: dict[bytes, Node] = field(default_factory=dict)  # by first page's packed tokens
     device: list[PageId] | None = None  # device pages (acknowledged), or None if not on device
     host: list[PageId] | None = None  # host pages (acknowledged backup), or None
     host_pending: list[PageId] | None = None  # host pages of an in-flight device->host copy
@@ -62,7 +63,7 @@ class RadixTree:
 
     Invariants (asserted by :meth:`_check`):
 
-    * every non-root node has >= 1 page and ``len(tokens) == pages * page_size``;
+    * every non-root node has >= 1 page and ``len(tokens) == pages * stride`` (bytes);
     * digests chain from the parent's last digest; hashes are their event hashes;
     * a child is keyed by its first page's tokens and points back at its parent;
     * device residency is prefix-closed: a node on device has its parent on device;
@@ -74,7 +75,8 @@ class RadixTree:
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         self.page_size = page_size
-        self.root = Node(None, [], [], [])
+        self.stride = page_size * TOKEN_BYTES  # bytes of packed tokens a page
+        self.root = Node(None, b"", [], [])
         self.clock = 0
         #: Called as on_split(front, back) after a split, so copies in flight cover both.
         self.on_split: Callable[[Node, Node], None] | None = None
@@ -83,14 +85,15 @@ class RadixTree:
         self.clock += 1
         return self.clock
 
-    def page_key(self, tokens: list[int], page: int) -> tuple[int, ...]:
-        ps = self.page_size
-        return tuple(tokens[page * ps:(page + 1) * ps])
+    def page_key(self, tokens: PackedTokens, page: int) -> bytes:
+        s = self.stride
+        return tokens[page * s:(page + 1) * s]
 
-    def match(self, tokens: list[int]) -> list[Node]:
-        """Nodes covering the longest cached page prefix of ``tokens``, splitting the last
-        one if the query diverges inside it. O(matched tokens)."""
-        pages = len(tokens) // self.page_size
+    def match(self, tokens: Sequence[int] | PackedTokens) -> list[Node]:
+        """Nodes covering the longest cached page prefix of ``tokens`` (ids, or packed), splitting
+        the last one if the query diverges inside it. O(matched tokens)."""
+        tokens = pack_tokens(tokens)
+        pages = len(tokens) // self.stride
         node, pos, path = self.root, 0, []
         now = self.tick()
         while pos < pages:
@@ -106,29 +109,31 @@ class RadixTree:
             node = child
         return path
 
-    def common_pages(self, child: Node, tokens: list[int], pos: int, pages: int) -> int:
+    def common_pages(self, child: Node, tokens: PackedTokens, pos: int, pages: int) -> int:
         """How many of ``child``'s pages equal ``tokens``' pages from page ``pos`` (of ``pages``).
 
         The caller found ``child`` by its first page, so the answer is at least 1. O(k * page size).
         """
-        ps = self.page_size
+        s = self.stride
+        m = min(child.pages, pages - pos)  # pages that could match
+        if m <= 1 or child.tokens[s:m * s] == tokens[(pos + 1) * s:(pos + m) * s]:
+            return max(m, 1)  # the common case, the whole run at once: one memcmp, not one per page
         k = 1
-        while k < child.pages and pos + k < pages and \
-                child.tokens[k * ps:(k + 1) * ps] == tokens[(pos + k) * ps:(pos + k + 1) * ps]:
-            k += 1
+        while child.tokens[k * s:(k + 1) * s] == tokens[(pos + k) * s:(pos + k + 1) * s]:
+            k += 1  # stops before m: the run differs somewhere
         return k
 
     def split(self, node: Node, k: int) -> Node:
         """Cuts ``node`` after ``k`` pages; returns the new front node (its parent now). O(pages)."""
         assert 0 < k < node.pages, f"split at {k} of a {node.pages}-page node"
-        ps = self.page_size
+        s = self.stride
         parent = node.parent
         assert parent is not None, "cannot split the root"
 
         def cut(pages: list[PageId] | None) -> tuple[list[PageId] | None, list[PageId] | None]:
             return (None, None) if pages is None else (pages[:k], pages[k:])
 
-        front = Node(parent, node.tokens[:k * ps], node.digests[:k], node.hashes[:k])
+        front = Node(parent, node.tokens[:k * s], node.digests[:k], node.hashes[:k])
         front.device, node.device = cut(node.device)
         front.host, node.host = cut(node.host)
         front.host_pending, node.host_pending = cut(node.host_pending)
@@ -138,22 +143,22 @@ class RadixTree:
         front.evict_after_backup = False  # only the evicted leaf frees its pages after backup
         front.want_backup = node.want_backup
         front.lock_ref, front.last_access, front.hits = node.lock_ref, node.last_access, node.hits
-        node.tokens, node.digests, node.hashes = node.tokens[k * ps:], node.digests[k:], node.hashes[k:]
-        parent.children[tuple(front.tokens[:ps])] = front
-        front.children[tuple(node.tokens[:ps])] = node
+        node.tokens, node.digests, node.hashes = node.tokens[k * s:], node.digests[k:], node.hashes[k:]
+        parent.children[front.tokens[:s]] = front
+        front.children[node.tokens[:s]] = node
         node.parent = front
         if self.on_split is not None:
             self.on_split(front, node)
         return front
 
-    def add_child(self, parent: Node, tokens: list[int]) -> Node:
+    def add_child(self, parent: Node, tokens: PackedTokens) -> Node:
         """A new node under ``parent`` for whole pages of ``tokens`` (no residency yet)."""
-        ps = self.page_size
-        assert tokens and len(tokens) % ps == 0, f"{len(tokens)} tokens is not whole pages of {ps}"
-        key = tuple(tokens[:ps])
+        s = self.stride
+        assert tokens and len(tokens) % s == 0, f"{len(tokens)} bytes is not whole pages of {s}"
+        key = tokens[:s]
         assert key not in parent.children, "a child with that first page exists"
-        digests = chain(parent.digests[-1] if parent.digests else ROOT_DIGEST, tokens, ps)
-        node = Node(parent, list(tokens), digests, [event_hash(d) for d in digests])
+        digests = chain(parent.digests[-1] if parent.digests else ROOT_DIGEST, tokens, self.page_size)
+        node = Node(parent, tokens, digests, [event_hash(d) for d in digests])
         node.last_access = self.tick()
         parent.children[key] = node
         return node
@@ -162,7 +167,7 @@ class RadixTree:
         """Unlinks a childless node."""
         assert not node.children, "removing a node that has children"
         assert node.parent is not None, "removing the root"
-        del node.parent.children[tuple(node.tokens[:self.page_size])]
+        del node.parent.children[node.tokens[:self.stride]]
 
     def nodes(self) -> list[Node]:
         """Every non-root node, parents before children. O(nodes)."""
@@ -185,13 +190,13 @@ class RadixTree:
         return out
 
     def _check(self) -> None:
-        ps = self.page_size
+        ps, s = self.page_size, self.stride
         for n in self.nodes():
             p = n.parent
             assert p is not None, "non-root node without parent"
-            assert n.pages >= 1 and len(n.tokens) == n.pages * ps, f"node {n.node_id}: bad page count"
+            assert n.pages >= 1 and len(n.tokens) == n.pages * s, f"node {n.node_id}: bad page count"
             assert len(n.digests) == n.pages, f"node {n.node_id}: digests out of sync"
-            assert p.children.get(tuple(n.tokens[:ps])) is n, f"node {n.node_id}: not keyed in its parent"
+            assert p.children.get(n.tokens[:s]) is n, f"node {n.node_id}: not keyed in its parent"
             assert n.digests == chain(n.parent_digest(), n.tokens, ps), f"node {n.node_id}: broken digest chain"
             assert n.hashes == [event_hash(d) for d in n.digests], f"node {n.node_id}: hashes out of sync"
             assert n.swa is None or n.device is not None, f"node {n.node_id}: window KV without device KV"

@@ -21,12 +21,13 @@ computes the same extras for a query from its multimodal items' positions, as vL
 from __future__ import annotations
 
 import struct
-from array import array
 from collections.abc import Sequence
 from typing import Any, NewType
 
 import msgspec
 import xxhash
+
+from kvtier.wire.protocol import TOKEN_BYTES, PackedTokens, pack_tokens
 
 #: A router-side block key: identifies a block together with its whole prefix.
 BlockKey = NewType("BlockKey", int)
@@ -43,21 +44,14 @@ def namespace(lora_name: str | None, cache_salt: str | None) -> int | None:
     return _h(f"{lora_name or ''}\0{cache_salt or ''}".encode(), seed=SEED)
 
 
-def _token_bytes(token_ids: Sequence[int]) -> bytes:
-    try:
-        return array("I", token_ids).tobytes()
-    except OverflowError:
-        raise ValueError("token ids must fit in uint32") from None
-
-
 def chain_keys(
-    token_ids: Sequence[int],
+    token_ids: Sequence[int] | PackedTokens,
     block_size: int,
     parent: BlockKey | None = None,
     ns: int | None = None,
     extras: Sequence[int | None] | None = None,
 ) -> list[BlockKey]:
-    """Keys of the full blocks of ``token_ids`` continuing the chain after ``parent``.
+    """Keys of the full blocks of ``token_ids`` (ids, or packed) continuing the chain after ``parent``.
 
     A trailing partial block gets no key. ``ns`` (from :func:`namespace`) applies
     only under the root (``parent is None``): the parent key already carries it.
@@ -66,9 +60,9 @@ def chain_keys(
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    buf = _token_bytes(token_ids)
-    step = block_size * 4
-    n = len(token_ids) // block_size
+    buf = pack_tokens(token_ids)
+    step = block_size * TOKEN_BYTES
+    n = len(buf) // step
     keys: list[BlockKey] = []
     prev = parent
     pack = _PAIR.pack
@@ -156,13 +150,15 @@ def mm_block_extras(
 
 
 def block_keys(
-    token_ids: Sequence[int],
+    token_ids: Sequence[int] | PackedTokens,
     block_size: int,
     *,
     lora_name: str | None = None,
     cache_salt: str | None = None,
     mm_items: Sequence[tuple[str, int, int]] | None = None,
 ) -> list[BlockKey]:
-    """Keys of a request's full blocks, from the root. O(len(token_ids) + multimodal items)."""
-    extras = mm_block_extras(len(token_ids), block_size, mm_items or ())
+    """Keys of a request's full blocks (token ids, or packed), from the root. O(len(token_ids) +
+    multimodal items)."""
+    n_tokens = len(token_ids) // TOKEN_BYTES if isinstance(token_ids, bytes) else len(token_ids)
+    extras = mm_block_extras(n_tokens, block_size, mm_items or ())
     return chain_keys(token_ids, block_size, None, namespace(lora_name, cache_salt), extras)

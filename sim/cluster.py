@@ -24,7 +24,7 @@ from kvtier.indexer.scoring import visible
 from kvtier.sim.core import Environment, Timer
 from kvtier.sim.metrics import RequestRecord
 from kvtier.sim.trace import Request
-from kvtier.wire.protocol import EventBatch, StorageTier
+from kvtier.wire.protocol import EventBatch, PackedTokens, StorageTier
 
 
 @dataclass(slots=True, frozen=True)
@@ -79,7 +79,7 @@ class Job:
     """A request inside a worker."""
 
     req: Request  # from the trace
-    tokens: list[int]  # its prompt
+    tokens: PackedTokens  # its prompt, packed as the engine keeps it
     record: RequestRecord  # its metrics, filled as it runs
     adm: Admission | None = None  # its hold on the cache
     visible_tier: StorageTier = StorageTier.EXTERNAL  # tiers the router saw when it predicted the overlap
@@ -135,7 +135,7 @@ class SimWorker:
     def submit(self, job: Job, visible_tier: StorageTier = StorageTier.EXTERNAL) -> None:
         """A request arrives; ``visible_tier`` limits the true overlap recorded against the router's guess."""
         job.visible_tier = visible_tier
-        if len(job.tokens) + job.req.output_length > self.capacity_tokens:
+        if job.req.input_length + job.req.output_length > self.capacity_tokens:
             job.record.rejected = True
             self._on_finish(job)
             return
@@ -277,7 +277,7 @@ class SimWorker:
         self._busy_until = self.env.after(dt, lambda: self._end_iteration(chunks, decoders))
 
     def _utilisation(self) -> float:
-        return sum(len(j.tokens) + j.generated for j in self.running) / self.capacity_tokens
+        return sum(j.req.input_length + j.generated for j in self.running) / self.capacity_tokens
 
     def _decode_step(self) -> float:
         return self.latency.decode_ms(self._utilisation()) / 1000.0

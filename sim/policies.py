@@ -40,7 +40,7 @@ from kvtier.indexer.plugins import RoutingPolicy, is_plugin_spec, load_policy
 from kvtier.indexer.router import Router
 from kvtier.indexer.scoring import CostModel, CreditCost, DynamoCost, TierCredits, TtftCost, visible
 from kvtier.wire.overlap import OverlapScores, TierOverlap
-from kvtier.wire.protocol import BlockRemoved, BlockStored, Event, StorageTier, WorkerId, parse_medium
+from kvtier.wire.protocol import BlockRemoved, BlockStored, Event, PackedTokens, StorageTier, WorkerId, parse_medium
 from kvtier.wire.stream import Delivery, StreamId
 
 POLICIES = ["round_robin", "random", "least_loaded", "approx", "kv_device", "kv_host", "kv_all", "dynamo", "min_ttft",
@@ -89,7 +89,8 @@ class RouteInput:
     """What the router knows about a request."""
 
     request_id: str  # unique id
-    tokens: list[int]  # prompt token ids
+    tokens: PackedTokens  # prompt token ids, packed (kvtier.wire.pack_tokens)
+    num_tokens: int  # prompt length
     keys: list[BlockKey]  # router block keys of the prompt
     now: float  # simulated time
 
@@ -177,7 +178,7 @@ class KvPolicy:
         return not (isinstance(ev, BlockStored | BlockRemoved) and parse_medium(ev.medium) > self.max_tier)
 
     def choose(self, req: RouteInput) -> Choice:
-        d = self.router.route_keys(req.keys, len(req.tokens))
+        d = self.router.route_keys(req.keys, req.num_tokens)
         i = self.streams.index(d.worker)
         return Choice(i, visible(d.overlaps.workers[d.worker], self.max_tier), self.max_tier)
 
@@ -205,7 +206,7 @@ class Oracle:
         scores = OverlapScores(total_blocks=len(req.keys))
         for s, cache in zip(self.streams, self._caches(), strict=True):
             scores.workers[s] = cache.peek_overlap(req.tokens)
-        d = self.router.choose(scores, len(req.tokens), req.keys)
+        d = self.router.choose(scores, req.num_tokens, req.keys)
         i = self.streams.index(d.worker)
         return Choice(i, scores.workers[d.worker])
 
@@ -234,7 +235,7 @@ class Approx:
                     break
                 n += 1
             scores.workers[s] = TierOverlap(n, n, n, n)
-        d = self.router.choose(scores, len(req.tokens), req.keys)
+        d = self.router.choose(scores, req.num_tokens, req.keys)
         i = self.streams.index(d.worker)
         seen = self._seen[i]
         choice = Choice(i, scores.workers[d.worker], StorageTier.DEVICE)

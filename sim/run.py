@@ -125,9 +125,9 @@ def simulate(trace: list[Request], cluster_cfg: ClusterConfig, run: RunConfig, *
                          capacity_tokens=cluster.workers[0].capacity_tokens, latency=cluster_cfg.latency)
 
     def arrive(req: Request) -> None:
-        tokens = bank.tokens(req)
+        tokens = bank.packed(req)
         keys = block_keys(tokens, ps)
-        choice = policy.choose(RouteInput(req.request_id, tokens, keys, env.now))
+        choice = policy.choose(RouteInput(req.request_id, tokens, req.input_length, keys, env.now))
         rec = RequestRecord(req.request_id, choice.worker, env.now, req.input_length, req.output_length)
         if choice.predicted is not None:
             rec.predicted_blocks = choice.predicted.external

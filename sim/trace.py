@@ -13,13 +13,14 @@ import csv
 import json
 import math
 import re
-from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
 import numpy as np
+
+from kvtier.wire.protocol import PackedTokens
 
 HASH_BLOCK = 512  # tokens per Mooncake hash id
 VOCAB = 128_000
@@ -52,31 +53,51 @@ class Request:
 
 
 class TokenBank:
-    """Deterministic token ids per hash id, with an LRU of generated blocks."""
+    """Deterministic token ids per hash id: token ``j`` of hash id ``h`` is a 64-bit mix of
+    ``(seed, h, j)`` reduced to the vocabulary, computed for a whole request at once.
 
-    def __init__(self, seed: int = 0, capacity: int = 50_000) -> None:
+    Stateless, so nothing is cached and memory stays flat on million-request traces; distinct hash
+    ids give distinct blocks (a 512-token collision needs 512 independent 17-bit coincidences).
+    """
+
+    def __init__(self, seed: int = 0) -> None:
         self.seed = seed
-        self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
-        self._capacity = capacity
+        self._seed_key = _mix(np.array([seed & _U64], dtype=np.uint64) + _GOLDEN)
 
     def block(self, hash_id: int) -> np.ndarray:
-        arr = self._cache.get(hash_id)
-        if arr is None:
-            rng = np.random.default_rng([self.seed, hash_id & 0xFFFFFFFFFFFF, hash_id >> 48])
-            arr = rng.integers(0, VOCAB, HASH_BLOCK, dtype=np.int64)
-            self._cache[hash_id] = arr
-            if len(self._cache) > self._capacity:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(hash_id)
-        return arr
+        """The 512 token ids of one hash id (int64). O(512)."""
+        return self._blocks([hash_id]).astype(np.int64)
+
+    def _blocks(self, hash_ids: list[int]) -> np.ndarray:
+        ids = np.array(hash_ids, dtype=np.uint64)
+        keys = _mix(ids ^ self._seed_key)
+        return (_mix(keys[:, None] + _POSITIONS[None, :]) % np.uint64(VOCAB)).ravel()
 
     def tokens(self, req: Request) -> list[int]:
         """The prompt's token ids. O(input_length)."""
         if not req.hash_ids:
             return []
-        parts = [self.block(h) for h in req.hash_ids]
-        return np.concatenate(parts)[:req.input_length].tolist()  # type: ignore[no-any-return]
+        return self._blocks(req.hash_ids)[:req.input_length].tolist()  # type: ignore[no-any-return]
+
+    def packed(self, req: Request) -> PackedTokens:
+        """The same token ids packed (see :func:`kvtier.wire.pack_tokens`), without a Python int
+        each. O(input_length)."""
+        if not req.hash_ids:
+            return b""
+        return self._blocks(req.hash_ids)[:req.input_length].astype("<u4").tobytes()
+
+
+_U64 = (1 << 64) - 1
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_POSITIONS = np.arange(1, HASH_BLOCK + 1, dtype=np.uint64) * _GOLDEN  # wraps mod 2**64, as intended
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser, elementwise (uint64 arithmetic wraps)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    out: np.ndarray = x ^ (x >> np.uint64(31))
+    return out
 
 
 def _integer(v: object) -> bool:

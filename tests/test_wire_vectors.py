@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from kvtier.engine.hashing import chain as engine_chain
+from kvtier.engine.hashing import event_hash, iter_chain
 from kvtier.wire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -101,6 +103,12 @@ def test_block_chain_follows_sglang_hash_scheme(capture: Capture) -> None:
         value = int.from_bytes(digest[:8], "big", signed=capture.fmt is not WireFormat.VLLM)
         assert value == expected, f"block {i} of {capture.name}"
         parent = digest
+    # The engine's chain (tokens packed once per run, a trailing partial page ignored) is the same.
+    n = len(d["block_hashes"])
+    ours = engine_chain(b"", tokens[:n * ps + ps // 2], ps)
+    assert len(ours) == n and all(a == b for a, b in zip(ours, iter_chain(b"", tokens[:n * ps], ps), strict=True))
+    if capture.fmt is not WireFormat.VLLM:
+        assert [event_hash(x) for x in ours] == d["block_hashes"]
     # The stored events chain the same hashes with correct parents.
     stored = [e for b in d["batches"] for e in decode_payload(capture.frames(b)[2]).events
               if isinstance(e, BlockStored) and e.tier is StorageTier.DEVICE]

@@ -9,16 +9,20 @@ from kvtier.wire.codec import DecodeError, WireFormat, decode_payload, encode_pa
 from kvtier.wire.frames import DUMP_REQUEST, END_SEQ, pack_seq, unpack_seq
 from kvtier.wire.overlap import OverlapScores, TierOverlap
 from kvtier.wire.protocol import (
+    TOKEN_BYTES,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EngineHash,
     Event,
     EventBatch,
+    PackedTokens,
     StorageTier,
     UnknownMediumError,
     WorkerId,
+    pack_tokens,
     parse_medium,
+    unpack_tokens,
 )
 from kvtier.wire.publisher import DumpProvider, Publisher, ReplayStats
 from kvtier.wire.stream import (
@@ -40,6 +44,7 @@ from kvtier.wire.subscriber import EndpointConfig, Subscriber
 __all__ = [
     "DUMP_REQUEST",
     "END_SEQ",
+    "TOKEN_BYTES",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
@@ -54,6 +59,7 @@ __all__ = [
     "GapFilled",
     "MalformedFrame",
     "OverlapScores",
+    "PackedTokens",
     "Publisher",
     "PublisherRestarted",
     "Received",
@@ -74,6 +80,8 @@ __all__ = [
     "encode_payload",
     "medium_spelling",
     "pack_seq",
+    "pack_tokens",
     "parse_medium",
     "unpack_seq",
+    "unpack_tokens",
 ]

@@ -11,6 +11,9 @@ the only operation the indexer relies on.
 
 from __future__ import annotations
 
+import sys
+from array import array
+from collections.abc import Sequence
 from enum import IntEnum
 from typing import Any, NewType, TypeAlias
 
@@ -21,6 +24,35 @@ EngineHash: TypeAlias = int | bytes
 
 #: Identifies one worker (one engine instance) in the cluster.
 WorkerId = NewType("WorkerId", str)
+
+#: Token ids packed as uint32 little-endian, ``TOKEN_BYTES`` a token: the form both block-hash schemes
+#: digest (SPEC section 2), and the form an engine keeps cached prompts in (a list of ints costs about
+#: 36 bytes a token, and comparing two pages is a ``memcmp`` here).
+#: (An alias, not a NewType: every slice of it is one too.)
+PackedTokens: TypeAlias = bytes
+TOKEN_BYTES = 4
+
+
+def pack_tokens(tokens: Sequence[int] | PackedTokens) -> PackedTokens:
+    """``tokens`` packed (returned as is if already ``bytes``); ``ValueError`` if an id is not a uint32.
+    O(tokens)."""
+    if isinstance(tokens, bytes):
+        return tokens
+    try:
+        a = array("I", tokens)
+    except (OverflowError, TypeError):
+        raise ValueError("token ids must be integers in [0, 2**32)") from None
+    if sys.byteorder == "big":
+        a.byteswap()
+    return a.tobytes()
+
+
+def unpack_tokens(packed: bytes) -> list[int]:
+    """The token ids of ``packed`` (see :data:`PackedTokens`). O(tokens)."""
+    a = array("I", packed)
+    if sys.byteorder == "big":
+        a.byteswap()
+    return a.tolist()
 
 
 class StorageTier(IntEnum):
