@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
             if stop["now"]:
                 break
             with node.lock:
-                adm = cache.admit(req.request_id, bank.tokens(req))
+                adm = cache.admit(req.request_id, bank.packed(req))
                 if cache.begin_prefill(adm) is not None:
                     cache.finish_prefill(adm)
                 cache.release(adm)

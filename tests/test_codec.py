@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import struct
 
 import msgspec
 import pytest
@@ -21,7 +22,9 @@ from kvtier.wire import (
     decode_payload,
     encode_payload,
     medium_spelling,
+    pack_tokens,
     parse_medium,
+    unpack_tokens,
 )
 
 SPELLINGS = {
@@ -150,3 +153,17 @@ def test_malformed_payloads_raise_decode_error(payload: bytes, fragment: str) ->
 def test_random_bytes_only_ever_raise_decode_error(data: bytes) -> None:
     with contextlib.suppress(DecodeError):  # any other exception fails the test
         decode_payload(data)
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=300))
+def test_packed_tokens_round_trip_as_uint32_little_endian(tokens: list[int]) -> None:
+    packed = pack_tokens(tokens)
+    assert packed == struct.pack(f"<{len(tokens)}I", *tokens)
+    assert unpack_tokens(packed) == tokens
+    assert pack_tokens(packed) is packed  # already packed: passed through
+
+
+@pytest.mark.parametrize("bad", [[-1], [2**32], [1.5], ["7"]])
+def test_packing_a_bad_token_id_is_a_value_error(bad: list[object]) -> None:
+    with pytest.raises(ValueError, match="token ids must be integers"):
+        pack_tokens(bad)  # type: ignore[arg-type]

@@ -9,6 +9,7 @@ import pytest
 from kvtier.sim.generators import PRESETS, generate
 from kvtier.sim.trace import (
     HASH_BLOCK,
+    VOCAB,
     Request,
     TokenBank,
     TraceError,
@@ -17,6 +18,7 @@ from kvtier.sim.trace import (
     prefix_reuse,
     write_mooncake,
 )
+from kvtier.wire import pack_tokens, unpack_tokens
 
 
 def test_mooncake_trace_loads_and_matches_published_reuse(shared_dir: Path) -> None:
@@ -74,6 +76,18 @@ def test_tokens_are_deterministic_and_partial_blocks_are_prefixes() -> None:
     assert len(ta) == 700 and len(tb) == 1024
     assert tb[:700] == ta
     assert bank.tokens(Request("c", 0, 512, 1, [6])) != ta[:512]
+
+
+def test_token_ids_are_in_the_vocabulary_distinct_per_hash_id_and_packed_alike() -> None:
+    bank = TokenBank(seed=0)
+    ids = list(range(20_000)) + [2**63, 2**64 - 1]  # Mooncake ids are small; any uint64 must work
+    blocks = [bank.block(h) for h in ids]
+    assert all(b.min() >= 0 and b.max() < VOCAB and len(b) == HASH_BLOCK for b in blocks)
+    assert len({b[:64].tobytes() for b in blocks}) == len(ids), "two hash ids share their first page"
+    assert TokenBank(seed=1).block(7).tolist() != bank.block(7).tolist(), "the seed changes the tokens"
+    req = Request("r", 0, 1000, 1, [3, 11])
+    assert bank.packed(req) == pack_tokens(bank.tokens(req))
+    assert unpack_tokens(bank.packed(req)) == bank.tokens(req)
 
 
 @pytest.mark.parametrize("kind", sorted(PRESETS))
