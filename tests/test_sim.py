@@ -180,3 +180,14 @@ def test_dynamo_and_min_ttft_policies_use_their_own_cost_models() -> None:
     cm = ttft.router.cost_model
     assert isinstance(cm, TtftCost) and (cm.prefill_budget, cm.capacity_tokens) == (4096, 65_536)
     assert dyn.max_tier == ttft.max_tier == StorageTier.EXTERNAL
+
+
+def test_replay_progress_bar_shows_simulated_time_and_request_rate() -> None:
+    from kvtier.sim.run import _progress
+
+    bar = _progress(10, "kv_all")
+    bar.sim_now = 1234.4
+    bar.update(3)
+    text = str(bar)
+    bar.close()
+    assert "3/10" in text and "req/s" in text and "sim 1,234 s" in text, text
