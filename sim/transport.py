@@ -102,7 +102,10 @@ class SimWire:
         payload = encode_payload(batch)
         seq = self._next_seq[worker]
         self._next_seq[worker] = seq + 1
-        self._buffers[worker].append((seq, payload))
+        if self._trackers[worker] is not None:
+            # The engine's replay buffer; only a router that recovers ever reads it (without a
+            # tracker nothing asks for replay), so without one it would only hold every payload.
+            self._buffers[worker].append((seq, payload))
         if self._dropping[worker] or (self.cfg.loss and self.rng.random() < self.cfg.loss):
             self._dropping[worker] = (self._dropping[worker] or self.cfg.burst) - 1
             c.lost += 1
