@@ -1,7 +1,8 @@
 """Engine benchmark: cache operations per second, and the torch data path's copy bandwidth.
 
 Modeled data path: insert (admit, prefill, release of a new 64-page sequence), match (admit and
-release of a cached one) and device eviction, in operations per second.
+release of a cached one) and device eviction, in operations per second; prompts packed
+(:func:`kvtier.wire.pack_tokens`), and match once more from token-id lists.
 
 Torch data path: device -> host and host -> device copies of whole pages through the engine's
 copy machinery, as a fraction of one plain ``tensor.copy_`` of the same bytes (target >= 0.7).
@@ -22,6 +23,7 @@ import torch
 from kvtier.engine.cache import CacheConfig, TieredCache
 from kvtier.engine.datapath import CopyKind, ModeledDataPath, TorchDataPath
 from kvtier.indexer.latency import PRESETS
+from kvtier.wire import pack_tokens
 
 PS = 16
 
@@ -30,7 +32,10 @@ def modeled_ops(n: int = 2000) -> None:
     now = [0.0]
     dp = ModeledDataPath(PS * 1024, lambda: now[0])
     cache = TieredCache(CacheConfig(page_size=PS, device_pages=64 * 256, host_ratio=2.0), dp)
-    seqs = [list(range(i * 100_000, i * 100_000 + 64 * PS)) for i in range(n)]
+    # Prompts held packed, as the simulator holds them; a caller passing token-id lists pays one
+    # pack per call (``match from lists`` below).
+    lists = [list(range(i * 100_000, i * 100_000 + 64 * PS)) for i in range(n)]
+    seqs = [pack_tokens(s) for s in lists]
 
     t0 = time.perf_counter()
     for i, s in enumerate(seqs[: n // 2]):
@@ -50,6 +55,12 @@ def modeled_ops(n: int = 2000) -> None:
     match = n / (time.perf_counter() - t0)
 
     t0 = time.perf_counter()
+    for i in range(n):
+        adm = cache.admit(f"l{i}", lists[i % 200])
+        cache.release(adm)
+    match_lists = n / (time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
     evictions = 0
     for s in seqs[n // 2:]:  # each insert must evict one cached sequence
         adm = cache.admit("e", s)
@@ -65,6 +76,7 @@ def modeled_ops(n: int = 2000) -> None:
     print(f"modeled path ({PS}-token pages, 64-page sequences):")
     print(f"  insert {insert:9,.0f} seq/s   match {match:9,.0f} seq/s   insert+evict {evict:9,.0f} seq/s")
     print(f"  = {insert * 64:,.0f} / {match * 64:,.0f} / {evict * 64:,.0f} pages/s")
+    print(f"  match from token-id lists {match_lists:9,.0f} seq/s (each call packs its {64 * PS} tokens)")
 
 
 def copy_bandwidth(pages: int, model: str, repeats: int = 7) -> None:
