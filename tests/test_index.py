@@ -6,7 +6,7 @@ import struct
 
 import pytest
 import xxhash
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from kvtier.indexer import index as index_module
@@ -292,16 +292,19 @@ fuzz_events = st.one_of(
 
 
 @given(st.lists(fuzz_events, max_size=40))
+# A well-formed store under an unknown parent is held as an orphan: counted, but not as a rejection
+# (the slow profile found this case; the test used to count every outcome but APPLIED as rejected).
+@example([BlockStored(block_hashes=[0], parent_block_hash=0, token_ids=[0, 0], block_size=2, medium=None)])
 def test_fuzzed_events_never_raise_and_never_touch_other_workers(events: list[Event]) -> None:
     idx = TieredIndex(2)
     idx.add_worker(A)
     idx.apply(B, stored([1, 2], None, TOKS[:4], bs=2))
     before = idx.worker_hashes(B)
-    not_applied = 0
+    outcomes = []
     for ev in events:
-        outcome = idx.apply(A, ev)
-        not_applied += outcome is not Outcome.APPLIED
+        outcomes.append(idx.apply(A, ev))
         idx._check()
-    assert idx.stats(A).events_rejected == not_applied
+    assert idx.stats(A).events_rejected == outcomes.count(Outcome.REJECTED)
+    assert idx.stats(A).unknown_parents == outcomes.count(Outcome.ORPHANED)
     assert idx.worker_hashes(B) == before
     idx.find_matches(TOKS)
