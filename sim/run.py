@@ -71,7 +71,10 @@ def simulate(trace: list[Request], cluster_cfg: ClusterConfig, run: RunConfig, *
     After the run, every request that started its prefill is checked to have its prompt tokens booked
     exactly once: device + host + storage + recomputed == prompt.
     """
-    env = Environment()
+    successor = _session_successors(trace) if run.closed_loop else {}
+    released_later = {r.request_id for r in successor.values()}
+    first = [r for r in trace if r.request_id not in released_later]  # released by their arrival time
+    env = Environment(reserved=len(first))
     loads = LoadTracker(cluster_cfg.page_size)
     bank = bank or TokenBank()
     rng = random.Random(run.seed)
@@ -140,11 +143,19 @@ def simulate(trace: list[Request], cluster_cfg: ClusterConfig, run: RunConfig, *
         loads.add(req.request_id, streams[choice.worker], keys, req.input_length, max(0, req.input_length - cached))
         cluster.workers[choice.worker].submit(Job(req, tokens, rec), choice.tier)
 
-    successor = _session_successors(trace) if run.closed_loop else {}
-    released_later = {r.request_id for r in successor.values()}
-    for req in trace:
-        if req.request_id not in released_later:
-            env.at(req.arrival, lambda r=req: arrive(r), priority=2)  # type: ignore[misc]
+    # First turns arrive one at a time, each scheduled when the one before it runs, with the reserved
+    # sequence number it would have had if all were scheduled up front (its rank in the trace): the
+    # same run, without a timer per request waiting in the heap.
+    order = sorted(range(len(first)), key=lambda i: first[i].arrival)  # stable: trace order among ties
+
+    def feed(k: int) -> None:
+        if k + 1 < len(order):
+            j = order[k + 1]
+            env.at(first[j].arrival, lambda: feed(k + 1), priority=2, seq=j)
+        arrive(first[order[k]])
+
+    if order:
+        env.at(first[order[0]].arrival, lambda: feed(0), priority=2, seq=order[0])
     env.run(run.until_s)
     if bar is not None:
         bar.close()

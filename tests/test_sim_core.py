@@ -61,3 +61,31 @@ def test_failures_propagate_and_past_is_refused() -> None:
         env.at(0.5, lambda: None)
     with pytest.raises(ValueError, match="negative"):
         env.after(-1, lambda: None)
+
+
+def test_a_reserved_sequence_number_runs_where_it_would_have_up_front() -> None:
+    env = Environment(reserved=2)
+    seen: list[str] = []
+    env.at(1.0, lambda: seen.append("ordinary"))  # scheduled first, but after every reserved number
+
+    def first() -> None:
+        seen.append("reserved 0")
+        env.at(1.0, lambda: seen.append("reserved 1"), seq=1)  # scheduled late, at its reserved place
+
+    env.at(1.0, first, seq=0)
+    env.run()
+    assert seen == ["reserved 0", "reserved 1", "ordinary"]
+    with pytest.raises(ValueError, match="not a reserved sequence number"):
+        env.at(2.0, lambda: None, seq=2)
+
+
+def test_first_turns_arrive_by_time_whatever_their_order_in_the_trace() -> None:
+    from kvtier.sim.cluster import ClusterConfig
+    from kvtier.sim.run import RunConfig, simulate
+    from kvtier.sim.trace import Request
+
+    trace = [Request("late", 2.0, 600, 4, [1, 2]), Request("early", 1.0, 600, 4, [1, 3]),
+             Request("tie", 2.0, 600, 4, [1, 4])]
+    res = simulate(trace, ClusterConfig(workers=2, page_size=64, device_tokens=8192), RunConfig("kv_all"))
+    assert [r.request_id for r in res.records] == ["early", "late", "tie"]  # by time, then trace order
+    assert [r.arrival for r in res.records] == [1.0, 2.0, 2.0]
