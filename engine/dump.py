@@ -40,17 +40,16 @@ class Snapshot:
 
 def l3_runs(pages: Iterable[PageMeta], medium: str, page_size: int) -> list[BlockStored]:
     """BlockStored events for L3 pages, one per run of consecutive pages (parent then child). O(pages)."""
-    out: list[BlockStored] = []
-    run: BlockStored | None = None
+    runs: list[tuple[int | None, list[EngineHash], list[bytes]]] = []  # parent hash, hashes, packed tokens
     for meta in pages:
-        if run is not None and run.block_hashes[-1] == meta.parent_hash:
-            run.block_hashes.append(meta.event_hash)
-            run.token_ids.extend(meta.token_list())
-            continue
-        run = BlockStored(block_hashes=[meta.event_hash], parent_block_hash=meta.parent_hash,
-                          token_ids=meta.token_list(), block_size=page_size, medium=medium)
-        out.append(run)
-    return out
+        if runs and runs[-1][1][-1] == meta.parent_hash:
+            runs[-1][1].append(meta.event_hash)
+            runs[-1][2].append(meta.tokens)
+        else:
+            runs.append((meta.parent_hash, [meta.event_hash], [meta.tokens]))
+    # A run's tokens are unpacked once, not page by page.
+    return [BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=unpack_tokens(b"".join(parts)),
+                        block_size=page_size, medium=medium) for parent, hashes, parts in runs]
 
 
 def dump_batches(snap: Snapshot, *, max_events: int = 256, dp_rank: int | None = None) -> Iterator[EventBatch]:

@@ -24,7 +24,6 @@ is told, so each can publish its own ``BlockRemoved``.
 from __future__ import annotations
 
 import logging
-from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ from pathlib import Path
 
 from kvtier.engine.pagedir import PageDir, SyncPolicy
 from kvtier.engine.pagefile import Layout, PageFileError, PageHeader
-from kvtier.wire.protocol import StorageTier
+from kvtier.wire.protocol import PackedTokens, StorageTier
 from kvtier.wire.ratelog import suffix, worth_logging
 
 log = logging.getLogger(__name__)
@@ -52,11 +51,8 @@ class PageMeta:
     event_hash: int  # the hash published in events
     parent_key: str | None  # L3 key of the parent page; None under the root
     parent_hash: int | None  # event hash of the parent page
-    tokens: bytes  # the page's token ids as uint32 little-endian (a quarter of a list's memory)
+    tokens: PackedTokens  # the page's token ids (kvtier.wire.pack_tokens: a quarter of a list's memory)
     depth: int  # pages from the root (for parent-first dumps)
-
-    def token_list(self) -> list[int]:
-        return array("I", self.tokens).tolist()
 
 
 @dataclass(slots=True)
