@@ -68,6 +68,13 @@ class Row:
     wall_s: float  # wall time of the run
 
 
+def crosscheck_cluster(workers: int) -> ClusterConfig:
+    """The cluster both simulators run, device only: 16,384 pages of 64 tokens a worker, 256 running,
+    8,192 batched tokens, 25 GB/s host links (used once a host tier is added)."""
+    return ClusterConfig(workers=workers, page_size=64, device_tokens=16_384 * 64, max_running=256,
+                         prefill_budget=8192, host_ratio=0.0, h2d_gbps=25.0)
+
+
 def dynamo_python(explicit: str | None) -> str | None:
     """The interpreter to run Dynamo with: ``explicit``, else this one if it has ai-dynamo-runtime."""
     if explicit:
@@ -121,8 +128,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "trace.jsonl"
         write_mooncake(reqs, trace)  # the same requests, also when --limit cuts the file
-        base = ClusterConfig(workers=a.workers, page_size=64, device_tokens=16_384 * 64, max_running=256,
-                             prefill_budget=8192, host_ratio=0.0, h2d_gbps=25.0)
+        base = crosscheck_cluster(a.workers)
         configs = {"device only": base, "host 4x, 25 GB/s": dataclasses.replace(base, host_ratio=4.0)}
         py = dynamo_python(a.dynamo_python)
         print(f"{len(reqs)} requests from {path.name}, {a.workers} workers, 16,384 pages of 64 tokens each, "

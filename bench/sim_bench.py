@@ -25,15 +25,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from crosscheck_dynamo import dynamo_python, run_dynamo
+from crosscheck_dynamo import crosscheck_cluster, dynamo_python, run_dynamo
 
-from kvtier.sim.cluster import ClusterConfig
 from kvtier.sim.experiment import shared_dir
 from kvtier.sim.run import RunConfig, simulate
 from kvtier.sim.trace import load_mooncake, write_mooncake
 
-BASE = ClusterConfig(workers=16, page_size=64, device_tokens=16_384 * 64, max_running=256, prefill_budget=8192,
-                     host_ratio=0.0, h2d_gbps=25.0)
+BASE = crosscheck_cluster(16)
 CONFIGS = {"device only": BASE, "host 4x": dataclasses.replace(BASE, host_ratio=4.0),
            "host 4x + disk 8x": dataclasses.replace(BASE, host_ratio=4.0, l3="disk", l3_tokens=8 * 16_384 * 64)}
 DYNAMO_MODE = {"round_robin": "round_robin", "kv_host": "kv_router"}  # Dynamo's nearest run per policy
@@ -77,7 +75,8 @@ def main() -> int:
         return 0
     py = dynamo_python(a.dynamo_python)
     policies = a.policies.split(",")
-    n = len(load_mooncake(trace, limit=a.limit))
+    reqs = load_mooncake(trace, limit=a.limit)  # counted here, written for Dynamo; each kvtier run reloads it
+    n = len(reqs)
     print(f"{n} requests from {trace.name}; 16 workers, 16,384 pages of 64 tokens, 256 running, 8,192 batched "
           f"tokens; Dynamo: {py or 'not installed (pip install -e .[crosscheck] or --dynamo-python)'}")
     print(f"{'configuration':<19}{'run':<22}{'wall s':>8}{'peak GiB':>10}{'hit':>8}{'TTFT p50':>10}{'p99 ms':>8}"
@@ -86,7 +85,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         dyn_trace = Path(tmp) / "trace.jsonl"
         if py:
-            write_mooncake(load_mooncake(trace, limit=a.limit), dyn_trace)
+            write_mooncake(reqs, dyn_trace)
         for config in a.configs.split(","):
             cfg = CONFIGS[config]
             dyn = run_dynamo(py, dyn_trace, cfg, host_credit=0.75) if py and cfg.l3 == "none" else {}
