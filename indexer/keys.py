@@ -159,6 +159,6 @@ def block_keys(
 ) -> list[BlockKey]:
     """Keys of a request's full blocks (token ids, or packed), from the root. O(len(token_ids) +
     multimodal items)."""
-    n_tokens = len(token_ids) // TOKEN_BYTES if isinstance(token_ids, bytes) else len(token_ids)
-    extras = mm_block_extras(n_tokens, block_size, mm_items or ())
-    return chain_keys(token_ids, block_size, None, namespace(lora_name, cache_salt), extras)
+    buf = pack_tokens(token_ids)
+    extras = mm_block_extras(len(buf) // TOKEN_BYTES, block_size, mm_items or ())
+    return chain_keys(buf, block_size, None, namespace(lora_name, cache_salt), extras)
