@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from itertools import pairwise
 
 from kvtier.engine.datapath import CopyKind, CopyOp, DataPath
 from kvtier.engine.dump import NodeRun, Snapshot, dump_batches, l3_runs
@@ -23,9 +24,11 @@ from kvtier.engine.radix import Node, RadixTree
 from kvtier.engine.storage import PageMeta, PageStore
 from kvtier.fields import at_least, check_fields, one_of, within
 from kvtier.wire.codec import medium_spelling
-from kvtier.wire.overlap import TierOverlap
+from kvtier.wire.overlap import TierOverlap, window_cut
 from kvtier.wire.protocol import (
     TOKEN_BYTES,
+    WINDOW_GROUP,
+    WINDOW_KIND,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -77,6 +80,8 @@ class CacheConfig:
     # sliding-window attention: pages of window KV a prefix needs (0: no SWA)
     swa_window_pages: int = field(default=0, metadata=at_least(0))
     swa_pages: int = field(default=0, metadata=at_least(0))  # window-KV pool size in pages (0: as many as device)
+    # publish window-KV events (kvtier's SWA extension, kvtier.wire.WINDOW_KIND); False: as SGLang, none
+    swa_events: bool = True
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -122,6 +127,7 @@ class _OpInfo:
     admission: Admission | None = None  # S2H: who asked
     parent: Node | None = None  # S2H: node the prefetched pages continue
     tokens: PackedTokens = b""  # S2H: the prefetched pages' tokens
+    window: tuple[int, int] = (0, 0)  # S2H: pages (of the prefetched ones) whose window KV comes along
 
 
 class TieredCache:
@@ -182,6 +188,27 @@ class TieredCache:
             removed: list[EngineHash] = list(hashes)
             self._events.append(BlockRemoved(block_hashes=removed, medium=self._medium(tier)))
 
+    @property
+    def _window_events(self) -> bool:
+        return bool(self.config.swa_window_pages) and self.config.swa_events
+
+    def _window_stored(self, node: Node, tier: StorageTier) -> None:
+        """``node``'s window KV is now on ``tier`` (after its full-attention BlockStored there)."""
+        if self._window_events:
+            self._events.append(BlockStored(
+                block_hashes=list(node.hashes), parent_block_hash=node.parent_hash(),
+                token_ids=unpack_tokens(node.tokens), block_size=self.tree.page_size, medium=self._medium(tier),
+                group_idx=WINDOW_GROUP, kv_cache_spec_kind=WINDOW_KIND,
+                kv_cache_spec_sliding_window=self.config.swa_window_pages * self.tree.page_size))
+
+    def _window_removed(self, node: Node, tier: StorageTier) -> None:
+        """``node``'s window KV left ``tier`` (before any full-attention BlockRemoved there)."""
+        if self._window_events:
+            self._events.append(BlockRemoved(
+                block_hashes=list(node.hashes), medium=self._medium(tier), group_idx=WINDOW_GROUP,
+                kv_cache_spec_kind=WINDOW_KIND,
+                kv_cache_spec_sliding_window=self.config.swa_window_pages * self.tree.page_size))
+
     # --- admission -----------------------------------------------------------------------
 
     def admit(self, request_id: str, tokens: Sequence[int] | PackedTokens) -> Admission:
@@ -204,11 +231,47 @@ class TieredCache:
         adm = Admission(request_id, tokens, last, sum(n.pages for n in path[:dev]),
                         sum(n.pages for n in host_run), 0, epoch=self._epoch)
         self._backup_path(path)
+        resident = sum(n.pages for n in path)
+        l3_keys = (self._l3_run(last, tokens, resident)
+                   if self.store is not None and len(path) == len(host_run) + dev else [])
+        window = (0, 0)
+        if self.config.swa_window_pages:
+            window = self._plan_window(path[:dev + len(host_run)], len(l3_keys))
+            host_run = self._mark_window_loads(host_run, sum(n.pages for n in path[:dev]), window)
         if host_run and self.config.load_back:
             self._load(host_run, adm)
-        if self.store is not None and len(path) == len(host_run) + dev:
-            self._prefetch(adm, last, tokens, sum(n.pages for n in path))
+        if l3_keys:
+            self._prefetch(adm, last, tokens, resident, l3_keys, window)
         return adm
+
+    def _plan_window(self, path: list[Node], l3_pages: int) -> tuple[int, int]:
+        """SWA: the pages ``[c - w, c)`` whose window KV the request needs, ``c`` the end of its usable prefix
+        over the device and host runs of ``path`` and ``l3_pages`` more from L3 (whose pages always carry
+        window KV). Only these pages' window KV is loaded and prefetched (SGLang's TRAILING_PAGES)."""
+        ok: list[bool] = []
+        for n in path:
+            ok.extend([n.swa is not None if n.device is not None else n.host_swa] * n.pages)
+        ok.extend([True] * l3_pages)
+        cut = window_cut(ok, len(ok), self.config.swa_window_pages)
+        return max(0, cut - self.config.swa_window_pages), cut
+
+    def _mark_window_loads(self, host_run: list[Node], start: int, window: tuple[int, int]) -> list[Node]:
+        """Splits the host run (pages from ``start``) at the window's edges and flags the nodes inside it whose
+        host copy has window KV to bring it along. Returns the run's nodes after the splits."""
+        lo, hi = window
+        out: list[Node] = []
+        pos = start
+        for n in host_run:
+            for edge in (lo, hi):
+                if pos < edge < pos + n.pages:
+                    front = self.tree.split(n, edge - pos)
+                    front.load_swa = lo <= pos < hi and front.host_swa
+                    out.append(front)
+                    pos += front.pages
+            n.load_swa = lo <= pos < hi and n.host_swa
+            out.append(n)
+            pos += n.pages
+        return out
 
     def _backup_path(self, path: list[Node]) -> None:
         policy = self.config.write_policy
@@ -218,7 +281,8 @@ class TieredCache:
                 self._backup(n)
 
     def _load(self, nodes: list[Node], adm: Admission | None) -> None:
-        """Host -> device for host-only nodes (parents first); joins loads already in flight."""
+        """Host -> device for host-only nodes (parents first); joins loads already in flight. A node flagged
+        ``load_swa`` brings its window KV too."""
         todo = []
         for n in nodes:
             if n.loading is not None:
@@ -236,22 +300,31 @@ class TieredCache:
             return
         assert all(n.host is not None for n in todo), "loading a node without host copy"
         op = self.dp.new_op(CopyKind.H2D, [p for n in todo for p in n.host or []],
-                            [p for n in todo for p in n.loading or []])
+                            [p for n in todo for p in n.loading or []],
+                            window_pages=sum(n.pages for n in todo if n.load_swa))
         self._submit(op, _OpInfo(op, nodes=todo))
         if adm is not None:
             adm.waits.add(op.op_id)
 
-    def _prefetch(self, adm: Admission, last: Node, tokens: PackedTokens, matched: int) -> None:
+    def _l3_run(self, last: Node, tokens: PackedTokens, matched: int) -> list[str]:
+        """Keys of the prompt's pages after the ``matched`` resident ones that the L3 store holds, in a row."""
         assert self.store is not None
         ps, s = self.config.page_size, self.tree.stride
         digests_from = last.digests[-1] if last.digests else b""
-        rest = tokens[matched * s:(len(tokens) // s) * s]
         keys: list[str] = []
-        for d in iter_chain(digests_from, rest, ps):
+        for d in iter_chain(digests_from, tokens[matched * s:(len(tokens) // s) * s], ps):
             key = d.hex()
             if not self.store.lookup(key):
                 break
             keys.append(key)
+        return keys
+
+    def _prefetch(self, adm: Admission, last: Node, tokens: PackedTokens, matched: int, keys: list[str],
+                  window: tuple[int, int]) -> None:
+        """L3 -> host of the pages ``keys`` after the ``matched`` resident ones; window KV only for those in
+        ``window`` (page range, SWA)."""
+        assert self.store is not None
+        s = self.tree.stride
         if len(keys) < max(1, self.config.prefetch_min_pages) or self.config.host_pages == 0:
             return
         pages = self._alloc_host(len(keys))
@@ -259,8 +332,10 @@ class TieredCache:
             return
         self.store.pin(keys)
         self._lock(last)  # the prefetched pages hang below `last`: keep it until they land
-        op = self.dp.new_op(CopyKind.S2H, [], pages, keys, self.store)
-        self._submit(op, _OpInfo(op, admission=adm, parent=last, tokens=rest[:len(keys) * s]))
+        lo, hi = (min(max(e - matched, 0), len(keys)) for e in window)
+        op = self.dp.new_op(CopyKind.S2H, [], pages, keys, self.store, window_pages=hi - lo)
+        self._submit(op, _OpInfo(op, admission=adm, parent=last, tokens=tokens[matched * s:(matched + len(keys)) * s],
+                                 window=(lo, hi)))
         adm.l3_pages = len(keys)
         adm.prefetch_op = op.op_id
 
@@ -291,7 +366,9 @@ class TieredCache:
         tail = -(-(n_tokens - full * ps + output_tokens) // ps)
         need = (full - cached) + tail
         usable = self._window_usable(path, cached)
-        swa_need = full - usable if self.config.swa_window_pages else 0
+        # A running request keeps window KV for its last window only (what it attends to; SGLang frees the
+        # rest as the prefill moves on), so that is all it takes from the pool, and all it leaves cached.
+        swa_need = min(full - usable, self.config.swa_window_pages)
         pages = self._alloc_device(need)
         if pages is None:
             return None
@@ -329,6 +406,7 @@ class TieredCache:
         path = self.tree.match(adm.tokens)
         compute = list(adm.compute)
         adm.compute = []
+        window_from = full - len(adm.swa)  # pages from here on get the request's window KV
         done = 0
         for n in path:
             if n.device is None and n.loading is not None:
@@ -343,19 +421,31 @@ class TieredCache:
                 n.device, compute = compute[:n.pages], compute[n.pages:]
                 self._stored(n, StorageTier.DEVICE)
                 self._push_dev(n)
-            if self.config.swa_window_pages and n.swa is None and len(adm.swa) >= n.pages:
-                n.swa, adm.swa = adm.swa[:n.pages], adm.swa[n.pages:]  # recomputed window KV: no event
-                self._push_swa(n)
+            if n.swa is None and done + n.pages > window_from:
+                if done < window_from:
+                    done += self.tree.split(n, window_from - done).pages  # the front stays tombstoned
+                if len(adm.swa) >= n.pages:
+                    n.swa, adm.swa = adm.swa[:n.pages], adm.swa[n.pages:]  # the window KV is recomputed
+                    self._window_stored(n, StorageTier.DEVICE)
+                    self._push_swa(n)
             done += n.pages
         parent = path[-1] if path else self.tree.root
         new_pages = full - done
         if new_pages > 0 and len(compute) >= new_pages:
+            if done < window_from < full and self.config.swa_window_pages:
+                # Computed pages before the request's last window are cached tombstoned.
+                front = self.tree.add_child(parent, adm.tokens[done * s:window_from * s])
+                front.device, compute = compute[:front.pages], compute[front.pages:]
+                self._stored(front, StorageTier.DEVICE)
+                self._push_dev(front)
+                parent, done, new_pages = front, window_from, full - window_from
             node = self.tree.add_child(parent, adm.tokens[done * s:full * s])
             node.device, compute = compute[:new_pages], compute[new_pages:]
+            self._stored(node, StorageTier.DEVICE)
             if self.config.swa_window_pages and len(adm.swa) >= new_pages:
                 node.swa, adm.swa = adm.swa[:new_pages], adm.swa[new_pages:]
+                self._window_stored(node, StorageTier.DEVICE)
                 self._push_swa(node)
-            self._stored(node, StorageTier.DEVICE)
             self._lock(node)
             self._unlock(adm.last)
             adm.last = node
@@ -427,7 +517,8 @@ class TieredCache:
             return False
         node.host_pending = pages
         node.host_swa = node.swa is not None  # the window KV travels with the page if it is there
-        op = self.dp.new_op(CopyKind.D2H, list(node.device), list(pages))
+        op = self.dp.new_op(CopyKind.D2H, list(node.device), list(pages),
+                            window_pages=node.pages if node.host_swa else 0)
         self._submit(op, _OpInfo(op, nodes=[node]))
         return True
 
@@ -469,6 +560,10 @@ class TieredCache:
         store = self.store
         if store is None or not self.config.l3_write_behind or node.host is None:
             return
+        if self.config.swa_window_pages and not node.host_swa:
+            # Without its window KV (tombstoned when backed up, or prefetched without it): L3 pages always
+            # carry it, which is what lets the index count an L3 page as usable without window events for L3.
+            return
         p = node.parent
         if p is not None and p is not self.tree.root and p.digests[-1].hex() not in self._announced:
             self._l3_write(p)
@@ -497,7 +592,8 @@ class TieredCache:
             metas.append(meta)
             src.append(node.host[i])
         if keys:
-            op = self.dp.new_op(CopyKind.H2S, src, [], keys, store)
+            op = self.dp.new_op(CopyKind.H2S, src, [], keys, store,
+                                window_pages=len(keys) if self.config.swa_window_pages else 0)
             self._submit(op, _OpInfo(op, metas=metas))
 
     def _announce(self, pages: list[tuple[str, PageMeta]]) -> None:
@@ -571,6 +667,8 @@ class TieredCache:
             n.host, n.host_pending = n.host_pending, None
             n.want_backup = False
             self._stored(n, StorageTier.HOST)
+            if n.host_swa:
+                self._window_stored(n, StorageTier.HOST)
         for n in info.nodes:
             self._l3_write(n)
             if n.evict_after_backup:
@@ -592,10 +690,13 @@ class TieredCache:
         for n in info.nodes:
             assert n.loading is not None, f"node {n.node_id}: load acknowledged twice"
             n.device, n.loading = n.loading, None
-            if self.config.swa_window_pages and n.host_swa:
-                n.swa = self._alloc_swa(n.pages)  # None: lands tombstoned, the window is recomputed
-                self._push_swa(n)
             self._stored(n, StorageTier.DEVICE)
+            if self.config.swa_window_pages and n.host_swa and n.load_swa:
+                n.swa = self._alloc_swa(n.pages)  # None: lands tombstoned, the window is recomputed
+                if n.swa is not None:
+                    self._window_stored(n, StorageTier.DEVICE)
+                    self._push_swa(n)
+            n.load_swa = False
             self._push_dev(n)
 
     def _l3_written(self, info: _OpInfo) -> None:
@@ -629,16 +730,18 @@ class TieredCache:
             self.host.release([PageId(p) for p in info.op.dst])
             self._unlock(parent)
             return
-        new = self._insert_host_pages(parent, info.tokens, [PageId(p) for p in info.op.dst])
+        new = self._insert_host_pages(parent, info.tokens, [PageId(p) for p in info.op.dst], info.window)
         self._unlock(parent)
         if new and not adm.started and not adm.released and self.config.load_back:
             # The new node may hang under host-only ancestors: load the whole chain, parents first,
             # so device residency stays prefix-closed.
             self._load([n for n in self.tree.path_to_root(new[-1]) if n.device is None], adm)
 
-    def _insert_host_pages(self, parent: Node, tokens: PackedTokens, pages: list[PageId]) -> list[Node]:
-        """Prefetched pages below ``parent``: new host-only nodes (BlockStored CPU); pages the
-        tree already has are freed. Returns the new nodes."""
+    def _insert_host_pages(self, parent: Node, tokens: PackedTokens, pages: list[PageId],
+                           window: tuple[int, int] = (0, 0)) -> list[Node]:
+        """Prefetched pages below ``parent``: new host-only nodes (BlockStored CPU), those of the ``window``
+        page range with their window KV (split at its edges); pages the tree already has are freed. Returns
+        the new nodes, parents first."""
         s = self.tree.stride
         node, pos, n_pages = parent, 0, len(tokens) // s
         while pos < n_pages:
@@ -656,11 +759,19 @@ class TieredCache:
         if node is not self.tree.root and node.host is None:
             self.host.release(pages[pos:])  # the parent has no host copy: keep host prefix-closed
             return []
-        fresh = self.tree.add_child(node, tokens[pos * s:])
-        fresh.host = pages[pos:]
-        self._stored(fresh, StorageTier.HOST)
-        self._push_host(fresh)
-        return [fresh]
+        lo, hi = window
+        edges = sorted({pos, n_pages, *(e for e in (lo, hi) if pos < e < n_pages)})
+        new: list[Node] = []
+        for a, b in pairwise(edges):
+            node = self.tree.add_child(node, tokens[a * s:b * s])
+            node.host = pages[a:b]
+            self._stored(node, StorageTier.HOST)
+            if self.config.swa_window_pages and lo <= a < hi:
+                node.host_swa = node.load_swa = True
+                self._window_stored(node, StorageTier.HOST)
+            self._push_host(node)
+            new.append(node)
+        return new
 
     # --- eviction ------------------------------------------------------------------------
 
@@ -725,6 +836,7 @@ class TieredCache:
         self.device.release(n.device)
         n.device = None
         if n.swa is not None:
+            self._window_removed(n, StorageTier.DEVICE)
             self.swa.release(n.swa)
             n.swa = None
         self._removed(list(n.hashes), StorageTier.DEVICE)
@@ -746,11 +858,14 @@ class TieredCache:
         full-attention KV stays on device). [] when SWA is off; None if no room now."""
         if not self.config.swa_window_pages or n == 0:
             return []
+        # A node being backed up keeps its window KV: the copy is reading it.
         return self._alloc(self.swa, self._swa_heap, self._push_swa,
-                           lambda node: node.swa is not None and node.lock_ref == 0, self._tombstone, n)
+                           lambda node: node.swa is not None and node.lock_ref == 0 and node.host_pending is None,
+                           self._tombstone, n)
 
     def _tombstone(self, node: Node) -> None:
         assert node.swa is not None
+        self._window_removed(node, StorageTier.DEVICE)
         self.swa.release(node.swa)
         node.swa = None
 
@@ -762,6 +877,9 @@ class TieredCache:
 
     def _evict_host(self, n: Node) -> None:
         assert n.host is not None
+        if n.host_swa:
+            self._window_removed(n, StorageTier.HOST)
+            n.host_swa = False
         self.host.release(n.host)
         n.host = None
         self._removed(list(n.hashes), StorageTier.HOST)
@@ -821,7 +939,23 @@ class TieredCache:
         """Cumulative tier overlap of ``tokens`` (ids, or packed) in pages, read from this cache without
         side effects (no split, no LRU touch), with the index's semantics: what an index that has
         received every event would answer for this worker. O(prompt)."""
-        tokens = pack_tokens(tokens)
+        return self._peek(pack_tokens(tokens), None)
+
+    def usable_overlap(self, tokens: Sequence[int] | PackedTokens) -> TierOverlap:
+        """:meth:`peek_overlap` cut, per tier, to the prefix the engine can reuse: with SWA, one whose last
+        ``swa_window_pages`` pages have window KV where each page is found (device pages on device, host
+        pages on host; L3 pages always carry it). What a window-aware index answers. O(prompt)."""
+        ok: list[bool] = []
+        raw = self._peek(pack_tokens(tokens), ok)
+        w = self.config.swa_window_pages
+        if not w:
+            return raw
+        ok.extend([True] * (raw.external - len(ok)))
+        return TierOverlap(*(window_cut(ok, level, w) for level in (raw.device, raw.host, raw.disk, raw.external)))
+
+    def _peek(self, tokens: PackedTokens, ok: list[bool] | None) -> TierOverlap:
+        """The raw overlap; fills ``ok`` (if given) with, per page on device or host, whether its window KV
+        is there too."""
         ps, s = self.config.page_size, self.tree.stride
         pages = len(tokens) // s
         node, pos = self.tree.root, 0
@@ -836,6 +970,8 @@ class TieredCache:
                 device = pos
             if child.device is None and child.host is None:
                 break  # only in flight towards host: not announced on any tier yet
+            if ok is not None:
+                ok.extend([child.swa is not None if child.device is not None else child.host_swa] * k)
             pos += k
             node = child
             last_digest = child.digests[k - 1]
@@ -848,8 +984,7 @@ class TieredCache:
             run = 0
             for d in iter_chain(last_digest, tokens[host * s:pages * s], ps):
                 key = d.hex()
-                ok = key in self._announced if not self.store.shared else self.store.is_announced(key)
-                if not ok:
+                if not (key in self._announced if not self.store.shared else self.store.is_announced(key)):
                     break
                 run += 1
             if self.store.shared:
@@ -857,6 +992,16 @@ class TieredCache:
             else:
                 disk = ext = host + run
         return TierOverlap(device, host, disk, ext)
+
+    def window_residency(self) -> dict[StorageTier, set[int]]:
+        """Per tier (device, host), the event hashes of the pages whose window KV this engine holds there."""
+        out: dict[StorageTier, set[int]] = {StorageTier.DEVICE: set(), StorageTier.HOST: set()}
+        for n in self.tree.nodes():
+            if n.swa is not None:
+                out[StorageTier.DEVICE].update(n.hashes)
+            if n.host is not None and n.host_swa:
+                out[StorageTier.HOST].update(n.hashes)
+        return out
 
     def residency(self) -> dict[StorageTier, set[int]]:
         """Per tier, the event hashes of the pages this engine holds and has announced."""
@@ -873,16 +1018,22 @@ class TieredCache:
     def dump_snapshot(self) -> Snapshot:
         """What a state dump sends, by reference (see :mod:`kvtier.engine.dump`). O(nodes + L3 pages)."""
         runs: list[NodeRun] = []
+        windows: list[NodeRun] = []  # window KV: after every full-attention run, which they refer to
         dev, host = self._medium(StorageTier.DEVICE), self._medium(StorageTier.HOST)
         for n in self.tree.nodes():
             if n.device is not None:
                 runs.append(NodeRun(n.hashes, n.parent_hash(), n.tokens, dev))
+                if n.swa is not None and self._window_events:
+                    windows.append(NodeRun(n.hashes, n.parent_hash(), n.tokens, dev))
             if n.host is not None:
                 runs.append(NodeRun(n.hashes, n.parent_hash(), n.tokens, host))
+                if n.host_swa and self._window_events:
+                    windows.append(NodeRun(n.hashes, n.parent_hash(), n.tokens, host))
+        window_tokens = self.config.swa_window_pages * self.tree.page_size if windows else 0
         if self.store is None:
-            return Snapshot(self.tree.page_size, runs, [], "")
+            return Snapshot(self.tree.page_size, runs, [], "", windows, window_tokens)
         l3 = [self.store.meta(k) for k in self.store.announced_by(self.name) if k in self._announced]
-        return Snapshot(self.tree.page_size, runs, l3, self._medium(self._l3_tier()))
+        return Snapshot(self.tree.page_size, runs, l3, self._medium(self._l3_tier()), windows, window_tokens)
 
     def dump_events(self, max_events: int = 256) -> list[EventBatch]:
         """The whole current state as BlockStored events, parents first (for resync)."""

@@ -54,6 +54,7 @@ class CopyOp:
     store: PageStore | None = None  # the L3 store for H2S / S2H
     error: str | None = None  # set when the copy failed (e.g. a damaged page file)
     bad_keys: list[str] = field(default_factory=list)  # S2H: pages whose files were gone or damaged
+    window_pages: int = 0  # SWA models: pages whose sliding-window KV moves with their full-attention KV
 
     @property
     def pages(self) -> int:
@@ -63,15 +64,16 @@ class CopyOp:
 class DataPath(ABC):
     """Submits copies and reports their completion."""
 
-    page_bytes: int  # bytes of KV in one page
+    page_bytes: int  # bytes of KV in one page (full attention, plus the draft model's)
+    window_page_bytes: int = 0  # bytes of one page's sliding-window KV (SWA models; 0: none)
 
     def __init__(self) -> None:
         self._next_id = 0
         self.ops: dict[int, CopyOp] = {}  # in flight, by id
 
     def new_op(self, kind: CopyKind, src: Sequence[int], dst: Sequence[int], keys: list[str] | None = None,
-               store: PageStore | None = None) -> CopyOp:
-        op = CopyOp(self._next_id, kind, list(src), list(dst), keys or [], store)
+               store: PageStore | None = None, window_pages: int = 0) -> CopyOp:
+        op = CopyOp(self._next_id, kind, list(src), list(dst), keys or [], store, window_pages=window_pages)
         self._next_id += 1
         return op
 
@@ -111,11 +113,14 @@ class Bandwidths:
 
 
 class ModeledDataPath(DataPath):
-    """Copies finish at ``max(now, channel free) + latency + bytes / bandwidth`` on ``clock``."""
+    """Copies finish at ``max(now, channel free) + latency + bytes / bandwidth`` on ``clock``; an op's bytes
+    are its pages' full-attention KV plus the window KV of its ``window_pages``."""
 
-    def __init__(self, page_bytes: int, clock: Callable[[], float], bandwidths: Bandwidths | None = None) -> None:
+    def __init__(self, page_bytes: int, clock: Callable[[], float], bandwidths: Bandwidths | None = None,
+                 window_page_bytes: int = 0) -> None:
         super().__init__()
         self.page_bytes = page_bytes
+        self.window_page_bytes = window_page_bytes
         self.clock = clock
         self.bw = bandwidths or Bandwidths()
         self._free_at: dict[CopyKind, float] = {k: 0.0 for k in CopyKind}
@@ -125,13 +130,13 @@ class ModeledDataPath(DataPath):
         return {CopyKind.D2H: self.bw.d2h, CopyKind.H2D: self.bw.h2d,
                 CopyKind.H2S: self.bw.storage_write, CopyKind.S2H: self.bw.storage_read}[kind]
 
-    def duration(self, kind: CopyKind, pages: int) -> float:
-        """Seconds one op of ``pages`` pages takes on an idle channel."""
-        return self.bw.latency_s + pages * self.page_bytes / self._rate(kind)
+    def duration(self, kind: CopyKind, pages: int, window_pages: int = 0) -> float:
+        """Seconds one op of ``pages`` pages (``window_pages`` of them with window KV) takes on an idle channel."""
+        return self.bw.latency_s + (pages * self.page_bytes + window_pages * self.window_page_bytes) / self._rate(kind)
 
     def _start(self, op: CopyOp) -> None:
         start = max(self.clock(), self._free_at[op.kind])
-        done = start + self.duration(op.kind, op.pages)
+        done = start + self.duration(op.kind, op.pages, op.window_pages)
         self._free_at[op.kind] = done
         self._queues[op.kind].append((done, op))
 

@@ -12,10 +12,19 @@ thread, a batch at a time as the subscriber reads them.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtier.engine.storage import PageMeta
-from kvtier.wire.protocol import BlockStored, EngineHash, Event, EventBatch, PackedTokens, unpack_tokens
+from kvtier.wire.protocol import (
+    WINDOW_GROUP,
+    WINDOW_KIND,
+    BlockStored,
+    EngineHash,
+    Event,
+    EventBatch,
+    PackedTokens,
+    unpack_tokens,
+)
 
 
 @dataclass(slots=True, frozen=True)
@@ -36,6 +45,8 @@ class Snapshot:
     runs: list[NodeRun]  # device and host residency, parents first
     l3_pages: list[PageMeta]  # announced L3 pages, parents first
     l3_medium: str  # wire spelling of the L3 tier
+    windows: list[NodeRun] = field(default_factory=list)  # SWA: runs whose window KV is on that tier
+    window_tokens: int = 0  # SWA: the window, tokens (the events' kv_cache_spec_sliding_window)
 
 
 def l3_runs(pages: Iterable[PageMeta], medium: str, page_size: int) -> list[BlockStored]:
@@ -63,5 +74,10 @@ def dump_batches(snap: Snapshot, *, max_events: int = 256, dp_rank: int | None =
             yield EventBatch(ts=0.0, events=list(events), dp_rank=dp_rank)
             events.clear()
     events.extend(l3_runs(snap.l3_pages, snap.l3_medium, snap.page_size))
+    events.extend(BlockStored(block_hashes=list(r.hashes), parent_block_hash=r.parent,
+                              token_ids=unpack_tokens(r.tokens), block_size=snap.page_size, medium=r.medium,
+                              group_idx=WINDOW_GROUP,
+                              kv_cache_spec_kind=WINDOW_KIND, kv_cache_spec_sliding_window=snap.window_tokens)
+                  for r in snap.windows)
     for i in range(0, len(events), max_events):
         yield EventBatch(ts=0.0, events=events[i:i + max_events], dp_rank=dp_rank)

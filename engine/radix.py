@@ -36,6 +36,7 @@ class Node:
     want_backup: bool = False  # write-back: back up once the parent's copy lands
     swa: list[PageId] | None = None  # sliding-window KV pages (SWA models); None on device = tombstone
     host_swa: bool = False  # the host copy includes the sliding-window KV
+    load_swa: bool = False  # a load-back in flight brings the window KV too (it ends a usable prefix)
     lock_ref: int = 0  # in-flight requests using this node or a descendant
     last_access: int = 0  # logical time of the last use (LRU)
     hits: int = 0  # prefix matches through this node (write_through_selective)
@@ -139,7 +140,7 @@ class RadixTree:
         front.host_pending, node.host_pending = cut(node.host_pending)
         front.loading, node.loading = cut(node.loading)
         front.swa, node.swa = cut(node.swa)
-        front.host_swa = node.host_swa
+        front.host_swa, front.load_swa = node.host_swa, node.load_swa
         front.evict_after_backup = False  # only the evicted leaf frees its pages after backup
         front.want_backup = node.want_backup
         front.lock_ref, front.last_access, front.hits = node.lock_ref, node.last_access, node.hits
@@ -200,6 +201,8 @@ class RadixTree:
             assert n.digests == chain(n.parent_digest(), n.tokens, ps), f"node {n.node_id}: broken digest chain"
             assert n.hashes == [event_hash(d) for d in n.digests], f"node {n.node_id}: hashes out of sync"
             assert n.swa is None or n.device is not None, f"node {n.node_id}: window KV without device KV"
+            assert not n.host_swa or n.host is not None or n.host_pending is not None, (
+                f"node {n.node_id}: host window KV without a host copy")
             for name in ("device", "host", "host_pending", "loading", "swa"):
                 pages = getattr(n, name)
                 assert pages is None or len(pages) == n.pages, f"node {n.node_id}: {name} length"

@@ -11,7 +11,17 @@ Invariants (asserted by :meth:`TieredIndex._check`):
 * for every worker, the keys carrying any of its bits are exactly the values of
   its engine-hash dict, and the dict is injective (one engine hash per block);
 * ``counts[tier]`` of a worker equals the number of keys carrying its tier bit;
-* slots are unique and no freed slot has bits left anywhere.
+* slots are unique and no freed slot has bits left anywhere;
+* window KV (SWA models, events of kind ``kvtier.wire.WINDOW_KIND``) has a second mask per key with the same
+  layout: a worker's window bit on a tier is set only where its full-attention bit there is.
+
+Window KV. A sliding-window model reuses a prefix only where the window before its end still has window KV:
+counting the full-attention blocks alone over-counts (SPEC section 3's tombstones publish nothing in SGLang).
+A kvtier SWA engine announces window KV per tier as vLLM's hybrid cache groups do (``kv_cache_spec_kind``
+``sliding_window``); the index keeps it beside the full-attention bits, and a window-aware query cuts each such
+worker's overlap per tier to its usable prefix (:func:`kvtier.wire.overlap.window_cut`: device blocks need
+window KV on device, host blocks on host; L3 pages always carry it). Workers that send no window events
+(real SGLang, vLLM streams without them) keep their full-attention overlap and are marked untracked.
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ import numpy as np
 
 from kvtier.indexer.keys import BlockKey, block_keys, chain_keys, namespace, split_extra_keys
 from kvtier.indexer.orphans import OrphanPool, OrphanStats
-from kvtier.wire.overlap import OverlapScores, TierOverlap
+from kvtier.wire.overlap import OverlapScores, TierOverlap, window_cut
 from kvtier.wire.protocol import (
     AllBlocksCleared,
     BlockRemoved,
@@ -39,6 +49,7 @@ from kvtier.wire.protocol import (
     StorageTier,
     UnknownMediumError,
     WorkerId,
+    is_window_event,
     parse_medium,
 )
 from kvtier.wire.ratelog import suffix, worth_logging
@@ -75,6 +86,8 @@ class WorkerStats:
     unknown_removals: int = 0  # removals of blocks not on that tier
     clears: int = 0  # AllBlocksCleared, restarts and resyncs
     aliases: int = 0  # engine hashes ignored because another one already names the block
+    window_events: int = 0  # window-KV events applied (SWA engines)
+    window_unknown: int = 0  # window-KV blocks announced or removed that the full-attention view lacks
     last_error: str | None = None  # the most recent rejection reason
 
 
@@ -90,6 +103,7 @@ class _Worker:
     # still the parent of a store that extends them (engine hashes name content, so the key stays right).
     ghosts: dict[EngineHash, BlockKey] = field(default_factory=dict)
     partial: bool = False  # events were lost for good: prefixes stored before the loss are unknown
+    window: int = 0  # window length in blocks, once the worker announced window KV (0: untracked)
 
 
 class TieredIndex:
@@ -109,6 +123,7 @@ class TieredIndex:
         self._next_slot = 0
         self._dev_all_cache = 0  # see _dev_all
         self._dev_all_slots = 0
+        self._win: dict[BlockKey, int] = {}  # window-KV bits, the layout of _masks (SWA workers only)
 
     # --- workers -------------------------------------------------------------------------
 
@@ -198,6 +213,8 @@ class TieredIndex:
                 masks[key] = m
             else:
                 del masks[key]
+            if self._win:
+                self._drop_window(key, keep)
         w.hashes.clear()
         w.counts = [0] * _TIERS
         w.orphans.clear()
@@ -219,6 +236,25 @@ class TieredIndex:
         """Applies a batch's events in order; one outcome per event."""
         return [self.apply(stream, ev) for ev in batch.events]
 
+    def window_blocks(self, stream: StreamId) -> int:
+        """The worker's window length in blocks once it announced window KV, else 0 (untracked). O(1)."""
+        w = self._workers.get(stream)
+        return w.window if w is not None else 0
+
+    def window_hashes(self, stream: StreamId) -> dict[StorageTier, set[EngineHash]]:
+        """The engine hashes whose window KV the worker holds, per tier (device, host). O(worker blocks)."""
+        out: dict[StorageTier, set[EngineHash]] = {StorageTier.DEVICE: set(), StorageTier.HOST: set()}
+        w = self._workers.get(stream)
+        if w is None:
+            return out
+        shift = _TIERS * w.slot
+        for eh, key in w.hashes.items():
+            bits = self._win.get(key, 0) >> shift
+            for t in out:
+                if bits >> t & 1:
+                    out[t].add(eh)
+        return out
+
     def apply(self, stream: StreamId, event: Event) -> Outcome:
         """Applies one event of ``stream``. O(blocks in the event).
 
@@ -229,7 +265,9 @@ class TieredIndex:
         """
         w = self._worker(stream)
         try:
-            if isinstance(event, BlockStored):
+            if isinstance(event, BlockStored | BlockRemoved) and event.kv_cache_spec_kind is not None:
+                outcome = self._window_event(w, event)
+            elif isinstance(event, BlockStored):
                 outcome = self._store(w, event)
             elif isinstance(event, BlockRemoved):
                 outcome = self._remove(w, event)
@@ -330,7 +368,58 @@ class TieredIndex:
                 # Children may wait on any block of the run, also one removed since: its key is known.
                 work.extend(zip(ev.block_hashes, run_keys, strict=True))
 
+    def _window_event(self, w: _Worker, ev: BlockStored | BlockRemoved) -> Outcome:
+        """A window-KV event: sets or clears the worker's window bit on blocks it holds on that tier. Events
+        of other non-full-attention cache groups (vLLM's mamba, chunked-local ...) are counted and ignored."""
+        if not is_window_event(ev):
+            if ev.kv_cache_spec_kind.lower() in ("full_attention", "mla_attention", "mla"):  # type: ignore[union-attr]
+                return self._store(w, ev) if isinstance(ev, BlockStored) else self._remove(w, ev)
+            return self._reject(w, f"kv_cache_spec_kind {ev.kv_cache_spec_kind!r} is not indexed")
+        tier = parse_medium(ev.medium)
+        if tier > StorageTier.HOST:
+            return self._reject(w, f"window KV on {tier.name}: only device and host window KV is tracked")
+        size = ev.kv_cache_spec_sliding_window
+        if size is not None:
+            if size <= 0:
+                return self._reject(w, f"kv_cache_spec_sliding_window {size} is not positive")
+            w.window = -(-size // self.block_size)
+        elif not w.window:
+            return self._reject(w, "window-KV event without kv_cache_spec_sliding_window")
+        if isinstance(ev, BlockStored) and ev.block_size != self.block_size:
+            return self._reject(w, f"block_size {ev.block_size} differs from the index's {self.block_size}")
+        shift = _TIERS * w.slot
+        bit = 1 << (shift + tier)
+        masks, win, hashes = self._masks, self._win, w.hashes
+        unknown = 0
+        for eh in ev.block_hashes:
+            key = hashes.get(eh)
+            if key is None or not masks[key] & bit:
+                unknown += 1  # window KV is announced after, and withdrawn before, the block's full KV
+                continue
+            m = win.get(key, 0)
+            m = m | bit if isinstance(ev, BlockStored) else m & ~bit
+            if m:
+                win[key] = m
+            else:
+                win.pop(key, None)
+        if unknown:
+            w.stats.window_unknown += unknown
+            w.stats.last_error = f"window KV of {unknown} block(s) not on {tier.name}"
+        w.stats.window_events += 1
+        return Outcome.APPLIED
+
+    def _drop_window(self, key: BlockKey, keep: int) -> None:
+        m = self._win.get(key)
+        if m is not None:
+            m &= keep
+            if m:
+                self._win[key] = m
+            else:
+                del self._win[key]
+
     def _drop_slot_bits(self, w: _Worker, key: BlockKey, slot_bits: int) -> None:
+        if self._win:
+            self._drop_window(key, ~slot_bits)
         m = self._masks[key]
         shift = _TIERS * w.slot
         for t in range(_TIERS):
@@ -357,6 +446,8 @@ class TieredIndex:
                 continue
             assert key is not None
             m &= ~bit
+            if self._win:
+                self._drop_window(key, ~bit)  # window KV never outlives the block's full KV on a tier
             w.counts[tier] -= 1
             if m:
                 masks[key] = m
@@ -389,11 +480,13 @@ class TieredIndex:
         :mod:`kvtier.indexer.keys`). O(len(token_ids) + items)."""
         return block_keys(token_ids, self.block_size, lora_name=lora_name, cache_salt=cache_salt, mm_items=mm_items)
 
-    def find_matches_keys(self, keys: list[BlockKey]) -> OverlapScores:
+    def find_matches_keys(self, keys: list[BlockKey], *, window_aware: bool = False) -> OverlapScores:
         """Per-worker tier overlaps of a request given as block keys.
 
         O(m) dict lookups plus vectorised work over the m leading blocks that
-        anybody holds, independent of the number of indexed blocks.
+        anybody holds, independent of the number of indexed blocks. ``window_aware``: workers that
+        announce window KV get their usable overlap (see the module docstring), their raw one in
+        ``raw``; O(m) more per such worker holding a prefix.
         """
         get = self._masks.get
         ms = [get(k, 0) for k in keys]
@@ -416,7 +509,30 @@ class TieredIndex:
         owner = self._slot_stream
         for slot, d in depths.items():
             result.workers[owner[slot]] = TierOverlap(d[0], d[1], d[2], d[3])
+        if window_aware:
+            self._cut_to_windows(keys, result)
         return result
+
+    def _cut_to_windows(self, keys: list[BlockKey], result: OverlapScores) -> None:
+        """Replaces tracked workers' overlaps with their usable ones. O(m) per tracked worker with a prefix."""
+        wins: list[int] | None = None
+        for w in self._workers.values():
+            if not w.window:
+                continue
+            result.windows[w.stream] = w.window
+            raw = result.workers[w.stream]
+            if not raw.external:
+                continue
+            if wins is None:
+                get = self._win.get
+                wins = [get(k, 0) for k in keys[:max(o.external for o in result.workers.values())]]
+            shift = _TIERS * w.slot
+            ok = [bool(m >> (shift + StorageTier.DEVICE) & 1) for m in wins[:raw.device]]
+            ok += [bool(m >> (shift + StorageTier.HOST) & 1) for m in wins[raw.device:raw.host]]
+            ok += [True] * (raw.external - raw.host)  # L3 pages carry window KV
+            result.raw[w.stream] = raw
+            result.workers[w.stream] = TierOverlap(*(window_cut(ok, lvl, w.window)
+                                                     for lvl in (raw.device, raw.host, raw.disk, raw.external)))
 
     def _levels_by_runs(self, runs: list[tuple[int, int]], n: int, depths: dict[int, list[int]]) -> int:
         """Cumulative tier levels over runs of equal masks, on Python ints (any number of workers).
@@ -510,7 +626,9 @@ class TieredIndex:
         for w in self._workers.values():
             shift = _TIERS * w.slot
             entries = [(eh, key, (self._masks[key] >> shift) & _SLOT_MASK) for eh, key in w.hashes.items()]
-            workers.append((w.stream.worker, w.stream.dp_rank, w.partial, entries))
+            window = [(key, (self._win.get(key, 0) >> shift) & _SLOT_MASK) for key in w.hashes.values()
+                      if (self._win.get(key, 0) >> shift) & _SLOT_MASK] if w.window else []
+            workers.append((w.stream.worker, w.stream.dp_rank, w.partial, entries, w.window, window))
         return msgspec.msgpack.encode({"version": 1, "block_size": self.block_size, "workers": workers})
 
     @classmethod
@@ -521,9 +639,13 @@ class TieredIndex:
             if obj.get("version") != 1:
                 raise ValueError(f"unsupported snapshot version {obj.get('version')!r}")
             index = cls(int(obj["block_size"]))
-            for worker, dp_rank, partial, entries in obj["workers"]:
+            for worker, dp_rank, partial, entries, *swa in obj["workers"]:
                 w = index._worker(StreamId(WorkerId(worker), int(dp_rank)))
                 w.partial = bool(partial)
+                if swa:  # written since window KV is tracked; older snapshots have none
+                    w.window = int(swa[0])
+                    for key, bits in swa[1]:
+                        index._win[BlockKey(key)] = index._win.get(key, 0) | (bits << (_TIERS * w.slot))
                 shift = _TIERS * w.slot
                 for eh, key, bits in entries:
                     w.hashes[eh] = BlockKey(key)
@@ -564,3 +686,6 @@ class TieredIndex:
                 n = sum(1 for k in values if self._masks[k] >> (shift + t) & 1)
                 assert w.counts[t] == n, f"worker {w.stream}: counts[{t}]={w.counts[t]} but {n} blocks"
             w.orphans._check()
+        for key, m in self._win.items():
+            assert m, f"key {key:#x} maps to an empty window mask"
+            assert m & ~self._masks.get(key, 0) == 0, f"key {key:#x}: window KV on a tier without the block"

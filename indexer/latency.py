@@ -47,26 +47,52 @@ class MockerLatency:
 
 @dataclass(slots=True, frozen=True)
 class ModelPreset:
-    """KV geometry of a model: what one token of KV cache costs in bytes."""
+    """KV geometry of a model: what one token of KV cache costs in bytes, per kind of layer.
+
+    Hybrid models mix full-attention layers, whose KV every later token attends to, with sliding-window
+    layers, which attend to the last ``window_tokens`` only: a cached prefix is reusable where its full KV
+    is there and the window before its end still has window KV (SGLang's SWA radix cache).
+    """
 
     name: str  # e.g. "llama-3.1-8b"
-    num_layers: int  # transformer layers holding KV
+    num_layers: int  # full-attention layers holding KV
     num_kv_heads: int  # KV heads per layer (GQA)
     head_dim: int  # dimension per head
     dtype_bytes: int = 2  # bf16
+    swa_layers: int = 0  # sliding-window layers (0: a full-attention model)
+    window_tokens: int = 0  # their window, tokens
+    source: str = ""  # where the geometry comes from
 
     @property
     def bytes_per_token(self) -> int:
+        """Full-attention KV per token (what every cached page carries)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes  # K and V
+
+    @property
+    def window_bytes_per_token(self) -> int:
+        """Sliding-window KV per token (kept for the window before a prefix's end only)."""
+        return 2 * self.swa_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
 
 PRESETS: dict[str, ModelPreset] = {
     p.name: p
     for p in (
-        ModelPreset("llama-3.1-8b", 32, 8, 128),  # 128 KiB/token
+        ModelPreset("llama-3.1-8b", 32, 8, 128),  # 128 KiB/token, full attention (the control)
         ModelPreset("llama-3.1-70b", 80, 8, 128),  # 320 KiB/token
         ModelPreset("qwen2.5-7b", 28, 4, 128),  # 56 KiB/token
+        # Hybrid models, from their public config.json (layer_types / sliding_window_pattern):
+        # 24 layers alternating sliding (window 128) and full, 8 KV heads of 64: 24 KiB/token each kind.
+        ModelPreset("gpt-oss-20b", 12, 8, 64, swa_layers=12, window_tokens=128,
+                    source="openai/gpt-oss-20b config.json: 24 layers, layer_types alternate, sliding_window 128"),
+        # 36 layers alternating, 8 KV heads of 64: 36 KiB/token each kind.
+        ModelPreset("gpt-oss-120b", 18, 8, 64, swa_layers=18, window_tokens=128,
+                    source="openai/gpt-oss-120b config.json: 36 layers, layer_types alternate, sliding_window 128"),
+        # 62 layers, every sixth global (10 full, 52 sliding, window 1024), 16 KV heads of 128:
+        # 80 KiB/token full, 416 KiB/token window.
+        ModelPreset("gemma-3-27b", 10, 16, 128, swa_layers=52, window_tokens=1024,
+                    source="google/gemma-3-27b config.json: 62 layers, sliding_window_pattern 6, sliding_window 1024"),
         ModelPreset("tiny", 2, 2, 16),  # for tests: 256 B/token
+        ModelPreset("tiny-swa", 2, 2, 16, swa_layers=2, window_tokens=128),  # for tests: 256 B/token each kind
     )
 }
 
@@ -75,16 +101,24 @@ PRESETS: dict[str, ModelPreset] = {
 class TransferModel:
     """Time to bring cached KV into device memory, per source tier."""
 
-    bytes_per_token: int  # from a ModelPreset
+    bytes_per_token: int  # from a ModelPreset (full-attention KV)
     host_to_device_gbps: float = 54.0  # GB/s, hardware.GPU_LINKS["h100-pcie5"]
     storage_to_host_gbps: float = 7.45  # GB/s, hardware.STORAGE_LINKS["nvme-gen4"]
     external_to_host_gbps: float = 7.45  # GB/s, a pool reached at the storage link's speed
+    window_bytes_per_token: int = 0  # SWA models: window KV per token, moved for the trailing window only
+    window_tokens: int = 0  # SWA models: the window
+
+    @classmethod
+    def for_model(cls, preset: ModelPreset, **links: float) -> TransferModel:
+        return cls(preset.bytes_per_token, window_bytes_per_token=preset.window_bytes_per_token,
+                   window_tokens=preset.window_tokens, **links)
 
     def load_ms(self, tier: StorageTier, tokens: int) -> float:
-        """Milliseconds to load ``tokens`` tokens of KV from ``tier`` into device memory."""
+        """Milliseconds to load ``tokens`` tokens of KV from ``tier`` into device memory (with SWA, the
+        window KV of their last ``window_tokens`` too: SGLang's TRAILING_PAGES)."""
         if tier is StorageTier.DEVICE or tokens <= 0:
             return 0.0
-        nbytes = tokens * self.bytes_per_token
+        nbytes = tokens * self.bytes_per_token + min(tokens, self.window_tokens) * self.window_bytes_per_token
         ms = nbytes / (self.host_to_device_gbps * 1e6)
         if tier is StorageTier.DISK:
             ms += nbytes / (self.storage_to_host_gbps * 1e6)

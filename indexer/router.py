@@ -47,6 +47,7 @@ class Router:
         seed: int = 0,
         policy: RoutingPolicy | None = None,
         rebuilding: Callable[[], Collection[StreamId]] | None = None,
+        window_aware: bool = False,
     ) -> None:
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -62,6 +63,9 @@ class Router:
         # Partial workers (events lost for good, for as long as no dump comes) are not skipped: what
         # their index shows is a lower bound, which the costs already price as such.
         self.rebuilding = rebuilding
+        # Sliding-window models: score workers that announce window KV on their usable prefix
+        # (kvtier.indexer.index, "Window KV"); the others on their full-attention one.
+        self.window_aware = window_aware
 
     def route(self, token_ids: list[int], *, lora_name: str | None = None,
               cache_salt: str | None = None, mm_items: Sequence[tuple[str, int, int]] | None = None) -> RouteDecision:
@@ -72,7 +76,7 @@ class Router:
 
     def route_keys(self, keys: list[BlockKey], num_tokens: int) -> RouteDecision:
         """Routes a request given as precomputed block keys. O(blocks + workers)."""
-        return self.choose(self.index.find_matches_keys(keys), num_tokens, keys)
+        return self.choose(self.index.find_matches_keys(keys, window_aware=self.window_aware), num_tokens, keys)
 
     def choose(self, overlaps: OverlapScores, num_tokens: int, keys: list[BlockKey] | None = None) -> RouteDecision:
         """Applies the cost model to given overlaps (an oracle passes true ones). With the request's

@@ -43,6 +43,7 @@ from kvtier.indexer.load import LoadTracker
 from kvtier.indexer.plugins import BUILTIN, RoutingPolicy, load_policy
 from kvtier.indexer.router import RouteDecision, Router
 from kvtier.indexer.scoring import CostModel, CreditCost, DynamoCost, TtftCost
+from kvtier.wire.overlap import OverlapScores
 from kvtier.wire.protocol import StorageTier
 from kvtier.wire.stream import StreamId
 from kvtier.wire.subscriber import EndpointConfig, Subscriber
@@ -169,7 +170,7 @@ def make_cost_model(name: str, model: str) -> CostModel:
     if name == "ttft":
         if model not in PRESETS:
             raise ConfigError(f"unknown model preset {model!r}; known: {sorted(PRESETS)}")
-        return TtftCost(TransferModel(PRESETS[model].bytes_per_token))
+        return TtftCost(TransferModel.for_model(PRESETS[model]))
     raise ConfigError(f"unknown cost model {name!r}; expected 'credit', 'dynamo' or 'ttft'")
 
 
@@ -188,7 +189,7 @@ def named_policy_cost(config: ServiceConfig) -> CostModel:
     if name == "min_ttft":
         if config.model not in PRESETS:
             raise ConfigError(f"unknown model preset {config.model!r}; known: {sorted(PRESETS)}")
-        return TtftCost(TransferModel(PRESETS[config.model].bytes_per_token), max_tier=tier,
+        return TtftCost(TransferModel.for_model(PRESETS[config.model]), max_tier=tier,
                         prefill_budget=config.prefill_budget, capacity_tokens=config.capacity_tokens)
     return CreditCost(max_tier=tier)
 
@@ -250,7 +251,10 @@ class IndexerService:
                 plugin = load_policy(config.policy)
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
-        self.router = Router(self.index, cost, loads=self.loads, policy=plugin, rebuilding=self._rebuilding)
+        # Window-aware: engines that announce window KV (SWA models) are scored on their usable prefix; the
+        # others as before. Each answer says which it was per worker ("window_kv").
+        self.router = Router(self.index, cost, loads=self.loads, policy=plugin, rebuilding=self._rebuilding,
+                             window_aware=True)
         self._lock = threading.Lock()  # guards index, loads and the request registry
         self._stop = threading.Event()
         self._consumer = IndexConsumer(self.index)
@@ -388,10 +392,22 @@ class IndexerService:
     def _answer(self, dec: RouteDecision) -> dict[str, Any]:
         """Overlaps, per-worker flags, costs and the choice. Caller holds the lock."""
         out: dict[str, Any] = dec.overlaps.as_dict()
-        out["workers"] = {str(s): {**o.as_dict(), **self.worker_flags(s)} for s, o in dec.overlaps.workers.items()}
+        out["workers"] = {str(s): {**o.as_dict(), **self.worker_flags(s), **self._window_answer(dec.overlaps, s)}
+                          for s, o in dec.overlaps.workers.items()}
         out["recommended"] = str(dec.worker)
         out["costs"] = {str(w): c for w, c in dec.costs.items()}
         return out
+
+    @staticmethod
+    def _window_answer(overlaps: OverlapScores, s: StreamId) -> dict[str, Any]:
+        """``window_kv``: ``tracked`` (an SWA engine announcing window KV: the overlap is its usable prefix,
+        ``raw`` the full-attention one) or ``untracked`` (the overlap as announced; for an SWA engine that
+        sends no window events, as SGLang, an upper bound)."""
+        if s not in overlaps.windows:
+            return {"window_kv": "untracked"}
+        raw = overlaps.raw.get(s)
+        return {"window_kv": "tracked", "window_blocks": overlaps.windows[s],
+                "raw": (raw or overlaps.workers[s]).as_dict()}
 
     def query(self, body: bytes | Any) -> dict[str, Any]:
         """``POST /query`` (raw JSON or a decoded object): overlaps and a recommendation; books nothing."""

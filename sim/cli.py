@@ -18,8 +18,10 @@ from typing import Any
 from kvtier.engine.cache import PrefetchPolicy, WritePolicy
 from kvtier.fields import ConfigError, Domain, OneLineParser
 from kvtier.indexer.hardware import DEFAULT_GPU_LINK, DEFAULT_STORAGE_LINK, GPU_LINKS, STORAGE_LINKS
+from kvtier.indexer.latency import PRESETS as MODEL_PRESETS
 from kvtier.indexer.latency import (
     MockerLatency,
+    ModelPreset,
     fit_latency,
     latency_from_json,
     latency_to_json,
@@ -81,7 +83,14 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host-ratio", type=float, default=d.host_ratio, help="host / device capacity (0: no host)")
     g.add_argument("--l3", choices=["none", "disk", "external"], default=d.l3, help="storage tier")
     g.add_argument("--l3-tokens", type=int, default=d.l3_tokens, help="disk per worker, or the pool, in tokens")
-    g.add_argument("--model", default=d.model, help="model preset: KV bytes per token")
+    g.add_argument("--model", default=d.model, choices=sorted(MODEL_PRESETS), metavar="NAME",
+                   help="model preset, its KV bytes per token (hybrid: full-attention + sliding-window KV): "
+                        + "; ".join(_describe(p) for p in MODEL_PRESETS.values()))
+    g.add_argument("--swa-ratio", type=float, default=d.swa_ratio,
+                   help="hybrid models: window-KV pool tokens per full-attention pool token (SGLang's "
+                        "--swa-full-tokens-ratio)")
+    g.add_argument("--no-swa-events", dest="swa_events", action="store_false",
+                   help="hybrid models: engines publish no window-KV events (as SGLang; the router over-counts)")
     g.add_argument("--write-policy", choices=[w.value for w in WritePolicy], default=d.write_policy.value,
                    help="when device pages are backed up to host")
     g.add_argument("--prefetch-policy", choices=[p.value for p in PrefetchPolicy], default=d.prefetch_policy.value,
@@ -124,9 +133,19 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
                    help="exit 0 even if some requests did not finish (they are reported as unfinished)")
 
 
+def _describe(p: ModelPreset) -> str:
+    full = f"{p.bytes_per_token // 1024} KiB" if p.bytes_per_token >= 1024 else f"{p.bytes_per_token} B"
+    if not p.swa_layers:
+        return f"{p.name} ({full})"
+    window = (f"{p.window_bytes_per_token // 1024} KiB" if p.window_bytes_per_token >= 1024
+              else f"{p.window_bytes_per_token} B")
+    return f"{p.name} ({full} full + {window} window, {p.window_tokens}-token window)"
+
+
 def _cluster(a: argparse.Namespace) -> ClusterConfig:
     return ClusterConfig(workers=a.workers, page_size=a.page_size, device_tokens=a.device_tokens,
                          host_ratio=a.host_ratio, l3=a.l3, l3_tokens=a.l3_tokens, model=a.model,
+                         swa_ratio=a.swa_ratio, swa_events=a.swa_events,
                          write_policy=WritePolicy(a.write_policy), prefetch_policy=PrefetchPolicy(a.prefetch_policy),
                          prefill_budget=a.prefill_budget, max_running=a.max_running,
                          h2d_gbps=a.h2d_gbps if a.h2d_gbps is not None else GPU_LINKS[a.gpu_link].gbps,

@@ -39,6 +39,10 @@ class ClusterConfig:
     l3: str = field(default="none", metadata=one_of("none", "disk", "external"))  # per worker disk, or one pool
     l3_tokens: int = field(default=4_194_304, metadata=at_least(1))  # disk per worker, or the pool's total, tokens
     model: str = field(default="llama-3.1-8b", metadata=one_of(*PRESETS))  # KV bytes per token
+    # SWA models: window-KV pool tokens per full-attention pool token (SGLang's --swa-full-tokens-ratio): the
+    # device KV memory splits as device_tokens full-attention tokens + swa_ratio * device_tokens window tokens
+    swa_ratio: float = field(default=0.8, metadata=within(0, 1024))
+    swa_events: bool = True  # SWA engines announce their window KV (kvtier's extension; False: as SGLang)
     # speculative-decoding draft model whose KV moves with each page
     draft_model: str | None = field(default=None, metadata=one_of(*PRESETS, optional=True))
     write_policy: WritePolicy = field(default=WritePolicy.WRITE_THROUGH,  # device -> host backups
@@ -54,10 +58,21 @@ class ClusterConfig:
     latency: MockerLatency = field(default_factory=MockerLatency)  # iteration times (default: the mocker's fit)
 
     def cache_config(self) -> CacheConfig:
+        device_pages = self.device_tokens // self.page_size
+        window = PRESETS[self.model].window_tokens
+        window_pages = -(-window // self.page_size)  # pages holding the window before a page-aligned cut
         return CacheConfig(
-            page_size=self.page_size, device_pages=self.device_tokens // self.page_size, host_ratio=self.host_ratio,
+            page_size=self.page_size, device_pages=device_pages, host_ratio=self.host_ratio,
             write_policy=self.write_policy, prefetch_policy=self.prefetch_policy,
-            prefetch_min_pages=self.prefetch_min_pages, l3_write_behind=self.l3 != "none")
+            prefetch_min_pages=self.prefetch_min_pages, l3_write_behind=self.l3 != "none",
+            swa_window_pages=window_pages, swa_pages=max(window_pages, int(device_pages * self.swa_ratio)),
+            swa_events=self.swa_events)
+
+    def device_kv_bytes(self) -> int:
+        """Device memory the KV pools take per worker: full-attention pages, plus the window-KV pool."""
+        preset, cfg = PRESETS[self.model], self.cache_config()
+        full = cfg.device_pages * self.page_size * preset.bytes_per_token
+        return full + (cfg.swa_pages * self.page_size * preset.window_bytes_per_token if cfg.swa_window_pages else 0)
 
     def bandwidths(self) -> Bandwidths:
         return Bandwidths(d2h=self.h2d_gbps * 1e9, h2d=self.h2d_gbps * 1e9, storage_write=self.storage_gbps * 1e9,
@@ -115,7 +130,8 @@ class SimWorker:
         if cfg.draft_model is not None:
             per_token += PRESETS[cfg.draft_model].bytes_per_token  # the draft pool is copied with every page
         page_bytes = per_token * cfg.page_size
-        self.dp = ModeledDataPath(page_bytes, lambda: env.now, cfg.bandwidths())
+        self.dp = ModeledDataPath(page_bytes, lambda: env.now, cfg.bandwidths(),
+                                  window_page_bytes=PRESETS[cfg.model].window_bytes_per_token * cfg.page_size)
         self.cache = TieredCache(cfg.cache_config(), self.dp, store, name=f"w{index}")
         self._on_event = on_event
         self._on_first_token = on_first_token
@@ -194,6 +210,9 @@ class SimWorker:
             job = self.queue.popleft()
             if job.record.actual_blocks < 0:  # first admission: what the router's prediction is judged by
                 job.record.actual_blocks = visible(self.cache.peek_overlap(job.tokens), job.visible_tier).external
+                if self.cache.config.swa_window_pages:
+                    job.record.usable_blocks = visible(self.cache.usable_overlap(job.tokens),
+                                                       job.visible_tier).external
             job.adm = self.cache.admit(job.req.request_id, job.tokens)
             job.admitted_at = self.env.now
             job.record.device_tokens = job.adm.device_pages * self.cfg.page_size  # refined at prefill start

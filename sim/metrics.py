@@ -26,6 +26,8 @@ class RequestRecord:
     predicted_blocks: int = -1  # cached blocks the router expected on the chosen worker (-1: no prediction)
     actual_blocks: int = -1  # cached blocks really there when the engine admitted it (tiers the policy sees)
     rejected: bool = False  # could never fit on the worker
+    # SWA models: of actual_blocks, the prefix the engine can reuse (window KV before its end; -1: not SWA)
+    usable_blocks: int = -1
 
     @property
     def ttft(self) -> float:
@@ -73,6 +75,10 @@ class RunSummary:
     index_exact: float  # share of requests predicted exactly
     unfinished: int = 0  # requests of the trace neither completed nor rejected (still running, queued or unreleased)
     events_rejected: int = 0  # events the router's index rejected
+    # SWA models, policies that predict: the router's over-count against what the engine could reuse
+    usable_mae_blocks: float = float("nan")  # mean |predicted - usable| blocks at admission
+    overcount_blocks: float = float("nan")  # mean max(0, predicted - usable) blocks
+    overcount_share: float = float("nan")  # predicted blocks that were not usable / predicted blocks
     extra: dict[str, Any] = field(default_factory=dict)  # policy-specific numbers
 
     def as_dict(self) -> dict[str, Any]:
@@ -97,6 +103,9 @@ def summarize(policy: str, records: list[RequestRecord], workers: int, events_re
     predicted = [r for r in done if r.predicted_blocks >= 0 and r.actual_blocks >= 0]
     start = min((r.arrival for r in done), default=0.0)
     end = max((r.finish for r in done), default=0.0)
+    swa = [r for r in predicted if r.usable_blocks >= 0]
+    over = [max(0, r.predicted_blocks - r.usable_blocks) for r in swa]
+    nan = float("nan")
     return RunSummary(
         policy=policy, requests=len(done), rejected=rejected,
         unfinished=(len(records) if total is None else total) - len(done) - rejected,
@@ -112,4 +121,7 @@ def summarize(policy: str, records: list[RequestRecord], workers: int, events_re
         index_exact=(sum(r.predicted_blocks == r.actual_blocks for r in predicted) / len(predicted)
                      if predicted else float("nan")),
         events_rejected=events_rejected,
+        usable_mae_blocks=statistics.fmean(abs(r.predicted_blocks - r.usable_blocks) for r in swa) if swa else nan,
+        overcount_blocks=statistics.fmean(over) if swa else nan,
+        overcount_share=sum(over) / max(1, sum(r.predicted_blocks for r in swa)) if swa else nan,
     )

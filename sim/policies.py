@@ -13,6 +13,8 @@ filtered to the tiers they are allowed to know about.
 | kv_device     | device events                                          |
 | kv_host       | device + host events                                   |
 | kv_all        | device + host + storage events                         |
+| kv_swa        | as kv_all, scoring SWA engines on their usable prefix  |
+|               | (window-KV events; blind engines as kv_all)            |
 | dynamo        | all events, scored as Dynamo's kv_router (DynamoCost)  |
 | min_ttft      | all events, the worker with the least estimated TTFT   |
 | oracle        | the engines' true state (no events, no delay)          |
@@ -43,9 +45,10 @@ from kvtier.wire.overlap import OverlapScores, TierOverlap
 from kvtier.wire.protocol import BlockRemoved, BlockStored, Event, PackedTokens, StorageTier, WorkerId, parse_medium
 from kvtier.wire.stream import Delivery, StreamId
 
-POLICIES = ["round_robin", "random", "least_loaded", "approx", "kv_device", "kv_host", "kv_all", "dynamo", "min_ttft",
-            "oracle"]
+POLICIES = ["round_robin", "random", "least_loaded", "approx", "kv_device", "kv_host", "kv_all", "kv_swa", "dynamo",
+            "min_ttft", "oracle"]
 _TIER = {"kv_device": StorageTier.DEVICE, "kv_host": StorageTier.HOST, "kv_all": StorageTier.EXTERNAL,
+         "kv_swa": StorageTier.EXTERNAL,
          "dynamo": StorageTier.EXTERNAL, "min_ttft": StorageTier.EXTERNAL, "oracle": StorageTier.EXTERNAL,
          "approx": StorageTier.DEVICE}
 
@@ -161,7 +164,7 @@ class KvPolicy:
 
     def __init__(self, name: str, workers: int, block_size: int, cost: CostModel, loads: LoadTracker,
                  max_tier: StorageTier, temperature: float = 0.0, seed: int = 0,
-                 plugin: RoutingPolicy | None = None) -> None:
+                 plugin: RoutingPolicy | None = None, window_aware: bool = False) -> None:
         self.name = name
         self.max_tier = max_tier
         self.streams = _streams(workers)
@@ -169,13 +172,16 @@ class KvPolicy:
         for s in self.streams:
             self.index.add_worker(s)
         self.router = Router(self.index, cost, loads=loads, workers=self.streams, temperature=temperature, seed=seed,
-                             policy=plugin)
+                             policy=plugin, window_aware=window_aware)
         # The service's consumer, so loss and recovery act on the index exactly as in a deployment.
         self.consumer = IndexConsumer(self.index, wall_clock=lambda: 0.0, keep=self._listens)
 
     def _listens(self, ev: Event) -> bool:
-        # A router that only listens to lower tiers never sees the others.
-        return not (isinstance(ev, BlockStored | BlockRemoved) and parse_medium(ev.medium) > self.max_tier)
+        # A router that only listens to lower tiers never sees the others; one that is not window-aware
+        # filters window-KV events out, as Dynamo's router does with vLLM's sliding-window cache groups.
+        return not (isinstance(ev, BlockStored | BlockRemoved) and (
+            parse_medium(ev.medium) > self.max_tier
+            or (ev.kv_cache_spec_kind is not None and not self.router.window_aware)))
 
     def choose(self, req: RouteInput) -> Choice:
         d = self.router.route_keys(req.keys, req.num_tokens)
@@ -264,8 +270,8 @@ def make_cost(name: str, model: str, h2d_gbps: float, storage_gbps: float, max_t
     if name == "credit":
         return CreditCost(_credits(host_credit, disk_credit), max_tier=max_tier)
     if name == "ttft":
-        t = TransferModel(PRESETS[model].bytes_per_token, host_to_device_gbps=h2d_gbps,
-                          storage_to_host_gbps=storage_gbps, external_to_host_gbps=storage_gbps)
+        t = TransferModel.for_model(PRESETS[model], host_to_device_gbps=h2d_gbps,
+                                    storage_to_host_gbps=storage_gbps, external_to_host_gbps=storage_gbps)
         return TtftCost(t, latency or MockerLatency(), max_tier, prefill_budget, capacity_tokens)
     raise ValueError(f"unknown cost model {name!r}; expected 'credit' or 'ttft'")
 
@@ -317,4 +323,4 @@ def make_policy(name: str, *, workers: int, block_size: int, loads: LoadTracker,
         return Approx(workers, block_size, cm, loads)
     if name == "oracle":
         return Oracle(workers, caches, block_size, cm, loads, temperature, seed)
-    return KvPolicy(name, workers, block_size, cm, loads, _TIER[name], temperature, seed)
+    return KvPolicy(name, workers, block_size, cm, loads, _TIER[name], temperature, seed, window_aware=name == "kv_swa")

@@ -54,7 +54,7 @@ def write_json(path: Path, summaries: Sequence[RunSummary], meta: dict[str, Any]
 def write_csv(path: Path, runs: dict[str, list[RequestRecord]]) -> None:
     fields = ["policy", "request_id", "worker", "arrival", "input_tokens", "output_tokens", "ttft", "e2e", "queue",
               "device_tokens", "host_tokens", "storage_tokens", "recomputed_tokens", "predicted_blocks",
-              "actual_blocks", "rejected"]
+              "actual_blocks", "usable_blocks", "rejected"]
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(fields)
@@ -63,7 +63,7 @@ def write_csv(path: Path, runs: dict[str, list[RequestRecord]]) -> None:
                 w.writerow([policy, r.request_id, r.worker, f"{r.arrival:.6f}", r.input_tokens, r.output_tokens,
                             f"{r.ttft:.6f}", f"{r.e2e:.6f}", f"{r.queue:.6f}", r.device_tokens, r.host_tokens,
                             r.storage_tokens, r.recomputed_tokens, r.predicted_blocks, r.actual_blocks,
-                            int(r.rejected)])
+                            r.usable_blocks, int(r.rejected)])
 
 
 def plot(out_dir: Path, summaries: Sequence[RunSummary], runs: dict[str, list[RequestRecord]],

@@ -69,6 +69,10 @@ class Harness:
         truth = self.cache.residency()
         for tier in StorageTier:
             assert seen[tier] == truth[tier], (tier, seen[tier] ^ truth[tier])
+        if self.cache.config.swa_window_pages and self.cache.config.swa_events:
+            win_seen, win_truth = self.index.window_hashes(self.stream), self.cache.window_residency()
+            for tier, held in win_truth.items():
+                assert win_seen[tier] == held, ("window", tier, win_seen[tier] ^ held)
 
     def run(self, rid: str, tokens: list[int], output: int = 0, release: bool = True) -> Admission:
         """Admit, wait for loads, prefill, (release): one request end to end."""

@@ -6,7 +6,10 @@ acknowledged at arbitrary moments (so nodes split while their copies are in flig
 L3 writes and prefetches, sliding-window tombstones (SWA configurations), and resets. Every event
 batch goes through the real codec bytes into one TieredIndex. After every step, for every worker
 and tier, the index's view equals the engine's ``residency()``, ``find_matches`` equals the
-overlaps read from the engines, and both ``_check()`` pass.
+overlaps read from the engines, and both ``_check()`` pass. With SWA, the engines also publish their window
+KV (kvtier's extension events): the index's window view equals the engine's ``window_residency()``, a
+window-aware query equals the engine's ``usable_overlap()``, and a request's device-cached prefix at
+prefill is exactly that usable depth.
 """
 
 from __future__ import annotations
@@ -70,10 +73,17 @@ class Cluster:
             seen, truth = self.index.worker_hashes(stream), cache.residency()
             for tier in StorageTier:
                 assert seen[tier] == truth[tier], (stream, tier, seen[tier] ^ truth[tier])
+            if cache.config.swa_window_pages:
+                win_seen, win_truth = self.index.window_hashes(stream), cache.window_residency()
+                for tier, held in win_truth.items():
+                    assert win_seen[tier] == held, (stream, "window", tier, win_seen[tier] ^ held)
         for q in queries:
             m = self.index.find_matches(q)
+            keys = self.index.request_keys(q)
+            usable = self.index.find_matches_keys(keys, window_aware=True)
             for cache, stream in zip(self.caches, self.streams, strict=True):
                 assert m.workers[stream] == cache.peek_overlap(q), (stream, q)
+                assert usable.workers[stream] == cache.usable_overlap(q), (stream, q, usable.raw.get(stream))
 
 
 class Consistency(RuleBasedStateMachine):
@@ -94,8 +104,12 @@ class Consistency(RuleBasedStateMachine):
     @rule(w=st.integers(0, 2), doc=st.integers(0, 3), pages=st.integers(1, 12), tail=st.integers(0, 2))
     def request(self, w: int, doc: int, pages: int, tail: int) -> None:
         cache = self.c.caches[w]
-        adm = cache.admit("r", self._tokens(doc, pages, tail))
-        if cache.begin_prefill(adm) is not None:
+        tokens = self._tokens(doc, pages, tail)
+        usable = cache.usable_overlap(tokens).device
+        adm = cache.admit("r", tokens)
+        plan = cache.begin_prefill(adm)
+        if plan is not None:
+            assert plan.cached_tokens == usable * PS, (plan, usable)  # the engine reuses what the index says
             cache.finish_prefill(adm)
         cache.release(adm)
         self.c.deliver()
@@ -137,6 +151,8 @@ class Consistency(RuleBasedStateMachine):
         seen, truth = fresh.worker_hashes(stream), cache.residency()
         for tier in StorageTier:
             assert seen[tier] == truth[tier], (stream, tier, seen[tier] ^ truth[tier])
+        if cache.config.swa_window_pages:
+            assert fresh.window_hashes(stream) == cache.window_residency()
 
     @rule(w=st.integers(0, 2))
     def reset(self, w: int) -> None:

@@ -4,11 +4,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from kvtier.engine.cache import CacheConfig, PrefetchPolicy, WritePolicy
 from kvtier.engine.hashing import chain, event_hash
 from kvtier.engine.storage import PageStore
 from kvtier.indexer.index import TieredIndex
-from kvtier.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, StorageTier, WorkerId
+from kvtier.wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    StorageTier,
+    TierOverlap,
+    WorkerId,
+    is_window_event,
+)
 from kvtier.wire.stream import StreamId
 from tests.engine_harness import Harness
 
@@ -24,7 +35,10 @@ def hashes(tokens: list[int]) -> list[int]:
 
 
 def kinds(events: list[Event]) -> list[tuple[str, str]]:
-    return [(type(e).__name__, getattr(e, "medium", "") or "") for e in events]
+    """(type, medium) per event; window-KV events (SWA) have " window" after the medium."""
+    return [(type(e).__name__, (getattr(e, "medium", "") or "")
+             + (" window" if isinstance(e, BlockStored | BlockRemoved) and is_window_event(e) else ""))
+            for e in events]
 
 
 def test_sglang_hash_scheme_matches_wire_vectors() -> None:
@@ -272,17 +286,25 @@ def test_request_larger_than_the_device_evicts_nothing() -> None:
     h.cache.release(adm)
 
 
-def test_swa_window_eviction_is_a_silent_tombstone() -> None:
-    cfg = CacheConfig(page_size=PS, device_pages=16, host_ratio=0.0, swa_window_pages=2, swa_pages=4)
+@pytest.mark.parametrize("window_events", [False, True])
+def test_swa_window_eviction_is_a_tombstone(window_events: bool) -> None:
+    cfg = CacheConfig(page_size=PS, device_pages=16, host_ratio=0.0, swa_window_pages=2, swa_pages=2,
+                      swa_events=window_events)
     h = Harness(cfg)
     a = toks(0, 4)
-    h.run("a", a)
+    h.run("a", a)  # cached as pages 0-1 tombstoned (out of its window when it finished), 2-3 with window KV
     h.log.clear()
-    h.run("b", toks(1000, 4))  # needs all 4 window-KV pages: a's window KV goes, a stays on device
-    assert kinds(h.log) == [("BlockStored", "GPU")]
+    h.run("b", toks(1000, 4))  # needs the pool's 2 window-KV pages: a's window KV goes, a stays on device
+    if window_events:  # kvtier's extension: the window KV's removal, a's full KV untouched
+        assert kinds(h.log) == [("BlockRemoved", "GPU window"), ("BlockStored", "GPU"), ("BlockStored", "GPU"),
+                                ("BlockStored", "GPU window")]
+    else:  # as SGLang: silent
+        assert kinds(h.log) == [("BlockStored", "GPU"), ("BlockStored", "GPU")]
     assert set(hashes(a)) <= h.cache.residency()[StorageTier.DEVICE]
     node = h.cache.tree.match(a)[-1]
     assert node.device is not None and node.swa is None  # tombstone
+    assert h.cache.usable_overlap(a) == TierOverlap(0, 0, 0, 0)
+    assert h.cache.peek_overlap(a) == TierOverlap(4, 4, 4, 4)
 
 
 def test_swa_prefix_reuse_needs_the_window_and_recompute_restores_it() -> None:
@@ -302,7 +324,7 @@ def test_swa_prefix_reuse_needs_the_window_and_recompute_restores_it() -> None:
     h.cache.finish_prefill(adm)
     h.cache.release(adm)
     h.deliver()
-    assert kinds(h.log) == []  # restoring window KV publishes nothing
+    assert kinds(h.log) == [("BlockStored", "GPU window")]  # the recomputed window KV is announced
     assert h.cache.tree.match(a)[-1].swa is not None
     adm = h.cache.admit("third", a + [7])
     plan = h.cache.begin_prefill(adm)
@@ -315,8 +337,12 @@ def test_swa_full_eviction_emits_gpu_removal() -> None:
     h = Harness(cfg)
     h.run("a", toks(0, 4))
     h.run("b", toks(1000, 4))
-    assert kinds(h.log) == [("BlockStored", "GPU"), ("BlockRemoved", "GPU"), ("BlockStored", "GPU")]
-    assert h.cache.swa.used == 4
+    # Each prompt is cached as its tombstoned front and its last window (2 pages) with window KV; b evicts
+    # a's leaf (window KV first), then its front.
+    assert kinds(h.log) == [("BlockStored", "GPU"), ("BlockStored", "GPU"), ("BlockStored", "GPU window"),
+                            ("BlockRemoved", "GPU window"), ("BlockRemoved", "GPU"), ("BlockRemoved", "GPU"),
+                            ("BlockStored", "GPU"), ("BlockStored", "GPU"), ("BlockStored", "GPU window")]
+    assert h.cache.swa.used == 2
 
 
 def test_shared_pool_announcements_stay_prefix_closed_when_another_engine_wrote_the_parent() -> None:

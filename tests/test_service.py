@@ -80,7 +80,7 @@ def test_query_metrics_health_end_to_end(cluster: tuple[list[Publisher], Indexer
              and overlaps(svc)["shared_pool"] == 2)
     body = overlaps(svc)
     assert body["total_blocks"] == 8
-    ok = {"partial": False, "recovering": False}
+    ok = {"partial": False, "recovering": False, "window_kv": "untracked"}
     assert body["workers"]["w0"] == {"device": 3, "host": 3, "disk": 3, "external": 3, **ok}
     assert body["workers"]["w1"] == {"device": 1, "host": 6, "disk": 6, "external": 6, **ok}
     assert body["workers"]["w2"] == {"device": 0, "host": 0, "disk": 0, "external": 2, **ok}

@@ -10,6 +10,8 @@ from kvtier.wire.frames import DUMP_REQUEST, END_SEQ, pack_seq, unpack_seq
 from kvtier.wire.overlap import OverlapScores, TierOverlap
 from kvtier.wire.protocol import (
     TOKEN_BYTES,
+    WINDOW_GROUP,
+    WINDOW_KIND,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -20,6 +22,7 @@ from kvtier.wire.protocol import (
     StorageTier,
     UnknownMediumError,
     WorkerId,
+    is_window_event,
     pack_tokens,
     parse_medium,
     unpack_tokens,
@@ -45,6 +48,8 @@ __all__ = [
     "DUMP_REQUEST",
     "END_SEQ",
     "TOKEN_BYTES",
+    "WINDOW_GROUP",
+    "WINDOW_KIND",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
@@ -78,6 +83,7 @@ __all__ = [
     "WorkerId",
     "decode_payload",
     "encode_payload",
+    "is_window_event",
     "medium_spelling",
     "pack_seq",
     "pack_tokens",

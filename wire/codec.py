@@ -69,10 +69,16 @@ class _Removed(msgspec.Struct, gc=False):
 class _MapStored(_Stored, tag_field="type", tag="BlockStored"):
     # vLLM's; never in the array layout, whose trailing positions newer publishers may use otherwise.
     extra_keys: list[Any] | None = None
+    # vLLM's hybrid-cache metadata (maps only, like extra_keys).
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class _MapRemoved(_Removed, tag_field="type", tag="BlockRemoved"):
-    pass
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class _MapCleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared", gc=False):
@@ -108,6 +114,16 @@ _arr_decoder = msgspec.msgpack.Decoder(_ArrBatch)
 
 
 def _to_event(raw: object) -> Event:
+    if isinstance(raw, _MapStored):
+        return BlockStored(
+            block_hashes=raw.block_hashes, parent_block_hash=raw.parent_block_hash, token_ids=raw.token_ids,
+            block_size=raw.block_size, lora_id=raw.lora_id, medium=raw.medium, lora_name=raw.lora_name,
+            cache_salt=raw.cache_salt, extra_keys=raw.extra_keys, group_idx=raw.group_idx,
+            kv_cache_spec_kind=raw.kv_cache_spec_kind, kv_cache_spec_sliding_window=raw.kv_cache_spec_sliding_window)
+    if isinstance(raw, _MapRemoved):
+        return BlockRemoved(block_hashes=raw.block_hashes, medium=raw.medium, group_idx=raw.group_idx,
+                            kv_cache_spec_kind=raw.kv_cache_spec_kind,
+                            kv_cache_spec_sliding_window=raw.kv_cache_spec_sliding_window)
     if isinstance(raw, _Stored):
         return BlockStored(
             block_hashes=raw.block_hashes,
@@ -118,7 +134,6 @@ def _to_event(raw: object) -> Event:
             medium=raw.medium,
             lora_name=raw.lora_name,
             cache_salt=raw.cache_salt,
-            extra_keys=raw.extra_keys if isinstance(raw, _MapStored) else None,
         )
     if isinstance(raw, _Removed):
         return BlockRemoved(block_hashes=raw.block_hashes, medium=raw.medium)
@@ -175,6 +190,31 @@ class _VlStored(msgspec.Struct, tag_field="type", tag="BlockStored", omit_defaul
     extra_keys: list[Any] | None = None  # vLLM omits it when None
 
 
+class _WindowStored(msgspec.Struct, tag_field="type", tag="BlockStored", omit_defaults=True, gc=False):
+    """A window-KV BlockStored (see kvtier.wire.protocol.WINDOW_KIND): the publisher's own fields, then the
+    hybrid-cache fields vLLM names them with."""
+
+    block_hashes: list[EngineHash]
+    parent_block_hash: EngineHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class _WindowRemoved(msgspec.Struct, tag_field="type", tag="BlockRemoved", omit_defaults=True, gc=False):
+    block_hashes: list[EngineHash]
+    medium: str | None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
 #: Canonical medium spelling per wire format and tier.
 _SPELLING: dict[WireFormat, dict[StorageTier, str]] = {
     WireFormat.SGLANG: {
@@ -202,7 +242,23 @@ def _unsigned(h: EngineHash | None) -> EngineHash | None:
     return h & _U64 if isinstance(h, int) else h
 
 
-def _encode_event(ev: Event, fmt: WireFormat) -> object:
+def _encode_window(ev: BlockStored | BlockRemoved, fmt: WireFormat) -> object:
+    medium = medium_spelling(parse_medium(ev.medium), fmt)
+    vllm = fmt is WireFormat.VLLM
+    hashes = [_unsigned(h) for h in ev.block_hashes] if vllm else ev.block_hashes
+    meta = (ev.group_idx, ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window)
+    if isinstance(ev, BlockStored):
+        parent = _unsigned(ev.parent_block_hash) if vllm else ev.parent_block_hash
+        return _WindowStored(hashes, parent, ev.token_ids, ev.block_size,  # type: ignore[arg-type]
+                             ev.lora_id, medium, ev.lora_name, ev.cache_salt, *meta)
+    return _WindowRemoved(hashes, medium, *meta)  # type: ignore[arg-type]
+
+
+def _encode_event(ev: Event, fmt: WireFormat) -> object | None:
+    if isinstance(ev, BlockStored | BlockRemoved) and ev.kv_cache_spec_kind is not None:
+        # The array layout has no field for it: a consumer of that layout would read a window removal as a
+        # full-attention one, so such events are left out of it.
+        return None if fmt is WireFormat.SGLANG_ARRAY else _encode_window(ev, fmt)
     if isinstance(ev, BlockStored):
         medium = medium_spelling(parse_medium(ev.medium), fmt)
         if fmt is WireFormat.SGLANG:
@@ -232,8 +288,9 @@ def encode_payload(batch: EventBatch, fmt: WireFormat = WireFormat.SGLANG) -> by
     """Encode ``batch`` as ``fmt``'s publisher would. O(batch size).
 
     Medium strings are re-spelled in ``fmt``'s canonical spelling (a vLLM ``CPU``
-    becomes SGLang ``CPU_PINNED``); vLLM hashes are written unsigned.
+    becomes SGLang ``CPU_PINNED``); vLLM hashes are written unsigned. Events carrying vLLM's hybrid-cache
+    fields (window KV) keep them in the map layouts and are left out of the array layout.
     Raises :class:`indexer.protocol.UnknownMediumError` for an unknown medium.
     """
-    events = [_encode_event(ev, fmt) for ev in batch.events]
+    events = [e for e in (_encode_event(ev, fmt) for ev in batch.events) if e is not None]
     return _encoder.encode([float(batch.ts), events, batch.dp_rank])

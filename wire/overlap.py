@@ -23,6 +23,22 @@ class TierOverlap:
         return {"device": self.device, "host": self.host, "disk": self.disk, "external": self.external}
 
 
+def window_cut(ok: list[bool], limit: int, window: int) -> int:
+    """The longest reusable prefix, in blocks, of a sliding-window model: the largest ``c <= limit`` whose
+    ``window`` blocks before it (``[c - window, c)``, fewer near the start) all have window KV (``ok``), or 0.
+    A prefix that ends elsewhere would need window KV that is gone, so the engine recomputes from the cut.
+    O(limit)."""
+    if window <= 0:
+        return limit
+    run = 0  # ok blocks in a row ending at the current position
+    best = 0
+    for i in range(limit):
+        run = run + 1 if ok[i] else 0
+        if run >= min(window, i + 1):
+            best = i + 1
+    return best
+
+
 @dataclass(slots=True)
 class OverlapScores:
     """Per-worker overlaps of one request."""
@@ -30,10 +46,18 @@ class OverlapScores:
     total_blocks: int  # full blocks in the request
     workers: dict[StreamId, TierOverlap] = field(default_factory=dict)  # every known worker
     shared_pool: int = 0  # leading blocks all present in the shared external pool
+    # Workers whose window KV the index tracks (window-aware queries only): window length in blocks.
+    # Their ``workers`` entry is then the usable overlap (kvtier.wire.overlap.window_cut per tier).
+    windows: dict[StreamId, int] = field(default_factory=dict)
+    raw: dict[StreamId, TierOverlap] = field(default_factory=dict)  # those workers' overlaps before the cut
 
     def as_dict(self) -> dict[str, object]:
-        return {
+        out: dict[str, object] = {
             "total_blocks": self.total_blocks,
             "shared_pool": self.shared_pool,
             "workers": {str(s): o.as_dict() for s, o in self.workers.items()},
         }
+        if self.windows:
+            out["window_blocks"] = {str(s): b for s, b in self.windows.items()}
+            out["raw"] = {str(s): o.as_dict() for s, o in self.raw.items()}
+        return out

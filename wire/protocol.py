@@ -128,6 +128,9 @@ class BlockStored(msgspec.Struct, kw_only=True, gc=False):
     #: vLLM: per block, the untagged extra keys of its hash (LoRA name, (mm id, offset) pairs,
     #: cache salt, prompt-embedding digests); see kvtier.indexer.keys.split_extra_keys.
     extra_keys: list[Any] | None = None
+    group_idx: int | None = None  # vLLM hybrid models: the KV cache group the blocks belong to
+    kv_cache_spec_kind: str | None = None  # that group's kind; WINDOW_KIND: window KV only (see below)
+    kv_cache_spec_sliding_window: int | None = None  # that group's window, tokens
 
     @property
     def tier(self) -> StorageTier:
@@ -139,6 +142,9 @@ class BlockRemoved(msgspec.Struct, kw_only=True, gc=False):
 
     block_hashes: list[EngineHash]  # engine hashes of the removed blocks
     medium: str | None = None  # wire spelling of the tier; None means device
+    group_idx: int | None = None  # as BlockStored's
+    kv_cache_spec_kind: str | None = None  # as BlockStored's
+    kv_cache_spec_sliding_window: int | None = None  # as BlockStored's
 
     @property
     def tier(self) -> StorageTier:
@@ -150,6 +156,21 @@ class AllBlocksCleared(msgspec.Struct, kw_only=True, gc=False):
 
 
 Event: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
+
+#: ``kv_cache_spec_kind`` of events about sliding-window KV only (vLLM's spelling for its sliding-window
+#: cache groups). A kvtier SWA engine publishes its window KV this way: ``BlockStored`` when a page's window
+#: KV is computed, loaded or backed up, ``BlockRemoved`` when it is dropped (a tombstone, SPEC section 3) or
+#: its tier copy goes. The full-attention events are unchanged, so a consumer that filters cache groups by
+#: kind, as Dynamo's router does, keeps its full-attention view (kvtier.indexer.window has the rest).
+WINDOW_KIND = "sliding_window"
+#: The group index kvtier engines give their window-KV events (the full-attention group is 0).
+WINDOW_GROUP = 1
+
+
+def is_window_event(ev: BlockStored | BlockRemoved) -> bool:
+    """True if ``ev`` is about sliding-window KV only (case-insensitive kind). O(1)."""
+    kind = ev.kv_cache_spec_kind
+    return kind is not None and kind.lower() == WINDOW_KIND
 
 
 class EventBatch(msgspec.Struct, kw_only=True, gc=False):
