@@ -11,6 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvtier.wire import (
+    WINDOW_GROUP,
+    WINDOW_KIND,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -21,6 +23,7 @@ from kvtier.wire import (
     WireFormat,
     decode_payload,
     encode_payload,
+    is_window_event,
     medium_spelling,
     pack_tokens,
     parse_medium,
@@ -167,3 +170,65 @@ def test_packed_tokens_round_trip_as_uint32_little_endian(tokens: list[int]) -> 
 def test_packing_a_bad_token_id_is_a_value_error(bad: list[object]) -> None:
     with pytest.raises(ValueError, match="token ids must be integers"):
         pack_tokens(bad)  # type: ignore[arg-type]
+
+
+# --- window-KV events (kvtier's SWA extension, vLLM's hybrid cache-group fields) ----------------------------
+
+
+class _SglangStored(msgspec.Struct, tag_field="type", tag="BlockStored"):
+    """SGLang 0.5.23's BlockStored as its public kv_events.py declares it (a consumer that knows nothing else)."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+
+
+class _SglangRemoved(msgspec.Struct, tag_field="type", tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+class _SglangBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[_SglangStored | _SglangRemoved]
+    dp_rank: int | None = None
+
+
+def _window_batch() -> EventBatch:
+    meta = {"group_idx": WINDOW_GROUP, "kv_cache_spec_kind": WINDOW_KIND, "kv_cache_spec_sliding_window": 128}
+    return EventBatch(ts=1.0, events=[
+        BlockStored(block_hashes=[-5, 7], parent_block_hash=3, token_ids=list(range(8)), block_size=4, medium="GPU",
+                    **meta),  # type: ignore[arg-type]
+        BlockRemoved(block_hashes=[7], medium="CPU_PINNED", **meta)],  # type: ignore[arg-type]
+        dp_rank=0)
+
+
+@pytest.mark.parametrize("fmt", [WireFormat.SGLANG, WireFormat.VLLM])
+def test_window_events_round_trip_in_map_layouts(fmt: WireFormat) -> None:
+    back = decode_payload(encode_payload(_window_batch(), fmt))
+    assert [is_window_event(e) for e in back.events] == [True, True]  # type: ignore[arg-type]
+    stored, removed = back.events
+    assert isinstance(stored, BlockStored) and isinstance(removed, BlockRemoved)
+    assert (stored.group_idx, stored.kv_cache_spec_sliding_window, stored.token_ids) == (1, 128, list(range(8)))
+    assert removed.kv_cache_spec_kind == WINDOW_KIND
+
+
+def test_window_events_decode_in_a_consumer_that_ignores_the_fields() -> None:
+    """The frame stays valid SGLang wire: a consumer with SGLang's own structs decodes it (unknown fields
+    are ignored); one that filters cache groups by kind, as Dynamo's router does, drops these events."""
+    raw = _window_batch()
+    decoded = msgspec.msgpack.decode(encode_payload(raw), type=_SglangBatch)
+    assert [type(e).__name__ for e in decoded.events] == ["_SglangStored", "_SglangRemoved"]
+    as_maps = msgspec.msgpack.decode(encode_payload(raw))[1]
+    assert [m["kv_cache_spec_kind"] for m in as_maps] == [WINDOW_KIND, WINDOW_KIND]
+
+
+def test_window_events_are_left_out_of_the_array_layout() -> None:
+    """SGLang 0.5.17's array layout has no field for them: a consumer would read a window removal as a device one."""
+    batch = _window_batch()
+    batch.events.append(BlockStored(block_hashes=[9], parent_block_hash=None, token_ids=[1, 2, 3, 4], block_size=4))
+    back = decode_payload(encode_payload(batch, WireFormat.SGLANG_ARRAY))
+    assert len(back.events) == 1 and not is_window_event(back.events[0])  # type: ignore[arg-type]
