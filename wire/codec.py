@@ -190,18 +190,10 @@ class _VlStored(msgspec.Struct, tag_field="type", tag="BlockStored", omit_defaul
     extra_keys: list[Any] | None = None  # vLLM omits it when None
 
 
-class _WindowStored(msgspec.Struct, tag_field="type", tag="BlockStored", omit_defaults=True, gc=False):
+class _WindowStored(_SgStored):
     """A window-KV BlockStored (see kvtier.wire.protocol.WINDOW_KIND): the publisher's own fields, then the
     hybrid-cache fields vLLM names them with."""
 
-    block_hashes: list[EngineHash]
-    parent_block_hash: EngineHash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None = None
-    cache_salt: str | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
