@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from itertools import pairwise
+from typing import Any
 
 from kvtier.engine.datapath import CopyKind, CopyOp, DataPath
 from kvtier.engine.dump import NodeRun, Snapshot, dump_batches, l3_runs
@@ -27,8 +28,6 @@ from kvtier.wire.codec import medium_spelling
 from kvtier.wire.overlap import TierOverlap, window_cut
 from kvtier.wire.protocol import (
     TOKEN_BYTES,
-    WINDOW_GROUP,
-    WINDOW_KIND,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -39,6 +38,7 @@ from kvtier.wire.protocol import (
     StorageTier,
     pack_tokens,
     unpack_tokens,
+    window_group,
 )
 
 log = logging.getLogger(__name__)
@@ -178,15 +178,15 @@ class TieredCache:
     def _medium(self, tier: StorageTier) -> str:
         return medium_spelling(tier)
 
-    def _stored(self, node: Node, tier: StorageTier) -> None:
+    def _stored(self, node: Node, tier: StorageTier, **group: Any) -> None:
         self._events.append(BlockStored(
             block_hashes=list(node.hashes), parent_block_hash=node.parent_hash(), token_ids=unpack_tokens(node.tokens),
-            block_size=self.tree.page_size, medium=self._medium(tier)))
+            block_size=self.tree.page_size, medium=self._medium(tier), **group))
 
-    def _removed(self, hashes: list[int], tier: StorageTier) -> None:
+    def _removed(self, hashes: list[int], tier: StorageTier, **group: Any) -> None:
         if hashes:
             removed: list[EngineHash] = list(hashes)
-            self._events.append(BlockRemoved(block_hashes=removed, medium=self._medium(tier)))
+            self._events.append(BlockRemoved(block_hashes=removed, medium=self._medium(tier), **group))
 
     @property
     def _window_events(self) -> bool:
@@ -195,19 +195,12 @@ class TieredCache:
     def _window_stored(self, node: Node, tier: StorageTier) -> None:
         """``node``'s window KV is now on ``tier`` (after its full-attention BlockStored there)."""
         if self._window_events:
-            self._events.append(BlockStored(
-                block_hashes=list(node.hashes), parent_block_hash=node.parent_hash(),
-                token_ids=unpack_tokens(node.tokens), block_size=self.tree.page_size, medium=self._medium(tier),
-                group_idx=WINDOW_GROUP, kv_cache_spec_kind=WINDOW_KIND,
-                kv_cache_spec_sliding_window=self.config.swa_window_pages * self.tree.page_size))
+            self._stored(node, tier, **window_group(self.config.swa_window_pages * self.tree.page_size))
 
     def _window_removed(self, node: Node, tier: StorageTier) -> None:
         """``node``'s window KV left ``tier`` (before any full-attention BlockRemoved there)."""
         if self._window_events:
-            self._events.append(BlockRemoved(
-                block_hashes=list(node.hashes), medium=self._medium(tier), group_idx=WINDOW_GROUP,
-                kv_cache_spec_kind=WINDOW_KIND,
-                kv_cache_spec_sliding_window=self.config.swa_window_pages * self.tree.page_size))
+            self._removed(node.hashes, tier, **window_group(self.config.swa_window_pages * self.tree.page_size))
 
     # --- admission -----------------------------------------------------------------------
 
@@ -392,11 +385,7 @@ class TieredCache:
             if len(present) >= cached:
                 break
             present.extend([n.swa is not None] * n.pages)
-        present = present[:cached]
-        for cut in range(cached, 0, -1):
-            if all(present[max(0, cut - w):cut]):
-                return cut
-        return 0
+        return window_cut(present, cached, w)
 
     def finish_prefill(self, adm: Admission) -> None:
         """The prompt's KV is computed: its new full pages join the tree (BlockStored GPU)."""

@@ -15,16 +15,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from kvtier.engine.storage import PageMeta
-from kvtier.wire.protocol import (
-    WINDOW_GROUP,
-    WINDOW_KIND,
-    BlockStored,
-    EngineHash,
-    Event,
-    EventBatch,
-    PackedTokens,
-    unpack_tokens,
-)
+from kvtier.wire.protocol import BlockStored, EngineHash, Event, EventBatch, PackedTokens, unpack_tokens, window_group
 
 
 @dataclass(slots=True, frozen=True)
@@ -76,8 +67,7 @@ def dump_batches(snap: Snapshot, *, max_events: int = 256, dp_rank: int | None =
     events.extend(l3_runs(snap.l3_pages, snap.l3_medium, snap.page_size))
     events.extend(BlockStored(block_hashes=list(r.hashes), parent_block_hash=r.parent,
                               token_ids=unpack_tokens(r.tokens), block_size=snap.page_size, medium=r.medium,
-                              group_idx=WINDOW_GROUP,
-                              kv_cache_spec_kind=WINDOW_KIND, kv_cache_spec_sliding_window=snap.window_tokens)
+                              **window_group(snap.window_tokens))
                   for r in snap.windows)
     for i in range(0, len(events), max_events):
         yield EventBatch(ts=0.0, events=events[i:i + max_events], dp_rank=dp_rank)

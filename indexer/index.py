@@ -236,11 +236,6 @@ class TieredIndex:
         """Applies a batch's events in order; one outcome per event."""
         return [self.apply(stream, ev) for ev in batch.events]
 
-    def window_blocks(self, stream: StreamId) -> int:
-        """The worker's window length in blocks once it announced window KV, else 0 (untracked). O(1)."""
-        w = self._workers.get(stream)
-        return w.window if w is not None else 0
-
     def window_hashes(self, stream: StreamId) -> dict[StorageTier, set[EngineHash]]:
         """The engine hashes whose window KV the worker holds, per tier (device, host). O(worker blocks)."""
         out: dict[StorageTier, set[EngineHash]] = {StorageTier.DEVICE: set(), StorageTier.HOST: set()}
@@ -626,8 +621,8 @@ class TieredIndex:
         for w in self._workers.values():
             shift = _TIERS * w.slot
             entries = [(eh, key, (self._masks[key] >> shift) & _SLOT_MASK) for eh, key in w.hashes.items()]
-            window = [(key, (self._win.get(key, 0) >> shift) & _SLOT_MASK) for key in w.hashes.values()
-                      if (self._win.get(key, 0) >> shift) & _SLOT_MASK] if w.window else []
+            window = [(key, bits) for key in w.hashes.values()
+                      if (bits := (self._win.get(key, 0) >> shift) & _SLOT_MASK)] if w.window else []
             workers.append((w.stream.worker, w.stream.dp_rank, w.partial, entries, w.window, window))
         return msgspec.msgpack.encode({"version": 1, "block_size": self.block_size, "workers": workers})
 

@@ -134,12 +134,13 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
 
 
 def _describe(p: ModelPreset) -> str:
-    full = f"{p.bytes_per_token // 1024} KiB" if p.bytes_per_token >= 1024 else f"{p.bytes_per_token} B"
+    def size(n: int) -> str:
+        return f"{n // 1024} KiB" if n >= 1024 else f"{n} B"
+
     if not p.swa_layers:
-        return f"{p.name} ({full})"
-    window = (f"{p.window_bytes_per_token // 1024} KiB" if p.window_bytes_per_token >= 1024
-              else f"{p.window_bytes_per_token} B")
-    return f"{p.name} ({full} full + {window} window, {p.window_tokens}-token window)"
+        return f"{p.name} ({size(p.bytes_per_token)})"
+    return (f"{p.name} ({size(p.bytes_per_token)} full + {size(p.window_bytes_per_token)} window, "
+            f"{p.window_tokens}-token window)")
 
 
 def _cluster(a: argparse.Namespace) -> ClusterConfig:

@@ -11,7 +11,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvtier.wire import (
-    WINDOW_GROUP,
     WINDOW_KIND,
     AllBlocksCleared,
     BlockRemoved,
@@ -28,6 +27,7 @@ from kvtier.wire import (
     pack_tokens,
     parse_medium,
     unpack_tokens,
+    window_group,
 )
 
 SPELLINGS = {
@@ -198,11 +198,10 @@ class _SglangBatch(msgspec.Struct, array_like=True):
 
 
 def _window_batch() -> EventBatch:
-    meta = {"group_idx": WINDOW_GROUP, "kv_cache_spec_kind": WINDOW_KIND, "kv_cache_spec_sliding_window": 128}
     return EventBatch(ts=1.0, events=[
         BlockStored(block_hashes=[-5, 7], parent_block_hash=3, token_ids=list(range(8)), block_size=4, medium="GPU",
-                    **meta),  # type: ignore[arg-type]
-        BlockRemoved(block_hashes=[7], medium="CPU_PINNED", **meta)],  # type: ignore[arg-type]
+                    **window_group(128)),
+        BlockRemoved(block_hashes=[7], medium="CPU_PINNED", **window_group(128))],
         dp_rank=0)
 
 

@@ -26,6 +26,7 @@ from kvtier.wire.protocol import (
     pack_tokens,
     parse_medium,
     unpack_tokens,
+    window_group,
 )
 from kvtier.wire.publisher import DumpProvider, Publisher, ReplayStats
 from kvtier.wire.stream import (
@@ -90,4 +91,5 @@ __all__ = [
     "parse_medium",
     "unpack_seq",
     "unpack_tokens",
+    "window_group",
 ]

@@ -167,6 +167,12 @@ WINDOW_KIND = "sliding_window"
 WINDOW_GROUP = 1
 
 
+def window_group(window_tokens: int) -> dict[str, Any]:
+    """The fields that make a ``BlockStored`` / ``BlockRemoved`` about window KV (keyword arguments). O(1)."""
+    return {"group_idx": WINDOW_GROUP, "kv_cache_spec_kind": WINDOW_KIND,
+            "kv_cache_spec_sliding_window": window_tokens}
+
+
 def is_window_event(ev: BlockStored | BlockRemoved) -> bool:
     """True if ``ev`` is about sliding-window KV only (case-insensitive kind). O(1)."""
     kind = ev.kv_cache_spec_kind
