@@ -78,11 +78,9 @@ class IndexConsumer:
                 log.debug("%s", d)
 
     def _apply(self, d: Received) -> None:
-        index, outcomes, keep = self.index, self.counters.outcomes, self._keep
-        for ev in d.batch.events:
-            if keep is not None and not keep(ev):
-                continue
-            outcome = index.apply(d.stream, ev)
+        outcomes, keep = self.counters.outcomes, self._keep
+        events = d.batch.events if keep is None else [ev for ev in d.batch.events if keep(ev)]
+        for outcome in self.index.apply_events(d.stream, events):
             if outcome is not Outcome.APPLIED:
                 outcomes[outcome.value] = outcomes.get(outcome.value, 0) + 1
         self.counters.batches += 1

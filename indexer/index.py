@@ -20,8 +20,19 @@ counting the full-attention blocks alone over-counts (SPEC section 3's tombstone
 A kvtier SWA engine announces window KV per tier as vLLM's hybrid cache groups do (``kv_cache_spec_kind``
 ``sliding_window``); the index keeps it beside the full-attention bits, and a window-aware query cuts each such
 worker's overlap per tier to its usable prefix (:func:`kvtier.wire.overlap.window_cut`: device blocks need
-window KV on device, host blocks on host; L3 pages always carry it). Workers that send no window events
-(real SGLang, vLLM streams without them) keep their full-attention overlap and are marked untracked.
+window KV on device, host blocks on host; L3 pages always carry it).
+
+Engines that send no window events (real SGLang) are scored by a rule that needs none, when the index is told
+the served model's window (``window_tokens``): their window KV is *inferred*. An SWA engine keeps window KV
+for the last window of each prefix it caches (it frees the rest while the prefill moves on), so of each chain
+of blocks a batch stores on a tier, the last ``window`` blocks get the window bit; blocks that a later event
+of the same batch extends past lose it again. Load-back and L3 prefetch store the trailing window the same
+way (SGLang's TRAILING_PAGES). A prompt whose last window the worker already holds as full-attention blocks gets
+that window recomputed with no store published: the router knows it from its own decision, and
+:meth:`TieredIndex.note_routed` marks it. An inferred overlap is still an estimate: the rule cannot see window KV
+dropped under pool pressure (tombstones publish nothing). A worker's first window event
+switches it to tracked for good and drops its inferred bits. Without ``window_tokens``, such workers keep
+their full-attention overlap and are marked untracked.
 """
 
 from __future__ import annotations
@@ -103,7 +114,11 @@ class _Worker:
     # still the parent of a store that extends them (engine hashes name content, so the key stays right).
     ghosts: dict[EngineHash, BlockKey] = field(default_factory=dict)
     partial: bool = False  # events were lost for good: prefixes stored before the loss are unknown
-    window: int = 0  # window length in blocks, once the worker announced window KV (0: untracked)
+    window: int = 0  # window length in blocks: announced by window events, or the index's (0: untracked)
+    inferred: bool = False  # window bits come from the store rule (no window events seen), not from events
+    # Inferred window KV: per tier, the last block's engine hash and the last ``window`` keys of the chain
+    # that the current batch is storing (a store extending it continues it). Reset at each batch.
+    chains: dict[StorageTier, tuple[EngineHash, list[BlockKey]]] = field(default_factory=dict)
 
 
 class TieredIndex:
@@ -112,10 +127,16 @@ class TieredIndex:
     Not thread-safe: callers serialise access (the service holds one lock).
     """
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, *, window_tokens: int = 0) -> None:
+        """``window_tokens``: the served model's sliding window, used to infer window KV of workers that
+        send no window events (see "Window KV" in the module docstring); 0 leaves them untracked."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if window_tokens < 0:
+            raise ValueError(f"window_tokens must be >= 0, got {window_tokens}")
         self.block_size = block_size
+        self.window_tokens = window_tokens
+        self._default_window = -(-window_tokens // block_size)  # in blocks
         self._masks: dict[BlockKey, int] = {}
         self._workers: dict[StreamId, _Worker] = {}
         self._slot_stream: dict[int, StreamId] = {}  # slot -> the worker that owns it
@@ -140,7 +161,8 @@ class TieredIndex:
             else:
                 slot = self._next_slot
                 self._next_slot += 1
-            w = self._workers[stream] = _Worker(stream, slot)
+            w = self._workers[stream] = _Worker(stream, slot, window=self._default_window,
+                                                inferred=bool(self._default_window))
             self._slot_stream[slot] = stream
         return w
 
@@ -218,6 +240,7 @@ class TieredIndex:
         w.hashes.clear()
         w.counts = [0] * _TIERS
         w.orphans.clear()
+        w.chains.clear()
         w.stats.clears += 1
         w.partial = partial
 
@@ -234,7 +257,16 @@ class TieredIndex:
 
     def apply_batch(self, stream: StreamId, batch: EventBatch) -> list[Outcome]:
         """Applies a batch's events in order; one outcome per event."""
-        return [self.apply(stream, ev) for ev in batch.events]
+        return self.apply_events(stream, batch.events)
+
+    def apply_events(self, stream: StreamId, events: Sequence[Event]) -> list[Outcome]:
+        """Applies the events of one batch (all of it, or those a router listens to) in order; one outcome
+        per event. A batch is the unit of the inferred-window rule: events applied one by one with
+        :meth:`apply` continue the last batch. O(blocks in the events)."""
+        w = self._workers.get(stream)
+        if w is not None:
+            w.chains.clear()
+        return [self.apply(stream, ev) for ev in events]
 
     def window_hashes(self, stream: StreamId) -> dict[StorageTier, set[EngineHash]]:
         """The engine hashes whose window KV the worker holds, per tier (device, host). O(worker blocks)."""
@@ -317,9 +349,41 @@ class TieredIndex:
                 return Outcome.ORPHANED
         keys = chain_keys(ev.token_ids, bs, parent, ns, extras)
         self._insert(w, ev.block_hashes, keys, tier)
+        if w.inferred and tier <= StorageTier.HOST:
+            self._infer_window(w, ev, keys, tier)
         if w.orphans:
             self._graft(w, ev.block_hashes, keys)
         return Outcome.APPLIED
+
+    def _infer_window(self, w: _Worker, ev: BlockStored, keys: list[BlockKey], tier: StorageTier) -> None:
+        """The inferred-window rule (module docstring): the last ``w.window`` blocks of the chain this batch
+        is storing on ``tier`` carry window KV, but a host copy of a device page (a backup) has window KV where
+        the device page has it, and a device page loaded from a host copy without window KV has none.
+        O(blocks in the event + window)."""
+        shift = _TIERS * w.slot
+        bit, dev, host = 1 << (shift + tier), 1 << shift, 1 << (shift + StorageTier.HOST)
+        masks, win = self._masks, self._win
+        if tier is StorageTier.HOST and masks.get(keys[0], 0) & dev:
+            for key in keys:  # a backup (a prefetch stores only pages the device lacks)
+                if win.get(key, 0) & dev and masks.get(key, 0) & bit:
+                    win[key] |= bit
+            w.chains.pop(tier, None)
+            return
+        chain = w.chains.get(tier)
+        tail = chain[1] + keys if chain is not None and ev.parent_block_hash == chain[0] else keys
+        cut = max(0, len(tail) - w.window)
+        if chain is not None and tail is not keys:
+            for key in tail[:min(cut, len(chain[1]))]:  # extended past: those blocks lost their window KV
+                self._drop_window(key, ~bit)
+        kept = tail[cut:]
+        for key in kept:
+            m = masks.get(key, 0)
+            if not m & bit:
+                continue  # an aliased engine hash leaves a block without this worker's bit
+            if tier is StorageTier.DEVICE and m & host and not win.get(key, 0) & host:
+                continue  # loaded back from a host copy that has no window KV: it lands tombstoned
+            win[key] = win.get(key, 0) | bit
+        w.chains[tier] = (ev.block_hashes[-1], kept)
 
     def _insert(self, w: _Worker, block_hashes: list[EngineHash], keys: list[BlockKey], tier: StorageTier) -> None:
         """Puts the worker's ``tier`` bit on each key, keeping its engine-hash dict injective."""
@@ -373,6 +437,12 @@ class TieredIndex:
         tier = parse_medium(ev.medium)
         if tier > StorageTier.HOST:
             return self._reject(w, f"window KV on {tier.name}: only device and host window KV is tracked")
+        if w.inferred:  # the engine announces window KV: what the store rule guessed goes
+            keep = ~(_SLOT_MASK << (_TIERS * w.slot))
+            for held in w.hashes.values():
+                self._drop_window(held, keep)
+            w.inferred = False
+            w.chains.clear()
         size = ev.kv_cache_spec_sliding_window
         if size is not None:
             if size <= 0:
@@ -402,6 +472,20 @@ class TieredIndex:
             w.stats.last_error = f"window KV of {unknown} block(s) not on {tier.name}"
         w.stats.window_events += 1
         return Outcome.APPLIED
+
+    def note_routed(self, stream: StreamId, keys: Sequence[BlockKey]) -> None:
+        """A request with these prompt block keys was sent to ``stream``. A worker whose window KV is inferred
+        will hold window KV for the prompt's last window: blocks of it the worker has on device are marked
+        now, as the engine publishes no store for them; the rest comes with their stores. Nothing for other
+        workers. O(window)."""
+        w = self._workers.get(stream)
+        if w is None or not w.inferred:
+            return
+        bit = 1 << (_TIERS * w.slot + StorageTier.DEVICE)
+        masks, win = self._masks, self._win
+        for key in keys[max(0, len(keys) - w.window):]:
+            if masks.get(key, 0) & bit:
+                win[key] = win.get(key, 0) | bit
 
     def _drop_window(self, key: BlockKey, keep: int) -> None:
         m = self._win.get(key)
@@ -509,12 +593,15 @@ class TieredIndex:
         return result
 
     def _cut_to_windows(self, keys: list[BlockKey], result: OverlapScores) -> None:
-        """Replaces tracked workers' overlaps with their usable ones. O(m) per tracked worker with a prefix."""
+        """Replaces the overlaps of workers with a window (tracked or inferred) by their usable ones. O(m) per
+        such worker with a prefix."""
         wins: list[int] | None = None
         for w in self._workers.values():
             if not w.window:
                 continue
             result.windows[w.stream] = w.window
+            if w.inferred:
+                result.inferred.add(w.stream)
             raw = result.workers[w.stream]
             if not raw.external:
                 continue
@@ -623,8 +710,9 @@ class TieredIndex:
             entries = [(eh, key, (self._masks[key] >> shift) & _SLOT_MASK) for eh, key in w.hashes.items()]
             window = [(key, bits) for key in w.hashes.values()
                       if (bits := (self._win.get(key, 0) >> shift) & _SLOT_MASK)] if w.window else []
-            workers.append((w.stream.worker, w.stream.dp_rank, w.partial, entries, w.window, window))
-        return msgspec.msgpack.encode({"version": 1, "block_size": self.block_size, "workers": workers})
+            workers.append((w.stream.worker, w.stream.dp_rank, w.partial, entries, w.window, window, w.inferred))
+        return msgspec.msgpack.encode({"version": 1, "block_size": self.block_size,
+                                       "window_tokens": self.window_tokens, "workers": workers})
 
     @classmethod
     def restore(cls, data: bytes) -> TieredIndex:
@@ -633,12 +721,13 @@ class TieredIndex:
             obj = msgspec.msgpack.decode(data)
             if obj.get("version") != 1:
                 raise ValueError(f"unsupported snapshot version {obj.get('version')!r}")
-            index = cls(int(obj["block_size"]))
+            index = cls(int(obj["block_size"]), window_tokens=int(obj.get("window_tokens", 0)))
             for worker, dp_rank, partial, entries, *swa in obj["workers"]:
                 w = index._worker(StreamId(WorkerId(worker), int(dp_rank)))
                 w.partial = bool(partial)
                 if swa:  # written since window KV is tracked; older snapshots have none
                     w.window = int(swa[0])
+                    w.inferred = bool(swa[2]) if len(swa) > 2 else False
                     for key, bits in swa[1]:
                         index._win[BlockKey(key)] = index._win.get(key, 0) | (bits << (_TIERS * w.slot))
                 shift = _TIERS * w.slot

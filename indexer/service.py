@@ -74,6 +74,10 @@ class ServiceConfig:
     # each worker's device KV capacity in tokens (min_ttft's memory term)
     capacity_tokens: int | None = field(default=None, metadata=at_least(1, optional=True))
     model: str = field(default="llama-3.1-8b", metadata=one_of(*PRESETS))  # preset for the ttft cost's transfers
+    # Sliding window of the served model, tokens, for engines that send no window-KV events (SGLang): their
+    # window KV is inferred from their stores (kvtier.indexer.index, "Window KV"). None: the model preset's
+    # (0 for a full-attention model); 0: such engines are scored on their full-attention overlap.
+    window_tokens: int | None = field(default=None, metadata=at_least(0, optional=True))
     max_body_bytes: int = field(default=8 << 20, metadata=at_least(1))  # larger request bodies get 413
     # longer prompts get 400 (bounds a query's lock hold)
     max_query_tokens: int = field(default=1 << 20, metadata=at_least(1))
@@ -95,6 +99,11 @@ class ServiceConfig:
         _, sep, port = self.listen.rpartition(":")
         if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
             raise ConfigError(f"listen: {self.listen!r} is not allowed; expected HOST:PORT with a port in 0..65535")
+
+    @property
+    def inferred_window_tokens(self) -> int:
+        """The window the index infers for engines that send no window events (0: none)."""
+        return PRESETS[self.model].window_tokens if self.window_tokens is None else self.window_tokens
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -155,7 +164,7 @@ def load_config(path: Path) -> ServiceConfig:
                                   dp_rank=e.get("dp_rank", 0), supports_dump=e.get("supports_dump", False)))
     known = {"block_size", "listen", "replay_timeout_s", "cost", "model", "max_body_bytes", "max_query_tokens",
              "read_timeout_s", "keepalive_s", "request_ttl_s", "snapshot_path", "snapshot_interval_s", "policy",
-             "prefill_budget", "capacity_tokens"}
+             "prefill_budget", "capacity_tokens", "window_tokens"}
     if unknown := set(raw) - known:
         raise ConfigError(f"{path}: unknown settings {sorted(unknown)}")
     return ServiceConfig(endpoints=eps, **raw)
@@ -234,7 +243,7 @@ class IndexerService:
             dup = sorted({str(s) for s in streams if streams.count(s) > 1})
             raise ConfigError(f"endpoints name the same worker stream twice: {dup}")
         self.config = config
-        self.index = TieredIndex(config.block_size)
+        self.index = TieredIndex(config.block_size, window_tokens=config.inferred_window_tokens)
         self._resume: persist.Positions = {}  # streams restored from the snapshot, and where they were
         self.restored_from: str | None = None  # the snapshot file the index was restored from
         if config.snapshot_path is not None and Path(config.snapshot_path).exists():
@@ -282,6 +291,10 @@ class IndexerService:
             index, positions = persist.load(path, self.config.block_size)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        if index.window_tokens != self.config.inferred_window_tokens:
+            # Its inferred window KV was cut to another window: it would be wrong for as long as it lasts.
+            raise ConfigError(f"snapshot {path}: window_tokens {index.window_tokens}, the service's is "
+                              f"{self.config.inferred_window_tokens}; remove the snapshot or set window_tokens")
         for s in index.streams:
             if s not in streams:
                 index.remove_worker(s)  # no longer configured
@@ -401,12 +414,13 @@ class IndexerService:
     @staticmethod
     def _window_answer(overlaps: OverlapScores, s: StreamId) -> dict[str, Any]:
         """``window_kv``: ``tracked`` (an SWA engine announcing window KV: the overlap is its usable prefix,
-        ``raw`` the full-attention one) or ``untracked`` (the overlap as announced; for an SWA engine that
-        sends no window events, as SGLang, an upper bound)."""
+        ``raw`` the full-attention one), ``inferred`` (an engine that sends no window events, with the
+        configured ``window_tokens``: the usable prefix as the store rule estimates it) or ``untracked``
+        (the overlap as announced; for an SWA engine that sends no window events, an upper bound)."""
         if s not in overlaps.windows:
             return {"window_kv": "untracked"}
         raw = overlaps.raw.get(s)
-        return {"window_kv": "tracked", "window_blocks": overlaps.windows[s],
+        return {"window_kv": "inferred" if s in overlaps.inferred else "tracked", "window_blocks": overlaps.windows[s],
                 "raw": (raw or overlaps.workers[s]).as_dict()}
 
     def query(self, body: bytes | Any) -> dict[str, Any]:
@@ -431,6 +445,7 @@ class IndexerService:
             dec = self.router.route_keys(keys, len(tokens))
             cached = dec.overlaps.workers[dec.worker].external * self.index.block_size
             self.loads.add(rid, dec.worker, keys, len(tokens), max(0, len(tokens) - cached))
+            self.index.note_routed(dec.worker, keys)  # inferred window KV (SWA engines without window events)
             deadline = time.monotonic() + self.config.request_ttl_s
             self._deadlines[rid] = deadline
             heapq.heappush(self._expiry, (deadline, rid))

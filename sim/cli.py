@@ -329,7 +329,8 @@ def cmd_indexer(a: argparse.Namespace) -> int:
         cfg = load_config(a.config) if a.config else ServiceConfig(endpoints=[])
         eps = cfg.endpoints + [parse_endpoint(s) for s in a.endpoint]
         overrides = {k: v for k, v in (("block_size", a.block_size), ("listen", a.listen), ("cost", a.cost),
-                                       ("snapshot_path", a.snapshot), ("policy", a.policy)) if v is not None}
+                                       ("snapshot_path", a.snapshot), ("policy", a.policy), ("model", a.model),
+                                       ("window_tokens", a.window_tokens)) if v is not None}
         cfg = replace(cfg, endpoints=eps, **overrides)
         if not cfg.endpoints:
             raise ConfigError("give at least one --endpoint or a --config with [[endpoints]]")
@@ -418,6 +419,13 @@ def build_parser() -> argparse.ArgumentParser:
                                     "kvtier.policies (default: the --cost model)")
     p.add_argument("--snapshot", help="file the index is saved to (every 30 s and on stop) and restored from on "
                                       "start, resuming each stream after its last applied batch (default: none)")
+    p.add_argument("--model", choices=sorted(MODEL_PRESETS), metavar="NAME",
+                   help="the served model's preset: the ttft cost's transfer bytes and, for hybrid models, the "
+                        "sliding window (default: the config's, else llama-3.1-8b)")
+    p.add_argument("--window-tokens", type=int, metavar="N",
+                   help="sliding window, tokens, for engines that send no window-KV events (SGLang): their window "
+                        "KV is inferred from their stores and /query says window_kv: inferred; 0: scored on full "
+                        "attention (default: the config's, else the --model preset's)")
     p.set_defaults(func=cmd_indexer)
     return parser
 

@@ -14,10 +14,11 @@ filtered to the tiers they are allowed to know about.
 | kv_host       | device + host events                                   |
 | kv_all        | device + host + storage events                         |
 | kv_swa        | as kv_all, scoring SWA engines on their usable prefix  |
-|               | (window-KV events; blind engines as kv_all)            |
+|               | (window-KV events; engines that send none: inferred    |
+|               | from their stores, see kvtier.indexer.index)           |
 | dynamo        | all events, scored as Dynamo's kv_router (DynamoCost)  |
 | min_ttft      | all events, the worker with the least estimated TTFT   |
-| oracle        | the engines' true state (no events, no delay)          |
+| oracle        | the engines' true state, usable prefix (no events)     |
 
 Every KV-aware policy counts a prefix that in-flight requests share once in a worker's load, and
 breaks cost ties at random (seeded): see :class:`kvtier.indexer.router.Router`.
@@ -164,11 +165,11 @@ class KvPolicy:
 
     def __init__(self, name: str, workers: int, block_size: int, cost: CostModel, loads: LoadTracker,
                  max_tier: StorageTier, temperature: float = 0.0, seed: int = 0,
-                 plugin: RoutingPolicy | None = None, window_aware: bool = False) -> None:
+                 plugin: RoutingPolicy | None = None, window_aware: bool = False, window_tokens: int = 0) -> None:
         self.name = name
         self.max_tier = max_tier
         self.streams = _streams(workers)
-        self.index = TieredIndex(block_size)
+        self.index = TieredIndex(block_size, window_tokens=window_tokens)
         for s in self.streams:
             self.index.add_worker(s)
         self.router = Router(self.index, cost, loads=loads, workers=self.streams, temperature=temperature, seed=seed,
@@ -185,6 +186,8 @@ class KvPolicy:
 
     def choose(self, req: RouteInput) -> Choice:
         d = self.router.route_keys(req.keys, req.num_tokens)
+        if self.router.window_aware:
+            self.index.note_routed(d.worker, req.keys)
         i = self.streams.index(d.worker)
         return Choice(i, visible(d.overlaps.workers[d.worker], self.max_tier), self.max_tier)
 
@@ -211,7 +214,7 @@ class Oracle:
     def choose(self, req: RouteInput) -> Choice:
         scores = OverlapScores(total_blocks=len(req.keys))
         for s, cache in zip(self.streams, self._caches(), strict=True):
-            scores.workers[s] = cache.peek_overlap(req.tokens)
+            scores.workers[s] = cache.usable_overlap(req.tokens)  # what the engine would reuse (SWA: the cut)
         d = self.router.choose(scores, req.num_tokens, req.keys)
         i = self.streams.index(d.worker)
         return Choice(i, scores.workers[d.worker])
@@ -323,4 +326,7 @@ def make_policy(name: str, *, workers: int, block_size: int, loads: LoadTracker,
         return Approx(workers, block_size, cm, loads)
     if name == "oracle":
         return Oracle(workers, caches, block_size, cm, loads, temperature, seed)
-    return KvPolicy(name, workers, block_size, cm, loads, _TIER[name], temperature, seed, window_aware=name == "kv_swa")
+    swa = name == "kv_swa"
+    # kv_swa knows the served model, so engines that send no window events get their window KV inferred.
+    return KvPolicy(name, workers, block_size, cm, loads, _TIER[name], temperature, seed, window_aware=swa,
+                    window_tokens=PRESETS[model].window_tokens if swa else 0)

@@ -16,15 +16,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvtier.indexer.exposition import Family, render
 from kvtier.indexer.service import ConfigError, IndexerService, ServiceConfig, load_config, parse_endpoint
 from kvtier.sim.cli import main as cli_main
-from kvtier.wire import BlockRemoved, BlockStored, EventBatch, Publisher, StorageTier
+from kvtier.wire import BlockRemoved, BlockStored, EventBatch, Publisher, StorageTier, window_group
 
 BS = 4
 TOKS = list(range(1000, 1032))  # 8 blocks
 
 
-def stored(hashes: list[int], parent: int | None, lo: int, medium: str = "GPU") -> BlockStored:
+def stored(hashes: list[int], parent: int | None, lo: int, medium: str = "GPU", **group: Any) -> BlockStored:
     return BlockStored(block_hashes=hashes, parent_block_hash=parent,
-                       token_ids=TOKS[lo * BS:(lo + len(hashes)) * BS], block_size=BS, medium=medium)
+                       token_ids=TOKS[lo * BS:(lo + len(hashes)) * BS], block_size=BS, medium=medium, **group)
 
 
 def post(url: str, body: Any) -> tuple[int, dict[str, Any]]:
@@ -166,3 +166,30 @@ def test_exposition_escapes_labels_and_help() -> None:
     assert parsed.name == "kvtier_x" and parsed.type == "counter"
     assert parsed.documentation == 'counts "things"\\ across\nlines'
     assert [(s.labels["worker"], s.value) for s in parsed.samples] == [(odd, 3), ("plain", 1.5)]
+
+
+def test_query_says_how_each_worker_window_kv_is_known() -> None:
+    """An SWA model (window of two blocks): a worker announcing window KV is ``tracked``, one that sends no
+    window events has it ``inferred`` from its stores; both answer their usable prefix beside the raw one."""
+    pubs = [Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0") for _ in range(2)]
+    eps = [parse_endpoint(f"w{i}={p.endpoint},replay={p.replay_endpoint}") for i, p in enumerate(pubs)]
+    svc = IndexerService(ServiceConfig(endpoints=eps, block_size=BS, listen="127.0.0.1:0", replay_timeout_s=1.0,
+                                       window_tokens=2 * BS))
+    svc.start()
+    try:
+        win = window_group(2 * BS)
+        # Both cache the first 6 blocks; w0 says its window KV sits on blocks 2 and 3, w1 says nothing.
+        pubs[0].publish(EventBatch(ts=time.time(), events=[stored([1, 2, 3, 4, 5, 6], None, 0),
+                                                           stored([3, 4], 2, 2, **win)]))
+        pubs[1].publish(EventBatch(ts=time.time(), events=[stored([11, 12, 13, 14, 15, 16], None, 0)]))
+        wait_for(lambda: overlaps(svc)["workers"]["w1"]["raw"]["device"] == 6
+                 and overlaps(svc)["workers"]["w0"]["window_kv"] == "tracked")
+        body = overlaps(svc)
+        w0, w1 = body["workers"]["w0"], body["workers"]["w1"]
+        assert (w0["window_kv"], w0["device"], w0["raw"]["device"], w0["window_blocks"]) == ("tracked", 4, 6, 2)
+        assert (w1["window_kv"], w1["device"], w1["raw"]["device"], w1["window_blocks"]) == ("inferred", 6, 6, 2)
+        assert body["window_inferred"] == ["w1"]
+    finally:
+        svc.stop()
+        for p in pubs:
+            p.close()

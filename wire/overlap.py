@@ -46,10 +46,12 @@ class OverlapScores:
     total_blocks: int  # full blocks in the request
     workers: dict[StreamId, TierOverlap] = field(default_factory=dict)  # every known worker
     shared_pool: int = 0  # leading blocks all present in the shared external pool
-    # Workers whose window KV the index tracks (window-aware queries only): window length in blocks.
+    # Workers whose window KV the index knows (window-aware queries only): window length in blocks.
     # Their ``workers`` entry is then the usable overlap (kvtier.wire.overlap.window_cut per tier).
     windows: dict[StreamId, int] = field(default_factory=dict)
     raw: dict[StreamId, TierOverlap] = field(default_factory=dict)  # those workers' overlaps before the cut
+    # Those of them that send no window events: their window KV is inferred from their stores (an upper bound)
+    inferred: set[StreamId] = field(default_factory=set)
 
     def as_dict(self) -> dict[str, object]:
         out: dict[str, object] = {
@@ -60,4 +62,6 @@ class OverlapScores:
         if self.windows:
             out["window_blocks"] = {str(s): b for s, b in self.windows.items()}
             out["raw"] = {str(s): o.as_dict() for s, o in self.raw.items()}
+            if self.inferred:
+                out["window_inferred"] = sorted(str(s) for s in self.inferred)
         return out
