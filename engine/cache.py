@@ -367,12 +367,32 @@ class TieredCache:
             return None
         swa = self._alloc_swa(swa_need)
         if swa is None:
+            swa = self._alloc_swa_from_path(path, usable, swa_need)
+        if swa is None:
             self.device.release(pages)
             return None
         adm.compute, adm.private = pages[:full - cached], pages[full - cached:]
         adm.swa = swa
         adm.started = True
         return PrefillPlan(usable * ps, n_tokens - usable * ps)
+
+    def _alloc_swa_from_path(self, path: list[Node], usable: int, n: int) -> list[PageId] | None:
+        """``n`` window-KV pages when the LRU has none to give: the request's own locked path may hold the
+        pool (a long session caches a window at each turn's end). Like SGLang's SWA lock, which covers only
+        the window before a request's cut, window KV elsewhere on the path that no other request holds is
+        tombstoned, shallowest first. O(path)."""
+        w = self.config.swa_window_pages
+        end = 0
+        for node in path:
+            if self.swa.free >= n:
+                break
+            start, end = end, end + node.pages
+            if node.swa is None or node.lock_ref != 1 or node.host_pending is not None:
+                continue  # tombstoned already, read by another request too, or being backed up
+            if start < usable and end > usable - w:
+                continue  # the window this request reads
+            self._tombstone(node)
+        return self._alloc_swa(n)
 
     def _window_usable(self, path: list[Node], cached: int) -> int:
         """Longest reusable device prefix (pages): with SWA, the window before the cut needs its

@@ -749,6 +749,10 @@ class TieredIndex:
         assert self._slot_stream == {w.slot: s for s, w in self._workers.items()}, "slot owners out of sync"
         assert not set(slots) & set(self._free_slots), "a live slot is also free"
         assert all(s < self._next_slot for s in slots + self._free_slots), "slot beyond next_slot"
+        for w in self._workers.values():
+            assert not w.inferred or w.window, f"{w.stream}: window KV inferred with no window"
+            assert w.inferred or not w.chains, f"{w.stream}: store chains kept for a worker that is not inferred"
+            assert all(len(c[1]) <= w.window for c in w.chains.values()), f"{w.stream}: a chain tail over the window"
         held: dict[int, set[BlockKey]] = {w.slot: set() for w in self._workers.values()}
         for key, m in self._masks.items():
             assert m, f"key {key:#x} maps to an empty mask"

@@ -192,6 +192,10 @@ CASES: dict[str, Case] = {
     "indexer no endpoints": (lambda t, f: ["indexer"], "give at least one --endpoint"),
     "indexer bad endpoint": (lambda t, f: ["indexer", "--endpoint", "garbage"], "endpoint 'garbage'"),
     "indexer unknown policy": (lambda t, f: indexer("--policy", "nope"), "policy 'nope'"),
+    "indexer negative window": (lambda t, f: indexer("--window-tokens", "-3"), "window_tokens: -3 is not allowed"),
+    "indexer TOML window type": (lambda t, f: ["indexer", "--config", toml(
+        t, 'window_tokens = "128"\n[[endpoints]]\nworker = "w0"\nendpoint = "tcp://127.0.0.1:1"\n')],
+        "window_tokens: '128' is not allowed"),
     "indexer missing config": (lambda t, f: ["indexer", "--config", str(t / "none.toml")],
                                "none.toml: No such file or directory"),
     "indexer TOML wrong type": (lambda t, f: ["indexer", "--config", toml(

@@ -332,6 +332,28 @@ def test_swa_prefix_reuse_needs_the_window_and_recompute_restores_it() -> None:
     h.cache.release(adm)
 
 
+def test_swa_session_whose_own_path_holds_the_window_pool_still_starts() -> None:
+    """A session caches a window at each turn's end, all on the next turn's (locked) path. That turn reads
+    only the window before its cut: the older windows on its path are tombstoned to make room, as SGLang's
+    SWA lock covers only that window. Before, such a turn waited for window KV forever."""
+    cfg = CacheConfig(page_size=PS, device_pages=32, host_ratio=0.0, swa_window_pages=2, swa_pages=4)
+    h = Harness(cfg)
+    h.run("t1", toks(0, 4))  # window KV on pages 2-3
+    h.run("t2", toks(0, 6))  # and on pages 4-5: the pool is full
+    first, second = h.cache.tree.match(toks(0, 6))[1:]
+    assert first.swa is not None and second.swa is not None and h.cache.swa.free == 0
+    h.log.clear()
+    adm = h.cache.admit("t3", toks(0, 8))
+    plan = h.cache.begin_prefill(adm)
+    assert plan is not None and plan.cached_tokens == 6 * PS  # its cut keeps the window it reads
+    assert first.swa is None and second.swa is not None
+    h.cache.finish_prefill(adm)
+    h.cache.release(adm)
+    h.deliver()
+    assert kinds(h.log)[0] == ("BlockRemoved", "GPU window")  # announced like any tombstone
+    h.cache._check()
+
+
 def test_swa_full_eviction_emits_gpu_removal() -> None:
     cfg = CacheConfig(page_size=PS, device_pages=4, host_ratio=0.0, swa_window_pages=2)
     h = Harness(cfg)

@@ -13,7 +13,9 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvtier.indexer import persist
 from kvtier.indexer.exposition import Family, render
+from kvtier.indexer.index import TieredIndex
 from kvtier.indexer.service import ConfigError, IndexerService, ServiceConfig, load_config, parse_endpoint
 from kvtier.sim.cli import main as cli_main
 from kvtier.wire import BlockRemoved, BlockStored, EventBatch, Publisher, StorageTier, window_group
@@ -193,3 +195,13 @@ def test_query_says_how_each_worker_window_kv_is_known() -> None:
         svc.stop()
         for p in pubs:
             p.close()
+
+
+def test_a_snapshot_inferred_with_another_window_is_refused(tmp_path: Path) -> None:
+    snap = tmp_path / "index.snap"
+    persist.save(snap, TieredIndex(BS, window_tokens=2 * BS), {})
+    eps = [parse_endpoint("w0=tcp://127.0.0.1:1")]
+    with pytest.raises(ConfigError, match="window_tokens 8, the service's is 0"):
+        IndexerService(ServiceConfig(endpoints=eps, block_size=BS, snapshot_path=str(snap), window_tokens=0))
+    svc = IndexerService(ServiceConfig(endpoints=eps, block_size=BS, snapshot_path=str(snap), window_tokens=2 * BS))
+    assert svc.restored_from == str(snap) and svc.index.window_tokens == 2 * BS
