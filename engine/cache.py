@@ -192,15 +192,20 @@ class TieredCache:
     def _window_events(self) -> bool:
         return bool(self.config.swa_window_pages) and self.config.swa_events
 
+    @property
+    def _window_tokens(self) -> int:
+        """The window the events announce (``kv_cache_spec_sliding_window``): whole pages of it."""
+        return self.config.swa_window_pages * self.tree.page_size
+
     def _window_stored(self, node: Node, tier: StorageTier) -> None:
         """``node``'s window KV is now on ``tier`` (after its full-attention BlockStored there)."""
         if self._window_events:
-            self._stored(node, tier, **window_group(self.config.swa_window_pages * self.tree.page_size))
+            self._stored(node, tier, **window_group(self._window_tokens))
 
     def _window_removed(self, node: Node, tier: StorageTier) -> None:
         """``node``'s window KV left ``tier`` (before any full-attention BlockRemoved there)."""
         if self._window_events:
-            self._removed(node.hashes, tier, **window_group(self.config.swa_window_pages * self.tree.page_size))
+            self._removed(node.hashes, tier, **window_group(self._window_tokens))
 
     # --- admission -----------------------------------------------------------------------
 
@@ -243,7 +248,7 @@ class TieredCache:
         window KV). Only these pages' window KV is loaded and prefetched (SGLang's TRAILING_PAGES)."""
         ok: list[bool] = []
         for n in path:
-            ok.extend([n.swa is not None if n.device is not None else n.host_swa] * n.pages)
+            ok.extend([n.window_read] * n.pages)
         ok.extend([True] * l3_pages)
         cut = window_cut(ok, len(ok), self.config.swa_window_pages)
         return max(0, cut - self.config.swa_window_pages), cut
@@ -980,7 +985,7 @@ class TieredCache:
             if child.device is None and child.host is None:
                 break  # only in flight towards host: not announced on any tier yet
             if ok is not None:
-                ok.extend([child.swa is not None if child.device is not None else child.host_swa] * k)
+                ok.extend([child.window_read] * k)
             pos += k
             node = child
             last_digest = child.digests[k - 1]
@@ -1038,7 +1043,7 @@ class TieredCache:
                 runs.append(NodeRun(n.hashes, n.parent_hash(), n.tokens, host))
                 if n.host_swa and self._window_events:
                     windows.append(NodeRun(n.hashes, n.parent_hash(), n.tokens, host))
-        window_tokens = self.config.swa_window_pages * self.tree.page_size if windows else 0
+        window_tokens = self._window_tokens if windows else 0
         if self.store is None:
             return Snapshot(self.tree.page_size, runs, [], "", windows, window_tokens)
         l3 = [self.store.meta(k) for k in self.store.announced_by(self.name) if k in self._announced]

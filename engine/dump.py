@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvtier.engine.storage import PageMeta
 from kvtier.wire.protocol import BlockStored, EngineHash, Event, EventBatch, PackedTokens, unpack_tokens, window_group
@@ -54,20 +55,21 @@ def l3_runs(pages: Iterable[PageMeta], medium: str, page_size: int) -> list[Bloc
                         block_size=page_size, medium=medium) for parent, hashes, parts in runs]
 
 
+def _run_event(r: NodeRun, page_size: int, **group: Any) -> BlockStored:
+    hashes: list[EngineHash] = list(r.hashes)
+    return BlockStored(block_hashes=hashes, parent_block_hash=r.parent, token_ids=unpack_tokens(r.tokens),
+                       block_size=page_size, medium=r.medium, **group)
+
+
 def dump_batches(snap: Snapshot, *, max_events: int = 256, dp_rank: int | None = None) -> Iterator[EventBatch]:
     """The snapshot as event batches, built lazily (no lock needed). O(tokens) in all."""
     events: list[Event] = []
     for r in snap.runs:
-        hashes: list[EngineHash] = list(r.hashes)
-        events.append(BlockStored(block_hashes=hashes, parent_block_hash=r.parent,
-                                  token_ids=unpack_tokens(r.tokens), block_size=snap.page_size, medium=r.medium))
+        events.append(_run_event(r, snap.page_size))
         if len(events) == max_events:
             yield EventBatch(ts=0.0, events=list(events), dp_rank=dp_rank)
             events.clear()
     events.extend(l3_runs(snap.l3_pages, snap.l3_medium, snap.page_size))
-    events.extend(BlockStored(block_hashes=list(r.hashes), parent_block_hash=r.parent,
-                              token_ids=unpack_tokens(r.tokens), block_size=snap.page_size, medium=r.medium,
-                              **window_group(snap.window_tokens))
-                  for r in snap.windows)
+    events.extend(_run_event(r, snap.page_size, **window_group(snap.window_tokens)) for r in snap.windows)
     for i in range(0, len(events), max_events):
         yield EventBatch(ts=0.0, events=events[i:i + max_events], dp_rank=dp_rank)

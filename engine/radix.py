@@ -58,6 +58,12 @@ class Node:
     def device_leaf(self) -> bool:
         return all(c.device is None and c.loading is None for c in self.children.values())
 
+    @property
+    def window_read(self) -> bool:
+        """SWA: whether the copy a request reads these pages from has window KV (the device copy if there
+        is one, else the host copy)."""
+        return self.swa is not None if self.device is not None else self.host_swa
+
 
 class RadixTree:
     """The tree; residency bookkeeping lives in :class:`engine.cache.TieredCache`.

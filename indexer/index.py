@@ -193,14 +193,19 @@ class TieredIndex:
     def worker_hashes(self, stream: StreamId) -> dict[StorageTier, set[EngineHash]]:
         """The engine hashes the worker holds per tier, as the index sees them (empty for an unknown
         worker). O(worker blocks)."""
-        out: dict[StorageTier, set[EngineHash]] = {t: set() for t in StorageTier}
+        return self._hashes_by_tier(stream, self._masks, list(StorageTier))
+
+    def _hashes_by_tier(self, stream: StreamId, masks: dict[BlockKey, int],
+                        tiers: list[StorageTier]) -> dict[StorageTier, set[EngineHash]]:
+        """Per tier of ``tiers``, the worker's engine hashes whose bit ``masks`` has. O(worker blocks)."""
+        out: dict[StorageTier, set[EngineHash]] = {t: set() for t in tiers}
         w = self._workers.get(stream)
         if w is None:
             return out
         shift = _TIERS * w.slot
         for eh, key in w.hashes.items():
-            bits = self._masks[key] >> shift
-            for t in StorageTier:
+            bits = masks.get(key, 0) >> shift
+            for t in tiers:
                 if bits >> t & 1:
                     out[t].add(eh)
         return out
@@ -270,17 +275,7 @@ class TieredIndex:
 
     def window_hashes(self, stream: StreamId) -> dict[StorageTier, set[EngineHash]]:
         """The engine hashes whose window KV the worker holds, per tier (device, host). O(worker blocks)."""
-        out: dict[StorageTier, set[EngineHash]] = {StorageTier.DEVICE: set(), StorageTier.HOST: set()}
-        w = self._workers.get(stream)
-        if w is None:
-            return out
-        shift = _TIERS * w.slot
-        for eh, key in w.hashes.items():
-            bits = self._win.get(key, 0) >> shift
-            for t in out:
-                if bits >> t & 1:
-                    out[t].add(eh)
-        return out
+        return self._hashes_by_tier(stream, self._win, [StorageTier.DEVICE, StorageTier.HOST])
 
     def apply(self, stream: StreamId, event: Event) -> Outcome:
         """Applies one event of ``stream``. O(blocks in the event).
@@ -365,8 +360,8 @@ class TieredIndex:
         masks, win = self._masks, self._win
         if tier is StorageTier.HOST and masks.get(keys[0], 0) & dev:
             for key in keys:  # a backup (a prefetch stores only pages the device lacks)
-                if win.get(key, 0) & dev and masks.get(key, 0) & bit:
-                    win[key] |= bit
+                if win.get(key, 0) & dev:
+                    self._mark_window(key, bit)
             w.chains.pop(tier, None)
             return
         chain = w.chains.get(tier)
@@ -377,12 +372,9 @@ class TieredIndex:
                 self._drop_window(key, ~bit)
         kept = tail[cut:]
         for key in kept:
-            m = masks.get(key, 0)
-            if not m & bit:
-                continue  # an aliased engine hash leaves a block without this worker's bit
-            if tier is StorageTier.DEVICE and m & host and not win.get(key, 0) & host:
+            if tier is StorageTier.DEVICE and masks.get(key, 0) & host and not win.get(key, 0) & host:
                 continue  # loaded back from a host copy that has no window KV: it lands tombstoned
-            win[key] = win.get(key, 0) | bit
+            self._mark_window(key, bit)
         w.chains[tier] = (ev.block_hashes[-1], kept)
 
     def _insert(self, w: _Worker, block_hashes: list[EngineHash], keys: list[BlockKey], tier: StorageTier) -> None:
@@ -482,10 +474,14 @@ class TieredIndex:
         if w is None or not w.inferred:
             return
         bit = 1 << (_TIERS * w.slot + StorageTier.DEVICE)
-        masks, win = self._masks, self._win
         for key in keys[max(0, len(keys) - w.window):]:
-            if masks.get(key, 0) & bit:
-                win[key] = win.get(key, 0) | bit
+            self._mark_window(key, bit)
+
+    def _mark_window(self, key: BlockKey, bit: int) -> None:
+        """Sets the window bit ``bit`` of ``key`` if the block has that worker and tier's bit (window KV never
+        outlives the block's full KV there; an aliased engine hash leaves a stored block without it)."""
+        if self._masks.get(key, 0) & bit:
+            self._win[key] = self._win.get(key, 0) | bit
 
     def _drop_window(self, key: BlockKey, keep: int) -> None:
         m = self._win.get(key)

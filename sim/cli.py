@@ -90,7 +90,8 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="hybrid models: window-KV pool tokens per full-attention pool token (SGLang's "
                         "--swa-full-tokens-ratio)")
     g.add_argument("--no-swa-events", dest="swa_events", action="store_false",
-                   help="hybrid models: engines publish no window-KV events (as SGLang; the router over-counts)")
+                   help="hybrid models: engines publish no window-KV events (as SGLang): kv_swa infers their window "
+                        "KV, the other policies over-count")
     g.add_argument("--write-policy", choices=[w.value for w in WritePolicy], default=d.write_policy.value,
                    help="when device pages are backed up to host")
     g.add_argument("--prefetch-policy", choices=[p.value for p in PrefetchPolicy], default=d.prefetch_policy.value,

@@ -50,7 +50,7 @@ class OverlapScores:
     # Their ``workers`` entry is then the usable overlap (kvtier.wire.overlap.window_cut per tier).
     windows: dict[StreamId, int] = field(default_factory=dict)
     raw: dict[StreamId, TierOverlap] = field(default_factory=dict)  # those workers' overlaps before the cut
-    # Those of them that send no window events: their window KV is inferred from their stores (an upper bound)
+    # Those of them that send no window events: their window KV is inferred from their stores (an estimate)
     inferred: set[StreamId] = field(default_factory=set)
 
     def as_dict(self) -> dict[str, object]:
