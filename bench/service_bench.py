@@ -131,13 +131,16 @@ def main() -> None:
     ap.add_argument("--events-per-s", type=float, default=50.0,
                     help="event batches per second per publisher (default: 50; 8 publishers)")
     ap.add_argument("--connections", type=int, default=200, help="concurrent keep-alive clients (default: 200)")
+    ap.add_argument("--http-loop", choices=["auto", "uvloop", "asyncio"], default="auto",
+                    help="the service's event loop (default: auto, uvloop where installed)")
     args = ap.parse_args()
     ports = free_ports(PUBLISHERS + 1)
     http_port, pub_ports = ports[0], ports[1:]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     pubs = subprocess.Popen([sys.executable, "-c", PUBLISHER_SCRIPT, str(args.events_per_s), str(DOCS), str(TOKENS),
                              str(BS), *map(str, pub_ports)], env=env)
-    cmd = [sys.executable, "-m", "kvtier", "indexer", "--listen", f"127.0.0.1:{http_port}", "--block-size", str(BS)]
+    cmd = [sys.executable, "-m", "kvtier", "indexer", "--listen", f"127.0.0.1:{http_port}", "--block-size", str(BS),
+           "--http-loop", args.http_loop]
     for i, port in enumerate(pub_ports):
         cmd += ["--endpoint", f"w{i}=tcp://127.0.0.1:{port}"]
     svc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)

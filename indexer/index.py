@@ -38,11 +38,12 @@ their full-attention overlap and are marked untracked.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from itertools import groupby
-from typing import Any
+from itertools import compress, count, islice, takewhile
+from operator import ne
+from typing import Any, cast
 
 import msgspec
 import numpy as np
@@ -563,19 +564,19 @@ class TieredIndex:
         announce window KV get their usable overlap (see the module docstring), their raw one in
         ``raw``; O(m) more per such worker holding a prefix.
         """
-        get = self._masks.get
-        ms = [get(k, 0) for k in keys]
-        try:
-            n = ms.index(0)
-        except ValueError:
-            n = len(ms)
+        # The lookups stop at the first block nobody holds (a mask is never 0, a missing key gives None), and
+        # both loops run in C: the lookups into a large dict are most of a query's cost.
+        get: Callable[[BlockKey], int | None] = self._masks.get
+        ms = cast(list[int], list(takewhile(bool, map(get, keys))))
+        n = len(ms)
         result = OverlapScores(total_blocks=len(keys))
         # Only slots with a non-zero depth get an entry: the rest share one zero overlap, so a query's cost
         # grows with the workers that hold its prefix, not with the cluster.
         depths: dict[int, list[int]] = {}
         if n:
-            del ms[n:]
-            runs = [(m, sum(1 for _ in g)) for m, g in groupby(ms)]
+            # Where each run of equal masks starts (a block whose mask differs from the one before it).
+            starts = [0, *compress(count(1), map(ne, ms, islice(ms, 1, None)))]
+            runs = [(ms[a], a) for a in starts]
             if len(runs) <= _MAX_RUNS:
                 result.shared_pool = self._levels_by_runs(runs, n, depths)
             else:
@@ -613,15 +614,15 @@ class TieredIndex:
                                                      for lvl in (raw.device, raw.host, raw.disk, raw.external)))
 
     def _levels_by_runs(self, runs: list[tuple[int, int]], n: int, depths: dict[int, list[int]]) -> int:
-        """Cumulative tier levels over runs of equal masks, on Python ints (any number of workers).
+        """Cumulative tier levels over runs of equal masks, given as ``(mask, first position)``, on Python ints
+        (any number of workers).
 
         Within a run the mask is constant, so a slot's bit can only drop at a run's start.
         """
         dev_all = self._dev_all()
         alive = [dev_all] * _TIERS
         pool_run = -1
-        pos = 0
-        for m, count in runs:
+        for m, pos in runs:
             a1 = m | (m >> 1)
             disk = (a1 | (m >> 2)) & dev_all
             pooled = bool(m & (dev_all << StorageTier.EXTERNAL))
@@ -632,7 +633,6 @@ class TieredIndex:
                 if dropped:
                     alive[lvl] &= held
                     self._record(dropped, pos, lvl, depths)
-            pos += count
         for lvl in range(_TIERS):
             self._record(alive[lvl], n, lvl, depths)
         return n if pool_run < 0 else pool_run

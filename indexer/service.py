@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Annotated, Any, TypeVar, cast
 
@@ -83,6 +83,8 @@ class ServiceConfig:
     max_query_tokens: int = field(default=1 << 20, metadata=at_least(1))
     # a request body must arrive within this (408)
     read_timeout_s: float = field(default=10.0, metadata=within(0, 3600, lo_open=True))
+    # the HTTP front end's event loop: uvloop, asyncio, or auto (uvloop where installed)
+    http_loop: str = field(default="auto", metadata=one_of("auto", "uvloop", "asyncio"))
     # idle keep-alive connections are closed after this
     keepalive_s: float = field(default=75.0, metadata=within(0, 86400, lo_open=True))
     # a routed request never finished is dropped from the load after this
@@ -162,9 +164,7 @@ def load_config(path: Path) -> ServiceConfig:
                 raise ConfigError(f"{path}: endpoints[{i}]: missing {name}")
         eps.append(EndpointConfig(worker=e["worker"], endpoint=e["endpoint"], replay_endpoint=e.get("replay_endpoint"),
                                   dp_rank=e.get("dp_rank", 0), supports_dump=e.get("supports_dump", False)))
-    known = {"block_size", "listen", "replay_timeout_s", "cost", "model", "max_body_bytes", "max_query_tokens",
-             "read_timeout_s", "keepalive_s", "request_ttl_s", "snapshot_path", "snapshot_interval_s", "policy",
-             "prefill_budget", "capacity_tokens", "window_tokens"}
+    known = {f.name for f in fields(ServiceConfig)} - {"endpoints"}  # every setting, so none is forgotten here
     if unknown := set(raw) - known:
         raise ConfigError(f"{path}: unknown settings {sorted(unknown)}")
     return ServiceConfig(endpoints=eps, **raw)
@@ -281,8 +281,12 @@ class IndexerService:
         from kvtier.indexer.http import HttpFrontEnd  # aiohttp only where the service runs
 
         self._host, port = config.host_port
-        self._http = HttpFrontEnd(self, self._host, port, max_body_bytes=config.max_body_bytes,
-                                  read_timeout_s=config.read_timeout_s, keepalive_s=config.keepalive_s)
+        try:
+            self._http = HttpFrontEnd(self, self._host, port, max_body_bytes=config.max_body_bytes,
+                                      read_timeout_s=config.read_timeout_s, keepalive_s=config.keepalive_s,
+                                      loop=config.http_loop)
+        except ImportError:
+            raise ConfigError("http_loop: uvloop is not installed (pip install uvloop), use auto or asyncio") from None
         for s in streams:
             self.index.add_worker(s)
 
@@ -535,7 +539,8 @@ class IndexerService:
         alive = self._loop.is_alive() and not self.failed.is_set()
         out: dict[str, Any] = {
             "status": "down" if not alive else "degraded" if partial or recovering else "ok",
-            "workers": len(flags), "partial_workers": partial, "recovering_workers": recovering}
+            "workers": len(flags), "partial_workers": partial, "recovering_workers": recovering,
+            "http_loop": self._http.loop_kind}
         if self._loop_error is not None:
             out["error"] = self._loop_error
         return out

@@ -331,7 +331,8 @@ def cmd_indexer(a: argparse.Namespace) -> int:
         eps = cfg.endpoints + [parse_endpoint(s) for s in a.endpoint]
         overrides = {k: v for k, v in (("block_size", a.block_size), ("listen", a.listen), ("cost", a.cost),
                                        ("snapshot_path", a.snapshot), ("policy", a.policy), ("model", a.model),
-                                       ("window_tokens", a.window_tokens)) if v is not None}
+                                       ("window_tokens", a.window_tokens), ("http_loop", a.http_loop))
+                     if v is not None}
         cfg = replace(cfg, endpoints=eps, **overrides)
         if not cfg.endpoints:
             raise ConfigError("give at least one --endpoint or a --config with [[endpoints]]")
@@ -427,6 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sliding window, tokens, for engines that send no window-KV events (SGLang): their window "
                         "KV is inferred from their stores and /query says window_kv: inferred; 0: scored on full "
                         "attention (default: the config's, else the --model preset's)")
+    p.add_argument("--http-loop", choices=["auto", "uvloop", "asyncio"],
+                   help="the HTTP front end's event loop; auto takes uvloop where it is installed "
+                        "(default: the config's, else auto)")
     p.set_defaults(func=cmd_indexer)
     return parser
 

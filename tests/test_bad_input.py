@@ -196,6 +196,10 @@ CASES: dict[str, Case] = {
     "indexer TOML window type": (lambda t, f: ["indexer", "--config", toml(
         t, 'window_tokens = "128"\n[[endpoints]]\nworker = "w0"\nendpoint = "tcp://127.0.0.1:1"\n')],
         "window_tokens: '128' is not allowed"),
+    "indexer unknown http loop": (lambda t, f: indexer("--http-loop", "tornado"), "--http-loop: invalid choice"),
+    "indexer TOML http loop": (lambda t, f: ["indexer", "--config", toml(
+        t, 'http_loop = "tornado"\n[[endpoints]]\nworker = "w0"\nendpoint = "tcp://127.0.0.1:1"\n')],
+        "http_loop: 'tornado' is not allowed"),
     "indexer missing config": (lambda t, f: ["indexer", "--config", str(t / "none.toml")],
                                "none.toml: No such file or directory"),
     "indexer TOML wrong type": (lambda t, f: ["indexer", "--config", toml(

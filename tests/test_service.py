@@ -7,6 +7,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +100,8 @@ def test_query_metrics_health_end_to_end(cluster: tuple[list[Publisher], Indexer
     m = json.loads(get(svc.address + "/metrics?format=json"))
     assert m["workers"]["w0"]["apply_lag_seconds"] >= 0
     assert json.loads(get(svc.address + "/health")) == {"status": "ok", "workers": 3, "partial_workers": [],
-                                                        "recovering_workers": []}
+                                                        "recovering_workers": [],
+                                                        "http_loop": "uvloop" if find_spec("uvloop") else "asyncio"}
     p0.publish(EventBatch(ts=time.time(), events=[BlockRemoved(block_hashes=[3, 2], medium="GPU")]))
     wait_for(lambda: overlaps(svc)["workers"]["w0"]["device"] == 1)
 

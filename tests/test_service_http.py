@@ -21,13 +21,19 @@ from kvtier.wire import BlockRemoved, BlockStored, EventBatch, Publisher, Storag
 from tests.test_service import BS, TOKS, get, post, stored, wait_for
 
 
-@pytest.fixture
-def svc() -> Iterator[tuple[Publisher, Publisher, IndexerService]]:
+# Every front-end test runs on both event loops: uvloop where it is installed, and asyncio's own, which
+# is what the service falls back to without it.
+@pytest.fixture(params=["uvloop", "asyncio"])
+def svc(request: pytest.FixtureRequest) -> Iterator[tuple[Publisher, Publisher, IndexerService]]:
+    if request.param == "uvloop":
+        pytest.importorskip("uvloop")
     pubs = [Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0") for _ in range(2)]
     eps = [parse_endpoint(f"w{i}={p.endpoint},replay={p.replay_endpoint}") for i, p in enumerate(pubs)]
     s = IndexerService(ServiceConfig(endpoints=eps, block_size=BS, listen="127.0.0.1:0", max_body_bytes=64_000,
-                                     read_timeout_s=0.5, request_ttl_s=0.6, max_query_tokens=4096))
+                                     read_timeout_s=0.5, request_ttl_s=0.6, max_query_tokens=4096,
+                                     http_loop=request.param))
     s.start()
+    assert s.health()["http_loop"] == request.param
     yield pubs[0], pubs[1], s
     s.stop()
     for p in pubs:
