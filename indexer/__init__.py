@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kvtier.indexer.closure import PrefixClosure
 from kvtier.indexer.consumer import ConsumerCounters, IndexConsumer
 from kvtier.indexer.index import Outcome, TieredIndex, WorkerStats
 from kvtier.indexer.keys import BlockKey, block_keys, chain_keys, split_extra_keys
@@ -52,6 +53,7 @@ __all__ = [
     "OrphanStats",
     "Outcome",
     "PolicyBase",
+    "PrefixClosure",
     "RouteContext",
     "RouteDecision",
     "Router",

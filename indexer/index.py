@@ -1,9 +1,12 @@
 """The router's global tiered index: which worker holds which block on which tier.
 
 Layout. Every block key maps to one int, a bitmask with four bits per worker slot
-(bit ``4 * slot + tier``). A worker's engine hashes resolve to keys through a
-per-worker dict, used only to find a stored block's parent and to resolve
-``BlockRemoved``; router keys are always recomputed from token ids.
+(bit ``4 * slot + tier``; equal masks share one object). A worker's engine hashes resolve to keys
+through a per-worker dict, used only to find a stored block's parent and to resolve
+``BlockRemoved``; router keys are always recomputed from token ids. Links from each key to the
+children stored under it tell whether every worker's tiers are prefix-closed, as radix engines keep
+them; while they are, a query binary-searches for the ends of its runs of equal masks instead of
+looking every block up (:mod:`kvtier.indexer.closure`).
 
 Invariants (asserted by :meth:`TieredIndex._check`):
 
@@ -11,6 +14,8 @@ Invariants (asserted by :meth:`TieredIndex._check`):
 * for every worker, the keys carrying any of its bits are exactly the values of
   its engine-hash dict, and the dict is injective (one engine hash per block);
 * ``counts[tier]`` of a worker equals the number of keys carrying its tier bit;
+* links name only keys somebody holds as parents, and a held block whose linked parent is not held
+  on that tier by that worker is among its loose blocks (:class:`kvtier.indexer.closure.PrefixClosure`);
 * slots are unique and no freed slot has bits left anywhere;
 * window KV (SWA models, events of kind ``kvtier.wire.WINDOW_KIND``) has a second mask per key with the same
   layout: a worker's window bit on a tier is set only where its full-attention bit there is.
@@ -41,13 +46,14 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from itertools import compress, count, islice, takewhile
-from operator import ne
+from itertools import compress, count, groupby, islice, repeat, takewhile
+from operator import itemgetter, ne
 from typing import Any, cast
 
 import msgspec
 import numpy as np
 
+from kvtier.indexer.closure import PrefixClosure
 from kvtier.indexer.keys import BlockKey, block_keys, chain_keys, namespace, split_extra_keys
 from kvtier.indexer.orphans import OrphanPool, OrphanStats
 from kvtier.wire.overlap import OverlapScores, TierOverlap, window_cut
@@ -77,6 +83,7 @@ _DEV = sum(1 << (_TIERS * s) for s in range(_SLOTS_PER_WORD))  # the device bit 
 _EXT = _DEV << StorageTier.EXTERNAL
 _MAX_RUNS = 64  # find_matches walks runs of equal masks in Python up to this many, else numpy
 _ZERO = TierOverlap(0, 0, 0, 0)  # the overlap of every worker that holds none of a query (shared: frozen)
+_MAX_SHARED_MASKS = 1 << 16  # distinct mask values kept as shared objects (see TieredIndex._share)
 _MAX_GHOSTS = 1 << 20  # remembered keys of blocks dropped at losses, per worker (oldest forgotten first)
 
 
@@ -146,6 +153,11 @@ class TieredIndex:
         self._dev_all_cache = 0  # see _dev_all
         self._dev_all_slots = 0
         self._win: dict[BlockKey, int] = {}  # window-KV bits, the layout of _masks (SWA workers only)
+        self._closure = PrefixClosure()  # whether queries may binary-search (kvtier.indexer.closure)
+        # One object per distinct mask value: most keys share a handful of masks (one worker, one tier), and
+        # an int object per key would be a quarter of the index's memory. Cleared when it grows past
+        # _MAX_SHARED_MASKS (sharing is an economy, never a meaning).
+        self._shared_masks: dict[int, int] = {}
 
     # --- workers -------------------------------------------------------------------------
 
@@ -238,11 +250,13 @@ class TieredIndex:
         for key in w.hashes.values():
             m = masks[key] & keep
             if m:
-                masks[key] = m
+                masks[key] = self._share(m)
             else:
                 del masks[key]
+                self._closure.died(key)
             if self._win:
                 self._drop_window(key, keep)
+        self._closure.clear_slot(w.slot, _TIERS)
         w.hashes.clear()
         w.counts = [0] * _TIERS
         w.orphans.clear()
@@ -344,7 +358,7 @@ class TieredIndex:
                 w.orphans.hold(ev, tier, extras)
                 return Outcome.ORPHANED
         keys = chain_keys(ev.token_ids, bs, parent, ns, extras)
-        self._insert(w, ev.block_hashes, keys, tier)
+        self._insert(w, ev.block_hashes, keys, tier, parent)
         if w.inferred and tier <= StorageTier.HOST:
             self._infer_window(w, ev, keys, tier)
         if w.orphans:
@@ -378,12 +392,41 @@ class TieredIndex:
             self._mark_window(key, bit)
         w.chains[tier] = (ev.block_hashes[-1], kept)
 
-    def _insert(self, w: _Worker, block_hashes: list[EngineHash], keys: list[BlockKey], tier: StorageTier) -> None:
-        """Puts the worker's ``tier`` bit on each key, keeping its engine-hash dict injective."""
-        hashes = w.hashes
+    def _share(self, m: int) -> int:
+        """``m``, as the one object the index keeps for that value. O(1)."""
+        pool = self._shared_masks
+        if len(pool) >= _MAX_SHARED_MASKS:
+            pool.clear()
+        return pool.setdefault(m, m)
+
+    def _insert(self, w: _Worker, block_hashes: list[EngineHash], keys: list[BlockKey], tier: StorageTier,
+                parent: BlockKey | None) -> None:
+        """Puts the worker's ``tier`` bit on each key of a chain stored under ``parent`` (None: the root),
+        keeping its engine-hash dict injective and the prefix-closure links (kvtier.indexer.closure).
+        O(blocks)."""
+        hashes, masks, closure = w.hashes, self._masks, self._closure
         bit = 1 << (_TIERS * w.slot + tier)
+        if len(self._shared_masks) >= _MAX_SHARED_MASKS:
+            self._shared_masks.clear()
+        share = self._shared_masks.setdefault  # TieredIndex._share, inline: once per block stored
+        parent_mask = 0 if parent is None else masks.get(parent, 0)
+        parent_held = parent is None or bool(parent_mask & bit)
+        kids = closure.kids
+        if parent_mask:  # a link under a block nobody holds would outlive it (the child is loose anyway)
+            closure.link(cast(BlockKey, parent), keys[0], masks)
+        if not (any(map(masks.__contains__, keys)) or any(map(hashes.__contains__, block_hashes))
+                or len(set(block_hashes)) < len(block_hashes)):
+            # New content under new engine hashes (most stores): every block gets the same mask, in C.
+            masks.update(zip(keys, repeat(share(bit, bit))))
+            hashes.update(zip(block_hashes, keys, strict=True))
+            kids.update(zip(keys, islice(keys, 1, None), strict=False))
+            if not parent_held:
+                closure.stored(w.slot, tier, keys[0], False)  # new blocks have no children to settle
+            w.counts[tier] += len(keys)
+            return
         slot_bits = _SLOT_MASK << (_TIERS * w.slot)
-        masks = self._masks
+        link, linked = closure.link, kids.get
+        prev = None  # the block before this one in the chain (its parent was linked above)
         added = 0
         for eh, key in zip(block_hashes, keys, strict=True):
             old = hashes.setdefault(eh, key)
@@ -397,9 +440,21 @@ class TieredIndex:
                 self._drop_slot_bits(w, old, slot_bits)
                 hashes[eh] = key
                 m = masks.get(key, 0)
+                below = prev if prev is not None else parent
+                parent_held = below is None or bool(masks.get(below, 0) & bit)  # the dropped block may be it
+            if prev is not None:
+                cur = linked(prev)
+                if cur is None:
+                    kids[prev] = key
+                elif cur != key:  # a branch, or a dead child's place (most stores repeat a link)
+                    link(prev, key, masks)
             if not m & bit:
-                masks[key] = m | bit
+                m |= bit
+                masks[key] = share(m, m)
                 added += 1
+                if not parent_held or closure.loose:
+                    closure.stored(w.slot, tier, key, parent_held)
+            prev, parent_held = key, True
         w.counts[tier] += added
 
     def _graft(self, w: _Worker, block_hashes: list[EngineHash], keys: list[BlockKey]) -> None:
@@ -415,8 +470,15 @@ class TieredIndex:
                 except ValueError as exc:  # bad token ids: this run is lost, the others graft
                     self._reject(w, f"held orphan store: {exc}")
                     continue
-                kept = [(h, k) for h, k, p in zip(ev.block_hashes, run_keys, run.present, strict=True) if p]
-                self._insert(w, [h for h, _ in kept], [k for _, k in kept], run.tier)
+                # Blocks removed while the run waited are skipped: each stretch of present ones is a chain under
+                # the block before it (held or not: the closure tracker marks it loose if not).
+                below = key
+                for present, stretch in groupby(zip(ev.block_hashes, run_keys, run.present, strict=True),
+                                                key=itemgetter(2)):
+                    part = list(stretch)
+                    if present:
+                        self._insert(w, [h for h, _, _ in part], [k for _, k, _ in part], run.tier, below)
+                    below = part[-1][1]
                 # Children may wait on any block of the run, also one removed since: its key is known.
                 work.extend(zip(ev.block_hashes, run_keys, strict=True))
 
@@ -498,20 +560,24 @@ class TieredIndex:
             self._drop_window(key, ~slot_bits)
         m = self._masks[key]
         shift = _TIERS * w.slot
-        for t in range(_TIERS):
-            if m >> (shift + t) & 1:
-                w.counts[t] -= 1
+        held = [t for t in range(_TIERS) if m >> (shift + t) & 1]
+        for t in held:
+            w.counts[t] -= 1
         m &= ~slot_bits
         if m:
-            self._masks[key] = m
+            self._masks[key] = self._share(m)
         else:
             del self._masks[key]
+        for t in held:
+            self._closure.removed(w.slot, t, key, 1 << (shift + t), self._masks)
+        if not m:
+            self._closure.died(key)  # after its children were looked at
 
     def _remove(self, w: _Worker, ev: BlockRemoved) -> Outcome:
         tier = parse_medium(ev.medium)
         shift = _TIERS * w.slot
         bit = 1 << (shift + tier)
-        masks, hashes = self._masks, w.hashes
+        masks, hashes, closure = self._masks, w.hashes, self._closure
         unknown = 0
         for eh in ev.block_hashes:
             key = hashes.get(eh)
@@ -526,9 +592,12 @@ class TieredIndex:
                 self._drop_window(key, ~bit)  # window KV never outlives the block's full KV on a tier
             w.counts[tier] -= 1
             if m:
-                masks[key] = m
+                masks[key] = self._share(m)
             else:
                 del masks[key]
+            closure.removed(w.slot, tier, key, bit, masks)
+            if not m:
+                closure.died(key)  # after its children were looked at
             if not (m >> shift) & _SLOT_MASK:
                 del hashes[eh]
         if unknown:
@@ -559,28 +628,32 @@ class TieredIndex:
     def find_matches_keys(self, keys: list[BlockKey], *, window_aware: bool = False) -> OverlapScores:
         """Per-worker tier overlaps of a request given as block keys.
 
-        O(m) dict lookups plus vectorised work over the m leading blocks that
-        anybody holds, independent of the number of indexed blocks. ``window_aware``: workers that
-        announce window KV get their usable overlap (see the module docstring), their raw one in
-        ``raw``; O(m) more per such worker holding a prefix.
+        While every worker's tiers are prefix-closed (radix engines: :mod:`kvtier.indexer.closure`),
+        O(r log m) dict lookups for the r runs of equal masks over the m leading blocks anybody holds;
+        otherwise one lookup per leading block (in C) and vectorised work past ``_MAX_RUNS`` runs. Either
+        way independent of the number of indexed blocks. ``window_aware``: workers that announce window KV
+        get their usable overlap (see the module docstring), their raw one in ``raw``; O(m) more per such
+        worker holding a prefix.
         """
-        # The lookups stop at the first block nobody holds (a mask is never 0, a missing key gives None), and
-        # both loops run in C: the lookups into a large dict are most of a query's cost.
-        get: Callable[[BlockKey], int | None] = self._masks.get
-        ms = cast(list[int], list(takewhile(bool, map(get, keys))))
-        n = len(ms)
         result = OverlapScores(total_blocks=len(keys))
         # Only slots with a non-zero depth get an entry: the rest share one zero overlap, so a query's cost
         # grows with the workers that hold its prefix, not with the cluster.
         depths: dict[int, list[int]] = {}
-        if n:
-            # Where each run of equal masks starts (a block whose mask differs from the one before it).
-            starts = [0, *compress(count(1), map(ne, ms, islice(ms, 1, None)))]
-            runs = [(ms[a], a) for a in starts]
-            if len(runs) <= _MAX_RUNS:
+        searched = self._runs_by_search(keys) if self._closure.closed else None
+        if searched is not None:
+            runs, n = searched
+            if n:
                 result.shared_pool = self._levels_by_runs(runs, n, depths)
-            else:
-                result.shared_pool = self._levels(ms, n, depths)
+        else:
+            ms = self._leading_masks(keys)
+            n = len(ms)
+            if n:
+                # Where each run of equal masks starts (a block whose mask differs from the one before it).
+                starts = [0, *compress(count(1), map(ne, ms, islice(ms, 1, None)))]
+                if len(starts) <= _MAX_RUNS:
+                    result.shared_pool = self._levels_by_runs([(ms[a], a) for a in starts], n, depths)
+                else:
+                    result.shared_pool = self._levels(ms, n, depths)
         result.workers = dict.fromkeys(self._workers, _ZERO)
         owner = self._slot_stream
         for slot, d in depths.items():
@@ -588,6 +661,40 @@ class TieredIndex:
         if window_aware:
             self._cut_to_windows(keys, result)
         return result
+
+    def _leading_masks(self, keys: list[BlockKey]) -> list[int]:
+        """The masks of the leading blocks anybody holds: a lookup per block, in C (a mask is never 0, a
+        missing key gives None). O(leading blocks)."""
+        get: Callable[[BlockKey], int | None] = self._masks.get
+        return cast(list[int], list(takewhile(bool, map(get, keys))))
+
+    def _runs_by_search(self, keys: list[BlockKey]) -> tuple[list[tuple[int, int]], int] | None:
+        """The runs of equal masks over the leading blocks anybody holds, as ``(mask, first position)``, and
+        their length, found by binary search; ``None`` past ``_MAX_RUNS`` runs (a scan is cheaper then).
+
+        Only while every worker's tiers are prefix-closed (:mod:`kvtier.indexer.closure`): each tier bit
+        can then only drop along the chain, so a block with its run's mask proves every block between
+        them has it too. O(runs * log(blocks)) lookups.
+        """
+        get: Callable[[BlockKey], int | None] = self._masks.get
+        total = len(keys)
+        runs: list[tuple[int, int]] = []
+        pos = 0
+        m = get(keys[0]) if total else None
+        while m:
+            if len(runs) == _MAX_RUNS:
+                return None
+            lo, hi = pos + 1, total  # keys[pos:lo] have mask m; keys[hi:] do not
+            while lo < hi:
+                mid = (lo + hi) >> 1
+                if get(keys[mid]) == m:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            runs.append((m, pos))
+            pos = lo
+            m = get(keys[pos]) if pos < total else None
+        return runs, pos
 
     def _cut_to_windows(self, keys: list[BlockKey], result: OverlapScores) -> None:
         """Replaces the overlaps of workers with a window (tracked or inferred) by their usable ones. O(m) per
@@ -706,9 +813,11 @@ class TieredIndex:
             entries = [(eh, key, (self._masks[key] >> shift) & _SLOT_MASK) for eh, key in w.hashes.items()]
             window = [(key, bits) for key in w.hashes.values()
                       if (bits := (self._win.get(key, 0) >> shift) & _SLOT_MASK)] if w.window else []
-            workers.append((w.stream.worker, w.stream.dp_rank, w.partial, entries, w.window, window, w.inferred))
+            workers.append((w.stream.worker, w.stream.dp_rank, w.partial, entries, w.window, window, w.inferred,
+                            None if w.slot in self._closure.unknown else self._closure.loose_of(w.slot, _TIERS)))
         return msgspec.msgpack.encode({"version": 1, "block_size": self.block_size,
-                                       "window_tokens": self.window_tokens, "workers": workers})
+                                       "window_tokens": self.window_tokens, "workers": workers,
+                                       "links": self._closure.links()})
 
     @classmethod
     def restore(cls, data: bytes) -> TieredIndex:
@@ -729,9 +838,21 @@ class TieredIndex:
                 shift = _TIERS * w.slot
                 for eh, key, bits in entries:
                     w.hashes[eh] = BlockKey(key)
-                    index._masks[BlockKey(key)] = index._masks.get(key, 0) | (bits << shift)
+                    index._masks[BlockKey(key)] = index._share(index._masks.get(key, 0) | (bits << shift))
                     for t in range(_TIERS):
                         w.counts[t] += bits >> t & 1
+                # Loose blocks per tier (kvtier.indexer.closure), written since queries binary-search; without
+                # them (or the links) the worker is not known to be prefix-closed and queries scan.
+                loose = swa[3] if len(swa) > 3 else None
+                if (loose is None or "links" not in obj) and entries:
+                    index._closure.unknown.add(w.slot)
+                elif loose is not None:
+                    for t, blocks in enumerate(loose):
+                        if blocks:
+                            index._closure.loose[(w.slot, t)] = {BlockKey(k) for k in blocks}
+            for parent, kids in obj.get("links", ()):
+                for kid in kids:
+                    index._closure.link(BlockKey(parent), BlockKey(kid), index._masks)
         except (msgspec.DecodeError, KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"not an index snapshot: {exc}") from None
         return index
@@ -770,6 +891,23 @@ class TieredIndex:
                 n = sum(1 for k in values if self._masks[k] >> (shift + t) & 1)
                 assert w.counts[t] == n, f"worker {w.stream}: counts[{t}]={w.counts[t]} but {n} blocks"
             w.orphans._check()
+        cl = self._closure
+        for (slot, t), loose in cl.loose.items():
+            assert loose, f"slot {slot} tier {t}: an empty loose set is kept"
+            assert slot in held, f"slot {slot}: loose blocks of a slot no worker owns"
+            for key in loose:
+                assert self._masks.get(key, 0) >> (_TIERS * slot + t) & 1, f"slot {slot}: loose {key:#x} not held"
+        for parent in cl.kids:
+            pm = self._masks.get(parent, 0)
+            assert pm, f"links kept for {parent:#x}, which nobody holds"
+            for kid in cl.children(parent):
+                km = self._masks.get(kid, 0)
+                for slot in held:
+                    for t in range(_TIERS):
+                        bit = _TIERS * slot + t
+                        if km >> bit & 1 and not pm >> bit & 1 and slot not in cl.unknown:
+                            assert kid in cl.loose.get((slot, t), ()), (
+                                f"slot {slot} tier {t}: {kid:#x} held without its parent {parent:#x} but not loose")
         for key, m in self._win.items():
             assert m, f"key {key:#x} maps to an empty window mask"
             assert m & ~self._masks.get(key, 0) == 0, f"key {key:#x}: window KV on a tier without the block"

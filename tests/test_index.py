@@ -192,6 +192,37 @@ def test_many_workers_beyond_one_word() -> None:
         assert m.workers[s].device == (1 + i % 4 if i % 2 == 0 else 0)
 
 
+def test_a_removed_middle_block_turns_binary_search_off_until_its_children_go() -> None:
+    """vLLM evicts any free block: the index notices the hole and scans, and searches again once no
+    block is held without its parent."""
+    idx = TieredIndex(4)
+    idx.apply(A, stored([1, 2, 3, 4], None, TOKS))
+    idx.apply(B, stored([11, 12], None, TOKS[:8]))
+    assert idx._closure.closed
+    assert idx._runs_by_search(idx.request_keys(TOKS)) is not None
+    idx.apply(A, BlockRemoved(block_hashes=[2], medium="GPU"))  # block 3 is now held without its parent
+    assert not idx._closure.closed
+    idx._check()
+    assert (idx.find_matches(TOKS).workers[A].device, idx.find_matches(TOKS).workers[B].device) == (1, 2)
+    idx.apply(A, stored([2], 1, TOKS[4:8]))  # the hole is filled again
+    assert idx._closure.closed and idx.find_matches(TOKS).workers[A].device == 4
+    idx.apply(A, BlockRemoved(block_hashes=[2], medium="GPU"))
+    idx.apply(A, BlockRemoved(block_hashes=[3], medium="GPU"))  # 4 loses its parent in turn
+    assert not idx._closure.closed and idx.find_matches(TOKS).workers[A].device == 1
+    idx.apply(A, BlockRemoved(block_hashes=[4], medium="GPU"))
+    assert idx._closure.closed and idx.find_matches(TOKS).workers[A].device == 1
+    # The last holder of a block removes it while another worker holds its child: that child is loose.
+    idx.apply(B, stored([13], 12, TOKS[8:12]))
+    idx.apply(B, BlockRemoved(block_hashes=[12], medium="GPU"))
+    assert not idx._closure.closed
+    idx._check()
+    assert idx.find_matches(TOKS).workers[B].device == 1
+    again = TieredIndex.restore(idx.snapshot())
+    assert not again._closure.closed and again.find_matches(TOKS).workers[B].device == 1
+    idx.clear_worker(B)
+    assert idx._closure.closed
+
+
 # --- agreement with the naive model on random event streams -----------------------------------
 
 BS = 2
@@ -253,7 +284,47 @@ def test_vectorised_path_agrees_with_naive_model(
         index_module._MAX_RUNS = saved
 
 
-def _agrees(events: list[tuple[str, StreamId, Event | None]], qs: list[tuple[list[int], int]]) -> None:
+@st.composite
+def closed_streams(draw: st.DrawFn) -> list[tuple[str, StreamId, Event | None]]:
+    """Streams a radix engine could send: stores extend a prefix the worker holds on that tier, removals
+    take leaves there (blocks no other block it holds there extends). Every tier stays prefix-closed, so
+    queries binary-search throughout; DOCS[0] and DOCS[3] share two blocks, so the trees branch."""
+    out: list[tuple[str, StreamId, Event | None]] = []
+    held: dict[tuple[StreamId, str], set[tuple[int, ...]]] = {}  # (worker, tier) -> blocks, as token prefixes
+    for _ in range(draw(st.integers(1, 30))):
+        w, doc, tier = draw(st.sampled_from(WORKERS)), draw(st.sampled_from(DOCS)), draw(st.sampled_from(TIER_NAMES))
+        h = held.setdefault((w, tier), set())
+        have = next(i for i in range(7) if i == 6 or tuple(doc[:(i + 1) * BS]) not in h)
+        if draw(st.booleans()) and have < 6:
+            n = draw(st.integers(1, 6 - have))
+            hashes = [engine_hash(w, tuple(doc[:(i + 1) * BS])) for i in range(have, have + n)]
+            parent = engine_hash(w, tuple(doc[:have * BS])) if have else None
+            out.append(("event", w, stored(hashes, parent, doc[have * BS:(have + n) * BS], tier, BS)))
+            h.update(tuple(doc[:(i + 1) * BS]) for i in range(have, have + n))
+        elif have:
+            gone: list[int] = []  # deepest first, each a leaf once the deeper ones are gone
+            for i in range(have - 1, have - 1 - draw(st.integers(1, have)), -1):
+                block = tuple(doc[:(i + 1) * BS])
+                if any(len(b) == len(block) + BS and b[:len(block)] == block for b in h):
+                    break  # another branch extends it: not a leaf
+                h.discard(block)
+                gone.append(i)
+            if gone:
+                hashes = [engine_hash(w, tuple(doc[:(i + 1) * BS])) for i in gone]
+                out.append(("event", w, BlockRemoved(block_hashes=hashes, medium=tier)))
+    return out
+
+
+@given(closed_streams(), queries)
+def test_binary_search_agrees_with_naive_model_on_radix_engines(
+    events: list[tuple[str, StreamId, Event | None]], qs: list[tuple[list[int], int]]
+) -> None:
+    """Shared documents give branches: a removal may leave children on other workers, never on its own."""
+    _agrees(events, qs, always_closed=True)
+
+
+def _agrees(events: list[tuple[str, StreamId, Event | None]], qs: list[tuple[list[int], int]],
+            always_closed: bool = False) -> None:
     fast, ref = TieredIndex(BS), ReferenceIndex(BS)
     for kind, w, ev in events:
         if kind == "drop":
@@ -263,8 +334,15 @@ def _agrees(events: list[tuple[str, StreamId, Event | None]], qs: list[tuple[lis
             assert ev is not None
             assert fast.apply(w, ev).value == ref.apply(w, ev)
         fast._check()
+        assert fast._closure.closed or not always_closed, "a radix engine's stream turned binary search off"
         for doc, cut in qs:
             f, r = fast.find_matches(doc[:cut]), ref.find_matches(doc[:cut])
+            if fast._closure.closed:  # the search must find exactly the runs a scan finds
+                keys = fast.request_keys(doc[:cut])
+                ms = fast._leading_masks(keys)
+                searched = fast._runs_by_search(keys)
+                assert searched is None or searched == ([(m, i) for i, m in enumerate(ms)
+                                                         if i == 0 or m != ms[i - 1]], len(ms))
             assert f.shared_pool == r.shared_pool
             assert f.total_blocks == r.total_blocks
             assert set(f.workers) == set(r.workers)
