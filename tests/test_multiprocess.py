@@ -7,10 +7,11 @@ engine process dumps to a file when its trace is done.
 from __future__ import annotations
 
 import json
+import re
 import signal
-import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,17 +22,27 @@ from kvtier.wire.subscriber import EndpointConfig
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+ANY_PORT = "tcp://127.0.0.1:0"
 
 
-def start(name: str, pub: int, rep: int, seed: int, residency: Path) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "kvtier.sim.live", "--name", name, "--endpoint", f"tcp://127.0.0.1:{pub}",
-           "--replay", f"tcp://127.0.0.1:{rep}", "--trace", "builtin:chat:150", "--seed", str(seed),
+def start(name: str, seed: int, residency: Path, pub: str = ANY_PORT,
+          rep: str = ANY_PORT) -> tuple[subprocess.Popen[bytes], str, str]:
+    """Starts an engine process and waits until it publishes; returns it and its publish and replay
+    endpoints. Engines bind port 0 on their first start: a port picked here and bound later could be taken
+    in between (an outgoing connection's source port), and the engine would exit before publishing."""
+    cmd = [sys.executable, "-m", "kvtier.sim.live", "--name", name, "--endpoint", pub,
+           "--replay", rep, "--trace", "builtin:chat:150", "--seed", str(seed),
            "--speed", "60", "--device-pages", "384", "--disk-pages", "2048", "--residency", str(residency)]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout is not None
+    for raw in p.stdout:
+        found = re.search(r"publishing on (\S+), replay (\S+),", raw.decode(errors="replace"))
+        if found:
+            # Keep reading what it prints, so a full pipe never stalls it.
+            threading.Thread(target=p.stdout.read, daemon=True).start()
+            return p, found[1], found[2]
+    raise AssertionError(f"engine {name} exited {p.wait()} before publishing: "
+                         f"{p.stderr.read().decode(errors='replace')[-2000:] if p.stderr else ''}")
 
 
 def read_residency(path: Path) -> dict[StorageTier, set[int]] | None:
@@ -40,13 +51,26 @@ def read_residency(path: Path) -> dict[StorageTier, set[int]] | None:
     return {StorageTier[k]: set(v) for k, v in json.loads(path.read_text()).items()}
 
 
+def engine_states(procs: dict[str, subprocess.Popen[bytes]]) -> dict[str, str]:
+    """Each engine process: running, or its exit code and the end of its stderr (so a failure says why an
+    engine never wrote its residency)."""
+    out = {}
+    for n, p in procs.items():
+        code = p.poll()
+        if code is None:
+            out[n] = "running"
+        else:
+            err = p.stderr.read().decode(errors="replace") if p.stderr else ""
+            out[n] = f"exited {code}: {err[-2000:]}"
+    return out
+
+
 def test_engines_killed_and_restarted_converge(tmp_path: Path) -> None:
     names = [f"w{i}" for i in range(4)]
-    ports = {n: (free_port(), free_port()) for n in names}
     files = {n: tmp_path / f"{n}.json" for n in names}
-    procs = {n: start(n, *ports[n], seed=i, residency=files[n]) for i, n in enumerate(names)}
-    eps = [EndpointConfig(n, f"tcp://127.0.0.1:{p}", f"tcp://127.0.0.1:{r}", supports_dump=True)
-           for n, (p, r) in ports.items()]
+    started = {n: start(n, seed=i, residency=files[n]) for i, n in enumerate(names)}
+    procs = {n: p for n, (p, _, _) in started.items()}
+    eps = [EndpointConfig(n, pub, rep, supports_dump=True) for n, (_, pub, rep) in started.items()]
     svc = IndexerService(ServiceConfig(endpoints=eps, listen="127.0.0.1:0", replay_timeout_s=1.0))
     svc.start()
     try:
@@ -57,7 +81,8 @@ def test_engines_killed_and_restarted_converge(tmp_path: Path) -> None:
             time.sleep(0.05)
         procs[victim].send_signal(signal.SIGKILL)
         procs[victim].wait(timeout=10)
-        procs[victim] = start(victim, *ports[victim], seed=99, residency=files[victim])
+        _, pub, rep = started[victim]
+        procs[victim] = start(victim, seed=99, residency=files[victim], pub=pub, rep=rep)[0]
         deadline = time.monotonic() + 60
         mismatch: dict[str, object] = {}
         while time.monotonic() < deadline:
@@ -71,7 +96,7 @@ def test_engines_killed_and_restarted_converge(tmp_path: Path) -> None:
             if not mismatch:
                 break
             time.sleep(0.25)
-        assert not mismatch, mismatch
+        assert not mismatch, (mismatch, engine_states(procs))
         m = svc.metrics()["workers"]
         assert m[victim]["restarts"] + m[victim]["resyncs"] >= 1, m[victim]
         for n in names:
