@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +24,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 ANY_PORT = "tcp://127.0.0.1:0"
+
+
+def free_port() -> int:
+    """A port free right now (other tests' helpers; this test lets its engines bind port 0 instead)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def start(name: str, seed: int, residency: Path, pub: str = ANY_PORT,
