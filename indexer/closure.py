@@ -103,6 +103,16 @@ class PrefixClosure:
         """Per tier, the slot's loose blocks (for a snapshot). O(loose blocks)."""
         return [sorted(self.loose.get((slot, t), ())) for t in range(tiers)]
 
+    def restore_slot(self, slot: int, loose: list[list[int]] | None) -> None:
+        """Inverse of :meth:`loose_of` for a slot restored with blocks; ``None`` (a snapshot without loose
+        blocks or links) leaves the slot not known to be closed until it is cleared. O(loose blocks)."""
+        if loose is None:
+            self.unknown.add(slot)
+            return
+        for t, blocks in enumerate(loose):
+            if blocks:
+                self.loose[(slot, t)] = {BlockKey(k) for k in blocks}
+
     def links(self) -> list[tuple[BlockKey, list[BlockKey]]]:
         """Every link, as ``(parent, children)`` (for a snapshot). O(links)."""
         return [(p, sorted(c) if isinstance(c, set) else [c]) for p, c in self.kids.items()]

@@ -392,12 +392,15 @@ class TieredIndex:
             self._mark_window(key, bit)
         w.chains[tier] = (ev.block_hashes[-1], kept)
 
+    def _mask_pool(self) -> dict[int, int]:
+        """The shared mask objects, emptied first once they reach ``_MAX_SHARED_MASKS``. O(1) amortised."""
+        if len(self._shared_masks) >= _MAX_SHARED_MASKS:
+            self._shared_masks.clear()
+        return self._shared_masks
+
     def _share(self, m: int) -> int:
         """``m``, as the one object the index keeps for that value. O(1)."""
-        pool = self._shared_masks
-        if len(pool) >= _MAX_SHARED_MASKS:
-            pool.clear()
-        return pool.setdefault(m, m)
+        return self._mask_pool().setdefault(m, m)
 
     def _insert(self, w: _Worker, block_hashes: list[EngineHash], keys: list[BlockKey], tier: StorageTier,
                 parent: BlockKey | None) -> None:
@@ -406,9 +409,7 @@ class TieredIndex:
         O(blocks)."""
         hashes, masks, closure = w.hashes, self._masks, self._closure
         bit = 1 << (_TIERS * w.slot + tier)
-        if len(self._shared_masks) >= _MAX_SHARED_MASKS:
-            self._shared_masks.clear()
-        share = self._shared_masks.setdefault  # TieredIndex._share, inline: once per block stored
+        share = self._mask_pool().setdefault  # TieredIndex._share, without a call per block
         parent_mask = 0 if parent is None else masks.get(parent, 0)
         parent_held = parent is None or bool(parent_mask & bit)
         kids = closure.kids
@@ -442,12 +443,8 @@ class TieredIndex:
                 m = masks.get(key, 0)
                 below = prev if prev is not None else parent
                 parent_held = below is None or bool(masks.get(below, 0) & bit)  # the dropped block may be it
-            if prev is not None:
-                cur = linked(prev)
-                if cur is None:
-                    kids[prev] = key
-                elif cur != key:  # a branch, or a dead child's place (most stores repeat a link)
-                    link(prev, key, masks)
+            if prev is not None and linked(prev) != key:  # (most stores here repeat a link already made)
+                link(prev, key, masks)
             if not m & bit:
                 m |= bit
                 masks[key] = share(m, m)
@@ -843,13 +840,8 @@ class TieredIndex:
                         w.counts[t] += bits >> t & 1
                 # Loose blocks per tier (kvtier.indexer.closure), written since queries binary-search; without
                 # them (or the links) the worker is not known to be prefix-closed and queries scan.
-                loose = swa[3] if len(swa) > 3 else None
-                if (loose is None or "links" not in obj) and entries:
-                    index._closure.unknown.add(w.slot)
-                elif loose is not None:
-                    for t, blocks in enumerate(loose):
-                        if blocks:
-                            index._closure.loose[(w.slot, t)] = {BlockKey(k) for k in blocks}
+                if entries:
+                    index._closure.restore_slot(w.slot, swa[3] if len(swa) > 3 and "links" in obj else None)
             for parent, kids in obj.get("links", ()):
                 for kid in kids:
                     index._closure.link(BlockKey(parent), BlockKey(kid), index._masks)
