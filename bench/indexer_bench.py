@@ -18,6 +18,7 @@ blocks/s; <= 200 bytes per (block, worker) entry.
     python bench/indexer_bench.py                    # full size (100,000 events, 10,000 queries)
     python bench/indexer_bench.py --events 2000 --queries 200 --dynamo-python /tmp/dyn/bin/python
     python bench/indexer_bench.py --workers 256
+    KVTIER_JIT=0 python bench/indexer_bench.py       # block keys from Python (no numba), for comparison
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from typing import Any
 from index_workload import BLOCKS_PER_TURN, BS, CONV_BLOCKS, TURNS, conversations, make_queries, percentile, rss_bytes
 
 from kvtier.indexer.index import Outcome, TieredIndex
-from kvtier.indexer.keys import block_keys
+from kvtier.indexer.keys import block_keys, key_backend
 from kvtier.wire import BlockStored, EngineHash, WorkerId
 from kvtier.wire.stream import StreamId
 
@@ -110,6 +111,7 @@ def main() -> None:
 
     streams = [StreamId(WorkerId(f"w{i}")) for i in range(args.workers)]
     index = TieredIndex(BS)
+    backend = key_backend()  # numba's import and code are loaded before memory is measured
     gc.collect()
     rss0 = rss_bytes()
     spent, events, blocks, convs = apply_phase(index, streams, args.events)
@@ -117,7 +119,8 @@ def main() -> None:
     rss1 = rss_bytes()
     entries = sum(sum(index.block_counts(s).values()) for s in streams)
     print(f"workload: {args.workers} workers, {convs} conversations, {events} BlockStored events, "
-          f"{blocks} blocks stored, {entries} (block, worker) entries, {len(index)} distinct blocks"
+          f"{blocks} blocks stored, {entries} (block, worker) entries, {len(index)} distinct blocks; "
+          f"keys: {backend}"
           + (f"; Dynamo: {py}" if py else "; Dynamo: not installed (pass --dynamo-python)"))
 
     queries = make_queries(args.queries, convs)

@@ -16,15 +16,22 @@ the xxh3 of the msgpack of its extra items, in order. vLLM 0.33 publishes them p
 then prompt-embedding digests (bytes). :func:`split_extra_keys` maps that list into this key
 space (the salt joins the namespace, the rest becomes per-block extras), and :func:`mm_block_extras`
 computes the same extras for a query from its multimodal items' positions, as vLLM does.
+
+Two implementations compute the same keys: a compiled loop (:mod:`kvtier.indexer.keykernel`, numba),
+loaded on first use, and xxhash calls from Python, used when numba cannot be imported, when the
+environment sets ``KVTIER_JIT=0``, for chains with per-block extras, and for chains too short to repay
+the compiled call. :func:`key_backend` says which one runs.
 """
 
 from __future__ import annotations
 
+import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NewType, cast
 
 import msgspec
+import numpy as np
 import xxhash
 
 from kvtier.wire.protocol import TOKEN_BYTES, PackedTokens, pack_tokens
@@ -35,6 +42,43 @@ BlockKey = NewType("BlockKey", int)
 SEED = 1337
 _PAIR = struct.Struct("<QQ")
 _h = xxhash.xxh3_64_intdigest
+
+#: Chains of fewer blocks go through Python: the compiled call's fixed cost (argument typing, the result
+#: list) is about that of two blocks' xxhash calls.
+_MIN_COMPILED_BLOCKS = 4
+_Kernel = Callable[[Any, int, Any, bool, Any], Any]
+_kernel: _Kernel | None = None
+_backend: str | None = None  # None until the first chain asks; then what key_backend() reports
+
+
+def _load_kernel() -> _Kernel | None:
+    """The compiled chain, imported (and compiled, or loaded from numba's cache) on the first call."""
+    global _kernel, _backend
+    if _backend is None:
+        if os.environ.get("KVTIER_JIT", "1").strip().lower() in ("0", "false", "off", "no"):
+            _backend = "python (KVTIER_JIT=0)"
+        else:
+            try:
+                from kvtier.indexer import keykernel
+            except ImportError as e:  # numba has no wheel for this platform, or is not installed
+                _backend = f"python (numba unavailable: {e})"
+            else:
+                _kernel, _backend = keykernel.chain, "numba"
+    return _kernel
+
+
+def key_backend(load: bool = True) -> str:
+    """``"numba"`` when chains are computed by the compiled kernel, else ``"python (why)"``; ``load``
+    imports it now (a service calls this at start so that the first request does not pay). O(1) after
+    the first call."""
+    if load:
+        _load_kernel()
+        if _kernel is not None:  # compile (or load from the cache) for the argument types chain_keys passes
+            _kernel(np.frombuffer(bytes(2 * TOKEN_BYTES), np.uint8), TOKEN_BYTES, np.uint64(0), False, _SEED)
+    return _backend or "not loaded"
+
+
+_SEED = np.uint64(SEED)
 
 
 def namespace(lora_name: str | None, cache_salt: str | None) -> int | None:
@@ -65,13 +109,16 @@ def chain_keys(
     n = len(buf) // step
     if not n:
         return []
+    base = parent if parent is not None else ns
+    if extras is None and n >= _MIN_COMPILED_BLOCKS and (kernel := _kernel or _load_kernel()) is not None:
+        keys_u64 = kernel(np.frombuffer(buf, np.uint8), step, np.uint64(base or 0), base is not None, _SEED)
+        return cast(list[BlockKey], keys_u64.tolist())
     # Hot path (every event applied and every query): the seed goes positionally (xxhash parses keyword
     # arguments at several times the cost of a 64-byte hash) and blocks are hashed from a view, not copied.
     h = _h
     view = memoryview(buf)
     local = [h(view[off:off + step], SEED) for off in range(0, n * step, step)]
     pack = _PAIR.pack
-    base = parent if parent is not None else ns
     prev = local[0] if base is None else h(pack(base, local[0]), SEED)
     if extras is None:
         keys = [prev]

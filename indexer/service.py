@@ -37,7 +37,7 @@ from kvtier.indexer import persist
 from kvtier.indexer.consumer import IndexConsumer, Lag
 from kvtier.indexer.exposition import Family, render
 from kvtier.indexer.index import TieredIndex
-from kvtier.indexer.keys import BlockKey
+from kvtier.indexer.keys import BlockKey, key_backend
 from kvtier.indexer.latency import PRESETS, TransferModel
 from kvtier.indexer.load import LoadTracker
 from kvtier.indexer.plugins import BUILTIN, RoutingPolicy, load_policy
@@ -327,6 +327,7 @@ class IndexerService:
 
     def start(self) -> None:
         """Starts the event loop, then the HTTP front end; raises if the port cannot be bound."""
+        key_backend()  # loads the compiled key chain now (seconds when numba's cache is cold), not on a query
         self._loop.start()
         self._ready.wait(5.0)
         try:
@@ -540,7 +541,7 @@ class IndexerService:
         out: dict[str, Any] = {
             "status": "down" if not alive else "degraded" if partial or recovering else "ok",
             "workers": len(flags), "partial_workers": partial, "recovering_workers": recovering,
-            "http_loop": self._http.loop_kind}
+            "http_loop": self._http.loop_kind, "keys": key_backend(load=False)}
         if self._loop_error is not None:
             out["error"] = self._loop_error
         return out

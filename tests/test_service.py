@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvtier.indexer import persist
 from kvtier.indexer.exposition import Family, render
 from kvtier.indexer.index import TieredIndex
+from kvtier.indexer.keys import key_backend
 from kvtier.indexer.service import ConfigError, IndexerService, ServiceConfig, load_config, parse_endpoint
 from kvtier.sim.cli import main as cli_main
 from kvtier.wire import BlockRemoved, BlockStored, EventBatch, Publisher, StorageTier, window_group
@@ -101,7 +102,9 @@ def test_query_metrics_health_end_to_end(cluster: tuple[list[Publisher], Indexer
     assert m["workers"]["w0"]["apply_lag_seconds"] >= 0
     assert json.loads(get(svc.address + "/health")) == {"status": "ok", "workers": 3, "partial_workers": [],
                                                         "recovering_workers": [],
-                                                        "http_loop": "uvloop" if find_spec("uvloop") else "asyncio"}
+                                                        "http_loop": "uvloop" if find_spec("uvloop") else "asyncio",
+                                                        "keys": key_backend(load=False)}
+    assert key_backend(load=False) != "not loaded"  # the service loaded its key chain at start
     p0.publish(EventBatch(ts=time.time(), events=[BlockRemoved(block_hashes=[3, 2], medium="GPU")]))
     wait_for(lambda: overlaps(svc)["workers"]["w0"]["device"] == 1)
 
