@@ -37,7 +37,6 @@ from kvtier.wire.protocol import (
     PackedTokens,
     StorageTier,
     pack_tokens,
-    unpack_tokens,
     window_group,
 )
 
@@ -180,7 +179,7 @@ class TieredCache:
 
     def _stored(self, node: Node, tier: StorageTier, **group: Any) -> None:
         self._events.append(BlockStored(
-            block_hashes=list(node.hashes), parent_block_hash=node.parent_hash(), token_ids=unpack_tokens(node.tokens),
+            block_hashes=list(node.hashes), parent_block_hash=node.parent_hash(), token_ids=node.tokens,
             block_size=self.tree.page_size, medium=self._medium(tier), **group))
 
     def _removed(self, hashes: list[int], tier: StorageTier, **group: Any) -> None:

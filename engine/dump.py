@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.engine.storage import PageMeta
-from kvtier.wire.protocol import BlockStored, EngineHash, Event, EventBatch, PackedTokens, unpack_tokens, window_group
+from kvtier.wire.protocol import BlockStored, EngineHash, Event, EventBatch, PackedTokens, window_group
 
 
 @dataclass(slots=True, frozen=True)
@@ -51,13 +51,13 @@ def l3_runs(pages: Iterable[PageMeta], medium: str, page_size: int) -> list[Bloc
         else:
             runs.append((meta.parent_hash, [meta.event_hash], [meta.tokens]))
     # A run's tokens are unpacked once, not page by page.
-    return [BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=unpack_tokens(b"".join(parts)),
+    return [BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=b"".join(parts),
                         block_size=page_size, medium=medium) for parent, hashes, parts in runs]
 
 
 def _run_event(r: NodeRun, page_size: int, **group: Any) -> BlockStored:
     hashes: list[EngineHash] = list(r.hashes)
-    return BlockStored(block_hashes=hashes, parent_block_hash=r.parent, token_ids=unpack_tokens(r.tokens),
+    return BlockStored(block_hashes=hashes, parent_block_hash=r.parent, token_ids=r.tokens,
                        block_size=page_size, medium=r.medium, **group)
 
 

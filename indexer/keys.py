@@ -25,7 +25,6 @@ the compiled call. :func:`key_backend` says which one runs.
 
 from __future__ import annotations
 
-import os
 import struct
 from collections.abc import Callable, Sequence
 from typing import Any, NewType, cast
@@ -34,6 +33,7 @@ import msgspec
 import numpy as np
 import xxhash
 
+from kvtier.wire import jit
 from kvtier.wire.protocol import TOKEN_BYTES, PackedTokens, pack_tokens
 
 #: A router-side block key: identifies a block together with its whole prefix.
@@ -55,15 +55,8 @@ def _load_kernel() -> _Kernel | None:
     """The compiled chain, imported (and compiled, or loaded from numba's cache) on the first call."""
     global _kernel, _backend
     if _backend is None:
-        if os.environ.get("KVTIER_JIT", "1").strip().lower() in ("0", "false", "off", "no"):
-            _backend = "python (KVTIER_JIT=0)"
-        else:
-            try:
-                from kvtier.indexer import keykernel
-            except ImportError as e:  # numba has no wheel for this platform, or is not installed
-                _backend = f"python (numba unavailable: {e})"
-            else:
-                _kernel, _backend = keykernel.chain, "numba"
+        module, _backend = jit.load("kvtier.indexer.keykernel")
+        _kernel = None if module is None else module.chain
     return _kernel
 
 

@@ -118,7 +118,7 @@ class SimWire:
     def _live(self, w: int, seq: int, payload: bytes) -> None:
         tracker = self._trackers[w]
         if tracker is None:
-            self._sink([Received(self._streams[w], seq, decode_payload(payload), "live")])
+            self._sink([Received(self._streams[w], seq, decode_payload(payload, packed_tokens=True), "live")])
             return
         self._active[w] = True
         self._handle(w, tracker, tracker.on_live(seq, payload, self.env.now))

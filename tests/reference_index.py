@@ -55,7 +55,7 @@ class ReferenceIndex:
             return "applied"
         assert isinstance(ev, BlockStored)
         n = len(ev.block_hashes)
-        if ev.block_size != self.block_size or n == 0 or len(ev.token_ids) != n * ev.block_size:
+        if ev.block_size != self.block_size or n == 0 or ev.num_tokens != n * ev.block_size:
             return "rejected"
         if ev.parent_block_hash is None:
             keys = chain_keys(ev.token_ids, ev.block_size, None, namespace(ev.lora_name, ev.cache_salt))

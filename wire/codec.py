@@ -15,7 +15,7 @@ field values and ``ts`` (tests pin this against captured frames).
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -26,9 +26,11 @@ from kvtier.wire.protocol import (
     EngineHash,
     Event,
     EventBatch,
+    PackedTokens,
     StorageTier,
     parse_medium,
 )
+from kvtier.wire.tokenarray import decode_tokens, encode_tokens
 
 _U64 = (1 << 64) - 1
 
@@ -109,14 +111,46 @@ class _ArrBatch(msgspec.Struct, array_like=True, gc=False):
     dp_rank: int | None = None
 
 
+# The same layouts with the token array kept as raw msgpack, for decode_payload(packed_tokens=True).
+# A redefined field keeps its position, so the array layout is unchanged.
+_NO_TOKENS = msgspec.Raw(b"\x90")
+
+
+class _MapStoredRaw(_MapStored, tag_field="type", tag="BlockStored"):
+    token_ids: msgspec.Raw = _NO_TOKENS  # type: ignore[assignment]
+
+
+class _MapBatchRaw(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_MapStoredRaw | _MapRemoved | _MapCleared]
+    dp_rank: int | None = None
+
+
+class _ArrStoredRaw(_Stored, array_like=True, tag="BlockStored"):
+    token_ids: msgspec.Raw = _NO_TOKENS  # type: ignore[assignment]
+
+
+class _ArrBatchRaw(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_ArrStoredRaw | _ArrRemoved | _ArrCleared]
+    dp_rank: int | None = None
+
+
 _map_decoder = msgspec.msgpack.Decoder(_MapBatch)
 _arr_decoder = msgspec.msgpack.Decoder(_ArrBatch)
+_map_raw_decoder = msgspec.msgpack.Decoder(_MapBatchRaw)
+_arr_raw_decoder = msgspec.msgpack.Decoder(_ArrBatchRaw)
+
+
+def _tokens(raw: _Stored) -> list[int] | PackedTokens:
+    t: Any = raw.token_ids
+    return decode_tokens(t) if isinstance(t, msgspec.Raw) else cast(list[int], t)
 
 
 def _to_event(raw: object) -> Event:
     if isinstance(raw, _MapStored):
         return BlockStored(
-            block_hashes=raw.block_hashes, parent_block_hash=raw.parent_block_hash, token_ids=raw.token_ids,
+            block_hashes=raw.block_hashes, parent_block_hash=raw.parent_block_hash, token_ids=_tokens(raw),
             block_size=raw.block_size, lora_id=raw.lora_id, medium=raw.medium, lora_name=raw.lora_name,
             cache_salt=raw.cache_salt, extra_keys=raw.extra_keys, group_idx=raw.group_idx,
             kv_cache_spec_kind=raw.kv_cache_spec_kind, kv_cache_spec_sliding_window=raw.kv_cache_spec_sliding_window)
@@ -128,7 +162,7 @@ def _to_event(raw: object) -> Event:
         return BlockStored(
             block_hashes=raw.block_hashes,
             parent_block_hash=raw.parent_block_hash,
-            token_ids=raw.token_ids,
+            token_ids=_tokens(raw),
             block_size=raw.block_size,
             lora_id=raw.lora_id,
             medium=raw.medium,
@@ -140,22 +174,30 @@ def _to_event(raw: object) -> Event:
     return AllBlocksCleared()
 
 
-def decode_payload(payload: bytes | memoryview) -> EventBatch:
+def decode_payload(payload: bytes | memoryview, *, packed_tokens: bool = False) -> EventBatch:
     """Decode one msgpack payload into an :class:`EventBatch`. O(payload size).
 
     Tries the map encoding first (what current engines send), then the array
     encoding. Raises :class:`DecodeError` naming what was wrong with the payload;
-    never any other exception.
+    never any other exception. ``packed_tokens``: each BlockStored's ``token_ids`` comes as
+    :data:`~kvtier.wire.protocol.PackedTokens` (what the index hashes; 3-5x faster to decode than a list
+    of ints), or as a list where an id is outside ``[0, 2**32)`` (for the index to reject).
     """
+    maps, arrays = (_map_raw_decoder, _arr_raw_decoder) if packed_tokens else (_map_decoder, _arr_decoder)
     try:
-        mb = _map_decoder.decode(payload)
-        return EventBatch(ts=mb.ts, events=[_to_event(e) for e in mb.events], dp_rank=mb.dp_rank)
-    except msgspec.DecodeError as map_err:
+        batch: Any
         try:
-            ab = _arr_decoder.decode(payload)
-        except msgspec.DecodeError:
-            raise DecodeError(f"not a KV event batch: {map_err}") from None
-        return EventBatch(ts=ab.ts, events=[_to_event(e) for e in ab.events], dp_rank=ab.dp_rank)
+            batch = maps.decode(payload)
+        except msgspec.DecodeError as map_err:
+            try:
+                batch = arrays.decode(payload)
+            except msgspec.DecodeError:
+                raise DecodeError(f"not a KV event batch: {map_err}") from None
+        return EventBatch(ts=batch.ts, events=[_to_event(e) for e in batch.events], dp_rank=batch.dp_rank)
+    except DecodeError:
+        raise
+    except msgspec.DecodeError as exc:  # a raw token array that is not an array of ints
+        raise DecodeError(f"not a KV event batch: token_ids: {exc}") from None
     except Exception as exc:  # msgspec raises only DecodeError, but a codec must never leak others
         raise DecodeError(f"not a KV event batch: {type(exc).__name__}: {exc}") from None
 
@@ -166,7 +208,7 @@ def decode_payload(payload: bytes | memoryview) -> EventBatch:
 class _SgStored(msgspec.Struct, tag_field="type", tag="BlockStored", omit_defaults=True, gc=False):
     block_hashes: list[EngineHash]
     parent_block_hash: EngineHash | None
-    token_ids: list[int]
+    token_ids: list[int] | msgspec.Raw  # Raw: written from packed tokens (see _wire_tokens)
     block_size: int
     lora_id: int | None
     medium: str | None
@@ -182,7 +224,7 @@ class _SgRemoved(msgspec.Struct, tag_field="type", tag="BlockRemoved", gc=False)
 class _VlStored(msgspec.Struct, tag_field="type", tag="BlockStored", omit_defaults=True, gc=False):
     block_hashes: list[EngineHash]
     parent_block_hash: EngineHash | None
-    token_ids: list[int]
+    token_ids: list[int] | msgspec.Raw
     block_size: int
     lora_id: int | None
     medium: str | None
@@ -234,6 +276,12 @@ def _unsigned(h: EngineHash | None) -> EngineHash | None:
     return h & _U64 if isinstance(h, int) else h
 
 
+def _wire_tokens(ev: BlockStored) -> list[int] | msgspec.Raw:
+    """``ev``'s token ids as written: a list as is, packed tokens as the same msgpack array, pre-encoded."""
+    t = ev.token_ids
+    return msgspec.Raw(encode_tokens(t)) if isinstance(t, bytes) else t
+
+
 def _encode_window(ev: BlockStored | BlockRemoved, fmt: WireFormat) -> object:
     medium = medium_spelling(parse_medium(ev.medium), fmt)
     vllm = fmt is WireFormat.VLLM
@@ -241,7 +289,7 @@ def _encode_window(ev: BlockStored | BlockRemoved, fmt: WireFormat) -> object:
     meta = (ev.group_idx, ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window)
     if isinstance(ev, BlockStored):
         parent = _unsigned(ev.parent_block_hash) if vllm else ev.parent_block_hash
-        return _WindowStored(hashes, parent, ev.token_ids, ev.block_size,  # type: ignore[arg-type]
+        return _WindowStored(hashes, parent, _wire_tokens(ev), ev.block_size,  # type: ignore[arg-type]
                              ev.lora_id, medium, ev.lora_name, ev.cache_salt, *meta)
     return _WindowRemoved(hashes, medium, *meta)  # type: ignore[arg-type]
 
@@ -254,13 +302,13 @@ def _encode_event(ev: Event, fmt: WireFormat) -> object | None:
     if isinstance(ev, BlockStored):
         medium = medium_spelling(parse_medium(ev.medium), fmt)
         if fmt is WireFormat.SGLANG:
-            return _SgStored(ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size,
+            return _SgStored(ev.block_hashes, ev.parent_block_hash, _wire_tokens(ev), ev.block_size,
                              ev.lora_id, medium, ev.lora_name, ev.cache_salt)
         if fmt is WireFormat.VLLM:
             return _VlStored([_unsigned(h) for h in ev.block_hashes],  # type: ignore[misc]
-                             _unsigned(ev.parent_block_hash), ev.token_ids, ev.block_size,
+                             _unsigned(ev.parent_block_hash), _wire_tokens(ev), ev.block_size,
                              ev.lora_id, medium, ev.lora_name, ev.extra_keys)
-        return ["BlockStored", ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size,
+        return ["BlockStored", ev.block_hashes, ev.parent_block_hash, _wire_tokens(ev), ev.block_size,
                 ev.lora_id, medium]
     if isinstance(ev, BlockRemoved):
         medium = medium_spelling(parse_medium(ev.medium), fmt)

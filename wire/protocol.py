@@ -119,7 +119,9 @@ class BlockStored(msgspec.Struct, kw_only=True, gc=False):
 
     block_hashes: list[EngineHash]  # engine hashes, parent first
     parent_block_hash: EngineHash | None = None  # engine hash of the first block's parent
-    token_ids: list[int] = []  # block_size tokens per block, concatenated
+    #: block_size tokens per block, concatenated: a list, or packed (PackedTokens: kvtier's engines publish
+    #: them so, and decode_payload(packed_tokens=True) gives them so); the wire carries the same ints.
+    token_ids: list[int] | PackedTokens = []
     block_size: int = 0  # tokens per block
     lora_id: int | None = None  # engine-local LoRA adapter id
     medium: str | None = None  # wire spelling of the tier; None means device
@@ -135,6 +137,15 @@ class BlockStored(msgspec.Struct, kw_only=True, gc=False):
     @property
     def tier(self) -> StorageTier:
         return parse_medium(self.medium)
+
+    @property
+    def num_tokens(self) -> int:
+        """How many token ids ``token_ids`` holds (-1 for packed bytes of a length no token count
+        gives). O(1)."""
+        t = self.token_ids
+        if isinstance(t, bytes):
+            return len(t) // TOKEN_BYTES if len(t) % TOKEN_BYTES == 0 else -1
+        return len(t)
 
 
 class BlockRemoved(msgspec.Struct, kw_only=True, gc=False):

@@ -442,7 +442,7 @@ class StreamTracker:
         if len(self._recent) > _DUP_WINDOW:
             self._recent.popitem(last=False)
         try:
-            batch = decode_payload(payload)
+            batch = decode_payload(payload, packed_tokens=True)
         except DecodeError as exc:
             self._malformed(f"seq {seq}: {exc}", out)
             return
@@ -632,7 +632,7 @@ class StreamTracker:
         if self._dump_seq is None:
             self._dump_seq = seq
         try:
-            batch = decode_payload(payload)
+            batch = decode_payload(payload, packed_tokens=True)
         except DecodeError as exc:
             self._malformed(f"dump: {exc}", out)
             return

@@ -1,0 +1,120 @@
+"""Token arrays on the wire from and to packed tokens (kvtier.wire.tokenarray), compiled and in Python."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import msgspec
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from kvtier.wire import BlockStored, EventBatch, decode_payload, encode_payload
+from kvtier.wire import tokenarray as ta
+from kvtier.wire.codec import DecodeError, WireFormat
+from kvtier.wire.protocol import pack_tokens
+
+#: Where msgpack changes an unsigned int's format (fixint, uint8, uint16, uint32).
+EDGE_IDS = [0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1]
+#: Where it changes an array header's format (fixarray, array16, array32).
+EDGE_LENGTHS = [0, 1, 15, 16, 17, 65535, 65536, 70_000]
+
+ids = st.lists(st.sampled_from(EDGE_IDS) | st.integers(0, 2**32 - 1), max_size=300)
+
+
+@contextmanager
+def python_tokens() -> Iterator[None]:
+    """Forces tokenarray's pure-Python path while open."""
+    saved = ta._kernels, ta._backend
+    ta._kernels, ta._backend = None, "python (forced by the test)"
+    try:
+        yield
+    finally:
+        ta._kernels, ta._backend = saved
+
+
+@pytest.fixture(params=["loaded", "python"])
+def path(request: pytest.FixtureRequest) -> Iterator[str]:
+    if request.param == "python":
+        with python_tokens():
+            yield "python"
+    else:
+        yield ta.token_backend()
+
+
+def test_backend_follows_kvtier_jit() -> None:
+    # scripts/test.sh runs this module again with KVTIER_JIT=0
+    expected = "python (KVTIER_JIT=0)" if os.environ.get("KVTIER_JIT") == "0" else "numba"
+    assert ta.token_backend() == expected
+
+
+@pytest.mark.parametrize("n", EDGE_LENGTHS)
+def test_encoding_is_msgspecs_at_every_format_edge(path: str, n: int) -> None:
+    tokens = [EDGE_IDS[i % len(EDGE_IDS)] for i in range(n)]
+    raw = ta.encode_tokens(pack_tokens(tokens))
+    assert raw == msgspec.msgpack.encode(tokens), f"{path}: {n} tokens encode differently from msgspec"
+    assert ta.decode_tokens(raw) == pack_tokens(tokens)
+
+
+@given(tokens=ids)
+def test_round_trip_and_same_bytes_as_a_list_either_way(tokens: list[int]) -> None:
+    packed = pack_tokens(tokens)
+    wire = msgspec.msgpack.encode(tokens)
+    compiled = (ta.encode_tokens(packed), ta.decode_tokens(wire))
+    with python_tokens():
+        python = (ta.encode_tokens(packed), ta.decode_tokens(wire))
+    assert compiled == python == (wire, packed)
+
+
+FORMATS = {"int8": (0xD0, 1), "int16": (0xD1, 2), "int32": (0xD2, 4), "int64": (0xD3, 8), "uint64": (0xCF, 8)}
+
+
+@pytest.mark.parametrize(("fmt", "value"), [(f, v) for f, (_, size) in FORMATS.items() for v in (0, 5, 2**31, 2**32 - 1)
+                                            if v < 1 << (8 * size - (0 if f == "uint64" else 1))])
+def test_other_encoders_int_formats_decode_when_in_range(path: str, fmt: str, value: int) -> None:
+    code, size = FORMATS[fmt]
+    raw = bytes([0x92, code]) + value.to_bytes(size, "big") + b"\x07"
+    assert ta.decode_tokens(raw) == pack_tokens([value, 7])
+
+
+@pytest.mark.parametrize("tokens", [[-1], [2**32], [3, 2**40], [2**64 - 1]])
+def test_ids_outside_uint32_stay_a_list_for_the_index_to_reject(path: str, tokens: list[int]) -> None:
+    assert ta.decode_tokens(msgspec.msgpack.encode(tokens)) == tokens
+
+
+@pytest.mark.parametrize("raw", [b"", b"\x91", b"\x92\x01", b"\x91\xa1x", b"\x91\xc0", b"\x91\xcb" + bytes(8),
+                                 b"\x81\x01\x02", b"\x91\xcd\x01", b"\xdc\x00", b"\x91\x91\x01"])
+def test_malformed_arrays_raise_msgspecs_decode_error(path: str, raw: bytes) -> None:
+    with pytest.raises(msgspec.DecodeError):
+        ta.decode_tokens(raw)
+
+
+def test_trailing_bytes_after_the_array_are_not_tokens(path: str) -> None:
+    with pytest.raises(msgspec.DecodeError):
+        ta.decode_tokens(b"\x91\x01\x02")
+
+
+@given(tokens=st.lists(st.integers(0, 2**32 - 1), min_size=4, max_size=64).map(lambda t: t[:len(t) // 4 * 4]),
+       fmt=st.sampled_from(list(WireFormat)))
+@example(tokens=[1, 2, 3, 4], fmt=WireFormat.SGLANG)
+def test_packed_and_listed_events_are_the_same_frame(tokens: list[int], fmt: WireFormat) -> None:
+    def batch(t: list[int] | bytes) -> EventBatch:
+        return EventBatch(ts=1.5, events=[BlockStored(block_hashes=list(range(len(tokens) // 4)), parent_block_hash=9,
+                                                      token_ids=t, block_size=4, medium="GPU")])
+    frame = encode_payload(batch(tokens), fmt)
+    assert encode_payload(batch(pack_tokens(tokens)), fmt) == frame
+    (ev,) = decode_payload(frame, packed_tokens=True).events
+    assert isinstance(ev, BlockStored) and ev.token_ids == pack_tokens(tokens) and ev.num_tokens == len(tokens)
+    (listed,) = decode_payload(frame).events
+    assert isinstance(listed, BlockStored) and listed.token_ids == tokens
+
+
+def test_a_frame_with_a_bad_token_array_is_one_decode_error() -> None:
+    frame = msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+                                           "token_ids": [1, "x"], "block_size": 2, "medium": "GPU"}], None])
+    with pytest.raises(DecodeError, match="token_ids"):
+        decode_payload(frame, packed_tokens=True)
+    with pytest.raises(DecodeError, match="token_ids"):
+        decode_payload(frame)

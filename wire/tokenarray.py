@@ -1,0 +1,63 @@
+"""A BlockStored's ``token_ids`` on the wire (a msgpack array of ints) to and from packed tokens.
+
+The engine keeps a page's tokens packed (:data:`~kvtier.wire.protocol.PackedTokens`) and the router hashes
+packed tokens, so the array is written from and read into packed bytes directly, without a Python int per
+token: by the numba kernels of :mod:`kvtier.wire.tokenkernel` where they load (:mod:`kvtier.wire.jit`),
+else through msgspec and :func:`~kvtier.wire.protocol.pack_tokens`. Both give the same bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from kvtier.wire import jit
+from kvtier.wire.protocol import PackedTokens, pack_tokens, unpack_tokens
+
+_kernels: Any = None
+_backend: str | None = None  # None until first use; then what token_backend() reports
+_ints = msgspec.msgpack.Decoder(list[int])
+_encode = msgspec.msgpack.Encoder().encode
+
+
+def _load() -> Any:
+    global _kernels, _backend
+    if _backend is None:
+        _kernels, _backend = jit.load("kvtier.wire.tokenkernel")
+    return _kernels
+
+
+def token_backend() -> str:
+    """``"numba"`` or ``"python (why)"``, loading the kernels now. O(1) after the first call."""
+    _load()
+    return str(_backend)
+
+
+def encode_tokens(packed: PackedTokens) -> bytes:
+    """The msgpack array of the token ids in ``packed``: the bytes msgspec writes for
+    ``unpack_tokens(packed)``. O(tokens)."""
+    k = _kernels if _kernels is not None else _load()
+    if k is None:
+        return _encode(unpack_tokens(packed))
+    return bytes(k.encode(np.frombuffer(packed, "<u4")))
+
+
+def decode_tokens(raw: bytes | memoryview | msgspec.Raw) -> PackedTokens | list[int]:
+    """The token ids of a msgpack array: packed when every one is an int in ``[0, 2**32)``, else as
+    msgspec decodes them (a list; an out-of-range id is the index's to reject). ``msgspec.DecodeError``
+    if ``raw`` is not an array of ints. O(len(raw))."""
+    k = _kernels if _kernels is not None else _load()
+    if k is not None:
+        ok, tokens = k.decode(np.frombuffer(raw, np.uint8))
+        if ok:
+            return bytes(tokens.astype("<u4", copy=False))
+    ids = _ints.decode(raw)
+    try:
+        return pack_tokens(ids)
+    except ValueError:
+        return ids
+
+
+__all__ = ["decode_tokens", "encode_tokens", "token_backend"]
