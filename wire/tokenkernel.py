@@ -81,33 +81,18 @@ def decode(b: npt.NDArray[np.uint8]) -> tuple[bool, npt.NDArray[np.uint32]]:
         c = int(b[p])
         if c < 0x80:  # positive fixint
             v, w = c, 1
-        elif 0xCC <= c <= 0xCF:  # uint 8/16/32/64
-            w = 1 << (c - 0xCC)
-            if p + w >= size:
+        elif 0xCC <= c <= 0xD3:  # uint 8/16/32/64, or int 8/16/32/64 (accepted when non-negative)
+            signed = c >= 0xD0
+            w = 1 << (c - (0xD0 if signed else 0xCC))
+            if p + w >= size or (signed and b[p + 1] >= 0x80):
                 return False, fail
-            if w == 8:
-                if _be(b, p + 1, 4) != 0:
-                    return False, fail
-                v = _be(b, p + 5, 4)
-            else:
-                v = _be(b, p + 1, w)
-            w += 1
-        elif 0xD0 <= c <= 0xD3:  # int 8/16/32/64: accepted when non-negative
-            w = 1 << (c - 0xD0)
-            if p + w >= size or b[p + 1] >= 0x80:
+            if w == 8 and _be(b, p + 1, 4) != 0:  # past 32 bits
                 return False, fail
-            if w == 8:
-                if _be(b, p + 1, 4) != 0:
-                    return False, fail
-                v = _be(b, p + 5, 4)
-            else:
-                v = _be(b, p + 1, w)
+            v = _be(b, p + 1 + w - min(w, 4), min(w, 4))
             w += 1
         else:
             return False, fail
-        if v >= 1 << 32:
-            return False, fail
-        out[i] = v
+        out[i] = v  # under 2**32: no format read above holds more
         p += w
     if p != size:
         return False, fail
