@@ -47,6 +47,7 @@ from kvtier.wire.overlap import OverlapScores
 from kvtier.wire.protocol import StorageTier
 from kvtier.wire.stream import StreamId
 from kvtier.wire.subscriber import EndpointConfig, Subscriber
+from kvtier.wire.tokenarray import token_backend
 
 log = logging.getLogger(__name__)
 
@@ -327,7 +328,9 @@ class IndexerService:
 
     def start(self) -> None:
         """Starts the event loop, then the HTTP front end; raises if the port cannot be bound."""
-        key_backend()  # loads the compiled key chain now (seconds when numba's cache is cold), not on a query
+        # The compiled kernels load now (seconds when numba's cache is cold), not on a query or an event.
+        key_backend()
+        token_backend()
         self._loop.start()
         self._ready.wait(5.0)
         try:

@@ -20,7 +20,7 @@ from kvtier.indexer.index import TieredIndex
 from kvtier.indexer.keys import key_backend
 from kvtier.indexer.service import ConfigError, IndexerService, ServiceConfig, load_config, parse_endpoint
 from kvtier.sim.cli import main as cli_main
-from kvtier.wire import BlockRemoved, BlockStored, EventBatch, Publisher, StorageTier, window_group
+from kvtier.wire import BlockRemoved, BlockStored, EventBatch, Publisher, StorageTier, tokenarray, window_group
 
 BS = 4
 TOKS = list(range(1000, 1032))  # 8 blocks
@@ -105,6 +105,7 @@ def test_query_metrics_health_end_to_end(cluster: tuple[list[Publisher], Indexer
                                                         "http_loop": "uvloop" if find_spec("uvloop") else "asyncio",
                                                         "keys": key_backend(load=False)}
     assert key_backend(load=False) != "not loaded"  # the service loaded its key chain at start
+    assert tokenarray._backend is not None and (tokenarray._warm or tokenarray._kernels is None)  # and token arrays
     p0.publish(EventBatch(ts=time.time(), events=[BlockRemoved(block_hashes=[3, 2], medium="GPU")]))
     wait_for(lambda: overlaps(svc)["workers"]["w0"]["device"] == 1)
 

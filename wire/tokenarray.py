@@ -18,6 +18,7 @@ from kvtier.wire.protocol import PackedTokens, pack_tokens, unpack_tokens
 
 _kernels: Any = None
 _backend: str | None = None  # None until first use; then what token_backend() reports
+_warm = False  # token_backend() has called both kernels once (compiled, or loaded from numba's cache)
 _ints = msgspec.msgpack.Decoder(list[int])
 _encode = msgspec.msgpack.Encoder().encode
 
@@ -30,8 +31,13 @@ def _load() -> Any:
 
 
 def token_backend() -> str:
-    """``"numba"`` or ``"python (why)"``, loading the kernels now. O(1) after the first call."""
-    _load()
+    """``"numba"`` or ``"python (why)"``, loading the kernels now and compiling them (or loading them
+    from numba's cache) for the argument types used here, so that the first event does not pay. O(1)
+    after the first call."""
+    global _warm
+    if _load() is not None and not _warm:
+        _warm = True
+        decode_tokens(encode_tokens(bytes(8)))
     return str(_backend)
 
 
@@ -41,7 +47,7 @@ def encode_tokens(packed: PackedTokens) -> bytes:
     k = _kernels if _kernels is not None else _load()
     if k is None:
         return _encode(unpack_tokens(packed))
-    return bytes(k.encode(np.frombuffer(packed, "<u4")))
+    return bytes(k.encode(np.frombuffer(packed, "<u4")))  # ValueError if not whole tokens, as unpack_tokens
 
 
 def decode_tokens(raw: bytes | memoryview | msgspec.Raw) -> PackedTokens | list[int]:
