@@ -113,6 +113,15 @@ def _mix16(b: npt.NDArray[np.uint8], i: int, s: npt.NDArray[np.uint8], j: int, s
     return _fold(_r64(b, i) ^ (_r64(s, j) + seed), _r64(b, i + 8) ^ (_r64(s, j + 8) - seed))
 
 
+@njit(inline="always")
+def _words(first: np.uint64, last: np.uint64, n: int, seed: np.uint64) -> np.uint64:
+    """XXH3-64 of an input of 9 to 16 bytes with ``seed``, given its first and its last 8 bytes."""
+    s = _SECRET
+    lo = first ^ ((_r64(s, 24) ^ _r64(s, 32)) + seed)
+    hi = last ^ ((_r64(s, 40) ^ _r64(s, 48)) - seed)
+    return _avalanche(_u(n) + _swap64(lo) + hi + _fold(lo, hi))
+
+
 @njit(cache=True)
 def _custom_secret(seed: np.uint64) -> npt.NDArray[np.uint8]:
     """The secret of the long-input loop for ``seed``: each 16-byte lane of the default secret with
@@ -184,9 +193,7 @@ def xxh3(b: npt.NDArray[np.uint8], off: int, n: int, seed: np.uint64, cs: npt.ND
     s = _SECRET
     if n <= 16:
         if n > 8:
-            lo = _r64(b, off) ^ ((_r64(s, 24) ^ _r64(s, 32)) + seed)
-            hi = _r64(b, off + n - 8) ^ ((_r64(s, 40) ^ _r64(s, 48)) - seed)
-            return _avalanche(_u(n) + _swap64(lo) + hi + _fold(lo, hi))
+            return _words(_r64(b, off), _r64(b, off + n - 8), n, seed)
         if n >= 4:
             sd = seed ^ (_swap64(seed & _M32) & ~_M32)  # the low word, byte-swapped, into the high word
             x = (_r32(b, off + n - 4) + (_r32(b, off) << _S32)) ^ ((_r64(s, 8) ^ _r64(s, 16)) - sd)
@@ -228,10 +235,7 @@ def xxh3(b: npt.NDArray[np.uint8], off: int, n: int, seed: np.uint64, cs: npt.ND
 @njit(inline="always")
 def _pair(a: np.uint64, c: np.uint64, seed: np.uint64) -> np.uint64:
     """XXH3-64 of ``le64(a) || le64(c)`` (16 bytes) with ``seed``, without the bytes."""
-    s = _SECRET
-    lo = a ^ ((_r64(s, 24) ^ _r64(s, 32)) + seed)
-    hi = c ^ ((_r64(s, 40) ^ _r64(s, 48)) - seed)
-    return _avalanche(_u(16) + _swap64(lo) + hi + _fold(lo, hi))
+    return _words(a, c, 16, seed)
 
 
 @njit(cache=True)
