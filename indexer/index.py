@@ -337,8 +337,9 @@ class TieredIndex:
             return self._reject(w, f"block_size {bs} differs from the index's {self.block_size}")
         if n == 0:
             return self._reject(w, "BlockStored with no block hashes")
-        if ev.num_tokens != n * bs:
-            got = f"{ev.num_tokens} token ids" if ev.num_tokens >= 0 else f"{len(ev.token_ids)} bytes of packed tokens"
+        tokens = ev.num_tokens
+        if tokens != n * bs:
+            got = f"{tokens} token ids" if tokens >= 0 else f"{len(ev.token_ids)} bytes of packed tokens"
             return self._reject(w, f"{got} for {n} blocks of {bs}")
         salt, extras = ev.cache_salt, None
         if ev.extra_keys is not None:

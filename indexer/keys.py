@@ -26,7 +26,7 @@ the compiled call. :func:`key_backend` says which one runs.
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NewType, cast
 
 import msgspec
@@ -46,32 +46,19 @@ _h = xxhash.xxh3_64_intdigest
 #: Chains of fewer blocks go through Python: the compiled call's fixed cost (argument typing, the result
 #: list) is about that of two blocks' xxhash calls.
 _MIN_COMPILED_BLOCKS = 4
-_Kernel = Callable[[Any, int, Any, bool, Any], Any]
-_kernel: _Kernel | None = None
-_backend: str | None = None  # None until the first chain asks; then what key_backend() reports
-
-
-def _load_kernel() -> _Kernel | None:
-    """The compiled chain, imported (and compiled, or loaded from numba's cache) on the first call."""
-    global _kernel, _backend
-    if _backend is None:
-        module, _backend = jit.load("kvtier.indexer.keykernel")
-        _kernel = None if module is None else module.chain
-    return _kernel
+_SEED = np.uint64(SEED)
+#: The compiled chain, warmed with the argument types chain_keys passes (a read-only byte view).
+_KERNELS = jit.LazyKernels("kvtier.indexer.keykernel", lambda k: k.chain(
+    np.frombuffer(bytes(2 * TOKEN_BYTES), np.uint8), TOKEN_BYTES, np.uint64(0), False, _SEED))
 
 
 def key_backend(load: bool = True) -> str:
     """``"numba"`` when chains are computed by the compiled kernel, else ``"python (why)"``; ``load``
-    imports it now (a service calls this at start so that the first request does not pay). O(1) after
-    the first call."""
+    imports and compiles it now (a service calls this at start so that the first request does not pay),
+    else ``"not loaded"`` before the first chain. O(1) after the first call."""
     if load:
-        _load_kernel()
-        if _kernel is not None:  # compile (or load from the cache) for the argument types chain_keys passes
-            _kernel(np.frombuffer(bytes(2 * TOKEN_BYTES), np.uint8), TOKEN_BYTES, np.uint64(0), False, _SEED)
-    return _backend or "not loaded"
-
-
-_SEED = np.uint64(SEED)
+        _KERNELS.get()
+    return _KERNELS.backend or "not loaded"
 
 
 def namespace(lora_name: str | None, cache_salt: str | None) -> int | None:
@@ -103,8 +90,8 @@ def chain_keys(
     if not n:
         return []
     base = parent if parent is not None else ns
-    if extras is None and n >= _MIN_COMPILED_BLOCKS and (kernel := _kernel or _load_kernel()) is not None:
-        keys_u64 = kernel(np.frombuffer(buf, np.uint8), step, np.uint64(base or 0), base is not None, _SEED)
+    if extras is None and n >= _MIN_COMPILED_BLOCKS and (kernels := _KERNELS.get()) is not None:
+        keys_u64 = kernels.chain(np.frombuffer(buf, np.uint8), step, np.uint64(base or 0), base is not None, _SEED)
         return cast(list[BlockKey], keys_u64.tolist())
     # Hot path (every event applied and every query): the seed goes positionally (xxhash parses keyword
     # arguments at several times the cost of a 64-byte hash) and blocks are hashed from a view, not copied.

@@ -7,8 +7,7 @@ import os
 import struct
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ from hypothesis import strategies as st
 
 from kvtier.indexer import keys
 from kvtier.indexer.keys import BlockKey, chain_keys, namespace
+from tests.jit_paths import python_path
 
 keykernel = pytest.importorskip("kvtier.indexer.keykernel", reason="numba is not installed")
 
@@ -57,15 +57,8 @@ def test_xxh3_equals_the_xxhash_library_on_random_input(data: bytes, seed: int, 
     assert compiled_xxh3(padded, lead, len(data), seed) == xxhash.xxh3_64_intdigest(data, seed)
 
 
-@contextmanager
-def python_keys() -> Iterator[None]:
-    """Forces chain_keys onto its Python path while open."""
-    saved = keys._kernel, keys._backend
-    keys._kernel, keys._backend = None, "python (forced by the test)"
-    try:
-        yield
-    finally:
-        keys._kernel, keys._backend = saved
+def python_keys() -> AbstractContextManager[None]:
+    return python_path(keys._KERNELS)
 
 
 def test_the_compiled_chain_is_what_chain_keys_runs() -> None:

@@ -105,7 +105,7 @@ def test_query_metrics_health_end_to_end(cluster: tuple[list[Publisher], Indexer
                                                         "http_loop": "uvloop" if find_spec("uvloop") else "asyncio",
                                                         "keys": key_backend(load=False)}
     assert key_backend(load=False) != "not loaded"  # the service loaded its key chain at start
-    assert tokenarray._backend is not None and (tokenarray._warm or tokenarray._kernels is None)  # and token arrays
+    assert tokenarray._KERNELS.backend is not None  # and its token-array kernels (warmed once loaded)
     p0.publish(EventBatch(ts=time.time(), events=[BlockRemoved(block_hashes=[3, 2], medium="GPU")]))
     wait_for(lambda: overlaps(svc)["workers"]["w0"]["device"] == 1)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
 import msgspec
 import pytest
@@ -15,6 +15,7 @@ from kvtier.wire import BlockStored, EventBatch, decode_payload, encode_payload
 from kvtier.wire import tokenarray as ta
 from kvtier.wire.codec import DecodeError, WireFormat
 from kvtier.wire.protocol import pack_tokens
+from tests.jit_paths import python_path
 
 #: Where msgpack changes an unsigned int's format (fixint, uint8, uint16, uint32).
 EDGE_IDS = [0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1]
@@ -24,15 +25,8 @@ EDGE_LENGTHS = [0, 1, 15, 16, 17, 65535, 65536, 70_000]
 ids = st.lists(st.sampled_from(EDGE_IDS) | st.integers(0, 2**32 - 1), max_size=300)
 
 
-@contextmanager
-def python_tokens() -> Iterator[None]:
-    """Forces tokenarray's pure-Python path while open."""
-    saved = ta._kernels, ta._backend
-    ta._kernels, ta._backend = None, "python (forced by the test)"
-    try:
-        yield
-    finally:
-        ta._kernels, ta._backend = saved
+def python_tokens() -> AbstractContextManager[None]:
+    return python_path(ta._KERNELS)
 
 
 @pytest.fixture(params=["loaded", "python"])

@@ -1,15 +1,18 @@
 """Whether kvtier's compiled kernels run: numba, where it imports and ``KVTIER_JIT`` is not ``0``.
 
-Each kernel module (:mod:`kvtier.indexer.keykernel`, :mod:`kvtier.wire.tokenkernel`) is imported through
-:func:`load` the first time it is needed, so that importing kvtier never imports numba (about 0.3 s and
-140 MB of RSS); every caller keeps a pure-Python path with the same results for when it returns ``None``.
+Each kernel module (:mod:`kvtier.indexer.keykernel`, :mod:`kvtier.wire.tokenkernel`) is held by a
+:class:`LazyKernels` and imported the first time it is needed, so that importing kvtier never imports
+numba (about 0.3 s and 140 MB of RSS); every caller keeps a pure-Python path with the same results for
+when it is not there.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 _OFF = ("0", "false", "off", "no")
 
@@ -25,4 +28,28 @@ def load(module: str) -> tuple[ModuleType | None, str]:
         return None, f"python (numba unavailable: {exc})"
 
 
-__all__ = ["load"]
+class LazyKernels:
+    """A kernel module, imported on first use and then warmed: ``warm`` calls its functions once with the
+    argument types their callers pass, so that numba compiles them (or loads them from its cache) then,
+    not inside the first timed call."""
+
+    __slots__ = ("backend", "module", "name", "warm")
+
+    def __init__(self, name: str, warm: Callable[[Any], object]) -> None:
+        self.name = name  # the module's import name
+        self.warm = warm  # called with the module once it is imported
+        self.module: Any = None  # the module; None until loaded, and on the Python path
+        self.backend: str | None = None  # None until loaded; then "numba" or "python (why)"
+
+    def get(self) -> Any:
+        """The kernel module, or ``None``: use the Python path. Imports and warms it the first time. O(1) after
+        the first call."""
+        if self.backend is None:
+            module, backend = load(self.name)
+            if module is not None:
+                self.warm(module)
+            self.module, self.backend = module, backend
+        return self.module
+
+
+__all__ = ["LazyKernels", "load"]

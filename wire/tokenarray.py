@@ -8,43 +8,30 @@ else through msgspec and :func:`~kvtier.wire.protocol.pack_tokens`. Both give th
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 import numpy as np
 
 from kvtier.wire import jit
 from kvtier.wire.protocol import PackedTokens, pack_tokens, unpack_tokens
 
-_kernels: Any = None
-_backend: str | None = None  # None until first use; then what token_backend() reports
-_warm = False  # token_backend() has called both kernels once (compiled, or loaded from numba's cache)
 _ints = msgspec.msgpack.Decoder(list[int])
 _encode = msgspec.msgpack.Encoder().encode
-
-
-def _load() -> Any:
-    global _kernels, _backend
-    if _backend is None:
-        _kernels, _backend = jit.load("kvtier.wire.tokenkernel")
-    return _kernels
+#: Both kernels, warmed with the argument types used here (read-only views of bytes).
+_KERNELS = jit.LazyKernels("kvtier.wire.tokenkernel", lambda k: k.decode(
+    np.frombuffer(bytes(k.encode(np.frombuffer(bytes(8), "<u4"))), np.uint8)))
 
 
 def token_backend() -> str:
-    """``"numba"`` or ``"python (why)"``, loading the kernels now and compiling them (or loading them
-    from numba's cache) for the argument types used here, so that the first event does not pay. O(1)
-    after the first call."""
-    global _warm
-    if _load() is not None and not _warm:
-        _warm = True
-        decode_tokens(encode_tokens(bytes(8)))
-    return str(_backend)
+    """``"numba"`` or ``"python (why)"``, loading and compiling the kernels now (so that the first event
+    does not pay). O(1) after the first call."""
+    _KERNELS.get()
+    return str(_KERNELS.backend)
 
 
 def encode_tokens(packed: PackedTokens) -> bytes:
     """The msgpack array of the token ids in ``packed``: the bytes msgspec writes for
     ``unpack_tokens(packed)``. O(tokens)."""
-    k = _kernels if _kernels is not None else _load()
+    k = _KERNELS.get()
     if k is None:
         return _encode(unpack_tokens(packed))
     return bytes(k.encode(np.frombuffer(packed, "<u4")))  # ValueError if not whole tokens, as unpack_tokens
@@ -54,7 +41,7 @@ def decode_tokens(raw: bytes | memoryview | msgspec.Raw) -> PackedTokens | list[
     """The token ids of a msgpack array: packed when every one is an int in ``[0, 2**32)``, else as
     msgspec decodes them (a list; an out-of-range id is the index's to reject). ``msgspec.DecodeError``
     if ``raw`` is not an array of ints. O(len(raw))."""
-    k = _kernels if _kernels is not None else _load()
+    k = _KERNELS.get()
     if k is not None:
         ok, tokens = k.decode(np.frombuffer(raw, np.uint8))
         if ok:
