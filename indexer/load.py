@@ -32,6 +32,9 @@ class WorkerLoad:
     unwritten_tokens: int = 0
 
 
+_IDLE = WorkerLoad()  # what load_and_shared returns for a worker never routed to; never mutated
+
+
 @dataclass(slots=True)
 class _InFlight:
     worker: StreamId  # where it went
@@ -71,20 +74,34 @@ class LoadTracker:
         self.expected_output = 0.0
 
     def load(self, worker: StreamId) -> WorkerLoad:
+        """What ``worker`` has in flight (a fresh zero load for a worker never routed to). O(1)."""
         w = self._workers.get(worker)
         return w.load if w is not None else WorkerLoad()
 
     def shared_blocks(self, worker: StreamId, keys: Sequence[Hashable]) -> int:
         """Leading blocks of ``keys`` that in-flight requests on ``worker`` already hold. O(result)."""
+        return self.load_and_shared(worker, keys)[1]
+
+    def load_and_shared(self, worker: StreamId, keys: Sequence[Hashable]) -> tuple[WorkerLoad, int]:
+        """:meth:`load` and :meth:`shared_blocks` in one lookup (routing asks both of every worker).
+
+        Block keys are chained (each names its whole prefix), and every in-flight request holds all of
+        its prompt's leading blocks, so the held keys of a request form a prefix of it: a binary search
+        finds its end. O(log blocks)."""
         w = self._workers.get(worker)
         if w is None:
-            return 0
-        n = 0
-        for k in keys:
-            if k not in w.refs:
-                break
-            n += 1
-        return n
+            return _IDLE, 0
+        refs = w.refs
+        if not keys or keys[0] not in refs:
+            return w.load, 0
+        lo, hi = 1, len(keys)  # keys[:lo] are held; keys[hi:] are not (hi is an upper bound)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if keys[mid - 1] in refs:
+                lo = mid
+            else:
+                hi = mid - 1
+        return w.load, lo
 
     def add(self, request_id: str, worker: StreamId, keys: Sequence[Hashable], prompt_tokens: int,
             prefill_tokens: int) -> None:

@@ -95,19 +95,25 @@ class Router:
             ctx = RouteContext(num_tokens, bs, keys or [], overlaps, self.loads, partial)
             chosen, scores = route_with(self.policy, ctx, list(candidates))
             return RouteDecision(chosen, scores, overlaps)
-        costs = {}
+        # The hot loop of routing (once per worker and request): bound methods and lookups hoisted.
+        cost = self.cost_model.cost
+        known = overlaps.workers.get
+        load_and_shared = self.loads.load_and_shared
+        expected = self.loads.expected_output
+        values = []
         for w in candidates:
-            shared = self.loads.shared_blocks(w, keys) if keys else 0
-            costs[w] = self.cost_model.cost(num_tokens, bs, overlaps.workers.get(w, _NONE), self.loads.load(w),
-                                            shared, self.loads.expected_output)
-        return RouteDecision(self._pick(candidates, costs), costs, overlaps)
+            load, shared = load_and_shared(w, keys or ())
+            values.append(cost(num_tokens, bs, known(w, _NONE), load, shared, expected))
+        return RouteDecision(self._pick(candidates, values), dict(zip(candidates, values, strict=True)), overlaps)
 
-    def _pick(self, candidates: list[StreamId], costs: dict[StreamId, float]) -> StreamId:
+    def _pick(self, candidates: list[StreamId], costs: list[float]) -> StreamId:
+        """The lowest of ``costs`` (one per candidate, in order), ties at random; or a softmax sample."""
         if self.temperature == 0.0:
-            best = min(costs[w] for w in candidates)
-            tied = [w for w in candidates if costs[w] <= best + _TIE * max(1.0, abs(best))]
+            best = min(costs)
+            limit = best + _TIE * max(1.0, abs(best))
+            tied = [w for w, c in zip(candidates, costs, strict=True) if c <= limit]
             return tied[0] if len(tied) == 1 else self._rng.choice(tied)
-        lo, hi = min(costs.values()), max(costs.values())
+        lo, hi = min(costs), max(costs)
         span = (hi - lo) or 1.0
-        weights = [math.exp(-(costs[w] - lo) / (span * self.temperature)) for w in candidates]
+        weights = [math.exp(-(c - lo) / (span * self.temperature)) for c in costs]
         return self._rng.choices(candidates, weights)[0]

@@ -63,6 +63,15 @@ class TierCredits:
         return (o.device * self.device + (o.host - o.device) * self.host
                 + (o.disk - o.host) * self.disk + (o.external - o.disk) * self.external)
 
+    def visible_credit(self, o: TierOverlap, max_tier: StorageTier) -> float:
+        """``credited_blocks(visible(o, max_tier))``, the same float, without building the visible overlap
+        (routing calls it once per worker and request). O(1)."""
+        d = o.device
+        h = o.host if max_tier >= StorageTier.HOST else d
+        k = o.disk if max_tier >= StorageTier.DISK else h
+        e = o.external if max_tier >= StorageTier.EXTERNAL else k
+        return d * self.device + (h - d) * self.host + (k - h) * self.disk + (e - k) * self.external
+
 
 @dataclass(slots=True, frozen=True)
 class CreditCost:
@@ -75,7 +84,7 @@ class CreditCost:
     def cost(self, num_tokens: int, block_size: int, overlap: TierOverlap, load: WorkerLoad,
              shared_blocks: int = 0, output_tokens: float = 0.0) -> float:
         blocks = -(-num_tokens // block_size)
-        prefill = blocks - self.credits.credited_blocks(visible(overlap, self.max_tier))
+        prefill = blocks - self.credits.visible_credit(overlap, self.max_tier)
         queued = load.pending_prefill_tokens / block_size
         return self.overlap_weight * (prefill + queued) + load.active_blocks + blocks - shared_blocks
 
@@ -105,7 +114,7 @@ class DynamoCost:
              shared_blocks: int = 0, output_tokens: float = 0.0) -> float:
         incoming = -(-num_tokens // block_size)
         raw_prefill = load.pending_prefill_tokens / block_size + incoming
-        adjusted = max(raw_prefill - self.credits.credited_blocks(visible(overlap, self.max_tier)), 0.0)
+        adjusted = max(raw_prefill - self.credits.visible_credit(overlap, self.max_tier), 0.0)
         decode = (load.active_blocks - load.generated_blocks) + incoming - shared_blocks
         return self.prefill_load_scale * adjusted + decode
 

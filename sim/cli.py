@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import importlib.util
 import json
 import logging
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -29,10 +30,11 @@ from kvtier.indexer.latency import (
 )
 from kvtier.sim import live
 from kvtier.sim.cluster import ClusterConfig
-from kvtier.sim.generators import PRESETS, generate
+from kvtier.sim.generators import PRESETS, iter_generate
 from kvtier.sim.policies import POLICIES, check_policy
 from kvtier.sim.run import RunConfig, RunResult, simulate
-from kvtier.sim.trace import TraceError, write_mooncake
+from kvtier.sim.source import TraceSource
+from kvtier.sim.trace import Request, TraceError, write_mooncake
 from kvtier.sim.transport import Recovery
 
 DEFAULT_POLICIES = "round_robin,least_loaded,approx,kv_device,kv_host,kv_all,dynamo,min_ttft,oracle"
@@ -174,11 +176,11 @@ def _run_cfg(a: argparse.Namespace, policy: str) -> RunConfig:
                      replay_buffer=a.replay_buffer, loss_burst=a.loss_burst)
 
 
-def _trace(a: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from kvtier.sim.experiment import resolve_trace
+def _trace(a: argparse.Namespace) -> TraceSource:
+    from kvtier.sim.experiment import trace_source
 
     try:
-        return resolve_trace(a.trace, limit=a.limit, seed=a.trace_seed, time_scale=a.time_scale)
+        return trace_source(a.trace, limit=a.limit, seed=a.trace_seed, time_scale=a.time_scale)
     except (TraceError, FileNotFoundError, ValueError) as exc:
         raise CliError(str(exc)) from None
     except OSError as exc:
@@ -201,13 +203,17 @@ def _tick(bar: Any) -> None:
 
 def _compare(a: argparse.Namespace, policies: list[str]) -> int:
     from kvtier.sim.experiment import RunSpec, run_jobs
-    from kvtier.sim.report import plot, table, write_csv, write_json
+    from kvtier.sim.report import CsvRecords, join_csv, plot, table, write_json
 
     trace = _trace(a)
     cluster = _cluster(a)
-    jobs = [RunSpec(tuple(trace), cluster, _run_cfg(a, p), {"policy": p}) for p in policies]
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    # Each run streams its records to a part of requests.csv (in its own process), so no process holds a
+    # long trace's records; the parts are joined in policy order.
+    parts = [out_dir / f".requests.{i}.csv" for i in range(len(policies))]
+    jobs = [RunSpec(trace, cluster, _run_cfg(a, p), {"policy": p}, records_csv=part)
+            for p, part in zip(policies, parts, strict=True)]
     print(f"kvtier: {len(trace)} requests from {a.trace}, {cluster.workers} workers, "
           f"{cluster.device_tokens:,} device tokens each, host x{cluster.host_ratio:g}, l3={cluster.l3}; "
           f"policies: {', '.join(policies)}", file=sys.stderr)
@@ -215,20 +221,34 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
     from tqdm import tqdm
 
     if getattr(a, "progress", False):
-        results = [(jobs[0].tag, simulate(trace, cluster, jobs[0].run, progress=True))]
+        job = jobs[0]
+        assert job.records_csv is not None
+        with CsvRecords(job.records_csv, job.run.label) as out:
+            results = [(job.tag, simulate(trace, cluster, job.run, progress=True, sink=out.write))]
     else:
         with tqdm(total=len(jobs), desc="runs", unit="run", disable=None) as bar:
             results = run_jobs(jobs, processes=a.jobs, on_done=lambda tag, res: _tick(bar))
+    wall, peak = time.monotonic() - t0, _peak_rss_mib()
     summaries = [res.summary for _, res in results]
-    runs: dict[str, list[Any]] = {res.summary.policy: res.records for _, res in results}
     print(table(summaries))
-    write_json(out_dir / "summary.json", summaries, _meta(a, len(trace)))
-    write_csv(out_dir / "requests.csv", runs)
+    write_json(out_dir / "summary.json", summaries, {**_meta(a, len(trace)), "wall_s": round(wall, 3),
+                                                     "peak_rss_mib": round(peak, 1)})
+    join_csv(out_dir / "requests.csv", parts)
     written = [out_dir / "summary.json", out_dir / "requests.csv"]
     if not a.no_plots:
-        written += plot(out_dir, summaries, runs, f"{a.trace}, {cluster.workers} workers")
-    print(f"\nwrote {', '.join(str(p) for p in written)} in {time.monotonic() - t0:.1f} s", file=sys.stderr)
+        ttfts = {res.summary.policy: res.ttft for _, res in results}
+        written += plot(out_dir, summaries, ttfts, f"{a.trace}, {cluster.workers} workers")
+    print(f"\nran in {wall:.1f} s, peak memory {peak:,.0f} MiB (largest process); wrote "
+          f"{', '.join(str(p) for p in written)}", file=sys.stderr)
     return _unfinished_status(a, summaries, len(trace))
+
+
+def _peak_rss_mib() -> float:
+    """Peak resident memory of this process or its largest run process so far, MiB."""
+    import resource
+
+    kib = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return kib / (1024 * 1024 if sys.platform == "darwin" else 1024)  # macOS counts bytes, Linux KiB
 
 
 def _unfinished_status(a: argparse.Namespace, summaries: list[Any], total: int) -> int:
@@ -264,9 +284,11 @@ def cmd_sweep(a: argparse.Namespace) -> int:
 
     try:
         grid = parse_grid(a.grid)
-        jobs = grid_jobs(_trace(a), _cluster(a), _run_cfg(a, a.policy), grid)
+        jobs = grid_jobs(_trace(a), _cluster(a), _run_cfg(a, a.policy), grid, keep_records=False)
     except ValueError as exc:  # ConfigError included
         raise CliError(str(exc)) from None
+    if a.ray and importlib.util.find_spec("ray") is None:
+        raise CliError("--ray needs Ray: pip install ray (or drop --ray for a local process pool)")
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"kvtier sweep: {len(jobs)} runs over {', '.join(grid)}"
@@ -290,9 +312,16 @@ def cmd_sweep(a: argparse.Namespace) -> int:
 
 def cmd_gen_trace(a: argparse.Namespace) -> int:
     spec = replace(PRESETS[a.kind], requests=a.requests, **({"rate": a.rate} if a.rate is not None else {}))
-    reqs = generate(spec, a.seed)
-    write_mooncake(reqs, Path(a.output))
-    print(f"wrote {len(reqs)} {a.kind} requests over {reqs[-1].arrival:.0f} s to {a.output}", file=sys.stderr)
+    last = 0.0
+
+    def stream() -> Iterator[Request]:
+        nonlocal last
+        for req in iter_generate(spec, a.seed):  # written as generated: a million requests in flat memory
+            last = req.arrival
+            yield req
+
+    n = write_mooncake(stream(), Path(a.output))
+    print(f"wrote {n} {a.kind} requests over {last:.0f} s to {a.output}", file=sys.stderr)
     return 0
 
 

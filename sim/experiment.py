@@ -15,8 +15,11 @@ from kvtier.engine.cache import PrefetchPolicy, WritePolicy
 from kvtier.fields import ConfigError
 from kvtier.sim.cluster import ClusterConfig
 from kvtier.sim.generators import PRESETS, generate
+from kvtier.sim.metrics import RequestRecord
 from kvtier.sim.policies import check_policy
+from kvtier.sim.report import CsvRecords
 from kvtier.sim.run import RunConfig, RunResult, simulate
+from kvtier.sim.source import ListTrace, MooncakeFile, TraceSource, as_source
 from kvtier.sim.trace import Request, load_trace
 
 
@@ -48,18 +51,39 @@ def resolve_trace(spec: str, *, limit: int | None = None, seed: int = 0, time_sc
     return reqs
 
 
+def trace_source(spec: str, *, limit: int | None = None, seed: int = 0, time_scale: float = 1.0) -> TraceSource:
+    """The trace :func:`resolve_trace` names, as a run reads it: a Mooncake JSONL file streamed from disk
+    (:class:`~kvtier.sim.source.MooncakeFile`, checked whole here, so a bad line fails before any run), anything
+    else in memory. O(requests) time; memory: a 17-byte index per request of a file."""
+    path = Path(spec)
+    if not spec.startswith("builtin:") and path.is_file() and path.suffix != ".csv":
+        return MooncakeFile(path, limit=limit, time_scale=time_scale).index()
+    return ListTrace(resolve_trace(spec, limit=limit, seed=seed, time_scale=time_scale))
+
+
 @dataclass(slots=True, frozen=True)
 class RunSpec:
     """One run to execute: a trace, a cluster, a router configuration."""
 
-    trace: tuple[Request, ...]  # requests
+    trace: TraceSource  # requests (a file-backed source is read where the run executes)
     cluster: ClusterConfig  # cluster configuration
     run: RunConfig  # router configuration
     tag: dict[str, Any]  # grid coordinates (for sweeps)
+    # Where the run writes its per-request records as CSV rows (report.CSV_FIELDS, no header), keeping
+    # none in memory; None: see keep_records.
+    records_csv: Path | None = None
+    keep_records: bool = True  # without records_csv: return the records (False: a run's memory stays flat)
 
 
 def _execute(job: RunSpec) -> tuple[dict[str, Any], RunResult]:
-    return job.tag, simulate(list(job.trace), job.cluster, job.run)
+    if job.records_csv is None:
+        return job.tag, simulate(job.trace, job.cluster, job.run, sink=None if job.keep_records else _drop)
+    with CsvRecords(job.records_csv, job.run.label) as out:
+        return job.tag, simulate(job.trace, job.cluster, job.run, sink=out.write)
+
+
+def _drop(_: RequestRecord) -> None:
+    pass
 
 
 Done = Callable[[dict[str, Any], RunResult], None]
@@ -94,7 +118,7 @@ def _run_ray(jobs: Sequence[RunSpec], on_done: Done | None) -> list[tuple[dict[s
     try:
         import ray
     except ImportError:
-        raise RuntimeError("--ray needs Ray: pip install 'ray[default]' (or drop --ray for a local pool)") from None
+        raise RuntimeError("--ray needs Ray: pip install ray (or drop --ray for a local pool)") from None
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS"), ignore_reinit_error=True, log_to_driver=False)
     remote = ray.remote(_execute)
@@ -144,10 +168,11 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[Any]]:
     return grid
 
 
-def grid_jobs(trace: list[Request], base_cluster: ClusterConfig, base_run: RunConfig,
-              grid: dict[str, list[Any]]) -> list[RunSpec]:
+def grid_jobs(trace: Sequence[Request] | TraceSource, base_cluster: ClusterConfig, base_run: RunConfig,
+              grid: dict[str, list[Any]], *, keep_records: bool = True) -> list[RunSpec]:
+    """One job per combination of ``grid``, in grid order; ``keep_records``: see :class:`RunSpec`."""
     jobs = []
-    frozen = tuple(trace)
+    source = as_source(trace)
     for combo in itertools.product(*grid.values()):
         tag = dict(zip(grid.keys(), combo, strict=True))
         try:
@@ -157,11 +182,11 @@ def grid_jobs(trace: list[Request], base_cluster: ClusterConfig, base_run: RunCo
             check_policy(run.policy)
         except ConfigError as exc:
             raise ConfigError(f"--grid {' '.join(f'{k}={v}' for k, v in tag.items())}: {exc}") from None
-        jobs.append(RunSpec(frozen, cluster, run, tag))
+        jobs.append(RunSpec(source, cluster, run, tag, keep_records=keep_records))
     return jobs
 
 
-def run_grid(trace: list[Request], cluster: ClusterConfig, run: RunConfig, grid: dict[str, list[Any]],
+def run_grid(trace: Sequence[Request] | TraceSource, cluster: ClusterConfig, run: RunConfig, grid: dict[str, list[Any]],
              processes: int | None = None) -> list[tuple[dict[str, Any], RunResult]]:
     """Every combination of ``grid`` (keys are ClusterConfig or RunConfig fields), in grid order."""
     return run_jobs(grid_jobs(trace, cluster, run, grid), processes=processes)
@@ -179,4 +204,4 @@ def shared_dir(start: Path | None = None) -> Path:
     raise FileNotFoundError("no shared/traces folder above the working directory; set KVTIER_SHARED")
 
 
-__all__ = ["RunSpec", "grid_jobs", "parse_grid", "resolve_trace", "run_grid", "run_jobs", "shared_dir"]
+__all__ = ["RunSpec", "grid_jobs", "parse_grid", "resolve_trace", "run_grid", "run_jobs", "shared_dir", "trace_source"]

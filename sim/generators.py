@@ -15,7 +15,9 @@ are shared by many sessions.
 
 from __future__ import annotations
 
+import heapq
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,17 +50,41 @@ PRESETS: dict[str, WorkloadSpec] = {
 
 
 def generate(spec: WorkloadSpec, seed: int = 0) -> list[Request]:
-    """Requests of ``spec``, sorted by arrival. Deterministic for ``seed``."""
+    """Requests of ``spec``, sorted by arrival. Deterministic for ``seed``. O(requests) memory; see
+    :func:`iter_generate` for the same requests streamed."""
+    return list(iter_generate(spec, seed))
+
+
+def iter_generate(spec: WorkloadSpec, seed: int = 0) -> Iterator[Request]:
+    """The requests of :func:`generate`, yielded in arrival order as they are made (ties in the order
+    they were drawn), so a million-request trace is written without being held.
+
+    Memory is bounded by the turns of sessions still open: sessions start in time order and a turn
+    never arrives before its session starts, so a turn is final once the next session's start is drawn
+    past it. O(log open turns) per request.
+    """
     if spec.kind not in PRESETS:
         raise ValueError(f"unknown workload kind {spec.kind!r}; expected one of {sorted(PRESETS)}")
     rng = np.random.default_rng(seed)
     sys_blocks = math.ceil(spec.system_tokens / HASH_BLOCK)
     next_id = spec.system_prompts * sys_blocks
-    out: list[Request] = []
+    # (arrival, draw order, request): draw order breaks ties as a stable sort by arrival would
+    pending: list[tuple[float, int, Request]] = []
+    drawn = emitted = 0
     t_session = 0.0
     sessions = 0
-    while len(out) < spec.requests:
+
+    def ready(before: float) -> Iterator[Request]:
+        nonlocal emitted
+        while pending and pending[0][0] <= before:
+            req = heapq.heappop(pending)[2]
+            req.request_id = f"r{emitted}"
+            emitted += 1
+            yield req
+
+    while drawn < spec.requests:
         t_session += float(rng.exponential(1.0 / spec.rate))
+        yield from ready(t_session)
         prompt = int(rng.integers(spec.system_prompts))
         ids = [prompt * sys_blocks + i for i in range(sys_blocks)]
         length = spec.system_tokens
@@ -75,14 +101,12 @@ def generate(spec: WorkloadSpec, seed: int = 0) -> list[Request]:
                 ids.append(next_id)
                 next_id += 1
             out_len = 1 + int(rng.exponential(spec.output_tokens))
-            out.append(Request("", t, length, out_len, list(ids[:blocks]), session, think))
+            heapq.heappush(pending, (t, drawn, Request("", t, length, out_len, list(ids[:blocks]), session, think)))
+            drawn += 1
             length += out_len
             # Open loop releases the next turn at t; closed loop, `think` after this turn's last token.
             think = float(rng.exponential(spec.think_s))
             t += think + out_len * 0.02  # think + rough decode time
-            if len(out) >= spec.requests:
+            if drawn >= spec.requests:
                 break
-    out.sort(key=lambda r: r.arrival)
-    for i, r in enumerate(out):
-        r.request_id = f"r{i}"
-    return out
+    yield from ready(math.inf)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import statistics
+from array import array
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -42,7 +45,7 @@ class RequestRecord:
         return self.prefill_start - self.arrival
 
 
-def _pct(xs: list[float], p: float) -> float:
+def _pct(xs: Sequence[float], p: float) -> float:
     if not xs:
         return float("nan")
     if len(xs) == 1:
@@ -85,43 +88,98 @@ class RunSummary:
         return asdict(self)
 
 
-def summarize(policy: str, records: list[RequestRecord], workers: int, events_rejected: int = 0,
+class SummaryBuilder:
+    """A :class:`RunSummary` built one record at a time, in any order, with the same figures as a batch
+    over the records would give: sums are exact (integers, or floats summed once at the end), the
+    percentiles sort every value.
+
+    Memory: three floats per completed request (TTFT, end-to-end, queue), kept for exact percentiles,
+    and nothing per record otherwise. :meth:`add` is O(1); :meth:`summary` O(n log n).
+    """
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self.records = 0  # records added
+        self.rejected = 0  # of them, rejected
+        self.per_worker = [0] * workers  # completed requests per worker
+        self.ttft = array("d")  # of completed requests, seconds, in the order added
+        self.e2e = array("d")
+        self.queue = array("d")
+        # token sums of completed requests
+        self.prompt = self.device = self.host = self.storage = self.recomputed = self.output = 0
+        self.start = math.inf  # earliest arrival of a completed request
+        self.end = -math.inf  # latest finish of a completed request
+        self.predicted = 0  # completed requests with a prediction and an admission count
+        self.abs_error = 0  # sum of |predicted - actual| blocks over them
+        self.exact = 0  # of them, predicted exactly
+        self.swa = 0  # of those, with a usable (SWA) count
+        self.usable_error = 0  # sum of |predicted - usable| over them
+        self.overcount = 0  # sum of max(0, predicted - usable) over them
+        self.swa_predicted = 0  # sum of predicted blocks over them
+
+    def add(self, r: RequestRecord) -> None:
+        """Counts one record (completed, rejected, or neither: unfinished). O(1)."""
+        self.records += 1
+        if r.rejected:
+            self.rejected += 1
+            return
+        if r.finish < 0:
+            return
+        self.per_worker[r.worker] += 1
+        self.ttft.append(r.ttft)
+        self.e2e.append(r.e2e)
+        self.queue.append(r.queue)
+        self.prompt += r.input_tokens
+        self.device += r.device_tokens
+        self.host += r.host_tokens
+        self.storage += r.storage_tokens
+        self.recomputed += r.recomputed_tokens
+        self.output += r.output_tokens
+        self.start = min(self.start, r.arrival)
+        self.end = max(self.end, r.finish)
+        if r.predicted_blocks >= 0 and r.actual_blocks >= 0:
+            self.predicted += 1
+            self.abs_error += abs(r.predicted_blocks - r.actual_blocks)
+            self.exact += r.predicted_blocks == r.actual_blocks
+            if r.usable_blocks >= 0:
+                self.swa += 1
+                self.usable_error += abs(r.predicted_blocks - r.usable_blocks)
+                self.overcount += max(0, r.predicted_blocks - r.usable_blocks)
+                self.swa_predicted += r.predicted_blocks
+
+    def summary(self, policy: str, events_rejected: int = 0, total: int | None = None) -> RunSummary:
+        """The aggregates; ``total`` (the trace's size, default the records added) minus the completed and
+        rejected requests is reported as ``unfinished``, never silently dropped."""
+        done = len(self.ttft)
+        prompt = self.prompt or 1
+        start, end = (self.start, self.end) if done else (0.0, 0.0)
+        mean = sum(self.per_worker) / self.workers if self.workers else 0
+        nan = float("nan")
+        # Means of integers divide the exact sum once, as statistics.fmean does.
+        return RunSummary(
+            policy=policy, requests=done, rejected=self.rejected,
+            unfinished=(self.records if total is None else total) - done - self.rejected,
+            hit_rate=(self.device + self.host + self.storage) / prompt, hit_device=self.device / prompt,
+            hit_host=self.host / prompt, hit_storage=self.storage / prompt, recomputed=self.recomputed / prompt,
+            ttft_p50=_pct(self.ttft, 50), ttft_p90=_pct(self.ttft, 90), ttft_p99=_pct(self.ttft, 99),
+            ttft_mean=statistics.fmean(self.ttft) if done else nan,
+            e2e_p50=_pct(self.e2e, 50), queue_p50=_pct(self.queue, 50),
+            throughput_tok_s=self.output / max(end - start, 1e-9),
+            makespan_s=end - start, load_imbalance=max(self.per_worker) / mean if mean else 0.0,
+            index_mae_blocks=self.abs_error / self.predicted if self.predicted else nan,
+            index_exact=self.exact / self.predicted if self.predicted else nan,
+            events_rejected=events_rejected,
+            usable_mae_blocks=self.usable_error / self.swa if self.swa else nan,
+            overcount_blocks=self.overcount / self.swa if self.swa else nan,
+            overcount_share=self.overcount / max(1, self.swa_predicted) if self.swa else nan,
+        )
+
+
+def summarize(policy: str, records: Iterable[RequestRecord], workers: int, events_rejected: int = 0,
               total: int | None = None) -> RunSummary:
-    """Aggregates over completed requests; ``total`` (the trace's size, default ``len(records)``) minus the
-    completed and rejected ones is reported as ``unfinished``, never silently dropped."""
-    done = [r for r in records if not r.rejected and r.finish >= 0]
-    rejected = sum(r.rejected for r in records)
-    prompt = sum(r.input_tokens for r in done) or 1
-    dev = sum(r.device_tokens for r in done)
-    host = sum(r.host_tokens for r in done)
-    sto = sum(r.storage_tokens for r in done)
-    ttft = [r.ttft for r in done]
-    per_worker = [0] * workers
-    for r in done:
-        per_worker[r.worker] += 1
-    mean = sum(per_worker) / workers if workers else 0
-    predicted = [r for r in done if r.predicted_blocks >= 0 and r.actual_blocks >= 0]
-    start = min((r.arrival for r in done), default=0.0)
-    end = max((r.finish for r in done), default=0.0)
-    swa = [r for r in predicted if r.usable_blocks >= 0]
-    over = [max(0, r.predicted_blocks - r.usable_blocks) for r in swa]
-    nan = float("nan")
-    return RunSummary(
-        policy=policy, requests=len(done), rejected=rejected,
-        unfinished=(len(records) if total is None else total) - len(done) - rejected,
-        hit_rate=(dev + host + sto) / prompt, hit_device=dev / prompt, hit_host=host / prompt,
-        hit_storage=sto / prompt, recomputed=sum(r.recomputed_tokens for r in done) / prompt,
-        ttft_p50=_pct(ttft, 50), ttft_p90=_pct(ttft, 90), ttft_p99=_pct(ttft, 99),
-        ttft_mean=statistics.fmean(ttft) if ttft else float("nan"),
-        e2e_p50=_pct([r.e2e for r in done], 50), queue_p50=_pct([r.queue for r in done], 50),
-        throughput_tok_s=sum(r.output_tokens for r in done) / max(end - start, 1e-9),
-        makespan_s=end - start, load_imbalance=max(per_worker) / mean if mean else 0.0,
-        index_mae_blocks=(statistics.fmean(abs(r.predicted_blocks - r.actual_blocks) for r in predicted)
-                          if predicted else float("nan")),
-        index_exact=(sum(r.predicted_blocks == r.actual_blocks for r in predicted) / len(predicted)
-                     if predicted else float("nan")),
-        events_rejected=events_rejected,
-        usable_mae_blocks=statistics.fmean(abs(r.predicted_blocks - r.usable_blocks) for r in swa) if swa else nan,
-        overcount_blocks=statistics.fmean(over) if swa else nan,
-        overcount_share=sum(over) / max(1, sum(r.predicted_blocks for r in swa)) if swa else nan,
-    )
+    """Aggregates over completed requests (:class:`SummaryBuilder`); ``total`` (the trace's size, default
+    the number of records) minus the completed and rejected ones is reported as ``unfinished``."""
+    builder = SummaryBuilder(workers)
+    for r in records:
+        builder.add(r)
+    return builder.summary(policy, events_rejected, total)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -51,24 +52,64 @@ def write_json(path: Path, summaries: Sequence[RunSummary], meta: dict[str, Any]
     path.write_text(json.dumps({"meta": meta, "runs": runs}, indent=2, default=str))
 
 
-def write_csv(path: Path, runs: dict[str, list[RequestRecord]]) -> None:
-    fields = ["policy", "request_id", "worker", "arrival", "input_tokens", "output_tokens", "ttft", "e2e", "queue",
+#: Columns of requests.csv, one row per request and run.
+CSV_FIELDS = ["policy", "request_id", "worker", "arrival", "input_tokens", "output_tokens", "ttft", "e2e", "queue",
               "device_tokens", "host_tokens", "storage_tokens", "recomputed_tokens", "predicted_blocks",
               "actual_blocks", "usable_blocks", "rejected"]
+
+
+def csv_row(policy: str, r: RequestRecord) -> list[object]:
+    """One row of :data:`CSV_FIELDS`."""
+    return [policy, r.request_id, r.worker, f"{r.arrival:.6f}", r.input_tokens, r.output_tokens,
+            f"{r.ttft:.6f}", f"{r.e2e:.6f}", f"{r.queue:.6f}", r.device_tokens, r.host_tokens,
+            r.storage_tokens, r.recomputed_tokens, r.predicted_blocks, r.actual_blocks,
+            r.usable_blocks, int(r.rejected)]
+
+
+class CsvRecords:
+    """Rows of one run's records written as they come (a ``simulate`` sink), without a header, so the
+    parts of several runs concatenate into one requests.csv (:func:`join_csv`)."""
+
+    def __init__(self, path: Path, policy: str) -> None:
+        self.policy = policy  # the first column of every row
+        self._file = open(path, "w", newline="")  # noqa: SIM115 (closed by __exit__)
+        self._writer = csv.writer(self._file)
+
+    def write(self, r: RequestRecord) -> None:
+        self._writer.writerow(csv_row(self.policy, r))
+
+    def __enter__(self) -> CsvRecords:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._file.close()
+
+
+def join_csv(path: Path, parts: Sequence[Path]) -> None:
+    """requests.csv from the header and ``parts`` (written by :class:`CsvRecords`) in order; the parts are
+    removed. O(total size), in 1 MiB copies."""
+    with open(path, "w", newline="") as out:
+        csv.writer(out).writerow(CSV_FIELDS)
+        for part in parts:
+            with open(part, newline="") as f:
+                shutil.copyfileobj(f, out, 1 << 20)
+            part.unlink()
+
+
+def write_csv(path: Path, runs: dict[str, list[RequestRecord]]) -> None:
+    """requests.csv of records held in memory."""
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(fields)
+        w.writerow(CSV_FIELDS)
         for policy, records in runs.items():
             for r in records:
-                w.writerow([policy, r.request_id, r.worker, f"{r.arrival:.6f}", r.input_tokens, r.output_tokens,
-                            f"{r.ttft:.6f}", f"{r.e2e:.6f}", f"{r.queue:.6f}", r.device_tokens, r.host_tokens,
-                            r.storage_tokens, r.recomputed_tokens, r.predicted_blocks, r.actual_blocks,
-                            r.usable_blocks, int(r.rejected)])
+                w.writerow(csv_row(policy, r))
 
 
-def plot(out_dir: Path, summaries: Sequence[RunSummary], runs: dict[str, list[RequestRecord]],
+def plot(out_dir: Path, summaries: Sequence[RunSummary], ttfts: dict[str, Sequence[float]],
          title: str) -> list[Path]:
-    """Stacked hit-rate bars per tier and TTFT CDFs; returns the PNG paths."""
+    """Stacked hit-rate bars per tier and CDFs of the completed requests' TTFT (``ttfts``: seconds, per run,
+    as :attr:`kvtier.sim.run.RunResult.ttft` holds them); returns the PNG paths."""
     import matplotlib
     import matplotlib.ticker
 
@@ -97,8 +138,8 @@ def plot(out_dir: Path, summaries: Sequence[RunSummary], runs: dict[str, list[Re
     paths.append(p)
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for name, records in runs.items():
-        ttft = np.sort([r.ttft for r in records if not r.rejected and r.first_token >= 0])
+    for name, values in ttfts.items():
+        ttft = np.sort(np.asarray(values, dtype=float))
         if len(ttft):
             ax.plot(ttft, np.arange(1, len(ttft) + 1) / len(ttft), label=name)
     ax.set_xscale("log")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.fields import Domain, at_least, check_fields, one_of, positive, within
@@ -10,8 +12,9 @@ from kvtier.indexer.keys import block_keys
 from kvtier.indexer.load import LoadTracker
 from kvtier.sim.cluster import ClusterConfig, Job, build_cluster
 from kvtier.sim.core import Environment
-from kvtier.sim.metrics import RequestRecord, RunSummary, summarize
+from kvtier.sim.metrics import RequestRecord, RunSummary, SummaryBuilder
 from kvtier.sim.policies import KvPolicy, RouteInput, make_policy
+from kvtier.sim.source import TraceSource, as_source
 from kvtier.sim.trace import Request, TokenBank
 from kvtier.sim.transport import Recovery, SimWire, WireConfig, WireCounters
 from kvtier.wire.protocol import EventBatch, WorkerId
@@ -52,42 +55,52 @@ class RunResult:
     """Everything one run produced."""
 
     summary: RunSummary  # aggregates
-    records: list[RequestRecord]  # per request, in arrival order
-    decisions: list[int] = field(default_factory=list)  # chosen worker per request, in arrival order
+    records: list[RequestRecord]  # per request, in arrival order (empty when simulate was given a sink)
+    decisions: list[int] = field(default_factory=list)  # chosen worker per request, in arrival order (ditto)
     events_published: int = 0  # batches the engines published
     events_lost: int = 0  # batches dropped on the way to the router
     wire: WireCounters = field(default_factory=WireCounters)  # replays, dumps, partial marks
+    ttft: Sequence[float] = ()  # seconds, of every completed request, in arrival order (kept with a sink too)
 
 
-def simulate(trace: list[Request], cluster_cfg: ClusterConfig, run: RunConfig, *, bank: TokenBank | None = None,
-             progress: bool = False) -> RunResult:
-    """Replays ``trace``; deterministic for the configs' seeds.
+def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig, run: RunConfig, *,
+             bank: TokenBank | None = None, progress: bool = False,
+             sink: Callable[[RequestRecord], None] | None = None) -> RunResult:
+    """Replays ``trace`` (a list, or a :class:`~kvtier.sim.source.TraceSource` such as a streamed
+    :class:`~kvtier.sim.source.MooncakeFile`); deterministic for the configs' seeds.
 
     Turns of one session (``Request.session``, in trace order) are released closed loop when
     ``run.closed_loop``: a turn arrives ``think_s`` after its predecessor's last token (or, for traces
     without think times, at its own timestamp but never before its predecessor finished); a rejected
     turn releases its successor at once. Open loop uses every timestamp as it is. Simulated time stops at
     ``run.until_s`` if given; what has not finished by then is counted as ``unfinished``.
-    After the run, every request that started its prefill is checked to have its prompt tokens booked
-    exactly once: device + host + storage + recomputed == prompt.
+
+    Records: without ``sink`` they are returned in :attr:`RunResult.records` (and the routing decisions in
+    :attr:`RunResult.decisions`). With ``sink``, each record goes to it once final (completed, rejected, or
+    unfinished when the run ends), in arrival order, and the result keeps none: a run then holds the
+    requests in flight and three floats per completed request (for exact percentiles), whatever the
+    trace's length. The summary is the same either way. Every record that started its prefill is checked to
+    have its prompt tokens booked exactly once: device + host + storage + recomputed == prompt.
     """
-    successor = _session_successors(trace) if run.closed_loop else {}
-    released_later = {r.request_id for r in successor.values()}
-    first = [r for r in trace if r.request_id not in released_later]  # released by their arrival time
-    env = Environment(reserved=len(first))
+    source = as_source(trace)
+    total = len(source)
+    env = Environment(reserved=total)  # arrivals take their rank as sequence number (see feed below)
     loads = LoadTracker(cluster_cfg.page_size)
     bank = bank or TokenBank()
     rng = random.Random(run.seed)
     records: list[RequestRecord] = []
     decisions: list[int] = []
+    builder = SummaryBuilder(cluster_cfg.workers)
+    # Records in arrival order, waiting for the oldest to be final: the sink sees arrival order.
+    waiting: deque[RequestRecord] = deque()
     ps = cluster_cfg.page_size
     streams = [StreamId(WorkerId(f"w{i}")) for i in range(cluster_cfg.workers)]
-    bar = _progress(len(trace), run.label) if progress else None
+    bar = _progress(total, run.label) if progress else None
     # Without loss a tracker would only confirm what arrives: skip it (same results, less work).
     recovery = Recovery(run.recovery) if run.event_loss else Recovery.NONE
     wire_cfg = WireConfig(run.event_delay_s, run.event_loss, run.loss_burst, recovery, run.replay_buffer)
 
-    def sink(deliveries: list[Delivery]) -> None:
+    def sink_(deliveries: list[Delivery]) -> None:
         assert isinstance(policy, KvPolicy)
         policy.feed(deliveries)
 
@@ -95,8 +108,16 @@ def simulate(trace: list[Request], cluster_cfg: ClusterConfig, run: RunConfig, *
         cluster.workers[worker].flush_events()  # the dump must cover every published seq
         return cluster.caches[worker].dump_events()
 
-    wire = SimWire(env, wire_cfg, cluster_cfg.workers, rng, sink, dump)
+    wire = SimWire(env, wire_cfg, cluster_cfg.workers, rng, sink_, dump)
     unheard = WireCounters()  # for policies that read no events: counts only, no codec work
+
+    def emit(final: bool) -> None:
+        while waiting and (final or waiting[0].finish >= 0 or waiting[0].rejected):
+            rec = waiting.popleft()
+            _check_accounting(rec)
+            builder.add(rec)
+            if sink is not None:
+                sink(rec)
 
     def on_event(worker: int, batch: EventBatch) -> None:
         if isinstance(policy, KvPolicy):
@@ -114,7 +135,9 @@ def simulate(trace: list[Request], cluster_cfg: ClusterConfig, run: RunConfig, *
             # formatted only when the bar redraws (tqdm's mininterval), not once per request.
             bar.sim_now = env.now
             bar.update(1)
-        nxt = successor.get(job.req.request_id)
+        if waiting[0] is job.record:
+            emit(False)
+        nxt = source.successor(job.req.request_id) if run.closed_loop else None
         if nxt is not None:
             release = env.now + nxt.think_s if nxt.think_s is not None else max(env.now, nxt.arrival)
             env.at(release, lambda: arrive(nxt), priority=2)
@@ -137,56 +160,44 @@ def simulate(trace: list[Request], cluster_cfg: ClusterConfig, run: RunConfig, *
         rec = RequestRecord(req.request_id, choice.worker, env.now, req.input_length, req.output_length)
         if choice.predicted is not None:
             rec.predicted_blocks = choice.predicted.external
-        records.append(rec)
-        decisions.append(choice.worker)
+        waiting.append(rec)
+        if sink is None:
+            records.append(rec)
+            decisions.append(choice.worker)
         cached = choice.predicted.external * ps if choice.predicted is not None else 0
         loads.add(req.request_id, streams[choice.worker], keys, req.input_length, max(0, req.input_length - cached))
         cluster.workers[choice.worker].submit(Job(req, tokens, rec), choice.tier)
 
-    # First turns arrive one at a time, each scheduled when the one before it runs, with the reserved
-    # sequence number it would have had if all were scheduled up front (its rank in the trace): the
-    # same run, without a timer per request waiting in the heap.
-    order = sorted(range(len(first)), key=lambda i: first[i].arrival)  # stable: trace order among ties
+    # Requests released at their arrival time come one at a time, each scheduled when the one before it
+    # runs, with a reserved sequence number (its rank in the trace): the order it would have had if all
+    # were scheduled up front, without a timer per request waiting in the heap, or the trace in memory.
+    arrivals = source.arrivals(run.closed_loop)
 
-    def feed(k: int) -> None:
-        if k + 1 < len(order):
-            j = order[k + 1]
-            env.at(first[j].arrival, lambda: feed(k + 1), priority=2, seq=j)
-        arrive(first[order[k]])
+    def feed(req: Request) -> None:
+        upcoming = next(arrivals, None)
+        if upcoming is not None:
+            rank, nxt = upcoming
+            env.at(nxt.arrival, lambda: feed(nxt), priority=2, seq=rank)
+        arrive(req)
 
-    if order:
-        env.at(first[order[0]].arrival, lambda: feed(0), priority=2, seq=order[0])
+    first = next(arrivals, None)
+    if first is not None:
+        env.at(first[1].arrival, lambda: feed(first[1]), priority=2, seq=first[0])
     env.run(run.until_s)
     if bar is not None:
         bar.close()
-    _check_accounting(records)
+    emit(True)  # what is left never finished
     rejected = policy.events_rejected if isinstance(policy, KvPolicy) else 0
-    summary = summarize(run.label, records, cluster_cfg.workers, rejected, total=len(trace))
+    summary = builder.summary(run.label, rejected, total=total)
     counters = wire.counters if isinstance(policy, KvPolicy) else unheard
     summary.extra.update(events_published=counters.published, events_lost=counters.lost,
                          replay_requests=counters.replay_requests, dumps=counters.dumps,
                          partial_marks=counters.partial_marks)
-    return RunResult(summary, records, decisions, counters.published, counters.lost, counters)
+    return RunResult(summary, records, decisions, counters.published, counters.lost, counters, builder.ttft)
 
 
-def _session_successors(trace: list[Request]) -> dict[str, Request]:
-    """Request id -> the next turn of its session, in trace order. O(len(trace))."""
-    last: dict[str, Request] = {}
-    out: dict[str, Request] = {}
-    for req in trace:
-        if req.session is None:
-            continue
-        prev = last.get(req.session)
-        if prev is not None:
-            out[prev.request_id] = req
-        last[req.session] = req
-    return out
-
-
-def _check_accounting(records: list[RequestRecord]) -> None:
-    for r in records:
-        if r.prefill_start < 0:
-            continue  # never started: nothing booked yet
+def _check_accounting(r: RequestRecord) -> None:
+    if r.prefill_start >= 0:  # else never started: nothing booked yet
         booked = r.device_tokens + r.host_tokens + r.storage_tokens + r.recomputed_tokens
         assert booked == r.input_tokens, (
             f"request {r.request_id}: tokens by tier ({r.device_tokens} device + {r.host_tokens} host + "

@@ -10,10 +10,12 @@ equal tokens and distinct ids distinct ones. The last block of a request is part
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import math
 import re
-from collections.abc import Iterator
+from array import array
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -61,9 +63,16 @@ class TokenBank:
     agree only by chance, about one in 128,000 per position.
     """
 
+    #: Packed blocks kept for reuse (2 KiB each): a session's turns repeat their predecessors' hash ids
+    #: and system prompts repeat everywhere, so most of a request's blocks were made recently.
+    CACHE_BLOCKS = 8192
+
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
         self._seed_key = _mix(np.array([seed & _U64], dtype=np.uint64) + _GOLDEN)
+        # hash id -> its 512 tokens packed; first in, first out, at most CACHE_BLOCKS (a pure function's
+        # values, so what is evicted only costs a recomputation)
+        self._packed: dict[int, bytes] = {}
 
     def block(self, hash_id: int) -> np.ndarray:
         """The 512 token ids of one hash id (int64). O(512)."""
@@ -82,10 +91,21 @@ class TokenBank:
 
     def packed(self, req: Request) -> PackedTokens:
         """The same token ids packed (see :func:`kvtier.wire.pack_tokens`), without a Python int
-        each. O(input_length)."""
+        each; blocks made for earlier requests are reused. O(input_length)."""
         if not req.hash_ids:
             return b""
-        return self._blocks(req.hash_ids)[:req.input_length].astype("<u4").tobytes()
+        cache = self._packed
+        parts = [cache.get(h) for h in req.hash_ids]
+        missing = [h for h, part in zip(req.hash_ids, parts, strict=True) if part is None]
+        if missing:
+            raw = self._blocks(missing).astype("<u4").tobytes()
+            size = HASH_BLOCK * 4
+            for j, h in enumerate(missing):
+                cache[h] = raw[j * size:(j + 1) * size]
+            parts = [cache[h] for h in req.hash_ids]
+            for h in list(itertools.islice(cache, max(0, len(cache) - self.CACHE_BLOCKS))):
+                del cache[h]
+        return b"".join(parts)[:req.input_length * 4]  # type: ignore[arg-type]
 
 
 _U64 = (1 << 64) - 1
@@ -109,18 +129,27 @@ def _number(v: object) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
 
 
-def _lines(path: Path) -> Iterator[tuple[int, str]]:
-    """(line number, text) of a UTF-8 file; a line that is not UTF-8 is a :class:`TraceError` naming it."""
+def _lines_at(path: Path) -> Iterator[tuple[int, str, int]]:
+    """(line number, text, size in bytes) of a UTF-8 file; a line that is not UTF-8 is a :class:`TraceError`
+    naming it."""
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             try:
-                yield lineno, raw.decode("utf-8")
+                yield lineno, raw.decode("utf-8"), len(raw)
             except UnicodeDecodeError as exc:
                 raise TraceError(f"{path}:{lineno}: not UTF-8 (byte {raw[exc.start]:#04x} at column "
                                  f"{exc.start + 1})") from None
 
 
-def _check_record(obj: object, where: str) -> Request:
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, text) of a UTF-8 file (see :func:`_lines_at`)."""
+    for lineno, text, _ in _lines_at(path):
+        yield lineno, text
+
+
+def request_from(obj: object, where: str) -> Request:
+    """One Mooncake record (a decoded JSON line) checked and made a request (``request_id`` empty when the
+    record has none). Raises :class:`TraceError` prefixed with ``where``."""
     if not isinstance(obj, dict):
         raise TraceError(f"{where}: expected a JSON object")
     missing = [k for k in ("timestamp", "input_length", "output_length", "hash_ids") if k not in obj]
@@ -147,15 +176,23 @@ def _check_record(obj: object, where: str) -> Request:
                    None if session is None else str(session), None if think is None else float(think))
 
 
-def load_mooncake(path: Path, limit: int | None = None) -> list[Request]:
-    """Reads Mooncake JSONL (``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids``).
+def read_mooncake(path: Path, limit: int | None = None) -> Iterator[tuple[int, int, Request]]:
+    """``(index, byte offset of its line, request)`` of each record of a Mooncake JSONL file
+    (``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids``), streamed, up to ``limit``.
 
-    Raises :class:`TraceError` naming the line of the first malformed record.
-    Records must be in non-decreasing timestamp order.
+    A record without ``request_id`` gets ``r<index>``. Raises :class:`TraceError` naming the line of the
+    first malformed record, of a request id used twice, or of a timestamp that goes backwards (records
+    must be in non-decreasing timestamp order). Memory: 8 bytes per record while no record names an id,
+    then the ids.
     """
-    out: list[Request] = []
-    seen: dict[str, int] = {}  # request id -> line
-    for lineno, line in _lines(path):
+    # Generated ids r0, r1, ... cannot collide with each other, so ids are remembered only from the first
+    # record that names its own (a million-line trace without ids keeps no set).
+    seen: dict[str, int] | None = None  # request id -> line, once the file names an id
+    generated = array("l")  # line of each record so far, while no id is named (to report a collision)
+    prev: float | None = None
+    n = offset = 0
+    for lineno, line, size in _lines_at(path):
+        at, offset = offset, offset + size
         if not line.strip():
             continue
         where = f"{path}:{lineno}"
@@ -163,21 +200,35 @@ def load_mooncake(path: Path, limit: int | None = None) -> list[Request]:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise TraceError(f"{where}: not JSON: {exc.msg}") from None
-        req = _check_record(obj, where)
+        req = request_from(obj, where)
+        if req.request_id and seen is None:
+            seen = {f"r{i}": line_i for i, line_i in enumerate(generated)}
+            generated = array("l")
         if not req.request_id:
-            req.request_id = f"r{len(out)}"
-        if req.request_id in seen:
-            raise TraceError(f"{where}: request_id {req.request_id!r} already used on line {seen[req.request_id]}")
-        seen[req.request_id] = lineno
-        if out and req.arrival < out[-1].arrival:
+            req.request_id = f"r{n}"
+        if seen is None:
+            generated.append(lineno)
+        else:
+            if req.request_id in seen:
+                raise TraceError(f"{where}: request_id {req.request_id!r} already used on line "
+                                 f"{seen[req.request_id]}")
+            seen[req.request_id] = lineno
+        if prev is not None and req.arrival < prev:
             raise TraceError(f"{where}: timestamp goes backwards ({req.arrival * 1000:g} ms after "
-                             f"{out[-1].arrival * 1000:g} ms)")
-        out.append(req)
-        if limit is not None and len(out) >= limit:
+                             f"{prev * 1000:g} ms)")
+        prev = req.arrival
+        yield n, at, req
+        n += 1
+        if limit is not None and n >= limit:
             break
-    if not out:
+    if not n:
         raise TraceError(f"{path}: no requests")
-    return out
+
+
+def load_mooncake(path: Path, limit: int | None = None) -> list[Request]:
+    """The requests of a Mooncake JSONL file, in a list (:func:`read_mooncake` has the format and its
+    checks; :class:`kvtier.sim.source.MooncakeFile` replays one without holding it)."""
+    return [req for _, _, req in read_mooncake(path, limit)]
 
 
 def _azure_time(text: str) -> datetime:
@@ -246,10 +297,14 @@ def load_trace(path: Path, limit: int | None = None) -> list[Request]:
     return load_mooncake(path, limit=limit)
 
 
-def write_mooncake(requests: list[Request], path: Path) -> None:
+def write_mooncake(requests: Iterable[Request], path: Path) -> int:
+    """Writes ``requests`` as Mooncake JSONL as they come; returns how many. O(1) memory."""
+    n = 0
     with open(path, "w") as f:
         for r in requests:
             f.write(r.to_json() + "\n")
+            n += 1
+    return n
 
 
 def prefix_reuse(requests: list[Request], page_size: int) -> float:

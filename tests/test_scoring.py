@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtier.indexer.index import TieredIndex
+from kvtier.indexer.keys import block_keys
 from kvtier.indexer.latency import PRESETS, MockerLatency, TransferModel
 from kvtier.indexer.load import LoadTracker, WorkerLoad
 from kvtier.indexer.router import Router
@@ -101,6 +104,28 @@ def test_load_counts_a_shared_prefix_once_and_grows_with_decode() -> None:
     lt.finish("r2")
     lt._check()
     assert lt.load(A) == WorkerLoad()
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(st.lists(st.lists(st.integers(0, 2), min_size=0, max_size=12), min_size=1, max_size=8),
+       st.lists(st.integers(0, 2), max_size=14), st.data())
+def test_shared_blocks_search_equals_a_scan_of_chained_keys(prompts: list[list[int]], query: list[int],
+                                                           data: st.DataObject) -> None:
+    """The binary search in load_and_shared relies on chained keys: a held key's whole prefix is held.
+    Against a block-by-block scan, with prompts that share prefixes and some finished."""
+    def chained(tokens: list[int]) -> list[int]:
+        return block_keys(tokens, 1)
+
+    lt = LoadTracker(block_size=1)
+    for i, p in enumerate(prompts):
+        lt.add(f"r{i}", A, chained(p), len(p), len(p))
+    for i in data.draw(st.sets(st.integers(0, len(prompts) - 1))):
+        lt.finish(f"r{i}")
+    held = {k for p in [prompts[i] for i in range(len(prompts)) if f"r{i}" in lt._inflight] for k in chained(p)}
+    keys = chained(query)
+    scan = next((n for n, k in enumerate(keys) if k not in held), len(keys))
+    assert lt.shared_blocks(A, keys) == scan
+    assert lt.load_and_shared(A, keys) == (lt.load(A), scan)
 
 
 def test_load_tracks_context_read_by_decode_and_output_engines_reserve() -> None:

@@ -149,8 +149,12 @@ def test_cli_sweep_gen_trace_and_errors(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 def test_sweep_on_ray_when_installed(tmp_path: Path) -> None:
-    pytest.importorskip("ray", reason="Ray is optional (pip install 'ray[default]'); --ray is tested where present")
-    rc = cli(["sweep", "--trace", "builtin:chat:60", "--workers", "2", "--device-tokens", "32768", "--ray",
+    # Ray is a dev dependency where it has wheels (x86_64, aarch64): CI runs this on a local Ray cluster.
+    pytest.importorskip("ray", reason="Ray has no wheel here; --ray is tested where it installs")
+    # A trace file: each Ray task reads it streamed (kvtier.sim.source.MooncakeFile, index pickled).
+    trace = tmp_path / "chat.jsonl"
+    assert cli(["gen-trace", "--requests", "60", "-o", str(trace)]) == 0
+    rc = cli(["sweep", "--trace", str(trace), "--workers", "2", "--device-tokens", "32768", "--ray",
               "--grid", "policy=round_robin,kv_all", "--out", str(tmp_path)])
     assert rc == 0
     rows = json.loads((tmp_path / "sweep.json").read_text())

@@ -1,0 +1,76 @@
+"""Simulator scale benchmark (issue 11, item 3): a million-request trace replayed in one process.
+
+``kvtier gen-trace`` writes a seeded chat trace of ``--requests`` requests (streamed: it never holds the
+trace), then ``kvtier replay`` replays it on ``--workers`` workers for each policy, streaming the trace
+from the file and the per-request records to requests.csv. Each replay is the CLI in a fresh process;
+its wall time and peak memory come from its summary.json. A replay of the first tenth of the trace runs
+first, so the table shows whether memory stays flat as the trace grows tenfold.
+
+Target on the 2-core machine: 1,000,000 requests on 64 workers in under 15 minutes per replay, with
+bounded memory (the tenth and the whole peak alike).
+
+    python bench/scale_bench.py [--requests 1000000] [--workers 64] [--policies round_robin,kv_all]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TARGET_S = 15 * 60
+
+
+def kvtier(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "kvtier", *args], check=True, stdout=subprocess.DEVNULL)
+
+
+def replay(trace: Path, workers: int, policy: str, limit: int | None, out: Path) -> dict[str, float]:
+    args = ["replay", "--trace", str(trace), "--workers", str(workers), "--policy", policy, "--no-plots",
+            "--out", str(out)]
+    kvtier(*args, *(["--limit", str(limit)] if limit else []))
+    doc = json.loads((out / "summary.json").read_text())
+    s = doc["runs"][0]
+    return {"requests": doc["meta"]["requests"], "wall_s": doc["meta"]["wall_s"],
+            "peak_mib": doc["meta"]["peak_rss_mib"], "unfinished": s["unfinished"], "hit": s["hit_rate"],
+            "p50_ms": s["ttft_p50"] * 1e3}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=1_000_000, help="trace length (default: 1,000,000)")
+    ap.add_argument("--workers", type=int, default=64, help="inference workers (default: 64)")
+    ap.add_argument("--rate", type=float, default=20.0, help="new chat sessions per second (default: 20)")
+    ap.add_argument("--policies", default="round_robin,kv_all", help="comma-separated (default: round_robin,kv_all)")
+    ap.add_argument("--out", type=Path, default=Path("out/bench/scale"),
+                    help="trace and results (default: out/bench/scale)")
+    ap.add_argument("--no-tenth", action="store_true", help="skip the replay of the first tenth")
+    a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    trace = a.out / f"chat-{a.requests}-rate{a.rate:g}.jsonl"
+    if not trace.exists():
+        t0 = time.perf_counter()
+        kvtier("gen-trace", "--kind", "chat", "--requests", str(a.requests), "--rate", str(a.rate), "-o", str(trace))
+        peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+        print(f"gen-trace: {a.requests:,} requests in {time.perf_counter() - t0:.1f} s, peak {peak:,.0f} MiB, "
+              f"{trace.stat().st_size / 2**20:,.0f} MiB file")
+    print(f"replay: {trace.name}, {a.workers} workers; target: every full replay < {TARGET_S // 60} min, memory flat")
+    print(f"{'policy':<12} {'requests':>10} {'unfin':>6} {'wall s':>8} {'req/s':>7} {'peak MiB':>9} {'hit':>6} "
+          f"{'p50 ms':>7}  target")
+    for policy in [p.strip() for p in a.policies.split(",") if p.strip()]:
+        limits = [None] if a.no_tenth else [a.requests // 10, None]
+        for limit in limits:
+            r = replay(trace, a.workers, policy, limit, a.out / f"{policy}-{limit or 'all'}")
+            verdict = "" if limit else ("met" if r["wall_s"] < TARGET_S else "MISSED")
+            print(f"{policy:<12} {r['requests']:>10,} {r['unfinished']:>6} {r['wall_s']:>8.1f} "
+                  f"{r['requests'] / r['wall_s']:>7.0f} {r['peak_mib']:>9,.0f} {r['hit']:>6.3f} {r['p50_ms']:>7.1f}  "
+                  f"{verdict}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
