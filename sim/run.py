@@ -100,7 +100,7 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
     recovery = Recovery(run.recovery) if run.event_loss else Recovery.NONE
     wire_cfg = WireConfig(run.event_delay_s, run.event_loss, run.loss_burst, recovery, run.replay_buffer)
 
-    def sink_(deliveries: list[Delivery]) -> None:
+    def deliver(deliveries: list[Delivery]) -> None:
         assert isinstance(policy, KvPolicy)
         policy.feed(deliveries)
 
@@ -108,7 +108,7 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
         cluster.workers[worker].flush_events()  # the dump must cover every published seq
         return cluster.caches[worker].dump_events()
 
-    wire = SimWire(env, wire_cfg, cluster_cfg.workers, rng, sink_, dump)
+    wire = SimWire(env, wire_cfg, cluster_cfg.workers, rng, deliver, dump)
     unheard = WireCounters()  # for policies that read no events: counts only, no codec work
 
     def emit(final: bool) -> None:

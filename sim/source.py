@@ -98,7 +98,8 @@ class MooncakeFile:
         self._next = array("q")  # request index -> index of its session's next turn, -1 if none
         self._follows = bytearray()  # request index -> 1 if an earlier turn of its session exists
         self._indexed = False
-        self._live: dict[str, int] = {}  # request id -> index, for requests handed out and not yet followed
+        # request id -> index, of requests handed out closed loop whose next turn is still to come
+        self._live: dict[str, int] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         state = {k: getattr(self, k) for k in ("path", "_file", "limit", "time_scale", "_offsets", "_next",
@@ -132,7 +133,9 @@ class MooncakeFile:
     def __len__(self) -> int:
         return len(self.index()._offsets)
 
-    def _read(self, f: Any, i: int) -> Request:
+    def _read(self, f: Any, i: int, *, followed: bool) -> Request:
+        """Request ``i``; ``followed``: :meth:`successor` will be asked for its next turn (remembered until
+        then, so only requests in flight are)."""
         f.seek(self._offsets[i])
         raw = f.readline()
         try:
@@ -143,7 +146,8 @@ class MooncakeFile:
             req.request_id = f"r{i}"
         if self.time_scale != 1.0:
             req = dataclasses.replace(req, arrival=req.arrival * self.time_scale)
-        self._live[req.request_id] = i
+        if followed and self._next[i] >= 0:
+            self._live[req.request_id] = i
         return req
 
     def __iter__(self) -> Iterator[Request]:
@@ -151,9 +155,7 @@ class MooncakeFile:
         self.index()
         with open(self._file, "rb") as f:
             for i in range(len(self._offsets)):
-                req = self._read(f, i)
-                del self._live[req.request_id]
-                yield req
+                yield self._read(f, i, followed=False)
 
     def arrivals(self, closed_loop: bool) -> Iterator[tuple[int, Request]]:
         """The file's order is arrival order (the first pass checks it). O(1) memory per request."""
@@ -163,16 +165,16 @@ class MooncakeFile:
             for i in range(len(self._offsets)):
                 if closed_loop and self._follows[i]:
                     continue
-                yield rank, self._read(f, i)
+                yield rank, self._read(f, i, followed=closed_loop)
                 rank += 1
 
     def successor(self, request_id: str) -> Request | None:
         """One seek and one line read. O(line)."""
         i = self._live.pop(request_id, None)
-        if i is None or self._next[i] < 0:
-            return None
+        if i is None:
+            return None  # the last turn of its session (or no session)
         with open(self._file, "rb") as f:
-            return self._read(f, self._next[i])
+            return self._read(f, self._next[i], followed=True)
 
 
 def as_source(trace: Sequence[Request] | TraceSource) -> TraceSource:

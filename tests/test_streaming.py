@@ -95,7 +95,9 @@ def test_mooncake_file_reads_what_load_mooncake_reads(chat_file: Path, tmp_path:
 def test_replay_from_the_file_equals_the_replay_of_the_list(chat_file: Path, closed_loop: bool) -> None:
     for policy in ("kv_host", "round_robin"):
         run = RunConfig(policy, closed_loop=closed_loop)
-        _same(simulate(MooncakeFile(chat_file), CLUSTER, run), simulate(load_mooncake(chat_file), CLUSTER, run))
+        src = MooncakeFile(chat_file)
+        _same(simulate(src, CLUSTER, run), simulate(load_mooncake(chat_file), CLUSTER, run))
+        assert src._live == {}  # every request finished: the source remembers none
 
 
 def test_a_stopped_replay_counts_the_same_unfinished(chat_file: Path) -> None:
