@@ -79,7 +79,9 @@ class LoadTracker:
         return w.load if w is not None else WorkerLoad()
 
     def shared_blocks(self, worker: StreamId, keys: Sequence[Hashable]) -> int:
-        """Leading blocks of ``keys`` that in-flight requests on ``worker`` already hold. O(result)."""
+        """Leading blocks of ``keys`` that in-flight requests on ``worker`` already hold. ``keys`` must be
+        chained block keys, each naming its whole prefix (:func:`kvtier.indexer.keys.block_keys`), as the
+        keys given to :meth:`add` are: the count is found by binary search. O(log blocks)."""
         return self.load_and_shared(worker, keys)[1]
 
     def load_and_shared(self, worker: StreamId, keys: Sequence[Hashable]) -> tuple[WorkerLoad, int]:
