@@ -32,7 +32,7 @@ from kvtier.sim import live
 from kvtier.sim.cluster import ClusterConfig
 from kvtier.sim.generators import PRESETS, iter_generate
 from kvtier.sim.policies import POLICIES, check_policy
-from kvtier.sim.run import RunConfig, RunResult, simulate
+from kvtier.sim.run import RunConfig, RunResult
 from kvtier.sim.source import TraceSource
 from kvtier.sim.trace import Request, TraceError, write_mooncake
 from kvtier.sim.transport import Recovery
@@ -202,8 +202,8 @@ def _tick(bar: Any) -> None:
 
 
 def _compare(a: argparse.Namespace, policies: list[str]) -> int:
-    from kvtier.sim.experiment import RunSpec, run_jobs
-    from kvtier.sim.report import CsvRecords, join_csv, plot, table, write_json
+    from kvtier.sim.experiment import RunSpec, execute, run_jobs
+    from kvtier.sim.report import join_csv, plot, table, write_json
 
     trace = _trace(a)
     cluster = _cluster(a)
@@ -221,10 +221,7 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
     from tqdm import tqdm
 
     if getattr(a, "progress", False):
-        job = jobs[0]
-        assert job.records_csv is not None
-        with CsvRecords(job.records_csv, job.run.label) as out:
-            results = [(job.tag, simulate(trace, cluster, job.run, progress=True, sink=out.write))]
+        results = [execute(jobs[0], progress=True)]
     else:
         with tqdm(total=len(jobs), desc="runs", unit="run", disable=None) as bar:
             results = run_jobs(jobs, processes=a.jobs, on_done=lambda tag, res: _tick(bar))

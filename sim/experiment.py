@@ -75,11 +75,14 @@ class RunSpec:
     keep_records: bool = True  # without records_csv: return the records (False: a run's memory stays flat)
 
 
-def _execute(job: RunSpec) -> tuple[dict[str, Any], RunResult]:
+def execute(job: RunSpec, *, progress: bool = False) -> tuple[dict[str, Any], RunResult]:
+    """Runs one job in this process (``progress``: a per-request bar); its records go where
+    ``job.records_csv`` and ``job.keep_records`` say."""
     if job.records_csv is None:
-        return job.tag, simulate(job.trace, job.cluster, job.run, sink=None if job.keep_records else _drop)
+        sink = None if job.keep_records else _drop
+        return job.tag, simulate(job.trace, job.cluster, job.run, progress=progress, sink=sink)
     with CsvRecords(job.records_csv, job.run.label) as out:
-        return job.tag, simulate(job.trace, job.cluster, job.run, sink=out.write)
+        return job.tag, simulate(job.trace, job.cluster, job.run, progress=progress, sink=out.write)
 
 
 def _drop(_: RequestRecord) -> None:
@@ -98,14 +101,14 @@ def run_jobs(jobs: Sequence[RunSpec], *, processes: int | None = None, use_ray: 
     if n <= 1 or len(jobs) == 1:
         out = []
         for j in jobs:
-            tag, res = _execute(j)
+            tag, res = execute(j)
             if on_done:
                 on_done(tag, res)
             out.append((tag, res))
         return out
     results: dict[int, tuple[dict[str, Any], RunResult]] = {}
     with ProcessPoolExecutor(max_workers=n) as pool:
-        futures = {pool.submit(_execute, j): i for i, j in enumerate(jobs)}
+        futures = {pool.submit(execute, j): i for i, j in enumerate(jobs)}
         for fut in as_completed(futures):
             tag, res = fut.result()  # a failed run raises here: never swallowed
             results[futures[fut]] = (tag, res)
@@ -121,7 +124,7 @@ def _run_ray(jobs: Sequence[RunSpec], on_done: Done | None) -> list[tuple[dict[s
         raise RuntimeError("--ray needs Ray: pip install ray (or drop --ray for a local pool)") from None
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS"), ignore_reinit_error=True, log_to_driver=False)
-    remote = ray.remote(_execute)
+    remote = ray.remote(execute)
     refs = [remote.remote(j) for j in jobs]
     out = []
     for ref in refs:
@@ -204,4 +207,5 @@ def shared_dir(start: Path | None = None) -> Path:
     raise FileNotFoundError("no shared/traces folder above the working directory; set KVTIER_SHARED")
 
 
-__all__ = ["RunSpec", "grid_jobs", "parse_grid", "resolve_trace", "run_grid", "run_jobs", "shared_dir", "trace_source"]
+__all__ = ["RunSpec", "execute", "grid_jobs", "parse_grid", "resolve_trace", "run_grid", "run_jobs", "shared_dir",
+           "trace_source"]

@@ -96,16 +96,6 @@ def join_csv(path: Path, parts: Sequence[Path]) -> None:
             part.unlink()
 
 
-def write_csv(path: Path, runs: dict[str, list[RequestRecord]]) -> None:
-    """requests.csv of records held in memory."""
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(CSV_FIELDS)
-        for policy, records in runs.items():
-            for r in records:
-                w.writerow(csv_row(policy, r))
-
-
 def plot(out_dir: Path, summaries: Sequence[RunSummary], ttfts: dict[str, Sequence[float]],
          title: str) -> list[Path]:
     """Stacked hit-rate bars per tier and CDFs of the completed requests' TTFT (``ttfts``: seconds, per run,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -55,15 +55,8 @@ class ListTrace:
 
     def _successors(self) -> dict[str, Request]:
         if self._next is None:
-            last: dict[str, Request] = {}
-            self._next = {}
-            for req in self.requests:
-                if req.session is None:
-                    continue
-                prev = last.get(req.session)
-                if prev is not None:
-                    self._next[prev.request_id] = req
-                last[req.session] = req
+            reqs = self.requests
+            self._next = {reqs[i].request_id: reqs[j] for i, j in next_turns(r.session for r in reqs)}
         return self._next
 
     def arrivals(self, closed_loop: bool) -> Iterator[tuple[int, Request]]:
@@ -116,17 +109,16 @@ class MooncakeFile:
         naming the first malformed line. O(requests); later calls are free."""
         if self._indexed:
             return self
-        last: dict[str, int] = {}  # session -> index of its latest turn so far
-        for i, offset, req in read_mooncake(self.path, self.limit):  # messages name the path as given
-            self._offsets.append(offset)
-            self._next.append(-1)
-            self._follows.append(0)
-            if req.session is not None:
-                prev = last.get(req.session)
-                if prev is not None:
-                    self._next[prev] = i
-                    self._follows[i] = 1
-                last[req.session] = i
+        def sessions() -> Iterator[str | None]:
+            for _, offset, req in read_mooncake(self.path, self.limit):  # messages name the path as given
+                self._offsets.append(offset)
+                self._next.append(-1)
+                self._follows.append(0)
+                yield req.session
+
+        for i, j in next_turns(sessions()):
+            self._next[i] = j
+            self._follows[j] = 1
         self._indexed = True
         return self
 
@@ -177,9 +169,23 @@ class MooncakeFile:
             return self._read(f, self._next[i], followed=True)
 
 
+def next_turns(sessions: Iterable[str | None]) -> Iterator[tuple[int, int]]:
+    """``(i, j)`` for each request ``j`` that is the next turn of request ``i``'s session, given each
+    request's session (None: none) in trace order; yielded as ``j`` is read. O(1) per request, memory
+    one entry per session."""
+    last: dict[str, int] = {}  # session -> index of its latest turn so far
+    for j, session in enumerate(sessions):
+        if session is None:
+            continue
+        i = last.get(session)
+        if i is not None:
+            yield i, j
+        last[session] = j
+
+
 def as_source(trace: Sequence[Request] | TraceSource) -> TraceSource:
     """``trace`` itself if it is a :class:`TraceSource`, else a :class:`ListTrace` of it."""
     return trace if isinstance(trace, TraceSource) else ListTrace(trace)
 
 
-__all__ = ["ListTrace", "MooncakeFile", "TraceSource", "as_source"]
+__all__ = ["ListTrace", "MooncakeFile", "TraceSource", "as_source", "next_turns"]

@@ -106,6 +106,18 @@ def test_load_counts_a_shared_prefix_once_and_grows_with_decode() -> None:
     assert lt.load(A) == WorkerLoad()
 
 
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.lists(st.integers(0, 50), min_size=4, max_size=4), st.sampled_from(list(StorageTier)),
+       st.floats(0, 1), st.floats(0, 1), st.floats(0, 1), st.floats(0, 1))
+def test_visible_credit_is_the_credit_of_the_visible_overlap(counts: list[int], max_tier: StorageTier, dev: float,
+                                                             host: float, disk: float, ext: float) -> None:
+    """The routing loop's shortcut gives exactly (==, not approximately) the float of the two-step form."""
+    d, h, k, e = sorted(counts)
+    o = TierOverlap(d, h, k, e)
+    credits = TierCredits(dev, host, disk, ext)
+    assert credits.visible_credit(o, max_tier) == credits.credited_blocks(visible(o, max_tier))
+
+
 @settings(max_examples=150, deadline=None, derandomize=True)
 @given(st.lists(st.lists(st.integers(0, 2), min_size=0, max_size=12), min_size=1, max_size=8),
        st.lists(st.integers(0, 2), max_size=14), st.data())
