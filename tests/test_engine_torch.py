@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from kvtier.engine.cache import Admission, CacheConfig, PrefetchPolicy, TieredCache
@@ -14,6 +15,12 @@ from kvtier.wire import StorageTier
 
 PS = 4
 SHAPE = (2, 2, PS, 2, 8)  # layers, K/V, page size, kv heads, head dim
+# Every data-path test runs on the CPU and, where one is present, on a CUDA device: there the pools sit on
+# the GPU and in pinned host memory and copies run on a side stream, acknowledged through CUDA events.
+DEVICES = [
+    pytest.param("cpu"),
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
+]
 
 
 def wait(cache: TieredCache, adm: Admission | None = None, timeout: float = 10.0) -> None:
@@ -43,8 +50,9 @@ def run(cache: TieredCache, dp: TorchDataPath, rid: str, tokens: list[int], fill
     return dp.device_kv[node.device].clone().cpu()
 
 
-def test_bytes_round_trip_through_every_tier(tmp_path: Path) -> None:
-    dp = TorchDataPath(device_pages=4, host_pages=8, page_shape=SHAPE, device="cpu")
+@pytest.mark.parametrize("device", DEVICES)
+def test_bytes_round_trip_through_every_tier(tmp_path: Path, device: str) -> None:
+    dp = TorchDataPath(device_pages=4, host_pages=8, page_shape=SHAPE, device=device)
     store = PageStore(64, tmp_path / "l3")
     cfg = CacheConfig(page_size=PS, device_pages=4, host_ratio=2.0, prefetch_policy=PrefetchPolicy.WAIT_COMPLETE)
     cache = TieredCache(cfg, dp, store)
@@ -74,8 +82,9 @@ def test_bytes_round_trip_through_every_tier(tmp_path: Path) -> None:
         dp.close()
 
 
-def test_short_page_payload_is_reported_not_swallowed(tmp_path: Path) -> None:
-    dp = TorchDataPath(device_pages=2, host_pages=2, page_shape=SHAPE, device="cpu")
+@pytest.mark.parametrize("device", DEVICES)
+def test_short_page_payload_is_reported_not_swallowed(tmp_path: Path, device: str) -> None:
+    dp = TorchDataPath(device_pages=2, host_pages=2, page_shape=SHAPE, device=device)
     store = PageStore(8, tmp_path)
     try:
         store.begin_write("k", PageMeta(1, None, None, b"", 0))
@@ -94,9 +103,10 @@ def test_copy_runs_group_contiguous_pages() -> None:
     assert _runs([3, 2], [0, 1]) == [(3, 0, 1), (2, 1, 1)]
 
 
-def test_draft_pool_mirrors_backup_file_store_and_load_back(tmp_path: Path) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_draft_pool_mirrors_backup_file_store_and_load_back(tmp_path: Path, device: str) -> None:
     draft_shape = (1, 2, PS, 1, 8)
-    dp = TorchDataPath(device_pages=4, host_pages=8, page_shape=SHAPE, device="cpu", draft_page_shape=draft_shape)
+    dp = TorchDataPath(device_pages=4, host_pages=8, page_shape=SHAPE, device=device, draft_page_shape=draft_shape)
     store = PageStore(64, tmp_path / "l3")
     cfg = CacheConfig(page_size=PS, device_pages=4, host_ratio=2.0, prefetch_policy=PrefetchPolicy.WAIT_COMPLETE)
     cache = TieredCache(cfg, dp, store)
@@ -106,8 +116,8 @@ def test_draft_pool_mirrors_backup_file_store_and_load_back(tmp_path: Path) -> N
         adm = cache.admit("a", a)
         assert cache.begin_prefill(adm) is not None
         g = torch.Generator().manual_seed(5)
-        dp.device_kv[adm.compute] = torch.randn((4, *SHAPE), generator=g).to(dp.device_kv.dtype)
-        dp.device_draft[adm.compute] = torch.randn((4, *draft_shape), generator=g).to(dp.device_draft.dtype)
+        dp.device_kv[adm.compute] = torch.randn((4, *SHAPE), generator=g).to(dp.device, dp.device_kv.dtype)
+        dp.device_draft[adm.compute] = torch.randn((4, *draft_shape), generator=g).to(dp.device, dp.device_draft.dtype)
         cache.finish_prefill(adm)
         node = adm.last
         assert node.device is not None
@@ -132,5 +142,31 @@ def test_draft_pool_mirrors_backup_file_store_and_load_back(tmp_path: Path) -> N
         victim = store.announced_by("engine")[-1]
         store.delete(victim)  # eviction removes the draft companion too
         assert not (tmp_path / "l3" / ("d_" + victim)).exists()
+    finally:
+        dp.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_copies_run_on_a_side_stream_after_the_compute_that_wrote_the_pages() -> None:
+    """A backup copy must see what compute wrote, even while compute is still running on its stream.
+
+    The compute stream is held busy (``torch.cuda._sleep``) before it fills the pages, so a copy stream
+    that did not wait for it would read the zeros that were there before.
+    """
+    dp = TorchDataPath(device_pages=4, host_pages=4, page_shape=(8, 2, PS, 8, 128), device="cuda")
+    try:
+        assert dp.device_kv.is_cuda and dp.host_kv.is_pinned()
+        torch.cuda._sleep(200_000_000)  # type: ignore[no-untyped-call]  # ~0.1 s of GPU cycles
+        dp.device_kv[:2].fill_(3.0)
+        d2h = dp.new_op(CopyKind.D2H, [0, 1], [2, 3])
+        dp.submit(d2h)
+        assert [op.op_id for op in dp.drain()] == [d2h.op_id] and d2h.error is None
+        assert bool((dp.host_kv[2:4] == 3.0).all()), "the D2H copy ran before the compute that wrote the pages"
+        dp.host_kv[0].fill_(7.0)
+        h2d = dp.new_op(CopyKind.H2D, [0], [3])
+        dp.submit(h2d)
+        dp.drain()
+        torch.cuda.synchronize()
+        assert bool((dp.device_kv[3] == 7.0).all())
     finally:
         dp.close()

@@ -20,7 +20,7 @@ from kvtier.engine.storage import PageMeta, PageStore, StoreError
 from kvtier.indexer.index import TieredIndex
 from kvtier.wire import BlockRemoved, BlockStored, StorageTier, WorkerId
 from kvtier.wire.stream import StreamId
-from tests.test_engine_torch import PS, SHAPE, run, wait
+from tests.test_engine_torch import DEVICES, PS, SHAPE, run, wait
 
 L = Layout("m", PS)
 
@@ -89,8 +89,10 @@ def test_overwritten_pages_are_never_served(tmp_path: Path) -> None:
     assert served == 0 and store.stats.damaged_reads == 40
 
 
-def test_damaged_or_missing_page_is_dropped_with_its_descendants_and_removed_from_the_index(tmp_path: Path) -> None:
-    dp = TorchDataPath(device_pages=4, host_pages=8, page_shape=SHAPE, device="cpu")
+@pytest.mark.parametrize("device", DEVICES)
+def test_damaged_or_missing_page_is_dropped_with_its_descendants_and_removed_from_the_index(
+        tmp_path: Path, device: str) -> None:
+    dp = TorchDataPath(device_pages=4, host_pages=8, page_shape=SHAPE, device=device)
     store = PageStore(64, tmp_path, layout=L)
     cfg = CacheConfig(page_size=PS, device_pages=4, host_ratio=2.0, prefetch_policy=PrefetchPolicy.WAIT_COMPLETE)
     cache = TieredCache(cfg, dp, store, name="w0")
@@ -164,8 +166,9 @@ def test_restart_adopts_sound_pages_within_capacity_and_cleans_the_rest(tmp_path
     assert bytes(store.read_page("k3")) == bytes([3]) * 64
 
 
-def test_restarted_engine_announces_its_pages_before_anything_else(tmp_path: Path) -> None:
-    dp = TorchDataPath(device_pages=4, host_pages=8, page_shape=SHAPE, device="cpu")
+@pytest.mark.parametrize("device", DEVICES)
+def test_restarted_engine_announces_its_pages_before_anything_else(tmp_path: Path, device: str) -> None:
+    dp = TorchDataPath(device_pages=4, host_pages=8, page_shape=SHAPE, device=device)
     cfg = CacheConfig(page_size=PS, device_pages=4, host_ratio=2.0, prefetch_policy=PrefetchPolicy.WAIT_COMPLETE)
     try:
         cache = TieredCache(cfg, dp, PageStore(64, tmp_path, owner="w0", layout=L), name="w0")
@@ -177,7 +180,7 @@ def test_restarted_engine_announces_its_pages_before_anything_else(tmp_path: Pat
     finally:
         dp.close()
         cache.store.close() if cache.store else None
-    dp = TorchDataPath(device_pages=4, host_pages=8, page_shape=SHAPE, device="cpu")
+    dp = TorchDataPath(device_pages=4, host_pages=8, page_shape=SHAPE, device=device)
     try:
         store = PageStore(64, tmp_path, owner="w0", layout=L)
         cache = TieredCache(cfg, dp, store, name="w0")
