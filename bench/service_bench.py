@@ -187,6 +187,11 @@ def main() -> None:
         # application over the whole run (publishers and service share this machine's 2 cores too).
         worst = max(w["apply_lag_max_seconds"] for w in m1["workers"].values())
         print(f"event apply lag, worst over every batch of the run: {worst * 1e3:.1f} ms")
+        if "gc_pause_max_seconds" in m1:  # the collector stops every thread of the service while it runs
+            print(f"service's garbage collector over the run: {m1['gc_full_passes'] - m0['gc_full_passes']} full "
+                  f"passes of {m1['gc_passes'] - m0['gc_passes']}, "
+                  f"{(m1['gc_pause_seconds'] - m0['gc_pause_seconds']) * 1e3:.1f} ms in all, "
+                  f"longest pause since start {m1['gc_pause_max_seconds'] * 1e3:.1f} ms")
     finally:
         svc.terminate()
         pubs.terminate()

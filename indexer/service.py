@@ -36,6 +36,7 @@ from kvtier.fields import ConfigError, Domain, at_least, check_fields, one_of, w
 from kvtier.indexer import persist
 from kvtier.indexer.consumer import IndexConsumer, Lag
 from kvtier.indexer.exposition import Family, render
+from kvtier.indexer.gcpause import GcPauses, freeze_startup_objects
 from kvtier.indexer.index import TieredIndex
 from kvtier.indexer.keys import BlockKey, key_backend
 from kvtier.indexer.latency import PRESETS, TransferModel
@@ -278,6 +279,7 @@ class IndexerService:
         self.requests_expired = 0
         self.snapshots = 0  # snapshots written
         self.snapshot_seconds = 0.0  # how long the last one took
+        self.gc = GcPauses()  # the collector's passes and pauses, counted from start()
         self._loop = threading.Thread(target=self._run_loop, name="kv-indexer", daemon=True)
         from kvtier.indexer.http import HttpFrontEnd  # aiohttp only where the service runs
 
@@ -338,8 +340,13 @@ class IndexerService:
         except BaseException:
             self._stop.set()
             raise
+        # Everything startup made (modules, kernels, a restored index) lives as long as the service: out of
+        # the collector's full passes, which otherwise stall every thread for tens of ms (kvtier.indexer.gcpause).
+        freeze_startup_objects()
+        self.gc.install()
 
     def stop(self) -> None:
+        self.gc.uninstall()
         self._stop.set()
         self._http.stop()
         self._loop.join(timeout=5.0)
@@ -522,7 +529,7 @@ class IndexerService:
             return {"batches_applied": self._consumer.counters.batches, "indexed_blocks": len(self.index),
                     "requests_in_flight": len(self._deadlines), "requests_expired": self.requests_expired,
                     "snapshots": self.snapshots, "snapshot_seconds": self.snapshot_seconds,
-                    "workers": workers}
+                    **self.gc.figures(), "workers": workers}
 
     def metrics_text(self) -> str:
         """``/metrics`` in the Prometheus text format: one family per metric, every worker a series."""
@@ -560,6 +567,13 @@ def render_metrics(m: dict[str, Any]) -> str:
     inflight.add(m["requests_in_flight"])
     expired = Family("kvtier_requests_expired_total", "counter", "Routed requests dropped after their TTL.")
     expired.add(m["requests_expired"])
+    gc_passes = Family("kvtier_gc_passes_total", "counter", "Garbage-collector passes since start, by generation.")
+    gc_passes.add(m["gc_passes"] - m["gc_full_passes"], generation="young")
+    gc_passes.add(m["gc_full_passes"], generation="full")
+    gc_spent = Family("kvtier_gc_pause_seconds_total", "counter", "Time every thread stood still for the collector.")
+    gc_spent.add(m["gc_pause_seconds"])
+    gc_max = Family("kvtier_gc_pause_max_seconds", "gauge", "The longest garbage-collector pause since start.")
+    gc_max.add(m["gc_pause_max_seconds"])
     blocks = Family("kvtier_blocks", "gauge", "Blocks a worker holds, per tier.")
     per_worker = {key: Family(f"kvtier_{key}" + ("_total" if kind == "counter" else ""), kind, text)
                   for key, (kind, text) in _WORKER_METRICS.items()}
@@ -569,7 +583,7 @@ def render_metrics(m: dict[str, Any]) -> str:
         for key, fam in per_worker.items():
             if key in entry:
                 fam.add(float(entry[key]), worker=w)
-    return render([applied, indexed, inflight, expired, blocks, *per_worker.values()])
+    return render([applied, indexed, inflight, expired, gc_passes, gc_spent, gc_max, blocks, *per_worker.values()])
 
 
 class MmItem(msgspec.Struct, forbid_unknown_fields=True):

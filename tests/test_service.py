@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 import urllib.error
@@ -100,6 +101,11 @@ def test_query_metrics_health_end_to_end(cluster: tuple[list[Publisher], Indexer
     assert text.count("# TYPE kvtier_blocks ") == 1  # one family, not one per worker
     m = json.loads(get(svc.address + "/metrics?format=json"))
     assert m["workers"]["w0"]["apply_lag_seconds"] >= 0
+    # Startup's objects are frozen out of the collector's passes, which are counted from start.
+    assert gc.get_freeze_count() > 0 and 0 <= m["gc_pause_max_seconds"] <= m["gc_pause_seconds"]
+    assert families["kvtier_gc_pause_max_seconds"].type == "gauge"
+    passes = {s.labels["generation"]: s.value for s in families["kvtier_gc_passes"].samples}
+    assert set(passes) == {"young", "full"}
     assert json.loads(get(svc.address + "/health")) == {"status": "ok", "workers": 3, "partial_workers": [],
                                                         "recovering_workers": [],
                                                         "http_loop": "uvloop" if find_spec("uvloop") else "asyncio",
