@@ -64,6 +64,7 @@ from kvtier.wire.protocol import (
     EngineHash,
     Event,
     EventBatch,
+    PackedTokens,
     StorageTier,
     UnknownMediumError,
     WorkerId,
@@ -616,12 +617,12 @@ class TieredIndex:
                                                         mm_items=mm_items))
 
     def request_keys(
-        self, token_ids: list[int], *, lora_name: str | None = None, cache_salt: str | None = None,
-        mm_items: Sequence[tuple[str, int, int]] | None = None,
+        self, token_ids: Sequence[int] | PackedTokens, *, lora_name: str | None = None,
+        cache_salt: str | None = None, mm_items: Sequence[tuple[str, int, int]] | None = None,
     ) -> list[BlockKey]:
-        """The router block keys of a request's full blocks, in its LoRA / salt key space, with its
-        multimodal items ``(identifier, offset, length)`` scoping the blocks they overlap (see
-        :mod:`kvtier.indexer.keys`). O(len(token_ids) + items)."""
+        """The router block keys of a request's full blocks (token ids, or packed), in its LoRA / salt key
+        space, with its multimodal items ``(identifier, offset, length)`` scoping the blocks they overlap
+        (see :mod:`kvtier.indexer.keys`). O(len(token_ids) + items)."""
         return block_keys(token_ids, self.block_size, lora_name=lora_name, cache_salt=cache_salt, mm_items=mm_items)
 
     def find_matches_keys(self, keys: list[BlockKey], *, window_aware: bool = False) -> OverlapScores:

@@ -143,6 +143,9 @@ def test_bad_queries_get_400(cluster: tuple[list[Publisher], IndexerService]) ->
                  {"token_ids": [-1]}]:
         code, resp = post(svc.address + "/query", body)
         assert code == 400 and resp["error"]
+    for ids, where in (([-1], 0), ([5, 6, 2**32], 2), ([1, 2**64], 1)):  # the range, checked as ids are packed
+        code, resp = post(svc.address + "/query", {"token_ids": ids})
+        assert code == 400 and f"$.token_ids[{where}]" in resp["error"], resp
     code, _ = post(svc.address + "/nope", {})
     assert code == 404
 
