@@ -654,10 +654,17 @@ class TieredIndex:
                     result.shared_pool = self._levels_by_runs([(ms[a], a) for a in starts], n, depths)
                 else:
                     result.shared_pool = self._levels(ms, n, depths)
-        result.workers = dict.fromkeys(self._workers, _ZERO)
+        result.workers = workers = dict.fromkeys(self._workers, _ZERO)
         owner = self._slot_stream
+        # Workers that hold the same prefix (a system prompt) share one frozen overlap: building one costs more
+        # than the lookups that found it.
+        made: dict[tuple[int, ...], TierOverlap] = {}
         for slot, d in depths.items():
-            result.workers[owner[slot]] = TierOverlap(d[0], d[1], d[2], d[3])
+            levels = tuple(d)
+            ov = made.get(levels)
+            if ov is None:
+                ov = made[levels] = TierOverlap(*levels)
+            workers[owner[slot]] = ov
         if window_aware:
             self._cut_to_windows(keys, result)
         return result
@@ -735,30 +742,44 @@ class TieredIndex:
             pooled = bool(m & (dev_all << StorageTier.EXTERNAL))
             if not pooled and pool_run < 0:
                 pool_run = pos
+            drops: dict[int, list[int]] = {}  # slots' device bits dropped here -> the levels they drop at
             for lvl, held in enumerate((m & dev_all, a1 & dev_all, disk, dev_all if pooled else disk)):
                 dropped = alive[lvl] & ~held
                 if dropped:
                     alive[lvl] &= held
-                    self._record(dropped, pos, lvl, depths)
+                    drops.setdefault(dropped, []).append(lvl)
+            for dropped, lvls in drops.items():  # one decode of the bits for levels that drop together
+                self._record(dropped, pos, lvls, depths)
+        ends: dict[int, list[int]] = {}
         for lvl in range(_TIERS):
-            self._record(alive[lvl], n, lvl, depths)
+            ends.setdefault(alive[lvl], []).append(lvl)
+        for bits, lvls in ends.items():
+            self._record(bits, n, lvls, depths)
         return n if pool_run < 0 else pool_run
 
-    def _record(self, bits: int, depth: int, lvl: int, depths: dict[int, list[int]], base: int = 0) -> None:
-        """Sets ``depth`` at level ``lvl`` for every owned slot whose device bit is in ``bits`` (slots numbered
-        from ``base``, the first slot of the mask word). Depth 0 is every slot's default: nothing to record."""
+    def _record(self, bits: int, depth: int, lvls: Sequence[int], depths: dict[int, list[int]],
+                base: int = 0) -> None:
+        """Sets ``depth`` at each level of ``lvls`` for every owned slot whose device bit is in ``bits`` (slots
+        numbered from ``base``, the first slot of the mask word). Depth 0 is every slot's default: nothing to
+        record. O(set bits * levels): the bits are decoded once for all the levels (where many workers share
+        a prefix, as a system prompt, this loop is most of a query)."""
         if not depth:
             return
         owned = self._slot_stream
-        while bits:
-            low = bits & -bits
-            slot = base + (low.bit_length() - 1) // _TIERS
+        # The set bits, found in the binary digits (str.find runs in C): peeling the lowest bit off a mask of
+        # hundreds of workers would allocate a new big int twice per bit.
+        digits = bin(bits)
+        last = len(digits) - 1  # the position of bit 0
+        i = digits.find("1", 2)
+        while i >= 0:
+            slot = base + (last - i) // _TIERS
             if slot in owned:
                 d = depths.get(slot)
                 if d is None:
                     d = depths[slot] = [0] * _TIERS
-                d[lvl] = depth
-            bits ^= low
+                for lvl in lvls:
+                    d[lvl] = depth
+            i = digits.find("1", i + 1)
 
     def _dev_all(self) -> int:
         """The device bit of every slot in use (cached until a new slot appears)."""
@@ -800,8 +821,8 @@ class TieredIndex:
         before = row[change].tolist()
         after = row[change + 1].tolist()
         for pos, b, a in zip(change.tolist(), before, after, strict=True):
-            self._record(b & ~a, pos + 1, lvl, depths, base)
-        self._record(int(row[-1]), n, lvl, depths, base)
+            self._record(b & ~a, pos + 1, (lvl,), depths, base)
+        self._record(int(row[-1]), n, (lvl,), depths, base)
 
     # --- snapshot ------------------------------------------------------------------------
 

@@ -284,6 +284,15 @@ def test_vectorised_path_agrees_with_naive_model(
         index_module._MAX_RUNS = saved
 
 
+@given(event_streams(), queries, st.integers(14, 40), st.integers(0, 3))
+def test_many_workers_sharing_a_prefix_agree_with_naive_model(
+    events: list[tuple[str, StreamId, Event | None]], qs: list[tuple[list[int], int]], padding: int, shift: int
+) -> None:
+    """Slots past the first 64-bit word of a mask, and many workers dropping out of one shared prefix (a
+    system prompt) at the same block on several tiers: the depths of all of them are decoded together."""
+    _agrees(events, qs, padding=padding, shift=shift)
+
+
 @st.composite
 def closed_streams(draw: st.DrawFn) -> list[tuple[str, StreamId, Event | None]]:
     """Streams a radix engine could send: stores extend a prefix the worker holds on that tier, removals
@@ -324,8 +333,15 @@ def test_binary_search_agrees_with_naive_model_on_radix_engines(
 
 
 def _agrees(events: list[tuple[str, StreamId, Event | None]], qs: list[tuple[list[int], int]],
-            always_closed: bool = False) -> None:
+            always_closed: bool = False, padding: int = 0, shift: int = 0) -> None:
+    """``padding`` workers join first, each holding 1-3 leading blocks of the first document on some tier
+    (``shift`` varies which), so the streams under test get slots past them."""
     fast, ref = TieredIndex(BS), ReferenceIndex(BS)
+    for i in range(padding):
+        pad, n, tier = StreamId(WorkerId(f"pad{i}")), 1 + (i + shift) % 3, TIER_NAMES[(i * shift) % len(TIER_NAMES)]
+        ev = stored([engine_hash(pad, tuple(DOCS[0][:(j + 1) * BS])) for j in range(n)], None, DOCS[0][:n * BS], tier,
+                    BS)
+        assert fast.apply(pad, ev).value == ref.apply(pad, ev)
     for kind, w, ev in events:
         if kind == "drop":
             fast.remove_worker(w)
