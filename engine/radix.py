@@ -12,7 +12,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvtier.engine.hashing import ROOT_DIGEST, chain, event_hash
+from kvtier.engine.hashing import ROOT_DIGEST, chain, event_hash, event_hashes
 from kvtier.engine.pool import PageId
 from kvtier.wire.protocol import TOKEN_BYTES, PackedTokens, pack_tokens
 
@@ -165,7 +165,7 @@ class RadixTree:
         key = tokens[:s]
         assert key not in parent.children, "a child with that first page exists"
         digests = chain(parent.digests[-1] if parent.digests else ROOT_DIGEST, tokens, self.page_size)
-        node = Node(parent, tokens, digests, [event_hash(d) for d in digests])
+        node = Node(parent, tokens, digests, event_hashes(digests))
         node.last_access = self.tick()
         parent.children[key] = node
         return node

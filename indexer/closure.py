@@ -89,6 +89,26 @@ class PrefixClosure:
         if loose is not None and not loose:
             del self.loose[(slot, tier)]
 
+    def removed_all(self, slot: int, tier: int, keys: list[BlockKey], bit: int, masks: dict[BlockKey, int]) -> None:
+        """:meth:`removed` for every key of one removal event, once all their bits are cleared: a child
+        removed in the same event, before or after its parent, is never loose at the end either way.
+        O(keys + their children), one pass with no call per key (an engine evicts by the hundred)."""
+        loose = self.loose.get((slot, tier))
+        kids, held = self.kids.get, masks.get
+        for key in keys:
+            if loose is not None:
+                loose.discard(key)
+            cur = kids(key)
+            if cur is None:
+                continue
+            for c in cur if isinstance(cur, set) else (cur,):
+                if held(c, 0) & bit:
+                    if loose is None:
+                        loose = self.loose[(slot, tier)] = set()
+                    loose.add(c)
+        if loose is not None and not loose:
+            del self.loose[(slot, tier)]
+
     def died(self, key: BlockKey) -> None:
         """No worker holds ``key`` any more: its links go (every child still held is loose already)."""
         self.kids.pop(key, None)

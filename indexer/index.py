@@ -578,7 +578,10 @@ class TieredIndex:
         shift = _TIERS * w.slot
         bit = 1 << (shift + tier)
         masks, hashes, closure = self._masks, w.hashes, self._closure
+        share = self._mask_pool().setdefault  # TieredIndex._share, without a call per block
         unknown = 0
+        gone: list[BlockKey] = []  # keys whose bit this event clears, in order
+        dead: list[BlockKey] = []  # of which those nobody holds any more
         for eh in ev.block_hashes:
             key = hashes.get(eh)
             m = 0 if key is None else masks[key]
@@ -590,16 +593,19 @@ class TieredIndex:
             m &= ~bit
             if self._win:
                 self._drop_window(key, ~bit)  # window KV never outlives the block's full KV on a tier
-            w.counts[tier] -= 1
             if m:
-                masks[key] = self._share(m)
+                masks[key] = share(m, m)
             else:
                 del masks[key]
-            closure.removed(w.slot, tier, key, bit, masks)
-            if not m:
-                closure.died(key)  # after its children were looked at
+                dead.append(key)
+            gone.append(key)
             if not (m >> shift) & _SLOT_MASK:
                 del hashes[eh]
+        w.counts[tier] -= len(gone)
+        if gone:
+            closure.removed_all(w.slot, tier, gone, bit, masks)
+            for key in dead:
+                closure.died(key)  # after its children were looked at
         if unknown:
             w.stats.unknown_removals += unknown
             w.stats.last_error = f"removal of {unknown} block(s) not on {tier.name}"

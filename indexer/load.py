@@ -9,8 +9,10 @@ blocks, which grow as the router sees tokens stream back (:meth:`LoadTracker.pro
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from itertools import compress, repeat
 
 from kvtier.wire.stream import StreamId
 
@@ -33,6 +35,8 @@ class WorkerLoad:
 
 
 _IDLE = WorkerLoad()  # what load_and_shared returns for a worker never routed to; never mutated
+# Reference-count steps as C callables, so add and finish move a prompt's counts without a Python loop.
+_PLUS_ONE, _MINUS_ONE, _IS_ONE, _OVER_ONE = (1).__add__, (-1).__add__, (1).__eq__, (1).__lt__
 
 
 @dataclass(slots=True)
@@ -44,6 +48,7 @@ class _InFlight:
     private: int = 0  # blocks only it holds: partial prompt tail + generated tokens
     generated: int = 0  # output tokens seen so far
     reserve: int = 0  # output tokens expected when it was routed (LoadTracker.expected_output)
+    distinct: bool = True  # no key repeats (chained keys never do): its counts move in bulk, in C
 
 
 @dataclass(slots=True)
@@ -117,10 +122,17 @@ class LoadTracker:
         self._prefilling.add(request_id)
         w = self._workers.setdefault(worker, _Worker())
         ld = w.load
-        for k in f.keys:
-            n = w.refs.get(k, 0)
-            w.refs[k] = n + 1
-            ld.active_blocks += n == 0
+        refs = w.refs
+        f.distinct = len(set(f.keys)) == len(f.keys)
+        if f.distinct:  # every count up by one in one pass (the router does this for every request)
+            counts = list(map(refs.get, f.keys, repeat(0)))
+            refs.update(zip(f.keys, map(_PLUS_ONE, counts), strict=True))
+            ld.active_blocks += counts.count(0)
+        else:
+            for k in f.keys:
+                n = refs.get(k, 0)
+                refs[k] = n + 1
+                ld.active_blocks += n == 0
         ld.running += 1
         ld.active_blocks += f.private
         ld.pending_prefill_tokens += prefill_tokens
@@ -169,13 +181,25 @@ class LoadTracker:
         del self._inflight[request_id]
         w = self._workers[f.worker]
         ld = w.load
-        for k in f.keys:
-            n = w.refs[k] - 1
-            if n:
-                w.refs[k] = n
+        refs = w.refs
+        if f.distinct:  # in bulk: keys only this request held go, the others count one less
+            counts = list(map(refs.__getitem__, f.keys))
+            gone = counts.count(1)
+            if gone == len(counts):
+                deque(map(refs.__delitem__, f.keys), maxlen=0)
             else:
-                del w.refs[k]
-                ld.active_blocks -= 1
+                deque(map(refs.__delitem__, compress(f.keys, map(_IS_ONE, counts))), maxlen=0)
+                kept = compress(f.keys, map(_OVER_ONE, counts))
+                refs.update(zip(kept, map(_MINUS_ONE, filter(_OVER_ONE, counts)), strict=True))
+            ld.active_blocks -= gone
+        else:
+            for k in f.keys:
+                n = refs[k] - 1
+                if n:
+                    refs[k] = n
+                else:
+                    del refs[k]
+                    ld.active_blocks -= 1
         ld.running -= 1
         ld.active_blocks -= f.private
         ld.generated_blocks -= f.private - self._private_blocks(f, 0)

@@ -140,6 +140,25 @@ def test_shared_blocks_search_equals_a_scan_of_chained_keys(prompts: list[list[i
     assert lt.load_and_shared(A, keys) == (lt.load(A), scan)
 
 
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 5), max_size=8), st.integers(0, 2), st.booleans()), max_size=25))
+def test_reference_counts_move_in_bulk_exactly_as_one_at_a_time(steps: list[tuple[list[int], int, bool]]) -> None:
+    """add and finish move a prompt's counts in bulk where its keys are distinct (chained keys always are),
+    one at a time where a key repeats; either way the counts are what _check recounts from the requests."""
+    lt = LoadTracker(block_size=4)
+    workers, live = [A, B, StreamId(WorkerId("c"))], []
+    for i, (keys, w, done) in enumerate(steps):
+        lt.add(f"r{i}", workers[w], keys, 4 * len(keys) + 1, 4)
+        live.append(f"r{i}")
+        if done and live:
+            lt.finish(live.pop(len(live) // 2), generated=3)
+        lt._check()
+    for rid in live:
+        lt.finish(rid)
+        lt._check()
+    assert all(lt.load(w) == WorkerLoad() for w in workers)
+
+
 def test_load_tracks_context_read_by_decode_and_output_engines_reserve() -> None:
     lt = LoadTracker(block_size=4)
     lt.add("r1", A, keys=[1, 2, 3], prompt_tokens=12, prefill_tokens=12)

@@ -1,0 +1,57 @@
+"""The page pool: a stack of free ids, and releases checked in bulk."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.engine.pool import PageId, PagePool, PoolExhausted
+
+
+class StackModel:
+    """The pool as first written, one page at a time: the order the engine's results depend on."""
+
+    def __init__(self, capacity: int) -> None:
+        self.free = list(range(capacity - 1, -1, -1))
+
+    def alloc(self, n: int) -> list[int]:
+        return [self.free.pop() for _ in range(n)]
+
+    def release(self, pages: list[int]) -> None:
+        self.free.extend(pages)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 9), st.randoms(use_true_random=False)), max_size=40))
+def test_alloc_and_release_hand_out_the_ids_one_page_at_a_time_would(ops: list[tuple[bool, int, object]]) -> None:
+    pool, model, held = PagePool("device", 24), StackModel(24), []
+    for take, n, rnd in ops:
+        if take:
+            if n > pool.free:
+                with pytest.raises(PoolExhausted):
+                    pool.alloc(n)
+                continue
+            got = pool.alloc(n)
+            assert got == model.alloc(n)
+            held.append(got)
+        elif held:
+            pages = held.pop(n % len(held))
+            rnd.shuffle(pages)  # type: ignore[attr-defined]
+            pool.release(pages)
+            model.release(pages)
+        pool._check()
+        assert pool.free == len(model.free)
+
+
+def test_a_bad_release_says_which_pages_and_changes_nothing() -> None:
+    pool = PagePool("host", 8)
+    a = pool.alloc(3)
+    with pytest.raises(AssertionError, match=r"host pool: pages \[7\] released but not allocated"):
+        pool.release([a[0], PageId(7)])
+    with pytest.raises(AssertionError, match=rf"pages \[{a[1]}\] released twice"):
+        pool.release([a[1], a[2], a[1]])
+    pool._check()
+    assert (pool.free, pool.used) == (5, 3)
+    pool.release(a)
+    assert pool.free == 8 and pool.alloc(0) == []
