@@ -22,7 +22,9 @@ child still held is loose already.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
+from itertools import repeat
 
 from kvtier.indexer.keys import BlockKey
 
@@ -112,6 +114,10 @@ class PrefixClosure:
     def died(self, key: BlockKey) -> None:
         """No worker holds ``key`` any more: its links go (every child still held is loose already)."""
         self.kids.pop(key, None)
+
+    def died_all(self, keys: list[BlockKey]) -> None:
+        """:meth:`died` for each of ``keys``, in C. O(keys)."""
+        deque(map(self.kids.pop, keys, repeat(None)), maxlen=0)
 
     def clear_slot(self, slot: int, tiers: int) -> None:
         """The slot holds nothing now (a cleared or removed worker). O(tiers)."""
