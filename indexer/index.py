@@ -430,6 +430,8 @@ class TieredIndex:
             w.counts[tier] += len(keys)
             return
         slot_bits = _SLOT_MASK << (_TIERS * w.slot)
+        if parent_held and not closure.loose and self._insert_held_elsewhere(w, block_hashes, keys, tier, slot_bits):
+            return
         link, linked = closure.link, kids.get
         prev = None  # the block before this one in the chain (its parent was linked above)
         added = 0
@@ -457,6 +459,35 @@ class TieredIndex:
                     closure.stored(w.slot, tier, key, parent_held)
             prev, parent_held = key, True
         w.counts[tier] += added
+
+    def _insert_held_elsewhere(self, w: _Worker, block_hashes: list[EngineHash], keys: list[BlockKey],
+                               tier: StorageTier, slot_bits: int) -> bool:
+        """:meth:`_insert`'s second bulk case, for a chain under a parent the worker holds there while every tier
+        is prefix-closed, of blocks other workers hold (a conversation served twice) or this worker holds on
+        other tiers under the same engine hashes (a backup, load-back or prefetch): each key's mask gains the
+        bit, in C. False, with nothing done, for anything else (an engine hash naming another block, a block
+        this worker holds under another name, repeats): the caller then goes block by block. O(blocks)."""
+        if len(set(block_hashes)) < len(block_hashes) or len(set(keys)) < len(keys):
+            return False
+        hashes, masks, closure = w.hashes, self._masks, self._closure
+        known = list(map(hashes.get, block_hashes))
+        olds = list(map(masks.get, keys, repeat(0)))
+        if known != keys:  # then only blocks new to this worker, under engine hashes new to it
+            if known.count(None) != len(known) or any(map(slot_bits.__and__, olds)):
+                return False
+            hashes.update(zip(block_hashes, keys, strict=True))
+        linked = closure.kids.get
+        if list(map(linked, islice(keys, len(keys) - 1))) != keys[1:]:  # (a re-store finds its links made)
+            link = closure.link
+            for prev, key in zip(keys, islice(keys, 1, None), strict=False):
+                if linked(prev) != key:
+                    link(prev, key, masks)
+        bit = 1 << (_TIERS * w.slot + tier)
+        news = list(map(bit.__or__, olds))
+        share = self._mask_pool().setdefault
+        masks.update(zip(keys, map(share, news, news), strict=True))
+        w.counts[tier] += list(map(bit.__and__, olds)).count(0)
+        return True
 
     def _graft(self, w: _Worker, block_hashes: list[EngineHash], keys: list[BlockKey]) -> None:
         """Indexes the held orphans whose parent is among ``block_hashes`` (keys known now), and

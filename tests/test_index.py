@@ -180,6 +180,22 @@ def test_snapshot_round_trip_and_bad_snapshot() -> None:
         TieredIndex.restore(b"\x01\x02")
 
 
+def test_a_chain_stored_across_another_workers_branch_is_linked_so_a_hole_in_it_is_seen() -> None:
+    """B stores a chain whose first blocks A holds, branching where A's went elsewhere: B's blocks gain its
+    bit in bulk, and the link under the branch point must still be made, or B losing the middle block would
+    leave its last one held without a parent while queries trust binary search."""
+    idx = TieredIndex(4)
+    base = list(range(100, 108))  # two blocks both chains share
+    idx.apply(A, stored([1, 2, 3], None, base + list(range(200, 204))))
+    idx.apply(B, stored([11, 12, 13], None, base + list(range(300, 304))))
+    idx._check()
+    assert idx._closure.closed
+    idx.apply(B, BlockRemoved(block_hashes=[12], medium="GPU"))
+    assert not idx._closure.closed, "B holds its third block without the second: queries must not binary-search"
+    idx._check()
+    assert idx.find_matches(base + list(range(300, 304))).workers[B].device == 1
+
+
 def test_many_workers_beyond_one_word() -> None:
     idx = TieredIndex(4)
     streams = [StreamId(WorkerId(f"w{i}")) for i in range(40)]
@@ -351,6 +367,14 @@ def _agrees(events: list[tuple[str, StreamId, Event | None]], qs: list[tuple[lis
             assert fast.apply(w, ev).value == ref.apply(w, ev)
         fast._check()
         assert fast._closure.closed or not always_closed, "a radix engine's stream turned binary search off"
+        if fast._closure.closed:  # sound: no worker holds a block on a tier without its parent there
+            for doc in DOCS:
+                keys = fast.request_keys(doc)
+                for st_ in fast.streams:
+                    shift = 4 * fast._workers[st_].slot
+                    for t in range(4):
+                        held = [bool(fast._masks.get(k, 0) >> (shift + t) & 1) for k in keys]
+                        assert held == sorted(held, reverse=True), f"{st_} tier {t}: a hole {held} while 'closed'"
         for doc, cut in qs:
             f, r = fast.find_matches(doc[:cut]), ref.find_matches(doc[:cut])
             if fast._closure.closed:  # the search must find exactly the runs a scan finds
