@@ -463,10 +463,11 @@ class TieredIndex:
     def _insert_held_elsewhere(self, w: _Worker, block_hashes: list[EngineHash], keys: list[BlockKey],
                                tier: StorageTier, slot_bits: int) -> bool:
         """:meth:`_insert`'s second bulk case, for a chain under a parent the worker holds there while every tier
-        is prefix-closed, of blocks other workers hold (a conversation served twice) or this worker holds on
-        other tiers under the same engine hashes (a backup, load-back or prefetch): each key's mask gains the
-        bit, in C. False, with nothing done, for anything else (an engine hash naming another block, a block
-        this worker holds under another name, repeats): the caller then goes block by block. O(blocks)."""
+        is prefix-closed: blocks new to this worker under engine hashes new to it, some of which other workers
+        hold (a conversation served twice), or blocks this worker holds on other tiers under the same engine
+        hashes (a backup, load-back or prefetch). Each key's mask gains the bit, in C. False, with nothing
+        done, for anything else (an engine hash naming another block, a block this worker holds under another
+        name, repeats): the caller then goes block by block. O(blocks)."""
         if len(set(block_hashes)) < len(block_hashes) or len(set(keys)) < len(keys):
             return False
         hashes, masks, closure = w.hashes, self._masks, self._closure
