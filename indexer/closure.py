@@ -80,16 +80,7 @@ class PrefixClosure:
     def removed(self, slot: int, tier: int, key: BlockKey, bit: int, masks: dict[BlockKey, int]) -> None:
         """``key`` no longer held on (slot, tier) (its bit ``bit`` already cleared): its children held there
         become loose. O(children of key)."""
-        loose = self.loose.get((slot, tier))
-        if loose is not None:
-            loose.discard(key)
-        for c in self.children(key):
-            if masks.get(c, 0) & bit:
-                if loose is None:
-                    loose = self.loose[(slot, tier)] = set()
-                loose.add(c)
-        if loose is not None and not loose:
-            del self.loose[(slot, tier)]
+        self.removed_all(slot, tier, [key], bit, masks)
 
     def removed_all(self, slot: int, tier: int, keys: list[BlockKey], bit: int, masks: dict[BlockKey, int]) -> None:
         """:meth:`removed` for every key of one removal event, once all their bits are cleared: a child

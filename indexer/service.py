@@ -397,12 +397,10 @@ class IndexerService:
         sub = self._sub
         return [] if sub is None else [s for s in sub.streams if sub.recovering(s)]
 
-    def worker_flags(self, stream: StreamId, rebuilding: set[StreamId] | None = None) -> dict[str, bool]:
-        """``partial`` (events lost for good) and ``recovering`` (catch-up under way). Callers answering for
-        every worker pass ``rebuilding`` (``set(self._rebuilding())``) once: O(1) each then, else O(workers).
-        Caller holds the lock."""
-        if rebuilding is None:
-            rebuilding = set(self._rebuilding())
+    def worker_flags(self, stream: StreamId, rebuilding: set[StreamId]) -> dict[str, bool]:
+        """``partial`` (events lost for good) and ``recovering`` (catch-up under way); ``rebuilding`` is
+        ``set(self._rebuilding())``, taken once by callers answering for every worker. O(1). Caller holds the
+        lock."""
         return {"partial": self.index.is_partial(stream), "recovering": stream in rebuilding}
 
     # --- queries and routing -------------------------------------------------------------
