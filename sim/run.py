@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.fields import Domain, at_least, check_fields, one_of, positive, within
+from kvtier.indexer.gcpause import rare_collections
 from kvtier.indexer.keys import block_keys
 from kvtier.indexer.load import LoadTracker
 from kvtier.sim.cluster import ClusterConfig, Job, build_cluster
@@ -183,7 +184,8 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
     first = next(arrivals, None)
     if first is not None:
         env.at(first[1].arrival, lambda: feed(first[1]), priority=2, seq=first[0])
-    env.run(run.until_s)
+    with rare_collections():
+        env.run(run.until_s)
     if bar is not None:
         bar.close()
     emit(True)  # what is left never finished

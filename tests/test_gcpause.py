@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import weakref
 from collections.abc import Iterator
 
 import pytest
 
-from kvtier.indexer.gcpause import GcPauses, freeze_startup_objects
+from kvtier.indexer.gcpause import RARE_YOUNG_THRESHOLD, GcPauses, freeze_startup_objects, rare_collections
+from kvtier.sim.cluster import ClusterConfig
+from kvtier.sim.generators import PRESETS, generate
+from kvtier.sim.run import RunConfig, simulate
 
 
 @pytest.fixture
@@ -49,3 +53,23 @@ def test_freeze_takes_live_objects_out_of_later_passes_and_collects_garbage_firs
     tracked = {id(o) for o in gc.get_objects()}
     assert id(live) not in tracked and not any(id(n) in tracked for n in live)  # later passes skip them
     assert cycle() is None, "a reference cycle was frozen instead of collected: it would never be freed"
+
+
+def test_rare_collections_raises_the_young_threshold_and_restores_it_after_an_error() -> None:
+    before = gc.get_threshold()
+    with pytest.raises(RuntimeError, match="inside"), rare_collections(12_345):
+        assert gc.get_threshold() == (12_345, *before[1:])
+        raise RuntimeError("inside")
+    assert gc.get_threshold() == before
+    with pytest.raises(ValueError, match="threshold"), rare_collections(0):
+        pass
+    assert gc.get_threshold() == before
+
+
+def test_a_simulation_runs_with_rare_collections_and_leaves_the_thresholds_as_they_were() -> None:
+    before = gc.get_threshold()
+    seen: list[tuple[int, int, int]] = []
+    trace = generate(dataclasses.replace(PRESETS["chat"], requests=40), 3)
+    simulate(trace, ClusterConfig(workers=2), RunConfig("kv_host"), sink=lambda _: seen.append(gc.get_threshold()))
+    assert len(seen) == 40 and seen[0][0] == RARE_YOUNG_THRESHOLD  # the first finishes while the run goes on
+    assert gc.get_threshold() == before
