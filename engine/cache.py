@@ -583,11 +583,13 @@ class TieredCache:
         keys, metas, src = [], [], []
         s = self.tree.stride
         depth0 = sum(n.pages for n in self.tree.path_to_root(node)) - node.pages
-        for i, d in enumerate(node.digests):
-            key = d.hex()
+        page_keys = [d.hex() for d in node.digests]
+        # Each page's parent_key is the key object of the page before it, not an equal copy: a store holds
+        # one key string per page.
+        parent_keys = [node.parent_digest().hex() or None, *page_keys[:-1]]
+        for i, (key, parent_key) in enumerate(zip(page_keys, parent_keys, strict=True)):
             if key in self._announced or key in self._l3_pending:
                 continue
-            parent_key = (node.digests[i - 1] if i else node.parent_digest()).hex() or None
             parent_hash = node.hashes[i - 1] if i else node.parent_hash()
             meta = PageMeta(node.hashes[i], parent_key, parent_hash,
                             node.tokens[i * s:(i + 1) * s], depth0 + i)

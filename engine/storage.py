@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.engine.pagedir import PageDir, SyncPolicy
@@ -60,7 +60,8 @@ class _Entry:
     meta: PageMeta  # page metadata
     children: int = 0  # committed or pending children
     pins: int = 0  # readers in flight
-    announcers: set[EngineTag] = field(default_factory=set)  # engines that published it
+    # Engines that published it: one interned set per distinct value (PageStore._tags), not a set per page.
+    announcers: frozenset[EngineTag] = frozenset()
 
 
 @dataclass(slots=True)
@@ -99,8 +100,11 @@ class PageStore:
         self.shared = shared
         self.tier = tier or (StorageTier.EXTERNAL if shared else StorageTier.DISK)
         self.stats = StoreStats()
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # committed pages, LRU first
+        # Committed pages, in the order they were committed. Eviction order lives in _leaves alone (only a
+        # leaf is ever evicted), so this is a plain dict: an OrderedDict costs some 50 bytes more per page.
+        self._entries: dict[str, _Entry] = {}
         self._leaves: OrderedDict[str, None] = OrderedDict()  # committed pages without children, LRU first
+        self._tags: dict[frozenset[EngineTag], frozenset[EngineTag]] = {}
         self._pending: dict[str, PageMeta] = {}  # key being written -> its meta
         # Uncommitted key -> children begun under it and still pending. It outlives an aborted write of
         # the key (another engine of a shared pool may write it again, and those children still count).
@@ -156,7 +160,7 @@ class PageStore:
             return False
         if meta.parent_key is not None:
             self._add_child(meta.parent_key)
-        self._insert(key, meta, set())
+        self._insert(key, meta, frozenset())
         self._evict_over_capacity(protect=key)
         return key in self._entries
 
@@ -181,16 +185,22 @@ class PageStore:
         self.touch(key)
         if engine in e.announcers:
             return False
-        e.announcers.add(engine)
+        e.announcers = self._interned(e.announcers | {engine})
         return True
+
+    def _interned(self, tags: frozenset[EngineTag]) -> frozenset[EngineTag]:
+        """The one shared object equal to ``tags`` (a store has few distinct announcer sets: one engine's,
+        or for a pool, sets of its engines). O(len(tags))."""
+        return self._tags.setdefault(tags, tags)
 
     def withdraw(self, engine: EngineTag) -> None:
         """Forgets every announcement of ``engine`` (its reset); unannounced pages stay as data."""
         for e in self._entries.values():
-            e.announcers.discard(engine)
+            if engine in e.announcers:
+                e.announcers = self._interned(e.announcers - {engine})
 
     def touch(self, key: str) -> None:
-        self._entries.move_to_end(key)
+        """Marks a page used now (evicted last among the leaves). O(1)."""
         if key in self._leaves:
             self._leaves.move_to_end(key)
 
@@ -272,12 +282,12 @@ class PageStore:
             self._drop_child(parent_key)  # the parent, if it still comes, must not count this page
             self._unlink(key)
             return False
-        self._insert(key, meta, {engine}, children=self._pending_children.pop(key, 0))
+        self._insert(key, meta, frozenset((engine,)), children=self._pending_children.pop(key, 0))
         self._evict_over_capacity(protect=key)
         return True
 
-    def _insert(self, key: str, meta: PageMeta, announcers: set[EngineTag], children: int = 0) -> None:
-        self._entries[key] = _Entry(meta, children=children, announcers=announcers)
+    def _insert(self, key: str, meta: PageMeta, announcers: frozenset[EngineTag], children: int = 0) -> None:
+        self._entries[key] = _Entry(meta, children=children, announcers=self._interned(announcers))
         if children == 0:
             self._leaves[key] = None
 
@@ -389,7 +399,7 @@ class PageStore:
         for key, (meta, _) in keep.items():  # parents first
             if meta.parent_key is not None:
                 self._add_child(meta.parent_key)
-            self._insert(key, meta, set())
+            self._insert(key, meta, frozenset())
         for key, _ in sorted(keep.items(), key=lambda kv: kv[1][1]):  # LRU order: oldest written first
             self.touch(key)
         self.stats.adopted = len(self._entries)
@@ -407,6 +417,7 @@ class PageStore:
             assert e.children == n, f"page {k}: children {e.children} but {n} found"
             assert (k in self._leaves) == (e.children == 0), f"page {k}: leaf list out of sync"
             assert e.pins >= 0, f"page {k}: negative pins"
+            assert self._tags.get(e.announcers) is e.announcers, f"page {k}: announcer set not interned"
         pending_kids: dict[str, int] = {}
         for m in self._pending.values():
             if m.parent_key is not None and m.parent_key not in self._entries:
