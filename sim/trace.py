@@ -10,11 +10,11 @@ equal tokens and distinct ids distinct ones. The last block of a request is part
 from __future__ import annotations
 
 import csv
-import itertools
 import json
 import math
 import re
 from array import array
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvtier.wire import jit
 from kvtier.wire.protocol import PackedTokens
 
 HASH_BLOCK = 512  # tokens per Mooncake hash id
@@ -71,8 +72,9 @@ class TokenBank:
         self.seed = seed
         self._seed_key = _mix(np.array([seed & _U64], dtype=np.uint64) + _GOLDEN)
         # hash id -> its 512 tokens packed; first in, first out, at most CACHE_BLOCKS (a pure function's
-        # values, so what is evicted only costs a recomputation)
-        self._packed: dict[int, bytes] = {}
+        # values, so what is evicted only costs a recomputation). An OrderedDict: a plain dict scans the
+        # holes its evictions leave at the front on every later eviction.
+        self._packed: OrderedDict[int, bytes] = OrderedDict()
 
     def block(self, hash_id: int) -> np.ndarray:
         """The 512 token ids of one hash id (int64). O(512)."""
@@ -80,6 +82,9 @@ class TokenBank:
 
     def _blocks(self, hash_ids: list[int]) -> np.ndarray:
         ids = np.array(hash_ids, dtype=np.uint64)
+        k = _KERNELS.get()
+        if k is not None:
+            return k.blocks(ids, self._seed_key[0], _POSITIONS, _VOCAB)  # type: ignore[no-any-return]
         keys = _mix(ids ^ self._seed_key)
         return (_mix(keys[:, None] + _POSITIONS[None, :]) % np.uint64(VOCAB)).ravel()
 
@@ -103,14 +108,18 @@ class TokenBank:
             for j, h in enumerate(missing):
                 cache[h] = raw[j * size:(j + 1) * size]
             parts = [cache[h] for h in req.hash_ids]
-            for h in list(itertools.islice(cache, max(0, len(cache) - self.CACHE_BLOCKS))):
-                del cache[h]
+            for _ in range(len(cache) - self.CACHE_BLOCKS):
+                cache.popitem(last=False)
         return b"".join(parts)[:req.input_length * 4]  # type: ignore[arg-type]
 
 
 _U64 = (1 << 64) - 1
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _POSITIONS = np.arange(1, HASH_BLOCK + 1, dtype=np.uint64) * _GOLDEN  # wraps mod 2**64, as intended
+_VOCAB = np.uint64(VOCAB)
+#: The compiled :func:`kvtier.sim.bankkernel.blocks`, warmed with the argument types TokenBank passes.
+_KERNELS = jit.LazyKernels("kvtier.sim.bankkernel", lambda k: k.blocks(
+    np.zeros(1, np.uint64), np.uint64(0), _POSITIONS, _VOCAB))
 
 
 def _mix(x: np.ndarray) -> np.ndarray:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.sim import trace as trace_module
 from kvtier.sim.generators import PRESETS, generate
 from kvtier.sim.trace import (
     HASH_BLOCK,
@@ -104,3 +105,25 @@ def test_generators_are_seeded_and_valid(kind: str, tmp_path: Path) -> None:
     again = load_mooncake(p)
     assert [r.hash_ids for r in again] == [r.hash_ids for r in a]
     assert prefix_reuse(a, 64) > 0.3
+
+
+def test_token_derivation_is_pinned() -> None:
+    # scripts/test.sh runs this module a second time with KVTIER_JIT=0: the values hold on both paths
+    bank = TokenBank(seed=0)
+    assert bank.block(7)[:3].tolist() == [89050, 93385, 94898]
+    assert bank.block(2**64 - 1)[-2:].tolist() == [70089, 108456]
+    assert TokenBank(seed=5).block(0)[510:].tolist() == [73514, 119508]
+
+
+def test_compiled_token_derivation_agrees_with_the_numpy_path() -> None:
+    bank = TokenBank(seed=0)
+    kernels = trace_module._KERNELS.get()
+    if kernels is None:
+        pytest.skip(f"compiled path not loaded: {trace_module._KERNELS.backend}")
+    ids = [0, 1, 7, 2**32, 2**63, 2**64 - 1, *range(100, 20_000, 97)]
+    compiled = bank._blocks(ids)
+    trace_module._KERNELS.module = None  # the numpy path of the same bank
+    try:
+        assert (bank._blocks(ids) == compiled).all()
+    finally:
+        trace_module._KERNELS.module = kernels
