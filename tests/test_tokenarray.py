@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 
 import msgspec
+import numpy as np
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
@@ -57,6 +59,9 @@ def test_round_trip_and_same_bytes_as_a_list_either_way(tokens: list[int]) -> No
     packed = pack_tokens(tokens)
     wire = msgspec.msgpack.encode(tokens)
     compiled = (ta.encode_tokens(packed), ta.decode_tokens(wire))
+    kernels = ta._KERNELS.get()
+    if kernels is not None:  # msgspec's own bytes never fall back to the Python path
+        assert kernels.decode(np.frombuffer(wire, np.uint8))[0]
     with python_tokens():
         python = (ta.encode_tokens(packed), ta.decode_tokens(wire))
     assert compiled == python == (wire, packed)
@@ -71,6 +76,44 @@ def test_other_encoders_int_formats_decode_when_in_range(path: str, fmt: str, va
     code, size = FORMATS[fmt]
     raw = bytes([0x92, code]) + value.to_bytes(size, "big") + b"\x07"
     assert ta.decode_tokens(raw) == pack_tokens([value, 7])
+
+
+def _element(draw: st.DrawFn) -> bytes:
+    """One msgpack int element in any format, with any value it holds (as other encoders may write ids,
+    negative and past 32 bits included), or, rarely, an element that is not an int (a float, a string)."""
+    kind = draw(st.sampled_from(["fixint", "uint8", "uint16", "uint32", *FORMATS, "other"]))
+    if kind == "other":
+        return draw(st.sampled_from([b"\xff", b"\xcb" + bytes(8), b"\xa1x", b"\xc0"]))
+    if kind == "fixint":
+        return bytes([draw(st.integers(0, 0x7F))])
+    code, size = {**FORMATS, "uint8": (0xCC, 1), "uint16": (0xCD, 2), "uint32": (0xCE, 4)}[kind]
+    signed = code >= 0xD0
+    bits = 8 * size
+    value = draw(st.integers(-(1 << (bits - 1)) if signed else 0, (1 << (bits - (1 if signed else 0))) - 1)
+                 | st.integers(0, min(2**32, 1 << (bits - (1 if signed else 0))) - 1))
+    return bytes([code]) + value.to_bytes(size, "big", signed=signed)
+
+
+@given(elements=st.lists(st.composite(_element)(), max_size=40))
+@example(elements=[b"\xd0\x80", b"\xce\x00\x00\x00\x05"])  # a negative int8 where 4 bytes follow it
+@example(elements=[b"\xd1\x00\x05", b"\xcf" + (2**32).to_bytes(8, "big"), b"\x01"])  # int16, then past 32 bits
+@example(elements=[b"\xcd\x01\x00", b"\xcb" + bytes(8), b"\x02"])  # a float after a uint16
+def test_arrays_mixing_every_int_format_decode_as_msgspec_does(elements: list[bytes]) -> None:
+    raw = bytes([0xDC]) + len(elements).to_bytes(2, "big") + b"".join(elements)
+    try:
+        expected: object = msgspec.msgpack.decode(raw, type=list[int])
+    except msgspec.DecodeError:
+        expected = msgspec.DecodeError
+    got = []
+    for python in (False, True):
+        with python_tokens() if python else contextlib.nullcontext():
+            try:
+                got.append(ta.decode_tokens(raw))
+            except msgspec.DecodeError:
+                got.append(msgspec.DecodeError)
+    if isinstance(expected, list) and all(0 <= t < 2**32 for t in expected):
+        expected = pack_tokens(expected)  # in range: packed; else the list, for the index to reject
+    assert got == [expected, expected]
 
 
 @pytest.mark.parametrize("tokens", [[-1], [2**32], [3, 2**40], [2**64 - 1]])
