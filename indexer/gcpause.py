@@ -36,8 +36,9 @@ RARE_YOUNG_THRESHOLD = 50_000
 
 @contextmanager
 def rare_collections(young: int = RARE_YOUNG_THRESHOLD) -> Iterator[None]:
-    """Runs the block with the collector's young-generation threshold raised to ``young``, then restores
-    the thresholds it found (process-wide, like every ``gc`` setting).
+    """Runs the block with the collector's young-generation threshold raised to at least ``young``, then
+    restores the thresholds it found (process-wide, like every ``gc`` setting); a threshold of 0
+    (automatic collection off) stays 0.
 
     For batch work over a heap of millions of long-lived objects that die by reference count, such as a
     simulation's radix trees, index and page stores: the default threshold starts a young pass every 700
@@ -48,7 +49,8 @@ def rare_collections(young: int = RARE_YOUNG_THRESHOLD) -> Iterator[None]:
     if young < 1:
         raise ValueError(f"young-generation threshold must be >= 1, got {young}")
     old = gc.get_threshold()
-    gc.set_threshold(max(young, old[0]), *old[1:])
+    # A threshold of 0 means automatic collection is off; a higher one set by the caller is kept.
+    gc.set_threshold(old[0] and max(young, old[0]), *old[1:])
     try:
         yield
     finally:

@@ -64,6 +64,12 @@ def test_rare_collections_raises_the_young_threshold_and_restores_it_after_an_er
     with pytest.raises(ValueError, match="threshold"), rare_collections(0):
         pass
     assert gc.get_threshold() == before
+    gc.set_threshold(0, *before[1:])  # automatic collection off: it stays off
+    try:
+        with rare_collections(12_345):
+            assert gc.get_threshold()[0] == 0
+    finally:
+        gc.set_threshold(*before)
 
 
 def test_a_simulation_runs_with_rare_collections_and_leaves_the_thresholds_as_they_were() -> None:
