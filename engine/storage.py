@@ -104,6 +104,8 @@ class PageStore:
         # leaf is ever evicted), so this is a plain dict: an OrderedDict costs some 50 bytes more per page.
         self._entries: dict[str, _Entry] = {}
         self._leaves: OrderedDict[str, None] = OrderedDict()  # committed pages without children, LRU first
+        # Announcer set -> its one shared copy (_interned). Never pruned: it holds each distinct set that ever
+        # occurred, one for a private store, a few for a pool (engines announce the pages they write or find).
         self._tags: dict[frozenset[EngineTag], frozenset[EngineTag]] = {}
         self._pending: dict[str, PageMeta] = {}  # key being written -> its meta
         # Uncommitted key -> children begun under it and still pending. It outlives an aborted write of
