@@ -587,12 +587,11 @@ class TieredCache:
         # Each page's parent_key is the key object of the page before it, not an equal copy: a store holds
         # one key string per page.
         parent_keys = [node.parent_digest().hex() or None, *page_keys[:-1]]
-        for i, (key, parent_key) in enumerate(zip(page_keys, parent_keys, strict=True)):
+        parent_hashes = [node.parent_hash(), *node.hashes[:-1]]
+        for i, (key, parent_key, parent_hash) in enumerate(zip(page_keys, parent_keys, parent_hashes, strict=True)):
             if key in self._announced or key in self._l3_pending:
                 continue
-            parent_hash = node.hashes[i - 1] if i else node.parent_hash()
-            meta = PageMeta(node.hashes[i], parent_key, parent_hash,
-                            node.tokens[i * s:(i + 1) * s], depth0 + i)
+            meta = PageMeta(node.hashes[i], parent_key, parent_hash, node.tokens[i * s:(i + 1) * s], depth0 + i)
             if key in store:
                 if store.announce(key, self.name):
                     self._announce([(key, meta)])

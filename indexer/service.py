@@ -392,14 +392,14 @@ class IndexerService:
         self._ready.set()
         self.failed.set()
 
-    def _rebuilding(self) -> list[StreamId]:
-        """Streams whose catch-up, full replay or dump is under way (the router skips them)."""
+    def _rebuilding(self) -> set[StreamId]:
+        """Streams whose catch-up, full replay or dump is under way (the router skips them). O(streams)."""
         sub = self._sub
-        return [] if sub is None else [s for s in sub.streams if sub.recovering(s)]
+        return set() if sub is None else {s for s in sub.streams if sub.recovering(s)}
 
     def worker_flags(self, stream: StreamId, rebuilding: set[StreamId]) -> dict[str, bool]:
         """``partial`` (events lost for good) and ``recovering`` (catch-up under way); ``rebuilding`` is
-        ``set(self._rebuilding())``, taken once by callers answering for every worker. O(1). Caller holds the
+        ``self._rebuilding()``, taken once by callers answering for every worker. O(1). Caller holds the
         lock."""
         return {"partial": self.index.is_partial(stream), "recovering": stream in rebuilding}
 
@@ -420,7 +420,7 @@ class IndexerService:
     def _answer(self, dec: RouteDecision) -> dict[str, Any]:
         """Overlaps, per-worker flags, costs and the choice. Caller holds the lock."""
         out: dict[str, Any] = dec.overlaps.as_dict()
-        rebuilding = set(self._rebuilding())
+        rebuilding = self._rebuilding()
         out["workers"] = {str(s): {**o.as_dict(), **self.worker_flags(s, rebuilding),
                                    **self._window_answer(dec.overlaps, s)}
                           for s, o in dec.overlaps.workers.items()}
@@ -505,7 +505,7 @@ class IndexerService:
     def metrics(self) -> dict[str, Any]:
         with self._lock:
             workers: dict[str, Any] = {}
-            rebuilding = set(self._rebuilding())
+            rebuilding = self._rebuilding()
             subscribed = set(self._sub.streams) if self._sub is not None else set()
             for s in self.index.streams:
                 st = self.index.stats(s)
@@ -548,7 +548,7 @@ class IndexerService:
         """``status``: ``ok``, ``degraded`` (some worker partial or recovering) or ``down`` (the event
         loop died: ``/health`` then answers 503)."""
         with self._lock:
-            rebuilding = set(self._rebuilding())
+            rebuilding = self._rebuilding()
             flags = {str(s): self.worker_flags(s, rebuilding) for s in self.index.streams}
         partial = sorted(w for w, f in flags.items() if f["partial"])
         recovering = sorted(w for w, f in flags.items() if f["recovering"])
