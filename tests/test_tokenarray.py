@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
@@ -155,3 +156,55 @@ def test_a_frame_with_a_bad_token_array_is_one_decode_error() -> None:
         decode_payload(frame, packed_tokens=True)
     with pytest.raises(DecodeError, match="token_ids"):
         decode_payload(frame)
+
+
+# --- a query's JSON array -----------------------------------------------------------------------------
+
+#: JSON text of one array element: plain ids (in and past uint32, with and without leading zeros), and the
+#: forms msgspec reads differently or rejects (signs, fractions, exponents, strings, null, nesting).
+_JSON_ELEMENTS = st.sampled_from(["0", "7", "4294967295", "4294967296", "99999999999", "12345678901234567890123",
+                                  "007", "-0", "-3", "1.0", "1e3", "2E1", '"5"', "null", "true", "[1]", "{}", "",
+                                  " 5", "5 ", "\t6\n"]) | st.integers(0, 2**33).map(str)
+
+
+def _json_outcome(raw: bytes) -> object:
+    try:
+        return ta.decode_json_tokens(raw)
+    except msgspec.ValidationError as exc:
+        return ("invalid", str(exc))
+    except msgspec.DecodeError:
+        return msgspec.DecodeError
+
+
+@given(elements=st.lists(_JSON_ELEMENTS, max_size=30), sep=st.sampled_from([",", ", ", " ,\n", ",,"]),
+       pad=st.sampled_from(["", " ", "\n\t", "x"]))
+@example(elements=["4294967295", "4294967296"], sep=",", pad="")  # the last id in range, then the first past it
+@example(elements=["12345678901234567890123"], sep=",", pad="")  # past int64 while the digits are read
+@example(elements=[str(2**64 + 5)], sep=",", pad="")  # wraps in 64 bits to an id in range
+@example(elements=["007"], sep=",", pad="")  # a leading zero is not JSON
+@example(elements=["-0", "5"], sep=",", pad="")  # a sign: msgspec reads -0 as 0
+@example(elements=["1", "2"], sep=",,", pad="")  # an empty element
+@example(elements=[], sep=",", pad="\n\t")
+def test_json_arrays_decode_as_msgspec_reads_them(elements: list[str], sep: str, pad: str) -> None:
+    raw = f"{pad}[{pad}{sep.join(elements)}{pad}]{pad}".encode()
+    try:
+        expected: object = msgspec.json.decode(raw, type=list[int])
+        if isinstance(expected, list) and all(0 <= t < 2**32 for t in expected):
+            expected = pack_tokens(expected)  # in range: packed; else the list, for the caller to reject
+    except msgspec.ValidationError as exc:
+        expected = ("invalid", str(exc))
+    except msgspec.DecodeError:
+        expected = msgspec.DecodeError
+    with python_tokens():
+        slow = _json_outcome(raw)
+    assert [_json_outcome(raw), slow] == [expected, expected]
+
+
+def test_plain_json_ids_take_the_compiled_path() -> None:
+    """A prompt as routers send it never falls back to msgspec's list (the point of the kernel)."""
+    if ta._KERNELS.get() is None:
+        pytest.skip("no compiled kernels (KVTIER_JIT=0 or no numba)")
+    tokens = [0, 9, 10, 65535, 65536, 2**32 - 1] * 400
+    for text in (json.dumps(tokens), json.dumps(tokens, indent=1), str(tokens).replace(" ", "")):
+        ok, got = ta._KERNELS.get().decode_json(np.frombuffer(text.encode(), np.uint8))
+        assert ok and got.tolist() == tokens

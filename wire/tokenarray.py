@@ -1,4 +1,5 @@
-"""A BlockStored's ``token_ids`` on the wire (a msgpack array of ints) to and from packed tokens.
+"""Token id arrays on the wire to and from packed tokens: a BlockStored's ``token_ids`` (a msgpack array of
+ints) both ways, and a query's (a JSON array) in.
 
 The engine keeps a page's tokens packed (:data:`~kvtier.wire.protocol.PackedTokens`) and the router hashes
 packed tokens, so the array is written from and read into packed bytes directly, without a Python int per
@@ -15,10 +16,12 @@ from kvtier.wire import jit
 from kvtier.wire.protocol import PackedTokens, pack_tokens, unpack_tokens
 
 _ints = msgspec.msgpack.Decoder(list[int])
+_json_ints = msgspec.json.Decoder(list[int])
 _encode = msgspec.msgpack.Encoder().encode
-#: Both kernels, warmed with the argument types used here (read-only views of bytes).
-_KERNELS = jit.LazyKernels("kvtier.wire.tokenkernel", lambda k: k.decode(
-    np.frombuffer(bytes(k.encode(np.frombuffer(bytes(8), "<u4"))), np.uint8)))
+#: The kernels, warmed with the argument types used here (read-only views of bytes).
+_KERNELS = jit.LazyKernels("kvtier.wire.tokenkernel", lambda k: (k.decode(
+    np.frombuffer(bytes(k.encode(np.frombuffer(bytes(8), "<u4"))), np.uint8)),
+    k.decode_json(np.frombuffer(b"[1]", np.uint8))))
 
 
 def token_backend() -> str:
@@ -53,4 +56,21 @@ def decode_tokens(raw: bytes | memoryview | msgspec.Raw) -> PackedTokens | list[
         return ids
 
 
-__all__ = ["decode_tokens", "encode_tokens", "token_backend"]
+def decode_json_tokens(raw: bytes | memoryview | msgspec.Raw) -> PackedTokens | list[int]:
+    """The token ids of a JSON array, as :func:`decode_tokens` reads a msgpack one: packed when every one is
+    an int in ``[0, 2**32)``, else as msgspec decodes them (a list; an out-of-range id is the caller's to
+    reject). ``msgspec.ValidationError`` (its path relative to the array, ``$[3]``) or
+    ``msgspec.DecodeError`` if ``raw`` is not a JSON array of ints. O(len(raw))."""
+    k = _KERNELS.get()
+    if k is not None:
+        ok, tokens = k.decode_json(np.frombuffer(raw, np.uint8))
+        if ok:
+            return bytes(tokens.astype("<u4", copy=False))
+    ids = _json_ints.decode(raw)
+    try:
+        return pack_tokens(ids)
+    except ValueError:
+        return ids
+
+
+__all__ = ["decode_json_tokens", "decode_tokens", "encode_tokens", "token_backend"]

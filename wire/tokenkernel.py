@@ -123,3 +123,56 @@ def decode(b: npt.NDArray[np.uint8]) -> tuple[bool, npt.NDArray[np.uint32]]:
     if p != size:
         return False, fail
     return True, out
+
+
+@njit(inline="always")
+def _json_space(b: npt.NDArray[np.uint8], p: int, size: int) -> int:
+    while p < size and (b[p] == 0x20 or b[p] == 0x0A or b[p] == 0x0D or b[p] == 0x09):
+        p += 1
+    return p
+
+
+@njit(cache=True)
+def decode_json(b: npt.NDArray[np.uint8]) -> tuple[bool, npt.NDArray[np.uint32]]:
+    """``(True, tokens)`` if ``b`` is exactly one JSON array of plain non-negative integers under ``2**32``
+    (digits only: no sign, fraction, exponent or leading zero), with JSON whitespace anywhere between; else
+    ``(False, empty)``, and the caller decodes it the slow way, for its error or its out-of-range ids. A
+    query's prompt arrives this way: a Python int per token cost more than the rest of the query. O(len(b))."""
+    fail = np.empty(0, np.uint32)
+    size = b.size
+    p = _json_space(b, 0, size)
+    if p >= size or b[p] != 0x5B:  # [
+        return False, fail
+    p = _json_space(b, p + 1, size)
+    out = np.empty(size // 2 + 1, np.uint32)  # each id takes a digit and a comma, the last one a digit
+    n = 0
+    if p < size and b[p] == 0x5D:  # ]
+        p += 1
+    else:
+        while True:
+            start = p
+            v = np.int64(0)
+            while p < size:
+                d = np.int64(b[p]) - 0x30
+                if d < 0 or d > 9:
+                    break
+                v = v * 10 + d
+                p += 1
+            # No digit, a leading zero, or past 2**32 (ten digits at most, so v cannot have wrapped).
+            if p == start or p - start > 10 or v > 0xFFFFFFFF or (b[start] == 0x30 and p - start > 1):
+                return False, fail
+            out[n] = v
+            n += 1
+            p = _json_space(b, p, size)
+            if p >= size:
+                return False, fail
+            if b[p] == 0x2C:  # ,
+                p = _json_space(b, p + 1, size)
+            elif b[p] == 0x5D:
+                p += 1
+                break
+            else:
+                return False, fail
+    if _json_space(b, p, size) != size:
+        return False, fail
+    return True, out[:n]
