@@ -108,9 +108,12 @@ async def hammer(url: str, conns: int, per_conn: int, payloads: list[bytes]) -> 
         return errors, resets, conns * per_conn / (time.perf_counter() - t0)
 
 
-async def open_loop(url: str, rate: float, seconds: float, payloads: list[bytes]) -> tuple[list[float], int]:
-    """Sends at fixed times (``rate`` per second); returns latencies from the scheduled send, and errors."""
+async def open_loop(url: str, rate: float, seconds: float,
+                    payloads: list[bytes]) -> tuple[list[float], list[float], int]:
+    """Sends at fixed times (``rate`` per second); returns latencies from the scheduled send, how late each
+    send left this client (its own stalls, which the latency includes), and errors."""
     lat: list[float] = []
+    late: list[float] = []
     errors = 0
     connector = aiohttp.TCPConnector(limit=512)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=30)) as s:
@@ -118,6 +121,7 @@ async def open_loop(url: str, rate: float, seconds: float, payloads: list[bytes]
         async def one(at: float, body: bytes) -> None:
             nonlocal errors
             await asyncio.sleep(max(0.0, at - time.perf_counter()))
+            late.append(time.perf_counter() - at)
             try:
                 async with s.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
                     await r.read()
@@ -137,7 +141,7 @@ async def open_loop(url: str, rate: float, seconds: float, payloads: list[bytes]
         start = time.perf_counter() + 0.2
         n = int(rate * seconds)
         await asyncio.gather(*(one(start + i / rate, payloads[i % len(payloads)]) for i in range(n)))
-    return lat, errors
+    return lat, late, errors
 
 
 def metrics(url: str) -> dict[str, Any]:
@@ -148,6 +152,34 @@ def metrics(url: str) -> dict[str, Any]:
 
 def p(xs: list[float], q: float) -> float:
     return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] * 1e3 if xs else float("nan")
+
+
+def hist_ms(before: dict[str, Any], after: dict[str, Any]) -> str:
+    """``p99/max`` (ms, the upper bounds of their buckets) of what a service histogram counted between two
+    metrics reads."""
+    counts = [y[1] - x[1] for x, y in zip(before["buckets"], after["buckets"], strict=True)]
+    total = counts[-1]
+    if not total:
+        return "-"
+    per = [n - m for n, m in zip(counts, [0, *counts[:-1]], strict=True)]  # cumulative -> per bucket
+    bounds = [float("inf") if le is None else le * 1e3 for le, _ in after["buckets"]]
+    p99 = next(b for b, n in zip(bounds, counts, strict=True) if n >= 0.99 * total)
+    top = max(b for b, n in zip(bounds, per, strict=True) if n)
+    return f"{p99:g}/{top:g}"
+
+
+def where(m0: dict[str, Any], m1: dict[str, Any], late: list[float]) -> str:
+    """Where a run's time went: the client's own send delay, and the service's time per query, its wait for
+    the index lock, event batches' waits for it (queries holding up event application) and holds of it, and
+    the HTTP loop's lag (p99/max bucket bounds, ms; see
+    kvtier.indexer.histogram)."""
+    a, b = m0["latency"], m1["latency"]
+    parts = ", ".join(f"{name} {hist_ms(a[key], b[key])}" for name, key in (
+        ("query", "query_seconds"), ("lock wait", "lock_wait_seconds"), ("batch wait", "apply_wait_seconds"),
+        ("batch hold", "apply_hold_seconds"),
+        ("loop lag", "http_loop_lag_seconds")))
+    client = f"{p(late, 0.99):.1f}/{max(late, default=0) * 1e3:.1f}"
+    return f"client send late p99/max {client} ms; service p99/max <= {parts} ms"
 
 
 def main() -> None:
@@ -184,16 +216,20 @@ def main() -> None:
         # Each measured run starts from a settled service: the closed-loop burst above saturates both cores,
         # and the batches the publishers sent meanwhile are still being applied for a moment after it.
         time.sleep(SETTLE_S)
-        lat, errs = run(open_loop(url + "/query", args.rate, args.seconds, payloads))
+        m_run = metrics(url)
+        lat, late, errs = run(open_loop(url + "/query", args.rate, args.seconds, payloads))
         print(f"open loop {args.rate:g} q/s for {args.seconds:g} s: p50 {p(lat, 0.5):.1f} ms, "
               f"p99 {p(lat, 0.99):.1f} ms, {errs} errors (target p99 <= 50 ms)")
+        print(f"    {where(m_run, metrics(url), late)}")
         best = 0.0
         for rate in [250, 500, 750, 1000, 1250, 1500, 2000, 2500, 3000, 4000]:
             time.sleep(SETTLE_S)
-            lat, errs = run(open_loop(url + "/query", rate, min(args.seconds, 3.0), payloads))
+            m_run = metrics(url)
+            lat, late, errs = run(open_loop(url + "/query", rate, min(args.seconds, 3.0), payloads))
             ok = not errs and p(lat, 0.99) <= 50.0
             print(f"  {rate:5d} q/s: p50 {p(lat, 0.5):7.1f} ms, p99 {p(lat, 0.99):7.1f} ms, {errs} errors"
                   f"{'' if ok else '  <- over'}")
+            print(f"      {where(m_run, metrics(url), late)}")
             if not ok:
                 break
             best = rate

@@ -20,6 +20,7 @@ import msgspec
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from kvtier.indexer.histogram import Histogram
 from kvtier.wire.ratelog import suffix, worth_logging
 
 if TYPE_CHECKING:
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+LAG_PROBE_S = 0.01  # the loop-lag probe's sleep: 100 wake-ups a second, a stall of a few ms shows
 
 
 class _OneLineForBadHttp(logging.Filter):
@@ -96,6 +98,8 @@ class HttpFrontEnd:
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kv-http", daemon=True)
         self.port = port
+        self.loop_lag = Histogram()  # how late the loop woke from each LAG_PROBE_S sleep (its only writer)
+        self.disconnects = 0  # requests whose client went away before its body arrived
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -140,6 +144,16 @@ class HttpFrontEnd:
         sockets = getattr(server, "sockets", None)  # asyncio.Server, or uvloop's (not a subclass)
         assert sockets, "HTTP site did not bind"
         self.port = int(sockets[0].getsockname()[1])
+        self._lag_probe = asyncio.ensure_future(self._probe_lag())  # cancelled with every task at stop
+
+    async def _probe_lag(self) -> None:
+        """Sleeps LAG_PROBE_S at a time and counts how late each wake-up came: time the loop could not run
+        (a handler that blocked it, the GIL held by the event thread, the process descheduled)."""
+        clock = asyncio.get_running_loop().time
+        while True:
+            t0 = clock()
+            await asyncio.sleep(LAG_PROBE_S)
+            self.loop_lag.observe(max(0.0, clock() - t0 - LAG_PROBE_S))
 
     async def _cleanup(self) -> None:
         if self._runner is not None:
@@ -166,6 +180,14 @@ class HttpFrontEnd:
             return _json(exc.status, {"error": exc.reason})
         except ServiceUnavailable as exc:
             return _json(503, {"error": str(exc)})
+        except ConnectionError as exc:
+            # The client went away mid-request (routers cancel, load balancers reset): nobody to answer, and
+            # nothing wrong with the service, so one line now and then rather than a traceback each.
+            self.disconnects += 1
+            if worth_logging(self.disconnects):
+                log.info("http: %s %s: client went away (%s)%s", request.method, request.path, exc,
+                         suffix(self.disconnects))
+            return _json(400, {"error": "connection lost"})  # aiohttp drops it: the socket is closed
         except (ValueError, LookupError) as exc:
             return _json(400, {"error": str(exc)})
         except Exception as exc:
@@ -173,7 +195,10 @@ class HttpFrontEnd:
             return _json(500, {"error": f"internal error: {type(exc).__name__}"})
 
     async def _body(self, request: web.Request) -> bytes:
-        """The raw body (the service decodes and validates it in one pass)."""
+        """The raw body (the service decodes and validates it in one pass). A declared length over the cap is
+        refused before a byte of the body is read."""
+        if request.content_length is not None and request.content_length > self._max_body:
+            raise web.HTTPRequestEntityTooLarge(max_size=self._max_body, actual_size=request.content_length)
         try:
             return await asyncio.wait_for(request.read(), self._read_timeout)
         except TimeoutError:

@@ -10,7 +10,8 @@ Endpoints:
   ``POST /requests/{id}/first_token`` and ``POST /requests/{id}/finish`` (or ``request_ttl_s``).
   ``GET /metrics`` Prometheus text (``?format=json`` for JSON): events applied / rejected,
                    gaps, resyncs, restarts, malformed frames, blocks per worker and tier, apply
-                   lag, in-flight load per worker.
+                   lag, in-flight load per worker; latency histograms (time per request, index lock
+                   waits and holds, the HTTP loop's lag: :mod:`kvtier.indexer.histogram`).
   ``GET /health``  ``ok`` / ``degraded`` (partial or recovering workers) / ``down`` (503: the event
                    loop died; the process then exits non-zero).
 
@@ -26,6 +27,8 @@ import logging
 import threading
 import time
 import tomllib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Annotated, Any, TypeVar, cast
@@ -37,6 +40,7 @@ from kvtier.indexer import persist
 from kvtier.indexer.consumer import IndexConsumer, Lag
 from kvtier.indexer.exposition import Family, render
 from kvtier.indexer.gcpause import GcPauses, freeze_startup_objects
+from kvtier.indexer.histogram import Histogram
 from kvtier.indexer.index import TieredIndex
 from kvtier.indexer.keys import BlockKey, key_backend
 from kvtier.indexer.latency import PRESETS, TransferModel
@@ -45,10 +49,10 @@ from kvtier.indexer.plugins import BUILTIN, RoutingPolicy, load_policy
 from kvtier.indexer.router import RouteDecision, Router
 from kvtier.indexer.scoring import CostModel, CreditCost, DynamoCost, TtftCost
 from kvtier.wire.overlap import OverlapScores
-from kvtier.wire.protocol import PackedTokens, StorageTier, pack_tokens
+from kvtier.wire.protocol import TOKEN_BYTES, PackedTokens, StorageTier, pack_tokens
 from kvtier.wire.stream import StreamId
 from kvtier.wire.subscriber import EndpointConfig, Subscriber
-from kvtier.wire.tokenarray import token_backend
+from kvtier.wire.tokenarray import decode_json_tokens, token_backend
 
 log = logging.getLogger(__name__)
 
@@ -280,6 +284,11 @@ class IndexerService:
         self.snapshots = 0  # snapshots written
         self.snapshot_seconds = 0.0  # how long the last one took
         self.gc = GcPauses()  # the collector's passes and pauses, counted from start()
+        # Where answers spend their time (kvtier.indexer.histogram); every observation is made under the lock.
+        self.request_seconds = {"query": Histogram(), "route": Histogram()}  # inside the service, lock wait included
+        self.lock_wait = Histogram()  # of /query and /route, for the index lock
+        self.apply_wait = Histogram()  # a delivered batch's wait for the lock: how long requests held it up
+        self.apply_hold = Histogram()  # the lock held by one delivered batch's application
         self._loop = threading.Thread(target=self._run_loop, name="kv-indexer", daemon=True)
         from kvtier.indexer.http import HttpFrontEnd  # aiohttp only where the service runs
 
@@ -369,8 +378,12 @@ class IndexerService:
                     self._save_logged()
                     next_snapshot = time.monotonic() + self.config.snapshot_interval_s
                 for d in sub.poll(50):
+                    t0 = time.perf_counter()
                     with self._lock:  # one batch per hold: queries wait for a batch, never a backlog
+                        t1 = time.perf_counter()
                         self._consumer.feed((d,))
+                        self.apply_wait.observe(t1 - t0)
+                        self.apply_hold.observe(time.perf_counter() - t1)
                 if self._expiry and self._expiry[0][0] <= time.monotonic():
                     with self._lock:
                         self._expire(time.monotonic())
@@ -405,13 +418,13 @@ class IndexerService:
 
     # --- queries and routing -------------------------------------------------------------
 
-    def _request_keys(self, req: RequestBody) -> list[BlockKey]:
+    def _request_keys(self, req: RequestBody, tokens: PackedTokens) -> list[BlockKey]:
         """Hashes a request's keys (no lock needed: pure). O(tokens)."""
-        if len(req.token_ids) > self.config.max_query_tokens:
-            raise ValueError(f"{len(req.token_ids)} token ids; at most {self.config.max_query_tokens} per request")
+        n = len(tokens) // TOKEN_BYTES
+        if n > self.config.max_query_tokens:
+            raise ValueError(f"{n} token ids; at most {self.config.max_query_tokens} per request")
         mm = [(m.identifier, m.offset, m.length) for m in req.mm_items] if req.mm_items else None
-        return self.index.request_keys(packed_token_ids(req.token_ids), lora_name=req.lora_name,
-                                       cache_salt=req.cache_salt, mm_items=mm)
+        return self.index.request_keys(tokens, lora_name=req.lora_name, cache_salt=req.cache_salt, mm_items=mm)
 
     def _check_alive(self) -> None:
         if self.failed.is_set():
@@ -442,31 +455,44 @@ class IndexerService:
 
     def query(self, body: bytes | Any) -> dict[str, Any]:
         """``POST /query`` (raw JSON or a decoded object): overlaps and a recommendation; books nothing."""
-        req = parse_body(body)
-        keys = self._request_keys(req)
+        t0 = time.perf_counter()
+        req, tokens = parse_body(body)
+        keys = self._request_keys(req, tokens)
         self._check_alive()
+        with self._timed_lock():
+            out = self._answer(self.router.route_keys(keys, len(tokens) // TOKEN_BYTES))
+            self.request_seconds["query"].observe(time.perf_counter() - t0)
+        return out
+
+    @contextmanager
+    def _timed_lock(self) -> Iterator[None]:
+        """The index lock, for a request: how long it waited is counted (``lock_wait``)."""
+        t0 = time.perf_counter()
         with self._lock:
-            return self._answer(self.router.route_keys(keys, len(req.token_ids)))
+            self.lock_wait.observe(time.perf_counter() - t0)
+            yield
 
     def route(self, body: bytes | Any) -> dict[str, Any]:
         """``POST /route``: routes and books the request on its worker until it finishes or expires."""
-        req = parse_body(body)
-        rid, tokens = req.request_id, req.token_ids
+        t0 = time.perf_counter()
+        req, packed = parse_body(body)
+        rid, tokens = req.request_id, len(packed) // TOKEN_BYTES
         if not rid or "/" in rid:
             raise ValueError('body must carry "request_id": a non-empty string without "/"')
-        keys = self._request_keys(req)
+        keys = self._request_keys(req, packed)
         self._check_alive()
-        with self._lock:
+        with self._timed_lock():
             if rid in self._deadlines:
                 raise ValueError(f"request {rid!r} is already in flight")
-            dec = self.router.route_keys(keys, len(tokens))
+            dec = self.router.route_keys(keys, tokens)
             cached = dec.overlaps.workers[dec.worker].external * self.index.block_size
-            self.loads.add(rid, dec.worker, keys, len(tokens), max(0, len(tokens) - cached))
+            self.loads.add(rid, dec.worker, keys, tokens, max(0, tokens - cached))
             self.index.note_routed(dec.worker, keys)  # inferred window KV (SWA engines without window events)
             deadline = time.monotonic() + self.config.request_ttl_s
             self._deadlines[rid] = deadline
             heapq.heappush(self._expiry, (deadline, rid))
             out = self._answer(dec)
+            self.request_seconds["route"].observe(time.perf_counter() - t0)
         out["request_id"] = rid
         out["worker"] = out["recommended"]
         return out
@@ -533,7 +559,16 @@ class IndexerService:
             return {"batches_applied": self._consumer.counters.batches, "indexed_blocks": len(self.index),
                     "requests_in_flight": len(self._deadlines), "requests_expired": self.requests_expired,
                     "snapshots": self.snapshots, "snapshot_seconds": self.snapshot_seconds,
-                    **self.gc.figures(), "workers": workers}
+                    **self.gc.figures(), "latency": self._latency(), "http_disconnects": self._http.disconnects,
+                    "workers": workers}
+
+    def _latency(self) -> dict[str, dict[str, Any]]:
+        """The latency histograms, JSON form. Caller holds the lock (the HTTP loop's lag has its own writer:
+        a reader may see one observation half counted)."""
+        return {**{f"{k}_seconds": h.as_dict() for k, h in self.request_seconds.items()},
+                "lock_wait_seconds": self.lock_wait.as_dict(), "apply_wait_seconds": self.apply_wait.as_dict(),
+                "apply_hold_seconds": self.apply_hold.as_dict(),
+                "http_loop_lag_seconds": self._http.loop_lag.as_dict()}
 
     def metrics_text(self) -> str:
         """``/metrics`` in the Prometheus text format: one family per metric, every worker a series."""
@@ -579,6 +614,9 @@ def render_metrics(m: dict[str, Any]) -> str:
     gc_spent.add(m["gc_pause_seconds"])
     gc_max = Family("kvtier_gc_pause_max_seconds", "gauge", "The longest garbage-collector pause since start.")
     gc_max.add(m["gc_pause_max_seconds"])
+    gone = Family("kvtier_http_disconnects_total", "counter",
+                  "Requests whose client went away before its body arrived.")
+    gone.add(m["http_disconnects"])
     blocks = Family("kvtier_blocks", "gauge", "Blocks a worker holds, per tier.")
     per_worker = {key: Family(f"kvtier_{key}" + ("_total" if kind == "counter" else ""), kind, text)
                   for key, (kind, text) in _WORKER_METRICS.items()}
@@ -588,7 +626,27 @@ def render_metrics(m: dict[str, Any]) -> str:
         for key, fam in per_worker.items():
             if key in entry:
                 fam.add(float(entry[key]), worker=w)
-    return render([applied, indexed, inflight, expired, gc_passes, gc_spent, gc_max, blocks, *per_worker.values()])
+    return render([applied, indexed, inflight, expired, gc_passes, gc_spent, gc_max, gone,
+                   *_latency_families(m["latency"]), blocks, *per_worker.values()])
+
+
+def _latency_families(lat: dict[str, Any]) -> list[Family]:
+    """The latency histograms of :meth:`IndexerService._latency` as Prometheus families."""
+    request = Family("kvtier_request_seconds", "histogram",
+                     "Time inside the service per answered request, index lock wait included "
+                     "(HTTP parsing and socket queueing excluded).")
+    for endpoint in ("query", "route"):
+        request.add_histogram(lat[f"{endpoint}_seconds"], endpoint=endpoint)
+    out = [request]
+    for key, text in (("lock_wait", "Time /query and /route waited for the index lock (held by event application)."),
+                      ("apply_wait", "Time each delivered event batch waited for the index lock (held by requests)."),
+                      ("apply_hold", "Time each delivered event batch held the index lock."),
+                      ("http_loop_lag", "How late the HTTP event loop woke from a short sleep: a starved loop "
+                                        "delays every connection at once.")):
+        fam = Family(f"kvtier_{key}_seconds", "histogram", text)
+        fam.add_histogram(lat[f"{key}_seconds"])
+        out.append(fam)
+    return out
 
 
 class MmItem(msgspec.Struct, forbid_unknown_fields=True):
@@ -602,9 +660,9 @@ class MmItem(msgspec.Struct, forbid_unknown_fields=True):
 class RequestBody(msgspec.Struct):
     """The JSON body of ``/query`` and ``/route``; unknown fields are ignored."""
 
-    # The prompt. Its range (uint32) is checked as it is packed (packed_token_ids), not per element here:
-    # msgspec's per-element constraint made decoding 2,048 ids 1.7x as slow, a fifth of a query.
-    token_ids: list[int]
+    # The prompt's JSON array, left unparsed here: parse_body reads it straight into packed tokens (a Python int
+    # per token cost more than the rest of a query), checking each is an int in [0, 2**32).
+    token_ids: msgspec.Raw
     lora_name: str | None = None  # LoRA adapter (changes the key space)
     cache_salt: str | None = None  # tenant salt (changes the key space)
     mm_items: list[MmItem] | None = None  # multimodal items (scope the blocks they overlap)
@@ -644,10 +702,22 @@ def packed_token_ids(token_ids: list[int]) -> PackedTokens:
                          ) from None
 
 
-def parse_body(body: bytes | Any) -> RequestBody:
-    """A request body from raw JSON bytes or an already decoded object; ``ValueError`` naming what is
-    wrong (and where, e.g. ``$.token_ids[3]``). O(body)."""
-    return _parse(body, RequestBody, "request body")
+def parse_body(body: bytes | Any) -> tuple[RequestBody, PackedTokens]:
+    """A request body from raw JSON bytes or an already decoded object, and its prompt packed; ``ValueError``
+    naming what is wrong (and where, e.g. ``$.token_ids[3]``). O(body)."""
+    if not isinstance(body, bytes | bytearray | memoryview):
+        try:
+            body = msgspec.json.encode(body)
+        except TypeError as exc:
+            raise ValueError(f"bad request body: {exc}") from None
+    req = _parse(body, RequestBody, "request body")
+    try:
+        tokens = decode_json_tokens(req.token_ids)
+    except msgspec.ValidationError as exc:  # its path is the array's own ("$[3]", none at its root): say where
+        text = str(exc)
+        text = text.replace("`$", "`$.token_ids") if " - at `$" in text else f"{text} - at `$.token_ids`"
+        raise ValueError(f"bad request body: {text}") from None
+    return req, tokens if isinstance(tokens, bytes) else packed_token_ids(tokens)
 
 
 def parse_finish(body: bytes | Any) -> FinishBody:

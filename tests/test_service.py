@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import json
+import re
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -220,3 +222,59 @@ def test_a_snapshot_inferred_with_another_window_is_refused(tmp_path: Path) -> N
         IndexerService(ServiceConfig(endpoints=eps, block_size=BS, snapshot_path=str(snap), window_tokens=0))
     svc = IndexerService(ServiceConfig(endpoints=eps, block_size=BS, snapshot_path=str(snap), window_tokens=2 * BS))
     assert svc.restored_from == str(snap) and svc.index.window_tokens == 2 * BS
+
+
+def test_latency_histograms_say_where_a_slow_answer_waited(cluster: tuple[list[Publisher], IndexerService]) -> None:
+    """A query that finds the index lock held (as a long event batch would hold it) waits for it on the HTTP
+    loop: the wait shows in the lock-wait histogram, in the request's own time and as loop lag."""
+    (p0, _, _), svc = cluster
+    p0.publish(EventBatch(ts=time.time(), events=[stored([1, 2, 3], None, 0)]))
+    wait_for(lambda: overlaps(svc)["workers"]["w0"]["device"] == 3)
+    before = json.loads(get(svc.address + "/metrics?format=json"))["latency"]
+    hold_s = 0.3
+    with svc._lock:
+        t0 = time.monotonic()
+        answer: list[dict[str, Any]] = []
+        t = threading.Thread(target=lambda: answer.append(overlaps(svc)))
+        t.start()
+        time.sleep(hold_s)
+    t.join(5)
+    assert answer and time.monotonic() - t0 >= hold_s
+    lat = json.loads(get(svc.address + "/metrics?format=json"))["latency"]
+    assert lat["query_seconds"]["count"] > before["query_seconds"]["count"]
+    assert lat["lock_wait_seconds"]["max"] >= hold_s * 0.8
+    assert lat["query_seconds"]["max"] >= hold_s * 0.8
+    assert lat["http_loop_lag_seconds"]["max"] >= hold_s * 0.5  # the loop could not run meanwhile
+    assert lat["apply_hold_seconds"]["count"] >= 1 and lat["apply_wait_seconds"]["count"] >= 1  # the batch above
+    assert lat["route_seconds"]["count"] == 0
+    families = {f.name: f for f in text_string_to_metric_families(get(svc.address + "/metrics"))}
+    for name in ("kvtier_request_seconds", "kvtier_lock_wait_seconds", "kvtier_apply_wait_seconds",
+                 "kvtier_apply_hold_seconds", "kvtier_http_loop_lag_seconds"):
+        assert families[name].type == "histogram" and families[name].documentation
+    counts = {s.labels["endpoint"]: s.value for s in families["kvtier_request_seconds"].samples
+              if s.name == "kvtier_request_seconds_count"}
+    assert counts["route"] == 0 and counts["query"] >= lat["query_seconds"]["count"]
+
+
+def test_request_bodies_parse_alike_from_bytes_and_objects() -> None:
+    """A prompt reaches packed tokens straight from its JSON (kvtier.wire.tokenarray.decode_json_tokens); the
+    other fields, the errors and their paths are what decoding the whole body with msgspec gave."""
+    from kvtier.indexer.service import parse_body
+    from kvtier.wire.protocol import pack_tokens
+
+    body = {"token_ids": [5, 0, 2**32 - 1, 70000], "lora_name": "a", "mm_items": [{"identifier": "x", "offset": 1,
+                                                                                     "length": 2}]}
+    for given in (body, json.dumps(body).encode(), json.dumps(body, indent=2).encode()):
+        req, tokens = parse_body(given)
+        assert tokens == pack_tokens(body["token_ids"]) and req.lora_name == "a" and req.mm_items[0].length == 2
+    for bad, says in (({"token_ids": "abc"}, "Expected `array`, got `str` - at `$.token_ids`"),
+                      ({"token_ids": [1, "2"]}, "Expected `int`, got `str` - at `$.token_ids[1]`"),
+                      ({"token_ids": [1, 2.5]}, "Expected `int`, got `float` - at `$.token_ids[1]`"),
+                      ({"token_ids": [1, 2**32]}, "token id 4294967296 is not in [0, 2**32) - at `$.token_ids[1]`"),
+                      ({"lora_name": "a"}, "missing required field `token_ids`"),
+                      ({"token_ids": [1], "lora_name": 3}, "Expected `str | null`, got `int` - at `$.lora_name`")):
+        for given in (bad, json.dumps(bad).encode()):
+            with pytest.raises(ValueError, match=re.escape(says)):
+                parse_body(given)
+    with pytest.raises(ValueError, match=r"bad request body: .*object"):  # no JSON form at all
+        parse_body({"token_ids": [object()]})

@@ -121,6 +121,38 @@ def test_slow_clients_hold_nothing_and_time_out(svc: tuple[Publisher, Publisher,
         k.close()
 
 
+def test_oversized_declared_body_is_refused_at_once(svc: tuple[Publisher, Publisher, IndexerService]) -> None:
+    """A body declared larger than the cap gets its 413 before anything is read (not a 408 after the read
+    deadline, with the service waiting on 100 MB that will never fit)."""
+    _, _, s = svc
+    host, port = s.address.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as k:
+        k.sendall(b"POST /query HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100000000\r\n\r\n{\"token_ids\": [")
+        answer = k.recv(4096)
+    assert b" 413 " in answer.split(b"\r\n")[0] and b"larger than 64000 bytes" in answer
+
+
+def test_clients_gone_mid_body_cost_a_line_not_a_traceback(svc: tuple[Publisher, Publisher, IndexerService],
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """Clients that hang up before sending their body are counted, logged as one line for the first few,
+    and leave the service serving (each used to log a full traceback at ERROR)."""
+    _, _, s = svc
+    host, port = s.address.removeprefix("http://").split(":")
+    caplog.set_level(logging.INFO, logger="kvtier.indexer.http")
+    for _ in range(20):
+        k = socket.create_connection((host, int(port)))
+        k.sendall(b"POST /query HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+        time.sleep(0.01)  # the handler is waiting for the body
+        k.close()
+    wait_for(lambda: json.loads(get(s.address + "/metrics?format=json"))["http_disconnects"] == 20)
+    records = [r for r in caplog.records if r.name == "kvtier.indexer.http"]
+    assert records and all(r.levelno == logging.INFO and r.exc_info is None for r in records)
+    assert len(records) < 20 and "client went away" in records[0].getMessage()
+    assert "kvtier_http_disconnects_total 20" in get(s.address + "/metrics")
+    assert post(s.address + "/query", {"token_ids": TOKS})[0] == 200
+
+
 def test_dead_event_loop_is_not_healthy() -> None:
     # Nothing can be subscribed to at this endpoint: the event loop fails at once.
     s = IndexerService(ServiceConfig(endpoints=[parse_endpoint("a=garbage")], listen="127.0.0.1:0"))
