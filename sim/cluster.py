@@ -68,6 +68,10 @@ class ClusterConfig:
             swa_window_pages=window_pages, swa_pages=max(window_pages, int(device_pages * self.swa_ratio)),
             swa_events=self.swa_events)
 
+    def capacity_tokens(self) -> int:
+        """Tokens a worker's device pool holds (whole pages)."""
+        return self.device_tokens // self.page_size * self.page_size
+
     def device_kv_bytes(self) -> int:
         """Device memory the KV pools take per worker: full-attention pages, plus the window-KV pool."""
         preset, cfg = PRESETS[self.model], self.cache_config()
@@ -143,7 +147,7 @@ class SimWorker:
         self._busy_until: Timer | None = None  # the iteration in progress
         self._decode: _DecodeRun | None = None  # a merged decode run in progress
         self._wake: Timer | None = None  # next copy completion
-        self.capacity_tokens = cfg.cache_config().device_pages * cfg.page_size
+        self.capacity_tokens = cfg.capacity_tokens()
         self.peers: list[SimWorker] = []  # workers sharing this one's L3 pool
 
     # --- arrivals and cache bookkeeping --------------------------------------------------

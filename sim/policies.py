@@ -29,7 +29,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from kvtier.engine.cache import TieredCache
 from kvtier.fields import ConfigError
@@ -110,6 +110,9 @@ class Choice:
 
 class Policy(Protocol):
     name: str
+    #: Routes without reading the request's keys or the router's in-flight bookkeeping (round robin, random):
+    #: the simulation then computes neither, as such a router would not. Results are the same either way.
+    blind: ClassVar[bool]
 
     def choose(self, req: RouteInput) -> Choice: ...
 
@@ -123,6 +126,7 @@ class RoundRobin:
     workers: int  # cluster size
     name: str = "round_robin"
     _next: int = 0
+    blind: ClassVar[bool] = True
 
     def choose(self, req: RouteInput) -> Choice:
         w = self._next
@@ -135,6 +139,7 @@ class RandomPolicy:
     workers: int  # cluster size
     seed: int = 0  # rng seed
     name: str = "random"
+    blind: ClassVar[bool] = True
     _rng: random.Random = field(init=False)
 
     def __post_init__(self) -> None:
@@ -149,6 +154,7 @@ class LeastLoaded:
     workers: int  # cluster size
     loads: LoadTracker  # router bookkeeping
     name: str = "least_loaded"
+    blind: ClassVar[bool] = False
 
     def choose(self, req: RouteInput) -> Choice:
         streams = _streams(self.workers)
@@ -162,6 +168,8 @@ class LeastLoaded:
 
 class KvPolicy:
     """Routes with the real index, fed only the events of tiers up to ``max_tier``."""
+
+    blind: ClassVar[bool] = False
 
     def __init__(self, name: str, workers: int, block_size: int, cost: CostModel, loads: LoadTracker,
                  max_tier: StorageTier, temperature: float = 0.0, seed: int = 0,
@@ -203,6 +211,8 @@ class KvPolicy:
 class Oracle:
     """The same cost model and router, with overlaps read from the engines themselves."""
 
+    blind: ClassVar[bool] = False
+
     def __init__(self, workers: int, caches: Callable[[], list[TieredCache]], block_size: int, cost: CostModel,
                  loads: LoadTracker, temperature: float = 0.0, seed: int = 0) -> None:
         self.name = "oracle"
@@ -223,6 +233,8 @@ class Oracle:
 class Approx:
     """Predicts each worker's cache from where it sent earlier requests (no events), with a
     TTL, like SGLang's gateway cache_aware policy and Dynamo's --no-kv-events mode."""
+
+    blind: ClassVar[bool] = False
 
     def __init__(self, workers: int, block_size: int, cost: CostModel, loads: LoadTracker,
                  ttl_s: float = 120.0) -> None:

@@ -127,10 +127,12 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
             unheard.published += 1
 
     def on_first_token(job: Job) -> None:
-        loads.prefill_done(job.req.request_id)
+        if tracked:
+            loads.prefill_done(job.req.request_id)
 
     def on_finish(job: Job) -> None:
-        loads.finish(job.req.request_id, job.generated)
+        if tracked:
+            loads.finish(job.req.request_id, job.generated)
         if bar is not None:
             # Requests per second of wall time is tqdm's rate; simulated time goes in the postfix,
             # formatted only when the bar redraws (tqdm's mininterval), not once per request.
@@ -146,17 +148,20 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
     def on_progress(job: Job) -> None:
         loads.progress(job.req.request_id, job.generated)
 
-    cluster = build_cluster(cluster_cfg, env, on_event, on_first_token, on_finish, on_progress=on_progress)
     policy = make_policy(run.policy, workers=cluster_cfg.workers, block_size=ps, loads=loads,
                          caches=lambda: cluster.caches, cost=run.cost, model=cluster_cfg.model,
                          h2d_gbps=cluster_cfg.h2d_gbps, storage_gbps=cluster_cfg.storage_gbps,
                          host_credit=run.host_credit, disk_credit=run.disk_credit, temperature=run.temperature,
                          seed=run.seed, prefill_budget=cluster_cfg.prefill_budget,
-                         capacity_tokens=cluster.workers[0].capacity_tokens, latency=cluster_cfg.latency)
+                         capacity_tokens=cluster_cfg.capacity_tokens(), latency=cluster_cfg.latency)
+    # A blind policy (round robin, random) reads neither keys nor load: the router does no such bookkeeping.
+    tracked = not policy.blind
+    cluster = build_cluster(cluster_cfg, env, on_event, on_first_token, on_finish,
+                            on_progress=on_progress if tracked else None)
 
     def arrive(req: Request) -> None:
         tokens = bank.packed(req)
-        keys = block_keys(tokens, ps)
+        keys = block_keys(tokens, ps) if tracked else []
         choice = policy.choose(RouteInput(req.request_id, tokens, req.input_length, keys, env.now))
         rec = RequestRecord(req.request_id, choice.worker, env.now, req.input_length, req.output_length)
         if choice.predicted is not None:
@@ -166,7 +171,9 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
             records.append(rec)
             decisions.append(choice.worker)
         cached = choice.predicted.external * ps if choice.predicted is not None else 0
-        loads.add(req.request_id, streams[choice.worker], keys, req.input_length, max(0, req.input_length - cached))
+        if tracked:
+            loads.add(req.request_id, streams[choice.worker], keys, req.input_length,
+                      max(0, req.input_length - cached))
         cluster.workers[choice.worker].submit(Job(req, tokens, rec), choice.tier)
 
     # Requests released at their arrival time come one at a time, each scheduled when the one before it
