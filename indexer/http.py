@@ -100,6 +100,7 @@ class HttpFrontEnd:
         self.port = port
         self.loop_lag = Histogram()  # how late the loop woke from each LAG_PROBE_S sleep (its only writer)
         self.disconnects = 0  # requests whose client went away before its body arrived
+        self._lag_probe: asyncio.Future[None] | None = None  # the loop-lag probe's task, once serving
 
     # --- lifecycle -----------------------------------------------------------------------
 

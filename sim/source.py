@@ -14,7 +14,7 @@ import json
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, BinaryIO, Protocol, runtime_checkable
 
 from kvtier.sim.trace import Request, TraceError, read_mooncake, request_from
 
@@ -93,11 +93,13 @@ class MooncakeFile:
         self._indexed = False
         # request id -> index, of requests handed out closed loop whose next turn is still to come
         self._live: dict[str, int] = {}
+        self._turns: BinaryIO | None = None  # the file, open while next turns are still to come (successor)
 
     def __getstate__(self) -> dict[str, Any]:
         state = {k: getattr(self, k) for k in ("path", "_file", "limit", "time_scale", "_offsets", "_next",
                                                 "_follows", "_indexed")}
         state["_live"] = {}
+        state["_turns"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -161,12 +163,19 @@ class MooncakeFile:
                 rank += 1
 
     def successor(self, request_id: str) -> Request | None:
-        """One seek and one line read. O(line)."""
+        """One seek and one line read (the file stays open while sessions are in flight: opening it for each
+        turn took 1.5% of a chat replay). O(line)."""
         i = self._live.pop(request_id, None)
         if i is None:
             return None  # the last turn of its session (or no session)
-        with open(self._file, "rb") as f:
-            return self._read(f, self._next[i], followed=True)
+        if self._turns is None:
+            self._turns = open(self._file, "rb")  # noqa: SIM115 (closed below, once no session is in flight)
+        try:
+            return self._read(self._turns, self._next[i], followed=True)
+        finally:
+            if not self._live:
+                self._turns.close()
+                self._turns = None
 
 
 def next_turns(sessions: Iterable[str | None]) -> Iterator[tuple[int, int]]:
