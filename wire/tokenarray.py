@@ -44,16 +44,7 @@ def decode_tokens(raw: bytes | memoryview | msgspec.Raw) -> PackedTokens | list[
     """The token ids of a msgpack array: packed when every one is an int in ``[0, 2**32)``, else as
     msgspec decodes them (a list; an out-of-range id is the index's to reject). ``msgspec.DecodeError``
     if ``raw`` is not an array of ints. O(len(raw))."""
-    k = _KERNELS.get()
-    if k is not None:
-        ok, tokens = k.decode(np.frombuffer(raw, np.uint8))
-        if ok:
-            return bytes(tokens.astype("<u4", copy=False))
-    ids = _ints.decode(raw)
-    try:
-        return pack_tokens(ids)
-    except ValueError:
-        return ids
+    return _decode(raw, "decode", _ints)
 
 
 def decode_json_tokens(raw: bytes | memoryview | msgspec.Raw) -> PackedTokens | list[int]:
@@ -61,12 +52,19 @@ def decode_json_tokens(raw: bytes | memoryview | msgspec.Raw) -> PackedTokens | 
     an int in ``[0, 2**32)``, else as msgspec decodes them (a list; an out-of-range id is the caller's to
     reject). ``msgspec.ValidationError`` (its path relative to the array, ``$[3]``) or
     ``msgspec.DecodeError`` if ``raw`` is not a JSON array of ints. O(len(raw))."""
+    return _decode(raw, "decode_json", _json_ints)
+
+
+def _decode(raw: bytes | memoryview | msgspec.Raw, kernel: str,
+            slow: msgspec.msgpack.Decoder[list[int]] | msgspec.json.Decoder[list[int]]) -> PackedTokens | list[int]:
+    """The compiled ``kernel`` where it loads and takes ``raw``; else msgspec's ``slow`` decoder, packed when in
+    range."""
     k = _KERNELS.get()
     if k is not None:
-        ok, tokens = k.decode_json(np.frombuffer(raw, np.uint8))
+        ok, tokens = getattr(k, kernel)(np.frombuffer(raw, np.uint8))
         if ok:
             return bytes(tokens.astype("<u4", copy=False))
-    ids = _json_ints.decode(raw)
+    ids = slow.decode(raw)
     try:
         return pack_tokens(ids)
     except ValueError:
