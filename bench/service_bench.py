@@ -11,6 +11,10 @@ machine's cores with the service, so the leaner it is, the more the figures are 
    1,000 q/s).
 3. The highest offered rate, stepping up, that still holds p99 <= 50 ms.
 
+Under each open-loop run, where its time went: how late this client sent (its own stalls count in the
+latency), and from the service's latency histograms (``/metrics``) the p99 and max of its time per query,
+requests' waits for the index lock, event batches' waits for it and holds of it, and its HTTP loop's lag.
+
 Each open-loop run begins 2 s after the one before it ends, events flowing throughout: the closed-loop burst
 of step 1 saturates both cores, and a run begun at once would measure the service catching up with the
 publishers' backlog as much as its steady state. Each run's client opens 64 keep-alive connections before its
@@ -171,13 +175,11 @@ def hist_ms(before: dict[str, Any], after: dict[str, Any]) -> str:
 def where(m0: dict[str, Any], m1: dict[str, Any], late: list[float]) -> str:
     """Where a run's time went: the client's own send delay, and the service's time per query, its wait for
     the index lock, event batches' waits for it (queries holding up event application) and holds of it, and
-    the HTTP loop's lag (p99/max bucket bounds, ms; see
-    kvtier.indexer.histogram)."""
+    the HTTP loop's lag (p99/max bucket bounds, ms; see kvtier.indexer.histogram)."""
     a, b = m0["latency"], m1["latency"]
     parts = ", ".join(f"{name} {hist_ms(a[key], b[key])}" for name, key in (
         ("query", "query_seconds"), ("lock wait", "lock_wait_seconds"), ("batch wait", "apply_wait_seconds"),
-        ("batch hold", "apply_hold_seconds"),
-        ("loop lag", "http_loop_lag_seconds")))
+        ("batch hold", "apply_hold_seconds"), ("loop lag", "http_loop_lag_seconds")))
     client = f"{p(late, 0.99):.1f}/{max(late, default=0) * 1e3:.1f}"
     return f"client send late p99/max {client} ms; service p99/max <= {parts} ms"
 
