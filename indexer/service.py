@@ -57,6 +57,10 @@ from kvtier.wire.tokenarray import decode_json_tokens, token_backend
 log = logging.getLogger(__name__)
 
 
+_RESTART_BACKOFF_S = 0.5  # the first wait before a failed event loop starts again
+_RESTART_BACKOFF_MAX_S = 30.0  # the longest, as failures repeat
+
+
 class ServiceUnavailable(RuntimeError):
     """The service cannot answer truthfully (its event loop died)."""
 
@@ -99,6 +103,9 @@ class ServiceConfig:
     snapshot_path: str | None = field(default=None, metadata=Domain(str, optional=True).meta())
     # seconds between snapshots
     snapshot_interval_s: float = field(default=30.0, metadata=within(0, 86400, lo_open=True))
+    # times a failed event loop is started again (after 0.5 s, doubling to 30 s), each stream resuming after
+    # its last applied batch, before the service gives up: /health 503 and a non-zero exit. 0: at once.
+    loop_restarts: int = field(default=0, metadata=at_least(0))
 
     def __post_init__(self) -> None:
         check_fields(self, style="key")
@@ -281,6 +288,10 @@ class IndexerService:
         self._deadlines: dict[str, float] = {}  # routed request id -> when it expires
         self._expiry: list[tuple[float, str]] = []  # heap of (deadline, request id)
         self.requests_expired = 0
+        self.loop_restarts = 0  # times the event loop failed and was started again (config.loop_restarts)
+        self._restarting = False  # between a failed event loop and its restart
+        self._torn: StreamId | None = None  # the stream whose delivery is being applied (event loop thread)
+        self._positions: persist.Positions = {}  # each in-sync stream's position when the event loop last ended
         self.snapshots = 0  # snapshots written
         self.snapshot_seconds = 0.0  # how long the last one took
         self.gc = GcPauses()  # the collector's passes and pauses, counted from start()
@@ -363,13 +374,52 @@ class IndexerService:
     # --- event loop ----------------------------------------------------------------------
 
     def _run_loop(self) -> None:
-        try:
-            sub = Subscriber(self.config.endpoints, replay_timeout_s=self.config.replay_timeout_s,
-                             resume=self._resume)
-        except Exception as exc:
-            self._loop_failed(exc)
-            return
+        """Follows the engines until stop. A failure ends the service (``failed``), unless ``loop_restarts``
+        allows another try: the event loop then starts again after a back-off, each stream resuming after its
+        last applied batch, as from a snapshot (a stream that was not in sync starts afresh)."""
+        resume, left, backoff = self._resume, self.config.loop_restarts, _RESTART_BACKOFF_S
+        while True:
+            try:
+                self._follow(resume)
+                return
+            except Exception as exc:
+                if left <= 0 or self._stop.is_set():
+                    self._loop_failed(exc)
+                    return
+                left -= 1
+                self.loop_restarts += 1
+                self._restarting = True
+                log.error("event loop failed (%s: %s); restarting it in %g s (%d more allowed)",
+                          type(exc).__name__, exc, backoff, left, exc_info=exc)
+                resume = self._resume_points(resume)
+                self._ready.set()  # start() goes on: the service answers, degraded, meanwhile
+                if self._stop.wait(backoff):
+                    return
+                backoff = min(2 * backoff, _RESTART_BACKOFF_MAX_S)
+
+    def _resume_points(self, fallback: persist.Positions) -> persist.Positions:
+        """Where each stream resumes after a failed loop: its subscriber's position. A stream with none (it was
+        catching up), or whose delivery was being applied when the loop failed (torn: its position counts a
+        batch the index may hold in part), is cleared, to be rebuilt from scratch. ``fallback`` if no
+        subscriber was made."""
+        if self._sub is None:
+            return fallback
+        positions = dict(self._positions)
+        if self._torn is not None:
+            positions.pop(self._torn, None)
+            self._torn = None
+        with self._lock:
+            for s in self.index.streams:
+                if s not in positions:
+                    self.index.clear_worker(s)
+        return positions
+
+    def _follow(self, resume: persist.Positions) -> None:
+        """One life of the event loop: subscribes (resuming ``resume``) and applies deliveries until stop;
+        raises what stopped it otherwise."""
+        sub = Subscriber(self.config.endpoints, replay_timeout_s=self.config.replay_timeout_s, resume=resume)
         self._sub = sub
+        self._restarting = False
         self._ready.set()
         next_snapshot = time.monotonic() + self.config.snapshot_interval_s
         try:
@@ -381,16 +431,17 @@ class IndexerService:
                     t0 = time.perf_counter()
                     with self._lock:  # one batch per hold: queries wait for a batch, never a backlog
                         t1 = time.perf_counter()
+                        self._torn = d.stream  # if applying it fails, its state is half there: never resumed
                         self._consumer.feed((d,))
+                        self._torn = None
                         self.apply_wait.observe(t1 - t0)
                         self.apply_hold.observe(time.perf_counter() - t1)
                 if self._expiry and self._expiry[0][0] <= time.monotonic():
                     with self._lock:
                         self._expire(time.monotonic())
             self._save_logged()  # on stop
-        except Exception as exc:
-            self._loop_failed(exc)
         finally:
+            self._positions = sub.positions()  # where a restart resumes (closing forgets the streams)
             sub.close()
 
     def _save_logged(self) -> None:
@@ -406,7 +457,10 @@ class IndexerService:
         self.failed.set()
 
     def _rebuilding(self) -> set[StreamId]:
-        """Streams whose catch-up, full replay or dump is under way (the router skips them). O(streams)."""
+        """Streams whose catch-up, full replay or dump is under way (the router skips them); every stream
+        while a failed event loop waits to start again. O(streams)."""
+        if self._restarting:
+            return set(self.index.streams)
         sub = self._sub
         return set() if sub is None else {s for s in sub.streams if sub.recovering(s)}
 
@@ -559,8 +613,8 @@ class IndexerService:
             return {"batches_applied": self._consumer.counters.batches, "indexed_blocks": len(self.index),
                     "requests_in_flight": len(self._deadlines), "requests_expired": self.requests_expired,
                     "snapshots": self.snapshots, "snapshot_seconds": self.snapshot_seconds,
-                    **self.gc.figures(), "latency": self._latency(), "http_disconnects": self._http.disconnects,
-                    "workers": workers}
+                    "loop_restarts": self.loop_restarts, **self.gc.figures(), "latency": self._latency(),
+                    "http_disconnects": self._http.disconnects, "workers": workers}
 
     def _latency(self) -> dict[str, dict[str, Any]]:
         """The latency histograms, JSON form. Caller holds the lock (the HTTP loop's lag has its own writer:
@@ -580,8 +634,8 @@ class IndexerService:
             return dict(self.index.worker_hashes(stream))
 
     def health(self) -> dict[str, Any]:
-        """``status``: ``ok``, ``degraded`` (some worker partial or recovering) or ``down`` (the event
-        loop died: ``/health`` then answers 503)."""
+        """``status``: ``ok``, ``degraded`` (some worker partial or recovering, every one while a failed event
+        loop waits to restart) or ``down`` (the event loop died for good: ``/health`` then answers 503)."""
         with self._lock:
             rebuilding = self._rebuilding()
             flags = {str(s): self.worker_flags(s, rebuilding) for s in self.index.streams}
@@ -591,7 +645,7 @@ class IndexerService:
         out: dict[str, Any] = {
             "status": "down" if not alive else "degraded" if partial or recovering else "ok",
             "workers": len(flags), "partial_workers": partial, "recovering_workers": recovering,
-            "http_loop": self._http.loop_kind, "keys": key_backend(load=False)}
+            "http_loop": self._http.loop_kind, "keys": key_backend(load=False), "loop_restarts": self.loop_restarts}
         if self._loop_error is not None:
             out["error"] = self._loop_error
         return out
@@ -614,6 +668,8 @@ def render_metrics(m: dict[str, Any]) -> str:
     gc_spent.add(m["gc_pause_seconds"])
     gc_max = Family("kvtier_gc_pause_max_seconds", "gauge", "The longest garbage-collector pause since start.")
     gc_max.add(m["gc_pause_max_seconds"])
+    restarts = Family("kvtier_loop_restarts_total", "counter", "Times the event loop failed and was started again.")
+    restarts.add(m["loop_restarts"])
     gone = Family("kvtier_http_disconnects_total", "counter",
                   "Requests whose client went away before its body arrived.")
     gone.add(m["http_disconnects"])
@@ -626,7 +682,7 @@ def render_metrics(m: dict[str, Any]) -> str:
         for key, fam in per_worker.items():
             if key in entry:
                 fam.add(float(entry[key]), worker=w)
-    return render([applied, indexed, inflight, expired, gc_passes, gc_spent, gc_max, gone,
+    return render([applied, indexed, inflight, expired, restarts, gc_passes, gc_spent, gc_max, gone,
                    *_latency_families(m["latency"]), blocks, *per_worker.values()])
 
 

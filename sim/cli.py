@@ -357,7 +357,8 @@ def cmd_indexer(a: argparse.Namespace) -> int:
         eps = cfg.endpoints + [parse_endpoint(s) for s in a.endpoint]
         overrides = {k: v for k, v in (("block_size", a.block_size), ("listen", a.listen), ("cost", a.cost),
                                        ("snapshot_path", a.snapshot), ("policy", a.policy), ("model", a.model),
-                                       ("window_tokens", a.window_tokens), ("http_loop", a.http_loop))
+                                       ("window_tokens", a.window_tokens), ("http_loop", a.http_loop),
+                                       ("loop_restarts", a.loop_restarts))
                      if v is not None}
         cfg = replace(cfg, endpoints=eps, **overrides)
         if not cfg.endpoints:
@@ -457,6 +458,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-loop", choices=["auto", "uvloop", "asyncio"],
                    help="the HTTP front end's event loop; auto takes uvloop where it is installed "
                         "(default: the config's, else auto)")
+    p.add_argument("--loop-restarts", type=int, metavar="N",
+                   help="times a failed event loop starts again (back-off 0.5 s doubling to 30 s; each stream "
+                        "resumes after its last applied batch) before the service exits non-zero "
+                        "(default: the config's, else 0)")
     p.set_defaults(func=cmd_indexer)
     return parser
 

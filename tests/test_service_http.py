@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from kvtier.indexer.service import ConfigError, IndexerService, ServiceConfig, parse_endpoint
-from kvtier.wire import BlockRemoved, BlockStored, EventBatch, Publisher, StorageTier
+from kvtier.wire import BlockRemoved, BlockStored, EventBatch, Publisher, StorageTier, WorkerId
+from kvtier.wire.stream import StreamId
 from tests.test_service import BS, TOKS, get, post, stored, wait_for
 
 
@@ -168,6 +169,70 @@ def test_dead_event_loop_is_not_healthy() -> None:
     with pytest.raises(ConfigError, match="same worker stream twice"):
         IndexerService(ServiceConfig(endpoints=[parse_endpoint("a=tcp://127.0.0.1:1"),
                                                 parse_endpoint("a=tcp://127.0.0.1:2")]))
+
+
+def test_a_failed_event_loop_restarts_when_configured_then_gives_up() -> None:
+    """With ``loop_restarts``, a loop that cannot start is tried again (0.5 s, then 1 s later), the service
+    answering meanwhile as degraded; once the restarts are spent it is down, as without them."""
+    s = IndexerService(ServiceConfig(endpoints=[parse_endpoint("a=garbage")], listen="127.0.0.1:0",
+                                     loop_restarts=2))
+    t0 = time.monotonic()
+    s.start()
+    try:
+        h = json.loads(get(s.address + "/health"))
+        assert h["status"] == "degraded" and h["recovering_workers"] == ["a"] and not s.failed.is_set()
+        wait_for(s.failed.is_set, timeout=10)
+        assert time.monotonic() - t0 >= 1.5 and s.loop_restarts == 2
+        m = json.loads(get(s.address + "/metrics?format=json"))
+        assert m["loop_restarts"] == 2 and "kvtier_loop_restarts_total 2" in get(s.address + "/metrics")
+        with pytest.raises(Exception, match="503"):
+            get(s.address + "/health")
+    finally:
+        s.stop()
+
+
+def test_a_restarted_event_loop_resumes_streams_and_rebuilds_the_torn_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop fails while applying w0's batch: w0's position already counts that batch, which the index
+    holds in part or not at all, so w0 is rebuilt from its publisher's replay (resumed, block 5 would be
+    an orphan under the missing block 4); w1 resumes after its last batch with its blocks kept."""
+    pubs = [Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0") for _ in range(2)]
+    eps = [parse_endpoint(f"w{i}={p.endpoint},replay={p.replay_endpoint}") for i, p in enumerate(pubs)]
+    s = IndexerService(ServiceConfig(endpoints=eps, block_size=BS, listen="127.0.0.1:0", replay_timeout_s=1.0,
+                                     loop_restarts=1))
+    s.start()
+    try:
+        def device(w: str) -> int:
+            return int(post(s.address + "/query", {"token_ids": TOKS})[1]["workers"][w]["device"])
+
+        pubs[0].publish(EventBatch(ts=time.time(), events=[stored([1, 2, 3], None, 0)]))
+        pubs[1].publish(EventBatch(ts=time.time(), events=[stored([11, 12], None, 0)]))
+        wait_for(lambda: device("w0") == 3 and device("w1") == 2)
+        from kvtier.indexer.consumer import IndexConsumer
+
+        real = IndexConsumer.feed
+        failures = []
+
+        def feed_failing_once(self: IndexConsumer, deliveries: Any) -> None:
+            if not failures:  # the loop dies before the batch is applied, though its stream's position counts it
+                failures.append(1)
+                raise RuntimeError("injected")
+            real(self, deliveries)
+
+        monkeypatch.setattr(IndexConsumer, "feed", feed_failing_once)
+        pubs[0].publish(EventBatch(ts=time.time(), events=[stored([4], 3, 3)]))
+        wait_for(lambda: s.loop_restarts == 1)
+        assert not s.failed.is_set()
+        w1 = s.index.block_counts(StreamId(WorkerId("w1")))
+        assert w1[StorageTier.DEVICE] == 2  # resumed, not cleared
+        pubs[0].publish(EventBatch(ts=time.time(), events=[stored([5], 4, 4)]))
+        pubs[1].publish(EventBatch(ts=time.time(), events=[stored([13], 12, 2)]))
+        wait_for(lambda: device("w0") == 5 and device("w1") == 3)
+        wait_for(lambda: json.loads(get(s.address + "/health"))["status"] == "ok")
+        assert s.loop_restarts == 1 and not s.failed.is_set()
+    finally:
+        s.stop()
+        for p in pubs:
+            p.close()
 
 
 def test_cli_exits_non_zero_when_the_event_loop_dies_and_on_a_busy_port() -> None:
