@@ -333,13 +333,17 @@ class IndexerService:
         log.info("restored %d blocks from %s; resuming %d of %d streams", len(index), path,
                  len(self._resume), len(streams))
 
-    def save_snapshot(self) -> int | None:
+    def save_snapshot(self, positions: persist.Positions | None = None) -> int | None:
         """Writes the snapshot now (event loop thread: the index's only writer, so no lock is needed
-        for a consistent read, and queries go on meanwhile). Returns its size, None if not configured."""
-        if self.config.snapshot_path is None or self._sub is None:
+        for a consistent read, and queries go on meanwhile), with each stream's ``positions`` (default: the
+        subscriber's). Returns its size, None if not configured."""
+        if self.config.snapshot_path is None or (self._sub is None and positions is None):
             return None
+        if positions is None:
+            assert self._sub is not None
+            positions = self._sub.positions()
         t0 = time.monotonic()
-        n = persist.save(Path(self.config.snapshot_path), self.index, self._sub.positions())
+        n = persist.save(Path(self.config.snapshot_path), self.index, positions)
         self.snapshots += 1
         self.snapshot_seconds = time.monotonic() - t0
         return n
@@ -394,6 +398,7 @@ class IndexerService:
                 resume = self._resume_points(resume)
                 self._ready.set()  # start() goes on: the service answers, degraded, meanwhile
                 if self._stop.wait(backoff):
+                    self._save_logged(resume)  # stopped while waiting: the index, and where each stream resumes
                     return
                 backoff = min(2 * backoff, _RESTART_BACKOFF_MAX_S)
 
@@ -444,9 +449,9 @@ class IndexerService:
             self._positions = sub.positions()  # where a restart resumes (closing forgets the streams)
             sub.close()
 
-    def _save_logged(self) -> None:
+    def _save_logged(self, positions: persist.Positions | None = None) -> None:
         try:
-            self.save_snapshot()
+            self.save_snapshot(positions)
         except OSError as exc:  # a full disk must not stop the index from following the engines
             log.error("snapshot to %s failed: %s", self.config.snapshot_path, exc)
 

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -233,6 +234,42 @@ def test_a_restarted_event_loop_resumes_streams_and_rebuilds_the_torn_one(monkey
         s.stop()
         for p in pubs:
             p.close()
+
+
+def test_a_service_stopped_while_its_loop_waits_to_restart_still_saves_its_snapshot(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The snapshot written on stop then holds the index and where each stream resumes: the stream whose
+    batch was torn is left out, to be rebuilt on the next start."""
+    from kvtier.indexer import persist, service
+    from kvtier.indexer.consumer import IndexConsumer
+
+    monkeypatch.setattr(service, "_RESTART_BACKOFF_S", 30.0)  # still waiting when stop comes
+    pubs = [Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0") for _ in range(2)]
+    eps = [parse_endpoint(f"w{i}={p.endpoint},replay={p.replay_endpoint}") for i, p in enumerate(pubs)]
+    snap = tmp_path / "index.snap"
+    s = IndexerService(ServiceConfig(endpoints=eps, block_size=BS, listen="127.0.0.1:0", replay_timeout_s=1.0,
+                                     loop_restarts=1, snapshot_path=str(snap)))
+    s.start()
+    try:
+        pubs[0].publish(EventBatch(ts=time.time(), events=[stored([1, 2], None, 0)]))
+        pubs[1].publish(EventBatch(ts=time.time(), events=[stored([11, 12], None, 0)]))
+        wait_for(lambda: post(s.address + "/query", {"token_ids": TOKS})[1]["workers"]["w1"]["device"] == 2
+                 and post(s.address + "/query", {"token_ids": TOKS})[1]["workers"]["w0"]["device"] == 2)
+
+        def fail(self: IndexConsumer, deliveries: Any) -> None:
+            raise RuntimeError("injected")
+
+        monkeypatch.setattr(IndexConsumer, "feed", fail)
+        pubs[0].publish(EventBatch(ts=time.time(), events=[stored([3], 2, 2)]))
+        wait_for(lambda: s.loop_restarts == 1)
+    finally:
+        s.stop()
+        for p in pubs:
+            p.close()
+    index, positions = persist.load(snap, BS)
+    assert set(positions) == {StreamId(WorkerId("w1"))} and positions[StreamId(WorkerId("w1"))][0] == 1
+    assert index.block_counts(StreamId(WorkerId("w1")))[StorageTier.DEVICE] == 2
+    assert index.block_counts(StreamId(WorkerId("w0")))[StorageTier.DEVICE] == 0  # cleared: rebuilt next start
 
 
 def test_cli_exits_non_zero_when_the_event_loop_dies_and_on_a_busy_port() -> None:
