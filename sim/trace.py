@@ -86,7 +86,7 @@ class TokenBank:
         if k is not None:
             return k.blocks(ids, self._seed_key[0], _POSITIONS, _VOCAB)  # type: ignore[no-any-return]
         keys = _mix(ids ^ self._seed_key)
-        return (_mix(keys[:, None] + _POSITIONS[None, :]) % np.uint64(VOCAB)).ravel()
+        return (_mix(keys[:, None] + _POSITIONS[None, :]) % _VOCAB).ravel()
 
     def tokens(self, req: Request) -> list[int]:
         """The prompt's token ids. O(input_length)."""
