@@ -9,7 +9,7 @@ import xxhash
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from kvtier.indexer import index as index_module
+from kvtier.indexer import levels as levels_module
 from kvtier.indexer.index import Outcome, TieredIndex
 from kvtier.indexer.keys import block_keys
 from kvtier.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, StorageTier, WorkerId
@@ -215,7 +215,7 @@ def test_a_removed_middle_block_turns_binary_search_off_until_its_children_go() 
     idx.apply(A, stored([1, 2, 3, 4], None, TOKS))
     idx.apply(B, stored([11, 12], None, TOKS[:8]))
     assert idx._closure.closed
-    assert idx._runs_by_search(idx.request_keys(TOKS)) is not None
+    assert idx._depths.runs_by_search(idx.request_keys(TOKS)) is not None
     idx.apply(A, BlockRemoved(block_hashes=[2], medium="GPU"))  # block 3 is now held without its parent
     assert not idx._closure.closed
     idx._check()
@@ -291,13 +291,13 @@ def test_fast_index_agrees_with_naive_model(
 def test_vectorised_path_agrees_with_naive_model(
     events: list[tuple[str, StreamId, Event | None]], qs: list[tuple[list[int], int]]
 ) -> None:
-    """find_matches switches to numpy past _MAX_RUNS runs of equal masks: check that path too."""
-    saved = index_module._MAX_RUNS
-    index_module._MAX_RUNS = 0
+    """find_matches switches to numpy past MAX_RUNS runs of equal masks: check that path too."""
+    saved = levels_module.MAX_RUNS
+    levels_module.MAX_RUNS = 0
     try:
         _agrees(events, qs)
     finally:
-        index_module._MAX_RUNS = saved
+        levels_module.MAX_RUNS = saved
 
 
 @given(event_streams(), queries, st.integers(14, 40), st.integers(0, 3))
@@ -379,8 +379,8 @@ def _agrees(events: list[tuple[str, StreamId, Event | None]], qs: list[tuple[lis
             f, r = fast.find_matches(doc[:cut]), ref.find_matches(doc[:cut])
             if fast._closure.closed:  # the search must find exactly the runs a scan finds
                 keys = fast.request_keys(doc[:cut])
-                ms = fast._leading_masks(keys)
-                searched = fast._runs_by_search(keys)
+                ms = fast._depths.leading_masks(keys)
+                searched = fast._depths.runs_by_search(keys)
                 assert searched is None or searched == ([(m, i) for i, m in enumerate(ms)
                                                          if i == 0 or m != ms[i - 1]], len(ms))
             assert f.shared_pool == r.shared_pool
