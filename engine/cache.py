@@ -5,89 +5,41 @@ Events follow acknowledgements: a page is announced on a tier only once the copy
 that put it there has completed, and withdrawn as soon as the cache stops
 counting on it. :meth:`TieredCache.residency` is the ground truth the indexer's
 view must equal once every event has been delivered.
+
+Pieces kept apart: sizes and policies (:mod:`kvtier.engine.config`), the events not yet flushed
+(:mod:`kvtier.engine.events`), this engine's side of the L3 store (:mod:`kvtier.engine.l3link`), and making room
+in the pools (:mod:`kvtier.engine.eviction`).
 """
 
 from __future__ import annotations
 
-import heapq
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 from itertools import pairwise
-from typing import Any
 
+from kvtier.engine.config import CacheConfig, PrefetchPolicy, WritePolicy
 from kvtier.engine.datapath import CopyKind, CopyOp, DataPath
-from kvtier.engine.dump import NodeRun, Snapshot, dump_batches, l3_runs
-from kvtier.engine.hashing import iter_chain
-from kvtier.engine.pool import PageId, PagePool, PoolExhausted
+from kvtier.engine.dump import NodeRun, Snapshot, dump_batches
+from kvtier.engine.events import EventLog
+from kvtier.engine.eviction import Evictor
+from kvtier.engine.l3link import L3Link
+from kvtier.engine.pool import PageId, PagePool
 from kvtier.engine.radix import Node, RadixTree
 from kvtier.engine.storage import PageMeta, PageStore
-from kvtier.fields import at_least, check_fields, one_of, within
 from kvtier.wire.codec import medium_spelling
 from kvtier.wire.overlap import TierOverlap, window_cut
 from kvtier.wire.protocol import (
     TOKEN_BYTES,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    EngineHash,
-    Event,
     EventBatch,
     PackedTokens,
     StorageTier,
     pack_tokens,
-    window_group,
 )
 
 log = logging.getLogger(__name__)
 
-
-class WritePolicy(StrEnum):
-    """When device pages get a host copy."""
-
-    WRITE_THROUGH = "write_through"  # as soon as they are computed
-    WRITE_THROUGH_SELECTIVE = "write_through_selective"  # once matched `selective_threshold` times
-    WRITE_BACK = "write_back"  # when evicted from the device
-
-
-class PrefetchPolicy(StrEnum):
-    """How long a request waits for its L3 prefetch before computing the rest."""
-
-    BEST_EFFORT = "best_effort"  # never waits; uses what has arrived
-    WAIT_COMPLETE = "wait_complete"  # waits for the whole prefetch
-    TIMEOUT = "timeout"  # waits up to `prefetch_timeout_s`
-
-
-@dataclass(slots=True, frozen=True)
-class CacheConfig:
-    """Sizes and policies of one engine's cache."""
-
-    page_size: int = field(default=16, metadata=at_least(1))  # tokens per page (= block size in events)
-    device_pages: int = field(default=1024, metadata=at_least(1))  # device KV capacity in pages
-    # host pages = host_ratio * device_pages; 0 disables the host tier
-    host_ratio: float = field(default=2.0, metadata=within(0, 1024))
-    write_policy: WritePolicy = field(default=WritePolicy.WRITE_THROUGH, metadata=one_of(*WritePolicy))
-    # hits before write_through_selective backs a node up
-    selective_threshold: int = field(default=2, metadata=at_least(1))
-    load_back: bool = True  # load host hits to device (else recompute them)
-    l3_write_behind: bool = True  # copy host backups to the L3 store
-    prefetch_policy: PrefetchPolicy = field(default=PrefetchPolicy.BEST_EFFORT, metadata=one_of(*PrefetchPolicy))
-    # L3 hit length below which no prefetch is started
-    prefetch_min_pages: int = field(default=1, metadata=at_least(0))
-    prefetch_timeout_s: float = field(default=0.05, metadata=within(0, 3600))  # for PrefetchPolicy.TIMEOUT
-    # sliding-window attention: pages of window KV a prefix needs (0: no SWA)
-    swa_window_pages: int = field(default=0, metadata=at_least(0))
-    swa_pages: int = field(default=0, metadata=at_least(0))  # window-KV pool size in pages (0: as many as device)
-    # publish window-KV events (kvtier's SWA extension, kvtier.wire.WINDOW_KIND); False: as SGLang, none
-    swa_events: bool = True
-
-    def __post_init__(self) -> None:
-        check_fields(self)
-
-    @property
-    def host_pages(self) -> int:
-        return int(self.device_pages * self.host_ratio)
+__all__ = ["Admission", "CacheConfig", "PrefetchPolicy", "PrefillPlan", "TieredCache", "WritePolicy"]
 
 
 @dataclass(slots=True, eq=False)
@@ -141,70 +93,28 @@ class TieredCache:
         self.device = PagePool("device", config.device_pages)
         self.host = PagePool("host", config.host_pages)
         self.swa = PagePool("swa", (config.swa_pages or config.device_pages) if config.swa_window_pages else 0)
-        self._swa_heap: list[tuple[int, int, Node]] = []
         self.store = store
-        self._events: list[Event] = []
+        self.events = EventLog(config.page_size, config.swa_window_pages, config.swa_events)  # not yet flushed
         self._ops: dict[int, _OpInfo] = {}
         self._node_ops: dict[int, list[int]] = {}  # node_id -> D2H/H2D ops holding it
-        self._announced: dict[str, int] = {}  # L3 key -> event hash, pages this engine announced
-        self._l3_pending: set[str] = set()  # keys this engine is writing
-        self._dev_heap: list[tuple[int, int, Node]] = []
-        self._host_heap: list[tuple[int, int, Node]] = []
         self._epoch = 0  # reset() count
         self.tree.on_split = self._on_split
-        if store is not None:
-            store.attach(name, self._on_l3_evicted)
-            # Pages a directory store adopted on start (a restart): announced with the first flush.
-            adopted = store.unannounced()
-            for key in adopted:
-                store.announce(key, name)
-            self._announce([(k, store.meta(k)) for k in adopted])
+        # This engine's side of the store (kvtier.engine.l3link); None without one.
+        self.l3 = L3Link(store, name, config, self.events, self._write_l3) if store is not None else None
+        self.lru = self._evictor()  # makes room in the pools (kvtier.engine.eviction)
+
+    def _evictor(self) -> Evictor:
+        return Evictor(self.config, self.tree, self.device, self.host, self.swa, self.events, self.l3, self._write_back)
 
     # --- events --------------------------------------------------------------------------
 
     def flush_events(self, ts: float = 0.0, dp_rank: int | None = None) -> EventBatch | None:
         """The events produced since the last flush, as one batch (None if there are none)."""
-        if not self._events:
-            return None
-        batch = EventBatch(ts=ts, events=self._events, dp_rank=dp_rank)
-        self._events = []
-        return batch
+        return self.events.flush(ts, dp_rank)
 
     @property
     def has_events(self) -> bool:
-        return bool(self._events)
-
-    def _medium(self, tier: StorageTier) -> str:
-        return medium_spelling(tier)
-
-    def _stored(self, node: Node, tier: StorageTier, **group: Any) -> None:
-        self._events.append(BlockStored(
-            block_hashes=list(node.hashes), parent_block_hash=node.parent_hash(), token_ids=node.tokens,
-            block_size=self.tree.page_size, medium=self._medium(tier), **group))
-
-    def _removed(self, hashes: list[int], tier: StorageTier, **group: Any) -> None:
-        if hashes:
-            removed: list[EngineHash] = list(hashes)
-            self._events.append(BlockRemoved(block_hashes=removed, medium=self._medium(tier), **group))
-
-    @property
-    def _window_events(self) -> bool:
-        return bool(self.config.swa_window_pages) and self.config.swa_events
-
-    @property
-    def _window_tokens(self) -> int:
-        """The window the events announce (``kv_cache_spec_sliding_window``): whole pages of it."""
-        return self.config.swa_window_pages * self.tree.page_size
-
-    def _window_stored(self, node: Node, tier: StorageTier) -> None:
-        """``node``'s window KV is now on ``tier`` (after its full-attention BlockStored there)."""
-        if self._window_events:
-            self._stored(node, tier, **window_group(self._window_tokens))
-
-    def _window_removed(self, node: Node, tier: StorageTier) -> None:
-        """``node``'s window KV left ``tier`` (before any full-attention BlockRemoved there)."""
-        if self._window_events:
-            self._removed(node.hashes, tier, **window_group(self._window_tokens))
+        return bool(self.events)
 
     # --- admission -----------------------------------------------------------------------
 
@@ -288,7 +198,7 @@ class TieredCache:
                 continue
             if n.device is not None:
                 continue
-            pages = self._alloc_device(n.pages)
+            pages = self.lru.alloc_device(n.pages)
             if pages is None:
                 break  # the rest is recomputed
             n.loading = pages
@@ -305,16 +215,9 @@ class TieredCache:
 
     def _l3_run(self, last: Node, tokens: PackedTokens, matched: int) -> list[str]:
         """Keys of the prompt's pages after the ``matched`` resident ones that the L3 store holds, in a row."""
-        assert self.store is not None
-        ps, s = self.config.page_size, self.tree.stride
-        digests_from = last.digests[-1] if last.digests else b""
-        keys: list[str] = []
-        for d in iter_chain(digests_from, tokens[matched * s:(len(tokens) // s) * s], ps):
-            key = d.hex()
-            if not self.store.lookup(key):
-                break
-            keys.append(key)
-        return keys
+        assert self.l3 is not None
+        s = self.tree.stride
+        return self.l3.run(last.digests[-1] if last.digests else b"", tokens[matched * s:(len(tokens) // s) * s])
 
     def _prefetch(self, adm: Admission, last: Node, tokens: PackedTokens, matched: int, keys: list[str],
                   window: tuple[int, int]) -> None:
@@ -324,7 +227,7 @@ class TieredCache:
         s = self.tree.stride
         if len(keys) < max(1, self.config.prefetch_min_pages) or self.config.host_pages == 0:
             return
-        pages = self._alloc_host(len(keys))
+        pages = self.lru.alloc_host(len(keys))
         if pages is None:
             return
         self.store.pin(keys)
@@ -366,10 +269,10 @@ class TieredCache:
         # A running request keeps window KV for its last window only (what it attends to; SGLang frees the
         # rest as the prefill moves on), so that is all it takes from the pool, and all it leaves cached.
         swa_need = min(full - usable, self.config.swa_window_pages)
-        pages = self._alloc_device(need)
+        pages = self.lru.alloc_device(need)
         if pages is None:
             return None
-        swa = self._alloc_swa(swa_need)
+        swa = self.lru.alloc_swa(swa_need)
         if swa is None:
             swa = self._alloc_swa_from_path(path, usable, swa_need)
         if swa is None:
@@ -395,8 +298,8 @@ class TieredCache:
                 continue  # tombstoned already, read by another request too, or being backed up
             if start < usable and end > usable - w:
                 continue  # the window this request reads
-            self._tombstone(node)
-        return self._alloc_swa(n)
+            self.lru.tombstone(node)
+        return self.lru.alloc_swa(n)
 
     def _window_usable(self, path: list[Node], cached: int) -> int:
         """Longest reusable device prefix (pages): with SWA, the window before the cut needs its
@@ -432,15 +335,15 @@ class TieredCache:
                     self.device.release(compute)
                     return
                 n.device, compute = compute[:n.pages], compute[n.pages:]
-                self._stored(n, StorageTier.DEVICE)
-                self._push_dev(n)
+                self.events.stored(n, StorageTier.DEVICE)
+                self.lru.push_dev(n)
             if n.swa is None and done + n.pages > window_from:
                 if done < window_from:
                     done += self.tree.split(n, window_from - done).pages  # the front stays tombstoned
                 if len(adm.swa) >= n.pages:
                     n.swa, adm.swa = adm.swa[:n.pages], adm.swa[n.pages:]  # the window KV is recomputed
-                    self._window_stored(n, StorageTier.DEVICE)
-                    self._push_swa(n)
+                    self.events.window_stored(n, StorageTier.DEVICE)
+                    self.lru.push_swa(n)
             done += n.pages
         parent = path[-1] if path else self.tree.root
         new_pages = full - done
@@ -449,21 +352,21 @@ class TieredCache:
                 # Computed pages before the request's last window are cached tombstoned.
                 front = self.tree.add_child(parent, adm.tokens[done * s:window_from * s])
                 front.device, compute = compute[:front.pages], compute[front.pages:]
-                self._stored(front, StorageTier.DEVICE)
-                self._push_dev(front)
+                self.events.stored(front, StorageTier.DEVICE)
+                self.lru.push_dev(front)
                 parent, done, new_pages = front, window_from, full - window_from
             node = self.tree.add_child(parent, adm.tokens[done * s:full * s])
             node.device, compute = compute[:new_pages], compute[new_pages:]
-            self._stored(node, StorageTier.DEVICE)
+            self.events.stored(node, StorageTier.DEVICE)
             if self.config.swa_window_pages and len(adm.swa) >= new_pages:
                 node.swa, adm.swa = adm.swa[:new_pages], adm.swa[new_pages:]
-                self._window_stored(node, StorageTier.DEVICE)
-                self._push_swa(node)
+                self.events.window_stored(node, StorageTier.DEVICE)
+                self.lru.push_swa(node)
             self._lock(node)
             self._unlock(adm.last)
             adm.last = node
-            self._push_dev(node)
-            self._push_dev(parent)
+            self.lru.push_dev(node)
+            self.lru.push_dev(parent)
             if self.config.write_policy is WritePolicy.WRITE_THROUGH:
                 self._backup(node)
         if compute:
@@ -510,9 +413,9 @@ class TieredCache:
             assert n.lock_ref > 0, f"unlocking node {n.node_id} that is not locked"
             n.lock_ref -= 1
             if n.lock_ref == 0:
-                self._push_dev(n)
-                self._push_host(n)
-                self._push_swa(n)
+                self.lru.push_dev(n)
+                self.lru.push_host(n)
+                self.lru.push_swa(n)
             n = n.parent
 
     # --- backups -------------------------------------------------------------------------
@@ -525,7 +428,7 @@ class TieredCache:
         p = node.parent
         if p is not None and p is not self.tree.root and p.host is None:
             return False  # parent first; retried when the parent's copy lands
-        pages = self._alloc_host(node.pages, protect=node)
+        pages = self.lru.alloc_host(node.pages, protect=node)
         if pages is None:
             return False
         node.host_pending = pages
@@ -544,7 +447,7 @@ class TieredCache:
         """
         chain = [n for n in self.tree.path_to_root(node) if n.host is None]
         if not any(n.host_pending is not None for n in chain) and not self._backup(chain[0]):
-            self._drop_device(node)
+            self.lru.drop_device(node)
             return
         node.evict_after_backup = True
         for n in chain:
@@ -559,88 +462,22 @@ class TieredCache:
             if not (n.want_backup or n.evict_after_backup):
                 continue
             n.want_backup = n.evict_after_backup = False
-            self._push_dev(n)
+            self.lru.push_dev(n)
             todo.extend(n.children.values())
 
     # --- L3 ------------------------------------------------------------------------------
 
-    def _l3_tier(self) -> StorageTier:
-        assert self.store is not None
-        return self.store.tier
-
     def _l3_write(self, node: Node) -> None:
         """Write-behind of a host-resident node's pages not yet in the store, parents first."""
-        store = self.store
-        if store is None or not self.config.l3_write_behind or node.host is None:
-            return
-        if self.config.swa_window_pages and not node.host_swa:
-            # Without its window KV (tombstoned when backed up, or prefetched without it): L3 pages always
-            # carry it, which is what lets the index count an L3 page as usable without window events for L3.
-            return
-        p = node.parent
-        if p is not None and p is not self.tree.root and p.digests[-1].hex() not in self._announced:
-            self._l3_write(p)
-        keys, metas, src = [], [], []
-        s = self.tree.stride
-        depth0 = sum(n.pages for n in self.tree.path_to_root(node)) - node.pages
-        page_keys = [d.hex() for d in node.digests]
-        # Each page's parent_key is the key object of the page before it, not an equal copy: a store holds
-        # one key string per page.
-        parent_keys = [node.parent_digest().hex() or None, *page_keys[:-1]]
-        parent_hashes = [node.parent_hash(), *node.hashes[:-1]]
-        for i, (key, parent_key, parent_hash) in enumerate(zip(page_keys, parent_keys, parent_hashes, strict=True)):
-            if key in self._announced or key in self._l3_pending:
-                continue
-            meta = PageMeta(node.hashes[i], parent_key, parent_hash, node.tokens[i * s:(i + 1) * s], depth0 + i)
-            if key in store:
-                if store.announce(key, self.name):
-                    self._announce([(key, meta)])
-                continue
-            if store.is_pending(key):
-                continue  # another engine is writing it into the shared pool
-            if parent_key is not None and parent_key not in store and not store.is_pending(parent_key):
-                break  # the parent page is gone and cannot be rewritten from here: stop the run
-            store.begin_write(key, meta)
-            self._l3_pending.add(key)
-            keys.append(key)
-            metas.append(meta)
-            src.append(node.host[i])
-        if keys:
-            op = self.dp.new_op(CopyKind.H2S, src, [], keys, store,
-                                window_pages=len(keys) if self.config.swa_window_pages else 0)
-            self._submit(op, _OpInfo(op, metas=metas))
+        if self.l3 is not None:
+            self.l3.write(node, self.tree)
 
-    def _announce(self, pages: list[tuple[str, PageMeta]]) -> None:
-        """BlockStored(DISK or EXTERNAL) for pages, one event per run of consecutive pages.
-
-        Keeps this engine's announcements prefix-closed: a page whose parent it has not announced
-        (in a shared pool another engine wrote the parent while this one skipped it) is preceded by
-        its committed ancestors, announced now. A store never holds a page without its parent, and
-        evicts leaves first, so the ancestors are there.
-        """
-        store = self.store
-        assert store is not None
-        closed: list[tuple[str, PageMeta]] = []
-        seen: set[str] = set()
-        for key, meta in pages:
-            missing: list[tuple[str, PageMeta]] = []
-            pk = meta.parent_key
-            while pk is not None and pk not in self._announced and pk not in seen and pk in store:
-                store.announce(pk, self.name)
-                parent = store.meta(pk)
-                missing.append((pk, parent))
-                pk = parent.parent_key
-            for k, m in [*reversed(missing), (key, meta)]:
-                seen.add(k)
-                closed.append((k, m))
-        pages = closed
-        for key, meta in pages:
-            self._announced[key] = meta.event_hash
-        self._events.extend(l3_runs([m for _, m in pages], self._medium(self._l3_tier()), self.config.page_size))
-
-    def _on_l3_evicted(self, keys: list[str]) -> None:
-        hashes = [self._announced.pop(k) for k in keys if k in self._announced]
-        self._removed(hashes, self._l3_tier())
+    def _write_l3(self, keys: list[str], metas: list[PageMeta], src: list[PageId]) -> None:
+        """Starts the host -> store copy of pages :class:`kvtier.engine.l3link.L3Link` reserved."""
+        assert self.store is not None
+        op = self.dp.new_op(CopyKind.H2S, src, [], keys, self.store,
+                            window_pages=len(keys) if self.config.swa_window_pages else 0)
+        self._submit(op, _OpInfo(op, metas=metas))
 
     def l3_delete(self, key: str) -> None:
         """Deletes a page from the store (BlockRemoved for every engine that announced it)."""
@@ -680,17 +517,17 @@ class TieredCache:
             assert n.host_pending is not None, f"node {n.node_id}: backup acknowledged twice"
             n.host, n.host_pending = n.host_pending, None
             n.want_backup = False
-            self._stored(n, StorageTier.HOST)
+            self.events.stored(n, StorageTier.HOST)
             if n.host_swa:
-                self._window_stored(n, StorageTier.HOST)
+                self.events.window_stored(n, StorageTier.HOST)
         for n in info.nodes:
             self._l3_write(n)
             if n.evict_after_backup:
                 n.evict_after_backup = False
                 if n.lock_ref == 0 and n.device is not None and n.device_leaf():
-                    self._drop_device(n)
-            self._push_dev(n)
-            self._push_host(n)
+                    self.lru.drop_device(n)
+            self.lru.push_dev(n)
+            self.lru.push_host(n)
             policy = self.config.write_policy
             for c in list(n.children.values()):
                 wanted = c.want_backup or policy is WritePolicy.WRITE_THROUGH or (
@@ -704,30 +541,18 @@ class TieredCache:
         for n in info.nodes:
             assert n.loading is not None, f"node {n.node_id}: load acknowledged twice"
             n.device, n.loading = n.loading, None
-            self._stored(n, StorageTier.DEVICE)
+            self.events.stored(n, StorageTier.DEVICE)
             if self.config.swa_window_pages and n.host_swa and n.load_swa:
-                n.swa = self._alloc_swa(n.pages)  # None: lands tombstoned, the window is recomputed
+                n.swa = self.lru.alloc_swa(n.pages)  # None: lands tombstoned, the window is recomputed
                 if n.swa is not None:
-                    self._window_stored(n, StorageTier.DEVICE)
-                    self._push_swa(n)
+                    self.events.window_stored(n, StorageTier.DEVICE)
+                    self.lru.push_swa(n)
             n.load_swa = False
-            self._push_dev(n)
+            self.lru.push_dev(n)
 
     def _l3_written(self, info: _OpInfo) -> None:
-        assert self.store is not None
-        landed: list[tuple[str, PageMeta]] = []
-        for key, meta in zip(info.op.keys, info.metas, strict=True):
-            self._l3_pending.discard(key)
-            if info.op.error:
-                self.store.abort(key)
-                continue
-            if self.store.commit(key, self.name):
-                landed.append((key, meta))
-        # A store smaller than the run may have evicted some of it at once (leaves first: a kept page's
-        # parent is kept too).
-        self._announce([(k, m) for k, m in landed if k in self.store])
-        if info.op.error:
-            log.error("%s: L3 write failed: %s", self.name, info.op.error)
+        assert self.l3 is not None
+        self.l3.written(info.op.keys, info.metas, info.op.error)
         # Nodes whose L3 writes just landed may now be host-evictable: _alloc_host rescans
         # the tree when its heap runs dry, so they need no push here.
 
@@ -779,143 +604,23 @@ class TieredCache:
         for a, b in pairwise(edges):
             node = self.tree.add_child(node, tokens[a * s:b * s])
             node.host = pages[a:b]
-            self._stored(node, StorageTier.HOST)
+            self.events.stored(node, StorageTier.HOST)
             if self.config.swa_window_pages and lo <= a < hi:
                 node.host_swa = node.load_swa = True
-                self._window_stored(node, StorageTier.HOST)
-            self._push_host(node)
+                self.events.window_stored(node, StorageTier.HOST)
+            self.lru.push_host(node)
             new.append(node)
         return new
 
     # --- eviction ------------------------------------------------------------------------
 
-    def _push_dev(self, n: Node) -> None:
-        if n is not self.tree.root and n.device is not None:
-            heapq.heappush(self._dev_heap, (n.last_access, n.node_id, n))
-
-    def _push_host(self, n: Node) -> None:
-        if n is not self.tree.root and n.host is not None:
-            heapq.heappush(self._host_heap, (n.last_access, n.node_id, n))
-
-    def _device_evictable(self, n: Node) -> bool:
-        return (n.device is not None and n.lock_ref == 0 and n.host_pending is None and not n.evict_after_backup
-                and n.device_leaf() and n.parent is not None)
-
-    def _host_evictable(self, n: Node) -> bool:
-        return (n.host is not None and n.device is None and n.loading is None and n.host_pending is None
-                and n.lock_ref == 0 and not n.children and n.parent is not None
-                and not any(d.hex() in self._l3_pending for d in n.digests))
-
-    def _alloc_device(self, n: int) -> list[PageId] | None:
-        """``n`` device pages, evicting LRU device leaves; None if that cannot free enough now."""
-        return self._alloc(self.device, self._dev_heap, self._push_dev, self._device_evictable, self._evict_device, n)
-
-    def _alloc(self, pool: PagePool, heap: list[tuple[int, int, Node]], push: Callable[[Node], None],
-               evictable: Callable[[Node], bool], evict: Callable[[Node], None], n: int) -> list[PageId] | None:
-        """``n`` pages of ``pool``, evicting the least recently used ``evictable`` nodes from ``heap``.
-
-        The heap is lazy: entries may be stale (checked when popped); when it runs dry the tree is
-        rescanned once, so a node that became evictable without being pushed is still found.
-        Returns None, having evicted nothing needlessly, if ``n`` exceeds the pool.
-        """
-        if n > pool.capacity:
-            return None  # can never fit: evicting would only destroy the cache
-        rescanned = False
-        while pool.free < n:
-            if not heap:
-                if rescanned:
-                    return None
-                rescanned = True
-                for node in self.tree.nodes():
-                    push(node)
-                continue
-            _, _, node = heapq.heappop(heap)
-            if node.parent is not None and evictable(node):
-                evict(node)
-        try:
-            return pool.alloc(n)
-        except PoolExhausted:
-            return None
-
-    def _evict_device(self, n: Node) -> None:
-        if n.host is not None:
-            self._drop_device(n)
-        elif self.config.write_policy is WritePolicy.WRITE_BACK and self.config.host_pages:
-            self._write_back(n)
-        else:
-            self._drop_device(n)
-
-    def _drop_device(self, n: Node) -> None:
-        assert n.device is not None
-        self.device.release(n.device)
-        n.device = None
-        if n.swa is not None:
-            self._window_removed(n, StorageTier.DEVICE)
-            self.swa.release(n.swa)
-            n.swa = None
-        self._removed(list(n.hashes), StorageTier.DEVICE)
-        parent = n.parent
-        if n.host is None and n.host_pending is None:
-            assert not n.children, f"node {n.node_id} dropped with children"
-            self.tree.remove(n)
-            n.parent = None
-        if parent is not None:
-            self._push_dev(parent)
-            self._push_host(parent)
-
-    def _push_swa(self, n: Node) -> None:
-        if n.swa is not None and n is not self.tree.root:
-            heapq.heappush(self._swa_heap, (n.last_access, n.node_id, n))
-
-    def _alloc_swa(self, n: int) -> list[PageId] | None:
-        """``n`` window-KV pages, tombstoning LRU unlocked nodes (which publishes nothing: their
-        full-attention KV stays on device). [] when SWA is off; None if no room now."""
-        if not self.config.swa_window_pages or n == 0:
-            return []
-        # A node being backed up keeps its window KV: the copy is reading it.
-        return self._alloc(self.swa, self._swa_heap, self._push_swa,
-                           lambda node: node.swa is not None and node.lock_ref == 0 and node.host_pending is None,
-                           self._tombstone, n)
-
-    def _tombstone(self, node: Node) -> None:
-        assert node.swa is not None
-        self._window_removed(node, StorageTier.DEVICE)
-        self.swa.release(node.swa)
-        node.swa = None
-
-    def _alloc_host(self, n: int, protect: Node | None = None) -> list[PageId] | None:
-        if self.config.host_pages == 0:
-            return None
-        return self._alloc(self.host, self._host_heap, self._push_host,
-                           lambda node: node is not protect and self._host_evictable(node), self._evict_host, n)
-
-    def _evict_host(self, n: Node) -> None:
-        assert n.host is not None
-        if n.host_swa:
-            self._window_removed(n, StorageTier.HOST)
-            n.host_swa = False
-        self.host.release(n.host)
-        n.host = None
-        self._removed(list(n.hashes), StorageTier.HOST)
-        parent = n.parent
-        self.tree.remove(n)
-        n.parent = None
-        if parent is not None:
-            self._push_host(parent)
-            self._push_dev(parent)
-
     def evict_device(self, pages: int) -> int:
         """Frees at least ``pages`` device pages if possible; returns how many are free."""
-        got = self._alloc_device(pages)
-        if got is not None:
-            self.device.release(got)
-        return self.device.free
+        return self.lru.evict_device(pages)
 
     def evict_host(self, pages: int) -> int:
-        got = self._alloc_host(pages)
-        if got is not None:
-            self.host.release(got)
-        return self.host.free
+        """Frees at least ``pages`` host pages if possible; returns how many are free."""
+        return self.lru.evict_host(pages)
 
     # --- whole-cache operations ------------------------------------------------------------
 
@@ -932,22 +637,15 @@ class TieredCache:
                 self.store.unpin(info.op.keys)
         self._ops.clear()
         self._node_ops.clear()
-        self._l3_pending.clear()
         self.tree = RadixTree(self.config.page_size)
         self.tree.on_split = self._on_split
         self.device.reset()
         self.host.reset()
         self.swa.reset()
-        self._swa_heap.clear()
-        self._dev_heap.clear()
-        self._host_heap.clear()
-        if self.store is not None:
-            if self.store.shared:
-                self.store.withdraw(self.name)
-            else:
-                self.store.clear()
-        self._announced.clear()
-        self._events.append(AllBlocksCleared())
+        self.lru = self._evictor()
+        if self.l3 is not None:
+            self.l3.reset()
+        self.events.cleared()
 
     def peek_overlap(self, tokens: Sequence[int] | PackedTokens) -> TierOverlap:
         """Cumulative tier overlap of ``tokens`` (ids, or packed) in pages, read from this cache without
@@ -970,7 +668,7 @@ class TieredCache:
     def _peek(self, tokens: PackedTokens, ok: list[bool] | None) -> TierOverlap:
         """The raw overlap; fills ``ok`` (if given) with, per page on device or host, whether its window KV
         is there too."""
-        ps, s = self.config.page_size, self.tree.stride
+        s = self.tree.stride
         pages = len(tokens) // s
         node, pos = self.tree.root, 0
         last_digest = b""  # digest of the last matched page: the L3 chain continues from it
@@ -994,14 +692,9 @@ class TieredCache:
         host = pos
         device = host if device < 0 else device
         disk = ext = host
-        if self.store is not None and host < pages:
-            run = 0
-            for d in iter_chain(last_digest, tokens[host * s:pages * s], ps):
-                key = d.hex()
-                if not (key in self._announced if not self.store.shared else self.store.is_announced(key)):
-                    break
-                run += 1
-            if self.store.shared:
+        if self.l3 is not None and host < pages:
+            run = self.l3.announced_run(last_digest, tokens[host * s:pages * s])
+            if self.l3.store.shared:
                 ext = host + run
             else:
                 disk = ext = host + run
@@ -1025,29 +718,29 @@ class TieredCache:
                 out[StorageTier.DEVICE].update(n.hashes)
             if n.host is not None:
                 out[StorageTier.HOST].update(n.hashes)
-        if self.store is not None:
-            out[self.store.tier].update(self._announced.values())
+        if self.l3 is not None:
+            out[self.l3.tier].update(self.l3.announced.values())
         return out
 
     def dump_snapshot(self) -> Snapshot:
         """What a state dump sends, by reference (see :mod:`kvtier.engine.dump`). O(nodes + L3 pages)."""
         runs: list[NodeRun] = []
         windows: list[NodeRun] = []  # window KV: after every full-attention run, which they refer to
-        dev, host = self._medium(StorageTier.DEVICE), self._medium(StorageTier.HOST)
+        dev, host = medium_spelling(StorageTier.DEVICE), medium_spelling(StorageTier.HOST)
         for n in self.tree.nodes():
             if n.device is not None:
                 runs.append(NodeRun(n.hashes, n.parent_hash(), n.tokens, dev))
-                if n.swa is not None and self._window_events:
+                if n.swa is not None and self.events.window_pages:
                     windows.append(NodeRun(n.hashes, n.parent_hash(), n.tokens, dev))
             if n.host is not None:
                 runs.append(NodeRun(n.hashes, n.parent_hash(), n.tokens, host))
-                if n.host_swa and self._window_events:
+                if n.host_swa and self.events.window_pages:
                     windows.append(NodeRun(n.hashes, n.parent_hash(), n.tokens, host))
-        window_tokens = self._window_tokens if windows else 0
-        if self.store is None:
+        window_tokens = self.events.window_tokens if windows else 0
+        if self.l3 is None:
             return Snapshot(self.tree.page_size, runs, [], "", windows, window_tokens)
-        l3 = [self.store.meta(k) for k in self.store.announced_by(self.name) if k in self._announced]
-        return Snapshot(self.tree.page_size, runs, l3, self._medium(self._l3_tier()), windows, window_tokens)
+        return Snapshot(self.tree.page_size, runs, self.l3.announced_pages(), medium_spelling(self.l3.tier), windows,
+                        window_tokens)
 
     def dump_events(self, max_events: int = 256) -> list[EventBatch]:
         """The whole current state as BlockStored events, parents first (for resync)."""
@@ -1070,7 +763,5 @@ class TieredCache:
         assert len(host_pages) + prefetching == self.host.used, (
             f"host pool: {self.host.used} used, tree holds {len(host_pages)}, prefetch {prefetching}")
         assert len(dev_pages) <= self.device.used, "tree holds unallocated device pages"
-        if self.store is not None:
-            self.store._check()
-            for k in self._announced:
-                assert k in self.store, f"announced L3 page {k} is not in the store"
+        if self.l3 is not None:
+            self.l3._check()

@@ -376,14 +376,15 @@ def test_shared_pool_announcements_stay_prefix_closed_when_another_engine_wrote_
     h1 = Harness(CacheConfig(page_size=PS, device_pages=8), pool, name="w1", index=idx)
     h2 = Harness(CacheConfig(page_size=PS, device_pages=8), pool, name="w2", index=idx)
     p_and_c = toks(0, 2)
+    assert h1.cache.l3 is not None and h2.cache.l3 is not None
     h1.run("a", p_and_c[:PS])
-    while not h1.cache._l3_pending:  # w1's host backup of P lands, then its L3 write of P starts
+    while not h1.cache.l3.pending:  # w1's host backup of P lands, then its L3 write of P starts
         h1.advance(0.5)
-    (p_key,) = h1.cache._l3_pending
+    (p_key,) = h1.cache.l3.pending
     h2.run("b", p_and_c)
-    while not h2.cache._l3_pending:  # w2's backup of [P, C] lands: P is in flight (w1's), w2 writes C
+    while not h2.cache.l3.pending:  # w2's backup of [P, C] lands: P is in flight (w1's), w2 writes C
         h2.advance(0.5)
-    assert p_key not in h2.cache._l3_pending and pool.is_pending(p_key)
+    assert p_key not in h2.cache.l3.pending and pool.is_pending(p_key)
     while pool.is_pending(p_key):  # P commits, announced by w1
         h1.advance(0.5)
     h2.settle()  # C commits: w2 announces P, then C (Harness.deliver asserts every event applied)
