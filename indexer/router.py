@@ -64,7 +64,7 @@ class Router:
         # their index shows is a lower bound, which the costs already price as such.
         self.rebuilding = rebuilding
         # Sliding-window models: score workers that announce window KV on their usable prefix
-        # (kvtier.indexer.index, "Window KV"); the others on their full-attention one.
+        # (kvtier.indexer.windowkv); the others on their full-attention one.
         self.window_aware = window_aware
 
     def route(self, token_ids: list[int], *, lora_name: str | None = None,

@@ -85,7 +85,7 @@ class ServiceConfig:
     capacity_tokens: int | None = field(default=None, metadata=at_least(1, optional=True))
     model: str = field(default="llama-3.1-8b", metadata=one_of(*PRESETS))  # preset for the ttft cost's transfers
     # Sliding window of the served model, tokens, for engines that send no window-KV events (SGLang): their
-    # window KV is inferred from their stores (kvtier.indexer.index, "Window KV"). None: the model preset's
+    # window KV is inferred from their stores (kvtier.indexer.windowkv). None: the model preset's
     # (0 for a full-attention model); 0: such engines are scored on their full-attention overlap.
     window_tokens: int | None = field(default=None, metadata=at_least(0, optional=True))
     max_body_bytes: int = field(default=8 << 20, metadata=at_least(1))  # larger request bodies get 413
