@@ -26,33 +26,36 @@ import heapq
 import logging
 import threading
 import time
-import tomllib
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Annotated, Any, TypeVar, cast
+from typing import Any
 
-import msgspec
-
-from kvtier.fields import ConfigError, Domain, at_least, check_fields, one_of, within
+from kvtier.fields import ConfigError
 from kvtier.indexer import persist
 from kvtier.indexer.consumer import IndexConsumer, Lag
-from kvtier.indexer.exposition import Family, render
 from kvtier.indexer.gcpause import GcPauses, freeze_startup_objects
 from kvtier.indexer.histogram import Histogram
 from kvtier.indexer.index import TieredIndex
 from kvtier.indexer.keys import BlockKey, key_backend
-from kvtier.indexer.latency import PRESETS, TransferModel
 from kvtier.indexer.load import LoadTracker
 from kvtier.indexer.plugins import BUILTIN, RoutingPolicy, load_policy
+from kvtier.indexer.requestbody import RequestBody, parse_body, parse_finish
 from kvtier.indexer.router import RouteDecision, Router
-from kvtier.indexer.scoring import CostModel, CreditCost, DynamoCost, TtftCost
+from kvtier.indexer.serviceconfig import (
+    NAMED_POLICIES,
+    ServiceConfig,
+    load_config,
+    make_cost_model,
+    named_policy_cost,
+    parse_endpoint,
+)
+from kvtier.indexer.servicemetrics import render_metrics
 from kvtier.wire.overlap import OverlapScores
-from kvtier.wire.protocol import TOKEN_BYTES, PackedTokens, StorageTier, pack_tokens
+from kvtier.wire.protocol import TOKEN_BYTES, PackedTokens
 from kvtier.wire.stream import StreamId
-from kvtier.wire.subscriber import EndpointConfig, Subscriber
-from kvtier.wire.tokenarray import decode_json_tokens, token_backend
+from kvtier.wire.subscriber import Subscriber
+from kvtier.wire.tokenarray import token_backend
 
 log = logging.getLogger(__name__)
 
@@ -63,186 +66,6 @@ _RESTART_BACKOFF_MAX_S = 30.0  # the longest, as failures repeat
 
 class ServiceUnavailable(RuntimeError):
     """The service cannot answer truthfully (its event loop died)."""
-
-
-@dataclass(slots=True)
-class ServiceConfig:
-    """Everything ``kvtier indexer`` needs."""
-
-    endpoints: list[EndpointConfig]  # engine streams to subscribe to
-    # tokens per block; events with another size are rejected
-    block_size: int = field(default=16, metadata=at_least(1))
-    listen: str = "127.0.0.1:8000"  # HTTP host:port (port 0 picks a free one); checked in __post_init__
-    # wait for a replay or dump answer
-    replay_timeout_s: float = field(default=2.0, metadata=within(0, 3600, lo_open=True))
-    cost: str = field(default="credit", metadata=one_of("credit", "dynamo", "ttft"))
-    # A policy by name (kv_device, kv_host, kv_all, dynamo, min_ttft: as in the simulator) or a
-    # routing-policy plugin (kvtier.indexer.plugins); either replaces `cost`. Checked when the service starts.
-    policy: str | None = field(default=None, metadata=Domain(str, optional=True).meta())
-    # the workers' chunked-prefill tokens per iteration (min_ttft)
-    prefill_budget: int = field(default=8192, metadata=at_least(1))
-    # each worker's device KV capacity in tokens (min_ttft's memory term)
-    capacity_tokens: int | None = field(default=None, metadata=at_least(1, optional=True))
-    model: str = field(default="llama-3.1-8b", metadata=one_of(*PRESETS))  # preset for the ttft cost's transfers
-    # Sliding window of the served model, tokens, for engines that send no window-KV events (SGLang): their
-    # window KV is inferred from their stores (kvtier.indexer.windowkv). None: the model preset's
-    # (0 for a full-attention model); 0: such engines are scored on their full-attention overlap.
-    window_tokens: int | None = field(default=None, metadata=at_least(0, optional=True))
-    max_body_bytes: int = field(default=8 << 20, metadata=at_least(1))  # larger request bodies get 413
-    # longer prompts get 400 (bounds a query's lock hold)
-    max_query_tokens: int = field(default=1 << 20, metadata=at_least(1))
-    # a request body must arrive within this (408)
-    read_timeout_s: float = field(default=10.0, metadata=within(0, 3600, lo_open=True))
-    # the HTTP front end's event loop: uvloop, asyncio, or auto (uvloop where installed)
-    http_loop: str = field(default="auto", metadata=one_of("auto", "uvloop", "asyncio"))
-    # idle keep-alive connections are closed after this
-    keepalive_s: float = field(default=75.0, metadata=within(0, 86400, lo_open=True))
-    # a routed request never finished is dropped from the load after this
-    request_ttl_s: float = field(default=600.0, metadata=within(0, 86400 * 7, lo_open=True))
-    # where the index is saved (periodically and on stop) and restored from
-    snapshot_path: str | None = field(default=None, metadata=Domain(str, optional=True).meta())
-    # seconds between snapshots
-    snapshot_interval_s: float = field(default=30.0, metadata=within(0, 86400, lo_open=True))
-    # times a failed event loop is started again (after 0.5 s, doubling to 30 s), each stream resuming after
-    # its last applied batch, before the service gives up: /health 503 and a non-zero exit. 0: at once.
-    loop_restarts: int = field(default=0, metadata=at_least(0))
-
-    def __post_init__(self) -> None:
-        check_fields(self, style="key")
-        if not isinstance(self.listen, str):
-            raise ConfigError(f"listen: {self.listen!r} is not allowed; expected HOST:PORT")
-        _, sep, port = self.listen.rpartition(":")
-        if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-            raise ConfigError(f"listen: {self.listen!r} is not allowed; expected HOST:PORT with a port in 0..65535")
-
-    @property
-    def inferred_window_tokens(self) -> int:
-        """The window the index infers for engines that send no window events (0: none)."""
-        return PRESETS[self.model].window_tokens if self.window_tokens is None else self.window_tokens
-
-    @property
-    def host_port(self) -> tuple[str, int]:
-        """Where the HTTP front end binds (an empty host is loopback)."""
-        host, _, port = self.listen.rpartition(":")
-        return host or "127.0.0.1", int(port)
-
-
-#: [[endpoints]] keys: domain, required.
-_ENDPOINT_FIELDS: dict[str, tuple[Domain, bool]] = {
-    "worker": (Domain(str), True), "endpoint": (Domain(str), True),
-    "replay_endpoint": (Domain(str, optional=True), False), "dp_rank": (Domain(int, lo=0), False),
-    "supports_dump": (Domain(bool), False),
-}
-
-
-def parse_endpoint(spec: str) -> EndpointConfig:
-    """Parses ``WORKER=PUB_ENDPOINT[,replay=ENDPOINT][,dp=N][,dump]``."""
-    name, sep, rest = spec.partition("=")
-    if not sep or not name or not rest:
-        raise ConfigError(f"endpoint {spec!r}: expected WORKER=tcp://host:port[,replay=...][,dp=N][,dump]")
-    parts = rest.split(",")
-    opts: dict[str, Any] = {}
-    for p in parts[1:]:
-        key, _, value = p.partition("=")
-        if key == "replay" and value:
-            opts["replay_endpoint"] = value
-        elif key == "dp" and value.isdigit():
-            opts["dp_rank"] = int(value)
-        elif key == "dump" and not value:
-            opts["supports_dump"] = True
-        else:
-            raise ConfigError(f"endpoint {spec!r}: unknown option {p!r}")
-    return EndpointConfig(worker=name, endpoint=parts[0], **opts)
-
-
-def load_config(path: Path) -> ServiceConfig:
-    """Reads a TOML file: top-level settings plus ``[[endpoints]]`` tables."""
-    try:
-        raw = tomllib.loads(path.read_text())
-    except OSError as exc:
-        raise ConfigError(f"{path}: {exc.strerror or exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
-    eps = []
-    tables = raw.pop("endpoints", [])
-    if not isinstance(tables, list) or not all(isinstance(e, dict) for e in tables):
-        raise ConfigError(f"{path}: endpoints must be [[endpoints]] tables")
-    for i, e in enumerate(tables):
-        if unknown := set(e) - set(_ENDPOINT_FIELDS):
-            raise ConfigError(f"{path}: endpoints[{i}]: unknown fields {sorted(unknown)}")
-        for name, (domain, required) in _ENDPOINT_FIELDS.items():
-            if name in e:
-                domain.check(f"{path}: endpoints[{i}].{name}", e[name])
-            elif required:
-                raise ConfigError(f"{path}: endpoints[{i}]: missing {name}")
-        eps.append(EndpointConfig(worker=e["worker"], endpoint=e["endpoint"], replay_endpoint=e.get("replay_endpoint"),
-                                  dp_rank=e.get("dp_rank", 0), supports_dump=e.get("supports_dump", False)))
-    known = {f.name for f in fields(ServiceConfig)} - {"endpoints"}  # every setting, so none is forgotten here
-    if unknown := set(raw) - known:
-        raise ConfigError(f"{path}: unknown settings {sorted(unknown)}")
-    return ServiceConfig(endpoints=eps, **raw)
-
-
-def make_cost_model(name: str, model: str) -> CostModel:
-    """``credit`` (kvtier's kv_all), ``dynamo`` (Dynamo kv_router's cost, the baseline) or ``ttft``."""
-    if name == "credit":
-        return CreditCost()
-    if name == "dynamo":
-        return DynamoCost()
-    if name == "ttft":
-        if model not in PRESETS:
-            raise ConfigError(f"unknown model preset {model!r}; known: {sorted(PRESETS)}")
-        return TtftCost(TransferModel.for_model(PRESETS[model]))
-    raise ConfigError(f"unknown cost model {name!r}; expected 'credit', 'dynamo' or 'ttft'")
-
-
-#: The simulator's KV policies the service runs by name: the tiers each one listens to.
-NAMED_POLICIES = {"kv_device": StorageTier.DEVICE, "kv_host": StorageTier.HOST, "kv_all": StorageTier.EXTERNAL,
-                  "dynamo": StorageTier.EXTERNAL, "min_ttft": StorageTier.EXTERNAL}
-
-
-def named_policy_cost(config: ServiceConfig) -> CostModel:
-    """The cost model behind a named policy, as :func:`kvtier.sim.policies.make_policy` builds it."""
-    name = config.policy
-    assert name in NAMED_POLICIES
-    tier = NAMED_POLICIES[name]
-    if name == "dynamo":
-        return DynamoCost()
-    if name == "min_ttft":
-        if config.model not in PRESETS:
-            raise ConfigError(f"unknown model preset {config.model!r}; known: {sorted(PRESETS)}")
-        return TtftCost(TransferModel.for_model(PRESETS[config.model]), max_tier=tier,
-                        prefill_budget=config.prefill_budget, capacity_tokens=config.capacity_tokens)
-    return CreditCost(max_tier=tier)
-
-
-#: Per-worker metrics of ``/metrics``: key in :meth:`IndexerService.metrics` -> (type, help).
-_WORKER_METRICS: dict[str, tuple[str, str]] = {
-    "events_applied": ("counter", "Events applied to the worker's index."),
-    "events_rejected": ("counter", "Events rejected as bad input."),
-    "unknown_parents": ("counter", "Stores whose parent the index did not know, held as orphans."),
-    "orphans_grafted": ("counter", "Held orphan stores indexed once their parent became known."),
-    "orphans_dropped": ("counter", "Held orphan stores aged out or cleared."),
-    "orphan_blocks": ("gauge", "Blocks held as orphans, not yet indexed."),
-    "unknown_removals": ("counter", "Removals of blocks the index did not hold."),
-    "gaps": ("counter", "Sequence gaps detected on the worker's stream."),
-    "gaps_filled": ("counter", "Gaps filled by replay."),
-    "resyncs": ("counter", "Resynchronisations of the worker (replay from 0, dump or partial mark)."),
-    "resyncs_deferred": ("counter", "Resyncs postponed by the rate limit."),
-    "reasks": ("counter", "Replay requests repeated from the first missing seq (frames dropped)."),
-    "probe_timeouts": ("counter", "Idle probes that got no answer (harmless)."),
-    "restarts": ("counter", "Publisher restarts detected."),
-    "malformed": ("counter", "Malformed frames received."),
-    "duplicates": ("counter", "Duplicate batches dropped."),
-    "partial": ("gauge", "1 once events were lost for good: prefixes stored before the loss are unknown."),
-    "recovering": ("gauge", "1 while a catch-up, full replay or state dump is under way."),
-    "apply_lag_seconds": ("gauge", "Delay from a batch's timestamp to its application, last batch."),
-    "apply_lag_max_seconds": ("gauge", "Largest such delay seen."),
-    "requests_running": ("gauge", "Routed requests in flight on the worker."),
-    "requests_prefilling": ("gauge", "Routed requests on the worker that have not produced a first token."),
-    "active_blocks": ("gauge", "KV blocks the worker's in-flight requests hold (shared prefixes once)."),
-    "pending_prefill_tokens": ("gauge", "Prompt tokens the worker still has to prefill."),
-}
 
 
 class IndexerService:
@@ -656,138 +479,6 @@ class IndexerService:
         return out
 
 
-def render_metrics(m: dict[str, Any]) -> str:
-    """The JSON metrics as Prometheus text: one family per metric, every worker a series."""
-    applied = Family("kvtier_batches_applied_total", "counter", "Event batches applied to the index.")
-    applied.add(m["batches_applied"])
-    indexed = Family("kvtier_indexed_blocks", "gauge", "Distinct block keys held by any worker.")
-    indexed.add(m["indexed_blocks"])
-    inflight = Family("kvtier_requests_in_flight", "gauge", "Routed requests not finished yet.")
-    inflight.add(m["requests_in_flight"])
-    expired = Family("kvtier_requests_expired_total", "counter", "Routed requests dropped after their TTL.")
-    expired.add(m["requests_expired"])
-    gc_passes = Family("kvtier_gc_passes_total", "counter", "Garbage-collector passes since start, by generation.")
-    gc_passes.add(m["gc_passes"] - m["gc_full_passes"], generation="young")
-    gc_passes.add(m["gc_full_passes"], generation="full")
-    gc_spent = Family("kvtier_gc_pause_seconds_total", "counter", "Time every thread stood still for the collector.")
-    gc_spent.add(m["gc_pause_seconds"])
-    gc_max = Family("kvtier_gc_pause_max_seconds", "gauge", "The longest garbage-collector pause since start.")
-    gc_max.add(m["gc_pause_max_seconds"])
-    restarts = Family("kvtier_loop_restarts_total", "counter", "Times the event loop failed and was started again.")
-    restarts.add(m["loop_restarts"])
-    gone = Family("kvtier_http_disconnects_total", "counter",
-                  "Requests whose client went away before its body arrived.")
-    gone.add(m["http_disconnects"])
-    blocks = Family("kvtier_blocks", "gauge", "Blocks a worker holds, per tier.")
-    per_worker = {key: Family(f"kvtier_{key}" + ("_total" if kind == "counter" else ""), kind, text)
-                  for key, (kind, text) in _WORKER_METRICS.items()}
-    for w, entry in m["workers"].items():
-        for tier, n in entry["blocks"].items():
-            blocks.add(n, worker=w, tier=tier)
-        for key, fam in per_worker.items():
-            if key in entry:
-                fam.add(float(entry[key]), worker=w)
-    return render([applied, indexed, inflight, expired, restarts, gc_passes, gc_spent, gc_max, gone,
-                   *_latency_families(m["latency"]), blocks, *per_worker.values()])
-
-
-def _latency_families(lat: dict[str, Any]) -> list[Family]:
-    """The latency histograms of :meth:`IndexerService._latency` as Prometheus families."""
-    request = Family("kvtier_request_seconds", "histogram",
-                     "Time inside the service per answered request, index lock wait included "
-                     "(HTTP parsing and socket queueing excluded).")
-    for endpoint in ("query", "route"):
-        request.add_histogram(lat[f"{endpoint}_seconds"], endpoint=endpoint)
-    out = [request]
-    for key, text in (("lock_wait", "Time /query and /route waited for the index lock (held by event application)."),
-                      ("apply_wait", "Time each delivered event batch waited for the index lock (held by requests)."),
-                      ("apply_hold", "Time each delivered event batch held the index lock."),
-                      ("http_loop_lag", "How late the HTTP event loop woke from a short sleep: a starved loop "
-                                        "delays every connection at once.")):
-        fam = Family(f"kvtier_{key}_seconds", "histogram", text)
-        fam.add_histogram(lat[f"{key}_seconds"])
-        out.append(fam)
-    return out
-
-
-class MmItem(msgspec.Struct, forbid_unknown_fields=True):
-    """A multimodal item of a request: its placeholder tokens' position."""
-
-    identifier: str  # the item's hash or id, as the engine keys it
-    offset: Annotated[int, msgspec.Meta(ge=0)]  # first placeholder token
-    length: Annotated[int, msgspec.Meta(gt=0)]  # placeholder tokens
-
-
-class RequestBody(msgspec.Struct):
-    """The JSON body of ``/query`` and ``/route``; unknown fields are ignored."""
-
-    # The prompt's JSON array, left unparsed here: parse_body reads it straight into packed tokens (a Python int
-    # per token cost more than the rest of a query), checking each is an int in [0, 2**32).
-    token_ids: msgspec.Raw
-    lora_name: str | None = None  # LoRA adapter (changes the key space)
-    cache_salt: str | None = None  # tenant salt (changes the key space)
-    mm_items: list[MmItem] | None = None  # multimodal items (scope the blocks they overlap)
-    request_id: str | None = None  # required by /route
-
-
-class FinishBody(msgspec.Struct, forbid_unknown_fields=True):
-    """The optional JSON body of ``/requests/{id}/finish``."""
-
-    output_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None  # tokens it generated, if known
-
-
-_B = TypeVar("_B", RequestBody, FinishBody)
-_decoders: dict[type, msgspec.json.Decoder[Any]] = {RequestBody: msgspec.json.Decoder(RequestBody),
-                                                     FinishBody: msgspec.json.Decoder(FinishBody)}
-
-
-def _parse(body: bytes | Any, kind: type[_B], what: str) -> _B:
-    try:
-        if isinstance(body, bytes | bytearray | memoryview):
-            return cast(_B, _decoders[kind].decode(body))
-        return msgspec.convert(body, kind)
-    except msgspec.ValidationError as exc:
-        raise ValueError(f"bad {what}: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise ValueError(f"body is not JSON: {exc}") from None
-
-
-def packed_token_ids(token_ids: list[int]) -> PackedTokens:
-    """A request's token ids packed for hashing; ``ValueError`` naming the first that is no uint32, in the
-    form msgspec names a bad element (``$.token_ids[3]``). O(tokens)."""
-    try:
-        return pack_tokens(token_ids)
-    except ValueError:
-        bad = next(i for i, t in enumerate(token_ids) if not 0 <= t < 2**32)
-        raise ValueError(f"bad request body: token id {token_ids[bad]} is not in [0, 2**32) - at `$.token_ids[{bad}]`"
-                         ) from None
-
-
-def parse_body(body: bytes | Any) -> tuple[RequestBody, PackedTokens]:
-    """A request body from raw JSON bytes or an already decoded object, and its prompt packed; ``ValueError``
-    naming what is wrong (and where, e.g. ``$.token_ids[3]``). O(body)."""
-    if not isinstance(body, bytes | bytearray | memoryview):
-        try:
-            body = msgspec.json.encode(body)
-        except TypeError as exc:
-            raise ValueError(f"bad request body: {exc}") from None
-    req = _parse(body, RequestBody, "request body")
-    try:
-        tokens = decode_json_tokens(req.token_ids)
-    except msgspec.ValidationError as exc:  # its path is the array's own ("$[3]", none at its root): say where
-        text = str(exc)
-        text = text.replace("`$", "`$.token_ids") if " - at `$" in text else f"{text} - at `$.token_ids`"
-        raise ValueError(f"bad request body: {text}") from None
-    return req, tokens if isinstance(tokens, bytes) else packed_token_ids(tokens)
-
-
-def parse_finish(body: bytes | Any) -> FinishBody:
-    """A finish body (empty: nothing known); ``ValueError`` naming what is wrong. O(body)."""
-    if isinstance(body, bytes | bytearray | memoryview) and not bytes(body).strip():
-        return FinishBody()
-    return _parse(body, FinishBody, "finish body")
-
-
 def serve(config: ServiceConfig) -> None:
     """Runs the service until interrupted; exits non-zero if its event loop dies."""
     svc = IndexerService(config)
@@ -804,4 +495,5 @@ def serve(config: ServiceConfig) -> None:
     raise SystemExit(f"kvtier indexer: event loop died: {svc.health().get('error')}")
 
 
-__all__ = ["ConfigError", "IndexerService", "ServiceConfig", "load_config", "parse_endpoint", "serve"]
+__all__ = ["ConfigError", "IndexerService", "ServiceConfig", "ServiceUnavailable", "load_config", "parse_body",
+           "parse_endpoint", "serve"]

@@ -1,0 +1,166 @@
+"""What ``kvtier indexer`` is told: its settings (command line or TOML), the engine endpoints it follows, and
+the cost model its routing answers use."""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from kvtier.fields import ConfigError, Domain, at_least, check_fields, one_of, within
+from kvtier.indexer.latency import PRESETS, TransferModel
+from kvtier.indexer.scoring import CostModel, CreditCost, DynamoCost, TtftCost
+from kvtier.wire.protocol import StorageTier
+from kvtier.wire.subscriber import EndpointConfig
+
+
+@dataclass(slots=True)
+class ServiceConfig:
+    """Everything ``kvtier indexer`` needs."""
+
+    endpoints: list[EndpointConfig]  # engine streams to subscribe to
+    # tokens per block; events with another size are rejected
+    block_size: int = field(default=16, metadata=at_least(1))
+    listen: str = "127.0.0.1:8000"  # HTTP host:port (port 0 picks a free one); checked in __post_init__
+    # wait for a replay or dump answer
+    replay_timeout_s: float = field(default=2.0, metadata=within(0, 3600, lo_open=True))
+    cost: str = field(default="credit", metadata=one_of("credit", "dynamo", "ttft"))
+    # A policy by name (kv_device, kv_host, kv_all, dynamo, min_ttft: as in the simulator) or a
+    # routing-policy plugin (kvtier.indexer.plugins); either replaces `cost`. Checked when the service starts.
+    policy: str | None = field(default=None, metadata=Domain(str, optional=True).meta())
+    # the workers' chunked-prefill tokens per iteration (min_ttft)
+    prefill_budget: int = field(default=8192, metadata=at_least(1))
+    # each worker's device KV capacity in tokens (min_ttft's memory term)
+    capacity_tokens: int | None = field(default=None, metadata=at_least(1, optional=True))
+    model: str = field(default="llama-3.1-8b", metadata=one_of(*PRESETS))  # preset for the ttft cost's transfers
+    # Sliding window of the served model, tokens, for engines that send no window-KV events (SGLang): their
+    # window KV is inferred from their stores (kvtier.indexer.windowkv). None: the model preset's
+    # (0 for a full-attention model); 0: such engines are scored on their full-attention overlap.
+    window_tokens: int | None = field(default=None, metadata=at_least(0, optional=True))
+    max_body_bytes: int = field(default=8 << 20, metadata=at_least(1))  # larger request bodies get 413
+    # longer prompts get 400 (bounds a query's lock hold)
+    max_query_tokens: int = field(default=1 << 20, metadata=at_least(1))
+    # a request body must arrive within this (408)
+    read_timeout_s: float = field(default=10.0, metadata=within(0, 3600, lo_open=True))
+    # the HTTP front end's event loop: uvloop, asyncio, or auto (uvloop where installed)
+    http_loop: str = field(default="auto", metadata=one_of("auto", "uvloop", "asyncio"))
+    # idle keep-alive connections are closed after this
+    keepalive_s: float = field(default=75.0, metadata=within(0, 86400, lo_open=True))
+    # a routed request never finished is dropped from the load after this
+    request_ttl_s: float = field(default=600.0, metadata=within(0, 86400 * 7, lo_open=True))
+    # where the index is saved (periodically and on stop) and restored from
+    snapshot_path: str | None = field(default=None, metadata=Domain(str, optional=True).meta())
+    # seconds between snapshots
+    snapshot_interval_s: float = field(default=30.0, metadata=within(0, 86400, lo_open=True))
+    # times a failed event loop is started again (after 0.5 s, doubling to 30 s), each stream resuming after
+    # its last applied batch, before the service gives up: /health 503 and a non-zero exit. 0: at once.
+    loop_restarts: int = field(default=0, metadata=at_least(0))
+
+    def __post_init__(self) -> None:
+        check_fields(self, style="key")
+        if not isinstance(self.listen, str):
+            raise ConfigError(f"listen: {self.listen!r} is not allowed; expected HOST:PORT")
+        _, sep, port = self.listen.rpartition(":")
+        if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ConfigError(f"listen: {self.listen!r} is not allowed; expected HOST:PORT with a port in 0..65535")
+
+    @property
+    def inferred_window_tokens(self) -> int:
+        """The window the index infers for engines that send no window events (0: none)."""
+        return PRESETS[self.model].window_tokens if self.window_tokens is None else self.window_tokens
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        """Where the HTTP front end binds (an empty host is loopback)."""
+        host, _, port = self.listen.rpartition(":")
+        return host or "127.0.0.1", int(port)
+
+
+#: [[endpoints]] keys: domain, required.
+_ENDPOINT_FIELDS: dict[str, tuple[Domain, bool]] = {
+    "worker": (Domain(str), True), "endpoint": (Domain(str), True),
+    "replay_endpoint": (Domain(str, optional=True), False), "dp_rank": (Domain(int, lo=0), False),
+    "supports_dump": (Domain(bool), False),
+}
+
+
+def parse_endpoint(spec: str) -> EndpointConfig:
+    """Parses ``WORKER=PUB_ENDPOINT[,replay=ENDPOINT][,dp=N][,dump]``."""
+    name, sep, rest = spec.partition("=")
+    if not sep or not name or not rest:
+        raise ConfigError(f"endpoint {spec!r}: expected WORKER=tcp://host:port[,replay=...][,dp=N][,dump]")
+    parts = rest.split(",")
+    opts: dict[str, Any] = {}
+    for p in parts[1:]:
+        key, _, value = p.partition("=")
+        if key == "replay" and value:
+            opts["replay_endpoint"] = value
+        elif key == "dp" and value.isdigit():
+            opts["dp_rank"] = int(value)
+        elif key == "dump" and not value:
+            opts["supports_dump"] = True
+        else:
+            raise ConfigError(f"endpoint {spec!r}: unknown option {p!r}")
+    return EndpointConfig(worker=name, endpoint=parts[0], **opts)
+
+
+def load_config(path: Path) -> ServiceConfig:
+    """Reads a TOML file: top-level settings plus ``[[endpoints]]`` tables."""
+    try:
+        raw = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"{path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    eps = []
+    tables = raw.pop("endpoints", [])
+    if not isinstance(tables, list) or not all(isinstance(e, dict) for e in tables):
+        raise ConfigError(f"{path}: endpoints must be [[endpoints]] tables")
+    for i, e in enumerate(tables):
+        if unknown := set(e) - set(_ENDPOINT_FIELDS):
+            raise ConfigError(f"{path}: endpoints[{i}]: unknown fields {sorted(unknown)}")
+        for name, (domain, required) in _ENDPOINT_FIELDS.items():
+            if name in e:
+                domain.check(f"{path}: endpoints[{i}].{name}", e[name])
+            elif required:
+                raise ConfigError(f"{path}: endpoints[{i}]: missing {name}")
+        eps.append(EndpointConfig(worker=e["worker"], endpoint=e["endpoint"], replay_endpoint=e.get("replay_endpoint"),
+                                  dp_rank=e.get("dp_rank", 0), supports_dump=e.get("supports_dump", False)))
+    known = {f.name for f in fields(ServiceConfig)} - {"endpoints"}  # every setting, so none is forgotten here
+    if unknown := set(raw) - known:
+        raise ConfigError(f"{path}: unknown settings {sorted(unknown)}")
+    return ServiceConfig(endpoints=eps, **raw)
+
+
+def make_cost_model(name: str, model: str) -> CostModel:
+    """``credit`` (kvtier's kv_all), ``dynamo`` (Dynamo kv_router's cost, the baseline) or ``ttft``."""
+    if name == "credit":
+        return CreditCost()
+    if name == "dynamo":
+        return DynamoCost()
+    if name == "ttft":
+        if model not in PRESETS:
+            raise ConfigError(f"unknown model preset {model!r}; known: {sorted(PRESETS)}")
+        return TtftCost(TransferModel.for_model(PRESETS[model]))
+    raise ConfigError(f"unknown cost model {name!r}; expected 'credit', 'dynamo' or 'ttft'")
+
+
+#: The simulator's KV policies the service runs by name: the tiers each one listens to.
+NAMED_POLICIES = {"kv_device": StorageTier.DEVICE, "kv_host": StorageTier.HOST, "kv_all": StorageTier.EXTERNAL,
+                  "dynamo": StorageTier.EXTERNAL, "min_ttft": StorageTier.EXTERNAL}
+
+
+def named_policy_cost(config: ServiceConfig) -> CostModel:
+    """The cost model behind a named policy, as :func:`kvtier.sim.policies.make_policy` builds it."""
+    name = config.policy
+    assert name in NAMED_POLICIES
+    tier = NAMED_POLICIES[name]
+    if name == "dynamo":
+        return DynamoCost()
+    if name == "min_ttft":
+        if config.model not in PRESETS:
+            raise ConfigError(f"unknown model preset {config.model!r}; known: {sorted(PRESETS)}")
+        return TtftCost(TransferModel.for_model(PRESETS[config.model]), max_tier=tier,
+                        prefill_budget=config.prefill_budget, capacity_tokens=config.capacity_tokens)
+    return CreditCost(max_tier=tier)

@@ -1,0 +1,91 @@
+"""``/metrics`` in Prometheus text: the service's JSON metrics (:meth:`kvtier.indexer.service.IndexerService.metrics`)
+as one family per metric, every worker a series."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvtier.indexer.exposition import Family, render
+
+#: Per-worker metrics of ``/metrics``: key in :meth:`IndexerService.metrics` -> (type, help).
+_WORKER_METRICS: dict[str, tuple[str, str]] = {
+    "events_applied": ("counter", "Events applied to the worker's index."),
+    "events_rejected": ("counter", "Events rejected as bad input."),
+    "unknown_parents": ("counter", "Stores whose parent the index did not know, held as orphans."),
+    "orphans_grafted": ("counter", "Held orphan stores indexed once their parent became known."),
+    "orphans_dropped": ("counter", "Held orphan stores aged out or cleared."),
+    "orphan_blocks": ("gauge", "Blocks held as orphans, not yet indexed."),
+    "unknown_removals": ("counter", "Removals of blocks the index did not hold."),
+    "gaps": ("counter", "Sequence gaps detected on the worker's stream."),
+    "gaps_filled": ("counter", "Gaps filled by replay."),
+    "resyncs": ("counter", "Resynchronisations of the worker (replay from 0, dump or partial mark)."),
+    "resyncs_deferred": ("counter", "Resyncs postponed by the rate limit."),
+    "reasks": ("counter", "Replay requests repeated from the first missing seq (frames dropped)."),
+    "probe_timeouts": ("counter", "Idle probes that got no answer (harmless)."),
+    "restarts": ("counter", "Publisher restarts detected."),
+    "malformed": ("counter", "Malformed frames received."),
+    "duplicates": ("counter", "Duplicate batches dropped."),
+    "partial": ("gauge", "1 once events were lost for good: prefixes stored before the loss are unknown."),
+    "recovering": ("gauge", "1 while a catch-up, full replay or state dump is under way."),
+    "apply_lag_seconds": ("gauge", "Delay from a batch's timestamp to its application, last batch."),
+    "apply_lag_max_seconds": ("gauge", "Largest such delay seen."),
+    "requests_running": ("gauge", "Routed requests in flight on the worker."),
+    "requests_prefilling": ("gauge", "Routed requests on the worker that have not produced a first token."),
+    "active_blocks": ("gauge", "KV blocks the worker's in-flight requests hold (shared prefixes once)."),
+    "pending_prefill_tokens": ("gauge", "Prompt tokens the worker still has to prefill."),
+}
+
+
+
+def render_metrics(m: dict[str, Any]) -> str:
+    """The JSON metrics as Prometheus text: one family per metric, every worker a series."""
+    applied = Family("kvtier_batches_applied_total", "counter", "Event batches applied to the index.")
+    applied.add(m["batches_applied"])
+    indexed = Family("kvtier_indexed_blocks", "gauge", "Distinct block keys held by any worker.")
+    indexed.add(m["indexed_blocks"])
+    inflight = Family("kvtier_requests_in_flight", "gauge", "Routed requests not finished yet.")
+    inflight.add(m["requests_in_flight"])
+    expired = Family("kvtier_requests_expired_total", "counter", "Routed requests dropped after their TTL.")
+    expired.add(m["requests_expired"])
+    gc_passes = Family("kvtier_gc_passes_total", "counter", "Garbage-collector passes since start, by generation.")
+    gc_passes.add(m["gc_passes"] - m["gc_full_passes"], generation="young")
+    gc_passes.add(m["gc_full_passes"], generation="full")
+    gc_spent = Family("kvtier_gc_pause_seconds_total", "counter", "Time every thread stood still for the collector.")
+    gc_spent.add(m["gc_pause_seconds"])
+    gc_max = Family("kvtier_gc_pause_max_seconds", "gauge", "The longest garbage-collector pause since start.")
+    gc_max.add(m["gc_pause_max_seconds"])
+    restarts = Family("kvtier_loop_restarts_total", "counter", "Times the event loop failed and was started again.")
+    restarts.add(m["loop_restarts"])
+    gone = Family("kvtier_http_disconnects_total", "counter",
+                  "Requests whose client went away before its body arrived.")
+    gone.add(m["http_disconnects"])
+    blocks = Family("kvtier_blocks", "gauge", "Blocks a worker holds, per tier.")
+    per_worker = {key: Family(f"kvtier_{key}" + ("_total" if kind == "counter" else ""), kind, text)
+                  for key, (kind, text) in _WORKER_METRICS.items()}
+    for w, entry in m["workers"].items():
+        for tier, n in entry["blocks"].items():
+            blocks.add(n, worker=w, tier=tier)
+        for key, fam in per_worker.items():
+            if key in entry:
+                fam.add(float(entry[key]), worker=w)
+    return render([applied, indexed, inflight, expired, restarts, gc_passes, gc_spent, gc_max, gone,
+                   *_latency_families(m["latency"]), blocks, *per_worker.values()])
+
+
+def _latency_families(lat: dict[str, Any]) -> list[Family]:
+    """The latency histograms of :meth:`IndexerService._latency` as Prometheus families."""
+    request = Family("kvtier_request_seconds", "histogram",
+                     "Time inside the service per answered request, index lock wait included "
+                     "(HTTP parsing and socket queueing excluded).")
+    for endpoint in ("query", "route"):
+        request.add_histogram(lat[f"{endpoint}_seconds"], endpoint=endpoint)
+    out = [request]
+    for key, text in (("lock_wait", "Time /query and /route waited for the index lock (held by event application)."),
+                      ("apply_wait", "Time each delivered event batch waited for the index lock (held by requests)."),
+                      ("apply_hold", "Time each delivered event batch held the index lock."),
+                      ("http_loop_lag", "How late the HTTP event loop woke from a short sleep: a starved loop "
+                                        "delays every connection at once.")):
+        fam = Family(f"kvtier_{key}_seconds", "histogram", text)
+        fam.add_histogram(lat[f"{key}_seconds"])
+        out.append(fam)
+    return out
