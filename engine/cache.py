@@ -101,7 +101,7 @@ class TieredCache:
         self.tree.on_split = self._on_split
         # This engine's side of the store (kvtier.engine.l3link); None without one.
         self.l3 = L3Link(store, name, config, self.events, self._write_l3) if store is not None else None
-        self.lru = self._evictor()  # makes room in the pools (kvtier.engine.eviction)
+        self.evictor = self._evictor()  # makes room in the pools (kvtier.engine.eviction)
 
     def _evictor(self) -> Evictor:
         return Evictor(self.config, self.tree, self.device, self.host, self.swa, self.events, self.l3, self._write_back)
@@ -198,7 +198,7 @@ class TieredCache:
                 continue
             if n.device is not None:
                 continue
-            pages = self.lru.alloc_device(n.pages)
+            pages = self.evictor.alloc_device(n.pages)
             if pages is None:
                 break  # the rest is recomputed
             n.loading = pages
@@ -227,7 +227,7 @@ class TieredCache:
         s = self.tree.stride
         if len(keys) < max(1, self.config.prefetch_min_pages) or self.config.host_pages == 0:
             return
-        pages = self.lru.alloc_host(len(keys))
+        pages = self.evictor.alloc_host(len(keys))
         if pages is None:
             return
         self.store.pin(keys)
@@ -269,10 +269,10 @@ class TieredCache:
         # A running request keeps window KV for its last window only (what it attends to; SGLang frees the
         # rest as the prefill moves on), so that is all it takes from the pool, and all it leaves cached.
         swa_need = min(full - usable, self.config.swa_window_pages)
-        pages = self.lru.alloc_device(need)
+        pages = self.evictor.alloc_device(need)
         if pages is None:
             return None
-        swa = self.lru.alloc_swa(swa_need)
+        swa = self.evictor.alloc_swa(swa_need)
         if swa is None:
             swa = self._alloc_swa_from_path(path, usable, swa_need)
         if swa is None:
@@ -298,8 +298,8 @@ class TieredCache:
                 continue  # tombstoned already, read by another request too, or being backed up
             if start < usable and end > usable - w:
                 continue  # the window this request reads
-            self.lru.tombstone(node)
-        return self.lru.alloc_swa(n)
+            self.evictor.tombstone(node)
+        return self.evictor.alloc_swa(n)
 
     def _window_usable(self, path: list[Node], cached: int) -> int:
         """Longest reusable device prefix (pages): with SWA, the window before the cut needs its
@@ -336,14 +336,14 @@ class TieredCache:
                     return
                 n.device, compute = compute[:n.pages], compute[n.pages:]
                 self.events.stored(n, StorageTier.DEVICE)
-                self.lru.push_dev(n)
+                self.evictor.push_dev(n)
             if n.swa is None and done + n.pages > window_from:
                 if done < window_from:
                     done += self.tree.split(n, window_from - done).pages  # the front stays tombstoned
                 if len(adm.swa) >= n.pages:
                     n.swa, adm.swa = adm.swa[:n.pages], adm.swa[n.pages:]  # the window KV is recomputed
                     self.events.window_stored(n, StorageTier.DEVICE)
-                    self.lru.push_swa(n)
+                    self.evictor.push_swa(n)
             done += n.pages
         parent = path[-1] if path else self.tree.root
         new_pages = full - done
@@ -353,7 +353,7 @@ class TieredCache:
                 front = self.tree.add_child(parent, adm.tokens[done * s:window_from * s])
                 front.device, compute = compute[:front.pages], compute[front.pages:]
                 self.events.stored(front, StorageTier.DEVICE)
-                self.lru.push_dev(front)
+                self.evictor.push_dev(front)
                 parent, done, new_pages = front, window_from, full - window_from
             node = self.tree.add_child(parent, adm.tokens[done * s:full * s])
             node.device, compute = compute[:new_pages], compute[new_pages:]
@@ -361,12 +361,12 @@ class TieredCache:
             if self.config.swa_window_pages and len(adm.swa) >= new_pages:
                 node.swa, adm.swa = adm.swa[:new_pages], adm.swa[new_pages:]
                 self.events.window_stored(node, StorageTier.DEVICE)
-                self.lru.push_swa(node)
+                self.evictor.push_swa(node)
             self._lock(node)
             self._unlock(adm.last)
             adm.last = node
-            self.lru.push_dev(node)
-            self.lru.push_dev(parent)
+            self.evictor.push_dev(node)
+            self.evictor.push_dev(parent)
             if self.config.write_policy is WritePolicy.WRITE_THROUGH:
                 self._backup(node)
         if compute:
@@ -413,9 +413,9 @@ class TieredCache:
             assert n.lock_ref > 0, f"unlocking node {n.node_id} that is not locked"
             n.lock_ref -= 1
             if n.lock_ref == 0:
-                self.lru.push_dev(n)
-                self.lru.push_host(n)
-                self.lru.push_swa(n)
+                self.evictor.push_dev(n)
+                self.evictor.push_host(n)
+                self.evictor.push_swa(n)
             n = n.parent
 
     # --- backups -------------------------------------------------------------------------
@@ -428,7 +428,7 @@ class TieredCache:
         p = node.parent
         if p is not None and p is not self.tree.root and p.host is None:
             return False  # parent first; retried when the parent's copy lands
-        pages = self.lru.alloc_host(node.pages, protect=node)
+        pages = self.evictor.alloc_host(node.pages, protect=node)
         if pages is None:
             return False
         node.host_pending = pages
@@ -447,7 +447,7 @@ class TieredCache:
         """
         chain = [n for n in self.tree.path_to_root(node) if n.host is None]
         if not any(n.host_pending is not None for n in chain) and not self._backup(chain[0]):
-            self.lru.drop_device(node)
+            self.evictor.drop_device(node)
             return
         node.evict_after_backup = True
         for n in chain:
@@ -462,7 +462,7 @@ class TieredCache:
             if not (n.want_backup or n.evict_after_backup):
                 continue
             n.want_backup = n.evict_after_backup = False
-            self.lru.push_dev(n)
+            self.evictor.push_dev(n)
             todo.extend(n.children.values())
 
     # --- L3 ------------------------------------------------------------------------------
@@ -525,9 +525,9 @@ class TieredCache:
             if n.evict_after_backup:
                 n.evict_after_backup = False
                 if n.lock_ref == 0 and n.device is not None and n.device_leaf():
-                    self.lru.drop_device(n)
-            self.lru.push_dev(n)
-            self.lru.push_host(n)
+                    self.evictor.drop_device(n)
+            self.evictor.push_dev(n)
+            self.evictor.push_host(n)
             policy = self.config.write_policy
             for c in list(n.children.values()):
                 wanted = c.want_backup or policy is WritePolicy.WRITE_THROUGH or (
@@ -543,12 +543,12 @@ class TieredCache:
             n.device, n.loading = n.loading, None
             self.events.stored(n, StorageTier.DEVICE)
             if self.config.swa_window_pages and n.host_swa and n.load_swa:
-                n.swa = self.lru.alloc_swa(n.pages)  # None: lands tombstoned, the window is recomputed
+                n.swa = self.evictor.alloc_swa(n.pages)  # None: lands tombstoned, the window is recomputed
                 if n.swa is not None:
                     self.events.window_stored(n, StorageTier.DEVICE)
-                    self.lru.push_swa(n)
+                    self.evictor.push_swa(n)
             n.load_swa = False
-            self.lru.push_dev(n)
+            self.evictor.push_dev(n)
 
     def _l3_written(self, info: _OpInfo) -> None:
         assert self.l3 is not None
@@ -608,7 +608,7 @@ class TieredCache:
             if self.config.swa_window_pages and lo <= a < hi:
                 node.host_swa = node.load_swa = True
                 self.events.window_stored(node, StorageTier.HOST)
-            self.lru.push_host(node)
+            self.evictor.push_host(node)
             new.append(node)
         return new
 
@@ -616,11 +616,11 @@ class TieredCache:
 
     def evict_device(self, pages: int) -> int:
         """Frees at least ``pages`` device pages if possible; returns how many are free."""
-        return self.lru.evict_device(pages)
+        return self.evictor.evict_device(pages)
 
     def evict_host(self, pages: int) -> int:
         """Frees at least ``pages`` host pages if possible; returns how many are free."""
-        return self.lru.evict_host(pages)
+        return self.evictor.evict_host(pages)
 
     # --- whole-cache operations ------------------------------------------------------------
 
@@ -642,7 +642,7 @@ class TieredCache:
         self.device.reset()
         self.host.reset()
         self.swa.reset()
-        self.lru = self._evictor()
+        self.evictor = self._evictor()
         if self.l3 is not None:
             self.l3.reset()
         self.events.cleared()

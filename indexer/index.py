@@ -112,7 +112,7 @@ class TieredIndex:
                 slot = self._next_slot
                 self._next_slot += 1
             w = self._workers[stream] = WorkerState(stream, slot, window=self._default_window,
-                                                inferred=bool(self._default_window))
+                                                    inferred=bool(self._default_window))
             self._slot_stream[slot] = stream
         return w
 
