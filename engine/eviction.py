@@ -2,8 +2,9 @@
 
 Device pages go from unlocked device leaves (a node with a host copy keeps it; under ``write_back`` one without
 is backed up first, see :meth:`kvtier.engine.cache.TieredCache._write_back`); host pages from host-only leaves
-whose L3 write is not in flight; window-KV pages (SWA) are tombstoned, which publishes nothing. Each eviction
-publishes its events before the pages are reused, so the index never counts a page the engine has given away.
+whose L3 write is not in flight; window-KV pages (SWA) are tombstoned: the node keeps its full-attention KV, so
+only a window-KV removal is published (nothing, as in SGLang, without window events). Each eviction queues its
+removal events at once, ahead of any event about the pages' next use.
 
 The candidates sit in one lazy heap per pool, ordered by last access: an entry may be stale (checked when it is
 popped), and when a heap runs dry the tree is rescanned once, so a node that became evictable without being pushed
