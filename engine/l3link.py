@@ -53,7 +53,8 @@ class L3Link:
 
     @property
     def tier(self) -> StorageTier:
-        """DISK for a store of its own, EXTERNAL for a shared pool. O(1)."""
+        """The store's tier: DISK for a store of its own, EXTERNAL for a shared pool, unless it was told another.
+        O(1)."""
         return self.store.tier
 
     def run(self, parent_digest: bytes, tokens: PackedTokens) -> list[str]:
