@@ -39,26 +39,25 @@ _WORKER_METRICS: dict[str, tuple[str, str]] = {
 
 def render_metrics(m: dict[str, Any]) -> str:
     """The JSON metrics as Prometheus text: one family per metric, every worker a series."""
-    applied = Family("kvtier_batches_applied_total", "counter", "Event batches applied to the index.")
-    applied.add(m["batches_applied"])
-    indexed = Family("kvtier_indexed_blocks", "gauge", "Distinct block keys held by any worker.")
-    indexed.add(m["indexed_blocks"])
-    inflight = Family("kvtier_requests_in_flight", "gauge", "Routed requests not finished yet.")
-    inflight.add(m["requests_in_flight"])
-    expired = Family("kvtier_requests_expired_total", "counter", "Routed requests dropped after their TTL.")
-    expired.add(m["requests_expired"])
     gc_passes = Family("kvtier_gc_passes_total", "counter", "Garbage-collector passes since start, by generation.")
     gc_passes.add(m["gc_passes"] - m["gc_full_passes"], generation="young")
     gc_passes.add(m["gc_full_passes"], generation="full")
-    gc_spent = Family("kvtier_gc_pause_seconds_total", "counter", "Time every thread stood still for the collector.")
-    gc_spent.add(m["gc_pause_seconds"])
-    gc_max = Family("kvtier_gc_pause_max_seconds", "gauge", "The longest garbage-collector pause since start.")
-    gc_max.add(m["gc_pause_max_seconds"])
-    restarts = Family("kvtier_loop_restarts_total", "counter", "Times the event loop failed and was started again.")
-    restarts.add(m["loop_restarts"])
-    gone = Family("kvtier_http_disconnects_total", "counter",
-                  "Requests whose client went away before its body arrived.")
-    gone.add(m["http_disconnects"])
+    service = [
+        _single("kvtier_batches_applied_total", "counter", "Event batches applied to the index.", m["batches_applied"]),
+        _single("kvtier_indexed_blocks", "gauge", "Distinct block keys held by any worker.", m["indexed_blocks"]),
+        _single("kvtier_requests_in_flight", "gauge", "Routed requests not finished yet.", m["requests_in_flight"]),
+        _single("kvtier_requests_expired_total", "counter", "Routed requests dropped after their TTL.",
+                m["requests_expired"]),
+        _single("kvtier_loop_restarts_total", "counter", "Times the event loop failed and was started again.",
+                m["loop_restarts"]),
+        gc_passes,
+        _single("kvtier_gc_pause_seconds_total", "counter", "Time every thread stood still for the collector.",
+                m["gc_pause_seconds"]),
+        _single("kvtier_gc_pause_max_seconds", "gauge", "The longest garbage-collector pause since start.",
+                m["gc_pause_max_seconds"]),
+        _single("kvtier_http_disconnects_total", "counter", "Requests whose client went away before its body arrived.",
+                m["http_disconnects"]),
+    ]
     blocks = Family("kvtier_blocks", "gauge", "Blocks a worker holds, per tier.")
     per_worker = {key: Family(f"kvtier_{key}" + ("_total" if kind == "counter" else ""), kind, text)
                   for key, (kind, text) in _WORKER_METRICS.items()}
@@ -68,8 +67,14 @@ def render_metrics(m: dict[str, Any]) -> str:
         for key, fam in per_worker.items():
             if key in entry:
                 fam.add(float(entry[key]), worker=w)
-    return render([applied, indexed, inflight, expired, restarts, gc_passes, gc_spent, gc_max, gone,
-                   *_latency_families(m["latency"]), blocks, *per_worker.values()])
+    return render([*service, *_latency_families(m["latency"]), blocks, *per_worker.values()])
+
+
+def _single(name: str, kind: str, text: str, value: float) -> Family:
+    """A family of one unlabelled series."""
+    fam = Family(name, kind, text)
+    fam.add(value)
+    return fam
 
 
 def _latency_families(lat: dict[str, Any]) -> list[Family]:
