@@ -18,7 +18,7 @@ from collections import deque
 from itertools import islice, repeat
 from typing import cast
 
-from kvtier.indexer.closure import PrefixClosure
+from kvtier.indexer.closure import MaskMap, PrefixClosure
 from kvtier.indexer.keys import BlockKey
 from kvtier.indexer.masklayout import SLOT_MASK, TIERS
 from kvtier.indexer.windowkv import WindowKV
@@ -33,7 +33,7 @@ class BlockMasks:
 
     __slots__ = ("_shared", "_win", "closure", "masks")
 
-    def __init__(self, masks: dict[BlockKey, int], win: WindowKV) -> None:
+    def __init__(self, masks: MaskMap, win: WindowKV) -> None:
         self.masks = masks  # key -> mask (never 0: a key nobody holds is absent)
         self.closure = PrefixClosure()  # whether queries may binary-search (kvtier.indexer.closure)
         self._win = win  # window-KV bits over the same masks
@@ -77,17 +77,30 @@ class BlockMasks:
         slot_bits = SLOT_MASK << (TIERS * w.slot)
         if parent_held and not closure.loose and self._insert_held_elsewhere(w, block_hashes, keys, tier, slot_bits):
             return
-        link, linked = closure.link, kids.get
-        prev = None  # the block before this one in the chain (its parent was linked above)
+        self._insert_each(w, block_hashes, keys, tier, parent, parent_held)
+
+    def _insert_each(self, w: WorkerState, block_hashes: list[EngineHash], keys: list[BlockKey], tier: StorageTier,
+                     parent: BlockKey | None, parent_held: bool) -> None:
+        """:meth:`insert` block by block, for what its bulk cases leave: aliases, engine hashes reused for other
+        content, repeats, loose tiers. Reads ``masks`` and the worker's hashes only through the mapping
+        interface, so that the compiled tables (:mod:`kvtier.indexer.tablemasks`) share it. O(blocks)."""
+        hashes, masks, closure = w.hashes, self.masks, self.closure
+        bit = 1 << (TIERS * w.slot + tier)
+        slot_bits = SLOT_MASK << (TIERS * w.slot)
+        share = self.share
+        link, linked = closure.link, closure.kids.get
+        prev = None  # the block before this one in the chain (its parent was linked by insert)
         added = 0
         for eh, key in zip(block_hashes, keys, strict=True):
-            old = hashes.setdefault(eh, key)
+            old = hashes.get(eh)
             m = masks.get(key, 0)
-            if old is key and m & slot_bits:
-                # A second engine hash for a block this worker already names: keep the first
-                # name, so the dict stays injective (a later use of this alias is "unknown").
-                del hashes[eh]
-                w.stats.aliases += 1
+            if old is None:
+                if m & slot_bits:
+                    # A second engine hash for a block this worker already names: keep the first
+                    # name, so the dict stays injective (a later use of this alias is "unknown").
+                    w.stats.aliases += 1
+                else:
+                    hashes[eh] = key
             elif old != key:  # the engine reused a hash for other content: forget the old block
                 self._drop_slot_bits(w, old, slot_bits)
                 hashes[eh] = key
@@ -98,7 +111,7 @@ class BlockMasks:
                 link(prev, key, masks)
             if not m & bit:
                 m |= bit
-                masks[key] = share(m, m)
+                masks[key] = share(m)
                 added += 1
                 if not parent_held or closure.loose:
                     closure.stored(w.slot, tier, key, parent_held)

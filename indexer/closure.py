@@ -23,10 +23,13 @@ child still held is loose already.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from itertools import repeat
 
 from kvtier.indexer.keys import BlockKey
+
+#: The index's key -> mask map: a dict, or the compiled table (:class:`kvtier.indexer.keytable.KeyTable`).
+MaskMap = MutableMapping[BlockKey, int]
 
 #: A key's children: one key (a chain), or a set (a branch). Entries may name dead keys; readers skip them.
 Kids = BlockKey | set[BlockKey]
@@ -48,7 +51,7 @@ class PrefixClosure:
         """Whether every worker's every tier is prefix-closed (queries may binary-search). O(1)."""
         return not self.loose and not self.unknown
 
-    def link(self, parent: BlockKey, child: BlockKey, alive: dict[BlockKey, int]) -> None:
+    def link(self, parent: BlockKey, child: BlockKey, alive: MaskMap) -> None:
         """Records that ``child`` is stored under ``parent``; ``alive`` is the index's masks."""
         cur = self.kids.get(parent)
         if cur is None:
@@ -77,28 +80,45 @@ class PrefixClosure:
             if not loose:
                 del self.loose[(slot, tier)]
 
-    def removed(self, slot: int, tier: int, key: BlockKey, bit: int, masks: dict[BlockKey, int]) -> None:
+    def removed(self, slot: int, tier: int, key: BlockKey, bit: int, masks: MaskMap) -> None:
         """``key`` no longer held on (slot, tier) (its bit ``bit`` already cleared): its children held there
         become loose. O(children of key)."""
         self.removed_all(slot, tier, [key], bit, masks)
 
-    def removed_all(self, slot: int, tier: int, keys: list[BlockKey], bit: int, masks: dict[BlockKey, int]) -> None:
+    def removed_all(self, slot: int, tier: int, keys: list[BlockKey], bit: int, masks: MaskMap) -> None:
         """:meth:`removed` for every key of one removal event, once all their bits are cleared: a child
         removed in the same event, before or after its parent, is never loose at the end either way.
         O(keys + their children), one pass with no call per key (an engine evicts by the hundred)."""
+        get = masks.get
+        self.removed_all_by(slot, tier, keys, lambda kids: [get(c, 0) & bit for c in kids])
+
+    def removed_all_by(self, slot: int, tier: int, keys: list[BlockKey],
+                       held: Callable[[list[BlockKey]], Sequence[int]]) -> None:
+        """:meth:`removed_all`, where ``held`` says for a list of keys which are held on (slot, tier) (truthy),
+        all at once. O(keys + their children)."""
         loose = self.loose.get((slot, tier))
-        kids, held = self.kids.get, masks.get
+        if loose is not None:
+            loose.difference_update(keys)  # none of them is held there now
+        kids = self.kids.get
+        linked: list[BlockKey] = []
         for key in keys:
-            if loose is not None:
-                loose.discard(key)
             cur = kids(key)
             if cur is None:
                 continue
-            for c in cur if isinstance(cur, set) else (cur,):
-                if held(c, 0) & bit:
-                    if loose is None:
-                        loose = self.loose[(slot, tier)] = set()
-                    loose.add(c)
+            if isinstance(cur, set):
+                linked.extend(cur)
+            else:
+                linked.append(cur)
+        self.settle(slot, tier, [c for c, h in zip(linked, held(linked), strict=True) if h] if linked else [])
+
+    def settle(self, slot: int, tier: int, now: list[BlockKey]) -> None:
+        """Adds ``now`` (children held on (slot, tier) whose parent no longer is) to its loose blocks, and drops
+        the set if it is empty. O(len(now))."""
+        loose = self.loose.get((slot, tier))
+        if now:
+            if loose is None:
+                loose = self.loose[(slot, tier)] = set()
+            loose.update(now)
         if loose is not None and not loose:
             del self.loose[(slot, tier)]
 

@@ -38,10 +38,13 @@ from operator import itemgetter
 import msgspec
 
 from kvtier.indexer.blockmasks import BlockMasks
+from kvtier.indexer.closure import MaskMap
 from kvtier.indexer.keys import BlockKey, block_keys, chain_keys, namespace, split_extra_keys
-from kvtier.indexer.levels import DepthFinder
+from kvtier.indexer.keytable import KERNELS, EngineHashes, KeyTable
+from kvtier.indexer.levels import DepthFinder, TableDepthFinder
 from kvtier.indexer.masklayout import SLOT_MASK, TIERS
 from kvtier.indexer.orphans import OrphanStats
+from kvtier.indexer.tablemasks import TableMasks
 from kvtier.indexer.windowkv import WindowKV
 from kvtier.indexer.workerstate import Outcome, WorkerState, WorkerStats
 from kvtier.wire.overlap import OverlapScores, TierOverlap
@@ -86,14 +89,24 @@ class TieredIndex:
         self.block_size = block_size
         self.window_tokens = window_tokens
         self._default_window = -(-window_tokens // block_size)  # in blocks
-        self._masks: dict[BlockKey, int] = {}
+        # Compiled tables where numba runs (kvtier.indexer.tablemasks), else dicts: the same results either way.
+        self._tables = KERNELS.get() is not None
+        self._masks: MaskMap = KeyTable() if self._tables else {}
         self._workers: dict[StreamId, WorkerState] = {}
         self._slot_stream: dict[int, StreamId] = {}  # slot -> the worker that owns it
         self._free_slots: list[int] = []
         self._next_slot = 0
         self._win = WindowKV(self._masks)  # window-KV bits (SWA workers only: kvtier.indexer.windowkv)
-        self._depths = DepthFinder(self._masks, self._slot_stream)  # reads queries' depths off the masks
-        self._blocks = BlockMasks(self._masks, self._win)  # what events change (kvtier.indexer.blockmasks)
+        # Reads queries' depths off the masks (kvtier.indexer.levels); what events change in them
+        # (kvtier.indexer.blockmasks).
+        self._depths: DepthFinder
+        self._blocks: BlockMasks
+        if isinstance(self._masks, KeyTable):
+            self._depths = TableDepthFinder(self._masks, self._slot_stream)
+            self._blocks = TableMasks(self._masks, self._win)
+        else:
+            self._depths = DepthFinder(self._masks, self._slot_stream)
+            self._blocks = BlockMasks(self._masks, self._win)
         self._closure = self._blocks.closure  # whether queries may binary-search (kvtier.indexer.closure)
 
     # --- workers -------------------------------------------------------------------------
@@ -113,6 +126,8 @@ class TieredIndex:
                 self._next_slot += 1
             w = self._workers[stream] = WorkerState(stream, slot, window=self._default_window,
                                                     inferred=bool(self._default_window))
+            if self._tables:
+                w.hashes = EngineHashes()
             self._slot_stream[slot] = stream
         return w
 
@@ -145,7 +160,7 @@ class TieredIndex:
         worker). O(worker blocks)."""
         return self._hashes_by_tier(stream, self._masks, list(StorageTier))
 
-    def _hashes_by_tier(self, stream: StreamId, masks: dict[BlockKey, int],
+    def _hashes_by_tier(self, stream: StreamId, masks: MaskMap,
                         tiers: list[StorageTier]) -> dict[StorageTier, set[EngineHash]]:
         """Per tier of ``tiers``, the worker's engine hashes whose bit ``masks`` has. O(worker blocks)."""
         out: dict[StorageTier, set[EngineHash]] = {t: set() for t in tiers}

@@ -31,6 +31,7 @@ from typing import Any, NewType, cast
 
 import msgspec
 import numpy as np
+import numpy.typing as npt
 import xxhash
 
 from kvtier.wire import jit
@@ -38,6 +39,19 @@ from kvtier.wire.protocol import TOKEN_BYTES, PackedTokens, pack_tokens
 
 #: A router-side block key: identifies a block together with its whole prefix.
 BlockKey = NewType("BlockKey", int)
+
+
+
+class KeyList(list[BlockKey]):
+    """Keys from the compiled chain, with the ``uint64`` array they came as (``arr``): the index's compiled tables
+    read the array instead of converting the list back (:meth:`kvtier.indexer.keytable.KeyTable.array`)."""
+
+    __slots__ = ("arr",)
+
+    def __init__(self, arr: npt.NDArray[np.uint64]) -> None:
+        super().__init__(arr.tolist())
+        self.arr = arr  # the same keys, never changed (a KeyList is not changed either)
+
 
 SEED = 1337
 _PAIR = struct.Struct("<QQ")
@@ -91,8 +105,7 @@ def chain_keys(
         return []
     base = parent if parent is not None else ns
     if extras is None and n >= _MIN_COMPILED_BLOCKS and (kernels := _KERNELS.get()) is not None:
-        keys_u64 = kernels.chain(np.frombuffer(buf, np.uint8), step, np.uint64(base or 0), base is not None, _SEED)
-        return cast(list[BlockKey], keys_u64.tolist())
+        return KeyList(kernels.chain(np.frombuffer(buf, np.uint8), step, np.uint64(base or 0), base is not None, _SEED))
     # Hot path (every event applied and every query): the seed goes positionally (xxhash parses keyword
     # arguments at several times the cost of a 64-byte hash) and blocks are hashed from a view, not copied.
     h = _h

@@ -24,7 +24,9 @@ from typing import Any, cast
 
 import numpy as np
 
+from kvtier.indexer.closure import MaskMap
 from kvtier.indexer.keys import BlockKey
+from kvtier.indexer.keytable import KeyTable
 from kvtier.indexer.masklayout import DEV, EXT, M64, SLOTS_PER_WORD, TIERS, dev_all
 from kvtier.wire.protocol import StorageTier
 from kvtier.wire.stream import StreamId
@@ -40,7 +42,7 @@ class DepthFinder:
 
     __slots__ = ("_dev_all", "_dev_all_slots", "_masks", "_owned")
 
-    def __init__(self, masks: dict[BlockKey, int], owned: dict[int, StreamId]) -> None:
+    def __init__(self, masks: MaskMap, owned: dict[int, StreamId]) -> None:
         self._masks = masks  # the index's key -> mask dict (the same object, kept current by the index)
         self._owned = owned  # the index's slot -> stream dict: bits of slots not in it are ignored
         self._dev_all = 0  # the device bit of every slot below _dev_all_slots (see _device_bits)
@@ -168,6 +170,11 @@ class DepthFinder:
         else:
             arrs = [np.fromiter(((m >> (64 * g)) & M64 for m in ms), dtype=np.uint64, count=n)
                     for g in range(words)]
+        return self._levels_words(arrs, n, depths)
+
+    def _levels_words(self, arrs: list[np.ndarray[Any, Any]], n: int, depths: Depths) -> int:
+        """:meth:`_levels` on the masks split into 64-bit words (``arrs[g]``: word ``g`` of every mask).
+        O(n * words)."""
         ext_bits = np.uint64(EXT)
         pool = np.zeros(n, dtype=bool)
         for a in arrs:
@@ -195,3 +202,38 @@ class DepthFinder:
         for pos, b, a in zip(change.tolist(), before, after, strict=True):
             self._record(b & ~a, pos + 1, (lvl,), depths, base)
         self._record(int(row[-1]), n, (lvl,), depths, base)
+
+
+class TableDepthFinder(DepthFinder):
+    """:class:`DepthFinder` over the compiled table (:class:`kvtier.indexer.keytable.KeyTable`): the search or the
+    scan is one kernel call over the query's keys as an array, the levels are read as before."""
+
+    __slots__ = ()
+
+    def depths(self, keys: list[BlockKey], closed: bool, slots: int) -> tuple[Depths, int]:
+        """:meth:`DepthFinder.depths`; the same complexity, in compiled lookups."""
+        t = cast(KeyTable, self._masks)
+        k = t.k
+        karr = t.array(keys)
+        depths: Depths = {}
+        if closed:
+            starts = np.empty(MAX_RUNS + 1, np.int64)
+            rows = np.empty(MAX_RUNS + 1, np.int64)
+            runs = k.runs_by_search(t.tk, t.tu, t.tv, karr, MAX_RUNS, starts, rows)
+            if runs >= 0:
+                n = int(starts[runs])
+                if not n:
+                    return depths, 0
+                found = list(zip(t.masks_at(rows[:runs]), starts[:runs].tolist(), strict=True))
+                return depths, self._levels_by_runs(found, n, depths, slots)
+        at = k.leading_rows(t.tk, t.tu, karr)
+        n = len(at)
+        if not n:
+            return depths, 0
+        words = t.tv[at]
+        begin = [0, *(np.flatnonzero((words[1:] != words[:-1]).any(axis=1)) + 1).tolist()]
+        if len(begin) <= MAX_RUNS:
+            return depths, self._levels_by_runs(list(zip(t.masks_at(at[begin]), begin, strict=True)), n, depths,
+                                                slots)
+        used = max(1, -(-slots // SLOTS_PER_WORD))
+        return depths, self._levels_words([np.ascontiguousarray(words[:, g]) for g in range(used)], n, depths)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from kvtier.indexer.closure import MaskMap
 from kvtier.indexer.keys import BlockKey
 from kvtier.indexer.masklayout import SLOT_MASK, slot_shift, tier_bit
 from kvtier.indexer.workerstate import WorkerState
@@ -39,7 +40,7 @@ class WindowKV:
 
     __slots__ = ("_masks", "bits")
 
-    def __init__(self, masks: dict[BlockKey, int]) -> None:
+    def __init__(self, masks: MaskMap) -> None:
         self.bits: dict[BlockKey, int] = {}  # key -> window bits (a subset of its mask's bits)
         self._masks = masks  # the index's key -> mask dict (the same object, kept current by the index)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -42,7 +43,8 @@ class WorkerState:
 
     stream: StreamId  # identity
     slot: int  # bit position / TIERS in every mask
-    hashes: dict[EngineHash, BlockKey] = field(default_factory=dict)  # engine hash -> key
+    # Engine hash -> key: a dict, or a compiled table (kvtier.indexer.keytable.EngineHashes) beside compiled masks.
+    hashes: MutableMapping[EngineHash, BlockKey] = field(default_factory=dict)
     counts: list[int] = field(default_factory=lambda: [0] * TIERS)  # blocks per tier
     stats: WorkerStats = field(default_factory=WorkerStats)  # counters
     orphans: OrphanPool = field(default_factory=OrphanPool)  # stores waiting for their parent

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from kvtier.indexer import levels as levels_module
 from kvtier.indexer.index import Outcome, TieredIndex
 from kvtier.indexer.keys import block_keys
-from kvtier.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, StorageTier, WorkerId
+from kvtier.wire import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event, StorageTier, WorkerId
 from kvtier.wire.stream import StreamId
 from tests.reference_index import ReferenceIndex
 
@@ -247,9 +247,18 @@ TIER_NAMES = ["GPU", "CPU_PINNED", "DISK", "EXTERNAL"]
 WORKERS = [A, B, A1]
 
 
-def engine_hash(worker: StreamId, tokens: tuple[int, ...]) -> int:
-    # A different (opaque) engine hash scheme per worker, content-chained like SGLang's.
-    return hash((worker.worker, worker.dp_rank, tokens)) & ((1 << 63) - 1)
+def engine_hash(worker: StreamId, tokens: tuple[int, ...]) -> EngineHash:
+    """A different (opaque) engine hash scheme per worker, content-chained like SGLang's, in each form the wire
+    carries: signed int64 (SGLang), unsigned past 2**63 (vLLM), bytes; small ints for the padding workers. The
+    compiled index keeps each in a form of its own (kvtier.indexer.keytable.EngineHashes)."""
+    h = hash((worker.worker, worker.dp_rank, tokens)) & ((1 << 64) - 1)
+    if worker == A:
+        return h - (1 << 63)
+    if worker == B:
+        return h | (1 << 63)
+    if worker == A1:
+        return h.to_bytes(8, "little")
+    return h >> 1
 
 
 @st.composite

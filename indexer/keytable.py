@@ -1,0 +1,308 @@
+"""The index's compiled storage, seen from Python: the block-key table and the per-worker engine-hash tables.
+
+:class:`KeyTable` (key -> mask) and :class:`EngineHashes` (engine hash -> key) own the arrays of
+:mod:`kvtier.indexer.tablekernel` and read like the dicts they replace (``get``, ``[]``, ``in``, ``del``,
+iteration), one compiled call per operation, so that the index's rare paths (snapshots, ``_check``, window
+KV, block-by-block stores) keep working unchanged; the paths every event takes call the kernels on whole
+arrays (:class:`kvtier.indexer.tablemasks.TableMasks`).
+
+A mask wider than the table's words (a 17th worker slot) widens the table first; an engine hash that is not an
+``int64`` (vLLM's ``bytes``, or a ``uint64`` past ``2**63``) moves that worker's engine hashes into a Python
+dict for good (:meth:`EngineHashes.int64s`), since the table could not give the same object back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, MutableMapping
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtier.indexer.keys import BlockKey
+from kvtier.indexer.masklayout import SLOTS_PER_WORD
+from kvtier.wire.jit import LazyKernels
+from kvtier.wire.protocol import EngineHash
+
+_M64 = (1 << 64) - 1
+_SIGN = 1 << 63
+_MIN_CAP = 1024
+
+#: The table kernels, compiled (or loaded from numba's cache) on first use.
+KERNELS = LazyKernels("kvtier.indexer.tablekernel", lambda k: k.warm(k))
+
+U64 = npt.NDArray[np.uint64]
+
+
+class _Table:
+    """Arrays of one open-addressing table (:mod:`kvtier.indexer.tablekernel`): ``tk`` keys, ``tu`` used
+    flags, ``tv`` rows of ``width`` words, ``meta[0]`` entries. The load stays at most 3/4."""
+
+    __slots__ = ("k", "meta", "tk", "tu", "tv")
+
+    def __init__(self, width: int, cap: int = _MIN_CAP) -> None:
+        self.k: Any = KERNELS.get()  # the kernel module (callers checked that it loads)
+        assert self.k is not None, "compiled tables built without numba"
+        self.tk = np.zeros(cap, np.uint64)  # keys
+        self.tu = np.zeros(cap, np.uint8)  # 1 where a slot is used
+        self.tv = np.zeros((cap, width), np.uint64)  # rows
+        self.meta = np.zeros(1, np.int64)  # [entries]
+
+    def __len__(self) -> int:
+        return int(self.meta[0])
+
+    def reserve(self, n: int) -> None:
+        """Room for ``n`` more entries: doubles the table while they would take it past 3/4. O(cap) when it
+        grows, else O(1)."""
+        cap = self.tk.shape[0]
+        need = int(self.meta[0]) + n
+        if need * 4 <= cap * 3:
+            return
+        while need * 2 > cap:  # grown tables start half full at most, so that growth stays amortised
+            cap *= 2
+        self._rebuild(cap, self.tv.shape[1])
+
+    def _rebuild(self, cap: int, width: int) -> None:
+        nk, nu, nv = np.zeros(cap, np.uint64), np.zeros(cap, np.uint8), np.zeros((cap, width), np.uint64)
+        self.k.rehash(self.tk, self.tu, self.tv, nk, nu, nv)
+        self.tk, self.tu, self.tv = nk, nu, nv
+
+    def clear(self) -> None:
+        """Drops every entry and shrinks back to the first capacity. O(1)."""
+        width = self.tv.shape[1]
+        self.tk = np.zeros(_MIN_CAP, np.uint64)
+        self.tu = np.zeros(_MIN_CAP, np.uint8)
+        self.tv = np.zeros((_MIN_CAP, width), np.uint64)
+        self.meta[0] = 0
+
+    def slot(self, k: int) -> int:
+        """The slot of key ``k`` (a ``uint64`` value), or -1. O(1)."""
+        return int(self.k.find(self.tk, self.tu, np.uint64(k)))
+
+    def delete(self, k: int) -> None:
+        """Removes key ``k``; ``KeyError`` if absent. O(1) expected."""
+        i = self.slot(k)
+        if i < 0:
+            raise KeyError(k)
+        self.k.delete_at(self.tk, self.tu, self.tv, self.meta, i)
+
+    def used(self) -> npt.NDArray[np.int64]:
+        """The used slots. O(cap)."""
+        out: npt.NDArray[np.int64] = self.k.used_slots(self.tu)
+        return out
+
+    def put_slot(self, k: int) -> int:
+        """The slot of key ``k``, claimed (with a zero row) if absent. O(1) expected."""
+        self.reserve(1)
+        i = int(self.k.claim(self.tk, self.tu, self.tv, self.meta, np.uint64(k)))
+        return -1 - i if i < 0 else i
+
+
+class KeyTable(_Table, MutableMapping[BlockKey, int]):
+    """Block key -> mask (:mod:`kvtier.indexer.masklayout`), as the index's ``masks``: a key nobody holds is
+    absent. Rows hold ``SLOTS_PER_WORD`` worker slots per word."""
+
+    __slots__ = ()
+
+    def __init__(self) -> None:
+        super().__init__(1)
+
+    @property
+    def words(self) -> int:
+        return int(self.tv.shape[1])
+
+    def widen(self, slots: int) -> None:
+        """Room for masks of ``slots`` worker slots. O(cap) when it widens, else O(1)."""
+        words = -(-slots // SLOTS_PER_WORD)
+        if words > self.words:
+            self._rebuild(self.tk.shape[0], words)
+
+    def mask_at(self, i: int) -> int:
+        """The mask in slot ``i``, as one int. O(words)."""
+        if self.tv.shape[1] == 1:
+            return int(self.tv[i, 0])
+        return int.from_bytes(self.tv[i].tobytes(), "little")
+
+    def masks_at(self, rows: npt.NDArray[np.int64]) -> list[int]:
+        """The masks in slots ``rows``, as ints. O(rows * words)."""
+        if self.tv.shape[1] == 1:
+            out: list[int] = self.tv[rows, 0].tolist()
+            return out
+        return [int.from_bytes(r.tobytes(), "little") for r in self.tv[rows]]
+
+    def get(self, key: BlockKey, default: Any = None) -> Any:
+        i = self.slot(key)
+        return default if i < 0 else self.mask_at(i)
+
+    def __getitem__(self, key: BlockKey) -> int:
+        i = self.slot(key)
+        if i < 0:
+            raise KeyError(key)
+        return self.mask_at(i)
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, int) and 0 <= key <= _M64 and self.slot(key) >= 0
+
+    def __setitem__(self, key: BlockKey, m: int) -> None:
+        assert m > 0, f"key {key:#x}: a mask must not be empty (absent keys are nobody's)"
+        self.widen(-(-m.bit_length() // 4))
+        i = self.put_slot(key)
+        if self.tv.shape[1] == 1:
+            self.tv[i, 0] = m
+        else:
+            self.tv[i] = np.frombuffer(m.to_bytes(8 * self.tv.shape[1], "little"), np.uint64)
+
+    def __delitem__(self, key: BlockKey) -> None:
+        self.delete(key)
+
+    def items(self) -> list[tuple[BlockKey, int]]:  # type: ignore[override]
+        rows = self.used()
+        return list(zip(self.tk[rows].tolist(), self.masks_at(rows), strict=True))
+
+    def __iter__(self) -> Iterator[BlockKey]:
+        return iter(self.tk[self.used()].tolist())
+
+    def __len__(self) -> int:
+        return int(self.meta[0])
+
+    def array(self, keys: list[BlockKey]) -> U64:
+        """``keys`` as the ``uint64`` array the kernels take (the array ``block_keys`` made them from, when it
+        is attached). O(keys)."""
+        arr: U64 | None = getattr(keys, "arr", None)
+        return arr if arr is not None else np.array(keys, dtype=np.uint64)
+
+
+class EngineHashes(_Table, MutableMapping[EngineHash, BlockKey]):
+    """One worker's engine hash -> key, as ``WorkerState.hashes``: a compiled table while its engine hashes are all
+    ``int64`` (SGLang) or all ``uint64`` (vLLM), each stored as its 64 bits; a Python dict (``py``) from the first
+    one that fits neither the table nor the signedness seen so far."""
+
+    __slots__ = ("py", "signed")
+
+    def __init__(self) -> None:
+        super().__init__(1, 64)
+        self.py: dict[EngineHash, BlockKey] | None = None  # set once a hash the table cannot hold came
+        # True once a negative hash came, False once one past 2**63 did; None while every one is in both ranges.
+        self.signed: bool | None = None
+
+    def _fits(self, eh: object) -> bool:
+        """Whether ``eh`` is an int the table can hold beside the hashes it has. O(1)."""
+        if type(eh) is not int:
+            return False
+        if eh < 0:
+            return eh >= -_SIGN and self.signed is not False
+        return eh < _SIGN or (eh <= _M64 and self.signed is not True)
+
+    def _sign(self, eh: int) -> None:
+        if eh < 0:
+            self.signed = True
+        elif eh >= _SIGN:
+            self.signed = False
+
+    def demote(self) -> dict[EngineHash, BlockKey]:
+        """Moves every entry into a Python dict, kept from now on. O(entries)."""
+        if self.py is None:
+            self.py = dict(self._items())
+            super().clear()
+        return self.py
+
+    def int64s(self, ehs: list[EngineHash]) -> U64 | None:
+        """``ehs`` as the ``uint64`` array of their 64 bits for the kernels, or None: this worker's hashes live in a
+        dict (now, if ``ehs`` has one the table cannot hold). O(len(ehs))."""
+        if self.py is not None:
+            return None
+        n = len(ehs)
+        try:
+            if self.signed is False:  # unsigned hashes (vLLM): a negative one raises
+                return np.fromiter(ehs, np.uint64, n)
+            try:
+                arr = np.fromiter(ehs, np.int64, n)
+            except OverflowError:  # one past 2**63: unsigned, unless negative ones came before
+                if self.signed:
+                    raise
+                uarr = np.fromiter(ehs, np.uint64, n)
+                self.signed = False
+                return uarr
+            if self.signed is None and n and arr.min() < 0:
+                self.signed = True
+            return arr.view(np.uint64)
+        except (OverflowError, TypeError, ValueError):
+            self.demote()
+            return None
+
+    def _items(self) -> list[tuple[EngineHash, BlockKey]]:
+        rows = self.used()
+        return list(zip(self._names(rows), self.tv[rows, 0].tolist(), strict=True))
+
+    def _names(self, rows: npt.NDArray[np.int64]) -> list[EngineHash]:
+        """The engine hashes in slots ``rows``, as the ints they came as. O(rows)."""
+        names = self.tk[rows]
+        out: list[EngineHash] = (names.view(np.int64) if self.signed else names).tolist()
+        return out
+
+    def get(self, eh: EngineHash, default: Any = None) -> Any:
+        if self.py is not None:
+            return self.py.get(eh, default)
+        if not self._fits(eh):
+            return default
+        i = self.slot(eh & _M64)  # type: ignore[operator]
+        return default if i < 0 else BlockKey(int(self.tv[i, 0]))
+
+    def __getitem__(self, eh: EngineHash) -> BlockKey:
+        key = self.get(eh)
+        if key is None:
+            raise KeyError(eh)
+        return key  # type: ignore[no-any-return]
+
+    def __contains__(self, eh: object) -> bool:
+        if self.py is not None:
+            return eh in self.py
+        return self._fits(eh) and self.slot(eh & _M64) >= 0  # type: ignore[operator]
+
+    def __setitem__(self, eh: EngineHash, key: BlockKey) -> None:
+        if self.py is None and not self._fits(eh):
+            self.demote()
+        if self.py is not None:
+            self.py[eh] = key
+            return
+        self._sign(eh)  # type: ignore[arg-type]
+        self.tv[self.put_slot(eh & _M64), 0] = key  # type: ignore[operator]
+
+    def __delitem__(self, eh: EngineHash) -> None:
+        if self.py is not None:
+            del self.py[eh]
+        elif not self._fits(eh):
+            raise KeyError(eh)
+        else:
+            self.delete(eh & _M64)  # type: ignore[operator]
+
+    def __iter__(self) -> Iterator[EngineHash]:
+        if self.py is not None:
+            return iter(list(self.py))
+        return iter(self._names(self.used()))
+
+    def __len__(self) -> int:
+        return len(self.py) if self.py is not None else int(self.meta[0])
+
+    def items(self) -> list[tuple[EngineHash, BlockKey]]:  # type: ignore[override]
+        return list(self.py.items()) if self.py is not None else self._items()
+
+    def values(self) -> list[BlockKey]:  # type: ignore[override]
+        if self.py is not None:
+            return list(self.py.values())
+        out: list[BlockKey] = self.tv[self.used(), 0].tolist()
+        return out
+
+    def key_array(self) -> U64:
+        """Every key named, as an array (table order). O(entries)."""
+        if self.py is not None:
+            return np.array(list(self.py.values()), dtype=np.uint64)
+        out: U64 = self.tv[self.used(), 0]
+        return out
+
+    def clear(self) -> None:
+        if self.py is not None:
+            self.py.clear()
+        else:
+            super().clear()
+            self.signed = None
