@@ -24,6 +24,9 @@ from kvtier.indexer.masklayout import SLOTS_PER_WORD
 from kvtier.wire.jit import LazyKernels
 from kvtier.wire.protocol import EngineHash
 
+#: The columns every row of a table starts with (:mod:`kvtier.indexer.tablekernel`): its key, 1 if it is used,
+#: then its values.
+KEY, USED, VAL = 0, 1, 2
 _M64 = (1 << 64) - 1
 _SIGN = 1 << 63
 _MIN_CAP = 1024
@@ -35,66 +38,61 @@ U64 = npt.NDArray[np.uint64]
 
 
 class _Table:
-    """Arrays of one open-addressing table (:mod:`kvtier.indexer.tablekernel`): ``tk`` keys, ``tu`` used
-    flags, ``tv`` rows of ``width`` words, ``meta[0]`` entries. The load stays at most 3/4."""
+    """One open-addressing table (:mod:`kvtier.indexer.tablekernel`): ``r`` its rows (key, used flag, ``width``
+    values), ``m[0]`` its entries. The load stays at most 3/4."""
 
-    __slots__ = ("k", "meta", "tk", "tu", "tv")
+    __slots__ = ("k", "m", "r")
 
     def __init__(self, width: int, cap: int = _MIN_CAP) -> None:
         self.k: Any = KERNELS.get()  # the kernel module (callers checked that it loads)
         assert self.k is not None, "compiled tables built without numba"
-        self.tk = np.zeros(cap, np.uint64)  # keys
-        self.tu = np.zeros(cap, np.uint8)  # 1 where a slot is used
-        self.tv = np.zeros((cap, width), np.uint64)  # rows
-        self.meta = np.zeros(1, np.int64)  # [entries]
+        self.r = np.zeros((cap, VAL + width), np.uint64)  # rows
+        self.m = np.zeros(1, np.int64)  # [entries]
 
     def __len__(self) -> int:
-        return int(self.meta[0])
+        return int(self.m[0])
 
     def reserve(self, n: int) -> None:
         """Room for ``n`` more entries: doubles the table while they would take it past 3/4. O(cap) when it
         grows, else O(1)."""
-        cap = self.tk.shape[0]
-        need = int(self.meta[0]) + n
+        cap = self.r.shape[0]
+        need = int(self.m[0]) + n
         if need * 4 <= cap * 3:
             return
         while need * 2 > cap:  # grown tables start half full at most, so that growth stays amortised
             cap *= 2
-        self._rebuild(cap, self.tv.shape[1])
+        self._rebuild(cap, self.r.shape[1])
 
-    def _rebuild(self, cap: int, width: int) -> None:
-        nk, nu, nv = np.zeros(cap, np.uint64), np.zeros(cap, np.uint8), np.zeros((cap, width), np.uint64)
-        self.k.rehash(self.tk, self.tu, self.tv, nk, nu, nv)
-        self.tk, self.tu, self.tv = nk, nu, nv
+    def _rebuild(self, cap: int, cols: int) -> None:
+        n = np.zeros((cap, cols), np.uint64)
+        self.k.rehash(self.r, n)
+        self.r = n
 
     def clear(self) -> None:
         """Drops every entry and shrinks back to the first capacity. O(1)."""
-        width = self.tv.shape[1]
-        self.tk = np.zeros(_MIN_CAP, np.uint64)
-        self.tu = np.zeros(_MIN_CAP, np.uint8)
-        self.tv = np.zeros((_MIN_CAP, width), np.uint64)
-        self.meta[0] = 0
+        self.r = np.zeros((_MIN_CAP, self.r.shape[1]), np.uint64)
+        self.m[0] = 0
 
     def slot(self, k: int) -> int:
-        """The slot of key ``k`` (a ``uint64`` value), or -1. O(1)."""
-        return int(self.k.find(self.tk, self.tu, np.uint64(k)))
+        """The row of key ``k`` (a ``uint64`` value), or -1. O(1)."""
+        return int(self.k.find(self.r, np.uint64(k)))
 
     def delete(self, k: int) -> None:
         """Removes key ``k``; ``KeyError`` if absent. O(1) expected."""
         i = self.slot(k)
         if i < 0:
             raise KeyError(k)
-        self.k.delete_at(self.tk, self.tu, self.tv, self.meta, i)
+        self.k.delete_at(self.r, self.m, i)
 
     def used(self) -> npt.NDArray[np.int64]:
-        """The used slots. O(cap)."""
-        out: npt.NDArray[np.int64] = self.k.used_slots(self.tu)
+        """The used rows. O(cap)."""
+        out: npt.NDArray[np.int64] = self.k.used_rows(self.r)
         return out
 
     def put_slot(self, k: int) -> int:
-        """The slot of key ``k``, claimed (with a zero row) if absent. O(1) expected."""
+        """The row of key ``k``, claimed (with zero values) if absent. O(1) expected."""
         self.reserve(1)
-        i = int(self.k.claim(self.tk, self.tu, self.tv, self.meta, np.uint64(k)))
+        i = int(self.k.claim(self.r, self.m, np.uint64(k)))
         return -1 - i if i < 0 else i
 
 
@@ -109,26 +107,26 @@ class KeyTable(_Table, MutableMapping[BlockKey, int]):
 
     @property
     def words(self) -> int:
-        return int(self.tv.shape[1])
+        return int(self.r.shape[1]) - VAL
 
     def widen(self, slots: int) -> None:
         """Room for masks of ``slots`` worker slots. O(cap) when it widens, else O(1)."""
         words = -(-slots // SLOTS_PER_WORD)
         if words > self.words:
-            self._rebuild(self.tk.shape[0], words)
+            self._rebuild(self.r.shape[0], VAL + words)
 
     def mask_at(self, i: int) -> int:
-        """The mask in slot ``i``, as one int. O(words)."""
-        if self.tv.shape[1] == 1:
-            return int(self.tv[i, 0])
-        return int.from_bytes(self.tv[i].tobytes(), "little")
+        """The mask in row ``i``, as one int. O(words)."""
+        if self.r.shape[1] == VAL + 1:
+            return int(self.r[i, VAL])
+        return int.from_bytes(self.r[i, VAL:].tobytes(), "little")
 
     def masks_at(self, rows: npt.NDArray[np.int64]) -> list[int]:
-        """The masks in slots ``rows``, as ints. O(rows * words)."""
-        if self.tv.shape[1] == 1:
-            out: list[int] = self.tv[rows, 0].tolist()
+        """The masks in rows ``rows``, as ints. O(rows * words)."""
+        if self.r.shape[1] == VAL + 1:
+            out: list[int] = self.r[rows, VAL].tolist()
             return out
-        return [int.from_bytes(r.tobytes(), "little") for r in self.tv[rows]]
+        return [int.from_bytes(r.tobytes(), "little") for r in self.r[rows, VAL:]]
 
     def get(self, key: BlockKey, default: Any = None) -> Any:
         i = self.slot(key)
@@ -147,23 +145,23 @@ class KeyTable(_Table, MutableMapping[BlockKey, int]):
         assert m > 0, f"key {key:#x}: a mask must not be empty (absent keys are nobody's)"
         self.widen(-(-m.bit_length() // 4))
         i = self.put_slot(key)
-        if self.tv.shape[1] == 1:
-            self.tv[i, 0] = m
+        if self.words == 1:
+            self.r[i, VAL] = m
         else:
-            self.tv[i] = np.frombuffer(m.to_bytes(8 * self.tv.shape[1], "little"), np.uint64)
+            self.r[i, VAL:] = np.frombuffer(m.to_bytes(8 * self.words, "little"), np.uint64)
 
     def __delitem__(self, key: BlockKey) -> None:
         self.delete(key)
 
     def items(self) -> list[tuple[BlockKey, int]]:  # type: ignore[override]
         rows = self.used()
-        return list(zip(self.tk[rows].tolist(), self.masks_at(rows), strict=True))
+        return list(zip(self.r[rows, KEY].tolist(), self.masks_at(rows), strict=True))
 
     def __iter__(self) -> Iterator[BlockKey]:
-        return iter(self.tk[self.used()].tolist())
+        return iter(self.r[self.used(), KEY].tolist())
 
     def __len__(self) -> int:
-        return int(self.meta[0])
+        return int(self.m[0])
 
     def array(self, keys: list[BlockKey]) -> U64:
         """``keys`` as the ``uint64`` array the kernels take (the array ``block_keys`` made them from, when it
@@ -223,8 +221,7 @@ class EngineHashes(_Table, MutableMapping[EngineHash, BlockKey]):
                 uarr = np.fromiter(ehs, np.uint64, n)
                 self.signed = False
                 return uarr
-            if self.signed is None and n and arr.min() < 0:
-                self.signed = True
+            # Negative ones, if any, are seen where they are stored (TableMasks.insert sets ``signed``).
             return arr.view(np.uint64)
         except (OverflowError, TypeError, ValueError):
             self.demote()
@@ -232,11 +229,11 @@ class EngineHashes(_Table, MutableMapping[EngineHash, BlockKey]):
 
     def _items(self) -> list[tuple[EngineHash, BlockKey]]:
         rows = self.used()
-        return list(zip(self._names(rows), self.tv[rows, 0].tolist(), strict=True))
+        return list(zip(self._names(rows), self.r[rows, VAL].tolist(), strict=True))
 
     def _names(self, rows: npt.NDArray[np.int64]) -> list[EngineHash]:
         """The engine hashes in slots ``rows``, as the ints they came as. O(rows)."""
-        names = self.tk[rows]
+        names = self.r[rows, KEY]
         out: list[EngineHash] = (names.view(np.int64) if self.signed else names).tolist()
         return out
 
@@ -246,7 +243,7 @@ class EngineHashes(_Table, MutableMapping[EngineHash, BlockKey]):
         if not self._fits(eh):
             return default
         i = self.slot(eh & _M64)  # type: ignore[operator]
-        return default if i < 0 else BlockKey(int(self.tv[i, 0]))
+        return default if i < 0 else BlockKey(int(self.r[i, VAL]))
 
     def __getitem__(self, eh: EngineHash) -> BlockKey:
         key = self.get(eh)
@@ -266,7 +263,7 @@ class EngineHashes(_Table, MutableMapping[EngineHash, BlockKey]):
             self.py[eh] = key
             return
         self._sign(eh)  # type: ignore[arg-type]
-        self.tv[self.put_slot(eh & _M64), 0] = key  # type: ignore[operator]
+        self.r[self.put_slot(eh & _M64), VAL] = key  # type: ignore[operator]
 
     def __delitem__(self, eh: EngineHash) -> None:
         if self.py is not None:
@@ -282,7 +279,7 @@ class EngineHashes(_Table, MutableMapping[EngineHash, BlockKey]):
         return iter(self._names(self.used()))
 
     def __len__(self) -> int:
-        return len(self.py) if self.py is not None else int(self.meta[0])
+        return len(self.py) if self.py is not None else int(self.m[0])
 
     def items(self) -> list[tuple[EngineHash, BlockKey]]:  # type: ignore[override]
         return list(self.py.items()) if self.py is not None else self._items()
@@ -290,14 +287,14 @@ class EngineHashes(_Table, MutableMapping[EngineHash, BlockKey]):
     def values(self) -> list[BlockKey]:  # type: ignore[override]
         if self.py is not None:
             return list(self.py.values())
-        out: list[BlockKey] = self.tv[self.used(), 0].tolist()
+        out: list[BlockKey] = self.r[self.used(), VAL].tolist()
         return out
 
     def key_array(self) -> U64:
         """Every key named, as an array (table order). O(entries)."""
         if self.py is not None:
             return np.array(list(self.py.values()), dtype=np.uint64)
-        out: U64 = self.tv[self.used(), 0]
+        out: U64 = self.r[self.used(), VAL]
         return out
 
     def clear(self) -> None:

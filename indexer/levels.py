@@ -26,7 +26,7 @@ import numpy as np
 
 from kvtier.indexer.closure import MaskMap
 from kvtier.indexer.keys import BlockKey
-from kvtier.indexer.keytable import KeyTable
+from kvtier.indexer.keytable import VAL, KeyTable
 from kvtier.indexer.masklayout import DEV, EXT, M64, SLOTS_PER_WORD, TIERS, dev_all
 from kvtier.wire.protocol import StorageTier
 from kvtier.wire.stream import StreamId
@@ -219,18 +219,18 @@ class TableDepthFinder(DepthFinder):
         if closed:
             starts = np.empty(MAX_RUNS + 1, np.int64)
             rows = np.empty(MAX_RUNS + 1, np.int64)
-            runs = k.runs_by_search(t.tk, t.tu, t.tv, karr, MAX_RUNS, starts, rows)
+            runs = k.runs_by_search(t.r, karr, MAX_RUNS, starts, rows)
             if runs >= 0:
                 n = int(starts[runs])
                 if not n:
                     return depths, 0
                 found = list(zip(t.masks_at(rows[:runs]), starts[:runs].tolist(), strict=True))
                 return depths, self._levels_by_runs(found, n, depths, slots)
-        at = k.leading_rows(t.tk, t.tu, karr)
+        at = k.leading_rows(t.r, karr)
         n = len(at)
         if not n:
             return depths, 0
-        words = t.tv[at]
+        words = t.r[at, VAL:]
         begin = [0, *(np.flatnonzero((words[1:] != words[:-1]).any(axis=1)) + 1).tolist()]
         if len(begin) <= MAX_RUNS:
             return depths, self._levels_by_runs(list(zip(t.masks_at(at[begin]), begin, strict=True)), n, depths,

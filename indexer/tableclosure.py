@@ -3,8 +3,8 @@
 :class:`TableClosure` is :class:`kvtier.indexer.closure.PrefixClosure` with its links (parent -> children) in a
 table of :mod:`kvtier.indexer.tablekernel`: a parent's row holds its one child, or says that its children are a
 set, kept in the Python dict ``branches`` (a branch is rare: a prompt that diverges where others went on).
-Loose blocks stay Python sets. Linking a chain, finding the held children of removed blocks and dropping the
-links of dead blocks are one kernel call each; ``kids`` reads the links as a mapping for everything else.
+Loose blocks stay Python sets. The store, removal and clearing kernels link, look at children and drop the
+links of dead blocks themselves; ``kids`` reads the links as a mapping for everything else.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 
 from kvtier.indexer.closure import Kids, MaskMap, PrefixClosure
 from kvtier.indexer.keys import BlockKey
-from kvtier.indexer.keytable import KeyTable, _Table
+from kvtier.indexer.keytable import KEY, VAL, KeyTable, _Table
 
 
 class KidTable(_Table):
@@ -39,40 +39,37 @@ class KidMap(Mapping[BlockKey, Kids]):
         self._c = closure
 
     def __getitem__(self, key: BlockKey) -> Kids:
-        kt = self._c.kt
-        i = kt.slot(key)
+        lk = self._c.lk
+        i = lk.slot(key)
         if i < 0:
             raise KeyError(key)
-        if kt.tv[i, 1]:
+        if lk.r[i, VAL + 1]:
             return self._c.branches[key]
-        return BlockKey(int(kt.tv[i, 0]))
+        return BlockKey(int(lk.r[i, VAL]))
 
     def __iter__(self) -> Iterator[BlockKey]:
-        return iter(self._c.kt.tk[self._c.kt.used()].tolist())
+        lk = self._c.lk
+        return iter(lk.r[lk.used(), KEY].tolist())
 
     def __len__(self) -> int:
-        return len(self._c.kt)
+        return len(self._c.lk)
 
 
 class TableClosure(PrefixClosure):
     """:class:`PrefixClosure` with compiled links (module docstring). Every method keeps its complexity."""
 
-    __slots__ = ("_t", "branches", "kt")
+    __slots__ = ("_t", "branches", "lk")
 
     def __init__(self, table: KeyTable) -> None:
         super().__init__()
         self._t = table  # the masks: whether a child is alive, whether it holds a bit
-        self.kt = KidTable()  # parent -> its child, or a flag: its children are in branches
+        self.lk = KidTable()  # parent -> its child, or a flag: its children are in branches
         self.branches: dict[BlockKey, set[BlockKey]] = {}  # parent -> its children, where it has several
         self.kids = KidMap(self)  # type: ignore[assignment]
 
     def link(self, parent: BlockKey, child: BlockKey, alive: MaskMap) -> None:
         """:meth:`PrefixClosure.link` (``alive`` is the compiled masks, read directly). O(1)."""
-        self.link_all([parent], [child])
-
-    def link_all(self, parents: Sequence[BlockKey], children: Sequence[BlockKey]) -> None:
-        """Links each child under the parent at its position. O(pairs), in one kernel call."""
-        self._link(parents, children, np.array(parents, np.uint64), np.array(children, np.uint64))
+        self._link([parent], [child], np.array([parent], np.uint64), np.array([child], np.uint64))
 
     def link_chain(self, keys: Sequence[BlockKey], karr: Any) -> None:
         """Links each key of a chain under the one before it (``karr``: the keys as an array). O(keys)."""
@@ -81,36 +78,37 @@ class TableClosure(PrefixClosure):
 
     def _link(self, parents: Sequence[BlockKey], children: Sequence[BlockKey], parr: Any, carr: Any) -> None:
         n = len(parents)
-        if not n:
-            return
-        kt, t = self.kt, self._t
-        kt.reserve(n)
+        lk = self.lk
+        lk.reserve(n)
         cur = np.zeros(n, np.uint64)
-        how = kt.k.link_chain(kt.tk, kt.tu, kt.tv, kt.meta, t.tk, t.tu, parr, carr, cur)
-        if how.any():  # branches: their sets are Python's
-            for j in np.flatnonzero(how).tolist():
-                if how[j] == 1:
-                    self.branches[parents[j]].add(children[j])
-                else:
-                    self.branches[parents[j]] = {BlockKey(int(cur[j])), children[j]}
+        how = lk.k.link_chain(lk.r, lk.m, self._t.r, parr, carr, cur)
+        if how.any():
+            self.branched(parents, children, how, cur)
 
-    def removed_bulk(self, slot: int, tier: int, gone: list[BlockKey], karr: Any, word: int, bit: Any,
-                     holds: Callable[[list[BlockKey]], Sequence[int]]) -> None:
-        """:meth:`PrefixClosure.removed_all` for keys whose bit ``bit`` (in mask word ``word``) was just cleared
-        (``karr``: them as an array). O(keys + their children)."""
+    def branched(self, parents: Sequence[BlockKey | None], children: Sequence[BlockKey], how: Any, cur: Any) -> None:
+        """What the link kernels leave to Python, the sets of a parent's children: where ``how[j]`` is 1,
+        ``children[j]`` joins its parent's set; where 2, the parent's set is made of its child ``cur[j]`` and
+        ``children[j]``. O(pairs)."""
+        for j in np.flatnonzero(how).tolist():
+            parent = parents[j]
+            assert parent is not None, "a link under the root"
+            if how[j] == 1:
+                self.branches[parent].add(children[j])
+            else:
+                self.branches[parent] = {BlockKey(int(cur[j])), children[j]}
+
+    def removed_found(self, slot: int, tier: int, gone: list[BlockKey], kids: list[BlockKey],
+                      branched: list[BlockKey], holds: Callable[[list[BlockKey]], Sequence[int]]) -> None:
+        """:meth:`PrefixClosure.removed_all` once the removal kernel found, for the blocks that lost the tier
+        (``gone``), their single children still holding it (``kids``) and those whose children are a set
+        (``branched``; ``holds`` says which of a list of keys hold it). O(keys + their children)."""
         loose = self.loose.get((slot, tier))
         if loose is not None:
             loose.difference_update(gone)
-        n = len(gone)
-        kids = np.empty(n, np.uint64)
-        branched = np.empty(n, np.uint64)
-        t, kt = self._t, self.kt
-        found, nb = kt.k.held_kids(kt.tk, kt.tu, kt.tv, t.tk, t.tu, t.tv, karr, word, bit, kids, branched).tolist()
-        now: list[BlockKey] = kids[:found].tolist()
-        if nb:
-            linked = [c for p in branched[:nb].tolist() for c in self.branches[p]]
-            now += [c for c, h in zip(linked, holds(linked), strict=True) if h]
-        self.settle(slot, tier, now)
+        if branched:
+            linked = [c for p in branched for c in self.branches[p]]
+            kids = kids + [c for c, h in zip(linked, holds(linked), strict=True) if h]
+        self.settle(slot, tier, kids)
 
     def died(self, key: BlockKey) -> None:
         self.died_all([key])
@@ -118,11 +116,16 @@ class TableClosure(PrefixClosure):
     def died_all(self, keys: list[BlockKey]) -> None:
         """:meth:`PrefixClosure.died_all`, in one kernel call. O(keys)."""
         if keys:
-            kt = self.kt
-            if kt.k.drop_links(kt.tk, kt.tu, kt.tv, kt.meta, np.array(keys, np.uint64)):
-                pop = self.branches.pop
-                for _ in map(pop, keys, repeat(None)):
-                    pass
+            lk = self.lk
+            lk.k.drop_links(lk.r, lk.m, np.array(keys, np.uint64))
+            self.unbranch(keys)
+
+    def unbranch(self, dead: list[BlockKey]) -> None:
+        """Forgets the children's sets of ``dead`` blocks (their rows went with them). O(len(dead)) while any
+        set is kept."""
+        if self.branches:
+            for _ in map(self.branches.pop, dead, repeat(None)):
+                pass
 
     def links(self) -> list[tuple[BlockKey, list[BlockKey]]]:
         return [(p, sorted(c) if isinstance(c, set) else [c]) for p, c in self.kids.items()]

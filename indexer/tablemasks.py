@@ -23,7 +23,7 @@ import numpy as np
 
 from kvtier.indexer.blockmasks import BlockMasks
 from kvtier.indexer.keys import BlockKey
-from kvtier.indexer.keytable import EngineHashes, KeyTable
+from kvtier.indexer.keytable import VAL, EngineHashes, KeyTable
 from kvtier.indexer.masklayout import SLOT_MASK, SLOTS_PER_WORD, TIERS
 from kvtier.indexer.tableclosure import TableClosure
 from kvtier.indexer.windowkv import WindowKV
@@ -31,154 +31,153 @@ from kvtier.indexer.workerstate import WorkerState
 from kvtier.wire.protocol import EngineHash, StorageTier
 
 _NONE = np.zeros(1, np.uint64)  # the engine-hash arguments of a kernel call for a worker whose hashes are a dict
-_NONE_U = np.zeros(1, np.uint8)
-_NONE_V = np.zeros((1, 1), np.uint64)
+_NONE_E = np.zeros((1, VAL + 1), np.uint64)
 _NONE_M = np.zeros(1, np.int64)
 
 
 def _bits(slot: int, tier: int) -> tuple[int, np.uint64, np.uint64]:
-    """The mask word of ``slot``, its ``tier`` bit there, and all its bits there. O(1)."""
+    """The column of ``slot``'s mask word in the masks' rows, its ``tier`` bit there, and all its bits there. O(1)."""
     word, pos = divmod(slot, SLOTS_PER_WORD)
     shift = TIERS * pos
-    return word, np.uint64(1 << (shift + tier)), np.uint64(SLOT_MASK << shift)
+    return VAL + word, np.uint64(1 << (shift + tier)), np.uint64(SLOT_MASK << shift)
 
 
 class TableMasks(BlockMasks):
     """:class:`BlockMasks` over compiled tables. Workers' ``hashes`` must be :class:`EngineHashes`."""
 
-    __slots__ = ("_c", "_k", "_t")
+    __slots__ = ("_bits", "_c", "_k", "_scratch", "_t")
 
     def __init__(self, table: KeyTable, win: WindowKV) -> None:
         super().__init__(table, win)
         self._t = table  # the masks (the same object as self.masks)
         self._k: Any = table.k  # the kernel module
         self._c = self.closure = TableClosure(table)  # the links in a compiled table too
+        self._bits: dict[tuple[int, int], tuple[int, np.uint64, np.uint64]] = {}  # (slot, tier) -> _bits(...)
+        # The store kernel's outputs, reused (a store allocating four arrays pays more for that than for a block).
+        self._scratch = self._outputs(64)
+
+    @staticmethod
+    def _outputs(n: int) -> tuple[Any, Any, Any, Any]:
+        return np.empty(n, np.uint8), np.empty(n, np.uint8), np.empty(n, np.uint64), np.empty(5, np.int64)
+
+    def _where(self, slot: int, tier: int) -> tuple[int, np.uint64, np.uint64]:
+        """:func:`_bits`, remembered. O(1)."""
+        got = self._bits.get((slot, tier))
+        if got is None:
+            got = self._bits[(slot, tier)] = _bits(slot, tier)
+        return got
 
     def share(self, m: int) -> int:
         """Rows hold their mask's words: nothing to share. O(1)."""
         return m
 
-    def _e(self, w: WorkerState, n: int) -> tuple[EngineHashes, Any, Any, Any, Any]:
-        """The worker's engine-hash table and its arrays, with room for ``n`` more. O(1) amortised."""
-        e = w.hashes
-        assert isinstance(e, EngineHashes), f"worker {w.stream}: engine hashes in a {type(e).__name__}"
-        if e.py is not None:
-            return e, _NONE, _NONE_U, _NONE_V, _NONE_M
-        e.reserve(n)
-        return e, e.tk, e.tu, e.tv, e.meta
-
     def insert(self, w: WorkerState, block_hashes: list[EngineHash], keys: list[BlockKey], tier: StorageTier,
                parent: BlockKey | None) -> None:
-        """:meth:`BlockMasks.insert`, its bulk cases compiled. O(blocks)."""
+        """:meth:`BlockMasks.insert`: one kernel call for every case but the rare ones (repeated engine hashes, an
+        engine hash reused for other content), which go block by block. O(blocks)."""
+        t, closure = self._t, self._c
+        e = w.hashes
+        assert isinstance(e, EngineHashes), f"worker {w.stream}: engine hashes in a {type(e).__name__}"
+        ehs = e.int64s(block_hashes)
+        if ehs is None:
+            self._insert_named_in_dict(w, e.demote(), block_hashes, keys, tier, parent)
+            return
+        n = len(keys)
+        t.widen(w.slot + 1)
+        t.reserve(n)
+        e.reserve(n)
+        lk = closure.lk
+        lk.reserve(n + 1)
+        col, bit, slot_bits = self._where(w.slot, tier)
+        if len(self._scratch[0]) < n:
+            self._scratch = self._outputs(n)
+        newly, how, cur, res = self._scratch
+        path = self._k.store(t.r, t.m, lk.r, lk.m, e.r, e.m, t.array(keys), ehs, np.uint64(parent or 0),
+                             parent is not None, col, bit, slot_bits, not closure.loose, newly, how, cur, res)
+        held, added, aliases, linking, high = res.tolist()
+        parent_held = bool(held)
+        if not path:  # nothing changed yet: the parent's link, then block by block
+            if parent is not None and parent in t:
+                closure.link(parent, keys[0], t)
+            self._insert_each(w, block_hashes, keys, tier, parent, parent_held)
+            return
+        if high and e.signed is None:  # converted as int64 (EngineHashes.int64s): the top bit is a sign
+            e.signed = True
+        if linking:
+            closure.branched([parent if j == 0 else keys[j - 1] for j in range(n)], keys, how[:n], cur)
+        if path == 1:
+            if not parent_held:
+                closure.stored(w.slot, tier, keys[0], False)  # new blocks have no children to settle
+        elif path == 4 and (not parent_held or closure.loose):
+            for j in np.flatnonzero(newly[:n]).tolist():  # in chain order, as the bits were set
+                if (j == 0 and not parent_held) or closure.loose:
+                    closure.stored(w.slot, tier, keys[j], parent_held or j > 0)
+        w.counts[tier] += added
+        w.stats.aliases += aliases
+
+    def _insert_named_in_dict(self, w: WorkerState, py: dict[EngineHash, BlockKey], block_hashes: list[EngineHash],
+                              keys: list[BlockKey], tier: StorageTier, parent: BlockKey | None) -> None:
+        """:meth:`insert` for a worker whose engine hashes live in a dict (vLLM's ``bytes``): the bulk cases of
+        :class:`BlockMasks` with the masks in the table. O(blocks)."""
         t, k, closure = self._t, self._k, self._c
         t.widen(w.slot + 1)
-        word, bit, _ = _bits(w.slot, tier)
-        if parent is None:
-            parent_held = True
-        else:
-            state = k.bit_state(t.tk, t.tu, t.tv, np.uint64(parent), word, bit)
+        col, bit, slot_bits = _bits(w.slot, tier)
+        parent_held = True
+        if parent is not None:
+            state = k.bit_state(t.r, np.uint64(parent), col, bit)
             parent_held = state == 1
             if state >= 0:  # a link under a block nobody holds would outlive it (the child is loose anyway)
                 closure.link(parent, keys[0], t)
         n = len(keys)
         t.reserve(n)
         karr = t.array(keys)
-        ehs = w.hashes.int64s(block_hashes) if isinstance(w.hashes, EngineHashes) else None
-        e, ek, eu, ev, em = self._e(w, n)
-        py = e.py
-        fresh = ehs is not None or (py is not None and len(set(block_hashes)) == n
-                                    and not any(map(py.__contains__, block_hashes)))
-        if fresh and k.store_new(t.tk, t.tu, t.tv, t.meta, karr, word, bit, ek, eu, ev, em,
-                                 _NONE if ehs is None else ehs, ehs is not None):
-            if py is not None:
-                py.update(zip(block_hashes, keys, strict=True))
+        if (len(set(block_hashes)) == n and not any(map(py.__contains__, block_hashes))
+                and k.store_new(t.r, t.m, karr, col, bit)):
+            py.update(zip(block_hashes, keys, strict=True))
             closure.link_chain(keys, karr)
             if not parent_held:
                 closure.stored(w.slot, tier, keys[0], False)  # new blocks have no children to settle
             w.counts[tier] += n
             return
-        if parent_held and not closure.loose:
-            added = self._held_elsewhere(w, block_hashes, keys, karr, ehs, tier)
-            if added >= 0:
-                w.counts[tier] += added
-                return
-        if ehs is None or not self._store_each(w, keys, karr, ehs, tier, parent_held):
-            self._insert_each(w, block_hashes, keys, tier, parent, parent_held)
-
-    def _store_each(self, w: WorkerState, keys: list[BlockKey], karr: Any, ehs: Any, tier: StorageTier,
-                    parent_held: bool) -> bool:
-        """:meth:`BlockMasks._insert_each` in one kernel call, for stores whose engine hashes are distinct and
-        name no other block (a chain that extends what the worker holds, aliases); False, with nothing done,
-        for the rest. O(blocks)."""
-        t, k, closure = self._t, self._k, self.closure
-        word, bit, _ = _bits(w.slot, tier)
-        slot_word, _, slot_bits = _bits(w.slot, 0)
-        _, ek, eu, ev, em = self._e(w, len(keys))
-        newly = np.empty(len(keys), np.uint8)
-        counts = np.zeros(2, np.int64)
-        if not k.store_each(t.tk, t.tu, t.tv, t.meta, karr, word, bit, slot_word, slot_bits, ek, eu, ev, em, ehs,
-                            newly, counts):
-            return False
-        self._c.link_chain(keys, karr)
-        if not parent_held or closure.loose:
-            for j in np.flatnonzero(newly).tolist():  # in chain order, as the bits were set
-                if (j == 0 and not parent_held) or closure.loose:
-                    closure.stored(w.slot, tier, keys[j], parent_held or j > 0)
-        added, aliases = counts.tolist()
-        w.counts[tier] += added
-        w.stats.aliases += aliases
-        return True
-
-    def _held_elsewhere(self, w: WorkerState, block_hashes: list[EngineHash], keys: list[BlockKey], karr: Any,
-                        ehs: Any, tier: StorageTier) -> int:
-        """:meth:`BlockMasks._insert_held_elsewhere` in one kernel call: how many blocks gained the bit, or -1
-        with nothing done. O(blocks)."""
-        t, k = self._t, self._k
-        word, bit, _ = _bits(w.slot, tier)
-        slot_word, _, slot_bits = _bits(w.slot, 0)
-        e, ek, eu, ev, em = self._e(w, len(keys))
-        py = e.py
-        slot_free = False
-        if py is not None:
-            if len(set(block_hashes)) < len(block_hashes):
-                return -1
+        if parent_held and not closure.loose and len(set(block_hashes)) == n:
             known = list(map(py.get, block_hashes))
-            if known != keys:
-                if known.count(None) != len(known):
-                    return -1
-                slot_free = True
-        added: int = k.store_held_elsewhere(t.tk, t.tu, t.tv, t.meta, karr, word, bit, slot_word, slot_bits,
-                                            ek, eu, ev, em, _NONE if ehs is None else ehs, ehs is not None,
-                                            slot_free)
-        if added < 0:
-            return -1
-        if slot_free and py is not None:
-            py.update(zip(block_hashes, keys, strict=True))
-        self._c.link_chain(keys, karr)
-        return added
+            fresh = known != keys
+            if not fresh or known.count(None) == n:
+                added = k.store_held_elsewhere(t.r, t.m, karr, col, bit, slot_bits, fresh)
+                if added >= 0:
+                    if fresh:
+                        py.update(zip(block_hashes, keys, strict=True))
+                    closure.link_chain(keys, karr)
+                    w.counts[tier] += added
+                    return
+        self._insert_each(w, block_hashes, keys, tier, parent, parent_held)
 
     def remove(self, w: WorkerState, block_hashes: list[EngineHash], tier: StorageTier) -> int:
         """:meth:`BlockMasks.remove`, in one kernel call unless window KV is indexed. O(blocks + their
         children)."""
         if self._win:
             return super().remove(w, block_hashes, tier)
-        t, k, closure = self._t, self._k, self.closure
+        t, k, closure = self._t, self._k, self._c
         t.widen(w.slot + 1)
-        word, bit, slot_bits = _bits(w.slot, tier)
+        col, bit, slot_bits = self._where(w.slot, tier)
         n = len(block_hashes)
         e = w.hashes
         assert isinstance(e, EngineHashes), f"worker {w.stream}: engine hashes in a {type(e).__name__}"
         ehs = e.int64s(block_hashes)
         out = np.empty(n, np.uint8)
+        kids = np.empty(n, np.uint64)
+        branched = np.empty(n, np.uint64)
+        res = np.empty(2, np.int64)
+        lk = closure.lk
         if ehs is not None:
-            karr = k.remove(t.tk, t.tu, t.tv, t.meta, np.empty(n, np.uint64), word, bit, word, slot_bits,
-                            e.tk, e.tu, e.tv, e.meta, ehs, True, out)
+            karr = k.remove(t.r, t.m, lk.r, lk.m, np.empty(n, np.uint64), col, bit, slot_bits, e.r, e.m, ehs, True,
+                            out, kids, branched, res)
         else:
             py = e.demote()
             named = list(map(py.get, block_hashes))
             out[:] = [x is not None for x in named]
-            karr = k.remove(t.tk, t.tu, t.tv, t.meta, np.array([x or 0 for x in named], np.uint64), word, bit,
-                            word, slot_bits, _NONE, _NONE_U, _NONE_V, _NONE_M, _NONE, False, out)
+            karr = k.remove(t.r, t.m, lk.r, lk.m, np.array([x or 0 for x in named], np.uint64), col, bit, slot_bits,
+                            _NONE_E, _NONE_M, _NONE, False, out, kids, branched, res)
             for eh, s in zip(block_hashes, out.tolist(), strict=True):
                 if s >= 2:
                     del py[eh]
@@ -192,24 +191,26 @@ class TableMasks(BlockMasks):
         gone: list[BlockKey] = karr[held].tolist()
         w.counts[tier] -= len(gone)
         if gone:
-            def holds(kids: list[BlockKey]) -> Any:
-                return k.has_bit(t.tk, t.tu, t.tv, np.array(kids, np.uint64), word, bit)
-            self._c.removed_bulk(w.slot, tier, gone, karr[held], word, bit, holds)
-            closure.died_all(karr[out == 3].tolist())  # after their children were looked at
+            nk, nb = res.tolist()
+
+            def holds(children: list[BlockKey]) -> Any:
+                return k.has_bit(t.r, np.array(children, np.uint64), col, bit)
+            closure.removed_found(w.slot, tier, gone, kids[:nk].tolist(), branched[:nb].tolist(), holds)
+            closure.unbranch(karr[out == 3].tolist())  # after their children were looked at
         return unknown
 
     def clear_slot(self, w: WorkerState) -> None:
         """:meth:`BlockMasks.clear_slot`, in one kernel call. O(blocks of the worker)."""
-        t = self._t
+        t, closure = self._t, self._c
         t.widen(w.slot + 1)
         e = w.hashes
         assert isinstance(e, EngineHashes), f"worker {w.stream}: engine hashes in a {type(e).__name__}"
         karr = e.key_array()
-        word, _, slot_bits = _bits(w.slot, 0)
-        dead = self._k.clear_slot(t.tk, t.tu, t.tv, t.meta, karr, word, slot_bits)
-        self.closure.died_all(karr[dead == 1].tolist())
+        col, _, slot_bits = _bits(w.slot, 0)
+        dead = self._k.clear_slot(t.r, t.m, closure.lk.r, closure.lk.m, karr, col, slot_bits)
+        closure.unbranch(karr[dead == 1].tolist())
         if self._win:
             self._win.drop_slot(w.slot, karr.tolist())
-        self.closure.clear_slot(w.slot, TIERS)
+        closure.clear_slot(w.slot, TIERS)
         e.clear()
         w.counts = [0] * TIERS

@@ -8,7 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvtier.indexer.keytable import KERNELS, EngineHashes, KeyTable
+from kvtier.indexer.keytable import KERNELS, KEY, EngineHashes, KeyTable
 
 pytestmark = pytest.mark.skipif(KERNELS.get() is None, reason="compiled tables need numba (KVTIER_JIT=0 here)")
 
@@ -18,9 +18,9 @@ M64 = (1 << 64) - 1
 def _check_table(t: KeyTable | EngineHashes) -> None:
     """Every used slot's key is found where it is (no probe run was broken), and the count is right."""
     used = t.used()
-    assert len(used) == int(t.meta[0]), "entry count out of sync with the used flags"
+    assert len(used) == int(t.m[0]), "entry count out of sync with the used flags"
     for i in used.tolist():
-        assert t.slot(int(t.tk[i])) == i, f"slot {i}: key {int(t.tk[i]):#x} not found where it lies"
+        assert t.slot(int(t.r[i, KEY])) == i, f"row {i}: key {int(t.r[i, KEY]):#x} not found where it lies"
 
 
 class KeyTableMachine(RuleBasedStateMachine):
@@ -134,11 +134,11 @@ def test_deleting_from_crowded_probe_runs_keeps_every_other_key_found() -> None:
     """Deletion moves later entries of a probe run back: at three-quarters load, with every third key deleted,
     every key left must still be found (a deletion that only freed its slot would cut runs short)."""
     t = KeyTable()
-    cap = t.tk.shape[0]
+    cap = t.r.shape[0]
     keys = list(range(1, cap * 3 // 4))
     for k in keys:
         t[k] = 1  # type: ignore[index]
-    assert t.tk.shape[0] == cap, "the table grew: the test wants it crowded"
+    assert t.r.shape[0] == cap, "the table grew: the test wants it crowded"
     for k in keys[::3]:
         del t[k]  # type: ignore[arg-type]
     left = [k for i, k in enumerate(keys) if i % 3]
