@@ -31,14 +31,17 @@ from kvtier.indexer.keytable import KEY, USED, VAL
 
 _GOLD = np.uint64(0x9E3779B97F4A7C15)
 _HIGH = np.uint64(1 << 63)
+_S32 = np.uint64(32)
 
 Arr = Any  # numpy arrays, as numba sees them
 
 
 @njit(cache=True, inline="always")
 def _home(k: np.uint64, mask: int) -> int:
-    # Engine hashes may be small sequential ints: multiply so that they spread (keys are hashes already).
-    return int((k * _GOLD) >> np.uint64(32)) & mask  # the product's high half mixes every bit of k
+    # Engine hashes may be small sequential ints: multiply so that they spread (keys are hashes already), then
+    # scale the product's high half to the table: homes keep their order when the table doubles (row h goes to
+    # 2h or 2h + 1), so that a rehash writes the new table front to back instead of at random.
+    return int((((k * _GOLD) >> _S32) * np.uint64(mask + 1)) >> _S32) & mask  # (& keeps numba's type an int)
 
 
 @njit(cache=True)
