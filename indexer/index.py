@@ -8,6 +8,12 @@ children stored under it tell whether every worker's tiers are prefix-closed, as
 them; while they are, a query binary-searches for the ends of its runs of equal masks instead of
 looking every block up (:mod:`kvtier.indexer.closure`).
 
+Storage. Where numba runs, the masks, each worker's engine hashes and the links live in compiled
+open-addressing tables (:mod:`kvtier.indexer.keytable`), and a store, a removal or a query is one compiled call
+over its blocks (:class:`kvtier.indexer.tablemasks.TableMasks`, :class:`kvtier.indexer.levels.TableDepthFinder`);
+elsewhere, and with ``KVTIER_JIT=0``, they are the dicts described here (:class:`kvtier.indexer.blockmasks.BlockMasks`).
+Both give the same results; the tables read as the same mappings for everything but the hot paths.
+
 Invariants (asserted by :meth:`TieredIndex._check`):
 
 * no key maps to a zero mask;
@@ -521,3 +527,5 @@ class TieredIndex:
                             assert kid in cl.loose.get((slot, t), ()), (
                                 f"slot {slot} tier {t}: {kid:#x} held without its parent {parent:#x} but not loose")
         self._win._check()
+        if isinstance(self._masks, KeyTable):
+            self._masks._check()

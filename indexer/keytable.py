@@ -6,9 +6,14 @@ iteration), one compiled call per operation, so that the index's rare paths (sna
 KV, block-by-block stores) keep working unchanged; the paths every event takes call the kernels on whole
 arrays (:class:`kvtier.indexer.tablemasks.TableMasks`).
 
-A mask wider than the table's words (a 17th worker slot) widens the table first; an engine hash that is not an
-``int64`` (vLLM's ``bytes``, or a ``uint64`` past ``2**63``) moves that worker's engine hashes into a Python
-dict for good (:meth:`EngineHashes.int64s`), since the table could not give the same object back.
+A block's row holds the id of its mask in a :class:`MaskPool`, which keeps each distinct mask once (most blocks
+share a few: one worker, one tier), so a row is three words however many workers there are; a mask wider than
+the pool's words (a 17th worker slot) widens the pool. Engine hashes are kept as their 64 bits while a worker's
+are all ``int64`` (SGLang) or all ``uint64`` (vLLM); one that is neither, or ``bytes``, moves that worker's
+engine hashes into a Python dict for good (:meth:`EngineHashes.int64s`), since the table could not give the same
+object back.
+
+Links (parent -> child) live in a third kind of table, :class:`kvtier.indexer.tableclosure.KidTable`.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ from kvtier.wire.protocol import EngineHash
 #: The columns every row of a table starts with (:mod:`kvtier.indexer.tablekernel`): its key, 1 if it is used,
 #: then its values.
 KEY, USED, VAL = 0, 1, 2
+#: The mask pool's counters (:class:`MaskPool`): entries of its content table, free ids, ids handed out, then
+#: one count per id and the stack of free ids.
+_PH, _PFREE, _PTOP, _PREF = 0, 1, 2, 3
 _M64 = (1 << 64) - 1
 _SIGN = 1 << 63
 _MIN_CAP = 1024
@@ -96,37 +104,79 @@ class _Table:
         return -1 - i if i < 0 else i
 
 
+class MaskPool:
+    """Each distinct mask once, by id, with a reference count and a table from content to id (the kernels'
+    ``pm``, ``ph``, ``pa``: :mod:`kvtier.indexer.tablekernel`). Id 0 is the empty mask."""
+
+    __slots__ = ("k", "pa", "ph", "pm")
+
+    def __init__(self, k: Any, cap: int = _MIN_CAP) -> None:
+        self.k = k  # the kernel module
+        self.pm = np.zeros((cap, 1), np.uint64)  # id -> the mask's words
+        self.ph = np.zeros((2 * cap, VAL + 1), np.uint64)  # content hash, used, id
+        self.pa = np.zeros(_PREF + 2 * cap, np.int64)  # [ph entries, free ids, ids handed out, counts, free ids]
+        self.pa[_PTOP] = 1
+
+    def reserve(self, n: int) -> None:
+        """Room for ``n`` new masks. O(masks) when it grows, else O(1)."""
+        cap = self.pm.shape[0]
+        if int(self.pa[_PTOP]) + n > cap:
+            new = cap
+            while int(self.pa[_PTOP]) + n > new:
+                new *= 2
+            pm = np.zeros((new, self.pm.shape[1]), np.uint64)
+            pm[:cap] = self.pm
+            pa = np.zeros(_PREF + 2 * new, np.int64)
+            pa[:_PREF + cap] = self.pa[:_PREF + cap]  # the counters and every id's count
+            free = int(self.pa[_PFREE])
+            pa[_PREF + new:_PREF + new + free] = self.pa[_PREF + cap:_PREF + cap + free]
+            self.pm, self.pa = pm, pa
+        hcap = self.ph.shape[0]
+        if (int(self.pa[_PH]) + n) * 4 > hcap * 3:
+            while (int(self.pa[_PH]) + n) * 2 > hcap:
+                hcap *= 2
+            ph = np.zeros((hcap, VAL + 1), np.uint64)
+            self.k.rehash(self.ph, ph)
+            self.ph = ph
+
+    def widen(self, words: int) -> None:
+        """Masks of ``words`` words (zero words hash to nothing, so the content table stays). O(masks)."""
+        if words > self.pm.shape[1]:
+            self.pm = np.pad(self.pm, ((0, 0), (0, words - self.pm.shape[1])))
+
+    def masks(self, ids: npt.NDArray[np.int64]) -> list[int]:
+        """The masks of ``ids``, as ints. O(ids * words)."""
+        if self.pm.shape[1] == 1:
+            out: list[int] = self.pm[ids, 0].tolist()
+            return out
+        return [int.from_bytes(r.tobytes(), "little") for r in self.pm[ids]]
+
+
 class KeyTable(_Table, MutableMapping[BlockKey, int]):
     """Block key -> mask (:mod:`kvtier.indexer.masklayout`), as the index's ``masks``: a key nobody holds is
-    absent. Rows hold ``SLOTS_PER_WORD`` worker slots per word."""
+    absent. A row holds its mask's id in ``pool`` (``SLOTS_PER_WORD`` worker slots per word of a mask)."""
 
-    __slots__ = ()
+    __slots__ = ("pool",)
 
     def __init__(self) -> None:
         super().__init__(1)
+        self.pool = MaskPool(self.k)  # the distinct masks
 
     @property
     def words(self) -> int:
-        return int(self.r.shape[1]) - VAL
+        return int(self.pool.pm.shape[1])
 
     def widen(self, slots: int) -> None:
-        """Room for masks of ``slots`` worker slots. O(cap) when it widens, else O(1)."""
-        words = -(-slots // SLOTS_PER_WORD)
-        if words > self.words:
-            self._rebuild(self.r.shape[0], VAL + words)
+        """Room for masks of ``slots`` worker slots. O(masks) when it widens, else O(1)."""
+        self.pool.widen(-(-slots // SLOTS_PER_WORD))
 
     def mask_at(self, i: int) -> int:
-        """The mask in row ``i``, as one int. O(words)."""
-        if self.r.shape[1] == VAL + 1:
-            return int(self.r[i, VAL])
-        return int.from_bytes(self.r[i, VAL:].tobytes(), "little")
+        """The mask of row ``i``, as one int. O(words)."""
+        return self.pool.masks(self.r[i:i + 1, VAL].view(np.int64))[0]
 
     def masks_at(self, rows: npt.NDArray[np.int64]) -> list[int]:
-        """The masks in rows ``rows``, as ints. O(rows * words)."""
-        if self.r.shape[1] == VAL + 1:
-            out: list[int] = self.r[rows, VAL].tolist()
-            return out
-        return [int.from_bytes(r.tobytes(), "little") for r in self.r[rows, VAL:]]
+        """The masks of rows ``rows``, as ints. O(rows * words)."""
+        return self.pool.masks(self.r[rows, VAL].view(np.int64))
 
     def get(self, key: BlockKey, default: Any = None) -> Any:
         i = self.slot(key)
@@ -144,14 +194,16 @@ class KeyTable(_Table, MutableMapping[BlockKey, int]):
     def __setitem__(self, key: BlockKey, m: int) -> None:
         assert m > 0, f"key {key:#x}: a mask must not be empty (absent keys are nobody's)"
         self.widen(-(-m.bit_length() // 4))
-        i = self.put_slot(key)
-        if self.words == 1:
-            self.r[i, VAL] = m
-        else:
-            self.r[i, VAL:] = np.frombuffer(m.to_bytes(8 * self.words, "little"), np.uint64)
+        self.reserve(1)
+        p = self.pool
+        p.reserve(1)
+        words = np.frombuffer(m.to_bytes(8 * self.words, "little"), np.uint64)
+        self.k.set_mask(self.r, self.m, p.pm, p.ph, p.pa, np.uint64(key), words)
 
     def __delitem__(self, key: BlockKey) -> None:
-        self.delete(key)
+        p = self.pool
+        if not self.k.del_mask(self.r, self.m, p.pm, p.ph, p.pa, np.uint64(key)):
+            raise KeyError(key)
 
     def items(self) -> list[tuple[BlockKey, int]]:  # type: ignore[override]
         rows = self.used()
@@ -162,6 +214,29 @@ class KeyTable(_Table, MutableMapping[BlockKey, int]):
 
     def __len__(self) -> int:
         return int(self.m[0])
+
+    def clear(self) -> None:
+        super().clear()
+        self.pool = MaskPool(self.k)
+
+    def _check(self) -> None:
+        """Asserts the pool's invariants against the rows: every row holds a non-empty mask's id, each id's count
+        is the rows holding it, the content table names each live mask once, and the free ids are the rest.
+        O(cap + masks)."""
+        p = self.pool
+        cap = p.pm.shape[0]
+        ids = self.r[self.used(), VAL].astype(np.intp)
+        assert not (ids == 0).any(), "a row holds the empty mask"
+        refs = p.pa[_PREF:_PREF + cap]
+        held = np.bincount(ids, minlength=cap)
+        assert (held == refs).all(), f"mask counts out of sync with the rows at ids {np.flatnonzero(held != refs)}"
+        live = np.flatnonzero(refs)
+        named = np.sort(p.ph[p.ph[:, USED] == 1, VAL].astype(np.intp))
+        assert int(p.pa[_PH]) == len(named) and (named == live).all(), "the content table and the live masks differ"
+        assert len({p.pm[i].tobytes() for i in live}) == len(live), "two ids for one mask"
+        free = p.pa[_PREF + cap:_PREF + cap + int(p.pa[_PFREE])]
+        assert len(set(free.tolist())) == len(free) and not refs[free].any(), "a free id is in use"
+        assert len(live) + len(free) + 1 == int(p.pa[_PTOP]), "ids lost (neither live nor free)"
 
     def array(self, keys: list[BlockKey]) -> U64:
         """``keys`` as the ``uint64`` array the kernels take (the array ``block_keys`` made them from, when it

@@ -26,7 +26,7 @@ import numpy as np
 
 from kvtier.indexer.closure import MaskMap
 from kvtier.indexer.keys import BlockKey
-from kvtier.indexer.keytable import VAL, KeyTable
+from kvtier.indexer.keytable import KeyTable
 from kvtier.indexer.masklayout import DEV, EXT, M64, SLOTS_PER_WORD, TIERS, dev_all
 from kvtier.wire.protocol import StorageTier
 from kvtier.wire.stream import StreamId
@@ -218,22 +218,22 @@ class TableDepthFinder(DepthFinder):
         depths: Depths = {}
         if closed:
             starts = np.empty(MAX_RUNS + 1, np.int64)
-            rows = np.empty(MAX_RUNS + 1, np.int64)
-            runs = k.runs_by_search(t.r, karr, MAX_RUNS, starts, rows)
+            ids = np.empty(MAX_RUNS + 1, np.int64)
+            runs = k.runs_by_search(t.r, karr, MAX_RUNS, starts, ids)
             if runs >= 0:
                 n = int(starts[runs])
                 if not n:
                     return depths, 0
-                found = list(zip(t.masks_at(rows[:runs]), starts[:runs].tolist(), strict=True))
+                found = list(zip(t.pool.masks(ids[:runs]), starts[:runs].tolist(), strict=True))
                 return depths, self._levels_by_runs(found, n, depths, slots)
-        at = k.leading_rows(t.r, karr)
-        n = len(at)
+        ids = k.leading_ids(t.r, karr)  # one id per distinct mask (kvtier.indexer.keytable.MaskPool)
+        n = len(ids)
         if not n:
             return depths, 0
-        words = t.r[at, VAL:]
-        begin = [0, *(np.flatnonzero((words[1:] != words[:-1]).any(axis=1)) + 1).tolist()]
+        begin = [0, *(np.flatnonzero(ids[1:] != ids[:-1]) + 1).tolist()]
         if len(begin) <= MAX_RUNS:
-            return depths, self._levels_by_runs(list(zip(t.masks_at(at[begin]), begin, strict=True)), n, depths,
+            return depths, self._levels_by_runs(list(zip(t.pool.masks(ids[begin]), begin, strict=True)), n, depths,
                                                 slots)
+        words = t.pool.pm[ids]
         used = max(1, -(-slots // SLOTS_PER_WORD))
         return depths, self._levels_words([np.ascontiguousarray(words[:, g]) for g in range(used)], n, depths)

@@ -1,4 +1,4 @@
-"""Compiled open-addressing tables for the index (numba): key -> mask words, engine hash -> key, parent -> child.
+"""Compiled open-addressing tables for the index (numba): key -> mask id, mask -> id, engine hash -> key, links.
 
 A Python dict of millions of int keys costs two or three cache misses and a boxed int per operation, and an
 event of 64 blocks needs five such operations per block: about 750,000 blocks a second at best on the dev
@@ -12,9 +12,10 @@ Tables (see :mod:`kvtier.indexer.keytable` for the Python side that owns the arr
   values from column ``VAL``; ``cap`` is a power of two and ``m[0]`` the number of used rows. Callers reserve
   room before an insertion (the load stays under 3/4, so a probe always ends).
 * Deletion shifts later rows of the probe run back (no tombstones), so a lookup stops at the first free row.
-* The masks' table: a block key's mask words (:mod:`kvtier.indexer.masklayout`, 16 worker slots per word).
-  An engine-hash table: one value, the key the hash names (the hash is stored as its 64 bits). The links'
-  table: a parent key's one child, and 1 in the next column if its children are a set kept in Python.
+* The masks' table: a block key's mask id in the mask pool (below), whose masks are words of
+  :mod:`kvtier.indexer.masklayout` (16 worker slots per word). An engine-hash table: one value, the key the hash
+  names (the hash is stored as its 64 bits). The links' table: a parent key's one child, and 1 in the next
+  column if its children are a set kept in Python.
 
 Imported only through :class:`kvtier.wire.jit.LazyKernels`, as :mod:`kvtier.indexer.keykernel` is. Every
 integer is a ``uint64`` or an index, never a plain int mixed with a ``uint64`` (numba would make a float).
@@ -27,7 +28,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from kvtier.indexer.keytable import KEY, USED, VAL
+from kvtier.indexer.keytable import _PFREE, _PH, _PREF, _PTOP, KEY, USED, VAL
 
 _GOLD = np.uint64(0x9E3779B97F4A7C15)
 _HIGH = np.uint64(1 << 63)
@@ -131,45 +132,147 @@ def _distinct(a: Arr) -> bool:
     return True
 
 
+# --- the mask pool -------------------------------------------------------------------------------------------
+#
+# A block's row holds the id of its mask; the pool keeps each distinct mask once (``pm[id]``, its words), with a
+# reference count, and finds a mask's id by content through a table ``ph`` (rows: content hash, used, id). Most
+# blocks share a handful of masks (one worker, one tier), so rows stay three words however many workers there are.
+# ``pa``: [entries of ph, free ids, ids handed out, refcounts (one per id), free ids' stack]; id 0 is the empty
+# mask, never counted or freed.
+
+_MIX1 = np.uint64(0xFF51AFD7ED558CCD)
+_MIX2 = np.uint64(0xC4CEB9FE1A85EC53)
+_S33 = np.uint64(33)
+
+
 @njit(cache=True)
-def _empty(t: Arr, i: int) -> bool:
-    for c in range(VAL, t.shape[1]):  # noqa: SIM110 (numba compiles no generator)
-        if t[i, c]:
+def _mhash(words: Arr) -> np.uint64:
+    """A hash of a mask's words in which zero words count for nothing (so widening keeps every hash)."""
+    h = np.uint64(0)
+    for w in range(words.shape[0]):
+        x = words[w]
+        if x:
+            x = (x + np.uint64(w) * _GOLD) * _MIX1
+            x ^= x >> _S33
+            x *= _MIX2
+            h ^= x ^ (x >> _S33)
+    return h
+
+
+@njit(cache=True)
+def _same(pm: Arr, i: int, words: Arr) -> bool:
+    for w in range(words.shape[0]):  # noqa: SIM110 (numba compiles no generator)
+        if pm[i, w] != words[w]:
             return False
     return True
+
+
+@njit(cache=True)
+def _intern(pm: Arr, ph: Arr, pa: Arr, words: Arr) -> int:
+    """The id of the mask ``words``, its count up by one (added if new: the caller reserved room). O(words)."""
+    h = _mhash(words)
+    mask = ph.shape[0] - 1
+    i = _home(h, mask)
+    while ph[i, USED]:
+        if ph[i, KEY] == h and _same(pm, int(ph[i, VAL]), words):
+            m = int(ph[i, VAL])
+            pa[_PREF + m] += 1
+            return m
+        i = (i + 1) & mask
+    cap = pm.shape[0]
+    if pa[_PFREE]:
+        pa[_PFREE] -= 1
+        m = int(pa[_PREF + cap + pa[_PFREE]])
+    else:
+        m = int(pa[_PTOP])
+        pa[_PTOP] += 1
+    pm[m, :] = words
+    pa[_PREF + m] = 1
+    ph[i, KEY] = h
+    ph[i, USED] = 1
+    ph[i, VAL] = m
+    pa[_PH] += 1
+    return m
+
+
+@njit(cache=True)
+def _release(pm: Arr, ph: Arr, pa: Arr, m: int) -> None:
+    """One reference to mask ``m`` fewer; the mask goes when none is left. O(words)."""
+    if m == 0:
+        return
+    pa[_PREF + m] -= 1
+    if pa[_PREF + m]:
+        return
+    h = _mhash(pm[m])
+    mask = ph.shape[0] - 1
+    i = _home(h, mask)
+    while ph[i, KEY] != h or int(ph[i, VAL]) != m:
+        i = (i + 1) & mask
+    delete_at(ph, pa, i)  # (pa[_PH] is ph's entry count)
+    cap = pm.shape[0]
+    pa[_PREF + cap + pa[_PFREE]] = m
+    pa[_PFREE] += 1
+
+
+@njit(cache=True, inline="always")
+def _has(t: Arr, i: int, pm: Arr, word: int, bits: np.uint64) -> bool:
+    return bool(pm[int(t[i, VAL]), word] & bits)
+
+
+@njit(cache=True)
+def _change(t: Arr, i: int, pm: Arr, ph: Arr, pa: Arr, tmp: Arr, word: int, set_bits: np.uint64,
+            keep: np.uint64) -> bool:
+    """Row ``i``'s mask with ``set_bits`` set and only ``keep`` kept in ``word``; True if it is empty now (the row
+    then holds the empty mask: the caller deletes it). O(words)."""
+    old = int(t[i, VAL])
+    tmp[:] = pm[old, :]
+    tmp[word] = (tmp[word] | set_bits) & keep
+    empty = True
+    for w in range(tmp.shape[0]):
+        if tmp[w]:
+            empty = False
+            break
+    new = 0 if empty else _intern(pm, ph, pa, tmp)
+    _release(pm, ph, pa, old)
+    t[i, VAL] = new
+    return empty
+
+
+_ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
 # --- stores -------------------------------------------------------------------------------------------------
 
 
 @njit(cache=True)
-def bit_state(t: Arr, k: np.uint64, col: int, bit: np.uint64) -> int:
-    """-1 if nobody holds ``k``, else 1 if its mask has ``bit`` in column ``col``, else 0. O(1)."""
+def bit_state(t: Arr, pm: Arr, k: np.uint64, word: int, bit: np.uint64) -> int:
+    """-1 if nobody holds ``k``, else 1 if its mask has ``bit`` in ``word``, else 0. O(1)."""
     i = find(t, k)
     if i < 0:
         return -1
-    return 1 if t[i, col] & bit else 0
+    return 1 if _has(t, i, pm, word, bit) else 0
 
 
 @njit(cache=True)
-def store_new(t: Arr, tm: Arr, keys: Arr, col: int, bit: np.uint64) -> bool:
+def store_new(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, keys: Arr, word: int, bit: np.uint64) -> bool:
     """A chain of blocks nobody holds (the caller checked that the worker's engine hashes are new): each key
     gets the mask ``bit``. False, with nothing changed, if somebody holds one. O(blocks)."""
     for k in keys:
         if find(t, k) >= 0:
             return False
+    tmp = np.empty(pm.shape[1], np.uint64)
     for j in range(keys.shape[0]):
         i = claim(t, tm, keys[j])
-        t[-1 - i if i < 0 else i, col] = bit
+        _change(t, -1 - i if i < 0 else i, pm, ph, pa, tmp, word, bit, _ALL)
     return True
 
 
 @njit(cache=True)
-def store_held_elsewhere(t: Arr, tm: Arr, keys: Arr, col: int, bit: np.uint64, slot_bits: np.uint64,
-                         fresh: bool) -> int:
+def store_held_elsewhere(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, keys: Arr, word: int, bit: np.uint64,
+                         slot_bits: np.uint64, fresh: bool) -> int:
     """The store of distinct blocks the worker names already under the same engine hashes (a backup, load-back
     or prefetch), or, when ``fresh``, of blocks new to it under engine hashes new to it (no key may carry any
-    of the worker's bits ``slot_bits``, in ``col``), some of which others hold: sets ``bit`` on every key
+    of the worker's bits ``slot_bits``, in ``word``), some of which others hold: sets ``bit`` on every key
     and returns how many lacked it; -1, with nothing changed, for repeated keys or a key the worker holds
     under another name. The caller checked the engine hashes. O(blocks)."""
     if not _distinct(keys):
@@ -177,15 +280,16 @@ def store_held_elsewhere(t: Arr, tm: Arr, keys: Arr, col: int, bit: np.uint64, s
     if fresh:
         for k in keys:
             i = find(t, k)
-            if i >= 0 and t[i, col] & slot_bits:
+            if i >= 0 and _has(t, i, pm, word, slot_bits):
                 return -1
+    tmp = np.empty(pm.shape[1], np.uint64)
     added = 0
     for j in range(keys.shape[0]):
         i = claim(t, tm, keys[j])
         if i < 0:
             i = -1 - i
-        if not t[i, col] & bit:
-            t[i, col] |= bit
+        if not _has(t, i, pm, word, bit):
+            _change(t, i, pm, ph, pa, tmp, word, bit, _ALL)
             added += 1
     return added
 
@@ -224,7 +328,7 @@ def link_chain(lk: Arr, lm: Arr, t: Arr, parents: Arr, children: Arr, cur: Arr) 
 
 
 @njit(cache=True)
-def _store_path(t: Arr, keys: Arr, e: Arr, ehs: Arr, col: int, slot_bits: np.uint64, bulk: bool) -> int:
+def _store_path(t: Arr, pm: Arr, keys: Arr, e: Arr, ehs: Arr, word: int, slot_bits: np.uint64, bulk: bool) -> int:
     """Which case a store is, changing nothing: 1 new blocks under new engine hashes; 2 blocks the worker names
     already under the same engine hashes (a backup, load-back, prefetch); 3 blocks new to the worker under engine
     hashes new to it, some held by others (2 and 3 only when ``bulk``: the parent is held and every tier is
@@ -255,16 +359,16 @@ def _store_path(t: Arr, keys: Arr, e: Arr, ehs: Arr, col: int, slot_bits: np.uin
         if not found:
             for k in keys:
                 i = find(t, k)
-                if i >= 0 and t[i, col] & slot_bits:
+                if i >= 0 and _has(t, i, pm, word, slot_bits):
                     return 4
             return 3
     return 4
 
 
 @njit(cache=True)
-def store(t: Arr, tm: Arr, lk: Arr, lm: Arr, e: Arr, em: Arr, keys: Arr, ehs: Arr, parent: np.uint64,
-          has_parent: bool, col: int, bit: np.uint64, slot_bits: np.uint64, closed: bool, newly: Arr, how: Arr,
-          cur: Arr, res: Arr) -> int:
+def store(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, lk: Arr, lm: Arr, e: Arr, em: Arr, keys: Arr, ehs: Arr,
+          parent: np.uint64, has_parent: bool, word: int, bit: np.uint64, slot_bits: np.uint64, closed: bool,
+          newly: Arr, how: Arr, cur: Arr, res: Arr) -> int:
     """A whole ``BlockStored`` of a worker whose engine hashes are in a table (``e``): the parent's link, the case
     (:func:`_store_path`), the bits and names, the chain's links. Returns the case (0: none of them, nothing
     changed: the caller goes block by block). ``res`` = [parent held (0/1), blocks that gained the bit, aliases,
@@ -279,9 +383,9 @@ def store(t: Arr, tm: Arr, lk: Arr, lm: Arr, e: Arr, em: Arr, keys: Arr, ehs: Ar
     pi = -1
     if has_parent:
         pi = find(t, parent)
-        parent_held = pi >= 0 and (t[pi, col] & bit) != 0
+        parent_held = pi >= 0 and _has(t, pi, pm, word, bit)
     res[0] = 1 if parent_held else 0
-    path = _store_path(t, keys, e, ehs, col, slot_bits, parent_held and closed)
+    path = _store_path(t, pm, keys, e, ehs, word, slot_bits, parent_held and closed)
     if path == 0:
         return 0
     linking = False
@@ -295,10 +399,11 @@ def store(t: Arr, tm: Arr, lk: Arr, lm: Arr, e: Arr, em: Arr, keys: Arr, ehs: Ar
             c = claim(e, em, ehs[j])
             e[-1 - c, VAL] = keys[j]
             high |= (ehs[j] & _HIGH) != 0
+    tmp = np.empty(pm.shape[1], np.uint64)
     if path == 1:
         for j in range(n):
             i = claim(t, tm, keys[j])
-            t[-1 - i if i < 0 else i, col] = bit
+            _change(t, -1 - i if i < 0 else i, pm, ph, pa, tmp, word, bit, _ALL)
         added = n
     else:
         for j in range(n):
@@ -307,16 +412,16 @@ def store(t: Arr, tm: Arr, lk: Arr, lm: Arr, e: Arr, em: Arr, keys: Arr, ehs: Ar
             if i < 0:
                 i = -1 - i
             if f < 0:
-                if t[i, col] & slot_bits:
+                if _has(t, i, pm, word, slot_bits):
                     aliases += 1
                 else:
                     c = claim(e, em, ehs[j])
                     e[-1 - c, VAL] = keys[j]
                     high |= (ehs[j] & _HIGH) != 0
-            if t[i, col] & bit:
+            if _has(t, i, pm, word, bit):
                 newly[j] = 0
             else:
-                t[i, col] |= bit
+                _change(t, i, pm, ph, pa, tmp, word, bit, _ALL)
                 newly[j] = 1
                 added += 1
     for j in range(n - 1):
@@ -333,8 +438,9 @@ def store(t: Arr, tm: Arr, lk: Arr, lm: Arr, e: Arr, em: Arr, keys: Arr, ehs: Ar
 
 
 @njit(cache=True)
-def remove(t: Arr, tm: Arr, lk: Arr, lm: Arr, keys: Arr, col: int, bit: np.uint64, slot_bits: np.uint64, e: Arr,
-           em: Arr, ehs: Arr, use_e: bool, out: Arr, kids: Arr, branched: Arr, res: Arr) -> Arr:
+def remove(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, lk: Arr, lm: Arr, keys: Arr, word: int, bit: np.uint64,
+           slot_bits: np.uint64, e: Arr, em: Arr, ehs: Arr, use_e: bool, out: Arr, kids: Arr, branched: Arr,
+           res: Arr) -> Arr:
     """A ``BlockRemoved`` of the worker's ``bit``, with what it does to the closure. Per block, in order,
     ``out[j]`` is 0 if the block is not held there (an unknown engine hash, or a block not on that tier: the
     caller looks at its orphans), 1 if the bit went and the worker still holds the block on another tier, 2 if
@@ -345,6 +451,7 @@ def remove(t: Arr, tm: Arr, lk: Arr, lm: Arr, keys: Arr, col: int, bit: np.uint6
     that still hold it are in ``kids`` and the blocks whose children are a Python set in ``branched`` (their
     counts in ``res``). Returns ``keys``. O(blocks + their children)."""
     n = out.shape[0]
+    tmp = np.empty(pm.shape[1], np.uint64)
     res[0] = _touch(e, ehs) if use_e else _touch(t, keys)  # (kept from dead-code removal; set again below)
     for j in range(n):
         if use_e:
@@ -356,11 +463,11 @@ def remove(t: Arr, tm: Arr, lk: Arr, lm: Arr, keys: Arr, col: int, bit: np.uint6
         elif not out[j]:
             continue
         i = find(t, keys[j])
-        if i < 0 or not t[i, col] & bit:
+        if i < 0 or not _has(t, i, pm, word, bit):
             out[j] = 0
             continue
-        t[i, col] &= ~bit
-        out[j] = 1 if t[i, col] & slot_bits else (3 if _empty(t, i) else 2)
+        empty = _change(t, i, pm, ph, pa, tmp, word, np.uint64(0), ~bit)
+        out[j] = 3 if empty else (1 if _has(t, i, pm, word, slot_bits) else 2)
         if use_e and out[j] >= 2:
             delete_at(e, em, find(e, ehs[j]))
     nk = 0
@@ -376,7 +483,7 @@ def remove(t: Arr, tm: Arr, lk: Arr, lm: Arr, keys: Arr, col: int, bit: np.uint6
             nb += 1
             continue
         c = find(t, lk[li, VAL])
-        if c >= 0 and t[c, col] & bit:
+        if c >= 0 and _has(t, c, pm, word, bit):
             kids[nk] = lk[li, VAL]
             nk += 1
     for j in range(n):  # the blocks nobody holds, with their links, after their children were looked at
@@ -393,27 +500,28 @@ def remove(t: Arr, tm: Arr, lk: Arr, lm: Arr, keys: Arr, col: int, bit: np.uint6
 
 
 @njit(cache=True)
-def has_bit(t: Arr, keys: Arr, col: int, bit: np.uint64) -> Arr:
-    """Per key, 1 if its mask has ``bit`` in column ``col``. O(keys)."""
+def has_bit(t: Arr, pm: Arr, keys: Arr, word: int, bit: np.uint64) -> Arr:
+    """Per key, 1 if its mask has ``bit`` in ``word``. O(keys)."""
     out = np.zeros(keys.shape[0], np.uint8)
     for j in range(keys.shape[0]):
         i = find(t, keys[j])
-        if i >= 0 and t[i, col] & bit:
+        if i >= 0 and _has(t, i, pm, word, bit):
             out[j] = 1
     return out
 
 
 @njit(cache=True)
-def clear_slot(t: Arr, tm: Arr, lk: Arr, lm: Arr, keys: Arr, col: int, slot_bits: np.uint64) -> Arr:
+def clear_slot(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, lk: Arr, lm: Arr, keys: Arr, word: int,
+               slot_bits: np.uint64) -> Arr:
     """Takes the slot's bits off each of ``keys``; returns 1 per key nobody holds now (gone from the table, with
     its links). O(keys)."""
     dead = np.zeros(keys.shape[0], np.uint8)
+    tmp = np.empty(pm.shape[1], np.uint64)
     for j in range(keys.shape[0]):
         i = find(t, keys[j])
         if i < 0:
             continue
-        t[i, col] &= ~slot_bits
-        if _empty(t, i):
+        if _change(t, i, pm, ph, pa, tmp, word, np.uint64(0), ~slot_bits):
             delete_at(t, tm, i)
             li = find(lk, keys[j])
             if li >= 0:
@@ -438,19 +546,11 @@ def drop_links(lk: Arr, lm: Arr, keys: Arr) -> int:
 
 
 @njit(cache=True)
-def _same_row(t: Arr, a: int, b: int) -> bool:
-    for c in range(VAL, t.shape[1]):  # noqa: SIM110 (numba compiles no generator)
-        if t[a, c] != t[b, c]:
-            return False
-    return True
-
-
-@njit(cache=True)
-def runs_by_search(t: Arr, keys: Arr, max_runs: int, starts: Arr, rows: Arr) -> int:
+def runs_by_search(t: Arr, keys: Arr, max_runs: int, starts: Arr, ids: Arr) -> int:
     """The runs of equal masks over the leading blocks anybody holds, found by binary search (sound only while
-    every tier of every worker is prefix-closed): run ``r`` starts at ``starts[r]`` with the mask of row
-    ``rows[r]``, and ``starts[runs]`` is where the held prefix ends. Returns the number of runs, or -1 past
-    ``max_runs`` (``starts`` and ``rows`` have room for ``max_runs + 1``). O(runs * log(blocks))."""
+    every tier of every worker is prefix-closed): run ``r`` starts at ``starts[r]`` with the mask of id
+    ``ids[r]``, and ``starts[runs]`` is where the held prefix ends. Returns the number of runs, or -1 past
+    ``max_runs`` (``starts`` and ``ids`` have room for ``max_runs + 1``). O(runs * log(blocks))."""
     total = keys.shape[0]
     pos = 0
     runs = 0
@@ -462,12 +562,12 @@ def runs_by_search(t: Arr, keys: Arr, max_runs: int, starts: Arr, rows: Arr) -> 
         while lo < hi:
             mid = (lo + hi) >> 1
             i = find(t, keys[mid])
-            if i >= 0 and _same_row(t, i, cur):
+            if i >= 0 and t[i, VAL] == t[cur, VAL]:  # one id per distinct mask (equal ids: equal masks)
                 lo = mid + 1
             else:
                 hi = mid
         starts[runs] = pos
-        rows[runs] = cur
+        ids[runs] = t[cur, VAL]
         runs += 1
         pos = lo
         cur = find(t, keys[pos]) if pos < total else -1
@@ -476,17 +576,39 @@ def runs_by_search(t: Arr, keys: Arr, max_runs: int, starts: Arr, rows: Arr) -> 
 
 
 @njit(cache=True)
-def leading_rows(t: Arr, keys: Arr) -> Arr:
-    """The rows of the leading blocks anybody holds (a lookup per block). O(leading blocks)."""
+def leading_ids(t: Arr, keys: Arr) -> Arr:
+    """The mask ids of the leading blocks anybody holds (a lookup per block). O(leading blocks)."""
     out = np.empty(keys.shape[0], np.int64)
     n = 0
     for k in keys:
         i = find(t, k)
         if i < 0:
             break
-        out[n] = i
+        out[n] = t[i, VAL]
         n += 1
     return out[:n]
+
+
+@njit(cache=True)
+def set_mask(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, k: np.uint64, words: Arr) -> None:
+    """Key ``k``'s mask is ``words`` (not empty) now. O(words)."""
+    i = claim(t, tm, k)
+    if i < 0:
+        i = -1 - i
+    old = int(t[i, VAL])
+    t[i, VAL] = _intern(pm, ph, pa, words)
+    _release(pm, ph, pa, old)
+
+
+@njit(cache=True)
+def del_mask(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, k: np.uint64) -> bool:
+    """Drops key ``k`` (nobody holds it now); False if it was absent. O(words)."""
+    i = find(t, k)
+    if i < 0:
+        return False
+    _release(pm, ph, pa, int(t[i, VAL]))
+    delete_at(t, tm, i)
+    return True
 
 
 def warm(k: Any) -> None:
@@ -495,6 +617,8 @@ def warm(k: Any) -> None:
     lk = np.zeros((8, 4), np.uint64)
     e = np.zeros((8, 3), np.uint64)
     m = np.zeros(1, np.int64)
+    pm, ph, pa = np.zeros((8, 1), np.uint64), np.zeros((8, 3), np.uint64), np.zeros(3 + 16, np.int64)
+    pa[_PTOP] = 1
     one = np.ones(1, np.uint64)
     b = np.uint64(1)
     k.find(t, b)
@@ -502,16 +626,18 @@ def warm(k: Any) -> None:
     k.delete_at(t, m, -1 - i)
     k.rehash(t, np.zeros((16, 4), np.uint64))
     k.used_rows(t)
-    k.bit_state(t, b, 2, b)
-    k.store_new(t, m, one, 2, b)
-    k.store_held_elsewhere(t, m, one, 2, b, b, False)
+    k.bit_state(t, pm, b, 0, b)
+    k.store_new(t, m, pm, ph, pa, one, 0, b)
+    k.store_held_elsewhere(t, m, pm, ph, pa, one, 0, b, b, False)
     k.link_chain(lk, m, t, one, one, np.zeros(1, np.uint64))
-    k.store(t, m, lk, m, e, m, one, one, b, True, 2, b, b, True, np.zeros(1, np.uint8), np.zeros(2, np.uint8),
-            np.zeros(2, np.uint64), np.zeros(5, np.int64))
-    k.remove(t, m, lk, m, one.copy(), 2, b, b, e, m, one, True, np.zeros(1, np.uint8), np.zeros(1, np.uint64),
-             np.zeros(1, np.uint64), np.zeros(2, np.int64))
-    k.has_bit(t, one, 2, b)
-    k.clear_slot(t, m, lk, m, one, 2, b)
+    k.store(t, m, pm, ph, pa, lk, m, e, m, one, one, b, True, 0, b, b, True, np.zeros(1, np.uint8),
+            np.zeros(2, np.uint8), np.zeros(2, np.uint64), np.zeros(5, np.int64))
+    k.remove(t, m, pm, ph, pa, lk, m, one.copy(), 0, b, b, e, m, one, True, np.zeros(1, np.uint8),
+             np.zeros(1, np.uint64), np.zeros(1, np.uint64), np.zeros(2, np.int64))
+    k.has_bit(t, pm, one, 0, b)
+    k.clear_slot(t, m, pm, ph, pa, lk, m, one, 0, b)
     k.drop_links(lk, m, one)
     k.runs_by_search(t, one, 4, np.zeros(5, np.int64), np.zeros(5, np.int64))
-    k.leading_rows(t, one)
+    k.leading_ids(t, one)
+    k.set_mask(t, m, pm, ph, pa, b, one)
+    k.del_mask(t, m, pm, ph, pa, b)

@@ -4,13 +4,15 @@
 in an :class:`kvtier.indexer.keytable.EngineHashes`; the cases every event of a radix engine takes run in
 :mod:`kvtier.indexer.tablekernel`:
 
-* a chain of new blocks under new engine hashes (most stores);
-* a chain the worker names already, or new to it but held by others (backups, load-backs, prefetches, a
-  conversation served twice), while every tier is prefix-closed;
-* a removal that does not touch window KV, whoever else holds the blocks.
+* a store, whatever blocks it names, unless an engine hash repeats in it or names another block already: new
+  blocks, blocks the worker names already (backups, load-backs, prefetches), blocks others hold (a conversation
+  served twice), chains that extend what the worker holds, aliases, loose tiers;
+* a removal that does not touch window KV, whoever else holds the blocks, with what it does to the closure;
+* clearing a worker.
 
-What is left (aliases, engine hashes reused for other content, repeats, stores into loose tiers, window KV)
-goes block by block through :class:`BlockMasks`' own code, which reads both tables as mappings. Either way the
+What is left (repeated engine hashes, engine hashes reused for other content, window KV) goes block by block
+through :class:`BlockMasks`' own code, which reads the tables as mappings; so do workers whose engine hashes are
+``bytes`` (kept in a dict: :class:`kvtier.indexer.keytable.EngineHashes`) for what its bulk cases leave. Either way the
 results are those of :class:`BlockMasks` on dicts, which stays the implementation where numba does not run.
 The closure links are compiled too (:class:`kvtier.indexer.tableclosure.TableClosure`).
 """
@@ -36,23 +38,23 @@ _NONE_M = np.zeros(1, np.int64)
 
 
 def _bits(slot: int, tier: int) -> tuple[int, np.uint64, np.uint64]:
-    """The column of ``slot``'s mask word in the masks' rows, its ``tier`` bit there, and all its bits there. O(1)."""
+    """The word of a mask holding ``slot``'s bits, its ``tier`` bit there, and all its bits there. O(1)."""
     word, pos = divmod(slot, SLOTS_PER_WORD)
     shift = TIERS * pos
-    return VAL + word, np.uint64(1 << (shift + tier)), np.uint64(SLOT_MASK << shift)
+    return word, np.uint64(1 << (shift + tier)), np.uint64(SLOT_MASK << shift)
 
 
 class TableMasks(BlockMasks):
     """:class:`BlockMasks` over compiled tables. Workers' ``hashes`` must be :class:`EngineHashes`."""
 
-    __slots__ = ("_bits", "_c", "_k", "_scratch", "_t")
+    __slots__ = ("_c", "_k", "_scratch", "_t", "_wheres")
 
     def __init__(self, table: KeyTable, win: WindowKV) -> None:
         super().__init__(table, win)
         self._t = table  # the masks (the same object as self.masks)
         self._k: Any = table.k  # the kernel module
         self._c = self.closure = TableClosure(table)  # the links in a compiled table too
-        self._bits: dict[tuple[int, int], tuple[int, np.uint64, np.uint64]] = {}  # (slot, tier) -> _bits(...)
+        self._wheres: dict[tuple[int, int], tuple[int, np.uint64, np.uint64]] = {}  # (slot, tier) -> _bits(...)
         # The store kernel's outputs, reused (a store allocating four arrays pays more for that than for a block).
         self._scratch = self._outputs(64)
 
@@ -62,13 +64,14 @@ class TableMasks(BlockMasks):
 
     def _where(self, slot: int, tier: int) -> tuple[int, np.uint64, np.uint64]:
         """:func:`_bits`, remembered. O(1)."""
-        got = self._bits.get((slot, tier))
+        got = self._wheres.get((slot, tier))
         if got is None:
-            got = self._bits[(slot, tier)] = _bits(slot, tier)
+            got = self._wheres[(slot, tier)] = _bits(slot, tier)
         return got
 
     def share(self, m: int) -> int:
-        """Rows hold their mask's words: nothing to share. O(1)."""
+        """The table's pool keeps each distinct mask once already (:class:`kvtier.indexer.keytable.MaskPool`).
+        O(1)."""
         return m
 
     def insert(self, w: WorkerState, block_hashes: list[EngineHash], keys: list[BlockKey], tier: StorageTier,
@@ -88,12 +91,15 @@ class TableMasks(BlockMasks):
         e.reserve(n)
         lk = closure.lk
         lk.reserve(n + 1)
-        col, bit, slot_bits = self._where(w.slot, tier)
+        p = t.pool
+        p.reserve(n)
+        word, bit, slot_bits = self._where(w.slot, tier)
         if len(self._scratch[0]) < n:
             self._scratch = self._outputs(n)
         newly, how, cur, res = self._scratch
-        path = self._k.store(t.r, t.m, lk.r, lk.m, e.r, e.m, t.array(keys), ehs, np.uint64(parent or 0),
-                             parent is not None, col, bit, slot_bits, not closure.loose, newly, how, cur, res)
+        path = self._k.store(t.r, t.m, p.pm, p.ph, p.pa, lk.r, lk.m, e.r, e.m, t.array(keys), ehs,
+                             np.uint64(parent or 0), parent is not None, word, bit, slot_bits, not closure.loose, newly,
+                             how, cur, res)
         held, added, aliases, linking, high = res.tolist()
         parent_held = bool(held)
         if not path:  # nothing changed yet: the parent's link, then block by block
@@ -121,18 +127,20 @@ class TableMasks(BlockMasks):
         :class:`BlockMasks` with the masks in the table. O(blocks)."""
         t, k, closure = self._t, self._k, self._c
         t.widen(w.slot + 1)
-        col, bit, slot_bits = _bits(w.slot, tier)
+        word, bit, slot_bits = _bits(w.slot, tier)
+        p = t.pool
         parent_held = True
         if parent is not None:
-            state = k.bit_state(t.r, np.uint64(parent), col, bit)
+            state = k.bit_state(t.r, p.pm, np.uint64(parent), word, bit)
             parent_held = state == 1
             if state >= 0:  # a link under a block nobody holds would outlive it (the child is loose anyway)
                 closure.link(parent, keys[0], t)
         n = len(keys)
         t.reserve(n)
+        p.reserve(n)
         karr = t.array(keys)
         if (len(set(block_hashes)) == n and not any(map(py.__contains__, block_hashes))
-                and k.store_new(t.r, t.m, karr, col, bit)):
+                and k.store_new(t.r, t.m, p.pm, p.ph, p.pa, karr, word, bit)):
             py.update(zip(block_hashes, keys, strict=True))
             closure.link_chain(keys, karr)
             if not parent_held:
@@ -143,7 +151,7 @@ class TableMasks(BlockMasks):
             known = list(map(py.get, block_hashes))
             fresh = known != keys
             if not fresh or known.count(None) == n:
-                added = k.store_held_elsewhere(t.r, t.m, karr, col, bit, slot_bits, fresh)
+                added = k.store_held_elsewhere(t.r, t.m, p.pm, p.ph, p.pa, karr, word, bit, slot_bits, fresh)
                 if added >= 0:
                     if fresh:
                         py.update(zip(block_hashes, keys, strict=True))
@@ -159,8 +167,10 @@ class TableMasks(BlockMasks):
             return super().remove(w, block_hashes, tier)
         t, k, closure = self._t, self._k, self._c
         t.widen(w.slot + 1)
-        col, bit, slot_bits = self._where(w.slot, tier)
+        word, bit, slot_bits = self._where(w.slot, tier)
         n = len(block_hashes)
+        p = t.pool
+        p.reserve(n)
         e = w.hashes
         assert isinstance(e, EngineHashes), f"worker {w.stream}: engine hashes in a {type(e).__name__}"
         ehs = e.int64s(block_hashes)
@@ -170,14 +180,14 @@ class TableMasks(BlockMasks):
         res = np.empty(2, np.int64)
         lk = closure.lk
         if ehs is not None:
-            karr = k.remove(t.r, t.m, lk.r, lk.m, np.empty(n, np.uint64), col, bit, slot_bits, e.r, e.m, ehs, True,
-                            out, kids, branched, res)
+            karr = k.remove(t.r, t.m, p.pm, p.ph, p.pa, lk.r, lk.m, np.empty(n, np.uint64), word, bit, slot_bits,
+                            e.r, e.m, ehs, True, out, kids, branched, res)
         else:
             py = e.demote()
             named = list(map(py.get, block_hashes))
             out[:] = [x is not None for x in named]
-            karr = k.remove(t.r, t.m, lk.r, lk.m, np.array([x or 0 for x in named], np.uint64), col, bit, slot_bits,
-                            _NONE_E, _NONE_M, _NONE, False, out, kids, branched, res)
+            karr = k.remove(t.r, t.m, p.pm, p.ph, p.pa, lk.r, lk.m, np.array([x or 0 for x in named], np.uint64),
+                            word, bit, slot_bits, _NONE_E, _NONE_M, _NONE, False, out, kids, branched, res)
             for eh, s in zip(block_hashes, out.tolist(), strict=True):
                 if s >= 2:
                     del py[eh]
@@ -194,7 +204,7 @@ class TableMasks(BlockMasks):
             nk, nb = res.tolist()
 
             def holds(children: list[BlockKey]) -> Any:
-                return k.has_bit(t.r, np.array(children, np.uint64), col, bit)
+                return k.has_bit(t.r, p.pm, np.array(children, np.uint64), word, bit)
             closure.removed_found(w.slot, tier, gone, kids[:nk].tolist(), branched[:nb].tolist(), holds)
             closure.unbranch(karr[out == 3].tolist())  # after their children were looked at
         return unknown
@@ -206,8 +216,10 @@ class TableMasks(BlockMasks):
         e = w.hashes
         assert isinstance(e, EngineHashes), f"worker {w.stream}: engine hashes in a {type(e).__name__}"
         karr = e.key_array()
-        col, _, slot_bits = _bits(w.slot, 0)
-        dead = self._k.clear_slot(t.r, t.m, closure.lk.r, closure.lk.m, karr, col, slot_bits)
+        word, _, slot_bits = _bits(w.slot, 0)
+        p = t.pool
+        p.reserve(len(karr))
+        dead = self._k.clear_slot(t.r, t.m, p.pm, p.ph, p.pa, closure.lk.r, closure.lk.m, karr, word, slot_bits)
         closure.unbranch(karr[dead == 1].tolist())
         if self._win:
             self._win.drop_slot(w.slot, karr.tolist())

@@ -61,6 +61,7 @@ class KeyTableMachine(RuleBasedStateMachine):
         assert dict(self.t.items()) == self.d
         assert len(self.t) == len(self.d)
         _check_table(self.t)
+        self.t._check()
 
 
 KeyTableMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=12, deadline=None)
