@@ -45,33 +45,37 @@ def _home(k: np.uint64, mask: int) -> int:
     return int((((k * _GOLD) >> _S32) * np.uint64(mask + 1)) >> _S32) & mask  # (& keeps numba's type an int)
 
 
-@njit(cache=True)
-def find(r: Arr, k: np.uint64) -> int:
-    """The row of ``k``, or -1. O(1) expected."""
+@njit(cache=True, inline="always")
+def _probe(r: Arr, k: np.uint64) -> int:
+    """The row of ``k``, or ``-1 - row`` for the free row where it would go. O(1) expected."""
     mask = r.shape[0] - 1
     i = _home(k, mask)
     while r[i, USED]:
         if r[i, KEY] == k:
             return i
         i = (i + 1) & mask
-    return -1
+    return -1 - i
+
+
+@njit(cache=True)
+def find(r: Arr, k: np.uint64) -> int:
+    """The row of ``k``, or -1. O(1) expected."""
+    i = _probe(r, k)
+    return i if i >= 0 else -1
 
 
 @njit(cache=True)
 def claim(r: Arr, m: Arr, k: np.uint64) -> int:
     """The row of ``k``, claimed with zero values if absent (as ``-1 - row``, so callers see it was new).
     The caller has reserved room. O(1) expected."""
-    mask = r.shape[0] - 1
-    i = _home(k, mask)
-    while r[i, USED]:
-        if r[i, KEY] == k:
-            return i
-        i = (i + 1) & mask
-    r[i, KEY] = k
-    r[i, USED] = 1
-    r[i, VAL:] = 0
-    m[0] += 1
-    return -1 - i
+    i = _probe(r, k)
+    if i < 0:
+        f = -1 - i
+        r[f, KEY] = k
+        r[f, USED] = 1
+        r[f, VAL:] = 0
+        m[0] += 1
+    return i
 
 
 @njit(cache=True)
