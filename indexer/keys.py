@@ -41,7 +41,6 @@ from kvtier.wire.protocol import TOKEN_BYTES, PackedTokens, pack_tokens
 BlockKey = NewType("BlockKey", int)
 
 
-
 class KeyList(list[BlockKey]):
     """Keys from the compiled chain, with the ``uint64`` array they came as (``arr``): the index's compiled tables
     read the array instead of converting the list back (:meth:`kvtier.indexer.keytable.KeyTable.array`)."""
@@ -50,7 +49,7 @@ class KeyList(list[BlockKey]):
 
     def __init__(self, arr: npt.NDArray[np.uint64]) -> None:
         super().__init__(arr.tolist())
-        self.arr = arr  # the same keys, never changed (a KeyList is not changed either)
+        self.arr = arr  # the same keys (readers check the length, in case the list was changed)
 
 
 SEED = 1337

@@ -242,7 +242,7 @@ class KeyTable(_Table, MutableMapping[BlockKey, int]):
         """``keys`` as the ``uint64`` array the kernels take (the array ``block_keys`` made them from, when it
         is attached). O(keys)."""
         arr: U64 | None = getattr(keys, "arr", None)
-        return arr if arr is not None else np.array(keys, dtype=np.uint64)
+        return arr if arr is not None and len(arr) == len(keys) else np.array(keys, dtype=np.uint64)
 
 
 class EngineHashes(_Table, MutableMapping[EngineHash, BlockKey]):
