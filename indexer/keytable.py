@@ -45,7 +45,7 @@ KERNELS = LazyKernels("kvtier.indexer.tablekernel", lambda k: k.warm(k))
 U64 = npt.NDArray[np.uint64]
 
 
-class _Table:
+class RowTable:
     """One open-addressing table (:mod:`kvtier.indexer.tablekernel`): ``r`` its rows (key, used flag, ``width``
     values), ``m[0]`` its entries. The load stays at most 3/4."""
 
@@ -152,7 +152,7 @@ class MaskPool:
         return [int.from_bytes(r.tobytes(), "little") for r in self.pm[ids]]
 
 
-class KeyTable(_Table, MutableMapping[BlockKey, int]):
+class KeyTable(RowTable, MutableMapping[BlockKey, int]):
     """Block key -> mask (:mod:`kvtier.indexer.masklayout`), as the index's ``masks``: a key nobody holds is
     absent. A row holds its mask's id in ``pool`` (``SLOTS_PER_WORD`` worker slots per word of a mask)."""
 
@@ -245,7 +245,7 @@ class KeyTable(_Table, MutableMapping[BlockKey, int]):
         return arr if arr is not None and len(arr) == len(keys) else np.array(keys, dtype=np.uint64)
 
 
-class EngineHashes(_Table, MutableMapping[EngineHash, BlockKey]):
+class EngineHashes(RowTable, MutableMapping[EngineHash, BlockKey]):
     """One worker's engine hash -> key, as ``WorkerState.hashes``: a compiled table while its engine hashes are all
     ``int64`` (SGLang) or all ``uint64`` (vLLM), each stored as its 64 bits; a Python dict (``py``) from the first
     one that fits neither the table nor the signedness seen so far."""

@@ -17,10 +17,10 @@ import numpy as np
 
 from kvtier.indexer.closure import Kids, MaskMap, PrefixClosure
 from kvtier.indexer.keys import BlockKey
-from kvtier.indexer.keytable import KEY, VAL, KeyTable, _Table
+from kvtier.indexer.keytable import KEY, VAL, KeyTable, RowTable
 
 
-class KidTable(_Table):
+class KidTable(RowTable):
     """Parent key -> [its one child, 1 if its children are a set kept in Python instead]."""
 
     __slots__ = ()
