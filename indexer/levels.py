@@ -234,6 +234,6 @@ class TableDepthFinder(DepthFinder):
         if len(begin) <= MAX_RUNS:
             return depths, self._levels_by_runs(list(zip(t.pool.masks(ids[begin]), begin, strict=True)), n, depths,
                                                 slots)
-        words = t.pool.pm[ids]
-        used = max(1, -(-slots // SLOTS_PER_WORD))
-        return depths, self._levels_words([np.ascontiguousarray(words[:, g]) for g in range(used)], n, depths)
+        words = t.pool.pm[ids]  # as many words as the widest mask stored (slots that never stored hold nothing)
+        return depths, self._levels_words([np.ascontiguousarray(words[:, g]) for g in range(words.shape[1])], n,
+                                          depths)

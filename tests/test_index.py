@@ -208,6 +208,20 @@ def test_many_workers_beyond_one_word() -> None:
         assert m.workers[s].device == (1 + i % 4 if i % 2 == 0 else 0)
 
 
+def test_vectorised_depths_with_workers_that_never_stored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slots handed out to workers that never stored a block: the numpy path reads mask words for every slot
+    handed out, more than any stored mask has (the compiled table widens its masks only when a slot stores)."""
+    monkeypatch.setattr(levels_module, "MAX_RUNS", 0)
+    idx = TieredIndex(4)
+    streams = [StreamId(WorkerId(f"w{i}")) for i in range(40)]
+    for s in streams:
+        idx.add_worker(s)
+    idx.apply(streams[0], stored([1, 2], None, TOKS[:8]))
+    m = idx.find_matches(TOKS)
+    assert m.workers[streams[0]].device == 2
+    assert all(m.workers[s].device == 0 for s in streams[1:])
+
+
 def test_a_removed_middle_block_turns_binary_search_off_until_its_children_go() -> None:
     """vLLM evicts any free block: the index notices the hole and scans, and searches again once no
     block is held without its parent."""
