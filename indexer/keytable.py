@@ -286,7 +286,10 @@ class EngineHashes(RowTable, MutableMapping[EngineHash, BlockKey]):
             return None
         n = len(ehs)
         try:
-            if self.signed is False:  # unsigned hashes (vLLM): a negative one raises
+            if self.signed is False:  # unsigned hashes (vLLM)
+                # numpy before 2 wraps a negative int into uint64 instead of raising (bytes raise TypeError here)
+                if n and min(ehs) < 0:  # type: ignore[operator]
+                    raise OverflowError("a negative engine hash after unsigned ones")
                 return np.fromiter(ehs, np.uint64, n)
             try:
                 arr = np.fromiter(ehs, np.int64, n)
