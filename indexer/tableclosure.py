@@ -117,8 +117,8 @@ class TableClosure(PrefixClosure):
         """:meth:`PrefixClosure.died_all`, in one kernel call. O(keys)."""
         if keys:
             lk = self.lk
-            lk.k.drop_links(lk.r, lk.m, np.array(keys, np.uint64))
-            self.unbranch(keys)
+            if lk.k.drop_links(lk.r, lk.m, np.array(keys, np.uint64)):  # some of them had a set of children
+                self.unbranch(keys)
 
     def unbranch(self, dead: list[BlockKey]) -> None:
         """Forgets the children's sets of ``dead`` blocks (their rows went with them). O(len(dead)) while any
