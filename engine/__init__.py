@@ -3,7 +3,7 @@
 from kvtier.engine.cache import Admission, CacheConfig, PrefetchPolicy, PrefillPlan, TieredCache, WritePolicy
 from kvtier.engine.datapath import Bandwidths, CopyKind, CopyOp, DataPath, ModeledDataPath, TorchDataPath
 from kvtier.engine.dump import NodeRun, Snapshot, dump_batches
-from kvtier.engine.hashing import chain, event_hash, page_digest
+from kvtier.engine.hashing import PageDigests, chain, event_hash, page_digest
 from kvtier.engine.node import EngineNode
 from kvtier.engine.pool import PageId, PagePool, PoolExhausted
 from kvtier.engine.radix import Node, RadixTree
@@ -20,6 +20,7 @@ __all__ = [
     "ModeledDataPath",
     "Node",
     "NodeRun",
+    "PageDigests",
     "PageId",
     "PageMeta",
     "PagePool",

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator, Sequence
+from typing import Any, overload
 
 import numpy as np
 
+from kvtier.wire.jit import LazyKernels
 from kvtier.wire.protocol import TOKEN_BYTES, PackedTokens, pack_tokens
 
 ROOT_DIGEST = b""
@@ -37,6 +39,60 @@ def event_hashes(digests: list[bytes]) -> list[int]:
     return words
 
 
+class PageDigests(Sequence[bytes]):
+    """A node's page digests, kept as their 32-byte strings joined: a node of 134 pages is one bytes object,
+    not 134 (a replay of the Mooncake trace made 1.6M of them). Reads as a sequence of ``bytes``; equal to a
+    list of the same digests. Immutable. Indexing O(1); slicing O(pages sliced)."""
+
+    __slots__ = ("joined",)
+
+    def __init__(self, joined: bytes = b"") -> None:
+        assert len(joined) % _DIGEST_BYTES == 0, f"{len(joined)} bytes is not whole 32-byte digests"
+        self.joined = joined  # the digests back to back, page order
+
+    @classmethod
+    def of(cls, digests: Sequence[bytes]) -> PageDigests:
+        return cls(b"".join(digests))
+
+    def __len__(self) -> int:
+        return len(self.joined) // _DIGEST_BYTES
+
+    @overload
+    def __getitem__(self, i: int) -> bytes: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> PageDigests: ...
+
+    def __getitem__(self, i: int | slice) -> bytes | PageDigests:
+        n = len(self)
+        if isinstance(i, slice):
+            start, stop, step = i.indices(n)
+            assert step == 1, "page digests slice with step 1 only"
+            return PageDigests(self.joined[start * _DIGEST_BYTES:max(start, stop) * _DIGEST_BYTES])
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"page {i} of {n}")
+        return self.joined[i * _DIGEST_BYTES:(i + 1) * _DIGEST_BYTES]
+
+    def __iter__(self) -> Iterator[bytes]:
+        j = self.joined
+        return (j[o:o + _DIGEST_BYTES] for o in range(0, len(j), _DIGEST_BYTES))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PageDigests):
+            return self.joined == other.joined
+        if isinstance(other, list | tuple):
+            return (len(other) == len(self) and all(isinstance(d, bytes) for d in other)
+                    and b"".join(other) == self.joined)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # equal to lists, so unhashable like them
+
+    def __repr__(self) -> str:
+        return f"PageDigests({[d.hex()[:8] for d in self]})"
+
+
 def iter_chain(parent_digest: bytes, tokens: Sequence[int] | PackedTokens, page_size: int) -> Iterator[bytes]:
     """Like :func:`chain`, lazily: a caller that stops at the first miss hashes no further."""
     buf = memoryview(pack_tokens(tokens))  # pages are read in place, not sliced out as copies
@@ -48,7 +104,49 @@ def iter_chain(parent_digest: bytes, tokens: Sequence[int] | PackedTokens, page_
         yield d
 
 
+def _warm(k: Any) -> None:
+    """Compiles (or loads) the kernel for the read-only arrays :func:`chain` passes, and checks it against
+    ``hashlib`` once: a library that hashed differently would silently change every event hash."""
+    pages = np.frombuffer(bytes(range(256)) * 3, np.uint8).reshape(3, 256)
+    parent = np.frombuffer(b"\x01" * _DIGEST_BYTES, np.uint8)
+    for p in (parent, parent[:0]):
+        out = np.empty((3, _DIGEST_BYTES), np.uint8)
+        want = list(iter_chain(p.tobytes(), pages.tobytes(), 64))
+        got = [bytes(r) for r in out] if k.chain(p, pages, out) else want
+        assert got == want, "the compiled SHA-256 chain disagrees with hashlib"
+
+
+#: The compiled chain (:mod:`kvtier.engine.shakernel`), where numba and OpenSSL's libcrypto load.
+_KERNELS = LazyKernels("kvtier.engine.shakernel", _warm)
+_MIN_PAGES = 4  # below this the kernel's fixed cost (array views, dispatch, 3-5 us) outweighs the hashlib loop
+
+
 def chain(parent_digest: bytes, tokens: Sequence[int] | PackedTokens, page_size: int) -> list[bytes]:
     """Digests of the full pages of ``tokens`` following ``parent_digest`` (a trailing partial page has
     none). O(len(tokens))."""
-    return list(iter_chain(parent_digest, tokens, page_size))
+    return list(chain_hashes(parent_digest, tokens, page_size)[0])
+
+
+def chain_hashes(parent_digest: bytes, tokens: Sequence[int] | PackedTokens,
+                 page_size: int) -> tuple[PageDigests, list[int]]:
+    """:func:`chain`'s digests and their :func:`event_hash` values. O(len(tokens))."""
+    packed = pack_tokens(tokens)
+    step = page_size * TOKEN_BYTES
+    n = len(packed) // step
+    k = _KERNELS.get() if n >= _MIN_PAGES else None
+    if k is not None:
+        out = np.empty((n, _DIGEST_BYTES), np.uint8)
+        pages = np.frombuffer(packed, np.uint8, n * step).reshape(n, step)
+        if k.chain(np.frombuffer(parent_digest, np.uint8), pages, out):
+            joined = out.tobytes()
+            hashes: list[int] = np.frombuffer(joined, ">i8")[::_DIGEST_BYTES // 8].tolist()
+            return PageDigests(joined), hashes
+    digests = list(iter_chain(parent_digest, packed, page_size))
+    return PageDigests.of(digests), event_hashes(digests)
+
+
+def hash_backend() -> str:
+    """How :func:`chain` hashes: ``"numba"`` (OpenSSL from a compiled loop) or ``"python (why)"``. Loads the
+    kernel if it is not loaded yet."""
+    _KERNELS.get()
+    return str(_KERNELS.backend)

@@ -12,7 +12,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvtier.engine.hashing import ROOT_DIGEST, chain, event_hash, event_hashes
+from kvtier.engine.hashing import ROOT_DIGEST, PageDigests, chain, chain_hashes, event_hash
 from kvtier.engine.pool import PageId
 from kvtier.wire.protocol import TOKEN_BYTES, PackedTokens, pack_tokens
 
@@ -25,7 +25,7 @@ class Node:
 
     parent: Node | None  # None only for the root
     tokens: PackedTokens  # page_size * pages token ids, packed (bytes compare and slice at C speed)
-    digests: list[bytes]  # SHA-256 chain digest per page
+    digests: PageDigests  # SHA-256 chain digest per page
     hashes: list[int]  # event hash per page
     children: dict[bytes, Node] = field(default_factory=dict)  # by first page's packed tokens
     device: list[PageId] | None = None  # device pages (acknowledged), or None if not on device
@@ -83,7 +83,7 @@ class RadixTree:
             raise ValueError(f"page_size must be positive, got {page_size}")
         self.page_size = page_size
         self.stride = page_size * TOKEN_BYTES  # bytes of packed tokens a page
-        self.root = Node(None, b"", [], [])
+        self.root = Node(None, b"", PageDigests(), [])
         self.clock = 0
         #: Called as on_split(front, back) after a split, so copies in flight cover both.
         self.on_split: Callable[[Node, Node], None] | None = None
@@ -164,8 +164,8 @@ class RadixTree:
         assert tokens and len(tokens) % s == 0, f"{len(tokens)} bytes is not whole pages of {s}"
         key = tokens[:s]
         assert key not in parent.children, "a child with that first page exists"
-        digests = chain(parent.digests[-1] if parent.digests else ROOT_DIGEST, tokens, self.page_size)
-        node = Node(parent, tokens, digests, event_hashes(digests))
+        digests, hashes = chain_hashes(parent.digests[-1] if parent.digests else ROOT_DIGEST, tokens, self.page_size)
+        node = Node(parent, tokens, digests, hashes)
         node.last_access = self.tick()
         parent.children[key] = node
         return node
