@@ -90,12 +90,20 @@ class TableClosure(PrefixClosure):
         ``children[j]`` joins its parent's set; where 2, the parent's set is made of its child ``cur[j]`` and
         ``children[j]``. O(pairs)."""
         for j in np.flatnonzero(how).tolist():
-            parent = parents[j]
-            assert parent is not None, "a link under the root"
-            if how[j] == 1:
-                self.branches[parent].add(children[j])
-            else:
-                self.branches[parent] = {BlockKey(int(cur[j])), children[j]}
+            self._branch(parents[j], children[j], int(how[j]), cur[j])
+
+    def branched_chain(self, first: BlockKey | None, keys: Sequence[BlockKey], how: Any, cur: Any) -> None:
+        """:meth:`branched` for a stored chain: link ``j`` is ``keys[j]`` under ``keys[j - 1]``, the first under
+        ``first``. O(links with work), where a list of the parents would cost O(chain) per store."""
+        for j in np.flatnonzero(how).tolist():
+            self._branch(first if j == 0 else keys[j - 1], keys[j], int(how[j]), cur[j])
+
+    def _branch(self, parent: BlockKey | None, child: BlockKey, how: int, cur: Any) -> None:
+        assert parent is not None, "a link under the root"
+        if how == 1:
+            self.branches[parent].add(child)
+        else:
+            self.branches[parent] = {BlockKey(int(cur)), child}
 
     def removed_found(self, slot: int, tier: int, gone: list[BlockKey], kids: list[BlockKey],
                       branched: list[BlockKey], holds: Callable[[list[BlockKey]], Sequence[int]]) -> None:

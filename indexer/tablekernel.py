@@ -443,7 +443,7 @@ def store(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, lk: Arr, lm: Arr, e: Arr, 
 
 @njit(cache=True)
 def remove(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, lk: Arr, lm: Arr, keys: Arr, word: int, bit: np.uint64,
-           slot_bits: np.uint64, e: Arr, em: Arr, ehs: Arr, use_e: bool, out: Arr, kids: Arr, branched: Arr,
+           slot_bits: np.uint64, e: Arr, em: Arr, ehs: Arr, use_e: bool, n: int, out: Arr, kids: Arr, branched: Arr,
            res: Arr) -> Arr:
     """A ``BlockRemoved`` of the worker's ``bit``, with what it does to the closure. Per block, in order,
     ``out[j]`` is 0 if the block is not held there (an unknown engine hash, or a block not on that tier: the
@@ -452,11 +452,12 @@ def remove(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, lk: Arr, lm: Arr, keys: A
     here), 3 if nobody holds it now (gone from the table, with its links). With ``use_e`` engine hashes resolve
     through ``e`` and ``keys`` is filled in; without, the caller resolved them (``out[j]`` = 1 on entry where the
     engine hash names a block, 0 otherwise). Once every bit is cleared, the children of the blocks that lost it
-    that still hold it are in ``kids`` and the blocks whose children are a Python set in ``branched`` (their
-    counts in ``res``). Returns ``keys``. O(blocks + their children)."""
-    n = out.shape[0]
+    that still hold it are in ``kids`` and the blocks whose children are a Python set in ``branched``; ``res`` =
+    [their two counts, blocks whose bit went (``out`` not 0), blocks nobody holds now (``out`` 3)]. The arrays may
+    be longer than the removal (``n`` blocks: their first ``n`` entries are read and written). Returns ``keys``.
+    O(blocks + their children)."""
     tmp = np.empty(pm.shape[1], np.uint64)
-    res[0] = _touch(e, ehs) if use_e else _touch(t, keys)  # (kept from dead-code removal; set again below)
+    res[0] = _touch(e, ehs) if use_e else _touch(t, keys[:n])  # (kept from dead-code removal; set again below)
     for j in range(n):
         if use_e:
             f = find(e, ehs[j])
@@ -498,8 +499,15 @@ def remove(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, lk: Arr, lm: Arr, keys: A
             li = find(lk, keys[j])
             if li >= 0:
                 delete_at(lk, lm, li)
+    held = 0
+    dead = 0
+    for j in range(n):
+        held += out[j] != 0
+        dead += out[j] == 3
     res[0] = nk
     res[1] = nb
+    res[2] = held
+    res[3] = dead
     return keys
 
 
@@ -636,8 +644,8 @@ def warm(k: Any) -> None:
     k.link_chain(lk, m, t, one, one, np.zeros(1, np.uint64))
     k.store(t, m, pm, ph, pa, lk, m, e, m, one, one, b, True, 0, b, b, True, np.zeros(1, np.uint8),
             np.zeros(2, np.uint8), np.zeros(2, np.uint64), np.zeros(5, np.int64))
-    k.remove(t, m, pm, ph, pa, lk, m, one.copy(), 0, b, b, e, m, one, True, np.zeros(1, np.uint8),
-             np.zeros(1, np.uint64), np.zeros(1, np.uint64), np.zeros(2, np.int64))
+    k.remove(t, m, pm, ph, pa, lk, m, one.copy(), 0, b, b, e, m, one, True, 1, np.zeros(1, np.uint8),
+             np.zeros(1, np.uint64), np.zeros(1, np.uint64), np.zeros(4, np.int64))
     k.has_bit(t, pm, one, 0, b)
     k.clear_slot(t, m, pm, ph, pa, lk, m, one, 0, b)
     k.drop_links(lk, m, one)

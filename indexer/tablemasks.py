@@ -47,7 +47,7 @@ def _bits(slot: int, tier: int) -> tuple[int, np.uint64, np.uint64]:
 class TableMasks(BlockMasks):
     """:class:`BlockMasks` over compiled tables. Workers' ``hashes`` must be :class:`EngineHashes`."""
 
-    __slots__ = ("_c", "_k", "_scratch", "_t", "_wheres")
+    __slots__ = ("_c", "_k", "_removal", "_scratch", "_t", "_wheres")
 
     def __init__(self, table: KeyTable, win: WindowKV) -> None:
         super().__init__(table, win)
@@ -57,10 +57,16 @@ class TableMasks(BlockMasks):
         self._wheres: dict[tuple[int, int], tuple[int, np.uint64, np.uint64]] = {}  # (slot, tier) -> _bits(...)
         # The store kernel's outputs, reused (a store allocating four arrays pays more for that than for a block).
         self._scratch = self._outputs(64)
+        self._removal = self._removal_outputs(64)  # the same for the removal kernel
 
     @staticmethod
     def _outputs(n: int) -> tuple[Any, Any, Any, Any]:
         return np.empty(n, np.uint8), np.empty(n, np.uint8), np.empty(n, np.uint64), np.empty(5, np.int64)
+
+    @staticmethod
+    def _removal_outputs(n: int) -> tuple[Any, Any, Any, Any, Any]:
+        return np.empty(n, np.uint8), np.empty(n, np.uint64), np.empty(n, np.uint64), np.empty(n, np.uint64), \
+            np.empty(4, np.int64)
 
     def _where(self, slot: int, tier: int) -> tuple[int, np.uint64, np.uint64]:
         """:func:`_bits`, remembered. O(1)."""
@@ -110,7 +116,7 @@ class TableMasks(BlockMasks):
         if high and e.signed is None:  # converted as int64 (EngineHashes.int64s): the top bit is a sign
             e.signed = True
         if linking:
-            closure.branched([parent if j == 0 else keys[j - 1] for j in range(n)], keys, how[:n], cur)
+            closure.branched_chain(parent, keys, how[:n], cur)
         if path == 1:
             if not parent_held:
                 closure.stored(w.slot, tier, keys[0], False)  # new blocks have no children to settle
@@ -174,39 +180,40 @@ class TableMasks(BlockMasks):
         e = w.hashes
         assert isinstance(e, EngineHashes), f"worker {w.stream}: engine hashes in a {type(e).__name__}"
         ehs = e.int64s(block_hashes)
-        out = np.empty(n, np.uint8)
-        kids = np.empty(n, np.uint64)
-        branched = np.empty(n, np.uint64)
-        res = np.empty(2, np.int64)
+        if len(self._removal[0]) < n:
+            self._removal = self._removal_outputs(n)
+        out, kids, branched, karr, res = self._removal
         lk = closure.lk
         if ehs is not None:
-            karr = k.remove(t.r, t.m, p.pm, p.ph, p.pa, lk.r, lk.m, np.empty(n, np.uint64), word, bit, slot_bits,
-                            e.r, e.m, ehs, True, out, kids, branched, res)
+            k.remove(t.r, t.m, p.pm, p.ph, p.pa, lk.r, lk.m, karr, word, bit, slot_bits, e.r, e.m, ehs, True, n, out,
+                     kids, branched, res)
         else:
             py = e.demote()
             named = list(map(py.get, block_hashes))
-            out[:] = [x is not None for x in named]
-            karr = k.remove(t.r, t.m, p.pm, p.ph, p.pa, lk.r, lk.m, np.array([x or 0 for x in named], np.uint64),
-                            word, bit, slot_bits, _NONE_E, _NONE_M, _NONE, False, out, kids, branched, res)
-            for eh, s in zip(block_hashes, out.tolist(), strict=True):
+            out[:n] = [x is not None for x in named]
+            karr[:n] = [x or 0 for x in named]
+            k.remove(t.r, t.m, p.pm, p.ph, p.pa, lk.r, lk.m, karr, word, bit, slot_bits, _NONE_E, _NONE_M, _NONE,
+                     False, n, out, kids, branched, res)
+            for eh, s in zip(block_hashes, out[:n].tolist(), strict=True):
                 if s >= 2:
                     del py[eh]
+        nk, nb, nheld, ndead = res.tolist()
         unknown = 0
-        held = out.astype(bool)
-        if not held.all():
+        out, karr = out[:n], karr[:n]
+        if nheld < n:
             orphans = w.orphans
-            for j in np.flatnonzero(~held).tolist():
+            for j in np.flatnonzero(out == 0).tolist():
                 if not (orphans and orphans.remove(block_hashes[j], tier)):
                     unknown += 1
-        gone: list[BlockKey] = karr[held].tolist()
-        w.counts[tier] -= len(gone)
-        if gone:
-            nk, nb = res.tolist()
+        if nheld:
+            gone: list[BlockKey] = (karr if nheld == n else karr[out != 0]).tolist()
+            w.counts[tier] -= nheld
 
             def holds(children: list[BlockKey]) -> Any:
                 return k.has_bit(t.r, p.pm, np.array(children, np.uint64), word, bit)
             closure.removed_found(w.slot, tier, gone, kids[:nk].tolist(), branched[:nb].tolist(), holds)
-            closure.unbranch(karr[out == 3].tolist())  # after their children were looked at
+            if ndead and closure.branches:
+                closure.unbranch(karr[out == 3].tolist())  # after their children were looked at
         return unknown
 
     def clear_slot(self, w: WorkerState) -> None:
