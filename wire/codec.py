@@ -30,7 +30,7 @@ from kvtier.wire.protocol import (
     StorageTier,
     parse_medium,
 )
-from kvtier.wire.tokenarray import decode_tokens, encode_tokens
+from kvtier.wire.tokenarray import decode_tokens, encode_tokens, strip_tokens
 
 _U64 = (1 << 64) - 1
 
@@ -147,10 +147,13 @@ def _tokens(raw: _Stored) -> list[int] | PackedTokens:
     return decode_tokens(t) if isinstance(t, msgspec.Raw) else cast(list[int], t)
 
 
-def _to_event(raw: object) -> Event:
+def _to_event(raw: object, tokens: PackedTokens | None = None) -> Event:
+    """The event of a decoded struct; ``tokens``: a BlockStored's token ids, where they were read beforehand
+    (:func:`~kvtier.wire.tokenarray.strip_tokens`)."""
     if isinstance(raw, _MapStored):
         return BlockStored(
-            block_hashes=raw.block_hashes, parent_block_hash=raw.parent_block_hash, token_ids=_tokens(raw),
+            block_hashes=raw.block_hashes, parent_block_hash=raw.parent_block_hash,
+            token_ids=_tokens(raw) if tokens is None else tokens,
             block_size=raw.block_size, lora_id=raw.lora_id, medium=raw.medium, lora_name=raw.lora_name,
             cache_salt=raw.cache_salt, extra_keys=raw.extra_keys, group_idx=raw.group_idx,
             kv_cache_spec_kind=raw.kv_cache_spec_kind, kv_cache_spec_sliding_window=raw.kv_cache_spec_sliding_window)
@@ -162,7 +165,7 @@ def _to_event(raw: object) -> Event:
         return BlockStored(
             block_hashes=raw.block_hashes,
             parent_block_hash=raw.parent_block_hash,
-            token_ids=_tokens(raw),
+            token_ids=_tokens(raw) if tokens is None else tokens,
             block_size=raw.block_size,
             lora_id=raw.lora_id,
             medium=raw.medium,
@@ -183,7 +186,20 @@ def decode_payload(payload: bytes | memoryview, *, packed_tokens: bool = False) 
     :data:`~kvtier.wire.protocol.PackedTokens` (what the index hashes; 3-5x faster to decode than a list
     of ints), or as a list where an id is outside ``[0, 2**32)`` (for the index to reject).
     """
-    maps, arrays = (_map_raw_decoder, _arr_raw_decoder) if packed_tokens else (_map_decoder, _arr_decoder)
+    if packed_tokens:
+        stripped = strip_tokens(payload)
+        if stripped is not None:
+            try:
+                return _decode(stripped[0], _map_raw_decoder, _arr_raw_decoder, stripped[1])
+            except DecodeError:
+                pass  # the error is reported as the whole payload gives it, below
+        return _decode(payload, _map_raw_decoder, _arr_raw_decoder, None)
+    return _decode(payload, _map_decoder, _arr_decoder, None)
+
+
+def _decode(payload: bytes | memoryview, maps: msgspec.msgpack.Decoder[Any], arrays: msgspec.msgpack.Decoder[Any],
+            tokens: list[PackedTokens | None] | None) -> EventBatch:
+    """:func:`decode_payload` with these decoders; ``tokens``: per event, token ids read beforehand (or None)."""
     try:
         batch: Any
         try:
@@ -193,8 +209,13 @@ def decode_payload(payload: bytes | memoryview, *, packed_tokens: bool = False) 
                 batch = arrays.decode(payload)
             except msgspec.DecodeError:
                 raise DecodeError(f"not a KV event batch: {map_err}") from None
-        return EventBatch(ts=batch.ts, events=[_to_event(e) for e in batch.events], dp_rank=batch.dp_rank)
-    except DecodeError:
+        if tokens is None:
+            events = [_to_event(e) for e in batch.events]
+        else:
+            assert len(tokens) == len(batch.events), "the stripped batch has other events than the payload"
+            events = [_to_event(e, t) for e, t in zip(batch.events, tokens, strict=True)]
+        return EventBatch(ts=batch.ts, events=events, dp_rank=batch.dp_rank)
+    except (DecodeError, AssertionError):
         raise
     except msgspec.DecodeError as exc:  # a raw token array that is not an array of ints
         raise DecodeError(f"not a KV event batch: token_ids: {exc}") from None

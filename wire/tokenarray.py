@@ -21,7 +21,8 @@ _encode = msgspec.msgpack.Encoder().encode
 #: The kernels, warmed with the argument types used here (read-only views of bytes).
 _KERNELS = jit.LazyKernels("kvtier.wire.tokenkernel", lambda k: (k.decode(
     np.frombuffer(bytes(k.encode(np.frombuffer(bytes(8), "<u4"))), np.uint8)),
-    k.decode_json(np.frombuffer(b"[1]", np.uint8))))
+    k.decode_json(np.frombuffer(b"[1]", np.uint8)),
+    k.strip_tokens(np.frombuffer(b"\x93\x00\x90\xc0", np.uint8))))
 
 
 def token_backend() -> str:
@@ -55,6 +56,24 @@ def decode_json_tokens(raw: bytes | memoryview | msgspec.Raw) -> PackedTokens | 
     return _decode(raw, "decode_json", _json_ints)
 
 
+def strip_tokens(payload: bytes | memoryview) -> tuple[bytes, list[PackedTokens | None]] | None:
+    """An event batch with its BlockStored token arrays taken out, for a codec to decode the rest: ``(the batch
+    with each such array written empty, per event its token ids packed or None)``; the arrays are read in the
+    same pass that finds them, where msgspec would walk each one to skip it (90% of a batch's decoding time).
+    None where the compiled kernels do not run or the batch is not plainly such (see
+    :func:`kvtier.wire.tokenkernel.strip_tokens`): decode it whole. O(len(payload))."""
+    k = _KERNELS.get()
+    if k is None:
+        return None
+    events, stripped, tokens, spans = k.strip_tokens(np.frombuffer(payload, np.uint8))
+    if events < 0:
+        return None
+    joined = tokens.astype("<u4", copy=False).tobytes()
+    per_event: list[PackedTokens | None] = [joined[4 * first:4 * (first + n)] if has else None
+                                            for has, first, n in spans.tolist()]
+    return stripped.tobytes(), per_event
+
+
 def _decode(raw: bytes | memoryview | msgspec.Raw, kernel: str,
             slow: msgspec.msgpack.Decoder[list[int]] | msgspec.json.Decoder[list[int]]) -> PackedTokens | list[int]:
     """The compiled ``kernel`` where it loads and takes ``raw``; else msgspec's ``slow`` decoder, packed when in
@@ -71,4 +90,4 @@ def _decode(raw: bytes | memoryview | msgspec.Raw, kernel: str,
         return ids
 
 
-__all__ = ["decode_json_tokens", "decode_tokens", "encode_tokens", "token_backend"]
+__all__ = ["decode_json_tokens", "decode_tokens", "encode_tokens", "strip_tokens", "token_backend"]

@@ -68,27 +68,28 @@ def _be(b: npt.NDArray[np.uint8], p: int, size: int) -> int:
     return v
 
 
-@njit(cache=True)
-def decode(b: npt.NDArray[np.uint8]) -> tuple[bool, npt.NDArray[np.uint32]]:
-    """``(True, tokens)`` if ``b`` is exactly one msgpack array of ints in ``[0, 2**32)`` (any int
-    format), else ``(False, empty)``: the caller then decodes it the slow way, for its error or its
-    out-of-range ids. O(len(b))."""
-    fail = np.empty(0, np.uint32)
-    size = b.size
-    if size == 0:
-        return False, fail
-    c = int(b[0])
+@njit(inline="always")
+def _array_head(b: npt.NDArray[np.uint8], p: int, size: int) -> tuple[int, int]:
+    """``(elements, position after the header)`` of the msgpack array at ``p``, or ``(-1, p)`` if none is
+    there."""
+    if p >= size:
+        return -1, p
+    c = int(b[p])
     if 0x90 <= c <= 0x9F:
-        n, p = c & 0x0F, 1
-    elif c == 0xDC and size >= 3:
-        n, p = _be(b, 1, 2), 3
-    elif c == 0xDD and size >= 5:
-        n, p = _be(b, 1, 4), 5
-    else:
-        return False, fail
+        return c & 0x0F, p + 1
+    if c == 0xDC and p + 3 <= size:
+        return _be(b, p + 1, 2), p + 3
+    if c == 0xDD and p + 5 <= size:
+        return _be(b, p + 1, 4), p + 5
+    return -1, p
+
+
+@njit(cache=True)
+def _read_ints(b: npt.NDArray[np.uint8], p: int, size: int, n: int, out: npt.NDArray[np.uint32], o: int) -> int:
+    """Reads ``n`` msgpack ints in ``[0, 2**32)`` (any int format) from ``p`` into ``out[o:o + n]``; the
+    position after them, or -1 if an element is something else, out of range, or past ``size``. O(n)."""
     if n > size - p:  # every element takes at least a byte
-        return False, fail
-    out = np.empty(n, np.uint32)
+        return -1
     # The formats msgspec writes for ids under 2**32, while 4 bytes past the format byte are in bounds, through
     # tables (see _DEC_*); anything else, and the last elements, by the general loop below.
     done = 0
@@ -98,12 +99,12 @@ def decode(b: npt.NDArray[np.uint8]) -> tuple[bool, npt.NDArray[np.uint32]]:
         if width < 0:
             break
         word = (np.int64(b[p + 1]) << 24) | (np.int64(b[p + 2]) << 16) | (np.int64(b[p + 3]) << 8) | np.int64(b[p + 4])
-        out[done] = (word >> _DEC_SHIFT[c]) | (c & _DEC_FIXINT[c])
+        out[o + done] = (word >> _DEC_SHIFT[c]) | (c & _DEC_FIXINT[c])
         p += 1 + width
         done += 1
     for i in range(done, n):
         if p >= size:
-            return False, fail
+            return -1
         c = int(b[p])
         if c < 0x80:  # positive fixint
             v, w = c, 1
@@ -111,18 +112,222 @@ def decode(b: npt.NDArray[np.uint8]) -> tuple[bool, npt.NDArray[np.uint32]]:
             signed = c >= 0xD0
             w = 1 << (c - (0xD0 if signed else 0xCC))
             if p + w >= size or (signed and b[p + 1] >= 0x80):
-                return False, fail
+                return -1
             if w == 8 and _be(b, p + 1, 4) != 0:  # past 32 bits
-                return False, fail
+                return -1
             v = _be(b, p + 1 + w - min(w, 4), min(w, 4))
             w += 1
         else:
-            return False, fail
-        out[i] = v  # under 2**32: no format read above holds more
+            return -1
+        out[o + i] = v  # under 2**32: no format read above holds more
         p += w
-    if p != size:
+    return p
+
+
+@njit(cache=True)
+def decode(b: npt.NDArray[np.uint8]) -> tuple[bool, npt.NDArray[np.uint32]]:
+    """``(True, tokens)`` if ``b`` is exactly one msgpack array of ints in ``[0, 2**32)`` (any int
+    format), else ``(False, empty)``: the caller then decodes it the slow way, for its error or its
+    out-of-range ids. O(len(b))."""
+    fail = np.empty(0, np.uint32)
+    size = b.size
+    n, p = _array_head(b, 0, size)
+    if n < 0 or n > size - p:
+        return False, fail
+    out = np.empty(n, np.uint32)
+    if _read_ints(b, p, size, n, out, 0) != size:
         return False, fail
     return True, out
+
+
+# --- a whole event batch: its token arrays taken out --------------------------------------------------------
+
+# Per first byte of a msgpack object (see the format's spec): bytes of its fixed part past the first byte (-1:
+# none is valid there), bytes of a length field that follows (0: none), and how each length counts (1: payload
+# bytes, as str/bin; 2: payload bytes after a type byte, as ext; 3: child objects, as array; 4: child pairs, as
+# map).
+_FIX = np.full(256, -1, np.int64)
+_LEN = np.zeros(256, np.int64)
+_KIND = np.zeros(256, np.int64)
+_FIX[:0x80] = 0  # positive fixint
+_FIX[0xE0:] = 0  # negative fixint
+_FIX[0x80:0xC0] = 0  # fixmap, fixarray, fixstr: the count is in the first byte
+_FIX[0xC0] = _FIX[0xC2] = _FIX[0xC3] = 0  # nil, false, true
+for _c, _n in ((0xCA, 4), (0xCB, 8), (0xCC, 1), (0xCD, 2), (0xCE, 4), (0xCF, 8), (0xD0, 1), (0xD1, 2), (0xD2, 4),
+               (0xD3, 8), (0xD4, 2), (0xD5, 3), (0xD6, 5), (0xD7, 9), (0xD8, 17)):
+    _FIX[_c] = _n  # floats, ints, fixext (type byte + data)
+for _c, _n, _k in ((0xC4, 1, 1), (0xC5, 2, 1), (0xC6, 4, 1), (0xC7, 1, 2), (0xC8, 2, 2), (0xC9, 4, 2), (0xD9, 1, 1),
+                   (0xDA, 2, 1), (0xDB, 4, 1), (0xDC, 2, 3), (0xDD, 4, 3), (0xDE, 2, 4), (0xDF, 4, 4)):
+    _FIX[_c], _LEN[_c], _KIND[_c] = 0, _n, _k
+_TOKEN_IDS = np.frombuffer(b"token_ids", np.uint8)
+_BLOCK_STORED = np.frombuffer(b"BlockStored", np.uint8)
+
+
+@njit(cache=True)
+def _head(b: npt.NDArray[np.uint8], p: int, size: int) -> tuple[int, int]:
+    """``(position after the object's own bytes, child objects)`` of the msgpack object at ``p``: a scalar, str,
+    bin or ext ends there; an array or a map has its children next. ``(-1, 0)`` if it is not valid msgpack
+    or runs past ``size``."""
+    if p >= size:
+        return -1, 0
+    c = int(b[p])
+    fix = _FIX[c]
+    if fix < 0:
+        return -1, 0
+    q = p + 1 + fix
+    lw = _LEN[c]
+    if lw == 0:
+        if 0x80 <= c <= 0x8F:
+            return q, 2 * (c & 0x0F)
+        if 0x90 <= c <= 0x9F:
+            return q, c & 0x0F
+        if 0xA0 <= c <= 0xBF:
+            q += c & 0x1F
+        return (q, 0) if q <= size else (-1, 0)
+    if q + lw > size:
+        return -1, 0
+    n = _be(b, q, lw)
+    q += lw
+    kind = _KIND[c]
+    if kind == 3:
+        return q, n
+    if kind == 4:
+        return q, 2 * n
+    q += n + (1 if kind == 2 else 0)
+    return (q, 0) if q <= size else (-1, 0)
+
+
+@njit(cache=True)
+def _skip(b: npt.NDArray[np.uint8], p: int, size: int) -> int:
+    """The position after the msgpack object at ``p`` (children and all), or -1. O(its bytes)."""
+    left = 1
+    while left:
+        p, children = _head(b, p, size)
+        if p < 0:
+            return -1
+        left += children - 1
+    return p
+
+
+@njit(cache=True)
+def _is_str(b: npt.NDArray[np.uint8], p: int, size: int, want: npt.NDArray[np.uint8]) -> bool:
+    """Whether the object at ``p`` is the str ``want`` (in any str format)."""
+    c = int(b[p])
+    if 0xA0 <= c <= 0xBF:
+        n, q = c & 0x1F, p + 1
+    elif c == 0xD9 and p + 2 <= size:
+        n, q = int(b[p + 1]), p + 2
+    elif c == 0xDA and p + 3 <= size:
+        n, q = _be(b, p + 1, 2), p + 3
+    else:
+        return False
+    if n != want.size or q + n > size:
+        return False
+    for i in range(n):  # noqa: SIM110 (numba compiles no generator)
+        if b[q + i] != want[i]:
+            return False
+    return True
+
+
+@njit(cache=True)
+def strip_tokens(b: npt.NDArray[np.uint8]) -> tuple[int, npt.NDArray[np.uint8], npt.NDArray[np.uint32],
+                                                    npt.NDArray[np.int64]]:
+    """An event batch ``[ts, [events...], ...]`` with each BlockStored's token array taken out: ``(events, the
+    batch with every such array written as an empty one, the token ids, spans)``; ``spans[i]`` = [1, first,
+    count] where event ``i``'s ids are ``tokens[first:first + count]``, else [0, 0, 0]. The token arrays are the
+    ``token_ids`` value of a map event, and the fourth element of an array event tagged ``BlockStored``. ``events``
+    is -1 where the batch is not plainly that (not msgpack, other top-level shapes, a token array with an
+    element not an int in ``[0, 2**32)``, a map with ``token_ids`` twice, trailing bytes): the caller then
+    decodes the whole payload the slow way, for its error or its out-of-range ids. O(len(b))."""
+    size = b.size
+    fail = (-1, np.empty(0, np.uint8), np.empty(0, np.uint32), np.empty((0, 3), np.int64))
+    top, p = _array_head(b, 0, size)
+    if top < 2:
+        return fail
+    p = _skip(b, p, size)  # ts
+    if p < 0:
+        return fail
+    ne, p = _array_head(b, p, size)
+    if ne < 0 or ne > size - p:
+        return fail
+    out = np.empty(size, np.uint8)
+    tokens = np.empty(size, np.uint32)  # each id takes a byte at least
+    spans = np.zeros((ne, 3), np.int64)
+    o = 0  # bytes written to out
+    copied = 0  # input bytes up to here are in out
+    nt = 0  # token ids read
+    for ev in range(ne):
+        if p >= size:
+            return fail
+        c = int(b[p])
+        fields, q = -1, p
+        if 0x80 <= c <= 0x8F:
+            fields, q = c & 0x0F, p + 1
+        elif c == 0xDE and p + 3 <= size:
+            fields, q = _be(b, p + 1, 2), p + 3
+        if fields >= 0:  # a map: find its token_ids
+            p = q
+            for _ in range(fields):
+                if p >= size:
+                    return fail
+                key = _is_str(b, p, size, _TOKEN_IDS)
+                p = _skip(b, p, size)
+                if p < 0:
+                    return fail
+                if key:
+                    if spans[ev, 0]:
+                        return fail
+                    n, q = _array_head(b, p, size)
+                    end = _read_ints(b, q, size, n, tokens, nt) if n >= 0 else -1
+                    if end < 0:
+                        return fail
+                    spans[ev, 0], spans[ev, 1], spans[ev, 2] = 1, nt, n
+                    nt += n
+                    out[o:o + p - copied] = b[copied:p]
+                    o += p - copied
+                    out[o] = 0x90
+                    o += 1
+                    copied = p = end
+                else:
+                    p = _skip(b, p, size)
+                    if p < 0:
+                        return fail
+            continue
+        n, q = _array_head(b, p, size)
+        if n >= 4 and q < size and _is_str(b, q, size, _BLOCK_STORED):  # [tag, hashes, parent, token_ids, ...]
+            p = q
+            for _ in range(3):
+                p = _skip(b, p, size)
+                if p < 0:
+                    return fail
+            m, q = _array_head(b, p, size)
+            end = _read_ints(b, q, size, m, tokens, nt) if m >= 0 else -1
+            if end < 0:
+                return fail
+            spans[ev, 0], spans[ev, 1], spans[ev, 2] = 1, nt, m
+            nt += m
+            out[o:o + p - copied] = b[copied:p]
+            o += p - copied
+            out[o] = 0x90
+            o += 1
+            copied = p = end
+            for _ in range(n - 4):
+                p = _skip(b, p, size)
+                if p < 0:
+                    return fail
+            continue
+        p = _skip(b, p, size)  # another event: copied as it is
+        if p < 0:
+            return fail
+    for _ in range(top - 2):
+        p = _skip(b, p, size)
+        if p < 0:
+            return fail
+    if p != size:
+        return fail
+    out[o:o + size - copied] = b[copied:size]
+    o += size - copied
+    return ne, out[:o], tokens[:nt], spans
 
 
 @njit(inline="always")
