@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,8 @@ from kvtier.sim.trace import (
     write_mooncake,
 )
 from kvtier.wire import pack_tokens, unpack_tokens
+
+from .jit_paths import python_path
 
 
 def test_mooncake_trace_loads_and_matches_published_reuse(shared_dir: Path) -> None:
@@ -93,7 +96,6 @@ def test_token_ids_are_in_the_vocabulary_distinct_per_hash_id_and_packed_alike()
 
 @pytest.mark.parametrize("kind", sorted(PRESETS))
 def test_generators_are_seeded_and_valid(kind: str, tmp_path: Path) -> None:
-    import dataclasses
 
     spec = dataclasses.replace(PRESETS[kind], requests=200)
     a, b = generate(spec, 7), generate(spec, 7)
@@ -127,3 +129,16 @@ def test_compiled_token_derivation_agrees_with_the_numpy_path() -> None:
         assert (bank._blocks(ids) == compiled).all()
     finally:
         trace_module._KERNELS.module = kernels
+
+
+def test_packed_prompts_agree_on_both_paths_through_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    if trace_module._KERNELS.get() is None:
+        pytest.skip(f"compiled path not loaded: {trace_module._KERNELS.backend}")
+    reqs = generate(dataclasses.replace(PRESETS["chat"], requests=40), seed=3)  # turns repeat earlier hash ids
+    compiled = [TokenBank(seed=1).packed(r) for r in reqs]
+    monkeypatch.setattr(TokenBank, "CACHE_BLOCKS", 5)  # the numpy path's cache evicts all along
+    bank = TokenBank(seed=1)
+    with python_path(trace_module._KERNELS):
+        assert [bank.packed(r) for r in reqs] == compiled
+        assert 0 < len(bank._packed) <= 5
+    assert all(len(p) == 4 * r.input_length for p, r in zip(compiled, reqs, strict=True))
