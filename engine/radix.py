@@ -119,16 +119,26 @@ class RadixTree:
     def common_pages(self, child: Node, tokens: PackedTokens, pos: int, pages: int) -> int:
         """How many of ``child``'s pages equal ``tokens``' pages from page ``pos`` (of ``pages``).
 
-        The caller found ``child`` by its first page, so the answer is at least 1. O(k * page size).
+        The caller found ``child`` by its first page, so the answer is at least 1. Compared in place (no slice
+        is copied): the whole run in one memcmp, the common case; else a binary search for the first page
+        that differs. O(k * page size).
         """
         s = self.stride
         m = min(child.pages, pages - pos)  # pages that could match
-        if m <= 1 or child.tokens[s:m * s] == tokens[(pos + 1) * s:(pos + m) * s]:
-            return max(m, 1)  # the common case, the whole run at once: one memcmp, not one per page
-        k = 1
-        while child.tokens[k * s:(k + 1) * s] == tokens[(pos + k) * s:(pos + k + 1) * s]:
-            k += 1  # stops before m: the run differs somewhere
-        return k
+        if m <= 1:
+            return 1
+        start = pos * s
+        mine = memoryview(child.tokens)
+        if tokens.startswith(mine[:m * s], start):
+            return m
+        lo, hi = 1, m - 1  # the first lo pages match; the first hi + 1 do not
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if tokens.startswith(mine[:mid * s], start):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def split(self, node: Node, k: int) -> Node:
         """Cuts ``node`` after ``k`` pages; returns the new front node (its parent now). O(pages)."""
