@@ -17,18 +17,11 @@ a ``uint64``.
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable
-from typing import Any, cast
-
 import numpy as np
 import numpy.typing as npt
-from llvmlite import ir
-from numba import njit, types
-from numba.extending import intrinsic
+from numba import njit
 
-if sys.byteorder != "little":  # _load reads words in the machine's order; the keys are little-endian
-    raise ImportError("kvtier.indexer.keykernel reads little-endian words; this machine is big-endian")
+from kvtier.wire.unaligned import load
 
 _u = np.uint64
 
@@ -51,25 +44,8 @@ _S8, _S16, _S24, _S28, _S29, _S32 = _u(8), _u(16), _u(24), _u(28), _u(29), _u(32
 _S33, _S35, _S37, _S40, _S47 = _u(33), _u(35), _u(37), _u(40), _u(47)
 
 
-def _load(bits: int) -> Callable[[npt.NDArray[np.uint8], int], np.uint64]:
-    """An intrinsic: the unsigned ``bits``-bit integer at byte ``i`` of a ``uint8`` array, as a ``uint64``,
-    read in one unaligned load (numba has no such read; combining byte reads made a 256-byte hash 8x
-    slower). The machine's byte order must be little-endian (checked at import)."""
-
-    @intrinsic
-    def load(typingctx: Any, arr: Any, i: Any) -> Any:
-        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-            data = context.make_array(signature.args[0])(context, builder, args[0]).data
-            ptr = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(bits).as_pointer())
-            value = builder.load(ptr, align=1)
-            return value if bits == 64 else builder.zext(value, ir.IntType(64))
-        return types.uint64(arr, types.intp), codegen
-
-    return cast(Callable[[npt.NDArray[np.uint8], int], np.uint64], load)
-
-
-_r64 = _load(64)
-_r32 = _load(32)
+_r64 = load(64)  # the keys are little-endian, as the machine must be (see kvtier.wire.unaligned)
+_r32 = load(32)
 
 
 @njit(inline="always")

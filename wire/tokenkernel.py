@@ -12,13 +12,27 @@ import numpy as np
 import numpy.typing as npt
 from numba import njit
 
+from kvtier.wire.unaligned import load, store64
+
+_r64 = load(64)
+
 # Per size class of a token id (0: < 128, 1: < 256, 2: < 65536, 4: the rest; 3 is unused), what encode
 # writes: the format byte (none for a positive fixint), then the id's low bytes, big-endian. Tokens of a real
 # prompt fall in classes 2 and 4 unpredictably; tables instead of branches keep the loop free of mispredictions.
-_ENC_PREFIX = np.array([0, 0xCC, 0xCD, 0, 0xCE], np.uint8)  # format byte
+_ENC_PREFIX = np.array([0, 0xCC, 0xCD, 0, 0xCE], np.uint64)  # format byte
 _ENC_HAS_PREFIX = np.array([0, 1, 1, 0, 1], np.int64)  # whether it is written
 _ENC_BYTES = np.array([1, 1, 2, 0, 4], np.int64)  # payload bytes
-_ENC_SHIFT = np.array([24, 24, 16, 0, 0], np.int64)  # left shift putting the payload in the top of 32 bits
+_ENC_SHIFT = np.array([24, 24, 16, 0, 0], np.uint64)  # left shift putting the payload in the top of 32 bits
+_ENC_AFTER = np.array([0, 8, 8, 0, 8], np.uint64)  # left shift putting the payload after the format byte
+_B0, _B1, _B2, _B3 = np.uint64(0xFF), np.uint64(0xFF00), np.uint64(0xFF0000), np.uint64(0xFF000000)
+_S8, _S24 = np.uint64(8), np.uint64(24)
+_LOW32 = np.uint64(0xFFFFFFFF)
+
+
+@njit(inline="always")
+def _bswap32(x: np.uint64) -> np.uint64:
+    """The low 4 bytes of ``x`` in reverse order (LLVM makes this one instruction)."""
+    return ((x >> _S24) & _B0) | ((x >> _S8) & _B1) | ((x << _S8) & _B2) | ((x << _S24) & _B3)
 
 
 @njit(cache=True)
@@ -26,7 +40,7 @@ def encode(tokens: npt.NDArray[np.uint32]) -> npt.NDArray[np.uint8]:
     """The msgpack array of ``tokens``, each int in its shortest unsigned format (as msgspec writes
     it). O(tokens)."""
     n = tokens.size
-    out = np.empty(5 + 5 * n, np.uint8)  # each token writes 4 bytes past its format byte, used or not
+    out = np.empty(5 + 5 * n + 8, np.uint8)  # each token writes a whole word, of which it keeps up to 5 bytes
     if n < 16:
         out[0] = 0x90 | n
         p = 1
@@ -37,27 +51,12 @@ def encode(tokens: npt.NDArray[np.uint32]) -> npt.NDArray[np.uint8]:
         out[0], out[1], out[2], out[3], out[4] = 0xDD, n >> 24, (n >> 16) & 0xFF, (n >> 8) & 0xFF, n & 0xFF
         p = 5
     for i in range(n):
-        t = np.int64(tokens[i])
+        t = np.uint64(tokens[i])
         c = np.int64(t >= 128) + np.int64(t >= 256) + 2 * np.int64(t >= 65536)
-        out[p] = _ENC_PREFIX[c]
-        p += _ENC_HAS_PREFIX[c]
-        u = t << _ENC_SHIFT[c]
-        out[p], out[p + 1], out[p + 2], out[p + 3] = (u >> 24) & 0xFF, (u >> 16) & 0xFF, (u >> 8) & 0xFF, u & 0xFF
-        p += _ENC_BYTES[c]
+        be = _bswap32((t << _ENC_SHIFT[c]) & _LOW32)  # in memory: the payload's bytes, big-endian, first
+        store64(out, p, _ENC_PREFIX[c] | (be << _ENC_AFTER[c]))
+        p += _ENC_HAS_PREFIX[c] + _ENC_BYTES[c]
     return out[:p]
-
-
-# Per first byte of an element: payload bytes of the formats decode reads through tables (0 for a positive fixint,
-# 1, 2 and 4 for uint 8/16/32; -1 for every other byte), the right shift taking that payload out of the 4 bytes
-# after the format byte, and the mask keeping a fixint's own value.
-_DEC_BYTES = np.full(256, -1, np.int64)
-_DEC_BYTES[:0x80] = 0
-_DEC_BYTES[0xCC], _DEC_BYTES[0xCD], _DEC_BYTES[0xCE] = 1, 2, 4
-_DEC_SHIFT = np.zeros(256, np.int64)
-_DEC_SHIFT[:0x80] = 32
-_DEC_SHIFT[0xCC], _DEC_SHIFT[0xCD], _DEC_SHIFT[0xCE] = 24, 16, 0
-_DEC_FIXINT = np.zeros(256, np.int64)
-_DEC_FIXINT[:0x80] = 0xFF
 
 
 @njit(inline="always")
@@ -90,16 +89,19 @@ def _read_ints(b: npt.NDArray[np.uint8], p: int, size: int, n: int, out: npt.NDA
     position after them, or -1 if an element is something else, out of range, or past ``size``. O(n)."""
     if n > size - p:  # every element takes at least a byte
         return -1
-    # The formats msgspec writes for ids under 2**32, while 4 bytes past the format byte are in bounds, through
-    # tables (see _DEC_*); anything else, and the last elements, by the general loop below.
+    # The formats msgspec writes for ids under 2**32 (positive fixint, uint 8/16/32), while a word from the
+    # format byte is in bounds; anything else, and the last elements, by the general loop below.
     done = 0
-    while done < n and p + 5 <= size:
-        c = int(b[p])
-        width = _DEC_BYTES[c]
-        if width < 0:
+    while done < n and p + 8 <= size:  # one word read per element: its format byte and the 4 bytes after it
+        head = _r64(b, p)
+        c = int(head & _B0)
+        fix = c < 0x80
+        if not (fix or 0xCC <= c <= 0xCE):
             break
-        word = (np.int64(b[p + 1]) << 24) | (np.int64(b[p + 2]) << 16) | (np.int64(b[p + 3]) << 8) | np.int64(b[p + 4])
-        out[o + done] = (word >> _DEC_SHIFT[c]) | (c & _DEC_FIXINT[c])
+        # Arithmetic, not a table, on the chain from one element's position to the next's (a load is slower).
+        width = 0 if fix else 1 << (c - 0xCC)
+        word = np.int64(_bswap32((head >> _S8) & _LOW32))
+        out[o + done] = c if fix else word >> (32 - 8 * width)
         p += 1 + width
         done += 1
     for i in range(done, n):
