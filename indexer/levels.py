@@ -206,7 +206,8 @@ class DepthFinder:
 
 class TableDepthFinder(DepthFinder):
     """:class:`DepthFinder` over the compiled table (:class:`kvtier.indexer.keytable.KeyTable`): the search or the
-    scan is one kernel call over the query's keys as an array, the levels are read as before."""
+    scan is one kernel call over the query's keys as an array, and the levels another over the runs of mask ids
+    (:func:`kvtier.indexer.tablekernel.run_levels`), where Python decoded the bits of every slot holding a prefix."""
 
     __slots__ = ()
 
@@ -215,25 +216,29 @@ class TableDepthFinder(DepthFinder):
         t = cast(KeyTable, self._masks)
         k = t.k
         karr = t.array(keys)
-        depths: Depths = {}
         if closed:
             starts = np.empty(MAX_RUNS + 1, np.int64)
             ids = np.empty(MAX_RUNS + 1, np.int64)
             runs = k.runs_by_search(t.r, karr, MAX_RUNS, starts, ids)
             if runs >= 0:
-                n = int(starts[runs])
-                if not n:
-                    return depths, 0
-                found = list(zip(t.pool.masks(ids[:runs]), starts[:runs].tolist(), strict=True))
-                return depths, self._levels_by_runs(found, n, depths, slots)
+                return self._levels_of_runs(ids, starts, runs, int(starts[runs]), slots)
         ids = k.leading_ids(t.r, karr)  # one id per distinct mask (kvtier.indexer.keytable.MaskPool)
         n = len(ids)
+        begin = np.flatnonzero(ids[1:] != ids[:-1]) + 1 if n else ids
+        starts = np.concatenate(([0], begin)) if n else begin
+        return self._levels_of_runs(ids[starts], starts, len(starts), n, slots)
+
+    def _levels_of_runs(self, ids: Any, starts: Any, runs: int, n: int, slots: int) -> tuple[Depths, int]:
+        """The depths and the pool's leading blocks of ``runs`` runs of mask ids over ``n`` blocks. O(runs * words +
+        slots)."""
+        depths: Depths = {}
         if not n:
             return depths, 0
-        begin = [0, *(np.flatnonzero(ids[1:] != ids[:-1]) + 1).tolist()]
-        if len(begin) <= MAX_RUNS:
-            return depths, self._levels_by_runs(list(zip(t.pool.masks(ids[begin]), begin, strict=True)), n, depths,
-                                                slots)
-        words = t.pool.pm[ids]  # as many words as the widest mask stored (slots that never stored hold nothing)
-        return depths, self._levels_words([np.ascontiguousarray(words[:, g]) for g in range(words.shape[1])], n,
-                                          depths)
+        t = cast(KeyTable, self._masks)
+        out = np.zeros((-(-slots // SLOTS_PER_WORD) * SLOTS_PER_WORD, TIERS), np.int64)
+        pool_run = t.k.run_levels(t.pool.pm, ids, starts, runs, n, slots, out)
+        owned = self._owned
+        for slot in np.flatnonzero(out.any(axis=1)).tolist():
+            if slot in owned:
+                depths[slot] = out[slot].tolist()
+        return depths, int(pool_run)

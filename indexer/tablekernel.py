@@ -29,6 +29,7 @@ import numpy as np
 from numba import njit
 
 from kvtier.indexer.keytable import _PFREE, _PH, _PREF, _PTOP, KEY, USED, VAL
+from kvtier.indexer.masklayout import DEV, EXT, TIERS
 
 _GOLD = np.uint64(0x9E3779B97F4A7C15)
 _HIGH = np.uint64(1 << 63)
@@ -601,6 +602,71 @@ def leading_ids(t: Arr, keys: Arr) -> Arr:
     return out[:n]
 
 
+_DEV = np.uint64(DEV)
+_EXT = np.uint64(EXT)
+_ONE, _TWO, _FOUR = np.uint64(1), np.uint64(2), np.uint64(4)
+_SLOTS_PER_WORD = 64 // TIERS
+
+
+@njit(cache=True)
+def run_levels(pm: Arr, ids: Arr, starts: Arr, runs: int, n: int, slots: int, out: Arr) -> int:
+    """:meth:`kvtier.indexer.levels.DepthFinder._levels_by_runs` compiled: over runs of equal masks (run ``r``: mask
+    id ``ids[r]`` from position ``starts[r]``; ``n`` blocks in all), ``out[slot, tier]`` = the cumulative depth of
+    slot at each level (device; device or host; ... or disk; ... or the shared pool), where it is not 0 (``out`` is
+    zero on entry, a row per slot of the words that hold the first ``slots``). Returns the shared pool's leading blocks.
+    O(runs * words + set bits)."""
+    words = (slots + _SLOTS_PER_WORD - 1) // _SLOTS_PER_WORD
+    stored = pm.shape[1]  # masks have as many words as the widest slot that stored: the rest are zero
+    pooled = np.zeros(runs, np.bool_)
+    pool_run = -1
+    for r in range(runs):
+        for g in range(min(words, stored)):
+            if pm[ids[r], g] & _EXT:
+                pooled[r] = True
+                break
+        if not pooled[r] and pool_run < 0:
+            pool_run = starts[r]
+    held = np.empty(TIERS, np.uint64)
+    alive = np.empty(TIERS, np.uint64)
+    for g in range(words):
+        # Every slot of the word, also those past ``slots``: they hold nothing, and are nobody's (the caller keeps
+        # the slots it owns).
+        every = _DEV
+        alive[:] = every
+        for r in range(runs):
+            m = pm[ids[r], g] if g < stored else np.uint64(0)
+            a1 = m | (m >> _ONE)
+            held[0] = m & every
+            held[1] = a1 & every
+            held[2] = (a1 | (m >> _TWO)) & every
+            held[3] = every if pooled[r] else held[2]
+            pos = starts[r]
+            for lvl in range(TIERS):
+                dropped = alive[lvl] & ~held[lvl]
+                if dropped:
+                    alive[lvl] &= held[lvl]
+                    if pos:
+                        _put(out, dropped, g, lvl, pos)
+        if n:
+            for lvl in range(TIERS):
+                _put(out, alive[lvl], g, lvl, n)
+    return n if pool_run < 0 else pool_run
+
+
+@njit(inline="always")
+def _put(out: Arr, bits: np.uint64, g: int, lvl: int, depth: int) -> None:
+    """``out[slot, lvl] = depth`` for each slot of word ``g`` whose device bit is in ``bits``."""
+    while bits:
+        low = bits & (~bits + _ONE)  # the lowest set bit
+        b = 0
+        x = low
+        while x > _ONE:  # its position (at most 63 shifts; bits are a slot's device bit, every 4th)
+            x >>= _FOUR
+            b += TIERS
+        out[g * _SLOTS_PER_WORD + b // TIERS, lvl] = depth
+        bits ^= low
+
+
 @njit(cache=True)
 def set_mask(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, k: np.uint64, words: Arr) -> None:
     """Key ``k``'s mask is ``words`` (not empty) now. O(words)."""
@@ -651,5 +717,6 @@ def warm(k: Any) -> None:
     k.drop_links(lk, m, one)
     k.runs_by_search(t, one, 4, np.zeros(5, np.int64), np.zeros(5, np.int64))
     k.leading_ids(t, one)
+    k.run_levels(pm, np.zeros(1, np.int64), np.zeros(2, np.int64), 1, 1, 1, np.zeros((16, 4), np.int64))
     k.set_mask(t, m, pm, ph, pa, b, one)
     k.del_mask(t, m, pm, ph, pa, b)
