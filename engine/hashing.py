@@ -3,6 +3,10 @@
 ``digest = SHA-256(parent digest || page tokens as uint32 little-endian)`` (the root's
 parent digest is empty); the event hash is the digest's first 8 bytes as a big-endian
 signed int64. Pinned against captured SGLang frames in the tests.
+
+A node's chain runs as one compiled loop over OpenSSL's SHA-256 where numba and libcrypto load
+(:mod:`kvtier.engine.shakernel`), else page by page through ``hashlib``; a node keeps its digests joined
+(:class:`PageDigests`).
 """
 
 from __future__ import annotations

@@ -231,6 +231,23 @@ def _is_str(b: npt.NDArray[np.uint8], p: int, size: int, want: npt.NDArray[np.ui
     return True
 
 
+@njit(inline="always")
+def _take_array(b: npt.NDArray[np.uint8], p: int, size: int, out: npt.NDArray[np.uint8], o: int, copied: int,
+                tokens: npt.NDArray[np.uint32], nt: int, spans: npt.NDArray[np.int64], ev: int) -> tuple[int, int, int]:
+    """Takes the token array at ``p`` out of the batch: its ids go to ``tokens[nt:]`` as event ``ev``'s, and ``out``
+    gets the batch from ``copied`` up to the array, then an empty array. ``(position after the array, bytes in
+    out, ids read)``; a position of -1 if it is not an array of ids in range."""
+    n, q = _array_head(b, p, size)
+    end = _read_ints(b, q, size, n, tokens, nt) if n >= 0 else -1
+    if end < 0:
+        return -1, o, nt
+    spans[ev, 0], spans[ev, 1], spans[ev, 2] = 1, nt, n
+    out[o:o + p - copied] = b[copied:p]
+    o += p - copied
+    out[o] = 0x90
+    return end, o + 1, nt + n
+
+
 @njit(cache=True)
 def strip_tokens(b: npt.NDArray[np.uint8]) -> tuple[int, npt.NDArray[np.uint8], npt.NDArray[np.uint32],
                                                     npt.NDArray[np.int64]]:
@@ -279,16 +296,9 @@ def strip_tokens(b: npt.NDArray[np.uint8]) -> tuple[int, npt.NDArray[np.uint8], 
                 if key:
                     if spans[ev, 0]:
                         return fail
-                    n, q = _array_head(b, p, size)
-                    end = _read_ints(b, q, size, n, tokens, nt) if n >= 0 else -1
+                    end, o, nt = _take_array(b, p, size, out, o, copied, tokens, nt, spans, ev)
                     if end < 0:
                         return fail
-                    spans[ev, 0], spans[ev, 1], spans[ev, 2] = 1, nt, n
-                    nt += n
-                    out[o:o + p - copied] = b[copied:p]
-                    o += p - copied
-                    out[o] = 0x90
-                    o += 1
                     copied = p = end
                 else:
                     p = _skip(b, p, size)
@@ -302,16 +312,9 @@ def strip_tokens(b: npt.NDArray[np.uint8]) -> tuple[int, npt.NDArray[np.uint8], 
                 p = _skip(b, p, size)
                 if p < 0:
                     return fail
-            m, q = _array_head(b, p, size)
-            end = _read_ints(b, q, size, m, tokens, nt) if m >= 0 else -1
+            end, o, nt = _take_array(b, p, size, out, o, copied, tokens, nt, spans, ev)
             if end < 0:
                 return fail
-            spans[ev, 0], spans[ev, 1], spans[ev, 2] = 1, nt, m
-            nt += m
-            out[o:o + p - copied] = b[copied:p]
-            o += p - copied
-            out[o] = 0x90
-            o += 1
             copied = p = end
             for _ in range(n - 4):
                 p = _skip(b, p, size)
