@@ -11,8 +11,8 @@ intrinsic: numba would embed a ctypes global's address in the compiled code (whi
 on disk), and typing a ctypes function passed as an argument costs about 0.4 ms a call.
 
 Imported only by :mod:`kvtier.engine.hashing`, through :class:`kvtier.wire.jit.LazyKernels`. Importing it
-raises ``ImportError`` where no ``libcrypto`` with the ``SHA256_Init`` family loads (OpenSSL before 1.0 or
-after its removal, or a Python built without it); ``hashing`` then keeps its ``hashlib`` loop, and it checks
+raises ``ImportError`` where no ``libcrypto`` with the ``SHA256_Init`` family loads (OpenSSL built without its
+deprecated API, or off Linux); ``hashing`` then keeps its ``hashlib`` loop, and it checks
 this one against ``hashlib`` once before trusting it.
 """
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import sys
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -37,7 +38,10 @@ def _libcrypto() -> tuple[int, int, int]:
     """The addresses of ``SHA256_Init``, ``SHA256_Update`` and ``SHA256_Final`` in the system's ``libcrypto``
     (every one takes pointers and sizes, and returns an ``int``: 1 on success). Raises ``ImportError`` if there
     is none."""
-    names = [ctypes.util.find_library("crypto"), "libcrypto.so.3", "libcrypto.so.1.1", "libcrypto.dylib"]
+    if not sys.platform.startswith("linux"):
+        # macOS aborts a process that loads its unversioned system libcrypto; elsewhere hashlib it is.
+        raise ImportError(f"the compiled SHA-256 chain loads libcrypto on Linux only, not {sys.platform}")
+    names = [ctypes.util.find_library("crypto"), "libcrypto.so.3", "libcrypto.so.1.1"]
     for name in names:
         if not name:
             continue

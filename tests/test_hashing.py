@@ -4,6 +4,10 @@ and :class:`PageDigests` reads as the list of digests it replaces."""
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -69,3 +73,18 @@ def test_page_digests_read_as_a_list() -> None:
         hash(p)  # equal to a list, so unhashable like one
     with pytest.raises(AssertionError, match="step 1"):
         p[::2]
+
+
+def test_where_libcrypto_cannot_load_hashlib_hashes_and_says_why() -> None:
+    # Off Linux the kernel does not load libcrypto (macOS aborts a process that loads its unversioned one).
+    code = ("import sys; sys.platform = 'darwin'\n"
+            "import hashlib, json\n"
+            "from kvtier.engine import hashing\n"
+            "tokens = bytes(range(256)) * 8\n"
+            "d = hashing.chain(b'', tokens, 64)\n"
+            "ok = d[-1] == hashlib.sha256(d[-2] + tokens[-256:]).digest()\n"
+            "print(json.dumps({'backend': hashing.hash_backend(), 'ok': ok}))\n")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "KVTIER_JIT": "1"}, capture_output=True,
+                         text=True, timeout=120, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["ok"] and got["backend"].startswith("python (kernels unavailable: the compiled SHA-256 chain loads"), got

@@ -18,14 +18,16 @@ _OFF = ("0", "false", "off", "no")
 
 
 def load(module: str) -> tuple[ModuleType | None, str]:
-    """``(the kernel module, "numba")``, or ``(None, "python (why)")`` when ``KVTIER_JIT=0`` is set or
-    numba cannot be imported (no wheel for this platform). O(import)."""
+    """``(the kernel module, "numba")``, or ``(None, "python (why)")`` when ``KVTIER_JIT=0`` is set, numba
+    cannot be imported (no wheel for this platform) or the module cannot load here. O(import)."""
     if os.environ.get("KVTIER_JIT", "1").strip().lower() in _OFF:
         return None, "python (KVTIER_JIT=0)"
     try:
         return importlib.import_module(module), "numba"
     except ImportError as exc:
-        return None, f"python (numba unavailable: {exc})"
+        # numba (or llvmlite) missing, or the kernel module's own requirement (a library it loads, byte order).
+        what = "numba" if (exc.name or "").split(".")[0] in ("numba", "llvmlite") else "kernels"
+        return None, f"python ({what} unavailable: {exc})"
 
 
 class LazyKernels:
