@@ -34,13 +34,13 @@ _CTX_BYTES = 256  # SHA256_CTX is 112 bytes in every OpenSSL release; room to sp
 DIGEST_BYTES = 32
 
 
-def _libcrypto() -> tuple[int, int, int]:
+def _libcrypto(platform: str = sys.platform) -> tuple[int, int, int]:
     """The addresses of ``SHA256_Init``, ``SHA256_Update`` and ``SHA256_Final`` in the system's ``libcrypto``
     (every one takes pointers and sizes, and returns an ``int``: 1 on success). Raises ``ImportError`` if there
     is none."""
-    if not sys.platform.startswith("linux"):
+    if not platform.startswith("linux"):
         # macOS aborts a process that loads its unversioned system libcrypto; elsewhere hashlib it is.
-        raise ImportError(f"the compiled SHA-256 chain loads libcrypto on Linux only, not {sys.platform}")
+        raise ImportError(f"the compiled SHA-256 chain loads libcrypto on Linux only, not {platform}")
     names = [ctypes.util.find_library("crypto"), "libcrypto.so.3", "libcrypto.so.1.1"]
     for name in names:
         if not name:
