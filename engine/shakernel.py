@@ -30,7 +30,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-_CTX_BYTES = 256  # SHA256_CTX is 112 bytes in every OpenSSL release; room to spare
+_CTX_WORDS = 32  # SHA256_CTX is 112 bytes in every OpenSSL release: 256, as 8-byte words (its alignment)
 DIGEST_BYTES = 32
 
 
@@ -95,7 +95,7 @@ def _chain(init: int, update: int, final: int, parent: npt.NDArray[np.uint8], pa
     """Row ``i`` of ``out`` = SHA-256(digest ``i - 1`` || page ``i``), digest ``-1`` being ``parent`` (empty
     under the root); ``pages`` holds one page per row. Returns 1, or 0 if the library reported a failure.
     O(bytes)."""
-    ctx = np.empty(_CTX_BYTES, np.uint8)
+    ctx = np.empty(_CTX_WORDS, np.uint64)
     c = ctx.ctypes.data
     for i in range(pages.shape[0]):
         ok = _call1(init, c)
