@@ -29,7 +29,7 @@ import numpy as np
 from numba import njit
 
 from kvtier.indexer.keytable import _PFREE, _PH, _PREF, _PTOP, KEY, USED, VAL
-from kvtier.indexer.masklayout import DEV, EXT, TIERS
+from kvtier.indexer.masklayout import DEV, EXT, SLOTS_PER_WORD, TIERS
 
 _GOLD = np.uint64(0x9E3779B97F4A7C15)
 _HIGH = np.uint64(1 << 63)
@@ -605,17 +605,16 @@ def leading_ids(t: Arr, keys: Arr) -> Arr:
 _DEV = np.uint64(DEV)
 _EXT = np.uint64(EXT)
 _ONE, _TWO, _FOUR = np.uint64(1), np.uint64(2), np.uint64(4)
-_SLOTS_PER_WORD = 64 // TIERS
 
 
 @njit(cache=True)
 def run_levels(pm: Arr, ids: Arr, starts: Arr, runs: int, n: int, slots: int, out: Arr) -> int:
     """:meth:`kvtier.indexer.levels.DepthFinder._levels_by_runs` compiled: over runs of equal masks (run ``r``: mask
     id ``ids[r]`` from position ``starts[r]``; ``n`` blocks in all), ``out[slot, tier]`` = the cumulative depth of
-    slot at each level (device; device or host; ... or disk; ... or the shared pool), where it is not 0 (``out`` is
+    each slot at each level (device; device or host; ... or disk; ... or the shared pool), where it is not 0 (``out`` is
     zero on entry, a row per slot of the words that hold the first ``slots``). Returns the shared pool's leading blocks.
     O(runs * words + set bits)."""
-    words = (slots + _SLOTS_PER_WORD - 1) // _SLOTS_PER_WORD
+    words = (slots + SLOTS_PER_WORD - 1) // SLOTS_PER_WORD
     stored = pm.shape[1]  # masks have as many words as the widest slot that stored: the rest are zero
     pooled = np.zeros(runs, np.bool_)
     pool_run = -1
@@ -663,7 +662,7 @@ def _put(out: Arr, bits: np.uint64, g: int, lvl: int, depth: int) -> None:
         while x > _ONE:  # its position (at most 63 shifts; bits are a slot's device bit, every 4th)
             x >>= _FOUR
             b += TIERS
-        out[g * _SLOTS_PER_WORD + b // TIERS, lvl] = depth
+        out[g * SLOTS_PER_WORD + b // TIERS, lvl] = depth
         bits ^= low
 
 
