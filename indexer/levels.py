@@ -238,7 +238,8 @@ class TableDepthFinder(DepthFinder):
         out = np.zeros((-(-slots // SLOTS_PER_WORD) * SLOTS_PER_WORD, TIERS), np.int64)
         pool_run = t.k.run_levels(t.pool.pm, ids, starts, runs, n, slots, out)
         owned = self._owned
-        for slot in np.flatnonzero(out.any(axis=1)).tolist():
+        held = np.flatnonzero(out.any(axis=1))
+        for slot, row in zip(held.tolist(), out[held].tolist(), strict=True):
             if slot in owned:
-                depths[slot] = out[slot].tolist()
+                depths[slot] = row
         return depths, int(pool_run)
