@@ -224,8 +224,9 @@ class TableDepthFinder(DepthFinder):
                 return self._levels_of_runs(ids, starts, runs, int(starts[runs]), slots)
         ids = k.leading_ids(t.r, karr)  # one id per distinct mask (kvtier.indexer.keytable.MaskPool)
         n = len(ids)
-        begin = np.flatnonzero(ids[1:] != ids[:-1]) + 1 if n else ids
-        starts = np.concatenate(([0], begin)) if n else begin
+        if not n:
+            return {}, 0
+        starts = np.concatenate((np.zeros(1, np.int64), np.flatnonzero(ids[1:] != ids[:-1]) + 1))
         return self._levels_of_runs(ids[starts], starts, len(starts), n, slots)
 
     def _levels_of_runs(self, ids: Any, starts: Any, runs: int, n: int, slots: int) -> tuple[Depths, int]:
