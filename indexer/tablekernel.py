@@ -226,21 +226,38 @@ def _has(t: Arr, i: int, pm: Arr, word: int, bits: np.uint64) -> bool:
 
 @njit(cache=True)
 def _change(t: Arr, i: int, pm: Arr, ph: Arr, pa: Arr, tmp: Arr, word: int, set_bits: np.uint64,
-            keep: np.uint64) -> bool:
+            keep: np.uint64, memo: Arr) -> bool:
     """Row ``i``'s mask with ``set_bits`` set and only ``keep`` kept in ``word``; True if it is empty now (the row
-    then holds the empty mask: the caller deletes it). O(words)."""
+    then holds the empty mask: the caller deletes it). O(words).
+
+    ``memo`` (from :func:`_memo`, one per kernel call, whose bits stay the same) is the last change made, [old id,
+    new id]: the blocks of a chain mostly share one mask, and interning one hashes and compares its words, so a
+    run of them looks it up once. A freed id cannot make the memo stale: no row holds it, so no change starts from
+    it, until an intern hands it out again, in a change that writes the memo anew."""
     old = int(t[i, VAL])
-    tmp[:] = pm[old, :]
-    tmp[word] = (tmp[word] | set_bits) & keep
-    empty = True
-    for w in range(tmp.shape[0]):
-        if tmp[w]:
-            empty = False
-            break
-    new = 0 if empty else _intern(pm, ph, pa, tmp)
+    if old == memo[0]:
+        new = int(memo[1])
+        if new:
+            pa[_PREF + new] += 1
+    else:
+        tmp[:] = pm[old, :]
+        tmp[word] = (tmp[word] | set_bits) & keep
+        new = 0
+        for w in range(tmp.shape[0]):
+            if tmp[w]:
+                new = _intern(pm, ph, pa, tmp)
+                break
+        memo[1] = new
     _release(pm, ph, pa, old)
+    memo[0] = old
     t[i, VAL] = new
-    return empty
+    return new == 0
+
+
+@njit(cache=True, inline="always")
+def _memo() -> Arr:
+    """A fresh memo for :func:`_change`."""
+    return np.full(2, -1, np.int64)
 
 
 _ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -266,9 +283,10 @@ def store_new(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, keys: Arr, word: int, 
         if find(t, k) >= 0:
             return False
     tmp = np.empty(pm.shape[1], np.uint64)
+    memo = _memo()
     for j in range(keys.shape[0]):
         i = claim(t, tm, keys[j])
-        _change(t, -1 - i if i < 0 else i, pm, ph, pa, tmp, word, bit, _ALL)
+        _change(t, -1 - i if i < 0 else i, pm, ph, pa, tmp, word, bit, _ALL, memo)
     return True
 
 
@@ -288,13 +306,14 @@ def store_held_elsewhere(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, keys: Arr, 
             if i >= 0 and _has(t, i, pm, word, slot_bits):
                 return -1
     tmp = np.empty(pm.shape[1], np.uint64)
+    memo = _memo()
     added = 0
     for j in range(keys.shape[0]):
         i = claim(t, tm, keys[j])
         if i < 0:
             i = -1 - i
         if not _has(t, i, pm, word, bit):
-            _change(t, i, pm, ph, pa, tmp, word, bit, _ALL)
+            _change(t, i, pm, ph, pa, tmp, word, bit, _ALL, memo)
             added += 1
     return added
 
@@ -405,10 +424,18 @@ def store(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, lk: Arr, lm: Arr, e: Arr, 
             e[-1 - c, VAL] = keys[j]
             high |= (ehs[j] & _HIGH) != 0
     tmp = np.empty(pm.shape[1], np.uint64)
-    if path == 1:
+    memo = _memo()
+    if path == 1:  # every row is new: they all get the one mask of ``bit`` alone, interned once
+        tmp[:] = 0
+        tmp[word] = bit
+        mid = _intern(pm, ph, pa, tmp)
+        rows = 0
         for j in range(n):
             i = claim(t, tm, keys[j])
-            _change(t, -1 - i if i < 0 else i, pm, ph, pa, tmp, word, bit, _ALL)
+            if i < 0:  # (a key repeated in the chain finds the row its first time claimed)
+                t[-1 - i, VAL] = mid
+                rows += 1
+        pa[_PREF + int(mid)] += rows - 1
         added = n
     else:
         for j in range(n):
@@ -426,7 +453,7 @@ def store(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, lk: Arr, lm: Arr, e: Arr, 
             if _has(t, i, pm, word, bit):
                 newly[j] = 0
             else:
-                _change(t, i, pm, ph, pa, tmp, word, bit, _ALL)
+                _change(t, i, pm, ph, pa, tmp, word, bit, _ALL, memo)
                 newly[j] = 1
                 added += 1
     for j in range(n - 1):
@@ -458,7 +485,9 @@ def remove(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, lk: Arr, lm: Arr, keys: A
     be longer than the removal (``n`` blocks: their first ``n`` entries are read and written). Returns ``keys``.
     O(blocks + their children)."""
     tmp = np.empty(pm.shape[1], np.uint64)
+    memo = _memo()
     res[0] = _touch(e, ehs) if use_e else _touch(t, keys[:n])  # (kept from dead-code removal; set again below)
+    f = -1
     for j in range(n):
         if use_e:
             f = find(e, ehs[j])
@@ -472,10 +501,10 @@ def remove(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, lk: Arr, lm: Arr, keys: A
         if i < 0 or not _has(t, i, pm, word, bit):
             out[j] = 0
             continue
-        empty = _change(t, i, pm, ph, pa, tmp, word, np.uint64(0), ~bit)
+        empty = _change(t, i, pm, ph, pa, tmp, word, np.uint64(0), ~bit, memo)
         out[j] = 3 if empty else (1 if _has(t, i, pm, word, slot_bits) else 2)
         if use_e and out[j] >= 2:
-            delete_at(e, em, find(e, ehs[j]))
+            delete_at(e, em, f)  # (only this block changed e since f was found)
     nk = 0
     nb = 0
     for j in range(n):  # children held there, now that every bit of the event is cleared
@@ -530,11 +559,12 @@ def clear_slot(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, lk: Arr, lm: Arr, key
     its links). O(keys)."""
     dead = np.zeros(keys.shape[0], np.uint8)
     tmp = np.empty(pm.shape[1], np.uint64)
+    memo = _memo()
     for j in range(keys.shape[0]):
         i = find(t, keys[j])
         if i < 0:
             continue
-        if _change(t, i, pm, ph, pa, tmp, word, np.uint64(0), ~slot_bits):
+        if _change(t, i, pm, ph, pa, tmp, word, np.uint64(0), ~slot_bits, memo):
             delete_at(t, tm, i)
             li = find(lk, keys[j])
             if li >= 0:
