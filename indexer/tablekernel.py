@@ -266,6 +266,19 @@ _ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
 # --- stores -------------------------------------------------------------------------------------------------
 
 
+@njit(cache=True, inline="always")
+def _room(r: Arr, m: Arr, n: int) -> bool:
+    """Whether ``n`` more entries keep the table at most 3/4 full (``RowTable.reserve``'s test). O(1)."""
+    return bool((m[0] + n) * 4 <= r.shape[0] * 3)
+
+
+@njit(cache=True, inline="always")
+def _pool_room(pm: Arr, ph: Arr, pa: Arr, n: int, word: int) -> bool:
+    """Whether the pool has room for ``n`` new masks (``MaskPool.reserve``'s tests) with word ``word``. O(1)."""
+    return bool(pa[_PTOP] + n <= pm.shape[0] and (pa[_PH] + n) * 4 <= ph.shape[0] * 3 and word < pm.shape[1])
+
+
+
 @njit(cache=True)
 def bit_state(t: Arr, pm: Arr, k: np.uint64, word: int, bit: np.uint64) -> int:
     """-1 if nobody holds ``k``, else 1 if its mask has ``bit`` in ``word``, else 0. O(1)."""
@@ -398,9 +411,12 @@ def store(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, lk: Arr, lm: Arr, e: Arr, 
     changed: the caller goes block by block). ``res`` = [parent held (0/1), blocks that gained the bit, aliases,
     1 if some link needs the caller (``how``/``cur``: index 0 the parent's link, ``j + 1`` the link under block
     ``j``), 1 if an engine hash has its top bit set]; ``newly[j]`` = 1 where block ``j`` gained the bit (case 4).
-    The output arrays may be longer than the store (their first ``len(keys)`` entries are written). The caller
-    reserved room in the three tables. O(blocks)."""
+    The output arrays may be longer than the store (their first ``len(keys)`` entries are written). Returns -1,
+    with nothing changed, while a table or the pool lacks room for the store (the caller grows them and calls
+    again: checking here keeps that out of every store's Python side). O(blocks)."""
     n = keys.shape[0]
+    if not (_room(t, tm, n) and _room(e, em, n) and _room(lk, lm, n + 1) and _pool_room(pm, ph, pa, n, word)):
+        return -1
     how[:n] = 0
     res[4] = _touch(t, keys) + _touch(e, ehs) + _touch(lk, keys)  # (kept from dead-code removal; set again below)
     parent_held = True
@@ -472,7 +488,7 @@ def store(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, lk: Arr, lm: Arr, e: Arr, 
 @njit(cache=True)
 def remove(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, lk: Arr, lm: Arr, keys: Arr, word: int, bit: np.uint64,
            slot_bits: np.uint64, e: Arr, em: Arr, ehs: Arr, use_e: bool, n: int, out: Arr, kids: Arr, branched: Arr,
-           res: Arr) -> Arr:
+           res: Arr) -> bool:
     """A ``BlockRemoved`` of the worker's ``bit``, with what it does to the closure. Per block, in order,
     ``out[j]`` is 0 if the block is not held there (an unknown engine hash, or a block not on that tier: the
     caller looks at its orphans), 1 if the bit went and the worker still holds the block on another tier, 2 if
@@ -482,8 +498,11 @@ def remove(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, lk: Arr, lm: Arr, keys: A
     engine hash names a block, 0 otherwise). Once every bit is cleared, the children of the blocks that lost it
     that still hold it are in ``kids`` and the blocks whose children are a Python set in ``branched``; ``res`` =
     [their two counts, blocks whose bit went (``out`` not 0), blocks nobody holds now (``out`` 3)]. The arrays may
-    be longer than the removal (``n`` blocks: their first ``n`` entries are read and written). Returns ``keys``.
-    O(blocks + their children)."""
+    be longer than the removal (``n`` blocks: their first ``n`` entries are read and written). Returns False, with
+    nothing changed or written, while the pool lacks room for a mask per block (the caller grows it and calls
+    again), else True. O(blocks + their children)."""
+    if not _pool_room(pm, ph, pa, n, word):
+        return False
     tmp = np.empty(pm.shape[1], np.uint64)
     memo = _memo()
     res[0] = _touch(e, ehs) if use_e else _touch(t, keys[:n])  # (kept from dead-code removal; set again below)
@@ -538,7 +557,7 @@ def remove(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, lk: Arr, lm: Arr, keys: A
     res[1] = nb
     res[2] = held
     res[3] = dead
-    return keys
+    return True
 
 
 @njit(cache=True)

@@ -92,23 +92,21 @@ class TableMasks(BlockMasks):
             self._insert_named_in_dict(w, e.demote(), block_hashes, keys, tier, parent)
             return
         n = len(keys)
-        t.widen(w.slot + 1)
-        t.reserve(n)
-        e.reserve(n)
-        lk = closure.lk
-        lk.reserve(n + 1)
-        p = t.pool
-        p.reserve(n)
         word, bit, slot_bits = self._where(w.slot, tier)
         if len(self._scratch[0]) < n:
             self._scratch = self._outputs(n)
         newly, how, cur, res = self._scratch
-        path = self._k.store(t.r, t.m, p.pm, p.ph, p.pa, lk.r, lk.m, e.r, e.m, t.array(keys), ehs,
-                             np.uint64(parent or 0), parent is not None, word, bit, slot_bits, not closure.loose, newly,
-                             how, cur, res)
+        lk, p, karr, store = closure.lk, t.pool, t.array(keys), self._k.store
+        while True:
+            path = store(t.r, t.m, p.pm, p.ph, p.pa, lk.r, lk.m, e.r, e.m, karr, ehs, np.uint64(parent or 0),
+                         parent is not None, word, bit, slot_bits, not closure.loose, newly, how, cur, res)
+            if path >= 0:
+                break
+            self._grow(w, n)  # then again, with the grown arrays
         held, added, aliases, linking, high = res.tolist()
         parent_held = bool(held)
         if not path:  # nothing changed yet: the parent's link, then block by block
+            self._grow(w, n)
             if parent is not None and parent in t:
                 closure.link(parent, keys[0], t)
             self._insert_each(w, block_hashes, keys, tier, parent, parent_held)
@@ -126,6 +124,22 @@ class TableMasks(BlockMasks):
                     closure.stored(w.slot, tier, keys[j], parent_held or j > 0)
         w.counts[tier] += added
         w.stats.aliases += aliases
+
+    def _pool_room(self, w: WorkerState, n: int) -> None:
+        """Room in the pool for ``n`` new masks with worker ``w``'s bits. O(masks) when it grows, else O(1)."""
+        self._t.widen(w.slot + 1)
+        self._t.pool.reserve(n)
+
+    def _grow(self, w: WorkerState, n: int) -> None:
+        """Room for ``n`` more blocks of worker ``w`` in every table and the pool, for the kernels that check for
+        it themselves (they change nothing while it lacks). O(entries) when a table grows, else O(1)."""
+        t, e = self._t, w.hashes
+        assert isinstance(e, EngineHashes), f"worker {w.stream}: engine hashes in a {type(e).__name__}"
+        t.widen(w.slot + 1)
+        t.reserve(n)
+        e.reserve(n)
+        self._c.lk.reserve(n + 1)
+        t.pool.reserve(n)
 
     def _insert_named_in_dict(self, w: WorkerState, py: dict[EngineHash, BlockKey], block_hashes: list[EngineHash],
                               keys: list[BlockKey], tier: StorageTier, parent: BlockKey | None) -> None:
@@ -172,11 +186,9 @@ class TableMasks(BlockMasks):
         if self._win:
             return super().remove(w, block_hashes, tier)
         t, k, closure = self._t, self._k, self._c
-        t.widen(w.slot + 1)
         word, bit, slot_bits = self._where(w.slot, tier)
         n = len(block_hashes)
         p = t.pool
-        p.reserve(n)
         e = w.hashes
         assert isinstance(e, EngineHashes), f"worker {w.stream}: engine hashes in a {type(e).__name__}"
         ehs = e.int64s(block_hashes)
@@ -185,15 +197,17 @@ class TableMasks(BlockMasks):
         out, kids, branched, karr, res = self._removal
         lk = closure.lk
         if ehs is not None:
-            k.remove(t.r, t.m, p.pm, p.ph, p.pa, lk.r, lk.m, karr, word, bit, slot_bits, e.r, e.m, ehs, True, n, out,
-                     kids, branched, res)
+            while not k.remove(t.r, t.m, p.pm, p.ph, p.pa, lk.r, lk.m, karr, word, bit, slot_bits, e.r, e.m, ehs, True,
+                               n, out, kids, branched, res):
+                self._pool_room(w, n)  # then again, with the grown arrays
         else:
             py = e.demote()
             named = list(map(py.get, block_hashes))
             out[:n] = [x is not None for x in named]
             karr[:n] = [x or 0 for x in named]
-            k.remove(t.r, t.m, p.pm, p.ph, p.pa, lk.r, lk.m, karr, word, bit, slot_bits, _NONE_E, _NONE_M, _NONE,
-                     False, n, out, kids, branched, res)
+            while not k.remove(t.r, t.m, p.pm, p.ph, p.pa, lk.r, lk.m, karr, word, bit, slot_bits, _NONE_E, _NONE_M,
+                               _NONE, False, n, out, kids, branched, res):
+                self._pool_room(w, n)
             for eh, s in zip(block_hashes, out[:n].tolist(), strict=True):
                 if s >= 2:
                     del py[eh]
