@@ -99,6 +99,9 @@ class TieredIndex:
         self._tables = KERNELS.get() is not None
         self._masks: MaskMap = KeyTable() if self._tables else {}
         self._workers: dict[StreamId, WorkerState] = {}
+        # Every worker with no overlap, in the order of _workers: queries copy it (None: build it again, as the
+        # workers changed).
+        self._zeros: dict[StreamId, TierOverlap] | None = None
         self._slot_stream: dict[int, StreamId] = {}  # slot -> the worker that owns it
         self._free_slots: list[int] = []
         self._next_slot = 0
@@ -132,6 +135,7 @@ class TieredIndex:
                 self._next_slot += 1
             w = self._workers[stream] = WorkerState(stream, slot, window=self._default_window,
                                                     inferred=bool(self._default_window))
+            self._zeros = None
             if self._tables:
                 w.hashes = EngineHashes()
             self._slot_stream[slot] = stream
@@ -215,6 +219,7 @@ class TieredIndex:
             return
         self.clear_worker(stream)
         w = self._workers.pop(stream)
+        self._zeros = None
         del self._slot_stream[w.slot]
         self._free_slots.append(w.slot)
 
@@ -411,7 +416,10 @@ class TieredIndex:
         """
         result = OverlapScores(total_blocks=len(keys))
         depths, result.shared_pool = self._depths.depths(keys, self._closure.closed, self._next_slot)
-        result.workers = workers = dict.fromkeys(self._workers, _ZERO)
+        zeros = self._zeros
+        if zeros is None:  # (copying a dict costs less than building one, for hundreds of workers)
+            zeros = self._zeros = dict.fromkeys(self._workers, _ZERO)
+        result.workers = workers = zeros.copy()
         owner = self._slot_stream
         # Workers that hold the same prefix (a system prompt) share one frozen overlap: building one costs more
         # than the lookups that found it.

@@ -236,11 +236,13 @@ class TableDepthFinder(DepthFinder):
         if not n:
             return depths, 0
         t = cast(KeyTable, self._masks)
-        out = np.zeros((-(-slots // SLOTS_PER_WORD) * SLOTS_PER_WORD, TIERS), np.int64)
-        pool_run = t.k.run_levels(t.pool.pm, ids, starts, runs, n, slots, out)
+        rows = -(-slots // SLOTS_PER_WORD) * SLOTS_PER_WORD
+        out = np.zeros((rows, TIERS), np.int64)
+        held = np.empty(rows, np.int64)
+        pool_run, count = t.k.run_levels(t.pool.pm, ids, starts, runs, n, slots, out, held)
         owned = self._owned
-        held = np.flatnonzero(out.any(axis=1))
+        held = held[:count]
         for slot, row in zip(held.tolist(), out[held].tolist(), strict=True):
             if slot in owned:
                 depths[slot] = row
-        return depths, int(pool_run)
+        return depths, pool_run

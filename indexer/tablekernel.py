@@ -657,12 +657,14 @@ _ONE, _TWO, _FOUR = np.uint64(1), np.uint64(2), np.uint64(4)
 
 
 @njit(cache=True)
-def run_levels(pm: Arr, ids: Arr, starts: Arr, runs: int, n: int, slots: int, out: Arr) -> int:
+def run_levels(pm: Arr, ids: Arr, starts: Arr, runs: int, n: int, slots: int, out: Arr,
+               held_slots: Arr) -> tuple[int, int]:
     """:meth:`kvtier.indexer.levels.DepthFinder._levels_by_runs` compiled: over runs of equal masks (run ``r``: mask
     id ``ids[r]`` from position ``starts[r]``; ``n`` blocks in all), ``out[slot, tier]`` = the cumulative depth of
     each slot at each level (device; device or host; ... or disk; ... or the shared pool), where it is not 0 (``out`` is
-    zero on entry, a row per slot of the words that hold the first ``slots``). Returns the shared pool's leading blocks.
-    O(runs * words + set bits)."""
+    zero on entry, a row per slot of the words that hold the first ``slots``). Returns the shared pool's leading blocks,
+    and how many slots hold some of the prefix: their rows, in order, are ``held_slots`` (as long as ``out``; the
+    last level's depth is the largest, so a slot holds some iff it is not 0). O(runs * words + set bits + rows)."""
     words = (slots + SLOTS_PER_WORD - 1) // SLOTS_PER_WORD
     stored = pm.shape[1]  # masks have as many words as the widest slot that stored: the rest are zero
     pooled = np.zeros(runs, np.bool_)
@@ -698,7 +700,12 @@ def run_levels(pm: Arr, ids: Arr, starts: Arr, runs: int, n: int, slots: int, ou
         if n:
             for lvl in range(TIERS):
                 _put(out, alive[lvl], g, lvl, n)
-    return n if pool_run < 0 else pool_run
+    count = 0
+    for s in range(out.shape[0]):
+        if out[s, TIERS - 1]:
+            held_slots[count] = s
+            count += 1
+    return (n if pool_run < 0 else pool_run), count
 
 
 @njit(inline="always")
@@ -765,6 +772,7 @@ def warm(k: Any) -> None:
     k.drop_links(lk, m, one)
     k.runs_by_search(t, one, 4, np.zeros(5, np.int64), np.zeros(5, np.int64))
     k.leading_ids(t, one)
-    k.run_levels(pm, np.zeros(1, np.int64), np.zeros(2, np.int64), 1, 1, 1, np.zeros((16, 4), np.int64))
+    k.run_levels(pm, np.zeros(1, np.int64), np.zeros(2, np.int64), 1, 1, 1, np.zeros((16, 4), np.int64),
+                 np.zeros(16, np.int64))
     k.set_mask(t, m, pm, ph, pa, b, one)
     k.del_mask(t, m, pm, ph, pa, b)

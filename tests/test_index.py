@@ -13,6 +13,7 @@ from kvtier.indexer import levels as levels_module
 from kvtier.indexer.index import Outcome, TieredIndex
 from kvtier.indexer.keys import block_keys
 from kvtier.wire import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event, StorageTier, WorkerId
+from kvtier.wire.overlap import TierOverlap
 from kvtier.wire.stream import StreamId
 from tests.reference_index import ReferenceIndex
 
@@ -165,6 +166,12 @@ def test_clear_remove_worker_and_dp_ranks() -> None:
     idx.apply(C, stored([1], None, TOKS[:4]))  # reuses the freed slot
     idx._check()
     assert idx.find_matches(TOKS).workers[C].device == 1
+    # Every known worker is listed, those holding none of the query too, as workers come and go between queries.
+    idx.remove_worker(B)
+    assert list(idx.find_matches(TOKS).workers) == [A, C]
+    idx.apply(A1, stored([7], None, [9, 9, 9, 9]))
+    assert list(idx.find_matches(TOKS).workers) == [A, C, A1]
+    assert idx.find_matches(TOKS).workers[A1] == TierOverlap(0, 0, 0, 0)
 
 
 def test_snapshot_round_trip_and_bad_snapshot() -> None:
