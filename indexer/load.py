@@ -14,6 +14,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from itertools import compress, repeat
 
+from kvtier.indexer.keyrefs import U64, KeyRefs, compiled, key_array
 from kvtier.wire.stream import StreamId
 
 
@@ -48,13 +49,16 @@ class _InFlight:
     private: int = 0  # blocks only it holds: partial prompt tail + generated tokens
     generated: int = 0  # output tokens seen so far
     reserve: int = 0  # output tokens expected when it was routed (LoadTracker.expected_output)
-    distinct: bool = True  # no key repeats (chained keys never do): its counts move in bulk, in C
+    # In a dict of counts: no key repeats (chained keys never do), so its counts move in bulk, in C.
+    distinct: bool = True
+    arr: U64 | None = None  # the keys as an array, where the worker's counts are a KeyRefs (moved in one call)
 
 
 @dataclass(slots=True)
 class _Worker:
     load: WorkerLoad = field(default_factory=WorkerLoad)  # the totals
-    refs: dict[Hashable, int] = field(default_factory=dict)  # prompt block key -> in-flight requests using it
+    # Prompt block key -> in-flight requests using it: compiled while every key is an int (kvtier.indexer.keyrefs).
+    refs: dict[Hashable, int] | KeyRefs = field(default_factory=dict)
 
 
 class LoadTracker:
@@ -99,6 +103,10 @@ class LoadTracker:
         if w is None:
             return _IDLE, 0
         refs = w.refs
+        if isinstance(refs, KeyRefs):
+            if not keys or (arr := key_array(keys)) is None:  # (keys it cannot hold are never counted)
+                return w.load, 0
+            return w.load, refs.held_prefix(arr, int(keys[0]))  # type: ignore[call-overload]
         if not keys or keys[0] not in refs:
             return w.load, 0
         lo, hi = 1, len(keys)  # keys[:lo] are held; keys[hi:] are not (hi is an upper bound)
@@ -120,25 +128,47 @@ class LoadTracker:
         f.private = self._private_blocks(f, 0)
         self._inflight[request_id] = f
         self._prefilling.add(request_id)
-        w = self._workers.setdefault(worker, _Worker())
+        w = self._workers.get(worker)
+        if w is None:
+            w = self._workers[worker] = _Worker(refs=KeyRefs() if compiled() else {})
         ld = w.load
-        refs = w.refs
-        f.distinct = len(set(f.keys)) == len(f.keys)
-        if f.distinct:  # every count up by one in one pass (the router does this for every request)
-            counts = list(map(refs.get, f.keys, repeat(0)))
-            refs.update(zip(f.keys, map(_PLUS_ONE, counts), strict=True))
-            ld.active_blocks += counts.count(0)
-        else:
-            for k in f.keys:
-                n = refs.get(k, 0)
-                refs[k] = n + 1
-                ld.active_blocks += n == 0
+        ld.active_blocks += self._count_in(w, f, keys)
         ld.running += 1
         ld.active_blocks += f.private
         ld.pending_prefill_tokens += prefill_tokens
         ld.prefilling += 1
         ld.context_tokens += prompt_tokens
         ld.unwritten_tokens += f.reserve
+
+    def _count_in(self, w: _Worker, f: _InFlight, keys: Sequence[Hashable]) -> int:
+        """Counts request ``f``'s prompt ``keys`` on its worker ``w``; returns how many were not counted there
+        yet."""
+        refs = w.refs
+        if isinstance(refs, KeyRefs):
+            f.arr = key_array(keys)  # (not f.keys: the array block_keys made them from is attached to the list)
+            if f.arr is not None:
+                return refs.add(f.arr)
+            refs = w.refs = self._to_dict(f.worker, refs)  # a key the table cannot hold
+        assert isinstance(refs, dict)
+        f.distinct = len(set(f.keys)) == len(f.keys)
+        if f.distinct:  # every count up by one in one pass (the router does this for every request)
+            counts = list(map(refs.get, f.keys, repeat(0)))
+            refs.update(zip(f.keys, map(_PLUS_ONE, counts), strict=True))
+            return counts.count(0)
+        new = 0
+        for k in f.keys:
+            n = refs.get(k, 0)
+            refs[k] = n + 1
+            new += n == 0
+        return new
+
+    def _to_dict(self, worker: StreamId, refs: KeyRefs) -> dict[Hashable, int]:
+        """``worker``'s counts moved into a dict for good, its in-flight requests with them. O(keys + in flight)."""
+        for g in self._inflight.values():
+            if g.worker == worker and g.arr is not None:
+                g.arr = None
+                g.distinct = len(set(g.keys)) == len(g.keys)
+        return refs.to_dict()
 
     def _private_blocks(self, f: _InFlight, generated: int) -> int:
         return -(-(f.prompt_tokens + generated) // self.block_size) - len(f.keys)
@@ -182,7 +212,11 @@ class LoadTracker:
         w = self._workers[f.worker]
         ld = w.load
         refs = w.refs
-        if f.distinct:  # in bulk: keys only this request held go, the others count one less
+        if f.arr is not None:
+            assert isinstance(refs, KeyRefs)
+            ld.active_blocks -= refs.drop(f.arr)
+        elif f.distinct:  # in bulk: keys only this request held go, the others count one less
+            assert isinstance(refs, dict)
             counts = list(map(refs.__getitem__, f.keys))
             gone = counts.count(1)
             if gone == len(counts):
@@ -193,6 +227,7 @@ class LoadTracker:
                 refs.update(zip(kept, map(_MINUS_ONE, filter(_OVER_ONE, counts)), strict=True))
             ld.active_blocks -= gone
         else:
+            assert isinstance(refs, dict)
             for k in f.keys:
                 n = refs[k] - 1
                 if n:
@@ -225,6 +260,7 @@ class LoadTracker:
         for w, r in refs.items():
             totals[w].active_blocks += len(r)
         for w, state in self._workers.items():
-            assert state.refs == refs.get(w, {}), f"prompt block references of {w} out of sync"
+            held = state.refs.to_dict() if isinstance(state.refs, KeyRefs) else state.refs
+            assert held == refs.get(w, {}), f"prompt block references of {w} out of sync"
             assert state.load == totals.get(w, WorkerLoad()), \
                 f"load of {w} out of sync: {state.load} != {totals.get(w)}"

@@ -604,6 +604,62 @@ def drop_links(lk: Arr, lm: Arr, keys: Arr) -> int:
     return sets
 
 
+# --- reference counts (kvtier.indexer.keyrefs) --------------------------------------------------------------
+
+_U1 = np.uint64(1)
+
+
+@njit(cache=True)
+def ref_add(r: Arr, m: Arr, keys: Arr) -> int:
+    """Each key's count up by one (a key absent gets 1), in order; returns how many were absent, or -1, with
+    nothing changed, while the table lacks room for them all. O(keys)."""
+    if not _room(r, m, keys.shape[0]):
+        return -1
+    new = 0
+    for k in keys:
+        i = claim(r, m, k)
+        if i < 0:
+            r[-1 - i, VAL] = _U1
+            new += 1
+        else:
+            r[i, VAL] += _U1
+    return new
+
+
+@njit(cache=True)
+def ref_drop(r: Arr, m: Arr, keys: Arr) -> int:
+    """Each key's count down by one, in order (a key at one goes); returns how many went, or ``-1 - j`` where
+    ``keys[j]`` is absent (the counts of the keys before it moved). O(keys)."""
+    gone = 0
+    for j in range(keys.shape[0]):
+        i = find(r, keys[j])
+        if i < 0:
+            return -1 - j
+        if r[i, VAL] == _U1:
+            delete_at(r, m, i)
+            gone += 1
+        else:
+            r[i, VAL] -= _U1
+    return gone
+
+
+@njit(cache=True)
+def held_prefix(r: Arr, keys: Arr) -> int:
+    """How many leading ``keys`` the table holds, by binary search: sound where a held key's whole prefix is held
+    (chained keys). O(log keys)."""
+    n = keys.shape[0]
+    if n == 0 or find(r, keys[0]) < 0:
+        return 0
+    lo, hi = 1, n  # keys[:lo] are held; keys[hi:] are not
+    while lo < hi:
+        mid = (lo + hi + 1) >> 1
+        if find(r, keys[mid - 1]) >= 0:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 # --- queries ------------------------------------------------------------------------------------------------
 
 
@@ -768,6 +824,9 @@ def warm(k: Any) -> None:
     k.remove(t, m, pm, ph, pa, lk, m, one.copy(), 0, b, b, e, m, one, True, 1, np.zeros(1, np.uint8),
              np.zeros(1, np.uint64), np.zeros(1, np.uint64), np.zeros(4, np.int64))
     k.has_bit(t, pm, one, 0, b)
+    k.ref_add(e, m, one)
+    k.held_prefix(e, one)
+    k.ref_drop(e, m, one)
     k.clear_slot(t, m, pm, ph, pa, lk, m, one, 0, b)
     k.drop_links(lk, m, one)
     k.runs_by_search(t, one, 4, np.zeros(5, np.int64), np.zeros(5, np.int64))

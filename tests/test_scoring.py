@@ -227,6 +227,29 @@ def test_dynamo_cost_terms_by_hand() -> None:
     assert DynamoCost(prefill_load_scale=2.0).cost(8, 4, TierOverlap(2, 2, 2, 2), WorkerLoad()) == pytest.approx(2)
 
 
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.lists(st.one_of(st.integers(0, 5), st.sampled_from(["x", "y"])), max_size=6),
+                          st.integers(0, 1), st.booleans()), max_size=25))
+def test_counts_move_from_the_compiled_table_to_a_dict_at_the_first_key_it_cannot_hold(
+        steps: list[tuple[list[int | str], int, bool]]) -> None:
+    """Int keys are counted in a compiled table (kvtier.indexer.keyrefs); the first other key moves that worker's
+    counts, and its in-flight requests, to a dict. Either way the counts are what _check recounts, and every
+    request finishes back to zero."""
+    lt = LoadTracker(block_size=4)
+    workers, live = [A, B], []
+    for i, (keys, w, done) in enumerate(steps):
+        lt.add(f"r{i}", workers[w], keys, 4 * len(keys) + 1, 4)
+        live.append(f"r{i}")
+        assert lt.shared_blocks(workers[w], keys[:1]) == (1 if keys else 0)
+        if done and live:
+            lt.finish(live.pop(0), generated=3)
+        lt._check()
+    for rid in live:
+        lt.finish(rid)
+        lt._check()
+    assert all(lt.load(w) == WorkerLoad() for w in workers)
+
+
 def test_dynamo_policy_decides_as_computed_by_hand() -> None:
     # a: prompt cached on device, but busy; b: idle and cold. Dynamo's cost weighs both.
     idx = TieredIndex(4)
