@@ -505,7 +505,16 @@ def remove(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, lk: Arr, lm: Arr, keys: A
         return False
     tmp = np.empty(pm.shape[1], np.uint64)
     memo = _memo()
-    res[0] = _touch(e, ehs) if use_e else _touch(t, keys[:n])  # (kept from dead-code removal; set again below)
+    # The blocks' rows in the three tables, read first with no branch between the reads (_touch): the engine
+    # hashes', then, with the keys they name, the masks' and the links', which the loops below probe.
+    acc = np.uint64(0)
+    if use_e:
+        acc += _touch(e, ehs)
+        for j in range(n):
+            f = find(e, ehs[j])
+            keys[j] = e[f, VAL] if f >= 0 else np.uint64(0)
+    acc += _touch(t, keys[:n]) + _touch(lk, keys[:n])
+    res[0] = acc  # (kept from dead-code removal; set again below)
     f = -1
     for j in range(n):
         if use_e:
