@@ -50,6 +50,7 @@ from kvtier.indexer.keytable import KERNELS, EngineHashes, KeyTable
 from kvtier.indexer.levels import DepthFinder, TableDepthFinder
 from kvtier.indexer.masklayout import SLOT_MASK, TIERS
 from kvtier.indexer.orphans import OrphanStats
+from kvtier.indexer.tableclosure import TableClosure
 from kvtier.indexer.tablemasks import TableMasks
 from kvtier.indexer.windowkv import WindowKV
 from kvtier.indexer.workerstate import Outcome, WorkerState, WorkerStats
@@ -534,6 +535,8 @@ class TieredIndex:
                         if km >> bit & 1 and not pm >> bit & 1 and slot not in cl.unknown:
                             assert kid in cl.loose.get((slot, t), ()), (
                                 f"slot {slot} tier {t}: {kid:#x} held without its parent {parent:#x} but not loose")
+        if isinstance(cl, TableClosure):
+            cl._check()
         self._win._check()
         if isinstance(self._masks, KeyTable):
             self._masks._check()

@@ -108,8 +108,9 @@ class TableClosure(PrefixClosure):
     def removed_found(self, slot: int, tier: int, gone: list[BlockKey], kids: list[BlockKey],
                       branched: list[BlockKey], holds: Callable[[list[BlockKey]], Sequence[int]]) -> None:
         """:meth:`PrefixClosure.removed_all` once the removal kernel found, for the blocks that lost the tier
-        (``gone``), their single children still holding it (``kids``) and those whose children are a set
-        (``branched``; ``holds`` says which of a list of keys hold it). O(keys + their children)."""
+        (``gone``: may be left empty while the slot has no loose blocks on the tier, as only those read it), their
+        single children still holding it (``kids``) and those whose children are a set (``branched``; ``holds``
+        says which of a list of keys hold it). O(keys + their children)."""
         loose = self.loose.get((slot, tier))
         if loose is not None:
             loose.difference_update(gone)
@@ -134,6 +135,16 @@ class TableClosure(PrefixClosure):
         if self.branches:
             for _ in map(self.branches.pop, dead, repeat(None)):
                 pass
+
+    def _check(self) -> None:
+        """Asserts that the parents whose children are a set kept in Python are exactly those flagged so in the
+        links' table (a dead parent's set goes with its row). O(links)."""
+        lk = self.lk
+        rows = lk.r[lk.used()]
+        flagged = set(rows[rows[:, VAL + 1] != 0, KEY].tolist())
+        kept = set(self.branches)
+        assert flagged == kept, (f"{len(kept - flagged)} children's sets kept for parents not flagged, "
+                                 f"{len(flagged - kept)} parents flagged without a set")
 
     def links(self) -> list[tuple[BlockKey, list[BlockKey]]]:
         return [(p, sorted(c) if isinstance(c, set) else [c]) for p, c in self.kids.items()]

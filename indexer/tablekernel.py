@@ -497,7 +497,8 @@ def remove(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, lk: Arr, lm: Arr, keys: A
     through ``e`` and ``keys`` is filled in; without, the caller resolved them (``out[j]`` = 1 on entry where the
     engine hash names a block, 0 otherwise). Once every bit is cleared, the children of the blocks that lost it
     that still hold it are in ``kids`` and the blocks whose children are a Python set in ``branched``; ``res`` =
-    [their two counts, blocks whose bit went (``out`` not 0), blocks nobody holds now (``out`` 3)]. The arrays may
+    [their two counts, blocks whose bit went (``out`` not 0), blocks nobody holds now (``out`` 3), of those the
+    ones whose children were a Python set (the caller forgets the sets)]. The arrays may
     be longer than the removal (``n`` blocks: their first ``n`` entries are read and written). Returns False, with
     nothing changed or written, while the pool lacks room for a mask per block (the caller grows it and calls
     again), else True. O(blocks + their children)."""
@@ -549,6 +550,7 @@ def remove(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, lk: Arr, lm: Arr, keys: A
         if c >= 0 and _has(t, c, pm, word, bit):
             kids[nk] = lk[li, VAL]
             nk += 1
+    sets = 0
     for j in range(n):  # the blocks nobody holds, with their links, after their children were looked at
         if out[j] == 3:
             i = find(t, keys[j])
@@ -556,6 +558,7 @@ def remove(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, lk: Arr, lm: Arr, keys: A
                 delete_at(t, tm, i)
             li = find(lk, keys[j])
             if li >= 0:
+                sets += lk[li, VAL + 1] != 0
                 delete_at(lk, lm, li)
     held = 0
     dead = 0
@@ -566,6 +569,7 @@ def remove(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, lk: Arr, lm: Arr, keys: A
     res[1] = nb
     res[2] = held
     res[3] = dead
+    res[4] = sets
     return True
 
 
@@ -831,7 +835,7 @@ def warm(k: Any) -> None:
     k.store(t, m, pm, ph, pa, lk, m, e, m, one, one, b, True, 0, b, b, True, np.zeros(1, np.uint8),
             np.zeros(2, np.uint8), np.zeros(2, np.uint64), np.zeros(5, np.int64))
     k.remove(t, m, pm, ph, pa, lk, m, one.copy(), 0, b, b, e, m, one, True, 1, np.zeros(1, np.uint8),
-             np.zeros(1, np.uint64), np.zeros(1, np.uint64), np.zeros(4, np.int64))
+             np.zeros(1, np.uint64), np.zeros(1, np.uint64), np.zeros(5, np.int64))
     k.has_bit(t, pm, one, 0, b)
     k.ref_add(e, m, one)
     k.held_prefix(e, one)

@@ -66,7 +66,7 @@ class TableMasks(BlockMasks):
     @staticmethod
     def _removal_outputs(n: int) -> tuple[Any, Any, Any, Any, Any]:
         return np.empty(n, np.uint8), np.empty(n, np.uint64), np.empty(n, np.uint64), np.empty(n, np.uint64), \
-            np.empty(4, np.int64)
+            np.empty(5, np.int64)
 
     def _where(self, slot: int, tier: int) -> tuple[int, np.uint64, np.uint64]:
         """:func:`_bits`, remembered. O(1)."""
@@ -211,7 +211,7 @@ class TableMasks(BlockMasks):
             for eh, s in zip(block_hashes, out[:n].tolist(), strict=True):
                 if s >= 2:
                     del py[eh]
-        nk, nb, nheld, ndead = res.tolist()
+        nk, nb, nheld, _, nsets = res.tolist()
         unknown = 0
         out, karr = out[:n], karr[:n]
         if nheld < n:
@@ -220,13 +220,15 @@ class TableMasks(BlockMasks):
                 if not (orphans and orphans.remove(block_hashes[j], tier)):
                     unknown += 1
         if nheld:
-            gone: list[BlockKey] = (karr if nheld == n else karr[out != 0]).tolist()
+            # The blocks that lost the tier matter only to the worker's loose blocks on it, where there are any.
+            gone: list[BlockKey] = ((karr if nheld == n else karr[out != 0]).tolist()
+                                    if closure.loose.get((w.slot, tier)) else [])
             w.counts[tier] -= nheld
 
             def holds(children: list[BlockKey]) -> Any:
                 return k.has_bit(t.r, p.pm, np.array(children, np.uint64), word, bit)
             closure.removed_found(w.slot, tier, gone, kids[:nk].tolist(), branched[:nb].tolist(), holds)
-            if ndead and closure.branches:
+            if nsets:
                 closure.unbranch(karr[out == 3].tolist())  # after their children were looked at
         return unknown
 

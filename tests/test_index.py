@@ -187,6 +187,19 @@ def test_snapshot_round_trip_and_bad_snapshot() -> None:
         TieredIndex.restore(b"\x01\x02")
 
 
+def test_a_parent_whose_children_branch_takes_their_set_with_it_when_nobody_holds_it() -> None:
+    """Two chains branch under one block: its children are a set kept beside the links' table. Removing every
+    block drops that set with the parent's row; a set kept for a dead parent would be a leak _check reports."""
+    idx = TieredIndex(4)
+    idx.apply(A, stored([1, 2], None, TOKS[:8]))
+    idx.apply(A, stored([3], 1, list(range(900, 904))))
+    idx._check()
+    assert len(list(idx._closure.children(block_keys(TOKS[:4], 4)[0]))) == 2
+    idx.apply(A, BlockRemoved(block_hashes=[3, 2, 1], medium="GPU"))
+    idx._check()
+    assert len(idx) == 0
+
+
 def test_a_chain_stored_across_another_workers_branch_is_linked_so_a_hole_in_it_is_seen() -> None:
     """B stores a chain whose first blocks A holds, branching where A's went elsewhere: B's blocks gain its
     bit in bulk, and the link under the branch point must still be made, or B losing the middle block would
