@@ -416,20 +416,13 @@ class TieredIndex:
         holding a prefix.
         """
         result = OverlapScores(total_blocks=len(keys))
-        depths, result.shared_pool = self._depths.depths(keys, self._closure.closed, self._next_slot)
+        overlaps, result.shared_pool = self._depths.overlaps(keys, self._closure.closed, self._next_slot)
         zeros = self._zeros
         if zeros is None:  # (copying a dict costs less than building one, for hundreds of workers)
             zeros = self._zeros = dict.fromkeys(self._workers, _ZERO)
         result.workers = workers = zeros.copy()
         owner = self._slot_stream
-        # Workers that hold the same prefix (a system prompt) share one frozen overlap: building one costs more
-        # than the lookups that found it.
-        made: dict[tuple[int, ...], TierOverlap] = {}
-        for slot, d in depths.items():
-            levels = tuple(d)
-            ov = made.get(levels)
-            if ov is None:
-                ov = made[levels] = TierOverlap(*levels)
+        for slot, ov in overlaps.items():
             workers[owner[slot]] = ov
         if window_aware:
             self._win.cut(keys, result, self._workers.values())

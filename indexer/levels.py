@@ -28,6 +28,7 @@ from kvtier.indexer.closure import MaskMap
 from kvtier.indexer.keys import BlockKey
 from kvtier.indexer.keytable import KeyTable
 from kvtier.indexer.masklayout import DEV, EXT, M64, SLOTS_PER_WORD, TIERS, dev_all
+from kvtier.wire.overlap import TierOverlap
 from kvtier.wire.protocol import StorageTier
 from kvtier.wire.stream import StreamId
 
@@ -35,6 +36,22 @@ MAX_RUNS = 64  # runs of equal masks walked in Python up to this many, else nump
 
 #: Slot -> its depth per level (device, host, disk, external); slots at depth 0 everywhere are left out.
 Depths = dict[int, list[int]]
+#: The same as overlaps, one object per distinct depths, shared by the slots that have them (workers holding the same
+#: prefix, as a system prompt: building an overlap costs more than the lookups that found it).
+Overlaps = dict[int, TierOverlap]
+
+
+def _shared(depths: Depths) -> Overlaps:
+    """``depths`` as :data:`Overlaps`. O(slots)."""
+    made: dict[tuple[int, ...], TierOverlap] = {}
+    out: Overlaps = {}
+    for slot, d in depths.items():
+        levels = tuple(d)
+        ov = made.get(levels)
+        if ov is None:
+            ov = made[levels] = TierOverlap(*levels)
+        out[slot] = ov
+    return out
 
 
 class DepthFinder:
@@ -48,8 +65,9 @@ class DepthFinder:
         self._dev_all = 0  # the device bit of every slot below _dev_all_slots (see _device_bits)
         self._dev_all_slots = 0
 
-    def depths(self, keys: list[BlockKey], closed: bool, slots: int) -> tuple[Depths, int]:
-        """The depths of ``keys`` and how many leading blocks the shared pool holds; ``closed``: every worker's
+    def overlaps(self, keys: list[BlockKey], closed: bool, slots: int) -> tuple[Overlaps, int]:
+        """The overlaps of ``keys`` per owned slot holding some, and how many leading blocks the shared pool holds;
+        ``closed``: every worker's
         tiers are prefix-closed (a binary search is sound); ``slots``: slots ever handed out. O(r log m) lookups
         for the r runs of equal masks over the m leading blocks anybody holds when ``closed``, else O(m)."""
         depths: Depths = {}
@@ -59,7 +77,7 @@ class DepthFinder:
             runs, n = searched
             if n:
                 pool = self._levels_by_runs(runs, n, depths, slots)
-            return depths, pool
+            return _shared(depths), pool
         ms = self.leading_masks(keys)
         n = len(ms)
         if n:
@@ -69,7 +87,7 @@ class DepthFinder:
                 pool = self._levels_by_runs([(ms[a], a) for a in starts], n, depths, slots)
             else:
                 pool = self._levels(ms, n, depths, slots)
-        return depths, pool
+        return _shared(depths), pool
 
     def leading_masks(self, keys: list[BlockKey]) -> list[int]:
         """The masks of the leading blocks anybody holds: a lookup per block, in C (a mask is never 0, a
@@ -209,16 +227,26 @@ class TableDepthFinder(DepthFinder):
     scan is one kernel call over the query's keys as an array, and the levels another over the runs of mask ids
     (:func:`kvtier.indexer.tablekernel.run_levels`), where Python decoded the bits of every slot holding a prefix."""
 
-    __slots__ = ()
+    __slots__ = ("_rows", "_runs")
 
-    def depths(self, keys: list[BlockKey], closed: bool, slots: int) -> tuple[Depths, int]:
-        """:meth:`DepthFinder.depths`; the same complexity, in compiled lookups."""
+    def __init__(self, masks: MaskMap, owned: dict[int, StreamId]) -> None:
+        super().__init__(masks, owned)
+        # The kernels' outputs, kept from query to query (allocating them cost a query more than using them).
+        self._runs = np.empty(MAX_RUNS + 1, np.int64), np.empty(MAX_RUNS + 1, np.int64)  # starts, mask ids
+        self._rows = self._outputs(SLOTS_PER_WORD)  # run_levels' depths, holders, groups, distinct depths
+
+    @staticmethod
+    def _outputs(rows: int) -> tuple[Any, Any, Any, Any]:
+        return (np.zeros((rows, TIERS), np.int64), np.empty(rows, np.int64), np.empty(rows, np.int64),
+                np.empty((rows, TIERS), np.int64))
+
+    def overlaps(self, keys: list[BlockKey], closed: bool, slots: int) -> tuple[Overlaps, int]:
+        """:meth:`DepthFinder.overlaps`; the same complexity, in compiled lookups."""
         t = cast(KeyTable, self._masks)
         k = t.k
         karr = t.array(keys)
         if closed:
-            starts = np.empty(MAX_RUNS + 1, np.int64)
-            ids = np.empty(MAX_RUNS + 1, np.int64)
+            starts, ids = self._runs
             runs = k.runs_by_search(t.r, karr, MAX_RUNS, starts, ids)
             if runs >= 0:
                 return self._levels_of_runs(ids, starts, runs, int(starts[runs]), slots)
@@ -229,20 +257,18 @@ class TableDepthFinder(DepthFinder):
         starts = np.concatenate((np.zeros(1, np.int64), np.flatnonzero(ids[1:] != ids[:-1]) + 1))
         return self._levels_of_runs(ids[starts], starts, len(starts), n, slots)
 
-    def _levels_of_runs(self, ids: Any, starts: Any, runs: int, n: int, slots: int) -> tuple[Depths, int]:
-        """The depths and the pool's leading blocks of ``runs`` runs of mask ids over ``n`` blocks. O(runs * words +
-        slots)."""
-        depths: Depths = {}
+    def _levels_of_runs(self, ids: Any, starts: Any, runs: int, n: int, slots: int) -> tuple[Overlaps, int]:
+        """The overlaps and the pool's leading blocks of ``runs`` runs of mask ids over ``n`` blocks. O(runs * words +
+        slots * distinct overlaps)."""
         if not n:
-            return depths, 0
+            return {}, 0
         t = cast(KeyTable, self._masks)
         rows = -(-slots // SLOTS_PER_WORD) * SLOTS_PER_WORD
-        out = np.zeros((rows, TIERS), np.int64)
-        held = np.empty(rows, np.int64)
-        pool_run, count = t.k.run_levels(t.pool.pm, ids, starts, runs, n, slots, out, held)
+        if len(self._rows[0]) < rows:
+            self._rows = self._outputs(rows)
+        out, held, groups, uniq = self._rows
+        pool_run, count, distinct = t.k.run_levels(t.pool.pm, ids, starts, runs, n, slots, out, held, groups, uniq)
+        made = [TierOverlap(*levels) for levels in uniq[:distinct].tolist()]
         owned = self._owned
-        held = held[:count]
-        for slot, row in zip(held.tolist(), out[held].tolist(), strict=True):
-            if slot in owned:
-                depths[slot] = row
-        return depths, pool_run
+        return {slot: made[g] for slot, g in zip(held[:count].tolist(), groups[:count].tolist(), strict=True)
+                if slot in owned}, pool_run

@@ -726,15 +726,20 @@ _ONE, _TWO, _FOUR = np.uint64(1), np.uint64(2), np.uint64(4)
 
 
 @njit(cache=True)
-def run_levels(pm: Arr, ids: Arr, starts: Arr, runs: int, n: int, slots: int, out: Arr,
-               held_slots: Arr) -> tuple[int, int]:
+def run_levels(pm: Arr, ids: Arr, starts: Arr, runs: int, n: int, slots: int, out: Arr, held_slots: Arr,
+               groups: Arr, uniq: Arr) -> tuple[int, int, int]:
     """:meth:`kvtier.indexer.levels.DepthFinder._levels_by_runs` compiled: over runs of equal masks (run ``r``: mask
     id ``ids[r]`` from position ``starts[r]``; ``n`` blocks in all), ``out[slot, tier]`` = the cumulative depth of
-    each slot at each level (device; device or host; ... or disk; ... or the shared pool), where it is not 0 (``out`` is
-    zero on entry, a row per slot of the words that hold the first ``slots``). Returns the shared pool's leading blocks,
-    and how many slots hold some of the prefix: their rows, in order, are ``held_slots`` (as long as ``out``; the
-    last level's depth is the largest, so a slot holds some iff it is not 0). O(runs * words + set bits + rows)."""
+    each slot at each level (device; device or host; ... or disk; ... or the shared pool), for the slots of the words
+    that hold the first ``slots`` (``out`` has a row for each at least: zeroed here, so that it is kept for the next
+    query). Returns the shared pool's leading blocks, how many slots hold some of the prefix, and how many distinct
+    rows they have. The holders' slots, in order, are ``held_slots`` (the last level's depth is the largest, so a
+    slot holds some iff it is not 0); holder ``i`` has the depths ``uniq[groups[i]]`` (workers that share a system
+    prompt share their depths: the caller builds one overlap per distinct row). ``held_slots``, ``groups`` and
+    ``uniq`` have as many rows as ``out``. O(runs * words + set bits + rows * distinct rows)."""
     words = (slots + SLOTS_PER_WORD - 1) // SLOTS_PER_WORD
+    rows = words * SLOTS_PER_WORD
+    out[:rows] = 0
     stored = pm.shape[1]  # masks have as many words as the widest slot that stored: the rest are zero
     pooled = np.zeros(runs, np.bool_)
     pool_run = -1
@@ -770,11 +775,24 @@ def run_levels(pm: Arr, ids: Arr, starts: Arr, runs: int, n: int, slots: int, ou
             for lvl in range(TIERS):
                 _put(out, alive[lvl], g, lvl, n)
     count = 0
-    for s in range(out.shape[0]):
+    distinct = 0
+    for s in range(rows):
         if out[s, TIERS - 1]:
             held_slots[count] = s
+            g = 0
+            while g < distinct:
+                lvl = 0
+                while lvl < TIERS and uniq[g, lvl] == out[s, lvl]:
+                    lvl += 1
+                if lvl == TIERS:
+                    break
+                g += 1
+            if g == distinct:
+                uniq[g, :] = out[s, :]
+                distinct += 1
+            groups[count] = g
             count += 1
-    return (n if pool_run < 0 else pool_run), count
+    return (n if pool_run < 0 else pool_run), count, distinct
 
 
 @njit(inline="always")
@@ -845,6 +863,6 @@ def warm(k: Any) -> None:
     k.runs_by_search(t, one, 4, np.zeros(5, np.int64), np.zeros(5, np.int64))
     k.leading_ids(t, one)
     k.run_levels(pm, np.zeros(1, np.int64), np.zeros(2, np.int64), 1, 1, 1, np.zeros((16, 4), np.int64),
-                 np.zeros(16, np.int64))
+                 np.zeros(16, np.int64), np.zeros(16, np.int64), np.zeros((16, 4), np.int64))
     k.set_mask(t, m, pm, ph, pa, b, one)
     k.del_mask(t, m, pm, ph, pa, b)
