@@ -415,15 +415,13 @@ class TieredIndex:
         usable overlap (:mod:`kvtier.indexer.windowkv`), their raw one in ``raw``; O(m) more per such worker
         holding a prefix.
         """
-        result = OverlapScores(total_blocks=len(keys))
-        overlaps, result.shared_pool = self._depths.overlaps(keys, self._closure.closed, self._next_slot)
+        overlaps, pool = self._depths.overlaps(keys, self._closure.closed, self._next_slot)
         zeros = self._zeros
         if zeros is None:  # (copying a dict costs less than building one, for hundreds of workers)
             zeros = self._zeros = dict.fromkeys(self._workers, _ZERO)
-        result.workers = workers = zeros.copy()
-        owner = self._slot_stream
-        for slot, ov in overlaps.items():
-            workers[owner[slot]] = ov
+        workers = zeros.copy()
+        workers.update(overlaps)
+        result = OverlapScores(len(keys), workers, pool)
         if window_aware:
             self._win.cut(keys, result, self._workers.values())
         return result

@@ -36,13 +36,14 @@ MAX_RUNS = 64  # runs of equal masks walked in Python up to this many, else nump
 
 #: Slot -> its depth per level (device, host, disk, external); slots at depth 0 everywhere are left out.
 Depths = dict[int, list[int]]
-#: The same as overlaps, one object per distinct depths, shared by the slots that have them (workers holding the same
-#: prefix, as a system prompt: building an overlap costs more than the lookups that found it).
-Overlaps = dict[int, TierOverlap]
+#: The same per worker (the stream owning the slot), as overlaps: one object per distinct depths, shared by the
+#: workers that have them (workers holding the same prefix, as a system prompt: building an overlap costs more than
+#: the lookups that found it).
+Overlaps = dict[StreamId, TierOverlap]
 
 
-def _shared(depths: Depths) -> Overlaps:
-    """``depths`` as :data:`Overlaps`. O(slots)."""
+def _shared(depths: Depths, owned: dict[int, StreamId]) -> Overlaps:
+    """``depths`` (of owned slots) as :data:`Overlaps`. O(slots)."""
     made: dict[tuple[int, ...], TierOverlap] = {}
     out: Overlaps = {}
     for slot, d in depths.items():
@@ -50,7 +51,7 @@ def _shared(depths: Depths) -> Overlaps:
         ov = made.get(levels)
         if ov is None:
             ov = made[levels] = TierOverlap(*levels)
-        out[slot] = ov
+        out[owned[slot]] = ov
     return out
 
 
@@ -66,7 +67,7 @@ class DepthFinder:
         self._dev_all_slots = 0
 
     def overlaps(self, keys: list[BlockKey], closed: bool, slots: int) -> tuple[Overlaps, int]:
-        """The overlaps of ``keys`` per owned slot holding some, and how many leading blocks the shared pool holds;
+        """The overlaps of ``keys`` per worker holding some, and how many leading blocks the shared pool holds;
         ``closed``: every worker's
         tiers are prefix-closed (a binary search is sound); ``slots``: slots ever handed out. O(r log m) lookups
         for the r runs of equal masks over the m leading blocks anybody holds when ``closed``, else O(m)."""
@@ -77,7 +78,7 @@ class DepthFinder:
             runs, n = searched
             if n:
                 pool = self._levels_by_runs(runs, n, depths, slots)
-            return _shared(depths), pool
+            return _shared(depths, self._owned), pool
         ms = self.leading_masks(keys)
         n = len(ms)
         if n:
@@ -87,7 +88,7 @@ class DepthFinder:
                 pool = self._levels_by_runs([(ms[a], a) for a in starts], n, depths, slots)
             else:
                 pool = self._levels(ms, n, depths, slots)
-        return _shared(depths), pool
+        return _shared(depths, self._owned), pool
 
     def leading_masks(self, keys: list[BlockKey]) -> list[int]:
         """The masks of the leading blocks anybody holds: a lookup per block, in C (a mask is never 0, a
@@ -270,5 +271,5 @@ class TableDepthFinder(DepthFinder):
         pool_run, count, distinct = t.k.run_levels(t.pool.pm, ids, starts, runs, n, slots, out, held, groups, uniq)
         made = [TierOverlap(*levels) for levels in uniq[:distinct].tolist()]
         owned = self._owned
-        return {slot: made[g] for slot, g in zip(held[:count].tolist(), groups[:count].tolist(), strict=True)
-                if slot in owned}, pool_run
+        return {s: made[g] for slot, g in zip(held[:count].tolist(), groups[:count].tolist(), strict=True)
+                if (s := owned.get(slot)) is not None}, pool_run
