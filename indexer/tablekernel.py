@@ -676,33 +676,58 @@ def held_prefix(r: Arr, keys: Arr) -> int:
 # --- queries ------------------------------------------------------------------------------------------------
 
 
+@njit(cache=True, inline="always")
+def _same_run(t: Arr, k: np.uint64, mask_id: np.uint64) -> bool:
+    i = find(t, k)
+    return i >= 0 and t[i, VAL] == mask_id  # one id per distinct mask (equal ids: equal masks)
+
+
 @njit(cache=True)
 def runs_by_search(t: Arr, keys: Arr, max_runs: int, starts: Arr, ids: Arr) -> int:
-    """The runs of equal masks over the leading blocks anybody holds, found by binary search (sound only while
-    every tier of every worker is prefix-closed): run ``r`` starts at ``starts[r]`` with the mask of id
-    ``ids[r]``, and ``starts[runs]`` is where the held prefix ends. Returns the number of runs, or -1 past
-    ``max_runs`` (``starts`` and ``ids`` have room for ``max_runs + 1``). O(runs * log(blocks))."""
+    """The runs of equal masks over the leading blocks anybody holds, found by search (sound only while every tier of
+    every worker is prefix-closed): run ``r`` starts at ``starts[r]`` with the mask of id ``ids[r]``, and
+    ``starts[runs]`` is where the held prefix ends. Returns the number of runs, or -1 past ``max_runs`` (``starts`` and
+    ``ids`` have room for ``max_runs + 1``). O(runs * log(blocks)).
+
+    Each step looks at three blocks, not one: their rows are read together first, so that the three cache misses of a
+    large table overlap, and the search takes half as many dependent steps as a binary one."""
     total = keys.shape[0]
     pos = 0
     runs = 0
+    sink = np.uint64(0)
+    mask = t.shape[0] - 1
     cur = find(t, keys[0]) if total else -1
     while cur >= 0:
         if runs == max_runs:
             return -1
-        lo, hi = pos + 1, total
+        mid_id = t[cur, VAL]
+        lo, hi = pos + 1, total  # keys[pos:lo] are in the run; keys[hi:] are not
+        while hi - lo >= 4:
+            span = hi - lo
+            m1, m2, m3 = lo + span // 4, lo + span // 2, lo + (3 * span) // 4
+            sink += t[_home(keys[m1], mask), KEY] + t[_home(keys[m2], mask), KEY] + t[_home(keys[m3], mask), KEY]
+            if _same_run(t, keys[m2], mid_id):
+                if _same_run(t, keys[m3], mid_id):
+                    lo = m3 + 1
+                else:
+                    lo, hi = m2 + 1, m3
+            elif _same_run(t, keys[m1], mid_id):
+                lo, hi = m1 + 1, m2
+            else:
+                hi = m1
         while lo < hi:
             mid = (lo + hi) >> 1
-            i = find(t, keys[mid])
-            if i >= 0 and t[i, VAL] == t[cur, VAL]:  # one id per distinct mask (equal ids: equal masks)
+            if _same_run(t, keys[mid], mid_id):
                 lo = mid + 1
             else:
                 hi = mid
         starts[runs] = pos
-        ids[runs] = t[cur, VAL]
+        ids[runs] = mid_id
         runs += 1
         pos = lo
         cur = find(t, keys[pos]) if pos < total else -1
     starts[runs] = pos
+    ids[max_runs] = sink  # (never read: it keeps the early reads from being dropped as dead code)
     return runs
 
 

@@ -6,7 +6,7 @@ import struct
 
 import pytest
 import xxhash
-from hypothesis import example, given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvtier.indexer import levels as levels_module
@@ -469,3 +469,43 @@ def test_fuzzed_events_never_raise_and_never_touch_other_workers(events: list[Ev
     assert idx.stats(A).unknown_parents == outcomes.count(Outcome.ORPHANED)
     assert idx.worker_hashes(B) == before
     idx.find_matches(TOKS)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 400), st.lists(st.tuples(st.integers(0, 400), st.sampled_from(["GPU", "CPU", "DISK"])),
+                                     min_size=1, max_size=6), st.integers(0, 400))
+def test_search_over_long_runs_agrees_with_reading_every_block(length: int, holds: list[tuple[int, str]],
+                                                               cut: int) -> None:
+    """A query's runs of equal masks are searched a few blocks at a time (tablekernel.runs_by_search): over chains
+    of hundreds of blocks held to different depths on different tiers, the overlaps equal those the index reads off
+    every leading block, and those of the naive model."""
+    idx, ref = TieredIndex(1), ReferenceIndex(1)
+    tokens = list(range(1000, 1000 + length))
+    for w, (depth, medium) in enumerate(holds):
+        n = min(depth, length)
+        if n:
+            ev = stored(list(range(1, n + 1)), None, tokens[:n], medium, bs=1)
+            stream = StreamId(WorkerId(f"w{w}"))
+            assert idx.apply(stream, ev) is Outcome.APPLIED
+            ref.apply(stream, ev)
+    query = tokens[:cut] + [7] * (length - cut) if cut < length else tokens
+    keys = idx.request_keys(query)
+    assert idx._closure.closed
+    searched, _ = idx._depths.overlaps(keys, True, idx._next_slot)
+    scanned, _ = idx._depths.overlaps(keys, False, idx._next_slot)
+    assert searched == scanned
+    assert idx.find_matches(query).workers == ref.find_matches(query).workers
+
+
+def test_search_finds_every_run_end() -> None:
+    """The search's steps split a run in four: a run ending at each block of a 97-block chain is found there (a
+    step that lost one block at a boundary would miss some of these ends)."""
+    length = 97
+    tokens = list(range(1000, 1000 + length))
+    for end in range(length + 1):
+        idx = TieredIndex(1)
+        idx.apply(A, stored(list(range(1, length + 1)), None, tokens, bs=1))
+        if end:
+            idx.apply(B, stored(list(range(1, end + 1)), None, tokens[:end], bs=1))
+        got = idx.find_matches(tokens).workers
+        assert (got[A].device, got[B].device if B in got else 0) == (length, end)
