@@ -30,6 +30,8 @@ def compiled() -> bool:
 def key_array(keys: Sequence[Hashable]) -> U64 | None:
     """``keys`` as the ``uint64`` array the kernels take (the one :func:`kvtier.indexer.keys.block_keys` made them
     from, when attached), or None if one is not an ``int`` in ``[0, 2**64)``. O(keys)."""
+    if isinstance(keys, np.ndarray):
+        return keys if keys.dtype == np.uint64 else None
     arr: U64 | None = getattr(keys, "arr", None)
     if arr is not None and len(arr) == len(keys):
         return arr
