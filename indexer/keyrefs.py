@@ -30,8 +30,12 @@ def compiled() -> bool:
 def key_array(keys: Sequence[Hashable]) -> U64 | None:
     """``keys`` as the ``uint64`` array the kernels take (the one :func:`kvtier.indexer.keys.block_keys` made them
     from, when attached), or None if one is not an ``int`` in ``[0, 2**64)``. O(keys)."""
-    if isinstance(keys, np.ndarray):
-        return keys if keys.dtype == np.uint64 else None
+    if isinstance(keys, np.ndarray):  # (an array of ints: the keys its elements are equal to)
+        if keys.dtype == np.uint64:
+            return keys
+        if keys.dtype.kind not in "iu" or (keys.dtype.kind == "i" and bool((keys < 0).any())):
+            return None
+        return keys.astype(np.uint64)
     arr: U64 | None = getattr(keys, "arr", None)
     if arr is not None and len(arr) == len(keys):
         return arr

@@ -104,10 +104,10 @@ class LoadTracker:
             return _IDLE, 0
         refs = w.refs
         if isinstance(refs, KeyRefs):
-            if not keys or (arr := key_array(keys)) is None:  # (keys it cannot hold are never counted)
+            if not len(keys) or (arr := key_array(keys)) is None:  # (keys it cannot hold are never counted)
                 return w.load, 0
             return w.load, refs.held_prefix(arr, int(keys[0]))  # type: ignore[call-overload]
-        if not keys or keys[0] not in refs:
+        if not len(keys) or keys[0] not in refs:  # (len: numpy arrays of keys too)
             return w.load, 0
         lo, hi = 1, len(keys)  # keys[:lo] are held; keys[hi:] are not (hi is an upper bound)
         while lo < hi:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -313,3 +314,17 @@ def test_ttft_cost_charges_a_worker_whose_memory_would_overflow() -> None:
     shared = cost.cost(100, 10, TierOverlap(0, 0, 0, 0), WorkerLoad(running=1, active_blocks=65, context_tokens=650),
                        10)
     assert shared == pytest.approx(lat.prefill_ms(100) + lat.decode_ms(0.65))
+
+
+def test_key_array_takes_int_keys_only() -> None:
+    """The compiled counts hold ints in [0, 2**64): any other key keeps the worker's counts in a dict."""
+    from kvtier.indexer.keyrefs import key_array
+    assert key_array([3, 2**64 - 1]).tolist() == [3, 2**64 - 1]
+    assert key_array(np.array([3, 4])).tolist() == [3, 4]
+    for bad in ([-1], [2**64], [True], ["x"], [1.0], np.array([-1]), np.array([1.0])):
+        assert key_array(bad) is None, bad
+    lt = LoadTracker(block_size=4)
+    lt.add("r1", A, np.array([5, 6], np.uint64), 8, 8)
+    assert lt.shared_blocks(A, [5, 6, 7]) == 2 and lt.shared_blocks(A, np.array([5, 9])) == 1
+    lt.finish("r1")
+    lt._check()
