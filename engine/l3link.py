@@ -111,7 +111,7 @@ class L3Link:
         for i, (key, parent_key, parent_hash) in enumerate(zip(page_keys, parent_keys, parent_hashes, strict=True)):
             if key in self.announced or key in self.pending:
                 continue
-            meta = PageMeta(node.hashes[i], parent_key, parent_hash, node.tokens[i * s:(i + 1) * s], depth0 + i)
+            meta = PageMeta(node.hashes[i], parent_key, parent_hash, node.tokens, depth0 + i, i, s)
             if key in store:
                 if store.announce(key, self.name):
                     self.announce([(key, meta)])

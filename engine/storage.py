@@ -51,13 +51,25 @@ class PageMeta:
     event_hash: int  # the hash published in events
     parent_key: str | None  # L3 key of the parent page; None under the root
     parent_hash: int | None  # event hash of the parent page
-    tokens: PackedTokens  # the page's token ids (kvtier.wire.pack_tokens: a quarter of a list's memory)
+    # Packed token ids (kvtier.wire.pack_tokens) holding the page's: the page's own, or its node's whole run,
+    # which the node's pages share rather than each keeping a copy (most of an L3 page's memory otherwise).
+    buf: PackedTokens
     depth: int  # pages from the root (for parent-first dumps)
+    page: int = 0  # the page's index in buf, in pages of `stride` bytes
+    stride: int = 0  # bytes per page in buf; 0: buf is the page itself
+
+    @property
+    def tokens(self) -> PackedTokens:
+        """The page's token ids, packed. O(page)."""
+        s = self.stride
+        return self.buf[self.page * s:(self.page + 1) * s] if s else self.buf
 
 
 @dataclass(slots=True)
-class _Entry:
-    meta: PageMeta  # page metadata
+class _Entry(PageMeta):
+    """A committed page: its metadata (the fields of the engine's :class:`PageMeta`, copied into one object per
+    page, not one wrapping the other) and the store's bookkeeping."""
+
     children: int = 0  # committed or pending children
     pins: int = 0  # readers in flight
     # Engines that published it: one interned set per distinct value (PageStore._tags), not a set per page.
@@ -141,7 +153,8 @@ class PageStore:
         return len(self._entries)
 
     def meta(self, key: str) -> PageMeta:
-        return self._entries[key].meta
+        """A committed page's metadata: the store's own entry, read-only to callers. O(1)."""
+        return self._entries[key]
 
     def is_pending(self, key: str) -> bool:
         return key in self._pending
@@ -169,12 +182,12 @@ class PageStore:
     def unannounced(self) -> list[str]:
         """Committed pages no engine announced (adopted on start), parents first. O(pages)."""
         keys = [k for k, e in self._entries.items() if not e.announcers]
-        return sorted(keys, key=lambda k: self._entries[k].meta.depth)
+        return sorted(keys, key=lambda k: self._entries[k].depth)
 
     def announced_by(self, engine: EngineTag) -> list[str]:
         """Keys ``engine`` announced, parents before children. O(pages)."""
         keys = [k for k, e in self._entries.items() if engine in e.announcers]
-        return sorted(keys, key=lambda k: self._entries[k].meta.depth)
+        return sorted(keys, key=lambda k: self._entries[k].depth)
 
     def is_announced(self, key: str) -> bool:
         """Committed and announced by at least one engine."""
@@ -289,7 +302,8 @@ class PageStore:
         return True
 
     def _insert(self, key: str, meta: PageMeta, announcers: frozenset[EngineTag], children: int = 0) -> None:
-        self._entries[key] = _Entry(meta, children=children, announcers=self._interned(announcers))
+        self._entries[key] = _Entry(meta.event_hash, meta.parent_key, meta.parent_hash, meta.buf, meta.depth, meta.page,
+                                    meta.stride, children=children, announcers=self._interned(announcers))
         if children == 0:
             self._leaves[key] = None
 
@@ -346,8 +360,8 @@ class PageStore:
             return []
         kids: dict[str, list[str]] = {}
         for k, e in self._entries.items():
-            if e.meta.parent_key is not None:
-                kids.setdefault(e.meta.parent_key, []).append(k)
+            if e.parent_key is not None:
+                kids.setdefault(e.parent_key, []).append(k)
         order: list[str] = []
         todo = [key]
         while todo:
@@ -366,8 +380,8 @@ class PageStore:
         self._leaves.pop(key, None)
         if e.children:  # only a drop() removes a page with children: those still being written
             self._pending_children[key] = e.children
-        if e.meta.parent_key is not None:
-            self._drop_child(e.meta.parent_key)
+        if e.parent_key is not None:
+            self._drop_child(e.parent_key)
         for engine in e.announcers:
             lost.setdefault(engine, []).append(key)
         self._unlink(key)
@@ -412,9 +426,9 @@ class PageStore:
 
     def _check(self) -> None:
         for k, e in self._entries.items():
-            p = e.meta.parent_key
+            p = e.parent_key
             assert p is None or p in self._entries, f"page {k} present without its parent {p}"
-            n = sum(1 for c in self._entries.values() if c.meta.parent_key == k)
+            n = sum(1 for c in self._entries.values() if c.parent_key == k)
             n += sum(1 for m in self._pending.values() if m.parent_key == k)
             assert e.children == n, f"page {k}: children {e.children} but {n} found"
             assert (k in self._leaves) == (e.children == 0), f"page {k}: leaf list out of sync"
