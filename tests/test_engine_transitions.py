@@ -20,6 +20,7 @@ from kvtier.wire import (
     WorkerId,
     is_window_event,
 )
+from kvtier.wire.protocol import pack_tokens, unpack_tokens
 from kvtier.wire.stream import StreamId
 from tests.engine_harness import Harness
 
@@ -140,6 +141,29 @@ def test_l3_write_and_eviction_emit_disk_events(tmp_path: Path) -> None:
     removed = [e for e in h.log if isinstance(e, BlockRemoved) and e.medium == "DISK"]
     assert [x for e in removed for x in e.block_hashes] == hashes(toks(0, 4))[:1:-1]
     assert len(store) == 6
+
+
+def test_l3_pages_share_their_nodes_tokens_and_read_back_their_own() -> None:
+    """A page's metadata keeps its node's packed run and its place in it, not a copy per page (the copies were
+    most of the disk tier's memory); a memory store's pages still give their own tokens, also after the node splits
+    and after it leaves the tree."""
+    store = PageStore(64)
+    h = Harness(CacheConfig(page_size=PS, device_pages=8, host_ratio=2.0), store)
+    t = toks(0, 4)
+    h.run("a", t)
+    h.settle()
+    keys = store.announced_by(h.cache.l3.name if h.cache.l3 else "")
+    assert len(keys) == 4
+    metas = [store.meta(k) for k in keys]
+    assert len({id(m.buf) for m in metas}) == 1 and len(metas[0].buf) == 4 * PS * 4
+    for i, m in enumerate(metas):
+        assert unpack_tokens(m.tokens) == t[i * PS:(i + 1) * PS]
+    h.run("b", t[:2 * PS] + toks(500, 2))  # splits the node: the stored pages keep the run they were written from
+    for i, r in enumerate("cdef"):  # a's node leaves the device and host tiers; its pages stay in the store
+        h.run(r, toks(1000 * (i + 1), 4))
+        h.settle()
+    assert not h.cache.tree.match(pack_tokens(t[:PS]))
+    assert [unpack_tokens(store.meta(k).tokens) for k in keys] == [t[i * PS:(i + 1) * PS] for i in range(4)]
 
 
 def test_prefetch_from_l3_emits_host_store_then_loads(tmp_path: Path) -> None:
