@@ -107,8 +107,40 @@ class LoadTracker:
             if not len(keys) or (arr := key_array(keys)) is None:  # (keys it cannot hold are never counted)
                 return w.load, 0
             return w.load, refs.held_prefix(arr, int(keys[0]))  # type: ignore[call-overload]
+        return w.load, self._held_in_dict(refs, keys)
+
+    def loads_and_shared(self, workers: Sequence[StreamId],
+                         keys: Sequence[Hashable]) -> tuple[list[WorkerLoad], list[int]]:
+        """:meth:`load_and_shared` of each of ``workers``, the keys converted once for all of them (routing asks
+        every candidate on every request). O(workers * log blocks)."""
+        found = list(map(self._workers.get, workers))
+        loads = [_IDLE if w is None else w.load for w in found]
+        if not len(keys):
+            return loads, [0] * len(found)
+        arr: U64 | None = None
+        converted = False  # keys -> arr on first need (None: keys the compiled counts cannot hold)
+        first = keys[0]
+        shared = []
+        for w in found:
+            if w is None:
+                shared.append(0)
+                continue
+            refs = w.refs
+            if isinstance(refs, KeyRefs):
+                if not converted:
+                    converted, arr = True, key_array(keys)
+                    if arr is not None:
+                        first = int(first)  # type: ignore[call-overload]
+                shared.append(0 if arr is None else refs.held_prefix(arr, first))  # type: ignore[arg-type]
+            else:
+                shared.append(self._held_in_dict(refs, keys))
+        return loads, shared
+
+    @staticmethod
+    def _held_in_dict(refs: dict[Hashable, int], keys: Sequence[Hashable]) -> int:
+        """Leading ``keys`` counted in ``refs``, by binary search (chained keys). O(log blocks)."""
         if not len(keys) or keys[0] not in refs:  # (len: numpy arrays of keys too)
-            return w.load, 0
+            return 0
         lo, hi = 1, len(keys)  # keys[:lo] are held; keys[hi:] are not (hi is an upper bound)
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -116,7 +148,7 @@ class LoadTracker:
                 lo = mid
             else:
                 hi = mid - 1
-        return w.load, lo
+        return lo
 
     def add(self, request_id: str, worker: StreamId, keys: Sequence[Hashable], prompt_tokens: int,
             prefill_tokens: int) -> None:

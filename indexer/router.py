@@ -95,15 +95,19 @@ class Router:
             ctx = RouteContext(num_tokens, bs, keys or [], overlaps, self.loads, partial)
             chosen, scores = route_with(self.policy, ctx, list(candidates))
             return RouteDecision(chosen, scores, overlaps)
-        # The hot loop of routing (once per worker and request): bound methods and lookups hoisted.
-        cost = self.cost_model.cost
+        # The hot loop of routing (once per worker and request): the built-in models price every candidate in
+        # one call (``costs``, the same floats as ``cost`` one by one), others one worker at a time.
         known = overlaps.workers.get
-        load_and_shared = self.loads.load_and_shared
+        found = [known(w, _NONE) for w in candidates]
+        loads, shared = self.loads.loads_and_shared(candidates, keys or ())
         expected = self.loads.expected_output
-        values = []
-        for w in candidates:
-            load, shared = load_and_shared(w, keys or ())
-            values.append(cost(num_tokens, bs, known(w, _NONE), load, shared, expected))
+        batch = getattr(self.cost_model, "costs", None)
+        if batch is not None:
+            values: list[float] = batch(num_tokens, bs, found, loads, shared, expected)
+        else:
+            cost = self.cost_model.cost
+            values = [cost(num_tokens, bs, o, load, n, expected)
+                      for o, load, n in zip(found, loads, shared, strict=True)]
         return RouteDecision(self._pick(candidates, values), dict(zip(candidates, values, strict=True)), overlaps)
 
     def _pick(self, candidates: list[StreamId], costs: list[float]) -> StreamId:

@@ -19,6 +19,7 @@ kv_host (HOST) and kv_all (EXTERNAL) policies.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -88,6 +89,16 @@ class CreditCost:
         queued = load.pending_prefill_tokens / block_size
         return self.overlap_weight * (prefill + queued) + load.active_blocks + blocks - shared_blocks
 
+    def costs(self, num_tokens: int, block_size: int, overlaps: Sequence[TierOverlap], loads: Sequence[WorkerLoad],
+              shared_blocks: Sequence[int], output_tokens: float = 0.0) -> list[float]:
+        """:meth:`cost` of each worker (its overlap, load and shared blocks, in order), the same floats, in one call
+        (routing prices every candidate on every request). O(workers)."""
+        blocks = -(-num_tokens // block_size)
+        credit, tier, weight = self.credits.visible_credit, self.max_tier, self.overlap_weight
+        return [weight * ((blocks - credit(o, tier)) + load.pending_prefill_tokens / block_size)
+                + load.active_blocks + blocks - shared
+                for o, load, shared in zip(overlaps, loads, shared_blocks, strict=True)]
+
 
 @dataclass(slots=True, frozen=True)
 class DynamoCost:
@@ -117,6 +128,15 @@ class DynamoCost:
         adjusted = max(raw_prefill - self.credits.visible_credit(overlap, self.max_tier), 0.0)
         decode = (load.active_blocks - load.generated_blocks) + incoming - shared_blocks
         return self.prefill_load_scale * adjusted + decode
+
+    def costs(self, num_tokens: int, block_size: int, overlaps: Sequence[TierOverlap], loads: Sequence[WorkerLoad],
+              shared_blocks: Sequence[int], output_tokens: float = 0.0) -> list[float]:
+        """:meth:`cost` of each worker, the same floats, in one call (as :meth:`CreditCost.costs`). O(workers)."""
+        incoming = -(-num_tokens // block_size)
+        credit, tier, scale = self.credits.visible_credit, self.max_tier, self.prefill_load_scale
+        return [scale * max((load.pending_prefill_tokens / block_size + incoming) - credit(o, tier), 0.0)
+                + ((load.active_blocks - load.generated_blocks) + incoming - shared)
+                for o, load, shared in zip(overlaps, loads, shared_blocks, strict=True)]
 
 
 @dataclass(slots=True, frozen=True)

@@ -119,6 +119,26 @@ def test_visible_credit_is_the_credit_of_the_visible_overlap(counts: list[int], 
     assert credits.visible_credit(o, max_tier) == credits.credited_blocks(visible(o, max_tier))
 
 
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 60), min_size=4, max_size=4), st.integers(0, 40),
+                          st.integers(0, 9000), st.integers(0, 20), st.integers(0, 30)), min_size=1, max_size=6),
+       st.integers(1, 5000), st.sampled_from(list(StorageTier)), st.floats(0, 1), st.floats(0, 4))
+def test_batch_costs_are_the_floats_of_cost_one_worker_at_a_time(
+        workers: list[tuple[list[int], int, int, int, int]], num_tokens: int, max_tier: StorageTier, host: float,
+        weight: float) -> None:
+    """The router prices every candidate in one ``costs`` call; a change there must not move a single decision, so
+    each value equals (==) what ``cost`` gives for that worker alone."""
+    overlaps = [TierOverlap(*sorted(c)) for c, *_ in workers]
+    loads = [WorkerLoad(running=3, active_blocks=a, pending_prefill_tokens=p, generated_blocks=min(g, a))
+             for _, a, p, g, _ in workers]
+    shared = [n for *_, n in workers]
+    credits = TierCredits(host=host)
+    for model in (CreditCost(credits, weight, max_tier), DynamoCost(credits, weight, max_tier)):
+        one_by_one = [model.cost(num_tokens, 16, o, load, n, 7.0)
+                      for o, load, n in zip(overlaps, loads, shared, strict=True)]
+        assert model.costs(num_tokens, 16, overlaps, loads, shared, 7.0) == one_by_one
+
+
 @settings(max_examples=150, deadline=None, derandomize=True)
 @given(st.lists(st.lists(st.integers(0, 2), min_size=0, max_size=12), min_size=1, max_size=8),
        st.lists(st.integers(0, 2), max_size=14), st.data())
@@ -139,6 +159,7 @@ def test_shared_blocks_search_equals_a_scan_of_chained_keys(prompts: list[list[i
     scan = next((n for n, k in enumerate(keys) if k not in held), len(keys))
     assert lt.shared_blocks(A, keys) == scan
     assert lt.load_and_shared(A, keys) == (lt.load(A), scan)
+    assert lt.loads_and_shared([B, A], keys) == ([lt.load(B), lt.load(A)], [0, scan])  # B: never routed to
 
 
 @settings(max_examples=150, deadline=None, derandomize=True)
@@ -242,6 +263,8 @@ def test_counts_move_from_the_compiled_table_to_a_dict_at_the_first_key_it_canno
         lt.add(f"r{i}", workers[w], keys, 4 * len(keys) + 1, 4)
         live.append(f"r{i}")
         assert lt.shared_blocks(workers[w], keys[:1]) == (1 if keys else 0)
+        one_by_one = [lt.load_and_shared(x, keys) for x in workers]  # a dict worker beside a compiled one
+        assert lt.loads_and_shared(workers, keys) == ([x for x, _ in one_by_one], [n for _, n in one_by_one])
         if done and live:
             lt.finish(live.pop(0), generated=3)
         lt._check()
