@@ -161,19 +161,18 @@ class BlockMasks:
         m &= ~slot_bits
         if m:
             self.masks[key] = self.share(m)
-        else:
-            del self.masks[key]
         for t in held:
             self.closure.removed(w.slot, t, key, 1 << (shift + t), self.masks)
-        if not m:
-            self.closure.died(key)  # after its children were looked at
+        if not m:  # after its children were looked at (compiled tables keep its links in its row)
+            del self.masks[key]
+            self.closure.died(key)
 
     def remove(self, w: WorkerState, block_hashes: list[EngineHash], tier: StorageTier) -> int:
         """Takes the worker's ``tier`` bit off the blocks its engine hashes name (a ``BlockRemoved``), or drops them
         from its held orphans; returns how many it holds in neither place. O(blocks + their children)."""
         shift = TIERS * w.slot
         bit = 1 << (shift + tier)
-        masks, hashes, closure = self.masks, w.hashes, self.closure
+        masks, hashes = self.masks, w.hashes
         if not self._win and self._remove_sole_holder(w, block_hashes, tier, bit):
             return 0
         share = self._pool().setdefault  # BlockMasks.share, without a call per block
@@ -194,16 +193,29 @@ class BlockMasks:
             if m:
                 masks[key] = share(m, m)
             else:
-                del masks[key]
-                dead.append(key)
+                dead.append(key)  # (its engine hash goes below: a repeat of it in the event is unknown)
             gone.append(key)
             if not (m >> shift) & SLOT_MASK:
                 del hashes[eh]
         w.counts[tier] -= len(gone)
         if gone:
-            closure.removed_all(w.slot, tier, gone, bit, masks)
-            closure.died_all(dead)  # after their children were looked at
+            self._removed_then_dead(w.slot, tier, gone, bit, dead)
         return unknown
+
+    def _removed_then_dead(self, slot: int, tier: int, gone: list[BlockKey], bit: int, dead: list[BlockKey]) -> None:
+        """The closure's side of a removal whose ``gone`` blocks lost ``bit``, of which ``dead`` (still in ``masks``,
+        with their old masks) nobody holds now: their children are looked at first, with the dead ones read as not
+        holding the bit, then the dead ones go with their links (compiled tables keep the links in the rows).
+        O(gone + their children)."""
+        get, closure = self.masks.get, self.closure
+        if dead:
+            gone_now = set(dead)
+            closure.removed_all_by(slot, tier, gone,
+                                   lambda kids: [0 if c in gone_now else get(c, 0) & bit for c in kids])
+            deque(map(self.masks.__delitem__, dead), maxlen=0)
+            closure.died_all(dead)
+        else:
+            closure.removed_all(slot, tier, gone, bit, self.masks)
 
     def _remove_sole_holder(self, w: WorkerState, block_hashes: list[EngineHash], tier: StorageTier, bit: int) -> bool:
         """The common eviction, in bulk: every block named is known, once, and held by this worker on this tier
@@ -217,11 +229,9 @@ class BlockMasks:
         masks = self.masks
         if list(map(masks.get, gone)).count(bit) != len(gone):
             return False
-        deque(map(masks.__delitem__, gone), maxlen=0)
         deque(map(w.hashes.__delitem__, block_hashes), maxlen=0)
         w.counts[tier] -= len(gone)
-        self.closure.removed_all(w.slot, tier, gone, bit, masks)
-        self.closure.died_all(gone)
+        self._removed_then_dead(w.slot, tier, gone, bit, gone)
         return True
 
     def clear_slot(self, w: WorkerState) -> None:

@@ -13,7 +13,9 @@ are all ``int64`` (SGLang) or all ``uint64`` (vLLM); one that is neither, or ``b
 engine hashes into a Python dict for good (:meth:`EngineHashes.int64s`), since the table could not give the same
 object back.
 
-Links (parent -> child) live in a third kind of table, :class:`kvtier.indexer.tableclosure.KidTable`.
+A block's links (parent -> child, for :mod:`kvtier.indexer.tableclosure`) live in its row of the
+:class:`KeyTable`: links die with their parent (no worker holds it), so a table of their own only cost a
+third probe per block and a third table to grow.
 """
 
 from __future__ import annotations
@@ -29,9 +31,14 @@ from kvtier.indexer.masklayout import SLOTS_PER_WORD
 from kvtier.wire.jit import LazyKernels
 from kvtier.wire.protocol import EngineHash
 
-#: The columns every row of a table starts with (:mod:`kvtier.indexer.tablekernel`): its key, 1 if it is used,
-#: then its values.
+#: The columns every row of a table starts with (:mod:`kvtier.indexer.tablekernel`): its key, non-zero if it is
+#: used, then its values.
 KEY, USED, VAL = 0, 1, 2
+#: The masks' table (:class:`KeyTable`) keeps a block's links in its row: its one child in the column after the
+#: mask's id, and in ``USED`` whether it has children: ``LINKS_NONE``, ``LINKS_ONE`` (that child) or ``LINKS_SET``
+#: (a set kept in Python: :class:`kvtier.indexer.tableclosure.TableClosure`). Any of them reads as used.
+CHILD = VAL + 1
+LINKS_NONE, LINKS_ONE, LINKS_SET = 1, 2, 3
 #: The mask pool's counters (:class:`MaskPool`): entries of its content table, free ids, ids handed out, then
 #: one count per id and the stack of free ids.
 _PH, _PFREE, _PTOP, _PREF = 0, 1, 2, 3
@@ -154,12 +161,13 @@ class MaskPool:
 
 class KeyTable(RowTable, MutableMapping[BlockKey, int]):
     """Block key -> mask (:mod:`kvtier.indexer.masklayout`), as the index's ``masks``: a key nobody holds is
-    absent. A row holds its mask's id in ``pool`` (``SLOTS_PER_WORD`` worker slots per word of a mask)."""
+    absent. A row holds its mask's id in ``pool`` (``SLOTS_PER_WORD`` worker slots per word of a mask), then the
+    block's links (``CHILD``, and their state in ``USED``), which the mapping interface leaves as they are."""
 
     __slots__ = ("pool",)
 
     def __init__(self) -> None:
-        super().__init__(1)
+        super().__init__(2)
         self.pool = MaskPool(self.k)  # the distinct masks
 
     @property

@@ -1,10 +1,11 @@
 """The prefix-closure links in a compiled table, beside the compiled masks (:mod:`kvtier.indexer.tablemasks`).
 
-:class:`TableClosure` is :class:`kvtier.indexer.closure.PrefixClosure` with its links (parent -> children) in a
-table of :mod:`kvtier.indexer.tablekernel`: a parent's row holds its one child, or says that its children are a
-set, kept in the Python dict ``branches`` (a branch is rare: a prompt that diverges where others went on).
-Loose blocks stay Python sets. The store, removal and clearing kernels link, look at children and drop the
-links of dead blocks themselves; ``kids`` reads the links as a mapping for everything else.
+:class:`TableClosure` is :class:`kvtier.indexer.closure.PrefixClosure` with its links (parent -> children) in the
+masks' table of :mod:`kvtier.indexer.tablekernel`: a parent's row holds its one child, or says that its children are
+a set, kept in the Python dict ``branches`` (a branch is rare: a prompt that diverges where others went on). A
+block's links live exactly as long as its row (nobody holds it: both go), so a store finds them where it finds the
+mask, with no probe of a table of its own. Loose blocks stay Python sets. The store, removal and clearing kernels
+link and look at children themselves; ``kids`` reads the links as a mapping for everything else.
 """
 
 from __future__ import annotations
@@ -17,16 +18,7 @@ import numpy as np
 
 from kvtier.indexer.closure import Kids, MaskMap, PrefixClosure
 from kvtier.indexer.keys import BlockKey
-from kvtier.indexer.keytable import KEY, VAL, KeyTable, RowTable
-
-
-class KidTable(RowTable):
-    """Parent key -> [its one child, 1 if its children are a set kept in Python instead]."""
-
-    __slots__ = ()
-
-    def __init__(self) -> None:
-        super().__init__(2)
+from kvtier.indexer.keytable import CHILD, KEY, LINKS_NONE, LINKS_SET, USED, KeyTable
 
 
 class KidMap(Mapping[BlockKey, Kids]):
@@ -39,31 +31,33 @@ class KidMap(Mapping[BlockKey, Kids]):
         self._c = closure
 
     def __getitem__(self, key: BlockKey) -> Kids:
-        lk = self._c.lk
-        i = lk.slot(key)
-        if i < 0:
+        t = self._c.table
+        i = t.slot(key)
+        if i < 0 or t.r[i, USED] == LINKS_NONE:
             raise KeyError(key)
-        if lk.r[i, VAL + 1]:
+        if t.r[i, USED] == LINKS_SET:
             return self._c.branches[key]
-        return BlockKey(int(lk.r[i, VAL]))
+        return BlockKey(int(t.r[i, CHILD]))
+
+    def _rows(self) -> Any:
+        t = self._c.table
+        return np.flatnonzero(t.r[:, USED] > LINKS_NONE)
 
     def __iter__(self) -> Iterator[BlockKey]:
-        lk = self._c.lk
-        return iter(lk.r[lk.used(), KEY].tolist())
+        return iter(self._c.table.r[self._rows(), KEY].tolist())
 
     def __len__(self) -> int:
-        return len(self._c.lk)
+        return len(self._rows())
 
 
 class TableClosure(PrefixClosure):
     """:class:`PrefixClosure` with compiled links (module docstring). Every method keeps its complexity."""
 
-    __slots__ = ("_t", "branches", "lk")
+    __slots__ = ("branches", "table")
 
     def __init__(self, table: KeyTable) -> None:
         super().__init__()
-        self._t = table  # the masks: whether a child is alive, whether it holds a bit
-        self.lk = KidTable()  # parent -> its child, or a flag: its children are in branches
+        self.table = table  # the masks, with each block's links in its row
         self.branches: dict[BlockKey, set[BlockKey]] = {}  # parent -> its children, where it has several
         self.kids = KidMap(self)  # type: ignore[assignment]
 
@@ -77,11 +71,9 @@ class TableClosure(PrefixClosure):
             self._link(keys[:-1], keys[1:], karr[:-1], karr[1:])
 
     def _link(self, parents: Sequence[BlockKey], children: Sequence[BlockKey], parr: Any, carr: Any) -> None:
-        n = len(parents)
-        lk = self.lk
-        lk.reserve(n)
-        cur = np.zeros(n, np.uint64)
-        how = lk.k.link_chain(lk.r, lk.m, self._t.r, parr, carr, cur)
+        t = self.table
+        cur = np.zeros(len(parents), np.uint64)
+        how = t.k.link_chain(t.r, parr, carr, cur)
         if how.any():
             self.branched(parents, children, how, cur)
 
@@ -123,11 +115,9 @@ class TableClosure(PrefixClosure):
         self.died_all([key])
 
     def died_all(self, keys: list[BlockKey]) -> None:
-        """:meth:`PrefixClosure.died_all`, in one kernel call. O(keys)."""
-        if keys:
-            lk = self.lk
-            if lk.k.drop_links(lk.r, lk.m, np.array(keys, np.uint64)):  # some of them had a set of children
-                self.unbranch(keys)
+        """:meth:`PrefixClosure.died_all`: their links went with their rows; their children's sets go here.
+        O(keys) while any set is kept, else O(1)."""
+        self.unbranch(keys)
 
     def unbranch(self, dead: list[BlockKey]) -> None:
         """Forgets the children's sets of ``dead`` blocks (their rows went with them). O(len(dead)) while any
@@ -138,10 +128,9 @@ class TableClosure(PrefixClosure):
 
     def _check(self) -> None:
         """Asserts that the parents whose children are a set kept in Python are exactly those flagged so in the
-        links' table (a dead parent's set goes with its row). O(links)."""
-        lk = self.lk
-        rows = lk.r[lk.used()]
-        flagged = set(rows[rows[:, VAL + 1] != 0, KEY].tolist())
+        masks' table (a dead parent's set goes with its row). O(table)."""
+        r = self.table.r
+        flagged = set(r[r[:, USED] == LINKS_SET, KEY].tolist())
         kept = set(self.branches)
         assert flagged == kept, (f"{len(kept - flagged)} children's sets kept for parents not flagged, "
                                  f"{len(flagged - kept)} parents flagged without a set")

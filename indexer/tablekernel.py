@@ -14,8 +14,9 @@ Tables (see :mod:`kvtier.indexer.keytable` for the Python side that owns the arr
 * Deletion shifts later rows of the probe run back (no tombstones), so a lookup stops at the first free row.
 * The masks' table: a block key's mask id in the mask pool (below), whose masks are words of
   :mod:`kvtier.indexer.masklayout` (16 worker slots per word). An engine-hash table: one value, the key the hash
-  names (the hash is stored as its 64 bits). The links' table: a parent key's one child, and 1 in the next
-  column if its children are a set kept in Python.
+  names (the hash is stored as its 64 bits). The masks' table keeps each block's links in its row too: its one
+  child in column ``CHILD``, and in ``USED`` whether it has none, that one, or a set kept in Python
+  (``LINKS_NONE``, ``LINKS_ONE``, ``LINKS_SET``; a lookup only asks whether ``USED`` is zero).
 
 Imported only through :class:`kvtier.wire.jit.LazyKernels`, as :mod:`kvtier.indexer.keykernel` is. Every
 integer is a ``uint64`` or an index, never a plain int mixed with a ``uint64`` (numba would make a float).
@@ -28,7 +29,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from kvtier.indexer.keytable import _PFREE, _PH, _PREF, _PTOP, KEY, USED, VAL
+from kvtier.indexer.keytable import _PFREE, _PH, _PREF, _PTOP, CHILD, KEY, LINKS_NONE, LINKS_ONE, LINKS_SET, USED, VAL
 from kvtier.indexer.masklayout import DEV, EXT, SLOTS_PER_WORD, TIERS
 
 _GOLD = np.uint64(0x9E3779B97F4A7C15)
@@ -332,35 +333,40 @@ def store_held_elsewhere(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, keys: Arr, 
 
 
 @njit(cache=True, inline="always")
-def _link1(lk: Arr, lm: Arr, t: Arr, parent: np.uint64, child: np.uint64, how: Arr, cur: Arr, j: int) -> bool:
-    """Links ``child`` under ``parent``: a new link, one made already, or a dead child replaced, here; True if
-    the caller has work (``how[j]`` = 1: add the child to the parent's set; 2: make the set of ``cur[j]`` and the
-    child, the flag set here)."""
-    i = claim(lk, lm, parent)
-    if i < 0:
-        lk[-1 - i, VAL] = child
+def _link1(t: Arr, pi: int, child: np.uint64, how: Arr, cur: Arr, j: int) -> bool:
+    """Links ``child`` under the block of row ``pi``: a new link, one made already, or a dead child replaced, here;
+    True if the caller has work (``how[j]`` = 1: add the child to the parent's set; 2: make the set of ``cur[j]``
+    and the child, the state set here)."""
+    state = t[pi, USED]
+    if state == LINKS_NONE:
+        t[pi, CHILD] = child
+        t[pi, USED] = LINKS_ONE
         return False
-    if lk[i, VAL + 1]:
+    if state == LINKS_SET:
         how[j] = 1
         return True
-    if lk[i, VAL] != child:
-        if find(t, lk[i, VAL]) >= 0:
-            cur[j] = lk[i, VAL]
-            lk[i, VAL + 1] = 1
+    old = t[pi, CHILD]
+    if old != child:
+        if find(t, old) >= 0:
+            cur[j] = old
+            t[pi, USED] = LINKS_SET
             how[j] = 2
             return True
-        lk[i, VAL] = child
+        t[pi, CHILD] = child
     return False
 
 
 @njit(cache=True)
-def link_chain(lk: Arr, lm: Arr, t: Arr, parents: Arr, children: Arr, cur: Arr) -> Arr:
-    """Links each ``children[j]`` under ``parents[j]`` in the links' table (``t``: the masks, to see whether a
-    child is alive). Per pair what :func:`_link1` leaves to the caller (0: nothing). O(pairs)."""
+def link_chain(t: Arr, parents: Arr, children: Arr, cur: Arr) -> Arr:
+    """Links each ``children[j]`` under ``parents[j]`` in the parents' rows; a parent nobody holds gets no link (it
+    would outlive the parent: the child is loose anyway). Per pair what :func:`_link1` leaves to the caller (0:
+    nothing). O(pairs)."""
     n = parents.shape[0]
     how = np.zeros(n, np.uint8)
     for j in range(n):
-        _link1(lk, lm, t, parents[j], children[j], how, cur, j)
+        pi = find(t, parents[j])
+        if pi >= 0:
+            _link1(t, pi, children[j], how, cur, j)
     return how
 
 
@@ -403,7 +409,7 @@ def _store_path(t: Arr, pm: Arr, keys: Arr, e: Arr, ehs: Arr, word: int, slot_bi
 
 
 @njit(cache=True)
-def store(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, lk: Arr, lm: Arr, e: Arr, em: Arr, keys: Arr, ehs: Arr,
+def store(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, e: Arr, em: Arr, keys: Arr, ehs: Arr,
           parent: np.uint64, has_parent: bool, word: int, bit: np.uint64, slot_bits: np.uint64, closed: bool,
           newly: Arr, how: Arr, cur: Arr, res: Arr) -> int:
     """A whole ``BlockStored`` of a worker whose engine hashes are in a table (``e``): the parent's link, the case
@@ -415,10 +421,10 @@ def store(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, lk: Arr, lm: Arr, e: Arr, 
     with nothing changed, while a table or the pool lacks room for the store (the caller grows them and calls
     again: checking here keeps that out of every store's Python side). O(blocks)."""
     n = keys.shape[0]
-    if not (_room(t, tm, n) and _room(e, em, n) and _room(lk, lm, n + 1) and _pool_room(pm, ph, pa, n, word)):
+    if not (_room(t, tm, n) and _room(e, em, n) and _pool_room(pm, ph, pa, n, word)):
         return -1
     how[:n] = 0
-    res[4] = _touch(t, keys) + _touch(e, ehs) + _touch(lk, keys)  # (kept from dead-code removal; set again below)
+    res[4] = _touch(t, keys) + _touch(e, ehs)  # (kept from dead-code removal; set again below)
     parent_held = True
     pi = -1
     if has_parent:
@@ -430,7 +436,7 @@ def store(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, lk: Arr, lm: Arr, e: Arr, 
         return 0
     linking = False
     if pi >= 0:  # a link under a block nobody holds would outlive it (the child is loose anyway)
-        linking = _link1(lk, lm, t, parent, keys[0], how, cur, 0)
+        linking = _link1(t, pi, keys[0], how, cur, 0)
     added = 0
     aliases = 0
     high = False
@@ -441,17 +447,22 @@ def store(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, lk: Arr, lm: Arr, e: Arr, 
             high |= (ehs[j] & _HIGH) != 0
     tmp = np.empty(pm.shape[1], np.uint64)
     memo = _memo()
+    # Each block's row, for the links below: a claim never moves another row (only deletions do, and a store
+    # deletes none), so the rows stay where they were found.
+    at = np.empty(n, np.int64)
     if path == 1:  # every row is new: they all get the one mask of ``bit`` alone, interned once
         tmp[:] = 0
         tmp[word] = bit
         mid = _intern(pm, ph, pa, tmp)
-        rows = 0
+        new_rows = 0
         for j in range(n):
             i = claim(t, tm, keys[j])
             if i < 0:  # (a key repeated in the chain finds the row its first time claimed)
-                t[-1 - i, VAL] = mid
-                rows += 1
-        pa[_PREF + int(mid)] += rows - 1
+                i = -1 - i
+                t[i, VAL] = mid
+                new_rows += 1
+            at[j] = i
+        pa[_PREF + int(mid)] += new_rows - 1
         added = n
     else:
         for j in range(n):
@@ -459,6 +470,7 @@ def store(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, lk: Arr, lm: Arr, e: Arr, 
             i = claim(t, tm, keys[j])
             if i < 0:
                 i = -1 - i
+            at[j] = i
             if f < 0:
                 if _has(t, i, pm, word, slot_bits):
                     aliases += 1
@@ -473,7 +485,7 @@ def store(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, lk: Arr, lm: Arr, e: Arr, 
                 newly[j] = 1
                 added += 1
     for j in range(n - 1):
-        if _link1(lk, lm, t, keys[j], keys[j + 1], how, cur, j + 1):
+        if _link1(t, at[j], keys[j + 1], how, cur, j + 1):
             linking = True
     res[1] = added
     res[2] = aliases
@@ -486,7 +498,7 @@ def store(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, lk: Arr, lm: Arr, e: Arr, 
 
 
 @njit(cache=True)
-def remove(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, lk: Arr, lm: Arr, keys: Arr, word: int, bit: np.uint64,
+def remove(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, keys: Arr, word: int, bit: np.uint64,
            slot_bits: np.uint64, e: Arr, em: Arr, ehs: Arr, use_e: bool, n: int, out: Arr, kids: Arr, branched: Arr,
            res: Arr) -> bool:
     """A ``BlockRemoved`` of the worker's ``bit``, with what it does to the closure. Per block, in order,
@@ -506,15 +518,15 @@ def remove(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, lk: Arr, lm: Arr, keys: A
         return False
     tmp = np.empty(pm.shape[1], np.uint64)
     memo = _memo()
-    # The blocks' rows in the three tables, read first with no branch between the reads (_touch): the engine
-    # hashes', then, with the keys they name, the masks' and the links', which the loops below probe.
+    # The blocks' rows in both tables, read first with no branch between the reads (_touch): the engine hashes',
+    # then, with the keys they name, the masks' (with the links), which the loops below probe.
     acc = np.uint64(0)
     if use_e:
         acc += _touch(e, ehs)
         for j in range(n):
             f = find(e, ehs[j])
             keys[j] = e[f, VAL] if f >= 0 else np.uint64(0)
-    acc += _touch(t, keys[:n]) + _touch(lk, keys[:n])
+    acc += _touch(t, keys[:n])
     res[0] = acc  # (kept from dead-code removal; set again below)
     f = -1
     for j in range(n):
@@ -539,27 +551,25 @@ def remove(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, lk: Arr, lm: Arr, keys: A
     for j in range(n):  # children held there, now that every bit of the event is cleared
         if not out[j]:
             continue
-        li = find(lk, keys[j])
-        if li < 0:
+        i = find(t, keys[j])  # (its row is there still, with an empty mask if nobody holds it now)
+        state = t[i, USED]
+        if state == LINKS_NONE:
             continue
-        if lk[li, VAL + 1]:
+        if state == LINKS_SET:
             branched[nb] = keys[j]
             nb += 1
             continue
-        c = find(t, lk[li, VAL])
+        c = find(t, t[i, CHILD])
         if c >= 0 and _has(t, c, pm, word, bit):
-            kids[nk] = lk[li, VAL]
+            kids[nk] = t[i, CHILD]
             nk += 1
     sets = 0
     for j in range(n):  # the blocks nobody holds, with their links, after their children were looked at
         if out[j] == 3:
             i = find(t, keys[j])
             if i >= 0:
+                sets += t[i, USED] == LINKS_SET
                 delete_at(t, tm, i)
-            li = find(lk, keys[j])
-            if li >= 0:
-                sets += lk[li, VAL + 1] != 0
-                delete_at(lk, lm, li)
     held = 0
     dead = 0
     for j in range(n):
@@ -585,8 +595,7 @@ def has_bit(t: Arr, pm: Arr, keys: Arr, word: int, bit: np.uint64) -> Arr:
 
 
 @njit(cache=True)
-def clear_slot(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, lk: Arr, lm: Arr, keys: Arr, word: int,
-               slot_bits: np.uint64) -> Arr:
+def clear_slot(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, keys: Arr, word: int, slot_bits: np.uint64) -> Arr:
     """Takes the slot's bits off each of ``keys``; returns 1 per key nobody holds now (gone from the table, with
     its links). O(keys)."""
     dead = np.zeros(keys.shape[0], np.uint8)
@@ -598,23 +607,8 @@ def clear_slot(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, lk: Arr, lm: Arr, key
             continue
         if _change(t, i, pm, ph, pa, tmp, word, np.uint64(0), ~slot_bits, memo):
             delete_at(t, tm, i)
-            li = find(lk, keys[j])
-            if li >= 0:
-                delete_at(lk, lm, li)
             dead[j] = 1
     return dead
-
-
-@njit(cache=True)
-def drop_links(lk: Arr, lm: Arr, keys: Arr) -> int:
-    """Drops the links of ``keys`` (nobody holds them); returns how many had a set of children. O(keys)."""
-    sets = 0
-    for k in keys:
-        i = find(lk, k)
-        if i >= 0:
-            sets += int(lk[i, VAL + 1])
-            delete_at(lk, lm, i)
-    return sets
 
 
 # --- reference counts (kvtier.indexer.keyrefs) --------------------------------------------------------------
@@ -858,8 +852,7 @@ def del_mask(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, k: np.uint64) -> bool:
 
 def warm(k: Any) -> None:
     """Compiles (or loads from numba's cache) every kernel with the argument types the index passes."""
-    t = np.zeros((8, 3), np.uint64)
-    lk = np.zeros((8, 4), np.uint64)
+    t = np.zeros((8, 4), np.uint64)
     e = np.zeros((8, 3), np.uint64)
     m = np.zeros(1, np.int64)
     pm, ph, pa = np.zeros((8, 1), np.uint64), np.zeros((8, 3), np.uint64), np.zeros(3 + 16, np.int64)
@@ -874,17 +867,16 @@ def warm(k: Any) -> None:
     k.bit_state(t, pm, b, 0, b)
     k.store_new(t, m, pm, ph, pa, one, 0, b)
     k.store_held_elsewhere(t, m, pm, ph, pa, one, 0, b, b, False)
-    k.link_chain(lk, m, t, one, one, np.zeros(1, np.uint64))
-    k.store(t, m, pm, ph, pa, lk, m, e, m, one, one, b, True, 0, b, b, True, np.zeros(1, np.uint8),
+    k.link_chain(t, one, one, np.zeros(1, np.uint64))
+    k.store(t, m, pm, ph, pa, e, m, one, one, b, True, 0, b, b, True, np.zeros(1, np.uint8),
             np.zeros(2, np.uint8), np.zeros(2, np.uint64), np.zeros(5, np.int64))
-    k.remove(t, m, pm, ph, pa, lk, m, one.copy(), 0, b, b, e, m, one, True, 1, np.zeros(1, np.uint8),
+    k.remove(t, m, pm, ph, pa, one.copy(), 0, b, b, e, m, one, True, 1, np.zeros(1, np.uint8),
              np.zeros(1, np.uint64), np.zeros(1, np.uint64), np.zeros(5, np.int64))
     k.has_bit(t, pm, one, 0, b)
     k.ref_add(e, m, one)
     k.held_prefix(e, one)
     k.ref_drop(e, m, one)
-    k.clear_slot(t, m, pm, ph, pa, lk, m, one, 0, b)
-    k.drop_links(lk, m, one)
+    k.clear_slot(t, m, pm, ph, pa, one, 0, b)
     k.runs_by_search(t, one, 4, np.zeros(5, np.int64), np.zeros(5, np.int64))
     k.leading_ids(t, one)
     k.run_levels(pm, np.zeros(1, np.int64), np.zeros(2, np.int64), 1, 1, 1, np.zeros((16, 4), np.int64),

@@ -96,9 +96,9 @@ class TableMasks(BlockMasks):
         if len(self._scratch[0]) < n:
             self._scratch = self._outputs(n)
         newly, how, cur, res = self._scratch
-        lk, p, karr, store = closure.lk, t.pool, t.array(keys), self._k.store
+        p, karr, store = t.pool, t.array(keys), self._k.store
         while True:
-            path = store(t.r, t.m, p.pm, p.ph, p.pa, lk.r, lk.m, e.r, e.m, karr, ehs, np.uint64(parent or 0),
+            path = store(t.r, t.m, p.pm, p.ph, p.pa, e.r, e.m, karr, ehs, np.uint64(parent or 0),
                          parent is not None, word, bit, slot_bits, not closure.loose, newly, how, cur, res)
             if path >= 0:
                 break
@@ -138,7 +138,6 @@ class TableMasks(BlockMasks):
         t.widen(w.slot + 1)
         t.reserve(n)
         e.reserve(n)
-        self._c.lk.reserve(n + 1)
         t.pool.reserve(n)
 
     def _insert_named_in_dict(self, w: WorkerState, py: dict[EngineHash, BlockKey], block_hashes: list[EngineHash],
@@ -195,18 +194,17 @@ class TableMasks(BlockMasks):
         if len(self._removal[0]) < n:
             self._removal = self._removal_outputs(n)
         out, kids, branched, karr, res = self._removal
-        lk = closure.lk
         if ehs is not None:
-            while not k.remove(t.r, t.m, p.pm, p.ph, p.pa, lk.r, lk.m, karr, word, bit, slot_bits, e.r, e.m, ehs, True,
-                               n, out, kids, branched, res):
+            while not k.remove(t.r, t.m, p.pm, p.ph, p.pa, karr, word, bit, slot_bits, e.r, e.m, ehs, True, n, out,
+                               kids, branched, res):
                 self._pool_room(w, n)  # then again, with the grown arrays
         else:
             py = e.demote()
             named = list(map(py.get, block_hashes))
             out[:n] = [x is not None for x in named]
             karr[:n] = [x or 0 for x in named]
-            while not k.remove(t.r, t.m, p.pm, p.ph, p.pa, lk.r, lk.m, karr, word, bit, slot_bits, _NONE_E, _NONE_M,
-                               _NONE, False, n, out, kids, branched, res):
+            while not k.remove(t.r, t.m, p.pm, p.ph, p.pa, karr, word, bit, slot_bits, _NONE_E, _NONE_M, _NONE, False,
+                               n, out, kids, branched, res):
                 self._pool_room(w, n)
             for eh, s in zip(block_hashes, out[:n].tolist(), strict=True):
                 if s >= 2:
@@ -242,7 +240,7 @@ class TableMasks(BlockMasks):
         word, _, slot_bits = _bits(w.slot, 0)
         p = t.pool
         p.reserve(len(karr))
-        dead = self._k.clear_slot(t.r, t.m, p.pm, p.ph, p.pa, closure.lk.r, closure.lk.m, karr, word, slot_bits)
+        dead = self._k.clear_slot(t.r, t.m, p.pm, p.ph, p.pa, karr, word, slot_bits)
         closure.unbranch(karr[dead == 1].tolist())
         if self._win:
             self._win.drop_slot(w.slot, karr.tolist())

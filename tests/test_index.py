@@ -188,7 +188,7 @@ def test_snapshot_round_trip_and_bad_snapshot() -> None:
 
 
 def test_a_parent_whose_children_branch_takes_their_set_with_it_when_nobody_holds_it() -> None:
-    """Two chains branch under one block: its children are a set kept beside the links' table. Removing every
+    """Two chains branch under one block: its children are a set kept beside the table. Removing every
     block drops that set with the parent's row; a set kept for a dead parent would be a leak _check reports."""
     idx = TieredIndex(4)
     idx.apply(A, stored([1, 2], None, TOKS[:8]))
@@ -198,6 +198,19 @@ def test_a_parent_whose_children_branch_takes_their_set_with_it_when_nobody_hold
     idx.apply(A, BlockRemoved(block_hashes=[3, 2, 1], medium="GPU"))
     idx._check()
     assert len(idx) == 0
+
+
+def test_a_block_dropped_by_an_engine_hash_reused_for_other_content_leaves_its_child_loose() -> None:
+    """The engine names other content with the hash of A's first block: that block goes (nobody holds it), so its
+    child, still held, is held without its parent. The compiled table keeps a block's links in its row, so the
+    block-by-block path must look at the children before the row goes, or the child is never marked loose and
+    queries would binary-search past the hole."""
+    idx = TieredIndex(4)
+    idx.apply(A, stored([1, 2], None, TOKS[:8]))
+    idx.apply(A, stored([1], None, list(range(900, 904))))  # hash 1, other content, under the root
+    child = block_keys(TOKS[:8], 4)[1]
+    assert not idx._closure.closed and child in idx._closure.loose[(0, int(StorageTier.DEVICE))]
+    idx._check()
 
 
 def test_a_chain_stored_across_another_workers_branch_is_linked_so_a_hole_in_it_is_seen() -> None:
