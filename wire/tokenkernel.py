@@ -50,7 +50,7 @@ def encode(tokens: npt.NDArray[np.uint32]) -> npt.NDArray[np.uint8]:
         p = 5
     for i in range(n):
         t = np.uint64(tokens[i])
-        c = np.int64(t >= 128) + np.int64(t >= 256) + 2 * np.int64(t >= 65536)
+        c = int(t >= 128) + int(t >= 256) + 2 * int(t >= 65536)
         be = _bswap32((t << _ENC_SHIFT[c]) & _LOW32)  # in memory: the payload's bytes, big-endian, first
         store64(out, p, _ENC_PREFIX[c] | (be << _ENC_AFTER[c]))
         # The bytes written are c + 1 in every class (1, 2, 3, 5): the next position is an add away from this
