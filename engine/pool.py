@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import deque
+from itertools import repeat
 from typing import NewType
 
 PageId = NewType("PageId", int)
@@ -16,15 +18,20 @@ class PagePool:
 
     Invariant: every id is either free or allocated, never both. Allocation
     takes the lowest-numbered free pages last freed first (a stack), O(n).
+    Which pages are allocated is a byte per page, not a set of them: a host pool holds hundreds of
+    thousands of pages, and a set of their ids cost some 30 bytes each.
     """
+
+    __slots__ = ("_free", "_n_used", "_used", "capacity", "name")
 
     def __init__(self, name: str, capacity: int) -> None:
         if capacity < 0:
             raise ValueError(f"{name} pool capacity must be >= 0, got {capacity}")
         self.name = name
         self.capacity = capacity
-        self._free: list[PageId] = [PageId(i) for i in range(capacity - 1, -1, -1)]
-        self._used: set[PageId] = set()
+        self._free: list[PageId] = [PageId(i) for i in range(capacity - 1, -1, -1)]  # a stack: the top goes first
+        self._used = bytearray(capacity)  # 1 where the page is allocated
+        self._n_used = 0  # pages allocated
 
     @property
     def free(self) -> int:
@@ -32,10 +39,10 @@ class PagePool:
 
     @property
     def used(self) -> int:
-        return len(self._used)
+        return self._n_used
 
     def alloc(self, n: int) -> list[PageId]:
-        """``n`` pages, or :class:`PoolExhausted` (nothing is taken then). O(n)."""
+        """``n`` pages, or :class:`PoolExhausted` (nothing is taken then). O(n), in C."""
         if n > len(self._free):
             raise PoolExhausted(f"{self.name} pool: {n} pages wanted, {len(self._free)} free")
         if n <= 0:
@@ -44,27 +51,34 @@ class PagePool:
         pages = free[-n:]
         pages.reverse()  # the order n pops from the end would give
         del free[-n:]
-        self._used.update(pages)
+        deque(map(self._used.__setitem__, pages, repeat(1)), maxlen=0)
+        self._n_used += n
         return pages
 
     def release(self, pages: list[PageId]) -> None:
         """Returns pages to the pool. O(n), in C. Asserts that each was allocated, once."""
         used = self._used
-        if not used.issuperset(pages):
-            stray = [p for p in pages if p not in used]
+        try:
+            # (a negative id would index from the end, and an id past the end raises)
+            allocated = all(map(used.__getitem__, pages)) and (not pages or min(pages) >= 0)
+        except IndexError:
+            allocated = False
+        if not allocated:
+            stray = [p for p in pages if not 0 <= p < self.capacity or not used[p]]
             raise AssertionError(f"{self.name} pool: pages {stray} released but not allocated")
-        before = len(used)
-        used.difference_update(pages)
-        if len(used) != before - len(pages):
-            used.update(pages)  # every one was allocated: the pool is as it was
+        if len(set(pages)) != len(pages):  # the pool is as it was
             twice = sorted({p for p in pages if pages.count(p) > 1})
             raise AssertionError(f"{self.name} pool: pages {twice} released twice at once")
+        deque(map(used.__setitem__, pages, repeat(0)), maxlen=0)
+        self._n_used -= len(pages)
         self._free.extend(pages)
 
     def reset(self) -> None:
         self._free = [PageId(i) for i in range(self.capacity - 1, -1, -1)]
-        self._used.clear()
+        self._used = bytearray(self.capacity)
+        self._n_used = 0
 
     def _check(self) -> None:
-        assert len(self._free) + len(self._used) == self.capacity, f"{self.name} pool: pages lost"
-        assert not self._used & set(self._free), f"{self.name} pool: page both free and used"
+        assert len(self._free) + self._n_used == self.capacity, f"{self.name} pool: pages lost"
+        assert self._used.count(1) == self._n_used, f"{self.name} pool: allocated pages miscounted"
+        assert not any(map(self._used.__getitem__, self._free)), f"{self.name} pool: page both free and used"

@@ -55,3 +55,16 @@ def test_a_bad_release_says_which_pages_and_changes_nothing() -> None:
     assert (pool.free, pool.used) == (5, 3)
     pool.release(a)
     assert pool.free == 8 and pool.alloc(0) == []
+
+
+def test_ids_outside_the_pool_are_never_taken_as_allocated() -> None:
+    """Which pages are allocated is a byte per page: a negative id must not read another page's byte from the end,
+    nor an id past the end fail with anything but the pool's own message."""
+    pool = PagePool("device", 4)
+    pages = pool.alloc(4)
+    for bad in (PageId(-1), PageId(4)):
+        with pytest.raises(AssertionError, match=rf"device pool: pages \[{bad}\] released but not allocated"):
+            pool.release([pages[0], bad])
+    pool._check()
+    pool.release(pages)
+    assert (pool.free, pool.used) == (4, 0)
