@@ -99,20 +99,14 @@ class LoadTracker:
         Block keys are chained (each names its whole prefix), and every in-flight request holds all of
         its prompt's leading blocks, so the held keys of a request form a prefix of it: a binary search
         finds its end. O(log blocks)."""
-        w = self._workers.get(worker)
-        if w is None:
-            return _IDLE, 0
-        refs = w.refs
-        if isinstance(refs, KeyRefs):
-            if not len(keys) or (arr := key_array(keys)) is None:  # (keys it cannot hold are never counted)
-                return w.load, 0
-            return w.load, refs.held_prefix(arr, int(keys[0]))  # type: ignore[call-overload]
-        return w.load, self._held_in_dict(refs, keys)
+        loads, shared = self.loads_and_shared((worker,), keys)
+        return loads[0], shared[0]
 
     def loads_and_shared(self, workers: Sequence[StreamId],
                          keys: Sequence[Hashable]) -> tuple[list[WorkerLoad], list[int]]:
         """:meth:`load_and_shared` of each of ``workers``, the keys converted once for all of them (routing asks
-        every candidate on every request). O(workers * log blocks)."""
+        every candidate on every request). Keys the compiled counts cannot hold are never counted there.
+        O(workers * log blocks)."""
         found = list(map(self._workers.get, workers))
         loads = [_IDLE if w is None else w.load for w in found]
         if not len(keys):
