@@ -16,6 +16,9 @@ from numba import njit
 # Every operand is uint64: numba, like numpy, widens uint64 mixed with a signed int to float64.
 _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+#: The vocabulary TokenBank passes, a compile-time constant in the loop below: LLVM turns a modulo by a constant
+#: into multiplies, where a modulo by an argument is a 64-bit division per token (2.5 -> 2.0 ns a token).
+_VOCAB = np.uint64(128_000)
 
 
 @njit(inline="always")
@@ -32,6 +35,13 @@ def blocks(ids: npt.NDArray[np.uint64], seed_key: np.uint64, positions: npt.NDAr
     ``mix(mix(id ^ seed_key) + position) % vocab``, as ``TokenBank._blocks`` computes them. O(tokens)."""
     m = positions.size
     out = np.empty(ids.size * m, np.uint32)
+    if vocab == _VOCAB:  # the same values as the general loop below
+        for i in range(ids.size):
+            key = _mix(ids[i] ^ seed_key)
+            base = i * m
+            for j in range(m):
+                out[base + j] = _mix(key + positions[j]) % _VOCAB
+        return out
     for i in range(ids.size):
         key = _mix(ids[i] ^ seed_key)
         base = i * m

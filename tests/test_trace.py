@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvtier.sim import trace as trace_module
@@ -129,6 +130,20 @@ def test_compiled_token_derivation_agrees_with_the_numpy_path() -> None:
         assert (bank._blocks(ids) == compiled).all()
     finally:
         trace_module._KERNELS.module = kernels
+
+
+def test_compiled_derivation_of_another_vocabulary_takes_the_general_loop() -> None:
+    # The kernel reduces by TokenBank's vocabulary as a constant; any other goes through the same mix, by division.
+    kernels = trace_module._KERNELS.get()
+    if kernels is None:
+        pytest.skip(f"compiled path not loaded: {trace_module._KERNELS.backend}")
+    assert int(kernels._VOCAB) == VOCAB
+    ids = np.array([0, 7, 2**64 - 1, *range(100, 5_000, 389)], np.uint64)
+    key = TokenBank(seed=3)._seed_key[0]
+    for vocab in (VOCAB, 50_000, 3):
+        want = (trace_module._mix(trace_module._mix(ids ^ key)[:, None] + trace_module._POSITIONS[None, :])
+                % np.uint64(vocab)).ravel()
+        assert (kernels.blocks(ids, key, trace_module._POSITIONS, np.uint64(vocab)) == want).all(), vocab
 
 
 def test_packed_prompts_agree_on_both_paths_through_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
