@@ -54,7 +54,7 @@ U64 = npt.NDArray[np.uint64]
 
 class RowTable:
     """One open-addressing table (:mod:`kvtier.indexer.tablekernel`): ``r`` its rows (key, used flag, ``width``
-    values), ``m[0]`` its entries. The load stays at most 3/4."""
+    values), ``m[0]`` its entries (``m[1]`` a sink). The load stays at most 3/4."""
 
     __slots__ = ("k", "m", "r")
 
@@ -62,7 +62,9 @@ class RowTable:
         self.k: Any = KERNELS.get()  # the kernel module (callers checked that it loads)
         assert self.k is not None, "compiled tables built without numba"
         self.r = np.zeros((cap, VAL + width), np.uint64)  # rows
-        self.m = np.zeros(1, np.int64)  # [entries]
+        # [entries, a sink for reads that only warm the cache (tablekernel._touch): a value stored where the caller
+        # can see it keeps the compiler from dropping them; never read]
+        self.m = np.zeros(2, np.int64)
 
     def __len__(self) -> int:
         return int(self.m[0])

@@ -371,41 +371,61 @@ def link_chain(t: Arr, parents: Arr, children: Arr, cur: Arr) -> Arr:
 
 
 @njit(cache=True)
-def _store_path(t: Arr, pm: Arr, keys: Arr, e: Arr, ehs: Arr, word: int, slot_bits: np.uint64, bulk: bool) -> int:
+def _store_path(t: Arr, pm: Arr, keys: Arr, e: Arr, ehs: Arr, at: Arr, fe: Arr, word: int, slot_bits: np.uint64,
+                bulk: bool) -> int:
     """Which case a store is, changing nothing: 1 new blocks under new engine hashes; 2 blocks the worker names
     already under the same engine hashes (a backup, load-back, prefetch); 3 blocks new to the worker under engine
     hashes new to it, some held by others (2 and 3 only when ``bulk``: the parent is held and every tier is
-    prefix-closed); 4 any other store whose engine hashes are distinct and name no other block; 0 the rest."""
+    prefix-closed); 4 any other store whose engine hashes are distinct and name no other block; 0 the rest.
+    ``at[j]`` and ``fe[j]`` are block ``j``'s probes (:func:`_probe`) of the masks' and engine hashes' tables."""
     if not _distinct(ehs):
         return 0
     n = keys.shape[0]
     found = 0
     same = 0
+    absent = True
     for j in range(n):
-        i = find(e, ehs[j])
+        i = fe[j]
         if i >= 0:
             found += 1
             if e[i, VAL] == keys[j]:
                 same += 1
+        if at[j] >= 0:
+            absent = False
     if found != same:
         return 0  # an engine hash names another block
-    absent = True
-    for k in keys:
-        if find(t, k) >= 0:
-            absent = False
-            break
     if absent and not found:
         return 1
     if bulk and _distinct(keys):
         if same == n:
             return 2
         if not found:
-            for k in keys:
-                i = find(t, k)
+            for j in range(n):
+                i = at[j]
                 if i >= 0 and _has(t, i, pm, word, slot_bits):
                     return 4
             return 3
     return 4
+
+
+@njit(cache=True, inline="always")
+def _claim_at(r: Arr, m: Arr, k: np.uint64, probe: int) -> int:
+    """:func:`claim` of ``k`` whose :func:`_probe` was ``probe``, with only claims since (they move no row, and
+    the rows the probe passed stay used): a row found is still ``k``'s, and a free row found is where the search
+    goes on from. O(1) expected."""
+    if probe >= 0:
+        return probe
+    mask = r.shape[0] - 1
+    i = -1 - probe
+    while r[i, USED]:
+        if r[i, KEY] == k:  # (claimed since, for a key repeated in the chain)
+            return i
+        i = (i + 1) & mask
+    r[i, KEY] = k
+    r[i, USED] = 1
+    r[i, VAL:] = 0
+    m[0] += 1
+    return -1 - i
 
 
 @njit(cache=True)
@@ -424,14 +444,22 @@ def store(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, e: Arr, em: Arr, keys: Arr
     if not (_room(t, tm, n) and _room(e, em, n) and _pool_room(pm, ph, pa, n, word)):
         return -1
     how[:n] = 0
-    res[4] = _touch(t, keys) + _touch(e, ehs)  # (kept from dead-code removal; set again below)
+    # Each block's rows, probed once, after reads that overlap their cache misses (_touch). Only claims change the
+    # tables below, so a row found stays its key's and a free one is where a claim's search goes on (_claim_at).
+    acc = _touch(t, keys) + _touch(e, ehs)
+    at = np.empty(n, np.int64)
+    fe = np.empty(n, np.int64)
+    for j in range(n):
+        at[j] = _probe(t, keys[j])
+        fe[j] = _probe(e, ehs[j])
+    res[4] = acc  # (kept from dead-code removal; set again below)
     parent_held = True
     pi = -1
     if has_parent:
         pi = find(t, parent)
         parent_held = pi >= 0 and _has(t, pi, pm, word, bit)
     res[0] = 1 if parent_held else 0
-    path = _store_path(t, pm, keys, e, ehs, word, slot_bits, parent_held and closed)
+    path = _store_path(t, pm, keys, e, ehs, at, fe, word, slot_bits, parent_held and closed)
     if path == 0:
         return 0
     linking = False
@@ -442,21 +470,19 @@ def store(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, e: Arr, em: Arr, keys: Arr
     high = False
     if path == 1 or path == 3:
         for j in range(n):
-            c = claim(e, em, ehs[j])
+            c = _claim_at(e, em, ehs[j], fe[j])
             e[-1 - c, VAL] = keys[j]
             high |= (ehs[j] & _HIGH) != 0
     tmp = np.empty(pm.shape[1], np.uint64)
     memo = _memo()
-    # Each block's row, for the links below: a claim never moves another row (only deletions do, and a store
-    # deletes none), so the rows stay where they were found.
-    at = np.empty(n, np.int64)
+    # ``at`` becomes each block's row, for the links below (a claim never moves another row).
     if path == 1:  # every row is new: they all get the one mask of ``bit`` alone, interned once
         tmp[:] = 0
         tmp[word] = bit
         mid = _intern(pm, ph, pa, tmp)
         new_rows = 0
         for j in range(n):
-            i = claim(t, tm, keys[j])
+            i = _claim_at(t, tm, keys[j], at[j])
             if i < 0:  # (a key repeated in the chain finds the row its first time claimed)
                 i = -1 - i
                 t[i, VAL] = mid
@@ -466,8 +492,8 @@ def store(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, e: Arr, em: Arr, keys: Arr
         added = n
     else:
         for j in range(n):
-            f = find(e, ehs[j]) if path == 4 else 0
-            i = claim(t, tm, keys[j])
+            f = fe[j] if path == 4 else 0  # (2: every engine hash was found; 3: each claimed above)
+            i = _claim_at(t, tm, keys[j], at[j])
             if i < 0:
                 i = -1 - i
             at[j] = i
@@ -475,7 +501,7 @@ def store(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, e: Arr, em: Arr, keys: Arr
                 if _has(t, i, pm, word, slot_bits):
                     aliases += 1
                 else:
-                    c = claim(e, em, ehs[j])
+                    c = _claim_at(e, em, ehs[j], f)
                     e[-1 - c, VAL] = keys[j]
                     high |= (ehs[j] & _HIGH) != 0
             if _has(t, i, pm, word, bit):
@@ -528,17 +554,20 @@ def remove(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, keys: Arr, word: int, bit
             keys[j] = e[f, VAL] if f >= 0 else np.uint64(0)
     acc += _touch(t, keys[:n])
     res[0] = acc  # (kept from dead-code removal; set again below)
+    # The masks' rows, probed once: nothing is deleted from that table before the last loop.
+    ti = np.empty(n, np.int64)
+    for j in range(n):
+        ti[j] = find(t, keys[j])
     f = -1
     for j in range(n):
         if use_e:
-            f = find(e, ehs[j])
+            f = find(e, ehs[j])  # (again: a deletion below may move a later block's row)
             if f < 0:
                 out[j] = 0
                 continue
-            keys[j] = e[f, VAL]
         elif not out[j]:
             continue
-        i = find(t, keys[j])
+        i = ti[j]
         if i < 0 or not _has(t, i, pm, word, bit):
             out[j] = 0
             continue
@@ -551,7 +580,7 @@ def remove(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, keys: Arr, word: int, bit
     for j in range(n):  # children held there, now that every bit of the event is cleared
         if not out[j]:
             continue
-        i = find(t, keys[j])  # (its row is there still, with an empty mask if nobody holds it now)
+        i = ti[j]  # (its row is there still, with an empty mask if nobody holds it now)
         state = t[i, USED]
         if state == LINKS_NONE:
             continue
@@ -622,6 +651,7 @@ def ref_add(r: Arr, m: Arr, keys: Arr) -> int:
     nothing changed, while the table lacks room for them all. O(keys)."""
     if not _room(r, m, keys.shape[0]):
         return -1
+    m[1] = np.int64(_touch(r, keys))  # the keys' rows are mostly not cached: their misses overlap here
     new = 0
     for k in keys:
         i = claim(r, m, k)
@@ -637,6 +667,7 @@ def ref_add(r: Arr, m: Arr, keys: Arr) -> int:
 def ref_drop(r: Arr, m: Arr, keys: Arr) -> int:
     """Each key's count down by one, in order (a key at one goes); returns how many went, or ``-1 - j`` where
     ``keys[j]`` is absent (the counts of the keys before it moved). O(keys)."""
+    m[1] = np.int64(_touch(r, keys))  # as in ref_add
     gone = 0
     for j in range(keys.shape[0]):
         i = find(r, keys[j])

@@ -3,6 +3,7 @@ shift, wide masks, and the engine-hash table's signedness and its move to a dict
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -146,3 +147,50 @@ def test_deleting_from_crowded_probe_runs_keeps_every_other_key_found() -> None:
     assert [k for k in left if t.get(k) != 1] == []  # type: ignore[arg-type]
     assert all(keys[i] not in t for i in range(0, len(keys), 3))
     _check_table(t)
+
+
+def _same_home(t: KeyTable | EngineHashes, count: int, start: int) -> list[int]:
+    """``count`` keys from ``start`` up that share one home row of ``t``."""
+    mask = t.r.shape[0] - 1
+    by_home: dict[int, list[int]] = {}
+    k = start
+    while True:
+        got = by_home.setdefault(int(t.k._home(np.uint64(k), mask)), [])
+        got.append(k)
+        if len(got) == count:
+            return got
+        k += 1
+
+
+@pytest.mark.parametrize("held_before", [False, True])
+def test_a_store_whose_new_keys_share_a_probe_run_claims_each_its_own_row(held_before: bool) -> None:
+    """The store kernel probes every block once, then claims from where each probe stopped: keys of one event that
+    stopped at the same free row must still land in distinct rows, as must their engine hashes, and a key repeated
+    in the chain must find the row its first claim took."""
+    t, e = KeyTable(), EngineHashes()
+    t.widen(2)
+    t.pool.reserve(64)
+    keys = _same_home(t, 4, 1 << 40)
+    ehs = _same_home(e, 5, 7)
+    t[keys[0] + 1] = 1  # type: ignore[index]  # (somebody else's key, so that runs pass used rows)
+    if held_before:  # case 4: the first key is held by another worker's slot already
+        t[keys[0]] = 1 << 4  # type: ignore[index]
+    chain = [keys[0], keys[1], keys[2], keys[1], keys[3]]
+    n = len(chain)
+    newly, how = np.empty(n, np.uint8), np.empty(n, np.uint8)
+    cur, res = np.empty(n, np.uint64), np.empty(5, np.int64)
+    p = t.pool
+    path = t.k.store(t.r, t.m, p.pm, p.ph, p.pa, e.r, e.m, np.array(chain, np.uint64), np.array(ehs, np.uint64),
+                     np.uint64(0), False, 0, np.uint64(1), np.uint64(0xF), True, newly, how, cur, res)
+    assert path == (4 if held_before else 1)
+    _check_table(t)
+    _check_table(e)
+    rows = {k: t.slot(k) for k in keys}
+    assert len(set(rows.values())) == len(keys) and min(rows.values()) >= 0
+    assert [t[k] & 1 for k in keys] == [1, 1, 1, 1]  # type: ignore[index]
+    assert (t[keys[0]] >> 4) & 1 == held_before  # type: ignore[index]
+    # Case 4 names the repeated key once: its second engine hash is an alias. Case 1 takes every name.
+    named = [h for j, h in enumerate(ehs) if not (held_before and j == 3)]
+    assert {h: e[h] for h in named} == {h: k for h, k in zip(ehs, chain, strict=True) if h in named}  # type: ignore[index]
+    assert len(e) == len(named) and res[2] == (1 if held_before else 0)
+    assert len(t) == len(keys) + 1
