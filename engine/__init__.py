@@ -1,6 +1,7 @@
 """Producer side of kvtier: a tiered KV cache engine that publishes real wire-format events."""
 
-from kvtier.engine.cache import Admission, CacheConfig, PrefetchPolicy, PrefillPlan, TieredCache, WritePolicy
+from kvtier.engine.admission import Admission, PrefillPlan
+from kvtier.engine.cache import CacheConfig, PrefetchPolicy, TieredCache, WritePolicy
 from kvtier.engine.datapath import Bandwidths, CopyKind, CopyOp, DataPath, ModeledDataPath, TorchDataPath
 from kvtier.engine.dump import NodeRun, Snapshot, dump_batches
 from kvtier.engine.hashing import PageDigests, chain, event_hash, page_digest

@@ -1,14 +1,15 @@
 """Making room in an engine's page pools: least recently used nodes go first, leaves before their parents.
 
 Device pages go from unlocked device leaves (a node with a host copy keeps it; under ``write_back`` one without
-is backed up first, see :meth:`kvtier.engine.cache.TieredCache._write_back`); host pages from host-only leaves
+is backed up first, see :meth:`kvtier.engine.copies.Copies.write_back`); host pages from host-only leaves
 whose L3 write is not in flight; window-KV pages (SWA) are tombstoned: the node keeps its full-attention KV, so
 only a window-KV removal is published (nothing, as in SGLang, without window events). Each eviction queues its
 removal events at once, ahead of any event about the pages' next use.
 
 The candidates sit in one lazy heap per pool, ordered by last access: an entry may be stale (checked when it is
 popped), and when a heap runs dry the tree is rescanned once, so a node that became evictable without being pushed
-is still found.
+is still found. Locks live here too: a node is never a candidate while a request holds it, and becomes one again
+when its last lock goes.
 """
 
 from __future__ import annotations
@@ -51,6 +52,25 @@ class Evictor:
         """``n`` may be a host candidate now. O(log heap)."""
         if n is not self._tree.root and n.host is not None:
             heapq.heappush(self._host_heap, (n.last_access, n.node_id, n))
+
+    def lock(self, node: Node) -> None:
+        """A request holds ``node`` and its ancestors: none of them is evicted until :meth:`unlock`. O(depth)."""
+        n: Node | None = node
+        while n is not None and n is not self._tree.root:
+            n.lock_ref += 1
+            n = n.parent
+
+    def unlock(self, node: Node) -> None:
+        """Undoes one :meth:`lock` of ``node``; a node whose last lock goes is a candidate again. O(depth)."""
+        n: Node | None = node
+        while n is not None and n is not self._tree.root:
+            assert n.lock_ref > 0, f"unlocking node {n.node_id} that is not locked"
+            n.lock_ref -= 1
+            if n.lock_ref == 0:
+                self.push_dev(n)
+                self.push_host(n)
+                self.push_swa(n)
+            n = n.parent
 
     def _device_evictable(self, n: Node) -> bool:
         return (n.device is not None and n.lock_ref == 0 and n.host_pending is None and not n.evict_after_backup
