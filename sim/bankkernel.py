@@ -28,23 +28,25 @@ def _mix(x: np.uint64) -> np.uint64:
     return x ^ (x >> _S31)
 
 
-@njit(cache=True)
-def blocks(ids: npt.NDArray[np.uint64], seed_key: np.uint64, positions: npt.NDArray[np.uint64],
-           vocab: np.uint64) -> npt.NDArray[np.uint32]:
-    """The token ids of each hash id in ``ids``, one block of ``positions.size`` after another:
-    ``mix(mix(id ^ seed_key) + position) % vocab``, as ``TokenBank._blocks`` computes them. O(tokens)."""
+@njit(inline="always")
+def _fill(out: npt.NDArray[np.uint32], ids: npt.NDArray[np.uint64], seed_key: np.uint64,
+          positions: npt.NDArray[np.uint64], vocab: np.uint64) -> None:
     m = positions.size
-    out = np.empty(ids.size * m, np.uint32)
-    if vocab == _VOCAB:  # the same values as the general loop below
-        for i in range(ids.size):
-            key = _mix(ids[i] ^ seed_key)
-            base = i * m
-            for j in range(m):
-                out[base + j] = _mix(key + positions[j]) % _VOCAB
-        return out
     for i in range(ids.size):
         key = _mix(ids[i] ^ seed_key)
         base = i * m
         for j in range(m):
             out[base + j] = _mix(key + positions[j]) % vocab
+
+
+@njit(cache=True)
+def blocks(ids: npt.NDArray[np.uint64], seed_key: np.uint64, positions: npt.NDArray[np.uint64],
+           vocab: np.uint64) -> npt.NDArray[np.uint32]:
+    """The token ids of each hash id in ``ids``, one block of ``positions.size`` after another:
+    ``mix(mix(id ^ seed_key) + position) % vocab``, as ``TokenBank._blocks`` computes them. O(tokens)."""
+    out = np.empty(ids.size * positions.size, np.uint32)
+    if vocab == _VOCAB:  # inlined with the constant: the same values as the general call below
+        _fill(out, ids, seed_key, positions, _VOCAB)
+    else:
+        _fill(out, ids, seed_key, positions, vocab)
     return out
