@@ -25,7 +25,7 @@ from kvtier.engine.radix import Node, RadixTree
 from kvtier.engine.storage import PageStore
 from kvtier.wire.protocol import PackedTokens, StorageTier
 
-log = logging.getLogger("kvtier.engine.cache")  # (where these lines were logged before the split)
+log = logging.getLogger(__name__)
 
 
 class Prefetcher:
