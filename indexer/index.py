@@ -30,22 +30,20 @@ Invariants (asserted by :meth:`TieredIndex._check`):
 Pieces kept apart: the mask layout (:mod:`kvtier.indexer.masklayout`), the per-worker state
 (:mod:`kvtier.indexer.workerstate`), the masks and what events change in them (:mod:`kvtier.indexer.blockmasks`),
 window KV of sliding-window models (:mod:`kvtier.indexer.windowkv`), and reading a query's depths off the masks
-(:mod:`kvtier.indexer.levels`). This module validates events, resolves parents, holds orphans, and answers
-queries.
+(:mod:`kvtier.indexer.levels`), and applying events: validation, parents, orphans (:mod:`kvtier.indexer.applier`).
+This module owns the workers' slots, and answers queries.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
-from itertools import groupby
-from operator import itemgetter
 
 import msgspec
 
+from kvtier.indexer.applier import EventApplier
 from kvtier.indexer.blockmasks import BlockMasks
 from kvtier.indexer.closure import MaskMap
-from kvtier.indexer.keys import BlockKey, block_keys, chain_keys, namespace, split_extra_keys
+from kvtier.indexer.keys import BlockKey, block_keys
 from kvtier.indexer.keytable import KERNELS, EngineHashes, KeyTable
 from kvtier.indexer.levels import DepthFinder, TableDepthFinder
 from kvtier.indexer.masklayout import SLOT_MASK, TIERS
@@ -57,22 +55,14 @@ from kvtier.indexer.workerstate import Outcome, WorkerState, WorkerStats
 from kvtier.wire.overlap import OverlapScores, TierOverlap
 from kvtier.wire.protocol import (
     AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
     EngineHash,
     Event,
     EventBatch,
     PackedTokens,
     StorageTier,
-    UnknownMediumError,
     WorkerId,
-    is_window_event,
-    parse_medium,
 )
-from kvtier.wire.ratelog import suffix, worth_logging
 from kvtier.wire.stream import StreamId
-
-log = logging.getLogger(__name__)
 
 __all__ = ["Outcome", "TieredIndex", "WorkerStats"]
 
@@ -118,6 +108,7 @@ class TieredIndex:
             self._depths = DepthFinder(self._masks, self._slot_stream)
             self._blocks = BlockMasks(self._masks, self._win)
         self._closure = self._blocks.closure  # whether queries may binary-search (kvtier.indexer.closure)
+        self._events = EventApplier(block_size, self._blocks, self._win)  # validates and applies events
 
     # --- workers -------------------------------------------------------------------------
 
@@ -249,122 +240,17 @@ class TieredIndex:
         Never raises for bad input: it is counted, logged with the worker id and
         reported as ``REJECTED``; a store whose parent is unknown is held as an orphan
         (``ORPHANED``, see :mod:`kvtier.indexer.orphans`). Either way the next event of the
-        batch applies as usual, and other workers' state is never touched.
+        batch applies as usual, and other workers' state is never touched (:mod:`kvtier.indexer.applier`).
         """
         w = self._worker(stream)
-        try:
-            if isinstance(event, BlockStored | BlockRemoved) and event.kv_cache_spec_kind is not None:
-                outcome = self._window_event(w, event)
-            elif isinstance(event, BlockStored):
-                outcome = self._store(w, event)
-            elif isinstance(event, BlockRemoved):
-                outcome = self._remove(w, event)
-            elif isinstance(event, AllBlocksCleared):
-                self.clear_worker(stream)
-                outcome = Outcome.APPLIED
-            else:
-                outcome = self._reject(w, f"unknown event type {type(event).__name__}")
-        except (ValueError, TypeError, UnknownMediumError) as exc:
-            outcome = self._reject(w, str(exc))
+        if isinstance(event, AllBlocksCleared):
+            self.clear_worker(stream)
+            outcome = Outcome.APPLIED
+        else:
+            outcome = self._events.apply(w, event)
         if outcome is Outcome.APPLIED:
             w.stats.events_applied += 1
         return outcome
-
-    def _reject(self, w: WorkerState, reason: str, outcome: Outcome = Outcome.REJECTED) -> Outcome:
-        w.stats.events_rejected += 1
-        w.stats.last_error = reason
-        n = w.stats.events_rejected
-        # Every rejection is counted; the log gets the first few and then one in a thousand, so a
-        # flood of bad input cannot drown the log.
-        if worth_logging(n):
-            log.warning("worker %s: event rejected: %s%s", w.stream, reason, suffix(n))
-        return outcome
-
-    def _store(self, w: WorkerState, ev: BlockStored) -> Outcome:
-        tier = parse_medium(ev.medium)
-        n = len(ev.block_hashes)
-        bs = ev.block_size
-        if bs != self.block_size:
-            return self._reject(w, f"block_size {bs} differs from the index's {self.block_size}")
-        if n == 0:
-            return self._reject(w, "BlockStored with no block hashes")
-        tokens = ev.num_tokens
-        if tokens != n * bs:
-            got = f"{tokens} token ids" if tokens >= 0 else f"{len(ev.token_ids)} bytes of packed tokens"
-            return self._reject(w, f"{got} for {n} blocks of {bs}")
-        salt, extras = ev.cache_salt, None
-        if ev.extra_keys is not None:
-            if len(ev.extra_keys) != n:
-                return self._reject(w, f"{len(ev.extra_keys)} extra_keys entries for {n} blocks")
-            vllm_salt, extras = split_extra_keys(ev.extra_keys, ev.lora_name)
-            salt = salt or vllm_salt
-        if ev.parent_block_hash is None:
-            parent = None
-            ns = namespace(ev.lora_name, salt)
-        else:
-            parent = w.hashes.get(ev.parent_block_hash)
-            if parent is None and w.ghosts:
-                parent = w.ghosts.get(ev.parent_block_hash)
-            ns = None
-            if parent is None:
-                w.stats.unknown_parents += 1
-                w.orphans.hold(ev, tier, extras)
-                return Outcome.ORPHANED
-        keys = chain_keys(ev.token_ids, bs, parent, ns, extras)
-        self._blocks.insert(w, ev.block_hashes, keys, tier, parent)
-        if w.inferred and tier <= StorageTier.HOST:
-            self._win.infer_store(w, ev, keys, tier)
-        if w.orphans:
-            self._graft(w, ev.block_hashes, keys)
-        return Outcome.APPLIED
-
-    def _graft(self, w: WorkerState, block_hashes: list[EngineHash], keys: list[BlockKey]) -> None:
-        """Indexes the held orphans whose parent is among ``block_hashes`` (keys known now), and
-        theirs in turn. O(blocks grafted)."""
-        work = list(zip(block_hashes, keys, strict=True))
-        while work:
-            eh, key = work.pop()
-            for run in w.orphans.take(eh):
-                ev = run.event
-                try:
-                    run_keys = chain_keys(ev.token_ids, ev.block_size, key, None, run.extras)
-                except ValueError as exc:  # bad token ids: this run is lost, the others graft
-                    self._reject(w, f"held orphan store: {exc}")
-                    continue
-                # Blocks removed while the run waited are skipped: each stretch of present ones is a chain under
-                # the block before it (held or not: the closure tracker marks it loose if not).
-                below = key
-                for present, stretch in groupby(zip(ev.block_hashes, run_keys, run.present, strict=True),
-                                                key=itemgetter(2)):
-                    part = list(stretch)
-                    if present:
-                        self._blocks.insert(w, [h for h, _, _ in part], [k for _, k, _ in part], run.tier, below)
-                    below = part[-1][1]
-                # Children may wait on any block of the run, also one removed since: its key is known.
-                work.extend(zip(ev.block_hashes, run_keys, strict=True))
-
-    def _window_event(self, w: WorkerState, ev: BlockStored | BlockRemoved) -> Outcome:
-        """A window-KV event: sets or clears the worker's window bit on blocks it holds on that tier. Events
-        of other non-full-attention cache groups (vLLM's mamba, chunked-local ...) are counted and ignored."""
-        if not is_window_event(ev):
-            if ev.kv_cache_spec_kind.lower() in ("full_attention", "mla_attention", "mla"):  # type: ignore[union-attr]
-                return self._store(w, ev) if isinstance(ev, BlockStored) else self._remove(w, ev)
-            return self._reject(w, f"kv_cache_spec_kind {ev.kv_cache_spec_kind!r} is not indexed")
-        tier = parse_medium(ev.medium)
-        if tier > StorageTier.HOST:
-            return self._reject(w, f"window KV on {tier.name}: only device and host window KV is tracked")
-        self._win.track(w)  # the engine announces window KV: what the store rule guessed goes
-        size = ev.kv_cache_spec_sliding_window
-        if size is not None:
-            if size <= 0:
-                return self._reject(w, f"kv_cache_spec_sliding_window {size} is not positive")
-            w.window = -(-size // self.block_size)
-        elif not w.window:
-            return self._reject(w, "window-KV event without kv_cache_spec_sliding_window")
-        if isinstance(ev, BlockStored) and ev.block_size != self.block_size:
-            return self._reject(w, f"block_size {ev.block_size} differs from the index's {self.block_size}")
-        self._win.announced(w, ev, tier)
-        return Outcome.APPLIED
 
     def note_routed(self, stream: StreamId, keys: Sequence[BlockKey]) -> None:
         """A request with these prompt block keys was sent to ``stream``. A worker whose window KV is inferred
@@ -375,15 +261,6 @@ class TieredIndex:
         if w is None or not w.inferred:
             return
         self._win.note_routed(w, keys)
-
-    def _remove(self, w: WorkerState, ev: BlockRemoved) -> Outcome:
-        tier = parse_medium(ev.medium)
-        unknown = self._blocks.remove(w, ev.block_hashes, tier)
-        if unknown:
-            w.stats.unknown_removals += unknown
-            w.stats.last_error = f"removal of {unknown} block(s) not on {tier.name}"
-            log.info("worker %s: %s", w.stream, w.stats.last_error)
-        return Outcome.APPLIED
 
     # --- queries -------------------------------------------------------------------------
 

@@ -420,7 +420,7 @@ def test_a_flood_of_bad_events_from_one_worker_is_counted_per_worker_and_logged_
     p1.publish(EventBatch(ts=time.time(), events=[stored([1, 2], None, 0)]))
     wrong_size = BlockStored(block_hashes=[7], parent_block_hash=None, token_ids=list(range(BS + 1)),
                              block_size=BS + 1)
-    with caplog.at_level(logging.WARNING, logger="kvtier.indexer.index"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.indexer.applier"):
         for _ in range(30):
             p0.publish(EventBatch(ts=time.time(), events=[wrong_size] * 100))
         wait_for(lambda: json.loads(get(s.address + "/metrics?format=json"))["workers"]["w0"]["events_rejected"]
