@@ -92,25 +92,35 @@ class EventApplier:
                 return self._reject(w, f"{len(ev.extra_keys)} extra_keys entries for {n} blocks")
             vllm_salt, extras = split_extra_keys(ev.extra_keys, ev.lora_name)
             salt = salt or vllm_salt
+        ns = namespace(ev.lora_name, salt) if ev.parent_block_hash is None else None
+        if extras is None:  # the parent, the keys and the store in one pass, where the masks have one
+            done = self._blocks.insert_tokens(w, ev, tier, ns)
+            if done is not None:
+                if (w.inferred and tier <= StorageTier.HOST) or w.orphans:
+                    self._after_store(w, ev, done.tolist(), tier)
+                return Outcome.APPLIED
         if ev.parent_block_hash is None:
             parent = None
-            ns = namespace(ev.lora_name, salt)
         else:
             parent = w.hashes.get(ev.parent_block_hash)
             if parent is None and w.ghosts:
                 parent = w.ghosts.get(ev.parent_block_hash)
-            ns = None
             if parent is None:
                 w.stats.unknown_parents += 1
                 w.orphans.hold(ev, tier, extras)
                 return Outcome.ORPHANED
         keys = chain_keys(ev.token_ids, bs, parent, ns, extras)
         self._blocks.insert(w, ev.block_hashes, keys, tier, parent)
+        self._after_store(w, ev, keys, tier)
+        return Outcome.APPLIED
+
+    def _after_store(self, w: WorkerState, ev: BlockStored, keys: list[BlockKey], tier: StorageTier) -> None:
+        """What a store's keys mean beyond its masks: window KV the rule infers, orphans waiting on its blocks.
+        O(blocks)."""
         if w.inferred and tier <= StorageTier.HOST:
             self._win.infer_store(w, ev, keys, tier)
         if w.orphans:
             self._graft(w, ev.block_hashes, keys)
-        return Outcome.APPLIED
 
     def _graft(self, w: WorkerState, block_hashes: list[EngineHash], keys: list[BlockKey]) -> None:
         """Indexes the held orphans whose parent is among ``block_hashes`` (keys known now), and

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 from collections import deque
 from itertools import islice, repeat
-from typing import cast
+from typing import Any, cast
 
 from kvtier.indexer.closure import MaskMap, PrefixClosure
 from kvtier.indexer.keys import BlockKey
 from kvtier.indexer.masklayout import SLOT_MASK, TIERS
 from kvtier.indexer.windowkv import WindowKV
 from kvtier.indexer.workerstate import WorkerState
-from kvtier.wire.protocol import EngineHash, StorageTier
+from kvtier.wire.protocol import BlockStored, EngineHash, StorageTier
 
 _MAX_SHARED_MASKS = 1 << 16  # distinct mask values kept as shared objects (see BlockMasks.share)
 
@@ -78,6 +78,14 @@ class BlockMasks:
         if parent_held and not closure.loose and self._insert_held_elsewhere(w, block_hashes, keys, tier, slot_bits):
             return
         self._insert_each(w, block_hashes, keys, tier, parent, parent_held)
+
+    def insert_tokens(self, w: WorkerState, ev: BlockStored, tier: StorageTier, ns: int | None) -> Any:
+        """The store ``ev`` of worker ``w`` (no per-block extra keys; ``ns`` its key space under the root) from its
+        token ids, its keys computed and the parent looked up in the same pass, where an implementation has one:
+        returns the chain's keys (a sequence of ints, valid until the next store), or None with nothing done,
+        and the caller takes the general path (:meth:`insert`). Here always None: dicts gain nothing from it.
+        O(1)."""
+        return None
 
     def _insert_each(self, w: WorkerState, block_hashes: list[EngineHash], keys: list[BlockKey], tier: StorageTier,
                      parent: BlockKey | None, parent_held: bool) -> None:

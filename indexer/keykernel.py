@@ -220,12 +220,20 @@ def chain(buf: npt.NDArray[np.uint8], step: int, base: np.uint64, has_base: bool
     """The chained keys of the full ``step``-byte blocks of ``buf``: block ``i``'s key is
     ``pair(key[i-1], local[i])``, with ``key[-1] = base`` when ``has_base``, else ``key[0] = local[0]``.
     O(len(buf))."""
+    out = np.empty(buf.size // step, np.uint64)
+    chain_into(buf, step, base, has_base, seed, out)
+    return out
+
+
+@njit(cache=True)
+def chain_into(buf: npt.NDArray[np.uint8], step: int, base: np.uint64, has_base: bool, seed: np.uint64,
+               out: npt.NDArray[np.uint64]) -> None:
+    """:func:`chain` written into ``out`` (one entry per full block of ``buf``; the index's store kernel keeps
+    it for the store that follows). O(len(buf))."""
     n = buf.size // step
-    out = np.empty(n, np.uint64)
     cs = _custom_secret(seed) if step > 240 else _SECRET
     prev = base
     for i in range(n):
         loc = xxh3(buf, i * step, step, seed, cs)
         prev = _pair(prev, loc, seed) if (i or has_base) else loc
         out[i] = prev
-    return out

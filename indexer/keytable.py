@@ -42,6 +42,9 @@ LINKS_NONE, LINKS_ONE, LINKS_SET = 1, 2, 3
 #: The mask pool's counters (:class:`MaskPool`): entries of its content table, free ids, ids handed out, then
 #: one count per id and the stack of free ids.
 _PH, _PFREE, _PTOP, _PREF = 0, 1, 2, 3
+#: The store kernel's (``tablekernel.store_tokens``) modes: a chain under the root, under the root of a LoRA / salt
+#: key space (its id is the base), or under the block an engine hash names in the worker's table.
+ROOT, ROOT_NS, UNDER = 0, 1, 2
 _M64 = (1 << 64) - 1
 _SIGN = 1 << 63
 _MIN_CAP = 1024
@@ -268,7 +271,7 @@ class EngineHashes(RowTable, MutableMapping[EngineHash, BlockKey]):
         # True once a negative hash came, False once one past 2**63 did; None while every one is in both ranges.
         self.signed: bool | None = None
 
-    def _fits(self, eh: object) -> bool:
+    def fits(self, eh: object) -> bool:
         """Whether ``eh`` is an int the table can hold beside the hashes it has. O(1)."""
         if type(eh) is not int:
             return False
@@ -328,7 +331,7 @@ class EngineHashes(RowTable, MutableMapping[EngineHash, BlockKey]):
     def get(self, eh: EngineHash, default: Any = None) -> Any:
         if self.py is not None:
             return self.py.get(eh, default)
-        if not self._fits(eh):
+        if not self.fits(eh):
             return default
         i = self.slot(eh & _M64)  # type: ignore[operator]
         return default if i < 0 else BlockKey(int(self.r[i, VAL]))
@@ -342,10 +345,10 @@ class EngineHashes(RowTable, MutableMapping[EngineHash, BlockKey]):
     def __contains__(self, eh: object) -> bool:
         if self.py is not None:
             return eh in self.py
-        return self._fits(eh) and self.slot(eh & _M64) >= 0  # type: ignore[operator]
+        return self.fits(eh) and self.slot(eh & _M64) >= 0  # type: ignore[operator]
 
     def __setitem__(self, eh: EngineHash, key: BlockKey) -> None:
-        if self.py is None and not self._fits(eh):
+        if self.py is None and not self.fits(eh):
             self.demote()
         if self.py is not None:
             self.py[eh] = key
@@ -356,7 +359,7 @@ class EngineHashes(RowTable, MutableMapping[EngineHash, BlockKey]):
     def __delitem__(self, eh: EngineHash) -> None:
         if self.py is not None:
             del self.py[eh]
-        elif not self._fits(eh):
+        elif not self.fits(eh):
             raise KeyError(eh)
         else:
             self.delete(eh & _M64)  # type: ignore[operator]

@@ -29,12 +29,29 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from kvtier.indexer.keytable import _PFREE, _PH, _PREF, _PTOP, CHILD, KEY, LINKS_NONE, LINKS_ONE, LINKS_SET, USED, VAL
+from kvtier.indexer.keykernel import chain_into
+from kvtier.indexer.keys import SEED
+from kvtier.indexer.keytable import (
+    _PFREE,
+    _PH,
+    _PREF,
+    _PTOP,
+    CHILD,
+    KEY,
+    LINKS_NONE,
+    LINKS_ONE,
+    LINKS_SET,
+    ROOT,
+    UNDER,
+    USED,
+    VAL,
+)
 from kvtier.indexer.masklayout import DEV, EXT, SLOTS_PER_WORD, TIERS
 
 _GOLD = np.uint64(0x9E3779B97F4A7C15)
 _HIGH = np.uint64(1 << 63)
 _S32 = np.uint64(32)
+_SEED = np.uint64(SEED)
 
 Arr = Any  # numpy arrays, as numba sees them
 
@@ -520,6 +537,30 @@ def store(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, e: Arr, em: Arr, keys: Arr
     return path
 
 
+@njit(cache=True)
+def store_tokens(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, e: Arr, em: Arr, buf: Arr, step: int, ehs: Arr,
+                 base: np.uint64, mode: int, word: int, bit: np.uint64, slot_bits: np.uint64, closed: bool,
+                 newly: Arr, how: Arr, cur: Arr, res: Arr, keys: Arr) -> int:
+    """A ``BlockStored`` from its packed tokens (``buf``, ``step`` bytes per block): the parent's key from the
+    worker's engine hashes (``mode``), the chain's keys (into ``keys``, whose first ``len(ehs)`` entries are
+    written; :func:`kvtier.indexer.keykernel.chain_into`), then :func:`store`, whose result this is; ``res[5]``
+    is the parent's key. -2, with nothing changed, if ``mode`` is ``UNDER`` and the table does not name the
+    parent (the caller looks further: ghosts, orphans). One compiled call where the parent's lookup, the keys and
+    the store were three. O(blocks)."""
+    n = ehs.shape[0]
+    parent = np.uint64(0)
+    if mode == UNDER:
+        i = find(e, base)
+        if i < 0:
+            return -2
+        parent = e[i, VAL]
+    ks = keys[:n]
+    chain_into(buf, step, parent if mode == UNDER else base, mode != ROOT, _SEED, ks)
+    res[5] = parent
+    return store(t, tm, pm, ph, pa, e, em, ks, ehs, parent, mode == UNDER, word, bit, slot_bits, closed, newly,
+                 how, cur, res)
+
+
 # --- removals -----------------------------------------------------------------------------------------------
 
 
@@ -900,7 +941,10 @@ def warm(k: Any) -> None:
     k.store_held_elsewhere(t, m, pm, ph, pa, one, 0, b, b, False)
     k.link_chain(t, one, one, np.zeros(1, np.uint64))
     k.store(t, m, pm, ph, pa, e, m, one, one, b, True, 0, b, b, True, np.zeros(1, np.uint8),
-            np.zeros(2, np.uint8), np.zeros(2, np.uint64), np.zeros(5, np.int64))
+            np.zeros(2, np.uint8), np.zeros(2, np.uint64), np.zeros(6, np.int64))
+    k.store_tokens(t, m, pm, ph, pa, e, m, np.frombuffer(bytes(4), np.uint8), 4, one, b, UNDER, 0, b, b, True,
+                   np.zeros(1, np.uint8), np.zeros(2, np.uint8), np.zeros(2, np.uint64), np.zeros(6, np.int64),
+                   np.zeros(1, np.uint64))
     k.remove(t, m, pm, ph, pa, one.copy(), 0, b, b, e, m, one, True, 1, np.zeros(1, np.uint8),
              np.zeros(1, np.uint64), np.zeros(1, np.uint64), np.zeros(5, np.int64))
     k.has_bit(t, pm, one, 0, b)

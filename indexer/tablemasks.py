@@ -25,16 +25,21 @@ import numpy as np
 
 from kvtier.indexer.blockmasks import BlockMasks
 from kvtier.indexer.keys import BlockKey
-from kvtier.indexer.keytable import VAL, EngineHashes, KeyTable
+from kvtier.indexer.keytable import _M64, ROOT, ROOT_NS, UNDER, VAL, EngineHashes, KeyTable
 from kvtier.indexer.masklayout import SLOT_MASK, SLOTS_PER_WORD, TIERS
 from kvtier.indexer.tableclosure import TableClosure
 from kvtier.indexer.windowkv import WindowKV
 from kvtier.indexer.workerstate import WorkerState
-from kvtier.wire.protocol import EngineHash, StorageTier
+from kvtier.wire.protocol import TOKEN_BYTES, BlockStored, EngineHash, StorageTier, pack_tokens
 
 _NONE = np.zeros(1, np.uint64)  # the engine-hash arguments of a kernel call for a worker whose hashes are a dict
 _NONE_E = np.zeros((1, VAL + 1), np.uint64)
 _NONE_M = np.zeros(1, np.int64)
+
+
+def _as_list(keys: Any) -> list[BlockKey]:
+    """Keys as a list of ints (a kernel's ``uint64`` array converted; a list as it is). O(keys)."""
+    return keys.tolist() if isinstance(keys, np.ndarray) else keys  # type: ignore[no-any-return]
 
 
 def _bits(slot: int, tier: int) -> tuple[int, np.uint64, np.uint64]:
@@ -60,8 +65,10 @@ class TableMasks(BlockMasks):
         self._removal = self._removal_outputs(64)  # the same for the removal kernel
 
     @staticmethod
-    def _outputs(n: int) -> tuple[Any, Any, Any, Any]:
-        return np.empty(n, np.uint8), np.empty(n, np.uint8), np.empty(n, np.uint64), np.empty(5, np.int64)
+    def _outputs(n: int) -> tuple[Any, Any, Any, Any, Any]:
+        # newly, how, cur, res, keys (the keys store_tokens computes)
+        return np.empty(n, np.uint8), np.empty(n, np.uint8), np.empty(n, np.uint64), np.empty(6, np.int64), \
+            np.empty(n, np.uint64)
 
     @staticmethod
     def _removal_outputs(n: int) -> tuple[Any, Any, Any, Any, Any]:
@@ -84,7 +91,6 @@ class TableMasks(BlockMasks):
                parent: BlockKey | None) -> None:
         """:meth:`BlockMasks.insert`: one kernel call for every case but the rare ones (repeated engine hashes, an
         engine hash reused for other content), which go block by block. O(blocks)."""
-        t, closure = self._t, self._c
         e = w.hashes
         assert isinstance(e, EngineHashes), f"worker {w.stream}: engine hashes in a {type(e).__name__}"
         ehs = e.int64s(block_hashes)
@@ -93,35 +99,81 @@ class TableMasks(BlockMasks):
             return
         n = len(keys)
         word, bit, slot_bits = self._where(w.slot, tier)
+        newly, how, cur, res, _ = self._room_for(n)
+        t = self._t
+        p, karr, store, closed = t.pool, t.array(keys), self._k.store, not self._c.loose
+        while (path := store(t.r, t.m, p.pm, p.ph, p.pa, e.r, e.m, karr, ehs, np.uint64(parent or 0),
+                             parent is not None, word, bit, slot_bits, closed, newly, how, cur, res)) < 0:
+            self._grow(w, n)  # then again, with the grown arrays
+        self._stored(w, path, block_hashes, keys, tier, parent)
+
+    def insert_tokens(self, w: WorkerState, ev: BlockStored, tier: StorageTier, ns: int | None) -> Any:
+        """:meth:`BlockMasks.insert_tokens` in one kernel call (``tablekernel.store_tokens``): the parent's lookup,
+        the keys and the store. The keys come as a ``uint64`` array, valid until the next store. O(blocks)."""
+        e = w.hashes
+        assert isinstance(e, EngineHashes), f"worker {w.stream}: engine hashes in a {type(e).__name__}"
+        peh = ev.parent_block_hash
+        if peh is None:
+            mode, base = (ROOT, 0) if ns is None else (ROOT_NS, ns)
+        elif e.py is None and e.fits(peh):
+            mode, base = UNDER, peh & _M64  # type: ignore[operator]
+        else:
+            return None  # a parent only a dict, a ghost or an orphan can name: the general path looks
+        buf = np.frombuffer(pack_tokens(ev.token_ids), np.uint8)  # (bad token ids raise before anything changes)
+        ehs = e.int64s(ev.block_hashes)
+        if ehs is None:
+            return None
+        n = len(ehs)
+        word, bit, slot_bits = self._where(w.slot, tier)
+        newly, how, cur, res, karr = self._room_for(n)
+        t = self._t
+        p, store, closed = t.pool, self._k.store_tokens, not self._c.loose
+        while (path := store(t.r, t.m, p.pm, p.ph, p.pa, e.r, e.m, buf, ev.block_size * TOKEN_BYTES, ehs,
+                             np.uint64(base), mode, word, bit, slot_bits, closed, newly, how, cur, res, karr)) == -1:
+            self._grow(w, n)  # then again, with the grown arrays
+        if path < 0:
+            return None  # the table does not name the parent
+        keys = karr[:n]
+        parent = BlockKey(int(res[5]) & _M64) if mode == UNDER else None  # (res is int64: the key's 64 bits)
+        self._stored(w, path, ev.block_hashes, keys, tier, parent)
+        return keys
+
+    def _room_for(self, n: int) -> tuple[Any, Any, Any, Any, Any]:
+        """The store kernels' outputs, for ``n`` blocks. O(1), O(n) when they grow."""
         if len(self._scratch[0]) < n:
             self._scratch = self._outputs(n)
-        newly, how, cur, res = self._scratch
-        p, karr, store = t.pool, t.array(keys), self._k.store
-        while True:
-            path = store(t.r, t.m, p.pm, p.ph, p.pa, e.r, e.m, karr, ehs, np.uint64(parent or 0),
-                         parent is not None, word, bit, slot_bits, not closure.loose, newly, how, cur, res)
-            if path >= 0:
-                break
-            self._grow(w, n)  # then again, with the grown arrays
-        held, added, aliases, linking, high = res.tolist()
+        return self._scratch
+
+    def _stored(self, w: WorkerState, path: int, block_hashes: list[EngineHash], keys: Any, tier: StorageTier,
+                parent: BlockKey | None) -> None:
+        """What follows a store kernel's call (``path``, and its outputs in the scratch arrays) in Python: the
+        closure's loose blocks and sets of children, the counts; block by block if the kernel took none of its
+        cases. ``keys``: the chain's keys, a list or a ``uint64`` array. O(blocks) then, else O(changes)."""
+        e, closure = w.hashes, self._c
+        assert isinstance(e, EngineHashes), f"worker {w.stream}: engine hashes in a {type(e).__name__}"
+        newly, how, cur, res, _ = self._scratch
+        held, added, aliases, linking, high, _ = res.tolist()
         parent_held = bool(held)
+        n = len(keys)
         if not path:  # nothing changed yet: the parent's link, then block by block
+            ks = _as_list(keys)
             self._grow(w, n)
-            if parent is not None and parent in t:
-                closure.link(parent, keys[0], t)
-            self._insert_each(w, block_hashes, keys, tier, parent, parent_held)
+            if parent is not None and parent in self._t:
+                closure.link(parent, ks[0], self._t)
+            self._insert_each(w, block_hashes, ks, tier, parent, parent_held)
             return
         if high and e.signed is None:  # converted as int64 (EngineHashes.int64s): the top bit is a sign
             e.signed = True
         if linking:
-            closure.branched_chain(parent, keys, how[:n], cur)
+            closure.branched_chain(parent, _as_list(keys), how[:n], cur)
         if path == 1:
             if not parent_held:
-                closure.stored(w.slot, tier, keys[0], False)  # new blocks have no children to settle
+                closure.stored(w.slot, tier, BlockKey(int(keys[0])), False)  # new blocks have no children to settle
         elif path == 4 and (not parent_held or closure.loose):
+            ks = _as_list(keys)
             for j in np.flatnonzero(newly[:n]).tolist():  # in chain order, as the bits were set
                 if (j == 0 and not parent_held) or closure.loose:
-                    closure.stored(w.slot, tier, keys[j], parent_held or j > 0)
+                    closure.stored(w.slot, tier, ks[j], parent_held or j > 0)
         w.counts[tier] += added
         w.stats.aliases += aliases
 

@@ -10,8 +10,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvtier.indexer import levels as levels_module
+from kvtier.indexer.blockmasks import BlockMasks
 from kvtier.indexer.index import Outcome, TieredIndex
 from kvtier.indexer.keys import block_keys
+from kvtier.indexer.tablemasks import TableMasks
 from kvtier.wire import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event, StorageTier, WorkerId
 from kvtier.wire.overlap import TierOverlap
 from kvtier.wire.stream import StreamId
@@ -363,6 +365,38 @@ def test_many_workers_sharing_a_prefix_agree_with_naive_model(
     """Slots past the first 64-bit word of a mask, and many workers dropping out of one shared prefix (a
     system prompt) at the same block on several tiers: the depths of all of them are decoded together."""
     _agrees(events, qs, padding=padding, shift=shift)
+
+
+@given(event_streams(), queries)
+def test_general_store_path_agrees_with_naive_model(
+    events: list[tuple[str, StreamId, Event | None]], qs: list[tuple[list[int], int]]
+) -> None:
+    """The compiled masks store most events from their tokens in one kernel call (TableMasks.insert_tokens); with
+    that call declined, every store takes the general path (keys first, then TableMasks.insert): check it too."""
+    saved = TableMasks.insert_tokens
+    TableMasks.insert_tokens = BlockMasks.insert_tokens  # type: ignore[method-assign]
+    try:
+        _agrees(events, qs)
+    finally:
+        TableMasks.insert_tokens = saved  # type: ignore[method-assign]
+
+
+def test_a_branch_under_a_parent_whose_key_has_its_top_bit_set_is_kept_under_that_key() -> None:
+    """A chain stored under a parent whose router key is past 2**63 starts a second child there: the set of its
+    children must be kept under the key itself. The one-call store reads the parent's key back from an int64
+    array: taken as signed, the set went under a negative number, and the next removal or query lost it."""
+    docs = [[d * 1000 + i for i in range(4)] for d in range(40)]
+    doc = next(d for d in docs if block_keys(d[:4], 4)[0] >= 1 << 63)
+    parent = block_keys(doc[:4], 4)[0]
+    idx = TieredIndex(4)
+    idx.apply(A, stored([1, 2], None, doc[:4] + list(range(500, 504))))
+    idx.apply(A, stored([3], 1, list(range(900, 904))))  # a second child under block 1
+    idx._check()
+    assert sorted(idx._closure.children(parent)) == sorted(
+        [block_keys(doc[:4] + list(range(500, 504)), 4)[1], block_keys(doc[:4] + list(range(900, 904)), 4)[1]])
+    idx.apply(A, BlockRemoved(block_hashes=[3, 2, 1], medium="GPU"))
+    idx._check()
+    assert len(idx) == 0
 
 
 @st.composite
