@@ -16,7 +16,10 @@ from __future__ import annotations
 
 from collections import deque
 from itertools import islice, repeat
-from typing import Any, cast
+from typing import cast
+
+import numpy as np
+import numpy.typing as npt
 
 from kvtier.indexer.closure import MaskMap, PrefixClosure
 from kvtier.indexer.keys import BlockKey
@@ -79,12 +82,13 @@ class BlockMasks:
             return
         self._insert_each(w, block_hashes, keys, tier, parent, parent_held)
 
-    def insert_tokens(self, w: WorkerState, ev: BlockStored, tier: StorageTier, ns: int | None) -> Any:
-        """The store ``ev`` of worker ``w`` (no per-block extra keys; ``ns`` its key space under the root) from its
-        token ids, its keys computed and the parent looked up in the same pass, where an implementation has one:
-        returns the chain's keys (a sequence of ints, valid until the next store), or None with nothing done,
-        and the caller takes the general path (:meth:`insert`). Here always None: dicts gain nothing from it.
-        O(1)."""
+    def insert_tokens(self, w: WorkerState, ev: BlockStored, tier: StorageTier,
+                      ns: int | None) -> npt.NDArray[np.uint64] | None:
+        """The store ``ev`` of worker ``w``, validated by the caller (block size, token count) and without per-block
+        extra keys (``ns``: its key space, under the root), from its token ids, with its keys computed and its
+        parent looked up in the same pass, where an implementation has one: returns the chain's keys (valid until
+        the next store), or None with nothing done, and the caller takes the general path (:meth:`insert`). Here
+        always None: dicts gain nothing from it. O(1)."""
         return None
 
     def _insert_each(self, w: WorkerState, block_hashes: list[EngineHash], keys: list[BlockKey], tier: StorageTier,

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from kvtier.indexer.blockmasks import BlockMasks
 from kvtier.indexer.keys import BlockKey
@@ -107,7 +108,8 @@ class TableMasks(BlockMasks):
             self._grow(w, n)  # then again, with the grown arrays
         self._stored(w, path, block_hashes, keys, tier, parent)
 
-    def insert_tokens(self, w: WorkerState, ev: BlockStored, tier: StorageTier, ns: int | None) -> Any:
+    def insert_tokens(self, w: WorkerState, ev: BlockStored, tier: StorageTier,
+                      ns: int | None) -> npt.NDArray[np.uint64] | None:
         """:meth:`BlockMasks.insert_tokens` in one kernel call (``tablekernel.store_tokens``): the parent's lookup,
         the keys and the store. The keys come as a ``uint64`` array, valid until the next store. O(blocks)."""
         e = w.hashes
@@ -133,7 +135,7 @@ class TableMasks(BlockMasks):
             self._grow(w, n)  # then again, with the grown arrays
         if path < 0:
             return None  # the table does not name the parent
-        keys = karr[:n]
+        keys: npt.NDArray[np.uint64] = karr[:n]
         parent = BlockKey(int(res[5]) & _M64) if mode == UNDER else None  # (res is int64: the key's 64 bits)
         self._stored(w, path, ev.block_hashes, keys, tier, parent)
         return keys
