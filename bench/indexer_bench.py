@@ -11,7 +11,10 @@ Apply: each store arrives as the msgpack payload an SGLang publisher sends, is d
 (token ids kept packed) and applied. ``apply (decoded events)`` times the index alone, the issue's figure;
 ``decode + apply`` adds the decoding, like for like with Dynamo's figure, which includes parsing its JSON events.
 Dynamo's events carry the engine's local block hashes, so its apply hashes no tokens; kvtier computes its router
-keys from the token ids in every store (SPEC section 2), inside the timed apply.
+keys from the token ids in every store (SPEC section 2), inside the timed apply. The index grows its tables
+inside the timed apply too. A table past 5/8 full has its next size zeroed by a helper thread
+(``kvtier.indexer.keytable.RowTable.prepare``). So on a machine with a second core, the page faults of growing
+run there; the rehash runs in the timed thread. Dynamo's RadixTree applies on one thread.
 
 Dynamo runs in a subprocess (``bench/dynamo_index.py``): in this interpreter if it has
 ``ai-dynamo-runtime`` (``pip install -e '.[crosscheck]'``), or in the one ``--dynamo-python`` names

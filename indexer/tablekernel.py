@@ -291,6 +291,13 @@ def _room(r: Arr, m: Arr, n: int) -> bool:
 
 
 @njit(cache=True, inline="always")
+def _filling(r: Arr, m: Arr, n: int) -> bool:
+    """Whether ``n`` more entries take the table past 5/8 full, where ``RowTable.prepare`` gets its next size
+    ready before the growth at 3/4. O(1)."""
+    return bool((m[0] + n) * 8 > r.shape[0] * 5)
+
+
+@njit(cache=True, inline="always")
 def _pool_room(pm: Arr, ph: Arr, pa: Arr, n: int, word: int) -> bool:
     """Whether the pool has room for ``n`` new masks (``MaskPool.reserve``'s tests) with word ``word``. O(1)."""
     return bool(pa[_PTOP] + n <= pm.shape[0] and (pa[_PH] + n) * 4 <= ph.shape[0] * 3 and word < pm.shape[1])
@@ -453,13 +460,17 @@ def store(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, e: Arr, em: Arr, keys: Arr
     (:func:`_store_path`), the bits and names, the chain's links. Returns the case (0: none of them, nothing
     changed: the caller goes block by block). ``res`` = [parent held (0/1), blocks that gained the bit, aliases,
     1 if some link needs the caller (``how``/``cur``: index 0 the parent's link, ``j + 1`` the link under block
-    ``j``), 1 if an engine hash has its top bit set]; ``newly[j]`` = 1 where block ``j`` gained the bit (case 4).
+    ``j``), 1 if an engine hash has its top bit set, (:func:`store_tokens`'s), tables past 5/8 full (1: the
+    masks', 2: the engine hashes'; :func:`_filling`)]; ``newly[j]`` = 1 where block ``j`` gained the bit (case 4).
     The output arrays may be longer than the store (their first ``len(keys)`` entries are written). Returns -1,
     with nothing changed, while a table or the pool lacks room for the store (the caller grows them and calls
     again: checking here keeps that out of every store's Python side). O(blocks)."""
     n = keys.shape[0]
+    # (numba checks no bounds: a short output would be written past its end, corrupting the heap)
+    assert res.shape[0] >= 7 and newly.shape[0] >= n and how.shape[0] >= n and cur.shape[0] >= n, "short outputs"
     if not (_room(t, tm, n) and _room(e, em, n) and _pool_room(pm, ph, pa, n, word)):
         return -1
+    res[6] = (1 if _filling(t, tm, n) else 0) | (2 if _filling(e, em, n) else 0)
     how[:n] = 0
     # Each block's rows, probed once, after reads that overlap their cache misses (_touch). Only claims change the
     # tables below, so a row found stays its key's and a free one is where a claim's search goes on (_claim_at).
@@ -548,6 +559,7 @@ def store_tokens(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, e: Arr, em: Arr, bu
     parent (the caller looks further: ghosts, orphans). One compiled call where the parent's lookup, the keys and
     the store were three. O(blocks)."""
     n = ehs.shape[0]
+    assert keys.shape[0] >= n and buf.shape[0] == n * step, "keys shorter than the store, or tokens not its blocks"
     parent = np.uint64(0)
     if mode == UNDER:
         i = find(e, base)
@@ -941,9 +953,9 @@ def warm(k: Any) -> None:
     k.store_held_elsewhere(t, m, pm, ph, pa, one, 0, b, b, False)
     k.link_chain(t, one, one, np.zeros(1, np.uint64))
     k.store(t, m, pm, ph, pa, e, m, one, one, b, True, 0, b, b, True, np.zeros(1, np.uint8),
-            np.zeros(2, np.uint8), np.zeros(2, np.uint64), np.zeros(6, np.int64))
+            np.zeros(2, np.uint8), np.zeros(2, np.uint64), np.zeros(7, np.int64))
     k.store_tokens(t, m, pm, ph, pa, e, m, np.frombuffer(bytes(4), np.uint8), 4, one, b, UNDER, 0, b, b, True,
-                   np.zeros(1, np.uint8), np.zeros(2, np.uint8), np.zeros(2, np.uint64), np.zeros(6, np.int64),
+                   np.zeros(1, np.uint8), np.zeros(2, np.uint8), np.zeros(2, np.uint64), np.zeros(7, np.int64),
                    np.zeros(1, np.uint64))
     k.remove(t, m, pm, ph, pa, one.copy(), 0, b, b, e, m, one, True, 1, np.zeros(1, np.uint8),
              np.zeros(1, np.uint64), np.zeros(1, np.uint64), np.zeros(5, np.int64))

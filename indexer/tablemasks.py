@@ -68,7 +68,7 @@ class TableMasks(BlockMasks):
     @staticmethod
     def _outputs(n: int) -> tuple[Any, Any, Any, Any, Any]:
         # newly, how, cur, res, keys (the keys store_tokens computes)
-        return np.empty(n, np.uint8), np.empty(n, np.uint8), np.empty(n, np.uint64), np.empty(6, np.int64), \
+        return np.empty(n, np.uint8), np.empty(n, np.uint8), np.empty(n, np.uint64), np.empty(7, np.int64), \
             np.empty(n, np.uint64)
 
     @staticmethod
@@ -154,8 +154,13 @@ class TableMasks(BlockMasks):
         e, closure = w.hashes, self._c
         assert isinstance(e, EngineHashes), f"worker {w.stream}: engine hashes in a {type(e).__name__}"
         newly, how, cur, res, _ = self._scratch
-        held, added, aliases, linking, high, _ = res.tolist()
+        held, added, aliases, linking, high, _, filling = res.tolist()
         parent_held = bool(held)
+        if filling:  # past 5/8 full: their next sizes get ready before they must grow
+            if filling & 1:
+                self._t.prepare()
+            if filling & 2:
+                e.prepare()
         n = len(keys)
         if not path:  # nothing changed yet: the parent's link, then block by block
             ks = _as_list(keys)

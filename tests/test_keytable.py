@@ -178,7 +178,7 @@ def test_a_store_whose_new_keys_share_a_probe_run_claims_each_its_own_row(held_b
     chain = [keys[0], keys[1], keys[2], keys[1], keys[3]]
     n = len(chain)
     newly, how = np.empty(n, np.uint8), np.empty(n, np.uint8)
-    cur, res = np.empty(n, np.uint64), np.empty(5, np.int64)
+    cur, res = np.empty(n, np.uint64), np.empty(7, np.int64)
     p = t.pool
     path = t.k.store(t.r, t.m, p.pm, p.ph, p.pa, e.r, e.m, np.array(chain, np.uint64), np.array(ehs, np.uint64),
                      np.uint64(0), False, 0, np.uint64(1), np.uint64(0xF), True, newly, how, cur, res)
@@ -194,3 +194,45 @@ def test_a_store_whose_new_keys_share_a_probe_run_claims_each_its_own_row(held_b
     assert {h: e[h] for h in named} == {h: k for h, k in zip(ehs, chain, strict=True) if h in named}  # type: ignore[index]
     assert len(e) == len(named) and res[2] == (1 if held_before else 0)
     assert len(t) == len(keys) + 1
+
+
+def test_tables_past_five_eighths_grow_into_rows_zeroed_ahead_on_the_helper(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past 5/8 full, the store kernel has the index ready a table's next size (RowTable.prepare: zeroed on a helper
+    thread, off the GIL); the growth at 3/4 rehashes into those rows. With every table prepared (no size floor),
+    an index of thousands of blocks must answer as one that grew the plain way, and the prepared rows must have
+    been used, by the masks' table and by the engine hashes'."""
+    from kvtier.indexer import keytable
+    from kvtier.indexer.index import TieredIndex
+    from kvtier.wire import BlockStored, WorkerId
+    from kvtier.wire.stream import StreamId
+
+    taken: list[tuple[int, int]] = []
+    take = keytable._Prefaulted.take
+
+    def counting(self: keytable._Prefaulted, shape: tuple[int, int]) -> np.ndarray | None:
+        got = take(self, shape)
+        if got is not None:
+            taken.append(shape)
+        return got
+
+    def build(floor: int) -> TieredIndex:
+        monkeypatch.setattr(keytable, "PREFAULT_BYTES", floor)
+        idx = TieredIndex(4)
+        rng = np.random.default_rng(3)
+        for conv in range(60):
+            tokens = rng.integers(0, 50_000, 64 * 4).tolist()
+            w = StreamId(WorkerId(f"w{conv % 3}"))
+            for part in range(4):  # four stores of 16 blocks, each under the last
+                hashes = [conv << 16 | part * 16 + i for i in range(16)]
+                parent = (conv << 16 | part * 16 - 1) if part else None
+                idx.apply(w, BlockStored(block_hashes=hashes, parent_block_hash=parent,
+                                         token_ids=tokens[part * 64:(part + 1) * 64], block_size=4))
+        idx._check()
+        return idx
+
+    plain = build(1 << 62)
+    assert not taken
+    monkeypatch.setattr(keytable._Prefaulted, "take", counting)
+    ahead = build(0)
+    assert any(cols == 4 for _, cols in taken) and any(cols == 3 for _, cols in taken), taken
+    assert ahead.snapshot() == plain.snapshot()
