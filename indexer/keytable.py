@@ -20,6 +20,7 @@ third probe per block and a third table to grow.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -62,25 +63,38 @@ PREFAULT_BYTES = 8 << 20
 _helper: ThreadPoolExecutor | None = None  # the thread that touches tables' next sizes (_Prefaulted)
 
 
+def _forget_helper() -> None:
+    """A forked child has none of its parent's threads: it starts its own helper when it needs one."""
+    global _helper
+    _helper = None
+
+
+os.register_at_fork(after_in_child=_forget_helper)
+
+
 class _Prefaulted:
     """Zeros for a table's next size, written by a helper thread while events keep coming: on this kind of machine
     most of a growth is the page faults of touching fresh memory (2 us per 4 KiB page on the dev VM: 0.15-0.35 s
     for 256 MiB, where the rehash into it is 0.06 s), and the table must not stall the event loop for them.
     numpy's ``fill`` releases the GIL, so the faults run on another core."""
 
-    __slots__ = ("arr", "done")
+    __slots__ = ("arr", "done", "pid")
 
     def __init__(self, shape: tuple[int, int]) -> None:
         global _helper
         if _helper is None:
             _helper = ThreadPoolExecutor(1, thread_name_prefix="kvtier-prefault")
         self.arr = np.empty(shape, np.uint64)  # untouched until the helper fills it
+        self.pid = os.getpid()  # the process whose helper fills it
         self.done = _helper.submit(self.arr.fill, 0)
 
     def take(self, shape: tuple[int, int]) -> U64 | None:
         """The zeros, once written, if they have ``shape``; else None (the table grew otherwise). Waits for the
         helper if it is not done. O(1) when it is."""
-        self.done.result()  # (raises what the helper raised: a failure is never swallowed)
+        if self.pid != os.getpid() and not self.done.done():  # forked while it was filling: that thread is gone
+            self.arr.fill(0)
+        else:
+            self.done.result()  # (raises what the helper raised: a failure is never swallowed)
         return self.arr if self.arr.shape == shape else None
 
 

@@ -3,6 +3,9 @@ shift, wide masks, and the engine-hash table's signedness and its move to a dict
 
 from __future__ import annotations
 
+import multiprocessing
+import queue
+
 import numpy as np
 import pytest
 from hypothesis import settings
@@ -236,3 +239,16 @@ def test_tables_past_five_eighths_grow_into_rows_zeroed_ahead_on_the_helper(monk
     ahead = build(0)
     assert any(cols == 4 for _, cols in taken) and any(cols == 3 for _, cols in taken), taken
     assert ahead.snapshot() == plain.snapshot()
+
+    # A process forked now (a sweep's pool) has none of this one's threads: its tables must still grow.
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=lambda: out.put(build(0).snapshot() == plain.snapshot()))
+    child.start()
+    try:
+        assert out.get(timeout=60), "a forked child's index differs"
+    except queue.Empty:
+        pytest.fail("a forked child's table growth waited for its parent's helper thread")
+    finally:
+        child.kill()
+        child.join()
