@@ -100,15 +100,9 @@ class Prefetcher:
         tree = self._tree
         s = tree.stride
         node, pos, n_pages = parent, 0, len(tokens) // s
-        while pos < n_pages:
-            child = node.children.get(tree.page_key(tokens, pos))
-            if child is None:
-                break
-            k = tree.common_pages(child, tokens, pos, n_pages)
-            if k < child.pages:
-                child = tree.split(child, k)
-            self._host.release(pages[pos:pos + k])
-            pos += k
+        for child in tree.descend(parent, tokens):  # pages the tree has already: their prefetched copies go
+            self._host.release(pages[pos:pos + child.pages])
+            pos += child.pages
             node = child
         if pos == n_pages:
             return []

@@ -100,9 +100,18 @@ class RadixTree:
         """Nodes covering the longest cached page prefix of ``tokens`` (ids, or packed), splitting
         the last one if the query diverges inside it. O(matched tokens)."""
         tokens = pack_tokens(tokens)
-        pages = len(tokens) // self.stride
-        node, pos, path = self.root, 0, []
         now = self.tick()
+        path = self.descend(self.root, tokens)
+        for n in path:
+            n.last_access = now
+        return path
+
+    def descend(self, node: Node, tokens: PackedTokens) -> list[Node]:
+        """The nodes below ``node`` that hold ``tokens``' pages, as far as they are cached, parents first, the
+        last one split where ``tokens`` diverge inside it: node ``i`` holds exactly the pages after those of the
+        nodes before it. Touches no access time (:meth:`match` does). O(matched tokens)."""
+        pages = len(tokens) // self.stride
+        pos, path = 0, []
         while pos < pages:
             child = node.children.get(self.page_key(tokens, pos))
             if child is None:
@@ -110,7 +119,6 @@ class RadixTree:
             k = self.common_pages(child, tokens, pos, pages)
             if k < child.pages:
                 child = self.split(child, k)
-            child.last_access = now
             path.append(child)
             pos += k
             node = child
