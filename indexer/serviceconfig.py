@@ -102,7 +102,10 @@ def parse_endpoint(spec: str) -> EndpointConfig:
             opts["supports_dump"] = True
         else:
             raise ConfigError(f"endpoint {spec!r}: unknown option {p!r}")
-    return EndpointConfig(worker=name, endpoint=parts[0], **opts)
+    try:
+        return EndpointConfig(worker=name, endpoint=parts[0], **opts)
+    except ValueError as exc:
+        raise ConfigError(f"endpoint {spec!r}: {exc}") from None
 
 
 def load_config(path: Path) -> ServiceConfig:
@@ -125,8 +128,12 @@ def load_config(path: Path) -> ServiceConfig:
                 domain.check(f"{path}: endpoints[{i}].{name}", e[name])
             elif required:
                 raise ConfigError(f"{path}: endpoints[{i}]: missing {name}")
-        eps.append(EndpointConfig(worker=e["worker"], endpoint=e["endpoint"], replay_endpoint=e.get("replay_endpoint"),
-                                  dp_rank=e.get("dp_rank", 0), supports_dump=e.get("supports_dump", False)))
+        try:
+            eps.append(EndpointConfig(worker=e["worker"], endpoint=e["endpoint"],
+                                      replay_endpoint=e.get("replay_endpoint"), dp_rank=e.get("dp_rank", 0),
+                                      supports_dump=e.get("supports_dump", False)))
+        except ValueError as exc:
+            raise ConfigError(f"{path}: endpoints[{i}]: {exc}") from None
     known = {f.name for f in fields(ServiceConfig)} - {"endpoints"}  # every setting, so none is forgotten here
     if unknown := set(raw) - known:
         raise ConfigError(f"{path}: unknown settings {sorted(unknown)}")

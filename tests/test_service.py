@@ -166,6 +166,11 @@ def test_config_file_and_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"endpoints\[0\]"):
         load_config(tmp_path / "bad2.toml")
     assert parse_endpoint("w=tcp://h:1,replay=tcp://h:2,dp=3,dump").dp_rank == 3
+    with pytest.raises(ConfigError, match="no dump without a replay endpoint"):  # the request would go nowhere
+        parse_endpoint("w=tcp://h:1,dump")
+    (tmp_path / "bad3.toml").write_text('[[endpoints]]\nworker = "a"\nendpoint = "tcp://h:1"\nsupports_dump = true\n')
+    with pytest.raises(ConfigError, match=r"endpoints\[0\]: .*no dump without a replay endpoint"):
+        load_config(tmp_path / "bad3.toml")
     assert cli_main(["indexer"]) == 2
     assert cli_main(["indexer", "--endpoint", "oops"]) == 2
 

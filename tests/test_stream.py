@@ -27,6 +27,9 @@ from kvtier.wire import (
     pack_seq,
     unpack_seq,
 )
+from kvtier.wire.backoff import Backoff
+from kvtier.wire.seqhistory import SeqHistory
+from kvtier.wire.subscriber import EndpointConfig
 
 S = StreamId(WorkerId("w"), 0)
 
@@ -270,3 +273,65 @@ def test_a_flood_of_malformed_batches_is_counted_but_logged_sparingly(caplog: py
     assert t.stats.malformed == 3000 and t.expected == 3000
     assert len(caplog.records) == 10 + 3  # the first ten, then the 1000th, 2000th and 3000th
     assert "every 1000th" in caplog.records[9].getMessage()
+
+
+def test_a_check_that_timed_out_does_not_make_the_next_probe_a_check() -> None:
+    """The replay that checks a reconnected publisher went unanswered and was given up; the idle probe that
+    follows asks from ``expected``, and its first batch is not the last one delivered: no restart."""
+    t = tracker()
+    for i in range(3):
+        t.on_live(i, payload(i), 0.0)
+    t.on_disconnect()
+    t.on_live(3, payload(3), 0.1)  # the check is asked (from seq 2); 3 is held
+    now = 0.1
+    while not any(isinstance(d, ResyncNeeded) for d in t.on_tick(now)):  # no answer, ever
+        now += 1.1
+        assert now < 10, "the check never timed out"
+    assert t.expected == 4 and not t.recovering  # gave up: continued from the held batch
+    t.outbox.clear()
+    t.on_tick(now + 1.5)  # quiet: the probe asks for seq 4 on
+    assert [unpack_seq(r) for r in t.outbox] == [4]
+    out = t.on_reply(pack_seq(4), payload(4), now + 1.6) + t.on_reply(END_SEQ, b"", now + 1.6)
+    assert seqs(out) == [4] and t.stats.restarts == 0
+
+
+def test_resyncs_that_keep_coming_wait_longer_and_a_quiet_spell_starts_over() -> None:
+    b = Backoff(base_s=1.0, max_s=4.0)
+    allowed = [now for now in (0.0, 0.5, 1.0, 2.0, 3.0, 5.0, 9.0, 12.0, 13.0) if b.allow(now)]
+    assert allowed == [0.0, 1.0, 3.0, 9.0, 13.0]  # intervals 1, 2, 4, then capped at 4
+    assert b.interval == 4.0 and b.next_at == 17.0
+    assert b.allow(40.0) and b.interval == 1.0  # quiet for more than four intervals
+
+
+def test_a_resync_asked_inside_the_backoff_is_deferred_then_dumped() -> None:
+    t = StreamTracker(S, can_replay=True, can_dump=True, timeout_s=1.0, probe_s=None, resync_backoff_s=2.0)
+    t.on_live(0, payload(0), 0.0)
+    assert isinstance(t.request_resync("unknown parent", 0.0)[0], ResyncStarted)  # a replay from 0 at once
+    out = t.on_reply(pack_seq(0), payload(0), 0.1) + t.on_reply(END_SEQ, b"", 0.1)
+    assert seqs(out) == [0] and not t.recovering
+    t.outbox.clear()
+    assert t.request_resync("unknown parent again", 0.5) == [] and not t.outbox  # within 2 s: deferred
+    assert t.stats.resyncs_deferred == 1 and t.next_tick() == 2.0 and t.needs_tick
+    assert t.on_tick(1.9) == [] and not t.outbox
+    out = t.on_tick(2.0)
+    assert isinstance(out[0], ResyncStarted) and t.outbox == [DUMP_REQUEST] and t.recovering
+
+
+def test_a_dump_needs_the_replay_socket_it_is_asked_on() -> None:
+    with pytest.raises(ValueError, match="replay"):
+        StreamTracker(S, can_replay=False, can_dump=True)
+    with pytest.raises(ValueError, match="replay"):
+        EndpointConfig("w", "tcp://127.0.0.1:5557", supports_dump=True)
+
+
+def test_seq_history_keeps_a_window_of_digests_and_a_bounded_list_of_losses() -> None:
+    h = SeqHistory(window=3, ranges=2)
+    for s in range(5):
+        h.delivered(s, payload(s))
+    assert h.holds(4, payload(4)) and not h.holds(4, payload(5)) and h.digest_at(1) is None  # 0, 1 forgotten
+    for first in (10, 20, 30):
+        h.give_up(first, first + 2)
+    assert not h.gave_up(10) and h.gave_up(21) and h.gave_up(31) and not h.gave_up(32)
+    h._check()
+    h.forget()
+    assert h.digest_at(4) is None and not h.gave_up(31)

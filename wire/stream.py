@@ -25,17 +25,17 @@ as each answer makes progress. Only a loss for good leads to a dump or to
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Literal, NamedTuple, TypeAlias
 
-import xxhash
-
+from kvtier.wire.backoff import Backoff
 from kvtier.wire.codec import DecodeError, decode_payload
 from kvtier.wire.frames import DUMP_REQUEST, END_SEQ, pack_seq, unpack_seq
 from kvtier.wire.protocol import EventBatch, WorkerId
 from kvtier.wire.ratelog import suffix, worth_logging
+from kvtier.wire.replayrequest import ReplayRequest
+from kvtier.wire.seqhistory import SeqHistory
 
 log = logging.getLogger(__name__)
 
@@ -148,19 +148,16 @@ class StreamStats:
     malformed: int = 0  # frames or payloads that failed to parse
 
 
-_DUP_WINDOW = 4096  # how many recent (seq, payload digest) pairs identify duplicates
-_SKIPPED_RANGES = 64  # how many given-up seq ranges are remembered (to tell stragglers from restarts)
-#: A stable digest of a payload (unlike ``hash``, the same in every process: positions are persisted).
-_digest = xxhash.xxh3_64_intdigest
-
-
 @dataclass(slots=True)
 class StreamTracker:
     """Orders one stream's messages; see the module docstring for the guarantee.
 
     The caller sends :attr:`outbox` requests on the replay socket (and clears it),
     and recreates that socket when :attr:`reset_replay_socket` is set, so a late
-    answer to an abandoned request can never be mistaken for a new one.
+    answer to an abandoned request can never be mistaken for a new one. What was
+    delivered lately is :class:`~kvtier.wire.seqhistory.SeqHistory`'s, the pending
+    replay's answer :class:`~kvtier.wire.replayrequest.ReplayRequest`'s, the pace of
+    resyncs :class:`~kvtier.wire.backoff.Backoff`'s.
     """
 
     stream: StreamId  # identity of the stream
@@ -179,27 +176,19 @@ class StreamTracker:
     _mode: _Mode = _Mode.LIVE  # see _Mode
     _held: list[tuple[int, bytes]] = field(default_factory=list)  # live messages held back
     _deadline: float = 0.0  # when the pending request times out
-    _replay_from: int = 0  # first seq asked of the pending replay
     _tries: int = 0  # requests sent for the pending replay or dump
-    _for_gap: bool = False  # the pending replay fills a detected gap (not a catch-up or check)
-    _replay_hole: bool = False  # the replay answer skipped a seq after its start (frames dropped)
-    _lost: bool = False  # the replay answer started past `expected`: the buffer no longer holds it
-    _frames: int = 0  # batches received in the pending answer
-    _progress: int = 0  # batches the pending answer delivered
-    _probe: bool = False  # the pending replay is an idle probe: no answer means nothing
-    _beyond: list[tuple[int, bytes]] = field(default_factory=list)  # replayed past a loss for good
-    _next_resync: float = float("-inf")  # earliest time the next resync may start
-    _backoff: float = 0.0  # current resync interval (0 until the first resync)
-    _last_resync: float = float("-inf")  # when the last resync started
+    _replay: ReplayRequest = field(default_factory=ReplayRequest)  # the pending (or last) replay
+    _history: SeqHistory = field(default_factory=SeqHistory)  # digests of recent seqs, ranges given up
+    _pace: Backoff = field(init=False)  # when the next resync may start (from the resync_backoff fields)
     _dump_due: bool = False  # a dump was wanted while rate-limited: start it once allowed
-    _skipped: list[tuple[int, int]] = field(default_factory=list)  # seq ranges [a, b) given up for lost
-    _resyncing: bool = False  # the pending replay is a resync (its dump fallback is not rate-limited again)
     _dump_seq: int | None = None  # last live seq the incoming dump includes
-    _recent: OrderedDict[int, int] = field(default_factory=OrderedDict)  # seq -> payload digest
     _suspect: bool = False  # the live socket reconnected: the publisher may be a new process
-    _verify: bool = False  # the pending replay checks the last delivered seq's content
-    _restarted: bool = False  # the check found a new publisher: replay it from 0 next
     _last_seen: float = 0.0  # when the stream last showed activity (for tail probes)
+
+    def __post_init__(self) -> None:
+        if self.can_dump and not self.can_replay:
+            raise ValueError(f"stream {self.stream}: a state dump is asked on the replay socket: no dump without one")
+        self._pace = Backoff(self.resync_backoff_s, self.resync_backoff_max_s)
 
     # --- inputs --------------------------------------------------------------------------
 
@@ -252,7 +241,7 @@ class StreamTracker:
         was delivered or a recovery is under way. O(1)."""
         if self._mode is not _Mode.LIVE or not self.expected:
             return None
-        return self.expected, self._recent.get(self.expected - 1)
+        return self.expected, self._history.digest_at(self.expected - 1)
 
     def resume(self, position: tuple[int, int | None], now: float) -> None:
         """Continues from a snapshot's :meth:`position` instead of :meth:`start`. With a digest it first
@@ -260,17 +249,17 @@ class StreamTracker:
         it is a new process: ``PublisherRestarted`` and a replay from 0), then replays what came after.
         Without one it replays from the next seq; a publisher that restarted meanwhile is then caught
         only if it has not yet published past the saved seq (its next batch goes backwards)."""
-        expected, digest = position
+        expected, known = position
         assert expected >= 1 and self.expected is None, "resume() replaces start() on a fresh tracker"
         self.expected = expected
-        if digest is None:
+        if known is None:
             if self.can_replay:
                 self._start_replay(expected, now, [])
             return
-        self._recent[expected - 1] = digest
+        self._history.vouch(expected - 1, known)
         if self.can_replay:
             self._start_replay(expected - 1, now, [])
-            self._verify = True
+            self._replay.verify = True
 
     def next_tick(self) -> float | None:
         """When :meth:`on_tick` next has something to do (a deadline, a deferred dump, an idle probe),
@@ -278,7 +267,7 @@ class StreamTracker:
         if self._mode is not _Mode.LIVE:
             return self._deadline
         if self._dump_due:
-            return self._next_resync
+            return self._pace.next_at
         if self._suspect and self.expected and self.can_replay:
             return self._last_seen
         if self.probe_s is not None and self.can_replay and self.expected is not None:
@@ -293,7 +282,7 @@ class StreamTracker:
     @property
     def recovering(self) -> bool:
         """A catch-up, full replay or dump is under way: the consumer's view is incomplete. O(1)."""
-        return self._mode is not _Mode.LIVE and not self._probe
+        return self._mode is not _Mode.LIVE and not (self._mode is _Mode.REPLAY and self._replay.probe)
 
     def request_resync(self, reason: str, now: float) -> list[Delivery]:
         """The consumer found its state inconsistent and wants it again from scratch.
@@ -315,9 +304,9 @@ class StreamTracker:
             return out
         out.append(ResyncStarted(self.stream, reason))
         self.expected = 0
-        self._recent.clear()
+        self._history.forget_digests()
         self._start_replay(0, now, out)
-        self._resyncing = True
+        self._replay.resyncing = True
         return out
 
     def on_disconnect(self) -> None:
@@ -337,7 +326,7 @@ class StreamTracker:
         # again on a fresh socket.
         self.reset_replay_socket = True
         if self._mode is _Mode.REPLAY and self.expected is not None:
-            self._new_answer()
+            self._replay.fresh_answer()
             self.outbox.append(pack_seq(self.expected))
         elif self._mode is _Mode.DUMP:
             self._dump_seq = None
@@ -350,50 +339,55 @@ class StreamTracker:
         last one for a while, the probe (a replay from ``expected``) finds it.
         """
         out: list[Delivery] = []
-        if self._mode is _Mode.LIVE and self._dump_due and now >= self._next_resync:
+        if self._mode is _Mode.LIVE:
+            self._tick_live(now, out)
+        elif now >= self._deadline:
+            self._timed_out(now, out)
+        return out
+
+    def _tick_live(self, now: float, out: list[Delivery]) -> None:
+        """A deferred dump once the backoff allows it, a check after a reconnect, a probe of a quiet stream."""
+        if self._dump_due and now >= self._pace.next_at:
             self._dump_due = False
             self._unrecoverable("deferred resync", now, out)
-            return out
-        if self._mode is _Mode.LIVE and self._suspect and self.expected and self.can_replay:
+        elif self._suspect and self.expected and self.can_replay:
             # Reconnected and quiet since: a restarted engine may publish nothing for a long time,
             # so check now whether the publisher still holds what we delivered last.
             self._suspect = False
             self._start_replay(self.expected - 1, now, out)
-            self._verify = True
-            return out
-        if (self._mode is _Mode.LIVE and self.probe_s is not None and self.can_replay and self.expected is not None
+            self._replay.verify = True
+        elif (self.probe_s is not None and self.can_replay and self.expected is not None
                 and now - self._last_seen >= self.probe_s):
             self._last_seen = now
             self._start_replay(self.expected, now, out)
-            self._probe = True
-            return out
-        if self._mode is not _Mode.LIVE and now >= self._deadline:
-            self.reset_replay_socket = True
-            if self._mode is _Mode.REPLAY and self._progress:
-                self._reask(now)  # the answer made progress, then stalled: frames were dropped
-                return out
-            if self._mode is _Mode.REPLAY and self._probe:
-                # An idle probe went unanswered (the publisher may be busy with a dump for another
-                # client): nothing is known to be missing, so nothing changes.
-                self.stats.probe_timeouts += 1
-                self._mode = _Mode.LIVE
-                self._probe = False
-                self._drain_held(now, out)
-                return out
-            if self._tries < self.attempts:
-                self._tries += 1
-                self._deadline = now + self.timeout_s
-                if self._mode is _Mode.REPLAY:
-                    assert self.expected is not None, "replaying while no seq is expected"
-                    self._new_answer()
-                    self.outbox.append(pack_seq(self.expected))
-                else:
-                    self.outbox.append(DUMP_REQUEST)
-            elif self._mode is _Mode.REPLAY:
-                self._unrecoverable("replay timed out", now, out)
+            self._replay.probe = True
+
+    def _timed_out(self, now: float, out: list[Delivery]) -> None:
+        """The pending replay or dump went quiet past its deadline: asked again, or given up."""
+        self.reset_replay_socket = True
+        r = self._replay
+        if self._mode is _Mode.REPLAY and r.progress:
+            self._reask(now)  # the answer made progress, then stalled: frames were dropped
+        elif self._mode is _Mode.REPLAY and r.probe:
+            # An idle probe went unanswered (the publisher may be busy with a dump for another
+            # client): nothing is known to be missing, so nothing changes.
+            self.stats.probe_timeouts += 1
+            self._mode = _Mode.LIVE
+            r.probe = False
+            self._drain_held(now, out)
+        elif self._tries < self.attempts:
+            self._tries += 1
+            self._deadline = now + self.timeout_s
+            if self._mode is _Mode.REPLAY:
+                assert self.expected is not None, "replaying while no seq is expected"
+                r.fresh_answer()
+                self.outbox.append(pack_seq(self.expected))
             else:
-                self._give_up("state dump timed out", now, out)
-        return out
+                self.outbox.append(DUMP_REQUEST)
+        elif self._mode is _Mode.REPLAY:
+            self._unrecoverable("replay timed out", now, out)
+        else:
+            self._give_up("state dump timed out", now, out)
 
     # --- live path -----------------------------------------------------------------------
 
@@ -402,10 +396,10 @@ class StreamTracker:
             self._held.append((seq, payload))
             return
         if self.expected is not None and seq < self.expected:
-            if self._recent.get(seq) == _digest(payload):
+            if self._history.holds(seq, payload):
                 self.stats.duplicates += 1
                 return
-            if any(a <= seq < b for a, b in self._skipped):
+            if self._history.gave_up(seq):
                 # A straggler of batches already given up for lost (a replay answer overtook it):
                 # applying it now, after later batches, could resurrect removed blocks.
                 self.stats.late += 1
@@ -414,15 +408,14 @@ class StreamTracker:
             self.stats.restarts += 1
             out.append(PublisherRestarted(self.stream, seq))
             self.expected = None
-            self._recent.clear()
-            self._skipped.clear()
+            self._history.forget()
         if self.expected is None and seq == 0:
             self.expected = 0
         if self._suspect and self.expected and self.can_replay:
             self._suspect = False
             self._held.append((seq, payload))
             self._start_replay(self.expected - 1, now, out)
-            self._verify = True
+            self._replay.verify = True
             return
         if seq == self.expected:
             self._deliver(seq, payload, "live", out)
@@ -433,14 +426,12 @@ class StreamTracker:
         self._held.append((seq, payload))
         self.expected = first_missing
         self._start_replay(first_missing, now, out)
-        self._for_gap = True
+        self._replay.for_gap = True
 
     def _deliver(self, seq: int, payload: bytes, source: Literal["live", "replay"],
                  out: list[Delivery]) -> None:
         self.expected = seq + 1
-        self._recent[seq] = _digest(payload)
-        if len(self._recent) > _DUP_WINDOW:
-            self._recent.popitem(last=False)
+        self._history.delivered(seq, payload)
         try:
             batch = decode_payload(payload, packed_tokens=True)
         except DecodeError as exc:
@@ -469,21 +460,10 @@ class StreamTracker:
             self._unrecoverable("no replay socket", now, out)
             return
         self._mode = _Mode.REPLAY
-        self._replay_from = start
-        self._for_gap = False
-        self._probe = False
-        self._resyncing = False
-        self._beyond = []
-        self._new_answer()
+        self._replay.ask(start)
         self._tries = 1
         self._deadline = now + self.timeout_s
         self.outbox.append(pack_seq(start))
-
-    def _new_answer(self) -> None:
-        self._replay_hole = False
-        self._lost = False
-        self._frames = 0
-        self._progress = 0
 
     def _reask(self, now: float) -> None:
         """Asks again from the first missing seq on a fresh socket (frames were dropped). O(1).
@@ -493,65 +473,51 @@ class StreamTracker:
         assert self.expected is not None, "re-asking while no seq is expected"
         self.stats.reasks += 1
         self.reset_replay_socket = True
-        if self._progress:
+        if self._replay.progress:
             self._tries = 1
-        self._new_answer()
+        self._replay.fresh_answer()
         self._deadline = now + self.timeout_s
         self.outbox.append(pack_seq(self.expected))
 
     def _replayed(self, seq: int, payload: bytes, out: list[Delivery]) -> None:
         assert self.expected is not None, "replay answer while no seq is expected"
-        if self._verify:
-            self._verify = False
-            if seq == self.expected - 1 and self._recent.get(seq) == _digest(payload):
+        r = self._replay
+        if r.verify:
+            r.verify = False
+            if seq == self.expected - 1 and self._history.holds(seq, payload):
                 return  # same publisher: the replay goes on as usual
             self._on_new_publisher(seq, out)
-        first = self._frames == 0
-        self._frames += 1
-        if self._restarted or seq < self.expected or self._replay_hole:
-            return
-        if self._lost:
-            self._beyond.append((seq, payload))
-            return
-        if seq > self.expected:
-            if first:  # the buffer's oldest batch is past `expected`: the rest is lost for good
-                self._lost = True
-                self._beyond.append((seq, payload))
-            else:  # the answer skipped a seq it holds: frames were dropped on the way
-                self._replay_hole = True
-            return
-        self._progress += 1
-        self._deliver(seq, payload, "replay", out)
+        if r.take(seq, payload, self.expected):
+            self._deliver(seq, payload, "replay", out)
 
     def _on_new_publisher(self, seq: int, out: list[Delivery]) -> None:
         self.stats.restarts += 1
         out.append(PublisherRestarted(self.stream, seq))
-        self._recent.clear()
-        self._skipped.clear()
+        self._history.forget()
         self.expected = 0
-        self._restarted = True
+        self._replay.restarted = True
 
     def _finish_replay(self, now: float, out: list[Delivery]) -> None:
         assert self.expected is not None, "replay finished while no seq is expected"
-        if self._verify:  # nothing came back to compare with: assume the worst
-            self._verify = False
+        r = self._replay
+        if r.verify:  # nothing came back to compare with: assume the worst
+            r.verify = False
             self._on_new_publisher(-1, out)
-        if self._restarted:
-            self._restarted = False
+        if r.restarted:
             self._start_replay(0, now, out)
             return
-        if self._lost:
-            self._unrecoverable(f"replay from seq {self.expected} started at seq {self._beyond[0][0]}: "
+        if r.lost:
+            self._unrecoverable(f"replay from seq {self.expected} started at seq {r.beyond[0][0]}: "
                                 "the publisher's buffer no longer holds the batches between", now, out)
             return
         held = sorted(self._held)
         self._held = []
         pending = [(s, p) for s, p in held if s >= self.expected]
-        if self._replay_hole or (pending and pending[0][0] > self.expected):
+        if r.hole or (pending and pending[0][0] > self.expected):
             # Frames were dropped, or the answer ended before the held messages: ask again from the
             # first missing seq. An answer that delivered something never counts against `attempts`.
             self._held = pending
-            if self._progress:
+            if r.progress:
                 self._reask(now)
             elif self._tries < self.attempts:
                 self._tries += 1
@@ -561,10 +527,10 @@ class StreamTracker:
                                     now, out)
             return
         self._mode = _Mode.LIVE
-        self._probe = False
-        if self._for_gap:
+        r.probe = False
+        if r.for_gap:
             self.stats.gaps_filled += 1
-            out.append(GapFilled(self.stream, self._replay_from, self.expected - 1))
+            out.append(GapFilled(self.stream, r.start, self.expected - 1))
         self._drain(pending, now, out)
 
     def _drain(self, pending: list[tuple[int, bytes]], now: float, out: list[Delivery]) -> None:
@@ -580,19 +546,14 @@ class StreamTracker:
 
     def _resync_allowed(self, now: float) -> bool:
         """Rate limit: True (and the backoff advanced) if a resync may start now."""
-        if now < self._next_resync:
-            self.stats.resyncs_deferred += 1
-            return False
-        # Resyncs that keep coming double the interval; a long quiet spell resets it.
-        quiet = now - self._last_resync > 4 * max(self._backoff, self.resync_backoff_s)
-        self._backoff = self.resync_backoff_s if quiet else min(2 * self._backoff, self.resync_backoff_max_s)
-        self._last_resync = now
-        self._next_resync = now + self._backoff
-        return True
+        if self._pace.allow(now):
+            return True
+        self.stats.resyncs_deferred += 1
+        return False
 
     def _unrecoverable(self, reason: str, now: float, out: list[Delivery]) -> None:
         self.stats.resyncs += 1
-        if self.can_dump and not self._resyncing and not self._resync_allowed(now):
+        if self.can_dump and not self._replay.resyncing and not self._resync_allowed(now):
             self._dump_due = True  # mark partial now, dump when the rate limit allows
         elif self.can_dump:
             log.warning("stream %s: %s; requesting a state dump", self.stream, reason)
@@ -609,17 +570,17 @@ class StreamTracker:
         log.warning("stream %s: %s; state marked partial", self.stream, reason)
         out.append(ResyncNeeded(self.stream, reason))
         self._mode = _Mode.LIVE
-        self._probe = False
+        r = self._replay
+        r.probe = False
         # Continue from the oldest batch still at hand (what the replay returned past the loss,
         # then the held live messages): the consumer rebuilds from there.
-        by_seq = dict(self._beyond)
+        by_seq = dict(r.beyond)
+        r.beyond = []
         by_seq.update(self._held)
         held = sorted(by_seq.items())
-        self._beyond = []
         self._held = []
         if held and self.expected is not None and held[0][0] > self.expected:
-            self._skipped.append((self.expected, held[0][0]))
-            del self._skipped[:-_SKIPPED_RANGES]
+            self._history.give_up(self.expected, held[0][0])
         self.expected = held[0][0] if held else None
         self._drain(held, now, out)
 
@@ -645,7 +606,7 @@ class StreamTracker:
             return
         self._mode = _Mode.LIVE
         self.expected = self._dump_seq + 1
-        self._recent.clear()
+        self._history.forget_digests()
         out.append(ResyncDone(self.stream, self._dump_seq))
         held = sorted(self._held)
         self._held = []

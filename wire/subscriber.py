@@ -34,6 +34,11 @@ class EndpointConfig:
     supports_dump: bool = False  # answers state-dump requests (kvtier engines only)
     topic: bytes = b""  # SUB prefix filter; b"" takes every topic
 
+    def __post_init__(self) -> None:
+        if self.supports_dump and self.replay_endpoint is None:
+            raise ValueError(f"endpoint {self.endpoint}: a state dump is asked on the replay socket: no dump "
+                             "without a replay endpoint")
+
     @property
     def stream(self) -> StreamId:
         return StreamId(WorkerId(self.worker), self.dp_rank)
