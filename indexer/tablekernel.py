@@ -76,6 +76,21 @@ def _probe(r: Arr, k: np.uint64) -> int:
     return -1 - i
 
 
+@njit(cache=True, inline="always")
+def _copy_row(dst: Arr, i: int, src: Arr, j: int) -> None:
+    """``dst[i, :cols] = src[j, :]`` as a loop: a slice assignment builds two array views, which costs more than
+    the few words of a row (a rehash took 1.5-2x as long with it)."""
+    for c in range(src.shape[1]):
+        dst[i, c] = src[j, c]
+
+
+@njit(cache=True, inline="always")
+def _zero_row(r: Arr, i: int, start: int) -> None:
+    """``r[i, start:] = 0`` as a loop (see :func:`_copy_row`)."""
+    for c in range(start, r.shape[1]):
+        r[i, c] = 0
+
+
 @njit(cache=True)
 def find(r: Arr, k: np.uint64) -> int:
     """The row of ``k``, or -1. O(1) expected."""
@@ -92,7 +107,7 @@ def claim(r: Arr, m: Arr, k: np.uint64) -> int:
         f = -1 - i
         r[f, KEY] = k
         r[f, USED] = 1
-        r[f, VAL:] = 0
+        _zero_row(r, f, VAL)
         m[0] += 1
     return i
 
@@ -110,9 +125,9 @@ def delete_at(r: Arr, m: Arr, i: int) -> None:
         # The row at j may move to i unless its home lies cyclically in (i, j].
         if (i <= j and i < h <= j) or (i > j and (h > i or h <= j)):
             continue
-        r[i, :] = r[j, :]
+        _copy_row(r, i, r, j)
         i = j
-    r[i, :] = 0
+    _zero_row(r, i, 0)
     m[0] -= 1
 
 
@@ -120,13 +135,12 @@ def delete_at(r: Arr, m: Arr, i: int) -> None:
 def rehash(r: Arr, n: Arr) -> None:
     """Moves every row into the empty table ``n`` (more rows, or more value columns: new ones are zero). O(cap)."""
     mask = n.shape[0] - 1
-    cols = r.shape[1]
     for s in range(r.shape[0]):
         if r[s, USED]:
             i = _home(r[s, KEY], mask)
             while n[i, USED]:
                 i = (i + 1) & mask
-            n[i, :cols] = r[s, :]
+            _copy_row(n, i, r, s)
 
 
 @njit(cache=True)
@@ -209,7 +223,8 @@ def _intern(pm: Arr, ph: Arr, pa: Arr, words: Arr) -> int:
     else:
         m = int(pa[_PTOP])
         pa[_PTOP] += 1
-    pm[m, :] = words
+    for w in range(words.shape[0]):  # (a loop: see _copy_row)
+        pm[m, w] = words[w]
     pa[_PREF + m] = 1
     ph[i, KEY] = h
     ph[i, USED] = 1
@@ -258,7 +273,8 @@ def _change(t: Arr, i: int, pm: Arr, ph: Arr, pa: Arr, tmp: Arr, word: int, set_
         if new:
             pa[_PREF + new] += 1
     else:
-        tmp[:] = pm[old, :]
+        for w in range(tmp.shape[0]):  # (a loop: see _copy_row)
+            tmp[w] = pm[old, w]
         tmp[word] = (tmp[word] | set_bits) & keep
         new = 0
         for w in range(tmp.shape[0]):
@@ -447,7 +463,7 @@ def _claim_at(r: Arr, m: Arr, k: np.uint64, probe: int) -> int:
         i = (i + 1) & mask
     r[i, KEY] = k
     r[i, USED] = 1
-    r[i, VAL:] = 0
+    _zero_row(r, i, VAL)
     m[0] += 1
     return -1 - i
 
