@@ -22,7 +22,6 @@ the lock, so the lock covers lookups and bookkeeping only.
 
 from __future__ import annotations
 
-import heapq
 import logging
 import threading
 import time
@@ -33,7 +32,9 @@ from typing import Any
 
 from kvtier.fields import ConfigError
 from kvtier.indexer import persist
-from kvtier.indexer.consumer import IndexConsumer, Lag
+from kvtier.indexer.consumer import Lag
+from kvtier.indexer.deadlines import Deadlines
+from kvtier.indexer.eventloop import EventLoop
 from kvtier.indexer.gcpause import GcPauses, freeze_startup_objects
 from kvtier.indexer.histogram import Histogram
 from kvtier.indexer.index import TieredIndex
@@ -54,14 +55,9 @@ from kvtier.indexer.servicemetrics import render_metrics
 from kvtier.wire.overlap import OverlapScores
 from kvtier.wire.protocol import TOKEN_BYTES, PackedTokens
 from kvtier.wire.stream import StreamId
-from kvtier.wire.subscriber import Subscriber
 from kvtier.wire.tokenarray import token_backend
 
 log = logging.getLogger(__name__)
-
-
-_RESTART_BACKOFF_S = 0.5  # the first wait before a failed event loop starts again
-_RESTART_BACKOFF_MAX_S = 30.0  # the longest, as failures repeat
 
 
 class ServiceUnavailable(RuntimeError):
@@ -69,7 +65,9 @@ class ServiceUnavailable(RuntimeError):
 
 
 class IndexerService:
-    """The indexer service; :meth:`start` runs it in background threads."""
+    """The indexer service; :meth:`start` runs it in background threads: the event loop
+    (:class:`~kvtier.indexer.eventloop.EventLoop`) and the HTTP front end. The router, the loads and the routed
+    requests' deadlines (:class:`~kvtier.indexer.deadlines.Deadlines`) are this class's, under its lock."""
 
     def __init__(self, config: ServiceConfig) -> None:
         if not config.endpoints:
@@ -100,30 +98,15 @@ class IndexerService:
         # others as before. Each answer says which it was per worker ("window_kv").
         self.router = Router(self.index, cost, loads=self.loads, policy=plugin, rebuilding=self._rebuilding,
                              window_aware=True)
-        self._lock = threading.Lock()  # guards index, loads and the request registry
-        self._stop = threading.Event()
-        self._consumer = IndexConsumer(self.index)
-        self._sub: Subscriber | None = None
-        self._loop_error: str | None = None  # why the event loop died, if it did
-        self._ready = threading.Event()
+        self._lock = threading.Lock()  # guards index, loads and the deadlines
+        self._deadlines = Deadlines(config.request_ttl_s)  # routed requests in flight, until finish or expiry
+        self._loop = EventLoop(config, self.index, self._lock, self._deadlines, self.loads.finish, self._resume)
         #: Set when the event loop died: the index no longer follows the engines.
-        self.failed = threading.Event()
-        self._deadlines: dict[str, float] = {}  # routed request id -> when it expires
-        self._expiry: list[tuple[float, str]] = []  # heap of (deadline, request id)
-        self.requests_expired = 0
-        self.loop_restarts = 0  # times the event loop failed and was started again (config.loop_restarts)
-        self._restarting = False  # between a failed event loop and its restart
-        self._torn: StreamId | None = None  # the stream whose delivery is being applied (event loop thread)
-        self._positions: persist.Positions = {}  # each in-sync stream's position when the event loop last ended
-        self.snapshots = 0  # snapshots written
-        self.snapshot_seconds = 0.0  # how long the last one took
+        self.failed = self._loop.failed
         self.gc = GcPauses()  # the collector's passes and pauses, counted from start()
         # Where answers spend their time (kvtier.indexer.histogram); every observation is made under the lock.
         self.request_seconds = {"query": Histogram(), "route": Histogram()}  # inside the service, lock wait included
         self.lock_wait = Histogram()  # of /query and /route, for the index lock
-        self.apply_wait = Histogram()  # a delivered batch's wait for the lock: how long requests held it up
-        self.apply_hold = Histogram()  # the lock held by one delivered batch's application
-        self._loop = threading.Thread(target=self._run_loop, name="kv-indexer", daemon=True)
         from kvtier.indexer.http import HttpFrontEnd  # aiohttp only where the service runs
 
         self._host, port = config.host_port
@@ -157,19 +140,26 @@ class IndexerService:
                  len(self._resume), len(streams))
 
     def save_snapshot(self, positions: persist.Positions | None = None) -> int | None:
-        """Writes the snapshot now (event loop thread: the index's only writer, so no lock is needed
-        for a consistent read, and queries go on meanwhile), with each stream's ``positions`` (default: the
-        subscriber's). Returns its size, None if not configured."""
-        if self.config.snapshot_path is None or (self._sub is None and positions is None):
-            return None
-        if positions is None:
-            assert self._sub is not None
-            positions = self._sub.positions()
-        t0 = time.monotonic()
-        n = persist.save(Path(self.config.snapshot_path), self.index, positions)
-        self.snapshots += 1
-        self.snapshot_seconds = time.monotonic() - t0
-        return n
+        """:meth:`EventLoop.save_snapshot <kvtier.indexer.eventloop.EventLoop.save_snapshot>` (event loop
+        thread, or once it stopped)."""
+        return self._loop.save_snapshot(positions)
+
+    @property
+    def loop_restarts(self) -> int:
+        """Times the event loop failed and was started again (``config.loop_restarts``)."""
+        return self._loop.restarts
+
+    @property
+    def snapshots(self) -> int:
+        return self._loop.snapshots
+
+    @property
+    def snapshot_seconds(self) -> float:
+        return self._loop.snapshot_seconds
+
+    @property
+    def requests_expired(self) -> int:
+        return self._deadlines.expired
 
     @property
     def address(self) -> str:
@@ -181,11 +171,10 @@ class IndexerService:
         key_backend()
         token_backend()
         self._loop.start()
-        self._ready.wait(5.0)
         try:
             self._http.start()
         except BaseException:
-            self._stop.set()
+            self._loop.stop()
             raise
         # Everything startup made (modules, kernels, a restored index) lives as long as the service: out of
         # the collector's full passes, which otherwise stall every thread for tens of ms (kvtier.indexer.gcpause).
@@ -194,103 +183,13 @@ class IndexerService:
 
     def stop(self) -> None:
         self.gc.uninstall()
-        self._stop.set()
+        self._loop.stop()
         self._http.stop()
-        self._loop.join(timeout=5.0)
-
-    # --- event loop ----------------------------------------------------------------------
-
-    def _run_loop(self) -> None:
-        """Follows the engines until stop. A failure ends the service (``failed``), unless ``loop_restarts``
-        allows another try: the event loop then starts again after a back-off, each stream resuming after its
-        last applied batch, as from a snapshot (a stream that was not in sync starts afresh)."""
-        resume, left, backoff = self._resume, self.config.loop_restarts, _RESTART_BACKOFF_S
-        while True:
-            try:
-                self._follow(resume)
-                return
-            except Exception as exc:
-                if left <= 0 or self._stop.is_set():
-                    self._loop_failed(exc)
-                    return
-                left -= 1
-                self.loop_restarts += 1
-                self._restarting = True
-                log.error("event loop failed (%s: %s); restarting it in %g s (%d more allowed)",
-                          type(exc).__name__, exc, backoff, left, exc_info=exc)
-                resume = self._resume_points(resume)
-                self._ready.set()  # start() goes on: the service answers, degraded, meanwhile
-                if self._stop.wait(backoff):
-                    self._save_logged(resume)  # stopped while waiting: the index, and where each stream resumes
-                    return
-                backoff = min(2 * backoff, _RESTART_BACKOFF_MAX_S)
-
-    def _resume_points(self, fallback: persist.Positions) -> persist.Positions:
-        """Where each stream resumes after a failed loop: its subscriber's position. A stream with none (it was
-        catching up), or whose delivery was being applied when the loop failed (torn: its position counts a
-        batch the index may hold in part), is cleared, to be rebuilt from scratch. ``fallback`` if no
-        subscriber was made."""
-        if self._sub is None:
-            return fallback
-        positions = dict(self._positions)
-        if self._torn is not None:
-            positions.pop(self._torn, None)
-            self._torn = None
-        with self._lock:
-            for s in self.index.streams:
-                if s not in positions:
-                    self.index.clear_worker(s)
-        return positions
-
-    def _follow(self, resume: persist.Positions) -> None:
-        """One life of the event loop: subscribes (resuming ``resume``) and applies deliveries until stop;
-        raises what stopped it otherwise."""
-        sub = Subscriber(self.config.endpoints, replay_timeout_s=self.config.replay_timeout_s, resume=resume)
-        self._sub = sub
-        self._restarting = False
-        self._ready.set()
-        next_snapshot = time.monotonic() + self.config.snapshot_interval_s
-        try:
-            while not self._stop.is_set():
-                if time.monotonic() >= next_snapshot:
-                    self._save_logged()
-                    next_snapshot = time.monotonic() + self.config.snapshot_interval_s
-                for d in sub.poll(50):
-                    t0 = time.perf_counter()
-                    with self._lock:  # one batch per hold: queries wait for a batch, never a backlog
-                        t1 = time.perf_counter()
-                        self._torn = d.stream  # if applying it fails, its state is half there: never resumed
-                        self._consumer.feed((d,))
-                        self._torn = None
-                        self.apply_wait.observe(t1 - t0)
-                        self.apply_hold.observe(time.perf_counter() - t1)
-                if self._expiry and self._expiry[0][0] <= time.monotonic():
-                    with self._lock:
-                        self._expire(time.monotonic())
-            self._save_logged()  # on stop
-        finally:
-            self._positions = sub.positions()  # where a restart resumes (closing forgets the streams)
-            sub.close()
-
-    def _save_logged(self, positions: persist.Positions | None = None) -> None:
-        try:
-            self.save_snapshot(positions)
-        except OSError as exc:  # a full disk must not stop the index from following the engines
-            log.error("snapshot to %s failed: %s", self.config.snapshot_path, exc)
-
-    def _loop_failed(self, exc: Exception) -> None:
-        self._loop_error = f"{type(exc).__name__}: {exc}"
-        log.critical("event loop died: %s", self._loop_error, exc_info=exc)
-        self._ready.set()
-        self.failed.set()
+        self._loop.join()
 
     def _rebuilding(self) -> set[StreamId]:
-        """Streams whose catch-up, full replay or dump is under way (the router skips them); every stream
-        while a failed event loop waits to start again. O(streams)."""
-        if self._restarting:
-            return set(self.index.streams)
-        sub = self._sub
-        return set() if sub is None else {s for s in sub.streams if sub.recovering(s)}
+        """:meth:`EventLoop.rebuilding <kvtier.indexer.eventloop.EventLoop.rebuilding>`. O(streams)."""
+        return self._loop.rebuilding()
 
     def worker_flags(self, stream: StreamId, rebuilding: set[StreamId]) -> dict[str, bool]:
         """``partial`` (events lost for good) and ``recovering`` (catch-up under way); ``rebuilding`` is
@@ -310,7 +209,7 @@ class IndexerService:
 
     def _check_alive(self) -> None:
         if self.failed.is_set():
-            raise ServiceUnavailable(f"event loop died ({self._loop_error}): the index no longer follows the engines")
+            raise ServiceUnavailable(f"event loop died ({self._loop.error}): the index no longer follows the engines")
 
     def _answer(self, dec: RouteDecision) -> dict[str, Any]:
         """Overlaps, per-worker flags, costs and the choice. Caller holds the lock."""
@@ -370,9 +269,7 @@ class IndexerService:
             cached = dec.overlaps.workers[dec.worker].external * self.index.block_size
             self.loads.add(rid, dec.worker, keys, tokens, max(0, tokens - cached))
             self.index.note_routed(dec.worker, keys)  # inferred window KV (SWA engines without window events)
-            deadline = time.monotonic() + self.config.request_ttl_s
-            self._deadlines[rid] = deadline
-            heapq.heappush(self._expiry, (deadline, rid))
+            self._deadlines.book(rid, time.monotonic())
             out = self._answer(dec)
             self.request_seconds["route"].observe(time.perf_counter() - t0)
         out["request_id"] = rid
@@ -394,19 +291,9 @@ class IndexerService:
         from it the output room engines reserve (``min_ttft``'s memory term)."""
         out = parse_finish(body).output_tokens
         with self._lock:
-            known = self._deadlines.pop(rid, None) is not None
+            known = self._deadlines.finish(rid)
             self.loads.finish(rid, out)
         return {"request_id": rid, "was_in_flight": known}
-
-    def _expire(self, now: float) -> None:
-        """Drops requests past their TTL from the load. Caller holds the lock. O(expired log n)."""
-        while self._expiry and self._expiry[0][0] <= now:
-            deadline, rid = heapq.heappop(self._expiry)
-            if self._deadlines.get(rid) == deadline:
-                del self._deadlines[rid]
-                self.loads.finish(rid)
-                self.requests_expired += 1
-                log.info("request %s expired after %g s without finish", rid, self.config.request_ttl_s)
 
     # --- observability -------------------------------------------------------------------
 
@@ -414,7 +301,7 @@ class IndexerService:
         with self._lock:
             workers: dict[str, Any] = {}
             rebuilding = self._rebuilding()
-            subscribed = set(self._sub.streams) if self._sub is not None else set()
+            subscribed = self._loop.stream_stats()
             for s in self.index.streams:
                 st = self.index.stats(s)
                 orphans = self.index.orphan_stats(s)
@@ -429,16 +316,16 @@ class IndexerService:
                     "requests_running": ld.running, "requests_prefilling": ld.prefilling,
                     "active_blocks": ld.active_blocks, "pending_prefill_tokens": ld.pending_prefill_tokens,
                 }
-                if self._sub is not None and s in subscribed:
-                    ss = self._sub.stats(s)
+                if s in subscribed:
+                    ss = subscribed[s]
                     entry.update(gaps=ss.gaps, gaps_filled=ss.gaps_filled, resyncs=ss.resyncs,
                                  resyncs_deferred=ss.resyncs_deferred, reasks=ss.reasks,
                                  probe_timeouts=ss.probe_timeouts,
                                  restarts=ss.restarts, malformed=ss.malformed, duplicates=ss.duplicates)
-                lag = self._consumer.counters.lag.get(s, Lag())
+                lag = self._loop.consumer.counters.lag.get(s, Lag())
                 entry.update(apply_lag_seconds=lag.last, apply_lag_max_seconds=lag.max)
                 workers[str(s)] = entry
-            return {"batches_applied": self._consumer.counters.batches, "indexed_blocks": len(self.index),
+            return {"batches_applied": self._loop.consumer.counters.batches, "indexed_blocks": len(self.index),
                     "requests_in_flight": len(self._deadlines), "requests_expired": self.requests_expired,
                     "snapshots": self.snapshots, "snapshot_seconds": self.snapshot_seconds,
                     "loop_restarts": self.loop_restarts, **self.gc.figures(), "latency": self._latency(),
@@ -448,8 +335,8 @@ class IndexerService:
         """The latency histograms, JSON form. Caller holds the lock (the HTTP loop's lag has its own writer:
         a reader may see one observation half counted)."""
         return {**{f"{k}_seconds": h.as_dict() for k, h in self.request_seconds.items()},
-                "lock_wait_seconds": self.lock_wait.as_dict(), "apply_wait_seconds": self.apply_wait.as_dict(),
-                "apply_hold_seconds": self.apply_hold.as_dict(),
+                "lock_wait_seconds": self.lock_wait.as_dict(), "apply_wait_seconds": self._loop.apply_wait.as_dict(),
+                "apply_hold_seconds": self._loop.apply_hold.as_dict(),
                 "http_loop_lag_seconds": self._http.loop_lag.as_dict()}
 
     def metrics_text(self) -> str:
@@ -469,13 +356,13 @@ class IndexerService:
             flags = {str(s): self.worker_flags(s, rebuilding) for s in self.index.streams}
         partial = sorted(w for w, f in flags.items() if f["partial"])
         recovering = sorted(w for w, f in flags.items() if f["recovering"])
-        alive = self._loop.is_alive() and not self.failed.is_set()
+        alive = self._loop.is_alive()
         out: dict[str, Any] = {
             "status": "down" if not alive else "degraded" if partial or recovering else "ok",
             "workers": len(flags), "partial_workers": partial, "recovering_workers": recovering,
             "http_loop": self._http.loop_kind, "keys": key_backend(load=False), "loop_restarts": self.loop_restarts}
-        if self._loop_error is not None:
-            out["error"] = self._loop_error
+        if self._loop.error is not None:
+            out["error"] = self._loop.error
         return out
 
 

@@ -175,9 +175,9 @@ def test_dead_event_loop_is_not_healthy() -> None:
 def test_a_failed_event_loop_restarts_when_configured_then_gives_up(monkeypatch: pytest.MonkeyPatch) -> None:
     """With ``loop_restarts``, a loop that cannot start is tried again (after the back-off, then twice it),
     the service answering meanwhile as degraded; once the restarts are spent it is down, as without them."""
-    from kvtier.indexer import service
+    from kvtier.indexer import eventloop
 
-    monkeypatch.setattr(service, "_RESTART_BACKOFF_S", 1.0)  # a window wide enough for a loaded machine
+    monkeypatch.setattr(eventloop, "_RESTART_BACKOFF_S", 1.0)  # a window wide enough for a loaded machine
     s = IndexerService(ServiceConfig(endpoints=[parse_endpoint("a=garbage")], listen="127.0.0.1:0",
                                      loop_restarts=2))
     t0 = time.monotonic()
@@ -243,10 +243,10 @@ def test_a_service_stopped_while_its_loop_waits_to_restart_still_saves_its_snaps
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The snapshot written on stop then holds the index and where each stream resumes: the stream whose
     batch was torn is left out, to be rebuilt on the next start."""
-    from kvtier.indexer import persist, service
+    from kvtier.indexer import eventloop, persist
     from kvtier.indexer.consumer import IndexConsumer
 
-    monkeypatch.setattr(service, "_RESTART_BACKOFF_S", 30.0)  # still waiting when stop comes
+    monkeypatch.setattr(eventloop, "_RESTART_BACKOFF_S", 30.0)  # still waiting when stop comes
     pubs = [Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0") for _ in range(2)]
     eps = [parse_endpoint(f"w{i}={p.endpoint},replay={p.replay_endpoint}") for i, p in enumerate(pubs)]
     snap = tmp_path / "index.snap"
@@ -433,3 +433,19 @@ def test_a_flood_of_bad_events_from_one_worker_is_counted_per_worker_and_logged_
     assert post(s.address + "/query", {"token_ids": TOKS})[1]["workers"]["w1"]["device"] == 2
     code, body = post(s.address + "/query", {"token_ids": [True, 2]})  # a boolean is no token id
     assert code == 400 and "Expected `int`, got `bool`" in body["error"]
+
+
+def test_deadlines_expire_only_requests_still_in_flight() -> None:
+    from kvtier.indexer.deadlines import Deadlines
+
+    d = Deadlines(ttl_s=10.0)
+    d.book("a", 0.0)
+    d.book("b", 1.0)
+    with pytest.raises(ValueError, match="already in flight"):
+        d.book("a", 2.0)
+    assert d.finish("a") and not d.finish("a")
+    d.book("a", 5.0)  # booked again: its first deadline (10.0) is stale
+    assert not d.due(9.9) and d.due(10.0)
+    assert d.expire(11.0) == ["b"] and "a" in d and d.expired == 1
+    d._check()
+    assert d.expire(15.0) == ["a"] and len(d) == 0 and d.expired == 2
