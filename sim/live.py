@@ -100,6 +100,13 @@ def _open(args: argparse.Namespace) -> tuple[TieredCache, EngineNode, DataPath, 
 def run(args: argparse.Namespace) -> int:
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+
+    def halted() -> bool:
+        """SIGTERM came, or (``--parent-pid``) the process that started this one died: it was adopted."""
+        if args.parent_pid is not None and os.getppid() != args.parent_pid:
+            stop["now"] = True
+        return stop["now"]
+
     try:
         cache, node, dp, trace = _open(args)
     except EngineError as exc:
@@ -111,10 +118,10 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     try:
         for req in trace:
-            while not stop["now"] and time.monotonic() - t0 < req.arrival:
+            while not halted() and time.monotonic() - t0 < req.arrival:
                 node.step()
                 time.sleep(0.002)
-            if stop["now"]:
+            if halted():
                 break
             with node.lock:
                 adm = cache.admit(req.request_id, bank.packed(req))
@@ -122,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
                     cache.finish_prefill(adm)
                 cache.release(adm)
             node.flush()
-        while dp.ops and not stop["now"]:
+        while dp.ops and not halted():
             node.step()
             time.sleep(0.002)
         node.step()
@@ -130,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
             with node.lock:
                 write_residency(cache, Path(args.residency))
         deadline = time.monotonic() + args.hold
-        while not stop["now"] and time.monotonic() < deadline:
+        while not halted() and time.monotonic() < deadline:
             time.sleep(0.02)  # the publisher's thread keeps answering replay and dump requests
     finally:
         node.close()
@@ -172,6 +179,9 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--residency", help="write the final residency as JSON here")
     p.add_argument("--hold", type=Domain(float, lo=0).parse, default=3600.0,
                    help="seconds to keep serving after the trace")
+    p.add_argument("--parent-pid", type=Domain(int, lo=1).parse, default=None,
+                   help="exit once this process is no longer this one's parent (it died): for test harnesses, "
+                        "so that engines never outlive a run that crashed")
     return p
 
 

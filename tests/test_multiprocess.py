@@ -7,6 +7,7 @@ engine process dumps to a file when its trace is done.
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import socket
@@ -40,7 +41,8 @@ def start(name: str, seed: int, residency: Path, pub: str = ANY_PORT,
     in between (an outgoing connection's source port), and the engine would exit before publishing."""
     cmd = [sys.executable, "-m", "kvtier.sim.live", "--name", name, "--endpoint", pub,
            "--replay", rep, "--trace", "builtin:chat:150", "--seed", str(seed),
-           "--speed", "60", "--device-pages", "384", "--disk-pages", "2048", "--residency", str(residency)]
+           "--speed", "60", "--device-pages", "384", "--disk-pages", "2048", "--residency", str(residency),
+           "--parent-pid", str(os.getpid())]
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert p.stdout is not None
     for raw in p.stdout:
@@ -119,3 +121,34 @@ def test_engines_killed_and_restarted_converge(tmp_path: Path) -> None:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a zombie nobody reaped counts: a container's init may not reap)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_an_engine_exits_when_the_parent_it_was_given_dies() -> None:
+    """A harness that crashes leaves no engine behind: given ``--parent-pid``, an engine whose parent died exits
+    (on its own, it would serve for ``--hold``, an hour)."""
+    launcher = (
+        "import subprocess, sys, os\n"
+        "p = subprocess.Popen([sys.executable, '-m', 'kvtier.sim.live', '--endpoint', 'tcp://127.0.0.1:0',\n"
+        "    '--replay', 'tcp://127.0.0.1:0', '--trace', 'builtin:chat:3', '--speed', '1000', '--l3', 'none',\n"
+        "    '--hold', '3600', '--parent-pid', str(os.getpid())], stdout=subprocess.PIPE,\n"
+        "    stderr=subprocess.DEVNULL)\n"
+        "p.stdout.readline()\n"  # publishing: the engine runs, then its parent dies without a word
+        "print(p.pid, flush=True)\n"
+        "os._exit(0)\n")
+    out = subprocess.run([sys.executable, "-c", launcher], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    pid = int(out.stdout)
+    deadline = time.monotonic() + 30
+    while not _gone(pid):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            raise AssertionError("the engine outlived its parent by 30 s")
+        time.sleep(0.1)
