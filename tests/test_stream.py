@@ -335,3 +335,16 @@ def test_seq_history_keeps_a_window_of_digests_and_a_bounded_list_of_losses() ->
     h._check()
     h.forget()
     assert h.digest_at(4) is None and not h.gave_up(31)
+
+
+def test_a_dump_after_a_probe_found_a_loss_counts_as_recovering() -> None:
+    """The idle probe's answer starts past ``expected``: batches are lost for good, the worker's state is dropped and
+    a dump asked; until it lands the router must skip the worker (a probe alone is not a recovery)."""
+    t = tracker(dump=True)
+    t.on_live(0, payload(0), 0.0)
+    t.on_tick(1.5)  # quiet: the probe asks from seq 1
+    assert [unpack_seq(r) for r in t.outbox] == [1] and not t.recovering
+    t.outbox.clear()
+    out = t.on_reply(pack_seq(3), payload(3), 1.6) + t.on_reply(END_SEQ, b"", 1.6)  # 1 and 2 are gone
+    assert isinstance(out[-1], ResyncStarted) and t.outbox == [DUMP_REQUEST]
+    assert t.recovering
