@@ -214,6 +214,8 @@ class FaultyWire(TwoEngines):
     @invariant()
     def other_workers_untouched(self) -> None:
         self.index._check()
+        for t in self.trackers:
+            t._check()
 
     @rule()
     def quiet_then_check(self) -> None:

@@ -90,6 +90,8 @@ class PartialRecovery(fw.TwoEngines):
     @invariant()
     def structure(self) -> None:
         self.index._check()
+        for t in self.trackers:
+            t._check()
 
     @rule()
     def quiet_then_check(self) -> None:

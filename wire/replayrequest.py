@@ -39,9 +39,19 @@ class ReplayRequest:
         """A new request from ``start``, for nothing in particular yet (the caller marks what it is for) and with
         no answer yet. O(1)."""
         self.start = start
-        self.for_gap = self.probe = self.resyncing = self.verify = self.restarted = False
+        self.done()
         self.beyond = []
         self.fresh_answer()
+
+    def done(self) -> None:
+        """The request is over (answered, abandoned, or given up for a dump): nothing it was for carries over
+        into what the stream does next. O(1)."""
+        self.for_gap = self.probe = self.resyncing = self.verify = self.restarted = False
+
+    @property
+    def purposes(self) -> bool:
+        """Whether the request is marked as for something (a gap, a probe, a resync, a check, a restart)."""
+        return self.for_gap or self.probe or self.resyncing or self.verify or self.restarted
 
     def fresh_answer(self) -> None:
         """The same request asked again: what an earlier answer showed is forgotten. O(1)."""

@@ -258,8 +258,7 @@ class StreamTracker:
             return
         self._history.vouch(expected - 1, known)
         if self.can_replay:
-            self._start_replay(expected - 1, now, [])
-            self._replay.verify = True
+            self._start_replay(expected - 1, now, [], verify=True)
 
     def next_tick(self) -> float | None:
         """When :meth:`on_tick` next has something to do (a deadline, a deferred dump, an idle probe),
@@ -282,7 +281,7 @@ class StreamTracker:
     @property
     def recovering(self) -> bool:
         """A catch-up, full replay or dump is under way: the consumer's view is incomplete. O(1)."""
-        return self._mode is not _Mode.LIVE and not (self._mode is _Mode.REPLAY and self._replay.probe)
+        return self._mode is not _Mode.LIVE and not self._replay.probe
 
     def request_resync(self, reason: str, now: float) -> list[Delivery]:
         """The consumer found its state inconsistent and wants it again from scratch.
@@ -305,8 +304,7 @@ class StreamTracker:
         out.append(ResyncStarted(self.stream, reason))
         self.expected = 0
         self._history.forget_digests()
-        self._start_replay(0, now, out)
-        self._replay.resyncing = True
+        self._start_replay(0, now, out, resyncing=True)
         return out
 
     def on_disconnect(self) -> None:
@@ -354,13 +352,11 @@ class StreamTracker:
             # Reconnected and quiet since: a restarted engine may publish nothing for a long time,
             # so check now whether the publisher still holds what we delivered last.
             self._suspect = False
-            self._start_replay(self.expected - 1, now, out)
-            self._replay.verify = True
+            self._start_replay(self.expected - 1, now, out, verify=True)
         elif (self.probe_s is not None and self.can_replay and self.expected is not None
                 and now - self._last_seen >= self.probe_s):
             self._last_seen = now
-            self._start_replay(self.expected, now, out)
-            self._replay.probe = True
+            self._start_replay(self.expected, now, out, probe=True)
 
     def _timed_out(self, now: float, out: list[Delivery]) -> None:
         """The pending replay or dump went quiet past its deadline: asked again, or given up."""
@@ -373,7 +369,7 @@ class StreamTracker:
             # client): nothing is known to be missing, so nothing changes.
             self.stats.probe_timeouts += 1
             self._mode = _Mode.LIVE
-            r.probe = False
+            r.done()
             self._drain_held(now, out)
         elif self._tries < self.attempts:
             self._tries += 1
@@ -414,8 +410,7 @@ class StreamTracker:
         if self._suspect and self.expected and self.can_replay:
             self._suspect = False
             self._held.append((seq, payload))
-            self._start_replay(self.expected - 1, now, out)
-            self._replay.verify = True
+            self._start_replay(self.expected - 1, now, out, verify=True)
             return
         if seq == self.expected:
             self._deliver(seq, payload, "live", out)
@@ -425,8 +420,7 @@ class StreamTracker:
         out.append(GapDetected(self.stream, first_missing, seq))
         self._held.append((seq, payload))
         self.expected = first_missing
-        self._start_replay(first_missing, now, out)
-        self._replay.for_gap = True
+        self._start_replay(first_missing, now, out, for_gap=True)
 
     def _deliver(self, seq: int, payload: bytes, source: Literal["live", "replay"],
                  out: list[Delivery]) -> None:
@@ -455,12 +449,16 @@ class StreamTracker:
 
     # --- replay path ---------------------------------------------------------------------
 
-    def _start_replay(self, start: int, now: float, out: list[Delivery]) -> None:
+    def _start_replay(self, start: int, now: float, out: list[Delivery], *, for_gap: bool = False,
+                      probe: bool = False, resyncing: bool = False, verify: bool = False) -> None:
+        """Asks for every batch from ``start``, for what the flags say (:class:`ReplayRequest`)."""
         if not self.can_replay:
             self._unrecoverable("no replay socket", now, out)
             return
         self._mode = _Mode.REPLAY
-        self._replay.ask(start)
+        r = self._replay
+        r.ask(start)
+        r.for_gap, r.probe, r.resyncing, r.verify = for_gap, probe, resyncing, verify
         self._tries = 1
         self._deadline = now + self.timeout_s
         self.outbox.append(pack_seq(start))
@@ -527,10 +525,10 @@ class StreamTracker:
                                     now, out)
             return
         self._mode = _Mode.LIVE
-        r.probe = False
         if r.for_gap:
             self.stats.gaps_filled += 1
             out.append(GapFilled(self.stream, r.start, self.expected - 1))
+        r.done()
         self._drain(pending, now, out)
 
     def _drain(self, pending: list[tuple[int, bytes]], now: float, out: list[Delivery]) -> None:
@@ -552,8 +550,12 @@ class StreamTracker:
         return False
 
     def _unrecoverable(self, reason: str, now: float, out: list[Delivery]) -> None:
+        """Events are lost for good: a state dump (rate-limited, unless the replay that failed was a resync,
+        counted already) or, without one, the stream marked partial."""
         self.stats.resyncs += 1
-        if self.can_dump and not self._replay.resyncing and not self._resync_allowed(now):
+        resync = self._replay.resyncing
+        self._replay.done()  # whatever replay failed is over
+        if self.can_dump and not resync and not self._resync_allowed(now):
             self._dump_due = True  # mark partial now, dump when the rate limit allows
         elif self.can_dump:
             log.warning("stream %s: %s; requesting a state dump", self.stream, reason)
@@ -571,11 +573,12 @@ class StreamTracker:
         out.append(ResyncNeeded(self.stream, reason))
         self._mode = _Mode.LIVE
         r = self._replay
-        r.probe = False
+        r.done()
         # Continue from the oldest batch still at hand (what the replay returned past the loss,
         # then the held live messages): the consumer rebuilds from there.
         by_seq = dict(r.beyond)
         r.beyond = []
+        r.fresh_answer()  # (the answer is used up: its loss now lies in the history)
         by_seq.update(self._held)
         held = sorted(by_seq.items())
         self._held = []
@@ -611,3 +614,15 @@ class StreamTracker:
         held = sorted(self._held)
         self._held = []
         self._drain(held, now, out)
+
+    def _check(self) -> None:
+        """Asserts the tracker's invariants (tests call it between steps)."""
+        if self._mode is _Mode.LIVE:
+            assert not self._held, f"stream {self.stream}: {len(self._held)} batches held back while live"
+            assert not self._replay.purposes, f"stream {self.stream}: a replay's purpose outlived it: {self._replay}"
+        elif self._mode is _Mode.REPLAY:
+            assert self.expected is not None, f"stream {self.stream}: replaying with no seq expected"
+        else:
+            assert not self._replay.purposes, f"stream {self.stream}: a replay's purpose carried into a dump"
+        self._replay._check()
+        self._history._check()
