@@ -36,8 +36,8 @@ class EndpointConfig:
 
     def __post_init__(self) -> None:
         if self.supports_dump and self.replay_endpoint is None:
-            raise ValueError(f"endpoint {self.endpoint}: a state dump is asked on the replay socket: no dump "
-                             "without a replay endpoint")
+            # (no endpoint named here: the callers' messages name the one they were given)
+            raise ValueError("a state dump is asked on the replay socket: no dump without a replay endpoint")
 
     @property
     def stream(self) -> StreamId:
