@@ -68,9 +68,11 @@ class EventLoop:
         self._stop.set()
 
     def join(self, timeout_s: float = 5.0) -> None:
+        """Waits (at most ``timeout_s``) for the thread to end after :meth:`stop`."""
         self._thread.join(timeout=timeout_s)
 
     def is_alive(self) -> bool:
+        """Whether the thread runs and has not died for good (it may be waiting to restart). O(1)."""
         return self._thread.is_alive() and not self.failed.is_set()
 
     # --- what the service reads (under its lock) ------------------------------------------

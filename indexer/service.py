@@ -151,14 +151,17 @@ class IndexerService:
 
     @property
     def snapshots(self) -> int:
+        """Snapshots written since start."""
         return self._loop.snapshots
 
     @property
     def snapshot_seconds(self) -> float:
+        """How long the last snapshot took to write."""
         return self._loop.snapshot_seconds
 
     @property
     def requests_expired(self) -> int:
+        """Routed requests dropped at their deadline, never finished."""
         return self._deadlines.expired
 
     @property
