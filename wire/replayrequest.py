@@ -35,11 +35,12 @@ class ReplayRequest:
     progress: int = 0  # batches the answer delivered
     beyond: list[tuple[int, bytes]] = field(default_factory=list)  # answered past a loss for good
 
-    def ask(self, start: int) -> None:
-        """A new request from ``start``, for nothing in particular yet (the caller marks what it is for) and with
+    def ask(self, start: int, *, for_gap: bool = False, probe: bool = False, resyncing: bool = False,
+            verify: bool = False) -> None:
+        """A new request from ``start``, for what the flags say (nothing of an earlier request carries over), with
         no answer yet. O(1)."""
         self.start = start
-        self.done()
+        self.for_gap, self.probe, self.resyncing, self.verify, self.restarted = for_gap, probe, resyncing, verify, False
         self.beyond = []
         self.fresh_answer()
 

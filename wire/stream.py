@@ -456,9 +456,7 @@ class StreamTracker:
             self._unrecoverable("no replay socket", now, out)
             return
         self._mode = _Mode.REPLAY
-        r = self._replay
-        r.ask(start)
-        r.for_gap, r.probe, r.resyncing, r.verify = for_gap, probe, resyncing, verify
+        self._replay.ask(start, for_gap=for_gap, probe=probe, resyncing=resyncing, verify=verify)
         self._tries = 1
         self._deadline = now + self.timeout_s
         self.outbox.append(pack_seq(start))
@@ -572,8 +570,7 @@ class StreamTracker:
         log.warning("stream %s: %s; state marked partial", self.stream, reason)
         out.append(ResyncNeeded(self.stream, reason))
         self._mode = _Mode.LIVE
-        r = self._replay
-        r.done()
+        r = self._replay  # (done already: _unrecoverable ended it, or a dump, which only _unrecoverable starts)
         # Continue from the oldest batch still at hand (what the replay returned past the loss,
         # then the held live messages): the consumer rebuilds from there.
         by_seq = dict(r.beyond)
