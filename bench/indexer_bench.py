@@ -49,7 +49,7 @@ from kvtier.indexer.index import Outcome, TieredIndex
 from kvtier.indexer.keys import block_keys, key_backend
 from kvtier.wire import BlockStored, EngineHash, EventBatch, WorkerId
 from kvtier.wire.codec import decode_payload, encode_payload
-from kvtier.wire.stream import StreamId
+from kvtier.wire.notices import StreamId
 
 HERE = Path(__file__).resolve().parent
 

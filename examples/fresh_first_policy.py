@@ -16,7 +16,7 @@ Packaged plugins register an entry point instead, in their pyproject.toml:
 from __future__ import annotations
 
 from kvtier.indexer.plugins import PolicyBase, RouteContext
-from kvtier.wire.stream import StreamId
+from kvtier.wire import StreamId
 
 
 class FreshFirst(PolicyBase):

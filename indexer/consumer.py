@@ -22,15 +22,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvtier.indexer.index import Outcome, TieredIndex
+from kvtier.wire.notices import Delivery, PublisherRestarted, Received, ResyncNeeded, ResyncStarted, StreamId
 from kvtier.wire.protocol import Event
-from kvtier.wire.stream import (
-    Delivery,
-    PublisherRestarted,
-    Received,
-    ResyncNeeded,
-    ResyncStarted,
-    StreamId,
-)
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from kvtier.indexer.deadlines import Deadlines
 from kvtier.indexer.histogram import Histogram
 from kvtier.indexer.index import TieredIndex
 from kvtier.indexer.serviceconfig import ServiceConfig
-from kvtier.wire.stream import StreamId, StreamStats
+from kvtier.wire.notices import StreamId, StreamStats
 from kvtier.wire.subscriber import Subscriber
 
 __all__ = ["EventLoop"]

@@ -52,6 +52,7 @@ from kvtier.indexer.tableclosure import TableClosure
 from kvtier.indexer.tablemasks import TableMasks
 from kvtier.indexer.windowkv import WindowKV
 from kvtier.indexer.workerstate import Outcome, WorkerState, WorkerStats
+from kvtier.wire.notices import StreamId
 from kvtier.wire.overlap import OverlapScores, TierOverlap
 from kvtier.wire.protocol import (
     AllBlocksCleared,
@@ -62,7 +63,6 @@ from kvtier.wire.protocol import (
     StorageTier,
     WorkerId,
 )
-from kvtier.wire.stream import StreamId
 
 __all__ = ["Outcome", "TieredIndex", "WorkerStats"]
 

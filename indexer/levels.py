@@ -28,9 +28,9 @@ from kvtier.indexer.closure import MaskMap
 from kvtier.indexer.keys import BlockKey
 from kvtier.indexer.keytable import KeyTable
 from kvtier.indexer.masklayout import DEV, EXT, M64, SLOTS_PER_WORD, TIERS, dev_all
+from kvtier.wire.notices import StreamId
 from kvtier.wire.overlap import TierOverlap
 from kvtier.wire.protocol import StorageTier
-from kvtier.wire.stream import StreamId
 
 MAX_RUNS = 64  # runs of equal masks walked in Python up to this many, else numpy
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from itertools import compress, repeat
 
 from kvtier.indexer.keyrefs import U64, KeyRefs, compiled, key_array
-from kvtier.wire.stream import StreamId
+from kvtier.wire.notices import StreamId
 
 
 @dataclass(slots=True)

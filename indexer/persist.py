@@ -15,8 +15,8 @@ from pathlib import Path
 import msgspec
 
 from kvtier.indexer.index import TieredIndex
+from kvtier.wire.notices import StreamId
 from kvtier.wire.protocol import WorkerId
-from kvtier.wire.stream import StreamId
 
 VERSION = 1
 

@@ -23,8 +23,8 @@ from typing import Protocol, runtime_checkable
 
 from kvtier.indexer.keys import BlockKey
 from kvtier.indexer.load import LoadTracker, WorkerLoad
+from kvtier.wire.notices import StreamId
 from kvtier.wire.overlap import OverlapScores, TierOverlap
-from kvtier.wire.stream import StreamId
 
 ENTRY_POINT_GROUP = "kvtier.policies"
 _NONE = TierOverlap(0, 0, 0, 0)

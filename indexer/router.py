@@ -12,8 +12,8 @@ from kvtier.indexer.keys import BlockKey
 from kvtier.indexer.load import LoadTracker
 from kvtier.indexer.plugins import RouteContext, RoutingPolicy, route_with
 from kvtier.indexer.scoring import CostModel
+from kvtier.wire.notices import StreamId
 from kvtier.wire.overlap import OverlapScores, TierOverlap
-from kvtier.wire.stream import StreamId
 
 _NONE = TierOverlap(0, 0, 0, 0)
 _TIE = 1e-9  # relative cost difference below which two workers tie (float noise, not preference)

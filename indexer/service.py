@@ -52,9 +52,9 @@ from kvtier.indexer.serviceconfig import (
     parse_endpoint,
 )
 from kvtier.indexer.servicemetrics import render_metrics
+from kvtier.wire.notices import StreamId
 from kvtier.wire.overlap import OverlapScores
 from kvtier.wire.protocol import TOKEN_BYTES, PackedTokens
-from kvtier.wire.stream import StreamId
 from kvtier.wire.tokenarray import token_backend
 
 log = logging.getLogger(__name__)

@@ -9,8 +9,8 @@ from enum import Enum
 from kvtier.indexer.keys import BlockKey
 from kvtier.indexer.masklayout import TIERS
 from kvtier.indexer.orphans import OrphanPool
+from kvtier.wire.notices import StreamId
 from kvtier.wire.protocol import EngineHash, StorageTier
-from kvtier.wire.stream import StreamId
 
 
 class Outcome(Enum):

@@ -42,9 +42,9 @@ from kvtier.indexer.load import LoadTracker
 from kvtier.indexer.plugins import RoutingPolicy, is_plugin_spec, load_policy
 from kvtier.indexer.router import Router
 from kvtier.indexer.scoring import CostModel, CreditCost, DynamoCost, TierCredits, TtftCost, visible
+from kvtier.wire.notices import Delivery, StreamId
 from kvtier.wire.overlap import OverlapScores, TierOverlap
 from kvtier.wire.protocol import BlockRemoved, BlockStored, Event, PackedTokens, StorageTier, WorkerId, parse_medium
-from kvtier.wire.stream import Delivery, StreamId
 
 POLICIES = ["round_robin", "random", "least_loaded", "approx", "kv_device", "kv_host", "kv_all", "kv_swa", "dynamo",
             "min_ttft", "oracle"]

@@ -18,8 +18,8 @@ from kvtier.sim.policies import KvPolicy, RouteInput, make_policy
 from kvtier.sim.source import TraceSource, as_source
 from kvtier.sim.trace import Request, TokenBank
 from kvtier.sim.transport import Recovery, SimWire, WireConfig, WireCounters
+from kvtier.wire.notices import Delivery, StreamId
 from kvtier.wire.protocol import EventBatch, WorkerId
-from kvtier.wire.stream import Delivery, StreamId
 
 
 @dataclass(slots=True, frozen=True)

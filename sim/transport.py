@@ -24,8 +24,9 @@ from enum import StrEnum
 from kvtier.sim.core import Environment, Timer
 from kvtier.wire.codec import decode_payload, encode_payload
 from kvtier.wire.frames import DUMP_REQUEST, END_SEQ, pack_seq, unpack_seq
+from kvtier.wire.notices import Delivery, Received, ResyncNeeded, StreamId
 from kvtier.wire.protocol import EventBatch, WorkerId
-from kvtier.wire.stream import Delivery, Received, ResyncNeeded, StreamId, StreamTracker
+from kvtier.wire.stream import StreamTracker
 
 
 class Recovery(StrEnum):

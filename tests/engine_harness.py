@@ -9,7 +9,7 @@ from kvtier.engine.datapath import Bandwidths, ModeledDataPath
 from kvtier.engine.storage import PageStore
 from kvtier.indexer.index import Outcome, TieredIndex
 from kvtier.wire import Event, EventBatch, StorageTier, WorkerId, decode_payload, encode_payload
-from kvtier.wire.stream import StreamId
+from kvtier.wire.notices import StreamId
 
 PAGE_BYTES = 1000
 # 1 page per second on every link: a copy of n pages completes n s (+1 us) after it starts.

@@ -25,7 +25,7 @@ from kvtier.engine.datapath import Bandwidths, ModeledDataPath
 from kvtier.engine.storage import PageStore
 from kvtier.indexer.index import Outcome, TieredIndex
 from kvtier.wire import StorageTier, WorkerId, decode_payload, encode_payload
-from kvtier.wire.stream import StreamId
+from kvtier.wire.notices import StreamId
 
 PS = 2
 # Documents share prefixes: B and C start like A, D is unrelated. Requests take a prefix of one

@@ -20,8 +20,8 @@ from kvtier.wire import (
     WorkerId,
     is_window_event,
 )
+from kvtier.wire.notices import StreamId
 from kvtier.wire.protocol import pack_tokens, unpack_tokens
-from kvtier.wire.stream import StreamId
 from tests.engine_harness import Harness
 
 PS = 4

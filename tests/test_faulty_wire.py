@@ -23,7 +23,8 @@ from kvtier.indexer.consumer import IndexConsumer
 from kvtier.indexer.index import TieredIndex
 from kvtier.wire import StorageTier, WorkerId, encode_payload
 from kvtier.wire.frames import DUMP_REQUEST, END_SEQ, pack_seq, unpack_seq
-from kvtier.wire.stream import Delivery, StreamId, StreamTracker
+from kvtier.wire.notices import Delivery, StreamId
+from kvtier.wire.stream import StreamTracker
 
 PS = 2
 DOCS = [list(range(100, 120)), list(range(100, 108)) + list(range(300, 312)), list(range(500, 520))]

@@ -15,8 +15,8 @@ from kvtier.indexer.index import Outcome, TieredIndex
 from kvtier.indexer.keys import block_keys
 from kvtier.indexer.tablemasks import TableMasks
 from kvtier.wire import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event, StorageTier, WorkerId
+from kvtier.wire.notices import StreamId
 from kvtier.wire.overlap import TierOverlap
-from kvtier.wire.stream import StreamId
 from tests.reference_index import ReferenceIndex
 
 A, B, C = (StreamId(WorkerId(n)) for n in "abc")

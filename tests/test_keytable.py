@@ -207,7 +207,7 @@ def test_tables_past_five_eighths_grow_into_rows_zeroed_ahead_on_the_helper(monk
     from kvtier.indexer import keytable
     from kvtier.indexer.index import TieredIndex
     from kvtier.wire import BlockStored, WorkerId
-    from kvtier.wire.stream import StreamId
+    from kvtier.wire.notices import StreamId
 
     taken: list[tuple[int, int]] = []
     take = keytable._Prefaulted.take

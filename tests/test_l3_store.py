@@ -19,7 +19,7 @@ from kvtier.engine.pagefile import FIXED_SIZE, Layout, PageFileError, PageHeader
 from kvtier.engine.storage import PageMeta, PageStore, StoreError
 from kvtier.indexer.index import TieredIndex
 from kvtier.wire import BlockRemoved, BlockStored, StorageTier, WorkerId
-from kvtier.wire.stream import StreamId
+from kvtier.wire.notices import StreamId
 from tests.test_engine_torch import DEVICES, PS, SHAPE, run, wait
 
 L = Layout("m", PS)

@@ -26,7 +26,8 @@ import tests.test_faulty_wire as fw
 from kvtier.indexer.consumer import IndexConsumer
 from kvtier.indexer.index import TieredIndex
 from kvtier.wire import BlockStored, EventBatch, StorageTier, WorkerId, decode_payload
-from kvtier.wire.stream import Delivery, Received, ResyncNeeded, StreamId, StreamTracker
+from kvtier.wire.notices import Delivery, Received, ResyncNeeded, StreamId
+from kvtier.wire.stream import StreamTracker
 
 CHECKS: list[tuple[int, int]] = []  # (partial workers, blocks checked) per quiet check
 

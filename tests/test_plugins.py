@@ -14,7 +14,7 @@ from kvtier.indexer.service import IndexerService, ServiceConfig, parse_endpoint
 from kvtier.sim.cli import main as cli_main
 from kvtier.sim.run import RunConfig, simulate
 from kvtier.wire import EventBatch, Publisher
-from kvtier.wire.stream import StreamId
+from kvtier.wire.notices import StreamId
 from tests.test_service import BS, TOKS, post, stored, wait_for
 from tests.test_sim import SMALL, chat
 

@@ -14,8 +14,8 @@ from kvtier.indexer.load import LoadTracker, WorkerLoad
 from kvtier.indexer.router import Router
 from kvtier.indexer.scoring import CreditCost, DynamoCost, TierCredits, TtftCost, visible
 from kvtier.wire import BlockStored, StorageTier, WorkerId
+from kvtier.wire.notices import StreamId
 from kvtier.wire.overlap import TierOverlap
-from kvtier.wire.stream import StreamId
 
 A, B = StreamId(WorkerId("a")), StreamId(WorkerId("b"))
 

@@ -19,7 +19,7 @@ import pytest
 
 from kvtier.indexer.service import ConfigError, IndexerService, ServiceConfig, parse_endpoint
 from kvtier.wire import BlockRemoved, BlockStored, EventBatch, Publisher, StorageTier, WorkerId
-from kvtier.wire.stream import StreamId
+from kvtier.wire.notices import StreamId
 from tests.test_service import BS, TOKS, get, post, stored, wait_for
 
 

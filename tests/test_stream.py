@@ -317,6 +317,15 @@ def test_a_resync_asked_inside_the_backoff_is_deferred_then_dumped() -> None:
     assert isinstance(out[0], ResyncStarted) and t.outbox == [DUMP_REQUEST] and t.recovering
 
 
+def test_a_resync_of_a_stream_without_replay_counts_once() -> None:
+    """The consumer's resync of a stream with no replay socket marks it partial: one resync, one notice (it used
+    to count the request and then the partial mark, two for one)."""
+    t = tracker(replay=False)
+    t.on_live(0, payload(0), 0.0)
+    out = t.request_resync("unknown parent", 0.0)
+    assert [type(d) for d in out] == [ResyncNeeded] and t.stats.resyncs == 1
+
+
 def test_a_dump_needs_the_replay_socket_it_is_asked_on() -> None:
     with pytest.raises(ValueError, match="replay"):
         StreamTracker(S, can_replay=False, can_dump=True)

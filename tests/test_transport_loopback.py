@@ -32,6 +32,7 @@ from kvtier.wire import (
     pack_seq,
 )
 from kvtier.wire.frames import END_SEQ, unpack_seq
+from kvtier.wire.recovery import Mode
 from tests.wire_vectors import load
 
 
@@ -371,7 +372,8 @@ def test_unanswered_idle_probe_changes_nothing() -> None:
             conn = sub._conns[cfg.stream]
             conn.tracker.probe_s = 0.1
             conn.tracker.expected = 5  # as if seqs 0..4 had been applied
-            conn.tracker._mode = conn.tracker._mode.LIVE
+            conn.tracker._recovery.mode = Mode.LIVE  # (the catch-up from seq 0 abandoned)
+            conn.tracker._recovery.replay.done()
             out = drain(sub, lambda o: False, timeout=1.5)
             st = sub.stats(cfg.stream)
             assert st.probe_timeouts >= 2 and st.resyncs == 0

@@ -11,7 +11,7 @@ from kvtier.sim.cluster import ClusterConfig
 from kvtier.sim.generators import PRESETS, generate
 from kvtier.sim.run import RunConfig, simulate
 from kvtier.wire import BlockRemoved, BlockStored, StorageTier, WorkerId, window_group
-from kvtier.wire.stream import StreamId
+from kvtier.wire.notices import StreamId
 
 A, B = StreamId(WorkerId("a")), StreamId(WorkerId("b"))
 BS = 4

@@ -7,6 +7,19 @@ Both sides build on this package; it imports neither :mod:`kvtier.engine` nor :m
 
 from kvtier.wire.codec import DecodeError, WireFormat, decode_payload, encode_payload, medium_spelling
 from kvtier.wire.frames import DUMP_REQUEST, END_SEQ, pack_seq, unpack_seq
+from kvtier.wire.notices import (
+    Delivery,
+    GapDetected,
+    GapFilled,
+    MalformedFrame,
+    PublisherRestarted,
+    Received,
+    ResyncDone,
+    ResyncNeeded,
+    ResyncStarted,
+    StreamId,
+    StreamStats,
+)
 from kvtier.wire.overlap import OverlapScores, TierOverlap
 from kvtier.wire.protocol import (
     TOKEN_BYTES,
@@ -29,20 +42,7 @@ from kvtier.wire.protocol import (
     window_group,
 )
 from kvtier.wire.publisher import DumpProvider, Publisher, ReplayStats
-from kvtier.wire.stream import (
-    Delivery,
-    GapDetected,
-    GapFilled,
-    MalformedFrame,
-    PublisherRestarted,
-    Received,
-    ResyncDone,
-    ResyncNeeded,
-    ResyncStarted,
-    StreamId,
-    StreamStats,
-    StreamTracker,
-)
+from kvtier.wire.stream import StreamTracker
 from kvtier.wire.subscriber import EndpointConfig, Subscriber
 
 __all__ = [

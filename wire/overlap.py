@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvtier.wire.stream import StreamId
+from kvtier.wire.notices import StreamId
 
 
 @dataclass(slots=True, frozen=True)

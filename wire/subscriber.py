@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import zmq
 
 from kvtier.wire.frames import unpack_seq
+from kvtier.wire.notices import Delivery, StreamId, StreamStats
 from kvtier.wire.protocol import WorkerId
-from kvtier.wire.stream import Delivery, StreamId, StreamStats, StreamTracker
+from kvtier.wire.stream import StreamTracker
 
 log = logging.getLogger(__name__)
 
