@@ -1,9 +1,10 @@
 """Whether kvtier's compiled kernels run: numba, where it imports and ``KVTIER_JIT`` is not ``0``.
 
-Each kernel module (:mod:`kvtier.indexer.keykernel`, :mod:`kvtier.wire.tokenkernel`) is held by a
+Each kernel module (:mod:`kvtier.indexer.keykernel`, :mod:`kvtier.wire.tokenkernel`, ...) is held by a
 :class:`LazyKernels` and imported the first time it is needed, so that importing kvtier never imports
 numba (about 0.3 s and 140 MB of RSS); every caller keeps a pure-Python path with the same results for
-when it is not there.
+when it is not there. Before a kernel module is imported, numba's cache of it is checked against every module
+compiled into it (:mod:`kvtier.wire.kernelcache`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from kvtier.wire.kernelcache import refresh
+
 _OFF = ("0", "false", "off", "no")
 
 
@@ -23,6 +26,7 @@ def load(module: str) -> tuple[ModuleType | None, str]:
     if os.environ.get("KVTIER_JIT", "1").strip().lower() in _OFF:
         return None, "python (KVTIER_JIT=0)"
     try:
+        refresh(module)  # (numba would serve kernels compiled from an older version of a module they use)
         return importlib.import_module(module), "numba"
     except ImportError as exc:
         # numba (or llvmlite) missing, or the kernel module's own requirement (a library it loads, byte order).
