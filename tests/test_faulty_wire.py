@@ -78,6 +78,7 @@ class TwoEngines(RuleBasedStateMachine):
     engines: list[Engine]
     trackers: list[StreamTracker]
     wire: list[deque[tuple[int, bytes]]]
+    cut_next_answer: list[int | None]  # frames the next answer keeps (its end marker lost with the rest)
 
     def _publish(self, w: int) -> None:
         raise NotImplementedError
@@ -101,6 +102,19 @@ class TwoEngines(RuleBasedStateMachine):
             e.cache.poll()
             self._publish(w)
             self._consume(w, self.trackers[w].on_tick(self.clock[0]))
+
+    @rule(w=st.integers(0, 1), keep=st.integers(1, 3))
+    def cut_an_answer_short(self, w: int, keep: int) -> None:
+        """The next replay or dump answer stops after ``keep`` frames (the publisher dropped the rest, or its
+        connection went): the tracker has used part of it when it asks again, and the engine may have changed
+        by then."""
+        self.cut_next_answer[w] = keep
+
+    def _answer(self, w: int, request: bytes) -> list[tuple[bytes, bytes]]:
+        """Engine ``w``'s answer to ``request`` as it arrives: whole, or cut short (:meth:`cut_an_answer_short`)."""
+        frames = self.engines[w].answer(request)
+        keep, self.cut_next_answer[w] = self.cut_next_answer[w], None
+        return frames if keep is None else frames[:min(keep, len(frames) - 1)]
 
     @precondition(lambda self: any(self.wire))
     @rule(w=st.integers(0, 1), n=st.integers(1, 4))
@@ -134,6 +148,7 @@ class FaultyWire(TwoEngines):
         self.trackers = [self._tracker(s) for s in self.streams]
         self.wire: list[deque[tuple[int, bytes]]] = [deque(), deque()]
         self.lose_next_answer = [False, False]
+        self.cut_next_answer = [None, None]
         self.untouched: dict[StreamId, int] = {}
 
     def _tracker(self, stream: StreamId) -> StreamTracker:
@@ -162,7 +177,7 @@ class FaultyWire(TwoEngines):
             if self.lose_next_answer[w]:
                 self.lose_next_answer[w] = False
                 continue  # the answer never arrives: the tracker must time out and retry
-            for seq_frame, payload in self.engines[w].answer(request):
+            for seq_frame, payload in self._answer(w, request):
                 out.extend(t.on_reply(seq_frame, payload, self.clock[0]))
 
     # --- engines ---------------------------------------------------------------------------
@@ -209,6 +224,7 @@ class FaultyWire(TwoEngines):
     @rule(w=st.integers(0, 1))
     def lose_an_answer(self, w: int) -> None:
         self.lose_next_answer[w] = True
+
 
     # --- invariants ------------------------------------------------------------------------
 

@@ -48,6 +48,7 @@ class PartialRecovery(fw.TwoEngines):
         self.boundary: list[int | None] = [0, 0]  # first seq applied after the last loss for good
         self.lost: list[bool] = [False, False]  # a loss for good happened; boundary pending
         self.ever_partial = [False, False]
+        self.cut_next_answer = [None, None]
 
     def _tracker(self, stream: StreamId) -> StreamTracker:
         t = StreamTracker(stream, can_replay=True, can_dump=False, timeout_s=1.0, probe_s=1.0)
@@ -72,7 +73,7 @@ class PartialRecovery(fw.TwoEngines):
     def _serve(self, w: int, out: list[Delivery]) -> None:
         t = self.trackers[w]
         while t.outbox:
-            for seq_frame, payload in self.engines[w].answer(t.outbox.pop(0)):
+            for seq_frame, payload in self._answer(w, t.outbox.pop(0)):
                 out.extend(t.on_reply(seq_frame, payload, self.clock[0]))
 
     def _publish(self, w: int) -> None:

@@ -157,6 +157,29 @@ def test_dump_with_no_answer_falls_back_to_partial() -> None:
     assert isinstance(out[0], ResyncNeeded) and seqs(out) == [3]
 
 
+def test_a_dump_asked_again_after_it_stalled_starts_over() -> None:
+    """A dump answer that stalls part-way is asked again; the new answer reflects a later state, so the consumer
+    drops the part it applied (a block the engine has evicted since would otherwise stay indexed) and live
+    delivery resumes after the new dump's seq, not the first's."""
+    t = tracker(dump=True)
+    t.on_live(0, payload(0), 0.0)
+    assert isinstance(t.request_resync("unknown parent", 0.0)[0], ResyncStarted)  # a replay from 0
+    t.outbox.clear()
+    assert t.on_reply(pack_seq(5), payload(5), 0.0) == []  # the answer starts past 0: lost for good
+    assert isinstance(t.on_reply(END_SEQ, b"", 0.0)[0], ResyncStarted)  # so a dump
+    assert t.outbox == [DUMP_REQUEST]
+    t.outbox.clear()
+    assert seqs(t.on_reply(pack_seq(5), payload(50), 0.1)) == [5]  # the dump's first batch, then silence
+    for seq in (6, 7, 8):
+        assert t.on_live(seq, payload(seq), 0.2) == []  # held while the dump is pending
+    assert t.on_tick(1.2) == [] and t.outbox == [DUMP_REQUEST]  # stalled past the timeout: asked again
+    out = t.on_reply(pack_seq(7), payload(70), 1.3)  # the new answer covers seqs up to 7
+    assert [type(d) for d in out] == [ResyncStarted, Received] and seqs(out) == [7]
+    out = t.on_reply(END_SEQ, b"", 1.3)
+    assert isinstance(out[0], ResyncDone) and out[0].seq == 7 and seqs(out) == [8] and t.expected == 9
+    assert t.stats.resyncs == 2  # the consumer's resync and the dump: asking the dump again is not another
+
+
 def test_reconnect_to_same_publisher_is_verified_and_continues() -> None:
     t = tracker()
     for i in range(3):

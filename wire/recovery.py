@@ -59,6 +59,7 @@ class Recovery:
     replay: ReplayRequest = field(default_factory=ReplayRequest)  # the pending (or last) replay
     dump_due: bool = False  # a dump was wanted while rate-limited: start it once allowed
     dump_seq: int | None = None  # last live seq the incoming dump includes
+    dumped: int = 0  # batches of the pending dump handed on, from every answer to it
 
     @property
     def active(self) -> bool:
@@ -140,8 +141,7 @@ class Recovery:
             self.replay.fresh_answer()
             self.outbox.append(pack_seq(self.state.expected))
         elif self.mode is Mode.DUMP:
-            self.dump_seq = None
-            self.outbox.append(DUMP_REQUEST)
+            self._dump_again()
 
     def _timed_out(self, now: float, out: list[Delivery]) -> Held:
         """The pending replay or dump went quiet past its deadline: asked again, or given up."""
@@ -164,7 +164,7 @@ class Recovery:
                 r.fresh_answer()
                 self.outbox.append(pack_seq(self.state.expected))
             else:
-                self.outbox.append(DUMP_REQUEST)
+                self._dump_again()
         elif self.mode is Mode.REPLAY:
             return self.unrecoverable("replay timed out", now, out)
         else:
@@ -255,6 +255,7 @@ class Recovery:
             log.warning("stream %s: %s; requesting a state dump", self.state.stream, reason)
             self.mode = Mode.DUMP
             self.dump_seq = None
+            self.dumped = 0
             self.tries = 1
             self.deadline = now + self.timeout_s
             self.outbox.append(DUMP_REQUEST)
@@ -267,6 +268,7 @@ class Recovery:
         log.warning("stream %s: %s; state marked partial", s.stream, reason)
         out.append(ResyncNeeded(s.stream, reason))
         self.mode = Mode.LIVE
+        self.dumped = 0
         # (the replay is done already: unrecoverable ended it, or a dump, which only unrecoverable starts)
         # Continue from the oldest batch still at hand (what the replay returned past the loss,
         # then the held live messages): the consumer rebuilds from there.
@@ -281,9 +283,20 @@ class Recovery:
         s.expected = held[0][0] if held else None
         return held
 
+    def _dump_again(self) -> None:
+        """The pending dump asked again; its answer will stand for whatever state the engine is in then."""
+        self.dump_seq = None
+        self.outbox.append(DUMP_REQUEST)
+
     def _dumped(self, seq: int, payload: bytes, out: list[Delivery]) -> None:
         if self.dump_seq is None:
+            if self.dumped:
+                # An answer to the dump asked again: it stands for a later state than the part of the first
+                # applied already, which may hold blocks evicted since. The consumer drops that part.
+                out.append(ResyncStarted(self.state.stream, "state dump asked again"))
+                self.dumped = 0
             self.dump_seq = seq
+        self.dumped += 1
         self.state.hand_on(seq, payload, "dump", out, "dump")
 
     def _finish_dump(self, now: float, out: list[Delivery]) -> Held:
@@ -291,6 +304,7 @@ class Recovery:
         if self.dump_seq is None:
             return self._give_up("publisher sent no state dump", now, out)
         self.mode = Mode.LIVE
+        self.dumped = 0
         s.expected = self.dump_seq + 1
         s.history.forget_digests()
         out.append(ResyncDone(s.stream, self.dump_seq))
@@ -306,4 +320,5 @@ class Recovery:
             assert s.expected is not None, f"stream {s.stream}: replaying with no seq expected"
         else:
             assert not self.replay.purposes, f"stream {s.stream}: a replay's purpose carried into a dump"
+        assert self.mode is Mode.DUMP or not self.dumped, f"stream {s.stream}: dump batches counted while no dump"
         self.replay._check()
