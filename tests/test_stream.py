@@ -180,6 +180,23 @@ def test_a_dump_asked_again_after_it_stalled_starts_over() -> None:
     assert t.stats.resyncs == 2  # the consumer's resync and the dump: asking the dump again is not another
 
 
+def test_a_dump_asked_again_after_a_reconnect_starts_over() -> None:
+    """The live socket drops mid-dump of a stream resynchronised from seq 0 (so no check of the publisher
+    follows the reconnect): the new answer must still replace the part of the first one applied."""
+    t = tracker(dump=True)
+    t.on_live(0, payload(0), 0.0)
+    t.request_resync("unknown parent", 0.0)
+    t.on_reply(pack_seq(5), payload(5), 0.0)
+    assert isinstance(t.on_reply(END_SEQ, b"", 0.0)[0], ResyncStarted)  # the replay from 0 fell short: a dump
+    assert seqs(t.on_reply(pack_seq(5), payload(50), 0.1)) == [5]
+    t.outbox.clear()
+    t.on_disconnect()
+    assert t.outbox == [DUMP_REQUEST]
+    out = t.on_reply(pack_seq(7), payload(70), 0.2)
+    assert [type(d) for d in out] == [ResyncStarted, Received]
+    assert isinstance(t.on_reply(END_SEQ, b"", 0.2)[0], ResyncDone) and seqs(t.on_live(8, payload(8), 0.3)) == [8]
+
+
 def test_reconnect_to_same_publisher_is_verified_and_continues() -> None:
     t = tracker()
     for i in range(3):
