@@ -205,6 +205,13 @@ class Copies:
         """Host -> device for host-only nodes (parents first); joins loads already in flight. A node flagged
         ``load_swa`` brings its window KV too."""
         todo = []
+        # Making room must not evict the chain's ancestors already on device: one whose children have no device
+        # pages yet is a device leaf, and unless a request holds it (a chain a prefetch brought in hangs below
+        # what the request held), the allocation would evict the parent of the node it loads. Once a child is
+        # loading, its parent is no leaf any more.
+        anchor = nodes[0].parent if nodes else None
+        if anchor is not None:
+            self._evictor.lock(anchor)
         for n in nodes:
             if n.loading is not None:
                 if adm is not None:
@@ -217,6 +224,8 @@ class Copies:
                 break  # the rest is recomputed
             n.loading = pages
             todo.append(n)
+        if anchor is not None:
+            self._evictor.unlock(anchor)
         if not todo:
             return
         assert all(n.host is not None for n in todo), "loading a node without host copy"

@@ -15,6 +15,7 @@ prefill is exactly that usable depth.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -170,3 +171,30 @@ SLOW = os.environ.get("KVTIER_HYPOTHESIS_PROFILE") == "slow"
 Consistency.TestCase.settings = settings(max_examples=3000 if SLOW else 400, stateful_step_count=100 if SLOW else 60,
                                          deadline=None)
 TestConsistency = Consistency.TestCase
+
+
+def test_a_prefetched_chain_loads_back_without_evicting_its_own_parent() -> None:
+    """Found by the slow profile, shrunk to these steps (the machine checks its invariant after each). In a shared
+    pool, worker 2's request for doc 3 prefetches its first two pages from L3 (written by worker 0) and loads them
+    back; a longer request for doc 3 prefetches four, and when they land the first two are on device, held by no
+    request (they came below what each request held at admission). Loading the next node made room by evicting
+    that parent, a device leaf then: the child landed on device under a parent that was not."""
+    m = Consistency()
+    steps: list[Callable[[], object]] = [
+        lambda: m.start(policy=WritePolicy.WRITE_BACK, l3="external", swa=False),
+        lambda: m.request(w=0, doc=3, pages=4, tail=0),
+        lambda: m.request(w=0, doc=0, pages=10, tail=0),
+        *[lambda: m.advance(1.0)] * 2,
+        *[lambda: m.advance(2.5)] * 3,
+        lambda: m.hold(w=2, doc=3, pages=2),
+        lambda: m.request(w=2, doc=0, pages=6, tail=0),
+        lambda: m.advance(1.5),
+        lambda: m.request(w=2, doc=0, pages=1, tail=2),
+        lambda: m.hold(w=2, doc=3, pages=10),
+        lambda: m.advance(1.0),
+        lambda: m.advance(10.0),
+        lambda: m.advance(2.5),
+    ]
+    for step in steps:
+        step()
+        m.views_agree()
