@@ -1,4 +1,4 @@
-"""Consistency over a faulty wire: drops, duplicates, reordering, lost replay answers, restarts.
+"""Consistency over a faulty wire: drops, duplicates, reordering, lost and cut-short replay answers, restarts.
 
 Engines publish into a publisher model with a small replay buffer and a state-dump provider;
 batches reach each worker's StreamTracker (the subscriber's ordering logic) through a wire that

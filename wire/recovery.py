@@ -24,7 +24,7 @@ from kvtier.wire.notices import Delivery, GapFilled, ResyncDone, ResyncNeeded, R
 from kvtier.wire.replayrequest import ReplayRequest
 from kvtier.wire.streamstate import Held, StreamState, log
 
-__all__ = ["Mode", "Recovery"]
+__all__ = ["Mode", "StreamRecovery"]
 
 
 class Mode(Enum):
@@ -34,7 +34,7 @@ class Mode(Enum):
 
 
 @dataclass(slots=True)
-class Recovery:
+class StreamRecovery:
     """The request a stream has on its replay socket (a replay or a dump), its deadline and tries, and the pace
     of resyncs.
 

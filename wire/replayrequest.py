@@ -1,5 +1,5 @@
 """The replay request a stream has in flight, and what its answer showed so far
-(:class:`kvtier.wire.recovery.Recovery`).
+(:class:`kvtier.wire.recovery.StreamRecovery`).
 
 An answer that starts past the seq asked for means the publisher's buffer no longer reaches back: the batches
 between are lost for good (``lost``; what came after is kept in ``beyond``). One that starts where asked but then

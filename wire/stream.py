@@ -13,14 +13,14 @@ increasing seq order with no seq skipped, except across a ``ResyncStarted`` /
 drop what it holds for that stream first.
 
 What was delivered and is held back is :class:`~kvtier.wire.streamstate.StreamState`; how a stream gets back
-what it missed (replays, dumps, resyncs) is :class:`~kvtier.wire.recovery.Recovery`.
+what it missed (replays, dumps, resyncs) is :class:`~kvtier.wire.recovery.StreamRecovery`.
 """
 
 from __future__ import annotations
 
 from kvtier.wire.backoff import Backoff
 from kvtier.wire.notices import Delivery, GapDetected, StreamId, StreamStats
-from kvtier.wire.recovery import Recovery
+from kvtier.wire.recovery import StreamRecovery
 from kvtier.wire.streamstate import Held, StreamState
 
 __all__ = ["StreamTracker"]
@@ -50,8 +50,8 @@ class StreamTracker:
         if can_dump and not can_replay:
             raise ValueError(f"stream {stream}: a state dump is asked on the replay socket: no dump without one")
         self._state = StreamState(stream)  # what was delivered, what is held back
-        self._recovery = Recovery(self._state, can_replay, can_dump, timeout_s, stall_s, attempts,
-                                  Backoff(resync_backoff_s, resync_backoff_max_s))  # replays, dumps, resyncs
+        self._recovery = StreamRecovery(self._state, can_replay, can_dump, timeout_s, stall_s, attempts,
+                                        Backoff(resync_backoff_s, resync_backoff_max_s))  # replays, dumps, resyncs
         self.probe_s = probe_s  # after this long without traffic, ask for anything past `expected`
         self._suspect = False  # the live socket reconnected: the publisher may be a new process
         self._last_seen = 0.0  # when the stream last showed activity (for tail probes)

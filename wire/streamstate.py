@@ -1,5 +1,5 @@
 """What one stream has delivered and what it holds back: the state that its live path
-(:class:`kvtier.wire.stream.StreamTracker`) and its recovery (:class:`kvtier.wire.recovery.Recovery`) share.
+(:class:`kvtier.wire.stream.StreamTracker`) and its recovery (:class:`kvtier.wire.recovery.StreamRecovery`) share.
 
 Both move ``expected`` forward; neither calls the other through it. The recovery hands back the batches to drain
 through the live path when it ends, so the live path stays the only place that decides, batch by batch, whether to
