@@ -41,7 +41,7 @@ class StreamRecovery:
     The owner sends :attr:`outbox` requests on the replay socket (and clears it), and recreates that socket when
     :attr:`reset_socket` is set, so a late answer to an abandoned request can never be mistaken for a new one.
     Invariants (:meth:`_check`): nothing is held and no replay carries a purpose while live; a replay has a seq
-    expected.
+    expected; dump batches are counted only while a dump is pending.
     """
 
     state: StreamState  # the stream's delivered side (shared with the tracker)
