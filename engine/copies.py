@@ -212,20 +212,22 @@ class Copies:
         anchor = nodes[0].parent if nodes else None
         if anchor is not None:
             self._evictor.lock(anchor)
-        for n in nodes:
-            if n.loading is not None:
-                if adm is not None:
-                    adm.waits.update(self._node_ops.get(n.node_id, []))
-                continue
-            if n.device is not None:
-                continue
-            pages = self._evictor.alloc_device(n.pages)
-            if pages is None:
-                break  # the rest is recomputed
-            n.loading = pages
-            todo.append(n)
-        if anchor is not None:
-            self._evictor.unlock(anchor)
+        try:
+            for n in nodes:
+                if n.loading is not None:
+                    if adm is not None:
+                        adm.waits.update(self._node_ops.get(n.node_id, []))
+                    continue
+                if n.device is not None:
+                    continue
+                pages = self._evictor.alloc_device(n.pages)
+                if pages is None:
+                    break  # the rest is recomputed
+                n.loading = pages
+                todo.append(n)
+        finally:
+            if anchor is not None:
+                self._evictor.unlock(anchor)
         if not todo:
             return
         assert all(n.host is not None for n in todo), "loading a node without host copy"
