@@ -30,7 +30,7 @@ class StreamState:
     """The delivered side of one stream.
 
     Invariant: every seq below ``expected`` was delivered, skipped as given up for lost, or covered by a state
-    dump; ``held`` is empty whenever no recovery is under way (:meth:`StreamTracker._check`).
+    dump; ``held`` is empty whenever no recovery is under way (:meth:`kvtier.wire.recovery.StreamRecovery._check`).
     """
 
     stream: StreamId  # identity of the stream
