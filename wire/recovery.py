@@ -41,7 +41,7 @@ class StreamRecovery:
     The owner sends :attr:`outbox` requests on the replay socket (and clears it), and recreates that socket when
     :attr:`reset_socket` is set, so a late answer to an abandoned request can never be mistaken for a new one.
     Invariants (:meth:`_check`): nothing is held and no replay carries a purpose while live; a replay has a seq
-    expected; dump batches are counted only while a dump is pending.
+    expected; a dump's batches are marked applied only while a dump is pending.
     """
 
     state: StreamState  # the stream's delivered side (shared with the tracker)
@@ -59,7 +59,7 @@ class StreamRecovery:
     replay: ReplayRequest = field(default_factory=ReplayRequest)  # the pending (or last) replay
     dump_due: bool = False  # a dump was wanted while rate-limited: start it once allowed
     dump_seq: int | None = None  # last live seq the incoming dump includes
-    dumped: int = 0  # batches of the pending dump handed on, from every answer to it
+    dump_applied: bool = False  # a batch of the pending dump was handed on: an answer asked again replaces it
 
     @property
     def active(self) -> bool:
@@ -255,7 +255,7 @@ class StreamRecovery:
             log.warning("stream %s: %s; requesting a state dump", self.state.stream, reason)
             self.mode = Mode.DUMP
             self.dump_seq = None
-            self.dumped = 0
+            self.dump_applied = False
             self.tries = 1
             self.deadline = now + self.timeout_s
             self.outbox.append(DUMP_REQUEST)
@@ -268,7 +268,7 @@ class StreamRecovery:
         log.warning("stream %s: %s; state marked partial", s.stream, reason)
         out.append(ResyncNeeded(s.stream, reason))
         self.mode = Mode.LIVE
-        self.dumped = 0
+        self.dump_applied = False
         # (the replay is done already: unrecoverable ended it, or a dump, which only unrecoverable starts)
         # Continue from the oldest batch still at hand (what the replay returned past the loss,
         # then the held live messages): the consumer rebuilds from there.
@@ -290,13 +290,12 @@ class StreamRecovery:
 
     def _dumped(self, seq: int, payload: bytes, out: list[Delivery]) -> None:
         if self.dump_seq is None:
-            if self.dumped:
+            if self.dump_applied:
                 # An answer to the dump asked again: it stands for a later state than the part of the first
                 # applied already, which may hold blocks evicted since. The consumer drops that part.
                 out.append(ResyncStarted(self.state.stream, "state dump asked again"))
-                self.dumped = 0
             self.dump_seq = seq
-        self.dumped += 1
+        self.dump_applied = True
         self.state.hand_on(seq, payload, "dump", out, "dump")
 
     def _finish_dump(self, now: float, out: list[Delivery]) -> Held:
@@ -304,7 +303,7 @@ class StreamRecovery:
         if self.dump_seq is None:
             return self._give_up("publisher sent no state dump", now, out)
         self.mode = Mode.LIVE
-        self.dumped = 0
+        self.dump_applied = False
         s.expected = self.dump_seq + 1
         s.history.forget_digests()
         out.append(ResyncDone(s.stream, self.dump_seq))
@@ -320,5 +319,5 @@ class StreamRecovery:
             assert s.expected is not None, f"stream {s.stream}: replaying with no seq expected"
         else:
             assert not self.replay.purposes, f"stream {s.stream}: a replay's purpose carried into a dump"
-        assert self.mode is Mode.DUMP or not self.dumped, f"stream {s.stream}: dump batches counted while no dump"
+        assert self.mode is Mode.DUMP or not self.dump_applied, f"stream {s.stream}: a dump applied with none pending"
         self.replay._check()
