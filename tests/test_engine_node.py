@@ -118,3 +118,61 @@ def test_two_indexers_one_dumping_one_probing_both_converge() -> None:
         assert st_b.resyncs == 0 and idx_b.stats(cfg.stream).clears == 0
         assert idx_b.worker_hashes(cfg.stream) == truth and not idx_b.is_partial(cfg.stream)
     node.close()
+
+
+def test_a_dump_cut_short_is_asked_again_and_the_index_converges() -> None:
+    """The first dump answer stops after two of its batches (its provider fails: no end marker), and the engine
+    evicts and stores while the indexer waits. The indexer must not take the part it got for the whole: it asks
+    again after its timeout, starts over from the new answer, and ends with the engine's residency exactly,
+    none of the first answer's evicted blocks left."""
+    now = [0.0]
+    dp = ModeledDataPath(1000, lambda: now[0], Bandwidths(1e6, 1e6, 1e6, 1e6, 1e-6))
+    cache = TieredCache(CacheConfig(page_size=PS, device_pages=1200, host_ratio=0.0), dp)
+    node = EngineNode(cache, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", buffer_size=8)
+    build = node.publisher._dump_provider
+    assert build is not None
+
+    def serve(i: int) -> None:
+        with node.lock:
+            adm = cache.admit(f"r{i}", list(range(i * 1000, i * 1000 + PS * 2)))
+            if cache.begin_prefill(adm) is not None:
+                cache.finish_prefill(adm)
+            cache.release(adm)
+        now[0] += 0.01
+        node.step()
+
+    first_part: set[int] = set()
+    calls = [0]
+
+    def cut_short(seq: int, batches: Iterator[EventBatch]) -> Iterator[EventBatch]:
+        for _ in range(2):
+            b = next(batches)
+            first_part.update(h for ev in b.events for h in getattr(ev, "block_hashes", ()))
+            yield b
+        for i in range(600, 800):  # the engine goes on: 400 new pages evict 400 of the 1,200 dumped
+            serve(i)
+        raise RuntimeError("dump cut short")
+
+    def dump() -> tuple[int, Iterator[EventBatch]]:
+        calls[0] += 1
+        seq, batches = build()
+        return (seq, cut_short(seq, iter(batches))) if calls[0] == 1 else (seq, iter(batches))
+
+    node.publisher._dump_provider = dump
+    for i in range(600):  # 1,200 pages, published before the indexer joins: far past the replay buffer
+        serve(i)
+    cfg = EndpointConfig("e0", node.publisher.endpoint, node.publisher.replay_endpoint, supports_dump=True)
+    index = TieredIndex(PS)
+    consumer = IndexConsumer(index)
+    with Subscriber([cfg], replay_timeout_s=0.5) as sub:
+        end = time.monotonic() + 6.0
+        while time.monotonic() < end and not (calls[0] == 2 and index.worker_hashes(cfg.stream) == cache.residency()):
+            consumer.feed(sub.poll(10))
+        st = sub.stats(cfg.stream)
+    truth = cache.residency()
+    assert calls[0] == 2 and node.publisher.replay_stats.dump_errors == 1
+    assert len(first_part) == 2 * 256 * 2, "the first answer did not stop after two batches"
+    assert first_part - truth[StorageTier.DEVICE], "nothing the first answer named was evicted"
+    assert index.worker_hashes(cfg.stream) == truth and not index.is_partial(cfg.stream)
+    assert st.resyncs == 1
+    node.close()
