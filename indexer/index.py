@@ -30,8 +30,8 @@ Invariants (asserted by :meth:`TieredIndex._check`):
 Pieces kept apart: the mask layout (:mod:`kvtier.indexer.masklayout`), the per-worker state
 (:mod:`kvtier.indexer.workerstate`), the masks and what events change in them (:mod:`kvtier.indexer.blockmasks`),
 window KV of sliding-window models (:mod:`kvtier.indexer.windowkv`), and reading a query's depths off the masks
-(:mod:`kvtier.indexer.levels`), and applying events: validation, parents, orphans (:mod:`kvtier.indexer.applier`).
-This module owns the workers' slots, and answers queries.
+(:mod:`kvtier.indexer.levels`), applying events: validation, parents, orphans (:mod:`kvtier.indexer.applier`), and
+the workers' slots (:mod:`kvtier.indexer.slots`). This module ties them together, and answers queries.
 """
 
 from __future__ import annotations
@@ -48,12 +48,13 @@ from kvtier.indexer.keytable import KERNELS, EngineHashes, KeyTable
 from kvtier.indexer.levels import DepthFinder, TableDepthFinder
 from kvtier.indexer.masklayout import SLOT_MASK, TIERS
 from kvtier.indexer.orphans import OrphanStats
+from kvtier.indexer.slots import WorkerSlots
 from kvtier.indexer.tableclosure import TableClosure
 from kvtier.indexer.tablemasks import TableMasks
 from kvtier.indexer.windowkv import WindowKV
 from kvtier.indexer.workerstate import Outcome, WorkerState, WorkerStats
 from kvtier.wire.notices import StreamId
-from kvtier.wire.overlap import OverlapScores, TierOverlap
+from kvtier.wire.overlap import OverlapScores
 from kvtier.wire.protocol import (
     AllBlocksCleared,
     EngineHash,
@@ -66,7 +67,6 @@ from kvtier.wire.protocol import (
 
 __all__ = ["Outcome", "TieredIndex", "WorkerStats"]
 
-_ZERO = TierOverlap(0, 0, 0, 0)  # the overlap of every worker that holds none of a query (shared: frozen)
 _MAX_GHOSTS = 1 << 20  # remembered keys of blocks dropped at losses, per worker (oldest forgotten first)
 
 
@@ -89,23 +89,17 @@ class TieredIndex:
         # Compiled tables where numba runs (kvtier.indexer.tablemasks), else dicts: the same results either way.
         self._tables = KERNELS.get() is not None
         self._masks: MaskMap = KeyTable() if self._tables else {}
-        self._workers: dict[StreamId, WorkerState] = {}
-        # Every worker with no overlap, in the order of _workers: queries copy it (None: build it again, as the
-        # workers changed).
-        self._zeros: dict[StreamId, TierOverlap] | None = None
-        self._slot_stream: dict[int, StreamId] = {}  # slot -> the worker that owns it
-        self._free_slots: list[int] = []
-        self._next_slot = 0
+        self._workers = WorkerSlots(self._new_worker)  # worker streams and the mask slots they own
         self._win = WindowKV(self._masks)  # window-KV bits (SWA workers only: kvtier.indexer.windowkv)
         # Reads queries' depths off the masks (kvtier.indexer.levels); what events change in them
         # (kvtier.indexer.blockmasks).
         self._depths: DepthFinder
         self._blocks: BlockMasks
         if isinstance(self._masks, KeyTable):
-            self._depths = TableDepthFinder(self._masks, self._slot_stream)
+            self._depths = TableDepthFinder(self._masks, self._workers.owners)
             self._blocks = TableMasks(self._masks, self._win)
         else:
-            self._depths = DepthFinder(self._masks, self._slot_stream)
+            self._depths = DepthFinder(self._masks, self._workers.owners)
             self._blocks = BlockMasks(self._masks, self._win)
         self._closure = self._blocks.closure  # whether queries may binary-search (kvtier.indexer.closure)
         self._events = EventApplier(block_size, self._blocks, self._win)  # validates and applies events
@@ -116,26 +110,15 @@ class TieredIndex:
     def streams(self) -> list[StreamId]:
         return list(self._workers)
 
-    def _worker(self, stream: StreamId) -> WorkerState:
-        w = self._workers.get(stream)
-        if w is None:
-            if self._free_slots:
-                slot = min(self._free_slots)
-                self._free_slots.remove(slot)
-            else:
-                slot = self._next_slot
-                self._next_slot += 1
-            w = self._workers[stream] = WorkerState(stream, slot, window=self._default_window,
-                                                    inferred=bool(self._default_window))
-            self._zeros = None
-            if self._tables:
-                w.hashes = EngineHashes()
-            self._slot_stream[slot] = stream
+    def _new_worker(self, stream: StreamId, slot: int) -> WorkerState:
+        w = WorkerState(stream, slot, window=self._default_window, inferred=bool(self._default_window))
+        if self._tables:
+            w.hashes = EngineHashes()
         return w
 
     def add_worker(self, stream: StreamId) -> None:
         """Registers a worker with no blocks (it then appears in every query). O(1)."""
-        self._worker(stream)
+        self._workers.add(stream)
 
     def stats(self, stream: StreamId) -> WorkerStats:
         return self._workers[stream].stats
@@ -160,22 +143,7 @@ class TieredIndex:
     def worker_hashes(self, stream: StreamId) -> dict[StorageTier, set[EngineHash]]:
         """The engine hashes the worker holds per tier, as the index sees them (empty for an unknown
         worker). O(worker blocks)."""
-        return self._hashes_by_tier(stream, self._masks, list(StorageTier))
-
-    def _hashes_by_tier(self, stream: StreamId, masks: MaskMap,
-                        tiers: list[StorageTier]) -> dict[StorageTier, set[EngineHash]]:
-        """Per tier of ``tiers``, the worker's engine hashes whose bit ``masks`` has. O(worker blocks)."""
-        out: dict[StorageTier, set[EngineHash]] = {t: set() for t in tiers}
-        w = self._workers.get(stream)
-        if w is None:
-            return out
-        shift = TIERS * w.slot
-        for eh, key in w.hashes.items():
-            bits = masks.get(key, 0) >> shift
-            for t in tiers:
-                if bits >> t & 1:
-                    out[t].add(eh)
-        return out
+        return _hashes_by_tier(self._workers.get(stream), self._masks, list(StorageTier))
 
     def __len__(self) -> int:
         """Distinct blocks held anywhere."""
@@ -192,7 +160,7 @@ class TieredIndex:
         (not reported as held) so that stores extending those prefixes are indexed at once
         instead of waiting as orphans.
         """
-        w = self._worker(stream)
+        w = self._workers.add(stream)
         if partial:
             w.ghosts.update(w.hashes)
             while len(w.ghosts) > _MAX_GHOSTS:
@@ -207,13 +175,9 @@ class TieredIndex:
 
     def remove_worker(self, stream: StreamId) -> None:
         """Forgets the worker and frees its slot. O(blocks of the worker)."""
-        if stream not in self._workers:
-            return
-        self.clear_worker(stream)
-        w = self._workers.pop(stream)
-        self._zeros = None
-        del self._slot_stream[w.slot]
-        self._free_slots.append(w.slot)
+        if stream in self._workers:
+            self.clear_worker(stream)
+            self._workers.remove(stream)
 
     # --- events --------------------------------------------------------------------------
 
@@ -232,7 +196,7 @@ class TieredIndex:
 
     def window_hashes(self, stream: StreamId) -> dict[StorageTier, set[EngineHash]]:
         """The engine hashes whose window KV the worker holds, per tier (device, host). O(worker blocks)."""
-        return self._hashes_by_tier(stream, self._win.bits, [StorageTier.DEVICE, StorageTier.HOST])
+        return _hashes_by_tier(self._workers.get(stream), self._win.bits, [StorageTier.DEVICE, StorageTier.HOST])
 
     def apply(self, stream: StreamId, event: Event) -> Outcome:
         """Applies one event of ``stream``. O(blocks in the event).
@@ -242,7 +206,7 @@ class TieredIndex:
         (``ORPHANED``, see :mod:`kvtier.indexer.orphans`). Either way the next event of the
         batch applies as usual, and other workers' state is never touched (:mod:`kvtier.indexer.applier`).
         """
-        w = self._worker(stream)
+        w = self._workers.add(stream)
         if isinstance(event, AllBlocksCleared):
             self.clear_worker(stream)
             outcome = Outcome.APPLIED
@@ -292,11 +256,8 @@ class TieredIndex:
         usable overlap (:mod:`kvtier.indexer.windowkv`), their raw one in ``raw``; O(m) more per such worker
         holding a prefix.
         """
-        overlaps, pool = self._depths.overlaps(keys, self._closure.closed, self._next_slot)
-        zeros = self._zeros
-        if zeros is None:  # (copying a dict costs less than building one, for hundreds of workers)
-            zeros = self._zeros = dict.fromkeys(self._workers, _ZERO)
-        workers = zeros.copy()
+        overlaps, pool = self._depths.overlaps(keys, self._closure.closed, self._workers.end)
+        workers = self._workers.zeros()
         workers.update(overlaps)
         result = OverlapScores(len(keys), workers, pool)
         if window_aware:
@@ -328,7 +289,7 @@ class TieredIndex:
                 raise ValueError(f"unsupported snapshot version {obj.get('version')!r}")
             index = cls(int(obj["block_size"]), window_tokens=int(obj.get("window_tokens", 0)))
             for worker, dp_rank, partial, entries, *swa in obj["workers"]:
-                w = index._worker(StreamId(WorkerId(worker), int(dp_rank)))
+                w = index._workers.add(StreamId(WorkerId(worker), int(dp_rank)))
                 w.partial = bool(partial)
                 if swa:  # written since window KV is tracked; older snapshots have none
                     w.window = int(swa[0])
@@ -356,11 +317,7 @@ class TieredIndex:
 
     def _check(self) -> None:
         """Asserts every structural invariant. O(total entries)."""
-        slots = [w.slot for w in self._workers.values()]
-        assert len(set(slots)) == len(slots), f"duplicate slots {slots}"
-        assert self._slot_stream == {w.slot: s for s, w in self._workers.items()}, "slot owners out of sync"
-        assert not set(slots) & set(self._free_slots), "a live slot is also free"
-        assert all(s < self._next_slot for s in slots + self._free_slots), "slot beyond next_slot"
+        self._workers._check()
         for w in self._workers.values():
             assert not w.inferred or w.window, f"{w.stream}: window KV inferred with no window"
             assert w.inferred or not w.chains, f"{w.stream}: store chains kept for a worker that is not inferred"
@@ -408,3 +365,19 @@ class TieredIndex:
         self._win._check()
         if isinstance(self._masks, KeyTable):
             self._masks._check()
+
+
+def _hashes_by_tier(w: WorkerState | None, masks: MaskMap,
+                    tiers: list[StorageTier]) -> dict[StorageTier, set[EngineHash]]:
+    """Per tier of ``tiers``, the engine hashes of worker ``w`` (none if None) whose bit ``masks`` has.
+    O(worker blocks)."""
+    out: dict[StorageTier, set[EngineHash]] = {t: set() for t in tiers}
+    if w is None:
+        return out
+    shift = TIERS * w.slot
+    for eh, key in w.hashes.items():
+        bits = masks.get(key, 0) >> shift
+        for t in tiers:
+            if bits >> t & 1:
+                out[t].add(eh)
+    return out

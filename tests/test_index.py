@@ -111,7 +111,7 @@ def test_one_bad_event_costs_one_event() -> None:
 
 def test_orphan_pool_is_bounded_oldest_first() -> None:
     idx = TieredIndex(4)
-    idx._worker(A).orphans.capacity = 3
+    idx._workers.add(A).orphans.capacity = 3
     for i in range(5):
         idx.apply(A, stored([100 + i], 50 + i, TOKS[:4]))
     idx._check()
@@ -538,8 +538,8 @@ def test_search_over_long_runs_agrees_with_reading_every_block(length: int, hold
     query = tokens[:cut] + [7] * (length - cut) if cut < length else tokens
     keys = idx.request_keys(query)
     assert idx._closure.closed
-    searched, _ = idx._depths.overlaps(keys, True, idx._next_slot)
-    scanned, _ = idx._depths.overlaps(keys, False, idx._next_slot)
+    searched, _ = idx._depths.overlaps(keys, True, idx._workers.end)
+    scanned, _ = idx._depths.overlaps(keys, False, idx._workers.end)
     assert searched == scanned
     assert idx.find_matches(query).workers == ref.find_matches(query).workers
 
