@@ -22,7 +22,8 @@ from pathlib import Path
 
 from kvtier.engine.pagedir import SyncPolicy
 from kvtier.engine.pagefile import Layout
-from kvtier.engine.storage import PageMeta, PageStore
+from kvtier.engine.pagetree import PageMeta
+from kvtier.engine.storage import PageStore
 
 
 def write_run(root: Path, sync: SyncPolicy, pages: int, payload: bytes, batch: int) -> tuple[float, PageStore]:

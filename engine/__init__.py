@@ -6,9 +6,10 @@ from kvtier.engine.datapath import Bandwidths, CopyKind, CopyOp, DataPath, Model
 from kvtier.engine.dump import NodeRun, Snapshot, dump_batches
 from kvtier.engine.hashing import PageDigests, chain, event_hash, page_digest
 from kvtier.engine.node import EngineNode
+from kvtier.engine.pagetree import PageMeta
 from kvtier.engine.pool import PageId, PagePool, PoolExhausted
 from kvtier.engine.radix import Node, RadixTree
-from kvtier.engine.storage import PageMeta, PageStore, StoreError
+from kvtier.engine.storage import PageStore, StoreError
 
 __all__ = [
     "Admission",

@@ -28,10 +28,11 @@ from kvtier.engine.dump import Snapshot, dump_batches
 from kvtier.engine.events import EventLog
 from kvtier.engine.eviction import Evictor
 from kvtier.engine.l3link import L3Link
+from kvtier.engine.pagetree import PageMeta
 from kvtier.engine.pool import PageId, PagePool
 from kvtier.engine.prefetch import Prefetcher
 from kvtier.engine.radix import Node, RadixTree
-from kvtier.engine.storage import PageMeta, PageStore
+from kvtier.engine.storage import PageStore
 from kvtier.engine.window import alloc_from_path, mark_window_loads, plan_window, window_usable
 from kvtier.wire.overlap import TierOverlap
 from kvtier.wire.protocol import (

@@ -22,9 +22,10 @@ from kvtier.engine.datapath import CopyKind, CopyOp, DataPath
 from kvtier.engine.events import EventLog
 from kvtier.engine.eviction import Evictor
 from kvtier.engine.l3link import L3Link
+from kvtier.engine.pagetree import PageMeta
 from kvtier.engine.pool import PageId
 from kvtier.engine.radix import Node, RadixTree
-from kvtier.engine.storage import PageMeta, PageStore
+from kvtier.engine.storage import PageStore
 from kvtier.wire.protocol import PackedTokens, StorageTier
 
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.engine.storage import PageMeta
+from kvtier.engine.pagetree import PageMeta
 from kvtier.wire.protocol import BlockStored, EngineHash, Event, EventBatch, PackedTokens, window_group
 
 

@@ -19,9 +19,10 @@ from kvtier.engine.config import CacheConfig
 from kvtier.engine.dump import l3_runs
 from kvtier.engine.events import EventLog
 from kvtier.engine.hashing import iter_chain
+from kvtier.engine.pagetree import PageMeta
 from kvtier.engine.pool import PageId
 from kvtier.engine.radix import Node, RadixTree
-from kvtier.engine.storage import PageMeta, PageStore
+from kvtier.engine.storage import PageStore
 from kvtier.wire.codec import medium_spelling
 from kvtier.wire.protocol import PackedTokens, StorageTier
 

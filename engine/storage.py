@@ -1,7 +1,7 @@
 """L3 page stores: one file per page, keyed by the page's hash.
 
-:class:`PageStore` keeps the metadata every store needs (which pages are committed,
-their parents, LRU order, who announced them) and, when given a directory, the
+:class:`PageStore` keeps the metadata every store needs (which pages are committed, their parents and
+LRU order in a :class:`~kvtier.engine.pagetree.PageTree`; who announced them) and, when given a directory, the
 page bytes as self-checking files (:mod:`kvtier.engine.pagefile`) in a directory several
 processes may share (:mod:`kvtier.engine.pagedir`). A page that fails its check, or whose file
 is gone, is never served: the read fails, the caller drops the page (:meth:`PageStore.drop`) and
@@ -24,56 +24,22 @@ is told, so each can publish its own ``BlockRemoved``.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.engine.pagedir import PageDir, SyncPolicy
 from kvtier.engine.pagefile import Layout, PageFileError, PageHeader
-from kvtier.wire.protocol import PackedTokens, StorageTier
+from kvtier.engine.pagetree import EngineTag, PageEntry, PageMeta, PageTree
+from kvtier.wire.protocol import StorageTier
 from kvtier.wire.ratelog import suffix, worth_logging
 
 log = logging.getLogger(__name__)
 
 #: L3 key prefix of a page's draft-model KV (speculative decoding), stored beside the target page.
 DRAFT_PREFIX = "d:"
-#: An engine's identity inside a shared store.
-EngineTag = str
 #: Called with the keys an announcer loses to eviction.
 EvictListener = Callable[[list[str]], None]
-
-
-@dataclass(slots=True)
-class PageMeta:
-    """What an engine needs to announce a stored page."""
-
-    event_hash: int  # the hash published in events
-    parent_key: str | None  # L3 key of the parent page; None under the root
-    parent_hash: int | None  # event hash of the parent page
-    # Packed token ids (kvtier.wire.pack_tokens) holding the page's: the page's own, or its node's whole run,
-    # which the node's pages share rather than each keeping a copy (most of an L3 page's memory otherwise).
-    buf: PackedTokens
-    depth: int  # pages from the root (for parent-first dumps)
-    page: int = 0  # the page's index in buf, in pages of `stride` bytes
-    stride: int = 0  # bytes per page in buf; 0: buf is the page itself
-
-    @property
-    def tokens(self) -> PackedTokens:
-        """The page's token ids, packed. O(page)."""
-        s = self.stride
-        return self.buf[self.page * s:(self.page + 1) * s] if s else self.buf
-
-
-@dataclass(slots=True)
-class _Entry(PageMeta):
-    """A committed page: its metadata (the fields of the engine's :class:`PageMeta`, copied into one object per
-    page, not one wrapping the other) and the store's bookkeeping."""
-
-    children: int = 0  # committed or pending children
-    pins: int = 0  # readers in flight
-    # Engines that published it: one interned set per distinct value (PageStore._tags), not a set per page.
-    announcers: frozenset[EngineTag] = frozenset()
 
 
 @dataclass(slots=True)
@@ -112,17 +78,12 @@ class PageStore:
         self.shared = shared
         self.tier = tier or (StorageTier.EXTERNAL if shared else StorageTier.DISK)
         self.stats = StoreStats()
-        # Committed pages, in the order they were committed. Eviction order lives in _leaves alone (only a
-        # leaf is ever evicted), so this is a plain dict: an OrderedDict costs some 50 bytes more per page.
-        self._entries: dict[str, _Entry] = {}
-        self._leaves: OrderedDict[str, None] = OrderedDict()  # committed pages without children, LRU first
+        self._tree = PageTree()  # committed pages and writes in flight, with the leaves in LRU order
+        self._entries = self._tree.entries  # (read on every lookup)
         # Announcer set -> its one shared copy (_interned). Never pruned: it holds each distinct set that ever
         # occurred, one for a private store, a few for a pool (engines announce the pages they write or find).
         self._tags: dict[frozenset[EngineTag], frozenset[EngineTag]] = {}
-        self._pending: dict[str, PageMeta] = {}  # key being written -> its meta
-        # Uncommitted key -> children begun under it and still pending. It outlives an aborted write of
-        # the key (another engine of a shared pool may write it again, and those children still count).
-        self._pending_children: dict[str, int] = {}
+        self._pending = self._tree.pending  # key being written -> its meta
         self._listeners: dict[EngineTag, EvictListener] = {}
         self._dir = PageDir(directory, layout or Layout(), owner, sync) if directory is not None else None
         if self._dir is not None:
@@ -174,20 +135,18 @@ class PageStore:
             self._dir.release([key])
             return False
         if meta.parent_key is not None:
-            self._add_child(meta.parent_key)
+            self._tree.add_child(meta.parent_key)
         self._insert(key, meta, frozenset())
         self._evict_over_capacity(protect=key)
         return key in self._entries
 
     def unannounced(self) -> list[str]:
         """Committed pages no engine announced (adopted on start), parents first. O(pages)."""
-        keys = [k for k, e in self._entries.items() if not e.announcers]
-        return sorted(keys, key=lambda k: self._entries[k].depth)
+        return self._tree.by_depth([k for k, e in self._entries.items() if not e.announcers])
 
     def announced_by(self, engine: EngineTag) -> list[str]:
         """Keys ``engine`` announced, parents before children. O(pages)."""
-        keys = [k for k, e in self._entries.items() if engine in e.announcers]
-        return sorted(keys, key=lambda k: self._entries[k].depth)
+        return self._tree.by_depth([k for k, e in self._entries.items() if engine in e.announcers])
 
     def is_announced(self, key: str) -> bool:
         """Committed and announced by at least one engine."""
@@ -197,7 +156,7 @@ class PageStore:
     def announce(self, key: str, engine: EngineTag) -> bool:
         """Marks a committed page as announced by ``engine``; True if it was not already."""
         e = self._entries[key]
-        self.touch(key)
+        self._tree.touch(key)
         if engine in e.announcers:
             return False
         e.announcers = self._interned(e.announcers | {engine})
@@ -216,39 +175,13 @@ class PageStore:
 
     def touch(self, key: str) -> None:
         """Marks a page used now (evicted last among the leaves). O(1)."""
-        if key in self._leaves:
-            self._leaves.move_to_end(key)
-
-    def _add_child(self, parent_key: str) -> None:
-        if parent_key in self._entries:
-            e = self._entries[parent_key]
-            e.children += 1
-            self._leaves.pop(parent_key, None)
-        else:
-            self._pending_children[parent_key] = self._pending_children.get(parent_key, 0) + 1
-
-    def _drop_child(self, parent_key: str) -> None:
-        e = self._entries.get(parent_key)
-        if e is not None:
-            e.children -= 1
-            if e.children == 0:
-                self._leaves[parent_key] = None
-        elif parent_key in self._pending_children:
-            self._pending_children[parent_key] -= 1
-            if self._pending_children[parent_key] == 0:
-                del self._pending_children[parent_key]
+        self._tree.touch(key)
 
     # --- writes --------------------------------------------------------------------------
 
     def begin_write(self, key: str, meta: PageMeta) -> None:
         """Reserves ``key`` before its bytes are written. Asserts its parent is present. O(1)."""
-        assert key not in self._entries and key not in self._pending, f"page {key} written twice"
-        parent_key = meta.parent_key
-        if parent_key is not None:
-            assert parent_key in self._entries or parent_key in self._pending, (
-                f"page {key} written before its parent {parent_key}")
-            self._add_child(parent_key)
-        self._pending[key] = meta
+        self._tree.reserve(key, meta)
 
     def write_pages(self, pages: Sequence[tuple[str, bytes | memoryview]]) -> None:
         """Writes reserved pages' files, all or nothing (no-op without a directory). Runs on a copy
@@ -291,34 +224,32 @@ class PageStore:
         least-recently-used leaves first if the store is over capacity; their announcers are
         told through their listeners.
         """
-        meta = self._pending.pop(key)
-        parent_key = meta.parent_key
-        if parent_key is not None and parent_key not in self._entries:
-            self._drop_child(parent_key)  # the parent, if it still comes, must not count this page
+        meta = self._tree.unreserve(key)
+        if meta.parent_key is not None and meta.parent_key not in self._entries:
+            self._tree.drop_child(meta.parent_key)  # the parent, if it still comes, must not count this page
             self._unlink(key)
             return False
-        self._insert(key, meta, frozenset((engine,)), children=self._pending_children.pop(key, 0))
+        self._insert(key, meta, frozenset((engine,)))
         self._evict_over_capacity(protect=key)
         return True
 
-    def _insert(self, key: str, meta: PageMeta, announcers: frozenset[EngineTag], children: int = 0) -> None:
-        self._entries[key] = _Entry(meta.event_hash, meta.parent_key, meta.parent_hash, meta.buf, meta.depth, meta.page,
-                                    meta.stride, children=children, announcers=self._interned(announcers))
-        if children == 0:
-            self._leaves[key] = None
+    def _insert(self, key: str, meta: PageMeta, announcers: frozenset[EngineTag]) -> None:
+        """Commits ``key`` (its parent counts it already), with the children reserved under it meanwhile."""
+        self._tree.insert(key, PageEntry(meta.event_hash, meta.parent_key, meta.parent_hash, meta.buf, meta.depth,
+                                         meta.page, meta.stride, announcers=self._interned(announcers)))
 
     def abort(self, key: str) -> None:
         """Drops a reservation whose write failed (its files, if any, were removed by the write)."""
-        meta = self._pending.pop(key)
+        meta = self._tree.unreserve(key)
         if meta.parent_key is not None:
-            self._drop_child(meta.parent_key)
+            self._tree.drop_child(meta.parent_key)
 
     # --- reads ---------------------------------------------------------------------------
 
     def pin(self, keys: list[str]) -> None:
         for k in keys:
             self._entries[k].pins += 1
-            self.touch(k)
+            self._tree.touch(k)
 
     def unpin(self, keys: list[str]) -> None:
         for k in keys:
@@ -331,8 +262,9 @@ class PageStore:
     def _evict_over_capacity(self, protect: str) -> None:
         lost: dict[EngineTag, list[str]] = {}
         while len(self._entries) > self.capacity:
-            victim = next((k for k in self._leaves if self._entries[k].pins == 0 and k != protect), None)
-            if victim is None and protect in self._leaves and self._entries[protect].pins == 0:
+            leaves = self._tree.leaves
+            victim = next((k for k in leaves if self._entries[k].pins == 0 and k != protect), None)
+            if victim is None and protect in leaves and self._entries[protect].pins == 0:
                 # Nothing older to give up: the new leaf goes itself, and then, a leaf in turn, its
                 # parent, so a chain longer than the store is trimmed to what fits once written.
                 victim, protect = protect, ""
@@ -358,16 +290,7 @@ class PageStore:
         the keys removed, children first. O(pages) (a scan for descendants)."""
         if key not in self._entries:
             return []
-        kids: dict[str, list[str]] = {}
-        for k, e in self._entries.items():
-            if e.parent_key is not None:
-                kids.setdefault(e.parent_key, []).append(k)
-        order: list[str] = []
-        todo = [key]
-        while todo:
-            k = todo.pop()
-            order.append(k)
-            todo.extend(kids.get(k, []))
+        order = self._tree.subtree(key)
         lost: dict[EngineTag, list[str]] = {}
         for k in reversed(order):  # leaves first: a parent's children count reaches 0 as it goes
             self._remove(k, lost)
@@ -376,12 +299,7 @@ class PageStore:
         return order[::-1]
 
     def _remove(self, key: str, lost: dict[EngineTag, list[str]]) -> None:
-        e = self._entries.pop(key)
-        self._leaves.pop(key, None)
-        if e.children:  # only a drop() removes a page with children: those still being written
-            self._pending_children[key] = e.children
-        if e.parent_key is not None:
-            self._drop_child(e.parent_key)
+        e = self._tree.remove(key)  # (only a drop() removes a page with children: those still being written)
         for engine in e.announcers:
             lost.setdefault(engine, []).append(key)
         self._unlink(key)
@@ -390,8 +308,7 @@ class PageStore:
         """Drops every page (a private store's engine was reset)."""
         if self._dir is not None:
             self._dir.release(_with_drafts(self._entries))
-        self._entries.clear()
-        self._leaves.clear()
+        self._tree.clear_committed()
 
     def _unlink(self, key: str) -> None:
         """Releases a page's file and its draft-model companion (``d:`` + key), if any."""
@@ -414,10 +331,10 @@ class PageStore:
         self.stats.dropped_at_start += len(drop)
         for key, (meta, _) in keep.items():  # parents first
             if meta.parent_key is not None:
-                self._add_child(meta.parent_key)
+                self._tree.add_child(meta.parent_key)
             self._insert(key, meta, frozenset())
         for key, _ in sorted(keep.items(), key=lambda kv: kv[1][1]):  # LRU order: oldest written first
-            self.touch(key)
+            self._tree.touch(key)
         self.stats.adopted = len(self._entries)
         if self._entries or drop or any(counts.values()):
             log.info("L3 %s: adopted %d pages; dropped %d held, removed %d tmp and %d unheld files",
@@ -425,21 +342,11 @@ class PageStore:
                      counts["orphans_removed"])
 
     def _check(self) -> None:
+        """Asserts the tree's invariants (prefix closure, children, leaves) and the store's own. O(pages^2)."""
+        self._tree._check()
         for k, e in self._entries.items():
-            p = e.parent_key
-            assert p is None or p in self._entries, f"page {k} present without its parent {p}"
-            n = sum(1 for c in self._entries.values() if c.parent_key == k)
-            n += sum(1 for m in self._pending.values() if m.parent_key == k)
-            assert e.children == n, f"page {k}: children {e.children} but {n} found"
-            assert (k in self._leaves) == (e.children == 0), f"page {k}: leaf list out of sync"
             assert e.pins >= 0, f"page {k}: negative pins"
             assert self._tags.get(e.announcers) is e.announcers, f"page {k}: announcer set not interned"
-        pending_kids: dict[str, int] = {}
-        for m in self._pending.values():
-            if m.parent_key is not None and m.parent_key not in self._entries:
-                pending_kids[m.parent_key] = pending_kids.get(m.parent_key, 0) + 1
-        assert pending_kids == self._pending_children, (
-            f"children pending under uncommitted pages out of sync: {pending_kids} != {self._pending_children}")
 
 
 def _with_drafts(keys: Iterable[str]) -> list[str]:

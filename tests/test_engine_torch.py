@@ -10,7 +10,8 @@ import torch
 
 from kvtier.engine.cache import Admission, CacheConfig, PrefetchPolicy, TieredCache
 from kvtier.engine.datapath import CopyKind, TorchDataPath, _runs
-from kvtier.engine.storage import PageMeta, PageStore
+from kvtier.engine.pagetree import PageMeta
+from kvtier.engine.storage import PageStore
 from kvtier.wire import StorageTier
 
 PS = 4

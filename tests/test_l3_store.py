@@ -16,7 +16,8 @@ from kvtier.engine.datapath import TorchDataPath
 from kvtier.engine.hashing import chain
 from kvtier.engine.pagedir import OwnerBusy, SyncPolicy
 from kvtier.engine.pagefile import FIXED_SIZE, Layout, PageFileError, PageHeader, decode, encode
-from kvtier.engine.storage import PageMeta, PageStore, StoreError
+from kvtier.engine.pagetree import PageMeta
+from kvtier.engine.storage import PageStore, StoreError
 from kvtier.indexer.index import TieredIndex
 from kvtier.wire import BlockRemoved, BlockStored, StorageTier, WorkerId
 from kvtier.wire.notices import StreamId
@@ -318,3 +319,25 @@ def test_children_begun_under_a_page_whose_write_was_aborted_still_count_when_it
     pool._check()
     assert not pool.commit("D", "w0")  # its parent is gone: dropped, and nothing is left counting it
     pool._check()
+
+
+def test_children_begun_under_an_aborted_page_count_when_it_is_found_on_disk_instead(tmp_path: Path) -> None:
+    """As above, but the page comes back through :meth:`PageStore.lookup`: another process of the pool wrote
+    it. Adopting it must count the child still being written under it, or it stays a leaf with a child and an
+    eviction takes it first: a page without its parent."""
+    a = PageStore(2, tmp_path, owner="a", shared=True, layout=L)
+    a.attach("a", lambda keys: None)
+    a.begin_write("k0", meta(0, None))
+    a.begin_write("k1", meta(1, 0))
+    a.abort("k0")  # (its write failed; k1's goes on)
+    chain_store(tmp_path, 1, owner="b", shared=True)  # another process writes k0
+    assert a.lookup("k0")
+    a._check()
+    a.write_pages([("k1", bytes([1]) * 64)])
+    assert a.commit("k1", "a")
+    a._check()
+    a.begin_write("k9", meta(9, None))
+    a.write_pages([("k9", bytes([9]) * 64)])
+    assert a.commit("k9", "a")  # over capacity: a leaf goes, and k0 is not one
+    a._check()
+    assert "k0" in a and "k1" not in a
