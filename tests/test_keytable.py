@@ -12,7 +12,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvtier.indexer.keytable import KERNELS, KEY, EngineHashes, KeyTable
+from kvtier.indexer.keys import BlockKey
+from kvtier.indexer.keytable import KERNELS, KEY, USED, EngineHashes, KeyTable
 
 pytestmark = pytest.mark.skipif(KERNELS.get() is None, reason="compiled tables need numba (KVTIER_JIT=0 here)")
 
@@ -252,3 +253,30 @@ def test_tables_past_five_eighths_grow_into_rows_zeroed_ahead_on_the_helper(monk
     finally:
         child.kill()
         child.join()
+
+
+def test_structured_engine_hashes_spread_like_random_keys() -> None:
+    """Engine hashes may be structured ints: fields side by side (a conversation id over a block index, as the
+    indexer bench's are: one worker of 16 holds every 16th conversation), sequential ids. Homes must spread them
+    like random keys: with a multiply alone such fields sat on a lattice and clustered, 5 rows probed per hit at
+    55% load (8.7 at 57% in the bench) where random keys take 1.6, on every lookup and claim of a store or
+    removal."""
+    layouts = {
+        "fields": [(1 << 62) | conv << 16 | i for conv in range(5, 4800, 16) for i in range(32, 512)],
+        "sequential": list(range(1, 150_001)),
+        "random": np.random.default_rng(0).integers(1, 1 << 62, 150_000).tolist(),
+    }
+    for name, ehs in layouts.items():
+        e = EngineHashes()
+        e.reserve(len(ehs))
+        for j, eh in enumerate(ehs):
+            e[eh] = BlockKey(j + 1)
+        rows = e.r
+        cap = rows.shape[0]
+        used = np.flatnonzero(rows[:, USED])
+        homes = np.array([e.k._home(np.uint64(k), cap - 1) for k in rows[used, KEY]])
+        probes = float(np.mean((used - homes) % cap)) + 1  # rows read by a lookup that finds the key
+        load = len(used) / cap
+        expected = (1 + 1 / (1 - load)) / 2  # linear probing with random homes (Knuth)
+        assert probes < 1.5 * expected, (
+            f"{name} engine hashes: {probes:.2f} rows probed per hit at {load:.0%} load, {expected:.2f} expected")
