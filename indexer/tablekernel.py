@@ -29,7 +29,8 @@ integer is a ``uint64`` or an index, never a plain int mixed with a ``uint64`` (
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import numpy as np
 from numba import njit
@@ -61,6 +62,13 @@ _S32 = np.uint64(32)
 _SEED = np.uint64(SEED)
 
 Arr = Any  # numpy arrays, as numba sees them
+_F = TypeVar("_F", bound=Callable[..., Any])
+_NO_NRT: dict[str, Any] = {"_nrt": False}  # (numba's option, which its type stubs do not list)
+
+
+def _unrefcounted(fn: _F) -> _F:
+    """``njit(cache=True)`` without reference counting, for helpers that allocate nothing (module docstring)."""
+    return cast(_F, njit(cache=True, **_NO_NRT)(fn))
 
 
 @njit(cache=True, inline="always")
@@ -103,7 +111,7 @@ def _zero_row(r: Arr, i: int, start: int) -> None:
         r[i, c] = 0
 
 
-@njit(cache=True, _nrt=False)
+@_unrefcounted
 def find(r: Arr, k: np.uint64) -> int:
     """The row of ``k``, or -1. O(1) expected."""
     i = _probe(r, k)
@@ -124,7 +132,7 @@ def claim(r: Arr, m: Arr, k: np.uint64) -> int:
     return i
 
 
-@njit(cache=True, _nrt=False)
+@_unrefcounted
 def delete_at(r: Arr, m: Arr, i: int) -> None:
     """Frees row ``i`` and moves later rows of its probe run back, so that no lookup stops early. O(run)."""
     mask = r.shape[0] - 1
@@ -212,7 +220,7 @@ _MIX2 = np.uint64(0xC4CEB9FE1A85EC53)
 _S33 = np.uint64(33)
 
 
-@njit(cache=True, _nrt=False)
+@_unrefcounted
 def _mhash(words: Arr) -> np.uint64:
     """A hash of a mask's words in which zero words count for nothing (so widening keeps every hash)."""
     h = np.uint64(0)
@@ -226,7 +234,7 @@ def _mhash(words: Arr) -> np.uint64:
     return h
 
 
-@njit(cache=True, _nrt=False)
+@_unrefcounted
 def _same(pm: Arr, i: int, words: Arr) -> bool:
     for w in range(words.shape[0]):  # noqa: SIM110 (numba compiles no generator)
         if pm[i, w] != words[w]:
@@ -234,7 +242,7 @@ def _same(pm: Arr, i: int, words: Arr) -> bool:
     return True
 
 
-@njit(cache=True, _nrt=False)
+@_unrefcounted
 def _intern(pm: Arr, ph: Arr, pa: Arr, words: Arr) -> int:
     """The id of the mask ``words``, its count up by one (added if new: the caller reserved room). O(words)."""
     h = _mhash(words)
@@ -263,7 +271,7 @@ def _intern(pm: Arr, ph: Arr, pa: Arr, words: Arr) -> int:
     return m
 
 
-@njit(cache=True, _nrt=False)
+@_unrefcounted
 def _release(pm: Arr, ph: Arr, pa: Arr, m: int) -> None:
     """One reference to mask ``m`` fewer; the mask goes when none is left. O(words)."""
     if m == 0:
@@ -287,7 +295,7 @@ def _has(t: Arr, i: int, pm: Arr, word: int, bits: np.uint64) -> bool:
     return bool(pm[int(t[i, VAL]), word] & bits)
 
 
-@njit(cache=True, _nrt=False)
+@_unrefcounted
 def _change(t: Arr, i: int, pm: Arr, ph: Arr, pa: Arr, tmp: Arr, word: int, set_bits: np.uint64,
             keep: np.uint64, memo: Arr) -> bool:
     """Row ``i``'s mask with ``set_bits`` set and only ``keep`` kept in ``word``; True if it is empty now (the row
