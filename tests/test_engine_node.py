@@ -16,6 +16,28 @@ from kvtier.wire import EndpointConfig, EventBatch, ResyncNeeded, ResyncStarted,
 PS = 4
 
 
+def dumping_node(*, device_pages: int, host_ratio: float) -> tuple[EngineNode, list[float]]:
+    """An engine node on loopback whose replay buffer (8 batches) is soon outrun, so that an indexer joining late
+    needs a state dump; and the clock of its modeled copies, moved by hand."""
+    now = [0.0]
+    dp = ModeledDataPath(1000, lambda: now[0], Bandwidths(1e6, 1e6, 1e6, 1e6, 1e-6))
+    cache = TieredCache(CacheConfig(page_size=PS, device_pages=device_pages, host_ratio=host_ratio), dp)
+    return EngineNode(cache, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", buffer_size=8), now
+
+
+def serve_one(node: EngineNode, now: list[float], i: int, *, pages: int, step_s: float) -> None:
+    """Request ``i`` (``pages`` pages of tokens its own) admitted, prefilled and released; then the clock moves on
+    ``step_s`` and the node publishes what its copies changed."""
+    cache = node.cache
+    with node.lock:
+        adm = cache.admit(f"r{i}", list(range(i * 1000, i * 1000 + PS * pages)))
+        if cache.begin_prefill(adm) is not None:
+            cache.finish_prefill(adm)
+        cache.release(adm)
+    now[0] += step_s
+    node.step()
+
+
 def test_index_converges_through_gaps_and_dumps() -> None:
     now = [0.0]
     dp = ModeledDataPath(1000, lambda: now[0], Bandwidths(1e6, 1e6, 1e6, 1e6, 1e-6))
@@ -72,11 +94,8 @@ def test_two_indexers_one_dumping_one_probing_both_converge() -> None:
     """Indexer A joins late (past the replay buffer) and needs a dump that takes a second to build;
     indexer B is in sync and probes every 50 ms with a 200 ms timeout. B's probes are answered
     while A's dump is built, and even unanswered they never clear B; both end exact."""
-    now = [0.0]
-    dp = ModeledDataPath(1000, lambda: now[0], Bandwidths(1e6, 1e6, 1e6, 1e6, 1e-6))
-    cache = TieredCache(CacheConfig(page_size=PS, device_pages=4096, host_ratio=1.0), dp)
-    node = EngineNode(cache, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", buffer_size=8)
-    build = node.publisher._dump_provider
+    node, now = dumping_node(device_pages=4096, host_ratio=1.0)
+    cache, build = node.cache, node.publisher._dump_provider
     assert build is not None
 
     def slow_dump() -> tuple[int, Iterator[EventBatch]]:
@@ -90,13 +109,7 @@ def test_two_indexers_one_dumping_one_probing_both_converge() -> None:
     con_a, con_b = IndexConsumer(idx_a), IndexConsumer(idx_b)
 
     def serve(i: int) -> None:
-        with node.lock:
-            adm = cache.admit(f"r{i}", list(range(i * 1000, i * 1000 + PS * 8)))
-            if cache.begin_prefill(adm) is not None:
-                cache.finish_prefill(adm)
-            cache.release(adm)
-        now[0] += 0.05
-        node.step()
+        serve_one(node, now, i, pages=8, step_s=0.05)
 
     with Subscriber([cfg], replay_timeout_s=0.2) as sub_b:
         sub_b._conns[cfg.stream].tracker.probe_s = 0.05
@@ -125,21 +138,12 @@ def test_a_dump_cut_short_is_asked_again_and_the_index_converges() -> None:
     evicts and stores while the indexer waits. The indexer must not take the part it got for the whole: it asks
     again after its timeout, starts over from the new answer, and ends with the engine's residency exactly,
     none of the first answer's evicted blocks left."""
-    now = [0.0]
-    dp = ModeledDataPath(1000, lambda: now[0], Bandwidths(1e6, 1e6, 1e6, 1e6, 1e-6))
-    cache = TieredCache(CacheConfig(page_size=PS, device_pages=1200, host_ratio=0.0), dp)
-    node = EngineNode(cache, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", buffer_size=8)
-    build = node.publisher._dump_provider
+    node, now = dumping_node(device_pages=1200, host_ratio=0.0)
+    cache, build = node.cache, node.publisher._dump_provider
     assert build is not None
 
     def serve(i: int) -> None:
-        with node.lock:
-            adm = cache.admit(f"r{i}", list(range(i * 1000, i * 1000 + PS * 2)))
-            if cache.begin_prefill(adm) is not None:
-                cache.finish_prefill(adm)
-            cache.release(adm)
-        now[0] += 0.01
-        node.step()
+        serve_one(node, now, i, pages=2, step_s=0.01)
 
     first_part: set[int] = set()
     calls = [0]
