@@ -111,6 +111,8 @@ class TieredIndex:
         return list(self._workers)
 
     def _new_worker(self, stream: StreamId, slot: int) -> WorkerState:
+        """The state of a worker added at ``slot`` (called by :class:`WorkerSlots`): the index's window, and its
+        engine hashes in a compiled table beside compiled masks. O(1)."""
         w = WorkerState(stream, slot, window=self._default_window, inferred=bool(self._default_window))
         if self._tables:
             w.hashes = EngineHashes()
