@@ -65,13 +65,20 @@ class TierCredits:
                 + (o.disk - o.host) * self.disk + (o.external - o.disk) * self.external)
 
     def visible_credit(self, o: TierOverlap, max_tier: StorageTier) -> float:
-        """``credited_blocks(visible(o, max_tier))``, the same float, without building the visible overlap
-        (routing calls it once per worker and request). O(1)."""
-        d = o.device
-        h = o.host if max_tier >= StorageTier.HOST else d
-        k = o.disk if max_tier >= StorageTier.DISK else h
-        e = o.external if max_tier >= StorageTier.EXTERNAL else k
-        return d * self.device + (h - d) * self.host + (k - h) * self.disk + (e - k) * self.external
+        """``credited_blocks(visible(o, max_tier))``, the same float, without building the visible overlap.
+        O(1)."""
+        return self.visible_credits((o,), max_tier)[0]
+
+    def visible_credits(self, overlaps: Sequence[TierOverlap], max_tier: StorageTier) -> list[float]:
+        """:meth:`visible_credit` of each overlap (routing asks it of every worker on every request). A tier past
+        ``max_tier`` earns no credit: what :func:`visible` moves down to the last tier seen adds a zero difference
+        there, and ``x + 0.0`` is ``x``, so the floats are the same. O(overlaps)."""
+        cd = self.device
+        ch = self.host if max_tier >= StorageTier.HOST else 0.0
+        ck = self.disk if max_tier >= StorageTier.DISK else 0.0
+        ce = self.external if max_tier >= StorageTier.EXTERNAL else 0.0
+        return [o.device * cd + (o.host - o.device) * ch + (o.disk - o.host) * ck + (o.external - o.disk) * ce
+                for o in overlaps]
 
 
 @dataclass(slots=True, frozen=True)
@@ -94,10 +101,10 @@ class CreditCost:
         """:meth:`cost` of each worker (its overlap, load and shared blocks, in order), the same floats, in one call
         (routing prices every candidate on every request). O(workers)."""
         blocks = -(-num_tokens // block_size)
-        credit, tier, weight = self.credits.visible_credit, self.max_tier, self.overlap_weight
-        return [weight * ((blocks - credit(o, tier)) + load.pending_prefill_tokens / block_size)
+        credits, weight = self.credits.visible_credits(overlaps, self.max_tier), self.overlap_weight
+        return [weight * ((blocks - credit) + load.pending_prefill_tokens / block_size)
                 + load.active_blocks + blocks - shared
-                for o, load, shared in zip(overlaps, loads, shared_blocks, strict=True)]
+                for credit, load, shared in zip(credits, loads, shared_blocks, strict=True)]
 
 
 @dataclass(slots=True, frozen=True)
@@ -133,10 +140,10 @@ class DynamoCost:
               shared_blocks: Sequence[int], output_tokens: float = 0.0) -> list[float]:
         """:meth:`cost` of each worker, the same floats, in one call (as :meth:`CreditCost.costs`). O(workers)."""
         incoming = -(-num_tokens // block_size)
-        credit, tier, scale = self.credits.visible_credit, self.max_tier, self.prefill_load_scale
-        return [scale * max((load.pending_prefill_tokens / block_size + incoming) - credit(o, tier), 0.0)
+        credits, scale = self.credits.visible_credits(overlaps, self.max_tier), self.prefill_load_scale
+        return [scale * max((load.pending_prefill_tokens / block_size + incoming) - credit, 0.0)
                 + ((load.active_blocks - load.generated_blocks) + incoming - shared)
-                for o, load, shared in zip(overlaps, loads, shared_blocks, strict=True)]
+                for credit, load, shared in zip(credits, loads, shared_blocks, strict=True)]
 
 
 @dataclass(slots=True, frozen=True)
