@@ -191,10 +191,11 @@ class TieredIndex:
         """Applies the events of one batch (all of it, or those a router listens to) in order; one outcome
         per event. A batch is the unit of the inferred-window rule: events applied one by one with
         :meth:`apply` continue the last batch. O(blocks in the events)."""
-        w = self._workers.get(stream)
-        if w is not None:
-            w.chains.clear()
-        return [self.apply(stream, ev) for ev in events]
+        w = self._workers.add(stream) if events else self._workers.get(stream)  # (no events add no worker)
+        if w is None:
+            return []
+        w.chains.clear()
+        return [self._apply(w, ev) for ev in events]
 
     def window_hashes(self, stream: StreamId) -> dict[StorageTier, set[EngineHash]]:
         """The engine hashes whose window KV the worker holds, per tier (device, host). O(worker blocks)."""
@@ -208,9 +209,12 @@ class TieredIndex:
         (``ORPHANED``, see :mod:`kvtier.indexer.orphans`). Either way the next event of the
         batch applies as usual, and other workers' state is never touched (:mod:`kvtier.indexer.applier`).
         """
-        w = self._workers.add(stream)
+        return self._apply(self._workers.add(stream), event)
+
+    def _apply(self, w: WorkerState, event: Event) -> Outcome:
+        """:meth:`apply`, for the worker's state. O(blocks in the event)."""
         if isinstance(event, AllBlocksCleared):
-            self.clear_worker(stream)
+            self.clear_worker(w.stream)
             outcome = Outcome.APPLIED
         else:
             outcome = self._events.apply(w, event)

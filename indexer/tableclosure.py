@@ -84,11 +84,13 @@ class TableClosure(PrefixClosure):
         for j in np.flatnonzero(how).tolist():
             self._branch(parents[j], children[j], int(how[j]), cur[j])
 
-    def branched_chain(self, first: BlockKey | None, keys: Sequence[BlockKey], how: Any, cur: Any) -> None:
+    def branched_chain(self, first: BlockKey | None, keys: Sequence[BlockKey] | Any, how: Any, cur: Any) -> None:
         """:meth:`branched` for a stored chain: link ``j`` is ``keys[j]`` under ``keys[j - 1]``, the first under
-        ``first``. O(links with work), where a list of the parents would cost O(chain) per store."""
-        for j in np.flatnonzero(how).tolist():
-            self._branch(first if j == 0 else keys[j - 1], keys[j], int(how[j]), cur[j])
+        ``first`` (``keys``: a list, or the ``uint64`` array a store kernel wrote, read only where a link has work).
+        O(links with work), where a list of the parents, or of the keys, would cost O(chain) per store."""
+        for j in how.nonzero()[0].tolist():
+            parent = first if j == 0 else BlockKey(int(keys[j - 1]))
+            self._branch(parent, BlockKey(int(keys[j])), int(how[j]), cur[j])
 
     def _branch(self, parent: BlockKey | None, child: BlockKey, how: int, cur: Any) -> None:
         assert parent is not None, "a link under the root"

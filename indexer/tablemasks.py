@@ -172,7 +172,7 @@ class TableMasks(BlockMasks):
         if high and e.signed is None:  # converted as int64 (EngineHashes.int64s): the top bit is a sign
             e.signed = True
         if linking:
-            closure.branched_chain(parent, _as_list(keys), how[:n], cur)
+            closure.branched_chain(parent, keys, how[:n], cur)
         if path == 1:
             if not parent_held:
                 closure.stored(w.slot, tier, BlockKey(int(keys[0])), False)  # new blocks have no children to settle
