@@ -246,6 +246,24 @@ class FaultyWire(TwoEngines):
         CHECKS.append(1)
 
 
+def test_a_restart_while_a_catch_up_answer_is_cut_short_and_its_retry_lost_converges() -> None:
+    """The slow profile's counterexample, step for step: the catch-up answer delivers seq 0 and loses its end
+    marker, the retry's answer is lost, the engine restarts and stores a block. The retry after the reconnect
+    took the new process's seq 1 for the continuation of the old one's seq 0, and the index never had the new
+    seq 0's device block."""
+    m = FaultyWire()
+    m.setup(buffer=2)
+    m.reset(w=0)
+    m.cut_an_answer_short(keep=1, w=0)
+    m.advance(dt=0.3)
+    m.lose_an_answer(w=0)
+    m.restart_process(w=0)
+    m.cut_an_answer_short(keep=1, w=0)
+    m.request(doc=0, pages=1, w=0)
+    m.quiet_then_check()
+    m.teardown()
+
+
 FaultyWire.TestCase.settings = settings(max_examples=2000 if SLOW else 500, stateful_step_count=80 if SLOW else 50,
                                         deadline=None)
 TestFaultyWire = FaultyWire.TestCase

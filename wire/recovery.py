@@ -135,13 +135,25 @@ class StreamRecovery:
 
     def disconnect(self) -> None:
         """The live socket lost its peer, and the replay socket most likely the same one: the pending request
-        could vanish, so it goes again on a fresh socket. O(1)."""
+        could vanish, so it goes again on a fresh socket. The peer may be a restarted publisher, whose seqs would
+        follow the old one's seamlessly: a replay that delivered something asks again as a check, from the last
+        seq delivered (:meth:`_ask_again`). O(1)."""
         self.reset_socket = True
         if self.mode is Mode.REPLAY and self.state.expected is not None:
+            if self.state.expected:
+                self.replay.verify = True
             self.replay.fresh_answer()
-            self.outbox.append(pack_seq(self.state.expected))
+            self._ask_again()
         elif self.mode is Mode.DUMP:
             self._dump_again()
+
+    def _ask_again(self) -> None:
+        """Sends the pending replay request again: from the first seq missing, or, while its check is pending
+        (``verify``: the answer's first batch is compared with the last one delivered), from the one before.
+        O(1)."""
+        expected = self.state.expected
+        assert expected is not None, "replaying while no seq is expected"
+        self.outbox.append(pack_seq(expected - 1 if self.replay.verify else expected))
 
     def _timed_out(self, now: float, out: list[Delivery]) -> Held:
         """The pending replay or dump went quiet past its deadline: asked again, or given up."""
@@ -160,9 +172,8 @@ class StreamRecovery:
             self.tries += 1
             self.deadline = now + self.timeout_s
             if self.mode is Mode.REPLAY:
-                assert self.state.expected is not None, "replaying while no seq is expected"
                 r.fresh_answer()
-                self.outbox.append(pack_seq(self.state.expected))
+                self._ask_again()
             else:
                 self._dump_again()
         elif self.mode is Mode.REPLAY:
@@ -185,7 +196,7 @@ class StreamRecovery:
             self.tries = 1
         self.replay.fresh_answer()
         self.deadline = now + self.timeout_s
-        self.outbox.append(pack_seq(self.state.expected))
+        self._ask_again()
 
     def _replayed(self, seq: int, payload: bytes, out: list[Delivery]) -> None:
         s, r = self.state, self.replay
