@@ -70,9 +70,9 @@ class TierCredits:
         return self.visible_credits((o,), max_tier)[0]
 
     def visible_credits(self, overlaps: Sequence[TierOverlap], max_tier: StorageTier) -> list[float]:
-        """:meth:`visible_credit` of each overlap (routing asks it of every worker on every request). A tier past
-        ``max_tier`` earns no credit: what :func:`visible` moves down to the last tier seen adds a zero difference
-        there, and ``x + 0.0`` is ``x``, so the floats are the same. O(overlaps)."""
+        """:meth:`visible_credit` of each overlap (routing asks it of every worker on every request). Tiers past
+        ``max_tier`` get a credit of 0 here, where :func:`visible` moves their levels down to the last tier seen:
+        either way each of their terms is 0.0, and ``x + 0.0`` is ``x``, so the floats are the same. O(overlaps)."""
         cd = self.device
         ch = self.host if max_tier >= StorageTier.HOST else 0.0
         ck = self.disk if max_tier >= StorageTier.DISK else 0.0

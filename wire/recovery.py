@@ -136,8 +136,8 @@ class StreamRecovery:
     def disconnect(self) -> None:
         """The live socket lost its peer, and the replay socket most likely the same one: the pending request
         could vanish, so it goes again on a fresh socket. The peer may be a restarted publisher, whose seqs would
-        follow the old one's seamlessly: a replay that delivered something asks again as a check, from the last
-        seq delivered (:meth:`_ask_again`). O(1)."""
+        follow the old one's seamlessly: once anything was delivered, the replay asks again as a check, from the
+        last seq delivered (:meth:`_ask_again`). O(1)."""
         self.reset_socket = True
         if self.mode is Mode.REPLAY and self.state.expected is not None:
             if self.state.expected:
