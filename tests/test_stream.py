@@ -313,6 +313,19 @@ def test_restart_during_a_replay_that_delivered_is_checked_before_its_answer_is_
     assert [int(d.batch.ts) for d in out if isinstance(d, Received)] == [100, 101] and t.expected == 2
 
 
+def test_reconnect_during_a_replay_to_the_same_publisher_continues_it() -> None:
+    """The check a reconnect puts on a pending replay passes for the same publisher: no restart, no replay from 0."""
+    t = tracker()
+    t.start(0.0)
+    t.outbox.clear()
+    t.on_reply(pack_seq(0), payload(0), 0.1)
+    t.on_disconnect()
+    out = t.on_reply(pack_seq(0), payload(0), 0.2) + t.on_reply(pack_seq(1), payload(1), 0.2)
+    out += t.on_reply(END_SEQ, b"", 0.2)
+    assert seqs(out) == [1] and t.expected == 2 and t.stats.restarts == 0
+    assert [unpack_seq(r) for r in t.outbox] == [0]  # the check was the only request
+
+
 def test_stragglers_of_any_earlier_loss_are_not_taken_for_a_restart() -> None:
     t = tracker()
     t.on_live(0, payload(0), 0.0)
