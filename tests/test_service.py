@@ -83,8 +83,8 @@ def test_query_metrics_health_end_to_end(cluster: tuple[list[Publisher], Indexer
     p1.publish(EventBatch(ts=time.time(), events=[stored([11, 12, 13, 14, 15, 16], None, 0, "CPU_PINNED")]))
     p1.publish(EventBatch(ts=time.time(), events=[stored([11], None, 0)]))
     p2.publish(EventBatch(ts=time.time(), events=[stored([21, 22], None, 0, "EXTERNAL")]))
-    wait_for(lambda: overlaps(svc)["workers"]["w1"]["device"] == 1
-             and overlaps(svc)["shared_pool"] == 2)
+    wait_for(lambda: (b := overlaps(svc))["workers"]["w1"]["device"] == 1 and b["shared_pool"] == 2
+             and b["workers"]["w0"]["device"] == 3 and not any(w["recovering"] for w in b["workers"].values()))
     body = overlaps(svc)
     assert body["total_blocks"] == 8
     ok = {"partial": False, "recovering": False, "window_kv": "untracked"}
