@@ -15,6 +15,7 @@ from itertools import repeat
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from kvtier.indexer.closure import Kids, MaskMap, PrefixClosure
 from kvtier.indexer.keys import BlockKey
@@ -84,7 +85,8 @@ class TableClosure(PrefixClosure):
         for j in np.flatnonzero(how).tolist():
             self._branch(parents[j], children[j], int(how[j]), cur[j])
 
-    def branched_chain(self, first: BlockKey | None, keys: Sequence[BlockKey] | Any, how: Any, cur: Any) -> None:
+    def branched_chain(self, first: BlockKey | None, keys: Sequence[BlockKey] | npt.NDArray[np.uint64], how: Any,
+                       cur: Any) -> None:
         """:meth:`branched` for a stored chain: link ``j`` is ``keys[j]`` under ``keys[j - 1]``, the first under
         ``first`` (``keys``: a list, or the ``uint64`` array a store kernel wrote, read only where a link has work).
         O(links with work), where a list of the parents, or of the keys, would cost O(chain) per store."""
