@@ -280,8 +280,10 @@ class TieredIndex:
             entries = [(eh, key, (self._masks[key] >> shift) & SLOT_MASK) for eh, key in w.hashes.items()]
             window = [(key, bits) for key in w.hashes.values()
                       if (bits := (self._win.bits.get(key, 0) >> shift) & SLOT_MASK)] if w.window else []
+            # Then what is held outside the blocks: the keys of blocks dropped at a loss, stores awaiting a parent.
             workers.append((w.stream.worker, w.stream.dp_rank, w.partial, entries, w.window, window, w.inferred,
-                            None if w.slot in self._closure.unknown else self._closure.loose_of(w.slot, TIERS)))
+                            None if w.slot in self._closure.unknown else self._closure.loose_of(w.slot, TIERS),
+                            list(w.ghosts.items()), w.orphans.dump()))
         return msgspec.msgpack.encode({"version": 1, "block_size": self.block_size,
                                        "window_tokens": self.window_tokens, "workers": workers,
                                        "links": self._closure.links()})
@@ -312,10 +314,13 @@ class TieredIndex:
                 # them (or the links) the worker is not known to be prefix-closed and queries scan.
                 if entries:
                     index._closure.restore_slot(w.slot, swa[3] if len(swa) > 3 and "links" in obj else None)
+                if len(swa) > 5:  # written since ghosts and orphans are kept; older snapshots lose them
+                    w.ghosts.update((eh, BlockKey(key)) for eh, key in swa[4])
+                    w.orphans.load(swa[5])
             for parent, kids in obj.get("links", ()):
                 for kid in kids:
                     index._closure.link(BlockKey(parent), BlockKey(kid), index._masks)
-        except (msgspec.DecodeError, KeyError, TypeError, AttributeError) as exc:
+        except (msgspec.DecodeError, KeyError, TypeError, AttributeError, ValueError) as exc:
             raise ValueError(f"not an index snapshot: {exc}") from None
         return index
 

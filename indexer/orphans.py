@@ -25,7 +25,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import msgspec
+
 from kvtier.wire.protocol import BlockStored, EngineHash, StorageTier
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode_stored = msgspec.msgpack.Decoder(BlockStored).decode
 
 
 @dataclass(slots=True, eq=False)
@@ -70,18 +75,39 @@ class OrphanPool:
 
         O(blocks in the event), plus the blocks of any runs aged out to make room.
         """
-        assert event.parent_block_hash is not None, "a root store is never an orphan"
-        run = OrphanRun(event, tier, [True] * len(event.block_hashes), extras)
-        self._by_parent.setdefault(event.parent_block_hash, []).append(run)
-        for eh in event.block_hashes:
-            self._by_hash.setdefault(eh, []).append(run)
-        self._age[id(run)] = run
-        self.blocks += len(event.block_hashes)
+        self._keep(OrphanRun(event, tier, [True] * len(event.block_hashes), extras))
         self.stats.held += 1
         while self.blocks > self.capacity and self._age:
             _, oldest = self._age.popitem(last=False)
             self._forget(oldest)
             self.stats.dropped += 1
+
+    def dump(self) -> list[tuple[bytes, int, list[bool], list[int | None] | None]]:
+        """The held runs, oldest first, as plain values for a snapshot: ``(the store as msgpack, its tier, which
+        blocks are still present, its key scopes)``. O(blocks held)."""
+        return [(_encode(r.event), int(r.tier), r.present, r.extras) for r in self._age.values()]
+
+    def load(self, runs: list[tuple[bytes, int, list[bool], list[int | None] | None]]) -> None:
+        """Holds :meth:`dump`'s runs again as they were (removals applied to them kept), after those held now; no
+        counter moves and nothing is aged out. ``ValueError``, ``TypeError`` or ``msgspec.DecodeError`` if a run
+        is not what :meth:`dump` writes. O(blocks)."""
+        for raw, tier, present, extras in runs:
+            event = _decode_stored(raw)
+            n = len(event.block_hashes)
+            if event.parent_block_hash is None or len(present) != n or not (
+                    extras is None or (len(extras) == n and all(x is None or type(x) is int for x in extras))):
+                raise ValueError("a held orphan run with no parent, or flags or key scopes out of step with its blocks")
+            self._keep(OrphanRun(event, StorageTier(tier), [bool(p) for p in present], extras))
+
+    def _keep(self, run: OrphanRun) -> None:
+        """Lists ``run`` as the newest held one. O(blocks of ``run``)."""
+        parent = run.event.parent_block_hash
+        assert parent is not None, "a root store is never an orphan"
+        self._by_parent.setdefault(parent, []).append(run)
+        for eh in run.event.block_hashes:
+            self._by_hash.setdefault(eh, []).append(run)
+        self._age[id(run)] = run
+        self.blocks += len(run.event.block_hashes)
 
     def take(self, parent: EngineHash) -> list[OrphanRun]:
         """Removes and returns the runs waiting for ``parent``. O(1) plus their blocks."""

@@ -22,6 +22,8 @@ class RefWorker:
     tiers: dict[BlockKey, set[StorageTier]] = field(default_factory=dict)  # key -> tiers held
     # stores whose parent was unknown: (event, tier, per-block still-present flags)
     orphans: list[tuple[BlockStored, StorageTier, list[bool]]] = field(default_factory=list)
+    # engine hash -> key of blocks dropped when events were lost for good: parents still, held no more
+    ghosts: dict[object, BlockKey] = field(default_factory=dict)
 
 
 @dataclass
@@ -61,6 +63,8 @@ class ReferenceIndex:
             keys = chain_keys(ev.token_ids, ev.block_size, None, namespace(ev.lora_name, ev.cache_salt))
         elif ev.parent_block_hash in w.names:
             keys = chain_keys(ev.token_ids, ev.block_size, w.names[ev.parent_block_hash])
+        elif ev.parent_block_hash in w.ghosts:
+            keys = chain_keys(ev.token_ids, ev.block_size, w.ghosts[ev.parent_block_hash])
         else:
             w.orphans.append((ev, tier, [True] * n))
             return "orphaned"
@@ -84,6 +88,12 @@ class ReferenceIndex:
                             w.tiers.setdefault(key, set()).add(o_tier)
                     progress = True
         return "applied"
+
+    def clear_worker(self, stream: StreamId, partial: bool) -> None:
+        """Drops the worker's blocks and orphans; ``partial``: events were lost for good, and the dropped
+        blocks' names are remembered as parents of stores that extend them (ghosts)."""
+        old = self.workers.get(stream, RefWorker())
+        self.workers[stream] = RefWorker(ghosts={**old.ghosts, **old.names} if partial else {})
 
     def remove_worker(self, stream: StreamId) -> None:
         self.workers.pop(stream, None)

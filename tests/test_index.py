@@ -189,6 +189,29 @@ def test_snapshot_round_trip_and_bad_snapshot() -> None:
         TieredIndex.restore(b"\x01\x02")
 
 
+def test_a_restored_index_still_grafts_held_orphans_and_extends_blocks_dropped_at_a_loss() -> None:
+    """A restarted service resumes each stream after its last applied batch, so what the index held outside its
+    blocks must come back too: a store waiting for its parent (the parent arrives after the restart) and the keys
+    of blocks dropped at a loss (a store extending them arrives after the restart)."""
+    idx = TieredIndex(4)
+    assert idx.apply(A, stored([3], 2, TOKS[8:12], "CPU")) is Outcome.ORPHANED
+    assert idx.apply(A, stored([4], 3, TOKS[12:16])) is Outcome.ORPHANED
+    idx.apply(A, BlockRemoved(block_hashes=[4], medium="GPU"))  # gone before its graft: never indexed
+    idx.apply(B, stored([11, 12], None, TOKS[:8]))
+    idx.clear_worker(B, partial=True)
+    again = TieredIndex.restore(idx.snapshot())
+    again._check()
+    assert again.orphan_blocks(A) == 2 and again.snapshot() == idx.snapshot()
+    for index in (idx, again):
+        assert index.apply(A, stored([1, 2], None, TOKS[:8])) is Outcome.APPLIED
+        assert index.apply(B, stored([13], 12, TOKS[8:12])) is Outcome.APPLIED  # not an orphan: 12 is a ghost
+        index._check()
+    assert again.find_matches(TOKS) == idx.find_matches(TOKS)
+    o = again.find_matches(TOKS).workers
+    assert (o[A].device, o[A].host, o[B].device) == (2, 3, 0)  # B's block 13 hangs under prefixes it lost
+    assert again.worker_hashes(A)[StorageTier.HOST] == {3} and again.worker_hashes(B)[StorageTier.DEVICE] == {13}
+
+
 def test_a_parent_whose_children_branch_takes_their_set_with_it_when_nobody_holds_it() -> None:
     """Two chains branch under one block: its children are a set kept beside the table. Removing every
     block drops that set with the parent's row; a set kept for a dead parent would be a leak _check reports."""
@@ -315,7 +338,7 @@ def event_streams(draw: st.DrawFn) -> list[tuple[str, StreamId, Event | None]]:
     out: list[tuple[str, StreamId, Event | None]] = []
     for _ in range(draw(st.integers(1, 30))):
         w = draw(st.sampled_from(WORKERS))
-        kind = draw(st.sampled_from(["store"] * 5 + ["remove"] * 3 + ["clear", "drop", "orphan"]))
+        kind = draw(st.sampled_from(["store"] * 5 + ["remove"] * 3 + ["clear", "drop", "orphan", "partial", "restore"]))
         doc = draw(st.sampled_from(DOCS))
         start = draw(st.integers(0, 5))
         n = draw(st.integers(1, 6 - start))
@@ -330,6 +353,8 @@ def event_streams(draw: st.DrawFn) -> list[tuple[str, StreamId, Event | None]]:
             out.append(("event", w, BlockRemoved(block_hashes=hashes, medium=tier)))
         elif kind == "clear":
             out.append(("event", w, AllBlocksCleared()))
+        elif kind in ("restore", "partial"):
+            out.append((kind, w, None))
         else:
             out.append(("drop", w, None))
     return out
@@ -452,6 +477,11 @@ def _agrees(events: list[tuple[str, StreamId, Event | None]], qs: list[tuple[lis
         if kind == "drop":
             fast.remove_worker(w)
             ref.remove_worker(w)
+        elif kind == "partial":  # events lost for good (a gap no replay or dump can fill)
+            fast.clear_worker(w, partial=True)
+            ref.clear_worker(w, partial=True)
+        elif kind == "restore":  # a restart from a snapshot: what follows applies to the restored index
+            fast = TieredIndex.restore(fast.snapshot())
         else:
             assert ev is not None
             assert fast.apply(w, ev).value == ref.apply(w, ev)
