@@ -155,6 +155,16 @@ class Consistency(RuleBasedStateMachine):
         if cache.config.swa_window_pages:
             assert fresh.window_hashes(stream) == cache.window_residency()
 
+    @rule()
+    def router_restarts_from_a_snapshot(self) -> None:
+        """The router's index is saved between batches and restored (a restarted service): the views, window KV
+        and whether queries may binary-search included, must carry on exactly (the invariant checks them after
+        this step and every later one). Links to blocks nobody holds any more are not carried (readers skip
+        them), so the bytes of a second snapshot may differ."""
+        closed = self.c.index._closure.closed
+        self.c.index = TieredIndex.restore(self.c.index.snapshot())
+        assert self.c.index._closure.closed == closed, "a restored index lost (or gained) prefix-closure"
+
     @rule(w=st.integers(0, 2))
     def reset(self, w: int) -> None:
         self.c.caches[w].reset()

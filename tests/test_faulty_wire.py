@@ -10,7 +10,9 @@ view equals its engine's residency, and recovering one worker never touched anot
 from __future__ import annotations
 
 import os
+import tempfile
 from collections import deque
+from pathlib import Path
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -19,6 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvtier.engine.cache import CacheConfig, TieredCache
 from kvtier.engine.datapath import Bandwidths, ModeledDataPath
 from kvtier.engine.storage import PageStore
+from kvtier.indexer import persist
 from kvtier.indexer.consumer import IndexConsumer
 from kvtier.indexer.index import TieredIndex
 from kvtier.wire import StorageTier, WorkerId, encode_payload
@@ -150,6 +153,7 @@ class FaultyWire(TwoEngines):
         self.lose_next_answer = [False, False]
         self.cut_next_answer = [None, None]
         self.untouched: dict[StreamId, int] = {}
+        self.snapshots = tempfile.TemporaryDirectory(prefix="kvtier-faulty-wire-")
 
     def _tracker(self, stream: StreamId) -> StreamTracker:
         t = StreamTracker(stream, can_replay=True, can_dump=True, timeout_s=1.0, probe_s=1.0)
@@ -224,6 +228,30 @@ class FaultyWire(TwoEngines):
     @rule(w=st.integers(0, 1))
     def lose_an_answer(self, w: int) -> None:
         self.lose_next_answer[w] = True
+
+    @rule()
+    def router_restarts_from_its_snapshot(self) -> None:
+        """The router process stops and starts again, as the indexer service does with a snapshot file: the
+        index and each stream's position are saved, live batches sent meanwhile are lost, and each stream
+        resumes after its last applied batch (one saved mid-recovery, or before any batch, starts afresh)."""
+        path = Path(self.snapshots.name) / "index.snap"
+        persist.save(path, self.index, {s: p for s, t in zip(self.streams, self.trackers, strict=True)
+                                        if (p := t.position()) is not None})
+        self.index, positions = persist.load(path, PS)
+        self.consumer = IndexConsumer(self.index)
+        for w, s in enumerate(self.streams):
+            self.wire[w].clear()
+            self.trackers[w] = t = StreamTracker(s, can_replay=True, can_dump=True, timeout_s=1.0, probe_s=1.0)
+            if s in positions:
+                t.resume(positions[s], self.clock[0])
+            else:
+                self.index.clear_worker(s)
+                t.start(self.clock[0])
+            self._consume(w, [])
+
+    def teardown(self) -> None:
+        if hasattr(self, "snapshots"):
+            self.snapshots.cleanup()
 
 
     # --- invariants ------------------------------------------------------------------------
