@@ -546,6 +546,9 @@ def test_fuzzed_events_never_raise_and_never_touch_other_workers(events: list[Ev
     assert idx.stats(A).unknown_parents == outcomes.count(Outcome.ORPHANED)
     assert idx.worker_hashes(B) == before
     idx.find_matches(TOKS)
+    again = TieredIndex.restore(idx.snapshot())  # whatever was held, orphans of any shape included
+    again._check()
+    assert again.find_matches(TOKS) == idx.find_matches(TOKS) and again.orphan_blocks(A) == idx.orphan_blocks(A)
 
 
 @settings(max_examples=40, deadline=None)
