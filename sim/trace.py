@@ -142,12 +142,13 @@ def _number(v: object) -> bool:
 
 
 def _lines_at(path: Path) -> Iterator[tuple[int, str, int]]:
-    """(line number, text, size in bytes) of a UTF-8 file; a line that is not UTF-8 is a :class:`TraceError`
-    naming it."""
+    """(line number, text, size in bytes) of a UTF-8 file, without the byte-order mark some tools write first
+    (spreadsheets saving "CSV UTF-8"); a line that is not UTF-8 is a :class:`TraceError` naming it."""
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             try:
-                yield lineno, raw.decode("utf-8"), len(raw)
+                # (a reader seeking to line 1's offset reads the mark again: json.loads of bytes skips it)
+                yield lineno, raw.decode("utf-8-sig" if lineno == 1 else "utf-8"), len(raw)
             except UnicodeDecodeError as exc:
                 raise TraceError(f"{path}:{lineno}: not UTF-8 (byte {raw[exc.start]:#04x} at column "
                                  f"{exc.start + 1})") from None

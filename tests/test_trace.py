@@ -10,6 +10,7 @@ import pytest
 
 from kvtier.sim import trace as trace_module
 from kvtier.sim.generators import PRESETS, generate
+from kvtier.sim.source import MooncakeFile
 from kvtier.sim.trace import (
     HASH_BLOCK,
     VOCAB,
@@ -57,6 +58,20 @@ def test_backwards_timestamp_is_named(tmp_path: Path) -> None:
                  '{"timestamp": 4, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n')
     with pytest.raises(TraceError, match=":2: timestamp goes backwards"):
         load_mooncake(p)
+
+
+def test_a_byte_order_mark_before_the_first_line_is_skipped(tmp_path: Path) -> None:
+    """Spreadsheets and some editors write one when saving UTF-8; the first record (a CSV's header) must not carry
+    it into its first field, and a streamed replay, which seeks to each line, must read line 1 the same."""
+    bom = "\ufeff"
+    jsonl = tmp_path / "t.jsonl"
+    jsonl.write_text(bom + '{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [7]}\n'
+                     '{"timestamp": 5, "input_length": 10, "output_length": 2, "hash_ids": [8]}\n', encoding="utf-8")
+    assert [r.hash_ids for r in load_mooncake(jsonl)] == [[7], [8]]
+    assert [r.hash_ids for r in MooncakeFile(jsonl)] == [[7], [8]]
+    csv = tmp_path / "t.csv"
+    csv.write_text(bom + "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,12,3\n", encoding="utf-8")
+    assert [(r.input_length, r.output_length) for r in load_azure(csv)] == [(12, 3)]
 
 
 def test_azure_csv_lengths_and_synthesised_sharing(shared_dir: Path, tmp_path: Path) -> None:
