@@ -24,6 +24,18 @@ VERSION = 1
 Positions = dict[StreamId, tuple[int, int | None]]
 
 
+def check_path(path: Path) -> None:
+    """``ValueError`` naming what keeps :func:`save` from writing ``path``: a directory that is missing or not
+    writable, or a directory where the file would be (checked when the service starts, not 30 s later). O(1)."""
+    where = path.parent
+    if path.is_dir():
+        raise ValueError(f"snapshot {path}: is a directory; name a file in it")
+    if not where.is_dir():
+        raise ValueError(f"snapshot {path}: directory {where} does not exist")
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise ValueError(f"snapshot {path}: directory {where} is not writable")
+
+
 def save(path: Path, index: TieredIndex, positions: Positions) -> int:
     """Writes the snapshot atomically; returns its size in bytes. O(index entries)."""
     data = msgspec.msgpack.encode({

@@ -23,6 +23,7 @@ the lock, so the lock covers lookups and bookkeeping only.
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -80,7 +81,7 @@ class IndexerService:
         self.index = TieredIndex(config.block_size, window_tokens=config.inferred_window_tokens)
         self._resume: persist.Positions = {}  # streams restored from the snapshot, and where they were
         self.restored_from: str | None = None  # the snapshot file the index was restored from
-        if config.snapshot_path is not None and Path(config.snapshot_path).exists():
+        if config.snapshot_path is not None:
             self._restore(Path(config.snapshot_path), streams)
         self.loads = LoadTracker(config.block_size)
         plugin: RoutingPolicy | None = None
@@ -120,7 +121,11 @@ class IndexerService:
             self.index.add_worker(s)
 
     def _restore(self, path: Path, streams: list[StreamId]) -> None:
+        """Checks that the snapshot can be written, and restores it where there is one."""
         try:
+            persist.check_path(path)
+            if not path.exists():
+                return
             index, positions = persist.load(path, self.config.block_size)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
@@ -369,18 +374,29 @@ class IndexerService:
         return out
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def serve(config: ServiceConfig) -> None:
-    """Runs the service until interrupted; exits non-zero if its event loop dies."""
+    """Runs the service until interrupted (Ctrl-C, or SIGTERM: how supervisors and Kubernetes stop a process),
+    then stops it, the last snapshot written; exits non-zero if its event loop dies."""
     svc = IndexerService(config)
-    svc.start()
-    print(f"kvtier indexer: {len(config.endpoints)} endpoint(s), block size {config.block_size}, "
-          f"HTTP on {svc.address}", flush=True)
+    main = threading.current_thread() is threading.main_thread()  # (only the main thread may set handlers)
+    previous = signal.signal(signal.SIGTERM, _interrupt) if main else None
     try:
-        svc.failed.wait()
-    except KeyboardInterrupt:
-        return
+        svc.start()
+        print(f"kvtier indexer: {len(config.endpoints)} endpoint(s), block size {config.block_size}, "
+              f"HTTP on {svc.address}", flush=True)
+        try:
+            svc.failed.wait()
+        except KeyboardInterrupt:
+            return
+        finally:
+            svc.stop()
     finally:
-        svc.stop()
+        if main:
+            signal.signal(signal.SIGTERM, previous)
     # The index no longer follows the engines: exit non-zero so a supervisor restarts the service.
     raise SystemExit(f"kvtier indexer: event loop died: {svc.health().get('error')}")
 

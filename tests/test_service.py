@@ -5,6 +5,9 @@ from __future__ import annotations
 import gc
 import json
 import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -24,6 +27,9 @@ from kvtier.indexer.keys import key_backend
 from kvtier.indexer.service import ConfigError, IndexerService, ServiceConfig, load_config, parse_endpoint
 from kvtier.sim.cli import main as cli_main
 from kvtier.wire import BlockRemoved, BlockStored, EventBatch, Publisher, StorageTier, tokenarray, window_group
+from kvtier.wire.notices import StreamId
+from kvtier.wire.protocol import WorkerId
+from tests.test_multiprocess import ROOT
 
 BS = 4
 TOKS = list(range(1000, 1032))  # 8 blocks
@@ -173,6 +179,22 @@ def test_config_file_and_errors(tmp_path: Path) -> None:
         load_config(tmp_path / "bad3.toml")
     assert cli_main(["indexer"]) == 2
     assert cli_main(["indexer", "--endpoint", "oops"]) == 2
+    # Addresses ZMQ would take and never connect to, or refuse only once the service runs: refused here.
+    for bad, says in [("w=tcp://127.0.0.1:99999", "port in 1..65535"), ("w=http://h:1", "expected tcp://"),
+                      ("w=tcp://*:5557", "host name or address"), ("w=tcp://a b:5557", "host name or address"),
+                      ("w=tcp://h:1,replay=tcp://h", "port in 1..65535"), ("w=ipc://", "nothing after ipc://"),
+                      ("w=ipc:///" + "x" * 107, "longer than 107 bytes")]:
+        with pytest.raises(ConfigError, match=rf"endpoint {re.escape(repr(bad))}: .*{says}"):
+            parse_endpoint(bad)
+    assert parse_endpoint("w=ipc:///tmp/kv.sock").endpoint == "ipc:///tmp/kv.sock"
+    (tmp_path / "bad4.toml").write_text('[[endpoints]]\nworker = "a"\nendpoint = "tcp://h:0"\n')
+    with pytest.raises(ConfigError, match=r"endpoints\[0\]: 'tcp://h:0': expected tcp://HOST:PORT"):
+        load_config(tmp_path / "bad4.toml")
+    # A snapshot that could never be written is refused at start, not logged every 30 s from then on.
+    eps = [parse_endpoint("w=tcp://127.0.0.1:1")]
+    for path, says in [(tmp_path / "no" / "x.snap", "does not exist"), (tmp_path, "is a directory")]:
+        with pytest.raises(ConfigError, match=f"snapshot .*{says}"):
+            IndexerService(ServiceConfig(endpoints=eps, block_size=BS, snapshot_path=str(path)))
 
 
 def test_metrics_cover_all_tiers(cluster: tuple[list[Publisher], IndexerService]) -> None:
@@ -227,6 +249,33 @@ def test_a_snapshot_inferred_with_another_window_is_refused(tmp_path: Path) -> N
         IndexerService(ServiceConfig(endpoints=eps, block_size=BS, snapshot_path=str(snap), window_tokens=0))
     svc = IndexerService(ServiceConfig(endpoints=eps, block_size=BS, snapshot_path=str(snap), window_tokens=2 * BS))
     assert svc.restored_from == str(snap) and svc.index.window_tokens == 2 * BS
+
+
+def test_sigterm_stops_the_service_cleanly_with_its_last_snapshot(tmp_path: Path) -> None:
+    """Supervisors (Kubernetes, systemd) stop a process with SIGTERM: the service stops as on Ctrl-C, exit 0, its
+    snapshot written, so that the next start resumes instead of rebuilding every worker (it used to die at once,
+    exit 143, the blocks applied since the last periodic snapshot lost)."""
+    snap = tmp_path / "index.snap"
+    with Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0") as pub:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvtier", "indexer", "--endpoint", f"w0={pub.endpoint},replay={pub.replay_endpoint}",
+             "--block-size", str(BS), "--listen", "127.0.0.1:0", "--snapshot", str(snap)],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout is not None
+            address = re.search(r"HTTP on (http://\S+)", proc.stdout.readline())
+            assert address, "the service did not start"
+            pub.publish(EventBatch(ts=time.time(), events=[stored([1, 2, 3], None, 0)]))
+            wait_for(lambda: post(address[1] + "/query", {"token_ids": TOKS})[1]["workers"]["w0"]["device"] == 3,
+                     timeout=30)
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=30)
+        finally:
+            proc.kill() if proc.poll() is None else None
+    assert proc.returncode == 0, err
+    index, positions = persist.load(snap, BS)
+    assert index.find_matches(TOKS).workers[StreamId(WorkerId("w0"))].device == 3
+    assert positions[StreamId(WorkerId("w0"))][0] == 1  # resumes after the one batch applied
 
 
 def test_latency_histograms_say_where_a_slow_answer_waited(cluster: tuple[list[Publisher], IndexerService]) -> None:

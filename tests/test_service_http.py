@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
 
 from kvtier.indexer.service import ConfigError, IndexerService, ServiceConfig, parse_endpoint
 from kvtier.wire import BlockRemoved, BlockStored, EventBatch, Publisher, StorageTier, WorkerId
@@ -155,9 +156,20 @@ def test_clients_gone_mid_body_cost_a_line_not_a_traceback(svc: tuple[Publisher,
     assert post(s.address + "/query", {"token_ids": TOKS})[0] == 200
 
 
-def test_dead_event_loop_is_not_healthy() -> None:
-    # Nothing can be subscribed to at this endpoint: the event loop fails at once.
-    s = IndexerService(ServiceConfig(endpoints=[parse_endpoint("a=garbage")], listen="127.0.0.1:0"))
+def refuse_subscriptions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every subscription fails at once (ZMQ refusing its sockets): the event loop dies as it starts. (An address
+    ZMQ would refuse is refused earlier, by the configuration.)"""
+    from kvtier.indexer import eventloop
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise zmq.ZMQError(zmq.EPROTONOSUPPORT)
+
+    monkeypatch.setattr(eventloop, "Subscriber", refuse)
+
+
+def test_dead_event_loop_is_not_healthy(monkeypatch: pytest.MonkeyPatch) -> None:
+    refuse_subscriptions(monkeypatch)
+    s = IndexerService(ServiceConfig(endpoints=[parse_endpoint("a=tcp://127.0.0.1:1")], listen="127.0.0.1:0"))
     s.start()
     try:
         wait_for(s.failed.is_set)
@@ -178,7 +190,8 @@ def test_a_failed_event_loop_restarts_when_configured_then_gives_up(monkeypatch:
     from kvtier.indexer import eventloop
 
     monkeypatch.setattr(eventloop, "_RESTART_BACKOFF_S", 1.0)  # a window wide enough for a loaded machine
-    s = IndexerService(ServiceConfig(endpoints=[parse_endpoint("a=garbage")], listen="127.0.0.1:0",
+    refuse_subscriptions(monkeypatch)
+    s = IndexerService(ServiceConfig(endpoints=[parse_endpoint("a=tcp://127.0.0.1:1")], listen="127.0.0.1:0",
                                      loop_restarts=2))
     t0 = time.monotonic()
     s.start()
@@ -276,9 +289,13 @@ def test_a_service_stopped_while_its_loop_waits_to_restart_still_saves_its_snaps
 
 
 def test_cli_exits_non_zero_when_the_event_loop_dies_and_on_a_busy_port() -> None:
-    r = subprocess.run([sys.executable, "-m", "kvtier", "indexer", "--endpoint", "a=garbage", "--listen",
-                        "127.0.0.1:0"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 1 and "event loop died" in r.stderr
+    # The CLI in a process whose ZMQ refuses every subscription (as refuse_subscriptions does in this one).
+    dies = ("import sys, zmq\nfrom kvtier.indexer import eventloop\n"
+            "def refuse(*a, **k): raise zmq.ZMQError(zmq.EPROTONOSUPPORT)\n"
+            "eventloop.Subscriber = refuse\nfrom kvtier.sim.cli import main\n"
+            "sys.exit(main(['indexer', '--endpoint', 'a=tcp://127.0.0.1:1', '--listen', '127.0.0.1:0']))")
+    r = subprocess.run([sys.executable, "-c", dies], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "event loop died: ZMQError: Protocol not supported" in r.stderr, r.stderr
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()

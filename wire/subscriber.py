@@ -8,6 +8,7 @@ lost, and turns them into :data:`indexer.stream.Delivery` items for the consumer
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +25,32 @@ log = logging.getLogger(__name__)
 _REPLAY_HWM = 200_000  # replay frames queued on the subscriber side before ZMQ pushes back
 
 
+_SCHEMES = ("tcp", "ipc", "inproc")  # the transports a SUB or DEALER connects over (no multicast: no replay)
+# A host name, an IPv4 address or a bracketed IPv6 one (ZMQ's interface names and "source;host" forms are left
+# out: a router connects to engines by address).
+_HOST = re.compile(r"\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+")
+_IPC_PATH_BYTES = 107  # a Unix socket path's limit on Linux (sun_path is 108 bytes, its NUL included)
+
+
+def connect_address_error(address: str) -> str | None:
+    """What keeps ``address`` from being a ZMQ address to connect to, or None: ``tcp://HOST:PORT`` (a port in
+    1..65535), ``ipc://PATH`` or ``inproc://NAME``. ZMQ itself takes ``tcp://host:99999`` and then never
+    connects, and refuses a wrong scheme, a malformed host or a long socket path only once the socket is made,
+    after the service has started. O(len(address))."""
+    scheme, sep, rest = address.partition("://")
+    if not sep or scheme not in _SCHEMES:
+        return f"expected {', '.join(s + '://...' for s in _SCHEMES)}"
+    if not rest:
+        return f"nothing after {scheme}://"
+    if scheme == "tcp":
+        host, colon, port = rest.rpartition(":")
+        if not colon or not _HOST.fullmatch(host) or not port.isdigit() or not 1 <= int(port) <= 65535:
+            return "expected tcp://HOST:PORT with a port in 1..65535 (a host name or address to connect to)"
+    if scheme == "ipc" and len(rest.encode()) > _IPC_PATH_BYTES:
+        return f"a socket path longer than {_IPC_PATH_BYTES} bytes"
+    return None
+
+
 @dataclass(slots=True, frozen=True)
 class EndpointConfig:
     """Where one engine stream publishes."""
@@ -36,6 +63,9 @@ class EndpointConfig:
     topic: bytes = b""  # SUB prefix filter; b"" takes every topic
 
     def __post_init__(self) -> None:
+        for address in (self.endpoint, self.replay_endpoint):
+            if address is not None and (wrong := connect_address_error(address)):
+                raise ValueError(f"{address!r}: {wrong}")
         if self.supports_dump and self.replay_endpoint is None:
             # (no endpoint named here: the callers' messages name the one they were given)
             raise ValueError("a state dump is asked on the replay socket: no dump without a replay endpoint")
