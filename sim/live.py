@@ -92,7 +92,7 @@ def _open(args: argparse.Namespace) -> tuple[TieredCache, EngineNode, DataPath, 
     cache = TieredCache(cfg, dp, store, name=args.name)
     try:
         node = EngineNode(cache, args.endpoint, args.replay, dp_rank=args.dp_rank)
-    except zmq.ZMQError as exc:
+    except (zmq.ZMQError, ValueError) as exc:  # (ValueError: an address no socket could bind)
         raise EngineError(f"cannot bind {args.endpoint} / {args.replay}: {exc}") from None
     return cache, node, dp, trace
 

@@ -176,6 +176,9 @@ CASES: dict[str, Case] = {
     # kvtier engine
     "engine missing trace": (lambda t, f: engine("--trace", str(t / "none.jsonl")), "not found"),
     "engine port in use": (lambda t, f: [*engine(), "--endpoint", f["busy_zmq"]], "cannot bind"),
+    # ZMQ would bind port 99999 - 65536 = 34463 and say nothing.
+    "engine port past 65535": (lambda t, f: [*engine(), "--replay", "tcp://127.0.0.1:99999"], "port in 0..65535"),
+    "engine not a ZMQ address": (lambda t, f: [*engine(), "--endpoint", "http://127.0.0.1:1"], "expected tcp://"),
     "engine speed 0": (lambda t, f: engine("--speed", "0"), "argument --speed: 0 is not allowed"),
     "engine disk-pages -1": (lambda t, f: engine("--disk-pages", "-1"), "argument --disk-pages: -1 is not allowed"),
     "engine page-size 0": (lambda t, f: engine("--page-size", "0"), "argument --page-size: 0 is not allowed"),
@@ -191,6 +194,11 @@ CASES: dict[str, Case] = {
     "indexer block-size 0": (lambda t, f: indexer("--block-size", "0"), "block_size: 0 is not allowed"),
     "indexer no endpoints": (lambda t, f: ["indexer"], "give at least one --endpoint"),
     "indexer bad endpoint": (lambda t, f: ["indexer", "--endpoint", "garbage"], "endpoint 'garbage'"),
+    "indexer endpoint port past 65535": (lambda t, f: ["indexer", "--endpoint", "w=tcp://127.0.0.1:99999"],
+                                         "port in 1..65535"),
+    "indexer endpoint not ZMQ": (lambda t, f: ["indexer", "--endpoint", "w=garbage"], "expected tcp://"),
+    "indexer snapshot in a missing directory": (lambda t, f: indexer("--snapshot", str(t / "no" / "x.snap")),
+                                                "does not exist"),
     "indexer unknown policy": (lambda t, f: indexer("--policy", "nope"), "policy 'nope'"),
     "indexer negative window": (lambda t, f: indexer("--window-tokens", "-3"), "window_tokens: -3 is not allowed"),
     "indexer TOML window type": (lambda t, f: ["indexer", "--config", toml(

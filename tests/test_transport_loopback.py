@@ -31,6 +31,7 @@ from kvtier.wire import (
     encode_payload,
     pack_seq,
 )
+from kvtier.wire.addresses import bind_address_error, connect_address_error
 from kvtier.wire.frames import END_SEQ, unpack_seq
 from kvtier.wire.recovery import Mode
 from tests.wire_vectors import load
@@ -381,3 +382,41 @@ def test_unanswered_idle_probe_changes_nothing() -> None:
     finally:
         pub.close(0)
         router.close(0)
+
+
+@pytest.mark.parametrize("address,connect,bind", [
+    ("tcp://127.0.0.1:5557", True, True),
+    ("tcp://[::1]:5557", True, True),
+    ("tcp://engine-0.engines.svc.cluster.local:5557", True, True),
+    ("tcp://*:5557", False, True),  # every interface: a bind's, nothing to connect to
+    ("tcp://127.0.0.1:0", False, True),  # a free port: bind only
+    ("tcp://127.0.0.1:*", False, True),
+    ("tcp://127.0.0.1:99999", False, False),  # ZMQ takes it as port 34463
+    ("tcp://127.0.0.1", False, False),
+    ("tcp://[::1:5557", False, False),
+    ("tcp://a b:5557", False, False),
+    ("ipc:///tmp/kvtier.sock", True, True),
+    ("ipc:///" + "x" * 107, False, False),  # past a Unix socket path's 107 bytes
+    ("inproc://events", True, True),
+    ("inproc://", False, False),
+    ("http://127.0.0.1:5557", False, False),
+    ("127.0.0.1:5557", False, False),
+])
+def test_addresses_are_checked_before_zmq_sees_them(address: str, connect: bool, bind: bool) -> None:
+    assert (connect_address_error(address) is None) == connect
+    assert (bind_address_error(address) is None) == bind
+
+
+def test_zmq_takes_a_port_past_65535_as_another_one() -> None:
+    """Why the checks above exist: ZMQ binds port 70000 as 4464 (70000 - 65536) without a word. Should it ever
+    refuse such a port itself, the checks only say so earlier."""
+    sock = zmq.Context.instance().socket(zmq.PUB)
+    try:
+        sock.bind("tcp://127.0.0.1:70000")
+        assert sock.getsockopt_string(zmq.LAST_ENDPOINT) == "tcp://127.0.0.1:4464"
+    except zmq.ZMQError as exc:  # port 4464 is busy on this machine, or ZMQ refuses now
+        pytest.skip(f"ZMQ did not bind port 70000 as 4464: {exc}")
+    finally:
+        sock.close(linger=0)
+    with pytest.raises(ValueError, match=r"port in 0\.\.65535"):
+        Publisher("tcp://127.0.0.1:70000")

@@ -5,6 +5,7 @@ per-stream ordering, gap replay and resync).
 Both sides build on this package; it imports neither :mod:`kvtier.engine` nor :mod:`kvtier.indexer`.
 """
 
+from kvtier.wire.addresses import bind_address_error, connect_address_error
 from kvtier.wire.codec import DecodeError, WireFormat, decode_payload, encode_payload, medium_spelling
 from kvtier.wire.frames import DUMP_REQUEST, END_SEQ, pack_seq, unpack_seq
 from kvtier.wire.notices import (
@@ -82,6 +83,8 @@ __all__ = [
     "UnknownMediumError",
     "WireFormat",
     "WorkerId",
+    "bind_address_error",
+    "connect_address_error",
     "decode_payload",
     "encode_payload",
     "is_window_event",

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from kvtier.wire.addresses import bind_address_error
 from kvtier.wire.codec import WireFormat, encode_payload
 from kvtier.wire.frames import DUMP_REQUEST, END_SEQ, pack_seq, unpack_seq
 from kvtier.wire.protocol import EventBatch
@@ -86,6 +87,9 @@ class Publisher:
     ) -> None:
         if buffer_size < 1:
             raise ValueError(f"buffer_size must be >= 1, got {buffer_size}")
+        for address in (endpoint, replay_endpoint):
+            if address is not None and (wrong := bind_address_error(address)):
+                raise ValueError(f"{address!r}: {wrong}")
         self._ctx = context or zmq.Context.instance()
         self._topic = topic
         self._format = wire_format

@@ -8,13 +8,13 @@ lost, and turns them into :data:`indexer.stream.Delivery` items for the consumer
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
 
+from kvtier.wire.addresses import connect_address_error
 from kvtier.wire.frames import unpack_seq
 from kvtier.wire.notices import Delivery, StreamId, StreamStats
 from kvtier.wire.protocol import WorkerId
@@ -23,32 +23,6 @@ from kvtier.wire.stream import StreamTracker
 log = logging.getLogger(__name__)
 
 _REPLAY_HWM = 200_000  # replay frames queued on the subscriber side before ZMQ pushes back
-
-
-_SCHEMES = ("tcp", "ipc", "inproc")  # the transports a SUB or DEALER connects over (no multicast: no replay)
-# A host name, an IPv4 address or a bracketed IPv6 one (ZMQ's interface names and "source;host" forms are left
-# out: a router connects to engines by address).
-_HOST = re.compile(r"\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+")
-_IPC_PATH_BYTES = 107  # a Unix socket path's limit on Linux (sun_path is 108 bytes, its NUL included)
-
-
-def connect_address_error(address: str) -> str | None:
-    """What keeps ``address`` from being a ZMQ address to connect to, or None: ``tcp://HOST:PORT`` (a port in
-    1..65535), ``ipc://PATH`` or ``inproc://NAME``. ZMQ itself takes ``tcp://host:99999`` and then never
-    connects, and refuses a wrong scheme, a malformed host or a long socket path only once the socket is made,
-    after the service has started. O(len(address))."""
-    scheme, sep, rest = address.partition("://")
-    if not sep or scheme not in _SCHEMES:
-        return f"expected {', '.join(s + '://...' for s in _SCHEMES)}"
-    if not rest:
-        return f"nothing after {scheme}://"
-    if scheme == "tcp":
-        host, colon, port = rest.rpartition(":")
-        if not colon or not _HOST.fullmatch(host) or not port.isdigit() or not 1 <= int(port) <= 65535:
-            return "expected tcp://HOST:PORT with a port in 1..65535 (a host name or address to connect to)"
-    if scheme == "ipc" and len(rest.encode()) > _IPC_PATH_BYTES:
-        return f"a socket path longer than {_IPC_PATH_BYTES} bytes"
-    return None
 
 
 @dataclass(slots=True, frozen=True)
