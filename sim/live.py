@@ -150,10 +150,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_name(text: str) -> str:
+    """``--name``: the worker id an indexer names this engine by, and its L3 owner directory."""
+    if not text or "/" in text or text in (".", ".."):
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; expected a non-empty name without '/'")
+    return text
+
+
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = p or OneLineParser(prog="kvtier engine", description=__doc__)
     count, scale = Domain(int, lo=1), Domain(float, lo=0, lo_open=True)
-    p.add_argument("--name", default="w0", help="engine name (the worker id an indexer should use)")
+    p.add_argument("--name", type=_engine_name, default="w0", help="engine name (the worker id an indexer should use)")
     p.add_argument("--endpoint", default="tcp://127.0.0.1:5557", help="PUB endpoint to bind")
     p.add_argument("--replay", default="tcp://127.0.0.1:5558", help="ROUTER replay endpoint to bind")
     p.add_argument("--dp-rank", type=Domain(int, lo=0).parse, default=None,

@@ -178,6 +178,7 @@ CASES: dict[str, Case] = {
     "engine port in use": (lambda t, f: [*engine(), "--endpoint", f["busy_zmq"]], "cannot bind"),
     # ZMQ would bind port 99999 - 65536 = 34463 and say nothing.
     "engine port past 65535": (lambda t, f: [*engine(), "--replay", "tcp://127.0.0.1:99999"], "port in 0..65535"),
+    "engine empty name": (lambda t, f: engine("--name", ""), "argument --name: '' is not allowed"),
     "engine not a ZMQ address": (lambda t, f: [*engine(), "--endpoint", "http://127.0.0.1:1"], "expected tcp://"),
     "engine speed 0": (lambda t, f: engine("--speed", "0"), "argument --speed: 0 is not allowed"),
     "engine disk-pages -1": (lambda t, f: engine("--disk-pages", "-1"), "argument --disk-pages: -1 is not allowed"),
