@@ -292,6 +292,24 @@ def test_a_restart_while_a_catch_up_answer_is_cut_short_and_its_retry_lost_conve
     m.teardown()
 
 
+def test_a_router_resumed_right_after_a_dump_finds_the_engine_restarted_meanwhile() -> None:
+    """The slow profile's counterexample: w0's last batch before the router's restart was a state dump, so its
+    saved position had no digest; the engine restarted and published nothing, the resume replayed from the
+    saved seq, found nothing and trusted the stream, and the index kept two device blocks the new process never
+    had."""
+    m = FaultyWire()
+    m.setup(buffer=2)
+    m.request(doc=0, pages=1, w=0)
+    m.lose_an_answer(w=0)
+    m.router_restarts_from_its_snapshot()
+    m.request(doc=0, pages=2, w=0)
+    m.quiet_then_check()
+    m.restart_process(w=0)
+    m.router_restarts_from_its_snapshot()
+    m.quiet_then_check()
+    m.teardown()
+
+
 FaultyWire.TestCase.settings = settings(max_examples=2000 if SLOW else 500, stateful_step_count=80 if SLOW else 50,
                                         deadline=None)
 TestFaultyWire = FaultyWire.TestCase

@@ -432,3 +432,41 @@ def test_a_dump_after_a_probe_found_a_loss_counts_as_recovering() -> None:
     out = t.on_reply(pack_seq(3), payload(3), 1.6) + t.on_reply(END_SEQ, b"", 1.6)  # 1 and 2 are gone
     assert isinstance(out[-1], ResyncStarted) and t.outbox == [DUMP_REQUEST]
     assert t.recovering
+
+
+def test_a_stream_resumed_right_after_a_dump_is_resynchronised_not_trusted() -> None:
+    """A position saved right after a state dump has no digest (the dump carries no batch of its own), so
+    nothing can tell the publisher that answers the resume from a new process that restarted meanwhile. The
+    resume used to replay from the saved seq and, finding nothing past it, trust the stream: the index kept the
+    old process's blocks. Now the stream is resynchronised: the consumer drops it, then a replay from 0."""
+    t = tracker(dump=True)
+    t.on_live(0, payload(0), 0.0)
+    t.request_resync("unknown parent", 0.0)
+    t.outbox.clear()
+    t.on_reply(pack_seq(4), payload(4), 0.0)  # the replay from 0 starts past it: a dump
+    t.on_reply(END_SEQ, b"", 0.0)
+    t.on_reply(pack_seq(4), payload(40), 0.1)
+    assert isinstance(t.on_reply(END_SEQ, b"", 0.1)[0], ResyncDone)
+    assert t.position() == (5, None)
+
+    r = tracker(dump=True)
+    r.resume((5, None), 1.0)  # the publisher restarted meanwhile and published only seq 0
+    assert [unpack_seq(q) for q in r.outbox] == [4]  # the check, from the last seq the dump covered
+    r.outbox.clear()
+    out = r.on_reply(END_SEQ, b"", 1.1)
+    assert [type(d) for d in out] == [ResyncStarted] and "state dump" in out[0].reason
+    assert [unpack_seq(q) for q in r.outbox] == [0] and r.stats.restarts == 0 and r.stats.resyncs == 1
+    out = r.on_reply(pack_seq(0), payload(100), 1.2) + r.on_reply(END_SEQ, b"", 1.2)
+    pos = r.position()
+    assert seqs(out) == [0] and pos is not None and pos[0] == 1 and pos[1] is not None
+
+    # A publisher that did not restart answers the check with the batch the dump covered: it cannot be
+    # compared with anything either, so the stream is resynchronised all the same (a dump, as its buffer no
+    # longer reaches seq 0).
+    same = tracker(dump=True)
+    same.resume((5, None), 1.0)
+    same.outbox.clear()
+    out = same.on_reply(pack_seq(4), payload(4), 1.1)
+    assert [type(d) for d in out] == [ResyncStarted]
+    out = same.on_reply(END_SEQ, b"", 1.1)
+    assert [unpack_seq(q) for q in same.outbox] == [0]

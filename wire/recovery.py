@@ -203,9 +203,12 @@ class StreamRecovery:
         assert s.expected is not None, "replay answer while no seq is expected"
         if r.verify:
             r.verify = False
-            if seq == s.expected - 1 and s.history.holds(seq, payload):
+            if s.history.digest_at(s.expected - 1) is None:
+                self._unverifiable(out)
+            elif seq == s.expected - 1 and s.history.holds(seq, payload):
                 return  # same publisher: the replay goes on as usual
-            self._on_new_publisher(seq, out)
+            else:
+                self._on_new_publisher(seq, out)
         if r.take(seq, payload, s.expected):
             s.deliver(seq, payload, "replay", out)
 
@@ -213,12 +216,28 @@ class StreamRecovery:
         self.state.new_publisher(seq, 0, out)
         self.replay.restarted = True
 
+    def _unverifiable(self, out: list[Delivery]) -> None:
+        """The check has nothing to compare with: the last seq delivered came with a state dump, which carries no
+        batch of its own (or a resumed position saved then). A publisher that restarted since cannot be told from
+        the same one, so the stream is resynchronised from seq 0 as after a restart, and counted as a resync."""
+        s = self.state
+        assert s.expected, "a check with no seq delivered"
+        s.stats.resyncs += 1
+        out.append(ResyncStarted(s.stream, f"the publisher cannot be checked: seq {s.expected - 1} came with a "
+                                           "state dump, whose content no replay can be compared with"))
+        s.history.forget_digests()
+        s.expected = 0
+        self.replay.restarted = True
+
     def _finish_replay(self, now: float, out: list[Delivery]) -> Held:
         s, r = self.state, self.replay
         assert s.expected is not None, "replay finished while no seq is expected"
         if r.verify:  # nothing came back to compare with: assume the worst
             r.verify = False
-            self._on_new_publisher(-1, out)
+            if s.history.digest_at(s.expected - 1) is None:
+                self._unverifiable(out)
+            else:
+                self._on_new_publisher(-1, out)
         if r.restarted:
             return self.replay_from(0, now, out)
         if r.lost:

@@ -134,20 +134,18 @@ class StreamTracker:
         return s.expected, s.history.digest_at(s.expected - 1)
 
     def resume(self, position: tuple[int, int | None], now: float) -> None:
-        """Continues from a snapshot's :meth:`position` instead of :meth:`start`. With a digest it first
-        checks, by replay, that the publisher still holds the same batch at the last applied seq (else
-        it is a new process: ``PublisherRestarted`` and a replay from 0), then replays what came after.
-        Without one it replays from the next seq; a publisher that restarted meanwhile is then caught
-        only if it has not yet published past the saved seq (its next batch goes backwards)."""
+        """Continues from a snapshot's :meth:`position` instead of :meth:`start`: it first checks, by replay,
+        that the publisher still holds the same batch at the last applied seq (else it is a new process:
+        ``PublisherRestarted`` and a replay from 0), then replays what came after. A position with no digest
+        (saved right after a state dump) cannot be checked, and a publisher that restarted meanwhile would look
+        the same as one that did not: the check's answer then starts a resync (``ResyncStarted``, a replay
+        from 0, else a dump)."""
         expected, known = position
         s, rec = self._state, self._recovery
         assert expected >= 1 and s.expected is None, "resume() replaces start() on a fresh tracker"
         s.expected = expected
-        if known is None:
-            if rec.can_replay:
-                rec.replay_from(expected, now, [])
-            return
-        s.history.vouch(expected - 1, known)
+        if known is not None:
+            s.history.vouch(expected - 1, known)
         if rec.can_replay:
             rec.replay_from(expected - 1, now, [], verify=True)
 
