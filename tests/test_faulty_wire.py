@@ -75,13 +75,18 @@ class Engine:
 
 class TwoEngines(RuleBasedStateMachine):
     """Two engines behind a wire and a tracker each: the rules that drive them, shared by the
-    machines in this file and in test_partial_recovery.py (each defines setup, _publish, _consume)."""
+    machines in this file and in test_partial_recovery.py (each defines setup, _publish, _consume), and the
+    router's restart from its snapshot file."""
 
     clock: list[float]
     engines: list[Engine]
     trackers: list[StreamTracker]
     wire: list[deque[tuple[int, bytes]]]
     cut_next_answer: list[int | None]  # frames the next answer keeps (its end marker lost with the rest)
+    streams: list[StreamId]
+    index: TieredIndex
+    consumer: IndexConsumer
+    snapshots: tempfile.TemporaryDirectory[str]  # where the router's snapshot file goes (_restart_router)
 
     def _publish(self, w: int) -> None:
         raise NotImplementedError
@@ -126,6 +131,32 @@ class TwoEngines(RuleBasedStateMachine):
             seq, payload = self.wire[w].popleft()
             self._consume(w, self.trackers[w].on_live(seq, payload, self.clock[0]))
 
+
+    def _restart_router(self, can_dump: bool) -> None:
+        """The router restarts from its snapshot file (``self.snapshots``): index and positions saved and loaded,
+        the wire cleared, each stream resumed, or cleared and started afresh (:meth:`_started_afresh`)."""
+        path = Path(self.snapshots.name) / "index.snap"
+        persist.save(path, self.index, {s: p for s, t in zip(self.streams, self.trackers, strict=True)
+                                        if (p := t.position()) is not None})
+        self.index, positions = persist.load(path, PS)
+        self.consumer = IndexConsumer(self.index)
+        for w, s in enumerate(self.streams):
+            self.wire[w].clear()
+            self.trackers[w] = t = StreamTracker(s, can_replay=True, can_dump=can_dump, timeout_s=1.0, probe_s=1.0)
+            if s in positions:
+                t.resume(positions[s], self.clock[0])
+            else:
+                self.index.clear_worker(s)
+                self._started_afresh(w)
+                t.start(self.clock[0])
+            self._consume(w, [])
+
+    def _started_afresh(self, w: int) -> None:
+        """Worker ``w``'s stream had no position to resume from: its state was cleared (a hook for models)."""
+
+    def teardown(self) -> None:
+        if hasattr(self, "snapshots"):
+            self.snapshots.cleanup()
 
     def settle(self, ticks: int) -> None:
         """Every copy lands, everything on the wire is delivered, then ``ticks`` rounds of 2 s let
@@ -234,25 +265,7 @@ class FaultyWire(TwoEngines):
         """The router process stops and starts again, as the indexer service does with a snapshot file: the
         index and each stream's position are saved, live batches sent meanwhile are lost, and each stream
         resumes after its last applied batch (one saved mid-recovery, or before any batch, starts afresh)."""
-        path = Path(self.snapshots.name) / "index.snap"
-        persist.save(path, self.index, {s: p for s, t in zip(self.streams, self.trackers, strict=True)
-                                        if (p := t.position()) is not None})
-        self.index, positions = persist.load(path, PS)
-        self.consumer = IndexConsumer(self.index)
-        for w, s in enumerate(self.streams):
-            self.wire[w].clear()
-            self.trackers[w] = t = StreamTracker(s, can_replay=True, can_dump=True, timeout_s=1.0, probe_s=1.0)
-            if s in positions:
-                t.resume(positions[s], self.clock[0])
-            else:
-                self.index.clear_worker(s)
-                t.start(self.clock[0])
-            self._consume(w, [])
-
-    def teardown(self) -> None:
-        if hasattr(self, "snapshots"):
-            self.snapshots.cleanup()
-
+        self._restart_router(can_dump=True)
 
     # --- invariants ------------------------------------------------------------------------
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import tempfile
 from collections import deque
-from pathlib import Path
 
 import pytest
 from hypothesis import settings
@@ -25,7 +24,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
 import tests.test_faulty_wire as fw
-from kvtier.indexer import persist
 from kvtier.indexer.consumer import IndexConsumer
 from kvtier.indexer.index import TieredIndex
 from kvtier.wire import BlockStored, EventBatch, StorageTier, WorkerId, decode_payload
@@ -99,26 +97,11 @@ class PartialRecovery(fw.TwoEngines):
         what it held outside its blocks (orphans waiting for a parent, the keys of blocks dropped at the loss) must
         come back, or completeness fails for stores grafted or extended after the restart. A stream saved
         mid-recovery starts afresh: from seq 0, exact again if the buffer still reaches back that far."""
-        path = Path(self.snapshots.name) / "index.snap"
-        persist.save(path, self.index, {s: p for s, t in zip(self.streams, self.trackers, strict=True)
-                                        if (p := t.position()) is not None})
-        self.index, positions = persist.load(path, fw.PS)
-        self.consumer = IndexConsumer(self.index)
-        for w, s in enumerate(self.streams):
-            self.wire[w].clear()
-            self.trackers[w] = t = StreamTracker(s, can_replay=True, can_dump=False, timeout_s=1.0, probe_s=1.0)
-            if s in positions:
-                t.resume(positions[s], self.clock[0])
-            else:
-                self.index.clear_worker(s)
-                self.lost[w] = self.ever_partial[w] = False
-                self.boundary[w] = 0
-                t.start(self.clock[0])
-            self._consume(w, [])
+        self._restart_router(can_dump=False)
 
-    def teardown(self) -> None:
-        if hasattr(self, "snapshots"):
-            self.snapshots.cleanup()
+    def _started_afresh(self, w: int) -> None:
+        self.lost[w] = self.ever_partial[w] = False
+        self.boundary[w] = 0
 
     @invariant()
     def structure(self) -> None:
