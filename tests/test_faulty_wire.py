@@ -323,6 +323,21 @@ def test_a_router_resumed_right_after_a_dump_finds_the_engine_restarted_meanwhil
     m.teardown()
 
 
+def test_live_batches_that_arrive_after_the_dump_covering_them_are_no_restart() -> None:
+    """The first half of the counterexample above: the engine never restarted, but each dump's end marker came
+    before the live batches it covered, and each of those was taken for a new process (a cleared worker, a
+    replay from 0, the stream marked partial and dumped again, three times over)."""
+    m = FaultyWire()
+    m.setup(buffer=2)
+    m.request(doc=0, pages=1, w=0)
+    m.lose_an_answer(w=0)
+    m.router_restarts_from_its_snapshot()
+    m.request(doc=0, pages=2, w=0)
+    m.quiet_then_check()
+    assert m.trackers[0].stats.restarts == 0 and m.trackers[0].stats.late > 0
+    m.teardown()
+
+
 FaultyWire.TestCase.settings = settings(max_examples=2000 if SLOW else 500, stateful_step_count=80 if SLOW else 50,
                                         deadline=None)
 TestFaultyWire = FaultyWire.TestCase

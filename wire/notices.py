@@ -125,5 +125,5 @@ class StreamStats:
     resyncs_deferred: int = 0  # resyncs postponed by the rate limit
     reasks: int = 0  # replay requests repeated from the first missing seq (frames dropped)
     probe_timeouts: int = 0  # idle probes that got no answer (harmless)
-    late: int = 0  # live batches that arrived after their seq had been given up for lost
+    late: int = 0  # live batches that arrived after their seq had been given up for lost or covered by a dump
     malformed: int = 0  # frames or payloads that failed to parse

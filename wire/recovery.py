@@ -334,8 +334,10 @@ class StreamRecovery:
             return self._give_up("publisher sent no state dump", now, out)
         self.mode = Mode.LIVE
         self.dump_applied = False
+        first = s.expected if s.expected is not None else 0  # (the first seq not delivered before the dump)
         s.expected = self.dump_seq + 1
         s.history.forget_digests()
+        s.history.cover(first, s.expected)
         out.append(ResyncDone(s.stream, self.dump_seq))
         return s.take_held()
 

@@ -194,6 +194,7 @@ class StreamTracker:
         """
         if self._state.expected:
             self._suspect = True
+        self._state.history.uncover()  # (a batch in the last dump's range may now come from a new process)
         # Messages held back came over the connection that dropped: if the publisher restarted
         # they are stale. Dropping them is always safe, a replay fetches whatever is current.
         self._state.held.clear()
@@ -245,9 +246,10 @@ class StreamTracker:
             if s.history.holds(seq, payload):
                 s.stats.duplicates += 1
                 return
-            if s.history.gave_up(seq):
-                # A straggler of batches already given up for lost (a replay answer overtook it):
-                # applying it now, after later batches, could resurrect removed blocks.
+            if s.history.gave_up(seq) or s.history.covered(seq):
+                # A straggler of batches already given up for lost (a replay answer overtook it), or
+                # of those the last dump stood for (its end marker overtook it): applying it now, after
+                # later batches, could resurrect removed blocks.
                 s.stats.late += 1
                 return
             # A PUB socket never repeats a seq with new content: the publisher restarted.
