@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 import msgspec
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from kvtier.indexer.histogram import Histogram
 from kvtier.wire.ratelog import suffix, worth_logging
@@ -42,14 +43,22 @@ class _OneLineForBadHttp(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        if not isinstance(exc, HttpProcessingError):
+        # (a body that failed to decode is raised again when aiohttp drains what the handler left unread)
+        if not isinstance(exc, HttpProcessingError | RequestPayloadError):
             return True
         self.count += 1
         record.msg, record.args, record.exc_info, record.exc_text = (
-            "malformed HTTP request: %s%s", (str(exc.message).strip().splitlines()[0], suffix(self.count)),
-            None, None)
+            "malformed HTTP request: %s%s", (_first_line(exc), suffix(self.count)), None, None)
         record.levelno, record.levelname = logging.WARNING, "WARNING"
         return worth_logging(self.count)
+
+
+def _first_line(exc: BaseException) -> str:
+    """What aiohttp says went wrong with a request, in one line: the message of the parser's error, also where a
+    body's read wraps it (``RequestPayloadError`` from ``ContentEncodingError``)."""
+    cause = exc.__cause__ if isinstance(exc, RequestPayloadError) and exc.__cause__ is not None else exc
+    text = str(cause.message) if isinstance(cause, HttpProcessingError) else str(cause)
+    return (text.strip().splitlines() or [type(cause).__name__])[0].strip()
 
 
 _BAD_HTTP = _OneLineForBadHttp()
@@ -204,6 +213,8 @@ class HttpFrontEnd:
             return await asyncio.wait_for(request.read(), self._read_timeout)
         except TimeoutError:
             raise web.HTTPRequestTimeout(reason=f"body not received within {self._read_timeout:g} s") from None
+        except RequestPayloadError as exc:  # (a gzip or deflate body that does not decompress, a broken chunk)
+            raise web.HTTPBadRequest(reason=f"request body: {_first_line(exc)}") from None
 
     # --- endpoints -----------------------------------------------------------------------
 

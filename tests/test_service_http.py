@@ -3,6 +3,7 @@ in-flight bookkeeping with a TTL, and a dead event loop that stops looking healt
 
 from __future__ import annotations
 
+import gzip
 import http.client
 import json
 import logging
@@ -401,6 +402,29 @@ def test_unparseable_http_gets_400_and_one_log_line(svc: tuple[Publisher, Publis
     assert not any(r.exc_info for r in caplog.records)
     assert [r.getMessage() for r in caplog.records if "malformed HTTP" in r.getMessage()]
     assert post(s.address + "/query", {"token_ids": TOKS})[0] == 200  # and the service goes on
+
+
+def test_a_body_that_cannot_be_decompressed_gets_a_json_400_and_one_log_line(
+        svc: tuple[Publisher, Publisher, IndexerService], caplog: pytest.LogCaptureFixture) -> None:
+    """A gzip or deflate body that does not decompress is bad input: it used to answer 500 ("internal error:
+    RequestPayloadError") with two tracebacks logged, ours and aiohttp's as it drained the body."""
+    _, _, s = svc
+    with caplog.at_level(logging.INFO):
+        for encoding in ("gzip", "deflate"):
+            c = conn(s)
+            c.request("POST", "/query", body=b"not compressed at all",
+                      headers={"Content-Type": "application/json", "Content-Encoding": encoding})
+            r = c.getresponse()
+            assert r.status == 400, (encoding, r.status)
+            assert json.loads(r.read()) == {"error": f"request body: Can not decode content-encoding: {encoding}"}
+            c.close()
+        time.sleep(0.1)
+    assert not any(r.exc_info for r in caplog.records), [r.getMessage() for r in caplog.records if r.exc_info]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    c = conn(s)  # a body that does decompress is read as usual
+    c.request("POST", "/query", body=gzip.compress(json.dumps({"token_ids": TOKS}).encode()),
+              headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert c.getresponse().status == 200
 
 
 def test_workers_being_rebuilt_are_skipped_while_others_can_serve() -> None:
