@@ -48,7 +48,7 @@ class CliError(Exception):
 #: stated on their fields).
 COUNT = Domain(int, lo=1)
 SCALE = Domain(float, lo=0, lo_open=True)
-SEED = Domain(int)
+SEED = Domain(int, lo=0)  # (numpy's generators take no negative seed)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -166,7 +166,7 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--dp-rank", type=Domain(int, lo=0).parse, default=None,
                    help="data-parallel rank carried in each batch")
     p.add_argument("--trace", default="builtin:chat:300", help="trace file or builtin:KIND[:N]")
-    p.add_argument("--seed", type=Domain(int).parse, default=0, help="seed of builtin traces and token ids")
+    p.add_argument("--seed", type=Domain(int, lo=0).parse, default=0, help="seed of builtin traces and token ids")
     p.add_argument("--speed", type=scale.parse, default=10.0, help="replay speed-up over the trace's timestamps")
     p.add_argument("--page-size", type=count.parse, default=16, help="tokens per KV page")
     p.add_argument("--device-pages", type=Domain(int, lo=4).parse, default=4096, help="device KV pages")

@@ -167,6 +167,11 @@ CASES: dict[str, Case] = {
                              "argument --requests: 0 is not allowed"),
     "gen-trace rate -1": (lambda t, f: ["gen-trace", "--rate", "-1", "-o", str(t / "x.jsonl")],
                           "argument --rate: -1 is not allowed"),
+    # numpy's generators take no negative seed: this was a traceback, exit 1 (and a line naming no option)
+    "trace seed -1": (lambda t, f: ["replay", *SMALL[:2], "--trace-seed", "-1"],
+                      "argument --trace-seed: -1 is not allowed; expected an integer >= 0"),
+    "gen-trace seed -1": (lambda t, f: ["gen-trace", "--seed", "-1", "-o", str(t / "x.jsonl")],
+                          "argument --seed: -1 is not allowed; expected an integer >= 0"),
     "gen-trace missing directory": (lambda t, f: ["gen-trace", "--requests", "3", "-o", str(t / "no" / "x.jsonl")],
                                     "No such file or directory"),
     # fit-latency
@@ -180,6 +185,7 @@ CASES: dict[str, Case] = {
     "engine port past 65535": (lambda t, f: [*engine(), "--replay", "tcp://127.0.0.1:99999"], "port in 0..65535"),
     "engine empty name": (lambda t, f: engine("--name", ""), "argument --name: '' is not allowed"),
     "engine not a ZMQ address": (lambda t, f: [*engine(), "--endpoint", "http://127.0.0.1:1"], "expected tcp://"),
+    "engine seed -1": (lambda t, f: engine("--seed", "-1"), "argument --seed: -1 is not allowed; expected an integer"),
     "engine speed 0": (lambda t, f: engine("--speed", "0"), "argument --speed: 0 is not allowed"),
     "engine disk-pages -1": (lambda t, f: engine("--disk-pages", "-1"), "argument --disk-pages: -1 is not allowed"),
     "engine page-size 0": (lambda t, f: engine("--page-size", "0"), "argument --page-size: 0 is not allowed"),
