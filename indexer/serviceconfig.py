@@ -94,11 +94,17 @@ def parse_endpoint(spec: str) -> EndpointConfig:
     opts: dict[str, Any] = {}
     for p in parts[1:]:
         key, _, value = p.partition("=")
-        if key == "replay" and value:
+        if key == "replay":
+            if not value:
+                raise ConfigError(f"endpoint {spec!r}: option {p!r}: expected replay=tcp://host:port")
             opts["replay_endpoint"] = value
-        elif key == "dp" and value.isdigit():
+        elif key == "dp":
+            if not (value.isascii() and value.isdigit()):  # (isdigit alone takes '²', which int() refuses)
+                raise ConfigError(f"endpoint {spec!r}: option {p!r}: expected dp=N with N an integer >= 0")
             opts["dp_rank"] = int(value)
-        elif key == "dump" and not value:
+        elif key == "dump":
+            if value:
+                raise ConfigError(f"endpoint {spec!r}: option {p!r}: dump takes no value")
             opts["supports_dump"] = True
         else:
             raise ConfigError(f"endpoint {spec!r}: unknown option {p!r}")

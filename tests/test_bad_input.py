@@ -203,6 +203,18 @@ CASES: dict[str, Case] = {
     "indexer bad endpoint": (lambda t, f: ["indexer", "--endpoint", "garbage"], "endpoint 'garbage'"),
     "indexer endpoint port past 65535": (lambda t, f: ["indexer", "--endpoint", "w=tcp://127.0.0.1:99999"],
                                          "port in 1..65535"),
+    # int() takes '²' (str.isdigit() says it is a digit) and raises: a traceback
+    "indexer endpoint dp superscript": (lambda t, f: ["indexer", "--endpoint", "w=tcp://127.0.0.1:1,dp=\u00b2"],
+                                        "option 'dp=\u00b2': expected dp=N with N an integer >= 0"),
+    "indexer endpoint dp -1": (lambda t, f: ["indexer", "--endpoint", "w=tcp://127.0.0.1:1,dp=-1"],
+                               "option 'dp=-1': expected dp=N with N an integer >= 0"),
+    "indexer endpoint dump=yes": (lambda t, f: ["indexer", "--endpoint", "w=tcp://127.0.0.1:1,replay=tcp://h:2,dump=1"],
+                                  "option 'dump=1': dump takes no value"),
+    # one socket cannot be both: the live stream would be read as replay answers, or the replay never answered
+    "indexer replay on the live address": (lambda t, f: [
+        "indexer", "--endpoint", "w=tcp://127.0.0.1:1,replay=tcp://127.0.0.1:1"], "replay endpoint is the live one"),
+    "indexer TOML empty worker": (lambda t, f: ["indexer", "--config", toml(
+        t, '[[endpoints]]\nworker = ""\nendpoint = "tcp://127.0.0.1:1"\n')], "worker id is empty"),
     "indexer endpoint not ZMQ": (lambda t, f: ["indexer", "--endpoint", "w=garbage"], "expected tcp://"),
     "indexer snapshot in a missing directory": (lambda t, f: indexer("--snapshot", str(t / "no" / "x.snap")),
                                                 "does not exist"),

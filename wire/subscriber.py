@@ -37,9 +37,16 @@ class EndpointConfig:
     topic: bytes = b""  # SUB prefix filter; b"" takes every topic
 
     def __post_init__(self) -> None:
+        if not self.worker:
+            raise ValueError("the worker id is empty")
+        if isinstance(self.dp_rank, bool) or not isinstance(self.dp_rank, int) or self.dp_rank < 0:
+            raise ValueError(f"dp_rank {self.dp_rank!r}: expected an integer >= 0")
         for address in (self.endpoint, self.replay_endpoint):
             if address is not None and (wrong := connect_address_error(address)):
                 raise ValueError(f"{address!r}: {wrong}")
+        if self.replay_endpoint == self.endpoint:
+            # One address cannot be both a PUB and a ROUTER socket: replay requests would never be answered.
+            raise ValueError(f"the replay endpoint is the live one ({self.endpoint!r}): the publisher binds two")
         if self.supports_dump and self.replay_endpoint is None:
             # (no endpoint named here: the callers' messages name the one they were given)
             raise ValueError("a state dump is asked on the replay socket: no dump without a replay endpoint")
