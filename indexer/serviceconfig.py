@@ -62,7 +62,7 @@ class ServiceConfig:
         if not isinstance(self.listen, str):
             raise ConfigError(f"listen: {self.listen!r} is not allowed; expected HOST:PORT")
         _, sep, port = self.listen.rpartition(":")
-        if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
             raise ConfigError(f"listen: {self.listen!r} is not allowed; expected HOST:PORT with a port in 0..65535")
 
     @property

@@ -33,7 +33,8 @@ def resolve_trace(spec: str, *, limit: int | None = None, seed: int = 0, time_sc
         kind = parts[1] if len(parts) > 1 else ""
         if kind not in PRESETS:
             raise ValueError(f"unknown builtin trace {kind!r}; expected one of {sorted(PRESETS)}")
-        if len(parts) > 3 or (len(parts) == 3 and not (parts[2].isdigit() and int(parts[2]) >= 1)):
+        count = parts[2] if len(parts) == 3 else "1"
+        if len(parts) > 3 or not (count.isascii() and count.isdigit() and int(count) >= 1):  # (int() refuses '²')
             raise ValueError(f"trace {spec!r}: expected builtin:KIND[:N] with N >= 1 requests")
         n = int(parts[2]) if len(parts) > 2 else (limit or 1000)
         reqs = generate(dataclasses.replace(PRESETS[kind], requests=n), seed)

@@ -206,6 +206,15 @@ CASES: dict[str, Case] = {
     # int() takes '²' (str.isdigit() says it is a digit) and raises: a traceback
     "indexer endpoint dp superscript": (lambda t, f: ["indexer", "--endpoint", "w=tcp://127.0.0.1:1,dp=\u00b2"],
                                         "option 'dp=\u00b2': expected dp=N with N an integer >= 0"),
+    # str.isdigit() takes '²' and int() does not: a traceback, or int()'s message naming no option
+    "indexer listen port superscript": (lambda t, f: indexer("--listen", "127.0.0.1:\u00b2"),
+                                        "listen: '127.0.0.1:\u00b2' is not allowed"),
+    "indexer endpoint port superscript": (lambda t, f: ["indexer", "--endpoint", "w=tcp://127.0.0.1:\u00b2"],
+                                          "port in 1..65535"),
+    "engine endpoint port superscript": (lambda t, f: [*engine(), "--endpoint", "tcp://127.0.0.1:\u00b2"],
+                                         "port in 0..65535"),
+    "builtin trace count superscript": (lambda t, f: ["replay", "--trace", "builtin:chat:\u00b2", "--no-plots"],
+                                        "expected builtin:KIND[:N] with N >= 1"),
     "indexer endpoint dp -1": (lambda t, f: ["indexer", "--endpoint", "w=tcp://127.0.0.1:1,dp=-1"],
                                "option 'dp=-1': expected dp=N with N an integer >= 0"),
     "indexer endpoint dump=yes": (lambda t, f: ["indexer", "--endpoint", "w=tcp://127.0.0.1:1,replay=tcp://h:2,dump=1"],

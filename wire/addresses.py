@@ -39,7 +39,7 @@ def _error(address: str, bind: bool) -> str | None:
         host, colon, port = rest.rpartition(":")
         lowest = 0 if bind else 1
         if not colon or not (_HOST.fullmatch(host) or (bind and host == "*")) or not (
-                (port.isdigit() and lowest <= int(port) <= 65535) or (bind and port == "*")):
+                (port.isascii() and port.isdigit() and lowest <= int(port) <= 65535) or (bind and port == "*")):
             return (f"expected tcp://HOST:PORT with a port in {lowest}..65535"
                     + (" or * (any free one)" if bind else " (a host name or address to connect to)"))
     if scheme == "ipc" and len(rest.encode()) > _IPC_PATH_BYTES:
