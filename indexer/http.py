@@ -213,7 +213,7 @@ class HttpFrontEnd:
             return await asyncio.wait_for(request.read(), self._read_timeout)
         except TimeoutError:
             raise web.HTTPRequestTimeout(reason=f"body not received within {self._read_timeout:g} s") from None
-        except RequestPayloadError as exc:  # (a gzip or deflate body that does not decompress, a broken chunk)
+        except RequestPayloadError as exc:  # (a gzip or deflate body that does not decompress)
             raise web.HTTPBadRequest(reason=f"request body: {_first_line(exc)}") from None
 
     # --- endpoints -----------------------------------------------------------------------

@@ -131,7 +131,6 @@ class TwoEngines(RuleBasedStateMachine):
             seq, payload = self.wire[w].popleft()
             self._consume(w, self.trackers[w].on_live(seq, payload, self.clock[0]))
 
-
     def _restart_router(self, can_dump: bool) -> None:
         """The router restarts from its snapshot file (``self.snapshots``): index and positions saved and loaded,
         the wire cleared, each stream resumed, or cleared and started afresh (:meth:`_started_afresh`)."""
