@@ -124,7 +124,7 @@ def test_replay_timeout_gives_up_and_resets_socket() -> None:
     assert t.on_tick(0.5) == []
     t.outbox.clear()
     assert t.on_tick(1.5) == [] and t.on_tick(2.6) == []  # retried twice on fresh sockets
-    assert [unpack_seq(r) for r in t.outbox] == [1, 1] and t.reset_replay_socket
+    assert [unpack_seq(r) for r in t.outbox] == [1] and t.reset_replay_socket  # (the first retry was never sent)
     out = t.on_tick(3.7)
     assert isinstance(out[0], ResyncNeeded) and seqs(out) == [2]
     assert t.reset_replay_socket
@@ -519,3 +519,18 @@ def test_live_batches_a_dump_covered_that_arrive_after_it_are_not_taken_for_a_re
     assert isinstance(t.on_reply(END_SEQ, b"", 0.2)[0], ResyncDone) and t.expected == 7
     assert t.on_live(4, payload(4), 0.3) == [] and t.stats.late == 1
     assert t.on_live(7, payload(7), 0.3) == [] and [unpack_seq(q) for q in t.outbox] == [6]
+
+
+def test_a_request_asked_again_on_a_fresh_socket_goes_alone() -> None:
+    """Requests not yet sent when the replay socket is recreated are for the request asked again: sent as well,
+    each came back with an answer of its own, and once the first answer had moved the stream on to a dump, the
+    second (a replay answer) was taken for the dump's and applied as the engine's whole state."""
+    t = tracker(dump=True)
+    t.start(0.0)  # a catch-up from seq 0, not yet sent
+    assert t.on_tick(1.5) == [] and t.reset_replay_socket  # timed out: asked again on a fresh socket
+    assert [unpack_seq(r) for r in t.outbox] == [0]
+    t.outbox.clear()
+    t.on_reply(pack_seq(1), payload(1), 1.6)  # the buffer no longer reaches seq 0: a dump
+    assert isinstance(t.on_reply(END_SEQ, b"", 1.6)[0], ResyncStarted) and t.outbox == [DUMP_REQUEST]
+    out = t.on_reply(pack_seq(4), payload(40), 1.7) + t.on_reply(END_SEQ, b"", 1.7)
+    assert isinstance(out[-1], ResyncDone) and out[-1].seq == 4 and t.expected == 5

@@ -138,7 +138,7 @@ class StreamRecovery:
         could vanish, so it goes again on a fresh socket. The peer may be a restarted publisher, whose seqs would
         follow the old one's seamlessly: once anything was delivered, the replay asks again as a check, from the
         last seq delivered (:meth:`_ask_again`). O(1)."""
-        self.reset_socket = True
+        self._fresh_socket()
         if self.mode is Mode.REPLAY and self.state.expected is not None:
             if self.state.expected:
                 self.replay.verify = True
@@ -146,6 +146,13 @@ class StreamRecovery:
             self._ask_again()
         elif self.mode is Mode.DUMP:
             self._dump_again()
+
+    def _fresh_socket(self) -> None:
+        """The owner recreates the replay socket before it sends the outbox: requests not sent yet are for the
+        request about to be asked again, and would each bring an answer of their own on the new socket (one the
+        stream could take for the answer to a later request), so they go. O(1)."""
+        self.reset_socket = True
+        self.outbox.clear()
 
     def _ask_again(self) -> None:
         """Sends the pending replay request again: from the first seq missing, or, while its check is pending
@@ -157,7 +164,7 @@ class StreamRecovery:
 
     def _timed_out(self, now: float, out: list[Delivery]) -> Held:
         """The pending replay or dump went quiet past its deadline: asked again, or given up."""
-        self.reset_socket = True
+        self._fresh_socket()
         r = self.replay
         if self.mode is Mode.REPLAY and r.progress:
             self._reask(now)  # the answer made progress, then stalled: frames were dropped
@@ -191,7 +198,7 @@ class StreamRecovery:
         """
         assert self.state.expected is not None, "re-asking while no seq is expected"
         self.state.stats.reasks += 1
-        self.reset_socket = True
+        self._fresh_socket()
         if self.replay.progress:
             self.tries = 1
         self.replay.fresh_answer()
