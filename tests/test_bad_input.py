@@ -203,10 +203,9 @@ CASES: dict[str, Case] = {
     "indexer bad endpoint": (lambda t, f: ["indexer", "--endpoint", "garbage"], "endpoint 'garbage'"),
     "indexer endpoint port past 65535": (lambda t, f: ["indexer", "--endpoint", "w=tcp://127.0.0.1:99999"],
                                          "port in 1..65535"),
-    # int() takes '²' (str.isdigit() says it is a digit) and raises: a traceback
+    # str.isdigit() takes '²' and int() does not: a traceback, or int()'s message naming no option
     "indexer endpoint dp superscript": (lambda t, f: ["indexer", "--endpoint", "w=tcp://127.0.0.1:1,dp=\u00b2"],
                                         "option 'dp=\u00b2': expected dp=N with N an integer >= 0"),
-    # str.isdigit() takes '²' and int() does not: a traceback, or int()'s message naming no option
     "indexer listen port superscript": (lambda t, f: indexer("--listen", "127.0.0.1:\u00b2"),
                                         "listen: '127.0.0.1:\u00b2' is not allowed"),
     "indexer endpoint port superscript": (lambda t, f: ["indexer", "--endpoint", "w=tcp://127.0.0.1:\u00b2"],

@@ -304,9 +304,11 @@ def test_a_restart_while_a_catch_up_answer_is_cut_short_and_its_retry_lost_conve
     m.teardown()
 
 
-def _dumped_while_its_batches_were_on_the_wire() -> FaultyWire:
+def test_live_batches_that_arrive_after_the_dump_covering_them_are_no_restart() -> None:
     """w0's catch-up answer is lost across a router restart, so its batches are on the wire when the check at
-    the next quiet point finds the buffer past seq 0 and asks for dumps, whose end markers come first."""
+    the next quiet point finds the buffer past seq 0 and asks for dumps, whose end markers come first. The
+    engine never restarted, but each live batch a dump covered was taken for a new process (a cleared worker, a
+    replay from 0, the stream marked partial and dumped again, three times over)."""
     m = FaultyWire()
     m.setup(buffer=2)
     m.request(doc=0, pages=1, w=0)
@@ -314,14 +316,6 @@ def _dumped_while_its_batches_were_on_the_wire() -> FaultyWire:
     m.router_restarts_from_its_snapshot()
     m.request(doc=0, pages=2, w=0)
     m.quiet_then_check()
-    return m
-
-
-def test_live_batches_that_arrive_after_the_dump_covering_them_are_no_restart() -> None:
-    """The engine never restarted, but each dump's end marker came before the live batches it covered, and each
-    of those was taken for a new process (a cleared worker, a replay from 0, the stream marked partial and
-    dumped again, three times over)."""
-    m = _dumped_while_its_batches_were_on_the_wire()
     assert m.trackers[0].stats.restarts == 0 and m.trackers[0].stats.late > 0
     m.teardown()
 

@@ -478,12 +478,15 @@ def test_live_batches_a_dump_covered_that_arrive_after_it_are_not_taken_for_a_re
     publisher (its seq below the next expected, its digest unknown since the dump has none): the worker was
     cleared, replayed from 0, dumped again, and under steady lag again after that. Over the same connection
     they can only be stragglers of the same process; after a reconnect the check is kept."""
-    def dumped(t: StreamTracker) -> None:
+    def dump_started(t: StreamTracker) -> None:
         t.on_live(0, payload(0), 0.0)
         t.on_live(3, payload(3), 0.0)  # seqs 1-2 lost; the buffer no longer reaches them: a dump
         t.on_reply(pack_seq(3), payload(3), 0.0)
         assert isinstance(t.on_reply(END_SEQ, b"", 0.0)[0], ResyncStarted)
-        t.on_reply(pack_seq(5), payload(50), 0.1)
+        t.on_reply(pack_seq(5), payload(50), 0.1)  # the dump's first batch: it stands for seqs up to 5
+
+    def dumped(t: StreamTracker) -> None:
+        dump_started(t)
         assert isinstance(t.on_reply(END_SEQ, b"", 0.1)[0], ResyncDone) and t.expected == 6
 
     t = tracker(dump=True)
@@ -502,15 +505,10 @@ def test_live_batches_a_dump_covered_that_arrive_after_it_are_not_taken_for_a_re
     dumped(t)
     assert isinstance(t.on_live(0, payload(100), 0.2)[0], PublisherRestarted)  # below what the dump covered
 
-
     # A reconnect during the dump: the dump is asked again, and a batch of the dropped connection that the new
     # answer covers is a straggler too; one past it is checked against the publisher, not applied blindly.
     t = tracker(dump=True)
-    t.on_live(0, payload(0), 0.0)
-    t.on_live(3, payload(3), 0.0)
-    t.on_reply(pack_seq(3), payload(3), 0.0)
-    t.on_reply(END_SEQ, b"", 0.0)
-    t.on_reply(pack_seq(5), payload(50), 0.1)
+    dump_started(t)
     t.outbox.clear()
     t.on_disconnect()
     assert t.outbox == [DUMP_REQUEST]

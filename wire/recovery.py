@@ -210,14 +210,21 @@ class StreamRecovery:
         assert s.expected is not None, "replay answer while no seq is expected"
         if r.verify:
             r.verify = False
-            if s.history.digest_at(s.expected - 1) is None:
-                self._unverifiable(out)
-            elif seq == s.expected - 1 and s.history.holds(seq, payload):
+            if seq == s.expected - 1 and s.history.holds(seq, payload):
                 return  # same publisher: the replay goes on as usual
-            else:
-                self._on_new_publisher(seq, out)
+            self._check_failed(seq, out)
         if r.take(seq, payload, s.expected):
             s.deliver(seq, payload, "replay", out)
+
+    def _check_failed(self, seq: int, out: list[Delivery]) -> None:
+        """The check's answer (first batch ``seq``, -1 if none) did not hold the last batch delivered: a new
+        publisher, or, where no digest of that batch is known, one that cannot be told from the same."""
+        s = self.state
+        assert s.expected, "a check with no seq delivered"
+        if s.history.digest_at(s.expected - 1) is None:
+            self._unverifiable(out)
+        else:
+            self._on_new_publisher(seq, out)
 
     def _on_new_publisher(self, seq: int, out: list[Delivery]) -> None:
         self.state.new_publisher(seq, 0, out)
@@ -241,10 +248,7 @@ class StreamRecovery:
         assert s.expected is not None, "replay finished while no seq is expected"
         if r.verify:  # nothing came back to compare with: assume the worst
             r.verify = False
-            if s.history.digest_at(s.expected - 1) is None:
-                self._unverifiable(out)
-            else:
-                self._on_new_publisher(-1, out)
+            self._check_failed(-1, out)
         if r.restarted:
             return self.replay_from(0, now, out)
         if r.lost:
