@@ -6,10 +6,11 @@ whose L3 write is not in flight; window-KV pages (SWA) are tombstoned: the node 
 only a window-KV removal is published (nothing, as in SGLang, without window events). Each eviction queues its
 removal events at once, ahead of any event about the pages' next use.
 
-The candidates sit in one lazy heap per pool, ordered by last access: an entry may be stale (checked when it is
-popped), and when a heap runs dry the tree is rescanned once, so a node that became evictable without being pushed
-is still found. Locks live here too: a node is never a candidate while a request holds it, and becomes one again
-when its last lock goes.
+The candidates sit in one lazy heap per pool, ordered by last access: an entry may be stale, checked when it is
+popped (a node used since the entry was made goes back in at its last use: the order is the tree's true LRU order,
+as SGLang's, which sorts its leaves by last access at each eviction), and when a heap runs dry the tree is rescanned
+once, so a node that became evictable without being pushed is still found. Locks live here too: a node is never a
+candidate while a request holds it, and becomes one again when its last lock goes.
 """
 
 from __future__ import annotations
@@ -104,8 +105,13 @@ class Evictor:
                 for node in self._tree.nodes():
                     push(node)
                 continue
-            _, _, node = heapq.heappop(heap)
-            if node.parent is not None and evictable(node):
+            key, _, node = heapq.heappop(heap)
+            if node.parent is None:
+                continue  # it left the tree
+            if key != node.last_access:
+                push(node)  # used since this entry was made: it goes back in at its last use, not evicted early
+                continue
+            if evictable(node):
                 evict(node)
         try:
             return pool.alloc(n)

@@ -79,6 +79,37 @@ def test_device_eviction_without_host_copy_drops_node() -> None:
     assert len(h.cache.tree.nodes()) == 1
 
 
+def removed_hashes(events: list[Event], medium: str) -> list[list[int]]:
+    return [e.block_hashes for e in events if isinstance(e, BlockRemoved) and e.medium == medium]
+
+
+def test_device_eviction_takes_the_least_recently_used_leaf_not_the_first_one_cached() -> None:
+    """A prefix used again is recent: SGLang evicts by last access, so the leaf not used since goes first."""
+    h = Harness(CacheConfig(page_size=PS, device_pages=6, host_ratio=0.0))
+    a, b = toks(0, 2), toks(1000, 2)
+    h.run("a", a)
+    h.run("b", b)
+    h.run("a again", a)
+    h.log.clear()
+    h.run("c", toks(2000, 4))  # 2 pages free: one of a and b must go
+    assert removed_hashes(h.log, "GPU") == [hashes(b)]
+    assert h.cache.residency()[StorageTier.DEVICE] == set(hashes(a)) | set(hashes(toks(2000, 4)))
+
+
+def test_host_eviction_takes_the_least_recently_used_host_only_leaf() -> None:
+    h = Harness(CacheConfig(page_size=PS, device_pages=4, host_ratio=2.5))  # 10 host pages
+    a, b = toks(0, 2), toks(1000, 2)
+    for rid, t in (("a", a), ("b", b), ("a again", a)):
+        h.run(rid, t)
+        h.settle()
+    h.run("c", toks(2000, 4))  # a and b leave the device for their host copies; c is backed up beside them
+    h.settle()
+    h.log.clear()
+    h.run("d", toks(3000, 4))  # c leaves the device; d's backup needs 4 host pages of the 2 free
+    h.settle()
+    assert removed_hashes(h.log, "CPU_PINNED") == [hashes(b)]
+
+
 def test_host_eviction_only_of_device_evicted_unlocked_leaves() -> None:
     h = Harness(CacheConfig(page_size=PS, device_pages=4, host_ratio=1.0))
     h.run("a", toks(0, 4))
