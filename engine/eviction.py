@@ -106,13 +106,12 @@ class Evictor:
                     push(node)
                 continue
             key, _, node = heapq.heappop(heap)
-            if node.parent is None:
-                continue  # it left the tree
+            if node.parent is None or not evictable(node):
+                continue  # it left the tree, or is no candidate now (it is pushed again when it becomes one)
             if key != node.last_access:
                 push(node)  # used since this entry was made: it goes back in at its last use, not evicted early
                 continue
-            if evictable(node):
-                evict(node)
+            evict(node)
         try:
             return pool.alloc(n)
         except PoolExhausted:
