@@ -141,7 +141,9 @@ class ModeledDataPath(DataPath):
         self._queues[op.kind].append((done, op))
 
     def next_completion(self) -> float | None:
-        """When the next op completes, or None if nothing is in flight."""
+        """When the next op completes, or None if nothing is in flight. O(kinds)."""
+        if not self.ops:  # (the simulator asks after every step, mostly with nothing in flight)
+            return None
         heads = [q[0][0] for q in self._queues.values() if q]
         return min(heads) if heads else None
 

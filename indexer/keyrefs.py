@@ -97,6 +97,19 @@ class KeyRefs:
         t = self._t
         return int(t.k.held_prefix(t.r, keys))
 
+    @staticmethod
+    def held_prefixes(refs: Sequence[KeyRefs | None], keys: U64, first: int) -> list[int]:
+        """:meth:`held_prefix` of each of ``refs`` (None: nothing counted), in one loop: routing asks every worker,
+        most of which no counted prompt of starts with ``first``. O(len(refs) * log keys)."""
+        out = []
+        for r in refs:
+            if r is None or first not in r._firsts:
+                out.append(0)
+            else:
+                t = r._t
+                out.append(int(t.k.held_prefix(t.r, keys)))
+        return out
+
     def to_dict(self) -> dict[Hashable, int]:
         """The counts, as a dict. O(keys counted)."""
         t = self._t

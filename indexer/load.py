@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from itertools import compress, repeat
+from typing import cast
 
 from kvtier.indexer.keyrefs import U64, KeyRefs, compiled, key_array
 from kvtier.wire.notices import StreamId
@@ -111,9 +112,16 @@ class LoadTracker:
         loads = [_IDLE if w is None else w.load for w in found]
         if not len(keys):
             return loads, [0] * len(found)
-        arr: U64 | None = None
-        converted = False  # keys -> arr on first need (None: keys the compiled counts cannot hold)
         first = keys[0]
+        held = [None if w is None else w.refs for w in found]
+        if all(type(r) is KeyRefs or r is None for r in held):  # every worker's counts compiled: one loop
+            arr = key_array(keys)
+            if arr is None:
+                return loads, [0] * len(found)
+            compiled_refs = cast(list[KeyRefs | None], held)
+            return loads, KeyRefs.held_prefixes(compiled_refs, arr, int(first))  # type: ignore[call-overload]
+        arr = None
+        converted = False  # keys -> arr on first need (None: keys the compiled counts cannot hold)
         shared = []
         for w in found:
             if w is None:

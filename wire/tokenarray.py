@@ -68,8 +68,8 @@ def strip_tokens(payload: bytes | memoryview) -> tuple[bytes, list[PackedTokens 
     events, stripped, tokens, spans = k.strip_tokens(np.frombuffer(payload, np.uint8))
     if events < 0:
         return None
-    joined = tokens.astype("<u4", copy=False).tobytes()
-    per_event: list[PackedTokens | None] = [joined[4 * first:4 * (first + n)] if has else None
+    # (uint32 is "<u4" here: the kernels load on little-endian machines only)
+    per_event: list[PackedTokens | None] = [tokens[first:first + n].tobytes() if has else None
                                             for has, first, n in spans.tolist()]
     return stripped.tobytes(), per_event
 
