@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NewType
+from typing import NewType, NoReturn
 
 PageId = NewType("PageId", int)
 
@@ -67,22 +67,28 @@ class PagePool:
                     break
                 used[p] = 0
                 freed += 1
-        except IndexError:  # past the end
+        except (IndexError, TypeError):  # past the end, or not an id: nothing after it was freed
             pass
         if freed < len(pages) or min(pages) < 0:  # (a negative id indexes from the end)
             self._refuse(pages, freed)
         self._n_used -= freed
         self._free.extend(pages)
 
-    def _refuse(self, pages: list[PageId], freed: int) -> None:
+    def _refuse(self, pages: list[PageId], freed: int) -> NoReturn:
         """Undoes the first ``freed`` pages of a bad :meth:`release` of ``pages`` and raises what was wrong."""
         for p in pages[:freed]:
             self._used[p] = 1
         if len(set(pages)) != len(pages):
             twice = sorted({p for p in pages if pages.count(p) > 1})
             raise AssertionError(f"{self.name} pool: pages {twice} released twice at once")
-        stray = [p for p in pages if not 0 <= p < self.capacity or not self._used[p]]
+        stray = [p for p in pages if not self._allocated(p)]
         raise AssertionError(f"{self.name} pool: pages {stray} released but not allocated")
+
+    def _allocated(self, page: object) -> bool:
+        try:
+            return 0 <= page < self.capacity and bool(self._used[page])  # type: ignore[operator,call-overload]
+        except TypeError:  # not an id at all
+            return False
 
     def reset(self) -> None:
         self._free = [PageId(i) for i in range(self.capacity - 1, -1, -1)]

@@ -66,5 +66,8 @@ def test_ids_outside_the_pool_are_never_taken_as_allocated() -> None:
         with pytest.raises(AssertionError, match=rf"device pool: pages \[{bad}\] released but not allocated"):
             pool.release([pages[0], bad])
     pool._check()
+    with pytest.raises(AssertionError, match=r"device pool: pages \['x'\] released but not allocated"):
+        pool.release([pages[0], "x"])  # type: ignore[list-item]
+    pool._check()
     pool.release(pages)
     assert (pool.free, pool.used) == (4, 0)
