@@ -47,6 +47,7 @@ from index_workload import BLOCKS_PER_TURN, BS, CONV_BLOCKS, TURNS, conversation
 
 from kvtier.indexer.index import Outcome, TieredIndex
 from kvtier.indexer.keys import block_keys, key_backend
+from kvtier.indexer.keytable import warm_tables
 from kvtier.wire import BlockStored, EngineHash, EventBatch, WorkerId
 from kvtier.wire.codec import decode_payload, encode_payload
 from kvtier.wire.notices import StreamId
@@ -132,6 +133,7 @@ def main() -> None:
     streams = [StreamId(WorkerId(f"w{i}")) for i in range(args.workers)]
     index = TieredIndex(BS)
     backend = key_backend()  # numba's import and code are loaded before memory is measured
+    warm_tables()
     gc.collect()
     rss0 = rss_bytes()
     spent, decoding, events, blocks, convs = apply_phase(index, streams, args.events)

@@ -51,8 +51,18 @@ _M64 = (1 << 64) - 1
 _SIGN = 1 << 63
 _MIN_CAP = 1024
 
-#: The table kernels, compiled (or loaded from numba's cache) on first use.
-KERNELS = LazyKernels("kvtier.indexer.tablekernel", lambda k: k.warm(k))
+#: The table kernels. Each is compiled (or loaded from numba's cache, some 4 ms) on its first call: a batch run pays
+#: for those it uses, about half of them; a service loads them all before it serves (:func:`warm_tables`).
+KERNELS = LazyKernels("kvtier.indexer.tablekernel", lambda k: None)
+
+
+def warm_tables() -> str:
+    """Loads every table kernel now (seconds when numba's cache is cold), so that no event or query pays for one;
+    ``"numba"`` or ``"python (why)"``. Under a millisecond once they are loaded."""
+    k = KERNELS.get()
+    if k is not None:
+        k.warm(k)
+    return str(KERNELS.backend)
 
 U64 = npt.NDArray[np.uint64]
 

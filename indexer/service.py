@@ -40,6 +40,7 @@ from kvtier.indexer.gcpause import GcPauses, freeze_startup_objects
 from kvtier.indexer.histogram import Histogram
 from kvtier.indexer.index import TieredIndex
 from kvtier.indexer.keys import BlockKey, key_backend
+from kvtier.indexer.keytable import warm_tables
 from kvtier.indexer.load import LoadTracker
 from kvtier.indexer.plugins import BUILTIN, RoutingPolicy, load_policy
 from kvtier.indexer.requestbody import RequestBody, parse_body, parse_finish
@@ -178,6 +179,7 @@ class IndexerService:
         # The compiled kernels load now (seconds when numba's cache is cold), not on a query or an event.
         key_backend()
         token_backend()
+        warm_tables()
         self._loop.start()
         try:
             self._http.start()
