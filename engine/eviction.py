@@ -68,7 +68,8 @@ class Evictor:
             assert n.lock_ref > 0, f"unlocking node {n.node_id} that is not locked"
             n.lock_ref -= 1
             if n.lock_ref == 0:
-                self.push_dev(n)
+                if n.device_leaf():  # (a node with a child on device is pushed when its last such child goes)
+                    self.push_dev(n)
                 self.push_host(n)
                 self.push_swa(n)
             n = n.parent
