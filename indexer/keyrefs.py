@@ -99,8 +99,8 @@ class KeyRefs:
 
     @staticmethod
     def held_prefixes(refs: Sequence[KeyRefs | None], keys: U64, first: int) -> list[int]:
-        """:meth:`held_prefix` of each of ``refs`` (None: nothing counted), in one loop: routing asks every worker,
-        most of which no counted prompt of starts with ``first``. O(len(refs) * log keys)."""
+        """:meth:`held_prefix` of each of ``refs`` (None: nothing counted), in one loop: routing asks it of every
+        worker on every request. O(len(refs) * log keys)."""
         out = []
         for r in refs:
             if r is None or first not in r._firsts:
