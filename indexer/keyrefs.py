@@ -92,10 +92,7 @@ class KeyRefs:
         """How many leading ``keys`` (``first``: ``keys[0]`` as an int) are counted, by binary search: ``keys``, and
         those counted, must be chained (a counted key's whole prefix is counted, and sits where it does in the
         query), as router block keys are. O(log keys)."""
-        if first not in self._firsts:
-            return 0
-        t = self._t
-        return int(t.k.held_prefix(t.r, keys))
+        return KeyRefs.held_prefixes((self,), keys, first)[0]
 
     @staticmethod
     def held_prefixes(refs: Sequence[KeyRefs | None], keys: U64, first: int) -> list[int]:

@@ -33,10 +33,11 @@ def resolve_trace(spec: str, *, limit: int | None = None, seed: int = 0, time_sc
         kind = parts[1] if len(parts) > 1 else ""
         if kind not in PRESETS:
             raise ValueError(f"unknown builtin trace {kind!r}; expected one of {sorted(PRESETS)}")
-        count = parts[2] if len(parts) == 3 else "1"
-        if len(parts) > 3 or not (count.isascii() and count.isdigit() and int(count) >= 1):  # (int() refuses '²')
+        count = parts[2] if len(parts) == 3 else None
+        if len(parts) > 3 or (count is not None and not (count.isascii() and count.isdigit() and int(count) >= 1)):
+            # (isdigit alone takes '²', which int() refuses)
             raise ValueError(f"trace {spec!r}: expected builtin:KIND[:N] with N >= 1 requests")
-        n = int(parts[2]) if len(parts) > 2 else (limit or 1000)
+        n = int(count) if count is not None else (limit or 1000)
         reqs = generate(dataclasses.replace(PRESETS[kind], requests=n), seed)
     else:
         path = Path(spec)
