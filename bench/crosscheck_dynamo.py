@@ -92,7 +92,8 @@ def run_dynamo(python: str, trace: Path, cfg: ClusterConfig, host_credit: float)
             "prefill_budget": cfg.prefill_budget,
             "host_blocks": int(cfg.device_tokens * cfg.host_ratio) // cfg.page_size,
             "h2d_gbps": cfg.h2d_gbps, "bytes_per_token": PRESETS[cfg.model].bytes_per_token, "host_credit": host_credit}
-    env = {**os.environ, "RUST_LOG": "error"}
+    # Dynamo logs each routing decision at info level (DYN_LOG), 12,000 lines a Mooncake run: not its speed.
+    env = {**os.environ, "RUST_LOG": "error", "DYN_LOG": "error"}
     out = subprocess.run([python, "-c", _DYNAMO_SCRIPT, json.dumps(args)], capture_output=True, text=True,
                          env=env, check=False)
     if out.returncode != 0:

@@ -7,6 +7,12 @@ memory is its own. Dynamo 1.6.1's Rust mocker (``ai-dynamo-runtime``, optional: 
 ``--dynamo-python``) runs round robin and its kv_router on the device and host configurations; its
 storage tier (G3) is not driven here: it took 1,026 s on this trace when issue 11 measured it.
 
+Both walls time the same span: reading the trace file and simulating it, with the simulator already loaded.
+Dynamo's call reads its JSONL and replays it, after ``import dynamo._core`` has loaded its compiled extension
+(6 ms); kvtier's run reads its JSONL and replays it, after :func:`kvtier.sim.load_kernels` has imported numba
+and loaded the compiled kernels from numba's cache. That start-up is once per process (``kvtier compare`` pays it
+for its first policy only), about 0.3 s, and is printed in its own column, so the cold figure is the sum.
+
 Targets on the 2-core machine: kv_host with host 4x <= 10 s, device only <= 6 s, peak <= 1.5 GiB, and
 no slower than Dynamo's mocker on the same configuration.
 
@@ -28,7 +34,7 @@ from pathlib import Path
 from crosscheck_dynamo import crosscheck_cluster, dynamo_python, run_dynamo
 
 from kvtier.sim.experiment import shared_dir
-from kvtier.sim.run import RunConfig, simulate
+from kvtier.sim.run import RunConfig, load_kernels, simulate
 from kvtier.sim.trace import load_mooncake, write_mooncake
 
 BASE = crosscheck_cluster(16)
@@ -40,14 +46,17 @@ TARGET_GIB = 1.5
 
 
 def one_run(trace: Path, limit: int | None, config: str, policy: str) -> dict[str, float]:
-    """One kvtier run in this process: wall seconds, peak GiB and the headline results."""
-    reqs = load_mooncake(trace, limit=limit)
+    """One kvtier run in this process: start-up and wall seconds (see the module's docstring), peak GiB and the
+    headline results."""
     t0 = time.perf_counter()
+    load_kernels()
+    t1 = time.perf_counter()
+    reqs = load_mooncake(trace, limit=limit)
     s = simulate(reqs, CONFIGS[config], RunConfig(policy)).summary
-    wall = time.perf_counter() - t0
+    wall = time.perf_counter() - t1
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
-    return {"wall_s": wall, "peak_gib": peak, "hit": s.hit_rate, "p50": s.ttft_p50 * 1e3, "p99": s.ttft_p99 * 1e3,
-            "requests": len(reqs)}
+    return {"startup_s": t1 - t0, "wall_s": wall, "peak_gib": peak, "hit": s.hit_rate, "p50": s.ttft_p50 * 1e3,
+            "p99": s.ttft_p99 * 1e3, "requests": len(reqs)}
 
 
 def run_fresh(trace: Path, limit: int | None, config: str, policy: str) -> dict[str, float]:
@@ -79,8 +88,8 @@ def main() -> int:
     n = len(reqs)
     print(f"{n} requests from {trace.name}; 16 workers, 16,384 pages of 64 tokens, 256 running, 8,192 batched "
           f"tokens; Dynamo: {py or 'not installed (pip install -e .[crosscheck] or --dynamo-python)'}")
-    print(f"{'configuration':<19}{'run':<22}{'wall s':>8}{'peak GiB':>10}{'hit':>8}{'TTFT p50':>10}{'p99 ms':>8}"
-          f"{'vs Dynamo':>11}  target")
+    print(f"{'configuration':<19}{'run':<22}{'start-up s':>11}{'wall s':>8}{'peak GiB':>10}{'hit':>8}{'TTFT p50':>10}"
+          f"{'p99 ms':>8}{'vs Dynamo':>11}  target")
     misses = 0
     with tempfile.TemporaryDirectory() as tmp:
         dyn_trace = Path(tmp) / "trace.jsonl"
@@ -90,8 +99,8 @@ def main() -> int:
             cfg = CONFIGS[config]
             dyn = run_dynamo(py, dyn_trace, cfg, host_credit=0.75) if py and cfg.l3 == "none" else {}
             for mode, row in sorted(dyn.items()):
-                print(f"{config:<19}{'Dynamo ' + mode:<22}{row.wall_s:8.1f}{'':>10}{row.hit:8.4f}{row.p50:10.0f}"
-                      f"{row.p99:8.0f}")
+                print(f"{config:<19}{'Dynamo ' + mode:<22}{'':>11}{row.wall_s:8.2f}{'':>10}{row.hit:8.4f}"
+                      f"{row.p50:10.0f}{row.p99:8.0f}")
             for policy in policies:
                 r = run_fresh(trace, a.limit, config, policy)
                 peer = dyn.get(DYNAMO_MODE.get(policy, ""))
@@ -101,7 +110,8 @@ def main() -> int:
                     peer is None or r["wall_s"] <= peer.wall_s)
                 misses += not ok
                 goal = f"<= {want:g} s, " if want else ""
-                print(f"{config:<19}{'kvtier ' + policy:<22}{r['wall_s']:8.1f}{r['peak_gib']:10.2f}{r['hit']:8.4f}"
+                print(f"{config:<19}{'kvtier ' + policy:<22}{r['startup_s']:11.2f}{r['wall_s']:8.2f}"
+                      f"{r['peak_gib']:10.2f}{r['hit']:8.4f}"
                       f"{r['p50']:10.0f}{r['p99']:8.0f}{ratio}  {'MET ' if ok else 'MISS'} {goal}"
                       f"<= {TARGET_GIB} GiB{', <= Dynamo' if peer else ''}")
     return 1 if misses else 0

@@ -6,7 +6,7 @@ from kvtier.sim.experiment import RunSpec, resolve_trace, run_grid, run_jobs, tr
 from kvtier.sim.generators import PRESETS, WorkloadSpec, generate, iter_generate
 from kvtier.sim.metrics import RequestRecord, RunSummary, SummaryBuilder, summarize
 from kvtier.sim.policies import POLICIES, Choice, Policy, RouteInput, make_policy
-from kvtier.sim.run import RunConfig, RunResult, simulate
+from kvtier.sim.run import RunConfig, RunResult, load_kernels, simulate
 from kvtier.sim.source import ListTrace, MooncakeFile, TraceSource, as_source
 from kvtier.sim.trace import (
     Request,
@@ -53,6 +53,7 @@ __all__ = [
     "generate",
     "iter_generate",
     "load_azure",
+    "load_kernels",
     "load_mooncake",
     "load_trace",
     "make_policy",

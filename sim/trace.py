@@ -125,6 +125,13 @@ _KERNELS = jit.LazyKernels("kvtier.sim.bankkernel", lambda k: k.blocks(
     np.zeros(1, np.uint64), np.uint64(0), _POSITIONS, _VOCAB))
 
 
+def bank_backend() -> str:
+    """``"numba"`` when :class:`TokenBank` derives token ids with its compiled kernel, else ``"python (why)"``;
+    loads the kernel now if it is not loaded yet. O(1) after the first call."""
+    _KERNELS.get()
+    return str(_KERNELS.backend)
+
+
 def _mix(x: np.ndarray) -> np.ndarray:
     """SplitMix64's finaliser, elementwise (uint64 arithmetic wraps)."""
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)

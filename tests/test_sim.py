@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -195,3 +198,37 @@ def test_replay_progress_bar_shows_simulated_time_and_request_rate() -> None:
     text = str(bar)
     bar.close()
     assert "3/10" in text and "req/s" in text and "sim 1,234 s" in text, text
+
+
+_KERNEL_CHECK = r"""
+import dataclasses, json, sys
+from numba.core.registry import CPUDispatcher
+from kvtier.sim import ClusterConfig, RunConfig, load_kernels, simulate
+from kvtier.sim.generators import PRESETS, generate
+
+def loaded():
+    return sorted(f"{m}.{n}:{len(d.overloads)}" for m, mod in list(sys.modules.items()) if m.startswith("kvtier.")
+                  for n, d in vars(mod).items() if isinstance(d, CPUDispatcher) and d.overloads)
+
+backends = load_kernels()
+before = loaded()
+reqs = generate(dataclasses.replace(PRESETS["chat"], requests=150, system_tokens=1024, user_tokens=600), 1)
+for l3 in ("none", "disk", "external"):
+    cfg = ClusterConfig(workers=3, page_size=64, device_tokens=32_768, host_ratio=0.0 if l3 == "none" else 1.0,
+                        l3=l3, l3_tokens=131_072)
+    for policy in ("round_robin", "kv_host", "kv_all", "dynamo", "min_ttft"):
+        simulate(reqs, cfg, RunConfig(policy))
+print(json.dumps({"backends": backends, "before": before, "after": loaded()}))
+"""
+
+
+@pytest.mark.parametrize("jit", ["1", "0"])
+def test_load_kernels_loads_every_kernel_a_run_calls(jit: str) -> None:
+    # A fresh process: in this one other tests have loaded kernels already, and nothing would be left to miss.
+    out = subprocess.run([sys.executable, "-c", _KERNEL_CHECK], env={**os.environ, "KVTIER_JIT": jit},
+                         capture_output=True, text=True, timeout=300, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    want = "numba" if jit == "1" else "python (KVTIER_JIT=0)"
+    assert set(got["backends"].values()) == {want}, got["backends"]
+    assert got["after"] == got["before"], "kernels loaded during the runs, after load_kernels"
+    assert bool(got["before"]) == (jit == "1")
