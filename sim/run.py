@@ -10,11 +10,12 @@ from dataclasses import dataclass, field
 from kvtier.engine.hashing import hash_backend
 from kvtier.fields import Domain, at_least, check_fields, one_of, positive, within
 from kvtier.indexer.gcpause import rare_collections
-from kvtier.indexer.keys import block_keys, key_backend
+from kvtier.indexer.keys import key_backend
 from kvtier.indexer.keytable import warm_tables
 from kvtier.indexer.load import LoadTracker
 from kvtier.sim.cluster import ClusterConfig, Job, build_cluster
 from kvtier.sim.core import Environment
+from kvtier.sim.lookahead import Lookahead, lookahead_backend
 from kvtier.sim.metrics import RequestRecord, RunSummary, SummaryBuilder
 from kvtier.sim.policies import KvPolicy, RouteInput, make_policy
 from kvtier.sim.source import TraceSource, as_source
@@ -162,9 +163,14 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
     cluster = build_cluster(cluster_cfg, env, on_event, on_first_token, on_finish,
                             on_progress=on_progress if tracked else None)
 
+    # Requests released at their arrival time come one at a time, each scheduled when the one before it
+    # runs, with a reserved sequence number (its rank in the trace): the order it would have had if all
+    # were scheduled up front, without a timer per request waiting in the heap, or the trace in memory.
+    # Their token ids and keys are made ahead, a batch at a time, on a helper thread (sim.lookahead).
+    arrivals = Lookahead(source.arrivals(run.closed_loop), bank, ps if tracked else None)
+
     def arrive(req: Request) -> None:
-        tokens = bank.packed(req)
-        keys = block_keys(tokens, ps) if tracked else []
+        tokens, keys = arrivals.take(req)
         choice = policy.choose(RouteInput(req.request_id, tokens, req.input_length, keys, env.now))
         rec = RequestRecord(req.request_id, choice.worker, env.now, req.input_length, req.output_length)
         if choice.predicted is not None:
@@ -178,11 +184,6 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
             loads.add(req.request_id, streams[choice.worker], keys, req.input_length,
                       max(0, req.input_length - cached))
         cluster.workers[choice.worker].submit(Job(req, tokens, rec), choice.tier)
-
-    # Requests released at their arrival time come one at a time, each scheduled when the one before it
-    # runs, with a reserved sequence number (its rank in the trace): the order it would have had if all
-    # were scheduled up front, without a timer per request waiting in the heap, or the trace in memory.
-    arrivals = source.arrivals(run.closed_loop)
 
     def feed(req: Request) -> None:
         upcoming = next(arrivals, None)
@@ -214,7 +215,7 @@ def load_kernels() -> dict[str, str]:
     it numba's own start-up, and nothing once done. :func:`simulate` loads each on first use anyway; this is for
     a caller that times runs. Per kernel family, ``"numba"`` or ``"python (why)"``. O(1) after the first call."""
     return {"token bank": bank_backend(), "page digests": hash_backend(), "router keys": key_backend(),
-            "wire tokens": token_backend(), "index tables": warm_tables()}
+            "wire tokens": token_backend(), "index tables": warm_tables(), "lookahead": lookahead_backend()}
 
 
 def _check_accounting(r: RequestRecord) -> None:

@@ -77,6 +77,11 @@ class TokenBank:
         # holes its evictions leave at the front on every later eviction.
         self._packed: OrderedDict[int, bytes] = OrderedDict()
 
+    def kernel_args(self) -> tuple[np.uint64, np.ndarray, np.uint64]:
+        """``(seed key, positions, vocabulary)``: what :func:`kvtier.sim.bankkernel.blocks` takes after the hash
+        ids to make this bank's token ids. O(1)."""
+        return self._seed_key[0], _POSITIONS, _VOCAB
+
     def block(self, hash_id: int) -> np.ndarray:
         """The 512 token ids of one hash id (int64). O(512)."""
         return self._blocks([hash_id]).astype(np.int64)
@@ -85,7 +90,7 @@ class TokenBank:
         ids = np.array(hash_ids, dtype=np.uint64)
         k = _KERNELS.get()
         if k is not None:
-            return k.blocks(ids, self._seed_key[0], _POSITIONS, _VOCAB)  # type: ignore[no-any-return]
+            return k.blocks(ids, *self.kernel_args())  # type: ignore[no-any-return]
         keys = _mix(ids ^ self._seed_key)
         return (_mix(keys[:, None] + _POSITIONS[None, :]) % _VOCAB).ravel()
 

@@ -1,0 +1,142 @@
+"""The token ids and router keys of requests about to arrive, made on a helper thread ahead of the clock.
+
+A request's token ids (:class:`kvtier.sim.trace.TokenBank`) and its router keys
+(:func:`kvtier.indexer.keys.block_keys`) depend on nothing but the request, so they can be made before it
+arrives: on the full Mooncake trace they are about 0.3 s of compiled work (148M token ids, 2.3M keys) that the
+simulator's main thread would otherwise do between its events. :class:`Lookahead` reads the trace's arrivals
+a batch ahead and has :func:`kvtier.sim.aheadkernel.prepare` make each batch on a helper thread while the main
+thread simulates; the main thread only cuts each request's bytes and keys out of its batch. They are the same
+bytes and keys either way (``tests/test_lookahead.py``), so no result changes.
+
+Only requests released at their own arrival time come through here; a closed-loop session's later turns
+(released when their predecessor finishes) are made when they arrive, as is everything where the compiled
+kernels do not run.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from itertools import chain, islice
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtier.indexer.keys import SEED, BlockKey, KeyList, block_keys
+from kvtier.sim.trace import HASH_BLOCK, Request, TokenBank
+from kvtier.wire import jit
+from kvtier.wire.protocol import TOKEN_BYTES, PackedTokens
+
+#: Requests per batch, one helper call each. After each call the helper waits up to the interpreter's switch
+#: interval (5 ms) for the GIL; the main thread takes about 60 ms to simulate 128 Mooncake requests.
+BATCH = 128
+
+_Made = tuple[npt.NDArray[np.uint32], npt.NDArray[np.uint64], npt.NDArray[np.int64]]  # aheadkernel.prepare's result
+_KERNELS = jit.LazyKernels("kvtier.sim.aheadkernel", lambda k: k.prepare(
+    np.zeros(1, np.uint64), np.array([0, 1], np.int64), np.ones(1, np.int64), *TokenBank().kernel_args(),
+    64 * TOKEN_BYTES, np.uint64(SEED)))
+_helper: ThreadPoolExecutor | None = None  # one thread, shared by the runs of this process
+
+
+def _forget_helper() -> None:
+    """A forked child has none of its parent's threads: it starts its own helper when it needs one."""
+    global _helper
+    _helper = None
+
+
+os.register_at_fork(after_in_child=_forget_helper)
+
+
+def lookahead_backend() -> str:
+    """``"numba"`` when batches are made ahead on the helper thread, else ``"python (why)"`` (each request is
+    then made when it arrives). Loads the kernel now. O(1) after the first call."""
+    _KERNELS.get()
+    return str(_KERNELS.backend)
+
+
+@dataclass(slots=True)
+class _Batch:
+    """Requests whose token ids and keys one helper call makes."""
+
+    made: Future[_Made]  # aheadkernel.prepare's result, once the helper is done
+    first_block: npt.NDArray[np.int64]  # request i's hash ids are the batch's first_block[i]:first_block[i + 1]
+
+
+class Lookahead:
+    """``arrivals`` (``(rank, request)`` in release order, as :meth:`kvtier.sim.source.TraceSource.arrivals`
+    yields them) read ahead, with each request's token ids and router keys made on a helper thread.
+
+    Invariant: every request read from ``arrivals`` and not yet taken is in ``self._due``, with its batch and
+    its place in it; requests read but not yet handed out are in ``self._ahead``, which is kept above one
+    batch until ``arrivals`` ends, so that the helper works on the next batch while this one is simulated.
+    """
+
+    def __init__(self, arrivals: Iterator[tuple[int, Request]], bank: TokenBank, block_size: int | None) -> None:
+        self._arrivals = arrivals  # read on the calling thread only
+        self._bank = bank  # makes the requests that do not come through a batch
+        self._block_size = block_size  # tokens per router key; None: the run needs no keys
+        self._ahead: deque[tuple[int, Request]] = deque()  # read, not yet handed out
+        self._due: dict[int, tuple[_Batch, int]] = {}  # id(request) -> its batch and index, until taken
+        self._ended = False  # arrivals exhausted
+        # A TokenBank subclass may make other tokens: only the bank itself is made ahead.
+        self._k: Any = _KERNELS.get() if type(bank) is TokenBank else None  # the kernel module
+
+    def __iter__(self) -> Iterator[tuple[int, Request]]:
+        return self
+
+    def __next__(self) -> tuple[int, Request]:
+        """The next ``(rank, request)`` released at its arrival time. O(1), and O(BATCH) to read a batch."""
+        if self._k is None:
+            return next(self._arrivals)
+        while len(self._ahead) <= BATCH and not self._ended:
+            self._read()
+        if not self._ahead:
+            raise StopIteration
+        return self._ahead.popleft()
+
+    def _read(self) -> None:
+        """Reads the next batch from the arrivals and hands it to the helper. O(BATCH)."""
+        pairs = list(islice(self._arrivals, BATCH))
+        self._ended = len(pairs) < BATCH
+        if not pairs:
+            return
+        reqs = [r for _, r in pairs]
+        first_block = np.zeros(len(reqs) + 1, np.int64)
+        np.cumsum(np.fromiter((len(r.hash_ids) for r in reqs), np.int64, len(reqs)), out=first_block[1:])
+        global _helper
+        if _helper is None:
+            _helper = ThreadPoolExecutor(1, thread_name_prefix="kvtier-lookahead")
+        batch = _Batch(_helper.submit(self._make, reqs, first_block), first_block)
+        for i, r in enumerate(reqs):
+            self._due[id(r)] = (batch, i)
+        self._ahead.extend(pairs)
+
+    def _make(self, reqs: list[Request], first_block: npt.NDArray[np.int64]) -> _Made:
+        """On the helper thread: the batch's tokens and keys."""
+        ids = np.fromiter(chain.from_iterable(r.hash_ids for r in reqs), np.uint64, int(first_block[-1]))
+        lengths = np.fromiter((r.input_length for r in reqs), np.int64, len(reqs))
+        step = self._block_size * TOKEN_BYTES if self._block_size else 0
+        made: _Made = self._k.prepare(ids, first_block, lengths, *self._bank.kernel_args(), step, np.uint64(SEED))
+        return made
+
+    def take(self, req: Request) -> tuple[PackedTokens, list[BlockKey]]:
+        """``req``'s token ids (packed) and, if the run needs them, its router keys (else ``[]``): cut from its
+        batch when it was read ahead (waiting for the helper if it is not done), else made now. Each request read
+        ahead is taken once. O(input_length)."""
+        due = self._due.pop(id(req), None)
+        if due is None:
+            tokens = self._bank.packed(req)
+            return tokens, block_keys(tokens, self._block_size) if self._block_size else []
+        batch, i = due
+        made_tokens, made_keys, first_key = batch.made.result()  # (raises what the helper raised)
+        start = int(batch.first_block[i]) * HASH_BLOCK
+        tokens = made_tokens[start:start + req.input_length].tobytes()
+        a, b = int(first_key[i]), int(first_key[i + 1])
+        return tokens, KeyList(made_keys[a:b]) if b > a else []
+
+
+__all__ = ["BATCH", "Lookahead", "lookahead_backend"]

@@ -1,0 +1,121 @@
+"""Token ids and router keys made ahead on a helper thread (kvtier.sim.lookahead): the same as made on arrival."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.indexer.keys import KeyList, block_keys
+from kvtier.sim import lookahead as la
+from kvtier.sim.cluster import ClusterConfig
+from kvtier.sim.generators import PRESETS, generate
+from kvtier.sim.run import RunConfig, simulate
+from kvtier.sim.source import ListTrace
+from kvtier.sim.trace import HASH_BLOCK, Request, TokenBank
+
+from .jit_paths import python_path
+
+compiled = pytest.mark.skipif(not la.lookahead_backend().startswith("numba"), reason="numba does not run here")
+
+
+def _request(i: int, length: int, first_id: int) -> Request:
+    blocks = -(-length // HASH_BLOCK)
+    return Request(f"r{i}", float(i), length, 4, list(range(first_id, first_id + blocks)))
+
+
+lengths = st.lists(st.integers(1, 3 * HASH_BLOCK + 7), min_size=1, max_size=2 * la.BATCH + 40)
+
+
+@compiled
+@settings(max_examples=25, deadline=None)
+@given(lengths=lengths, block_size=st.sampled_from([None, 16, 64, 100, 512]), seed=st.integers(0, 3))
+def test_every_request_gets_the_tokens_and_keys_it_would_get_on_arrival(lengths: list[int], block_size: int | None,
+                                                                          seed: int) -> None:
+    # Prompts from 1 token (no key) through a few blocks (the Python key path below 4 blocks), across batches.
+    reqs = [_request(i, n, 1000 * i) for i, n in enumerate(lengths)]
+    bank = TokenBank(seed)
+    ahead = la.Lookahead(iter(enumerate(reqs)), bank, block_size)
+    seen = []
+    for rank, req in ahead:
+        assert len(ahead._due) <= 2 * la.BATCH + 1, "read further ahead than two batches"
+        tokens, keys = ahead.take(req)
+        assert tokens == bank.packed(req), f"request {rank}: other token ids"
+        assert keys == (block_keys(tokens, block_size) if block_size else []), f"request {rank}: other keys"
+        if isinstance(keys, KeyList):
+            assert keys.arr.tolist() == list(keys)
+        seen.append(rank)
+    assert seen == list(range(len(reqs)))
+    assert not ahead._due
+
+
+@compiled
+def test_a_request_not_read_ahead_is_made_when_it_arrives() -> None:
+    # A closed-loop session's later turn comes from the source's successor, not through the lookahead.
+    bank = TokenBank()
+    first, later = _request(0, 700, 1), _request(1, 1500, 1)
+    ahead = la.Lookahead(iter([(0, first)]), bank, 64)
+    assert next(ahead) == (0, first)
+    assert ahead.take(later) == (bank.packed(later), block_keys(bank.packed(later), 64))
+    assert ahead.take(first)[0] == bank.packed(first)
+
+
+@compiled
+def test_a_failure_on_the_helper_is_raised_where_the_request_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Broken:
+        def prepare(self, *args: object) -> None:
+            raise RuntimeError("helper failed")
+
+    ahead = la.Lookahead(iter([(0, _request(0, 600, 5))]), TokenBank(), 64)
+    monkeypatch.setattr(ahead, "_k", Broken())
+    _, req = next(ahead)
+    with pytest.raises(RuntimeError, match="helper failed"):
+        ahead.take(req)
+
+
+def test_without_the_kernel_the_arrivals_pass_through_and_each_request_is_made_on_arrival() -> None:
+    reqs = [_request(i, 900, 10 * i) for i in range(5)]
+    bank = TokenBank()
+    with python_path(la._KERNELS):
+        ahead = la.Lookahead(iter(enumerate(reqs)), bank, 64)
+        for _, req in ahead:
+            assert not ahead._due
+            assert ahead.take(req) == (bank.packed(req), block_keys(bank.packed(req), 64))
+
+
+class _OtherBank(TokenBank):
+    def packed(self, req: Request) -> bytes:
+        return bytes(4 * req.input_length)
+
+
+def test_a_bank_subclass_is_asked_for_its_own_tokens() -> None:
+    req = _request(0, 300, 1)
+    ahead = la.Lookahead(iter([(0, req)]), _OtherBank(), None)
+    assert next(ahead) == (0, req)
+    assert ahead.take(req) == (bytes(1200), [])
+
+
+def _chat(n: int) -> list[Request]:
+    return generate(dataclasses.replace(PRESETS["chat"], requests=n, system_tokens=1024, user_tokens=600), 3)
+
+
+@pytest.mark.parametrize("closed_loop", [True, False])
+def test_runs_give_the_same_results_with_and_without_the_lookahead(closed_loop: bool) -> None:
+    reqs = _chat(3 * la.BATCH)  # sessions: later turns arrive closed loop, past the lookahead
+    cfg = ClusterConfig(workers=3, page_size=64, device_tokens=65_536, host_ratio=1.0)
+    run = RunConfig("kv_host", closed_loop=closed_loop)
+    ahead = simulate(ListTrace(reqs), cfg, run)
+
+    def one_by_one(self: la.Lookahead) -> Iterator[tuple[int, Request]]:
+        return self._arrivals
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(la.Lookahead, "__iter__", one_by_one)
+        mp.setattr(la.Lookahead, "__next__", lambda self: next(self._arrivals))
+        plain = simulate(ListTrace(reqs), cfg, run)
+    assert ahead.decisions == plain.decisions
+    assert repr(ahead.summary) == repr(plain.summary)  # (repr: NaN figures compare unequal)
+    assert ahead.records == plain.records
