@@ -25,6 +25,9 @@ class Admission:
     compute: list[PageId] = field(default_factory=list)  # device pages for pages to compute
     swa: list[PageId] = field(default_factory=list)  # window-KV pages for computed and tombstoned pages
     started: bool = False  # prefill began: late prefetches no longer load to device
+    # The digests of the prompt's full pages, joined, when the caller made them ahead (the simulator's lookahead);
+    # empty: each node computes its own (RadixTree.add_child checks those it is given)
+    digests: bytes = b""
     released: bool = False  # release() was called
     epoch: int = 0  # the cache's reset count at admission: a reset voids the admission
 

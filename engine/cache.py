@@ -27,6 +27,7 @@ from kvtier.engine.datapath import DataPath
 from kvtier.engine.dump import Snapshot, dump_batches
 from kvtier.engine.events import EventLog
 from kvtier.engine.eviction import Evictor
+from kvtier.engine.hashing import DIGEST_BYTES
 from kvtier.engine.l3link import L3Link
 from kvtier.engine.pagetree import PageMeta
 from kvtier.engine.pool import PageId, PagePool
@@ -96,9 +97,10 @@ class TieredCache:
 
     # --- admission -----------------------------------------------------------------------
 
-    def admit(self, request_id: str, tokens: Sequence[int] | PackedTokens) -> Admission:
+    def admit(self, request_id: str, tokens: Sequence[int] | PackedTokens, digests: bytes = b"") -> Admission:
         """Matches the prompt (token ids, or packed: :func:`~kvtier.wire.pack_tokens`), locks its prefix,
-        starts load-back and L3 prefetch. O(prompt)."""
+        starts load-back and L3 prefetch. ``digests``: the page digests of the prompt's full pages, joined, if the
+        caller made them ahead (nodes made for the prompt take theirs from them). O(prompt)."""
         tokens = pack_tokens(tokens)
         path = self.tree.match(tokens)
         for n in path:
@@ -114,7 +116,7 @@ class TieredCache:
                 break
             host_run.append(n)
         adm = Admission(request_id, tokens, last, sum(n.pages for n in path[:dev]),
-                        sum(n.pages for n in host_run), 0, epoch=self._epoch)
+                        sum(n.pages for n in host_run), 0, epoch=self._epoch, digests=digests)
         self.copies.backup_path(path)
         resident = sum(n.pages for n in path)
         l3_keys = (self.prefetcher.l3_run(last, tokens, resident)
@@ -210,12 +212,14 @@ class TieredCache:
         if new_pages > 0 and len(compute) >= new_pages:
             if done < window_from < full and self.config.swa_window_pages:
                 # Computed pages before the request's last window are cached tombstoned.
-                front = self.tree.add_child(parent, adm.tokens[done * s:window_from * s])
+                front = self.tree.add_child(parent, adm.tokens[done * s:window_from * s],
+                                            adm.digests[done * DIGEST_BYTES:window_from * DIGEST_BYTES])
                 front.device, compute = compute[:front.pages], compute[front.pages:]
                 self.events.stored(front, StorageTier.DEVICE)
                 self.evictor.push_dev(front)
                 parent, done, new_pages = front, window_from, full - window_from
-            node = self.tree.add_child(parent, adm.tokens[done * s:full * s])
+            node = self.tree.add_child(parent, adm.tokens[done * s:full * s],
+                                       adm.digests[done * DIGEST_BYTES:full * DIGEST_BYTES])
             node.device, compute = compute[:new_pages], compute[new_pages:]
             self.events.stored(node, StorageTier.DEVICE)
             if self.config.swa_window_pages and len(adm.swa) >= new_pages:

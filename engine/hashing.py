@@ -21,7 +21,7 @@ from kvtier.wire.jit import LazyKernels
 from kvtier.wire.protocol import TOKEN_BYTES, PackedTokens, pack_tokens
 
 ROOT_DIGEST = b""
-_DIGEST_BYTES = 32  # SHA-256
+DIGEST_BYTES = 32  # SHA-256
 
 
 def page_digest(parent_digest: bytes, page_tokens: Sequence[int] | PackedTokens) -> bytes:
@@ -38,8 +38,8 @@ def event_hashes(digests: list[bytes]) -> list[int]:
     """:func:`event_hash` of each digest, in one pass over their joined bytes (a prompt's pages are hashed
     by the hundred). O(digests)."""
     joined = b"".join(digests)
-    assert len(joined) == _DIGEST_BYTES * len(digests), "page digests are 32 bytes each"
-    words: list[int] = np.frombuffer(joined, dtype=">i8")[::_DIGEST_BYTES // 8].tolist()
+    assert len(joined) == DIGEST_BYTES * len(digests), "page digests are 32 bytes each"
+    words: list[int] = np.frombuffer(joined, dtype=">i8")[::DIGEST_BYTES // 8].tolist()
     return words
 
 
@@ -51,7 +51,7 @@ class PageDigests(Sequence[bytes]):
     __slots__ = ("joined",)
 
     def __init__(self, joined: bytes = b"") -> None:
-        assert len(joined) % _DIGEST_BYTES == 0, f"{len(joined)} bytes is not whole 32-byte digests"
+        assert len(joined) % DIGEST_BYTES == 0, f"{len(joined)} bytes is not whole 32-byte digests"
         self.joined = joined  # the digests back to back, page order
 
     @classmethod
@@ -59,7 +59,7 @@ class PageDigests(Sequence[bytes]):
         return cls(b"".join(digests))
 
     def __len__(self) -> int:
-        return len(self.joined) // _DIGEST_BYTES
+        return len(self.joined) // DIGEST_BYTES
 
     @overload
     def __getitem__(self, i: int) -> bytes: ...
@@ -72,16 +72,16 @@ class PageDigests(Sequence[bytes]):
         if isinstance(i, slice):
             start, stop, step = i.indices(n)
             assert step == 1, "page digests slice with step 1 only"
-            return PageDigests(self.joined[start * _DIGEST_BYTES:max(start, stop) * _DIGEST_BYTES])
+            return PageDigests(self.joined[start * DIGEST_BYTES:max(start, stop) * DIGEST_BYTES])
         if i < 0:
             i += n
         if not 0 <= i < n:
             raise IndexError(f"page {i} of {n}")
-        return self.joined[i * _DIGEST_BYTES:(i + 1) * _DIGEST_BYTES]
+        return self.joined[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES]
 
     def __iter__(self) -> Iterator[bytes]:
         j = self.joined
-        return (j[o:o + _DIGEST_BYTES] for o in range(0, len(j), _DIGEST_BYTES))
+        return (j[o:o + DIGEST_BYTES] for o in range(0, len(j), DIGEST_BYTES))
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, PageDigests):
@@ -112,9 +112,9 @@ def _warm(k: Any) -> None:
     """Compiles (or loads) the kernel for the read-only arrays :func:`chain` passes, and checks it against
     ``hashlib`` once: a library that hashed differently would silently change every event hash."""
     pages = np.frombuffer(bytes(range(256)) * 3, np.uint8).reshape(3, 256)
-    parent = np.frombuffer(b"\x01" * _DIGEST_BYTES, np.uint8)
+    parent = np.frombuffer(b"\x01" * DIGEST_BYTES, np.uint8)
     for p in (parent, parent[:0]):
-        out = np.empty((3, _DIGEST_BYTES), np.uint8)
+        out = np.empty((3, DIGEST_BYTES), np.uint8)
         want = list(iter_chain(p.tobytes(), pages.tobytes(), 64))
         got = [bytes(r) for r in out] if k.chain(p, pages, out) else want
         assert got == want, "the compiled SHA-256 chain disagrees with hashlib"
@@ -139,14 +139,20 @@ def chain_hashes(parent_digest: bytes, tokens: Sequence[int] | PackedTokens,
     n = len(packed) // step
     k = _KERNELS.get() if n >= _MIN_PAGES else None
     if k is not None:
-        out = np.empty((n, _DIGEST_BYTES), np.uint8)
+        out = np.empty((n, DIGEST_BYTES), np.uint8)
         pages = np.frombuffer(packed, np.uint8, n * step).reshape(n, step)
         if k.chain(np.frombuffer(parent_digest, np.uint8), pages, out):
-            joined = out.tobytes()
-            hashes: list[int] = np.frombuffer(joined, ">i8")[::_DIGEST_BYTES // 8].tolist()
-            return PageDigests(joined), hashes
+            return joined_hashes(out.tobytes())
     digests = list(iter_chain(parent_digest, packed, page_size))
     return PageDigests.of(digests), event_hashes(digests)
+
+
+def joined_hashes(joined: bytes) -> tuple[PageDigests, list[int]]:
+    """Digests made elsewhere, joined (32 bytes each, page order), with their :func:`event_hash` values.
+    O(digests)."""
+    digests = PageDigests(joined)
+    hashes: list[int] = np.frombuffer(joined, ">i8")[::DIGEST_BYTES // 8].tolist()
+    return digests, hashes
 
 
 def hash_backend() -> str:

@@ -12,7 +12,16 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvtier.engine.hashing import ROOT_DIGEST, PageDigests, chain, chain_hashes, event_hash
+from kvtier.engine.hashing import (
+    DIGEST_BYTES,
+    ROOT_DIGEST,
+    PageDigests,
+    chain,
+    chain_hashes,
+    event_hash,
+    joined_hashes,
+    page_digest,
+)
 from kvtier.engine.pool import PageId
 from kvtier.wire.protocol import TOKEN_BYTES, PackedTokens, pack_tokens
 
@@ -176,14 +185,24 @@ class RadixTree:
             self.on_split(front, node)
         return front
 
-    def add_child(self, parent: Node, tokens: PackedTokens) -> Node:
-        """A new node under ``parent`` for whole pages of ``tokens`` (no residency yet)."""
+    def add_child(self, parent: Node, tokens: PackedTokens, digests: bytes = b"") -> Node:
+        """A new node under ``parent`` for whole pages of ``tokens`` (no residency yet). ``digests``: their page
+        digests joined, when the caller made them ahead (:attr:`Admission.digests`), else they are computed here;
+        the first is checked against ``parent``'s chain, so digests cut at the wrong page raise. O(pages)."""
         s = self.stride
         assert tokens and len(tokens) % s == 0, f"{len(tokens)} bytes is not whole pages of {s}"
         key = tokens[:s]
         assert key not in parent.children, "a child with that first page exists"
-        digests, hashes = chain_hashes(parent.digests[-1] if parent.digests else ROOT_DIGEST, tokens, self.page_size)
-        node = Node(parent, tokens, digests, hashes)
+        parent_digest = parent.digests[-1] if parent.digests else ROOT_DIGEST
+        if digests:
+            assert len(digests) == len(tokens) // s * DIGEST_BYTES, (
+                f"{len(digests)} bytes of digests for {len(tokens) // s} pages")
+            assert digests[:DIGEST_BYTES] == page_digest(parent_digest, key), (
+                "the digests made ahead are not this page's under this parent: they went out of sync with the prompt")
+            chained, hashes = joined_hashes(digests)
+        else:
+            chained, hashes = chain_hashes(parent_digest, tokens, self.page_size)
+        node = Node(parent, tokens, chained, hashes)
         node.last_access = self.tick()
         parent.children[key] = node
         return node

@@ -90,8 +90,8 @@ _call3 = cast(Callable[[int, int, int, int], int], _intrinsic3)
 
 
 @njit(cache=True)
-def _chain(init: int, update: int, final: int, parent: npt.NDArray[np.uint8], pages: npt.NDArray[np.uint8],
-           out: npt.NDArray[np.uint8]) -> int:
+def chain_pages(init: int, update: int, final: int, parent: npt.NDArray[np.uint8], pages: npt.NDArray[np.uint8],
+                out: npt.NDArray[np.uint8]) -> int:
     """Row ``i`` of ``out`` = SHA-256(digest ``i - 1`` || page ``i``), digest ``-1`` being ``parent`` (empty
     under the root); ``pages`` holds one page per row. Returns 1, or 0 if the library reported a failure.
     O(bytes)."""
@@ -112,6 +112,6 @@ def _chain(init: int, update: int, final: int, parent: npt.NDArray[np.uint8], pa
 
 
 def chain(parent: npt.NDArray[np.uint8], pages: npt.NDArray[np.uint8], out: npt.NDArray[np.uint8]) -> bool:
-    """:func:`_chain` with the library's functions; ``pages`` and ``out`` C-contiguous, one row per page.
+    """:func:`chain_pages` with the library's functions; ``pages`` and ``out`` C-contiguous, one row per page.
     False if the library failed (the caller then hashes with ``hashlib``). O(bytes)."""
-    return bool(_chain(INIT, UPDATE, FINAL, parent, pages, out))
+    return bool(chain_pages(INIT, UPDATE, FINAL, parent, pages, out))

@@ -105,6 +105,7 @@ class Job:
     admitted_at: float = 0.0  # when the cache was first asked
     prefill_left: int = 0  # tokens still to prefill
     generated: int = 0  # output tokens produced
+    digests: bytes = b""  # its full pages' digests joined, made ahead (sim.lookahead); empty: the engine makes them
 
 
 @dataclass(slots=True)
@@ -217,7 +218,7 @@ class SimWorker:
                 if self.cache.config.swa_window_pages:
                     job.record.usable_blocks = visible(self.cache.usable_overlap(job.tokens),
                                                        job.visible_tier).external
-            job.adm = self.cache.admit(job.req.request_id, job.tokens)
+            job.adm = self.cache.admit(job.req.request_id, job.tokens, job.digests)
             job.admitted_at = self.env.now
             job.record.device_tokens = job.adm.device_pages * self.cfg.page_size  # refined at prefill start
             self.admitted.append(job)

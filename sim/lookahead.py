@@ -1,12 +1,16 @@
-"""The token ids and router keys of requests about to arrive, made on a helper thread ahead of the clock.
+"""The token ids, router keys and page digests of requests about to arrive, made on a helper thread ahead of
+the clock.
 
-A request's token ids (:class:`kvtier.sim.trace.TokenBank`) and its router keys
-(:func:`kvtier.indexer.keys.block_keys`) depend on nothing but the request, so they can be made before it
-arrives: on the full Mooncake trace they are about 0.3 s of compiled work (148M token ids, 2.3M keys) that the
-simulator's main thread would otherwise do between its events. :class:`Lookahead` reads the trace's arrivals
-a batch ahead and has :func:`kvtier.sim.aheadkernel.prepare` make each batch on a helper thread while the main
-thread simulates; the main thread only cuts each request's bytes and keys out of its batch. They are the same
-bytes and keys either way (``tests/test_lookahead.py``), so no result changes.
+A request's token ids (:class:`kvtier.sim.trace.TokenBank`), its router keys
+(:func:`kvtier.indexer.keys.block_keys`) and the engine's SHA-256 digests of its pages
+(:func:`kvtier.engine.hashing.chain`) depend on nothing but the request, so they can be made before it arrives.
+On the full Mooncake trace they are about 0.7 s of compiled work (148M token ids, 2.3M keys, the digests of
+the 1.7M pages the engines cache) that the simulator's main thread would otherwise do between its events.
+:class:`Lookahead` reads the trace's arrivals a batch ahead and has :func:`kvtier.sim.aheadkernel.prepare` make
+each batch on a helper thread while the main thread simulates; the main thread only cuts each request's bytes,
+keys and digests out of its batch, and the engine takes a new node's digests from its request's
+(:meth:`kvtier.engine.radix.RadixTree.add_child`, which checks the first against the parent's chain). They are
+the same bytes, keys and digests either way (``tests/test_lookahead.py``), so no result changes.
 
 Only requests released at their own arrival time come through here; a closed-loop session's later turns
 (released when their predecessor finishes) are made when they arrive, as is everything where the compiled
@@ -35,10 +39,12 @@ from kvtier.wire.protocol import TOKEN_BYTES, PackedTokens
 #: interval (5 ms) for the GIL; the main thread takes about 60 ms to simulate 128 Mooncake requests.
 BATCH = 128
 
-_Made = tuple[npt.NDArray[np.uint32], npt.NDArray[np.uint64], npt.NDArray[np.int64]]  # aheadkernel.prepare's result
+# aheadkernel.prepare's result: tokens, keys, first key, digests, first page
+_Made = tuple[npt.NDArray[np.uint32], npt.NDArray[np.uint64], npt.NDArray[np.int64], npt.NDArray[np.uint8],
+              npt.NDArray[np.int64]]
 _KERNELS = jit.LazyKernels("kvtier.sim.aheadkernel", lambda k: k.prepare(
-    np.zeros(1, np.uint64), np.array([0, 1], np.int64), np.ones(1, np.int64), *TokenBank().kernel_args(),
-    64 * TOKEN_BYTES, np.uint64(SEED)))
+    np.zeros(1, np.uint64), np.array([0, 1], np.int64), np.full(1, 128, np.int64), *TokenBank().kernel_args(),
+    64 * TOKEN_BYTES, np.uint64(SEED), 64 * TOKEN_BYTES, k.SHA))
 _helper: ThreadPoolExecutor | None = None  # one thread, shared by the runs of this process
 
 
@@ -68,17 +74,19 @@ class _Batch:
 
 class Lookahead:
     """``arrivals`` (``(rank, request)`` in release order, as :meth:`kvtier.sim.source.TraceSource.arrivals`
-    yields them) read ahead, with each request's token ids and router keys made on a helper thread.
+    yields them) read ahead, with each request's token ids, router keys (if ``keys``) and the digests of its full
+    pages of ``page_size`` tokens made on a helper thread.
 
     Invariant: every request read from ``arrivals`` and not yet taken is in ``self._due``, with its batch and
     its place in it; requests read but not yet handed out are in ``self._ahead``, which is kept above one
     batch until ``arrivals`` ends, so that the helper works on the next batch while this one is simulated.
     """
 
-    def __init__(self, arrivals: Iterator[tuple[int, Request]], bank: TokenBank, block_size: int | None) -> None:
+    def __init__(self, arrivals: Iterator[tuple[int, Request]], bank: TokenBank, page_size: int, keys: bool) -> None:
         self._arrivals = arrivals  # read on the calling thread only
         self._bank = bank  # makes the requests that do not come through a batch
-        self._block_size = block_size  # tokens per router key; None: the run needs no keys
+        self._page_size = page_size  # tokens per router key and per engine page
+        self._keys = keys  # whether the run needs router keys
         self._ahead: deque[tuple[int, Request]] = deque()  # read, not yet handed out
         self._due: dict[int, tuple[_Batch, int]] = {}  # id(request) -> its batch and index, until taken
         self._ended = False  # arrivals exhausted
@@ -119,24 +127,27 @@ class Lookahead:
         """On the helper thread: the batch's tokens and keys."""
         ids = np.fromiter(chain.from_iterable(r.hash_ids for r in reqs), np.uint64, int(first_block[-1]))
         lengths = np.fromiter((r.input_length for r in reqs), np.int64, len(reqs))
-        step = self._block_size * TOKEN_BYTES if self._block_size else 0
-        made: _Made = self._k.prepare(ids, first_block, lengths, *self._bank.kernel_args(), step, np.uint64(SEED))
+        step = self._page_size * TOKEN_BYTES
+        made: _Made = self._k.prepare(ids, first_block, lengths, *self._bank.kernel_args(),
+                                      step if self._keys else 0, np.uint64(SEED), step, self._k.SHA)
         return made
 
-    def take(self, req: Request) -> tuple[PackedTokens, list[BlockKey]]:
-        """``req``'s token ids (packed) and, if the run needs them, its router keys (else ``[]``): cut from its
-        batch when it was read ahead (waiting for the helper if it is not done), else made now. Each request read
-        ahead is taken once. O(input_length)."""
+    def take(self, req: Request) -> tuple[PackedTokens, list[BlockKey], bytes]:
+        """``req``'s token ids (packed), its router keys if the run needs them (else ``[]``) and its full pages'
+        digests joined (empty if not made ahead: the engine makes them): cut from its batch when it was read ahead
+        (waiting for the helper if it is not done), else made now. Each request read ahead is taken once.
+        O(input_length)."""
         due = self._due.pop(id(req), None)
         if due is None:
             tokens = self._bank.packed(req)
-            return tokens, block_keys(tokens, self._block_size) if self._block_size else []
+            return tokens, block_keys(tokens, self._page_size) if self._keys else [], b""
         batch, i = due
-        made_tokens, made_keys, first_key = batch.made.result()  # (raises what the helper raised)
+        made_tokens, made_keys, first_key, digests, first_page = batch.made.result()  # (raises what it raised)
         start = int(batch.first_block[i]) * HASH_BLOCK
         tokens = made_tokens[start:start + req.input_length].tobytes()
         a, b = int(first_key[i]), int(first_key[i + 1])
-        return tokens, KeyList(made_keys[a:b]) if b > a else []
+        pages = digests[first_page[i]:first_page[i + 1]].tobytes() if first_page[-1] >= 0 else b""
+        return tokens, KeyList(made_keys[a:b]) if b > a else [], pages
 
 
 __all__ = ["BATCH", "Lookahead", "lookahead_backend"]

@@ -167,10 +167,10 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
     # runs, with a reserved sequence number (its rank in the trace): the order it would have had if all
     # were scheduled up front, without a timer per request waiting in the heap, or the trace in memory.
     # Their token ids and keys are made ahead, a batch at a time, on a helper thread (sim.lookahead).
-    arrivals = Lookahead(source.arrivals(run.closed_loop), bank, ps if tracked else None)
+    arrivals = Lookahead(source.arrivals(run.closed_loop), bank, ps, keys=tracked)
 
     def arrive(req: Request) -> None:
-        tokens, keys = arrivals.take(req)
+        tokens, keys, digests = arrivals.take(req)
         choice = policy.choose(RouteInput(req.request_id, tokens, req.input_length, keys, env.now))
         rec = RequestRecord(req.request_id, choice.worker, env.now, req.input_length, req.output_length)
         if choice.predicted is not None:
@@ -183,7 +183,7 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
         if tracked:
             loads.add(req.request_id, streams[choice.worker], keys, req.input_length,
                       max(0, req.input_length - cached))
-        cluster.workers[choice.worker].submit(Job(req, tokens, rec), choice.tier)
+        cluster.workers[choice.worker].submit(Job(req, tokens, rec, digests=digests), choice.tier)
 
     def feed(req: Request) -> None:
         upcoming = next(arrivals, None)

@@ -1,4 +1,5 @@
-"""Token ids and router keys made ahead on a helper thread (kvtier.sim.lookahead): the same as made on arrival."""
+"""Token ids, router keys and page digests made ahead on a helper thread (kvtier.sim.lookahead): the same as made
+on arrival, and the engine's check of digests handed to it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtier.engine.hashing import ROOT_DIGEST, chain
+from kvtier.engine.radix import RadixTree
 from kvtier.indexer.keys import KeyList, block_keys
 from kvtier.sim import lookahead as la
 from kvtier.sim.cluster import ClusterConfig
@@ -32,21 +35,22 @@ lengths = st.lists(st.integers(1, 3 * HASH_BLOCK + 7), min_size=1, max_size=2 * 
 
 @compiled
 @settings(max_examples=25, deadline=None)
-@given(lengths=lengths, block_size=st.sampled_from([None, 16, 64, 100, 512]), seed=st.integers(0, 3))
-def test_every_request_gets_the_tokens_and_keys_it_would_get_on_arrival(lengths: list[int], block_size: int | None,
-                                                                          seed: int) -> None:
-    # Prompts from 1 token (no key) through a few blocks (the Python key path below 4 blocks), across batches.
+@given(lengths=lengths, page_size=st.sampled_from([16, 64, 100, 512]), keys=st.booleans(), seed=st.integers(0, 3))
+def test_every_request_gets_the_tokens_keys_and_digests_it_would_get_on_arrival(lengths: list[int], page_size: int,
+                                                                                keys: bool, seed: int) -> None:
+    # Prompts from 1 token (no page) through a few blocks (the Python key path below 4 blocks), across batches.
     reqs = [_request(i, n, 1000 * i) for i, n in enumerate(lengths)]
     bank = TokenBank(seed)
-    ahead = la.Lookahead(iter(enumerate(reqs)), bank, block_size)
+    ahead = la.Lookahead(iter(enumerate(reqs)), bank, page_size, keys)
     seen = []
     for rank, req in ahead:
         assert len(ahead._due) <= 2 * la.BATCH + 1, "read further ahead than two batches"
-        tokens, keys = ahead.take(req)
+        tokens, got_keys, digests = ahead.take(req)
         assert tokens == bank.packed(req), f"request {rank}: other token ids"
-        assert keys == (block_keys(tokens, block_size) if block_size else []), f"request {rank}: other keys"
-        if isinstance(keys, KeyList):
-            assert keys.arr.tolist() == list(keys)
+        assert got_keys == (block_keys(tokens, page_size) if keys else []), f"request {rank}: other keys"
+        if isinstance(got_keys, KeyList):
+            assert got_keys.arr.tolist() == list(got_keys)
+        assert digests == b"".join(chain(ROOT_DIGEST, tokens, page_size)), f"request {rank}: other digests"
         seen.append(rank)
     assert seen == list(range(len(reqs)))
     assert not ahead._due
@@ -57,19 +61,21 @@ def test_a_request_not_read_ahead_is_made_when_it_arrives() -> None:
     # A closed-loop session's later turn comes from the source's successor, not through the lookahead.
     bank = TokenBank()
     first, later = _request(0, 700, 1), _request(1, 1500, 1)
-    ahead = la.Lookahead(iter([(0, first)]), bank, 64)
+    ahead = la.Lookahead(iter([(0, first)]), bank, 64, keys=True)
     assert next(ahead) == (0, first)
-    assert ahead.take(later) == (bank.packed(later), block_keys(bank.packed(later), 64))
+    assert ahead.take(later) == (bank.packed(later), block_keys(bank.packed(later), 64), b"")
     assert ahead.take(first)[0] == bank.packed(first)
 
 
 @compiled
 def test_a_failure_on_the_helper_is_raised_where_the_request_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
     class Broken:
+        SHA = la._KERNELS.get().SHA
+
         def prepare(self, *args: object) -> None:
             raise RuntimeError("helper failed")
 
-    ahead = la.Lookahead(iter([(0, _request(0, 600, 5))]), TokenBank(), 64)
+    ahead = la.Lookahead(iter([(0, _request(0, 600, 5))]), TokenBank(), 64, keys=True)
     monkeypatch.setattr(ahead, "_k", Broken())
     _, req = next(ahead)
     with pytest.raises(RuntimeError, match="helper failed"):
@@ -80,10 +86,10 @@ def test_without_the_kernel_the_arrivals_pass_through_and_each_request_is_made_o
     reqs = [_request(i, 900, 10 * i) for i in range(5)]
     bank = TokenBank()
     with python_path(la._KERNELS):
-        ahead = la.Lookahead(iter(enumerate(reqs)), bank, 64)
+        ahead = la.Lookahead(iter(enumerate(reqs)), bank, 64, keys=True)
         for _, req in ahead:
             assert not ahead._due
-            assert ahead.take(req) == (bank.packed(req), block_keys(bank.packed(req), 64))
+            assert ahead.take(req) == (bank.packed(req), block_keys(bank.packed(req), 64), b"")
 
 
 class _OtherBank(TokenBank):
@@ -93,9 +99,9 @@ class _OtherBank(TokenBank):
 
 def test_a_bank_subclass_is_asked_for_its_own_tokens() -> None:
     req = _request(0, 300, 1)
-    ahead = la.Lookahead(iter([(0, req)]), _OtherBank(), None)
+    ahead = la.Lookahead(iter([(0, req)]), _OtherBank(), 64, keys=False)
     assert next(ahead) == (0, req)
-    assert ahead.take(req) == (bytes(1200), [])
+    assert ahead.take(req) == (bytes(1200), [], b"")
 
 
 def _chat(n: int) -> list[Request]:
@@ -119,3 +125,16 @@ def test_runs_give_the_same_results_with_and_without_the_lookahead(closed_loop: 
     assert ahead.decisions == plain.decisions
     assert repr(ahead.summary) == repr(plain.summary)  # (repr: NaN figures compare unequal)
     assert ahead.records == plain.records
+
+
+def test_the_engine_refuses_digests_cut_at_the_wrong_page() -> None:
+    bank = TokenBank()
+    tokens = bank.packed(_request(0, 640, 1))  # 10 pages of 64
+    digests = b"".join(chain(ROOT_DIGEST, tokens, 64))
+    tree = RadixTree(64)
+    first = tree.add_child(tree.root, tokens[:4 * 256], digests[:4 * 32])
+    assert first.digests == chain(ROOT_DIGEST, tokens[:4 * 256], 64)
+    with pytest.raises(AssertionError, match="out of sync"):
+        tree.add_child(first, tokens[4 * 256:], digests[5 * 32:] + digests[:32])
+    node = tree.add_child(first, tokens[4 * 256:], digests[4 * 32:])
+    assert node.hashes == tree.add_child(RadixTree(64).root, tokens, b"").hashes[4:]
