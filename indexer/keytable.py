@@ -21,7 +21,7 @@ third probe per block and a third table to grow.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Collection, Iterator, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -56,13 +56,33 @@ _MIN_CAP = 1024
 KERNELS = LazyKernels("kvtier.indexer.tablekernel", lambda k: None)
 
 
-def warm_tables() -> str:
-    """Loads every table kernel now (seconds when numba's cache is cold), so that no event or query pays for one;
-    ``"numba"`` or ``"python (why)"``. Under a millisecond once they are loaded."""
+def warm_tables(only: Collection[str] | None = None) -> str:
+    """Loads every table kernel now, or those named in ``only`` (seconds when numba's cache is cold), so that no
+    event or query pays for one; ``"numba"`` or ``"python (why)"``. Under a millisecond once they are loaded."""
     k = KERNELS.get()
     if k is not None:
-        k.warm(k)
+        k.warm(k if only is None else _Only(k, frozenset(only)))
     return str(KERNELS.backend)
+
+
+class _Only:
+    """The kernel module with each kernel not in ``names`` read as a no-op answering 0, so that its ``warm`` loads
+    only those; a name that is no kernel raises."""
+
+    __slots__ = ("_k", "_names")
+
+    def __init__(self, k: Any, names: frozenset[str]) -> None:
+        unknown = sorted(n for n in names if not callable(getattr(k, n, None)))
+        assert not unknown, f"no table kernels named {unknown}"
+        self._k = k  # the kernel module
+        self._names = names  # the kernels to load
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._k, name) if name in self._names else _skip
+
+
+def _skip(*args: object) -> int:
+    return 0
 
 U64 = npt.NDArray[np.uint64]
 

@@ -209,13 +209,21 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
     return RunResult(summary, records, decisions, counters.published, counters.lost, counters, builder.ttft)
 
 
+#: The table kernels a simulation's index calls (events applied, prompt-key references, routing queries). A run
+#: with event loss may call a few more (a cleared worker, a resync), each then loaded on first use (some 4 ms); the
+#: other kernels (a service's) would add 13 MB to the peak memory of a run that never calls them.
+SIM_TABLE_KERNELS = ("store_tokens", "remove", "rehash", "has_bit", "ref_add", "ref_drop", "held_prefix",
+                     "run_levels", "runs_by_search")
+
+
 def load_kernels() -> dict[str, str]:
     """Imports numba and loads every compiled kernel a run calls (from numba's cache; compiling them when it is
     cold), as importing a compiled extension would: about 0.3 s in a fresh process on the 2-core machine, most of
     it numba's own start-up, and nothing once done. :func:`simulate` loads each on first use anyway; this is for
     a caller that times runs. Per kernel family, ``"numba"`` or ``"python (why)"``. O(1) after the first call."""
     return {"token bank": bank_backend(), "page digests": hash_backend(), "router keys": key_backend(),
-            "wire tokens": token_backend(), "index tables": warm_tables(), "lookahead": lookahead_backend()}
+            "wire tokens": token_backend(), "index tables": warm_tables(SIM_TABLE_KERNELS),
+            "lookahead": lookahead_backend()}
 
 
 def _check_accounting(r: RequestRecord) -> None:

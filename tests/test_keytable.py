@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvtier.indexer.keys import BlockKey
-from kvtier.indexer.keytable import KERNELS, KEY, USED, EngineHashes, KeyTable
+from kvtier.indexer.keytable import KERNELS, KEY, USED, EngineHashes, KeyTable, warm_tables
 
 pytestmark = pytest.mark.skipif(KERNELS.get() is None, reason="compiled tables need numba (KVTIER_JIT=0 here)")
 
@@ -280,3 +280,11 @@ def test_structured_engine_hashes_spread_like_random_keys() -> None:
         expected = (1 + 1 / (1 - load)) / 2  # linear probing with random homes (Knuth)
         assert probes < 1.5 * expected, (
             f"{name} engine hashes: {probes:.2f} rows probed per hit at {load:.0%} load, {expected:.2f} expected")
+
+
+def test_warming_some_table_kernels_names_kernels_that_exist() -> None:
+    if KERNELS.get() is None:
+        pytest.skip("numba does not run here")
+    assert warm_tables(["store_tokens", "remove"]) == "numba"
+    with pytest.raises(AssertionError, match=r"no table kernels named \['store_token'\]"):
+        warm_tables(["store_token", "remove"])
