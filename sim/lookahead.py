@@ -66,7 +66,7 @@ def lookahead_backend() -> str:
 
 @dataclass(slots=True)
 class _Batch:
-    """Requests whose token ids and keys one helper call makes."""
+    """Requests whose token ids, keys and page digests one helper call makes."""
 
     made: Future[_Made]  # aheadkernel.prepare's result, once the helper is done
     first_block: npt.NDArray[np.int64]  # request i's hash ids are the batch's first_block[i]:first_block[i + 1]
@@ -124,7 +124,7 @@ class Lookahead:
         self._ahead.extend(pairs)
 
     def _make(self, reqs: list[Request], first_block: npt.NDArray[np.int64]) -> _Made:
-        """On the helper thread: the batch's tokens and keys."""
+        """On the helper thread: the batch's tokens, keys and page digests."""
         ids = np.fromiter(chain.from_iterable(r.hash_ids for r in reqs), np.uint64, int(first_block[-1]))
         lengths = np.fromiter((r.input_length for r in reqs), np.int64, len(reqs))
         step = self._page_size * TOKEN_BYTES
