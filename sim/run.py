@@ -166,7 +166,7 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
     # Requests released at their arrival time come one at a time, each scheduled when the one before it
     # runs, with a reserved sequence number (its rank in the trace): the order it would have had if all
     # were scheduled up front, without a timer per request waiting in the heap, or the trace in memory.
-    # Their token ids and keys are made ahead, a batch at a time, on a helper thread (sim.lookahead).
+    # Their token ids, keys and page digests are made ahead, a batch at a time, on a helper thread (sim.lookahead).
     arrivals = Lookahead(source.arrivals(run.closed_loop), bank, ps, keys=tracked)
 
     def arrive(req: Request) -> None:
@@ -211,7 +211,7 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
 
 #: The table kernels a simulation's index calls (events applied, prompt-key references, routing queries). A run
 #: with event loss may call a few more (a cleared worker, a resync), each then loaded on first use (some 4 ms); the
-#: other kernels (a service's) would add 13 MB to the peak memory of a run that never calls them.
+#: other 13 (a service's) added 5 MB to the peak memory of runs that never call them.
 SIM_TABLE_KERNELS = ("store_tokens", "remove", "rehash", "has_bit", "ref_add", "ref_drop", "held_prefix",
                      "run_levels", "runs_by_search")
 
