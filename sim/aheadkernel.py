@@ -21,7 +21,7 @@ from kvtier.indexer.keykernel import chain_into
 from kvtier.sim.bankkernel import blocks
 
 #: What :func:`prepare` takes as ``sha``: the addresses of OpenSSL's functions that :mod:`kvtier.engine.shakernel`
-#: loaded (and :mod:`kvtier.engine.hashing` checked against ``hashlib``).
+#: loaded (the engine checks the first digest of each node made from them against ``hashlib``).
 SHA = np.array([INIT, UPDATE, FINAL], np.int64)
 
 
