@@ -39,6 +39,11 @@ def event_hashes(digests: list[bytes]) -> list[int]:
     by the hundred). O(digests)."""
     joined = b"".join(digests)
     assert len(joined) == DIGEST_BYTES * len(digests), "page digests are 32 bytes each"
+    return _joined_event_hashes(joined)
+
+
+def _joined_event_hashes(joined: bytes) -> list[int]:
+    """:func:`event_hash` of each 32-byte digest of ``joined``. O(digests)."""
     words: list[int] = np.frombuffer(joined, dtype=">i8")[::DIGEST_BYTES // 8].tolist()
     return words
 
@@ -150,9 +155,7 @@ def chain_hashes(parent_digest: bytes, tokens: Sequence[int] | PackedTokens,
 def joined_hashes(joined: bytes) -> tuple[PageDigests, list[int]]:
     """Digests made elsewhere, joined (32 bytes each, page order), with their :func:`event_hash` values.
     O(digests)."""
-    digests = PageDigests(joined)
-    hashes: list[int] = np.frombuffer(joined, ">i8")[::DIGEST_BYTES // 8].tolist()
-    return digests, hashes
+    return PageDigests(joined), _joined_event_hashes(joined)
 
 
 def hash_backend() -> str:

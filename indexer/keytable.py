@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Collection, Iterator, MutableMapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -30,6 +29,7 @@ import numpy.typing as npt
 
 from kvtier.indexer.keys import BlockKey
 from kvtier.indexer.masklayout import SLOTS_PER_WORD
+from kvtier.wire.helperthread import HelperThread
 from kvtier.wire.jit import LazyKernels
 from kvtier.wire.protocol import EngineHash
 
@@ -84,22 +84,14 @@ class _Only:
 def _skip(*args: object) -> int:
     return 0
 
+
 U64 = npt.NDArray[np.uint64]
 
 
 #: A table whose next size is at least this many bytes gets that size's memory ready ahead of its growth
 #: (:meth:`RowTable.prepare`).
 PREFAULT_BYTES = 8 << 20
-_helper: ThreadPoolExecutor | None = None  # the thread that touches tables' next sizes (_Prefaulted)
-
-
-def _forget_helper() -> None:
-    """A forked child has none of its parent's threads: it starts its own helper when it needs one."""
-    global _helper
-    _helper = None
-
-
-os.register_at_fork(after_in_child=_forget_helper)
+_HELPER = HelperThread("kvtier-prefault")  # the thread that touches tables' next sizes (_Prefaulted)
 
 
 class _Prefaulted:
@@ -111,12 +103,9 @@ class _Prefaulted:
     __slots__ = ("arr", "done", "pid")
 
     def __init__(self, shape: tuple[int, int]) -> None:
-        global _helper
-        if _helper is None:
-            _helper = ThreadPoolExecutor(1, thread_name_prefix="kvtier-prefault")
         self.arr = np.empty(shape, np.uint64)  # untouched until the helper fills it
         self.pid = os.getpid()  # the process whose helper fills it
-        self.done = _helper.submit(self.arr.fill, 0)
+        self.done = _HELPER.submit(self.arr.fill, 0)
 
     def take(self, shape: tuple[int, int]) -> U64 | None:
         """The zeros, once written, if they have ``shape``; else None (the table grew otherwise). Waits for the

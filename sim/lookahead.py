@@ -19,10 +19,9 @@ kernels do not run.
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from itertools import chain, islice
 from typing import Any
@@ -33,6 +32,7 @@ import numpy.typing as npt
 from kvtier.indexer.keys import SEED, BlockKey, KeyList, block_keys
 from kvtier.sim.trace import HASH_BLOCK, Request, TokenBank
 from kvtier.wire import jit
+from kvtier.wire.helperthread import HelperThread
 from kvtier.wire.protocol import TOKEN_BYTES, PackedTokens
 
 #: Requests per batch, one helper call each. After each call the helper waits up to the interpreter's switch
@@ -45,16 +45,7 @@ _Made = tuple[npt.NDArray[np.uint32], npt.NDArray[np.uint64], npt.NDArray[np.int
 _KERNELS = jit.LazyKernels("kvtier.sim.aheadkernel", lambda k: k.prepare(
     np.zeros(1, np.uint64), np.array([0, 1], np.int64), np.full(1, 128, np.int64), *TokenBank().kernel_args(),
     64 * TOKEN_BYTES, np.uint64(SEED), 64 * TOKEN_BYTES, k.SHA))
-_helper: ThreadPoolExecutor | None = None  # one thread, shared by the runs of this process
-
-
-def _forget_helper() -> None:
-    """A forked child has none of its parent's threads: it starts its own helper when it needs one."""
-    global _helper
-    _helper = None
-
-
-os.register_at_fork(after_in_child=_forget_helper)
+_HELPER = HelperThread("kvtier-lookahead")  # one thread, shared by the runs of this process
 
 
 def lookahead_backend() -> str:
@@ -115,10 +106,7 @@ class Lookahead:
         reqs = [r for _, r in pairs]
         first_block = np.zeros(len(reqs) + 1, np.int64)
         np.cumsum(np.fromiter((len(r.hash_ids) for r in reqs), np.int64, len(reqs)), out=first_block[1:])
-        global _helper
-        if _helper is None:
-            _helper = ThreadPoolExecutor(1, thread_name_prefix="kvtier-lookahead")
-        batch = _Batch(_helper.submit(self._make, reqs, first_block), first_block)
+        batch = _Batch(_HELPER.submit(self._make, reqs, first_block), first_block)
         for i, r in enumerate(reqs):
             self._due[id(r)] = (batch, i)
         self._ahead.extend(pairs)
