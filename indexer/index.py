@@ -306,6 +306,8 @@ class TieredIndex:
                         index._win.bits[BlockKey(key)] = index._win.bits.get(key, 0) | (bits << (TIERS * w.slot))
                 shift = TIERS * w.slot
                 for eh, key, bits in entries:
+                    if not (0 <= key < 1 << 64 and 0 < bits <= SLOT_MASK):  # (bits past the slot are another's)
+                        raise ValueError(f"worker {worker}: block {key!r} with tier bits {bits!r}")
                     w.hashes[eh] = BlockKey(key)
                     index._masks[BlockKey(key)] = index._blocks.share(index._masks.get(key, 0) | (bits << shift))
                     for t in range(TIERS):
@@ -320,7 +322,7 @@ class TieredIndex:
             for parent, kids in obj.get("links", ()):
                 for kid in kids:
                     index._closure.link(BlockKey(parent), BlockKey(kid), index._masks)
-        except (msgspec.DecodeError, KeyError, TypeError, AttributeError, ValueError) as exc:
+        except (msgspec.DecodeError, KeyError, TypeError, AttributeError, ValueError, OverflowError) as exc:
             raise ValueError(f"not an index snapshot: {exc}") from None
         return index
 

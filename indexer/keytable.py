@@ -430,7 +430,8 @@ class EngineHashes(RowTable, MutableMapping[EngineHash, BlockKey]):
             self.py[eh] = key
             return
         self._sign(eh)  # type: ignore[arg-type]
-        self.r[self.put_slot(eh & _M64), VAL] = key  # type: ignore[operator]
+        i = self.put_slot(eh & _M64)  # type: ignore[operator]
+        self.r[i, VAL] = key  # (read after put_slot: a growth replaces ``r``)
 
     def __delitem__(self, eh: EngineHash) -> None:
         if self.py is not None:

@@ -370,7 +370,8 @@ class IndexerService:
         out: dict[str, Any] = {
             "status": "down" if not alive else "degraded" if partial or recovering else "ok",
             "workers": len(flags), "partial_workers": partial, "recovering_workers": recovering,
-            "http_loop": self._http.loop_kind, "keys": key_backend(load=False), "loop_restarts": self.loop_restarts}
+            "http_loop": self._http.loop_kind, "keys": key_backend(load=False), "loop_restarts": self.loop_restarts,
+            "restored_from": self.restored_from}
         if self._loop.error is not None:
             out["error"] = self._loop.error
         return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import struct
 
+import msgspec
 import pytest
 import xxhash
 from hypothesis import example, given, settings
@@ -187,6 +188,38 @@ def test_snapshot_round_trip_and_bad_snapshot() -> None:
     assert again.is_partial(C) and again.snapshot() == idx.snapshot()
     with pytest.raises(ValueError, match="snapshot"):
         TieredIndex.restore(b"\x01\x02")
+    # A block outside the key space, or tier bits past the worker's own slot (another worker's), is refused whole.
+    for entry in [(1, -5, 1), (1, 5, 1 << 40), (1, 5, 0)]:
+        bad = msgspec.msgpack.encode({"version": 1, "block_size": 4, "window_tokens": 0, "links": [],
+                                      "workers": [("a", 0, False, [entry])]})
+        with pytest.raises(ValueError, match="not an index snapshot"):
+            TieredIndex.restore(bad)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_a_snapshot_of_thousands_of_blocks_per_worker_restores(signed: bool) -> None:
+    """A restart from a snapshot writes every worker's engine hashes back one by one, growing its table many
+    times over (a worker's table starts at 64 rows): every block must come back where a query finds it, with
+    SGLang's signed and vLLM's unsigned hashes alike. The restore once wrote each hash into the table's rows from
+    before the growth (an ``IndexError``, or a hash silently lost)."""
+    n, bs = 3000, 4
+    toks = list(range(n * bs))
+    base = -(1 << 62) if signed else 1 << 63  # the sign the engine's hashes come with
+    hashes = [base + 7919 * i for i in range(1, n + 1)]
+    idx = TieredIndex(bs)
+    for lo in range(0, n, 500):  # a chain of 3,000 blocks stored in batches, as an engine sends it
+        parent = hashes[lo - 1] if lo else None
+        assert idx.apply(A, stored(hashes[lo:lo + 500], parent, toks[lo * bs:(lo + 500) * bs], bs=bs)) \
+            is Outcome.APPLIED
+    idx.apply(B, stored(hashes[:100], None, toks[:100 * bs], "CPU", bs=bs))
+    again = TieredIndex.restore(idx.snapshot())
+    again._check()
+    assert again.worker_hashes(A) == idx.worker_hashes(A) and again.worker_hashes(B) == idx.worker_hashes(B)
+    assert again.find_matches(toks) == idx.find_matches(toks)
+    assert again.find_matches(toks).workers[A].device == n
+    # (the bytes of a second snapshot may differ: a table restored row by row has its own row order)
+    twice = TieredIndex.restore(again.snapshot())
+    assert twice.worker_hashes(A) == idx.worker_hashes(A) and twice.find_matches(toks) == idx.find_matches(toks)
 
 
 def test_a_restored_index_still_grafts_held_orphans_and_extends_blocks_dropped_at_a_loss() -> None:

@@ -12,6 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from kvtier.indexer.keyrefs import KeyRefs, key_array
 from kvtier.indexer.keys import BlockKey
 from kvtier.indexer.keytable import KERNELS, KEY, USED, EngineHashes, KeyTable, warm_tables
 
@@ -288,3 +289,188 @@ def test_warming_some_table_kernels_names_kernels_that_exist() -> None:
     assert warm_tables(["store_tokens", "remove"]) == "numba"
     with pytest.raises(AssertionError, match=r"no table kernels named \['store_token'\]"):
         warm_tables(["store_token", "remove"])
+
+
+#: Engine hashes the way each engine sends them, so that a table keeps its compiled rows and grows: SGLang's signed
+#: 64-bit ints, vLLM's unsigned ones, and small ints whose homes crowd into long probe runs ((low, high) bounds).
+ENGINE_KINDS = {"sglang": (-(2**63), 2**63 - 1), "vllm": (0, M64), "crowded": (1, 3000)}
+
+
+def _batch(n: int, seed: int, low: int, high: int) -> list[int]:
+    """``n`` ints in ``[low, high]`` from ``seed``: hypothesis shrinks the size and the seed, while a list it drew
+    itself would stay a few elements long, too short to grow a table."""
+    rng = np.random.default_rng(seed)
+    span = high - low + 1
+    return [low + int.from_bytes(rng.bytes(9), "little") % span for _ in range(n)]
+
+
+batches = st.tuples(st.integers(1, 700), st.integers(0, 2**32))
+
+
+class TablesMachine(RuleBasedStateMachine):
+    """Every compiled table against the dict it stands for, through every method of each, driven the way the index
+    drives them: batches that grow a table many times over through the mapping interface (the path a snapshot's
+    restore takes, row by row), deletes, a clear that shrinks it back, a copy rebuilt from its items (the snapshot
+    round trip), and the kernels' array views. The engine-hash tables keep one engine's hashes each, so that they
+    stay compiled and grow; one that is given a hash it cannot hold moves to a dict, and must still agree."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys = KeyTable()
+        self.kd: dict[int, int] = {}
+        self.ehs = {kind: EngineHashes() for kind in ENGINE_KINDS}
+        self.ed: dict[str, dict[object, int]] = {kind: {} for kind in ENGINE_KINDS}
+        self.refs = KeyRefs()
+        self.rd: dict[int, int] = {}
+        self.prompts: list[list[int]] = []  # the chains counted in ``refs``, each once per time it was added
+
+    # --- the masks' table ---------------------------------------------------------------------
+
+    @rule(batch=batches, crowded=st.booleans(), slot=st.integers(0, 39), tier=st.integers(0, 3))
+    def masks_set(self, batch: tuple[int, int], crowded: bool, slot: int, tier: int) -> None:
+        for k in _batch(*batch, 1, 4000 if crowded else M64):
+            m = self.kd.get(k, 0) | 1 << (4 * slot + tier)
+            self.keys[k] = m  # type: ignore[index]
+            self.kd[k] = m
+            assert self.keys[k] == m, f"key {k:#x}: its mask was not where the table looks"  # type: ignore[index]
+
+    @rule(data=st.data())
+    def masks_delete(self, data: st.DataObject) -> None:
+        if self.kd:
+            for k in data.draw(st.lists(st.sampled_from(sorted(self.kd)), max_size=300, unique=True)):
+                del self.keys[k]  # type: ignore[arg-type]
+                del self.kd[k]
+
+    @rule()
+    def masks_clear(self) -> None:
+        self.keys.clear()
+        self.kd.clear()
+        assert self.keys.r.shape[0] == KeyTable().r.shape[0], "a cleared table kept its grown rows"
+
+    @rule()
+    def masks_round_trip(self) -> None:
+        again = KeyTable()
+        for k, m in self.keys.items():
+            again[k] = m
+        again._check()
+        self.keys = again
+
+    # --- the engine hashes' tables ------------------------------------------------------------
+
+    @rule(batch=batches, kind=st.sampled_from(sorted(ENGINE_KINDS)), key=st.integers(0, M64))
+    def hashes_put(self, batch: tuple[int, int], kind: str, key: int) -> None:
+        ehs = _batch(*batch, *ENGINE_KINDS[kind])
+        e, d = self.ehs[kind], self.ed[kind]
+        arr = e.int64s(ehs)
+        if arr is not None:
+            assert arr.tolist() == [h & M64 for h in ehs]
+        for j, h in enumerate(ehs):
+            e[h] = BlockKey(key ^ j)
+            d[h] = key ^ j
+            assert e[h] == key ^ j, f"engine hash {h}: its key was not where the table looks"  # type: ignore[index]
+
+    @rule(kind=st.sampled_from(sorted(ENGINE_KINDS)), h=st.binary(min_size=1, max_size=8))
+    def hashes_put_one_it_cannot_hold(self, kind: str, h: bytes) -> None:
+        self.ehs[kind][h] = BlockKey(7)  # type: ignore[index]
+        self.ed[kind][h] = 7
+        assert self.ehs[kind].py is not None
+
+    @rule(data=st.data(), kind=st.sampled_from(sorted(ENGINE_KINDS)))
+    def hashes_delete(self, data: st.DataObject, kind: str) -> None:
+        d = self.ed[kind]
+        if d:
+            for h in data.draw(st.lists(st.sampled_from(list(d)), max_size=300, unique=True)):
+                del self.ehs[kind][h]  # type: ignore[arg-type]
+                del d[h]
+
+    @rule(kind=st.sampled_from(sorted(ENGINE_KINDS)))
+    def hashes_clear(self, kind: str) -> None:
+        self.ehs[kind].clear()
+        self.ed[kind].clear()
+
+    @rule(kind=st.sampled_from(sorted(ENGINE_KINDS)))
+    def hashes_round_trip(self, kind: str) -> None:
+        again = EngineHashes()
+        for h, k in self.ehs[kind].items():
+            again[h] = k
+        self.ehs[kind] = again
+
+    @rule(kind=st.sampled_from(sorted(ENGINE_KINDS)), h=st.one_of(st.integers(-(2**64), 2**65), st.binary(max_size=8)))
+    def hashes_read(self, kind: str, h: object) -> None:
+        e, d = self.ehs[kind], self.ed[kind]
+        assert (h in e) == (h in d)
+        assert e.get(h) == d.get(h)  # type: ignore[arg-type]
+        if h not in d:
+            with pytest.raises(KeyError):
+                e[h]  # type: ignore[index]
+            with pytest.raises(KeyError):
+                del e[h]  # type: ignore[arg-type]
+
+    # --- the router's reference counts --------------------------------------------------------
+
+    @rule(first=st.integers(1, 50), n=st.integers(0, 700))
+    def refs_add(self, first: int, n: int) -> None:
+        chain = [first << 32 | j for j in range(n)]
+        arr = key_array(chain)
+        assert arr is not None
+        absent = sum(1 for k in set(chain) if k not in self.rd)
+        assert self.refs.add(arr) == absent
+        for k in chain:
+            self.rd[k] = self.rd.get(k, 0) + 1
+        self.prompts.append(chain)
+
+    @rule(data=st.data())
+    def refs_drop(self, data: st.DataObject) -> None:
+        if self.prompts:
+            chain = self.prompts.pop(data.draw(st.integers(0, len(self.prompts) - 1)))
+            arr = key_array(chain)
+            assert arr is not None
+            gone = self.refs.drop(arr)
+            for k in chain:
+                self.rd[k] -= 1
+            assert gone == sum(1 for k in set(chain) if not self.rd[k])
+            self.rd = {k: c for k, c in self.rd.items() if c}
+
+    @rule(first=st.integers(1, 50), n=st.integers(1, 400))
+    def refs_held_prefix(self, first: int, n: int) -> None:
+        chain = [first << 32 | j for j in range(n)]
+        arr = key_array(chain)
+        assert arr is not None
+        held = next((j for j, k in enumerate(chain) if k not in self.rd), n)
+        assert self.refs.held_prefix(arr, chain[0]) == held
+        assert KeyRefs.held_prefixes((None, self.refs), arr, chain[0]) == [0, held]
+
+    # --- what every table must keep -------------------------------------------------------------
+
+    @invariant()
+    def same_as_dicts(self) -> None:
+        assert dict(self.keys.items()) == self.kd and len(self.keys) == len(self.kd)
+        assert sorted(self.keys) == sorted(self.kd)
+        _check_table(self.keys)
+        self.keys._check()
+        for kind, e in self.ehs.items():
+            d = self.ed[kind]
+            assert dict(e.items()) == d and len(e) == len(d), kind
+            assert sorted(map(repr, e)) == sorted(map(repr, d))
+            assert sorted(e.values()) == sorted(d.values()) == sorted(e.key_array().tolist())
+            if e.py is None:
+                _check_table(e)
+        assert self.refs.to_dict() == self.rd and len(self.refs) == len(self.rd)
+        _check_table(self.refs._t)  # type: ignore[arg-type]
+
+
+TablesMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=20, deadline=None)
+TestTablesAgainstDicts = TablesMachine.TestCase
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_engine_hashes_written_one_by_one_grow_without_losing_one(signed: bool) -> None:
+    """A snapshot's restore writes a worker's engine hashes one by one into a table of 64 rows: each write that
+    grows the table must land in the grown rows, not in the rows it replaced."""
+    e = EngineHashes()
+    base = -(1 << 62) if signed else 1 << 63
+    ehs = [base + i * 0x9E3779B97F4A7C15 % (1 << 62) for i in range(1, 5000)]
+    for j, h in enumerate(ehs):
+        e[h] = BlockKey(j + 1)
+    assert len(e) == len(ehs) and all(e[h] == j + 1 for j, h in enumerate(ehs))  # type: ignore[index]
+    _check_table(e)

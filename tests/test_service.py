@@ -278,6 +278,47 @@ def test_sigterm_stops_the_service_cleanly_with_its_last_snapshot(tmp_path: Path
     assert positions[StreamId(WorkerId("w0"))][0] == 1  # resumes after the one batch applied
 
 
+def _indexer_process(pub: Publisher, snap: Path) -> tuple[subprocess.Popen[str], str]:
+    """``kvtier indexer`` on one publisher with a snapshot file, and its HTTP address once it serves."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvtier", "indexer", "--endpoint", f"w0={pub.endpoint},replay={pub.replay_endpoint}",
+         "--block-size", str(BS), "--listen", "127.0.0.1:0", "--snapshot", str(snap)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    address = re.search(r"HTTP on (http://\S+)", proc.stdout.readline())
+    if not address:
+        proc.kill()
+        raise AssertionError(f"the service did not start: {proc.communicate(timeout=30)[1]}")
+    return proc, address[1]
+
+
+def test_the_service_restarts_from_a_snapshot_of_thousands_of_blocks(tmp_path: Path) -> None:
+    """The default build restarts from its own snapshot: a worker's engine hashes are written back one by one into
+    a compiled table that grows many times over (it once raised ``IndexError`` there, so that every restart of a
+    service past 48 blocks a worker exited 1 and a supervisor crash-looped). The restarted service resumes the
+    stream and answers every block."""
+    snap, n = tmp_path / "index.snap", 3000
+    toks = list(range(n * BS))
+    with Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0") as pub:
+        for run in range(2):
+            proc, address = _indexer_process(pub, snap)
+            try:
+                if run == 0:
+                    pub.publish(EventBatch(ts=time.time(), events=[BlockStored(
+                        block_hashes=[-(1 << 62) + 7919 * i for i in range(n)], parent_block_hash=None,
+                        token_ids=toks, block_size=BS, medium="GPU")]))
+                wait_for(lambda a=address: post(a + "/query", {"token_ids": toks})[1]["workers"]["w0"]["device"] == n,
+                         timeout=30)
+                assert json.loads(get(address + "/health"))["restored_from"] == (str(snap) if run else None)
+                proc.send_signal(signal.SIGTERM)
+                _, err = proc.communicate(timeout=30)
+            finally:
+                proc.kill() if proc.poll() is None else None
+            assert proc.returncode == 0, err
+    index, _ = persist.load(snap, BS)
+    assert index.find_matches(toks).workers[StreamId(WorkerId("w0"))].device == n
+
+
 def test_latency_histograms_say_where_a_slow_answer_waited(cluster: tuple[list[Publisher], IndexerService]) -> None:
     """A query that finds the index lock held (as a long event batch would hold it) waits for it on the HTTP
     loop: the wait shows in the lock-wait histogram, in the request's own time and as loop lag."""
