@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -275,19 +276,22 @@ def test_late_subscriber_gets_10000_batches_by_replay() -> None:
 
 
 class LossyReplayPublisher:
-    """A publisher whose replay socket behaves like SGLang's and vLLM's: a ROUTER at ZMQ's default
-    high-water mark (1,000) and without ROUTER_MANDATORY, sending a whole answer in one loop, so
-    frames past the limit are dropped silently (end marker included)."""
+    """A publisher whose replay socket loses the tail of an answer, as SGLang's and vLLM's do: a ROUTER without
+    ROUTER_MANDATORY sends a whole answer in one loop, and ZMQ silently drops every frame past its high-water mark
+    (the end marker included). Whether a real socket drops depends on how fast the reader drains it, so the loss is
+    forced here: answer ``i`` stops after ``cuts[i]`` batches (later answers are whole), on a socket with no
+    high-water mark that drops nothing by itself. ``starts``: the seq each request asked from."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, cuts: list[int]) -> None:
         ctx = zmq.Context.instance()
         self.pub = ctx.socket(zmq.PUB)
         self.port = self.pub.bind_to_random_port("tcp://127.0.0.1")
         self.router = ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.SNDHWM, 0)
         self.rport = self.router.bind_to_random_port("tcp://127.0.0.1")
-        # 20 KB per batch: far more than loopback TCP buffers hold, so drops are certain.
-        self.buffer = [(s, encode_payload(big_batch(s, tokens=4096))) for s in range(n)]
-        self.answers = 0
+        self.buffer = [(s, encode_payload(big_batch(s, tokens=256))) for s in range(n)]
+        self.cuts = list(cuts)
+        self.starts: list[int] = []
         self._stop = False
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
@@ -297,11 +301,14 @@ class LossyReplayPublisher:
             if not self.router.poll(20):
                 continue
             ident, _, start = self.router.recv_multipart()
-            self.answers += 1
-            for seq, payload in self.buffer:
-                if seq >= unpack_seq(start):
-                    self.router.send_multipart([ident, b"", b"kv", pack_seq(seq), payload])
-            self.router.send_multipart([ident, b"", b"", END_SEQ, b""])
+            first = unpack_seq(start)
+            cut = self.cuts[len(self.starts)] if len(self.starts) < len(self.cuts) else None
+            self.starts.append(first)
+            answer = [(seq, payload) for seq, payload in self.buffer if seq >= first]
+            for seq, payload in answer[:cut]:
+                self.router.send_multipart([ident, b"", b"kv", pack_seq(seq), payload])
+            if cut is None:
+                self.router.send_multipart([ident, b"", b"", END_SEQ, b""])
 
     def close(self) -> None:
         self._stop = True
@@ -311,17 +318,20 @@ class LossyReplayPublisher:
 
 
 def test_subscriber_reasks_a_lossy_replay_socket_until_it_has_everything() -> None:
-    lossy = LossyReplayPublisher(5_000)
+    """Each answer that lost its tail is asked again from the first seq missing, until one is whole: nothing is
+    delivered twice, nothing lost, and no resync (the publisher still holds every batch)."""
+    lossy = LossyReplayPublisher(3_000, cuts=[1_200, 0, 900])
     try:
         cfg = EndpointConfig("w0", f"tcp://127.0.0.1:{lossy.port}", f"tcp://127.0.0.1:{lossy.rport}")
         with Subscriber([cfg]) as sub:
-            time.sleep(1.0)  # a slow reader: the lossy socket drops what does not fit
-            out = drain(sub, has_seqs(5_000), timeout=60.0)
-            assert received(out) == list(range(5_000))
+            out = drain(sub, has_seqs(3_000), timeout=60.0)
+            assert received(out) == list(range(3_000))
             st = sub.stats(StreamId(WorkerId("w0")))
             assert st.resyncs == 0 and not any(isinstance(d, ResyncNeeded) for d in out)
-            # Frames were dropped, and each answer was asked again from the first missing seq.
-            assert st.reasks >= 1 and st.reasks == lossy.answers - 1
+            # The catch-up from 0 lost all past 1,200; the re-ask from 1,200 lost everything (a try without
+            # progress, not a re-ask); the next lost all past 2,100; the last was whole.
+            assert lossy.starts == [0, 1_200, 1_200, 2_100]
+            assert st.reasks == 2
     finally:
         lossy.close()
 
@@ -420,3 +430,52 @@ def test_zmq_takes_a_port_past_65535_as_another_one() -> None:
         sock.close(linger=0)
     with pytest.raises(ValueError, match=r"port in 0\.\.65535"):
         Publisher("tcp://127.0.0.1:70000")
+
+
+def test_a_seq_no_probe_could_follow_is_refused_and_the_stream_goes_on() -> None:
+    """A live batch numbered 2**63 - 1 (or below 0) from a PUB socket the indexer subscribes to: a probe or a replay
+    could never ask for the seq after it (8 signed bytes), and asking once killed the indexer's event loop
+    (``struct.error`` in the idle probe). It is a malformed frame: counted, the stream's state untouched, and the
+    batches after it are taken as before."""
+    ctx = zmq.Context.instance()
+    pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+    port, rport = pub.bind_to_random_port("tcp://127.0.0.1"), router.bind_to_random_port("tcp://127.0.0.1")
+    now = [0.0]  # the subscriber's clock: moved on by hand, so that every idle probe falls due
+
+    def rounds(n: int, send: list[bytes] | None = None) -> list[Delivery]:
+        """``n`` polls, each after the clock moved past the probe interval; every replay request or probe is
+        answered with the end marker (nothing past what was published live)."""
+        out: list[Delivery] = []
+        for _ in range(n):
+            if send is not None:
+                pub.send_multipart(send)
+            now[0] += 2.0
+            out += sub.poll(20)
+            while router.poll(0):
+                ident, _, _ = router.recv_multipart()
+                router.send_multipart([ident, b"", b"", END_SEQ, b""])
+        return out
+
+    good = [b"kv", pack_seq(0), encode_payload(batch(0))]
+    try:
+        cfg = EndpointConfig("w0", f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}")
+        with Subscriber([cfg], clock=lambda: now[0]) as sub:
+            out: list[Delivery] = []
+            for _ in range(250):  # until the SUB socket is connected (seq 0 again and again: duplicates after one)
+                out += rounds(1, good)
+                if received(out):
+                    break
+            assert received(out) == [0]
+            for hostile in (2**63 - 1, -5):
+                pub.send_multipart([b"kv", struct.pack(">q", hostile), encode_payload(batch(1))])
+            out = rounds(10)
+            bad = [d for d in out if isinstance(d, MalformedFrame)]
+            assert len(bad) == 2 and all("seq" in d.reason for d in bad), bad
+            assert not any(isinstance(d, ResyncNeeded | ResyncStarted) for d in out)
+            pub.send_multipart([b"kv", pack_seq(1), encode_payload(batch(1))])
+            out = rounds(5)
+            assert received(out) == [1]
+            assert sub.stats(cfg.stream).malformed == 2
+    finally:
+        pub.close(0)
+        router.close(0)

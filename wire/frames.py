@@ -21,13 +21,22 @@ DUMP_REQUEST = b"DUMP"
 _SEQ = struct.Struct(">q")
 
 
+#: The last seq a batch may carry: a subscriber asks for the seq after the last it holds (a probe, a replay from the
+#: first missing), and that one must still fit the frame. Publishers number from 0, so no real stream gets near it.
+MAX_SEQ = 2**63 - 2
+
+
 def pack_seq(seq: int) -> bytes:
     """8-byte big-endian signed sequence number."""
     return _SEQ.pack(seq)
 
 
 def unpack_seq(frame: bytes) -> int:
-    """Inverse of :func:`pack_seq`; raises ``ValueError`` unless ``frame`` is 8 bytes."""
+    """Inverse of :func:`pack_seq`; raises ``ValueError`` unless ``frame`` is 8 bytes holding a seq in
+    ``[0, MAX_SEQ]`` (the end marker, -1, is told apart by its bytes before this)."""
     if len(frame) != 8:
         raise ValueError(f"sequence frame must be 8 bytes, got {len(frame)}")
-    return int(_SEQ.unpack(frame)[0])
+    seq = int(_SEQ.unpack(frame)[0])
+    if not 0 <= seq <= MAX_SEQ:
+        raise ValueError(f"seq {seq} outside [0, {MAX_SEQ}]")
+    return seq
