@@ -177,6 +177,24 @@ def _floor_free(a: float, b: float, c: float, floor: float) -> bool:
     return _lowest((a, b, c), 0.0, 1.0) >= floor
 
 
+def decode_step_max_ms(model: LatencyModel, u0: float, du: float, steps: int) -> float:
+    """The longest of such a run's ``steps`` iterations (0 for none): the largest inter-token gap it gives each of
+    its requests. O(1) for :class:`MockerLatency`, whose step is a quadratic of the utilisation, clamped to [0, 1]
+    and floored, so that its largest value over the run lies at an end or beside the parabola's vertex; otherwise
+    O(steps)."""
+    if steps <= 0:
+        return 0.0
+    if isinstance(model, MockerLatency):
+        ks = {0, steps - 1}
+        a, b = model.decode_a, model.decode_b
+        if a < 0 and du > 0:  # concave: the vertex may lie inside the run
+            k = (-b / (2 * a) - u0) / du
+            if 0 <= k <= steps - 1:
+                ks.update((math.floor(k), min(steps - 1, math.ceil(k))))
+        return max(model.decode_ms(u0 + k * du) for k in ks)
+    return max(model.decode_ms(u0 + k * du) for k in range(steps))
+
+
 def decode_steps_done(model: LatencyModel, u0: float, du: float, steps: int, elapsed_ms: float) -> int:
     """How many whole iterations of such a run have completed ``elapsed_ms`` after it began (at most
     ``steps``). O(log steps) evaluations of :func:`decode_run_ms`."""

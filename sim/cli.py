@@ -134,6 +134,13 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--until", type=float, help="stop simulated time here, seconds (default: run to completion)")
     g.add_argument("--allow-unfinished", action="store_true",
                    help="exit 0 even if some requests did not finish (they are reported as unfinished)")
+    g = p.add_argument_group("service-level objectives (goodput: the share of requests meeting every one given)")
+    g.add_argument("--sla-ttft-ms", type=float, help="time to first token bound, ms")
+    g.add_argument("--sla-tpot-ms", type=float, help="time per output token bound (after the first), ms")
+    g.add_argument("--sla-e2e-ms", type=float, help="end-to-end latency bound, ms")
+    g.add_argument("--itl-series", type=Path, metavar="FILE",
+                   help="write every request's inter-token gaps (seconds) as JSONL: "
+                        '{"policy", "request_id", "itl_s": [...]} per completed request')
 
 
 def _describe(p: ModelPreset) -> str:
@@ -173,7 +180,8 @@ def _run_cfg(a: argparse.Namespace, policy: str) -> RunConfig:
     check_policy(policy)
     return RunConfig(policy, a.cost, a.event_delay, a.event_loss, a.host_credit, a.disk_credit, a.temperature,
                      a.seed, closed_loop=not a.open_loop, until_s=a.until, recovery=a.recovery,
-                     replay_buffer=a.replay_buffer, loss_burst=a.loss_burst)
+                     replay_buffer=a.replay_buffer, loss_burst=a.loss_burst, sla_ttft_ms=a.sla_ttft_ms,
+                     sla_tpot_ms=a.sla_tpot_ms, sla_e2e_ms=a.sla_e2e_ms)
 
 
 def _trace(a: argparse.Namespace) -> TraceSource:
@@ -191,7 +199,7 @@ def _meta(a: argparse.Namespace, n_requests: int) -> dict[str, Any]:
     return {"trace": a.trace, "requests": n_requests, "time_scale": a.time_scale,
             "cluster": dataclasses.asdict(_cluster(a)), "cost": a.cost, "event_delay_s": a.event_delay,
             "event_loss": a.event_loss, "recovery": a.recovery, "replay_buffer": a.replay_buffer,
-            "loss_burst": a.loss_burst}
+            "loss_burst": a.loss_burst, "slo_ms": {"ttft": a.sla_ttft_ms, "tpot": a.sla_tpot_ms, "e2e": a.sla_e2e_ms}}
 
 
 def _tick(bar: Any) -> None:
@@ -203,7 +211,7 @@ def _tick(bar: Any) -> None:
 
 def _compare(a: argparse.Namespace, policies: list[str]) -> int:
     from kvtier.sim.experiment import RunSpec, execute, run_jobs
-    from kvtier.sim.report import join_csv, plot, table, write_json
+    from kvtier.sim.report import join_csv, join_files, plot, table, write_json
 
     trace = _trace(a)
     cluster = _cluster(a)
@@ -212,8 +220,10 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
     # Each run streams its records to a part of requests.csv (in its own process), so no process holds a
     # long trace's records; the parts are joined in policy order.
     parts = [out_dir / f".requests.{i}.csv" for i in range(len(policies))]
-    jobs = [RunSpec(trace, cluster, _run_cfg(a, p), {"policy": p}, records_csv=part)
-            for p, part in zip(policies, parts, strict=True)]
+    itl_parts = ([a.itl_series.with_name(f".{a.itl_series.name}.{i}") for i in range(len(policies))]
+                 if a.itl_series is not None else [None] * len(policies))
+    jobs = [RunSpec(trace, cluster, _run_cfg(a, p), {"policy": p}, records_csv=part, itl_jsonl=itl)
+            for p, part, itl in zip(policies, parts, itl_parts, strict=True)]
     print(f"kvtier: {len(trace)} requests from {a.trace}, {cluster.workers} workers, "
           f"{cluster.device_tokens:,} device tokens each, host x{cluster.host_ratio:g}, l3={cluster.l3}; "
           f"policies: {', '.join(policies)}", file=sys.stderr)
@@ -232,9 +242,12 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
                                                      "peak_rss_mib": round(peak, 1)})
     join_csv(out_dir / "requests.csv", parts)
     written = [out_dir / "summary.json", out_dir / "requests.csv"]
+    if a.itl_series is not None:
+        join_files(a.itl_series, [p for p in itl_parts if p is not None])
+        written.append(a.itl_series)
     if not a.no_plots:
-        ttfts = {res.summary.policy: res.ttft for _, res in results}
-        written += plot(out_dir, summaries, ttfts, f"{a.trace}, {cluster.workers} workers")
+        written += plot(out_dir, summaries, [res for _, res in results], f"{a.trace}, {cluster.workers} workers",
+                        _run_cfg(a, policies[0]).slo)
     print(f"\nran in {wall:.1f} s, peak memory {peak:,.0f} MiB (largest process); wrote "
           f"{', '.join(str(p) for p in written)}", file=sys.stderr)
     return _unfinished_status(a, summaries, len(trace))
@@ -300,7 +313,8 @@ def cmd_sweep(a: argparse.Namespace) -> int:
         s = res.summary
         s.policy = " ".join(f"{k}={v}" for k, v in tag.items())
         summaries.append(s)
-        rows.append({**tag, **{k: v for k, v in s.as_dict().items() if k not in ("policy", "extra")}})
+        rows.append({**tag, **{k: None if isinstance(v, float) and math.isnan(v) else v  # (strict JSON: no NaN)
+                               for k, v in s.as_dict().items() if k not in ("policy", "extra")}})
     print(table(summaries))
     (out_dir / "sweep.json").write_text(json.dumps(rows, indent=2, default=str))
     print(f"\nwrote {out_dir / 'sweep.json'}", file=sys.stderr)

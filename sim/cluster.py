@@ -11,7 +11,7 @@ cache's prefetch policy.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.engine.cache import Admission, CacheConfig, PrefetchPolicy, TieredCache, WritePolicy
@@ -19,7 +19,14 @@ from kvtier.engine.datapath import Bandwidths, ModeledDataPath
 from kvtier.engine.storage import PageStore
 from kvtier.fields import ConfigError, at_least, check_fields, one_of, positive, within
 from kvtier.indexer.hardware import DEFAULT_GPU_LINK, DEFAULT_STORAGE_LINK, GPU_LINKS, STORAGE_LINKS
-from kvtier.indexer.latency import PRESETS, LatencyModel, MockerLatency, decode_run_ms, decode_steps_done
+from kvtier.indexer.latency import (
+    PRESETS,
+    LatencyModel,
+    MockerLatency,
+    decode_run_ms,
+    decode_step_max_ms,
+    decode_steps_done,
+)
 from kvtier.indexer.scoring import visible
 from kvtier.sim.core import Environment, Timer
 from kvtier.sim.metrics import RequestRecord
@@ -106,6 +113,8 @@ class Job:
     prefill_left: int = 0  # tokens still to prefill
     generated: int = 0  # output tokens produced
     digests: bytes = b""  # its full pages' digests joined, made ahead (sim.lookahead); empty: the engine makes them
+    last_token: float = -1.0  # when its latest token was produced
+    gaps: list[float] | None = None  # every inter-token gap, seconds, where the run keeps them (--itl-series)
 
 
 @dataclass(slots=True)
@@ -264,7 +273,10 @@ class SimWorker:
             rec.host_tokens, rec.storage_tokens = host * ps, storage * ps
             rec.recomputed_tokens = plan.compute_tokens
             rec.prefill_start = self.env.now
-            job.prefill_left = plan.compute_tokens
+            # A prompt cached whole still runs its last token through the model for the logits of its first output
+            # token (SGLang and vLLM match at most all but the last token): one token of prefill, its KV already
+            # on device, so the tier split above stands.
+            job.prefill_left = max(plan.compute_tokens, 1)
             self.running.append(job)
         self._flush()
 
@@ -307,20 +319,36 @@ class SimWorker:
         return self.latency.decode_ms(self._utilisation()) / 1000.0
 
     def _end_iteration(self, chunks: list[tuple[Job, int]], decoders: list[Job]) -> None:
+        now = self.env.now
         for job in decoders:
-            self._advance(job, 1)
+            self._advance(job, 1, now, 0.0, ())
         for job, take in chunks:
             job.prefill_left -= take
             if job.prefill_left == 0:
                 assert job.adm is not None
                 self.cache.finish_prefill(job.adm)
-                job.record.first_token = self.env.now
+                job.record.first_token = now
                 self._on_first_token(job)
-                self._advance(job, 1)
+                self._advance(job, 1, now, 0.0, ())
         self._flush()
         self._iterate()
 
-    def _advance(self, job: Job, steps: int) -> None:
+    def _advance(self, job: Job, steps: int, first_at: float, later_max: float, later: Sequence[float]) -> None:
+        """``steps`` more tokens of ``job``: the first at ``first_at``, each later one its step after the one before,
+        ``later_max`` the longest of those steps and ``later`` all of them (read only where ``job.gaps`` is kept).
+        Records its time to the second token and its longest inter-token gap. O(1), O(steps) keeping gaps."""
+        rec = job.record
+        if job.generated:
+            gap = first_at - job.last_token
+            if job.generated == 1:
+                rec.second_token = first_at
+            rec.max_itl = max(rec.max_itl, gap, later_max)
+            if job.gaps is not None:
+                job.gaps.append(gap)
+                job.gaps.extend(later)
+        else:
+            assert steps == 1, "a first token comes alone, at the end of its prefill"
+        job.last_token = self.env.now
         job.generated += steps
         if job.generated >= max(job.req.output_length, 1):
             job.record.finish = self.env.now
@@ -356,8 +384,17 @@ class SimWorker:
         run = self._decode
         assert run is not None
         self._decode = None
-        for job in [j for j in self.running if j.prefill_left == 0]:
-            self._advance(job, run.steps)
+        # Every decoder got a token per step: the first at the end of the run's first step, each later one a step
+        # later, steps that lengthen (or not) with the utilisation each added token brings.
+        lat, u0, du = self.latency, run.u0, run.du
+        first_at = run.start + lat.decode_ms(u0) / 1000.0
+        later_max = decode_step_max_ms(lat, u0 + du, du, run.steps - 1) / 1000.0
+        jobs = [j for j in self.running if j.prefill_left == 0]
+        later: Sequence[float] = ()
+        if run.steps > 1 and any(j.gaps is not None for j in jobs):
+            later = [lat.decode_ms(u0 + k * du) / 1000.0 for k in range(1, run.steps)]
+        for job in jobs:
+            self._advance(job, run.steps, first_at, later_max, later)
         self._flush()
         self._iterate()
 

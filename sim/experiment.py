@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -17,7 +18,7 @@ from kvtier.sim.cluster import ClusterConfig
 from kvtier.sim.generators import PRESETS, generate
 from kvtier.sim.metrics import RequestRecord
 from kvtier.sim.policies import check_policy
-from kvtier.sim.report import CsvRecords
+from kvtier.sim.report import CsvRecords, ItlSeries
 from kvtier.sim.run import RunConfig, RunResult, simulate
 from kvtier.sim.source import ListTrace, MooncakeFile, TraceSource, as_source
 from kvtier.sim.trace import Request, load_trace
@@ -75,16 +76,19 @@ class RunSpec:
     # none in memory; None: see keep_records.
     records_csv: Path | None = None
     keep_records: bool = True  # without records_csv: return the records (False: a run's memory stays flat)
+    itl_jsonl: Path | None = None  # where the run writes each completed request's inter-token gaps (JSONL)
 
 
 def execute(job: RunSpec, *, progress: bool = False) -> tuple[dict[str, Any], RunResult]:
     """Runs one job in this process (``progress``: a per-request bar); its records go where
     ``job.records_csv`` and ``job.keep_records`` say."""
-    if job.records_csv is None:
-        sink = None if job.keep_records else _drop
-        return job.tag, simulate(job.trace, job.cluster, job.run, progress=progress, sink=sink)
-    with CsvRecords(job.records_csv, job.run.label) as out:
-        return job.tag, simulate(job.trace, job.cluster, job.run, progress=progress, sink=out.write)
+    with contextlib.ExitStack() as stack:
+        itl = stack.enter_context(ItlSeries(job.itl_jsonl, job.run.label)).write if job.itl_jsonl else None
+        if job.records_csv is None:
+            sink = None if job.keep_records else _drop
+            return job.tag, simulate(job.trace, job.cluster, job.run, progress=progress, sink=sink, itl_sink=itl)
+        out = stack.enter_context(CsvRecords(job.records_csv, job.run.label))
+        return job.tag, simulate(job.trace, job.cluster, job.run, progress=progress, sink=out.write, itl_sink=itl)
 
 
 def _drop(_: RequestRecord) -> None:

@@ -31,10 +31,24 @@ class RequestRecord:
     rejected: bool = False  # could never fit on the worker
     # SWA models: of actual_blocks, the prefix the engine can reuse (window KV before its end; -1: not SWA)
     usable_blocks: int = -1
+    second_token: float = -1.0  # when its second token was produced (-1: it generated one token, or none yet)
+    max_itl: float = -1.0  # its longest gap between two consecutive tokens, seconds (-1: fewer than two tokens)
 
     @property
     def ttft(self) -> float:
         return self.first_token - self.arrival
+
+    @property
+    def ttst(self) -> float:
+        """Time to second token, seconds (nan: fewer than two tokens)."""
+        return self.second_token - self.arrival if self.second_token >= 0 else math.nan
+
+    @property
+    def tpot(self) -> float:
+        """Time per output token after the first, seconds: ``(e2e - TTFT) / (tokens - 1)``, which is also the mean
+        inter-token latency of the request (nan: fewer than two tokens, or not finished)."""
+        n = max(self.output_tokens, 1)
+        return (self.finish - self.first_token) / (n - 1) if n > 1 and self.finish >= 0 else math.nan
 
     @property
     def e2e(self) -> float:
@@ -43,6 +57,42 @@ class RequestRecord:
     @property
     def queue(self) -> float:
         return self.prefill_start - self.arrival
+
+
+@dataclass(slots=True, frozen=True)
+class Slo:
+    """Service-level objectives a request must meet, every given one, to count toward goodput (DistServe's
+    measure): time to first token, time per output token and end-to-end latency, seconds; None: not bounded."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    e2e_s: float | None = None
+
+    def __bool__(self) -> bool:
+        return not (self.ttft_s is None and self.tpot_s is None and self.e2e_s is None)
+
+    def scaled(self, factor: float) -> Slo:
+        """Every bound multiplied by ``factor`` (< 1 tightens)."""
+        def f(x: float | None) -> float | None:
+            return None if x is None else x * factor
+        return Slo(f(self.ttft_s), f(self.tpot_s), f(self.e2e_s))
+
+    def met(self, ttft: Any, tpot: Any, e2e: Any) -> Any:
+        """Which requests meet every bound: works on floats or numpy arrays alike (a TPOT of nan, a one-token
+        answer, meets any TPOT bound)."""
+        ok: Any = True
+        if self.ttft_s is not None:
+            ok = ok & (ttft <= self.ttft_s)
+        if self.tpot_s is not None:
+            ok = ok & ~(tpot > self.tpot_s)
+        if self.e2e_s is not None:
+            ok = ok & (e2e <= self.e2e_s)
+        return ok
+
+    def describe(self) -> str:
+        parts = [f"{name} <= {v * 1000:g} ms" for name, v in (("TTFT", self.ttft_s), ("TPOT", self.tpot_s),
+                                                           ("e2e", self.e2e_s)) if v is not None]
+        return ", ".join(parts) or "none"
 
 
 def _pct(xs: Sequence[float], p: float) -> float:
@@ -82,6 +132,32 @@ class RunSummary:
     usable_mae_blocks: float = float("nan")  # mean |predicted - usable| blocks at admission
     overcount_blocks: float = float("nan")  # mean max(0, predicted - usable) blocks
     overcount_share: float = float("nan")  # predicted blocks that were not usable / predicted blocks
+    # What a user feels, seconds, percentiles over completed requests (TTST, TPOT and max ITL over those that
+    # generated two tokens or more; a request's TPOT is also its mean inter-token latency)
+    ttft_p95: float = float("nan")
+    ttst_p50: float = float("nan")  # time to second token
+    ttst_p90: float = float("nan")
+    ttst_p95: float = float("nan")
+    ttst_p99: float = float("nan")
+    tpot_p50: float = float("nan")  # time per output token after the first
+    tpot_p90: float = float("nan")
+    tpot_p95: float = float("nan")
+    tpot_p99: float = float("nan")
+    itl_max_p50: float = float("nan")  # a request's longest inter-token gap
+    itl_max_p90: float = float("nan")
+    itl_max_p95: float = float("nan")
+    itl_max_p99: float = float("nan")
+    e2e_p90: float = float("nan")
+    e2e_p95: float = float("nan")
+    e2e_p99: float = float("nan")
+    queue_p90: float = float("nan")
+    queue_p95: float = float("nan")
+    queue_p99: float = float("nan")
+    # Under the run's SLO (nan without one): the share of the trace's requests that completed meeting every bound
+    # (rejected and unfinished ones count as missing it), and their rate per second of the makespan
+    goodput: float = float("nan")
+    goodput_rps: float = float("nan")
+    slo: str = ""  # the SLO, in words ("TTFT <= 500 ms, TPOT <= 50 ms"); empty without one
     extra: dict[str, Any] = field(default_factory=dict)  # policy-specific numbers
 
     def as_dict(self) -> dict[str, Any]:
@@ -93,18 +169,22 @@ class SummaryBuilder:
     over the records would give: sums are exact (integers, or floats summed once at the end), the
     percentiles sort every value.
 
-    Memory: three floats per completed request (TTFT, end-to-end, queue), kept for exact percentiles,
-    and nothing per record otherwise. :meth:`add` is O(1); :meth:`summary` O(n log n).
+    Memory: six floats per completed request (TTFT, TTST, TPOT, max ITL, end-to-end, queue), kept for exact
+    percentiles and goodput, and nothing per record otherwise. :meth:`add` is O(1); :meth:`summary` O(n log n).
     """
 
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, slo: Slo | None = None) -> None:
         self.workers = workers
+        self.slo = slo if slo else None  # goodput's bounds, if any
         self.records = 0  # records added
         self.rejected = 0  # of them, rejected
         self.per_worker = [0] * workers  # completed requests per worker
         self.ttft = array("d")  # of completed requests, seconds, in the order added
         self.e2e = array("d")
         self.queue = array("d")
+        self.ttst = array("d")  # nan where a request generated one token
+        self.tpot = array("d")  # (ditto)
+        self.itl_max = array("d")  # (ditto)
         # token sums of completed requests
         self.prompt = self.device = self.host = self.storage = self.recomputed = self.output = 0
         self.start = math.inf  # earliest arrival of a completed request
@@ -129,6 +209,9 @@ class SummaryBuilder:
         self.ttft.append(r.ttft)
         self.e2e.append(r.e2e)
         self.queue.append(r.queue)
+        self.ttst.append(r.ttst)
+        self.tpot.append(r.tpot)
+        self.itl_max.append(r.max_itl if r.max_itl >= 0 else math.nan)
         self.prompt += r.input_tokens
         self.device += r.device_tokens
         self.host += r.host_tokens
@@ -172,14 +255,36 @@ class SummaryBuilder:
             usable_mae_blocks=self.usable_error / self.swa if self.swa else nan,
             overcount_blocks=self.overcount / self.swa if self.swa else nan,
             overcount_share=self.overcount / max(1, self.swa_predicted) if self.swa else nan,
+            **self._felt(done, (self.records if total is None else total), end - start),
         )
+
+    def _felt(self, done: int, total: int, makespan: float) -> dict[str, Any]:
+        """The percentiles of what a user feels, and goodput under the SLO. O(n log n)."""
+        out: dict[str, Any] = {"ttft_p95": _pct(self.ttft, 95)}
+        for name, xs in (("ttst", self.ttst), ("tpot", self.tpot), ("itl_max", self.itl_max)):
+            vals = [x for x in xs if not math.isnan(x)]
+            out.update({f"{name}_p{p}": _pct(vals, p) for p in (50, 90, 95, 99)})
+        out.update({f"{name}_p{p}": _pct(xs, p) for name, xs in (("e2e", self.e2e), ("queue", self.queue))
+                    for p in (90, 95, 99)})
+        if self.slo is not None:
+            good = goodput_count(self.slo, self.ttft, self.tpot, self.e2e)
+            out.update(goodput=good / total if total else math.nan, goodput_rps=good / max(makespan, 1e-9),
+                       slo=self.slo.describe())
+        return out
+
+
+def goodput_count(slo: Slo, ttft: Sequence[float], tpot: Sequence[float], e2e: Sequence[float]) -> int:
+    """How many of the completed requests whose latencies are given meet ``slo``. O(n)."""
+    import numpy as np
+
+    return int(np.count_nonzero(slo.met(np.asarray(ttft), np.asarray(tpot), np.asarray(e2e))))
 
 
 def summarize(policy: str, records: Iterable[RequestRecord], workers: int, events_rejected: int = 0,
-              total: int | None = None) -> RunSummary:
+              total: int | None = None, slo: Slo | None = None) -> RunSummary:
     """Aggregates over completed requests (:class:`SummaryBuilder`); ``total`` (the trace's size, default
     the number of records) minus the completed and rejected ones is reported as ``unfinished``."""
-    builder = SummaryBuilder(workers)
+    builder = SummaryBuilder(workers, slo)
     for r in records:
         builder.add(r)
     return builder.summary(policy, events_rejected, total)

@@ -3,40 +3,46 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from kvtier.sim.metrics import RequestRecord, RunSummary
+from kvtier.sim.metrics import RequestRecord, RunSummary, Slo, goodput_count
 
+#: The comparison table: (heading, RunSummary field, format, scale). Shares are of prompt tokens; times in seconds
+#: unless the heading says ms; "-" where a figure does not apply (no SLO given, no prediction made).
 _COLUMNS = [
-    ("policy", "policy", "{}"),
-    ("done", "requests", "{}"),
-    ("unfin", "unfinished", "{}"),
-    ("rej", "rejected", "{}"),
-    ("hit", "hit_rate", "{:.3f}"),
-    ("device", "hit_device", "{:.3f}"),
-    ("host", "hit_host", "{:.3f}"),
-    ("storage", "hit_storage", "{:.3f}"),
-    ("recomp", "recomputed", "{:.3f}"),
-    ("TTFT p50 s", "ttft_p50", "{:.3f}"),
-    ("p90", "ttft_p90", "{:.3f}"),
-    ("p99", "ttft_p99", "{:.3f}"),
-    ("tok/s", "throughput_tok_s", "{:.0f}"),
-    ("imbal", "load_imbalance", "{:.2f}"),
-    ("idx MAE", "index_mae_blocks", "{:.2f}"),
+    ("policy", "policy", "{}", 1.0),
+    ("done", "requests", "{}", 1.0),
+    ("unfin", "unfinished", "{}", 1.0),
+    ("rej", "rejected", "{}", 1.0),
+    ("hit", "hit_rate", "{:.3f}", 1.0),
+    ("device", "hit_device", "{:.3f}", 1.0),
+    ("host", "hit_host", "{:.3f}", 1.0),
+    ("storage", "hit_storage", "{:.3f}", 1.0),
+    ("TTFT p50 s", "ttft_p50", "{:.3f}", 1.0),
+    ("p90", "ttft_p90", "{:.3f}", 1.0),
+    ("p99", "ttft_p99", "{:.3f}", 1.0),
+    ("TPOT p90 ms", "tpot_p90", "{:.1f}", 1e3),
+    ("e2e p99 s", "e2e_p99", "{:.2f}", 1.0),
+    ("goodput", "goodput", "{:.3f}", 1.0),
+    ("tok/s", "throughput_tok_s", "{:.0f}", 1.0),
+    ("imbal", "load_imbalance", "{:.2f}", 1.0),
+    ("idx MAE", "index_mae_blocks", "{:.2f}", 1.0),
 ]
 
 
 def table(summaries: Sequence[RunSummary]) -> str:
     """A fixed-width comparison table."""
-    rows = [[h for h, _, _ in _COLUMNS]]
+    rows = [[h for h, _, _, _ in _COLUMNS]]
     for s in summaries:
         d = s.as_dict()
-        rows.append([("-" if isinstance(d[k], float) and math.isnan(d[k]) else f.format(d[k])) for _, k, f in _COLUMNS])
+        rows.append([("-" if isinstance(d[k], float) and math.isnan(d[k]) else f.format(d[k] * x if x != 1.0 else d[k]))
+                     for _, k, f, x in _COLUMNS])
     widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
     lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
              for r in rows]
@@ -55,15 +61,20 @@ def write_json(path: Path, summaries: Sequence[RunSummary], meta: dict[str, Any]
 #: Columns of requests.csv, one row per request and run.
 CSV_FIELDS = ["policy", "request_id", "worker", "arrival", "input_tokens", "output_tokens", "ttft", "e2e", "queue",
               "device_tokens", "host_tokens", "storage_tokens", "recomputed_tokens", "predicted_blocks",
-              "actual_blocks", "usable_blocks", "rejected"]
+              "actual_blocks", "usable_blocks", "rejected", "ttst", "tpot", "max_itl"]
+
+
+def _s(x: float) -> str:
+    return "" if math.isnan(x) else f"{x:.6f}"
 
 
 def csv_row(policy: str, r: RequestRecord) -> list[object]:
-    """One row of :data:`CSV_FIELDS`."""
+    """One row of :data:`CSV_FIELDS` (a latency that does not apply, such as a one-token answer's TPOT, is
+    empty)."""
     return [policy, r.request_id, r.worker, f"{r.arrival:.6f}", r.input_tokens, r.output_tokens,
             f"{r.ttft:.6f}", f"{r.e2e:.6f}", f"{r.queue:.6f}", r.device_tokens, r.host_tokens,
             r.storage_tokens, r.recomputed_tokens, r.predicted_blocks, r.actual_blocks,
-            r.usable_blocks, int(r.rejected)]
+            r.usable_blocks, int(r.rejected), _s(r.ttst), _s(r.tpot), _s(r.max_itl if r.max_itl >= 0 else math.nan)]
 
 
 class CsvRecords:
@@ -85,21 +96,81 @@ class CsvRecords:
         self._file.close()
 
 
-def join_csv(path: Path, parts: Sequence[Path]) -> None:
-    """requests.csv from the header and ``parts`` (written by :class:`CsvRecords`) in order; the parts are
-    removed. O(total size), in 1 MiB copies."""
-    with open(path, "w", newline="") as out:
-        csv.writer(out).writerow(CSV_FIELDS)
+class ItlSeries:
+    """Each completed request's inter-token gaps as one JSONL line (a ``simulate`` ``itl_sink``):
+    ``{"policy", "request_id", "itl_s": [seconds, ...]}``."""
+
+    def __init__(self, path: Path, policy: str) -> None:
+        self.policy = policy
+        self._file = open(path, "w")  # noqa: SIM115 (closed by __exit__)
+
+    def write(self, request_id: str, gaps: list[float]) -> None:
+        self._file.write(json.dumps({"policy": self.policy, "request_id": request_id,
+                                     "itl_s": [round(g, 9) for g in gaps]}) + "\n")
+
+    def __enter__(self) -> ItlSeries:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._file.close()
+
+
+def join_files(path: Path, parts: Sequence[Path], header: bytes = b"") -> None:
+    """``path`` made of ``header`` then ``parts`` in order; the parts are removed. O(total size), in 1 MiB
+    copies."""
+    with open(path, "wb") as out:
+        out.write(header)
         for part in parts:
-            with open(part, newline="") as f:
+            with open(part, "rb") as f:
                 shutil.copyfileobj(f, out, 1 << 20)
             part.unlink()
 
 
-def plot(out_dir: Path, summaries: Sequence[RunSummary], ttfts: dict[str, Sequence[float]],
-         title: str) -> list[Path]:
-    """Stacked hit-rate bars per tier and CDFs of the completed requests' TTFT (``ttfts``: seconds, per run,
-    as :attr:`kvtier.sim.run.RunResult.ttft` holds them); returns the PNG paths."""
+def join_csv(path: Path, parts: Sequence[Path]) -> None:
+    """requests.csv from the header and ``parts`` (written by :class:`CsvRecords`) in order; the parts are
+    removed. O(total size), in 1 MiB copies."""
+    head = io.StringIO(newline="")
+    csv.writer(head).writerow(CSV_FIELDS)
+    join_files(path, parts, head.getvalue().encode())
+
+
+class Latencies(Protocol):
+    """Per completed request, in seconds, as :class:`kvtier.sim.run.RunResult` holds them."""
+
+    ttft: Sequence[float]
+    tpot: Sequence[float]  # nan for a one-token answer
+    e2e: Sequence[float]
+
+
+#: How far the goodput plot moves the SLO: from 4x tighter to 4x looser than its base.
+SLO_FACTORS = (0.25, 0.35, 0.5, 0.7, 1.0, 1.4, 2.0, 2.8, 4.0)
+
+
+def base_slo(slo: Slo, runs: Sequence[Latencies]) -> Slo:
+    """The SLO the goodput plot tightens and loosens: the one given, or else the p90 of TTFT, TPOT and e2e of the
+    first run (a comparison's first policy, round robin by default), so that it passes 90% on each alone there."""
+    if slo or not runs:
+        return slo
+    import numpy as np
+
+    r = runs[0]
+
+    def p90(xs: Sequence[float]) -> float | None:
+        a = np.asarray(xs, dtype=float)
+        a = a[~np.isnan(a)]
+        return float(np.quantile(a, 0.9)) if len(a) else None
+    return Slo(p90(r.ttft), p90(r.tpot), p90(r.e2e))
+
+
+def goodput_curve(slo: Slo, run: Latencies, total: int) -> list[float]:
+    """The share of ``total`` requests meeting ``slo`` scaled by each of :data:`SLO_FACTORS`. O(factors * n)."""
+    return [goodput_count(slo.scaled(f), run.ttft, run.tpot, run.e2e) / max(total, 1) for f in SLO_FACTORS]
+
+
+def plot(out_dir: Path, summaries: Sequence[RunSummary], runs: Sequence[Latencies], title: str,
+         slo: Slo | None = None) -> list[Path]:
+    """Stacked hit-rate bars per tier, CDFs of the completed requests' TTFT, the Pareto view (TTFT p90 against
+    TPOT p90, one point per policy) and goodput as the SLO tightens (:func:`base_slo`); returns the PNG paths."""
     import matplotlib
     import matplotlib.ticker
 
@@ -128,7 +199,7 @@ def plot(out_dir: Path, summaries: Sequence[RunSummary], ttfts: dict[str, Sequen
     paths.append(p)
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for name, values in ttfts.items():
+    for name, values in ((s.policy, r.ttft) for s, r in zip(summaries, runs, strict=True)):
         ttft = np.sort(np.asarray(values, dtype=float))
         if len(ttft):
             ax.plot(ttft, np.arange(1, len(ttft) + 1) / len(ttft), label=name)
@@ -142,6 +213,43 @@ def plot(out_dir: Path, summaries: Sequence[RunSummary], ttfts: dict[str, Sequen
     ax.legend(loc="lower right")
     fig.tight_layout()
     p = out_dir / "ttft_cdf.png"
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    paths.append(p)
+
+    fig, ax = plt.subplots(figsize=(7, 4.6))
+    for s in summaries:
+        ax.scatter(s.ttft_p90 * 1e3, s.tpot_p90 * 1e3, s=40, zorder=3)
+        ax.annotate(s.policy, (s.ttft_p90 * 1e3, s.tpot_p90 * 1e3), textcoords="offset points", xytext=(5, 4),
+                    fontsize=8)
+    ax.set_xlabel("TTFT p90 (ms)")
+    ax.set_ylabel("TPOT p90 (ms)")
+    ax.set_title(f"Pareto view, lower left is better: {title}", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    p = out_dir / "ttft_tpot_pareto.png"
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    paths.append(p)
+
+    slo = slo or Slo()
+    base = base_slo(slo, runs)
+    fig, ax = plt.subplots(figsize=(7, 4.6))
+    for s, r in zip(summaries, runs, strict=True):
+        ax.plot(SLO_FACTORS, goodput_curve(base, r, s.requests + s.rejected + s.unfinished), marker="o", ms=3,
+                label=s.policy)
+    ax.set_xscale("log")
+    ax.set_xticks(SLO_FACTORS)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}x"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xlabel(f"SLO scale (1x: {base.describe()}{'' if slo else ', p90 of ' + summaries[0].policy})")
+    ax.set_ylabel("goodput (share of requests meeting every bound)")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(f"Goodput as the SLO tightens: {title}", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    p = out_dir / "goodput_vs_slo.png"
     fig.savefig(p, dpi=120)
     plt.close(fig)
     paths.append(p)

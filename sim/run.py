@@ -16,7 +16,7 @@ from kvtier.indexer.load import LoadTracker
 from kvtier.sim.cluster import ClusterConfig, Job, build_cluster
 from kvtier.sim.core import Environment
 from kvtier.sim.lookahead import Lookahead, lookahead_backend
-from kvtier.sim.metrics import RequestRecord, RunSummary, SummaryBuilder
+from kvtier.sim.metrics import RequestRecord, RunSummary, Slo, SummaryBuilder
 from kvtier.sim.policies import KvPolicy, RouteInput, make_policy
 from kvtier.sim.source import TraceSource, as_source
 from kvtier.sim.trace import Request, TokenBank, bank_backend
@@ -46,9 +46,19 @@ class RunConfig:
     recovery: str = field(default="dump", metadata=one_of(*Recovery))
     replay_buffer: int = field(default=10_000, metadata=at_least(1))  # batches each engine keeps for replay
     loss_burst: int = field(default=1, metadata=at_least(1))  # batches lost in a row each time one is (an outage)
+    # Goodput's service-level objectives, milliseconds (None: not bounded; none given: no goodput)
+    sla_ttft_ms: float | None = field(default=None, metadata=positive(optional=True, option="--sla-ttft-ms"))
+    sla_tpot_ms: float | None = field(default=None, metadata=positive(optional=True, option="--sla-tpot-ms"))
+    sla_e2e_ms: float | None = field(default=None, metadata=positive(optional=True, option="--sla-e2e-ms"))
 
     def __post_init__(self) -> None:
         check_fields(self)
+
+    @property
+    def slo(self) -> Slo:
+        def s(ms: float | None) -> float | None:
+            return None if ms is None else ms / 1000.0
+        return Slo(s(self.sla_ttft_ms), s(self.sla_tpot_ms), s(self.sla_e2e_ms))
 
     @property
     def label(self) -> str:
@@ -66,11 +76,14 @@ class RunResult:
     events_lost: int = 0  # batches dropped on the way to the router
     wire: WireCounters = field(default_factory=WireCounters)  # replays, dumps, partial marks
     ttft: Sequence[float] = ()  # seconds, of every completed request, in arrival order (kept with a sink too)
+    tpot: Sequence[float] = ()  # likewise (nan for a one-token answer)
+    e2e: Sequence[float] = ()  # likewise
 
 
 def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig, run: RunConfig, *,
              bank: TokenBank | None = None, progress: bool = False,
-             sink: Callable[[RequestRecord], None] | None = None) -> RunResult:
+             sink: Callable[[RequestRecord], None] | None = None,
+             itl_sink: Callable[[str, list[float]], None] | None = None) -> RunResult:
     """Replays ``trace`` (a list, or a :class:`~kvtier.sim.source.TraceSource` such as a streamed
     :class:`~kvtier.sim.source.MooncakeFile`); deterministic for the configs' seeds.
 
@@ -86,6 +99,9 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
     requests in flight and three floats per completed request (for exact percentiles), whatever the
     trace's length. The summary is the same either way. Every record that started its prefill is checked to
     have its prompt tokens booked exactly once: device + host + storage + recomputed == prompt.
+
+    ``itl_sink``: called with each completed request's id and every gap between its consecutive tokens (seconds),
+    as it finishes; keeping them costs a float per output token of the requests in flight.
     """
     source = as_source(trace)
     total = len(source)
@@ -95,7 +111,7 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
     rng = random.Random(run.seed)
     records: list[RequestRecord] = []
     decisions: list[int] = []
-    builder = SummaryBuilder(cluster_cfg.workers)
+    builder = SummaryBuilder(cluster_cfg.workers, run.slo)
     # Records in arrival order, waiting for the oldest to be final: the sink sees arrival order.
     waiting: deque[RequestRecord] = deque()
     ps = cluster_cfg.page_size
@@ -137,6 +153,8 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
     def on_finish(job: Job) -> None:
         if tracked:
             loads.finish(job.req.request_id, job.generated)
+        if itl_sink is not None and job.gaps is not None and not job.record.rejected:
+            itl_sink(job.req.request_id, job.gaps)
         if bar is not None:
             # Requests per second of wall time is tqdm's rate; simulated time goes in the postfix,
             # formatted only when the bar redraws (tqdm's mininterval), not once per request.
@@ -183,7 +201,8 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
         if tracked:
             loads.add(req.request_id, streams[choice.worker], keys, req.input_length,
                       max(0, req.input_length - cached))
-        cluster.workers[choice.worker].submit(Job(req, tokens, rec, digests=digests), choice.tier)
+        cluster.workers[choice.worker].submit(Job(req, tokens, rec, digests=digests,
+                                                  gaps=[] if itl_sink is not None else None), choice.tier)
 
     def feed(req: Request) -> None:
         upcoming = next(arrivals, None)
@@ -206,7 +225,8 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
     summary.extra.update(events_published=counters.published, events_lost=counters.lost,
                          replay_requests=counters.replay_requests, dumps=counters.dumps,
                          partial_marks=counters.partial_marks)
-    return RunResult(summary, records, decisions, counters.published, counters.lost, counters, builder.ttft)
+    return RunResult(summary, records, decisions, counters.published, counters.lost, counters, builder.ttft,
+                     builder.tpot, builder.e2e)
 
 
 #: The table kernels a simulation's index calls (events applied, prompt-key references, routing queries). A run

@@ -117,6 +117,8 @@ CASES: dict[str, Case] = {
     "until -1": (replay("--until", "-1"), "--until: -1.0 is not allowed"),
     "replay-buffer 0": (replay("--replay-buffer", "0"), "--replay-buffer: 0 is not allowed"),
     "loss-burst 0": (replay("--loss-burst", "0"), "--loss-burst: 0 is not allowed"),
+    "sla-ttft-ms 0": (replay("--sla-ttft-ms", "0"), "--sla-ttft-ms: 0.0 is not allowed; expected a number > 0"),
+    "sla-tpot-ms nan": (replay("--sla-tpot-ms", "nan"), "--sla-tpot-ms: nan is not allowed"),
     "unknown policy": (replay("--policy", "bogus"), "unknown policy 'bogus'"),
     # trace options
     "time-scale -1": (replay("--time-scale", "-1"),

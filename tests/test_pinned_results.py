@@ -72,13 +72,17 @@ def _r(x: float) -> float:
 
 
 RECORD_FIELDS = [f.name for f in dataclasses.fields(RequestRecord)]
+#: The fields of each request's latency between tokens, popped from the end of a record's row (last first).
+FELT_FIELDS = ["max_itl", "second_token"]
 
 
 def fingerprint(res: RunResult) -> dict[str, Any]:
     """The readable figures of a run and a digest of all of it."""
-    h = hashlib.sha256()
+    h, felt = hashlib.sha256(), hashlib.sha256()
     for rec in res.records:
         row = [_r(v) if isinstance(v, float) else v for v in dataclasses.astuple(rec)]
+        # What a user feels between tokens is pinned apart, so that the digest of the rest stayed as it was.
+        felt.update(json.dumps([row.pop(RECORD_FIELDS.index(f)) for f in FELT_FIELDS]).encode())
         if rec.usable_blocks < 0:  # not an SWA model: the field added for them leaves these pins as they were
             row.pop(RECORD_FIELDS.index("usable_blocks"))
         h.update(json.dumps(row).encode())
@@ -89,7 +93,9 @@ def fingerprint(res: RunResult) -> dict[str, Any]:
             "hit_storage": _r(s.hit_storage), "ttft_ms": [_r(s.ttft_p50 * 1e3), _r(s.ttft_p90 * 1e3),
                                                           _r(s.ttft_p99 * 1e3)],
             "requests": s.requests, "unfinished": s.unfinished, "batches": res.events_published,
-            "digest": h.hexdigest()[:32]}
+            "digest": h.hexdigest()[:32],
+            "tpot_ms": [_r(s.tpot_p50 * 1e3), _r(s.tpot_p90 * 1e3), _r(s.tpot_p99 * 1e3)],
+            "e2e_s": [_r(s.e2e_p50), _r(s.e2e_p90), _r(s.e2e_p99)], "felt_digest": felt.hexdigest()[:32]}
 
 
 @pytest.fixture(scope="module")
@@ -112,10 +118,12 @@ def test_results_are_pinned(case: str, traces: dict[str, list[Request]], pins: d
         return
     assert case in pins, f"{case} has no pinned result; run with KVTIER_REPIN=1 and commit {PINS.name}"
     want = pins[case]
-    figures = {k: (want[k], got[k]) for k in want if k != "digest" and want[k] != got[k]}
+    assert set(want) == set(got), f"{case}: pinned {sorted(want)}, made {sorted(got)}; re-pin with KVTIER_REPIN=1"
+    figures = {k: (want[k], got[k]) for k in want if not k.endswith("digest") and want[k] != got[k]}
     assert not figures, f"{case}: results moved (pinned, now): {figures}"
     assert got["digest"] == want["digest"], (
         f"{case}: the summary figures match but some request's record or routing decision moved")
+    assert got["felt_digest"] == want["felt_digest"], f"{case}: some request's inter-token latency moved"
 
 
 def test_every_pinned_case_is_still_run(pins: dict[str, Any]) -> None:

@@ -139,7 +139,9 @@ def test_cli_sweep_gen_trace_and_errors(tmp_path: Path, capsys: pytest.CaptureFi
     rc = cli(["sweep", "--trace", str(trace), "--workers", "2", "--device-tokens", "32768",
               "--grid", "host_ratio=0,2", "policy=kv_device,kv_host", "--jobs", "2", "--out", str(tmp_path / "s")])
     assert rc == 0
-    rows = json.loads((tmp_path / "s" / "sweep.json").read_text())
+    text = (tmp_path / "s" / "sweep.json").read_text()
+    rows = json.loads(text, parse_constant=lambda c: pytest.fail(f"sweep.json holds {c}: strict JSON refuses it"))
+    assert rows[0]["goodput"] is None  # (no SLO given)
     assert [(r["host_ratio"], r["policy"]) for r in rows] == [(0.0, "kv_device"), (0.0, "kv_host"),
                                                                (2.0, "kv_device"), (2.0, "kv_host")]
     assert cli(["replay", "--trace", str(trace), "--policy", "teleport"]) == 2

@@ -1,0 +1,155 @@
+"""What a user feels beyond the first token: time to second token, TPOT, inter-token gaps, end-to-end latency and
+goodput under an SLO, per request and per run, and the CLI's report of them."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvtier.indexer.latency import MockerLatency, decode_step_max_ms
+from kvtier.sim.cli import main as cli
+from kvtier.sim.cluster import ClusterConfig
+from kvtier.sim.generators import PRESETS, generate
+from kvtier.sim.metrics import RequestRecord, Slo, summarize
+from kvtier.sim.run import RunConfig, simulate
+from kvtier.sim.trace import Request
+
+SMALL = ClusterConfig(workers=3, page_size=64, device_tokens=32_768, host_ratio=1.0, l3="disk", l3_tokens=131_072)
+
+
+def chat(n: int) -> list[Request]:
+    return generate(dataclasses.replace(PRESETS["chat"], requests=n, system_tokens=1024, user_tokens=600), 1)
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "kv_all", "min_ttft"])
+def test_every_gap_adds_up_to_the_records_latencies(policy: str) -> None:
+    """The gaps a run reports for a request are its tokens' times: as many as its tokens after the first, summing
+    to its decode time, the first one ending at its second token, the longest its max ITL, their mean its TPOT."""
+    gaps: dict[str, list[float]] = {}
+    res = simulate(chat(150), SMALL, RunConfig(policy), itl_sink=lambda rid, g: gaps.__setitem__(rid, list(g)))
+    assert len(gaps) == res.summary.requests == 150
+    for rec in res.records:
+        g, n = gaps[rec.request_id], max(rec.output_tokens, 1)
+        assert len(g) == n - 1, rec.request_id
+        if n == 1:
+            assert math.isnan(rec.tpot) and math.isnan(rec.ttst) and rec.max_itl == -1.0
+            continue
+        assert sum(g) == pytest.approx(rec.finish - rec.first_token, abs=1e-6)
+        assert rec.first_token + g[0] == pytest.approx(rec.second_token, abs=1e-9)
+        assert max(g) == pytest.approx(rec.max_itl, abs=1e-9)
+        assert rec.tpot == pytest.approx(sum(g) / len(g), rel=1e-9)
+        assert min(g) > 0
+
+
+def test_the_same_run_without_the_series_gives_the_same_records() -> None:
+    """Keeping the gaps changes nothing else: the records and decisions are those of a run that keeps none."""
+    reqs = chat(120)
+    plain = simulate(reqs, SMALL, RunConfig("kv_all"))
+    kept = simulate(reqs, SMALL, RunConfig("kv_all"), itl_sink=lambda rid, g: None)
+    assert plain.records == kept.records and plain.decisions == kept.decisions
+
+
+def test_one_request_decodes_at_the_latency_models_steps() -> None:
+    """Alone on a worker, a request's gaps are the model's decode steps at the utilisation each token brings, and
+    its max ITL the last (the published fit's step grows with utilisation)."""
+    req = Request("r0", 0.0, 640, 40, hash_ids=list(range(10)))
+    cfg = ClusterConfig(workers=1, page_size=64, device_tokens=65_536, host_ratio=0.0)
+    gaps: list[list[float]] = []
+    res = simulate([req], cfg, RunConfig("round_robin"), itl_sink=lambda rid, g: gaps.append(list(g)))
+    lat, cap = MockerLatency(), cfg.capacity_tokens()
+    # After the first token the batch holds 640 + 1 tokens; each step adds one.
+    want = [lat.decode_ms((640 + k) / cap) / 1000 for k in range(1, 40)]
+    assert gaps[0] == pytest.approx(want, rel=1e-9)
+    rec = res.records[0]
+    assert rec.max_itl == pytest.approx(want[-1], rel=1e-9)
+    assert rec.tpot == pytest.approx(sum(want) / 39, rel=1e-9)
+
+
+def test_a_newcomers_prefill_shows_in_the_running_streams_max_itl() -> None:
+    """A long prompt arriving while a stream decodes is prefilled in the same iterations (chunked prefill): that
+    stream's gap then lasts a prefill chunk, which its max ITL must show (TPOT alone would average it away)."""
+    first = Request("a", 0.0, 256, 200, hash_ids=list(range(4)))
+    second = Request("b", 0.5, 8192, 10, hash_ids=list(range(100, 228)))
+    cfg = ClusterConfig(workers=1, page_size=64, device_tokens=65_536, host_ratio=0.0, prefill_budget=4096)
+    res = simulate([first, second], cfg, RunConfig("round_robin"))
+    a = res.records[0]
+    chunk_ms = MockerLatency().prefill_ms(4096)
+    assert a.max_itl * 1000 >= chunk_ms
+    assert a.tpot * 1000 < chunk_ms / 4  # a few slow gaps among 199
+
+
+def test_goodput_counts_requests_meeting_every_bound_over_the_whole_trace() -> None:
+    """Goodput is the share of all requests of the trace (rejected and unfinished ones miss) that completed within
+    every bound given; a one-token answer has no TPOT to miss."""
+    def rec(rid: str, ttft: float, e2e: float, out: int) -> RequestRecord:
+        r = RequestRecord(rid, 0, 0.0, 100, out, prefill_start=0.0, first_token=ttft, finish=e2e)
+        return r
+    records = [rec("fast", 0.1, 1.0, 11),  # TPOT 90 ms
+               rec("slow-first", 0.6, 1.1, 11),  # TTFT 600 ms
+               rec("slow-stream", 0.1, 3.1, 11),  # TPOT 300 ms
+               rec("one-token", 0.2, 0.2, 1),
+               RequestRecord("rejected", 0, 0.0, 100, 10, rejected=True)]
+    s = summarize("p", records, workers=1, total=6, slo=Slo(ttft_s=0.5, tpot_s=0.1))  # one more never finished
+    assert s.goodput == pytest.approx(2 / 6) and s.unfinished == 1 and s.slo == "TTFT <= 500 ms, TPOT <= 100 ms"
+    assert s.goodput_rps == pytest.approx(2 / 3.1)
+    assert summarize("p", records, workers=1, slo=Slo(e2e_s=1.05)).goodput == pytest.approx(2 / 5)
+    assert math.isnan(summarize("p", records, workers=1).goodput)
+    assert s.tpot_p50 == pytest.approx(0.09) and s.tpot_p99 == pytest.approx(0.3, rel=0.02)
+
+
+def test_a_run_reports_goodput_under_its_slo() -> None:
+    reqs = chat(150)
+    loose = simulate(reqs, SMALL, RunConfig("kv_all", sla_ttft_ms=1e6, sla_tpot_ms=1e6, sla_e2e_ms=1e9)).summary
+    tight = simulate(reqs, SMALL, RunConfig("kv_all", sla_tpot_ms=1e-3)).summary
+    assert loose.goodput == 1.0 and tight.goodput == pytest.approx(
+        sum(1 for r in reqs if r.output_length <= 1) / len(reqs))
+    assert 0 < loose.tpot_p50 <= loose.tpot_p90 <= loose.tpot_p95 <= loose.tpot_p99 <= loose.itl_max_p99
+    assert loose.ttft_p50 <= loose.ttst_p50 and loose.e2e_p90 <= loose.e2e_p99
+
+
+@given(a=st.floats(-80, 80), b=st.floats(-80, 80), c=st.floats(0, 40), u0=st.floats(-0.2, 1.2),
+       du=st.floats(0, 0.05), steps=st.integers(0, 300))
+def test_the_longest_step_of_a_run_is_found_in_constant_time(a: float, b: float, c: float, u0: float, du: float,
+                                                             steps: int) -> None:
+    lat = MockerLatency(decode_a=a, decode_b=b, decode_c=c)
+    want = max((lat.decode_ms(u0 + k * du) for k in range(steps)), default=0.0)
+    assert decode_step_max_ms(lat, u0, du, steps) == pytest.approx(want, rel=1e-12, abs=1e-12)
+
+
+def test_cli_reports_goodput_the_itl_series_and_their_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    series = tmp_path / "itl.jsonl"
+    rc = cli(["compare", "--trace", "builtin:chat:80", "--policies", "round_robin,kv_all", "--workers", "2",
+              "--device-tokens", "32768", "--jobs", "1", "--out", str(tmp_path), "--sla-ttft-ms", "300",
+              "--sla-tpot-ms", "40", "--itl-series", str(series)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "TPOT p90 ms" in out and "e2e p99 s" in out and "goodput" in out
+    runs = json.loads((tmp_path / "summary.json").read_text())["runs"]
+    assert all(0 <= r["goodput"] <= 1 and r["slo"] == "TTFT <= 300 ms, TPOT <= 40 ms" for r in runs)
+    lines = [json.loads(x) for x in series.read_text().splitlines()]
+    assert [x["policy"] for x in lines].count("kv_all") == 80 and len(lines) == 160
+    header = (tmp_path / "requests.csv").read_text().splitlines()[0].split(",")
+    assert header[-3:] == ["ttst", "tpot", "max_itl"]
+    for png in ("ttft_tpot_pareto.png", "goodput_vs_slo.png"):
+        assert (tmp_path / png).stat().st_size > 10_000
+
+
+def test_a_prompt_cached_whole_still_gets_its_first_token_from_a_prefill() -> None:
+    """The second of two identical page-aligned prompts finds every page cached: it still runs its last token for
+    the logits of its first output token, as SGLang and vLLM do. It once skipped to decoding with no first token
+    recorded: a TTFT of -1 s went into the percentiles."""
+    ids = list(range(8))
+    reqs = [Request("a", 0.0, 4096, 50, ids), Request("b", 0.001, 4096, 50, ids)]
+    cfg = ClusterConfig(workers=1, page_size=64, device_tokens=65_536, host_ratio=0.0, max_running=1)
+    res = simulate(reqs, cfg, RunConfig("kv_all"))
+    a, b = res.records
+    assert b.device_tokens == 4096 and b.recomputed_tokens == 0
+    assert a.finish <= b.first_token < b.second_token < b.finish
+    assert 0 < b.ttft - (a.finish - b.arrival) < a.ttft  # one token's prefill after a left the batch
+    assert res.summary.ttft_p50 > 0
