@@ -43,16 +43,11 @@ from kvtier.indexer.keys import BlockKey, key_backend
 from kvtier.indexer.keytable import warm_tables
 from kvtier.indexer.load import LoadTracker
 from kvtier.indexer.plugins import BUILTIN, RoutingPolicy, load_policy
+from kvtier.indexer.policies import REGISTRY, RoutingSettings, make_cost
 from kvtier.indexer.requestbody import RequestBody, parse_body, parse_finish
 from kvtier.indexer.router import RouteDecision, Router
-from kvtier.indexer.serviceconfig import (
-    NAMED_POLICIES,
-    ServiceConfig,
-    load_config,
-    make_cost_model,
-    named_policy_cost,
-    parse_endpoint,
-)
+from kvtier.indexer.scoring import CostModel
+from kvtier.indexer.serviceconfig import ServiceConfig, load_config, parse_endpoint
 from kvtier.indexer.servicemetrics import render_metrics
 from kvtier.wire.notices import StreamId
 from kvtier.wire.overlap import OverlapScores
@@ -85,21 +80,13 @@ class IndexerService:
         if config.snapshot_path is not None:
             self._restore(Path(config.snapshot_path), streams)
         self.loads = LoadTracker(config.block_size)
-        plugin: RoutingPolicy | None = None
-        cost = make_cost_model(config.cost, config.model)
-        if config.policy in NAMED_POLICIES:
-            cost = named_policy_cost(config)
-        elif config.policy in BUILTIN:
-            plugin = BUILTIN[config.policy]()
-        elif config.policy is not None:
-            try:
-                plugin = load_policy(config.policy)
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
+        self.router_settings = config.routing_settings()
+        cost, plugin = _policy(config.policy or "kv_all", self.router_settings)
         # Window-aware: engines that announce window KV (SWA models) are scored on their usable prefix; the
         # others as before. Each answer says which it was per worker ("window_kv").
         self.router = Router(self.index, cost, loads=self.loads, policy=plugin, rebuilding=self._rebuilding,
-                             window_aware=True)
+                             window_aware=True, temperature=self.router_settings.temperature,
+                             seed=self.router_settings.seed)
         self._lock = threading.Lock()  # guards index, loads and the deadlines
         self._deadlines = Deadlines(config.request_ttl_s)  # routed requests in flight, until finish or expiry
         self._loop = EventLoop(config, self.index, self._lock, self._deadlines, self.loads.finish, self._resume)
@@ -375,6 +362,24 @@ class IndexerService:
         if self._loop.error is not None:
             out["error"] = self._loop.error
         return out
+
+
+def _policy(name: str, settings: RoutingSettings) -> tuple[CostModel, RoutingPolicy | None]:
+    """The cost model and plugin the service routes with for policy ``name``: a registry policy's cost is built by
+    :func:`kvtier.indexer.policies.make_cost` exactly as the simulator builds it; a plugin replaces the cost's
+    choice (the cost stays for /query's costs)."""
+    if name in REGISTRY:
+        spec = REGISTRY[name]
+        if not spec.served:
+            raise ConfigError(f"policy {name!r} runs in the simulator only (it reads {spec.kind}, which a service "
+                              f"does not have); served: {', '.join(n for n, p in REGISTRY.items() if p.served)}")
+        if spec.kind == "index":
+            return make_cost(name, settings), None
+        return make_cost("kv_all", settings), BUILTIN[name]()
+    try:
+        return make_cost("kv_all", settings), load_policy(name)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.fields import ConfigError, Domain, at_least, check_fields, one_of, within
-from kvtier.indexer.latency import PRESETS, TransferModel
-from kvtier.indexer.scoring import CostModel, CreditCost, DynamoCost, TtftCost
-from kvtier.wire.protocol import StorageTier
+from kvtier.indexer.hardware import DEFAULT_GPU_LINK, DEFAULT_STORAGE_LINK, GPU_LINKS, STORAGE_LINKS
+from kvtier.indexer.latency import PRESETS, MockerLatency, latency_from_json
+from kvtier.indexer.policies import RoutingSettings
 from kvtier.wire.subscriber import EndpointConfig
 
 
@@ -25,15 +25,30 @@ class ServiceConfig:
     listen: str = "127.0.0.1:8000"  # HTTP host:port (port 0 picks a free one); checked in __post_init__
     # wait for a replay or dump answer
     replay_timeout_s: float = field(default=2.0, metadata=within(0, 3600, lo_open=True))
-    cost: str = field(default="credit", metadata=one_of("credit", "dynamo", "ttft"))
-    # A policy by name (kv_device, kv_host, kv_all, dynamo, min_ttft: as in the simulator) or a
-    # routing-policy plugin (kvtier.indexer.plugins); either replaces `cost`. Checked when the service starts.
+    # The cost of the kv_* policies, as the simulator's --cost: credit (block credits per tier) or ttft
+    cost: str = field(default="credit", metadata=one_of("credit", "ttft"))
+    # A policy of the registry by name (kvtier.indexer.policies: kv_all, min_ttft, dynamo, ...: the simulator's,
+    # with the same cost under the same settings below) or a routing-policy plugin (kvtier.indexer.plugins).
+    # None: kv_all. Checked when the service starts.
     policy: str | None = field(default=None, metadata=Domain(str, optional=True).meta())
-    # the workers' chunked-prefill tokens per iteration (min_ttft)
+    # the workers' chunked-prefill tokens per iteration (ttft costs)
     prefill_budget: int = field(default=8192, metadata=at_least(1))
-    # each worker's device KV capacity in tokens (min_ttft's memory term)
+    # each worker's device KV capacity in tokens (ttft costs' decode and memory terms)
     capacity_tokens: int | None = field(default=None, metadata=at_least(1, optional=True))
     model: str = field(default="llama-3.1-8b", metadata=one_of(*PRESETS))  # preset for the ttft cost's transfers
+    # The links KV moves over (kvtier.indexer.hardware presets), as the simulator's --gpu-link / --storage-link;
+    # h2d_gbps / storage_gbps override them
+    gpu_link: str = field(default=DEFAULT_GPU_LINK, metadata=one_of(*GPU_LINKS))
+    storage_link: str = field(default=DEFAULT_STORAGE_LINK, metadata=one_of(*STORAGE_LINKS))
+    h2d_gbps: float | None = field(default=None, metadata=within(0, 1e6, lo_open=True, optional=True))
+    storage_gbps: float | None = field(default=None, metadata=within(0, 1e6, lo_open=True, optional=True))
+    # iteration times: a fit written by `kvtier fit-latency` (JSON); None: Dynamo mocker's published fit
+    latency_path: str | None = field(default=None, metadata=Domain(str, optional=True).meta())
+    # credit costs: a host block's and a disk or shared-pool block's weight against a device block's
+    host_credit: float = field(default=0.75, metadata=within(0, 1))
+    disk_credit: float = field(default=0.25, metadata=within(0, 1))
+    temperature: float = field(default=0.0, metadata=within(0, 1e6))  # softmax sampling over costs (0: argmin)
+    seed: int = field(default=0, metadata=at_least(0))  # the router's random choices (ties, sampling)
     # Sliding window of the served model, tokens, for engines that send no window-KV events (SGLang): their
     # window KV is inferred from their stores (kvtier.indexer.windowkv). None: the model preset's
     # (0 for a full-attention model); 0: such engines are scored on their full-attention overlap.
@@ -64,6 +79,24 @@ class ServiceConfig:
         _, sep, port = self.listen.rpartition(":")
         if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
             raise ConfigError(f"listen: {self.listen!r} is not allowed; expected HOST:PORT with a port in 0..65535")
+
+    def routing_settings(self) -> RoutingSettings:
+        """What the policy prices with, as the simulator builds it (:mod:`kvtier.indexer.policies`); a latency
+        file that cannot be read is a :class:`ConfigError`."""
+        latency = MockerLatency()
+        if self.latency_path is not None:
+            try:
+                latency = latency_from_json(Path(self.latency_path).read_text())
+            except OSError as exc:
+                raise ConfigError(f"latency_path {self.latency_path}: {exc.strerror or exc}") from None
+            except ValueError as exc:
+                raise ConfigError(f"latency_path {self.latency_path}: {exc}") from None
+        return RoutingSettings(
+            cost=self.cost, model=self.model,
+            h2d_gbps=self.h2d_gbps if self.h2d_gbps is not None else GPU_LINKS[self.gpu_link].gbps,
+            storage_gbps=self.storage_gbps if self.storage_gbps is not None else STORAGE_LINKS[self.storage_link].gbps,
+            host_credit=self.host_credit, disk_credit=self.disk_credit, prefill_budget=self.prefill_budget,
+            capacity_tokens=self.capacity_tokens, latency=latency, temperature=self.temperature, seed=self.seed)
 
     @property
     def inferred_window_tokens(self) -> int:
@@ -144,36 +177,3 @@ def load_config(path: Path) -> ServiceConfig:
     if unknown := set(raw) - known:
         raise ConfigError(f"{path}: unknown settings {sorted(unknown)}")
     return ServiceConfig(endpoints=eps, **raw)
-
-
-def make_cost_model(name: str, model: str) -> CostModel:
-    """``credit`` (kvtier's kv_all), ``dynamo`` (Dynamo kv_router's cost, the baseline) or ``ttft``."""
-    if name == "credit":
-        return CreditCost()
-    if name == "dynamo":
-        return DynamoCost()
-    if name == "ttft":
-        if model not in PRESETS:
-            raise ConfigError(f"unknown model preset {model!r}; known: {sorted(PRESETS)}")
-        return TtftCost(TransferModel.for_model(PRESETS[model]))
-    raise ConfigError(f"unknown cost model {name!r}; expected 'credit', 'dynamo' or 'ttft'")
-
-
-#: The simulator's KV policies the service runs by name: the tiers each one listens to.
-NAMED_POLICIES = {"kv_device": StorageTier.DEVICE, "kv_host": StorageTier.HOST, "kv_all": StorageTier.EXTERNAL,
-                  "dynamo": StorageTier.EXTERNAL, "min_ttft": StorageTier.EXTERNAL}
-
-
-def named_policy_cost(config: ServiceConfig) -> CostModel:
-    """The cost model behind a named policy, as :func:`kvtier.sim.policies.make_policy` builds it."""
-    name = config.policy
-    assert name in NAMED_POLICIES
-    tier = NAMED_POLICIES[name]
-    if name == "dynamo":
-        return DynamoCost()
-    if name == "min_ttft":
-        if config.model not in PRESETS:
-            raise ConfigError(f"unknown model preset {config.model!r}; known: {sorted(PRESETS)}")
-        return TtftCost(TransferModel.for_model(PRESETS[config.model]), max_tier=tier,
-                        prefill_budget=config.prefill_budget, capacity_tokens=config.capacity_tokens)
-    return CreditCost(max_tier=tier)

@@ -28,6 +28,7 @@ from kvtier.indexer.latency import (
     latency_to_json,
     load_latency_points,
 )
+from kvtier.indexer.policies import REGISTRY
 from kvtier.sim import live
 from kvtier.sim.cluster import ClusterConfig
 from kvtier.sim.generators import PRESETS, iter_generate
@@ -369,11 +370,14 @@ def cmd_indexer(a: argparse.Namespace) -> int:
     try:
         cfg = load_config(a.config) if a.config else ServiceConfig(endpoints=[])
         eps = cfg.endpoints + [parse_endpoint(s) for s in a.endpoint]
-        overrides = {k: v for k, v in (("block_size", a.block_size), ("listen", a.listen), ("cost", a.cost),
-                                       ("snapshot_path", a.snapshot), ("policy", a.policy), ("model", a.model),
-                                       ("window_tokens", a.window_tokens), ("http_loop", a.http_loop),
-                                       ("loop_restarts", a.loop_restarts))
-                     if v is not None}
+        given = (("block_size", a.block_size), ("listen", a.listen), ("cost", a.cost), ("snapshot_path", a.snapshot),
+                 ("policy", a.policy), ("model", a.model), ("window_tokens", a.window_tokens),
+                 ("http_loop", a.http_loop), ("loop_restarts", a.loop_restarts), ("gpu_link", a.gpu_link),
+                 ("storage_link", a.storage_link), ("h2d_gbps", a.h2d_gbps), ("storage_gbps", a.storage_gbps),
+                 ("host_credit", a.host_credit), ("disk_credit", a.disk_credit), ("temperature", a.temperature),
+                 ("seed", a.seed), ("prefill_budget", a.prefill_budget), ("capacity_tokens", a.capacity_tokens),
+                 ("latency_path", str(a.latency) if a.latency is not None else None))
+        overrides: dict[str, Any] = {k: v for k, v in given if v is not None}
         cfg = replace(cfg, endpoints=eps, **overrides)
         if not cfg.endpoints:
             raise ConfigError("give at least one --endpoint or a --config with [[endpoints]]")
@@ -453,13 +457,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="WORKER=tcp://host:port[,replay=tcp://host:port][,dp=N][,dump] (repeatable)")
     p.add_argument("--block-size", type=int, help="tokens per KV block (default: the config's, else 16)")
     p.add_argument("--listen", help="HTTP host:port (default: the config's, else 127.0.0.1:8000)")
-    p.add_argument("--cost", choices=["credit", "dynamo", "ttft"],
-                   help="routing cost model: credit (kv_all), dynamo (Dynamo kv_router's cost) or ttft "
-                        "(default: the config's, else credit)")
-    p.add_argument("--policy", help="round_robin, least_loaded, kv_device, kv_host, kv_all, dynamo or min_ttft (as "
-                                    "in the simulator), or a "
+    p.add_argument("--cost", choices=["credit", "ttft"],
+                   help="the kv_* policies' cost, as the simulator's --cost (default: the config's, else credit)")
+    p.add_argument("--policy", help="a policy by name, the simulator's with the same cost under the same settings "
+                                    f"({', '.join(n for n, s in REGISTRY.items() if s.served)}), or a "
                                     "routing-policy plugin: module:attr, file.py:attr or an entry point of "
-                                    "kvtier.policies (default: the --cost model)")
+                                    "kvtier.policies (default: the config's, else kv_all)")
+    g = p.add_argument_group("routing settings (as the simulator's; default: the config's, else the simulator's "
+                             "defaults)")
+    g.add_argument("--gpu-link", choices=sorted(GPU_LINKS), help="host<->device link preset")
+    g.add_argument("--storage-link", choices=sorted(STORAGE_LINKS), help="storage link preset")
+    g.add_argument("--h2d-gbps", type=float, help="host<->device bandwidth, GB/s (overrides --gpu-link)")
+    g.add_argument("--storage-gbps", type=float, help="storage bandwidth, GB/s (overrides --storage-link)")
+    g.add_argument("--latency", type=Path, metavar="JSON", help="iteration-time fit from `kvtier fit-latency`")
+    g.add_argument("--prefill-budget", type=int, help="the workers' chunked-prefill tokens per iteration")
+    g.add_argument("--capacity-tokens", type=int, help="each worker's device KV, tokens (ttft costs)")
+    g.add_argument("--host-credit", type=float, help="credit cost: weight of a host-tier block")
+    g.add_argument("--disk-credit", type=float, help="credit cost: weight of a disk or shared-pool block")
+    g.add_argument("--temperature", type=float, help="softmax sampling over costs (0: argmin)")
+    g.add_argument("--seed", type=int, help="seed of the router's random choices")
     p.add_argument("--snapshot", help="file the index is saved to (every 30 s and on stop) and restored from on "
                                       "start, resuming each stream after its last applied batch (default: none)")
     p.add_argument("--model", choices=sorted(MODEL_PRESETS), metavar="NAME",

@@ -1,24 +1,10 @@
-"""Routing policies compared by the simulator.
+"""Routing policies as the simulator runs them.
 
-Every policy sees the router's own bookkeeping of in-flight work (a LoadTracker);
-the KV-aware ones also see an index fed by engine events through the real codec,
-filtered to the tiers they are allowed to know about.
-
-| policy        | knows                                                  |
-|---------------|--------------------------------------------------------|
-| round_robin   | nothing                                                |
-| random        | nothing (seeded)                                       |
-| least_loaded  | in-flight requests and blocks per worker               |
-| approx        | its own routing history (prefix tree per worker, TTL)  |
-| kv_device     | device events                                          |
-| kv_host       | device + host events                                   |
-| kv_all        | device + host + storage events                         |
-| kv_swa        | as kv_all, scoring SWA engines on their usable prefix  |
-|               | (window-KV events; engines that send none: inferred    |
-|               | from their stores, see kvtier.indexer.index)           |
-| dynamo        | all events, scored as Dynamo's kv_router (DynamoCost)  |
-| min_ttft      | all events, the worker with the least estimated TTFT   |
-| oracle        | the engines' true state, usable prefix (no events)     |
+Which policies exist, what each hears and the cost it routes with come from the one registry,
+:mod:`kvtier.indexer.policies` (its table lists them); this module builds the simulator's side of each: the
+real index fed engine events through the real codec and filtered to the tiers the policy hears (:class:`KvPolicy`),
+the engines' true state (:class:`Oracle`), a routing history (:class:`Approx`), or no state at all. Every policy
+sees the router's own bookkeeping of in-flight work (a LoadTracker).
 
 Every KV-aware policy counts a prefix that in-flight requests share once in a worker's load, and
 breaks cost ties at random (seeded): see :class:`kvtier.indexer.router.Router`.
@@ -34,25 +20,18 @@ from typing import ClassVar, Protocol
 from kvtier.engine.cache import TieredCache
 from kvtier.fields import ConfigError
 from kvtier.indexer.consumer import IndexConsumer
-from kvtier.indexer.hardware import DEFAULT_GPU_LINK, DEFAULT_STORAGE_LINK, GPU_LINKS, STORAGE_LINKS
 from kvtier.indexer.index import TieredIndex
 from kvtier.indexer.keys import BlockKey
-from kvtier.indexer.latency import PRESETS, LatencyModel, MockerLatency, TransferModel
+from kvtier.indexer.latency import PRESETS
 from kvtier.indexer.load import LoadTracker
 from kvtier.indexer.plugins import RoutingPolicy, is_plugin_spec, load_policy
+from kvtier.indexer.policies import POLICIES as POLICIES  # (the names, re-exported)
+from kvtier.indexer.policies import REGISTRY, RoutingSettings, make_cost, policy_spec
 from kvtier.indexer.router import Router
-from kvtier.indexer.scoring import CostModel, CreditCost, DynamoCost, TierCredits, TtftCost, visible
+from kvtier.indexer.scoring import CostModel, CreditCost, visible
 from kvtier.wire.notices import Delivery, StreamId
 from kvtier.wire.overlap import OverlapScores, TierOverlap
 from kvtier.wire.protocol import BlockRemoved, BlockStored, Event, PackedTokens, StorageTier, WorkerId, parse_medium
-
-POLICIES = ["round_robin", "random", "least_loaded", "approx", "kv_device", "kv_host", "kv_all", "kv_swa", "dynamo",
-            "min_ttft", "oracle"]
-_TIER = {"kv_device": StorageTier.DEVICE, "kv_host": StorageTier.HOST, "kv_all": StorageTier.EXTERNAL,
-         "kv_swa": StorageTier.EXTERNAL,
-         "dynamo": StorageTier.EXTERNAL, "min_ttft": StorageTier.EXTERNAL, "oracle": StorageTier.EXTERNAL,
-         "approx": StorageTier.DEVICE}
-
 
 MIN_TTFT_RATIONALE = """\
 ``min_ttft`` sends each request to the worker where its first token is expected soonest, from every
@@ -272,33 +251,13 @@ class Approx:
             self._seen[i] = {k: t for k, t in seen.items() if t >= horizon}
 
 
-def _credits(host: float, disk: float) -> TierCredits:
-    """The CLI's --host-credit / --disk-credit: a shared pool's blocks earn the disk credit."""
-    return TierCredits(host=host, disk=disk, external=disk)
-
-
-def make_cost(name: str, model: str, h2d_gbps: float, storage_gbps: float, max_tier: StorageTier,
-              host_credit: float = 0.75, disk_credit: float = 0.25, prefill_budget: int = 8192,
-              capacity_tokens: int | None = None, latency: LatencyModel | None = None) -> CostModel:
-    """``credit`` (Dynamo-style) or ``ttft`` (estimated time to first token, priced with the workers'
-    chunked-prefill budget and KV capacity)."""
-    if name == "credit":
-        return CreditCost(_credits(host_credit, disk_credit), max_tier=max_tier)
-    if name == "ttft":
-        t = TransferModel.for_model(PRESETS[model], host_to_device_gbps=h2d_gbps,
-                                    storage_to_host_gbps=storage_gbps, external_to_host_gbps=storage_gbps)
-        return TtftCost(t, latency or MockerLatency(), max_tier, prefill_budget, capacity_tokens)
-    raise ValueError(f"unknown cost model {name!r}; expected 'credit' or 'ttft'")
-
-
 def check_policy(name: str) -> None:
     """Raises :class:`~kvtier.fields.ConfigError` (one line) unless ``name`` is a built-in policy or a
     plugin that loads. Imports the plugin's module."""
-    if name in POLICIES:
+    if name in REGISTRY:
         return
     if not is_plugin_spec(name):
-        raise ConfigError(f"unknown policy {name!r}; expected one of {', '.join(POLICIES)}, module:attr, "
-                          "file.py:attr, or an entry point of the group kvtier.policies")
+        policy_spec(name)  # (raises, naming the known ones)
     try:
         load_policy(name)  # fail here, with one line, rather than inside the run
     except ValueError as exc:
@@ -306,39 +265,27 @@ def check_policy(name: str) -> None:
 
 
 def make_policy(name: str, *, workers: int, block_size: int, loads: LoadTracker,
-                caches: Callable[[], list[TieredCache]], cost: str = "credit", model: str = "llama-3.1-8b",
-                h2d_gbps: float = GPU_LINKS[DEFAULT_GPU_LINK].gbps,
-                storage_gbps: float = STORAGE_LINKS[DEFAULT_STORAGE_LINK].gbps, host_credit: float = 0.75,
-                disk_credit: float = 0.25, temperature: float = 0.0, seed: int = 0, prefill_budget: int = 8192,
-                capacity_tokens: int | None = None, latency: LatencyModel | None = None) -> Policy:
-    if name not in POLICIES and is_plugin_spec(name):
+                caches: Callable[[], list[TieredCache]], settings: RoutingSettings | None = None) -> Policy:
+    """The simulator's side of policy ``name`` (a built-in one, or a plugin spec), its cost from the registry
+    (:func:`kvtier.indexer.policies.make_cost`) under ``settings``."""
+    s = settings or RoutingSettings()
+    if name not in REGISTRY and is_plugin_spec(name):
         # A plugin (kvtier.indexer.plugins) routes on everything the index hears, like the service.
         plugin = load_policy(name)
         return KvPolicy(plugin.name, workers, block_size, CreditCost(), loads, StorageTier.EXTERNAL, plugin=plugin)
-    if name not in POLICIES:
-        raise ValueError(f"unknown policy {name!r}; expected one of {POLICIES}, module:attr, or an entry point "
-                         f"of the group kvtier.policies")
-    if name == "round_robin":
-        return RoundRobin(workers)
-    if name == "random":
-        return RandomPolicy(workers, seed)
-    if name == "least_loaded":
+    spec = policy_spec(name)
+    if spec.kind == "blind":
+        return RoundRobin(workers) if name == "round_robin" else RandomPolicy(workers, s.seed)
+    if spec.kind == "load":
         return LeastLoaded(workers, loads)
-    if name == "dynamo":
-        dyn = DynamoCost(_credits(host_credit, disk_credit))
-        return KvPolicy(name, workers, block_size, dyn, loads, _TIER[name], temperature, seed)
-    if name == "min_ttft":
-        # kvtier's own policy: see MIN_TTFT_RATIONALE.
-        cm = make_cost("ttft", model, h2d_gbps, storage_gbps, _TIER[name], prefill_budget=prefill_budget,
-                       capacity_tokens=capacity_tokens, latency=latency)
-        return KvPolicy(name, workers, block_size, cm, loads, _TIER[name], temperature, seed)
-    cm = make_cost(cost, model, h2d_gbps, storage_gbps, _TIER[name], host_credit, disk_credit, prefill_budget,
-                   capacity_tokens, latency)
-    if name == "approx":
+    cm, tier = make_cost(name, s), spec.tier
+    assert tier is not None
+    if spec.kind == "history":
         return Approx(workers, block_size, cm, loads)
-    if name == "oracle":
-        return Oracle(workers, caches, block_size, cm, loads, temperature, seed)
-    swa = name == "kv_swa"
-    # kv_swa knows the served model, so engines that send no window events get their window KV inferred.
-    return KvPolicy(name, workers, block_size, cm, loads, _TIER[name], temperature, seed, window_aware=swa,
-                    window_tokens=PRESETS[model].window_tokens if swa else 0)
+    if spec.kind == "oracle":
+        return Oracle(workers, caches, block_size, cm, loads, s.temperature, s.seed)
+    # A window-aware policy knows the served model, so engines that send no window events get their window KV
+    # inferred.
+    return KvPolicy(name, workers, block_size, cm, loads, tier, s.temperature, s.seed,
+                    window_aware=spec.window_aware,
+                    window_tokens=PRESETS[s.model].window_tokens if spec.window_aware else 0)

@@ -13,6 +13,7 @@ from kvtier.indexer.gcpause import rare_collections
 from kvtier.indexer.keys import key_backend
 from kvtier.indexer.keytable import warm_tables
 from kvtier.indexer.load import LoadTracker
+from kvtier.indexer.policies import RoutingSettings
 from kvtier.sim.cluster import ClusterConfig, Job, build_cluster
 from kvtier.sim.core import Environment
 from kvtier.sim.lookahead import Lookahead, lookahead_backend
@@ -171,11 +172,7 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
         loads.progress(job.req.request_id, job.generated)
 
     policy = make_policy(run.policy, workers=cluster_cfg.workers, block_size=ps, loads=loads,
-                         caches=lambda: cluster.caches, cost=run.cost, model=cluster_cfg.model,
-                         h2d_gbps=cluster_cfg.h2d_gbps, storage_gbps=cluster_cfg.storage_gbps,
-                         host_credit=run.host_credit, disk_credit=run.disk_credit, temperature=run.temperature,
-                         seed=run.seed, prefill_budget=cluster_cfg.prefill_budget,
-                         capacity_tokens=cluster_cfg.capacity_tokens(), latency=cluster_cfg.latency)
+                         caches=lambda: cluster.caches, settings=routing_settings(cluster_cfg, run))
     # A blind policy (round robin, random) reads neither keys nor load: the router does no such bookkeeping.
     tracked = not policy.blind
     cluster = build_cluster(cluster_cfg, env, on_event, on_first_token, on_finish,
@@ -227,6 +224,16 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
                          partial_marks=counters.partial_marks)
     return RunResult(summary, records, decisions, counters.published, counters.lost, counters, builder.ttft,
                      builder.tpot, builder.e2e)
+
+
+def routing_settings(cluster: ClusterConfig, run: RunConfig) -> RoutingSettings:
+    """What the run's policy prices with (:mod:`kvtier.indexer.policies`): the cluster's links, latency fit,
+    prefill budget and device capacity, the router's credits and sampling."""
+    return RoutingSettings(cost=run.cost, model=cluster.model, h2d_gbps=cluster.h2d_gbps,
+                           storage_gbps=cluster.storage_gbps, host_credit=run.host_credit,
+                           disk_credit=run.disk_credit, prefill_budget=cluster.prefill_budget,
+                           capacity_tokens=cluster.capacity_tokens(), latency=cluster.latency,
+                           temperature=run.temperature, seed=run.seed)
 
 
 #: The table kernels a simulation's index calls (events applied, prompt-key references, routing queries). A run

@@ -117,7 +117,8 @@ def test_query_metrics_health_end_to_end(cluster: tuple[list[Publisher], Indexer
     assert json.loads(get(svc.address + "/health")) == {"status": "ok", "workers": 3, "partial_workers": [],
                                                         "recovering_workers": [],
                                                         "http_loop": "uvloop" if find_spec("uvloop") else "asyncio",
-                                                        "keys": key_backend(load=False), "loop_restarts": 0}
+                                                        "keys": key_backend(load=False), "loop_restarts": 0,
+                                                        "restored_from": None}
     assert key_backend(load=False) != "not loaded"  # the service loaded its key chain at start
     assert tokenarray._KERNELS.backend is not None  # and its token-array kernels (warmed once loaded)
     p0.publish(EventBatch(ts=time.time(), events=[BlockRemoved(block_hashes=[3, 2], medium="GPU")]))

@@ -372,9 +372,12 @@ def test_restart_resumes_from_the_snapshot(tmp_path: Any) -> None:
 
 def test_cost_models_by_name() -> None:
     eps = [parse_endpoint("a=tcp://127.0.0.1:1")]
-    for cost in ("credit", "dynamo", "ttft"):
+    for cost in ("credit", "ttft"):
         assert IndexerService(ServiceConfig(endpoints=eps, listen="127.0.0.1:0", cost=cost)).router.cost_model
-    from kvtier.indexer.scoring import CreditCost, TtftCost
+    from kvtier.indexer.scoring import CreditCost, DynamoCost, TtftCost
+
+    dyn = IndexerService(ServiceConfig(endpoints=eps, listen="127.0.0.1:0", policy="dynamo")).router.cost_model
+    assert isinstance(dyn, DynamoCost)
 
     kv_host = IndexerService(ServiceConfig(endpoints=eps, listen="127.0.0.1:0", policy="kv_host")).router.cost_model
     assert isinstance(kv_host, CreditCost) and kv_host.max_tier is StorageTier.HOST
@@ -385,8 +388,13 @@ def test_cost_models_by_name() -> None:
         assert IndexerService(ServiceConfig(endpoints=eps, listen="127.0.0.1:0", policy=name)).router.policy
     with pytest.raises(ConfigError, match="capacity_tokens"):
         ServiceConfig(endpoints=eps, capacity_tokens=0)
-    with pytest.raises(ConfigError, match="cost: 'magic' is not allowed; expected one of credit, dynamo, ttft"):
+    with pytest.raises(ConfigError, match="cost: 'magic' is not allowed; expected one of credit, ttft"):
         IndexerService(ServiceConfig(endpoints=eps, listen="127.0.0.1:0", cost="magic"))
+    # Policies that read what a service does not have (the engines' own state, a seeded coin) say so.
+    for name, says in (("oracle", "simulator only"), ("random", "simulator only"),
+                       ("teleport", "no 'kvtier.policies' entry point")):
+        with pytest.raises(ConfigError, match=says):
+            IndexerService(ServiceConfig(endpoints=eps, listen="127.0.0.1:0", policy=name))
 
 
 def test_unparseable_http_gets_400_and_one_log_line(svc: tuple[Publisher, Publisher, IndexerService],

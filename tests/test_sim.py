@@ -177,13 +177,15 @@ def test_cli_engine_replays_and_dumps_residency(tmp_path: Path) -> None:
 
 def test_dynamo_and_min_ttft_policies_use_their_own_cost_models() -> None:
     from kvtier.indexer.load import LoadTracker
+    from kvtier.indexer.policies import RoutingSettings
     from kvtier.indexer.scoring import DynamoCost, TtftCost
     from kvtier.sim.policies import KvPolicy, make_policy
     from kvtier.wire.protocol import StorageTier
 
-    common = {"workers": 2, "block_size": 64, "loads": LoadTracker(64), "caches": list, "cost": "credit"}
-    dyn = make_policy("dynamo", host_credit=0.5, **common)  # type: ignore[arg-type]
-    ttft = make_policy("min_ttft", prefill_budget=4096, capacity_tokens=65_536, **common)  # type: ignore[arg-type]
+    common = {"workers": 2, "block_size": 64, "loads": LoadTracker(64), "caches": list}
+    dyn = make_policy("dynamo", settings=RoutingSettings(host_credit=0.5), **common)  # type: ignore[arg-type]
+    ttft = make_policy("min_ttft", settings=RoutingSettings(prefill_budget=4096, capacity_tokens=65_536),
+                       **common)  # type: ignore[arg-type]
     assert isinstance(dyn, KvPolicy) and isinstance(ttft, KvPolicy)
     assert isinstance(dyn.router.cost_model, DynamoCost) and dyn.router.cost_model.credits.host == 0.5
     cm = ttft.router.cost_model
