@@ -117,6 +117,11 @@ class Job:
     gaps: list[float] | None = None  # every inter-token gap, seconds, where the run keeps them (--itl-series)
 
 
+#: The priority of an idle worker's next iteration among the events of one instant: after arrivals (2) and copy
+#: completions (1), so that it sees every request of the instant (kvtier.sim.core runs lower priorities first).
+START_PRIORITY = 3
+
+
 @dataclass(slots=True)
 class _DecodeRun:
     """Decode iterations merged into one event. Each step runs at its own utilisation: every running
@@ -238,12 +243,14 @@ class SimWorker:
     # --- batching ------------------------------------------------------------------------
 
     def kick(self) -> None:
-        """New work may be possible: start an iteration, or cut a decode run short."""
+        """New work may be possible: start an iteration, or cut a decode run short. An idle worker starts it once
+        every event of this instant has run (``START_PRIORITY``), so that requests arriving together are scheduled
+        in one batch, as an engine's scheduler step takes every request waiting when it begins."""
         if self._decode is not None:
             self._interrupt_decode()
             return
         if self._busy_until is None:
-            self._iterate()
+            self._busy_until = self.env.at(self.env.now, self._iterate, priority=START_PRIORITY)
 
     def _start_prefills(self) -> None:
         ps = self.cfg.page_size
@@ -307,16 +314,21 @@ class SimWorker:
         if not chunks:
             self._start_decode_run(decoders)
             return
-        step = self._decode_step() if decoders else 0.0
+        step = self._decode_step(decoders) if decoders else 0.0
         tokens = sum(t for _, t in chunks)
         dt = self.latency.prefill_ms(tokens) / 1000.0 + step
         self._busy_until = self.env.after(dt, lambda: self._end_iteration(chunks, decoders))
 
-    def _utilisation(self) -> float:
-        return sum(j.req.input_length + j.generated for j in self.running) / self.capacity_tokens
+    def _utilisation(self, jobs: list[Job] | None = None) -> float:
+        """The KV ``jobs`` (default: every running request) attend over, as a share of the device pool."""
+        return sum(j.req.input_length + j.generated for j in (self.running if jobs is None else jobs)) \
+            / self.capacity_tokens
 
-    def _decode_step(self) -> float:
-        return self.latency.decode_ms(self._utilisation()) / 1000.0
+    def _decode_step(self, decoders: list[Job]) -> float:
+        """The decode part of a mixed iteration: its time grows with the context the decoding requests attend over,
+        not with prompts still being prefilled beside them (a prompt's chunks are the prefill part's cost), as
+        Dynamo's mocker times it too."""
+        return self.latency.decode_ms(self._utilisation(decoders)) / 1000.0
 
     def _end_iteration(self, chunks: list[tuple[Job, int]], decoders: list[Job]) -> None:
         now = self.env.now
