@@ -100,7 +100,7 @@ def main() -> int:
             dyn = run_dynamo(py, dyn_trace, cfg, host_credit=0.75) if py and cfg.l3 == "none" else {}
             for mode, row in sorted(dyn.items()):
                 print(f"{config:<19}{'Dynamo ' + mode:<22}{'':>11}{row.wall_s:8.2f}{'':>10}{row.hit:8.4f}"
-                      f"{row.p50:10.0f}{row.p99:8.0f}")
+                      f"{row.ttft_p50:10.0f}{row.ttft_p99:8.0f}")
             for policy in policies:
                 r = run_fresh(trace, a.limit, config, policy)
                 peer = dyn.get(DYNAMO_MODE.get(policy, ""))
