@@ -18,6 +18,7 @@ their spec, not here.
 | kv_swa        | index    | every tier, window KV  | the ``cost`` setting, on the usable (windowed) prefix |
 | dynamo        | index    | every tier             | Dynamo kv_router's (:class:`DynamoCost`)             |
 | min_ttft      | index    | every tier             | estimated time to first token (:class:`TtftCost`)    |
+| goodput       | index    | every tier             | min_ttft among workers meeting the SLO (:class:`SloCost`) |
 | oracle        | oracle   | the engines themselves | the ``cost`` setting                                 |
 """
 
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 from kvtier.fields import ConfigError
 from kvtier.indexer.hardware import DEFAULT_GPU_LINK, DEFAULT_STORAGE_LINK, GPU_LINKS, STORAGE_LINKS
 from kvtier.indexer.latency import PRESETS, LatencyModel, MockerLatency, TransferModel
-from kvtier.indexer.scoring import CostModel, CreditCost, DynamoCost, TierCredits, TtftCost
+from kvtier.indexer.scoring import CostModel, CreditCost, DynamoCost, SloCost, TierCredits, TtftCost
 from kvtier.wire.protocol import StorageTier
 
 
@@ -48,6 +49,8 @@ class RoutingSettings:
     latency: LatencyModel = field(default_factory=MockerLatency)  # iteration times (a measured fit, or Dynamo's)
     temperature: float = 0.0  # softmax sampling over costs (0: the lowest, ties at random)
     seed: int = 0  # the router's random choices
+    slo_ttft_ms: float | None = None  # the SLO the goodput policy routes for (None: not bounded)
+    slo_tpot_ms: float | None = None
 
     def credits(self) -> TierCredits:
         """The credit weights; a shared pool's blocks earn the disk credit."""
@@ -72,6 +75,11 @@ def _setting_cost(s: RoutingSettings, tier: StorageTier) -> CostModel:
 
 def _ttft(s: RoutingSettings, tier: StorageTier) -> CostModel:
     return TtftCost(s.transfer(), s.latency, tier, s.prefill_budget, s.capacity_tokens)
+
+
+def _slo(s: RoutingSettings, tier: StorageTier) -> CostModel:
+    base = TtftCost(s.transfer(), s.latency, tier, s.prefill_budget, s.capacity_tokens)
+    return SloCost(base, s.slo_ttft_ms, s.slo_tpot_ms)
 
 
 def _dynamo(s: RoutingSettings, tier: StorageTier) -> CostModel:
@@ -109,6 +117,8 @@ _SPECS = [
                doc="every tier, SWA engines scored on their usable prefix"),
     PolicySpec("dynamo", "index", _E, _dynamo, doc="NVIDIA Dynamo kv_router's cost, from its documentation"),
     PolicySpec("min_ttft", "index", _E, _ttft, doc="kvtier's own: the least estimated time to first token"),
+    PolicySpec("goodput", "index", _E, _slo,
+               doc="kvtier's own: min_ttft among the workers where the request meets its SLO (TTFT, TPOT)"),
     PolicySpec("oracle", "oracle", _E, _setting_cost, doc="the engines' true state, no events"),
 ]
 #: Every built-in policy, by name, in the order tables list them.

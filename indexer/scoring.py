@@ -217,3 +217,55 @@ class TtftCost:
             full = max(0.0, projected / self.capacity_tokens - headroom) * self.memory_wait_ms
         return load_ms + self.prefill_queue_ms(load.pending_prefill_tokens + uncached,
                                                step * self.decode_weight) + full
+
+
+#: What a worker that would miss the SLO costs on top of its shortfall: more than any estimate of a worker that meets
+#: it, so that one meeting it always wins (ms).
+SLO_MISS_MS = 1e9
+
+
+@dataclass(slots=True, frozen=True)
+class SloCost:
+    """kvtier's goodput policy: the cheapest worker by ``base`` (:class:`TtftCost`, cache affinity priced in time)
+    among those where the request is expected to meet its SLO, else the one it misses by least.
+
+    Two estimates per worker, for this request: its time to first token (``base`` with each decode step counted
+    once, the request's own wait) and its time per output token, the decode step at the context the worker would
+    attend over midway through the request's decode (the in-flight requests' prompts and outputs so far, this
+    prompt, and half of what it and they are expected still to write). A worker passing either bound
+    (``ttft_ms``, ``tpot_ms``; None: not bounded) costs :data:`SLO_MISS_MS` times its worst ratio to the bound.
+    Piling sessions where their prefixes are wins TTFT and loses every stream's TPOT there once the batch grows:
+    this stops adding to a worker before its decode step passes the bound. Without a capacity the TPOT estimate is
+    left out. Without bounds it routes exactly as ``base``.
+    """
+
+    base: TtftCost  # the cost among the workers meeting the SLO
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+    @property
+    def max_tier(self) -> StorageTier:
+        return self.base.max_tier
+
+    def estimates(self, num_tokens: int, block_size: int, overlap: TierOverlap, load: WorkerLoad,
+                  shared_blocks: int = 0, output_tokens: float = 0.0) -> tuple[float, float]:
+        """(TTFT, TPOT) the request is expected to see on a worker, ms; TPOT nan without a capacity. O(1)."""
+        b = self.base
+        own = TtftCost(b.transfer, b.latency, b.max_tier, b.prefill_budget, b.capacity_tokens, b.memory_headroom,
+                       b.blind_headroom, b.memory_wait_ms, decode_weight=1.0)
+        ttft = own.cost(num_tokens, block_size, overlap, load, shared_blocks, output_tokens)
+        if not b.capacity_tokens:
+            return ttft, float("nan")
+        # Over the request's decode the batch's context grows by half of what it and its neighbours still write.
+        context = load.context_tokens + num_tokens + (load.unwritten_tokens + output_tokens) / 2
+        return ttft, b.latency.decode_ms(context / b.capacity_tokens)
+
+    def cost(self, num_tokens: int, block_size: int, overlap: TierOverlap, load: WorkerLoad,
+             shared_blocks: int = 0, output_tokens: float = 0.0) -> float:
+        base = self.base.cost(num_tokens, block_size, overlap, load, shared_blocks, output_tokens)
+        if self.ttft_ms is None and self.tpot_ms is None:
+            return base
+        ttft, tpot = self.estimates(num_tokens, block_size, overlap, load, shared_blocks, output_tokens)
+        worst = max(ttft / self.ttft_ms if self.ttft_ms else 0.0,
+                    tpot / self.tpot_ms if self.tpot_ms and tpot == tpot else 0.0)
+        return base if worst <= 1.0 else SLO_MISS_MS * worst

@@ -74,7 +74,14 @@ def _add_trace_args(p: argparse.ArgumentParser) -> None:
                    help="Mooncake JSONL, Azure CSV, or builtin:chat|agentic|sysprompt[:N]")
     p.add_argument("--limit", type=COUNT.parse, help="use only the first N requests (default: all)")
     p.add_argument("--time-scale", type=SCALE.parse, default=1.0, help="multiply arrival times (<1 = higher load)")
-    p.add_argument("--trace-seed", type=SEED.parse, default=0, help="seed of builtin traces")
+    p.add_argument("--trace-seed", type=SEED.parse, default=0,
+                   help="seed of builtin traces, and of an Azure trace's prefix groups")
+    p.add_argument("--shared-prefix-blocks", type=SEED.parse, default=0, metavar="N",
+                   help="Azure CSV traces (lengths only): each request's first N 512-token blocks are its prefix "
+                        "group's, as a system prompt per application (Dynamo mocker's trace_shared_prefix_ratio); "
+                        "0: every prompt unique")
+    p.add_argument("--prefix-groups", type=COUNT.parse, default=8, metavar="G",
+                   help="Azure CSV traces: the prefix groups requests join at random (seeded by --trace-seed)")
 
 
 def _add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -189,7 +196,8 @@ def _trace(a: argparse.Namespace) -> TraceSource:
     from kvtier.sim.experiment import trace_source
 
     try:
-        return trace_source(a.trace, limit=a.limit, seed=a.trace_seed, time_scale=a.time_scale)
+        return trace_source(a.trace, limit=a.limit, seed=a.trace_seed, time_scale=a.time_scale,
+                            shared_prefix_blocks=a.shared_prefix_blocks, prefix_groups=a.prefix_groups)
     except (TraceError, FileNotFoundError, ValueError) as exc:
         raise CliError(str(exc)) from None
     except OSError as exc:

@@ -21,13 +21,16 @@ from kvtier.sim.policies import check_policy
 from kvtier.sim.report import CsvRecords, ItlSeries
 from kvtier.sim.run import RunConfig, RunResult, simulate
 from kvtier.sim.source import ListTrace, MooncakeFile, TraceSource, as_source
-from kvtier.sim.trace import Request, load_trace
+from kvtier.sim.trace import Request, load_azure, load_trace
 
 
-def resolve_trace(spec: str, *, limit: int | None = None, seed: int = 0, time_scale: float = 1.0) -> list[Request]:
+def resolve_trace(spec: str, *, limit: int | None = None, seed: int = 0, time_scale: float = 1.0,
+                  shared_prefix_blocks: int = 0, prefix_groups: int = 8) -> list[Request]:
     """``builtin:KIND[:N]`` (a seeded synthetic workload of N requests) or a trace file path.
 
-    ``time_scale`` < 1 compresses arrivals (a higher request rate), > 1 stretches them.
+    ``time_scale`` < 1 compresses arrivals (a higher request rate), > 1 stretches them. An Azure CSV (lengths only)
+    gets ``shared_prefix_blocks`` leading blocks shared within each of ``prefix_groups`` groups
+    (:func:`kvtier.sim.trace.load_azure`, seeded by ``seed``).
     """
     if spec.startswith("builtin:"):
         parts = spec.split(":")
@@ -46,7 +49,8 @@ def resolve_trace(spec: str, *, limit: int | None = None, seed: int = 0, time_sc
             raise FileNotFoundError(f"trace {spec!r} not found (give a file or builtin:chat|agentic|sysprompt)")
         if not path.is_file():
             raise ValueError(f"trace {spec!r} is not a file (give a .jsonl or .csv trace)")
-        reqs = load_trace(path, limit)
+        reqs = (load_azure(path, share_prefix_blocks=shared_prefix_blocks, groups=prefix_groups, seed=seed,
+                           limit=limit) if path.suffix == ".csv" else load_trace(path, limit))
     if limit is not None:
         reqs = reqs[:limit]
     if time_scale != 1.0:
@@ -54,14 +58,16 @@ def resolve_trace(spec: str, *, limit: int | None = None, seed: int = 0, time_sc
     return reqs
 
 
-def trace_source(spec: str, *, limit: int | None = None, seed: int = 0, time_scale: float = 1.0) -> TraceSource:
+def trace_source(spec: str, *, limit: int | None = None, seed: int = 0, time_scale: float = 1.0,
+                 shared_prefix_blocks: int = 0, prefix_groups: int = 8) -> TraceSource:
     """The trace :func:`resolve_trace` names, as a run reads it: a Mooncake JSONL file streamed from disk
     (:class:`~kvtier.sim.source.MooncakeFile`, checked whole here, so a bad line fails before any run), anything
     else in memory. O(requests) time; memory: a 17-byte index per request of a file."""
     path = Path(spec)
     if not spec.startswith("builtin:") and path.is_file() and path.suffix != ".csv":
         return MooncakeFile(path, limit=limit, time_scale=time_scale).index()
-    return ListTrace(resolve_trace(spec, limit=limit, seed=seed, time_scale=time_scale))
+    return ListTrace(resolve_trace(spec, limit=limit, seed=seed, time_scale=time_scale,
+                                   shared_prefix_blocks=shared_prefix_blocks, prefix_groups=prefix_groups))
 
 
 @dataclass(slots=True, frozen=True)

@@ -233,7 +233,8 @@ def routing_settings(cluster: ClusterConfig, run: RunConfig) -> RoutingSettings:
                            storage_gbps=cluster.storage_gbps, host_credit=run.host_credit,
                            disk_credit=run.disk_credit, prefill_budget=cluster.prefill_budget,
                            capacity_tokens=cluster.capacity_tokens(), latency=cluster.latency,
-                           temperature=run.temperature, seed=run.seed)
+                           temperature=run.temperature, seed=run.seed, slo_ttft_ms=run.sla_ttft_ms,
+                           slo_tpot_ms=run.sla_tpot_ms)
 
 
 #: The table kernels a simulation's index calls (events applied, prompt-key references, routing queries). A run

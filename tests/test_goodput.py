@@ -153,3 +153,32 @@ def test_a_prompt_cached_whole_still_gets_its_first_token_from_a_prefill() -> No
     assert a.finish <= b.first_token < b.second_token < b.finish
     assert 0 < b.ttft - (a.finish - b.arrival) < a.ttft  # one token's prefill after a left the batch
     assert res.summary.ttft_p50 > 0
+
+
+def test_the_goodput_policy_keeps_cache_affinity_only_while_the_slo_holds() -> None:
+    """Two workers, the prompt's prefix cached on the first, which already decodes a big batch: without bounds the
+    cost is min_ttft's (the cached worker wins); with a TPOT bound the cached worker's decode step would pass, so
+    the idle one wins; with a bound both meet, affinity wins again."""
+    from kvtier.indexer.latency import TransferModel
+    from kvtier.indexer.load import WorkerLoad
+    from kvtier.indexer.scoring import SloCost, TtftCost
+    from kvtier.wire.overlap import TierOverlap
+
+    base = TtftCost(TransferModel(131_072), capacity_tokens=1_000_000)
+    busy = WorkerLoad(running=60, prefilling=0, active_blocks=10_000, context_tokens=700_000)
+    idle = WorkerLoad()
+    cached, cold = TierOverlap(60, 60, 60, 60), TierOverlap(0, 0, 0, 0)
+
+    def pick(cm: SloCost) -> str:
+        a = cm.cost(4096, 64, cached, busy, 0, 200.0)
+        b = cm.cost(4096, 64, cold, idle, 0, 200.0)
+        return "cached" if a < b else "idle"
+
+    step_busy = base.latency.decode_ms((700_000 + 4096 + 100) / 1_000_000)
+    assert pick(SloCost(base)) == ("cached" if base.cost(4096, 64, cached, busy, 0, 200.0)
+                                   < base.cost(4096, 64, cold, idle, 0, 200.0) else "idle")
+    assert SloCost(base).cost(4096, 64, cached, busy, 0, 200.0) == base.cost(4096, 64, cached, busy, 0, 200.0)
+    assert pick(SloCost(base, tpot_ms=step_busy * 0.9)) == "idle"
+    assert pick(SloCost(base, ttft_ms=1e6, tpot_ms=step_busy * 1.5)) == pick(SloCost(base))
+    ttft, tpot = SloCost(base).estimates(4096, 64, cached, busy, 0, 200.0)
+    assert tpot == pytest.approx(step_busy) and ttft > 0

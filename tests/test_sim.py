@@ -236,3 +236,17 @@ def test_load_kernels_loads_every_kernel_a_run_calls(jit: str) -> None:
     assert set(got["backends"].values()) == {want}, got["backends"]
     assert got["after"] == got["before"], "kernels loaded during the runs, after load_kernels"
     assert bool(got["before"]) == (jit == "1")
+
+
+def test_azure_traces_get_shared_prefixes_from_the_cli(tmp_path: Path, shared_dir: Path) -> None:
+    """An Azure trace has lengths only: --shared-prefix-blocks gives each request its prefix group's leading
+    blocks (as Dynamo mocker's trace_shared_prefix_ratio does), so routing has something to find; 0 keeps every
+    prompt unique."""
+    trace = str(shared_dir / "traces" / "azure_llm_2023_conv.csv")
+    hits = []
+    for blocks in ("0", "4"):
+        out = tmp_path / blocks
+        assert cli(["replay", "--trace", trace, "--limit", "200", "--shared-prefix-blocks", blocks,
+                    "--prefix-groups", "4", "--policy", "kv_all", "--no-plots", "--out", str(out)]) == 0
+        hits.append(json.loads((out / "summary.json").read_text())["runs"][0]["hit_rate"])
+    assert hits[0] == 0.0 and hits[1] > 0.3

@@ -1,0 +1,142 @@
+"""Goodput of kvtier's policies against every incumbent, per workload and SLO level (issue 47, item 4).
+
+For each workload: round robin runs first, and its percentiles set three SLO levels, each a (TTFT, TPOT) pair:
+tight (round robin's p50 of each), medium (p90) and loose (p99). Every other policy runs once and its goodput is
+read at each level from its per-request latencies; ``goodput`` (kvtier's SLO-aware policy) runs once per level,
+told that level's SLO (the knob a user sets). Printed per workload: hit rate, TTFT / TPOT / e2e p50 p90 p99 and
+goodput at each level, and for ``goodput`` and ``min_ttft`` whether they meet the target against each incumbent:
+goodput at least as high at every level, and no p50/p90/p99 of TTFT, TPOT or e2e more than 2% worse.
+
+    python bench/goodput_table.py                       # every workload (minutes)
+    python bench/goodput_table.py --workloads agentic --limit 2000
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvtier.indexer.policies import REGISTRY
+from kvtier.sim.cluster import ClusterConfig
+from kvtier.sim.experiment import resolve_trace, shared_dir
+from kvtier.sim.metrics import Slo, goodput_count
+from kvtier.sim.run import RunConfig, RunResult, simulate
+from kvtier.sim.trace import Request
+
+DYNAMO_DEFAULT = ClusterConfig(workers=16, page_size=64, device_tokens=16_384 * 64, max_running=256,
+                               prefill_budget=8192, host_ratio=0.0, h2d_gbps=25.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    trace: str  # a trace spec (kvtier.sim.experiment.resolve_trace), "{shared}" for ../shared
+    cluster: ClusterConfig
+    time_scale: float = 1.0
+    shared_prefix_blocks: int = 0  # Azure traces: prefix groups (resolve_trace)
+
+
+MOONCAKE = "{shared}/traces/mooncake_conversation_trace.jsonl"
+WORKLOADS = {
+    "mooncake-default": Workload(MOONCAKE, DYNAMO_DEFAULT),
+    "mooncake-default-host4x": Workload(MOONCAKE, dataclasses.replace(DYNAMO_DEFAULT, host_ratio=4.0)),
+    "mooncake-loaded": Workload(MOONCAKE, dataclasses.replace(DYNAMO_DEFAULT, workers=8, device_tokens=262_144,
+                                                              host_ratio=4.0)),
+    "agentic": Workload("builtin:agentic:4000", ClusterConfig(workers=16, page_size=64, device_tokens=131_072,
+                                                              host_ratio=4.0)),
+    "chat": Workload("builtin:chat:1000", ClusterConfig(workers=4, device_tokens=32_768, host_ratio=4.0, l3="disk",
+                                                        l3_tokens=1_048_576), time_scale=6.0),
+    "azure-shared": Workload("{shared}/traces/azure_llm_2023_conv.csv", DYNAMO_DEFAULT, shared_prefix_blocks=4),
+}
+INCUMBENTS = ["dynamo", "sglang_cache_aware", "llmd"]
+OURS = ["min_ttft", "goodput"]
+LEVELS = {"tight": 50, "medium": 90, "loose": 99}
+FIGURES = [(f"{m} p{p}", m, p) for m in ("TTFT", "TPOT", "e2e") for p in (50, 90, 99)]
+
+
+def _pct(xs: object, p: float) -> float:
+    a = np.asarray(xs, dtype=float)
+    a = a[~np.isnan(a)]
+    return float(np.percentile(a, p)) if len(a) else float("nan")
+
+
+def figures(res: RunResult) -> dict[str, float]:
+    """Percentiles (ms) of TTFT, TPOT and e2e over the completed requests."""
+    series = {"TTFT": res.ttft, "TPOT": res.tpot, "e2e": res.e2e}
+    return {label: _pct(series[m], p) * 1000 for label, m, p in FIGURES}
+
+
+def goodput(res: RunResult, slo: Slo, total: int) -> float:
+    return goodput_count(slo, res.ttft, res.tpot, res.e2e) / total
+
+
+def run_workload(name: str, w: Workload, policies: list[str], limit: int | None) -> int:
+    trace: list[Request] = resolve_trace(w.trace.format(shared=shared_dir()), limit=limit, time_scale=w.time_scale,
+                                         shared_prefix_blocks=w.shared_prefix_blocks)
+    n = len(trace)
+    rr = simulate(trace, w.cluster, RunConfig("round_robin"))
+    slos = {lv: Slo(ttft_s=_pct(rr.ttft, p), tpot_s=_pct(rr.tpot, p)) for lv, p in LEVELS.items()}
+    print(f"\n{name}: {n} requests, {w.cluster.workers} workers x {w.cluster.device_tokens:,} device tokens, host "
+          f"x{w.cluster.host_ratio:g}, l3={w.cluster.l3}; SLO levels from round robin: "
+          + "; ".join(f"{lv} {s.describe()}" for lv, s in slos.items()))
+    rows: dict[str, tuple[float, dict[str, float], dict[str, float]]] = {}
+
+    def add(label: str, res: RunResult, good: dict[str, float]) -> None:
+        rows[label] = (res.summary.hit_rate, figures(res), good)
+
+    add("round_robin", rr, {lv: goodput(rr, s, n) for lv, s in slos.items()})
+    for p in policies:
+        if p not in REGISTRY:
+            continue
+        if p == "goodput":  # told each level's SLO: one run per level, each judged at its own level
+            runs = {lv: simulate(trace, w.cluster, RunConfig(p, sla_ttft_ms=s.ttft_s * 1000 if s.ttft_s else None,
+                                                             sla_tpot_ms=s.tpot_s * 1000 if s.tpot_s else None))
+                    for lv, s in slos.items()}
+            for lv, res in runs.items():
+                add(f"goodput@{lv}", res, {lv2: goodput(res, s2, n) for lv2, s2 in slos.items()})
+        else:
+            res = simulate(trace, w.cluster, RunConfig(p))
+            add(p, res, {lv: goodput(res, s, n) for lv, s in slos.items()})
+    head = f"{'policy':<20}{'hit':>7}" + "".join(f"{h:>10}" for h, _, _ in FIGURES) + "".join(
+        f"{'good ' + lv:>12}" for lv in LEVELS)
+    print(head)
+    for label, (hit, fig, good) in rows.items():
+        print(f"{label:<20}{hit:7.3f}" + "".join(f"{fig[h]:10.1f}" for h, _, _ in FIGURES)
+              + "".join(f"{good[lv]:12.3f}" for lv in LEVELS))
+    misses = 0
+    for ours in [r for r in rows if r in OURS or r.startswith("goodput@")]:
+        for peer in [p for p in INCUMBENTS if p in rows]:
+            _, fo, go = rows[ours]
+            _, fp, gp = rows[peer]
+            levels = [lv for lv in LEVELS if not ours.startswith("goodput@") or ours.endswith(lv)]
+            worse_good = [lv for lv in levels if go[lv] < gp[lv] - 1e-9]
+            worse_fig = [h for h, _, _ in FIGURES if fo[h] > fp[h] * 1.02]
+            ok = not worse_good and not worse_fig
+            misses += not ok
+            why = "" if ok else (f" (goodput lower at {', '.join(worse_good)}" if worse_good else " (") + (
+                f"; worse than 2%: {', '.join(worse_fig)})" if worse_fig else ")")
+            print(f"  {'MET ' if ok else 'MISS'} {ours} vs {peer}{why}")
+    return misses
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, from {', '.join(WORKLOADS)}")
+    ap.add_argument("--policies", default=",".join(INCUMBENTS + OURS),
+                    help="policies beside round robin (those not in the registry are skipped)")
+    ap.add_argument("--limit", type=int, help="first N requests of each trace only")
+    a = ap.parse_args()
+    misses = 0
+    for name in a.workloads.split(","):
+        misses += run_workload(name, WORKLOADS[name], a.policies.split(","), a.limit)
+    print(f"\n{misses} target(s) missed" if misses else "\nevery target met")
+    return 1 if misses else 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).parent))
+    sys.exit(main())
