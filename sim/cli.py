@@ -211,8 +211,64 @@ def _meta(a: argparse.Namespace, n_requests: int) -> dict[str, Any]:
             "loss_burst": a.loss_burst, "slo_ms": {"ttft": a.sla_ttft_ms, "tpot": a.sla_tpot_ms, "e2e": a.sla_e2e_ms}}
 
 
-def _tick(bar: Any) -> None:
-    bar.update(1)
+#: How long loading the compiled kernels may take before the CLI says why it is quiet, seconds.
+KERNEL_NOTICE_S = 2.0
+
+
+def _load_kernels_saying_so() -> None:
+    """Loads the simulator's compiled kernels before the runs (forked run processes inherit them). Loading takes
+    under a second from numba's cache; the first run after an install compiles them, which takes a minute or two
+    on 2 cores: past :data:`KERNEL_NOTICE_S` a line says so, and when they are ready how long it took."""
+    import threading
+
+    from kvtier.sim.run import load_kernels
+
+    done = threading.Event()
+    said = threading.Event()
+
+    def notice() -> None:
+        if not done.wait(KERNEL_NOTICE_S):
+            said.set()
+            print("kvtier: loading the simulator's compiled kernels (the first run after an install compiles them "
+                  "into numba's cache, a minute or two on 2 cores)...", file=sys.stderr, flush=True)
+
+    t0 = time.monotonic()
+    watcher = threading.Thread(target=notice, daemon=True)
+    watcher.start()
+    try:
+        load_kernels()
+    finally:
+        done.set()
+        watcher.join()
+    if said.is_set():
+        print(f"kvtier: kernels ready after {time.monotonic() - t0:.0f} s; once cached they load in about a second",
+              file=sys.stderr, flush=True)
+
+
+class _RunsProgress:
+    """Runs finished: a bar on a terminal, else a line per run (a CI log, a pipe), so a long comparison is never
+    silent."""
+
+    def __init__(self, total: int) -> None:
+        from tqdm import tqdm
+
+        self.total, self.count, self.t0 = total, 0, time.monotonic()
+        self.bar = tqdm(total=total, desc="runs", unit="run", disable=None)
+        self.lines = bool(self.bar.disable)
+
+    def done(self, tag: dict[str, Any], res: RunResult) -> None:
+        self.count += 1
+        self.bar.update(1)
+        if self.lines:
+            what = " ".join(f"{k}={v}" for k, v in tag.items())
+            print(f"kvtier: run {self.count}/{self.total} done ({what}; {res.summary.requests} requests) after "
+                  f"{time.monotonic() - self.t0:.1f} s", file=sys.stderr, flush=True)
+
+    def __enter__(self) -> _RunsProgress:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.bar.close()
 
 
 # --- commands ------------------------------------------------------------------------------
@@ -237,13 +293,12 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
           f"{cluster.device_tokens:,} device tokens each, host x{cluster.host_ratio:g}, l3={cluster.l3}; "
           f"policies: {', '.join(policies)}", file=sys.stderr)
     t0 = time.monotonic()
-    from tqdm import tqdm
-
+    _load_kernels_saying_so()
     if getattr(a, "progress", False):
         results = [execute(jobs[0], progress=True)]
     else:
-        with tqdm(total=len(jobs), desc="runs", unit="run", disable=None) as bar:
-            results = run_jobs(jobs, processes=a.jobs, on_done=lambda tag, res: _tick(bar))
+        with _RunsProgress(len(jobs)) as bar:
+            results = run_jobs(jobs, processes=a.jobs, on_done=bar.done)
     wall, peak = time.monotonic() - t0, _peak_rss_mib()
     summaries = [res.summary for _, res in results]
     print(table(summaries))
@@ -312,10 +367,9 @@ def cmd_sweep(a: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"kvtier sweep: {len(jobs)} runs over {', '.join(grid)}"
           f" on {'Ray' if a.ray else 'a local process pool'}", file=sys.stderr)
-    from tqdm import tqdm
-
-    with tqdm(total=len(jobs), desc="runs", unit="run", disable=None) as bar:
-        results = run_jobs(jobs, processes=a.jobs, use_ray=a.ray, on_done=lambda tag, res: _tick(bar))
+    _load_kernels_saying_so()
+    with _RunsProgress(len(jobs)) as bar:
+        results = run_jobs(jobs, processes=a.jobs, use_ray=a.ray, on_done=bar.done)
     rows = []
     summaries = []
     for tag, res in results:

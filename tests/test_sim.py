@@ -250,3 +250,14 @@ def test_azure_traces_get_shared_prefixes_from_the_cli(tmp_path: Path, shared_di
                     "--prefix-groups", "4", "--policy", "kv_all", "--no-plots", "--out", str(out)]) == 0
         hits.append(json.loads((out / "summary.json").read_text())["runs"][0]["hit_rate"])
     assert hits[0] == 0.0 and hits[1] > 0.3
+
+
+def test_a_comparison_piped_to_a_log_reports_each_run(tmp_path: Path) -> None:
+    """Without a terminal (CI, a pipe) tqdm's bar turns itself off: each finished run is a line instead, so a long
+    comparison is never silent."""
+    out = subprocess.run([sys.executable, "-m", "kvtier", "compare", "--trace", "builtin:chat:60", "--workers", "2",
+                          "--policies", "round_robin,kv_all", "--no-plots", "--jobs", "1", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr
+    assert "run 1/2 done (policy=round_robin; 60 requests)" in out.stderr
+    assert "run 2/2 done (policy=kv_all; 60 requests)" in out.stderr
