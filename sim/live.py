@@ -13,6 +13,7 @@ keeps serving replay and dump requests until SIGTERM or ``--hold`` seconds.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -82,6 +83,9 @@ def _open(args: argparse.Namespace) -> tuple[TieredCache, EngineNode, DataPath, 
         raise EngineError(f"--l3 {args.l3}: needs a host tier (--host-ratio > 0)")
     dp: DataPath
     if args.l3_dir is not None:
+        if importlib.util.find_spec("torch") is None:
+            raise EngineError("--l3-dir moves real KV bytes with torch, which is not installed: "
+                              "pip install 'kvtier[engine]'")
         # Real bytes: a page of page_size tokens x kv_bytes_per_token, moved by torch on the CPU.
         dp = TorchDataPath(args.device_pages, cfg.host_pages, (args.page_size, args.kv_bytes_per_token // 2),
                            device="cpu")
