@@ -399,6 +399,29 @@ def cmd_gen_trace(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tokens(a: argparse.Namespace) -> int:
+    """Prints one request's prompt as the indexer's query body, ``{"token_ids": [...]}``: the tokens ``kvtier
+    engine --trace T --seed S`` serves for it, so a query of a running engine's prefix hits."""
+    from kvtier.sim.experiment import resolve_trace
+    from kvtier.sim.trace import TokenBank
+
+    try:
+        reqs = resolve_trace(a.trace, seed=a.seed)
+    except (TraceError, FileNotFoundError, ValueError) as exc:
+        raise CliError(str(exc)) from None
+    if a.request is not None:
+        found = [r for r in reqs if r.request_id == a.request]
+        if not found:
+            raise CliError(f"--request {a.request!r}: no such request in {a.trace} (ids: {reqs[0].request_id} ...)")
+        req = found[0]
+    elif a.index >= len(reqs):
+        raise CliError(f"--index {a.index}: {a.trace} has {len(reqs)} requests")
+    else:
+        req = reqs[a.index]
+    print(json.dumps({"token_ids": TokenBank(seed=a.seed).tokens(req)}))
+    return 0
+
+
 def cmd_fit_latency(a: argparse.Namespace) -> int:
     try:
         prefill, decode = load_latency_points(str(a.csv))
@@ -495,6 +518,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=SEED.parse, default=0, help="generator seed")
     p.add_argument("-o", "--output", required=True, help="JSONL file to write")
     p.set_defaults(func=cmd_gen_trace)
+
+    p = add("tokens", help="print a trace request's prompt as the indexer's query body {\"token_ids\": [...]}",
+            description="The token ids `kvtier engine --trace T --seed S` serves for one request of T: pipe them to "
+                        "the indexer's POST /query or /route to ask about a prefix the engine holds.")
+    p.add_argument("--trace", required=True, help="the engine's --trace (a file or builtin:KIND[:N])")
+    p.add_argument("--seed", type=SEED.parse, default=0, help="the engine's --seed (builtin traces and token ids)")
+    p.add_argument("--index", type=SEED.parse, default=0, help="the request's position in the trace")
+    p.add_argument("--request", help="the request's id (instead of --index)")
+    p.set_defaults(func=cmd_tokens)
 
     p = add("fit-latency", help="fit the prefill/decode latency model to measured points",
             description="Fits prefill_ms = a*T^2 + b*T + c (T: uncached tokens in a pass) and decode_ms = "
