@@ -302,6 +302,7 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
     wall, peak = time.monotonic() - t0, _peak_rss_mib()
     summaries = [res.summary for _, res in results]
     print(table(summaries))
+    _warn_overloaded(summaries)
     write_json(out_dir / "summary.json", summaries, {**_meta(a, len(trace)), "wall_s": round(wall, 3),
                                                      "peak_rss_mib": round(peak, 1)})
     join_csv(out_dir / "requests.csv", parts)
@@ -315,6 +316,15 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
     print(f"\nran in {wall:.1f} s, peak memory {peak:,.0f} MiB (largest process); wrote "
           f"{', '.join(str(p) for p in written)}", file=sys.stderr)
     return _unfinished_status(a, summaries, len(trace))
+
+
+def _warn_overloaded(summaries: list[Any]) -> None:
+    from kvtier.sim.report import overloaded
+
+    for s in summaries:
+        why = overloaded(s)
+        if why:
+            print(f"kvtier: warning: {why}", file=sys.stderr)
 
 
 def _peak_rss_mib() -> float:
@@ -354,7 +364,7 @@ def cmd_replay(a: argparse.Namespace) -> int:
 
 def cmd_sweep(a: argparse.Namespace) -> int:
     from kvtier.sim.experiment import grid_jobs, parse_grid, run_jobs
-    from kvtier.sim.report import table
+    from kvtier.sim.report import table, write_sweep
 
     try:
         grid = parse_grid(a.grid)
@@ -377,10 +387,13 @@ def cmd_sweep(a: argparse.Namespace) -> int:
         s.policy = " ".join(f"{k}={v}" for k, v in tag.items())
         summaries.append(s)
         rows.append({**tag, **{k: None if isinstance(v, float) and math.isnan(v) else v  # (strict JSON: no NaN)
-                               for k, v in s.as_dict().items() if k not in ("policy", "extra")}})
-    print(table(summaries))
+                               for k, v in s.as_dict().items() if k not in ("policy", "extra", "slo")},
+                     **s.extra})
+    print(table(summaries, first="grid point"))
+    _warn_overloaded(summaries)
     (out_dir / "sweep.json").write_text(json.dumps(rows, indent=2, default=str))
-    print(f"\nwrote {out_dir / 'sweep.json'}", file=sys.stderr)
+    written = [out_dir / "sweep.json", *write_sweep(out_dir, rows, list(grid), plots=not a.no_plots)]
+    print(f"\nwrote {', '.join(str(p) for p in written)}", file=sys.stderr)
     return _unfinished_status(a, summaries, len(jobs[0].trace) if jobs else 0)
 
 
@@ -509,6 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="out/sweep", help="output directory")
     p.add_argument("--jobs", type=COUNT.parse, help="parallel processes (default: one per core)")
     p.add_argument("--ray", action="store_true", help="run on a Ray cluster (RAY_ADDRESS or a local one)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (one per measure across the grid)")
     p.set_defaults(func=cmd_sweep)
 
     p = add("gen-trace", help="write a seeded synthetic trace as Mooncake JSONL")

@@ -36,18 +36,87 @@ _COLUMNS = [
 ]
 
 
-def table(summaries: Sequence[RunSummary]) -> str:
-    """A fixed-width comparison table."""
-    rows = [[h for h, _, _, _ in _COLUMNS]]
+#: The event path's counters (RunSummary.extra), shown when any run lost batches: (heading, key).
+_WIRE_COLUMNS = [("lost", "events_lost"), ("replays", "replay_requests"), ("dumps", "dumps"),
+                 ("partial", "partial_marks")]
+
+
+def table(summaries: Sequence[RunSummary], first: str = "policy") -> str:
+    """A fixed-width comparison table; ``first``: the heading of the first column (a sweep's is its grid point).
+    When any run lost event batches, its loss and recovery counters follow."""
+    wire = [c for c in _WIRE_COLUMNS if any(s.extra.get("events_lost") for s in summaries)]
+    rows = [[first] + [h for h, _, _, _ in _COLUMNS[1:]] + [h for h, _ in wire]]
     for s in summaries:
         d = s.as_dict()
         rows.append([("-" if isinstance(d[k], float) and math.isnan(d[k]) else f.format(d[k] * x if x != 1.0 else d[k]))
-                     for _, k, f, x in _COLUMNS])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
+                     for _, k, f, x in _COLUMNS] + [str(s.extra.get(k, 0)) for _, k in wire])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
              for r in rows]
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)
+
+
+def overloaded(s: RunSummary) -> str | None:
+    """Why a run's cluster could not keep up, or None: most of the median request's TTFT was spent queued before
+    its prefill (arrivals outpaced the workers), which no routing policy fixes."""
+    if s.requests and s.queue_p50 > 1.0 and s.queue_p50 > 0.5 * s.ttft_p50:
+        return (f"{s.policy}: overloaded: the median request waited {s.queue_p50:.1f} s in queue of a "
+                f"{s.ttft_p50:.1f} s TTFT; arrivals outpace the cluster (more workers, a larger --time-scale or "
+                f"fewer requests)")
+    return None
+
+
+#: What a sweep plots, one PNG each: (RunSummary field, axis label).
+SWEEP_MEASURES = [("hit_rate", "hit rate"), ("ttft_p90", "TTFT p90 (s)"), ("tpot_p90", "TPOT p90 (s)"),
+                  ("e2e_p99", "e2e p99 (s)"), ("goodput", "goodput")]
+
+
+def write_sweep(out_dir: Path, rows: Sequence[dict[str, Any]], axes: Sequence[str], plots: bool) -> list[Path]:
+    """``sweep.csv`` (one row per grid point: its settings, then every scalar summary field) and, with ``plots``,
+    one line plot per measure of :data:`SWEEP_MEASURES`: the first grid axis along x, a line per combination of
+    the others. Returns the paths written."""
+    keys = list(rows[0]) if rows else []
+    path = out_dir / "sweep.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(keys)
+        for r in rows:
+            w.writerow(["" if v is None or (isinstance(v, float) and math.isnan(v)) else v for v in
+                        (r[k] for k in keys)])
+    written = [path]
+    if not plots or not rows or not axes:
+        return written
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x, rest = axes[0], list(axes[1:])
+    for field, label in SWEEP_MEASURES:
+        if all(r.get(field) is None for r in rows):
+            continue
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        lines: dict[tuple[Any, ...], list[tuple[Any, float]]] = {}
+        for r in rows:
+            lines.setdefault(tuple(r[a] for a in rest), []).append((r[x], math.nan if r[field] is None else r[field]))
+        categorical = any(isinstance(v, str) for pts in lines.values() for v, _ in pts)
+        for key, pts in lines.items():
+            xs = [str(v) for v, _ in pts] if categorical else [v for v, _ in pts]
+            ax.plot(xs, [y for _, y in pts], marker="o", label=", ".join(f"{a}={v}" for a, v in zip(rest, key,
+                                                                                                     strict=True)))
+        ax.set_xlabel(x)
+        ax.set_ylabel(label)
+        ax.set_title(f"{label} across {x}", fontsize=10)
+        ax.grid(alpha=0.3)
+        if rest:
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        p = out_dir / f"sweep_{field}.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        written.append(p)
+    return written
 
 
 def write_json(path: Path, summaries: Sequence[RunSummary], meta: dict[str, Any]) -> None:

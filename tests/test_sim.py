@@ -142,6 +142,11 @@ def test_cli_sweep_gen_trace_and_errors(tmp_path: Path, capsys: pytest.CaptureFi
     text = (tmp_path / "s" / "sweep.json").read_text()
     rows = json.loads(text, parse_constant=lambda c: pytest.fail(f"sweep.json holds {c}: strict JSON refuses it"))
     assert rows[0]["goodput"] is None  # (no SLO given)
+    csv_rows = (tmp_path / "s" / "sweep.csv").read_text().splitlines()
+    assert csv_rows[0].startswith("host_ratio,policy,requests,") and len(csv_rows) == 5
+    for measure in ("hit_rate", "ttft_p90", "tpot_p90"):
+        assert (tmp_path / "s" / f"sweep_{measure}.png").stat().st_size > 5_000
+    assert "grid point" in capsys.readouterr().out
     assert [(r["host_ratio"], r["policy"]) for r in rows] == [(0.0, "kv_device"), (0.0, "kv_host"),
                                                                (2.0, "kv_device"), (2.0, "kv_host")]
     assert cli(["replay", "--trace", str(trace), "--policy", "teleport"]) == 2
@@ -261,3 +266,18 @@ def test_a_comparison_piped_to_a_log_reports_each_run(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert "run 1/2 done (policy=round_robin; 60 requests)" in out.stderr
     assert "run 2/2 done (policy=kv_all; 60 requests)" in out.stderr
+
+
+def test_an_overloaded_cluster_is_named_and_lost_batches_are_counted(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """A run whose requests mostly queue says so (routing cannot fix it), and a lossy wire's losses and recoveries
+    appear in the table, not only in JSON."""
+    assert cli(["replay", "--trace", "builtin:chat:300", "--time-scale", "0.02", "--workers", "1",
+                "--device-tokens", "32768", "--policy", "kv_all", "--event-loss", "0.05", "--no-plots",
+                "--out", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert "warning: kv_all: overloaded: the median request waited" in err
+    head = out.splitlines()[0].split()
+    assert head[-4:] == ["lost", "replays", "dumps", "partial"]
+    summary = json.loads((tmp_path / "summary.json").read_text())["runs"][0]
+    assert out.splitlines()[2].split()[-4] == str(summary["extra"]["events_lost"]) != "0"
