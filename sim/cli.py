@@ -358,7 +358,8 @@ def cmd_indexer(a: argparse.Namespace) -> int:
         overrides = {k: v for k, v in (("block_size", a.block_size), ("listen", a.listen), ("cost", a.cost),
                                        ("snapshot_path", a.snapshot), ("policy", a.policy), ("model", a.model),
                                        ("window_tokens", a.window_tokens), ("http_loop", a.http_loop),
-                                       ("loop_restarts", a.loop_restarts))
+                                       ("loop_restarts", a.loop_restarts),
+                                       ("liveness_timeout_s", a.liveness_timeout))
                      if v is not None}
         cfg = replace(cfg, endpoints=eps, **overrides)
         if not cfg.endpoints:
@@ -462,6 +463,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="times a failed event loop starts again (back-off 0.5 s doubling to 30 s; each stream "
                         "resumes after its last applied batch) before the service exits non-zero "
                         "(default: the config's, else 0)")
+    p.add_argument("--liveness-timeout", type=float, metavar="S",
+                   help="seconds a worker's publisher may send nothing (no batch, no answer to the idle probes) "
+                        "before it is taken for gone: not routed to while another worker is alive, listed by "
+                        "/health, until heard again; endpoints with a replay socket only (default: the "
+                        "config's, else 5)")
     p.set_defaults(func=cmd_indexer)
     return parser
 

@@ -21,6 +21,7 @@ from enum import Enum
 from kvtier.wire.backoff import Backoff
 from kvtier.wire.frames import DUMP_REQUEST, END_SEQ, pack_seq, unpack_seq
 from kvtier.wire.notices import Delivery, GapFilled, ResyncDone, ResyncNeeded, ResyncStarted
+from kvtier.wire.ratelog import suffix, worth_logging
 from kvtier.wire.replayrequest import ReplayRequest
 from kvtier.wire.streamstate import Held, StreamState, log
 
@@ -57,7 +58,8 @@ class StreamRecovery:
     deadline: float = 0.0  # when the pending request times out
     tries: int = 0  # requests sent for the pending replay or dump
     replay: ReplayRequest = field(default_factory=ReplayRequest)  # the pending (or last) replay
-    dump_due: bool = False  # a dump was wanted while rate-limited: start it once allowed
+    dump_due: bool = False  # a dump was wanted while rate-limited, or the last one failed: start it once allowed
+    failed_dumps: int = 0  # dumps given up in a row since the last one that came through (thins the log)
     dump_seq: int | None = None  # last live seq the incoming dump includes
     dump_applied: bool = False  # a batch of the pending dump was handed on: an answer asked again replaces it
 
@@ -293,7 +295,9 @@ class StreamRecovery:
         if self.can_dump and not resync and not self._resync_allowed(now):
             self.dump_due = True  # mark partial now, dump when the rate limit allows
         elif self.can_dump:
-            log.warning("stream %s: %s; requesting a state dump", self.state.stream, reason)
+            if worth_logging(self.failed_dumps + 1):
+                log.warning("stream %s: %s; requesting a state dump%s", self.state.stream, reason,
+                            suffix(self.failed_dumps + 1, "the resyncs metric") if self.failed_dumps else "")
             self.mode = Mode.DUMP
             self.dump_seq = None
             self.dump_applied = False
@@ -305,11 +309,19 @@ class StreamRecovery:
         return self._give_up(reason, now, out)
 
     def _give_up(self, reason: str, now: float, out: list[Delivery]) -> Held:
+        """The stream marked partial. A dump-capable one keeps asking for a dump, paced by the resync backoff,
+        until one comes through: its publisher may be gone for now (killed, restarting), and a restarted one
+        would otherwise stay partial for good, since nothing else asks it for its state."""
         s, r = self.state, self.replay
-        log.warning("stream %s: %s; state marked partial", s.stream, reason)
+        if worth_logging(self.failed_dumps + 1):
+            log.warning("stream %s: %s; state marked partial%s", s.stream, reason,
+                        "; a state dump is asked again as the resync backoff allows" if self.can_dump else "")
         out.append(ResyncNeeded(s.stream, reason))
         self.mode = Mode.LIVE
         self.dump_applied = False
+        if self.can_dump:
+            self.failed_dumps += 1
+            self.dump_due = True
         # (the replay is done already: unrecoverable ended it, or a dump, which only unrecoverable starts)
         # Continue from the oldest batch still at hand (what the replay returned past the loss,
         # then the held live messages): the consumer rebuilds from there.
@@ -345,6 +357,7 @@ class StreamRecovery:
             return self._give_up("publisher sent no state dump", now, out)
         self.mode = Mode.LIVE
         self.dump_applied = False
+        self.failed_dumps = 0
         first = s.expected if s.expected is not None else 0  # (the first seq not delivered before the dump)
         s.expected = self.dump_seq + 1
         s.history.forget_digests()
