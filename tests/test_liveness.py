@@ -133,6 +133,33 @@ def test_a_dump_capable_stream_given_up_keeps_asking_for_a_dump_until_one_comes(
     assert not index.is_partial(S) and not t.silent(now, 5.0)
 
 
+def test_a_dump_from_a_publisher_that_published_nothing_yet_is_taken_whole() -> None:
+    """A restarted engine that has published nothing numbers its dump batches -1, the end marker's bytes; its
+    end marker has an empty payload, a dump batch never does. Before, the first dump batch was taken for the
+    end marker ("publisher sent no state dump") and the stream stayed partial until the engine published."""
+    t = StreamTracker(S, can_replay=True, can_dump=True, timeout_s=1.0, probe_s=None)
+    index = TieredIndex(BS)
+    consumer = IndexConsumer(index)
+    t.start(0.0)
+    t.outbox.clear()
+    t.on_reply(END_SEQ, b"", 0.0)
+    consumer.feed(t.request_resync("test", 0.0))  # a full replay from 0, unanswered: then a dump
+    now = 0.0
+    while DUMP_REQUEST not in t.outbox:
+        assert now < 10.0
+        t.outbox.clear()
+        now += 0.25
+        consumer.feed(t.on_tick(now))
+    t.outbox.clear()
+    out = t.on_reply(END_SEQ, encode_payload(batch(stored([5, 6], None, 0))), now)
+    out += t.on_reply(END_SEQ, b"", now)
+    consumer.feed(out)
+    assert ResyncDone(S, -1) in out and not index.is_partial(S) and not t.recovering
+    assert index.worker_hashes(S)[StorageTier.DEVICE] == {5, 6} and t.expected == 0
+    consumer.feed(t.on_live(0, encode_payload(batch(stored([7], 6, 2))), now))  # its first batch follows
+    assert index.worker_hashes(S)[StorageTier.DEVICE] == {5, 6, 7}
+
+
 # --- the service, over loopback ----------------------------------------------------------------
 
 

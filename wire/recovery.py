@@ -97,8 +97,13 @@ class StreamRecovery:
         assert self.mode is not Mode.LIVE, "an answer handled while none is pending"
         # Every frame shows the answer is flowing: a big replay or dump is not timed as a whole.
         self.deadline = now + (self.stall_s if self.mode is Mode.REPLAY else self.timeout_s)
-        if seq_frame == END_SEQ:
+        if seq_frame == END_SEQ and (self.mode is Mode.REPLAY or not payload):
             return self._finish_replay(now, out) if self.mode is Mode.REPLAY else self._finish_dump(now, out)
+        if seq_frame == END_SEQ:
+            # A dump batch numbered -1: the publisher has published nothing yet (a restarted engine, idle), so its
+            # dump stands for "before seq 0"; the end marker has an empty payload, a dump batch never does.
+            self._dumped(-1, payload, out)
+            return []
         try:
             seq = unpack_seq(seq_frame)
         except ValueError as exc:
