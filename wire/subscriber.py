@@ -108,7 +108,8 @@ class Subscriber:
         """Streams whose publisher sent nothing, no batch and no answer, for ``timeout_s``
         (:meth:`StreamTracker.silent`). O(streams)."""
         now = self._clock()
-        return {s for s, conn in self._conns.items() if conn.tracker.silent(now, timeout_s)}
+        # (read from the service's HTTP thread: a copy of the items, taken at once, while the loop's thread may close)
+        return {s for s, conn in list(self._conns.items()) if conn.tracker.silent(now, timeout_s)}
 
     def positions(self) -> dict[StreamId, tuple[int, int | None]]:
         """Each in-sync stream's :meth:`StreamTracker.position` (for a snapshot of the consumer). O(streams)."""
