@@ -576,7 +576,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engines", type=int, default=3, choices=[2, 3, 4])
     p.add_argument("--clients", type=int, default=4, help="client threads sending /query and /route")
-    p.add_argument("--down-s", type=float, default=8.0, help="how long a killed or stopped engine stays down")
+    p.add_argument("--down-s", type=float, default=20.0,
+                   help="how long a killed or stopped engine stays down; the default outlasts the indexer's replay "
+                        "and dump attempts on a killed engine (about 12 s), so it is given up before it comes back")
     p.add_argument("--flood-threads", type=int, default=32)
     p.add_argument("--flood-s", type=float, default=4.0)
     p.add_argument("--idle-sockets", type=int, default=200)
