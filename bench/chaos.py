@@ -252,7 +252,8 @@ class Load:
     def stop(self) -> None:
         self._stop.set()
         for t in self._threads:
-            t.join(timeout=10)
+            if t.ident is not None:  # (started)
+                t.join(timeout=10)
 
     def take(self) -> Window:
         """The window so far, and a new one started."""
@@ -518,7 +519,7 @@ class Chaos:
             if status == 200 and isinstance(m, dict) and "hostile" in m.get("workers", {}):
                 h = m["workers"]["hostile"]
                 row.note += (f" hostile stream: {h.get('malformed')} malformed, {h.get('events_rejected')} events "
-                             f"rejected, partial {h.get('partial')};")
+                             f"rejected, {h.get('unknown_removals')} unknown removals, partial {h.get('partial')};")
         return self.finish_row(row, end)
 
     def http_flood(self) -> Row:
@@ -532,7 +533,8 @@ class Chaos:
             "baseline": self.baseline, "sigkill": self.sigkill, "sigstop": self.sigstop,
             "engine-restart": self.engine_restart, "indexer-restart": self.indexer_restart,
             "hostile-frames": self.hostile_frames, "http-flood": self.http_flood}
-        chosen = [s for s in scenarios if not self.args.only or s in self.args.only.split(",")]
+        assert list(scenarios) == SCENARIOS
+        chosen = [s for s in SCENARIOS if not self.args.only or s in self.args.only.split(",")]
         for e in self.engines:
             e.start()
         self.indexer.start()
@@ -561,6 +563,7 @@ class Chaos:
         self.hostile.close(linger=0)
 
 
+SCENARIOS = ["baseline", "sigkill", "sigstop", "engine-restart", "indexer-restart", "hostile-frames", "http-flood"]
 COLUMNS = [("scenario", 22), ("requests", 8), ("errors", 6), ("to gone", 8), ("detect s", 8), ("healthy s", 9),
            ("index=engines", 13)]
 
@@ -586,11 +589,16 @@ def main() -> int:
     p.add_argument("--only", help="comma-separated scenarios (default: all, in order)")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs, snapshot, config)")
     args = p.parse_args()
+    if args.only and (unknown := set(args.only.split(",")) - set(SCENARIOS)):
+        p.error(f"--only: unknown scenarios {sorted(unknown)}; known: {', '.join(SCENARIOS)}")
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-chaos-"))
     chaos = Chaos(args, workdir)
     t0 = time.monotonic()
     try:
         rows = chaos.run()
+    except BaseException:
+        print(f"chaos: failed; logs and snapshot kept in {workdir}", file=sys.stderr)
+        raise
     finally:
         chaos.close()
     print(f"kvtier chaos: {args.engines} engines ({TRACE} at {SPEED:g}x), {args.clients} clients, engines down "
