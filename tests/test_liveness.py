@@ -160,6 +160,30 @@ def test_a_dump_from_a_publisher_that_published_nothing_yet_is_taken_whole() -> 
     assert index.worker_hashes(S)[StorageTier.DEVICE] == {5, 6, 7}
 
 
+def test_a_publisher_that_answers_a_dump_with_nothing_is_not_asked_again() -> None:
+    """An endpoint marked dump-capable whose publisher cannot dump answers with the end marker alone: the
+    stream is partial, and asking again would only clear, time after time, what its live events rebuild."""
+    t = StreamTracker(S, can_replay=True, can_dump=True, timeout_s=1.0, probe_s=None)
+    t.start(0.0)
+    t.outbox.clear()
+    t.on_reply(END_SEQ, b"", 0.0)
+    t.on_live(0, encode_payload(batch()), 0.0)
+    t.request_resync("test", 0.0)
+    t.outbox.clear()
+    t.on_reply(pack_seq(5), encode_payload(batch()), 0.0)  # the buffer no longer reaches back: a dump
+    t.on_reply(END_SEQ, b"", 0.0)
+    assert t.outbox == [DUMP_REQUEST]
+    t.outbox.clear()
+    out = t.on_reply(END_SEQ, b"", 0.0)
+    assert [d for d in out if isinstance(d, ResyncNeeded)]
+    now = 0.0
+    for _ in range(400):  # 100 s
+        now += 0.25
+        t.on_tick(now)
+        assert DUMP_REQUEST not in t.outbox
+        t.outbox.clear()
+
+
 # --- the service, over loopback ----------------------------------------------------------------
 
 

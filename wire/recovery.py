@@ -59,7 +59,7 @@ class StreamRecovery:
     tries: int = 0  # requests sent for the pending replay or dump
     replay: ReplayRequest = field(default_factory=ReplayRequest)  # the pending (or last) replay
     dump_due: bool = False  # a dump was wanted while rate-limited, or the last one failed: start it once allowed
-    failed_dumps: int = 0  # dumps given up in a row since the last one that came through (thins the log)
+    failed_dumps: int = 0  # give-ups of a dump-capable stream in a row since a dump came through (thins the log)
     dump_seq: int | None = None  # last live seq the incoming dump includes
     dump_applied: bool = False  # a batch of the pending dump was handed on: an answer asked again replaces it
 
@@ -315,8 +315,9 @@ class StreamRecovery:
 
     def _give_up(self, reason: str, now: float, out: list[Delivery]) -> Held:
         """The stream marked partial. A dump-capable one keeps asking for a dump, paced by the resync backoff,
-        until one comes through: its publisher may be gone for now (killed, restarting), and a restarted one
-        would otherwise stay partial for good, since nothing else asks it for its state."""
+        until one comes through (unless its publisher answered without one: :meth:`_finish_dump`): its publisher
+        may be gone for now (killed, restarting), and a restarted one would otherwise stay partial for good,
+        since nothing else asks it for its state."""
         s, r = self.state, self.replay
         if worth_logging(self.failed_dumps + 1):
             log.warning("stream %s: %s; state marked partial%s", s.stream, reason,
@@ -359,7 +360,11 @@ class StreamRecovery:
     def _finish_dump(self, now: float, out: list[Delivery]) -> Held:
         s = self.state
         if self.dump_seq is None:
-            return self._give_up("publisher sent no state dump", now, out)
+            # It answered, with no batch: it cannot dump (an engine marked dump-capable by mistake), so asking
+            # again would only clear what its live events rebuild, again and again.
+            held = self._give_up("publisher sent no state dump", now, out)
+            self.dump_due = False
+            return held
         self.mode = Mode.LIVE
         self.dump_applied = False
         self.failed_dumps = 0
