@@ -35,8 +35,11 @@ class EventLoop:
     """Follows the engines on its own thread (:meth:`start`); the index's only writer."""
 
     def __init__(self, config: ServiceConfig, index: TieredIndex, lock: threading.Lock, deadlines: Deadlines,
-                 on_expired: Callable[[str], None], resume: persist.Positions) -> None:
+                 on_expired: Callable[[str], None], resume: persist.Positions,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock``: the streams' (replay deadlines, idle probes, liveness); tests move it by hand."""
         self.config = config
+        self._clock = clock
         self.index = index  # what it keeps up to date
         self._lock = lock  # the service's: guards the index, the loads and the deadlines
         self._deadlines = deadlines  # routed requests' deadlines
@@ -84,6 +87,15 @@ class EventLoop:
             return set(self.index.streams)
         sub = self._sub
         return set() if sub is None else {s for s in sub.streams if sub.recovering(s)}
+
+    def dead(self) -> set[StreamId]:
+        """Streams whose publisher looks gone (silent for ``liveness_timeout_s``: :meth:`Subscriber.silent
+        <kvtier.wire.subscriber.Subscriber.silent>`); none while a failed loop waits to start again (every
+        stream is rebuilding then). O(streams)."""
+        sub = self._sub
+        if sub is None or self.restarting:
+            return set()
+        return sub.silent(self.config.liveness_timeout_s)
 
     def stream_stats(self) -> dict[StreamId, StreamStats]:
         """Each subscribed stream's counters. O(streams)."""
@@ -160,7 +172,11 @@ class EventLoop:
     def _follow(self, resume: persist.Positions) -> None:
         """One life of the loop: subscribes (resuming ``resume``) and applies deliveries until stop; raises
         what stopped it otherwise."""
-        sub = Subscriber(self.config.endpoints, replay_timeout_s=self.config.replay_timeout_s, resume=resume)
+        # Quiet streams are probed often enough for a live publisher to answer several times within the
+        # liveness timeout.
+        probe_s = min(1.0, self.config.liveness_timeout_s / 4)
+        sub = Subscriber(self.config.endpoints, replay_timeout_s=self.config.replay_timeout_s, resume=resume,
+                         clock=self._clock, probe_s=probe_s)
         self._sub = sub
         self.restarting = False
         self.ready.set()

@@ -48,6 +48,7 @@ class Router:
         policy: RoutingPolicy | None = None,
         rebuilding: Callable[[], Collection[StreamId]] | None = None,
         window_aware: bool = False,
+        dead: Callable[[], Collection[StreamId]] | None = None,
     ) -> None:
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -63,6 +64,9 @@ class Router:
         # Partial workers (events lost for good, for as long as no dump comes) are not skipped: what
         # their index shows is a lower bound, which the costs already price as such.
         self.rebuilding = rebuilding
+        # Workers whose publisher looks gone (no batch, no probe answer for a while): a dead engine is cleared
+        # or partial, so it looks idle and cheap; it is never chosen while another worker is alive.
+        self.dead = dead
         # Sliding-window models: score workers that announce window KV on their usable prefix
         # (kvtier.indexer.windowkv); the others on their full-attention one.
         self.window_aware = window_aware
@@ -85,6 +89,10 @@ class Router:
         candidates = self.workers if self.workers is not None else list(overlaps.workers)
         if not candidates:
             raise LookupError("no workers to route to")
+        if self.dead is not None:
+            gone = self.dead()
+            if gone:
+                candidates = [w for w in candidates if w not in gone] or candidates
         if self.rebuilding is not None:
             busy = self.rebuilding()
             if busy:

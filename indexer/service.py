@@ -12,7 +12,7 @@ Endpoints:
                    gaps, resyncs, restarts, malformed frames, blocks per worker and tier, apply
                    lag, in-flight load per worker; latency histograms (time per request, index lock
                    waits and holds, the HTTP loop's lag: :mod:`kvtier.indexer.histogram`).
-  ``GET /health``  ``ok`` / ``degraded`` (partial or recovering workers) / ``down`` (503: the event
+  ``GET /health``  ``ok`` / ``degraded`` (partial, recovering or dead workers) / ``down`` (503: the event
                    loop died; the process then exits non-zero).
 
 Threads: one owns the ZMQ subscriber and applies deliveries, a batch per lock hold; the HTTP front
@@ -26,7 +26,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -66,7 +66,8 @@ class IndexerService:
     (:class:`~kvtier.indexer.eventloop.EventLoop`) and the HTTP front end. The router, the loads and the routed
     requests' deadlines (:class:`~kvtier.indexer.deadlines.Deadlines`) are this class's, under its lock."""
 
-    def __init__(self, config: ServiceConfig) -> None:
+    def __init__(self, config: ServiceConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock``: the engine streams' (replay deadlines, idle probes, liveness); tests move it by hand."""
         if not config.endpoints:
             raise ConfigError("no endpoints configured")
         streams = [ep.stream for ep in config.endpoints]
@@ -86,10 +87,11 @@ class IndexerService:
         # others as before. Each answer says which it was per worker ("window_kv").
         self.router = Router(self.index, cost, loads=self.loads, policy=plugin, rebuilding=self._rebuilding,
                              window_aware=True, temperature=self.router_settings.temperature,
-                             seed=self.router_settings.seed)
+                             seed=self.router_settings.seed, dead=self._dead)
         self._lock = threading.Lock()  # guards index, loads and the deadlines
         self._deadlines = Deadlines(config.request_ttl_s)  # routed requests in flight, until finish or expiry
-        self._loop = EventLoop(config, self.index, self._lock, self._deadlines, self.loads.finish, self._resume)
+        self._loop = EventLoop(config, self.index, self._lock, self._deadlines, self.loads.finish, self._resume,
+                               clock=clock)
         #: Set when the event loop died: the index no longer follows the engines.
         self.failed = self._loop.failed
         self.gc = GcPauses()  # the collector's passes and pauses, counted from start()
@@ -188,11 +190,16 @@ class IndexerService:
         """:meth:`EventLoop.rebuilding <kvtier.indexer.eventloop.EventLoop.rebuilding>`. O(streams)."""
         return self._loop.rebuilding()
 
-    def worker_flags(self, stream: StreamId, rebuilding: set[StreamId]) -> dict[str, bool]:
-        """``partial`` (events lost for good) and ``recovering`` (catch-up under way); ``rebuilding`` is
-        ``self._rebuilding()``, taken once by callers answering for every worker. O(1). Caller holds the
-        lock."""
-        return {"partial": self.index.is_partial(stream), "recovering": stream in rebuilding}
+    def _dead(self) -> set[StreamId]:
+        """:meth:`EventLoop.dead <kvtier.indexer.eventloop.EventLoop.dead>`. O(streams)."""
+        return self._loop.dead()
+
+    def worker_flags(self, stream: StreamId, rebuilding: set[StreamId],
+                     dead: Collection[StreamId] = ()) -> dict[str, bool]:
+        """``partial`` (events lost for good), ``recovering`` (catch-up under way) and ``dead`` (its publisher
+        looks gone: not routed to); ``rebuilding`` and ``dead`` are ``self._rebuilding()`` and ``self._dead()``,
+        taken once by callers answering for every worker. O(1). Caller holds the lock."""
+        return {"partial": self.index.is_partial(stream), "recovering": stream in rebuilding, "dead": stream in dead}
 
     # --- queries and routing -------------------------------------------------------------
 
@@ -211,8 +218,8 @@ class IndexerService:
     def _answer(self, dec: RouteDecision) -> dict[str, Any]:
         """Overlaps, per-worker flags, costs and the choice. Caller holds the lock."""
         out: dict[str, Any] = dec.overlaps.as_dict()
-        rebuilding = self._rebuilding()
-        out["workers"] = {str(s): {**o.as_dict(), **self.worker_flags(s, rebuilding),
+        rebuilding, dead = self._rebuilding(), self._dead()
+        out["workers"] = {str(s): {**o.as_dict(), **self.worker_flags(s, rebuilding, dead),
                                    **self._window_answer(dec.overlaps, s)}
                           for s, o in dec.overlaps.workers.items()}
         out["recommended"] = str(dec.worker)
@@ -297,7 +304,7 @@ class IndexerService:
     def metrics(self) -> dict[str, Any]:
         with self._lock:
             workers: dict[str, Any] = {}
-            rebuilding = self._rebuilding()
+            rebuilding, dead = self._rebuilding(), self._dead()
             subscribed = self._loop.stream_stats()
             for s in self.index.streams:
                 st = self.index.stats(s)
@@ -308,7 +315,7 @@ class IndexerService:
                     "unknown_parents": st.unknown_parents, "unknown_removals": st.unknown_removals,
                     "orphans_grafted": orphans.grafted, "orphans_dropped": orphans.dropped,
                     "orphan_blocks": self.index.orphan_blocks(s),
-                    **self.worker_flags(s, rebuilding),
+                    **self.worker_flags(s, rebuilding, dead),
                     "blocks": {t.name.lower(): n for t, n in self.index.block_counts(s).items()},
                     "requests_running": ld.running, "requests_prefilling": ld.prefilling,
                     "active_blocks": ld.active_blocks, "pending_prefill_tokens": ld.pending_prefill_tokens,
@@ -326,7 +333,7 @@ class IndexerService:
                     "requests_in_flight": len(self._deadlines), "requests_expired": self.requests_expired,
                     "snapshots": self.snapshots, "snapshot_seconds": self.snapshot_seconds,
                     "loop_restarts": self.loop_restarts, **self.gc.figures(), "latency": self._latency(),
-                    "http_disconnects": self._http.disconnects, "workers": workers}
+                    "http_disconnects": self._http.disconnects, "dead_workers": len(dead), "workers": workers}
 
     def _latency(self) -> dict[str, dict[str, Any]]:
         """The latency histograms, JSON form. Caller holds the lock (the HTTP loop's lag has its own writer:
@@ -346,17 +353,18 @@ class IndexerService:
             return dict(self.index.worker_hashes(stream))
 
     def health(self) -> dict[str, Any]:
-        """``status``: ``ok``, ``degraded`` (some worker partial or recovering, every one while a failed event
+        """``status``: ``ok``, ``degraded`` (some worker partial, recovering or dead, every one while a failed event
         loop waits to restart) or ``down`` (the event loop died for good: ``/health`` then answers 503)."""
         with self._lock:
-            rebuilding = self._rebuilding()
-            flags = {str(s): self.worker_flags(s, rebuilding) for s in self.index.streams}
+            rebuilding, dead = self._rebuilding(), self._dead()
+            flags = {str(s): self.worker_flags(s, rebuilding, dead) for s in self.index.streams}
         partial = sorted(w for w, f in flags.items() if f["partial"])
         recovering = sorted(w for w, f in flags.items() if f["recovering"])
+        gone = sorted(w for w, f in flags.items() if f["dead"])
         alive = self._loop.is_alive()
         out: dict[str, Any] = {
-            "status": "down" if not alive else "degraded" if partial or recovering else "ok",
-            "workers": len(flags), "partial_workers": partial, "recovering_workers": recovering,
+            "status": "down" if not alive else "degraded" if partial or recovering or gone else "ok",
+            "workers": len(flags), "partial_workers": partial, "recovering_workers": recovering, "dead_workers": gone,
             "http_loop": self._http.loop_kind, "keys": key_backend(load=False), "loop_restarts": self.loop_restarts,
             "restored_from": self.restored_from}
         if self._loop.error is not None:

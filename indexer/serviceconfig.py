@@ -68,6 +68,11 @@ class ServiceConfig:
     snapshot_path: str | None = field(default=None, metadata=Domain(str, optional=True).meta())
     # seconds between snapshots
     snapshot_interval_s: float = field(default=30.0, metadata=within(0, 86400, lo_open=True))
+    # A worker whose publisher sent nothing for this long (no batch, no answer to the idle probes: a quiet stream
+    # is probed every second, or every quarter of this if shorter) is taken for gone: not routed to while another
+    # worker is alive, and listed by /health, until it is heard again. Only for endpoints with a replay socket:
+    # nothing can be asked of the others, whose silence says nothing.
+    liveness_timeout_s: float = field(default=5.0, metadata=within(0, 86400, lo_open=True))
     # times a failed event loop is started again (after 0.5 s, doubling to 30 s), each stream resuming after
     # its last applied batch, before the service gives up: /health 503 and a non-zero exit. 0: at once.
     loop_restarts: int = field(default=0, metadata=at_least(0))

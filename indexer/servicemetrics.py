@@ -27,6 +27,8 @@ _WORKER_METRICS: dict[str, tuple[str, str]] = {
     "duplicates": ("counter", "Duplicate batches dropped."),
     "partial": ("gauge", "1 once events were lost for good: prefixes stored before the loss are unknown."),
     "recovering": ("gauge", "1 while a catch-up, full replay or state dump is under way."),
+    "dead": ("gauge", "1 while the worker's publisher looks gone (nothing heard for liveness_timeout_s): "
+                      "not routed to."),
     "apply_lag_seconds": ("gauge", "Delay from a batch's timestamp to its application, last batch."),
     "apply_lag_max_seconds": ("gauge", "Largest such delay seen."),
     "requests_running": ("gauge", "Routed requests in flight on the worker."),
@@ -48,6 +50,8 @@ def render_metrics(m: dict[str, Any]) -> str:
         _single("kvtier_requests_in_flight", "gauge", "Routed requests not finished yet.", m["requests_in_flight"]),
         _single("kvtier_requests_expired_total", "counter", "Routed requests dropped after their TTL.",
                 m["requests_expired"]),
+        _single("kvtier_dead_workers", "gauge", "Workers whose publisher looks gone (not routed to).",
+                m["dead_workers"]),
         _single("kvtier_loop_restarts_total", "counter", "Times the event loop failed and was started again.",
                 m["loop_restarts"]),
         gc_passes,

@@ -474,7 +474,8 @@ def cmd_indexer(a: argparse.Namespace) -> int:
                  ("storage_link", a.storage_link), ("h2d_gbps", a.h2d_gbps), ("storage_gbps", a.storage_gbps),
                  ("host_credit", a.host_credit), ("disk_credit", a.disk_credit), ("temperature", a.temperature),
                  ("seed", a.seed), ("prefill_budget", a.prefill_budget), ("capacity_tokens", a.capacity_tokens),
-                 ("latency_path", str(a.latency) if a.latency is not None else None))
+                 ("latency_path", str(a.latency) if a.latency is not None else None),
+                 ("liveness_timeout_s", a.liveness_timeout))
         overrides: dict[str, Any] = {k: v for k, v in given if v is not None}
         cfg = replace(cfg, endpoints=eps, **overrides)
         if not cfg.endpoints:
@@ -600,6 +601,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="times a failed event loop starts again (back-off 0.5 s doubling to 30 s; each stream "
                         "resumes after its last applied batch) before the service exits non-zero "
                         "(default: the config's, else 0)")
+    p.add_argument("--liveness-timeout", type=float, metavar="S",
+                   help="seconds a worker's publisher may send nothing (no batch, no answer to the idle probes) "
+                        "before it is taken for gone: not routed to while another worker is alive, listed by "
+                        "/health, until heard again; endpoints with a replay socket only (default: the "
+                        "config's, else 5)")
     p.set_defaults(func=cmd_indexer)
     return parser
 

@@ -93,7 +93,7 @@ def test_query_metrics_health_end_to_end(cluster: tuple[list[Publisher], Indexer
              and b["workers"]["w0"]["device"] == 3 and not any(w["recovering"] for w in b["workers"].values()))
     body = overlaps(svc)
     assert body["total_blocks"] == 8
-    ok = {"partial": False, "recovering": False, "window_kv": "untracked"}
+    ok = {"partial": False, "recovering": False, "dead": False, "window_kv": "untracked"}
     assert body["workers"]["w0"] == {"device": 3, "host": 3, "disk": 3, "external": 3, **ok}
     assert body["workers"]["w1"] == {"device": 1, "host": 6, "disk": 6, "external": 6, **ok}
     assert body["workers"]["w2"] == {"device": 0, "host": 0, "disk": 0, "external": 2, **ok}
@@ -115,7 +115,7 @@ def test_query_metrics_health_end_to_end(cluster: tuple[list[Publisher], Indexer
     passes = {s.labels["generation"]: s.value for s in families["kvtier_gc_passes"].samples}
     assert set(passes) == {"young", "full"}
     assert json.loads(get(svc.address + "/health")) == {"status": "ok", "workers": 3, "partial_workers": [],
-                                                        "recovering_workers": [],
+                                                        "recovering_workers": [], "dead_workers": [],
                                                         "http_loop": "uvloop" if find_spec("uvloop") else "asyncio",
                                                         "keys": key_backend(load=False), "loop_restarts": 0,
                                                         "restored_from": None}

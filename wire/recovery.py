@@ -21,6 +21,7 @@ from enum import Enum
 from kvtier.wire.backoff import Backoff
 from kvtier.wire.frames import DUMP_REQUEST, END_SEQ, pack_seq, unpack_seq
 from kvtier.wire.notices import Delivery, GapFilled, ResyncDone, ResyncNeeded, ResyncStarted
+from kvtier.wire.ratelog import suffix, worth_logging
 from kvtier.wire.replayrequest import ReplayRequest
 from kvtier.wire.streamstate import Held, StreamState, log
 
@@ -57,7 +58,8 @@ class StreamRecovery:
     deadline: float = 0.0  # when the pending request times out
     tries: int = 0  # requests sent for the pending replay or dump
     replay: ReplayRequest = field(default_factory=ReplayRequest)  # the pending (or last) replay
-    dump_due: bool = False  # a dump was wanted while rate-limited: start it once allowed
+    dump_due: bool = False  # a dump was wanted while rate-limited, or the last one failed: start it once allowed
+    failed_dumps: int = 0  # give-ups of a dump-capable stream in a row since a dump came through (thins the log)
     dump_seq: int | None = None  # last live seq the incoming dump includes
     dump_applied: bool = False  # a batch of the pending dump was handed on: an answer asked again replaces it
 
@@ -95,8 +97,13 @@ class StreamRecovery:
         assert self.mode is not Mode.LIVE, "an answer handled while none is pending"
         # Every frame shows the answer is flowing: a big replay or dump is not timed as a whole.
         self.deadline = now + (self.stall_s if self.mode is Mode.REPLAY else self.timeout_s)
-        if seq_frame == END_SEQ:
+        if seq_frame == END_SEQ and (self.mode is Mode.REPLAY or not payload):
             return self._finish_replay(now, out) if self.mode is Mode.REPLAY else self._finish_dump(now, out)
+        if seq_frame == END_SEQ:
+            # A dump batch numbered -1: the publisher has published nothing yet (a restarted engine, idle), so its
+            # dump stands for "before seq 0"; the end marker has an empty payload, a dump batch never does.
+            self._dumped(-1, payload, out)
+            return []
         try:
             seq = unpack_seq(seq_frame)
         except ValueError as exc:
@@ -293,7 +300,9 @@ class StreamRecovery:
         if self.can_dump and not resync and not self._resync_allowed(now):
             self.dump_due = True  # mark partial now, dump when the rate limit allows
         elif self.can_dump:
-            log.warning("stream %s: %s; requesting a state dump", self.state.stream, reason)
+            if worth_logging(self.failed_dumps + 1):
+                log.warning("stream %s: %s; requesting a state dump%s", self.state.stream, reason,
+                            suffix(self.failed_dumps + 1, "the resyncs metric") if self.failed_dumps else "")
             self.mode = Mode.DUMP
             self.dump_seq = None
             self.dump_applied = False
@@ -305,11 +314,20 @@ class StreamRecovery:
         return self._give_up(reason, now, out)
 
     def _give_up(self, reason: str, now: float, out: list[Delivery]) -> Held:
+        """The stream marked partial. A dump-capable one keeps asking for a dump, paced by the resync backoff,
+        until one comes through (unless its publisher answered without one: :meth:`_finish_dump`): its publisher
+        may be gone for now (killed, restarting), and a restarted one would otherwise stay partial for good,
+        since nothing else asks it for its state."""
         s, r = self.state, self.replay
-        log.warning("stream %s: %s; state marked partial", s.stream, reason)
+        if worth_logging(self.failed_dumps + 1):
+            log.warning("stream %s: %s; state marked partial%s", s.stream, reason,
+                        "; a state dump is asked again as the resync backoff allows" if self.can_dump else "")
         out.append(ResyncNeeded(s.stream, reason))
         self.mode = Mode.LIVE
         self.dump_applied = False
+        if self.can_dump:
+            self.failed_dumps += 1
+            self.dump_due = True
         # (the replay is done already: unrecoverable ended it, or a dump, which only unrecoverable starts)
         # Continue from the oldest batch still at hand (what the replay returned past the loss,
         # then the held live messages): the consumer rebuilds from there.
@@ -342,9 +360,14 @@ class StreamRecovery:
     def _finish_dump(self, now: float, out: list[Delivery]) -> Held:
         s = self.state
         if self.dump_seq is None:
-            return self._give_up("publisher sent no state dump", now, out)
+            # It answered, with no batch: it cannot dump (an engine marked dump-capable by mistake), so asking
+            # again would only clear what its live events rebuild, again and again.
+            held = self._give_up("publisher sent no state dump", now, out)
+            self.dump_due = False
+            return held
         self.mode = Mode.LIVE
         self.dump_applied = False
+        self.failed_dumps = 0
         first = s.expected if s.expected is not None else 0  # (the first seq not delivered before the dump)
         s.expected = self.dump_seq + 1
         s.history.forget_digests()

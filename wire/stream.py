@@ -36,7 +36,7 @@ class StreamTracker:
     them; a recovery that ends hands its held batches back to it (:meth:`_drain`).
     """
 
-    __slots__ = ("_last_seen", "_recovery", "_state", "_suspect", "probe_s")
+    __slots__ = ("_heard", "_last_seen", "_recovery", "_state", "_suspect", "probe_s")
 
     def __init__(self, stream: StreamId, can_replay: bool, can_dump: bool, *, timeout_s: float = 2.0,
                  stall_s: float = 0.5, attempts: int = 3, probe_s: float | None = 1.0,
@@ -55,6 +55,7 @@ class StreamTracker:
         self.probe_s = probe_s  # after this long without traffic, ask for anything past `expected`
         self._suspect = False  # the live socket reconnected: the publisher may be a new process
         self._last_seen = 0.0  # when the stream last showed activity (for tail probes)
+        self._heard: float | None = None  # when the publisher last sent anything (a batch or an answer)
 
     @property
     def stream(self) -> StreamId:
@@ -100,7 +101,7 @@ class StreamTracker:
     def on_live(self, seq: int, payload: bytes, now: float) -> list[Delivery]:
         """A live message arrived. Amortised O(1) plus decoding."""
         self._state.stats.received += 1
-        self._last_seen = now
+        self._last_seen = self._heard = now
         out: list[Delivery] = []
         self._live(seq, payload, now, out)
         return out
@@ -108,6 +109,7 @@ class StreamTracker:
     def on_reply(self, seq_frame: bytes, payload: bytes, now: float) -> list[Delivery]:
         """A frame pair arrived on the replay socket (a batch or the end marker)."""
         out: list[Delivery] = []
+        self._heard = now  # (even a late answer shows the publisher is there)
         if not self._recovery.active:
             return out  # an answer nobody waits for any more
         self._last_seen = now
@@ -120,6 +122,7 @@ class StreamTracker:
         Without this, a stream whose first messages were lost while the socket
         connected would stay unknown until the publisher sent again.
         """
+        self._heard = now  # (silence is counted from the start)
         if self._recovery.can_replay and self._state.expected is None and not self._recovery.active:
             self._state.expected = 0
             self._recovery.replay_from(0, now, [])
@@ -142,6 +145,7 @@ class StreamTracker:
         from 0, else a dump)."""
         expected, known = position
         s, rec = self._state, self._recovery
+        self._heard = now  # (silence is counted from the start)
         assert expected >= 1 and s.expected is None, "resume() replaces start() on a fresh tracker"
         s.expected = expected
         if known is not None:
@@ -165,6 +169,16 @@ class StreamTracker:
     def needs_tick(self) -> bool:
         """:meth:`on_tick` has work due at :meth:`next_tick` beyond an optional idle probe. O(1)."""
         return self._recovery.next_at() is not None or bool(self._suspect and self._state.expected)
+
+    def silent(self, now: float, timeout_s: float) -> bool:
+        """The publisher looks gone: nothing came from it, no batch and no answer to a request (an idle
+        stream is probed every :attr:`probe_s`), for ``timeout_s`` since it was last heard or since
+        :meth:`start`. Never for a stream without a replay socket: nothing can be asked of it, and an idle
+        publisher is as silent as a dead one. A stream given up with no batch at hand has nothing to probe
+        from: it is heard again at its next batch (or, dump-capable, at the next answer to the dumps it keeps
+        asking for). O(1)."""
+        return (self._recovery.can_replay and self._heard is not None
+                and now - self._heard >= timeout_s)
 
     @property
     def recovering(self) -> bool:

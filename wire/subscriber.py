@@ -79,9 +79,13 @@ class Subscriber:
         clock: Callable[[], float] = time.monotonic,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         resume: dict[StreamId, tuple[int, int | None]] | None = None,
+        probe_s: float = 1.0,
     ) -> None:
+        """``probe_s``: a stream quiet this long is probed (:class:`StreamTracker`), which also tells a quiet
+        publisher from a gone one (:meth:`silent`)."""
         self._ctx = context or zmq.Context.instance()
         self._timeout = replay_timeout_s
+        self._probe_s = probe_s
         self._clock = clock
         self._conns: dict[StreamId, _Conn] = {}
         self._by_socket: dict[zmq.Socket[bytes], _Conn] = {}
@@ -99,6 +103,13 @@ class Subscriber:
     def recovering(self, stream: StreamId) -> bool:
         """A catch-up, full replay or dump of ``stream`` is under way. O(1)."""
         return self._conns[stream].tracker.recovering
+
+    def silent(self, timeout_s: float) -> set[StreamId]:
+        """Streams whose publisher sent nothing, no batch and no answer, for ``timeout_s``
+        (:meth:`StreamTracker.silent`). O(streams)."""
+        now = self._clock()
+        # (read from the service's HTTP thread: a copy of the items, taken at once, while the loop's thread may close)
+        return {s for s, conn in list(self._conns.items()) if conn.tracker.silent(now, timeout_s)}
 
     def positions(self) -> dict[StreamId, tuple[int, int | None]]:
         """Each in-sync stream's :meth:`StreamTracker.position` (for a snapshot of the consumer). O(streams)."""
@@ -120,7 +131,7 @@ class Subscriber:
         sub.setsockopt(zmq.SUBSCRIBE, cfg.topic)
         sub.connect(cfg.endpoint)
         tracker = StreamTracker(cfg.stream, can_replay=cfg.replay_endpoint is not None,
-                                can_dump=cfg.supports_dump, timeout_s=self._timeout)
+                                can_dump=cfg.supports_dump, timeout_s=self._timeout, probe_s=self._probe_s)
         monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         conn = _Conn(cfg, tracker, sub, self._new_dealer(cfg), monitor)
         self._conns[cfg.stream] = conn

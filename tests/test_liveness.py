@@ -1,0 +1,295 @@
+"""Liveness: a worker whose publisher is gone (no batch, no probe answer for ``liveness_timeout_s``) is not routed
+to and is reported; a restarted dump-capable engine is asked for a dump and leaves ``partial``.
+
+The tracker tests drive time by hand. The service test runs real ZMQ publishers on loopback and moves the
+streams' clock by hand (``IndexerService(clock=...)``), waiting on conditions with a bounded poll: no assumption
+about how fast the machine is.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from kvtier.indexer.consumer import IndexConsumer
+from kvtier.indexer.index import TieredIndex
+from kvtier.indexer.service import ConfigError, IndexerService, ServiceConfig, load_config, parse_endpoint
+from kvtier.sim.cli import main as cli_main
+from kvtier.wire import (
+    DUMP_REQUEST,
+    END_SEQ,
+    BlockStored,
+    EventBatch,
+    Publisher,
+    ResyncDone,
+    ResyncNeeded,
+    StorageTier,
+    StreamId,
+    StreamTracker,
+    WorkerId,
+    encode_payload,
+    pack_seq,
+)
+from tests.test_service import get, post
+
+BS = 4
+TOKS = list(range(1000, 1000 + 8 * BS))
+S = StreamId(WorkerId("w"), 0)
+
+
+def stored(hashes: list[int], parent: int | None, lo: int) -> BlockStored:
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=TOKS[lo * BS:(lo + len(hashes)) * BS],
+                       block_size=BS, medium="GPU")
+
+
+def batch(*events: BlockStored) -> EventBatch:
+    return EventBatch(ts=0.0, events=list(events))
+
+
+# --- the tracker, by hand ---------------------------------------------------------------------
+
+
+def caught_up(t: StreamTracker, now: float, last: int) -> None:
+    """Start, then batches 0..last live, the catch-up answered empty."""
+    t.start(now)
+    t.outbox.clear()
+    t.on_reply(END_SEQ, b"", now)
+    for seq in range(last + 1):
+        t.on_live(seq, encode_payload(batch()), now)
+
+
+def answer_probes(t: StreamTracker, now: float) -> None:
+    """The publisher answers whatever was asked: nothing past what was published (an end marker)."""
+    if t.outbox:
+        t.outbox.clear()
+        t.on_reply(END_SEQ, b"", now)
+
+
+def test_a_probed_publisher_stays_heard_and_a_gone_one_falls_silent() -> None:
+    alive = StreamTracker(S, can_replay=True, can_dump=False, timeout_s=1.0, probe_s=0.5)
+    gone = StreamTracker(S, can_replay=True, can_dump=False, timeout_s=1.0, probe_s=0.5)
+    blind = StreamTracker(S, can_replay=False, can_dump=False, probe_s=0.5)  # nothing can be asked of it
+    for t in (alive, gone):
+        caught_up(t, 0.0, 2)
+    blind.start(0.0)
+    now = 0.0
+    for _ in range(40):  # 10 s, idle: every stream is probed after 0.5 s of quiet
+        now += 0.25
+        for t in (alive, gone, blind):
+            t.on_tick(now)
+        answer_probes(alive, now)
+        gone.outbox.clear()  # (no answer ever comes)
+        assert not alive.silent(now, 2.0)
+        assert gone.silent(now, 2.0) is (now >= 2.0)  # last heard at 0
+        assert not blind.silent(now, 2.0)
+    gone.on_live(3, encode_payload(batch()), now)  # heard again
+    assert not gone.silent(now, 2.0) and gone.silent(now + 2.0, 2.0)
+
+
+def test_a_dump_capable_stream_given_up_keeps_asking_for_a_dump_until_one_comes() -> None:
+    """An engine killed, then restarted: the dumps asked while it was gone time out and the stream is marked
+    partial; it is asked again (paced by the resync backoff) until the restarted engine answers, and the
+    worker is then whole again. Before, no dump was ever asked after the first failed one."""
+    t = StreamTracker(S, can_replay=True, can_dump=True, timeout_s=1.0, probe_s=1.0)
+    index = TieredIndex(BS)
+    consumer = IndexConsumer(index)
+    index.add_worker(S)
+    now = 0.0
+    t.start(now)
+    t.outbox.clear()
+    consumer.feed(t.on_reply(END_SEQ, b"", now))
+    consumer.feed(t.on_live(0, encode_payload(batch(stored([1, 2], None, 0))), now))
+    t.on_disconnect()  # killed
+    gave_up, dumps = 0, 0
+    for _ in range(240):  # 60 s without an answer
+        now += 0.25
+        out = t.on_tick(now)
+        consumer.feed(out)
+        gave_up += sum(isinstance(d, ResyncNeeded) for d in out)
+        dumps += t.outbox.count(DUMP_REQUEST)
+        t.outbox.clear()
+    assert gave_up >= 3 and index.is_partial(S) and t.silent(now, 5.0)
+    assert dumps >= 3 * gave_up  # asked again and again, a few tries each time
+    # Restarted: it answers the next dump asked, with its whole state as of its seq 4.
+    while DUMP_REQUEST not in t.outbox:
+        now += 0.25
+        consumer.feed(t.on_tick(now))
+    t.outbox.clear()  # (sent)
+    out = t.on_reply(pack_seq(4), encode_payload(batch(stored([7, 8, 9], None, 2))), now)
+    out += t.on_reply(END_SEQ, b"", now)
+    consumer.feed(out)
+    assert ResyncDone(S, 4) in out and not t.recovering and not index.is_partial(S)
+    assert index.worker_hashes(S)[StorageTier.DEVICE] == {7, 8, 9} and t.expected == 5
+    assert not t.silent(now, 5.0)
+    for _ in range(40):  # whole again: no more dumps, only idle probes
+        now += 0.25
+        consumer.feed(t.on_tick(now))
+        assert DUMP_REQUEST not in t.outbox
+        answer_probes(t, now)
+    assert not index.is_partial(S) and not t.silent(now, 5.0)
+
+
+def test_a_dump_from_a_publisher_that_published_nothing_yet_is_taken_whole() -> None:
+    """A restarted engine that has published nothing numbers its dump batches -1, the end marker's bytes; its
+    end marker has an empty payload, a dump batch never does. Before, the first dump batch was taken for the
+    end marker ("publisher sent no state dump") and the stream stayed partial until the engine published."""
+    t = StreamTracker(S, can_replay=True, can_dump=True, timeout_s=1.0, probe_s=None)
+    index = TieredIndex(BS)
+    consumer = IndexConsumer(index)
+    t.start(0.0)
+    t.outbox.clear()
+    t.on_reply(END_SEQ, b"", 0.0)
+    consumer.feed(t.request_resync("test", 0.0))  # a full replay from 0, unanswered: then a dump
+    now = 0.0
+    while DUMP_REQUEST not in t.outbox:
+        assert now < 10.0
+        t.outbox.clear()
+        now += 0.25
+        consumer.feed(t.on_tick(now))
+    t.outbox.clear()
+    out = t.on_reply(END_SEQ, encode_payload(batch(stored([5, 6], None, 0))), now)
+    out += t.on_reply(END_SEQ, b"", now)
+    consumer.feed(out)
+    assert ResyncDone(S, -1) in out and not index.is_partial(S) and not t.recovering
+    assert index.worker_hashes(S)[StorageTier.DEVICE] == {5, 6} and t.expected == 0
+    consumer.feed(t.on_live(0, encode_payload(batch(stored([7], 6, 2))), now))  # its first batch follows
+    assert index.worker_hashes(S)[StorageTier.DEVICE] == {5, 6, 7}
+
+
+def test_a_publisher_that_answers_a_dump_with_nothing_is_not_asked_again() -> None:
+    """An endpoint marked dump-capable whose publisher cannot dump answers with the end marker alone: the
+    stream is partial, and asking again would only clear, time after time, what its live events rebuild."""
+    t = StreamTracker(S, can_replay=True, can_dump=True, timeout_s=1.0, probe_s=None)
+    t.start(0.0)
+    t.outbox.clear()
+    t.on_reply(END_SEQ, b"", 0.0)
+    t.on_live(0, encode_payload(batch()), 0.0)
+    t.request_resync("test", 0.0)
+    t.outbox.clear()
+    t.on_reply(pack_seq(5), encode_payload(batch()), 0.0)  # the buffer no longer reaches back: a dump
+    t.on_reply(END_SEQ, b"", 0.0)
+    assert t.outbox == [DUMP_REQUEST]
+    t.outbox.clear()
+    out = t.on_reply(END_SEQ, b"", 0.0)
+    assert [d for d in out if isinstance(d, ResyncNeeded)]
+    now = 0.0
+    for _ in range(400):  # 100 s
+        now += 0.25
+        t.on_tick(now)
+        assert DUMP_REQUEST not in t.outbox
+        t.outbox.clear()
+
+
+# --- the service, over loopback ----------------------------------------------------------------
+
+
+class Clock:
+    """The streams' clock, moved by the test."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def health(svc: IndexerService) -> dict[str, Any]:
+    return dict(json.loads(get(svc.address + "/health")))
+
+
+def run_clock(clock: Clock, cond: Callable[[], bool], *, step: float, pause: float = 0.05,
+              limit_s: float = 60.0) -> None:
+    """Moves the clock by ``step`` every ``pause`` of real time until ``cond`` holds (then leaves it still)."""
+    deadline = time.monotonic() + limit_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        clock.t += step
+        time.sleep(pause)
+
+
+def query(svc: IndexerService) -> dict[str, Any]:
+    code, body = post(svc.address + "/query", {"token_ids": TOKS})
+    assert code == 200, body
+    return body
+
+
+def test_a_gone_engine_is_not_routed_to_and_comes_back_whole_after_a_restart() -> None:
+    p0 = Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    p1 = Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    eps = [parse_endpoint(f"w0={p0.endpoint},replay={p0.replay_endpoint},dump"),
+           parse_endpoint(f"w1={p1.endpoint},replay={p1.replay_endpoint}")]
+    clock = Clock()
+    svc = IndexerService(ServiceConfig(endpoints=eps, block_size=BS, listen="127.0.0.1:0", replay_timeout_s=1.0,
+                                       liveness_timeout_s=5.0), clock=clock)
+    svc.start()
+    restarted: Publisher | None = None
+    try:
+        p0.publish(batch(stored([1, 2, 3], None, 0)))  # w0 holds the query's first 3 blocks
+        p1.publish(batch(stored([50], None, 7)))  # w1 holds nothing of it
+        # (the clock moves: a batch published before the subscription was up is found by the idle probe)
+        w0, w1 = StreamId(WorkerId("w0")), StreamId(WorkerId("w1"))
+        run_clock(clock, lambda: query(svc)["workers"]["w0"]["device"] == 3
+                  and svc.view(w1).get(StorageTier.DEVICE) == {50} and not health(svc)["recovering_workers"], step=0.1)
+        assert health(svc)["dead_workers"] == []
+
+        p0.close()  # the engine is gone: no batch, no probe answer from now on
+
+        def only_w0_dead_and_settled() -> bool:
+            h = health(svc)
+            return h["dead_workers"] == ["w0"] and h["partial_workers"] == ["w0"] and not h["recovering_workers"]
+
+        run_clock(clock, only_w0_dead_and_settled, step=0.25)
+        # The clock stands still from here on: w1 answered its last probe within the timeout, w0 did not.
+        h = health(svc)
+        assert h["status"] == "degraded"
+        body = query(svc)
+        assert body["workers"]["w0"]["dead"] and not body["workers"]["w1"]["dead"]
+        assert body["recommended"] == "w1"  # w0 is cleared and idle, so it would tie half the time
+        for i in range(20):
+            code, routed = post(svc.address + "/route", {"token_ids": TOKS, "request_id": f"r{i}"})
+            assert code == 200 and routed["worker"] == "w1", routed
+        m = json.loads(get(svc.address + "/metrics?format=json"))
+        assert m["dead_workers"] == 1 and m["workers"]["w0"]["dead"] and not m["workers"]["w1"]["dead"]
+        text = get(svc.address + "/metrics")
+        assert "kvtier_dead_workers 1" in text and 'kvtier_dead{worker="w0"} 1' in text
+
+        # The engine restarts on the same addresses with a new state, published (seq 0) and dumpable.
+        state = [stored([7, 8], None, 0)]
+        pub = Publisher(eps[0].endpoint, eps[0].replay_endpoint,
+                        dump_provider=lambda: (pub.last_seq, iter([batch(*state)])))
+        restarted = pub
+        pub.publish(batch(*state))
+
+        def whole_again() -> bool:
+            h = health(svc)
+            return (h["status"] == "ok" and not h["dead_workers"]
+                    and svc.view(w0).get(StorageTier.DEVICE) == {7, 8})
+
+        run_clock(clock, whole_again, step=0.1)
+        body = query(svc)
+        assert body["workers"]["w0"]["device"] == 2 and not body["workers"]["w0"]["partial"]
+        code, routed = post(svc.address + "/route", {"token_ids": TOKS, "request_id": "back"})
+        assert code == 200 and routed["worker"] == "w0"  # routable again, and the better choice
+    finally:
+        svc.stop()
+        for p in (p0, p1, restarted):
+            if p is not None:
+                p.close()
+
+
+def test_liveness_timeout_is_a_setting_checked_like_the_others(tmp_path: Any) -> None:
+    cfg = tmp_path / "indexer.toml"
+    cfg.write_text('liveness_timeout_s = 2.5\n[[endpoints]]\nworker = "a"\nendpoint = "tcp://127.0.0.1:5557"\n')
+    assert load_config(cfg).liveness_timeout_s == 2.5
+    assert ServiceConfig(endpoints=[]).liveness_timeout_s == 5.0
+    for bad in (0, -1, float("nan"), "5"):
+        with pytest.raises(ConfigError, match="liveness_timeout_s"):
+            ServiceConfig(endpoints=[], liveness_timeout_s=bad)  # type: ignore[arg-type]
+    assert cli_main(["indexer", "--endpoint", "w=tcp://127.0.0.1:1", "--liveness-timeout", "0"]) == 2
+    with pytest.raises(SystemExit) as exit_:  # (argparse's own one-line error)
+        cli_main(["indexer", "--endpoint", "w=tcp://127.0.0.1:1", "--liveness-timeout", "soon"])
+    assert exit_.value.code == 2
