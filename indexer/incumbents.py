@@ -207,7 +207,14 @@ class Llmd(PolicyBase):
     else 31,250 (``lruCapacityPerServer``), added in prompt order once the request is scheduled).
 
     The prefix scorer here is that estimate mode, llm-d's default (the ``prefix-cache-scorer`` of the default
-    profile; its precise mode, ``precise-prefix-cache-scorer`` fed by KV events, must be configured). The inputs
+    profile). ``mode="precise"`` (``llmd_precise``) swaps in its precise mode instead, which must be configured in
+    llm-d (``precise-prefix-cache-scorer``, fed by vLLM's KV events through llm-d/llm-d-kv-cache): the blocks held
+    from the start of the prompt, each weighted by the best tier holding it (``pkg/kvcache/backend.go``: gpu 1.0,
+    cpu 0.8; ``kvblock_scorer.go``: the longest prefix), over the prompt's full blocks, at most 1
+    (``.../scorer/preciseprefixcache/utils.go``). Here those come from the event-fed index's device and host
+    overlaps (what vLLM announces: its GPU and CPU tiers), under the same 3 + 2 weights, so that the two modes
+    differ in the prefix scorer only (llm-d's sample precise configuration weighs it 2, KV utilisation 1, queue
+    1). The inputs
     llm-d scrapes from vLLM's metrics come from the router's own bookkeeping instead, so the policy is the same
     object in the simulator and the service: the waiting queue is the requests routed to the worker and not yet
     at their first token (``WorkerLoad.prefilling``), KV usage the blocks its in-flight requests hold
@@ -217,18 +224,22 @@ class Llmd(PolicyBase):
     name = "llmd"
     MAX_PREFIX_BLOCKS = 256  # maxPrefixBlocksToMatch's default
     DEFAULT_LRU_BLOCKS = 31_250  # lruCapacityPerServer's default, without a GPU block count
+    HOST_WEIGHT = 0.8  # the precise scorer's weight of a block on the CPU tier (the GPU's is 1.0)
 
     def __init__(self, block_size: int, *, prefix_weight: float = 3.0, queue_weight: float = 2.0,
                  kv_weight: float = 0.0, capacity_tokens: int | None = None, seed: int = 0,
-                 name: str = "llmd") -> None:
+                 name: str = "llmd", mode: str = "estimate") -> None:
         if block_size < 1:
-            raise ConfigError(f"llmd: block_size must be >= 1, got {block_size}")
+            raise ConfigError(f"{name}: block_size must be >= 1, got {block_size}")
+        if mode not in ("estimate", "precise"):
+            raise ConfigError(f"{name}: mode must be estimate or precise, got {mode!r}")
         if min(prefix_weight, queue_weight, kv_weight) < 0:
-            raise ConfigError("llmd: scorer weights must be >= 0")
+            raise ConfigError(f"{name}: scorer weights must be >= 0")
         if kv_weight > 0 and not capacity_tokens:
-            raise ConfigError("llmd: the KV-cache-utilisation scorer needs each worker's device capacity "
-                              "(capacity_tokens)")
+            raise ConfigError(f"{name}: the KV-cache-utilisation scorer needs each worker's device capacity "
+                              "(capacity_tokens, --capacity-tokens)")
         self.name = name
+        self.mode = mode
         self.block_size = block_size
         self.prefix_weight, self.queue_weight, self.kv_weight = prefix_weight, queue_weight, kv_weight
         self.capacity_tokens = capacity_tokens
@@ -253,9 +264,14 @@ class Llmd(PolicyBase):
         return out
 
     def filter(self, ctx: RouteContext, workers: list[StreamId]) -> list[StreamId]:
-        found = self.matches(ctx.keys)
-        self._frame = _Frame(ctx, {w: float(found.get(w, 0)) for w in workers})
-        self._total = min(-(-ctx.num_tokens // self.block_size), self.MAX_PREFIX_BLOCKS)
+        if self.mode == "precise":
+            found = {w: (o := ctx.overlap(w)).device + self.HOST_WEIGHT * (o.host - o.device) for w in workers}
+            self._frame = _Frame(ctx, found)
+            self._total = len(ctx.keys)
+        else:
+            blocks = self.matches(ctx.keys)
+            self._frame = _Frame(ctx, {w: float(blocks.get(w, 0)) for w in workers})
+            self._total = min(-(-ctx.num_tokens // self.block_size), self.MAX_PREFIX_BLOCKS)
         queues = [ctx.load(w).prefilling for w in workers]
         self._queue = (min(queues), max(queues))
         return workers
@@ -263,7 +279,7 @@ class Llmd(PolicyBase):
     def scorers(self, ctx: RouteContext, worker: StreamId) -> tuple[float, float, float]:
         """The prefix, queue and KV-utilisation scores of ``worker``, each in [0, 1] (after ``filter``)."""
         assert self._frame is not None and self._frame.ctx is ctx
-        prefix = self._frame.values[worker] / self._total if self._total else 0.0
+        prefix = min(1.0, self._frame.values[worker] / self._total) if self._total else 0.0
         lo, hi = self._queue
         load = ctx.load(worker)
         queue = 1.0 if hi == lo else (hi - load.prefilling) / (hi - lo)
@@ -286,8 +302,11 @@ class Llmd(PolicyBase):
         return tied[0] if len(tied) == 1 else self._rng.choice(tied)
 
     def routed(self, keys: Sequence[BlockKey], num_tokens: int, worker: StreamId) -> None:
-        """The request was booked on ``worker``: its blocks join the worker's LRU, in prompt order (the first
-        block ends least recent), evicting the least recent past capacity. O(blocks)."""
+        """The request was booked on ``worker``: in estimate mode its blocks join the worker's LRU, in prompt order
+        (the first block ends least recent), evicting the least recent past capacity. O(blocks). The precise mode
+        learns from events only."""
+        if self.mode == "precise":
+            return
         lru = self._lrus.setdefault(worker, OrderedDict())
         for k in keys[:self.MAX_PREFIX_BLOCKS]:
             if k in lru:

@@ -30,6 +30,8 @@ docstring names its public source and defaults):
 | power_of_two       | load    | its own bookkeeping   | SGLang Model Gateway's: the less loaded of two at random |
 | llmd               | history | its own routing       | llm-d's default profile: prefix estimate 3 + queue 2    |
 | llmd_kv            | history | its own routing       | the same + KV-cache utilisation 2 (needs the capacity)  |
+| llmd_precise       | index   | device + host         | llm-d's profile with its precise (event-fed) prefix     |
+|                    |         |                       | scorer in place of the estimate                         |
 """
 
 from __future__ import annotations
@@ -102,7 +104,8 @@ class PolicySpec:
     window_aware: bool = False  # scores SWA engines on their usable prefix (window-KV events, or inferred)
     doc: str = ""
     # A routing-policy plugin built from the settings and the block size (the incumbents): the object that routes
-    # in the simulator and in the service alike. None: the router's cost model routes.
+    # in the simulator and in the service alike, over the index of the tiers up to ``tier`` (an index policy) or
+    # over no events at all. None: the router's cost model routes.
     plugin: Callable[[RoutingSettings, int], RoutingPolicy] | None = None
 
     @property
@@ -138,6 +141,9 @@ _SPECS = [
                plugin=lambda s, bs: Llmd(bs, capacity_tokens=s.capacity_tokens, seed=s.seed)),
     PolicySpec("llmd_kv", "history", None, doc="llm-d's default profile with its KV-utilisation scorer (weight 2)",
                plugin=lambda s, bs: _llmd_kv(s, bs)),
+    PolicySpec("llmd_precise", "index", _H, _setting_cost, doc="llm-d's default profile, precise prefix scorer",
+               plugin=lambda s, bs: Llmd(bs, capacity_tokens=s.capacity_tokens, seed=s.seed, name="llmd_precise",
+                                         mode="precise")),
 ]
 #: Every built-in policy, by name, in the order tables list them.
 REGISTRY: dict[str, PolicySpec] = {s.name: s for s in _SPECS}

@@ -374,10 +374,11 @@ def _policy(name: str, settings: RoutingSettings, block_size: int) -> tuple[Cost
         if not spec.served:
             raise ConfigError(f"policy {name!r} runs in the simulator only (it reads {spec.kind}, which a service "
                               f"does not have); served: {', '.join(n for n, p in REGISTRY.items() if p.served)}")
+        if spec.plugin is not None:  # an incumbent's policy, built as the simulator builds it
+            return make_cost(name if spec.cost is not None else "kv_all", settings), make_plugin(name, settings,
+                                                                                                 block_size)
         if spec.kind == "index":
             return make_cost(name, settings), None
-        if spec.plugin is not None:  # an incumbent's policy, built as the simulator builds it
-            return make_cost("kv_all", settings), make_plugin(name, settings, block_size)
         return make_cost("kv_all", settings), BUILTIN[name]()
     try:
         return make_cost("kv_all", settings), load_policy(name)

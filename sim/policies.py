@@ -295,7 +295,10 @@ def make_policy(name: str, *, workers: int, block_size: int, loads: LoadTracker,
         return KvPolicy(plugin.name, workers, block_size, CreditCost(), loads, StorageTier.EXTERNAL, plugin=plugin)
     spec = policy_spec(name)
     if spec.plugin is not None:
-        return PluginRouted(workers, block_size, make_plugin(name, s, block_size), loads)
+        plugin = make_plugin(name, s, block_size)
+        if spec.kind == "index" and spec.tier is not None:  # it reads the index: fed the events of its tiers
+            return KvPolicy(name, workers, block_size, make_cost(name, s), loads, spec.tier, plugin=plugin)
+        return PluginRouted(workers, block_size, plugin, loads)
     if spec.kind == "blind":
         return RoundRobin(workers) if name == "round_robin" else RandomPolicy(workers, s.seed)
     if spec.kind == "load":

@@ -21,12 +21,12 @@ from kvtier.sim.cluster import ClusterConfig
 from kvtier.sim.generators import PRESETS, generate
 from kvtier.sim.run import RunConfig, simulate
 from kvtier.wire.notices import StreamId
-from kvtier.wire.overlap import OverlapScores
+from kvtier.wire.overlap import OverlapScores, TierOverlap
 from kvtier.wire.protocol import WorkerId
 
 BS = 16
 W = [StreamId(WorkerId(f"w{i}")) for i in range(3)]
-INCUMBENTS = ["sglang_cache_aware", "power_of_two", "llmd", "llmd_kv"]
+INCUMBENTS = ["sglang_cache_aware", "power_of_two", "llmd", "llmd_kv", "llmd_precise"]
 _BUSY = itertools.count(10**9)  # keys of the requests that only make load: distinct from every prompt's
 
 
@@ -45,8 +45,8 @@ def busy(loads: LoadTracker, worker: StreamId, running: int, prefilling: int | N
 
 
 def route(policy: RoutingPolicy, ks: Sequence[BlockKey], tokens: int, loads: LoadTracker,
-          workers: list[StreamId] = W) -> tuple[StreamId, dict[StreamId, float]]:
-    ctx = RouteContext(tokens, BS, ks, OverlapScores(len(ks)), loads, frozenset())
+          workers: list[StreamId] = W, overlaps: OverlapScores | None = None) -> tuple[StreamId, dict[StreamId, float]]:
+    ctx = RouteContext(tokens, BS, ks, overlaps or OverlapScores(len(ks)), loads, frozenset())
     return route_with(policy, ctx, list(workers))
 
 
@@ -201,6 +201,18 @@ def test_llmd_kv_utilisation_scorer_is_an_option_that_needs_the_capacity() -> No
         == "llmd_kv"
 
 
+def test_llmd_precise_scores_the_indexed_prefix_gpu_1_cpu_0_8_and_learns_nothing_from_routes() -> None:
+    p, loads = Llmd(BS, mode="precise"), LoadTracker(BS)
+    ov = OverlapScores(10, {W[0]: TierOverlap(4, 8, 8, 8), W[1]: TierOverlap(6, 6, 6, 6),
+                            W[2]: TierOverlap(0, 0, 10, 10)})  # w2's blocks are on disk: vLLM announces none
+    chosen, scores = route(p, keys(1, 10), 10 * BS + 5, loads, overlaps=ov)  # total: the 10 full blocks
+    assert chosen == W[0] and scores == pytest.approx({W[0]: -(3 * 0.72 + 2), W[1]: -(3 * 0.6 + 2), W[2]: -2.0})
+    p.routed(keys(1, 10), 10 * BS, W[2])
+    assert p.matches(keys(1, 10)) == {} and route(p, keys(1, 10), 10 * BS, loads, overlaps=ov)[0] == W[0]
+    with pytest.raises(ConfigError, match="mode"):
+        Llmd(BS, mode="exact")
+
+
 # --- in the simulator and the service -----------------------------------------------------------------------------
 
 CLUSTER = ClusterConfig(workers=3, page_size=64, device_tokens=32_768, host_ratio=1.0, l3="disk", l3_tokens=131_072)
@@ -239,11 +251,12 @@ def test_each_is_served_and_learns_from_routes_not_queries(name: str) -> None:
     if isinstance(plugin, SglangCacheAware):
         assert plugin.tree_tokens(StreamId(WorkerId(first))) == 32  # /route taught it; /query did not
         assert sum(plugin.tree_tokens(w) for w in W) == 32
-    if isinstance(plugin, Llmd):
-        assert plugin.matches(svc.index.request_keys(toks)) == {StreamId(WorkerId(first)): 8}
+    if isinstance(plugin, Llmd):  # the estimate learns the route; the precise mode waits for the engine's events
+        want = {} if plugin.mode == "precise" else {StreamId(WorkerId(first)): 8}
+        assert plugin.matches(svc.index.request_keys(toks)) == want
     svc.first_token("a")
     svc.finish("a")
-    if name != "power_of_two":  # the prompt again goes where its prefix was routed
+    if name not in ("power_of_two", "llmd_precise"):  # the prompt again goes where its prefix was routed
         assert svc.route({"request_id": "b", "token_ids": toks})["worker"] == first
 
 

@@ -34,7 +34,8 @@ def _service(run: RunConfig) -> IndexerService:
 
 
 RUNS = [RunConfig("kv_host", host_credit=0.6, seed=7), RunConfig("kv_all", cost="ttft", seed=3),
-        RunConfig("dynamo", host_credit=0.5, disk_credit=0.1, seed=1), RunConfig("min_ttft", seed=5)]
+        RunConfig("dynamo", host_credit=0.5, disk_credit=0.1, seed=1), RunConfig("min_ttft", seed=5),
+        RunConfig("llmd_precise", seed=3)]  # (an incumbent's plugin over the event-fed index)
 
 
 @pytest.mark.parametrize("run", RUNS, ids=[r.label for r in RUNS])
