@@ -2,11 +2,12 @@
 llm-d's default scheduling profile.
 
 Each is a routing-policy plugin (:mod:`kvtier.indexer.plugins`), so one object routes in the simulator
-(:class:`kvtier.sim.policies.PluginRouted`) and in the service (``kvtier indexer --policy NAME``), both built from the
-registry (:mod:`kvtier.indexer.policies`). None of them reads KV events: each routes on the router's own
-bookkeeping (:class:`~kvtier.indexer.load.LoadTracker`: requests routed and not finished, not yet first-token) and,
-for the cache-aware ones, on a history of what it routed where, which it learns through :meth:`routed` once a
-request is booked (``POST /route``; ``POST /query`` asks without teaching). That history is kept at the router's
+(:class:`kvtier.sim.policies.PluginRouted`, or a :class:`~kvtier.sim.policies.KvPolicy` for ``llmd_precise``) and in
+the service (``kvtier indexer --policy NAME``), both built from the registry (:mod:`kvtier.indexer.policies`). Each
+routes on the router's own bookkeeping (:class:`~kvtier.indexer.load.LoadTracker`: requests routed and not finished,
+not yet first-token) and, for the cache-aware ones, on a history of what it routed where, which it learns through
+``routed`` once a request is booked (``POST /route``; ``POST /query`` asks without teaching); only ``llmd_precise``
+reads KV events (the index's overlaps) instead. That history is kept at the router's
 block-key granularity (the prompt's full blocks of ``block_size`` tokens, keys chained from the root), where the
 originals match tokens or characters: a partial last block never matches.
 
@@ -164,9 +165,10 @@ class PowerOfTwo(PolicyBase):
     Sources: the SMG documentation, ``docs/configuration/routing.md`` of lightseekorg/smg ("samples two workers,
     picks least loaded"), and its code at lightseekorg/smg 73da68c, ``model_gateway/src/policies/power_of_two.rs``:
     the first index uniform, the second uniform among the others; the first wins ties. Load is the router's
-    in-flight request count (``WorkerLoad.running``), SMG's fallback when its load monitor has no backend
-    token-usage figures for both workers (the ones it prefers when it has them). Draws come from a generator
-    seeded by ``seed``; a ``POST /query`` draws too.
+    in-flight request count (``WorkerLoad.running``), what SMG compares when its load monitor has no backend
+    token-usage figures for both workers; where it has them (polled every ``load_monitor_interval``, 10 s, from
+    backends that report them) SMG compares those instead, which the router here does not see. Draws come from
+    a generator seeded by ``seed``; a ``POST /query`` draws too.
     """
 
     name = "power_of_two"
