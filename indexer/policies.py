@@ -20,18 +20,17 @@ their spec, not here.
 | min_ttft      | index    | every tier             | estimated time to first token (:class:`TtftCost`)    |
 | oracle        | oracle   | the engines themselves | the ``cost`` setting                                 |
 
-The incumbent routers' policies, as baselines (plugins of :mod:`kvtier.indexer.incumbents`, no cost model; each
+The incumbent routers' policies, as baselines (routing-policy plugins of :mod:`kvtier.indexer.incumbents`; each
 docstring names its public source and defaults):
 
-| policy             | kind    | hears                 | rule                                                    |
-|--------------------|---------|-----------------------|---------------------------------------------------------|
-| sglang_cache_aware | history | its own routing       | SGLang Model Gateway's cache_aware: approximate trees, |
-|                    |         |                       | least loaded when the load is imbalanced                |
-| power_of_two       | load    | its own bookkeeping   | SGLang Model Gateway's: the less loaded of two at random |
-| llmd               | history | its own routing       | llm-d's default profile: prefix estimate 3 + queue 2    |
-| llmd_kv            | history | its own routing       | the same + KV-cache utilisation 2 (needs the capacity)  |
-| llmd_precise       | index   | device + host         | llm-d's profile with its precise (event-fed) prefix     |
-|                    |         |                       | scorer in place of the estimate                         |
+| policy             | kind    | hears               | rule                                                      |
+|--------------------|---------|---------------------|-----------------------------------------------------------|
+| sglang_cache_aware | history | its own routing     | SGLang Model Gateway's cache_aware: approximate trees,    |
+|                    |         |                     | the least loaded when in-flight counts are imbalanced     |
+| power_of_two       | load    | its own bookkeeping | SGLang Model Gateway's: the less loaded of two at random  |
+| llmd               | history | its own routing     | llm-d's default profile: prefix estimate 3 + queue 2      |
+| llmd_kv            | history | its own routing     | the same + KV-cache utilisation 2 (needs the capacity)    |
+| llmd_precise       | index   | device + host       | llm-d's profile, its precise (event-fed) prefix scorer    |
 """
 
 from __future__ import annotations
