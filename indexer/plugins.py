@@ -5,7 +5,8 @@ hands it a :class:`RouteContext` per request: the index's overlaps per worker an
 router's in-flight load bookkeeping, which workers are partial (events lost for good), the prompt's
 keys. ``filter`` narrows the candidates, ``score`` costs each (lower is better), ``pick`` chooses.
 :class:`PolicyBase` keeps every worker and picks the lowest score, so most plugins write ``score``
-only. The same object serves ``kvtier replay/compare --policy SPEC`` and ``kvtier indexer --policy
+only; one that learns from its own routing history also has ``routed`` (:func:`note_routed`). The same object
+serves ``kvtier replay/compare --policy SPEC`` and ``kvtier indexer --policy
 SPEC``, where SPEC is ``package.module:attr``, ``path/to/file.py:attr``, or the name of an entry
 point in the group ``kvtier.policies``; ``attr`` is a policy object, or a class or factory called
 with no arguments. See ``examples/fresh_first_policy.py``.
@@ -165,6 +166,15 @@ class LeastLoadedPolicy(PolicyBase):
     def score(self, ctx: RouteContext, worker: StreamId) -> float:
         load = ctx.load(worker)
         return load.running * 1e9 + load.active_blocks
+
+
+def note_routed(policy: RoutingPolicy | None, keys: Sequence[BlockKey], num_tokens: int, worker: StreamId) -> None:
+    """Tells ``policy`` that a request it routed was booked on ``worker``, if it has a ``routed(keys, num_tokens,
+    worker)`` method: a policy that learns from its own routing history (what it sent where) learns it there, not in
+    ``pick``, so that a query which books nothing (``POST /query``) teaches it nothing."""
+    hook = getattr(policy, "routed", None)
+    if hook is not None:
+        hook(keys, num_tokens, worker)
 
 
 #: kvtier's cache-blind policies as plugins, so the service runs them by name too.

@@ -20,6 +20,18 @@ their spec, not here.
 | min_ttft      | index    | every tier             | estimated time to first token (:class:`TtftCost`)    |
 | goodput       | index    | every tier             | min_ttft among workers meeting the SLO (:class:`SloCost`) |
 | oracle        | oracle   | the engines themselves | the ``cost`` setting                                 |
+
+The incumbent routers' policies, as baselines (routing-policy plugins of :mod:`kvtier.indexer.incumbents`; each
+docstring names its public source and defaults):
+
+| policy             | kind    | hears               | rule                                                      |
+|--------------------|---------|---------------------|-----------------------------------------------------------|
+| sglang_cache_aware | history | its own routing     | SGLang Model Gateway's cache_aware: approximate trees,    |
+|                    |         |                     | the least loaded when in-flight counts are imbalanced     |
+| power_of_two       | load    | its own bookkeeping | SGLang Model Gateway's: the less loaded of two at random  |
+| llmd               | history | its own routing     | llm-d's default profile: prefix estimate 3 + queue 2      |
+| llmd_kv            | history | its own routing     | the same + KV-cache utilisation 2 (needs the capacity)    |
+| llmd_precise       | index   | device + host       | llm-d's profile, its precise (event-fed) prefix scorer    |
 """
 
 from __future__ import annotations
@@ -29,7 +41,9 @@ from dataclasses import dataclass, field
 
 from kvtier.fields import ConfigError
 from kvtier.indexer.hardware import DEFAULT_GPU_LINK, DEFAULT_STORAGE_LINK, GPU_LINKS, STORAGE_LINKS
+from kvtier.indexer.incumbents import Llmd, PowerOfTwo, SglangCacheAware
 from kvtier.indexer.latency import PRESETS, LatencyModel, MockerLatency, TransferModel
+from kvtier.indexer.plugins import RoutingPolicy
 from kvtier.indexer.scoring import CostModel, CreditCost, DynamoCost, SloCost, TierCredits, TtftCost
 from kvtier.wire.protocol import StorageTier
 
@@ -96,11 +110,19 @@ class PolicySpec:
     cost: Callable[[RoutingSettings, StorageTier], CostModel] | None = None  # None: no cost model
     window_aware: bool = False  # scores SWA engines on their usable prefix (window-KV events, or inferred)
     doc: str = ""
+    # A routing-policy plugin built from the settings and the block size (the incumbents): the object that routes
+    # in the simulator and in the service alike, over the index of the tiers up to ``tier`` (an index policy) or
+    # over no events at all. None: the router's cost model routes.
+    plugin: Callable[[RoutingSettings, int], RoutingPolicy] | None = None
 
     @property
     def served(self) -> bool:
-        """Whether ``kvtier indexer`` runs it: the event-fed ones, and the cache-blind plugins it ships."""
-        return self.kind == "index" or self.name in ("round_robin", "least_loaded")
+        """Whether ``kvtier indexer`` runs it: the event-fed ones, and the plugins it ships."""
+        return self.kind == "index" or self.plugin is not None or self.name in ("round_robin", "least_loaded")
+
+
+def _llmd_kv(s: RoutingSettings, block_size: int) -> RoutingPolicy:
+    return Llmd(block_size, kv_weight=2.0, capacity_tokens=s.capacity_tokens, seed=s.seed, name="llmd_kv")
 
 
 _E, _D, _H = StorageTier.EXTERNAL, StorageTier.DEVICE, StorageTier.HOST
@@ -120,6 +142,17 @@ _SPECS = [
     PolicySpec("goodput", "index", _E, _slo,
                doc="kvtier's own: min_ttft among the workers where the request meets its SLO (TTFT, TPOT)"),
     PolicySpec("oracle", "oracle", _E, _setting_cost, doc="the engines' true state, no events"),
+    PolicySpec("sglang_cache_aware", "history", None, doc="SGLang Model Gateway's cache_aware, from its code",
+               plugin=lambda s, bs: SglangCacheAware(bs)),
+    PolicySpec("power_of_two", "load", None, doc="SGLang Model Gateway's power_of_two, from its code",
+               plugin=lambda s, bs: PowerOfTwo(s.seed)),
+    PolicySpec("llmd", "history", None, doc="llm-d's default profile (prefix estimate 3, queue 2), from its code",
+               plugin=lambda s, bs: Llmd(bs, capacity_tokens=s.capacity_tokens, seed=s.seed)),
+    PolicySpec("llmd_kv", "history", None, doc="llm-d's default profile with its KV-utilisation scorer (weight 2)",
+               plugin=lambda s, bs: _llmd_kv(s, bs)),
+    PolicySpec("llmd_precise", "index", _H, _setting_cost, doc="llm-d's default profile, precise prefix scorer",
+               plugin=lambda s, bs: Llmd(bs, capacity_tokens=s.capacity_tokens, seed=s.seed, name="llmd_precise",
+                                         mode="precise")),
 ]
 #: Every built-in policy, by name, in the order tables list them.
 REGISTRY: dict[str, PolicySpec] = {s.name: s for s in _SPECS}
@@ -133,6 +166,15 @@ def policy_spec(name: str) -> PolicySpec:
         raise ConfigError(f"unknown policy {name!r}; expected one of {', '.join(POLICIES)}, module:attr, "
                           "file.py:attr, or an entry point of the group kvtier.policies")
     return spec
+
+
+def make_plugin(name: str, settings: RoutingSettings, block_size: int) -> RoutingPolicy:
+    """A fresh plugin of built-in policy ``name`` (an incumbent's) under ``settings``: the simulator and the service
+    each build their own with this, from the same settings. :class:`ConfigError` for a policy without one."""
+    spec = policy_spec(name)
+    if spec.plugin is None:
+        raise ConfigError(f"policy {name!r} is not a plugin")
+    return spec.plugin(settings, block_size)
 
 
 def make_cost(name: str, settings: RoutingSettings) -> CostModel:

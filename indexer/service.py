@@ -42,8 +42,8 @@ from kvtier.indexer.index import TieredIndex
 from kvtier.indexer.keys import BlockKey, key_backend
 from kvtier.indexer.keytable import warm_tables
 from kvtier.indexer.load import LoadTracker
-from kvtier.indexer.plugins import BUILTIN, RoutingPolicy, load_policy
-from kvtier.indexer.policies import REGISTRY, RoutingSettings, make_cost
+from kvtier.indexer.plugins import BUILTIN, RoutingPolicy, load_policy, note_routed
+from kvtier.indexer.policies import REGISTRY, RoutingSettings, make_cost, make_plugin
 from kvtier.indexer.requestbody import RequestBody, parse_body, parse_finish
 from kvtier.indexer.router import RouteDecision, Router
 from kvtier.indexer.scoring import CostModel
@@ -82,7 +82,7 @@ class IndexerService:
             self._restore(Path(config.snapshot_path), streams)
         self.loads = LoadTracker(config.block_size)
         self.router_settings = config.routing_settings()
-        cost, plugin = _policy(config.policy or "kv_all", self.router_settings)
+        cost, plugin = _policy(config.policy or "kv_all", self.router_settings, config.block_size)
         # Window-aware: engines that announce window KV (SWA models) are scored on their usable prefix; the
         # others as before. Each answer says which it was per worker ("window_kv").
         self.router = Router(self.index, cost, loads=self.loads, policy=plugin, rebuilding=self._rebuilding,
@@ -273,6 +273,7 @@ class IndexerService:
             cached = dec.overlaps.workers[dec.worker].external * self.index.block_size
             self.loads.add(rid, dec.worker, keys, tokens, max(0, tokens - cached))
             self.index.note_routed(dec.worker, keys)  # inferred window KV (SWA engines without window events)
+            note_routed(self.router.policy, keys, tokens, dec.worker)  # a routing-history policy learns it
             self._deadlines.book(rid, time.monotonic())
             out = self._answer(dec)
             self.request_seconds["route"].observe(time.perf_counter() - t0)
@@ -372,7 +373,7 @@ class IndexerService:
         return out
 
 
-def _policy(name: str, settings: RoutingSettings) -> tuple[CostModel, RoutingPolicy | None]:
+def _policy(name: str, settings: RoutingSettings, block_size: int) -> tuple[CostModel, RoutingPolicy | None]:
     """The cost model and plugin the service routes with for policy ``name``: a registry policy's cost is built by
     :func:`kvtier.indexer.policies.make_cost` exactly as the simulator builds it; a plugin replaces the cost's
     choice (the cost stays for /query's costs)."""
@@ -381,6 +382,9 @@ def _policy(name: str, settings: RoutingSettings) -> tuple[CostModel, RoutingPol
         if not spec.served:
             raise ConfigError(f"policy {name!r} runs in the simulator only (it reads {spec.kind}, which a service "
                               f"does not have); served: {', '.join(n for n, p in REGISTRY.items() if p.served)}")
+        if spec.plugin is not None:  # an incumbent's policy, built as the simulator builds it
+            return make_cost(name if spec.cost is not None else "kv_all", settings), make_plugin(name, settings,
+                                                                                                 block_size)
         if spec.kind == "index":
             return make_cost(name, settings), None
         return make_cost("kv_all", settings), BUILTIN[name]()

@@ -38,7 +38,10 @@ from kvtier.sim.source import TraceSource
 from kvtier.sim.trace import Request, TraceError, write_mooncake
 from kvtier.sim.transport import Recovery
 
-DEFAULT_POLICIES = "round_robin,least_loaded,approx,kv_device,kv_host,kv_all,dynamo,min_ttft,oracle"
+# The incumbents route in O(prompt blocks) per request, and all but llmd_precise (fed events, like kv_host) hear no
+# events: cheap beside the kv_* policies.
+DEFAULT_POLICIES = ("round_robin,least_loaded,approx,kv_device,kv_host,kv_all,dynamo,min_ttft,oracle,"
+                    "sglang_cache_aware,power_of_two,llmd,llmd_kv,llmd_precise")
 
 
 class CliError(Exception):

@@ -3,7 +3,8 @@
 Which policies exist, what each hears and the cost it routes with come from the one registry,
 :mod:`kvtier.indexer.policies` (its table lists them); this module builds the simulator's side of each: the
 real index fed engine events through the real codec and filtered to the tiers the policy hears (:class:`KvPolicy`),
-the engines' true state (:class:`Oracle`), a routing history (:class:`Approx`), or no state at all. Every policy
+the engines' true state (:class:`Oracle`), a routing history (:class:`Approx`), an incumbent router's plugin over
+its own history and bookkeeping (:class:`PluginRouted`), or no state at all. Every policy
 sees the router's own bookkeeping of in-flight work (a LoadTracker).
 
 Every KV-aware policy counts a prefix that in-flight requests share once in a worker's load, and
@@ -24,9 +25,9 @@ from kvtier.indexer.index import TieredIndex
 from kvtier.indexer.keys import BlockKey
 from kvtier.indexer.latency import PRESETS
 from kvtier.indexer.load import LoadTracker
-from kvtier.indexer.plugins import RoutingPolicy, is_plugin_spec, load_policy
+from kvtier.indexer.plugins import RoutingPolicy, is_plugin_spec, load_policy, note_routed
 from kvtier.indexer.policies import POLICIES as POLICIES  # (the names, re-exported)
-from kvtier.indexer.policies import REGISTRY, RoutingSettings, make_cost, policy_spec
+from kvtier.indexer.policies import REGISTRY, RoutingSettings, make_cost, make_plugin, policy_spec
 from kvtier.indexer.router import Router
 from kvtier.indexer.scoring import CostModel, CreditCost, visible
 from kvtier.wire.notices import Delivery, StreamId
@@ -175,6 +176,7 @@ class KvPolicy:
         d = self.router.route_keys(req.keys, req.num_tokens)
         if self.router.window_aware:
             self.index.note_routed(d.worker, req.keys)
+        note_routed(self.router.policy, req.keys, req.num_tokens, d.worker)  # as the service does once booked
         i = self.streams.index(d.worker)
         return Choice(i, visible(d.overlaps.workers[d.worker], self.max_tier), self.max_tier)
 
@@ -251,6 +253,24 @@ class Approx:
             self._seen[i] = {k: t for k, t in seen.items() if t >= horizon}
 
 
+class PluginRouted:
+    """A plugin that hears no events (an incumbent router's policy: :mod:`kvtier.indexer.incumbents`), routing on
+    the router's bookkeeping and what it learns of its own routing (``routed``), as ``kvtier indexer`` runs it."""
+
+    blind: ClassVar[bool] = False
+
+    def __init__(self, workers: int, block_size: int, plugin: RoutingPolicy, loads: LoadTracker) -> None:
+        self.name = plugin.name
+        self.plugin = plugin
+        self.streams = _streams(workers)
+        self.router = Router(TieredIndex(block_size), CreditCost(), loads=loads, workers=self.streams, policy=plugin)
+
+    def choose(self, req: RouteInput) -> Choice:
+        d = self.router.choose(OverlapScores(total_blocks=len(req.keys)), req.num_tokens, req.keys)
+        note_routed(self.plugin, req.keys, req.num_tokens, d.worker)
+        return Choice(self.streams.index(d.worker))
+
+
 def check_policy(name: str) -> None:
     """Raises :class:`~kvtier.fields.ConfigError` (one line) unless ``name`` is a built-in policy or a
     plugin that loads. Imports the plugin's module."""
@@ -274,6 +294,11 @@ def make_policy(name: str, *, workers: int, block_size: int, loads: LoadTracker,
         plugin = load_policy(name)
         return KvPolicy(plugin.name, workers, block_size, CreditCost(), loads, StorageTier.EXTERNAL, plugin=plugin)
     spec = policy_spec(name)
+    if spec.plugin is not None:
+        plugin = make_plugin(name, s, block_size)
+        if spec.kind == "index" and spec.tier is not None:  # it reads the index: fed the events of its tiers
+            return KvPolicy(name, workers, block_size, make_cost(name, s), loads, spec.tier, plugin=plugin)
+        return PluginRouted(workers, block_size, plugin, loads)
     if spec.kind == "blind":
         return RoundRobin(workers) if name == "round_robin" else RandomPolicy(workers, s.seed)
     if spec.kind == "load":

@@ -229,6 +229,8 @@ CASES: dict[str, Case] = {
     "indexer snapshot in a missing directory": (lambda t, f: indexer("--snapshot", str(t / "no" / "x.snap")),
                                                 "does not exist"),
     "indexer unknown policy": (lambda t, f: indexer("--policy", "nope"), "policy 'nope'"),
+    "indexer llmd_kv without capacity": (lambda t, f: indexer("--policy", "llmd_kv"),
+                                         "llmd_kv: the KV-cache-utilisation scorer needs each worker's device"),
     "indexer negative window": (lambda t, f: indexer("--window-tokens", "-3"), "window_tokens: -3 is not allowed"),
     "indexer TOML window type": (lambda t, f: ["indexer", "--config", toml(
         t, 'window_tokens = "128"\n[[endpoints]]\nworker = "w0"\nendpoint = "tcp://127.0.0.1:1"\n')],

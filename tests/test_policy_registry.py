@@ -9,12 +9,13 @@ from typing import Any
 import pytest
 
 from kvtier.indexer.consumer import IndexConsumer
+from kvtier.indexer.plugins import note_routed
 from kvtier.indexer.policies import POLICIES, REGISTRY, RoutingSettings, make_cost
 from kvtier.indexer.scoring import TtftCost
 from kvtier.indexer.service import IndexerService, ServiceConfig, parse_endpoint
 from kvtier.sim.cluster import ClusterConfig
 from kvtier.sim.generators import PRESETS, generate
-from kvtier.sim.policies import KvPolicy, RouteInput
+from kvtier.sim.policies import KvPolicy, PluginRouted, RouteInput
 from kvtier.sim.run import RunConfig, routing_settings, simulate
 from kvtier.wire.notices import Delivery
 
@@ -33,7 +34,8 @@ def _service(run: RunConfig) -> IndexerService:
 
 
 RUNS = [RunConfig("kv_host", host_credit=0.6, seed=7), RunConfig("kv_all", cost="ttft", seed=3),
-        RunConfig("dynamo", host_credit=0.5, disk_credit=0.1, seed=1), RunConfig("min_ttft", seed=5)]
+        RunConfig("dynamo", host_credit=0.5, disk_credit=0.1, seed=1), RunConfig("min_ttft", seed=5),
+        RunConfig("llmd_precise", seed=3)]  # (an incumbent's plugin over the event-fed index)
 
 
 @pytest.mark.parametrize("run", RUNS, ids=[r.label for r in RUNS])
@@ -67,6 +69,36 @@ def test_a_policy_routes_alike_in_the_simulator_and_the_service(run: RunConfig,
     res = simulate(reqs, CLUSTER, run)
     assert compared[0] == 300 and res.summary.requests == 300
     assert res.summary.hit_host > 0  # the lower tiers took part
+
+
+PLUGINS = [RunConfig("sglang_cache_aware"), RunConfig("power_of_two", seed=4), RunConfig("llmd", seed=6),
+           RunConfig("llmd_kv", seed=2)]
+
+
+@pytest.mark.parametrize("run", PLUGINS, ids=[r.label for r in PLUGINS])
+def test_an_incumbent_routes_alike_in_the_simulator_and_the_service(run: RunConfig,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The incumbents hear no events: the service's plugin, built by ``kvtier indexer``'s path from its own
+    settings, shares the simulated router's in-flight bookkeeping and learns each booked route as the service's
+    ``/route`` teaches it; on every request it must score every worker alike and choose the same one."""
+    svc = _service(run)
+    assert svc.router.policy is not None and svc.router.policy.name == run.policy
+    compared = [0]
+    choose = PluginRouted.choose
+
+    def choose_both(self: PluginRouted, req: RouteInput) -> Any:
+        svc.router.loads = self.router.loads  # (the one bookkeeping of what was routed and is in flight)
+        theirs = svc.router.route_keys(req.keys, req.num_tokens)
+        note_routed(svc.router.policy, req.keys, req.num_tokens, theirs.worker)  # what IndexerService.route does
+        ours = choose(self, req)
+        assert str(theirs.worker) == f"w{ours.worker}", f"request {req.request_id}: {theirs.costs}"
+        compared[0] += 1
+        return ours
+
+    monkeypatch.setattr(PluginRouted, "choose", choose_both)
+    reqs = generate(dataclasses.replace(PRESETS["chat"], requests=300, system_tokens=1024, user_tokens=600), 2)
+    res = simulate(reqs, CLUSTER, run)
+    assert compared[0] == 300 and res.summary.requests == 300 and len(set(res.decisions)) == CLUSTER.workers
 
 
 def test_every_registry_policy_runs_in_the_simulator_and_the_served_ones_in_the_service() -> None:
