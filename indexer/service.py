@@ -354,13 +354,16 @@ class IndexerService:
         partial = sorted(w for w, f in flags.items() if f["partial"])
         recovering = sorted(w for w, f in flags.items() if f["recovering"])
         alive = self._loop.is_alive()
+        snapshot_error = self._loop.snapshot_error  # the index is not saved: a restart would start cold
         out: dict[str, Any] = {
-            "status": "down" if not alive else "degraded" if partial or recovering else "ok",
+            "status": "down" if not alive else "degraded" if partial or recovering or snapshot_error else "ok",
             "workers": len(flags), "partial_workers": partial, "recovering_workers": recovering,
             "http_loop": self._http.loop_kind, "keys": key_backend(load=False), "loop_restarts": self.loop_restarts,
             "restored_from": self.restored_from}
         if self._loop.error is not None:
             out["error"] = self._loop.error
+        if snapshot_error is not None:
+            out["snapshot_error"] = snapshot_error
         return out
 
 
