@@ -12,8 +12,12 @@ Endpoints:
                    gaps, resyncs, restarts, malformed frames, blocks per worker and tier, apply
                    lag, in-flight load per worker; latency histograms (time per request, index lock
                    waits and holds, the HTTP loop's lag: :mod:`kvtier.indexer.histogram`).
-  ``GET /health``  ``ok`` / ``degraded`` (partial or recovering workers) / ``down`` (503: the event
-                   loop died; the process then exits non-zero).
+  ``GET /health``  ``ok`` / ``degraded`` (partial or recovering workers, or a snapshot that could not be
+                   written) / ``down`` (503: the event loop died; the process then exits non-zero).
+
+``/route``, first_token and finish change state: with ``auth_token_file`` they need a token, and a booking
+is released only by the client that made it (:mod:`kvtier.indexer.clients`); README, "Security", lists the
+limits on what a client may spend.
 
 Threads: one owns the ZMQ subscriber and applies deliveries, a batch per lock hold; the HTTP front
 end (:mod:`kvtier.indexer.http`, asyncio) answers on another. Requests hash their keys before taking
