@@ -57,6 +57,8 @@ class EventLoop:
         self._positions: persist.Positions = {}  # each in-sync stream's position when the loop last ended
         self.snapshots = 0  # snapshots written
         self.snapshot_seconds = 0.0  # how long the last one took
+        self.snapshot_failures = 0  # snapshots that could not be written
+        self.snapshot_error: str | None = None  # why the last one failed, until one succeeds again
         self.apply_wait = Histogram()  # a delivered batch's wait for the lock: how long requests held it up
         self.apply_hold = Histogram()  # the lock held by one delivered batch's application
         self._thread = threading.Thread(target=self._run, name="kv-indexer", daemon=True)
@@ -123,7 +125,11 @@ class EventLoop:
         try:
             self.save_snapshot(positions)
         except OSError as exc:  # a full disk must not stop the index from following the engines
-            log.error("snapshot to %s failed: %s", self.config.snapshot_path, exc)
+            self.snapshot_failures += 1
+            self.snapshot_error = f"snapshot to {self.config.snapshot_path} failed: {exc.strerror or exc}"
+            log.error("%s", self.snapshot_error)
+        else:
+            self.snapshot_error = None
 
     # --- the thread -----------------------------------------------------------------------
 

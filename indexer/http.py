@@ -1,8 +1,10 @@
 """The indexer service's HTTP front end: asyncio (aiohttp) on a thread of its own.
 
 One event loop serves every connection, so hundreds of keep-alive clients cost no threads and a slow
-client holds nothing but its own socket. Limits: a body-size cap (413), a deadline to read a body
-(408), an idle keep-alive timeout, a listen backlog sized for bursts. Every answer, errors included,
+client holds nothing but its own socket. Limits (:mod:`kvtier.indexer.httplimits`): a body-size cap, on
+the wire and decompressed (413), a deadline to read a body (408), a header-read deadline, a cap on open
+connections (503), an idle keep-alive timeout, a listen backlog sized for bursts. State-changing requests
+identify their client (:mod:`kvtier.indexer.clients`: a token, or the peer). Every answer, errors included,
 is JSON (``/metrics`` excepted: Prometheus text). Handlers call the service, whose methods take the
 index lock only for the index work itself (keys are hashed before it), so a query never holds up
 event application for longer than its lookups.
@@ -21,7 +23,9 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
+from kvtier.indexer.clients import Forbidden, TooManyInFlight, Unauthorized
 from kvtier.indexer.histogram import Histogram
+from kvtier.indexer.httplimits import BodyTooLarge, GatedServer, UnsupportedEncoding, read_body
 from kvtier.wire.ratelog import suffix, worth_logging
 
 if TYPE_CHECKING:
@@ -48,7 +52,7 @@ class _OneLineForBadHttp(logging.Filter):
             return True
         self.count += 1
         record.msg, record.args, record.exc_info, record.exc_text = (
-            "malformed HTTP request: %s%s", (_first_line(exc), suffix(self.count)), None, None)
+            "malformed HTTP request: %s%s", (_first_line(exc), suffix(self.count, MALFORMED_METRIC)), None, None)
         record.levelno, record.levelname = logging.WARNING, "WARNING"
         return worth_logging(self.count)
 
@@ -61,6 +65,7 @@ def _first_line(exc: BaseException) -> str:
     return (text.strip().splitlines() or [type(cause).__name__])[0].strip()
 
 
+MALFORMED_METRIC = "kvtier_http_malformed_requests_total"  # where the log line says they are all counted
 _BAD_HTTP = _OneLineForBadHttp()
 logging.getLogger("aiohttp.server").addFilter(_BAD_HTTP)
 
@@ -70,6 +75,11 @@ _encode = msgspec.json.Encoder().encode  # an order faster than json.dumps on a 
 
 def _json(status: int, body: Any) -> web.Response:
     return web.Response(status=status, body=_encode(body), content_type="application/json")
+
+
+def _closing(resp: web.Response) -> web.Response:
+    resp.force_close()
+    return resp
 
 
 def new_event_loop(kind: str) -> asyncio.AbstractEventLoop:
@@ -93,13 +103,19 @@ class HttpFrontEnd:
     """Serves ``service`` on ``host:port`` (port 0 picks one) until :meth:`stop`."""
 
     def __init__(self, service: IndexerService, host: str, port: int, *, max_body_bytes: int,
-                 read_timeout_s: float, keepalive_s: float, backlog: int = 1024, loop: str = "auto") -> None:
+                 read_timeout_s: float, keepalive_s: float, backlog: int = 1024, loop: str = "auto",
+                 max_connections: int = 1024, header_timeout_s: float = 10.0) -> None:
         self._svc = service
         self._host, self._port = host, port
         self._max_body = max_body_bytes
         self._read_timeout = read_timeout_s
         self._keepalive = keepalive_s
         self._backlog = backlog
+        self._max_connections = max_connections
+        self._header_timeout = header_timeout_s
+        self._server: GatedServer | None = None  # the connection handlers' manager, once serving
+        self._listener: asyncio.AbstractServer | None = None  # the listening socket
+        self.payload_errors = 0  # bodies that could not be read (a broken chunked encoding, say)
         self._loop = new_event_loop(loop)
         self.loop_kind = type(self._loop).__module__.partition(".")[0]  # "uvloop" or "asyncio", as run
         self._runner: web.AppRunner | None = None
@@ -147,11 +163,18 @@ class HttpFrontEnd:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/health", self._health)
         self._runner = web.AppRunner(app, handle_signals=False, access_log=None, keepalive_timeout=self._keepalive)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self._host, self._port, backlog=self._backlog, reuse_address=True)
-        await site.start()
-        server = site._server  # the bound socket: port 0 resolves here
-        sockets = getattr(server, "sockets", None)  # asyncio.Server, or uvloop's (not a subclass)
+        await self._runner.setup()  # the application's startup (frozen routes, middlewares)
+        # Our own server on the app's handler (not a TCPSite): it caps connections and headers' arrival, and
+        # bodies are decompressed by read_body, where their size is capped as they inflate.
+        app_server = self._runner.server
+        assert app_server is not None
+        self._server = GatedServer(app_server.request_handler, request_factory=app_server.request_factory,
+                                   loop=asyncio.get_running_loop(), max_connections=self._max_connections,
+                                   header_timeout_s=self._header_timeout, keepalive_timeout=self._keepalive,
+                                   access_log=None, auto_decompress=False)
+        self._listener = await asyncio.get_running_loop().create_server(
+            self._server, self._host, self._port, backlog=self._backlog, reuse_address=True)
+        sockets = getattr(self._listener, "sockets", None)  # asyncio.Server, or uvloop's (not a subclass)
         assert sockets, "HTTP site did not bind"
         self.port = int(sockets[0].getsockname()[1])
         self._lag_probe = asyncio.ensure_future(self._probe_lag())  # cancelled with every task at stop
@@ -166,6 +189,11 @@ class HttpFrontEnd:
             self.loop_lag.observe(max(0.0, clock() - t0 - LAG_PROBE_S))
 
     async def _cleanup(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+        if self._server is not None:
+            self._server.pre_shutdown()
+            await self._server.shutdown(2.0)
         if self._runner is not None:
             await self._runner.cleanup()
 
@@ -185,7 +213,19 @@ class HttpFrontEnd:
         try:
             return await handler(request)
         except web.HTTPRequestEntityTooLarge:
-            return _json(413, {"error": f"body larger than {self._max_body} bytes"})
+            return _closing(_json(413, {"error": f"body larger than {self._max_body} bytes"}))
+        except BodyTooLarge as exc:  # mid-body: the rest is not read, so the connection cannot be reused
+            return _closing(_json(413, {"error": str(exc)}))
+        except UnsupportedEncoding as exc:
+            return _closing(_json(415, {"error": str(exc)}))
+        except Unauthorized as exc:
+            resp = _json(401, {"error": str(exc)})
+            resp.headers["WWW-Authenticate"] = "Bearer"
+            return resp
+        except Forbidden as exc:
+            return _json(403, {"error": str(exc)})
+        except TooManyInFlight as exc:
+            return _json(exc.status, {"error": str(exc)})
         except web.HTTPException as exc:
             return _json(exc.status, {"error": exc.reason})
         except ServiceUnavailable as exc:
@@ -210,11 +250,25 @@ class HttpFrontEnd:
         if request.content_length is not None and request.content_length > self._max_body:
             raise web.HTTPRequestEntityTooLarge(max_size=self._max_body, actual_size=request.content_length)
         try:
-            return await asyncio.wait_for(request.read(), self._read_timeout)
+            return await asyncio.wait_for(read_body(request, self._max_body), self._read_timeout)
         except TimeoutError:
             raise web.HTTPRequestTimeout(reason=f"body not received within {self._read_timeout:g} s") from None
-        except RequestPayloadError as exc:  # (a gzip or deflate body that does not decompress)
+        except RequestPayloadError as exc:  # (a broken chunked encoding, say)
+            self.payload_errors += 1
             raise web.HTTPBadRequest(reason=f"request body: {_first_line(exc)}") from None
+
+    def _client(self, request: web.Request) -> str:
+        """Who is changing state (:meth:`Clients.identify <kvtier.indexer.clients.Clients.identify>`)."""
+        return self._svc.clients.identify(request.headers.get("Authorization"), request.remote)
+
+    def counters(self) -> dict[str, int]:
+        """The front end's counters for ``/metrics`` (read without a lock: each is one int, one writer)."""
+        srv = self._server
+        return {"http_disconnects": self.disconnects,
+                "http_malformed_requests": self.payload_errors + (srv.malformed if srv else 0),
+                "http_connections_open": srv.open if srv else 0,
+                "http_connections_refused": srv.refused if srv else 0,
+                "http_header_timeouts": srv.header_timeouts if srv else 0}
 
     # --- endpoints -----------------------------------------------------------------------
 
@@ -222,13 +276,16 @@ class HttpFrontEnd:
         return _json(200, self._svc.query(await self._body(request)))
 
     async def _route(self, request: web.Request) -> web.Response:
-        return _json(200, self._svc.route(await self._body(request)))
+        owner = self._client(request)  # before the body is read: no token, nothing read
+        return _json(200, self._svc.route(await self._body(request), owner))
 
     async def _first_token(self, request: web.Request) -> web.Response:
-        return _json(200, self._svc.first_token(request.match_info["rid"]))
+        owner = self._client(request)
+        return _json(200, self._svc.first_token(request.match_info["rid"], owner))
 
     async def _finish(self, request: web.Request) -> web.Response:
-        return _json(200, self._svc.finish(request.match_info["rid"], await self._body(request)))
+        owner = self._client(request)
+        return _json(200, self._svc.finish(request.match_info["rid"], await self._body(request), owner))
 
     async def _metrics(self, request: web.Request) -> web.Response:
         if request.query.get("format") == "json":

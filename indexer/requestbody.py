@@ -15,8 +15,8 @@ class MmItem(msgspec.Struct, forbid_unknown_fields=True):
     """A multimodal item of a request: its placeholder tokens' position."""
 
     identifier: str  # the item's hash or id, as the engine keys it
-    offset: Annotated[int, msgspec.Meta(ge=0)]  # first placeholder token
-    length: Annotated[int, msgspec.Meta(gt=0)]  # placeholder tokens
+    offset: Annotated[int, msgspec.Meta(ge=0, lt=2**32)]  # first placeholder token
+    length: Annotated[int, msgspec.Meta(gt=0, lt=2**32)]  # placeholder tokens
 
 
 class RequestBody(msgspec.Struct):
@@ -34,7 +34,8 @@ class RequestBody(msgspec.Struct):
 class FinishBody(msgspec.Struct, forbid_unknown_fields=True):
     """The optional JSON body of ``/requests/{id}/finish``."""
 
-    output_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None  # tokens it generated, if known
+    # tokens it generated, if known (the service also bounds it by the model's context)
+    output_tokens: Annotated[int, msgspec.Meta(ge=0, lt=2**32)] | None = None
 
 
 _B = TypeVar("_B", RequestBody, FinishBody)

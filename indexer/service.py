@@ -12,8 +12,12 @@ Endpoints:
                    gaps, resyncs, restarts, malformed frames, blocks per worker and tier, apply
                    lag, in-flight load per worker; latency histograms (time per request, index lock
                    waits and holds, the HTTP loop's lag: :mod:`kvtier.indexer.histogram`).
-  ``GET /health``  ``ok`` / ``degraded`` (partial, recovering or dead workers) / ``down`` (503: the event
-                   loop died; the process then exits non-zero).
+  ``GET /health``  ``ok`` / ``degraded`` (partial, recovering or dead workers, or a snapshot that could not be
+                   written) / ``down`` (503: the event loop died; the process then exits non-zero).
+
+``/route``, first_token and finish change state: with ``auth_token_file`` they need a token, and a booking
+is released only by the client that made it (:mod:`kvtier.indexer.clients`); README, "Security", lists the
+limits on what a client may spend.
 
 Threads: one owns the ZMQ subscriber and applies deliveries, a batch per lock hold; the HTTP front
 end (:mod:`kvtier.indexer.http`, asyncio) answers on another. Requests hash their keys before taking
@@ -32,12 +36,14 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.fields import ConfigError
-from kvtier.indexer import persist
+from kvtier.indexer import fdlimit, persist
+from kvtier.indexer.clients import Clients, load_tokens
 from kvtier.indexer.consumer import Lag
 from kvtier.indexer.deadlines import Deadlines
 from kvtier.indexer.eventloop import EventLoop
 from kvtier.indexer.gcpause import GcPauses, freeze_startup_objects
 from kvtier.indexer.histogram import Histogram
+from kvtier.indexer.httplimits import check_depth
 from kvtier.indexer.index import TieredIndex
 from kvtier.indexer.keys import BlockKey, key_backend
 from kvtier.indexer.keytable import warm_tables
@@ -90,7 +96,10 @@ class IndexerService:
                              seed=self.router_settings.seed, dead=self._dead)
         self._lock = threading.Lock()  # guards index, loads and the deadlines
         self._deadlines = Deadlines(config.request_ttl_s)  # routed requests in flight, until finish or expiry
-        self._loop = EventLoop(config, self.index, self._lock, self._deadlines, self.loads.finish, self._resume,
+        tokens = load_tokens(config.auth_token_file) if config.auth_token_file is not None else None
+        #: Who booked what, and the caps on bookings (kvtier.indexer.clients); under the lock.
+        self.clients = Clients(tokens, config.max_in_flight, config.max_in_flight_per_client)
+        self._loop = EventLoop(config, self.index, self._lock, self._deadlines, self._expired, self._resume,
                                clock=clock)
         #: Set when the event loop died: the index no longer follows the engines.
         self.failed = self._loop.failed
@@ -104,7 +113,8 @@ class IndexerService:
         try:
             self._http = HttpFrontEnd(self, self._host, port, max_body_bytes=config.max_body_bytes,
                                       read_timeout_s=config.read_timeout_s, keepalive_s=config.keepalive_s,
-                                      loop=config.http_loop)
+                                      loop=config.http_loop, max_connections=config.max_connections,
+                                      header_timeout_s=config.header_timeout_s)
         except ImportError:
             raise ConfigError("http_loop: uvloop is not installed (pip install uvloop), use auto or asyncio") from None
         for s in streams:
@@ -169,6 +179,8 @@ class IndexerService:
         key_backend()
         token_backend()
         warm_tables()
+        # Descriptors for every endpoint and connection, now rather than "Too many open files" mid-run.
+        fdlimit.ensure(len(self.config.endpoints), self.config.max_connections)
         self._loop.start()
         try:
             self._http.start()
@@ -208,6 +220,8 @@ class IndexerService:
         n = len(tokens) // TOKEN_BYTES
         if n > self.config.max_query_tokens:
             raise ValueError(f"{n} token ids; at most {self.config.max_query_tokens} per request")
+        if req.mm_items and len(req.mm_items) > self.config.max_mm_items:
+            raise ValueError(f"{len(req.mm_items)} mm_items; at most {self.config.max_mm_items} per request")
         mm = [(m.identifier, m.offset, m.length) for m in req.mm_items] if req.mm_items else None
         return self.index.request_keys(tokens, lora_name=req.lora_name, cache_salt=req.cache_salt, mm_items=mm)
 
@@ -241,7 +255,7 @@ class IndexerService:
     def query(self, body: bytes | Any) -> dict[str, Any]:
         """``POST /query`` (raw JSON or a decoded object): overlaps and a recommendation; books nothing."""
         t0 = time.perf_counter()
-        req, tokens = parse_body(body)
+        req, tokens = self._parse(body)
         keys = self._request_keys(req, tokens)
         self._check_alive()
         with self._timed_lock():
@@ -257,47 +271,72 @@ class IndexerService:
             self.lock_wait.observe(time.perf_counter() - t0)
             yield
 
-    def route(self, body: bytes | Any) -> dict[str, Any]:
-        """``POST /route``: routes and books the request on its worker until it finishes or expires."""
+    def _parse(self, body: bytes | Any) -> tuple[RequestBody, PackedTokens]:
+        """:func:`parse_body`, JSON nesting past ``max_json_depth`` refused first. O(body)."""
+        if isinstance(body, bytes | bytearray):
+            check_depth(bytes(body), self.config.max_json_depth)
+        return parse_body(body)
+
+    def _expired(self, rid: str) -> None:
+        """A booking dropped at its deadline (event loop thread, under the lock)."""
+        self.loads.finish(rid)
+        self.clients.release(rid)
+
+    def route(self, body: bytes | Any, owner: str = "local") -> dict[str, Any]:
+        """``POST /route``: routes and books the request on its worker until it finishes or expires; ``owner``
+        (:meth:`Clients.identify <kvtier.indexer.clients.Clients.identify>`) alone may release it.
+        :class:`~kvtier.indexer.clients.TooManyInFlight` past the caps on bookings."""
         t0 = time.perf_counter()
-        req, packed = parse_body(body)
+        req, packed = self._parse(body)
         rid, tokens = req.request_id, len(packed) // TOKEN_BYTES
         if not rid or "/" in rid:
             raise ValueError('body must carry "request_id": a non-empty string without "/"')
+        if len(rid.encode("utf-8", "surrogatepass")) > self.config.max_request_id_bytes:
+            raise ValueError(f"request_id longer than {self.config.max_request_id_bytes} bytes")
         keys = self._request_keys(req, packed)
         self._check_alive()
         with self._timed_lock():
             if rid in self._deadlines:
                 raise ValueError(f"request {rid!r} is already in flight")
+            self.clients.check_room(owner)
             dec = self.router.route_keys(keys, tokens)
             cached = dec.overlaps.workers[dec.worker].external * self.index.block_size
             self.loads.add(rid, dec.worker, keys, tokens, max(0, tokens - cached))
             self.index.note_routed(dec.worker, keys)  # inferred window KV (SWA engines without window events)
             note_routed(self.router.policy, keys, tokens, dec.worker)  # a routing-history policy learns it
             self._deadlines.book(rid, time.monotonic())
+            self.clients.book(rid, owner)
             out = self._answer(dec)
             self.request_seconds["route"].observe(time.perf_counter() - t0)
         out["request_id"] = rid
         out["worker"] = out["recommended"]
         return out
 
-    def first_token(self, rid: str) -> dict[str, Any]:
-        """``POST /requests/{id}/first_token``: its prefill is done (idempotent)."""
+    def first_token(self, rid: str, owner: str = "local") -> dict[str, Any]:
+        """``POST /requests/{id}/first_token``: its prefill is done (idempotent); only its owner may say so
+        (:class:`~kvtier.indexer.clients.Forbidden`)."""
         with self._lock:
+            self.clients.check_owner(rid, owner)
             known = rid in self._deadlines
             self.loads.prefill_done(rid)
         if not known:
             raise LookupError(f"request {rid!r} is not in flight (never routed, finished or expired)")
         return {"request_id": rid, "in_flight": True}
 
-    def finish(self, rid: str, body: bytes | Any = b"") -> dict[str, Any]:
+    def finish(self, rid: str, body: bytes | Any = b"", owner: str = "local") -> dict[str, Any]:
         """``POST /requests/{id}/finish``: it completed or failed; its load is released (idempotent).
         An optional body ``{"output_tokens": N}`` says how many tokens it generated: the router learns
-        from it the output room engines reserve (``min_ttft``'s memory term)."""
+        from it the output room engines reserve (``min_ttft``'s memory term), so it is bounded by the model's
+        context (``max_context_tokens``). Only its owner may finish it (:class:`~kvtier.indexer.clients.Forbidden`)."""
         out = parse_finish(body).output_tokens
+        if out is not None and out > self.config.max_context_tokens:
+            raise ValueError(f"bad finish body: output_tokens {out} is more than max_context_tokens "
+                             f"{self.config.max_context_tokens}")
         with self._lock:
+            self.clients.check_owner(rid, owner)
             known = self._deadlines.finish(rid)
             self.loads.finish(rid, out)
+            self.clients.release(rid)
         return {"request_id": rid, "was_in_flight": known}
 
     # --- observability -------------------------------------------------------------------
@@ -333,8 +372,11 @@ class IndexerService:
             return {"batches_applied": self._loop.consumer.counters.batches, "indexed_blocks": len(self.index),
                     "requests_in_flight": len(self._deadlines), "requests_expired": self.requests_expired,
                     "snapshots": self.snapshots, "snapshot_seconds": self.snapshot_seconds,
+                    "snapshot_failures": self._loop.snapshot_failures, **self._http.counters(),
+                    "auth_refused": self.clients.refused_auth, "owner_refused": self.clients.refused_owner,
+                    "bookings_refused": self.clients.refused_full,
                     "loop_restarts": self.loop_restarts, **self.gc.figures(), "latency": self._latency(),
-                    "http_disconnects": self._http.disconnects, "dead_workers": len(dead), "workers": workers}
+                    "dead_workers": len(dead), "workers": workers}
 
     def _latency(self) -> dict[str, dict[str, Any]]:
         """The latency histograms, JSON form. Caller holds the lock (the HTTP loop's lag has its own writer:
@@ -363,13 +405,17 @@ class IndexerService:
         recovering = sorted(w for w, f in flags.items() if f["recovering"])
         gone = sorted(w for w, f in flags.items() if f["dead"])
         alive = self._loop.is_alive()
+        snapshot_error = self._loop.snapshot_error  # the index is not saved: a restart would start cold
         out: dict[str, Any] = {
-            "status": "down" if not alive else "degraded" if partial or recovering or gone else "ok",
+            "status": "down" if not alive else "degraded" if partial or recovering or gone or snapshot_error
+            else "ok",
             "workers": len(flags), "partial_workers": partial, "recovering_workers": recovering, "dead_workers": gone,
             "http_loop": self._http.loop_kind, "keys": key_backend(load=False), "loop_restarts": self.loop_restarts,
             "restored_from": self.restored_from}
         if self._loop.error is not None:
             out["error"] = self._loop.error
+        if snapshot_error is not None:
+            out["snapshot_error"] = snapshot_error
         return out
 
 

@@ -21,7 +21,7 @@ class ServiceConfig:
 
     endpoints: list[EndpointConfig]  # engine streams to subscribe to
     # tokens per block; events with another size are rejected
-    block_size: int = field(default=16, metadata=at_least(1))
+    block_size: int = field(default=16, metadata=within(1, 1 << 16, int))
     listen: str = "127.0.0.1:8000"  # HTTP host:port (port 0 picks a free one); checked in __post_init__
     # wait for a replay or dump answer
     replay_timeout_s: float = field(default=2.0, metadata=within(0, 3600, lo_open=True))
@@ -67,12 +67,31 @@ class ServiceConfig:
     # where the index is saved (periodically and on stop) and restored from
     snapshot_path: str | None = field(default=None, metadata=Domain(str, optional=True).meta())
     # seconds between snapshots
-    snapshot_interval_s: float = field(default=30.0, metadata=within(0, 86400, lo_open=True))
+    snapshot_interval_s: float = field(default=30.0, metadata=within(0.1, 86400))
     # A worker whose publisher sent nothing for this long (no batch, no answer to the idle probes: a quiet stream
     # is probed every second, or every quarter of this if shorter) is taken for gone: not routed to while another
     # worker is alive, and listed by /health, until it is heard again. Only for endpoints with a replay socket:
     # nothing can be asked of the others, whose silence says nothing.
     liveness_timeout_s: float = field(default=5.0, metadata=within(0, 86400, lo_open=True))
+    # --- what HTTP clients may spend (README, "Security"); past a limit a client gets a JSON 4xx or 503 ---
+    # JSON arrays and objects nested deeper get 400 (the JSON parser recurses)
+    max_json_depth: int = field(default=32, metadata=within(2, 500, int))
+    # more multimodal items in one request get 400
+    max_mm_items: int = field(default=256, metadata=at_least(0))
+    # a longer request_id (UTF-8 bytes) gets 400
+    max_request_id_bytes: int = field(default=256, metadata=within(1, 65536, int))
+    # bookings in flight (routed, not finished or expired): past the total 503, past one client's 429
+    max_in_flight: int = field(default=100_000, metadata=at_least(1))
+    max_in_flight_per_client: int = field(default=10_000, metadata=at_least(1))
+    # open HTTP connections: one more gets a JSON 503 and is closed
+    max_connections: int = field(default=1024, metadata=within(1, 1 << 20, int))
+    # a connection that sent no request headers this long after it opened is closed
+    header_timeout_s: float = field(default=10.0, metadata=within(0, 3600, lo_open=True))
+    # output_tokens a finish may report (the served model's context); more gets 400
+    max_context_tokens: int = field(default=1 << 20, metadata=within(1, 1 << 32, int))
+    # tokens (one a line) required as "Authorization: Bearer <token>" by /route, first_token and finish;
+    # each token is one client (bookings are released only by the token that booked them). None: no token.
+    auth_token_file: str | None = field(default=None, metadata=Domain(str, optional=True).meta())
     # times a failed event loop is started again (after 0.5 s, doubling to 30 s), each stream resuming after
     # its last applied batch, before the service gives up: /health 503 and a non-zero exit. 0: at once.
     loop_restarts: int = field(default=0, metadata=at_least(0))
@@ -84,6 +103,11 @@ class ServiceConfig:
         _, sep, port = self.listen.rpartition(":")
         if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
             raise ConfigError(f"listen: {self.listen!r} is not allowed; expected HOST:PORT with a port in 0..65535")
+        named: dict[str, str] = {}  # endpoint -> the worker subscribed to it
+        for ep in self.endpoints:
+            other = named.setdefault(ep.endpoint, ep.worker)
+            if other != ep.worker:  # each would index the other's events as its own
+                raise ConfigError(f"endpoints: workers {other!r} and {ep.worker!r} both subscribe to {ep.endpoint}")
 
     def routing_settings(self) -> RoutingSettings:
         """What the policy prices with, as the simulator builds it (:mod:`kvtier.indexer.policies`); a latency
@@ -155,7 +179,9 @@ def parse_endpoint(spec: str) -> EndpointConfig:
 def load_config(path: Path) -> ServiceConfig:
     """Reads a TOML file: top-level settings plus ``[[endpoints]]`` tables."""
     try:
-        raw = tomllib.loads(path.read_text())
+        raw = tomllib.loads(path.read_bytes().decode())
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
     except OSError as exc:
         raise ConfigError(f"{path}: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:

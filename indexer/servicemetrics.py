@@ -37,6 +37,17 @@ _WORKER_METRICS: dict[str, tuple[str, str]] = {
     "pending_prefill_tokens": ("gauge", "Prompt tokens the worker still has to prefill."),
 }
 
+#: Service-wide counts of what the limits refused (README, "Security"), and snapshots that failed.
+_LIMIT_METRICS: dict[str, tuple[str, str]] = {
+    "snapshot_failures": ("counter", "Snapshots that could not be written (/health says degraded until one is)."),
+    "http_malformed_requests": ("counter", "HTTP requests that could not be parsed, answered 400."),
+    "http_connections_open": ("gauge", "HTTP connections open."),
+    "http_connections_refused": ("counter", "HTTP connections refused at max_connections (503)."),
+    "http_header_timeouts": ("counter", "HTTP connections closed for sending no headers within header_timeout_s."),
+    "auth_refused": ("counter", "State-changing requests refused for a missing or invalid token (401)."),
+    "owner_refused": ("counter", "Releases of a booking by a client that did not book it (403)."),
+    "bookings_refused": ("counter", "Bookings refused at max_in_flight (503) or max_in_flight_per_client (429)."),
+}
 
 
 def render_metrics(m: dict[str, Any]) -> str:
@@ -61,6 +72,8 @@ def render_metrics(m: dict[str, Any]) -> str:
                 m["gc_pause_max_seconds"]),
         _single("kvtier_http_disconnects_total", "counter", "Requests whose client went away before its body arrived.",
                 m["http_disconnects"]),
+        *(_single(f"kvtier_{key}" + ("_total" if kind == "counter" else ""), kind, text, m[key])
+          for key, (kind, text) in _LIMIT_METRICS.items()),
     ]
     blocks = Family("kvtier_blocks", "gauge", "Blocks a worker holds, per tier.")
     per_worker = {key: Family(f"kvtier_{key}" + ("_total" if kind == "counter" else ""), kind, text)

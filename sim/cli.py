@@ -478,7 +478,9 @@ def cmd_indexer(a: argparse.Namespace) -> int:
                  ("host_credit", a.host_credit), ("disk_credit", a.disk_credit), ("temperature", a.temperature),
                  ("seed", a.seed), ("prefill_budget", a.prefill_budget), ("capacity_tokens", a.capacity_tokens),
                  ("latency_path", str(a.latency) if a.latency is not None else None),
-                 ("liveness_timeout_s", a.liveness_timeout))
+                 ("liveness_timeout_s", a.liveness_timeout),
+                 ("auth_token_file", str(a.auth_token_file) if a.auth_token_file is not None else None),
+                 *((name, getattr(a, name)) for name in _INDEXER_LIMITS))
         overrides: dict[str, Any] = {k: v for k, v in given if v is not None}
         cfg = replace(cfg, endpoints=eps, **overrides)
         if not cfg.endpoints:
@@ -489,6 +491,23 @@ def cmd_indexer(a: argparse.Namespace) -> int:
     except OSError as exc:  # the HTTP port: in use, or an address this host does not have
         raise CliError(f"cannot listen on {cfg.listen}: {exc.strerror or exc}") from None
     return 0
+
+
+#: `kvtier indexer`'s limits on HTTP clients: option (--max-connections ...) -> (type, help); each is the
+#: ServiceConfig setting of the same name (its domain checked there), default the config's, else the README's.
+_INDEXER_LIMITS: dict[str, tuple[type, str]] = {
+    "max_body_bytes": (int, "request body cap, on the wire and decompressed (413)"),
+    "max_query_tokens": (int, "token ids per request (400)"),
+    "max_mm_items": (int, "multimodal items per request (400)"),
+    "max_json_depth": (int, "JSON nesting depth of a body (400)"),
+    "max_request_id_bytes": (int, "request_id length, UTF-8 bytes (400)"),
+    "max_in_flight": (int, "bookings in flight in all (503)"),
+    "max_in_flight_per_client": (int, "bookings in flight per client (429)"),
+    "max_connections": (int, "open HTTP connections (one more: 503, closed)"),
+    "header_timeout_s": (float, "seconds a new connection has to send its request headers"),
+    "read_timeout_s": (float, "seconds a request body has to arrive (408)"),
+    "max_context_tokens": (int, "the served model's context: output_tokens a finish may report (400)"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -609,6 +628,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "before it is taken for gone: not routed to while another worker is alive, listed by "
                         "/health, until heard again; endpoints with a replay socket only (default: the "
                         "config's, else 5)")
+    g = p.add_argument_group("limits on HTTP clients (README, Security; default: the config's, else the README's)")
+    g.add_argument("--auth-token-file", type=Path, metavar="FILE",
+                   help="tokens, one a line: /route, first_token and finish then need 'Authorization: Bearer "
+                        "<token>', and only the token that booked a request may release it (default: no token)")
+    for name, (kind, text) in _INDEXER_LIMITS.items():
+        g.add_argument("--" + name.replace("_", "-"), type=kind, metavar="N", help=text)
     p.set_defaults(func=cmd_indexer)
     return parser
 

@@ -1,0 +1,385 @@
+"""What the indexer service refuses to spend on HTTP clients (README, "Security"), against a real server on
+127.0.0.1 port 0: bodies capped as they decompress, nesting, mm_items, request ids, bookings per client and in
+all, connections, the header-read deadline, tokens and owners, output_tokens, aiohttp's own errors as JSON;
+and the service's other refusals: a snapshot it cannot write, configurations it must not start with, and the
+open-files limit."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import http.client
+import json
+import resource
+import socket
+import subprocess
+import sys
+import threading
+import tracemalloc
+import zlib
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.fields import ConfigError
+from kvtier.indexer import fdlimit
+from kvtier.indexer.clients import Forbidden
+from kvtier.indexer.http import MALFORMED_METRIC
+from kvtier.indexer.httplimits import BodyTooLarge, check_depth, read_body
+from kvtier.indexer.service import IndexerService, ServiceConfig, load_config, parse_endpoint
+from kvtier.sim.cli import main as cli_main
+from kvtier.wire import Publisher
+from tests.test_multiprocess import ROOT
+from tests.test_service import BS, TOKS, get, wait_for
+
+
+@contextmanager
+def service(**settings: Any) -> Iterator[IndexerService]:
+    """A started service on one (silent) publisher, with ``settings`` over small test defaults."""
+    pub = Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    cfg: dict[str, Any] = {"block_size": BS, "listen": "127.0.0.1:0", "max_body_bytes": 64_000,
+                           "read_timeout_s": 2.0, "max_query_tokens": 4096, **settings}
+    s = IndexerService(ServiceConfig(endpoints=[parse_endpoint(f"w0={pub.endpoint},replay={pub.replay_endpoint}")],
+                                     **cfg))
+    s.start()
+    try:
+        yield s
+    finally:
+        s.stop()
+        pub.close()
+
+
+def call(s: IndexerService, method: str, path: str, body: Any = None, token: str | None = None,
+         raw: bytes | None = None, headers: dict[str, str] | None = None) -> tuple[int, Any, http.client.HTTPResponse]:
+    host, port = s.address.removeprefix("http://").split(":")
+    c = http.client.HTTPConnection(host, int(port), timeout=5)
+    hdrs = {"Content-Type": "application/json", **(headers or {})}
+    if token is not None:
+        hdrs["Authorization"] = f"Bearer {token}"
+    data = raw if raw is not None else None if body is None else json.dumps(body).encode()
+    c.request(method, path, body=data, headers=hdrs)
+    r = c.getresponse()
+    out = json.loads(r.read())
+    c.close()
+    return r.status, out, r
+
+
+def metrics(s: IndexerService) -> dict[str, Any]:
+    return dict(json.loads(get(s.address + "/metrics?format=json")))
+
+
+def bomb(mib: int) -> bytes:
+    """``mib`` MiB of zeros as gzip (about 1000:1), built from one compressed MiB repeated (each fully flushed,
+    so the copies are byte-identical): its trailer's checksum is wrong, and nothing should read that far."""
+    z = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    zero = bytes(1 << 20)
+    first = z.compress(zero) + z.flush(zlib.Z_FULL_FLUSH)
+    again = z.compress(zero) + z.flush(zlib.Z_FULL_FLUSH)
+    return first + again * (mib - 1) + z.flush()
+
+
+# --- bodies ------------------------------------------------------------------------------------------------
+
+
+class _Stream:
+    """A request's ``content`` that hands out ``data`` in chunks, counting how much was taken."""
+
+    def __init__(self, data: bytes, chunk: int) -> None:
+        self.data, self.chunk, self.taken = data, chunk, 0
+
+    async def iter_any(self) -> AsyncIterator[bytes]:
+        while self.taken < len(self.data):
+            piece = self.data[self.taken:self.taken + self.chunk]
+            self.taken += len(piece)
+            yield piece
+
+
+class _Request:
+    def __init__(self, data: bytes, encoding: str, chunk: int = 1 << 16) -> None:
+        self.headers = {"Content-Encoding": encoding}
+        self.content = _Stream(data, chunk)
+
+
+def test_a_gzip_bomb_is_refused_while_it_inflates_in_memory_bounded_by_the_cap() -> None:
+    """1 MiB of gzip (about 1 GiB of zeros) against a 1 MiB cap: refused after at most one chunk past the cap's
+    worth, having held no more than a few caps in memory, not its gigabyte."""
+    data = bomb(1 << 10)
+    assert len(data) > 1 << 20
+    cap = 1 << 20
+    req = _Request(data, "gzip")
+    tracemalloc.start()
+    try:
+        with pytest.raises(BodyTooLarge, match="once decompressed"):
+            asyncio.run(read_body(req, cap))  # type: ignore[arg-type]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert req.content.taken <= 1 << 16  # the first wire chunk already inflates past the cap
+    assert peak < 4 * cap, peak
+    # an honest compressed body and a plain one are read whole
+    plain = json.dumps({"token_ids": TOKS}).encode()
+    assert asyncio.run(read_body(_Request(gzip.compress(plain), "gzip", chunk=7), cap)) == plain  # type: ignore[arg-type]
+    assert asyncio.run(read_body(_Request(zlib.compress(plain), "deflate"), cap)) == plain  # type: ignore[arg-type]
+    assert asyncio.run(read_body(_Request(plain, "identity"), cap)) == plain  # type: ignore[arg-type]
+    two = gzip.compress(plain[:10]) + gzip.compress(plain[10:])  # a gzip body of two members
+    assert asyncio.run(read_body(_Request(two, "gzip", chunk=5), cap)) == plain  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="truncated"):
+        asyncio.run(read_body(_Request(gzip.compress(plain)[:-9], "gzip"), cap))  # type: ignore[arg-type]
+
+
+def test_a_gzip_bomb_gets_413_over_http_and_other_clients_are_served() -> None:
+    with service(max_body_bytes=1 << 20) as s:
+        data = bomb(256)  # 256 KiB on the wire, under the cap: only its inflation is past it
+        code, out, r = call(s, "POST", "/query", raw=data, headers={"Content-Encoding": "gzip"})
+        assert code == 413 and "once decompressed" in out["error"], out
+        assert r.getheader("Content-Type") == "application/json"
+        assert call(s, "POST", "/query", {"token_ids": TOKS})[0] == 200
+        code, out, _ = call(s, "POST", "/query", raw=b"{}", headers={"Content-Encoding": "br"})
+        assert code == 415 and "br" in out["error"]
+
+
+def test_deep_nesting_is_a_json_400_not_a_500(caplog: pytest.LogCaptureFixture) -> None:
+    deep = b'{"token_ids": [1, 2], "x": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    with service() as s:
+        for body in (deep, b'{"token_ids": ' + b"[" * 40 + b"]" * 40 + b"}"):
+            code, out, _ = call(s, "POST", "/query", raw=body)
+            assert code == 400 and "nested deeper than 32" in out["error"], out
+        # brackets inside strings are text, not nesting
+        text = json.dumps({"token_ids": TOKS, "lora_name": None, "cache_salt": "[" * 100}).encode()
+        assert call(s, "POST", "/query", raw=text)[0] == 200
+    assert not any(r.exc_info for r in caplog.records)
+    check_depth(b"[[[]]]", 3)
+    with pytest.raises(ValueError, match="deeper than 2"):
+        check_depth(b"[[[]]]", 2)
+
+
+def test_caps_on_mm_items_token_ids_and_request_id_length() -> None:
+    with service(max_mm_items=2, max_request_id_bytes=8) as s:
+        items = [{"identifier": f"i{k}", "offset": 0, "length": 4} for k in range(3)]
+        code, out, _ = call(s, "POST", "/query", {"token_ids": TOKS, "mm_items": items})
+        assert code == 400 and "3 mm_items; at most 2" in out["error"]
+        assert call(s, "POST", "/query", {"token_ids": TOKS, "mm_items": items[:2]})[0] == 200
+        code, out, _ = call(s, "POST", "/query", {"token_ids": [1] * 4097})
+        assert code == 400 and "at most 4096" in out["error"]
+        code, out, _ = call(s, "POST", "/route", {"token_ids": TOKS, "request_id": "x" * 9})
+        assert code == 400 and "longer than 8 bytes" in out["error"]
+        assert call(s, "POST", "/route", {"token_ids": TOKS, "request_id": "x" * 8})[0] == 200
+        code, out, _ = call(s, "POST", "/query", {"token_ids": TOKS, "mm_items": [
+            {"identifier": "i", "offset": 2**70, "length": 4}]})
+        assert code == 400, out
+
+
+# --- tokens, owners, bookings ------------------------------------------------------------------------------
+
+
+def test_tokens_guard_state_changes_and_only_the_owner_releases(tmp_path: Path) -> None:
+    (tmp_path / "tokens").write_text("# two clients\nalpha\n\nbeta\n")
+    with service(auth_token_file=str(tmp_path / "tokens")) as s:
+        assert call(s, "POST", "/query", {"token_ids": TOKS})[0] == 200  # reads need no token
+        for token in (None, "gamma", "alph", "alphaa"):
+            code, out, r = call(s, "POST", "/route", {"token_ids": TOKS, "request_id": "r1"}, token=token)
+            assert code == 401 and "Bearer" in out["error"] and r.getheader("WWW-Authenticate") == "Bearer"
+        code, _, _ = call(s, "POST", "/route", {"token_ids": TOKS, "request_id": "r1"},
+                          headers={"Authorization": "Basic alpha"})
+        assert code == 401
+        assert call(s, "POST", "/route", {"token_ids": TOKS, "request_id": "r1"}, token="alpha")[0] == 200
+        assert call(s, "POST", "/requests/r1/finish", {})[0] == 401
+        code, out, _ = call(s, "POST", "/requests/r1/finish", {}, token="beta")
+        assert code == 403 and "another client" in out["error"]
+        assert call(s, "POST", "/requests/r1/first_token", {}, token="beta")[0] == 403
+        assert len(s.clients) == 1 and metrics(s)["requests_in_flight"] == 1  # still booked
+        assert call(s, "POST", "/requests/r1/first_token", {}, token="alpha")[0] == 200
+        assert call(s, "POST", "/requests/r1/finish", {}, token="alpha")[1]["was_in_flight"] is True
+        m = metrics(s)
+        assert (m["requests_in_flight"], m["auth_refused"], m["owner_refused"]) == (0, 6, 2)
+        assert "kvtier_owner_refused_total 2" in get(s.address + "/metrics")
+
+
+def test_without_tokens_the_owner_is_the_peer() -> None:
+    with service() as s:
+        s.route({"token_ids": TOKS, "request_id": "r1"}, owner="peer:10.0.0.1")
+        with pytest.raises(Forbidden):
+            s.finish("r1", b"", owner="peer:10.0.0.2")
+        # over HTTP from 127.0.0.1: another peer's booking is not ours to release
+        assert call(s, "POST", "/requests/r1/finish", {})[0] == 403
+        assert call(s, "POST", "/route", {"token_ids": TOKS, "request_id": "r2"})[0] == 200
+        assert call(s, "POST", "/requests/r2/finish", {})[1]["was_in_flight"] is True
+
+
+def test_bookings_are_capped_per_client_429_and_in_all_503(tmp_path: Path) -> None:
+    (tmp_path / "tokens").write_text("alpha\nbeta\n")
+    with service(auth_token_file=str(tmp_path / "tokens"), max_in_flight=3, max_in_flight_per_client=2,
+                 request_ttl_s=0.5) as s:
+        def book(rid: str, token: str) -> tuple[int, Any]:
+            code, out, _ = call(s, "POST", "/route", {"token_ids": TOKS, "request_id": rid}, token=token)
+            return code, out
+
+        assert book("a1", "alpha")[0] == book("a2", "alpha")[0] == 200
+        code, out = book("a3", "alpha")
+        assert code == 429 and "at most 2 per client" in out["error"]
+        assert book("b1", "beta")[0] == 200
+        code, out = book("b2", "beta")
+        assert code == 503 and "at most 3" in out["error"]
+        assert metrics(s)["bookings_refused"] == 2
+        assert call(s, "POST", "/requests/a1/finish", {}, token="alpha")[0] == 200
+        assert book("b2", "beta")[0] == 200  # room again
+        # bookings that expire free their client's room too
+        wait_for(lambda: metrics(s)["requests_in_flight"] == 0)
+        assert len(s.clients) == 0
+        assert book("a4", "alpha")[0] == book("a5", "alpha")[0] == 200
+
+
+def test_output_tokens_are_bounded_by_the_context() -> None:
+    with service(max_context_tokens=1000) as s:
+        assert call(s, "POST", "/route", {"token_ids": TOKS, "request_id": "r1"})[0] == 200
+        for n in (1208925819614629174706176, 1001, -1):
+            code, out, _ = call(s, "POST", "/requests/r1/finish", raw=b'{"output_tokens": %d}' % n)
+            assert code == 400, (n, out)
+        assert call(s, "POST", "/requests/r1/finish", {"output_tokens": 1000})[0] == 200
+        assert s.loads.expected_output == 1000
+
+
+# --- connections -------------------------------------------------------------------------------------------
+
+
+# The connection-level limits live in the protocol objects each event loop drives: both loops are checked.
+LOOPS = [pytest.param("uvloop", marks=pytest.mark.skipif(find_spec("uvloop") is None, reason="no uvloop")),
+         "asyncio"]
+
+
+def _open(s: IndexerService) -> socket.socket:
+    host, port = s.address.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=5)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_one_connection_past_the_cap_gets_a_json_503_and_is_closed(loop: str) -> None:
+    with service(max_connections=4, header_timeout_s=60.0, http_loop=loop) as s:
+        held = [_open(s) for _ in range(4)]
+        try:
+            wait_for(lambda: metrics_open(s) == 4)
+            with _open(s) as extra:
+                answer = b""
+                while chunk := extra.recv(4096):  # ends when the server closes it
+                    answer += chunk
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 503 ") and b"application/json" in head
+            assert "too many open connections (at most 4)" in json.loads(body)["error"]
+            assert s._http.counters()["http_connections_refused"] == 1
+        finally:
+            for k in held:
+                k.close()
+        wait_for(lambda: metrics_open(s) == 0)
+        assert call(s, "POST", "/query", {"token_ids": TOKS})[0] == 200
+
+
+def metrics_open(s: IndexerService) -> int:
+    return s._http.counters()["http_connections_open"]
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_sockets_that_send_no_headers_are_closed_at_the_deadline(loop: str) -> None:
+    with service(header_timeout_s=0.3, http_loop=loop) as s:
+        with _open(s) as idle, _open(s) as slow:
+            slow.sendall(b"POST /query HTTP/1.1\r\nHost: x\r\n")  # headers begun, never ended
+            assert idle.recv(1) == b"" and slow.recv(1) == b""  # closed by the server, not a timeout
+        assert s._http.counters()["http_header_timeouts"] == 2
+        # a connection that sent its request is not cut by it, and stays usable after the deadline
+        host, port = s.address.removeprefix("http://").split(":")
+        c = http.client.HTTPConnection(host, int(port), timeout=5)
+        for _ in range(2):
+            c.request("POST", "/query", body=json.dumps({"token_ids": TOKS}))
+            assert c.getresponse().read() and c.sock is not None
+            threading.Event().wait(0.4)
+        c.close()
+        assert "kvtier_http_header_timeouts_total 2" in get(s.address + "/metrics")
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_requests_aiohttp_cannot_parse_get_json_over_http_1_1_and_are_counted(
+        loop: str, caplog: pytest.LogCaptureFixture) -> None:
+    with service(http_loop=loop) as s:
+        with _open(s) as k:
+            k.sendall(b"GARBAGE\r\n\r\n")
+            answer = b""
+            while chunk := k.recv(4096):
+                answer += chunk
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400 "), head
+        assert b"application/json" in head and json.loads(body)["error"]
+        text = get(s.address + "/metrics")
+        assert f"{MALFORMED_METRIC} 1" in text  # the metric the log line names exists
+    logged = [r.getMessage() for r in caplog.records if "malformed HTTP" in r.getMessage()]
+    assert all(MALFORMED_METRIC in m for m in logged if "counted in" in m)
+
+
+# --- snapshots, configuration, open files ------------------------------------------------------------------
+
+
+def test_a_snapshot_that_cannot_be_written_is_reported(tmp_path: Path) -> None:
+    snap = tmp_path / "idx.snap"
+    with service(snapshot_path=str(snap), snapshot_interval_s=0.1) as s:
+        wait_for(lambda: snap.exists())
+        snap.unlink()
+        snap.mkdir()  # the rename over it fails (as a full disk would fail the write)
+        wait_for(lambda: s.health()["status"] == "degraded")
+        h = s.health()
+        assert "snapshot" in h["snapshot_error"] and h["partial_workers"] == h["recovering_workers"] == []
+        assert metrics(s)["snapshot_failures"] >= 1
+        assert "kvtier_snapshot_failures_total" in get(s.address + "/metrics")
+        snap.rmdir()
+        wait_for(lambda: s.health()["status"] == "ok")
+        assert "snapshot_error" not in s.health()
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ('block_size = 1180591620717411303424\n', "block_size: 1180591620717411303424 is not allowed"),
+    ("snapshot_interval_s = 1e-9\n", "snapshot_interval_s: 1e-09 is not allowed"),
+    ('[[endpoints]]\nworker = "w1"\nendpoint = "tcp://127.0.0.1:1"\n', "both subscribe to tcp://127.0.0.1:1"),
+    ("max_connections = 0\n", "max_connections: 0 is not allowed"),
+    ('auth_token_file = "/nonexistent/tokens"\n', "auth_token_file /nonexistent/tokens"),
+])
+def test_configurations_refused_in_one_line_exit_2(text: str, expected: str, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "svc.toml"
+    path.write_text(f'listen = "127.0.0.1:0"\n{text}[[endpoints]]\nworker = "w0"\nendpoint = "tcp://127.0.0.1:1"\n')
+    assert cli_main(["indexer", "--config", str(path)]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and expected in err[0], err
+
+
+def test_a_config_that_is_not_utf8_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "svc.toml"
+    path.write_bytes(b'listen = "127.0.0.1:\xff"\n')
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(path)
+    assert cli_main(["indexer", "--config", str(path)]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and "svc.toml: not UTF-8" in err[0], err
+
+
+def test_the_open_files_limit_is_raised_or_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    limits = {"now": (256, 4096)}
+    monkeypatch.setattr(resource, "getrlimit", lambda _: limits["now"])
+    monkeypatch.setattr(resource, "setrlimit", lambda _, v: limits.__setitem__("now", v))
+    want = fdlimit.needed(3, 1024)
+    assert fdlimit.ensure(3, 1024) == want and limits["now"] == (want, 4096)  # soft raised within the hard
+    limits["now"] = (256, 512)
+    with pytest.raises(ConfigError, match=r"open-files limit 512 \(hard\) is below the \d+"):
+        fdlimit.ensure(3, 1024)
+    assert fdlimit.ensure(3, 100) == 256  # enough already: left alone
+
+
+def test_a_service_whose_open_files_cannot_be_raised_exits_2() -> None:
+    def low() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (200, 200))
+
+    out = subprocess.run([sys.executable, "-m", "kvtier", "indexer", "--endpoint", "w0=tcp://127.0.0.1:1",
+                          "--listen", "127.0.0.1:0"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         preexec_fn=low)
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert out.returncode == 2 and len(lines) == 1 and "open-files limit 200" in lines[0], out.stderr
