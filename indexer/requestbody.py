@@ -19,6 +19,13 @@ class MmItem(msgspec.Struct, forbid_unknown_fields=True):
     length: Annotated[int, msgspec.Meta(gt=0, lt=2**32)]  # placeholder tokens
 
 
+class SloBody(msgspec.Struct, forbid_unknown_fields=True):
+    """A request's service-level objective, ms (either may be left out)."""
+
+    ttft_ms: Annotated[float, msgspec.Meta(gt=0, le=86_400_000)] | None = None
+    tpot_ms: Annotated[float, msgspec.Meta(gt=0, le=86_400_000)] | None = None
+
+
 class RequestBody(msgspec.Struct):
     """The JSON body of ``/query`` and ``/route``; unknown fields are ignored."""
 
@@ -29,6 +36,7 @@ class RequestBody(msgspec.Struct):
     cache_salt: str | None = None  # tenant salt (changes the key space)
     mm_items: list[MmItem] | None = None  # multimodal items (scope the blocks they overlap)
     request_id: str | None = None  # required by /route
+    slo: SloBody | None = None  # /route: the request's SLO (the goodput policy routes for it)
 
 
 class FinishBody(msgspec.Struct, forbid_unknown_fields=True):

@@ -78,14 +78,17 @@ class Router:
         keys = self.index.request_keys(token_ids, lora_name=lora_name, cache_salt=cache_salt, mm_items=mm_items)
         return self.route_keys(keys, len(token_ids))
 
-    def route_keys(self, keys: list[BlockKey], num_tokens: int) -> RouteDecision:
-        """Routes a request given as precomputed block keys. O(blocks + workers)."""
-        return self.choose(self.index.find_matches_keys(keys, window_aware=self.window_aware), num_tokens, keys)
+    def route_keys(self, keys: list[BlockKey], num_tokens: int, cost_model: CostModel | None = None) -> RouteDecision:
+        """Routes a request given as precomputed block keys (``cost_model``: this request's, else the router's).
+        O(blocks + workers)."""
+        return self.choose(self.index.find_matches_keys(keys, window_aware=self.window_aware), num_tokens, keys,
+                           cost_model)
 
-    def choose(self, overlaps: OverlapScores, num_tokens: int, keys: list[BlockKey] | None = None) -> RouteDecision:
-        """Applies the cost model to given overlaps (an oracle passes true ones). With the request's
-        ``keys``, prompt blocks that in-flight requests already hold on a worker are not counted again
-        in its load. O(workers + shared blocks)."""
+    def choose(self, overlaps: OverlapScores, num_tokens: int, keys: list[BlockKey] | None = None,
+               cost_model: CostModel | None = None) -> RouteDecision:
+        """Applies the cost model (``cost_model``, else the router's) to given overlaps (an oracle passes true
+        ones). With the request's ``keys``, prompt blocks that in-flight requests already hold on a worker are not
+        counted again in its load. O(workers + shared blocks)."""
         candidates = self.workers if self.workers is not None else list(overlaps.workers)
         if not candidates:
             raise LookupError("no workers to route to")
@@ -109,11 +112,12 @@ class Router:
         found = [known(w, _NONE) for w in candidates]
         loads, shared = self.loads.loads_and_shared(candidates, keys or ())
         expected = self.loads.expected_output
-        batch = getattr(self.cost_model, "costs", None)
+        model = cost_model or self.cost_model
+        batch = getattr(model, "costs", None)
         if batch is not None:
             values: list[float] = batch(num_tokens, bs, found, loads, shared, expected)
         else:
-            cost = self.cost_model.cost
+            cost = model.cost
             values = [cost(num_tokens, bs, o, load, n, expected)
                       for o, load, n in zip(found, loads, shared, strict=True)]
         return RouteDecision(self._pick(candidates, values), dict(zip(candidates, values, strict=True)), overlaps)

@@ -26,6 +26,7 @@ the lock, so the lock covers lookups and bookkeeping only.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import threading
@@ -50,9 +51,10 @@ from kvtier.indexer.keytable import warm_tables
 from kvtier.indexer.load import LoadTracker
 from kvtier.indexer.plugins import BUILTIN, RoutingPolicy, load_policy, note_routed
 from kvtier.indexer.policies import REGISTRY, RoutingSettings, make_cost, make_plugin
+from kvtier.indexer.predictions import Predictions
 from kvtier.indexer.requestbody import RequestBody, parse_body, parse_finish
 from kvtier.indexer.router import RouteDecision, Router
-from kvtier.indexer.scoring import CostModel
+from kvtier.indexer.scoring import CostModel, SloCost, TtftCost
 from kvtier.indexer.serviceconfig import ServiceConfig, load_config, parse_endpoint
 from kvtier.indexer.servicemetrics import render_metrics
 from kvtier.wire.notices import StreamId
@@ -91,6 +93,12 @@ class IndexerService:
         cost, plugin = _policy(config.policy or "kv_all", self.router_settings, config.block_size)
         # Window-aware: engines that announce window KV (SWA models) are scored on their usable prefix; the
         # others as before. Each answer says which it was per worker ("window_kv").
+        # What /route predicts for each request on its worker (TTFT, TPOT), as the goodput policy estimates them
+        # (kvtier.indexer.predictions), whatever the policy.
+        rs = self.router_settings
+        self._predictor = SloCost(TtftCost(rs.transfer(), rs.latency, prefill_budget=rs.prefill_budget,
+                                           capacity_tokens=rs.capacity_tokens))
+        self.predictions = Predictions()
         self.router = Router(self.index, cost, loads=self.loads, policy=plugin, rebuilding=self._rebuilding,
                              window_aware=True, temperature=self.router_settings.temperature,
                              seed=self.router_settings.seed, dead=self._dead)
@@ -281,6 +289,21 @@ class IndexerService:
         """A booking dropped at its deadline (event loop thread, under the lock)."""
         self.loads.finish(rid)
         self.clients.release(rid)
+        self.predictions.forget(rid)
+
+    def _request_cost(self, req: RequestBody) -> CostModel | None:
+        """The cost model of this request: the goodput policy's told the request's own SLO, else the router's."""
+        cm = self.router.cost_model
+        if req.slo is None or not isinstance(cm, SloCost):
+            return None
+        return dataclasses.replace(cm, ttft_ms=req.slo.ttft_ms, tpot_ms=req.slo.tpot_ms)
+
+    def _predict(self, dec: RouteDecision, keys: list[BlockKey], tokens: int) -> tuple[float, float]:
+        """Predicted (TTFT, TPOT) in ms of a request on its chosen worker, before it is booked there. Caller holds
+        the lock."""
+        (load,), (shared,) = self.loads.loads_and_shared([dec.worker], keys)
+        return self._predictor.estimates(tokens, self.index.block_size, dec.overlaps.workers[dec.worker], load,
+                                         shared, self.loads.expected_output)
 
     def route(self, body: bytes | Any, owner: str = "local") -> dict[str, Any]:
         """``POST /route``: routes and books the request on its worker until it finishes or expires; ``owner``
@@ -299,7 +322,9 @@ class IndexerService:
             if rid in self._deadlines:
                 raise ValueError(f"request {rid!r} is already in flight")
             self.clients.check_room(owner)
-            dec = self.router.route_keys(keys, tokens)
+            dec = self.router.route_keys(keys, tokens, self._request_cost(req))
+            ttft_ms, tpot_ms = self._predict(dec, keys, tokens)
+            self.predictions.routed(rid, time.monotonic(), ttft_ms, tpot_ms)
             cached = dec.overlaps.workers[dec.worker].external * self.index.block_size
             self.loads.add(rid, dec.worker, keys, tokens, max(0, tokens - cached))
             self.index.note_routed(dec.worker, keys)  # inferred window KV (SWA engines without window events)
@@ -310,6 +335,11 @@ class IndexerService:
             self.request_seconds["route"].observe(time.perf_counter() - t0)
         out["request_id"] = rid
         out["worker"] = out["recommended"]
+        predicted: dict[str, Any] = {"ttft_ms": ttft_ms, "tpot_ms": None if tpot_ms != tpot_ms else tpot_ms}
+        if req.slo is not None:
+            predicted["meets_slo"] = ((req.slo.ttft_ms is None or ttft_ms <= req.slo.ttft_ms)
+                                      and (req.slo.tpot_ms is None or not tpot_ms > req.slo.tpot_ms))
+        out["predicted"] = predicted
         return out
 
     def first_token(self, rid: str, owner: str = "local") -> dict[str, Any]:
@@ -319,9 +349,13 @@ class IndexerService:
             self.clients.check_owner(rid, owner)
             known = rid in self._deadlines
             self.loads.prefill_done(rid)
+            observed = self.predictions.first_token(rid, time.monotonic())
         if not known:
             raise LookupError(f"request {rid!r} is not in flight (never routed, finished or expired)")
-        return {"request_id": rid, "in_flight": True}
+        answer: dict[str, Any] = {"request_id": rid, "in_flight": True}
+        if observed is not None:
+            answer["observed_ttft_ms"] = observed * 1000
+        return answer
 
     def finish(self, rid: str, body: bytes | Any = b"", owner: str = "local") -> dict[str, Any]:
         """``POST /requests/{id}/finish``: it completed or failed; its load is released (idempotent).
@@ -337,7 +371,11 @@ class IndexerService:
             known = self._deadlines.finish(rid)
             self.loads.finish(rid, out)
             self.clients.release(rid)
-        return {"request_id": rid, "was_in_flight": known}
+            observed = self.predictions.finish(rid, time.monotonic(), out)
+        answer: dict[str, Any] = {"request_id": rid, "was_in_flight": known}
+        if observed is not None:
+            answer["observed_tpot_ms"] = observed * 1000
+        return answer
 
     # --- observability -------------------------------------------------------------------
 
@@ -376,7 +414,7 @@ class IndexerService:
                     "auth_refused": self.clients.refused_auth, "owner_refused": self.clients.refused_owner,
                     "bookings_refused": self.clients.refused_full,
                     "loop_restarts": self.loop_restarts, **self.gc.figures(), "latency": self._latency(),
-                    "dead_workers": len(dead), "workers": workers}
+                    "dead_workers": len(dead), "predictions": self.predictions.as_dict(), "workers": workers}
 
     def _latency(self) -> dict[str, dict[str, Any]]:
         """The latency histograms, JSON form. Caller holds the lock (the HTTP loop's lag has its own writer:

@@ -84,7 +84,8 @@ def render_metrics(m: dict[str, Any]) -> str:
         for key, fam in per_worker.items():
             if key in entry:
                 fam.add(float(entry[key]), worker=w)
-    return render([*service, *_latency_families(m["latency"]), blocks, *per_worker.values()])
+    return render([*service, *_latency_families(m["latency"]), *_prediction_families(m["predictions"]), blocks,
+                   *per_worker.values()])
 
 
 def _single(name: str, kind: str, text: str, value: float) -> Family:
@@ -110,4 +111,20 @@ def _latency_families(lat: dict[str, Any]) -> list[Family]:
         fam = Family(f"kvtier_{key}_seconds", "histogram", text)
         fam.add_histogram(lat[f"{key}_seconds"])
         out.append(fam)
+    return out
+
+
+def _prediction_families(p: dict[str, Any]) -> list[Family]:
+    """How far /route's predictions (kvtier.indexer.predictions) were from what the reports showed."""
+    out = []
+    for what, text in (("ttft", "time to first token (route to the first-token report)"),
+                       ("tpot", "time per output token (first token to finish, over the tokens after it)")):
+        fam = Family(f"kvtier_{what}_prediction_error_seconds", "histogram",
+                     f"Absolute error of /route's predicted {text}: whether the latency model fits this hardware.")
+        fam.add_histogram(p[what]["abs_error_seconds"])
+        out.append(fam)
+        bias = p[what]["mean_signed_error_seconds"]
+        out.append(_single(f"kvtier_{what}_prediction_bias_seconds", "gauge",
+                           f"Mean of observed minus predicted {what.upper()}: positive, the model runs fast.",
+                           0.0 if bias is None else bias))
     return out
