@@ -212,7 +212,12 @@ class StreamRecovery:
             r.verify = False
             if seq == s.expected - 1 and s.history.holds(seq, payload):
                 return  # same publisher: the replay goes on as usual
-            self._check_failed(seq, out)
+            if seq < s.expected:
+                self._check_failed(seq, out)
+            # Else the answer starts past the batch asked for: the buffer no longer reaches back that far (a router
+            # resumed from a snapshot older than it, or away longer than it lasts). A restarted publisher's seq goes
+            # back, so its answer holds other content there or ends before it; this one's went on: the same process,
+            # and the batches between are lost for good (take marks them), not a restart.
         if r.take(seq, payload, s.expected):
             s.deliver(seq, payload, "replay", out)
 
