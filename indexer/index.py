@@ -166,11 +166,12 @@ class TieredIndex:
         """
         w = self._workers.add(stream)
         if partial:
+            items = list(w.hashes.items())  # (all at once from a compiled table)
             if w.closed_tiers:  # where a later store may prove them held: their parents (kvtier.indexer.relearn)
-                w.ups.update(ancestry(w, self._blocks))
+                w.ups.update(ancestry(w, self._blocks, items))
                 while len(w.ups) > MAX_REMEMBERED:
                     del w.ups[next(iter(w.ups))]
-            w.ghosts.update(w.hashes)
+            w.ghosts.update(items)
             while len(w.ghosts) > MAX_REMEMBERED:
                 del w.ghosts[next(iter(w.ghosts))]
         else:

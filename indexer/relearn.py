@@ -38,9 +38,16 @@ held there, and O(chain) for a store that regains one.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
 from kvtier.indexer.blockmasks import BlockMasks
+from kvtier.indexer.closure import PrefixClosure
 from kvtier.indexer.keys import BlockKey
+from kvtier.indexer.keytable import CHILD, KEY, LINKS_NONE, LINKS_SET, USED
 from kvtier.indexer.masklayout import SLOT_MASK, TIERS
+from kvtier.indexer.tableclosure import TableClosure
 from kvtier.indexer.workerstate import WorkerState
 from kvtier.wire.protocol import EngineHash, StorageTier
 
@@ -50,23 +57,21 @@ __all__ = ["MAX_REMEMBERED", "ancestry", "relearn"]
 MAX_REMEMBERED = 1 << 20
 
 
-def ancestry(w: WorkerState, blocks: BlockMasks) -> dict[EngineHash, EngineHash | None]:
+def ancestry(w: WorkerState, blocks: BlockMasks,
+             items: list[tuple[EngineHash, BlockKey]]) -> dict[EngineHash, EngineHash | None]:
     """The parent engine hash of each block worker ``w`` holds (None: stored under the root), where the index can
-    tell: read before the worker is cleared. A block whose parent the worker does not hold, or whose links are not
-    known (a slot restored without them), is left out. O(blocks of the worker + their links)."""
+    tell: read before the worker is cleared; ``items`` are the worker's ``hashes.items()``. A block whose parent the
+    worker does not hold, or whose links are not known (a slot restored without them), is left out. O(blocks of the
+    worker + their links), with no call per block but for the few blocks no link names (a loss may drop a million
+    blocks, under the index's lock)."""
     closure, masks = blocks.closure, blocks.masks
     if w.slot in closure.unknown:
         return {}
-    named = {key: eh for eh, key in w.hashes.items()}
-    up: dict[EngineHash, EngineHash | None] = {}
-    for key, eh in named.items():
-        for child in closure.children(key):
-            ceh = named.get(child)
-            if ceh is not None:
-                up[ceh] = eh
+    named = {key: eh for eh, key in items}
+    up: dict[EngineHash, EngineHash | None] = {named[c]: named[p] for p, c in _links_among(closure, named)}
     shift = TIERS * w.slot
     loose = [closure.loose.get((w.slot, t), ()) for t in range(TIERS)]
-    for key, eh in named.items():
+    for eh, key in items:
         if eh in up:
             continue
         # Not loose on a tier it is held on: its parent is held there by this worker (and linked), or it is a root
@@ -75,6 +80,20 @@ def ancestry(w: WorkerState, blocks: BlockMasks) -> dict[EngineHash, EngineHash 
         if any(bits >> t & 1 and key not in loose[t] for t in range(TIERS)):
             up[eh] = None
     return up
+
+
+def _links_among(closure: PrefixClosure, keys: Mapping[BlockKey, object]) -> Iterable[tuple[BlockKey, BlockKey]]:
+    """The links ``(parent, child)`` whose both ends are among ``keys``. O(keys + their children) on dicts; on a
+    compiled table, O(links in the table), read from its rows all at once."""
+    if not isinstance(closure, TableClosure):
+        return [(key, child) for key in keys for child in closure.children(key) if child in keys]
+    r = closure.table.r
+    state = r[:, USED]
+    rows = np.flatnonzero((state > LINKS_NONE) & (state != LINKS_SET))  # rows whose one child is in CHILD
+    pairs = [(p, c) for p, c in zip(r[rows, KEY].tolist(), r[rows, CHILD].tolist(), strict=True)
+             if c in keys and p in keys]
+    pairs += [(p, c) for p, kids in closure.branches.items() if p in keys for c in kids if c in keys]
+    return pairs
 
 
 def relearn(w: WorkerState, blocks: BlockMasks, parent: EngineHash, tier: StorageTier) -> list[tuple[EngineHash,
