@@ -15,9 +15,9 @@ closed (:meth:`kvtier.indexer.index.TieredIndex.set_prefix_closed`), and nothing
   block, so a block of it can be held without its parent: never declared for vLLM.
 * host: kvtier's engine backs a node up only once its parent is backed up, prefetches into host only under a node
   with a host copy, and evicts host copies leaves first (SPEC section 3), so its host stores prove the parent chain
-  is on host. Declared for kvtier engines only: a backup proves its parent was on device *or* host at the copy, and
-  the index keeps no "one of the two" bit, so for an engine that does not promise host closure a host store proves
-  nothing the index can record.
+  is on host. Not assumed of SGLang: where the engine does not promise host closure, a host store (the backup of a
+  device page) proves its parent chain on device *or* host at the copy, and the index keeps no "one of the two"
+  bit, so it records nothing of it.
 * disk, external: L3 pages are written and evicted page by page, a page may outlive its parent's: never closed.
 
 What is regained is exactly the chain a store proves: from the parent up to the root, or up to a block the index
@@ -29,11 +29,11 @@ Finding the ancestors. Router keys are recomputed from token ids and a dropped b
 its parent's engine hash are remembered when it is dropped (:attr:`WorkerState.ghosts` and :attr:`WorkerState.ups`):
 the parent from the index's links (:mod:`kvtier.indexer.closure`: a child is linked under its parent while the
 parent is held), and "under the root" for a block held on a tier where it is not loose with no parent among the
-worker's blocks; stores made under a dropped block record that parent themselves. Both maps are bounded together
-(the oldest entries go first: see ``TieredIndex.clear_worker``).
+worker's blocks; stores made under a dropped block record that parent themselves. Each map keeps at most
+:data:`MAX_REMEMBERED` entries, the oldest going first.
 
 Cost: nothing on a worker that is not partial; for a partial one, O(1) per store on a closed tier whose parent is
-held there, and O(chain) for a store that regains one.
+held there, and O(chain) for a store that regains one; at a loss, O(blocks dropped) to read their parents.
 """
 
 from __future__ import annotations
