@@ -16,6 +16,7 @@ from operator import itemgetter
 
 from kvtier.indexer.blockmasks import BlockMasks
 from kvtier.indexer.keys import BlockKey, chain_keys, namespace, split_extra_keys
+from kvtier.indexer.relearn import MAX_REMEMBERED, relearn
 from kvtier.indexer.windowkv import WindowKV
 from kvtier.indexer.workerstate import Outcome, WorkerState
 from kvtier.wire.protocol import (
@@ -98,21 +99,39 @@ class EventApplier:
             if done is not None:
                 if (w.inferred and tier <= StorageTier.HOST) or w.orphans:
                     self._after_store(w, ev, done.tolist(), tier)
+                if w.partial and w.closed_tiers >> tier & 1 and ev.parent_block_hash is not None:
+                    self._relearn(w, ev.parent_block_hash, tier)  # (its parent may be held on another tier only)
                 return Outcome.APPLIED
+        ghost = False
         if ev.parent_block_hash is None:
             parent = None
         else:
             parent = w.hashes.get(ev.parent_block_hash)
             if parent is None and w.ghosts:
                 parent = w.ghosts.get(ev.parent_block_hash)
+                ghost = parent is not None
             if parent is None:
                 w.stats.unknown_parents += 1
                 w.orphans.hold(ev, tier, extras)
                 return Outcome.ORPHANED
-        keys = chain_keys(ev.token_ids, bs, parent, ns, extras)
+        keys = chain_keys(ev.token_ids, bs, parent, ns, extras)  # (bad token ids raise here: nothing changed)
+        if ghost:  # a store extending a block dropped at a loss: the dropped block's parent, for a later store
+            w.ups.setdefault(ev.block_hashes[0], ev.parent_block_hash)
+            if len(w.ups) > MAX_REMEMBERED:
+                del w.ups[next(iter(w.ups))]  # the oldest goes
+        if w.partial and w.closed_tiers >> tier & 1 and ev.parent_block_hash is not None:
+            self._relearn(w, ev.parent_block_hash, tier)  # first, so that the store hangs under a held parent
         self._blocks.insert(w, ev.block_hashes, keys, tier, parent)
         self._after_store(w, ev, keys, tier)
         return Outcome.APPLIED
+
+    def _relearn(self, w: WorkerState, parent: EngineHash, tier: StorageTier) -> None:
+        """A store of partial worker ``w`` under ``parent`` on ``tier``, one the engine keeps prefix-closed: the
+        parent's chain is indexed there as far as the store proves it (:mod:`kvtier.indexer.relearn`), and held
+        orphans waiting on those blocks graft. O(1) when the parent is held there already, else O(chain)."""
+        chain = relearn(w, self._blocks, parent, tier)
+        if chain and w.orphans:
+            self._graft(w, [h for h, _ in chain], [k for _, k in chain])
 
     def _after_store(self, w: WorkerState, ev: BlockStored, keys: list[BlockKey], tier: StorageTier) -> None:
         """What a store's keys mean beyond its masks: window KV the rule infers, orphans waiting on its blocks.

@@ -36,7 +36,7 @@ the workers' slots (:mod:`kvtier.indexer.slots`). This module ties them together
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import msgspec
 
@@ -48,6 +48,7 @@ from kvtier.indexer.keytable import KERNELS, EngineHashes, KeyTable
 from kvtier.indexer.levels import DepthFinder, TableDepthFinder
 from kvtier.indexer.masklayout import SLOT_MASK, TIERS
 from kvtier.indexer.orphans import OrphanStats
+from kvtier.indexer.relearn import MAX_REMEMBERED, ancestry
 from kvtier.indexer.slots import WorkerSlots
 from kvtier.indexer.tableclosure import TableClosure
 from kvtier.indexer.tablemasks import TableMasks
@@ -67,7 +68,6 @@ from kvtier.wire.protocol import (
 
 __all__ = ["Outcome", "TieredIndex", "WorkerStats"]
 
-_MAX_GHOSTS = 1 << 20  # remembered keys of blocks dropped at losses, per worker (oldest forgotten first)
 
 
 class TieredIndex:
@@ -160,20 +160,43 @@ class TieredIndex:
         indexed exactly; the flag stays until the worker's state is complete again (a state dump,
         a replay from seq 0, an ``AllBlocksCleared``). The dropped blocks' keys are remembered
         (not reported as held) so that stores extending those prefixes are indexed at once
-        instead of waiting as orphans.
+        instead of waiting as orphans; on a worker declared prefix-closed on some tiers
+        (:meth:`set_prefix_closed`), with their parents, so that a later store there regains the
+        chain it proves held (:mod:`kvtier.indexer.relearn`).
         """
         w = self._workers.add(stream)
         if partial:
-            w.ghosts.update(w.hashes)
-            while len(w.ghosts) > _MAX_GHOSTS:
+            items = list(w.hashes.items())  # (all at once from a compiled table)
+            if w.closed_tiers:  # where a later store may prove them held: their parents (kvtier.indexer.relearn)
+                w.ups.update(ancestry(w, self._blocks, items))
+                while len(w.ups) > MAX_REMEMBERED:
+                    del w.ups[next(iter(w.ups))]
+            w.ghosts.update(items)
+            while len(w.ghosts) > MAX_REMEMBERED:
                 del w.ghosts[next(iter(w.ghosts))]
         else:
             w.ghosts.clear()
+            w.ups.clear()
         self._blocks.clear_slot(w)
         w.orphans.clear()
         w.chains.clear()
         w.stats.clears += 1
         w.partial = partial
+
+    def set_prefix_closed(self, stream: StreamId, tiers: Iterable[StorageTier]) -> None:
+        """Declares the tiers on which the worker's engine keeps its blocks prefix-closed (a block held there has its
+        parent held there): the device for SGLang, device and host for kvtier's engine, none for vLLM (the
+        default). After a loss for good, a store on one of them regains the chain it proves held
+        (:mod:`kvtier.indexer.relearn`); a wrong declaration would report blocks the engine may not hold. O(1)."""
+        closed = 0
+        for t in tiers:
+            closed |= 1 << StorageTier(t)
+        self._workers.add(stream).closed_tiers = closed
+
+    def prefix_closed(self, stream: StreamId) -> set[StorageTier]:
+        """The tiers :meth:`set_prefix_closed` declared for the worker. O(1)."""
+        w = self._workers.get(stream)
+        return {t for t in StorageTier if w is not None and w.closed_tiers >> t & 1}
 
     def remove_worker(self, stream: StreamId) -> None:
         """Forgets the worker and frees its slot. O(blocks of the worker)."""
@@ -283,7 +306,7 @@ class TieredIndex:
             # Then what is held outside the blocks: the keys of blocks dropped at a loss, stores awaiting a parent.
             workers.append((w.stream.worker, w.stream.dp_rank, w.partial, entries, w.window, window, w.inferred,
                             None if w.slot in self._closure.unknown else self._closure.loose_of(w.slot, TIERS),
-                            list(w.ghosts.items()), w.orphans.dump()))
+                            list(w.ghosts.items()), w.orphans.dump(), w.closed_tiers, list(w.ups.items())))
         return msgspec.msgpack.encode({"version": 1, "block_size": self.block_size,
                                        "window_tokens": self.window_tokens, "workers": workers,
                                        "links": self._closure.links()})
@@ -319,6 +342,9 @@ class TieredIndex:
                 if len(swa) > 5:  # written since ghosts and orphans are kept; older snapshots lose them
                     w.ghosts.update((eh, BlockKey(key)) for eh, key in swa[4])
                     w.orphans.load(swa[5])
+                if len(swa) > 7:  # written since stores regain what they prove held (kvtier.indexer.relearn)
+                    w.closed_tiers = int(swa[6]) & ((1 << TIERS) - 1)
+                    w.ups.update((eh, up) for eh, up in swa[7])
             for parent, kids in obj.get("links", ()):
                 for kid in kids:
                     index._closure.link(BlockKey(parent), BlockKey(kid), index._masks)
@@ -356,6 +382,7 @@ class TieredIndex:
                 n = sum(1 for k in values if self._masks[k] >> (shift + t) & 1)
                 assert w.counts[t] == n, f"worker {w.stream}: counts[{t}]={w.counts[t]} but {n} blocks"
             w.orphans._check()
+            assert len(w.ghosts) <= MAX_REMEMBERED and len(w.ups) <= MAX_REMEMBERED, f"worker {w.stream}: unbounded"
         cl = self._closure
         for (slot, t), loose in cl.loose.items():
             assert loose, f"slot {slot} tier {t}: an empty loose set is kept"

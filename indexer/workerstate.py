@@ -33,6 +33,7 @@ class WorkerStats:
     aliases: int = 0  # engine hashes ignored because another one already names the block
     window_events: int = 0  # window-KV events applied (SWA engines)
     window_unknown: int = 0  # window-KV blocks announced or removed that the full-attention view lacks
+    relearned: int = 0  # blocks dropped at a loss indexed again on a tier a later store proved they are held on
     last_error: str | None = None  # the most recent rejection reason
 
 
@@ -51,6 +52,13 @@ class WorkerState:
     # Engine hash -> key of blocks dropped at a loss for good: no longer reported as held, but
     # still the parent of a store that extends them (engine hashes name content, so the key stays right).
     ghosts: dict[EngineHash, BlockKey] = field(default_factory=dict)
+    # Engine hash -> its parent's engine hash (None: stored under the root), where the index knows it, for blocks
+    # dropped at a loss and the first blocks of stores made under one: how a store that proves a dropped block
+    # held finds that block's ancestors (kvtier.indexer.relearn). At most as many entries as ``ghosts`` allows.
+    ups: dict[EngineHash, EngineHash | None] = field(default_factory=dict)
+    # Tiers (bit ``tier``) on which the engine keeps its blocks prefix-closed, as declared for it
+    # (TieredIndex.set_prefix_closed): a store there proves its parent chain is held there too.
+    closed_tiers: int = 0
     partial: bool = False  # events were lost for good: prefixes stored before the loss are unknown
     window: int = 0  # window length in blocks: announced by window events, or the index's (0: untracked)
     inferred: bool = False  # window bits come from the store rule (no window events seen), not from events

@@ -219,7 +219,19 @@ class StreamRecovery:
             r.verify = False
             if seq == s.expected - 1 and s.history.holds(seq, payload):
                 return  # same publisher: the replay goes on as usual
-            self._check_failed(seq, out)
+            if seq < s.expected:
+                self._check_failed(seq, out)
+            else:
+                # The answer starts past the batch asked for: the buffer no longer reaches back that far (a router
+                # resumed from a snapshot older than it, or away longer than it lasts). A restarted publisher's seq
+                # goes back, so its answer would hold other content there or end before it: no restart is known.
+                # Nor is the same process: one restarted since may have published past it already. Either way
+                # what came before this batch is lost for good (the worker is dumped, or cleared once and marked
+                # partial, keeping what it remembers of its blocks), never taken as a seamless continuation.
+                r.frames += 1
+                r.lost = True
+                r.beyond.append((seq, payload))
+                return
         if r.take(seq, payload, s.expected):
             s.deliver(seq, payload, "replay", out)
 
@@ -259,8 +271,11 @@ class StreamRecovery:
         if r.restarted:
             return self.replay_from(0, now, out)
         if r.lost:
-            return self.unrecoverable(f"replay from seq {s.expected} started at seq {r.beyond[0][0]}: "
-                                      "the publisher's buffer no longer holds the batches between", now, out)
+            first = r.beyond[0][0]
+            return self.unrecoverable(
+                f"replay from seq {s.expected} started at seq {first}: the publisher's buffer no longer holds the "
+                "batches between" if first > s.expected else f"the publisher's buffer no longer holds seq "
+                f"{s.expected - 1}, the last one applied: a restart since cannot be ruled out", now, out)
         pending = [(q, p) for q, p in s.take_held() if q >= s.expected]
         if r.hole or (pending and pending[0][0] > s.expected):
             # Frames were dropped, or the answer ended before the held messages: ask again from the

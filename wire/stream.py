@@ -138,8 +138,10 @@ class StreamTracker:
 
     def resume(self, position: tuple[int, int | None], now: float) -> None:
         """Continues from a snapshot's :meth:`position` instead of :meth:`start`: it first checks, by replay,
-        that the publisher still holds the same batch at the last applied seq (else it is a new process:
-        ``PublisherRestarted`` and a replay from 0), then replays what came after. A position with no digest
+        that the publisher still holds the same batch at the last applied seq (other content there, or nothing at
+        or past it: a new process, ``PublisherRestarted`` and a replay from 0; an answer that starts past it: a
+        buffer that no longer reaches back to the snapshot, which tells no restart, so what came before the answer
+        is lost for good), then replays what came after. A position with no digest
         (saved right after a state dump) cannot be checked, and a publisher that restarted meanwhile would look
         the same as one that did not: the check's answer then starts a resync (``ResyncStarted``, a replay
         from 0, else a dump)."""

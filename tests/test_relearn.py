@@ -1,0 +1,154 @@
+"""After a loss for good, a store on a tier the engine keeps prefix-closed regains the chain it proves held.
+
+Each case runs on the compiled tables (the default build) and on the dicts (``KVTIER_JIT=0``'s path): the index is
+built inside ``python_path`` for the latter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
+
+import pytest
+
+from kvtier.indexer.index import Outcome, TieredIndex
+from kvtier.indexer.keytable import KERNELS, EngineHashes
+from kvtier.wire import BlockRemoved, BlockStored, StorageTier, WorkerId
+from kvtier.wire.notices import StreamId
+from kvtier.wire.overlap import TierOverlap
+from tests.jit_paths import python_path
+
+W, V = StreamId(WorkerId("sglang")), StreamId(WorkerId("vllm"))
+TOKS = list(range(100, 124))  # six blocks of 4
+DEV, HOST, DISK = StorageTier.DEVICE, StorageTier.HOST, StorageTier.DISK
+# SGLang-like engine hashes (signed int64), per block of TOKS
+H = [-(1 << 62) - i for i in range(1, 7)]
+
+
+def stored(first: int, n: int, parent: int | None, medium: str = "GPU") -> BlockStored:
+    """Blocks ``first .. first + n - 1`` of TOKS (0-based), under ``parent``."""
+    return BlockStored(block_hashes=H[first:first + n], parent_block_hash=parent,
+                       token_ids=TOKS[4 * first:4 * (first + n)], block_size=4, medium=medium)
+
+
+@pytest.fixture(params=["tables", "dicts"])
+def new_index(request: pytest.FixtureRequest) -> Iterator[Callable[[], TieredIndex]]:
+    """Makes indexes on one storage path."""
+    if request.param == "tables" and KERNELS.get() is None:
+        pytest.skip("numba does not run here")
+    with python_path(KERNELS) if request.param == "dicts" else nullcontext():
+        yield lambda: TieredIndex(4)
+
+
+def held_then_lost(make: Callable[[], TieredIndex], closed: set[StorageTier], medium: str = "GPU") -> TieredIndex:
+    """Worker W (declared closed on ``closed``) and V (declared nothing) each held blocks 0-3 on ``medium``, then
+    lost events for good."""
+    idx = make()
+    if idx._tables:
+        assert isinstance(idx._workers.add(W).hashes, EngineHashes)
+    idx.set_prefix_closed(W, closed)
+    for s in (W, V):
+        assert idx.apply(s, stored(0, 4, None, medium)) is Outcome.APPLIED
+        idx.clear_worker(s, partial=True)
+    idx._check()
+    return idx
+
+
+def test_a_device_store_under_a_dropped_block_regains_its_chain_on_device(new_index: Callable[[], TieredIndex]) -> None:
+    """The SGLang case: the hot prefix (blocks 0-3) was dropped at the loss; a new request extends it on device. The
+    store proves blocks 0-3 are on device (a radix tree's device tier is prefix-closed): a probe answers 5 again.
+    The same stream from a worker declared nothing (vLLM: a block can be held without its parent) regains nothing."""
+    idx = held_then_lost(new_index, {DEV})
+    for s in (W, V):
+        assert idx.find_matches(TOKS).workers[s] == TierOverlap(0, 0, 0, 0)
+        assert idx.apply(s, stored(4, 1, H[3])) is Outcome.APPLIED
+        idx._check()
+    assert idx.find_matches(TOKS).workers[W] == TierOverlap(5, 5, 5, 5)
+    assert idx.worker_hashes(W)[DEV] == set(H[:5]) and idx.stats(W).relearned == 4
+    assert idx.find_matches(TOKS).workers[V] == TierOverlap(0, 0, 0, 0)
+    assert idx.worker_hashes(V)[DEV] == {H[4]} and idx.stats(V).relearned == 0
+    assert idx.is_partial(W)  # what else it held before the loss is still unknown
+    # The regained chain hangs under the root: none of W's blocks is loose (V's block 4 is: its parent is unknown).
+    assert [t for (slot, t) in idx._closure.loose if slot == idx._workers[W].slot] == []
+    # Regained blocks go as any other: a removal names them by engine hash.
+    idx.apply(W, BlockRemoved(block_hashes=[H[4], H[3]], medium="GPU"))
+    idx._check()
+    assert idx.find_matches(TOKS).workers[W].device == 3
+
+
+def test_a_store_proves_nothing_on_another_tier_nor_on_an_open_one(new_index: Callable[[], TieredIndex]) -> None:
+    """A device store proves the chain on device only; a host store proves nothing on a worker whose host tier is
+    not declared closed (SGLang), and its chain on host where it is (kvtier's engine); a disk store never (L3)."""
+    idx = held_then_lost(new_index, {DEV})
+    idx.apply(W, stored(4, 1, H[3], "CPU_PINNED"))
+    idx._check()
+    assert idx.worker_hashes(W)[HOST] == {H[4]} and idx.worker_hashes(W)[DEV] == set()
+    idx = held_then_lost(new_index, {DEV, HOST}, "CPU_PINNED")
+    idx.apply(W, stored(4, 1, H[3], "CPU_PINNED"))
+    idx._check()
+    assert idx.worker_hashes(W)[HOST] == set(H[:5]) and idx.worker_hashes(W)[DEV] == set()
+    assert idx.find_matches(TOKS).workers[W] == TierOverlap(0, 5, 5, 5)
+    idx = held_then_lost(new_index, {DEV, HOST}, "DISK")
+    idx.apply(W, stored(4, 1, H[3], "DISK"))
+    idx._check()
+    assert idx.worker_hashes(W)[DISK] == {H[4]}
+
+
+def test_a_chain_regained_on_one_tier_is_regained_on_another_when_a_store_there_proves_it(
+        new_index: Callable[[], TieredIndex]) -> None:
+    """Blocks 0-3 regained on host (kvtier's engine), then a device store under block 3, which the index now names
+    (held on host only): the chain is regained on device too, and nothing is left loose."""
+    idx = held_then_lost(new_index, {DEV, HOST})
+    idx.apply(W, stored(4, 1, H[3], "CPU_PINNED"))
+    assert idx.worker_hashes(W)[DEV] == set()
+    idx.apply(W, stored(4, 1, H[3]))
+    idx._check()
+    assert idx.worker_hashes(W)[DEV] == set(H[:5]) and idx.worker_hashes(W)[HOST] == set(H[:5])
+    assert [t for (slot, t) in idx._closure.loose if slot == idx._workers[W].slot] == []
+
+
+def test_a_chain_stops_where_the_index_holds_it_and_is_not_guessed_past_what_it_knows(
+        new_index: Callable[[], TieredIndex]) -> None:
+    """A store under block 3 while blocks 0-1 are held on device again (re-announced after the loss): blocks 2-3
+    are regained under them. A dropped block whose parent the index did not know at the loss (it held the block on
+    disk alone, its parent removed from there) regains nothing: the chain above it would be a guess."""
+    idx = held_then_lost(new_index, {DEV})
+    idx.apply(W, stored(0, 2, None))
+    idx.apply(W, stored(4, 2, H[3]))
+    idx._check()
+    assert idx.worker_hashes(W)[DEV] == set(H[:6]) and idx.stats(W).relearned == 2
+    idx = new_index()
+    idx.set_prefix_closed(W, {DEV})
+    idx.apply(W, stored(0, 4, None, "DISK"))
+    idx.apply(W, BlockRemoved(block_hashes=[H[0]], medium="DISK"))  # L3 drops pages one by one
+    idx.clear_worker(W, partial=True)
+    assert idx.apply(W, stored(4, 1, H[3])) is Outcome.APPLIED
+    idx._check()
+    assert idx.worker_hashes(W)[DEV] == {H[4]} and idx.stats(W).relearned == 0
+
+
+def test_a_snapshot_keeps_what_a_later_store_needs_to_regain_a_chain(new_index: Callable[[], TieredIndex]) -> None:
+    """A router restarted from its snapshot between the loss and the store regains the same chain."""
+    idx = held_then_lost(new_index, {DEV})
+    again = TieredIndex.restore(idx.snapshot())
+    again._check()
+    assert again.prefix_closed(W) == {DEV} and again.prefix_closed(V) == set()
+    for index in (idx, again):
+        index.apply(W, stored(4, 1, H[3]))
+        index._check()
+        assert index.find_matches(TOKS).workers[W].device == 5
+
+
+def test_what_is_remembered_of_dropped_blocks_is_bounded(new_index: Callable[[], TieredIndex],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ghosts and their parents are kept up to a fixed number of entries, the oldest forgotten first: a chain whose
+    link was forgotten regains nothing."""
+    import kvtier.indexer.applier as applier_module
+    import kvtier.indexer.index as index_module
+    monkeypatch.setattr(index_module, "MAX_REMEMBERED", 3)
+    monkeypatch.setattr(applier_module, "MAX_REMEMBERED", 3)
+    idx = held_then_lost(new_index, {DEV})
+    w = idx._workers[W]
+    assert len(w.ghosts) == 3 and len(w.ups) == 3  # of the 4 blocks dropped
+    idx.apply(W, stored(4, 1, H[3]))
+    assert idx.worker_hashes(W)[DEV] == {H[4]}
