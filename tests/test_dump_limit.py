@@ -19,7 +19,7 @@ from kvtier.engine.events import AllBlocksCleared
 from kvtier.sim import live
 from kvtier.wire.frames import DUMP_REQUEST, END_SEQ, pack_seq
 from kvtier.wire.notices import Delivery, ResyncDone, ResyncNeeded
-from kvtier.wire.protocol import EventBatch
+from kvtier.wire.protocol import BlockStored, EventBatch
 from kvtier.wire.publisher import Publisher
 from kvtier.wire.subscriber import EndpointConfig, Subscriber
 
@@ -201,3 +201,38 @@ def test_kvtier_engine_passes_the_limits_to_its_publisher(tmp_path: Path) -> Non
         assert node.publisher.dump_interval_s == 2.5 and node.publisher.max_dumps == 3
     finally:
         node.close()
+
+
+def test_an_abandoned_dump_stops_its_builder(clock: Clock) -> None:
+    """A peer that asks for a big dump and stops reading has its answer abandoned; the thread building the dump
+    must stop too, not wait forever on its full queue holding encoded batches (else the limits above bound
+    nothing: each such peer would leave a thread and its batches behind)."""
+
+    big = EventBatch(ts=0.0, events=[BlockStored(block_hashes=list(range(1, 17)), token_ids=list(range(4096)),
+                                                 block_size=256)])  # 12 KB encoded: ZMQ's queues fill soon
+
+    def provider() -> tuple[int, Iterator[EventBatch]]:
+        return pub.last_seq, (big for _ in range(20_000))
+
+    # (a buffer of 8 keeps the replay socket's queue per peer at 1,000 messages: 20,000 of 12 KB cannot all fit
+    # in it, the peer's queue of 1 and the kernel's buffers, so a send finds the queue full)
+    pub = Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", dump_provider=provider, threaded=False, clock=clock,
+                    buffer_size=8)
+    pub.stuck_s = 0.0  # the first send that finds the peer's queue full abandons its answer
+    reader = dealer(pub)
+    reader.setsockopt(zmq.RCVHWM, 1)
+    try:
+        pub.publish(batch(0))
+        before = set(threading.enumerate())
+        reader.send_multipart([b"", DUMP_REQUEST])  # and never reads
+        deadline = time.monotonic() + WAIT_S
+        while pub.replay_stats.abandoned == 0 and time.monotonic() < deadline:
+            pub.serve_requests(5)
+        assert pub.replay_stats.abandoned == 1
+        builders = [t for t in set(threading.enumerate()) - before if t.name == "kv-dump"]
+        assert len(builders) == 1
+        builders[0].join(WAIT_S)
+        assert not builders[0].is_alive(), "the builder of an abandoned dump is still running"
+    finally:
+        reader.close()
+        pub.close()

@@ -67,6 +67,16 @@ class _Answer:
     dump: bool = False  # a state dump (counted against Publisher.max_dumps while it is sent)
 
 
+def _close(ans: _Answer) -> None:
+    """Ends an answer given up: a dump's builder thread stops (see Publisher._dump_frames)."""
+    close = getattr(ans.frames, "close", None)  # (a dump's frames are a generator; a replay's a list iterator)
+    if close is not None:
+        close()
+
+
+_CANCEL_POLL_S = 0.1  # how often a dump builder waiting for room checks whether its answer was given up
+
+
 @dataclass(slots=True)
 class ReplayStats:
     """Counters of the replay socket."""
@@ -227,6 +237,8 @@ class Publisher:
             except Exception:
                 log.exception("replay thread: unexpected error; answers in progress abandoned")
                 self.replay_stats.abandoned += len(self._answers)
+                for ans in self._answers:
+                    _close(ans)
                 self._answers.clear()
 
     def _pump(self) -> None:
@@ -258,6 +270,7 @@ class Publisher:
                     "is gone" if exc.errno == errno.EHOSTUNREACH else str(exc))
                 log.warning("replay: abandoning an answer, the peer %s", why)
                 self.replay_stats.abandoned += 1
+                _close(ans)
                 return False
             ans.head = None
             ans.since = time.monotonic()
@@ -328,45 +341,69 @@ class Publisher:
             yield self._end_frame()
             return
         ready: queue.Queue[list[bytes] | BaseException | None] = queue.Queue(maxsize=4 * _CHUNK)
-        threading.Thread(target=self._build_dump, args=(ready,), name="kv-dump", daemon=True).start()
-        while True:
-            try:
-                item = ready.get_nowait()
-            except queue.Empty:
-                yield None
-                continue
-            if item is None:
-                yield self._end_frame()
-                return
-            if isinstance(item, BaseException):
-                # No end marker: the subscriber must not take what it got for a whole dump. It times
-                # out and asks again, or marks the stream partial.
-                self.replay_stats.dump_errors += 1
-                log.error("dump provider failed: %s: %s; dump abandoned", type(item).__name__, item)
-                return
-            yield item
+        cancel = threading.Event()
+        threading.Thread(target=self._build_dump, args=(ready, cancel), name="kv-dump", daemon=True).start()
+        try:
+            while True:
+                try:
+                    item = ready.get_nowait()
+                except queue.Empty:
+                    yield None
+                    continue
+                if item is None:
+                    yield self._end_frame()
+                    return
+                if isinstance(item, BaseException):
+                    # No end marker: the subscriber must not take what it got for a whole dump. It times
+                    # out and asks again, or marks the stream partial.
+                    self.replay_stats.dump_errors += 1
+                    log.error("dump provider failed: %s: %s; dump abandoned", type(item).__name__, item)
+                    return
+                yield item
+        finally:
+            # Done, or closed because the answer was abandoned: a builder still at work stops at its next batch
+            # instead of waiting forever, holding a full queue, for a reader that is gone.
+            cancel.set()
 
-    def _build_dump(self, ready: queue.Queue[list[bytes] | BaseException | None]) -> None:
+    def _build_dump(self, ready: queue.Queue[list[bytes] | BaseException | None], cancel: threading.Event) -> None:
         assert self._dump_provider is not None
+
+        def put(item: list[bytes] | BaseException | None) -> bool:
+            """Queues ``item`` once there is room; False if the answer was given up meanwhile."""
+            while not cancel.is_set():
+                try:
+                    ready.put(item, timeout=_CANCEL_POLL_S)
+                    return True
+                except queue.Full:
+                    pass
+            return False
+
         try:
             last_seq, batches = self._dump_provider()
             seq = pack_seq(last_seq)
             sent = False
             for batch in batches:
                 sent = True
-                ready.put(self._frame(seq, encode_payload(batch, self._format)))
+                if not put(self._frame(seq, encode_payload(batch, self._format))):
+                    return
             if not sent:  # the subscriber learns last_seq from the first batch, so send one
-                ready.put(self._frame(seq, encode_payload(EventBatch(ts=0.0, events=[]), self._format)))
-            ready.put(None)
+                put(self._frame(seq, encode_payload(EventBatch(ts=0.0, events=[]), self._format)))
+            put(None)
         except Exception as exc:
-            ready.put(exc)
+            put(exc)
 
     def close(self) -> None:
         """Stop the replay thread and close both sockets. Idempotent."""
         self._stop.set()
+        busy = False
         if self._thread is not None:
             self._thread.join(timeout=2.0)
+            busy = self._thread.is_alive()
             self._thread = None
+        if not busy:  # (else the replay thread still owns the answers)
+            for ans in self._answers:
+                _close(ans)
+            self._answers.clear()
         self._pub.close(linger=0)
         if self._router is not None:
             self._router.close(linger=0)
