@@ -129,9 +129,10 @@ class MooncakeFile:
     def _read(self, f: Any, i: int, *, followed: bool) -> Request:
         """Request ``i``; ``followed``: :meth:`successor` will be asked for its next turn (remembered until
         then, so only requests in flight are)."""
-        f.seek(self._offsets[i])
+        at = self._offsets[i]
+        f.seek(at)
         try:  # (the same caps as the first pass: the file may have changed since)
-            req = request_from(decode_record(read_line(f), "line"), "line")
+            req = request_from(decode_record(read_line(f), f"byte {at}"), f"byte {at}")
         except ValueError as exc:  # the file changed since it was indexed (TraceError is one)
             raise TraceError(f"{self.path}: request {i} changed after the trace was read: {exc}") from None
         if not req.request_id:

@@ -38,8 +38,8 @@ VOCAB = 128_000
 #: of 20 digits five times over, and a line read whole costs no more than this.
 MAX_LINE_BYTES = 4 << 20
 #: Most prompt tokens (``input_length``, ``ContextTokens``) and most tokens to generate (``output_length``,
-#: ``GeneratedTokens``) of one request: 16,777,216, 16x today's longest context windows (about a million tokens).
-#: A request is simulated token by token, so a length is what it costs.
+#: ``GeneratedTokens``) of one request: 16,777,216, sixteen times a context window of a million tokens. A request
+#: is simulated token by token, so a length is what it costs.
 MAX_TOKENS = 1 << 24
 #: Most hash ids of one record (the blocks of a :data:`MAX_TOKENS` prompt): 32,768.
 MAX_HASH_IDS = MAX_TOKENS // HASH_BLOCK
@@ -239,8 +239,7 @@ def _too_deep(text: str) -> bool:
     depth = 0
     for at in range(0, len(brackets), _DEPTH_CHUNK):
         codes = np.frombuffer(brackets, np.uint8, min(_DEPTH_CHUNK, len(brackets) - at), at)
-        steps = np.where(np.isin(codes, _OPEN), 1, -1).astype(np.int32)
-        levels = np.cumsum(steps, dtype=np.int64) + depth
+        levels = np.cumsum(np.where(np.isin(codes, _OPEN), 1, -1)) + depth
         if int(levels.max()) > MAX_DEPTH:
             return True
         depth = int(levels[-1])
@@ -398,7 +397,7 @@ def load_azure(path: Path, *, share_prefix_blocks: int = 0, groups: int = 8, see
             row = next(reader)
         except StopIteration:
             break
-        except csv.Error as exc:  # e.g. a field past csv's own limit, or a quote left open at the end
+        except csv.Error as exc:  # e.g. a field past csv's own limit (131,072 characters)
             # (DictReader's own line_num moves only once a row is made: its reader's counts the failed one)
             raise TraceError(f"{path}:{reader.reader.line_num}: not CSV: {exc}") from None
         where = f"{path}:{reader.line_num}"

@@ -172,6 +172,7 @@ def test_hostile_azure_rows_are_named(tmp_path: Path, row: str, fragment: str) -
 def test_the_caps_are_stated_where_the_formats_are() -> None:
     """The README's trace formats give each cap's value, and the module's docstring points to them."""
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    for value in (f"{MAX_LINE_BYTES >> 20} MiB", f"{MAX_TOKENS:,}", f"{MAX_HASH_IDS:,}", f"{MAX_DEPTH}"):
+    for value in (f"at most {MAX_LINE_BYTES >> 20} MiB", f"at most {MAX_TOKENS:,}", f"at most {MAX_HASH_IDS:,}",
+                  f"at most {MAX_DEPTH} deep"):
         assert value in readme, value
     assert trace_module.__doc__ is not None and "MAX_LINE_BYTES" in trace_module.__doc__
