@@ -16,7 +16,7 @@ from kvtier.engine.cache import TieredCache
 from kvtier.engine.dump import dump_batches
 from kvtier.wire.codec import WireFormat
 from kvtier.wire.protocol import EventBatch
-from kvtier.wire.publisher import Publisher
+from kvtier.wire.publisher import DUMP_INTERVAL_S, MAX_DUMPS, Publisher
 
 
 class EngineNode:
@@ -24,13 +24,16 @@ class EngineNode:
 
     def __init__(self, cache: TieredCache, endpoint: str, replay_endpoint: str | None = None, *,
                  dp_rank: int | None = None, buffer_size: int = 10_000,
-                 wire_format: WireFormat = WireFormat.SGLANG, clock: Callable[[], float] = time.time) -> None:
+                 wire_format: WireFormat = WireFormat.SGLANG, clock: Callable[[], float] = time.time,
+                 dump_interval_s: float = DUMP_INTERVAL_S, max_dumps: int = MAX_DUMPS) -> None:
+        """``dump_interval_s`` and ``max_dumps`` ration the state dumps the replay socket answers
+        (:class:`~kvtier.wire.publisher.Publisher`: per peer, and at once)."""
         self.cache = cache
         self.dp_rank = dp_rank
         self.clock = clock
         self.lock = threading.RLock()  # guards the cache and the publisher's live socket
         self.publisher = Publisher(endpoint, replay_endpoint, buffer_size=buffer_size, wire_format=wire_format,
-                                   dump_provider=self._dump)
+                                   dump_provider=self._dump, dump_interval_s=dump_interval_s, max_dumps=max_dumps)
 
     def flush(self) -> int | None:
         """Publishes pending events as one batch; returns its seq, or None if there were none."""

@@ -33,6 +33,7 @@ from kvtier.engine.storage import PageStore
 from kvtier.fields import Domain, OneLineParser
 from kvtier.sim.experiment import resolve_trace
 from kvtier.sim.trace import Request, TokenBank
+from kvtier.wire.publisher import DUMP_INTERVAL_S, MAX_DUMPS
 
 
 def write_residency(cache: TieredCache, path: Path) -> None:
@@ -95,7 +96,8 @@ def _open(args: argparse.Namespace) -> tuple[TieredCache, EngineNode, DataPath, 
     store = _store(args)
     cache = TieredCache(cfg, dp, store, name=args.name)
     try:
-        node = EngineNode(cache, args.endpoint, args.replay, dp_rank=args.dp_rank)
+        node = EngineNode(cache, args.endpoint, args.replay, dp_rank=args.dp_rank,
+                          dump_interval_s=args.dump_interval, max_dumps=args.max_dumps)
     except (zmq.ZMQError, ValueError) as exc:  # (ValueError: an address no socket could bind)
         raise EngineError(f"cannot bind {args.endpoint} / {args.replay}: {exc}") from None
     return cache, node, dp, trace
@@ -169,6 +171,11 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--replay", default="tcp://127.0.0.1:5558", help="ROUTER replay endpoint to bind")
     p.add_argument("--dp-rank", type=Domain(int, lo=0).parse, default=None,
                    help="data-parallel rank carried in each batch")
+    p.add_argument("--dump-interval", type=Domain(float, lo=0).parse, default=DUMP_INTERVAL_S,
+                   help="least seconds between two state dumps answered to one peer of the replay socket; a "
+                        "request sooner gets the end marker alone, which indexers read as no dump (0: no limit)")
+    p.add_argument("--max-dumps", type=count.parse, default=MAX_DUMPS,
+                   help="most state dumps in progress at once; a request past it is refused the same way")
     p.add_argument("--trace", default="builtin:chat:300", help="trace file or builtin:KIND[:N]")
     p.add_argument("--seed", type=Domain(int, lo=0).parse, default=0, help="seed of builtin traces and token ids")
     p.add_argument("--speed", type=scale.parse, default=10.0, help="replay speed-up over the trace's timestamps")

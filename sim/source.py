@@ -10,13 +10,12 @@ holds the requests in flight, not the trace: 17 bytes of index per request, and 
 from __future__ import annotations
 
 import dataclasses
-import json
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol, runtime_checkable
 
-from kvtier.sim.trace import Request, TraceError, read_mooncake, request_from
+from kvtier.sim.trace import Request, TraceError, decode_record, read_line, read_mooncake, request_from
 
 
 @runtime_checkable
@@ -130,11 +129,11 @@ class MooncakeFile:
     def _read(self, f: Any, i: int, *, followed: bool) -> Request:
         """Request ``i``; ``followed``: :meth:`successor` will be asked for its next turn (remembered until
         then, so only requests in flight are)."""
-        f.seek(self._offsets[i])
-        raw = f.readline()
-        try:
-            req = request_from(json.loads(raw), f"{self.path}: request {i}")
-        except (ValueError, UnicodeDecodeError) as exc:  # the file changed since it was indexed
+        at = self._offsets[i]
+        f.seek(at)
+        try:  # (the same caps as the first pass: the file may have changed since)
+            req = request_from(decode_record(read_line(f), f"byte {at}"), f"byte {at}")
+        except ValueError as exc:  # the file changed since it was indexed (TraceError is one)
             raise TraceError(f"{self.path}: request {i} changed after the trace was read: {exc}") from None
         if not req.request_id:
             req.request_id = f"r{i}"

@@ -5,6 +5,11 @@ Mooncake records carry ``hash_ids`` of 512-token blocks and no tokens (kvtier's 
 hash id are derived deterministically from it (:class:`TokenBank`), so equal ids give
 equal tokens and distinct ids distinct ones. The last block of a request is partial:
 ``input_length - 512 * (len(hash_ids) - 1)`` tokens.
+
+Every reader here takes files from anyone, so what one record may cost is capped before it is paid for
+(:data:`MAX_LINE_BYTES`, :data:`MAX_DEPTH`, :data:`MAX_TOKENS`, :data:`MAX_HASH_IDS`): a line is read at most
+the cap and one byte, its nesting measured before it is decoded, and a length checked before anything is
+allocated per token or per block. Past a cap, the record is a :class:`TraceError` naming the file and line.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -27,6 +33,22 @@ from kvtier.wire.protocol import PackedTokens
 
 HASH_BLOCK = 512  # tokens per Mooncake hash id
 VOCAB = 128_000
+
+#: Longest line of a JSONL or CSV trace, newline included: 4 MiB holds a record at :data:`MAX_HASH_IDS` hash ids
+#: of 20 digits five times over, and a line read whole costs no more than this.
+MAX_LINE_BYTES = 4 << 20
+#: Most prompt tokens (``input_length``, ``ContextTokens``) and most tokens to generate (``output_length``,
+#: ``GeneratedTokens``) of one request: 16,777,216, sixteen times a context window of a million tokens. A request
+#: is simulated token by token, so a length is what it costs.
+MAX_TOKENS = 1 << 24
+#: Most hash ids of one record (the blocks of a :data:`MAX_TOKENS` prompt): 32,768.
+MAX_HASH_IDS = MAX_TOKENS // HASH_BLOCK
+#: Deepest nesting of arrays and objects in a JSONL line, the record itself counted: a record is 2 deep
+#: (its ``hash_ids``); room is left for extra fields, which are ignored.
+MAX_DEPTH = 32
+#: Largest ``timestamp`` (ms; about 31,700 years, exact in a float) and ``think_s`` (s) taken.
+MAX_TIMESTAMP_MS = 1e15
+MAX_THINK_S = 1e12
 
 
 class TraceError(ValueError):
@@ -153,17 +175,95 @@ def _number(v: object) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
 
 
+def _show(v: object) -> str:
+    """``repr(v)``, cut to 40 characters: an error line stays one short line whatever the record held."""
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _within(v: object, lo: float, hi: float) -> bool:
+    """``v`` is an int or float (not a bool) in ``[lo, hi]``: NaN is not, and an integer too big for a float is
+    compared exactly, never converted."""
+    return _number(v) and lo <= v <= hi  # type: ignore[operator]
+
+
+def read_line(f: BinaryIO) -> bytes:
+    """The next line of ``f`` (b"" at the end), reading at most :data:`MAX_LINE_BYTES` and one byte: a longer line
+    is a :class:`LineTooLong` with nothing more of it read."""
+    raw = f.readline(MAX_LINE_BYTES + 1)
+    if len(raw) > MAX_LINE_BYTES:
+        raise LineTooLong(f"line is longer than the cap of {MAX_LINE_BYTES:,} bytes per record (MAX_LINE_BYTES)")
+    return raw
+
+
+class LineTooLong(ValueError):
+    """A line past :data:`MAX_LINE_BYTES` (the caller names the file and line)."""
+
+
 def _lines_at(path: Path) -> Iterator[tuple[int, str, int]]:
     """(line number, text, size in bytes) of a UTF-8 file, without the byte-order mark some tools write first
-    (spreadsheets saving "CSV UTF-8"); a line that is not UTF-8 is a :class:`TraceError` naming it."""
+    (spreadsheets saving "CSV UTF-8"); a line that is not UTF-8, or is longer than :data:`MAX_LINE_BYTES`, is a
+    :class:`TraceError` naming it. Memory: one line."""
     with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
+        lineno = 0
+        while True:
+            lineno += 1
+            try:
+                raw = read_line(f)
+            except LineTooLong as exc:
+                raise TraceError(f"{path}:{lineno}: {exc}") from None
+            if not raw:
+                return
             try:
                 # (a reader seeking to line 1's offset reads the mark again: json.loads of bytes skips it)
                 yield lineno, raw.decode("utf-8-sig" if lineno == 1 else "utf-8"), len(raw)
             except UnicodeDecodeError as exc:
                 raise TraceError(f"{path}:{lineno}: not UTF-8 (byte {raw[exc.start]:#04x} at column "
                                  f"{exc.start + 1})") from None
+
+
+# A JSON string, or what is left of one the line does not close (possessive: linear on any input).
+_STRING = re.compile(r'"(?:[^"\\]++|\\.)*+(?:"|\Z)', re.DOTALL)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]++")
+_OPEN = np.frombuffer(b"[{", np.uint8)
+_DEPTH_CHUNK = 1 << 20  # brackets measured at a time (bounds the arrays of a line of brackets)
+
+
+def _too_deep(text: str) -> bool:
+    """Arrays and objects in ``text`` nest deeper than :data:`MAX_DEPTH` (brackets inside strings are text).
+    Measured before decoding: json.loads recurses once per level. O(len(text)), in C; memory a few bytes per
+    bracket, a chunk at a time."""
+    if text.count("[") + text.count("{") <= MAX_DEPTH:
+        return False  # (the common case: no deeper than the openers it has)
+    brackets = _NOT_BRACKET.sub("", _STRING.sub("", text)).encode("ascii")
+    depth = 0
+    for at in range(0, len(brackets), _DEPTH_CHUNK):
+        codes = np.frombuffer(brackets, np.uint8, min(_DEPTH_CHUNK, len(brackets) - at), at)
+        levels = np.cumsum(np.where(np.isin(codes, _OPEN), 1, -1)) + depth
+        if int(levels.max()) > MAX_DEPTH:
+            return True
+        depth = int(levels[-1])
+    return False
+
+
+def decode_record(text: str | bytes, where: str) -> object:
+    """One JSONL line decoded, refused (a :class:`TraceError` prefixed with ``where``) if it is not JSON or nests
+    deeper than :data:`MAX_DEPTH`. O(len(text))."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8-sig")
+        except UnicodeDecodeError as exc:
+            raise TraceError(f"{where}: not UTF-8 (byte {text[exc.start]:#04x} at column {exc.start + 1})") from None
+    if _too_deep(text):
+        raise TraceError(f"{where}: JSON nested deeper than {MAX_DEPTH} levels (MAX_DEPTH)")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"{where}: not JSON: {exc.msg}") from None
+    except ValueError as exc:  # e.g. an integer of more digits than int() takes
+        raise TraceError(f"{where}: not JSON: {exc}") from None
+    except RecursionError:  # (cannot happen past the depth check; one line all the same)
+        raise TraceError(f"{where}: JSON nested too deep") from None
 
 
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
@@ -181,22 +281,30 @@ def request_from(obj: object, where: str) -> Request:
     if missing:
         raise TraceError(f"{where}: missing field(s) {missing}")
     ts, n_in, n_out, ids = obj["timestamp"], obj["input_length"], obj["output_length"], obj["hash_ids"]
-    if not _number(ts) or not math.isfinite(ts) or ts < 0:
-        raise TraceError(f"{where}: timestamp must be a finite non-negative number of ms, got {ts!r}")
+    if not _within(ts, 0, MAX_TIMESTAMP_MS):
+        raise TraceError(f"{where}: timestamp must be a finite non-negative number of ms up to "
+                         f"{MAX_TIMESTAMP_MS:g}, got {_show(ts)}")
     if not _integer(n_in) or n_in < 1 or not _integer(n_out) or n_out < 0:
         raise TraceError(f"{where}: input_length must be >= 1 and output_length >= 0 (integers), "
-                         f"got {n_in!r} and {n_out!r}")
-    if not isinstance(ids, list) or not all(_integer(h) and 0 <= h < 1 << 64 for h in ids):
+                         f"got {_show(n_in)} and {_show(n_out)}")
+    for name, n in (("input_length", n_in), ("output_length", n_out)):
+        if n > MAX_TOKENS:
+            raise TraceError(f"{where}: {name} {_show(n)} is past the cap of {MAX_TOKENS:,} tokens (MAX_TOKENS)")
+    if not isinstance(ids, list):
+        raise TraceError(f"{where}: hash_ids must be a list of non-negative 64-bit integers")
+    if len(ids) > MAX_HASH_IDS:
+        raise TraceError(f"{where}: hash_ids has {len(ids)} ids, past the cap of {MAX_HASH_IDS:,} (MAX_HASH_IDS)")
+    if not all(_integer(h) and 0 <= h < 1 << 64 for h in ids):
         raise TraceError(f"{where}: hash_ids must be a list of non-negative 64-bit integers")
     if len(ids) != math.ceil(n_in / HASH_BLOCK):
         raise TraceError(f"{where}: {len(ids)} hash_ids for {n_in} input tokens "
                          f"(expected ceil({n_in}/{HASH_BLOCK}) = {math.ceil(n_in / HASH_BLOCK)})")
     session, think = obj.get("session_id"), obj.get("think_s")
     if session is not None and not isinstance(session, str | int):
-        raise TraceError(f"{where}: session_id must be a string or an integer, got {session!r}")
-    if think is not None and (not isinstance(think, int | float) or isinstance(think, bool)
-                              or not math.isfinite(think) or think < 0):
-        raise TraceError(f"{where}: think_s must be a non-negative number of seconds, got {think!r}")
+        raise TraceError(f"{where}: session_id must be a string or an integer, got {_show(session)}")
+    if think is not None and not _within(think, 0, MAX_THINK_S):
+        raise TraceError(f"{where}: think_s must be a non-negative number of seconds up to {MAX_THINK_S:g}, "
+                         f"got {_show(think)}")
     return Request(str(obj.get("request_id", "")), float(ts) / 1000.0, n_in, n_out, list(ids),
                    None if session is None else str(session), None if think is None else float(think))
 
@@ -221,11 +329,7 @@ def read_mooncake(path: Path, limit: int | None = None) -> Iterator[tuple[int, i
         if not line.strip():
             continue
         where = f"{path}:{lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise TraceError(f"{where}: not JSON: {exc.msg}") from None
-        req = request_from(obj, where)
+        req = request_from(decode_record(line, where), where)
         if req.request_id and seen is None:
             seen = {f"r{i}": line_i for i, line_i in enumerate(generated)}
             generated = array("l")
@@ -260,7 +364,7 @@ def _azure_time(text: str) -> datetime:
     """Azure's TIMESTAMP: ISO date and time, up to 7 fractional digits (cut to 6), an optional offset."""
     m = re.fullmatch(r"(\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:?\d\d)?", text.strip())
     if not m:
-        raise ValueError(f"TIMESTAMP {text.strip()!r} is not an ISO date and time")
+        raise ValueError(f"TIMESTAMP {_show(text.strip())} is not an ISO date and time")
     frac = (m.group(2) or "0")[:6].ljust(6, "0")
     tz = m.group(3)
     return datetime.fromisoformat(f"{m.group(1)}.{frac}" + ("" if tz is None else tz.replace("Z", "+00:00")))
@@ -281,10 +385,21 @@ def load_azure(path: Path, *, share_prefix_blocks: int = 0, groups: int = 8, see
     next_id = groups * max(share_prefix_blocks, 0)
     reader = csv.DictReader(line for _, line in _lines(path))
     need = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"}
-    if reader.fieldnames is None or not need <= set(reader.fieldnames):
-        raise TraceError(f"{path}:1: expected columns {sorted(need)}, got {reader.fieldnames}")
+    try:
+        columns = reader.fieldnames
+    except csv.Error as exc:
+        raise TraceError(f"{path}:1: not CSV: {exc}") from None
+    if columns is None or not need <= set(columns):
+        raise TraceError(f"{path}:1: expected columns {sorted(need)}, got {_show(columns)}")
     prev: datetime | None = None
-    for row in reader:
+    while True:
+        try:
+            row = next(reader)
+        except StopIteration:
+            break
+        except csv.Error as exc:  # e.g. a field past csv's own limit (131,072 characters)
+            # (DictReader's own line_num moves only once a row is made: its reader's counts the failed one)
+            raise TraceError(f"{path}:{reader.reader.line_num}: not CSV: {exc}") from None
         where = f"{path}:{reader.line_num}"
         try:
             ts = _azure_time(row["TIMESTAMP"])
@@ -293,6 +408,10 @@ def load_azure(path: Path, *, share_prefix_blocks: int = 0, groups: int = 8, see
             raise TraceError(f"{where}: {exc}") from None
         if n_in < 1 or n_out < 0:
             raise TraceError(f"{where}: ContextTokens must be >= 1 and GeneratedTokens >= 0")
+        for name, n in (("ContextTokens", n_in), ("GeneratedTokens", n_out)):
+            if n > MAX_TOKENS:  # (before its blocks get ids)
+                raise TraceError(f"{where}: {name} {_show(n)} is past the cap of {MAX_TOKENS:,} tokens "
+                                 "(MAX_TOKENS)")
         if prev is not None:
             if (ts.tzinfo is None) != (prev.tzinfo is None):
                 raise TraceError(f"{where}: TIMESTAMP {row['TIMESTAMP'].strip()!r} mixes time zones with "

@@ -148,6 +148,31 @@ CASES: dict[str, Case] = {
         t, "boolid.jsonl", [rec(ids=[True])])], "boolid.jsonl:1: hash_ids must be"),
     "non-UTF-8 trace": (lambda t, f: ["replay", "--no-plots", "--trace", _bytes(
         t, "latin.jsonl", json.dumps(rec()).encode() + b"\n" + b'{"x": "caf\xe9"}\n')], "latin.jsonl:2: not UTF-8"),
+    # hostile traces (issue 51): refused in bounded memory, before anything is allocated per token or block
+    "trace line past the cap": (lambda t, f: ["replay", "--no-plots", "--trace", _sparse(t, "long.jsonl")],
+                                "long.jsonl:1: line is longer than the cap of 4,194,304 bytes"),
+    "trace nested 200k deep": (lambda t, f: ["replay", "--no-plots", "--trace", mooncake(
+        t, "deep.jsonl", [rec(), "[" * 200_000 + "]" * 200_000])], "deep.jsonl:2: JSON nested deeper than 32"),
+    "trace input_length 1e10": (lambda t, f: ["replay", "--no-plots", "--trace", mooncake(
+        t, "long_in.jsonl", [rec(n_in=10**10)])], "long_in.jsonl:1: input_length 10000000000 is past the cap"),
+    "trace 1M hash ids": (lambda t, f: ["replay", "--no-plots", "--trace", mooncake(
+        t, "ids.jsonl", [rec(n_in=2**29, ids=[1] * 2**20)])], "ids.jsonl:1: input_length 536870912 is past the cap"),
+    "trace integer past a float": (lambda t, f: ["replay", "--no-plots", "--trace", mooncake(
+        t, "big.jsonl", [rec(10**400)])], "big.jsonl:1: timestamp must be a finite non-negative number"),
+    "compare trace nested": (lambda t, f: ["compare", "--no-plots", "--trace", mooncake(
+        t, "deep.jsonl", ['{"a": ' + "{" * 100_000])], "deep.jsonl:1: JSON nested deeper than 32"),
+    "sweep trace line past the cap": (lambda t, f: ["sweep", "--trace", _sparse(t, "long.jsonl"), "--grid",
+                                                    "workers=1"], "long.jsonl:1: line is longer than the cap"),
+    "engine trace nested": (lambda t, f: engine("--trace", mooncake(t, "deep.jsonl", ["[" * 100_000])),
+                            "deep.jsonl:1: JSON nested deeper than 32"),
+    "azure ContextTokens 1e10": (lambda t, f: ["replay", "--no-plots", "--trace", _bytes(
+        t, "long.csv", b"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,10000000000,1\n")],
+        "long.csv:2: ContextTokens 10000000000 is past the cap"),
+    "azure field past the csv limit": (lambda t, f: ["replay", "--no-plots", "--trace", _bytes(
+        t, "wide.csv", b"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,10,1," + b"x" * 200_000)],
+        "wide.csv:2: not CSV: field larger than field limit"),
+    "azure line past the cap": (lambda t, f: ["replay", "--no-plots", "--trace", _sparse(t, "long.csv")],
+                                "long.csv:1: line is longer than the cap"),
     "azure backwards": (lambda t, f: ["replay", "--no-plots", "--trace", azure(
         t, "back.csv", ["2023-11-16 18:15:46.6805900", "2023-11-16 18:15:40.1"])], "back.csv:3: TIMESTAMP goes back"),
     "azure mixed time zones": (lambda t, f: ["replay", "--no-plots", "--trace", azure(
@@ -189,6 +214,10 @@ CASES: dict[str, Case] = {
     "engine not a ZMQ address": (lambda t, f: [*engine(), "--endpoint", "http://127.0.0.1:1"], "expected tcp://"),
     "engine seed -1": (lambda t, f: engine("--seed", "-1"), "argument --seed: -1 is not allowed; expected an integer"),
     "engine speed 0": (lambda t, f: engine("--speed", "0"), "argument --speed: 0 is not allowed"),
+    "engine dump-interval -1": (lambda t, f: engine("--dump-interval", "-1"),
+                                "argument --dump-interval: -1 is not allowed; expected a number >= 0"),
+    "engine dump-interval nan": (lambda t, f: engine("--dump-interval", "nan"), "argument --dump-interval: nan"),
+    "engine max-dumps 0": (lambda t, f: engine("--max-dumps", "0"), "argument --max-dumps: 0 is not allowed"),
     "engine disk-pages -1": (lambda t, f: engine("--disk-pages", "-1"), "argument --disk-pages: -1 is not allowed"),
     "engine page-size 0": (lambda t, f: engine("--page-size", "0"), "argument --page-size: 0 is not allowed"),
     "engine l3 without host": (lambda t, f: engine("--host-ratio", "0"), "--l3 disk: needs a host tier"),
@@ -264,6 +293,13 @@ CASES: dict[str, Case] = {
 
 def _bytes(tmp: Path, name: str, data: bytes) -> str:
     (tmp / name).write_bytes(data)
+    return str(tmp / name)
+
+
+def _sparse(tmp: Path, name: str) -> str:
+    """64 MiB of zero bytes and no newline, written as a sparse file (nothing but its size)."""
+    with open(tmp / name, "wb") as f:
+        f.truncate(64 << 20)
     return str(tmp / name)
 
 

@@ -347,7 +347,8 @@ def test_replays_are_served_while_a_slow_dump_is_built_and_a_failing_dump_leaves
         gate.wait(5.0)  # a large engine still building its snapshot
         return 0, iter([EventBatch(ts=-1.0, events=[AllBlocksCleared()])])
 
-    with Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", dump_provider=slow_dump) as p:
+    # (one peer asks for two dumps in a row: no interval between them here, tests/test_dump_limit.py has it)
+    with Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", dump_provider=slow_dump, dump_interval_s=0) as p:
         p.publish(batch(0))
         ctx = zmq.Context.instance()
         dumper, other = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)

@@ -8,6 +8,15 @@ high-water mark of 1,000 messages, past which frames to a peer are discarded): t
 queue of frames pumped round-robin with the others. A peer that reads slowly holds up only its own
 answer; a peer that stops reading for :attr:`Publisher.stuck_s` or disconnects has its answer
 abandoned (counted), and the subscriber asks again from its first missing seq.
+
+State dumps are rationed, replays are not: a dump is the engine's whole residency (megabytes of token ids, an
+encoding pass on the engine's CPU), asked for with four bytes by anyone who can reach the socket. A peer (a
+ROUTER identity) gets at most one dump per :attr:`Publisher.dump_interval_s`, and at most
+:attr:`Publisher.max_dumps` dumps are in progress at once (identities are free: one per connection). A request
+past either limit is refused with the end marker alone, the answer of a publisher without dumps, which the
+kvtier subscriber reads as "publisher sent no state dump" (:mod:`kvtier.wire.recovery`): the stream is marked
+partial, never taken for an empty state, and the next dump asked once the limits allow brings it back in sync.
+A subscriber paced by the resync backoff (1 s at first) is never refused by the default interval.
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -27,6 +36,7 @@ from kvtier.wire.addresses import bind_address_error
 from kvtier.wire.codec import WireFormat, encode_payload
 from kvtier.wire.frames import DUMP_REQUEST, END_SEQ, pack_seq, unpack_seq
 from kvtier.wire.protocol import EventBatch
+from kvtier.wire.ratelog import suffix, worth_logging
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +48,13 @@ DumpProvider = Callable[[], tuple[int, Iterable[EventBatch]]]
 
 _CHUNK = 64  # messages sent to one peer before the next answer gets its turn
 
+#: Default least time between two dumps answered to one peer (s): under the subscriber's resync backoff (1 s),
+#: with room for requests that travel at different speeds.
+DUMP_INTERVAL_S = 0.5
+#: Default most dumps in progress at once (built or being sent): an engine has a few indexers, not dozens.
+MAX_DUMPS = 4
+_DUMP_PEERS = 4096  # peers whose last dump is remembered; past it the oldest is forgotten (it may ask again)
+
 
 @dataclass(slots=True)
 class _Answer:
@@ -47,6 +64,17 @@ class _Answer:
     frames: Iterator[list[bytes] | None]  # messages still to send (no identity); None: not built yet
     head: list[bytes] | None = None  # a message taken from `frames` that could not be sent yet
     since: float = field(default_factory=time.monotonic)  # last time a message went out
+    dump: bool = False  # a state dump (counted against Publisher.max_dumps while it is sent)
+
+
+def _close(ans: _Answer) -> None:
+    """Ends an answer given up: a dump's builder thread stops (see Publisher._dump_frames)."""
+    close = getattr(ans.frames, "close", None)  # (a dump's frames are a generator; a replay's a list iterator)
+    if close is not None:
+        close()
+
+
+_CANCEL_POLL_S = 0.1  # how often a dump builder waiting for room checks whether its answer was given up
 
 
 @dataclass(slots=True)
@@ -58,6 +86,7 @@ class ReplayStats:
     messages: int = 0  # messages sent, end markers included
     abandoned: int = 0  # answers given up because the peer left or stopped reading
     dump_errors: int = 0  # dumps whose provider raised (answered with an end marker)
+    dumps_refused: int = 0  # dump requests answered with the end marker alone (past a limit of Publisher's)
 
 
 class Publisher:
@@ -70,6 +99,9 @@ class Publisher:
     Thread model: :meth:`publish` may be called from one thread at a time; replay
     requests are served by a background thread (``threaded=True``) or by calling
     :meth:`serve_requests` from the owner's loop.
+
+    Dump requests are limited (see the module's docstring): ``dump_interval_s`` between two dumps to one
+    peer (0: no limit), ``max_dumps`` in progress at once, both read with ``clock``.
     """
 
     def __init__(
@@ -84,9 +116,21 @@ class Publisher:
         dump_provider: DumpProvider | None = None,
         threaded: bool = True,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        dump_interval_s: float = DUMP_INTERVAL_S,
+        max_dumps: int = MAX_DUMPS,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if buffer_size < 1:
             raise ValueError(f"buffer_size must be >= 1, got {buffer_size}")
+        if not dump_interval_s >= 0:  # (NaN too)
+            raise ValueError(f"dump_interval_s must be a number >= 0, got {dump_interval_s}")
+        if max_dumps < 1:
+            raise ValueError(f"max_dumps must be >= 1, got {max_dumps}")
+        self.dump_interval_s = dump_interval_s
+        self.max_dumps = max_dumps
+        self._clock = clock
+        # peer identity -> when its last dump was granted, oldest first (entries past the interval are dropped)
+        self._dumped_at: OrderedDict[bytes, float] = OrderedDict()
         for address in (endpoint, replay_endpoint):
             if address is not None and (wrong := bind_address_error(address)):
                 raise ValueError(f"{address!r}: {wrong}")
@@ -193,6 +237,8 @@ class Publisher:
             except Exception:
                 log.exception("replay thread: unexpected error; answers in progress abandoned")
                 self.replay_stats.abandoned += len(self._answers)
+                for ans in self._answers:
+                    _close(ans)
                 self._answers.clear()
 
     def _pump(self) -> None:
@@ -224,6 +270,7 @@ class Publisher:
                     "is gone" if exc.errno == errno.EHOSTUNREACH else str(exc))
                 log.warning("replay: abandoning an answer, the peer %s", why)
                 self.replay_stats.abandoned += 1
+                _close(ans)
                 return False
             ans.head = None
             ans.since = time.monotonic()
@@ -244,7 +291,16 @@ class Publisher:
         self.replay_stats.requests += 1
         if request == DUMP_REQUEST:
             self.replay_stats.dumps += 1
-            self._answers.append(_Answer(ident, self._dump_frames()))
+            refused = self._dump_refusal(ident)
+            if refused is not None:
+                st = self.replay_stats
+                st.dumps_refused += 1
+                if worth_logging(st.dumps_refused):
+                    log.warning("replay: dump request refused (%s); answered with the end marker alone%s", refused,
+                                suffix(st.dumps_refused, "replay_stats.dumps_refused"))
+                self._answers.append(_Answer(ident, iter([self._end_frame()])))
+                return
+            self._answers.append(_Answer(ident, self._dump_frames(), dump=True))
             return
         try:
             start = unpack_seq(request)
@@ -258,6 +314,25 @@ class Publisher:
         msgs.append(self._end_frame())
         self._answers.append(_Answer(ident, iter(msgs)))
 
+    def _dump_refusal(self, ident: bytes) -> str | None:
+        """Why a dump for peer ``ident`` is refused now, or None (and the grant remembered). O(answers in
+        progress); memory: at most _DUMP_PEERS peers."""
+        now, seen = self._clock(), self._dumped_at
+        while seen and now - next(iter(seen.values())) >= self.dump_interval_s:
+            seen.popitem(last=False)  # its interval has run: it restricts nobody any more
+        last = seen.get(ident)
+        if last is not None:  # (every entry left is inside its interval)
+            return (f"this peer had one {now - last:.3f} s ago; one per {self.dump_interval_s:g} s "
+                    "(dump_interval_s)")
+        busy = sum(a.dump for a in self._answers)
+        if busy >= self.max_dumps:
+            return f"{busy} dumps in progress (max_dumps)"
+        if self.dump_interval_s > 0:
+            seen[ident] = now
+            if len(seen) > _DUMP_PEERS:
+                seen.popitem(last=False)
+        return None
+
     def _dump_frames(self) -> Iterator[list[bytes] | None]:
         """A dump answer. The provider runs and encodes on a thread of its own, so replay requests
         and other answers keep being served meanwhile; ``None`` means "nothing ready yet"."""
@@ -266,45 +341,69 @@ class Publisher:
             yield self._end_frame()
             return
         ready: queue.Queue[list[bytes] | BaseException | None] = queue.Queue(maxsize=4 * _CHUNK)
-        threading.Thread(target=self._build_dump, args=(ready,), name="kv-dump", daemon=True).start()
-        while True:
-            try:
-                item = ready.get_nowait()
-            except queue.Empty:
-                yield None
-                continue
-            if item is None:
-                yield self._end_frame()
-                return
-            if isinstance(item, BaseException):
-                # No end marker: the subscriber must not take what it got for a whole dump. It times
-                # out and asks again, or marks the stream partial.
-                self.replay_stats.dump_errors += 1
-                log.error("dump provider failed: %s: %s; dump abandoned", type(item).__name__, item)
-                return
-            yield item
+        cancel = threading.Event()
+        threading.Thread(target=self._build_dump, args=(ready, cancel), name="kv-dump", daemon=True).start()
+        try:
+            while True:
+                try:
+                    item = ready.get_nowait()
+                except queue.Empty:
+                    yield None
+                    continue
+                if item is None:
+                    yield self._end_frame()
+                    return
+                if isinstance(item, BaseException):
+                    # No end marker: the subscriber must not take what it got for a whole dump. It times
+                    # out and asks again, or marks the stream partial.
+                    self.replay_stats.dump_errors += 1
+                    log.error("dump provider failed: %s: %s; dump abandoned", type(item).__name__, item)
+                    return
+                yield item
+        finally:
+            # Done, or closed because the answer was abandoned: a builder still at work stops at its next batch
+            # instead of waiting forever, holding a full queue, for a reader that is gone.
+            cancel.set()
 
-    def _build_dump(self, ready: queue.Queue[list[bytes] | BaseException | None]) -> None:
+    def _build_dump(self, ready: queue.Queue[list[bytes] | BaseException | None], cancel: threading.Event) -> None:
         assert self._dump_provider is not None
+
+        def put(item: list[bytes] | BaseException | None) -> bool:
+            """Queues ``item`` once there is room; False if the answer was given up meanwhile."""
+            while not cancel.is_set():
+                try:
+                    ready.put(item, timeout=_CANCEL_POLL_S)
+                    return True
+                except queue.Full:
+                    pass
+            return False
+
         try:
             last_seq, batches = self._dump_provider()
             seq = pack_seq(last_seq)
             sent = False
             for batch in batches:
                 sent = True
-                ready.put(self._frame(seq, encode_payload(batch, self._format)))
+                if not put(self._frame(seq, encode_payload(batch, self._format))):
+                    return
             if not sent:  # the subscriber learns last_seq from the first batch, so send one
-                ready.put(self._frame(seq, encode_payload(EventBatch(ts=0.0, events=[]), self._format)))
-            ready.put(None)
+                put(self._frame(seq, encode_payload(EventBatch(ts=0.0, events=[]), self._format)))
+            put(None)
         except Exception as exc:
-            ready.put(exc)
+            put(exc)
 
     def close(self) -> None:
         """Stop the replay thread and close both sockets. Idempotent."""
         self._stop.set()
+        busy = False
         if self._thread is not None:
             self._thread.join(timeout=2.0)
+            busy = self._thread.is_alive()
             self._thread = None
+        if not busy:  # (else the replay thread still owns the answers)
+            for ans in self._answers:
+                _close(ans)
+            self._answers.clear()
         self._pub.close(linger=0)
         if self._router is not None:
             self._router.close(linger=0)
