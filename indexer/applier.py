@@ -80,6 +80,7 @@ class EventApplier:
         n = len(ev.block_hashes)
         bs = ev.block_size
         if bs != self._block_size:
+            w.stats.wrong_block_size += 1
             return self._reject(w, f"block_size {bs} differs from the index's {self._block_size}")
         if n == 0:
             return self._reject(w, "BlockStored with no block hashes")
@@ -185,6 +186,7 @@ class EventApplier:
         elif not w.window:
             return self._reject(w, "window-KV event without kv_cache_spec_sliding_window")
         if isinstance(ev, BlockStored) and ev.block_size != self._block_size:
+            w.stats.wrong_block_size += 1
             return self._reject(w, f"block_size {ev.block_size} differs from the index's {self._block_size}")
         self._win.announced(w, ev, tier)
         return Outcome.APPLIED

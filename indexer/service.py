@@ -434,18 +434,22 @@ class IndexerService:
             return dict(self.index.worker_hashes(stream))
 
     def health(self) -> dict[str, Any]:
-        """``status``: ``ok``, ``degraded`` (some worker partial, recovering or dead, every one while a failed event
-        loop waits to restart) or ``down`` (the event loop died for good: ``/health`` then answers 503)."""
+        """``status``: ``ok``, ``degraded`` (some worker partial, recovering or dead, or sending stores of another
+        block size, every one while a failed event loop waits to restart) or ``down`` (the event loop died for
+        good: ``/health`` then answers 503)."""
         with self._lock:
             rebuilding, dead = self._rebuilding(), self._dead()
             flags = {str(s): self.worker_flags(s, rebuilding, dead) for s in self.index.streams}
+            # Stores of another block size are all rejected: that worker is never indexed (--block-size must be
+            # the engines' page size).
+            wrong = sorted(str(s) for s in self.index.streams if self.index.stats(s).wrong_block_size)
         partial = sorted(w for w, f in flags.items() if f["partial"])
         recovering = sorted(w for w, f in flags.items() if f["recovering"])
         gone = sorted(w for w, f in flags.items() if f["dead"])
         alive = self._loop.is_alive()
         snapshot_error = self._loop.snapshot_error  # the index is not saved: a restart would start cold
         out: dict[str, Any] = {
-            "status": "down" if not alive else "degraded" if partial or recovering or gone or snapshot_error
+            "status": "down" if not alive else "degraded" if partial or recovering or gone or snapshot_error or wrong
             else "ok",
             "workers": len(flags), "partial_workers": partial, "recovering_workers": recovering, "dead_workers": gone,
             "http_loop": self._http.loop_kind, "keys": key_backend(load=False), "loop_restarts": self.loop_restarts,
@@ -454,6 +458,10 @@ class IndexerService:
             out["error"] = self._loop.error
         if snapshot_error is not None:
             out["snapshot_error"] = snapshot_error
+        if wrong:
+            out["wrong_block_size_workers"] = wrong
+            out["block_size_error"] = (f"stores of another block size than the index's {self.index.block_size} were "
+                                       f"rejected from {', '.join(wrong)}: set --block-size to the engines' page size")
         return out
 
 

@@ -374,3 +374,14 @@ def test_request_bodies_parse_alike_from_bytes_and_objects() -> None:
                 parse_body(given)
     with pytest.raises(ValueError, match=r"bad request body: .*object"):  # no JSON form at all
         parse_body({"token_ids": [object()]})
+
+
+def test_engines_of_another_page_size_make_health_say_so(cluster: tuple[list[Publisher], IndexerService]) -> None:
+    """An indexer started with --block-size unlike the engines' page size rejects every store and indexes nothing;
+    /health used to say ok. It says degraded, which workers, and what to set."""
+    (p0, _, _), svc = cluster
+    p0.publish(EventBatch(ts=time.time(), events=[BlockStored(block_hashes=[1], parent_block_hash=None,
+                                                              token_ids=TOKS[:4 * BS], block_size=4 * BS)]))
+    wait_for(lambda: json.loads(get(svc.address + "/health")).get("wrong_block_size_workers") == ["w0"])
+    health = json.loads(get(svc.address + "/health"))
+    assert health["status"] == "degraded" and "set --block-size to the engines' page size" in health["block_size_error"]
