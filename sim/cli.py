@@ -314,7 +314,9 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
         join_files(a.itl_series, [p for p in itl_parts if p is not None])
         written.append(a.itl_series)
     if not a.no_plots:
-        written += plot(out_dir, summaries, [res for _, res in results], f"{a.trace}, {cluster.workers} workers",
+        where = (f"{a.trace}, {cluster.workers} workers x {cluster.device_tokens:,} device tokens, "
+                 f"host x{cluster.host_ratio:g}, l3 {cluster.l3}")
+        written += plot(out_dir, summaries, [res for _, res in results], where,
                         _run_cfg(a, policies[0]).slo)
     print(f"\nran in {wall:.1f} s, peak memory {peak:,.0f} MiB (largest process); wrote "
           f"{', '.join(str(p) for p in written)}", file=sys.stderr)

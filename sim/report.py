@@ -255,6 +255,11 @@ def plot(out_dir: Path, summaries: Sequence[RunSummary], runs: Sequence[Latencie
                               ("storage", "hit_storage", "#d9f0d3"), ("recomputed", "recomputed", "#bbbbbb")]:
         vals = np.array([getattr(s, key) for s in summaries])
         ax.bar(names, vals, bottom=bottom, label=label, color=color, edgecolor="black", linewidth=0.4)
+        if key in ("hit_host", "hit_storage"):  # thin slices get their share written beside them
+            for i, (v, b) in enumerate(zip(vals, bottom, strict=True)):
+                if 0 < v < 0.03:
+                    ax.annotate(f"{label} {v:.1%}", (i, b + v), xytext=(12, 0), textcoords="offset points",
+                                fontsize=6, va="center", arrowprops={"arrowstyle": "-", "lw": 0.4})
         bottom += vals
     ax.set_ylabel("share of prompt tokens")
     ax.set_ylim(0, 1.0)
@@ -271,7 +276,9 @@ def plot(out_dir: Path, summaries: Sequence[RunSummary], runs: Sequence[Latencie
     for name, values in ((s.policy, r.ttft) for s, r in zip(summaries, runs, strict=True)):
         ttft = np.sort(np.asarray(values, dtype=float))
         if len(ttft):
-            ax.plot(ttft, np.arange(1, len(ttft) + 1) / len(ttft), label=name)
+            # (line styles cycle too, so that policies whose curves nearly coincide stay told apart)
+            style = ("-", "--", ":", "-.")[len(ax.lines) % 4]
+            ax.plot(ttft, np.arange(1, len(ttft) + 1) / len(ttft), label=name, linestyle=style, linewidth=1.2)
     ax.set_xscale("log")
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
