@@ -74,7 +74,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def _add_trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default="builtin:chat",
-                   help="Mooncake JSONL, Azure CSV, or builtin:chat|agentic|sysprompt[:N]")
+                   help="Mooncake JSONL, Azure CSV, or builtin:chat|agentic|sysprompt[:N] (N requests; default: "
+                        "--limit, else 1,000)")
     p.add_argument("--limit", type=COUNT.parse, help="use only the first N requests (default: all)")
     p.add_argument("--time-scale", type=SCALE.parse, default=1.0, help="multiply arrival times (<1 = higher load)")
     p.add_argument("--trace-seed", type=SEED.parse, default=0,
@@ -512,9 +513,19 @@ _INDEXER_LIMITS: dict[str, tuple[type, str]] = {
 }
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvtier")
+    except PackageNotFoundError:  # (run from a source tree that was never installed)
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="kvtier", description="KV-cache-aware routing toolkit", formatter_class=HelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("--version", action="version", version=f"kvtier {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     add = functools.partial(sub.add_parser, formatter_class=HelpFormatter)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import signal
 import sys
@@ -142,6 +143,9 @@ def run(args: argparse.Namespace) -> int:
         if args.residency:
             with node.lock:
                 write_residency(cache, Path(args.residency))
+        print(f"engine {args.name}: trace done; serving replay and dump requests "
+              + ("until SIGTERM" if math.isinf(args.hold) else f"for {args.hold:g} s more (--hold)"),
+              file=sys.stderr, flush=True)
         deadline = time.monotonic() + args.hold
         while not halted() and time.monotonic() < deadline:
             time.sleep(0.02)  # the publisher's thread keeps answering replay and dump requests
@@ -195,8 +199,9 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--kv-bytes-per-token", type=Domain(int, lo=2).parse, default=1024,
                    help="KV bytes per token with --l3-dir (the page files' size)")
     p.add_argument("--residency", help="write the final residency as JSON here")
-    p.add_argument("--hold", type=Domain(float, lo=0).parse, default=3600.0,
-                   help="seconds to keep serving after the trace")
+    p.add_argument("--hold", type=Domain(float, lo=0, hi=math.inf).parse, default=math.inf,
+                   help="seconds to keep serving replay and dump requests after the trace (default: until SIGTERM, "
+                        "as a real engine keeps serving)")
     p.add_argument("--parent-pid", type=Domain(int, lo=1).parse, default=None,
                    help="exit once this process is no longer this one's parent (it died): for test harnesses, "
                         "so that engines never outlive a run that crashed")

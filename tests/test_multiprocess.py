@@ -134,7 +134,7 @@ def _gone(pid: int) -> bool:
 
 def test_an_engine_exits_when_the_parent_it_was_given_dies() -> None:
     """A harness that crashes leaves no engine behind: given ``--parent-pid``, an engine whose parent died exits
-    (on its own, it would serve for ``--hold``, an hour)."""
+    (on its own, it would serve until SIGTERM)."""
     launcher = (
         "import subprocess, sys, os\n"
         "p = subprocess.Popen([sys.executable, '-m', 'kvtier.sim.live', '--endpoint', 'tcp://127.0.0.1:0',\n"
