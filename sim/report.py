@@ -203,6 +203,16 @@ def join_csv(path: Path, parts: Sequence[Path]) -> None:
     join_files(path, parts, head.getvalue().encode())
 
 
+def _save(fig: Any, path: Path) -> Path:
+    """Lays ``fig`` out, writes it to ``path`` and frees it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 class Latencies(Protocol):
     """Per completed request, in seconds, as :class:`kvtier.sim.run.RunResult` holds them."""
 
@@ -266,11 +276,7 @@ def plot(out_dir: Path, summaries: Sequence[RunSummary], runs: Sequence[Latencie
     ax.set_title(f"Prompt tokens by source: {title}")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.tick_params(axis="x", rotation=30)
-    fig.tight_layout()
-    p = out_dir / "hit_rate_by_tier.png"
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    paths.append(p)
+    paths.append(_save(fig, out_dir / "hit_rate_by_tier.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for name, values in ((s.policy, r.ttft) for s, r in zip(summaries, runs, strict=True)):
@@ -287,11 +293,7 @@ def plot(out_dir: Path, summaries: Sequence[RunSummary], runs: Sequence[Latencie
     ax.set_title(f"TTFT CDF: {title}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="lower right")
-    fig.tight_layout()
-    p = out_dir / "ttft_cdf.png"
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    paths.append(p)
+    paths.append(_save(fig, out_dir / "ttft_cdf.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4.6))
     for s in summaries:
@@ -302,11 +304,7 @@ def plot(out_dir: Path, summaries: Sequence[RunSummary], runs: Sequence[Latencie
     ax.set_ylabel("TPOT p90 (ms)")
     ax.set_title(f"Pareto view, lower left is better: {title}", fontsize=10)
     ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    p = out_dir / "ttft_tpot_pareto.png"
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    paths.append(p)
+    paths.append(_save(fig, out_dir / "ttft_tpot_pareto.png"))
 
     slo = slo or Slo()
     base = base_slo(slo, runs)
@@ -324,9 +322,5 @@ def plot(out_dir: Path, summaries: Sequence[RunSummary], runs: Sequence[Latencie
     ax.set_title(f"Goodput as the SLO tightens: {title}", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    p = out_dir / "goodput_vs_slo.png"
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    paths.append(p)
+    paths.append(_save(fig, out_dir / "goodput_vs_slo.png"))
     return paths
