@@ -55,7 +55,7 @@ from kvtier.indexer.predictions import Predictions
 from kvtier.indexer.requestbody import RequestBody, parse_body, parse_finish
 from kvtier.indexer.router import RouteDecision, Router
 from kvtier.indexer.scoring import CostModel, SloCost, TtftCost
-from kvtier.indexer.serviceconfig import ServiceConfig, load_config, parse_endpoint
+from kvtier.indexer.serviceconfig import ServiceConfig, closed_tiers, load_config, parse_endpoint
 from kvtier.indexer.servicemetrics import render_metrics
 from kvtier.wire.notices import StreamId
 from kvtier.wire.overlap import OverlapScores
@@ -125,8 +125,10 @@ class IndexerService:
                                       header_timeout_s=config.header_timeout_s)
         except ImportError:
             raise ConfigError("http_loop: uvloop is not installed (pip install uvloop), use auto or asyncio") from None
-        for s in streams:
-            self.index.add_worker(s)
+        for ep in config.endpoints:
+            self.index.add_worker(ep.stream)
+            # After a loss for good, a store on a tier its engine keeps prefix-closed regains the chain it proves.
+            self.index.set_prefix_closed(ep.stream, closed_tiers(ep))
 
     def _restore(self, path: Path, streams: list[StreamId]) -> None:
         """Checks that the snapshot can be written, and restores it where there is one."""

@@ -12,6 +12,7 @@ from kvtier.fields import ConfigError, Domain, at_least, check_fields, one_of, w
 from kvtier.indexer.hardware import DEFAULT_GPU_LINK, DEFAULT_STORAGE_LINK, GPU_LINKS, STORAGE_LINKS
 from kvtier.indexer.latency import PRESETS, MockerLatency, latency_from_json
 from kvtier.indexer.policies import RoutingSettings
+from kvtier.wire.protocol import StorageTier
 from kvtier.wire.subscriber import EndpointConfig
 
 
@@ -143,12 +144,25 @@ class ServiceConfig:
 _ENDPOINT_FIELDS: dict[str, tuple[Domain, bool]] = {
     "worker": (Domain(str), True), "endpoint": (Domain(str), True),
     "replay_endpoint": (Domain(str, optional=True), False), "dp_rank": (Domain(int, lo=0), False),
-    "supports_dump": (Domain(bool), False),
+    "supports_dump": (Domain(bool), False), "engine": (Domain(str, optional=True), False),
 }
+
+#: The tiers each engine keeps prefix-closed (a block held there has its parent held there), on which a store made
+#: after a loss for good proves its parent chain held (kvtier.indexer.relearn): SGLang's radix tree on device,
+#: kvtier's engine on device and host; vLLM's block pool can hold a block without its parent.
+ENGINE_CLOSED_TIERS: dict[str, tuple[StorageTier, ...]] = {
+    "sglang": (StorageTier.DEVICE,), "kvtier": (StorageTier.DEVICE, StorageTier.HOST), "vllm": ()}
+
+
+def closed_tiers(ep: EndpointConfig) -> tuple[StorageTier, ...]:
+    """What ``ep``'s engine keeps prefix-closed: its declared engine's, else kvtier's where it answers state dumps
+    (only kvtier engines do), else nothing (no chain is ever regained from an undeclared engine). O(1)."""
+    engine = ep.engine or ("kvtier" if ep.supports_dump else None)
+    return ENGINE_CLOSED_TIERS[engine] if engine else ()
 
 
 def parse_endpoint(spec: str) -> EndpointConfig:
-    """Parses ``WORKER=PUB_ENDPOINT[,replay=ENDPOINT][,dp=N][,dump]``."""
+    """Parses ``WORKER=PUB_ENDPOINT[,replay=ENDPOINT][,dp=N][,dump][,engine=sglang|vllm|kvtier]``."""
     name, sep, rest = spec.partition("=")
     if not sep or not name or not rest:
         raise ConfigError(f"endpoint {spec!r}: expected WORKER=tcp://host:port[,replay=...][,dp=N][,dump]")
@@ -164,6 +178,8 @@ def parse_endpoint(spec: str) -> EndpointConfig:
             if not (value.isascii() and value.isdigit()):  # (isdigit alone takes '²', which int() refuses)
                 raise ConfigError(f"endpoint {spec!r}: option {p!r}: expected dp=N with N an integer >= 0")
             opts["dp_rank"] = int(value)
+        elif key == "engine":
+            opts["engine"] = value
         elif key == "dump":
             if value:
                 raise ConfigError(f"endpoint {spec!r}: option {p!r}: dump takes no value")
@@ -201,7 +217,7 @@ def load_config(path: Path) -> ServiceConfig:
         try:
             eps.append(EndpointConfig(worker=e["worker"], endpoint=e["endpoint"],
                                       replay_endpoint=e.get("replay_endpoint"), dp_rank=e.get("dp_rank", 0),
-                                      supports_dump=e.get("supports_dump", False)))
+                                      supports_dump=e.get("supports_dump", False), engine=e.get("engine")))
         except ValueError as exc:
             raise ConfigError(f"{path}: endpoints[{i}]: {exc}") from None
     known = {f.name for f in fields(ServiceConfig)} - {"endpoints"}  # every setting, so none is forgotten here

@@ -385,3 +385,30 @@ def test_engines_of_another_page_size_make_health_say_so(cluster: tuple[list[Pub
     wait_for(lambda: json.loads(get(svc.address + "/health")).get("wrong_block_size_workers") == ["w0"])
     health = json.loads(get(svc.address + "/health"))
     assert health["status"] == "degraded" and "set --block-size to the engines' page size" in health["block_size_error"]
+
+
+def test_the_service_regains_hot_prefixes_an_sglang_engine_never_announces_again() -> None:
+    """The endpoint says which engine publishes (engine=sglang|vllm|kvtier; a dump-capable one is kvtier's): the
+    service declares what that engine keeps prefix-closed, so after a loss for good a new device store under the
+    dropped hot prefix makes a probe answer its whole depth again on SGLang, and nothing is regained on vLLM."""
+    eps = [parse_endpoint("s=tcp://127.0.0.1:1,replay=tcp://127.0.0.1:2,engine=sglang"),
+           parse_endpoint("v=tcp://127.0.0.1:3,engine=vllm"),
+           parse_endpoint("k=tcp://127.0.0.1:4,replay=tcp://127.0.0.1:5,dump"),
+           parse_endpoint("u=tcp://127.0.0.1:6")]
+    svc = IndexerService(ServiceConfig(endpoints=eps, block_size=BS, listen="127.0.0.1:0"))
+    streams = {n: StreamId(WorkerId(n)) for n in "svku"}
+    assert svc.index.prefix_closed(streams["s"]) == {StorageTier.DEVICE}
+    assert svc.index.prefix_closed(streams["k"]) == {StorageTier.DEVICE, StorageTier.HOST}
+    assert svc.index.prefix_closed(streams["v"]) == svc.index.prefix_closed(streams["u"]) == set()
+    hashes = [-(1 << 62) - i for i in range(1, 9)]
+    for n in "sv":
+        svc.index.apply(streams[n], BlockStored(block_hashes=hashes[:6], parent_block_hash=None,
+                                                token_ids=TOKS[:6 * BS], block_size=BS, medium="GPU"))
+        svc.index.clear_worker(streams[n], partial=True)  # a loss past the publisher's replay buffer
+        svc.index.apply(streams[n], BlockStored(block_hashes=hashes[6:7], parent_block_hash=hashes[5],
+                                                token_ids=TOKS[6 * BS:7 * BS], block_size=BS, medium="GPU"))
+    workers = svc.query({"token_ids": TOKS})["workers"]
+    assert workers["s"]["device"] == 7 and workers["s"]["partial"]
+    assert workers["v"]["device"] == 0
+    with pytest.raises(ConfigError, match="engine 'tgi'"):
+        parse_endpoint("x=tcp://127.0.0.1:7,engine=tgi")

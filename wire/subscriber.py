@@ -25,6 +25,10 @@ log = logging.getLogger(__name__)
 _REPLAY_HWM = 200_000  # replay frames queued on the subscriber side before ZMQ pushes back
 
 
+#: The engines an endpoint may name (EndpointConfig.engine).
+ENGINES = ("sglang", "vllm", "kvtier")
+
+
 @dataclass(slots=True, frozen=True)
 class EndpointConfig:
     """Where one engine stream publishes."""
@@ -35,6 +39,9 @@ class EndpointConfig:
     dp_rank: int = 0  # data-parallel rank this endpoint carries
     supports_dump: bool = False  # answers state-dump requests (kvtier engines only)
     topic: bytes = b""  # SUB prefix filter; b"" takes every topic
+    # The engine publishing here: sglang, vllm or kvtier (what its cache promises, kvtier.indexer.serviceconfig
+    # .ENGINE_CLOSED_TIERS); None: kvtier where it answers dumps, else nothing promised
+    engine: str | None = None
 
     def __post_init__(self) -> None:
         if not self.worker:
@@ -47,6 +54,8 @@ class EndpointConfig:
         if self.replay_endpoint == self.endpoint:
             # One address cannot be both a PUB and a ROUTER socket: replay requests would never be answered.
             raise ValueError(f"the replay endpoint is the live one ({self.endpoint!r}): the publisher binds two")
+        if self.engine not in (None, *ENGINES):
+            raise ValueError(f"engine {self.engine!r}: expected one of {', '.join(ENGINES)}")
         if self.supports_dump and self.replay_endpoint is None:
             # (no endpoint named here: the callers' messages name the one they were given)
             raise ValueError("a state dump is asked on the replay socket: no dump without a replay endpoint")
