@@ -24,23 +24,9 @@ from dataclasses import dataclass
 
 from kvtier.fields import ConfigError
 from kvtier.indexer.keys import BlockKey
+from kvtier.indexer.load import held_prefix
 from kvtier.indexer.plugins import PolicyBase, RouteContext
 from kvtier.wire.notices import StreamId
-
-
-def _held_prefix(held: dict[BlockKey, int], keys: Sequence[BlockKey]) -> int:
-    """Leading ``keys`` in ``held``, which must be prefix-closed over chained keys (a key held means every key of
-    its prefix is): binary search. O(log blocks)."""
-    if not keys or keys[0] not in held:
-        return 0
-    lo, hi = 1, len(keys)  # keys[:lo] held; keys[hi:] not
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if keys[mid - 1] in held:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 @dataclass(slots=True)
@@ -115,7 +101,7 @@ class SglangCacheAware(PolicyBase):
     def held(self, worker: StreamId, keys: Sequence[BlockKey]) -> int:
         """Leading blocks of ``keys`` the worker's tree holds. O(log blocks)."""
         tree = self._trees.get(worker)
-        return 0 if tree is None else _held_prefix(tree, keys)
+        return 0 if tree is None else held_prefix(tree, keys)
 
     def filter(self, ctx: RouteContext, workers: list[StreamId]) -> list[StreamId]:
         self._frame = _Frame(ctx, {w: float(self.held(w, ctx.keys)) for w in workers})

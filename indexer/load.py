@@ -10,7 +10,7 @@ blocks, which grow as the router sees tokens stream back (:meth:`LoadTracker.pro
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Container, Hashable, Sequence
 from dataclasses import dataclass, field
 from itertools import compress, repeat
 from typing import cast
@@ -34,6 +34,21 @@ class WorkerLoad:
     # Output tokens the engines are expected to reserve and not yet written: sum over in-flight requests
     # of max(0, expected output at routing - generated). Engines reserve room for the output at admission.
     unwritten_tokens: int = 0
+
+
+def held_prefix(held: Container[Hashable], keys: Sequence[Hashable]) -> int:
+    """How many leading ``keys`` are in ``held``, by binary search: ``held`` must be prefix-closed over chained keys
+    (a key held means every key of its prefix is), as router block keys are. O(log blocks)."""
+    if not len(keys) or keys[0] not in held:  # (len: numpy arrays of keys too)
+        return 0
+    lo, hi = 1, len(keys)  # keys[:lo] are held; keys[hi:] are not (hi is an upper bound)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if keys[mid - 1] in held:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 _IDLE = WorkerLoad()  # what load_and_shared returns for a worker never routed to; never mutated
@@ -140,17 +155,8 @@ class LoadTracker:
 
     @staticmethod
     def _held_in_dict(refs: dict[Hashable, int], keys: Sequence[Hashable]) -> int:
-        """Leading ``keys`` counted in ``refs``, by binary search (chained keys). O(log blocks)."""
-        if not len(keys) or keys[0] not in refs:  # (len: numpy arrays of keys too)
-            return 0
-        lo, hi = 1, len(keys)  # keys[:lo] are held; keys[hi:] are not (hi is an upper bound)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if keys[mid - 1] in refs:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        """Leading ``keys`` counted in ``refs`` (:func:`held_prefix`). O(log blocks)."""
+        return held_prefix(refs, keys)
 
     def add(self, request_id: str, worker: StreamId, keys: Sequence[Hashable], prompt_tokens: int,
             prefill_tokens: int) -> None:
