@@ -19,6 +19,7 @@ kv_host (HOST) and kv_all (EXTERNAL) policies.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -242,6 +243,11 @@ class SloCost:
     base: TtftCost  # the cost among the workers meeting the SLO
     ttft_ms: float | None = None
     tpot_ms: float | None = None
+    # ``base`` with each decode step counted once: the request's own TTFT estimate (derived, made once)
+    own: TtftCost = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "own", dataclasses.replace(self.base, decode_weight=1.0))
 
     @property
     def max_tier(self) -> StorageTier:
@@ -251,9 +257,7 @@ class SloCost:
                   shared_blocks: int = 0, output_tokens: float = 0.0) -> tuple[float, float]:
         """(TTFT, TPOT) the request is expected to see on a worker, ms; TPOT nan without a capacity. O(1)."""
         b = self.base
-        own = TtftCost(b.transfer, b.latency, b.max_tier, b.prefill_budget, b.capacity_tokens, b.memory_headroom,
-                       b.blind_headroom, b.memory_wait_ms, decode_weight=1.0)
-        ttft = own.cost(num_tokens, block_size, overlap, load, shared_blocks, output_tokens)
+        ttft = self.own.cost(num_tokens, block_size, overlap, load, shared_blocks, output_tokens)
         if not b.capacity_tokens:
             return ttft, float("nan")
         # Over the request's decode the batch's context grows by half of what it and its neighbours still write.

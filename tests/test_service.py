@@ -258,16 +258,10 @@ def test_sigterm_stops_the_service_cleanly_with_its_last_snapshot(tmp_path: Path
     exit 143, the blocks applied since the last periodic snapshot lost)."""
     snap = tmp_path / "index.snap"
     with Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0") as pub:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvtier", "indexer", "--endpoint", f"w0={pub.endpoint},replay={pub.replay_endpoint}",
-             "--block-size", str(BS), "--listen", "127.0.0.1:0", "--snapshot", str(snap)],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc, address = _indexer_process(pub, snap)
         try:
-            assert proc.stdout is not None
-            address = re.search(r"HTTP on (http://\S+)", proc.stdout.readline())
-            assert address, "the service did not start"
             pub.publish(EventBatch(ts=time.time(), events=[stored([1, 2, 3], None, 0)]))
-            wait_for(lambda: post(address[1] + "/query", {"token_ids": TOKS})[1]["workers"]["w0"]["device"] == 3,
+            wait_for(lambda: post(address + "/query", {"token_ids": TOKS})[1]["workers"]["w0"]["device"] == 3,
                      timeout=30)
             proc.send_signal(signal.SIGTERM)
             _, err = proc.communicate(timeout=30)
