@@ -46,15 +46,14 @@ from pathlib import Path
 from typing import Any
 
 import zmq
-
-from kvtier.indexer import persist
-from kvtier.indexer.index import TieredIndex
+from kvtier.indexer.index.tiered import TieredIndex
+from kvtier.indexer.service import persist
 from kvtier.sim.experiment import resolve_trace
 from kvtier.sim.trace import TokenBank
 from kvtier.wire import AllBlocksCleared, BlockRemoved, EventBatch, StorageTier, decode_payload, encode_payload
-from kvtier.wire.frames import DUMP_REQUEST, END_SEQ, pack_seq
 from kvtier.wire.notices import StreamId
 from kvtier.wire.protocol import EngineHash, WorkerId
+from kvtier.wire.transport.frames import DUMP_REQUEST, END_SEQ, pack_seq
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = 16  # the engines' page size and the indexer's block size

@@ -35,8 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
-from kvtier.indexer.latency import PRESETS
+from kvtier.hardware.latency import PRESETS
 from kvtier.sim.cluster import ClusterConfig
 from kvtier.sim.experiment import shared_dir
 from kvtier.sim.run import RunConfig, simulate

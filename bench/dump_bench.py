@@ -15,12 +15,11 @@ import statistics
 import time
 
 import zmq
-
 from kvtier.engine.cache import CacheConfig, TieredCache
 from kvtier.engine.datapath import ModeledDataPath
 from kvtier.engine.node import EngineNode
-from kvtier.wire.frames import DUMP_REQUEST, END_SEQ, pack_seq
 from kvtier.wire.protocol import EventBatch
+from kvtier.wire.transport.frames import DUMP_REQUEST, END_SEQ, pack_seq
 
 
 def build(prompts: int, ps: int) -> TieredCache:

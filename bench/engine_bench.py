@@ -19,10 +19,9 @@ import statistics
 import time
 
 import torch
-
 from kvtier.engine.cache import CacheConfig, TieredCache
 from kvtier.engine.datapath import CopyKind, ModeledDataPath, TorchDataPath
-from kvtier.indexer.latency import PRESETS
+from kvtier.hardware.latency import PRESETS
 from kvtier.wire import pack_tokens
 
 PS = 16

@@ -20,8 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
-from kvtier.indexer.policies import REGISTRY
+from kvtier.indexer.routing.policies import REGISTRY
 from kvtier.sim.cluster import ClusterConfig
 from kvtier.sim.experiment import resolve_trace, shared_dir
 from kvtier.sim.metrics import Slo, goodput_count

@@ -13,7 +13,7 @@ Apply: each store arrives as the msgpack payload an SGLang publisher sends, is d
 Dynamo's events carry the engine's local block hashes, so its apply hashes no tokens; kvtier computes its router
 keys from the token ids in every store (SPEC section 2), inside the timed apply. The index grows its tables
 inside the timed apply too. A table past 5/8 full has its next size zeroed by a helper thread
-(``kvtier.indexer.keytable.RowTable.prepare``). So on a machine with a second core, the page faults of growing
+(``kvtier.indexer.index.keytable.RowTable.prepare``). So on a machine with a second core, the page faults of growing
 run there; the rehash runs in the timed thread. Dynamo's RadixTree applies on one thread.
 
 Dynamo runs in a subprocess (``bench/dynamo_index.py``): in this interpreter if it has
@@ -44,10 +44,9 @@ from pathlib import Path
 from typing import Any
 
 from index_workload import BLOCKS_PER_TURN, BS, CONV_BLOCKS, TURNS, conversations, make_queries, percentile, rss_bytes
-
-from kvtier.indexer.index import Outcome, TieredIndex
-from kvtier.indexer.keys import block_keys, key_backend
-from kvtier.indexer.keytable import warm_tables
+from kvtier.indexer.index.keys import block_keys, key_backend
+from kvtier.indexer.index.keytable import warm_tables
+from kvtier.indexer.index.tiered import Outcome, TieredIndex
 from kvtier.wire import BlockStored, EngineHash, EventBatch, WorkerId
 from kvtier.wire.codec import decode_payload, encode_payload
 from kvtier.wire.notices import StreamId

@@ -20,10 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvtier.engine.pagedir import SyncPolicy
-from kvtier.engine.pagefile import Layout
-from kvtier.engine.pagetree import PageMeta
-from kvtier.engine.storage import PageStore
+from kvtier.engine.l3.pagedir import SyncPolicy
+from kvtier.engine.l3.pagefile import Layout
+from kvtier.engine.l3.pagetree import PageMeta
+from kvtier.engine.l3.storage import PageStore
 
 
 def write_run(root: Path, sync: SyncPolicy, pages: int, payload: bytes, batch: int) -> tuple[float, PageStore]:

@@ -28,8 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvtier.indexer.consumer import IndexConsumer
-from kvtier.indexer.index import TieredIndex
+from kvtier.indexer.index.consumer import IndexConsumer
+from kvtier.indexer.index.tiered import TieredIndex
 from kvtier.wire import BlockStored, EndpointConfig, EventBatch, Publisher, StorageTier, StreamId, Subscriber, WorkerId
 
 BLOCKS, BS = 16, 64  # per batch; --blocks changes BLOCKS

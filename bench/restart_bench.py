@@ -20,7 +20,7 @@ from pathlib import Path
 from kvtier.engine.cache import CacheConfig, TieredCache
 from kvtier.engine.datapath import ModeledDataPath
 from kvtier.engine.node import EngineNode
-from kvtier.indexer.service import IndexerService, ServiceConfig, parse_endpoint
+from kvtier.indexer.service.app import IndexerService, ServiceConfig, parse_endpoint
 from kvtier.wire import StorageTier
 
 PS = 16

@@ -175,7 +175,7 @@ def hist_ms(before: dict[str, Any], after: dict[str, Any]) -> str:
 def where(m0: dict[str, Any], m1: dict[str, Any], late: list[float]) -> str:
     """Where a run's time went: the client's own send delay, and the service's time per query, its wait for
     the index lock, event batches' waits for it (queries holding up event application) and holds of it, and
-    the HTTP loop's lag (p99/max bucket bounds, ms; see kvtier.indexer.histogram)."""
+    the HTTP loop's lag (p99/max bucket bounds, ms; see kvtier.indexer.service.histogram)."""
     a, b = m0["latency"], m1["latency"]
     parts = ", ".join(f"{name} {hist_ms(a[key], b[key])}" for name, key in (
         ("query", "query_seconds"), ("lock wait", "lock_wait_seconds"), ("batch wait", "apply_wait_seconds"),

@@ -17,14 +17,14 @@ import statistics
 import time
 from typing import Any
 
-from kvtier.indexer.index import TieredIndex
+from kvtier.indexer.index.tiered import TieredIndex
 from kvtier.wire import BlockStored, EndpointConfig, EngineHash, EventBatch, Received, Subscriber
 
 BLOCKS, BS = 16, 16
 
 
 def publisher(idx: int, ready: Any, go: Any, ports: Any, rate: float, seconds: float) -> None:
-    from kvtier.wire.publisher import Publisher
+    from kvtier.wire.transport.publisher import Publisher
 
     pub = Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", buffer_size=100_000)
     ports.put((idx, pub.endpoint, pub.replay_endpoint))

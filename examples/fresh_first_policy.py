@@ -1,4 +1,4 @@
-"""An example routing-policy plugin for kvtier (see kvtier.indexer.plugins).
+"""An example routing-policy plugin for kvtier (see kvtier.indexer.routing.plugins).
 
 "Fresh first": workers whose index lost events for good (partial) are skipped while any other can
 take the request; among the rest, the cost is the prompt tokens left to compute (device hits free,
@@ -15,7 +15,7 @@ Packaged plugins register an entry point instead, in their pyproject.toml:
 
 from __future__ import annotations
 
-from kvtier.indexer.plugins import PolicyBase, RouteContext
+from kvtier.indexer.routing.plugins import PolicyBase, RouteContext
 from kvtier.wire import StreamId
 
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 from kvtier.engine.cache import Admission, CacheConfig, TieredCache
 from kvtier.engine.datapath import Bandwidths, ModeledDataPath
-from kvtier.engine.storage import PageStore
-from kvtier.indexer.index import Outcome, TieredIndex
+from kvtier.engine.l3.storage import PageStore
+from kvtier.indexer.index.tiered import Outcome, TieredIndex
 from kvtier.wire import Event, EventBatch, StorageTier, WorkerId, decode_payload, encode_payload
 from kvtier.wire.notices import StreamId
 

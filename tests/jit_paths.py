@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from kvtier.wire.jit import LazyKernels
+from kvtier.kernels.jit import LazyKernels
 
 
 @contextmanager

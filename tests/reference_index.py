@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvtier.indexer.keys import BlockKey, block_keys, chain_keys, namespace
+from kvtier.indexer.index.keys import BlockKey, block_keys, chain_keys, namespace
 from kvtier.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, StorageTier, parse_medium
 from kvtier.wire.notices import StreamId
 from kvtier.wire.overlap import OverlapScores, TierOverlap

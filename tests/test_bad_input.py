@@ -18,9 +18,9 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from kvtier.indexer import service
+from kvtier.indexer.service import app as service
 from kvtier.sim.cli import main
+
 from tests.test_multiprocess import ROOT, free_port
 
 SMALL = ["--trace", "builtin:chat:4", "--no-plots"]

@@ -20,11 +20,10 @@ from collections.abc import Callable
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
-
 from kvtier.engine.cache import Admission, CacheConfig, PrefetchPolicy, TieredCache, WritePolicy
 from kvtier.engine.datapath import Bandwidths, ModeledDataPath
-from kvtier.engine.storage import PageStore
-from kvtier.indexer.index import Outcome, TieredIndex
+from kvtier.engine.l3.storage import PageStore
+from kvtier.indexer.index.tiered import Outcome, TieredIndex
 from kvtier.wire import StorageTier, WorkerId, decode_payload, encode_payload
 from kvtier.wire.notices import StreamId
 

@@ -14,14 +14,13 @@ from pathlib import Path
 
 import pytest
 import zmq
-
 from kvtier.engine.events import AllBlocksCleared
 from kvtier.sim import live
-from kvtier.wire.frames import DUMP_REQUEST, END_SEQ, pack_seq
 from kvtier.wire.notices import Delivery, ResyncDone, ResyncNeeded
 from kvtier.wire.protocol import BlockStored, EventBatch
-from kvtier.wire.publisher import Publisher
-from kvtier.wire.subscriber import EndpointConfig, Subscriber
+from kvtier.wire.transport.frames import DUMP_REQUEST, END_SEQ, pack_seq
+from kvtier.wire.transport.publisher import Publisher
+from kvtier.wire.transport.subscriber import EndpointConfig, Subscriber
 
 WAIT_S = 10.0  # most a test waits for frames on loopback (a bound, not a condition)
 

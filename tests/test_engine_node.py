@@ -7,10 +7,10 @@ from collections.abc import Iterator
 
 from kvtier.engine.cache import CacheConfig, TieredCache
 from kvtier.engine.datapath import Bandwidths, ModeledDataPath
+from kvtier.engine.l3.storage import PageStore
 from kvtier.engine.node import EngineNode
-from kvtier.engine.storage import PageStore
-from kvtier.indexer.consumer import IndexConsumer
-from kvtier.indexer.index import TieredIndex
+from kvtier.indexer.index.consumer import IndexConsumer
+from kvtier.indexer.index.tiered import TieredIndex
 from kvtier.wire import EndpointConfig, EventBatch, ResyncNeeded, ResyncStarted, StorageTier, Subscriber
 
 PS = 4

@@ -7,11 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from kvtier.engine.cache import Admission, CacheConfig, PrefetchPolicy, TieredCache
 from kvtier.engine.datapath import CopyKind, TorchDataPath, _runs
-from kvtier.engine.pagetree import PageMeta
-from kvtier.engine.storage import PageStore
+from kvtier.engine.l3.pagetree import PageMeta
+from kvtier.engine.l3.storage import PageStore
 from kvtier.wire import StorageTier
 
 PS = 4

@@ -5,11 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from kvtier.engine.cache import CacheConfig, PrefetchPolicy, WritePolicy
 from kvtier.engine.hashing import chain, event_hash
-from kvtier.engine.storage import PageStore
-from kvtier.indexer.index import TieredIndex
+from kvtier.engine.l3.storage import PageStore
+from kvtier.indexer.index.tiered import TieredIndex
 from kvtier.wire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -22,6 +21,7 @@ from kvtier.wire import (
 )
 from kvtier.wire.notices import StreamId
 from kvtier.wire.protocol import pack_tokens, unpack_tokens
+
 from tests.engine_harness import Harness
 
 PS = 4

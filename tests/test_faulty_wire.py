@@ -17,17 +17,16 @@ from pathlib import Path
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-
 from kvtier.engine.cache import CacheConfig, TieredCache
 from kvtier.engine.datapath import Bandwidths, ModeledDataPath
-from kvtier.engine.storage import PageStore
-from kvtier.indexer import persist
-from kvtier.indexer.consumer import IndexConsumer
-from kvtier.indexer.index import TieredIndex
+from kvtier.engine.l3.storage import PageStore
+from kvtier.indexer.index.consumer import IndexConsumer
+from kvtier.indexer.index.tiered import TieredIndex
+from kvtier.indexer.service import persist
 from kvtier.wire import StorageTier, WorkerId, encode_payload
-from kvtier.wire.frames import DUMP_REQUEST, END_SEQ, pack_seq, unpack_seq
 from kvtier.wire.notices import Delivery, StreamId
-from kvtier.wire.stream import StreamTracker
+from kvtier.wire.transport.frames import DUMP_REQUEST, END_SEQ, pack_seq, unpack_seq
+from kvtier.wire.transport.stream import StreamTracker
 
 PS = 2
 DOCS = [list(range(100, 120)), list(range(100, 108)) + list(range(300, 312)), list(range(500, 520))]

@@ -8,10 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from kvtier.engine.cache import WritePolicy
-from kvtier.indexer.hardware import GPU_LINKS, STORAGE_LINKS
-from kvtier.indexer.latency import (
+from kvtier.hardware.latency import (
     MockerLatency,
     TransferModel,
     decode_run_ms,
@@ -19,8 +17,9 @@ from kvtier.indexer.latency import (
     latency_from_json,
     latency_to_json,
 )
-from kvtier.indexer.load import WorkerLoad
-from kvtier.indexer.scoring import TtftCost
+from kvtier.hardware.links import GPU_LINKS, STORAGE_LINKS
+from kvtier.indexer.routing.load import WorkerLoad
+from kvtier.indexer.routing.scoring import TtftCost
 from kvtier.sim.cli import _cluster, build_parser
 from kvtier.sim.cli import main as cli
 from kvtier.sim.cluster import ClusterConfig

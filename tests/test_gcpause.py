@@ -8,11 +8,10 @@ import weakref
 from collections.abc import Iterator
 
 import pytest
-
-from kvtier.indexer.gcpause import RARE_YOUNG_THRESHOLD, GcPauses, freeze_startup_objects, rare_collections
 from kvtier.sim.cluster import ClusterConfig
 from kvtier.sim.generators import PRESETS, generate
 from kvtier.sim.run import RunConfig, simulate
+from kvtier.util.gcpause import RARE_YOUNG_THRESHOLD, GcPauses, freeze_startup_objects, rare_collections
 
 
 @pytest.fixture

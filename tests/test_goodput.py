@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-from kvtier.indexer.latency import MockerLatency, decode_step_max_ms
+from kvtier.hardware.latency import MockerLatency, decode_step_max_ms
 from kvtier.sim.cli import main as cli
 from kvtier.sim.cluster import ClusterConfig
 from kvtier.sim.generators import PRESETS, generate
@@ -159,9 +158,9 @@ def test_the_goodput_policy_keeps_cache_affinity_only_while_the_slo_holds() -> N
     """Two workers, the prompt's prefix cached on the first, which already decodes a big batch: without bounds the
     cost is min_ttft's (the cached worker wins); with a TPOT bound the cached worker's decode step would pass, so
     the idle one wins; with a bound both meet, affinity wins again."""
-    from kvtier.indexer.latency import TransferModel
-    from kvtier.indexer.load import WorkerLoad
-    from kvtier.indexer.scoring import SloCost, TtftCost
+    from kvtier.hardware.latency import TransferModel
+    from kvtier.indexer.routing.load import WorkerLoad
+    from kvtier.indexer.routing.scoring import SloCost, TtftCost
     from kvtier.wire.overlap import TierOverlap
 
     base = TtftCost(TransferModel(131_072), capacity_tokens=1_000_000)

@@ -1,4 +1,4 @@
-"""A process's helper thread (kvtier.wire.helperthread): runs in order, and starts anew in a forked child."""
+"""A process's helper thread (kvtier.util.helperthread): runs in order, and starts anew in a forked child."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import multiprocessing
 import queue
 import threading
 
-from kvtier.wire.helperthread import HelperThread
+from kvtier.util.helperthread import HelperThread
 
 HELPER = HelperThread("kvtier-test")
 

@@ -1,4 +1,5 @@
-"""The incumbent routers' policies (kvtier.indexer.incumbents): each decision rule on hand-built contexts, each policy
+"""The incumbent routers' policies (kvtier.indexer.routing.incumbents): each decision rule on hand-built contexts,
+each policy
 in the simulator on a small trace, and each served by ``kvtier indexer``."""
 
 from __future__ import annotations
@@ -9,17 +10,16 @@ import itertools
 from collections.abc import Sequence
 
 import pytest
-
-from kvtier.fields import ConfigError
-from kvtier.indexer.incumbents import Llmd, PowerOfTwo, SglangCacheAware
-from kvtier.indexer.keys import BlockKey
-from kvtier.indexer.load import LoadTracker
-from kvtier.indexer.plugins import RouteContext, RoutingPolicy, route_with
-from kvtier.indexer.policies import REGISTRY, RoutingSettings, make_plugin
-from kvtier.indexer.service import IndexerService, ServiceConfig, parse_endpoint
+from kvtier.indexer.index.keys import BlockKey
+from kvtier.indexer.routing.incumbents import Llmd, PowerOfTwo, SglangCacheAware
+from kvtier.indexer.routing.load import LoadTracker
+from kvtier.indexer.routing.plugins import RouteContext, RoutingPolicy, route_with
+from kvtier.indexer.routing.policies import REGISTRY, RoutingSettings, make_plugin
+from kvtier.indexer.service.app import IndexerService, ServiceConfig, parse_endpoint
 from kvtier.sim.cluster import ClusterConfig
 from kvtier.sim.generators import PRESETS, generate
 from kvtier.sim.run import RunConfig, simulate
+from kvtier.util.fields import ConfigError
 from kvtier.wire.notices import StreamId
 from kvtier.wire.overlap import OverlapScores, TierOverlap
 from kvtier.wire.protocol import WorkerId

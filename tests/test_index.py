@@ -9,15 +9,15 @@ import pytest
 import xxhash
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-
-from kvtier.indexer import levels as levels_module
-from kvtier.indexer.blockmasks import BlockMasks
-from kvtier.indexer.index import Outcome, TieredIndex
-from kvtier.indexer.keys import block_keys
-from kvtier.indexer.tablemasks import TableMasks
+from kvtier.indexer.index import levels as levels_module
+from kvtier.indexer.index.blockmasks import BlockMasks
+from kvtier.indexer.index.keys import block_keys
+from kvtier.indexer.index.tablemasks import TableMasks
+from kvtier.indexer.index.tiered import Outcome, TieredIndex
 from kvtier.wire import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event, StorageTier, WorkerId
 from kvtier.wire.notices import StreamId
 from kvtier.wire.overlap import TierOverlap
+
 from tests.reference_index import ReferenceIndex
 
 A, B, C = (StreamId(WorkerId(n)) for n in "abc")
@@ -355,7 +355,7 @@ WORKERS = [A, B, A1]
 def engine_hash(worker: StreamId, tokens: tuple[int, ...]) -> EngineHash:
     """A different (opaque) engine hash scheme per worker, content-chained like SGLang's, in each form the wire
     carries: signed int64 (SGLang), unsigned past 2**63 (vLLM), bytes; small ints for the padding workers. The
-    compiled index keeps each in a form of its own (kvtier.indexer.keytable.EngineHashes)."""
+    compiled index keeps each in a form of its own (kvtier.indexer.index.keytable.EngineHashes)."""
     h = hash((worker.worker, worker.dp_rank, tokens)) & ((1 << 64) - 1)
     if worker == A:
         return h - (1 << 63)

@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from kvtier.wire.kernelcache import sources
+from kvtier.kernels.kernelcache import sources
 
 pytest.importorskip("numba", reason="numba is not installed")
 
@@ -30,9 +29,9 @@ def kernel(x):
 
 
 def _run(root: Path, how: str) -> int:
-    """``kernel(1)`` in a fresh process, its module imported plainly or through ``kvtier.wire.jit.load``."""
+    """``kernel(1)`` in a fresh process, its module imported plainly or through ``kvtier.kernels.jit.load``."""
     load = ("import importlib; m = importlib.import_module('kpkg.kernel')" if how == "plain" else
-            "from kvtier.wire.jit import load; m, backend = load('kpkg.kernel'); assert backend == 'numba', backend")
+            "from kvtier.kernels.jit import load; m, backend = load('kpkg.kernel'); assert backend == 'numba', backend")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), *sys.path]), "KVTIER_JIT": "1"}
     env.pop("NUMBA_CACHE_DIR", None)
     out = subprocess.run([sys.executable, "-c", f"{load}; print(m.kernel(1))"], env=env, capture_output=True,
@@ -56,7 +55,7 @@ def test_a_kernel_is_compiled_again_when_a_module_it_inlines_changes(tmp_path: P
 
 
 def test_the_table_kernels_sources_are_what_they_compile_in() -> None:
-    names = [p.name for p in sources("kvtier.indexer.tablekernel")]
+    names = [p.name for p in sources("kvtier.indexer.index.tablekernel")]
     assert names[0] == "tablekernel.py"
     # the key chain it inlines (and the loads that one inlines), and the constants it reads
     assert {"keykernel.py", "unaligned.py", "keytable.py", "keys.py", "masklayout.py"} <= set(names)

@@ -1,4 +1,4 @@
-"""The compiled key chain (kvtier.indexer.keykernel) against the xxhash library and the Python fallback."""
+"""The compiled key chain (kvtier.kernels.keykernel) against the xxhash library and the Python fallback."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ import pytest
 import xxhash
 from hypothesis import example, given
 from hypothesis import strategies as st
+from kvtier.indexer.index import keys
+from kvtier.indexer.index.keys import BlockKey, chain_keys, namespace
 
-from kvtier.indexer import keys
-from kvtier.indexer.keys import BlockKey, chain_keys, namespace
 from tests.jit_paths import python_path
 
-keykernel = pytest.importorskip("kvtier.indexer.keykernel", reason="numba is not installed")
+keykernel = pytest.importorskip("kvtier.kernels.keykernel", reason="numba is not installed")
 
 #: Lengths at which XXH3 changes path (0, 1-3, 4-8, 9-16, 17-128, 129-240, over 240) or, over 240 bytes,
 #: where the stripe and block loops of the long path end.
@@ -28,7 +28,7 @@ SEEDS = (0, 1337, 2**63, 2**64 - 1, 0x0123456789ABCDEF)
 
 
 def reference_chain(tokens: list[int], block_size: int, base: int | None) -> list[int]:
-    """The keys of SPEC section 2, from xxhash alone (not kvtier.indexer.keys)."""
+    """The keys of SPEC section 2, from xxhash alone (not kvtier.indexer.index.keys)."""
     out: list[int] = []
     prev = base
     for i in range(len(tokens) // block_size):
@@ -94,7 +94,7 @@ def test_python_path_equals_reference() -> None:
 
 
 def _backend_in_subprocess(env: dict[str, str], prelude: str = "") -> dict[str, object]:
-    code = (prelude + "import json; from kvtier.indexer import keys\n"
+    code = (prelude + "import json; from kvtier.indexer.index import keys\n"
             "ks = keys.chain_keys(list(range(640)), 16)\n"
             "print(json.dumps({'backend': keys.key_backend(), 'keys': ks}))\n")
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True,

@@ -1,4 +1,4 @@
-"""The compiled tables (kvtier.indexer.keytable) against the dicts they replace: growth, deletion by backward
+"""The compiled tables (kvtier.indexer.index.keytable) against the dicts they replace: growth, deletion by backward
 shift, wide masks, and the engine-hash table's signedness and its move to a dict."""
 
 from __future__ import annotations
@@ -11,10 +11,9 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
-
-from kvtier.indexer.keyrefs import KeyRefs, key_array
-from kvtier.indexer.keys import BlockKey
-from kvtier.indexer.keytable import KERNELS, KEY, USED, EngineHashes, KeyTable, warm_tables
+from kvtier.indexer.index.keyrefs import KeyRefs, key_array
+from kvtier.indexer.index.keys import BlockKey
+from kvtier.indexer.index.keytable import KERNELS, KEY, USED, EngineHashes, KeyTable, warm_tables
 
 pytestmark = pytest.mark.skipif(KERNELS.get() is None, reason="compiled tables need numba (KVTIER_JIT=0 here)")
 
@@ -206,8 +205,8 @@ def test_tables_past_five_eighths_grow_into_rows_zeroed_ahead_on_the_helper(monk
     thread, off the GIL); the growth at 3/4 rehashes into those rows. With every table prepared (no size floor),
     an index of thousands of blocks must answer as one that grew the plain way, and the prepared rows must have
     been used, by the masks' table and by the engine hashes'."""
-    from kvtier.indexer import keytable
-    from kvtier.indexer.index import TieredIndex
+    from kvtier.indexer.index import keytable
+    from kvtier.indexer.index.tiered import TieredIndex
     from kvtier.wire import BlockStored, WorkerId
     from kvtier.wire.notices import StreamId
 

@@ -9,18 +9,18 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from kvtier.engine import pagedir
 from kvtier.engine.cache import CacheConfig, PrefetchPolicy, TieredCache
 from kvtier.engine.datapath import TorchDataPath
 from kvtier.engine.hashing import chain
-from kvtier.engine.pagedir import OwnerBusy, SyncPolicy
-from kvtier.engine.pagefile import FIXED_SIZE, Layout, PageFileError, PageHeader, decode, encode
-from kvtier.engine.pagetree import PageMeta
-from kvtier.engine.storage import PageStore, StoreError
-from kvtier.indexer.index import TieredIndex
+from kvtier.engine.l3 import pagedir
+from kvtier.engine.l3.pagedir import OwnerBusy, SyncPolicy
+from kvtier.engine.l3.pagefile import FIXED_SIZE, Layout, PageFileError, PageHeader, decode, encode
+from kvtier.engine.l3.pagetree import PageMeta
+from kvtier.engine.l3.storage import PageStore, StoreError
+from kvtier.indexer.index.tiered import TieredIndex
 from kvtier.wire import BlockRemoved, BlockStored, StorageTier, WorkerId
 from kvtier.wire.notices import StreamId
+
 from tests.test_engine_torch import DEVICES, PS, SHAPE, run, wait
 
 L = Layout("m", PS)

@@ -14,10 +14,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-
-from kvtier.indexer.consumer import IndexConsumer
-from kvtier.indexer.index import TieredIndex
-from kvtier.indexer.service import ConfigError, IndexerService, ServiceConfig, load_config, parse_endpoint
+from kvtier.indexer.index.consumer import IndexConsumer
+from kvtier.indexer.index.tiered import TieredIndex
+from kvtier.indexer.service.app import ConfigError, IndexerService, ServiceConfig, load_config, parse_endpoint
 from kvtier.sim.cli import main as cli_main
 from kvtier.wire import (
     DUMP_REQUEST,
@@ -34,6 +33,7 @@ from kvtier.wire import (
     encode_payload,
     pack_seq,
 )
+
 from tests.test_service import get, post
 
 BS = 4

@@ -9,10 +9,9 @@ from collections.abc import Iterator
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from kvtier.engine.hashing import ROOT_DIGEST, chain
 from kvtier.engine.radix import RadixTree
-from kvtier.indexer.keys import KeyList, block_keys
+from kvtier.indexer.index.keys import KeyList, block_keys
 from kvtier.sim import lookahead as la
 from kvtier.sim.cluster import ClusterConfig
 from kvtier.sim.generators import PRESETS, generate

@@ -17,9 +17,9 @@ import threading
 import time
 from pathlib import Path
 
-from kvtier.indexer.service import IndexerService, ServiceConfig
+from kvtier.indexer.service.app import IndexerService, ServiceConfig
 from kvtier.wire import StorageTier
-from kvtier.wire.subscriber import EndpointConfig
+from kvtier.wire.transport.subscriber import EndpointConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -13,7 +13,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from kvtier.sim.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,9 +24,10 @@ def test_wheel_installs_only_the_kvtier_namespace(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     outside = [n for n in names if not n.startswith(("kvtier/", "kvtier-"))]
     assert not outside, f"the wheel installs files outside kvtier/: {outside}"
-    for part in ("wire", "engine", "indexer", "sim"):
+    for part in ("util", "kernels", "hardware", "wire", "wire/transport", "engine", "engine/l3", "indexer",
+                 "indexer/index", "indexer/routing", "indexer/service", "sim"):
         assert f"kvtier/{part}/__init__.py" in names, f"kvtier.{part} missing from the wheel"
-    assert "kvtier/__main__.py" in names
+    assert "kvtier/__main__.py" in names and "kvtier/__init__.py" not in names  # a namespace package
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "kvtier = kvtier.sim.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
@@ -43,15 +43,15 @@ def _fresh_import(code: str) -> dict[str, object]:
 def test_router_side_imports_neither_torch_nor_the_http_service(module: str) -> None:
     loaded = _fresh_import(
         f"import json, sys; import {module}; "
-        "print(json.dumps({m: m in sys.modules for m in ('torch', 'aiohttp', 'kvtier.indexer.service', "
+        "print(json.dumps({m: m in sys.modules for m in ('torch', 'aiohttp', 'kvtier.indexer.service.app', "
         "'matplotlib')}))")
-    assert loaded == {"torch": False, "aiohttp": False, "kvtier.indexer.service": False,
+    assert loaded == {"torch": False, "aiohttp": False, "kvtier.indexer.service.app": False,
                       "matplotlib": False}, f"import {module} pulled in {[m for m, v in loaded.items() if v]}"
 
 
 def test_lazy_service_exports_resolve() -> None:
     import kvtier.indexer as indexer
-    from kvtier.indexer.service import IndexerService, ServiceConfig
+    from kvtier.indexer.service.app import IndexerService, ServiceConfig
 
     assert indexer.IndexerService is IndexerService
     assert indexer.ServiceConfig is ServiceConfig
@@ -90,7 +90,7 @@ def _wheel(tmp_path: Path) -> Path:
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
-    for folder in ("kvtier", "wire", "engine", "indexer", "sim"):
+    for folder in ("util", "kernels", "hardware", "wire", "engine", "indexer", "sim"):
         shutil.copytree(ROOT / folder, src / folder, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                     "-w", str(tmp_path / "dist"), str(src)], check=True, capture_output=True, timeout=240)
@@ -125,8 +125,8 @@ def test_the_light_install_replays_and_serves_without_torch(tmp_path: Path) -> N
     with zipfile.ZipFile(wheel) as z:
         z.extractall(site)
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
-    probe = subprocess.run([py, "-c", "import importlib.util, kvtier; print(importlib.util.find_spec('torch'), "
-                                      "kvtier.__file__)"], capture_output=True, text=True, env=env, cwd=tmp_path,
+    probe = subprocess.run([py, "-c", "import importlib.util, kvtier.sim; print(importlib.util.find_spec('torch'), "
+                                      "kvtier.sim.__file__)"], capture_output=True, text=True, env=env, cwd=tmp_path,
                            timeout=60)
     assert probe.returncode == 0, probe.stderr
     assert probe.stdout.startswith("None ") and str(site) in probe.stdout

@@ -28,13 +28,13 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
-
-import tests.test_faulty_wire as fw
-from kvtier.indexer.consumer import IndexConsumer
-from kvtier.indexer.index import TieredIndex
+from kvtier.indexer.index.consumer import IndexConsumer
+from kvtier.indexer.index.tiered import TieredIndex
 from kvtier.wire import BlockRemoved, BlockStored, EventBatch, StorageTier, WorkerId, decode_payload
 from kvtier.wire.notices import Delivery, PublisherRestarted, Received, ResyncNeeded, ResyncStarted, StreamId
-from kvtier.wire.stream import StreamTracker
+from kvtier.wire.transport.stream import StreamTracker
+
+import tests.test_faulty_wire as fw
 
 CHECKS: list[tuple[int, int]] = []  # (partial workers, blocks checked) per quiet check
 REGAINED: list[int] = []  # blocks a store proved held (indexed only by regaining them), per quiet check
@@ -102,7 +102,7 @@ class PartialRecovery(fw.TwoEngines):
             self.proven[w][t].clear()
 
     def _prove(self, w: int, batch: EventBatch) -> None:
-        """What a batch applied after a loss proves held, event by event (the model of kvtier.indexer.relearn): a
+        """What a batch applied after a loss proves held, event by event (the model of kvtier.indexer.index.relearn): a
         store on a closed tier under a parent whose chain runs through dropped blocks up to the root, or up to a
         block proven there, proves that chain and its own blocks there; a removal takes blocks off that tier."""
         for ev in batch.events:

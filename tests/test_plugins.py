@@ -8,13 +8,13 @@ import time
 from pathlib import Path
 
 import pytest
-
-from kvtier.indexer.plugins import PolicyBase, RouteContext, RoutingPolicy, is_plugin_spec, load_policy
-from kvtier.indexer.service import IndexerService, ServiceConfig, parse_endpoint
+from kvtier.indexer.routing.plugins import PolicyBase, RouteContext, RoutingPolicy, is_plugin_spec, load_policy
+from kvtier.indexer.service.app import IndexerService, ServiceConfig, parse_endpoint
 from kvtier.sim.cli import main as cli_main
 from kvtier.sim.run import RunConfig, simulate
 from kvtier.wire import EventBatch, Publisher
 from kvtier.wire.notices import StreamId
+
 from tests.test_service import BS, TOKS, post, stored, wait_for
 from tests.test_sim import SMALL, chat
 
@@ -98,10 +98,10 @@ def test_cli_takes_plugins_and_rejects_bad_ones(tmp_path: Path) -> None:
 
 
 def test_cache_blind_builtins_route_by_turn_and_by_load() -> None:
-    from kvtier.indexer.index import TieredIndex
-    from kvtier.indexer.plugins import LeastLoadedPolicy, RoundRobinPolicy
-    from kvtier.indexer.router import Router
-    from kvtier.indexer.scoring import CreditCost
+    from kvtier.indexer.index.tiered import TieredIndex
+    from kvtier.indexer.routing.plugins import LeastLoadedPolicy, RoundRobinPolicy
+    from kvtier.indexer.routing.router import Router
+    from kvtier.indexer.routing.scoring import CreditCost
     from kvtier.wire import WorkerId
 
     idx = TieredIndex(BS)

@@ -1,4 +1,4 @@
-"""One policy registry (kvtier.indexer.policies): a policy named in ``kvtier replay --policy X`` and in ``kvtier
+"""One policy registry (kvtier.indexer.routing.policies): a policy named in ``kvtier replay --policy X`` and in ``kvtier
 indexer --policy X`` is the same cost under the same settings, and routes a trace's requests the same way."""
 
 from __future__ import annotations
@@ -7,12 +7,11 @@ import dataclasses
 from typing import Any
 
 import pytest
-
-from kvtier.indexer.consumer import IndexConsumer
-from kvtier.indexer.plugins import note_routed
-from kvtier.indexer.policies import POLICIES, REGISTRY, RoutingSettings, make_cost
-from kvtier.indexer.scoring import TtftCost
-from kvtier.indexer.service import IndexerService, ServiceConfig, parse_endpoint
+from kvtier.indexer.index.consumer import IndexConsumer
+from kvtier.indexer.routing.plugins import note_routed
+from kvtier.indexer.routing.policies import POLICIES, REGISTRY, RoutingSettings, make_cost
+from kvtier.indexer.routing.scoring import TtftCost
+from kvtier.indexer.service.app import IndexerService, ServiceConfig, parse_endpoint
 from kvtier.sim.cluster import ClusterConfig
 from kvtier.sim.generators import PRESETS, generate
 from kvtier.sim.policies import KvPolicy, PluginRouted, RouteInput

@@ -10,12 +10,12 @@ from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 
 import pytest
-
-from kvtier.indexer.index import Outcome, TieredIndex
-from kvtier.indexer.keytable import KERNELS, EngineHashes
+from kvtier.indexer.index.keytable import KERNELS, EngineHashes
+from kvtier.indexer.index.tiered import Outcome, TieredIndex
 from kvtier.wire import BlockRemoved, BlockStored, StorageTier, WorkerId
 from kvtier.wire.notices import StreamId
 from kvtier.wire.overlap import TierOverlap
+
 from tests.jit_paths import python_path
 
 W, V = StreamId(WorkerId("sglang")), StreamId(WorkerId("vllm"))
@@ -143,8 +143,8 @@ def test_what_is_remembered_of_dropped_blocks_is_bounded(new_index: Callable[[],
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Ghosts and their parents are kept up to a fixed number of entries, the oldest forgotten first: a chain whose
     link was forgotten regains nothing."""
-    import kvtier.indexer.applier as applier_module
-    import kvtier.indexer.index as index_module
+    import kvtier.indexer.index.applier as applier_module
+    import kvtier.indexer.index.tiered as index_module
     monkeypatch.setattr(index_module, "MAX_REMEMBERED", 3)
     monkeypatch.setattr(applier_module, "MAX_REMEMBERED", 3)
     idx = held_then_lost(new_index, {DEV})

@@ -6,13 +6,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from kvtier.indexer.index import TieredIndex
-from kvtier.indexer.keys import block_keys
-from kvtier.indexer.latency import PRESETS, MockerLatency, TransferModel
-from kvtier.indexer.load import LoadTracker, WorkerLoad
-from kvtier.indexer.router import Router
-from kvtier.indexer.scoring import CreditCost, DynamoCost, TierCredits, TtftCost, visible
+from kvtier.hardware.latency import PRESETS, MockerLatency, TransferModel
+from kvtier.indexer.index.keys import block_keys
+from kvtier.indexer.index.tiered import TieredIndex
+from kvtier.indexer.routing.load import LoadTracker, WorkerLoad
+from kvtier.indexer.routing.router import Router
+from kvtier.indexer.routing.scoring import CreditCost, DynamoCost, TierCredits, TtftCost, visible
 from kvtier.wire import BlockStored, StorageTier, WorkerId
 from kvtier.wire.notices import StreamId
 from kvtier.wire.overlap import TierOverlap
@@ -254,7 +253,7 @@ def test_dynamo_cost_terms_by_hand() -> None:
                           st.integers(0, 1), st.booleans()), max_size=25))
 def test_counts_move_from_the_compiled_table_to_a_dict_at_the_first_key_it_cannot_hold(
         steps: list[tuple[list[int | str], int, bool]]) -> None:
-    """Int keys are counted in a compiled table (kvtier.indexer.keyrefs); the first other key moves that worker's
+    """Int keys are counted in a compiled table (kvtier.indexer.index.keyrefs); the first other key moves that worker's
     counts, and its in-flight requests, to a dict. Either way the counts are what _check recounts, and every
     request finishes back to zero."""
     lt = LoadTracker(block_size=4)
@@ -341,7 +340,7 @@ def test_ttft_cost_charges_a_worker_whose_memory_would_overflow() -> None:
 
 def test_key_array_takes_int_keys_only() -> None:
     """The compiled counts hold ints in [0, 2**64): any other key keeps the worker's counts in a dict."""
-    from kvtier.indexer.keyrefs import key_array
+    from kvtier.indexer.index.keyrefs import key_array
     assert key_array([3, 2**64 - 1]).tolist() == [3, 2**64 - 1]
     assert key_array(np.array([3, 4])).tolist() == [3, 4]
     for bad in ([-1], [2**64], [True], ["x"], [1.0], np.array([-1]), np.array([1.0])):

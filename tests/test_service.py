@@ -18,17 +18,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
-from kvtier.indexer import persist
-from kvtier.indexer.exposition import Family, render
-from kvtier.indexer.index import TieredIndex
-from kvtier.indexer.keys import key_backend
-from kvtier.indexer.service import ConfigError, IndexerService, ServiceConfig, load_config, parse_endpoint
+from kvtier.indexer.index.keys import key_backend
+from kvtier.indexer.index.tiered import TieredIndex
+from kvtier.indexer.service import persist
+from kvtier.indexer.service.app import ConfigError, IndexerService, ServiceConfig, load_config, parse_endpoint
+from kvtier.indexer.service.exposition import Family, render
 from kvtier.sim.cli import main as cli_main
 from kvtier.wire import BlockRemoved, BlockStored, EventBatch, Publisher, StorageTier, tokenarray, window_group
 from kvtier.wire.notices import StreamId
 from kvtier.wire.protocol import WorkerId
+from prometheus_client.parser import text_string_to_metric_families
+
 from tests.test_multiprocess import ROOT
 
 BS = 4
@@ -349,7 +349,7 @@ def test_latency_histograms_say_where_a_slow_answer_waited(cluster: tuple[list[P
 def test_request_bodies_parse_alike_from_bytes_and_objects() -> None:
     """A prompt reaches packed tokens straight from its JSON (kvtier.wire.tokenarray.decode_json_tokens); the
     other fields, the errors and their paths are what decoding the whole body with msgspec gave."""
-    from kvtier.indexer.service import parse_body
+    from kvtier.indexer.service.app import parse_body
     from kvtier.wire.protocol import pack_tokens
 
     body = {"token_ids": [5, 0, 2**32 - 1, 70000], "lora_name": "a", "mm_items": [{"identifier": "x", "offset": 1,

@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 import zmq
-
-from kvtier.indexer.service import ConfigError, IndexerService, ServiceConfig, parse_endpoint
+from kvtier.indexer.service.app import ConfigError, IndexerService, ServiceConfig, parse_endpoint
 from kvtier.wire import BlockRemoved, BlockStored, EventBatch, Publisher, StorageTier, WorkerId
 from kvtier.wire.notices import StreamId
+
 from tests.test_service import BS, TOKS, get, post, stored, wait_for
 
 
@@ -143,14 +143,14 @@ def test_clients_gone_mid_body_cost_a_line_not_a_traceback(svc: tuple[Publisher,
     and leave the service serving (each used to log a full traceback at ERROR)."""
     _, _, s = svc
     host, port = s.address.removeprefix("http://").split(":")
-    caplog.set_level(logging.INFO, logger="kvtier.indexer.http")
+    caplog.set_level(logging.INFO, logger="kvtier.indexer.service.http")
     for _ in range(20):
         k = socket.create_connection((host, int(port)))
         k.sendall(b"POST /query HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
         time.sleep(0.01)  # the handler is waiting for the body
         k.close()
     wait_for(lambda: json.loads(get(s.address + "/metrics?format=json"))["http_disconnects"] == 20)
-    records = [r for r in caplog.records if r.name == "kvtier.indexer.http"]
+    records = [r for r in caplog.records if r.name == "kvtier.indexer.service.http"]
     assert records and all(r.levelno == logging.INFO and r.exc_info is None for r in records)
     assert len(records) < 20 and "client went away" in records[0].getMessage()
     assert "kvtier_http_disconnects_total 20" in get(s.address + "/metrics")
@@ -160,7 +160,7 @@ def test_clients_gone_mid_body_cost_a_line_not_a_traceback(svc: tuple[Publisher,
 def refuse_subscriptions(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every subscription fails at once (ZMQ refusing its sockets): the event loop dies as it starts. (An address
     ZMQ would refuse is refused earlier, by the configuration.)"""
-    from kvtier.indexer import eventloop
+    from kvtier.indexer.service import eventloop
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise zmq.ZMQError(zmq.EPROTONOSUPPORT)
@@ -188,7 +188,7 @@ def test_dead_event_loop_is_not_healthy(monkeypatch: pytest.MonkeyPatch) -> None
 def test_a_failed_event_loop_restarts_when_configured_then_gives_up(monkeypatch: pytest.MonkeyPatch) -> None:
     """With ``loop_restarts``, a loop that cannot start is tried again (after the back-off, then twice it),
     the service answering meanwhile as degraded; once the restarts are spent it is down, as without them."""
-    from kvtier.indexer import eventloop
+    from kvtier.indexer.service import eventloop
 
     monkeypatch.setattr(eventloop, "_RESTART_BACKOFF_S", 1.0)  # a window wide enough for a loaded machine
     refuse_subscriptions(monkeypatch)
@@ -225,7 +225,7 @@ def test_a_restarted_event_loop_resumes_streams_and_rebuilds_the_torn_one(monkey
         pubs[0].publish(EventBatch(ts=time.time(), events=[stored([1, 2, 3], None, 0)]))
         pubs[1].publish(EventBatch(ts=time.time(), events=[stored([11, 12], None, 0)]))
         wait_for(lambda: device("w0") == 3 and device("w1") == 2)
-        from kvtier.indexer.consumer import IndexConsumer
+        from kvtier.indexer.index.consumer import IndexConsumer
 
         real = IndexConsumer.feed
         failures = []
@@ -257,8 +257,8 @@ def test_a_service_stopped_while_its_loop_waits_to_restart_still_saves_its_snaps
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The snapshot written on stop then holds the index and where each stream resumes: the stream whose
     batch was torn is left out, to be rebuilt on the next start."""
-    from kvtier.indexer import eventloop, persist
-    from kvtier.indexer.consumer import IndexConsumer
+    from kvtier.indexer.index.consumer import IndexConsumer
+    from kvtier.indexer.service import eventloop, persist
 
     monkeypatch.setattr(eventloop, "_RESTART_BACKOFF_S", 30.0)  # still waiting when stop comes
     pubs = [Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0") for _ in range(2)]
@@ -291,7 +291,7 @@ def test_a_service_stopped_while_its_loop_waits_to_restart_still_saves_its_snaps
 
 def test_cli_exits_non_zero_when_the_event_loop_dies_and_on_a_busy_port() -> None:
     # The CLI in a process whose ZMQ refuses every subscription (as refuse_subscriptions does in this one).
-    dies = ("import sys, zmq\nfrom kvtier.indexer import eventloop\n"
+    dies = ("import sys, zmq\nfrom kvtier.indexer.service import eventloop\n"
             "def refuse(*a, **k): raise zmq.ZMQError(zmq.EPROTONOSUPPORT)\n"
             "eventloop.Subscriber = refuse\nfrom kvtier.sim.cli import main\n"
             "sys.exit(main(['indexer', '--endpoint', 'a=tcp://127.0.0.1:1', '--listen', '127.0.0.1:0']))")
@@ -374,7 +374,7 @@ def test_cost_models_by_name() -> None:
     eps = [parse_endpoint("a=tcp://127.0.0.1:1")]
     for cost in ("credit", "ttft"):
         assert IndexerService(ServiceConfig(endpoints=eps, listen="127.0.0.1:0", cost=cost)).router.cost_model
-    from kvtier.indexer.scoring import CreditCost, DynamoCost, TtftCost
+    from kvtier.indexer.routing.scoring import CreditCost, DynamoCost, TtftCost
 
     dyn = IndexerService(ServiceConfig(endpoints=eps, listen="127.0.0.1:0", policy="dynamo")).router.cost_model
     assert isinstance(dyn, DynamoCost)
@@ -469,7 +469,7 @@ def test_a_flood_of_bad_events_from_one_worker_is_counted_per_worker_and_logged_
     p1.publish(EventBatch(ts=time.time(), events=[stored([1, 2], None, 0)]))
     wrong_size = BlockStored(block_hashes=[7], parent_block_hash=None, token_ids=list(range(BS + 1)),
                              block_size=BS + 1)
-    with caplog.at_level(logging.WARNING, logger="kvtier.indexer.applier"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.indexer.index.applier"):
         for _ in range(30):
             p0.publish(EventBatch(ts=time.time(), events=[wrong_size] * 100))
         wait_for(lambda: json.loads(get(s.address + "/metrics?format=json"))["workers"]["w0"]["events_rejected"]
@@ -485,7 +485,7 @@ def test_a_flood_of_bad_events_from_one_worker_is_counted_per_worker_and_logged_
 
 
 def test_deadlines_expire_only_requests_still_in_flight() -> None:
-    from kvtier.indexer.deadlines import Deadlines
+    from kvtier.indexer.service.deadlines import Deadlines
 
     d = Deadlines(ttl_s=10.0)
     d.book("a", 0.0)

@@ -24,15 +24,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from kvtier.fields import ConfigError
-from kvtier.indexer import fdlimit
-from kvtier.indexer.clients import Forbidden
-from kvtier.indexer.http import MALFORMED_METRIC
-from kvtier.indexer.httplimits import BodyTooLarge, check_depth, read_body
-from kvtier.indexer.service import IndexerService, ServiceConfig, load_config, parse_endpoint
+from kvtier.indexer.service import fdlimit
+from kvtier.indexer.service.app import IndexerService, ServiceConfig, load_config, parse_endpoint
+from kvtier.indexer.service.clients import Forbidden
+from kvtier.indexer.service.http import MALFORMED_METRIC
+from kvtier.indexer.service.httplimits import BodyTooLarge, check_depth, read_body
 from kvtier.sim.cli import main as cli_main
+from kvtier.util.fields import ConfigError
 from kvtier.wire import Publisher
+
 from tests.test_multiprocess import ROOT
 from tests.test_service import BS, TOKS, get, wait_for
 

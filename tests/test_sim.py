@@ -10,8 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from kvtier.indexer.latency import MockerLatency
+from kvtier.hardware.latency import MockerLatency
 from kvtier.sim.cli import main as cli
 from kvtier.sim.cluster import ClusterConfig
 from kvtier.sim.generators import PRESETS, generate
@@ -181,9 +180,9 @@ def test_cli_engine_replays_and_dumps_residency(tmp_path: Path) -> None:
 
 
 def test_dynamo_and_min_ttft_policies_use_their_own_cost_models() -> None:
-    from kvtier.indexer.load import LoadTracker
-    from kvtier.indexer.policies import RoutingSettings
-    from kvtier.indexer.scoring import DynamoCost, TtftCost
+    from kvtier.indexer.routing.load import LoadTracker
+    from kvtier.indexer.routing.policies import RoutingSettings
+    from kvtier.indexer.routing.scoring import DynamoCost, TtftCost
     from kvtier.sim.policies import KvPolicy, make_policy
     from kvtier.wire.protocol import StorageTier
 

@@ -5,13 +5,13 @@ there. A publisher that restarted has its seq gone back: its answer holds other 
 past it. The same process whose buffer moved on past the snapshot answers from a later seq, and so may a new process
 that published that far already: what came before the answer is lost for good (partial, or a dump where the engine
 has one), not taken as a restart, so what the index remembers of the worker's blocks stays and later stores regain
-what they prove held (kvtier.indexer.relearn).
+what they prove held (kvtier.indexer.index.relearn).
 """
 
 from __future__ import annotations
 
-from kvtier.indexer.consumer import IndexConsumer
-from kvtier.indexer.index import TieredIndex
+from kvtier.indexer.index.consumer import IndexConsumer
+from kvtier.indexer.index.tiered import TieredIndex
 from kvtier.wire import (
     DUMP_REQUEST,
     END_SEQ,
@@ -30,7 +30,7 @@ from kvtier.wire import (
     pack_seq,
     unpack_seq,
 )
-from kvtier.wire.seqhistory import digest
+from kvtier.wire.transport.seqhistory import digest
 
 S = StreamId(WorkerId("w"), 0)
 TOKS = list(range(100, 112))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 
 import pytest
-
 from kvtier.wire import (
     DUMP_REQUEST,
     END_SEQ,
@@ -27,9 +26,9 @@ from kvtier.wire import (
     pack_seq,
     unpack_seq,
 )
-from kvtier.wire.backoff import Backoff
-from kvtier.wire.seqhistory import SeqHistory
-from kvtier.wire.subscriber import EndpointConfig
+from kvtier.wire.transport.backoff import Backoff
+from kvtier.wire.transport.seqhistory import SeqHistory
+from kvtier.wire.transport.subscriber import EndpointConfig
 
 S = StreamId(WorkerId("w"), 0)
 
@@ -342,7 +341,7 @@ def test_stragglers_of_any_earlier_loss_are_not_taken_for_a_restart() -> None:
 
 def test_a_flood_of_malformed_batches_is_counted_but_logged_sparingly(caplog: pytest.LogCaptureFixture) -> None:
     t = tracker()
-    with caplog.at_level(logging.WARNING, logger="kvtier.wire.stream"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.wire.transport.stream"):
         for i in range(3000):
             t.on_live(i, b"\xc1 not msgpack", 0.0)
     assert t.stats.malformed == 3000 and t.expected == 3000

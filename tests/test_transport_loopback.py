@@ -11,7 +11,6 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
-
 from kvtier.wire import (
     AllBlocksCleared,
     BlockStored,
@@ -32,9 +31,10 @@ from kvtier.wire import (
     encode_payload,
     pack_seq,
 )
-from kvtier.wire.addresses import bind_address_error, connect_address_error
-from kvtier.wire.frames import END_SEQ, unpack_seq
-from kvtier.wire.recovery import Mode
+from kvtier.wire.transport.addresses import bind_address_error, connect_address_error
+from kvtier.wire.transport.frames import END_SEQ, unpack_seq
+from kvtier.wire.transport.recovery import Mode
+
 from tests.wire_vectors import load
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvtier.indexer.index import Outcome, TieredIndex
-from kvtier.indexer.keys import block_keys
+from kvtier.indexer.index.keys import block_keys
+from kvtier.indexer.index.tiered import Outcome, TieredIndex
 from kvtier.sim.cluster import ClusterConfig
 from kvtier.sim.generators import PRESETS, generate
 from kvtier.sim.run import RunConfig, simulate

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from kvtier.engine.hashing import chain as engine_chain
 from kvtier.engine.hashing import event_hash, iter_chain
 from kvtier.wire import (
@@ -22,7 +21,8 @@ from kvtier.wire import (
     encode_payload,
     unpack_seq,
 )
-from kvtier.wire.frames import END_SEQ
+from kvtier.wire.transport.frames import END_SEQ
+
 from tests.wire_vectors import FILES, Capture, load
 
 NAMES = sorted(FILES)

@@ -1,0 +1,245 @@
+"""A directory of L3 page files that several processes can share without deleting each other's pages.
+
+::
+
+    ROOT/<layout tag>/
+        pages/<key>          one file per page (kvtier.engine.l3.pagefile format)
+        refs/<owner>/<key>   hard links: the pages an owner holds
+        refs/.<owner>.lock   flock held by the one process acting as that owner
+        .lock                flock: linking and unlinking decisions are made under it
+        .tmp-<pid>-*         writes in flight
+
+Ownership is the link count: an owner holds a page by a hard link under ``refs/<owner>``; releasing
+a page removes that link, and the page file goes only when no owner links it any more (``st_nlink``
+back to 1), decided under the lock. So a process evicting, resetting or restarting never deletes a
+page another process holds, and two owners writing the same page share one file. A restarted owner
+finds its holdings under ``refs/<owner>`` (:meth:`PageDir.scan`); ``.tmp`` files of dead processes and
+pages nobody holds are removed then.
+
+Writes go to a temporary file, are made durable per the :class:`SyncPolicy`, then linked into
+``pages/`` (never replacing a file another owner may hold). A batch that fails part-way removes
+everything it wrote.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import re
+import tempfile
+from collections.abc import Iterator, Sequence
+from enum import StrEnum
+from pathlib import Path
+
+from kvtier.engine.l3.pagefile import Layout, PageFileError, PageHeader, decode, encode, read_header
+
+log = logging.getLogger(__name__)
+
+_TMP = re.compile(r"^\.tmp-(\d+)-")
+
+
+class OwnerBusy(OSError):
+    """Another process holds this owner's lock on the directory."""
+
+
+class SyncPolicy(StrEnum):
+    """When page files are forced to stable storage (``--l3-sync``)."""
+
+    NONE = "none"  # never: the OS writes back when it likes; a power loss may lose recent pages
+    PAGE = "page"  # each page file, and the directory after each link: durable when committed
+    BATCH = "batch"  # a copy op's files together, then the directory once: durable when committed
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def file_name(key: str) -> str:
+    return key.replace(":", "_")
+
+
+def key_of(name: str) -> str:
+    return "d:" + name[2:] if name.startswith("d_") else name
+
+
+class PageDir:
+    """One owner's view of a shared page directory (see the module docstring)."""
+
+    def __init__(self, root: Path, layout: Layout, owner: str, sync: SyncPolicy = SyncPolicy.NONE) -> None:
+        if not owner or "/" in owner or owner in (".", ".."):
+            raise ValueError(f"store owner must be a non-empty name without '/', got {owner!r}")
+        self.layout = layout.tag()
+        self.owner = owner
+        self.sync = sync
+        self.base = root / self.layout
+        self.pages = self.base / "pages"
+        self.refs = self.base / "refs" / owner
+        self.pages.mkdir(parents=True, exist_ok=True)
+        self.refs.mkdir(parents=True, exist_ok=True)
+        self._lock_path = self.base / ".lock"
+        # One process per owner: a second one would adopt, and so release, the first one's pages.
+        self._owner_fd = os.open(self.base / "refs" / f".{owner}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._owner_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._owner_fd)
+            self._owner_fd = -1
+            raise OwnerBusy(f"L3 {self.base}: owner {owner!r} is in use by another process") from None
+
+    def close(self) -> None:
+        """Gives up the owner lock (also released when the process exits)."""
+        if getattr(self, "_owner_fd", -1) >= 0:
+            os.close(self._owner_fd)
+            self._owner_fd = -1
+
+    def __del__(self) -> None:
+        self.close()
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the flock
+
+    # --- writes --------------------------------------------------------------------------
+
+    def write(self, items: Sequence[tuple[PageHeader, bytes | memoryview]]) -> None:
+        """Writes pages and takes this owner's hold on each; all or nothing. O(bytes)."""
+        tmps: list[str] = []
+        linked: list[str] = []
+        try:
+            for header, payload in items:
+                fd, tmp = tempfile.mkstemp(dir=self.base, prefix=f".tmp-{os.getpid()}-")
+                tmps.append(tmp)
+                with os.fdopen(fd, "wb") as f:
+                    f.writelines(encode(header, payload))
+                    if self.sync is not SyncPolicy.NONE:
+                        f.flush()
+                        if self.sync is SyncPolicy.PAGE:
+                            os.fsync(f.fileno())
+            if self.sync is SyncPolicy.BATCH:
+                for tmp in tmps:
+                    fd = os.open(tmp, os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+            with self._locked():
+                for (header, _), tmp in zip(items, tmps, strict=True):
+                    name = file_name(header.key)
+                    page = self.pages / name
+                    with contextlib.suppress(FileExistsError):  # another owner wrote the same page:
+                        os.link(tmp, page)  # share its file, never replace it
+                    os.unlink(tmp)  # the page's link count now counts owners only
+                    linked.append(name)
+                    with contextlib.suppress(FileExistsError):
+                        os.link(page, self.refs / name)
+                    if self.sync is SyncPolicy.PAGE:
+                        _fsync_dir(self.pages)
+                        _fsync_dir(self.refs)
+                if self.sync is SyncPolicy.BATCH:
+                    _fsync_dir(self.pages)
+                    _fsync_dir(self.refs)
+        except BaseException:
+            for tmp in tmps:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+            with self._locked():
+                self._release_locked(linked)
+            raise
+
+    # --- reads ---------------------------------------------------------------------------
+
+    def read(self, key: str) -> tuple[PageHeader, memoryview]:
+        """Reads and verifies a page. Raises :class:`PageFileError` (damaged) or ``OSError``. O(size)."""
+        data = (self.pages / file_name(key)).read_bytes()
+        return decode(data, key, self.layout)
+
+    def probe(self, key: str) -> PageHeader | None:
+        """A page another owner wrote, if present and sound: its header, and this owner now holds it."""
+        name = file_name(key)
+        with self._locked():
+            try:
+                header = read_header(str(self.pages / name), key, self.layout)
+            except FileNotFoundError:
+                return None
+            except (OSError, PageFileError):
+                return None
+            with contextlib.suppress(FileExistsError):
+                os.link(self.pages / name, self.refs / name)
+        return header
+
+    # --- releases ------------------------------------------------------------------------
+
+    def release(self, keys: Sequence[str]) -> None:
+        """Drops this owner's hold; files no owner holds are deleted. O(keys)."""
+        if keys:
+            with self._locked():
+                self._release_locked([file_name(k) for k in keys])
+
+    def _release_locked(self, names: Sequence[str]) -> None:
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.refs / name)
+            page = self.pages / name
+            try:
+                if os.stat(page).st_nlink <= 1:
+                    os.unlink(page)
+            except FileNotFoundError:
+                pass
+
+    # --- start-up ------------------------------------------------------------------------
+
+    def scan(self) -> tuple[list[tuple[PageHeader, float]], dict[str, int]]:
+        """This owner's sound holdings (header, mtime), after removing what nobody can use. O(files).
+
+        Removes ``.tmp`` files of dead processes, this owner's holds on damaged or foreign pages, and
+        pages no owner holds. Draft companions (``d:`` keys) are not returned; they stay held beside
+        their pages. The counts say what was found and removed.
+        """
+        found: list[tuple[PageHeader, float]] = []
+        counts = {"adoptable": 0, "damaged": 0, "tmp_removed": 0, "orphans_removed": 0}
+        with self._locked():
+            for entry in os.scandir(self.base):
+                m = _TMP.match(entry.name)
+                if m and (int(m.group(1)) == os.getpid() or not _alive(int(m.group(1)))):
+                    os.unlink(entry.path)
+                    counts["tmp_removed"] += 1
+            bad: list[str] = []
+            for entry in os.scandir(self.refs):
+                key = key_of(entry.name)
+                try:
+                    header = read_header(entry.path, key, self.layout)
+                except (OSError, PageFileError) as exc:
+                    log.warning("L3 %s: dropping page %s: %s", self.base, key, exc)
+                    bad.append(entry.name)
+                    continue
+                if not key.startswith("d:"):
+                    found.append((header, entry.stat().st_mtime))
+            counts["damaged"] = len(bad)
+            self._release_locked(bad)
+            for entry in os.scandir(self.pages):
+                if entry.stat().st_nlink <= 1:
+                    os.unlink(entry.path)
+                    counts["orphans_removed"] += 1
+        counts["adoptable"] = len(found)
+        return found, counts

@@ -1,0 +1,171 @@
+"""Stores whose parent the index does not know yet, held until it does.
+
+A ``BlockStored`` names its first block's parent by engine hash, and the router key of every
+block chains from the parent's key, so a store whose parent is unknown cannot be indexed yet.
+That happens for three ordinary reasons, none of them a lost batch on the stream:
+
+* the worker's state before a loss was dropped (replay could not reach back and the engine
+  cannot dump), and the engine now extends a prefix it stored before the loss;
+* a shared pool's writers announce a page's child before the page itself;
+* an engine publishes a store whose parent it never announced (a bug on its side).
+
+Asking for a resync would not help in any of these (a replay delivers the same store again), so
+such a store is an *orphan*: held here, bounded, and grafted into the index as soon as its
+parent's key becomes known (another store naming the parent hash, on any tier). Removals that
+name an orphan's blocks are applied to the held copy, so a graft never resurrects a block the
+engine dropped. The oldest orphans are aged out when the pool is full.
+
+Invariants (asserted by :meth:`OrphanPool._check`): every held run is listed once under its
+parent hash, once in age order, and under each of its block hashes; ``blocks`` is the sum of
+the runs' lengths.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import msgspec
+from kvtier.wire.protocol import BlockStored, EngineHash, StorageTier
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode_stored = msgspec.msgpack.Decoder(BlockStored).decode
+
+
+@dataclass(slots=True, eq=False)
+class OrphanRun:
+    """One held store: its blocks and which of them the engine still holds on ``tier``."""
+
+    event: BlockStored  # the store as received (its parent is unknown)
+    tier: StorageTier  # tier the store put its blocks on
+    present: list[bool]  # per block: False once a removal on ``tier`` named it
+    extras: list[int | None] | None  # per-block key scopes, already read from the event's extra keys
+
+
+@dataclass(slots=True)
+class OrphanStats:
+    """Counters of one worker's orphan pool."""
+
+    held: int = 0  # stores parked because their parent was unknown
+    grafted: int = 0  # held stores later indexed once their parent became known
+    dropped: int = 0  # held stores aged out (pool full) or cleared with the worker
+
+
+@dataclass(slots=True)
+class OrphanPool:
+    """Held orphan stores of one worker. Bounded by ``capacity`` blocks."""
+
+    capacity: int = 65_536  # blocks held at most; the oldest runs go first
+    blocks: int = 0  # blocks currently held
+    stats: OrphanStats = field(default_factory=OrphanStats)  # counters
+    _by_parent: dict[EngineHash, list[OrphanRun]] = field(default_factory=dict)  # waiting on a hash
+    _by_hash: dict[EngineHash, list[OrphanRun]] = field(default_factory=dict)  # runs naming a block
+    _age: OrderedDict[int, OrphanRun] = field(default_factory=OrderedDict)  # id(run) -> run, oldest first
+
+    def __bool__(self) -> bool:
+        return bool(self._age)
+
+    def __len__(self) -> int:
+        """Runs held."""
+        return len(self._age)
+
+    def hold(self, event: BlockStored, tier: StorageTier, extras: list[int | None] | None = None) -> None:
+        """Parks ``event`` (whose parent is unknown) until its parent is known.
+
+        O(blocks in the event), plus the blocks of any runs aged out to make room.
+        """
+        self._keep(OrphanRun(event, tier, [True] * len(event.block_hashes), extras))
+        self.stats.held += 1
+        while self.blocks > self.capacity and self._age:
+            _, oldest = self._age.popitem(last=False)
+            self._forget(oldest)
+            self.stats.dropped += 1
+
+    def dump(self) -> list[tuple[bytes, int, list[bool], list[int | None] | None]]:
+        """The held runs, oldest first, as plain values for a snapshot: ``(the store as msgpack, its tier, which
+        blocks are still present, its key scopes)``. O(blocks held)."""
+        return [(_encode(r.event), int(r.tier), r.present, r.extras) for r in self._age.values()]
+
+    def load(self, runs: list[tuple[bytes, int, list[bool], list[int | None] | None]]) -> None:
+        """Holds :meth:`dump`'s runs again as they were (removals applied to them kept), after those held now; no
+        counter moves and nothing is aged out. ``ValueError``, ``TypeError`` or ``msgspec.DecodeError`` if a run
+        is not what :meth:`dump` writes. O(blocks)."""
+        for raw, tier, present, extras in runs:
+            event = _decode_stored(raw)
+            n = len(event.block_hashes)
+            if event.parent_block_hash is None or len(present) != n or not (
+                    extras is None or (len(extras) == n and all(x is None or type(x) is int for x in extras))):
+                raise ValueError("a held orphan run with no parent, or flags or key scopes out of step with its blocks")
+            self._keep(OrphanRun(event, StorageTier(tier), [bool(p) for p in present], extras))
+
+    def _keep(self, run: OrphanRun) -> None:
+        """Lists ``run`` as the newest held one. O(blocks of ``run``)."""
+        parent = run.event.parent_block_hash
+        assert parent is not None, "a root store is never an orphan"
+        self._by_parent.setdefault(parent, []).append(run)
+        for eh in run.event.block_hashes:
+            self._by_hash.setdefault(eh, []).append(run)
+        self._age[id(run)] = run
+        self.blocks += len(run.event.block_hashes)
+
+    def take(self, parent: EngineHash) -> list[OrphanRun]:
+        """Removes and returns the runs waiting for ``parent``. O(1) plus their blocks."""
+        runs = self._by_parent.pop(parent, None)
+        if not runs:
+            return []
+        for run in runs:
+            del self._age[id(run)]
+            self._unlist(run)
+        self.stats.grafted += len(runs)
+        return runs
+
+    def remove(self, eh: EngineHash, tier: StorageTier) -> bool:
+        """Marks block ``eh`` gone from ``tier`` in every held run; True if any run named it. O(runs naming it)."""
+        found = False
+        for run in self._by_hash.get(eh, ()):
+            if run.tier is tier:
+                for i, h in enumerate(run.event.block_hashes):
+                    if h == eh and run.present[i]:
+                        run.present[i] = False
+                        found = True
+        return found
+
+    def clear(self) -> None:
+        """Drops every held run (the worker was cleared). O(1) amortised."""
+        self.stats.dropped += len(self._age)
+        self._by_parent.clear()
+        self._by_hash.clear()
+        self._age.clear()
+        self.blocks = 0
+
+    def _forget(self, run: OrphanRun) -> None:
+        parent = run.event.parent_block_hash
+        assert parent is not None
+        waiting = self._by_parent[parent]
+        waiting.remove(run)
+        if not waiting:
+            del self._by_parent[parent]
+        self._unlist(run)
+
+    def _unlist(self, run: OrphanRun) -> None:
+        for eh in run.event.block_hashes:
+            named = self._by_hash.get(eh)
+            if named is None:
+                continue
+            if run in named:
+                named.remove(run)
+            if not named:
+                del self._by_hash[eh]
+        self.blocks -= len(run.event.block_hashes)
+
+    def _check(self) -> None:
+        """Asserts every invariant. O(held blocks)."""
+        runs = list(self._age.values())
+        assert len({id(r) for r in runs}) == len(runs), "a run is held twice"
+        by_parent = [r for rs in self._by_parent.values() for r in rs]
+        assert sorted(map(id, by_parent)) == sorted(map(id, runs)), "parent lists and age order disagree"
+        for r in runs:
+            for eh in r.event.block_hashes:
+                assert any(x is r for x in self._by_hash.get(eh, ())), f"run not listed under block {eh!r}"
+        assert self.blocks == sum(len(r.event.block_hashes) for r in runs), (
+            f"blocks={self.blocks} but runs hold {sum(len(r.event.block_hashes) for r in runs)}")

@@ -1,0 +1,181 @@
+"""Routing-policy plugins: one protocol (filter, score, pick) for the simulator and the service.
+
+A plugin is any object with a ``name`` and the three methods of :class:`RoutingPolicy`. The router
+hands it a :class:`RouteContext` per request: the index's overlaps per worker and tier, the
+router's in-flight load bookkeeping, which workers are partial (events lost for good), the prompt's
+keys. ``filter`` narrows the candidates, ``score`` costs each (lower is better), ``pick`` chooses.
+:class:`PolicyBase` keeps every worker and picks the lowest score, so most plugins write ``score``
+only; one that learns from its own routing history also has ``routed`` (:func:`note_routed`). The same object
+serves ``kvtier replay/compare --policy SPEC`` and ``kvtier indexer --policy
+SPEC``, where SPEC is ``package.module:attr``, ``path/to/file.py:attr``, or the name of an entry
+point in the group ``kvtier.policies``; ``attr`` is a policy object, or a class or factory called
+with no arguments. See ``examples/fresh_first_policy.py``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from kvtier.indexer.index.keys import BlockKey
+from kvtier.indexer.routing.load import LoadTracker, WorkerLoad
+from kvtier.wire.notices import StreamId
+from kvtier.wire.overlap import OverlapScores, TierOverlap
+
+ENTRY_POINT_GROUP = "kvtier.policies"
+_NONE = TierOverlap(0, 0, 0, 0)
+
+
+@dataclass(slots=True, frozen=True)
+class RouteContext:
+    """What a policy may look at for one request."""
+
+    num_tokens: int  # prompt length
+    block_size: int  # tokens per block
+    keys: Sequence[BlockKey]  # the prompt's block keys, from the root
+    overlaps: OverlapScores  # per worker, leading blocks held per tier (cumulative levels)
+    loads: LoadTracker  # in-flight requests per worker, as the router booked them
+    partial: frozenset[StreamId]  # workers whose index lost events for good (what they show is a lower bound)
+
+    def overlap(self, worker: StreamId) -> TierOverlap:
+        """The worker's overlaps (zero if the index does not know it). O(1)."""
+        return self.overlaps.workers.get(worker, _NONE)
+
+    def load(self, worker: StreamId) -> WorkerLoad:
+        """The worker's in-flight load. O(1)."""
+        return self.loads.load(worker)
+
+
+@runtime_checkable
+class RoutingPolicy(Protocol):
+    """A routing policy: filter the candidates, score each (lower is better), pick one."""
+
+    name: str
+
+    def filter(self, ctx: RouteContext, workers: list[StreamId]) -> list[StreamId]:
+        """The workers worth scoring (a non-empty subset of ``workers``)."""
+        ...
+
+    def score(self, ctx: RouteContext, worker: StreamId) -> float:
+        """The cost of sending the request to ``worker``; lower is better."""
+        ...
+
+    def pick(self, ctx: RouteContext, scores: dict[StreamId, float]) -> StreamId:
+        """The chosen worker, one of ``scores``' keys."""
+        ...
+
+
+class PolicyBase:
+    """Keeps every worker and picks the lowest score (the first listed among equals); subclasses
+    write :meth:`score`."""
+
+    name = "plugin"
+
+    def filter(self, ctx: RouteContext, workers: list[StreamId]) -> list[StreamId]:
+        return workers
+
+    def score(self, ctx: RouteContext, worker: StreamId) -> float:
+        raise NotImplementedError(f"{type(self).__name__} must define score()")
+
+    def pick(self, ctx: RouteContext, scores: dict[StreamId, float]) -> StreamId:
+        return min(scores, key=lambda w: scores[w])
+
+
+def is_plugin_spec(spec: str) -> bool:
+    """True if ``spec`` names a plugin (``module:attr`` or an installed entry point), not a built-in."""
+    return ":" in spec or any(ep.name == spec for ep in entry_points(group=ENTRY_POINT_GROUP))
+
+
+def load_policy(spec: str) -> RoutingPolicy:
+    """The policy ``spec`` names (see the module docstring). ``ValueError`` naming what went wrong."""
+    target: object
+    if ":" in spec:
+        mod_name, _, attr = spec.rpartition(":")
+        try:
+            if mod_name.endswith(".py"):
+                path = Path(mod_name)
+                s = importlib.util.spec_from_file_location(f"kvtier_plugin_{path.stem}", path)
+                if s is None or s.loader is None or not path.is_file():
+                    raise ValueError(f"no such file {mod_name}")
+                module = importlib.util.module_from_spec(s)
+                s.loader.exec_module(module)
+            else:
+                module = importlib.import_module(mod_name)
+            target = getattr(module, attr)
+        except (ImportError, AttributeError, OSError, ValueError) as exc:
+            raise ValueError(f"policy {spec!r}: {exc}") from None
+    else:
+        eps = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == spec]
+        if not eps:
+            raise ValueError(f"policy {spec!r}: not module:attr, and no {ENTRY_POINT_GROUP!r} entry point "
+                             "has that name")
+        try:
+            target = eps[0].load()
+        except Exception as exc:
+            raise ValueError(f"policy {spec!r}: entry point failed to load: {exc}") from None
+    # A class (which itself has the methods, unbound) or a factory is called; an instance is used as is.
+    policy = target() if isinstance(target, type) or (callable(target) and not isinstance(target, RoutingPolicy)) \
+        else target
+    if not isinstance(policy, RoutingPolicy):
+        raise ValueError(f"policy {spec!r}: {type(policy).__name__} lacks name, filter, score or pick")
+    return policy
+
+
+def route_with(
+    policy: RoutingPolicy, ctx: RouteContext, workers: list[StreamId]
+) -> tuple[StreamId, dict[StreamId, float]]:
+    """Runs a policy's three steps, checking what each returns. O(workers) plugin calls."""
+    kept = policy.filter(ctx, workers)
+    if not kept or not set(kept) <= set(workers):
+        raise LookupError(f"policy {policy.name!r}: filter kept {kept!r}, expected a non-empty subset of the workers")
+    scores = {w: float(policy.score(ctx, w)) for w in kept}
+    chosen = policy.pick(ctx, scores)
+    if chosen not in scores:
+        raise LookupError(f"policy {policy.name!r}: picked {chosen!r}, not a scored worker")
+    return chosen, scores
+
+
+class RoundRobinPolicy(PolicyBase):
+    """Every worker in turn, ignoring caches and load (the baseline with no router state)."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._turn = 0
+
+    def score(self, ctx: RouteContext, worker: StreamId) -> float:
+        return 0.0
+
+    def pick(self, ctx: RouteContext, scores: dict[StreamId, float]) -> StreamId:
+        workers = sorted(scores)
+        chosen = workers[self._turn % len(workers)]
+        self._turn += 1
+        return chosen
+
+
+class LeastLoadedPolicy(PolicyBase):
+    """The worker with the fewest running requests, then the fewest active blocks (no cache awareness)."""
+
+    name = "least_loaded"
+
+    def score(self, ctx: RouteContext, worker: StreamId) -> float:
+        load = ctx.load(worker)
+        return load.running * 1e9 + load.active_blocks
+
+
+def note_routed(policy: RoutingPolicy | None, keys: Sequence[BlockKey], num_tokens: int, worker: StreamId) -> None:
+    """Tells ``policy`` that a request it routed was booked on ``worker``, if it has a ``routed(keys, num_tokens,
+    worker)`` method: a policy that learns from its own routing history (what it sent where) learns it there, not in
+    ``pick``, so that a query which books nothing (``POST /query``) teaches it nothing."""
+    hook = getattr(policy, "routed", None)
+    if hook is not None:
+        hook(keys, num_tokens, worker)
+
+
+#: kvtier's cache-blind policies as plugins, so the service runs them by name too.
+BUILTIN = {"round_robin": RoundRobinPolicy, "least_loaded": LeastLoadedPolicy}

@@ -1,0 +1,516 @@
+"""``kvtier indexer``: subscribe to engines, keep the tiered index, answer overlap queries over HTTP.
+
+Endpoints:
+  ``POST /query``  ``{"token_ids": [...], "lora_name"?: str, "cache_salt"?: str,
+                   "mm_items"?: [{"identifier": str, "offset": int, "length": int}]}`` ->
+                   per-worker tier overlaps with ``partial``/``recovering`` flags, shared-pool
+                   blocks, costs and a recommended worker.
+  ``POST /route``  the same plus ``"request_id": str``: picks a worker and books the request as in
+                   flight on it (its load counts in later decisions) until
+  ``POST /requests/{id}/first_token`` and ``POST /requests/{id}/finish`` (or ``request_ttl_s``).
+  ``GET /metrics`` Prometheus text (``?format=json`` for JSON): events applied / rejected,
+                   gaps, resyncs, restarts, malformed frames, blocks per worker and tier, apply
+                   lag, in-flight load per worker; latency histograms (time per request, index lock
+                   waits and holds, the HTTP loop's lag: :mod:`kvtier.indexer.service.histogram`).
+  ``GET /health``  ``ok`` / ``degraded`` (partial, recovering or dead workers, or a snapshot that could not be
+                   written) / ``down`` (503: the event loop died; the process then exits non-zero).
+
+``/route``, first_token and finish change state: with ``auth_token_file`` they need a token, and a booking
+is released only by the client that made it (:mod:`kvtier.indexer.service.clients`); README, "Security", lists the
+limits on what a client may spend.
+
+Threads: one owns the ZMQ subscriber and applies deliveries, a batch per lock hold; the HTTP front
+end (:mod:`kvtier.indexer.service.http`, asyncio) answers on another. Requests hash their keys before taking
+the lock, so the lock covers lookups and bookkeeping only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from kvtier.indexer.index.consumer import Lag
+from kvtier.indexer.index.keys import BlockKey, key_backend
+from kvtier.indexer.index.keytable import warm_tables
+from kvtier.indexer.index.tiered import TieredIndex
+from kvtier.indexer.routing.load import LoadTracker
+from kvtier.indexer.routing.plugins import BUILTIN, RoutingPolicy, load_policy, note_routed
+from kvtier.indexer.routing.policies import REGISTRY, RoutingSettings, make_cost, make_plugin
+from kvtier.indexer.routing.router import RouteDecision, Router
+from kvtier.indexer.routing.scoring import CostModel, SloCost, TtftCost
+from kvtier.indexer.service import fdlimit, persist
+from kvtier.indexer.service.clients import Clients, ServiceUnavailable, load_tokens
+from kvtier.indexer.service.config import ServiceConfig, closed_tiers, load_config, parse_endpoint
+from kvtier.indexer.service.deadlines import Deadlines
+from kvtier.indexer.service.eventloop import EventLoop
+from kvtier.indexer.service.histogram import Histogram
+from kvtier.indexer.service.httplimits import check_depth
+from kvtier.indexer.service.metrics import render_metrics
+from kvtier.indexer.service.predictions import Predictions
+from kvtier.indexer.service.requestbody import RequestBody, parse_body, parse_finish
+from kvtier.util.fields import ConfigError
+from kvtier.util.gcpause import GcPauses, freeze_startup_objects
+from kvtier.wire.notices import StreamId
+from kvtier.wire.overlap import OverlapScores
+from kvtier.wire.protocol import TOKEN_BYTES, PackedTokens
+from kvtier.wire.tokenarray import token_backend
+
+log = logging.getLogger(__name__)
+
+
+class IndexerService:
+    """The indexer service; :meth:`start` runs it in background threads: the event loop
+    (:class:`~kvtier.indexer.service.eventloop.EventLoop`) and the HTTP front end. The router, the loads and the routed
+    requests' deadlines (:class:`~kvtier.indexer.service.deadlines.Deadlines`) are this class's, under its lock."""
+
+    def __init__(self, config: ServiceConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock``: the engine streams' (replay deadlines, idle probes, liveness); tests move it by hand."""
+        if not config.endpoints:
+            raise ConfigError("no endpoints configured")
+        streams = [ep.stream for ep in config.endpoints]
+        if len(set(streams)) != len(streams):
+            dup = sorted({str(s) for s in streams if streams.count(s) > 1})
+            raise ConfigError(f"endpoints name the same worker stream twice: {dup}")
+        self.config = config
+        self.index = TieredIndex(config.block_size, window_tokens=config.inferred_window_tokens)
+        self._resume: persist.Positions = {}  # streams restored from the snapshot, and where they were
+        self.restored_from: str | None = None  # the snapshot file the index was restored from
+        if config.snapshot_path is not None:
+            self._restore(Path(config.snapshot_path), streams)
+        self.loads = LoadTracker(config.block_size)
+        self.router_settings = config.routing_settings()
+        cost, plugin = _policy(config.policy or "kv_all", self.router_settings, config.block_size)
+        # Window-aware: engines that announce window KV (SWA models) are scored on their usable prefix; the
+        # others as before. Each answer says which it was per worker ("window_kv").
+        # What /route predicts for each request on its worker (TTFT, TPOT), as the goodput policy estimates them
+        # (kvtier.indexer.service.predictions), whatever the policy.
+        rs = self.router_settings
+        self._predictor = SloCost(TtftCost(rs.transfer(), rs.latency, prefill_budget=rs.prefill_budget,
+                                           capacity_tokens=rs.capacity_tokens))
+        self.predictions = Predictions()
+        self.router = Router(self.index, cost, loads=self.loads, policy=plugin, rebuilding=self._rebuilding,
+                             window_aware=True, temperature=self.router_settings.temperature,
+                             seed=self.router_settings.seed, dead=self._dead)
+        self._lock = threading.Lock()  # guards index, loads and the deadlines
+        self._deadlines = Deadlines(config.request_ttl_s)  # routed requests in flight, until finish or expiry
+        tokens = load_tokens(config.auth_token_file) if config.auth_token_file is not None else None
+        #: Who booked what, and the caps on bookings (kvtier.indexer.service.clients); under the lock.
+        self.clients = Clients(tokens, config.max_in_flight, config.max_in_flight_per_client)
+        self._loop = EventLoop(config, self.index, self._lock, self._deadlines, self._expired, self._resume,
+                               clock=clock)
+        #: Set when the event loop died: the index no longer follows the engines.
+        self.failed = self._loop.failed
+        self.gc = GcPauses()  # the collector's passes and pauses, counted from start()
+        # Where answers spend their time (kvtier.indexer.service.histogram); every observation is made under the lock.
+        self.request_seconds = {"query": Histogram(), "route": Histogram()}  # inside the service, lock wait included
+        self.lock_wait = Histogram()  # of /query and /route, for the index lock
+        from kvtier.indexer.service.http import HttpFrontEnd  # aiohttp only where the service runs
+
+        self._host, port = config.host_port
+        try:
+            self._http = HttpFrontEnd(self, self._host, port, max_body_bytes=config.max_body_bytes,
+                                      read_timeout_s=config.read_timeout_s, keepalive_s=config.keepalive_s,
+                                      loop=config.http_loop, max_connections=config.max_connections,
+                                      header_timeout_s=config.header_timeout_s)
+        except ImportError:
+            raise ConfigError("http_loop: uvloop is not installed (pip install uvloop), use auto or asyncio") from None
+        for ep in config.endpoints:
+            self.index.add_worker(ep.stream)
+            # After a loss for good, a store on a tier its engine keeps prefix-closed regains the chain it proves.
+            self.index.set_prefix_closed(ep.stream, closed_tiers(ep))
+
+    def _restore(self, path: Path, streams: list[StreamId]) -> None:
+        """Checks that the snapshot can be written, and restores it where there is one."""
+        try:
+            persist.check_path(path)
+            if not path.exists():
+                return
+            index, positions = persist.load(path, self.config.block_size)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if index.window_tokens != self.config.inferred_window_tokens:
+            # Its inferred window KV was cut to another window: it would be wrong for as long as it lasts.
+            raise ConfigError(f"snapshot {path}: window_tokens {index.window_tokens}, the service's is "
+                              f"{self.config.inferred_window_tokens}; remove the snapshot or set window_tokens")
+        for s in index.streams:
+            if s not in streams:
+                index.remove_worker(s)  # no longer configured
+            elif s not in positions:
+                index.clear_worker(s)  # saved mid-recovery or before any batch: start it afresh
+        self.index = index
+        self._resume = {s: p for s, p in positions.items() if s in streams}
+        self.restored_from = str(path)
+        log.info("restored %d blocks from %s; resuming %d of %d streams", len(index), path,
+                 len(self._resume), len(streams))
+
+    def save_snapshot(self, positions: persist.Positions | None = None) -> int | None:
+        """:meth:`EventLoop.save_snapshot <kvtier.indexer.service.eventloop.EventLoop.save_snapshot>` (event loop
+        thread, or once it stopped)."""
+        return self._loop.save_snapshot(positions)
+
+    @property
+    def loop_restarts(self) -> int:
+        """Times the event loop failed and was started again (``config.loop_restarts``)."""
+        return self._loop.restarts
+
+    @property
+    def snapshots(self) -> int:
+        """Snapshots written since start."""
+        return self._loop.snapshots
+
+    @property
+    def snapshot_seconds(self) -> float:
+        """How long the last snapshot took to write."""
+        return self._loop.snapshot_seconds
+
+    @property
+    def requests_expired(self) -> int:
+        """Routed requests dropped at their deadline, never finished."""
+        return self._deadlines.expired
+
+    @property
+    def address(self) -> str:
+        return f"http://{self._host}:{self._http.port}"
+
+    def start(self) -> None:
+        """Starts the event loop, then the HTTP front end; raises if the port cannot be bound."""
+        # The compiled kernels load now (seconds when numba's cache is cold), not on a query or an event.
+        key_backend()
+        token_backend()
+        warm_tables()
+        # Descriptors for every endpoint and connection, now rather than "Too many open files" mid-run.
+        fdlimit.ensure(len(self.config.endpoints), self.config.max_connections)
+        self._loop.start()
+        try:
+            self._http.start()
+        except BaseException:
+            self._loop.stop()
+            raise
+        # Everything startup made (modules, kernels, a restored index) lives as long as the service: out of
+        # the collector's full passes, which otherwise stall every thread for tens of ms (kvtier.util.gcpause).
+        freeze_startup_objects()
+        self.gc.install()
+
+    def stop(self) -> None:
+        self.gc.uninstall()
+        self._loop.stop()
+        self._http.stop()
+        self._loop.join()
+
+    def _rebuilding(self) -> set[StreamId]:
+        """:meth:`EventLoop.rebuilding <kvtier.indexer.service.eventloop.EventLoop.rebuilding>`. O(streams)."""
+        return self._loop.rebuilding()
+
+    def _dead(self) -> set[StreamId]:
+        """:meth:`EventLoop.dead <kvtier.indexer.service.eventloop.EventLoop.dead>`. O(streams)."""
+        return self._loop.dead()
+
+    def worker_flags(self, stream: StreamId, rebuilding: set[StreamId],
+                     dead: Collection[StreamId] = ()) -> dict[str, bool]:
+        """``partial`` (events lost for good), ``recovering`` (catch-up under way) and ``dead`` (its publisher
+        looks gone: not routed to); ``rebuilding`` and ``dead`` are ``self._rebuilding()`` and ``self._dead()``,
+        taken once by callers answering for every worker. O(1). Caller holds the lock."""
+        return {"partial": self.index.is_partial(stream), "recovering": stream in rebuilding, "dead": stream in dead}
+
+    # --- queries and routing -------------------------------------------------------------
+
+    def _request_keys(self, req: RequestBody, tokens: PackedTokens) -> list[BlockKey]:
+        """Hashes a request's keys (no lock needed: pure). O(tokens)."""
+        n = len(tokens) // TOKEN_BYTES
+        if n > self.config.max_query_tokens:
+            raise ValueError(f"{n} token ids; at most {self.config.max_query_tokens} per request")
+        if req.mm_items and len(req.mm_items) > self.config.max_mm_items:
+            raise ValueError(f"{len(req.mm_items)} mm_items; at most {self.config.max_mm_items} per request")
+        mm = [(m.identifier, m.offset, m.length) for m in req.mm_items] if req.mm_items else None
+        return self.index.request_keys(tokens, lora_name=req.lora_name, cache_salt=req.cache_salt, mm_items=mm)
+
+    def _check_alive(self) -> None:
+        if self.failed.is_set():
+            raise ServiceUnavailable(f"event loop died ({self._loop.error}): the index no longer follows the engines")
+
+    def _answer(self, dec: RouteDecision) -> dict[str, Any]:
+        """Overlaps, per-worker flags, costs and the choice. Caller holds the lock."""
+        out: dict[str, Any] = dec.overlaps.as_dict()
+        rebuilding, dead = self._rebuilding(), self._dead()
+        out["workers"] = {str(s): {**o.as_dict(), **self.worker_flags(s, rebuilding, dead),
+                                   **self._window_answer(dec.overlaps, s)}
+                          for s, o in dec.overlaps.workers.items()}
+        out["recommended"] = str(dec.worker)
+        out["costs"] = {str(w): c for w, c in dec.costs.items()}
+        return out
+
+    @staticmethod
+    def _window_answer(overlaps: OverlapScores, s: StreamId) -> dict[str, Any]:
+        """``window_kv``: ``tracked`` (an SWA engine announcing window KV: the overlap is its usable prefix,
+        ``raw`` the full-attention one), ``inferred`` (an engine that sends no window events, with the
+        configured ``window_tokens``: the usable prefix as the store rule estimates it) or ``untracked``
+        (the overlap as announced; for an SWA engine that sends no window events, an upper bound)."""
+        if s not in overlaps.windows:
+            return {"window_kv": "untracked"}
+        raw = overlaps.raw.get(s)
+        return {"window_kv": "inferred" if s in overlaps.inferred else "tracked", "window_blocks": overlaps.windows[s],
+                "raw": (raw or overlaps.workers[s]).as_dict()}
+
+    def query(self, body: bytes | Any) -> dict[str, Any]:
+        """``POST /query`` (raw JSON or a decoded object): overlaps and a recommendation; books nothing."""
+        t0 = time.perf_counter()
+        req, tokens = self._parse(body)
+        keys = self._request_keys(req, tokens)
+        self._check_alive()
+        with self._timed_lock():
+            out = self._answer(self.router.route_keys(keys, len(tokens) // TOKEN_BYTES))
+            self.request_seconds["query"].observe(time.perf_counter() - t0)
+        return out
+
+    @contextmanager
+    def _timed_lock(self) -> Iterator[None]:
+        """The index lock, for a request: how long it waited is counted (``lock_wait``)."""
+        t0 = time.perf_counter()
+        with self._lock:
+            self.lock_wait.observe(time.perf_counter() - t0)
+            yield
+
+    def _parse(self, body: bytes | Any) -> tuple[RequestBody, PackedTokens]:
+        """:func:`parse_body`, JSON nesting past ``max_json_depth`` refused first. O(body)."""
+        if isinstance(body, bytes | bytearray):
+            check_depth(bytes(body), self.config.max_json_depth)
+        return parse_body(body)
+
+    def _expired(self, rid: str) -> None:
+        """A booking dropped at its deadline (event loop thread, under the lock)."""
+        self.loads.finish(rid)
+        self.clients.release(rid)
+        self.predictions.forget(rid)
+
+    def _request_cost(self, req: RequestBody) -> CostModel | None:
+        """The cost model of this request: the goodput policy's told the request's own SLO, else the router's."""
+        cm = self.router.cost_model
+        if req.slo is None or not isinstance(cm, SloCost):
+            return None
+        return dataclasses.replace(cm, ttft_ms=req.slo.ttft_ms, tpot_ms=req.slo.tpot_ms)
+
+    def _predict(self, dec: RouteDecision, keys: list[BlockKey], tokens: int) -> tuple[float, float]:
+        """Predicted (TTFT, TPOT) in ms of a request on its chosen worker, before it is booked there. Caller holds
+        the lock."""
+        (load,), (shared,) = self.loads.loads_and_shared([dec.worker], keys)
+        return self._predictor.estimates(tokens, self.index.block_size, dec.overlaps.workers[dec.worker], load,
+                                         shared, self.loads.expected_output)
+
+    def route(self, body: bytes | Any, owner: str = "local") -> dict[str, Any]:
+        """``POST /route``: routes and books the request on its worker until it finishes or expires; ``owner``
+        (:meth:`Clients.identify <kvtier.indexer.service.clients.Clients.identify>`) alone may release it.
+        :class:`~kvtier.indexer.service.clients.TooManyInFlight` past the caps on bookings."""
+        t0 = time.perf_counter()
+        req, packed = self._parse(body)
+        rid, tokens = req.request_id, len(packed) // TOKEN_BYTES
+        if not rid or "/" in rid:
+            raise ValueError('body must carry "request_id": a non-empty string without "/"')
+        if len(rid.encode("utf-8", "surrogatepass")) > self.config.max_request_id_bytes:
+            raise ValueError(f"request_id longer than {self.config.max_request_id_bytes} bytes")
+        keys = self._request_keys(req, packed)
+        self._check_alive()
+        with self._timed_lock():
+            if rid in self._deadlines:
+                raise ValueError(f"request {rid!r} is already in flight")
+            self.clients.check_room(owner)
+            dec = self.router.route_keys(keys, tokens, self._request_cost(req))
+            ttft_ms, tpot_ms = self._predict(dec, keys, tokens)
+            self.predictions.routed(rid, time.monotonic(), ttft_ms, tpot_ms)
+            cached = dec.overlaps.workers[dec.worker].external * self.index.block_size
+            self.loads.add(rid, dec.worker, keys, tokens, max(0, tokens - cached))
+            self.index.note_routed(dec.worker, keys)  # inferred window KV (SWA engines without window events)
+            note_routed(self.router.policy, keys, tokens, dec.worker)  # a routing-history policy learns it
+            self._deadlines.book(rid, time.monotonic())
+            self.clients.book(rid, owner)
+            out = self._answer(dec)
+            self.request_seconds["route"].observe(time.perf_counter() - t0)
+        out["request_id"] = rid
+        out["worker"] = out["recommended"]
+        predicted: dict[str, Any] = {"ttft_ms": ttft_ms, "tpot_ms": None if tpot_ms != tpot_ms else tpot_ms}
+        if req.slo is not None:
+            predicted["meets_slo"] = ((req.slo.ttft_ms is None or ttft_ms <= req.slo.ttft_ms)
+                                      and (req.slo.tpot_ms is None or not tpot_ms > req.slo.tpot_ms))
+        out["predicted"] = predicted
+        return out
+
+    def first_token(self, rid: str, owner: str = "local") -> dict[str, Any]:
+        """``POST /requests/{id}/first_token``: its prefill is done (idempotent); only its owner may say so
+        (:class:`~kvtier.indexer.service.clients.Forbidden`)."""
+        with self._lock:
+            self.clients.check_owner(rid, owner)
+            known = rid in self._deadlines
+            self.loads.prefill_done(rid)
+            observed = self.predictions.first_token(rid, time.monotonic())
+        if not known:
+            raise LookupError(f"request {rid!r} is not in flight (never routed, finished or expired)")
+        answer: dict[str, Any] = {"request_id": rid, "in_flight": True}
+        if observed is not None:
+            answer["observed_ttft_ms"] = observed * 1000
+        return answer
+
+    def finish(self, rid: str, body: bytes | Any = b"", owner: str = "local") -> dict[str, Any]:
+        """``POST /requests/{id}/finish``: it completed or failed; its load is released (idempotent).
+        An optional body ``{"output_tokens": N}`` says how many tokens it generated: the router learns
+        from it the output room engines reserve (``min_ttft``'s memory term), so it is bounded by the model's
+        context (``max_context_tokens``). Only its owner may finish it
+        (:class:`~kvtier.indexer.service.clients.Forbidden`)."""
+        out = parse_finish(body).output_tokens
+        if out is not None and out > self.config.max_context_tokens:
+            raise ValueError(f"bad finish body: output_tokens {out} is more than max_context_tokens "
+                             f"{self.config.max_context_tokens}")
+        with self._lock:
+            self.clients.check_owner(rid, owner)
+            known = self._deadlines.finish(rid)
+            self.loads.finish(rid, out)
+            self.clients.release(rid)
+            observed = self.predictions.finish(rid, time.monotonic(), out)
+        answer: dict[str, Any] = {"request_id": rid, "was_in_flight": known}
+        if observed is not None:
+            answer["observed_tpot_ms"] = observed * 1000
+        return answer
+
+    # --- observability -------------------------------------------------------------------
+
+    def metrics(self) -> dict[str, Any]:
+        with self._lock:
+            workers: dict[str, Any] = {}
+            rebuilding, dead = self._rebuilding(), self._dead()
+            subscribed = self._loop.stream_stats()
+            for s in self.index.streams:
+                st = self.index.stats(s)
+                orphans = self.index.orphan_stats(s)
+                ld = self.loads.load(s)
+                entry: dict[str, Any] = {
+                    "events_applied": st.events_applied, "events_rejected": st.events_rejected,
+                    "unknown_parents": st.unknown_parents, "unknown_removals": st.unknown_removals,
+                    "orphans_grafted": orphans.grafted, "orphans_dropped": orphans.dropped,
+                    "orphan_blocks": self.index.orphan_blocks(s),
+                    **self.worker_flags(s, rebuilding, dead),
+                    "blocks": {t.name.lower(): n for t, n in self.index.block_counts(s).items()},
+                    "requests_running": ld.running, "requests_prefilling": ld.prefilling,
+                    "active_blocks": ld.active_blocks, "pending_prefill_tokens": ld.pending_prefill_tokens,
+                }
+                if s in subscribed:
+                    ss = subscribed[s]
+                    entry.update(gaps=ss.gaps, gaps_filled=ss.gaps_filled, resyncs=ss.resyncs,
+                                 resyncs_deferred=ss.resyncs_deferred, reasks=ss.reasks,
+                                 probe_timeouts=ss.probe_timeouts,
+                                 restarts=ss.restarts, malformed=ss.malformed, duplicates=ss.duplicates)
+                lag = self._loop.consumer.counters.lag.get(s, Lag())
+                entry.update(apply_lag_seconds=lag.last, apply_lag_max_seconds=lag.max)
+                workers[str(s)] = entry
+            return {"batches_applied": self._loop.consumer.counters.batches, "indexed_blocks": len(self.index),
+                    "requests_in_flight": len(self._deadlines), "requests_expired": self.requests_expired,
+                    "snapshots": self.snapshots, "snapshot_seconds": self.snapshot_seconds,
+                    "snapshot_failures": self._loop.snapshot_failures, **self._http.counters(),
+                    "auth_refused": self.clients.refused_auth, "owner_refused": self.clients.refused_owner,
+                    "bookings_refused": self.clients.refused_full,
+                    "loop_restarts": self.loop_restarts, **self.gc.figures(), "latency": self._latency(),
+                    "dead_workers": len(dead), "predictions": self.predictions.as_dict(), "workers": workers}
+
+    def _latency(self) -> dict[str, dict[str, Any]]:
+        """The latency histograms, JSON form. Caller holds the lock (the HTTP loop's lag has its own writer:
+        a reader may see one observation half counted)."""
+        return {**{f"{k}_seconds": h.as_dict() for k, h in self.request_seconds.items()},
+                "lock_wait_seconds": self.lock_wait.as_dict(), "apply_wait_seconds": self._loop.apply_wait.as_dict(),
+                "apply_hold_seconds": self._loop.apply_hold.as_dict(),
+                "http_loop_lag_seconds": self._http.loop_lag.as_dict()}
+
+    def metrics_text(self) -> str:
+        """``/metrics`` in the Prometheus text format: one family per metric, every worker a series."""
+        return render_metrics(self.metrics())
+
+    def view(self, stream: StreamId) -> dict[Any, set[Any]]:
+        """The worker's blocks per tier as the index holds them (engine hashes)."""
+        with self._lock:
+            return dict(self.index.worker_hashes(stream))
+
+    def health(self) -> dict[str, Any]:
+        """``status``: ``ok``, ``degraded`` (some worker partial, recovering or dead, or sending stores of another
+        block size, every one while a failed event loop waits to restart) or ``down`` (the event loop died for
+        good: ``/health`` then answers 503)."""
+        with self._lock:
+            rebuilding, dead = self._rebuilding(), self._dead()
+            flags = {str(s): self.worker_flags(s, rebuilding, dead) for s in self.index.streams}
+            # Stores of another block size are all rejected: that worker is never indexed (--block-size must be
+            # the engines' page size).
+            wrong = sorted(str(s) for s in self.index.streams if self.index.stats(s).wrong_block_size)
+        partial = sorted(w for w, f in flags.items() if f["partial"])
+        recovering = sorted(w for w, f in flags.items() if f["recovering"])
+        gone = sorted(w for w, f in flags.items() if f["dead"])
+        alive = self._loop.is_alive()
+        snapshot_error = self._loop.snapshot_error  # the index is not saved: a restart would start cold
+        out: dict[str, Any] = {
+            "status": "down" if not alive else "degraded" if partial or recovering or gone or snapshot_error or wrong
+            else "ok",
+            "workers": len(flags), "partial_workers": partial, "recovering_workers": recovering, "dead_workers": gone,
+            "http_loop": self._http.loop_kind, "keys": key_backend(load=False), "loop_restarts": self.loop_restarts,
+            "restored_from": self.restored_from}
+        if self._loop.error is not None:
+            out["error"] = self._loop.error
+        if snapshot_error is not None:
+            out["snapshot_error"] = snapshot_error
+        if wrong:
+            out["wrong_block_size_workers"] = wrong
+            out["block_size_error"] = (f"stores of another block size than the index's {self.index.block_size} were "
+                                       f"rejected from {', '.join(wrong)}: set --block-size to the engines' page size")
+        return out
+
+
+def _policy(name: str, settings: RoutingSettings, block_size: int) -> tuple[CostModel, RoutingPolicy | None]:
+    """The cost model and plugin the service routes with for policy ``name``: a registry policy's cost is built by
+    :func:`kvtier.indexer.routing.policies.make_cost` exactly as the simulator builds it; a plugin replaces the cost's
+    choice (the cost stays for /query's costs)."""
+    if name in REGISTRY:
+        spec = REGISTRY[name]
+        if not spec.served:
+            raise ConfigError(f"policy {name!r} runs in the simulator only (it reads {spec.kind}, which a service "
+                              f"does not have); served: {', '.join(n for n, p in REGISTRY.items() if p.served)}")
+        if spec.plugin is not None:  # an incumbent's policy, built as the simulator builds it
+            return make_cost(name if spec.cost is not None else "kv_all", settings), make_plugin(name, settings,
+                                                                                                 block_size)
+        if spec.kind == "index":
+            return make_cost(name, settings), None
+        return make_cost("kv_all", settings), BUILTIN[name]()
+    try:
+        return make_cost("kv_all", settings), load_policy(name)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def serve(config: ServiceConfig) -> None:
+    """Runs the service until interrupted (Ctrl-C, or SIGTERM: how supervisors and Kubernetes stop a process),
+    then stops it, the last snapshot written; exits non-zero if its event loop dies."""
+    svc = IndexerService(config)
+    main = threading.current_thread() is threading.main_thread()  # (only the main thread may set handlers)
+    previous = signal.signal(signal.SIGTERM, _interrupt) if main else None
+    try:
+        svc.start()
+        print(f"kvtier indexer: {len(config.endpoints)} endpoint(s), block size {config.block_size}, "
+              f"HTTP on {svc.address}", flush=True)
+        try:
+            svc.failed.wait()
+        except KeyboardInterrupt:
+            return
+        finally:
+            svc.stop()
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+    # The index no longer follows the engines: exit non-zero so a supervisor restarts the service.
+    raise SystemExit(f"kvtier indexer: event loop died: {svc.health().get('error')}")
+
+
+__all__ = ["ConfigError", "IndexerService", "ServiceConfig", "ServiceUnavailable", "load_config", "parse_body",
+           "parse_endpoint", "serve"]

@@ -1,0 +1,226 @@
+"""What ``kvtier indexer`` is told: its settings (command line or TOML), the engine endpoints it follows, and
+the cost model its routing answers use."""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from kvtier.hardware.latency import PRESETS, MockerLatency, latency_from_json
+from kvtier.hardware.links import DEFAULT_GPU_LINK, DEFAULT_STORAGE_LINK, GPU_LINKS, STORAGE_LINKS
+from kvtier.indexer.routing.policies import RoutingSettings
+from kvtier.util.fields import ConfigError, Domain, at_least, check_fields, one_of, within
+from kvtier.wire.protocol import StorageTier
+from kvtier.wire.transport.subscriber import EndpointConfig
+
+
+@dataclass(slots=True)
+class ServiceConfig:
+    """Everything ``kvtier indexer`` needs."""
+
+    endpoints: list[EndpointConfig]  # engine streams to subscribe to
+    # tokens per block; events with another size are rejected
+    block_size: int = field(default=16, metadata=within(1, 1 << 16, int))
+    listen: str = "127.0.0.1:8000"  # HTTP host:port (port 0 picks a free one); checked in __post_init__
+    # wait for a replay or dump answer
+    replay_timeout_s: float = field(default=2.0, metadata=within(0, 3600, lo_open=True))
+    # The cost of the kv_* policies, as the simulator's --cost: credit (block credits per tier) or ttft
+    cost: str = field(default="credit", metadata=one_of("credit", "ttft"))
+    # A policy of the registry by name (kvtier.indexer.routing.policies: kv_all, min_ttft, dynamo, ...: the simulator's,
+    # with the same cost under the same settings below) or a routing-policy plugin (kvtier.indexer.routing.plugins).
+    # None: kv_all. Checked when the service starts.
+    policy: str | None = field(default=None, metadata=Domain(str, optional=True).meta())
+    # the workers' chunked-prefill tokens per iteration (ttft costs)
+    prefill_budget: int = field(default=8192, metadata=at_least(1))
+    # each worker's device KV capacity in tokens (ttft costs' decode and memory terms)
+    capacity_tokens: int | None = field(default=None, metadata=at_least(1, optional=True))
+    model: str = field(default="llama-3.1-8b", metadata=one_of(*PRESETS))  # preset for the ttft cost's transfers
+    # The links KV moves over (kvtier.hardware.links presets), as the simulator's --gpu-link / --storage-link;
+    # h2d_gbps / storage_gbps override them
+    gpu_link: str = field(default=DEFAULT_GPU_LINK, metadata=one_of(*GPU_LINKS))
+    storage_link: str = field(default=DEFAULT_STORAGE_LINK, metadata=one_of(*STORAGE_LINKS))
+    h2d_gbps: float | None = field(default=None, metadata=within(0, 1e6, lo_open=True, optional=True))
+    storage_gbps: float | None = field(default=None, metadata=within(0, 1e6, lo_open=True, optional=True))
+    # iteration times: a fit written by `kvtier fit-latency` (JSON); None: Dynamo mocker's published fit
+    latency_path: str | None = field(default=None, metadata=Domain(str, optional=True).meta())
+    # credit costs: a host block's and a disk or shared-pool block's weight against a device block's
+    host_credit: float = field(default=0.75, metadata=within(0, 1))
+    disk_credit: float = field(default=0.25, metadata=within(0, 1))
+    temperature: float = field(default=0.0, metadata=within(0, 1e6))  # softmax sampling over costs (0: argmin)
+    seed: int = field(default=0, metadata=at_least(0))  # the router's random choices (ties, sampling)
+    # Sliding window of the served model, tokens, for engines that send no window-KV events (SGLang): their
+    # window KV is inferred from their stores (kvtier.indexer.index.windowkv). None: the model preset's
+    # (0 for a full-attention model); 0: such engines are scored on their full-attention overlap.
+    window_tokens: int | None = field(default=None, metadata=at_least(0, optional=True))
+    max_body_bytes: int = field(default=8 << 20, metadata=at_least(1))  # larger request bodies get 413
+    # longer prompts get 400 (bounds a query's lock hold)
+    max_query_tokens: int = field(default=1 << 20, metadata=at_least(1))
+    # a request body must arrive within this (408)
+    read_timeout_s: float = field(default=10.0, metadata=within(0, 3600, lo_open=True))
+    # the HTTP front end's event loop: uvloop, asyncio, or auto (uvloop where installed)
+    http_loop: str = field(default="auto", metadata=one_of("auto", "uvloop", "asyncio"))
+    # idle keep-alive connections are closed after this
+    keepalive_s: float = field(default=75.0, metadata=within(0, 86400, lo_open=True))
+    # a routed request never finished is dropped from the load after this
+    request_ttl_s: float = field(default=600.0, metadata=within(0, 86400 * 7, lo_open=True))
+    # where the index is saved (periodically and on stop) and restored from
+    snapshot_path: str | None = field(default=None, metadata=Domain(str, optional=True).meta())
+    # seconds between snapshots
+    snapshot_interval_s: float = field(default=30.0, metadata=within(0.1, 86400))
+    # A worker whose publisher sent nothing for this long (no batch, no answer to the idle probes: a quiet stream
+    # is probed every second, or every quarter of this if shorter) is taken for gone: not routed to while another
+    # worker is alive, and listed by /health, until it is heard again. Only for endpoints with a replay socket:
+    # nothing can be asked of the others, whose silence says nothing.
+    liveness_timeout_s: float = field(default=5.0, metadata=within(0, 86400, lo_open=True))
+    # --- what HTTP clients may spend (README, "Security"); past a limit a client gets a JSON 4xx or 503 ---
+    # JSON arrays and objects nested deeper get 400 (the JSON parser recurses)
+    max_json_depth: int = field(default=32, metadata=within(2, 500, int))
+    # more multimodal items in one request get 400
+    max_mm_items: int = field(default=256, metadata=at_least(0))
+    # a longer request_id (UTF-8 bytes) gets 400
+    max_request_id_bytes: int = field(default=256, metadata=within(1, 65536, int))
+    # bookings in flight (routed, not finished or expired): past the total 503, past one client's 429
+    max_in_flight: int = field(default=100_000, metadata=at_least(1))
+    max_in_flight_per_client: int = field(default=10_000, metadata=at_least(1))
+    # open HTTP connections: one more gets a JSON 503 and is closed
+    max_connections: int = field(default=1024, metadata=within(1, 1 << 20, int))
+    # a connection that sent no request headers this long after it opened is closed
+    header_timeout_s: float = field(default=10.0, metadata=within(0, 3600, lo_open=True))
+    # output_tokens a finish may report (the served model's context); more gets 400
+    max_context_tokens: int = field(default=1 << 20, metadata=within(1, 1 << 32, int))
+    # tokens (one a line) required as "Authorization: Bearer <token>" by /route, first_token and finish;
+    # each token is one client (bookings are released only by the token that booked them). None: no token.
+    auth_token_file: str | None = field(default=None, metadata=Domain(str, optional=True).meta())
+    # times a failed event loop is started again (after 0.5 s, doubling to 30 s), each stream resuming after
+    # its last applied batch, before the service gives up: /health 503 and a non-zero exit. 0: at once.
+    loop_restarts: int = field(default=0, metadata=at_least(0))
+
+    def __post_init__(self) -> None:
+        check_fields(self, style="key")
+        if not isinstance(self.listen, str):
+            raise ConfigError(f"listen: {self.listen!r} is not allowed; expected HOST:PORT")
+        _, sep, port = self.listen.rpartition(":")
+        if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
+            raise ConfigError(f"listen: {self.listen!r} is not allowed; expected HOST:PORT with a port in 0..65535")
+        named: dict[str, str] = {}  # endpoint -> the worker subscribed to it
+        for ep in self.endpoints:
+            other = named.setdefault(ep.endpoint, ep.worker)
+            if other != ep.worker:  # each would index the other's events as its own
+                raise ConfigError(f"endpoints: workers {other!r} and {ep.worker!r} both subscribe to {ep.endpoint}")
+
+    def routing_settings(self) -> RoutingSettings:
+        """What the policy prices with, as the simulator builds it (:mod:`kvtier.indexer.routing.policies`); a latency
+        file that cannot be read is a :class:`ConfigError`."""
+        latency = MockerLatency()
+        if self.latency_path is not None:
+            try:
+                latency = latency_from_json(Path(self.latency_path).read_text())
+            except OSError as exc:
+                raise ConfigError(f"latency_path {self.latency_path}: {exc.strerror or exc}") from None
+            except ValueError as exc:
+                raise ConfigError(f"latency_path {self.latency_path}: {exc}") from None
+        return RoutingSettings(
+            cost=self.cost, model=self.model,
+            h2d_gbps=self.h2d_gbps if self.h2d_gbps is not None else GPU_LINKS[self.gpu_link].gbps,
+            storage_gbps=self.storage_gbps if self.storage_gbps is not None else STORAGE_LINKS[self.storage_link].gbps,
+            host_credit=self.host_credit, disk_credit=self.disk_credit, prefill_budget=self.prefill_budget,
+            capacity_tokens=self.capacity_tokens, latency=latency, temperature=self.temperature, seed=self.seed)
+
+    @property
+    def inferred_window_tokens(self) -> int:
+        """The window the index infers for engines that send no window events (0: none)."""
+        return PRESETS[self.model].window_tokens if self.window_tokens is None else self.window_tokens
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        """Where the HTTP front end binds (an empty host is loopback)."""
+        host, _, port = self.listen.rpartition(":")
+        return host or "127.0.0.1", int(port)
+
+
+#: [[endpoints]] keys: domain, required.
+_ENDPOINT_FIELDS: dict[str, tuple[Domain, bool]] = {
+    "worker": (Domain(str), True), "endpoint": (Domain(str), True),
+    "replay_endpoint": (Domain(str, optional=True), False), "dp_rank": (Domain(int, lo=0), False),
+    "supports_dump": (Domain(bool), False), "engine": (Domain(str, optional=True), False),
+}
+
+#: The tiers each engine keeps prefix-closed (a block held there has its parent held there), on which a store made
+#: after a loss for good proves its parent chain held (kvtier.indexer.index.relearn): SGLang's radix tree on device,
+#: kvtier's engine on device and host; vLLM's block pool can hold a block without its parent.
+ENGINE_CLOSED_TIERS: dict[str, tuple[StorageTier, ...]] = {
+    "sglang": (StorageTier.DEVICE,), "kvtier": (StorageTier.DEVICE, StorageTier.HOST), "vllm": ()}
+
+
+def closed_tiers(ep: EndpointConfig) -> tuple[StorageTier, ...]:
+    """What ``ep``'s engine keeps prefix-closed: its declared engine's, else kvtier's where it answers state dumps
+    (only kvtier engines do), else nothing (no chain is ever regained from an undeclared engine). O(1)."""
+    engine = ep.engine or ("kvtier" if ep.supports_dump else None)
+    return ENGINE_CLOSED_TIERS[engine] if engine else ()
+
+
+def parse_endpoint(spec: str) -> EndpointConfig:
+    """Parses ``WORKER=PUB_ENDPOINT[,replay=ENDPOINT][,dp=N][,dump][,engine=sglang|vllm|kvtier]``."""
+    name, sep, rest = spec.partition("=")
+    if not sep or not name or not rest:
+        raise ConfigError(f"endpoint {spec!r}: expected WORKER=tcp://host:port[,replay=...][,dp=N][,dump]")
+    parts = rest.split(",")
+    opts: dict[str, Any] = {}
+    for p in parts[1:]:
+        key, _, value = p.partition("=")
+        if key == "replay":
+            if not value:
+                raise ConfigError(f"endpoint {spec!r}: option {p!r}: expected replay=tcp://host:port")
+            opts["replay_endpoint"] = value
+        elif key == "dp":
+            if not (value.isascii() and value.isdigit()):  # (isdigit alone takes '²', which int() refuses)
+                raise ConfigError(f"endpoint {spec!r}: option {p!r}: expected dp=N with N an integer >= 0")
+            opts["dp_rank"] = int(value)
+        elif key == "engine":
+            opts["engine"] = value
+        elif key == "dump":
+            if value:
+                raise ConfigError(f"endpoint {spec!r}: option {p!r}: dump takes no value")
+            opts["supports_dump"] = True
+        else:
+            raise ConfigError(f"endpoint {spec!r}: unknown option {p!r}")
+    try:
+        return EndpointConfig(worker=name, endpoint=parts[0], **opts)
+    except ValueError as exc:
+        raise ConfigError(f"endpoint {spec!r}: {exc}") from None
+
+
+def load_config(path: Path) -> ServiceConfig:
+    """Reads a TOML file: top-level settings plus ``[[endpoints]]`` tables."""
+    try:
+        raw = tomllib.loads(path.read_bytes().decode())
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    eps = []
+    tables = raw.pop("endpoints", [])
+    if not isinstance(tables, list) or not all(isinstance(e, dict) for e in tables):
+        raise ConfigError(f"{path}: endpoints must be [[endpoints]] tables")
+    for i, e in enumerate(tables):
+        if unknown := set(e) - set(_ENDPOINT_FIELDS):
+            raise ConfigError(f"{path}: endpoints[{i}]: unknown fields {sorted(unknown)}")
+        for name, (domain, required) in _ENDPOINT_FIELDS.items():
+            if name in e:
+                domain.check(f"{path}: endpoints[{i}].{name}", e[name])
+            elif required:
+                raise ConfigError(f"{path}: endpoints[{i}]: missing {name}")
+        try:
+            eps.append(EndpointConfig(worker=e["worker"], endpoint=e["endpoint"],
+                                      replay_endpoint=e.get("replay_endpoint"), dp_rank=e.get("dp_rank", 0),
+                                      supports_dump=e.get("supports_dump", False), engine=e.get("engine")))
+        except ValueError as exc:
+            raise ConfigError(f"{path}: endpoints[{i}]: {exc}") from None
+    known = {f.name for f in fields(ServiceConfig)} - {"endpoints"}  # every setting, so none is forgotten here
+    if unknown := set(raw) - known:
+        raise ConfigError(f"{path}: unknown settings {sorted(unknown)}")
+    return ServiceConfig(endpoints=eps, **raw)

@@ -1,0 +1,217 @@
+"""The indexer service's event loop: the thread that follows the engines.
+
+It subscribes to every endpoint, applies each delivered batch to the index under the service's lock (one batch per
+hold: a query waits for a batch, never for a backlog), drops routed requests past their time to live, and writes
+snapshots. A failure ends it (``failed``) unless the configuration allows restarts: it then starts again after a
+back-off, each stream resuming after its last applied batch as from a snapshot, while the service answers, degraded.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from kvtier.indexer.index.consumer import IndexConsumer
+from kvtier.indexer.index.tiered import TieredIndex
+from kvtier.indexer.service import persist
+from kvtier.indexer.service.config import ServiceConfig
+from kvtier.indexer.service.deadlines import Deadlines
+from kvtier.indexer.service.histogram import Histogram
+from kvtier.wire.notices import StreamId, StreamStats
+from kvtier.wire.transport.subscriber import Subscriber
+
+__all__ = ["EventLoop"]
+
+log = logging.getLogger(__name__)
+
+_RESTART_BACKOFF_S = 0.5  # the first wait before a failed event loop starts again
+_RESTART_BACKOFF_MAX_S = 30.0  # the longest, as failures repeat
+
+
+class EventLoop:
+    """Follows the engines on its own thread (:meth:`start`); the index's only writer."""
+
+    def __init__(self, config: ServiceConfig, index: TieredIndex, lock: threading.Lock, deadlines: Deadlines,
+                 on_expired: Callable[[str], None], resume: persist.Positions,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock``: the streams' (replay deadlines, idle probes, liveness); tests move it by hand."""
+        self.config = config
+        self._clock = clock
+        self.index = index  # what it keeps up to date
+        self._lock = lock  # the service's: guards the index, the loads and the deadlines
+        self._deadlines = deadlines  # routed requests' deadlines
+        self._on_expired = on_expired  # told each request dropped at its deadline (under the lock)
+        self._resume = resume  # where each stream resumes at start (restored from a snapshot)
+        self.consumer = IndexConsumer(index)  # applies deliveries; its counters are the service's metrics
+        self._sub: Subscriber | None = None  # the subscriber of the current life of the loop
+        self._stop = threading.Event()
+        self.ready = threading.Event()  # set once it subscribed (or failed, or waits to restart)
+        self.failed = threading.Event()  # set when it died for good: the index no longer follows the engines
+        self.error: str | None = None  # why it died, if it did
+        self.restarts = 0  # times it failed and was started again (config.loop_restarts)
+        self.restarting = False  # between a failure and the restart
+        self._torn: StreamId | None = None  # the stream whose delivery is being applied
+        self._positions: persist.Positions = {}  # each in-sync stream's position when the loop last ended
+        self.snapshots = 0  # snapshots written
+        self.snapshot_seconds = 0.0  # how long the last one took
+        self.snapshot_failures = 0  # snapshots that could not be written
+        self.snapshot_error: str | None = None  # why the last one failed, until one succeeds again
+        self.apply_wait = Histogram()  # a delivered batch's wait for the lock: how long requests held it up
+        self.apply_hold = Histogram()  # the lock held by one delivered batch's application
+        self._thread = threading.Thread(target=self._run, name="kv-indexer", daemon=True)
+
+    def start(self, ready_within_s: float = 5.0) -> None:
+        """Starts the thread and waits (at most ``ready_within_s``) until it subscribed."""
+        self._thread.start()
+        self.ready.wait(ready_within_s)
+
+    def stop(self) -> None:
+        """Asks the thread to stop; it writes a last snapshot on its way out (:meth:`join`)."""
+        self._stop.set()
+
+    def join(self, timeout_s: float = 5.0) -> None:
+        """Waits (at most ``timeout_s``) for the thread to end after :meth:`stop`."""
+        self._thread.join(timeout=timeout_s)
+
+    def is_alive(self) -> bool:
+        """Whether the thread runs and has not died for good (it may be waiting to restart). O(1)."""
+        return self._thread.is_alive() and not self.failed.is_set()
+
+    # --- what the service reads (under its lock) ------------------------------------------
+
+    def rebuilding(self) -> set[StreamId]:
+        """Streams whose catch-up, full replay or dump is under way (the router skips them); every stream
+        while a failed loop waits to start again. O(streams)."""
+        if self.restarting:
+            return set(self.index.streams)
+        sub = self._sub
+        return set() if sub is None else {s for s in sub.streams if sub.recovering(s)}
+
+    def dead(self) -> set[StreamId]:
+        """Streams whose publisher looks gone (silent for ``liveness_timeout_s``: :meth:`Subscriber.silent
+        <kvtier.wire.transport.subscriber.Subscriber.silent>`); none while a failed loop waits to start again (every
+        stream is rebuilding then). O(streams)."""
+        sub = self._sub
+        if sub is None or self.restarting:
+            return set()
+        return sub.silent(self.config.liveness_timeout_s)
+
+    def stream_stats(self) -> dict[StreamId, StreamStats]:
+        """Each subscribed stream's counters. O(streams)."""
+        sub = self._sub
+        return {} if sub is None else {s: sub.stats(s) for s in sub.streams}
+
+    # --- snapshots ------------------------------------------------------------------------
+
+    def save_snapshot(self, positions: persist.Positions | None = None) -> int | None:
+        """Writes the snapshot now (loop thread: the index's only writer, so no lock is needed for a consistent
+        read, and queries go on meanwhile), with each stream's ``positions`` (default: the subscriber's). Returns
+        its size, None if not configured."""
+        if self.config.snapshot_path is None or (self._sub is None and positions is None):
+            return None
+        if positions is None:
+            assert self._sub is not None
+            positions = self._sub.positions()
+        t0 = time.monotonic()
+        n = persist.save(Path(self.config.snapshot_path), self.index, positions)
+        self.snapshots += 1
+        self.snapshot_seconds = time.monotonic() - t0
+        return n
+
+    def _save_logged(self, positions: persist.Positions | None = None) -> None:
+        try:
+            self.save_snapshot(positions)
+        except OSError as exc:  # a full disk must not stop the index from following the engines
+            self.snapshot_failures += 1
+            self.snapshot_error = f"snapshot to {self.config.snapshot_path} failed: {exc.strerror or exc}"
+            log.error("%s", self.snapshot_error)
+        else:
+            self.snapshot_error = None
+
+    # --- the thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        """Follows the engines until stop. A failure ends it (``failed``), unless ``loop_restarts`` allows
+        another try: it then starts again after a back-off, each stream resuming after its last applied batch,
+        as from a snapshot (a stream that was not in sync starts afresh)."""
+        resume, left, backoff = self._resume, self.config.loop_restarts, _RESTART_BACKOFF_S
+        while True:
+            try:
+                self._follow(resume)
+                return
+            except Exception as exc:
+                if left <= 0 or self._stop.is_set():
+                    self._died(exc)
+                    return
+                left -= 1
+                self.restarts += 1
+                self.restarting = True
+                log.error("event loop failed (%s: %s); restarting it in %g s (%d more allowed)",
+                          type(exc).__name__, exc, backoff, left, exc_info=exc)
+                resume = self._resume_points(resume)
+                self.ready.set()  # the service goes on: it answers, degraded, meanwhile
+                if self._stop.wait(backoff):
+                    self._save_logged(resume)  # stopped while waiting: the index, and where each stream resumes
+                    return
+                backoff = min(2 * backoff, _RESTART_BACKOFF_MAX_S)
+
+    def _resume_points(self, fallback: persist.Positions) -> persist.Positions:
+        """Where each stream resumes after a failure: its subscriber's position. A stream with none (it was
+        catching up), or whose delivery was being applied when the loop failed (torn: its position counts a
+        batch the index may hold in part), is cleared, to be rebuilt from scratch. ``fallback`` if no
+        subscriber was made."""
+        if self._sub is None:
+            return fallback
+        positions = dict(self._positions)
+        if self._torn is not None:
+            positions.pop(self._torn, None)
+            self._torn = None
+        with self._lock:
+            for s in self.index.streams:
+                if s not in positions:
+                    self.index.clear_worker(s)
+        return positions
+
+    def _follow(self, resume: persist.Positions) -> None:
+        """One life of the loop: subscribes (resuming ``resume``) and applies deliveries until stop; raises
+        what stopped it otherwise."""
+        # Quiet streams are probed often enough for a live publisher to answer several times within the
+        # liveness timeout.
+        probe_s = min(1.0, self.config.liveness_timeout_s / 4)
+        sub = Subscriber(self.config.endpoints, replay_timeout_s=self.config.replay_timeout_s, resume=resume,
+                         clock=self._clock, probe_s=probe_s)
+        self._sub = sub
+        self.restarting = False
+        self.ready.set()
+        next_snapshot = time.monotonic() + self.config.snapshot_interval_s
+        try:
+            while not self._stop.is_set():
+                if time.monotonic() >= next_snapshot:
+                    self._save_logged()
+                    next_snapshot = time.monotonic() + self.config.snapshot_interval_s
+                for d in sub.poll(50):
+                    t0 = time.perf_counter()
+                    with self._lock:  # one batch per hold: queries wait for a batch, never a backlog
+                        t1 = time.perf_counter()
+                        self._torn = d.stream  # if applying it fails, its state is half there: never resumed
+                        self.consumer.feed((d,))
+                        self._torn = None
+                        self.apply_wait.observe(t1 - t0)
+                        self.apply_hold.observe(time.perf_counter() - t1)
+                if self._deadlines.due(time.monotonic()):
+                    with self._lock:
+                        for rid in self._deadlines.expire(time.monotonic()):
+                            self._on_expired(rid)
+            self._save_logged()  # on stop
+        finally:
+            self._positions = sub.positions()  # where a restart resumes (closing forgets the streams)
+            sub.close()
+
+    def _died(self, exc: Exception) -> None:
+        self.error = f"{type(exc).__name__}: {exc}"
+        log.critical("event loop died: %s", self.error, exc_info=exc)
+        self.ready.set()
+        self.failed.set()

@@ -1,0 +1,194 @@
+"""What the indexer service's HTTP front end refuses to spend on a client (:mod:`kvtier.indexer.service.http`).
+
+* A body is read and decompressed here, a bounded piece at a time, and refused (413) the moment either its
+  bytes on the wire or its decompressed bytes pass the cap: a gzip bomb costs at most the cap in memory and
+  its decompression yields to the other connections between pieces.
+* JSON nesting deeper than a cap is refused (400) before the JSON parser sees it: the parser recurses.
+* Open connections are capped: one past the cap gets a JSON 503 and is closed at once, before a byte of it
+  is parsed.
+* A connection that has not sent a request's headers within a deadline after it opened is closed.
+* Errors aiohttp answers itself (a request it cannot parse) come back as JSON over HTTP/1.1 like every
+  other answer, and are counted (``kvtier_http_malformed_requests_total``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import zlib
+from typing import Any, cast
+
+import numpy as np
+from aiohttp import hdrs, web
+from aiohttp.http import HttpVersion10, HttpVersion11
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
+
+PIECE = 64 << 10  # decompressed bytes produced per step: the most one step holds the event loop for
+
+class BodyTooLarge(Exception):
+    """A request body past the cap, on the wire or decompressed."""
+
+
+class UnsupportedEncoding(Exception):
+    """A ``Content-Encoding`` the service does not decode."""
+
+
+def _decompressor(encoding: str) -> Any:
+    """A zlib decompressor for ``encoding``, None for an identity body; :class:`UnsupportedEncoding` else."""
+    enc = encoding.strip().lower()
+    if enc in ("", "identity"):
+        return None
+    if enc in ("gzip", "x-gzip"):
+        return zlib.decompressobj(16 + zlib.MAX_WBITS)
+    if enc == "deflate":
+        return zlib.decompressobj(32 + zlib.MAX_WBITS)  # zlib-wrapped, as RFC 9110 says (gzip also accepted)
+    raise UnsupportedEncoding(f"content-encoding {encoding!r} is not supported; use gzip, deflate or identity")
+
+
+async def read_body(request: web.BaseRequest, cap: int) -> bytes:
+    """The request's body, decompressed as its ``Content-Encoding`` says; :class:`BodyTooLarge` as soon as more
+    than ``cap`` bytes came on the wire or came out of the decompressor, ``ValueError`` for a compressed body
+    that does not decompress. Memory O(cap); the loop is given back after every PIECE of output."""
+    encoding = request.headers.get(hdrs.CONTENT_ENCODING, "")
+    d = _decompressor(encoding)
+    out = bytearray()
+    wire = 0
+    async for chunk in request.content.iter_any():
+        wire += len(chunk)
+        if wire > cap:
+            raise BodyTooLarge(f"body larger than {cap} bytes")
+        if d is None:
+            out += chunk
+            continue
+        pending: bytes = chunk
+        while True:
+            if d.eof:  # a gzip body may be several members back to back
+                if not pending:
+                    break
+                d = _decompressor(encoding)
+            try:
+                piece = d.decompress(pending, PIECE)
+            except zlib.error:
+                raise ValueError(f"request body: Can not decode content-encoding: {encoding.strip()}") from None
+            out += piece
+            if len(out) > cap:
+                raise BodyTooLarge(f"body larger than {cap} bytes once decompressed")
+            pending = d.unused_data if d.eof else d.unconsumed_tail
+            if not pending and (d.eof or len(piece) < PIECE):
+                break
+            await asyncio.sleep(0)  # other connections run between pieces
+    if d is not None and not d.eof:
+        raise ValueError(f"request body: Can not decode content-encoding: {encoding.strip()} (truncated)")
+    return bytes(out)
+
+
+_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
+
+
+def check_depth(body: bytes, max_depth: int) -> None:
+    """``ValueError`` if ``body``'s JSON nests arrays and objects deeper than ``max_depth`` (strings, whose
+    brackets are text, are skipped). O(body) in C and numpy; a body with at most ``max_depth`` brackets in all
+    (any ordinary request) costs two ``bytes.count`` calls."""
+    if body.count(b"[") + body.count(b"{") <= max_depth:
+        return
+    bare = np.frombuffer(_STRINGS.sub(b"", body), np.uint8)
+    opens = (bare == ord("[")) | (bare == ord("{"))
+    closes = (bare == ord("]")) | (bare == ord("}"))
+    at = np.flatnonzero(opens | closes)
+    if len(at) and int(np.cumsum(np.where(opens[at], 1, -1), dtype=np.int64).max()) > max_depth:
+        raise ValueError(f"bad request body: JSON nested deeper than {max_depth} levels")
+
+
+def _json_error(status: int, message: str) -> bytes:
+    """A complete HTTP/1.1 answer with a JSON error, closing the connection (for a socket nothing parsed)."""
+    from http import HTTPStatus
+
+    import msgspec
+
+    body = msgspec.json.encode({"error": message})
+    return (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+
+
+class _Refused(asyncio.Protocol):
+    """A connection past the cap: a JSON 503, then closed, without reading from it."""
+
+    def __init__(self, answer: bytes) -> None:
+        self._answer = answer
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        sink = cast(asyncio.Transport, transport)  # (uvloop's transports are no asyncio.Transport subclass)
+        sink.write(self._answer)
+        sink.close()
+
+
+class _Handler(RequestHandler):
+    """aiohttp's connection handler, plus: the header-read deadline, the open-connection count, and JSON errors
+    over HTTP/1.1 for what aiohttp answers itself."""
+
+    __slots__ = ("_deadline", "_gate")
+
+    def __init__(self, gate: GatedServer, **kwargs: Any) -> None:
+        super().__init__(gate, **kwargs)
+        self._gate = gate
+        self._deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._deadline = self._loop.call_later(self._gate.header_timeout_s, self._headers_due)
+
+    def _headers_due(self) -> None:
+        """Closes the connection if no request's headers arrived yet (an idle or a byte-a-minute socket)."""
+        self._deadline = None
+        if self._request_count == 0 and self.transport is not None:
+            self._gate.header_timeouts += 1
+            self.force_close()
+            self.transport.close()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        self._gate.closed()
+        super().connection_lost(exc)
+
+    def handle_error(self, request: BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        """aiohttp's own answers (a request it could not parse, mostly) as JSON over HTTP/1.1, not text/plain
+        over the HTTP/1.0 of the placeholder request aiohttp makes for what it could not parse."""
+        super().handle_error(request, status, exc, message)  # logs it (one line: kvtier.indexer.service.http's filter)
+        if status == 400:
+            self._gate.malformed += 1
+        if request._message.version == HttpVersion10 and request.method == "UNKNOWN":  # aiohttp's placeholder
+            # (internals of aiohttp 3.x: the version the answer's status line is written with, and its cache)
+            request._version = HttpVersion11
+            request._cache.pop("version", None)
+        text = message if status != 500 else "internal error"
+        resp = web.json_response({"error": (text or f"HTTP {status}").strip().splitlines()[0]}, status=status)
+        resp.force_close()
+        return resp
+
+
+class GatedServer(web.Server):
+    """aiohttp's server with a cap on open connections and a header-read deadline (see the module's text)."""
+
+    def __init__(self, *args: Any, max_connections: int, header_timeout_s: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.max_connections = max_connections
+        self.header_timeout_s = header_timeout_s
+        self.open = 0  # connections accepted and not yet closed
+        self.refused = 0  # connections turned away at the cap
+        self.header_timeouts = 0  # connections closed for sending no headers in time
+        self.malformed = 0  # requests aiohttp could not parse (400)
+
+    def __call__(self) -> Any:  # an asyncio protocol factory
+        if self.open >= self.max_connections:
+            self.refused += 1
+            return _Refused(_json_error(503, f"too many open connections (at most {self.max_connections})"))
+        self.open += 1
+        return _Handler(self, loop=self._loop, **self._kwargs)
+
+    def closed(self) -> None:
+        """A handler's connection ended."""
+        self.open -= 1

@@ -1,0 +1,61 @@
+"""Whether kvtier's compiled kernels run: numba, where it imports and ``KVTIER_JIT`` is not ``0``.
+
+Each kernel module (:mod:`kvtier.kernels.keykernel`, :mod:`kvtier.kernels.tokenkernel`, ...) is held by a
+:class:`LazyKernels` and imported the first time it is needed, so that importing kvtier never imports
+numba (about 0.3 s and 140 MB of RSS); every caller keeps a pure-Python path with the same results for
+when it is not there. Before a kernel module is imported, numba's cache of it is checked against every module
+compiled into it (:mod:`kvtier.kernels.kernelcache`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from kvtier.kernels.kernelcache import refresh
+
+_OFF = ("0", "false", "off", "no")
+
+
+def load(module: str) -> tuple[ModuleType | None, str]:
+    """``(the kernel module, "numba")``, or ``(None, "python (why)")`` when ``KVTIER_JIT=0`` is set, numba
+    cannot be imported (no wheel for this platform) or the module cannot load here. O(import)."""
+    if os.environ.get("KVTIER_JIT", "1").strip().lower() in _OFF:
+        return None, "python (KVTIER_JIT=0)"
+    try:
+        refresh(module)  # (numba would serve kernels compiled from an older version of a module they use)
+        return importlib.import_module(module), "numba"
+    except ImportError as exc:
+        # numba (or llvmlite) missing, or the kernel module's own requirement (a library it loads, byte order).
+        what = "numba" if (exc.name or "").split(".")[0] in ("numba", "llvmlite") else "kernels"
+        return None, f"python ({what} unavailable: {exc})"
+
+
+class LazyKernels:
+    """A kernel module, imported on first use and then warmed: ``warm`` calls its functions once with the
+    argument types their callers pass, so that numba compiles them (or loads them from its cache) then,
+    not inside the first timed call."""
+
+    __slots__ = ("backend", "module", "name", "warm")
+
+    def __init__(self, name: str, warm: Callable[[Any], object]) -> None:
+        self.name = name  # the module's import name
+        self.warm = warm  # called with the module once it is imported
+        self.module: Any = None  # the module; None until loaded, and on the Python path
+        self.backend: str | None = None  # None until loaded; then "numba" or "python (why)"
+
+    def get(self) -> Any:
+        """The kernel module, or ``None``: use the Python path. Imports and warms it the first time. O(1) after
+        the first call."""
+        if self.backend is None:
+            module, backend = load(self.name)
+            if module is not None:
+                self.warm(module)
+            self.module, self.backend = module, backend
+        return self.module
+
+
+__all__ = ["LazyKernels", "load"]

@@ -1,0 +1,672 @@
+"""The ``kvtier`` command line: replay, compare, sweep, gen-trace, fit-latency, engine, indexer."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import importlib.util
+import json
+import logging
+import math
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from kvtier.engine.cache import PrefetchPolicy, WritePolicy
+from kvtier.hardware.latency import PRESETS as MODEL_PRESETS
+from kvtier.hardware.latency import (
+    MockerLatency,
+    ModelPreset,
+    fit_latency,
+    latency_from_json,
+    latency_to_json,
+    load_latency_points,
+)
+from kvtier.hardware.links import DEFAULT_GPU_LINK, DEFAULT_STORAGE_LINK, GPU_LINKS, STORAGE_LINKS
+from kvtier.indexer.routing.policies import REGISTRY
+from kvtier.sim import live
+from kvtier.sim.cluster import ClusterConfig
+from kvtier.sim.generators import PRESETS, iter_generate
+from kvtier.sim.policies import POLICIES, check_policy
+from kvtier.sim.run import RunConfig, RunResult
+from kvtier.sim.source import TraceSource
+from kvtier.sim.trace import Request, TraceError, write_mooncake
+from kvtier.sim.transport import Recovery
+from kvtier.util.fields import ConfigError, Domain, OneLineParser
+
+# The incumbents route in O(prompt blocks) per request, and all but llmd_precise (fed events, like kv_host) hear no
+# events: cheap beside the kv_* policies.
+DEFAULT_POLICIES = ("round_robin,least_loaded,approx,kv_device,kv_host,kv_all,dynamo,min_ttft,oracle,"
+                    "sglang_cache_aware,power_of_two,llmd,llmd_kv,llmd_precise")
+
+
+class CliError(Exception):
+    """A usage problem reported as ``kvtier: error: ...`` with exit status 2."""
+
+
+#: Domains of options that map to no configuration object (those of ClusterConfig and RunConfig are
+#: stated on their fields).
+COUNT = Domain(int, lo=1)
+SCALE = Domain(float, lo=0, lo_open=True)
+SEED = Domain(int, lo=0)  # (numpy's generators take no negative seed)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default (``none`` for None); flags show none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = (action.help or "").strip()
+        flag = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction,
+                                   argparse._HelpAction, argparse._VersionAction))
+        if (not action.option_strings or flag or action.required or "default" in text
+                or action.default is argparse.SUPPRESS):
+            return text
+        shown = "none" if action.default is None or action.default == [] else "%(default)s"
+        return f"{text} (default: {shown})".strip()
+
+
+# --- shared options ------------------------------------------------------------------------
+
+
+def _add_trace_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", default="builtin:chat",
+                   help="Mooncake JSONL, Azure CSV, or builtin:chat|agentic|sysprompt[:N] (N requests; default: "
+                        "--limit, else 1,000)")
+    p.add_argument("--limit", type=COUNT.parse, help="use only the first N requests (default: all)")
+    p.add_argument("--time-scale", type=SCALE.parse, default=1.0, help="multiply arrival times (<1 = higher load)")
+    p.add_argument("--trace-seed", type=SEED.parse, default=0,
+                   help="seed of builtin traces, and of an Azure trace's prefix groups")
+    p.add_argument("--shared-prefix-blocks", type=SEED.parse, default=0, metavar="N",
+                   help="Azure CSV traces (lengths only): each request's first N 512-token blocks are its prefix "
+                        "group's, as a system prompt per application (Dynamo mocker's trace_shared_prefix_ratio); "
+                        "0: every prompt unique")
+    p.add_argument("--prefix-groups", type=COUNT.parse, default=8, metavar="G",
+                   help="Azure CSV traces: the prefix groups requests join at random (seeded by --trace-seed)")
+
+
+def _add_cluster_args(p: argparse.ArgumentParser) -> None:
+    d = ClusterConfig()
+    g = p.add_argument_group("cluster")
+    g.add_argument("--workers", type=int, default=d.workers, help="inference workers")
+    g.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page / router block")
+    g.add_argument("--device-tokens", type=int, default=d.device_tokens, help="device KV per worker, tokens")
+    g.add_argument("--host-ratio", type=float, default=d.host_ratio, help="host / device capacity (0: no host)")
+    g.add_argument("--l3", choices=["none", "disk", "external"], default=d.l3, help="storage tier")
+    g.add_argument("--l3-tokens", type=int, default=d.l3_tokens, help="disk per worker, or the pool, in tokens")
+    g.add_argument("--model", default=d.model, choices=sorted(MODEL_PRESETS), metavar="NAME",
+                   help="model preset, its KV bytes per token (hybrid: full-attention + sliding-window KV): "
+                        + "; ".join(_describe(p) for p in MODEL_PRESETS.values()))
+    g.add_argument("--swa-ratio", type=float, default=d.swa_ratio,
+                   help="hybrid models: window-KV pool tokens per full-attention pool token (SGLang's "
+                        "--swa-full-tokens-ratio)")
+    g.add_argument("--no-swa-events", dest="swa_events", action="store_false",
+                   help="hybrid models: engines publish no window-KV events (as SGLang): kv_swa infers their window "
+                        "KV, the other policies over-count")
+    g.add_argument("--write-policy", choices=[w.value for w in WritePolicy], default=d.write_policy.value,
+                   help="when device pages are backed up to host")
+    g.add_argument("--prefetch-policy", choices=[p.value for p in PrefetchPolicy], default=d.prefetch_policy.value,
+                   help="how long a request waits for its L3 prefetch")
+    g.add_argument("--prefill-budget", type=int, default=d.prefill_budget, help="chunked-prefill tokens/iteration")
+    g.add_argument("--max-running", type=int, default=d.max_running, help="requests in a worker's batch at once")
+    g.add_argument("--gpu-link", choices=sorted(GPU_LINKS), default=DEFAULT_GPU_LINK,
+                   help="host<->device link preset (its bandwidth and source: kvtier.hardware.links)")
+    g.add_argument("--storage-link", choices=sorted(STORAGE_LINKS), default=DEFAULT_STORAGE_LINK,
+                   help="host<->storage link preset")
+    g.add_argument("--h2d-gbps", type=float, help="host<->device bandwidth, GB/s each way (default: --gpu-link's)")
+    g.add_argument("--storage-gbps", type=float, help="host<->storage bandwidth, GB/s (default: --storage-link's)")
+    g.add_argument("--latency", type=Path, metavar="JSON",
+                   help="iteration-time fit written by `kvtier fit-latency` (default: Dynamo mocker's published fit)")
+
+
+def _add_router_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("router")
+    g.add_argument("--cost", choices=["credit", "ttft"], default="credit", help="cost model of kv policies")
+    g.add_argument("--event-delay", type=float, default=0.0, help="engine -> router event delay, seconds")
+    g.add_argument("--event-loss", type=float, default=0.0, help="probability an event batch is lost")
+    g.add_argument("--recovery", choices=[r.value for r in Recovery], default=Recovery.DUMP.value,
+                   help="what the router does about lost batches: none (they stay missing), replay (seq tracking "
+                        "and replay, as with SGLang/vLLM engines), dump (replay, then state dumps: kvtier engines)")
+    g.add_argument("--replay-buffer", type=int, default=10_000, help="batches each engine keeps for replay")
+    g.add_argument("--loss-burst", type=int, default=1,
+                   help="batches of a worker lost in a row each time one is (an outage longer than the buffer "
+                        "needs a dump or leaves the worker partial)")
+    g.add_argument("--host-credit", type=float, default=0.75, help="credit cost: weight of a host-tier block")
+    g.add_argument("--disk-credit", type=float, default=0.25,
+                   help="credit cost: weight of a disk or external block")
+    g.add_argument("--temperature", type=float, default=0.0, help="softmax sampling over costs (0: argmin)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the router's random choices")
+    g = p.add_argument_group("replay")
+    g.add_argument("--open-loop", action="store_true",
+                   help="release every turn at its trace timestamp (default: a session's next turn arrives its "
+                        "think time after the previous answer)")
+    g.add_argument("--until", type=float, help="stop simulated time here, seconds (default: run to completion)")
+    g.add_argument("--allow-unfinished", action="store_true",
+                   help="exit 0 even if some requests did not finish (they are reported as unfinished)")
+    g = p.add_argument_group("service-level objectives (goodput: the share of requests meeting every one given)")
+    g.add_argument("--sla-ttft-ms", type=float, help="time to first token bound, ms")
+    g.add_argument("--sla-tpot-ms", type=float, help="time per output token bound (after the first), ms")
+    g.add_argument("--sla-e2e-ms", type=float, help="end-to-end latency bound, ms")
+    g.add_argument("--itl-series", type=Path, metavar="FILE",
+                   help="write every request's inter-token gaps (seconds) as JSONL: "
+                        '{"policy", "request_id", "itl_s": [...]} per completed request')
+
+
+def _describe(p: ModelPreset) -> str:
+    def size(n: int) -> str:
+        return f"{n // 1024} KiB" if n >= 1024 else f"{n} B"
+
+    if not p.swa_layers:
+        return f"{p.name} ({size(p.bytes_per_token)})"
+    return (f"{p.name} ({size(p.bytes_per_token)} full + {size(p.window_bytes_per_token)} window, "
+            f"{p.window_tokens}-token window)")
+
+
+def _cluster(a: argparse.Namespace) -> ClusterConfig:
+    return ClusterConfig(workers=a.workers, page_size=a.page_size, device_tokens=a.device_tokens,
+                         host_ratio=a.host_ratio, l3=a.l3, l3_tokens=a.l3_tokens, model=a.model,
+                         swa_ratio=a.swa_ratio, swa_events=a.swa_events,
+                         write_policy=WritePolicy(a.write_policy), prefetch_policy=PrefetchPolicy(a.prefetch_policy),
+                         prefill_budget=a.prefill_budget, max_running=a.max_running,
+                         h2d_gbps=a.h2d_gbps if a.h2d_gbps is not None else GPU_LINKS[a.gpu_link].gbps,
+                         storage_gbps=(a.storage_gbps if a.storage_gbps is not None
+                                       else STORAGE_LINKS[a.storage_link].gbps),
+                         latency=_latency(a.latency))
+
+
+def _latency(path: Path | None) -> MockerLatency:
+    if path is None:
+        return MockerLatency()
+    try:
+        return latency_from_json(path.read_text())
+    except OSError as exc:
+        raise CliError(f"--latency {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise CliError(f"--latency {path}: {exc}") from None
+
+
+def _run_cfg(a: argparse.Namespace, policy: str) -> RunConfig:
+    check_policy(policy)
+    return RunConfig(policy, a.cost, a.event_delay, a.event_loss, a.host_credit, a.disk_credit, a.temperature,
+                     a.seed, closed_loop=not a.open_loop, until_s=a.until, recovery=a.recovery,
+                     replay_buffer=a.replay_buffer, loss_burst=a.loss_burst, sla_ttft_ms=a.sla_ttft_ms,
+                     sla_tpot_ms=a.sla_tpot_ms, sla_e2e_ms=a.sla_e2e_ms)
+
+
+def _trace(a: argparse.Namespace) -> TraceSource:
+    from kvtier.sim.experiment import trace_source
+
+    try:
+        return trace_source(a.trace, limit=a.limit, seed=a.trace_seed, time_scale=a.time_scale,
+                            shared_prefix_blocks=a.shared_prefix_blocks, prefix_groups=a.prefix_groups)
+    except (TraceError, FileNotFoundError, ValueError) as exc:
+        raise CliError(str(exc)) from None
+    except OSError as exc:
+        raise CliError(f"trace {a.trace}: {exc.strerror or exc}") from None
+
+
+def _meta(a: argparse.Namespace, n_requests: int) -> dict[str, Any]:
+    return {"trace": a.trace, "requests": n_requests, "time_scale": a.time_scale,
+            "cluster": dataclasses.asdict(_cluster(a)), "cost": a.cost, "event_delay_s": a.event_delay,
+            "event_loss": a.event_loss, "recovery": a.recovery, "replay_buffer": a.replay_buffer,
+            "loss_burst": a.loss_burst, "slo_ms": {"ttft": a.sla_ttft_ms, "tpot": a.sla_tpot_ms, "e2e": a.sla_e2e_ms}}
+
+
+#: How long loading the compiled kernels may take before the CLI says why it is quiet, seconds.
+KERNEL_NOTICE_S = 2.0
+
+
+def _load_kernels_saying_so() -> None:
+    """Loads the simulator's compiled kernels before the runs (forked run processes inherit them). Loading takes
+    under a second from numba's cache; the first run after an install compiles them, which takes a minute or two
+    on 2 cores: past :data:`KERNEL_NOTICE_S` a line says so, and when they are ready how long it took."""
+    import threading
+
+    from kvtier.sim.run import load_kernels
+
+    done = threading.Event()
+    said = threading.Event()
+
+    def notice() -> None:
+        if not done.wait(KERNEL_NOTICE_S):
+            said.set()
+            print("kvtier: loading the simulator's compiled kernels (the first run after an install compiles them "
+                  "into numba's cache, a minute or two on 2 cores)...", file=sys.stderr, flush=True)
+
+    t0 = time.monotonic()
+    watcher = threading.Thread(target=notice, daemon=True)
+    watcher.start()
+    try:
+        load_kernels()
+    finally:
+        done.set()
+        watcher.join()
+    if said.is_set():
+        print(f"kvtier: kernels ready after {time.monotonic() - t0:.0f} s; once cached they load in about a second",
+              file=sys.stderr, flush=True)
+
+
+class _RunsProgress:
+    """Runs finished: a bar on a terminal, else a line per run (a CI log, a pipe), so a long comparison is never
+    silent."""
+
+    def __init__(self, total: int) -> None:
+        from tqdm import tqdm
+
+        self.total, self.count, self.t0 = total, 0, time.monotonic()
+        self.bar = tqdm(total=total, desc="runs", unit="run", disable=None)
+        self.lines = bool(self.bar.disable)
+
+    def done(self, tag: dict[str, Any], res: RunResult) -> None:
+        self.count += 1
+        self.bar.update(1)
+        if self.lines:
+            what = " ".join(f"{k}={v}" for k, v in tag.items())
+            print(f"kvtier: run {self.count}/{self.total} done ({what}; {res.summary.requests} requests) after "
+                  f"{time.monotonic() - self.t0:.1f} s", file=sys.stderr, flush=True)
+
+    def __enter__(self) -> _RunsProgress:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.bar.close()
+
+
+# --- commands ------------------------------------------------------------------------------
+
+
+def _compare(a: argparse.Namespace, policies: list[str]) -> int:
+    from kvtier.sim.experiment import RunSpec, execute, run_jobs
+    from kvtier.sim.report import join_csv, join_files, plot, table, write_json
+
+    trace = _trace(a)
+    cluster = _cluster(a)
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Each run streams its records to a part of requests.csv (in its own process), so no process holds a
+    # long trace's records; the parts are joined in policy order.
+    parts = [out_dir / f".requests.{i}.csv" for i in range(len(policies))]
+    itl_parts = ([a.itl_series.with_name(f".{a.itl_series.name}.{i}") for i in range(len(policies))]
+                 if a.itl_series is not None else [None] * len(policies))
+    jobs = [RunSpec(trace, cluster, _run_cfg(a, p), {"policy": p}, records_csv=part, itl_jsonl=itl)
+            for p, part, itl in zip(policies, parts, itl_parts, strict=True)]
+    print(f"kvtier: {len(trace)} requests from {a.trace}, {cluster.workers} workers, "
+          f"{cluster.device_tokens:,} device tokens each, host x{cluster.host_ratio:g}, l3={cluster.l3}; "
+          f"policies: {', '.join(policies)}", file=sys.stderr)
+    t0 = time.monotonic()
+    _load_kernels_saying_so()
+    if getattr(a, "progress", False):
+        results = [execute(jobs[0], progress=True)]
+    else:
+        with _RunsProgress(len(jobs)) as bar:
+            results = run_jobs(jobs, processes=a.jobs, on_done=bar.done)
+    wall, peak = time.monotonic() - t0, _peak_rss_mib()
+    summaries = [res.summary for _, res in results]
+    print(table(summaries))
+    _warn_overloaded(summaries)
+    write_json(out_dir / "summary.json", summaries, {**_meta(a, len(trace)), "wall_s": round(wall, 3),
+                                                     "peak_rss_mib": round(peak, 1)})
+    join_csv(out_dir / "requests.csv", parts)
+    written = [out_dir / "summary.json", out_dir / "requests.csv"]
+    if a.itl_series is not None:
+        join_files(a.itl_series, [p for p in itl_parts if p is not None])
+        written.append(a.itl_series)
+    if not a.no_plots:
+        where = (f"{a.trace}, {cluster.workers} workers x {cluster.device_tokens:,} device tokens, "
+                 f"host x{cluster.host_ratio:g}, l3 {cluster.l3}")
+        written += plot(out_dir, summaries, [res for _, res in results], where,
+                        _run_cfg(a, policies[0]).slo)
+    print(f"\nran in {wall:.1f} s, peak memory {peak:,.0f} MiB (largest process); wrote "
+          f"{', '.join(str(p) for p in written)}", file=sys.stderr)
+    return _unfinished_status(a, summaries, len(trace))
+
+
+def _warn_overloaded(summaries: list[Any]) -> None:
+    from kvtier.sim.report import overloaded
+
+    for s in summaries:
+        why = overloaded(s)
+        if why:
+            print(f"kvtier: warning: {why}", file=sys.stderr)
+
+
+def _peak_rss_mib() -> float:
+    """Peak resident memory of this process or its largest run process so far, MiB."""
+    import resource
+
+    kib = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return kib / (1024 * 1024 if sys.platform == "darwin" else 1024)  # macOS counts bytes, Linux KiB
+
+
+def _unfinished_status(a: argparse.Namespace, summaries: list[Any], total: int) -> int:
+    """1 (with the reason on stderr) if some requests did not finish, unless --allow-unfinished."""
+    short = [s for s in summaries if s.unfinished]
+    for s in short:
+        why = f"the run stopped at --until {a.until:g} s" if a.until is not None else "they never completed"
+        print(f"kvtier: {s.unfinished} of {total} requests did not finish under {s.policy} ({why})",
+              file=sys.stderr)
+    if short and not a.allow_unfinished:
+        print("kvtier: error: unfinished requests (pass --allow-unfinished to accept them)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_compare(a: argparse.Namespace) -> int:
+    policies = [p.strip() for p in a.policies.split(",") if p.strip()]
+    if not policies:
+        raise CliError(f"--policies: {a.policies!r} names no policy; expected a comma-separated list from "
+                       f"{', '.join(POLICIES)} or plugins")
+    return _compare(a, policies)
+
+
+def cmd_replay(a: argparse.Namespace) -> int:
+    a.jobs = 1
+    a.progress = True  # one run in this process: a per-request progress bar
+    return _compare(a, [a.policy])
+
+
+def cmd_sweep(a: argparse.Namespace) -> int:
+    from kvtier.sim.experiment import grid_jobs, parse_grid, run_jobs
+    from kvtier.sim.report import table, write_sweep
+
+    try:
+        grid = parse_grid(a.grid)
+        jobs = grid_jobs(_trace(a), _cluster(a), _run_cfg(a, a.policy), grid, keep_records=False)
+    except ValueError as exc:  # ConfigError included
+        raise CliError(str(exc)) from None
+    if a.ray and importlib.util.find_spec("ray") is None:
+        raise CliError("--ray needs Ray: pip install ray (or drop --ray for a local process pool)")
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"kvtier sweep: {len(jobs)} runs over {', '.join(grid)}"
+          f" on {'Ray' if a.ray else 'a local process pool'}", file=sys.stderr)
+    _load_kernels_saying_so()
+    with _RunsProgress(len(jobs)) as bar:
+        results = run_jobs(jobs, processes=a.jobs, use_ray=a.ray, on_done=bar.done)
+    rows = []
+    summaries = []
+    for tag, res in results:
+        s = res.summary
+        s.policy = " ".join(f"{k}={v}" for k, v in tag.items())
+        summaries.append(s)
+        rows.append({**tag, **{k: None if isinstance(v, float) and math.isnan(v) else v  # (strict JSON: no NaN)
+                               for k, v in s.as_dict().items() if k not in ("policy", "extra", "slo")},
+                     **s.extra})
+    print(table(summaries, first="grid point"))
+    _warn_overloaded(summaries)
+    (out_dir / "sweep.json").write_text(json.dumps(rows, indent=2, default=str))
+    written = [out_dir / "sweep.json", *write_sweep(out_dir, rows, list(grid), plots=not a.no_plots)]
+    print(f"\nwrote {', '.join(str(p) for p in written)}", file=sys.stderr)
+    return _unfinished_status(a, summaries, len(jobs[0].trace) if jobs else 0)
+
+
+def cmd_gen_trace(a: argparse.Namespace) -> int:
+    spec = replace(PRESETS[a.kind], requests=a.requests, **({"rate": a.rate} if a.rate is not None else {}))
+    last = 0.0
+
+    def stream() -> Iterator[Request]:
+        nonlocal last
+        for req in iter_generate(spec, a.seed):  # written as generated: a million requests in flat memory
+            last = req.arrival
+            yield req
+
+    n = write_mooncake(stream(), Path(a.output))
+    print(f"wrote {n} {a.kind} requests over {last:.0f} s to {a.output}", file=sys.stderr)
+    return 0
+
+
+def cmd_tokens(a: argparse.Namespace) -> int:
+    """Prints one request's prompt as the indexer's query body, ``{"token_ids": [...]}``: the tokens ``kvtier
+    engine --trace T --seed S`` serves for it, so a query of a running engine's prefix hits."""
+    from kvtier.sim.experiment import resolve_trace
+    from kvtier.sim.trace import TokenBank
+
+    try:
+        reqs = resolve_trace(a.trace, seed=a.seed)
+    except (TraceError, FileNotFoundError, ValueError) as exc:
+        raise CliError(str(exc)) from None
+    if a.request is not None:
+        found = [r for r in reqs if r.request_id == a.request]
+        if not found:
+            raise CliError(f"--request {a.request!r}: no such request in {a.trace} (ids: {reqs[0].request_id} ...)")
+        req = found[0]
+    elif a.index >= len(reqs):
+        raise CliError(f"--index {a.index}: {a.trace} has {len(reqs)} requests")
+    else:
+        req = reqs[a.index]
+    print(json.dumps({"token_ids": TokenBank(seed=a.seed).tokens(req)}))
+    return 0
+
+
+def cmd_fit_latency(a: argparse.Namespace) -> int:
+    try:
+        prefill, decode = load_latency_points(str(a.csv))
+        fit = fit_latency(prefill, decode)
+    except OSError as exc:
+        raise CliError(f"{a.csv}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    default = MockerLatency()
+    print(f"prefill_ms = {fit.prefill_a:.6g}*T^2 + {fit.prefill_b:.6g}*T + {fit.prefill_c:.6g}   "
+          f"({len(prefill)} points, rmse {_rmse(prefill, lambda x: fit.prefill_ms(round(x))):.3g} ms)")
+    decoded = f"({len(decode)} points, rmse {_rmse(decode, fit.decode_ms):.3g} ms)" if decode else "(kept: no points)"
+    print(f"decode_ms  = max({fit.decode_floor:g}, {fit.decode_a:.6g}*u^2 + {fit.decode_b:.6g}*u + {fit.decode_c:.6g})"
+          f"   {decoded}")
+    for tokens in (512, 2048, 8192):
+        print(f"  prefill {tokens:>5} tokens: {fit.prefill_ms(tokens):8.2f} ms "
+              f"(mocker fit {default.prefill_ms(tokens):8.2f})")
+    Path(a.output).write_text(latency_to_json(fit))
+    print(f"wrote {a.output}; use it with --latency {a.output}", file=sys.stderr)
+    return 0
+
+
+def _rmse(points: list[tuple[float, float]], f: Callable[[float], float]) -> float:
+    return math.sqrt(math.fsum((f(x) - y) ** 2 for x, y in points) / len(points))
+
+
+def cmd_indexer(a: argparse.Namespace) -> int:
+    # The service (and aiohttp) is imported only for this command, so the simulator starts lean.
+    from kvtier.indexer.service.app import ConfigError, ServiceConfig, load_config, parse_endpoint, serve
+
+    try:
+        cfg = load_config(a.config) if a.config else ServiceConfig(endpoints=[])
+        eps = cfg.endpoints + [parse_endpoint(s) for s in a.endpoint]
+        given = (("block_size", a.block_size), ("listen", a.listen), ("cost", a.cost), ("snapshot_path", a.snapshot),
+                 ("policy", a.policy), ("model", a.model), ("window_tokens", a.window_tokens),
+                 ("http_loop", a.http_loop), ("loop_restarts", a.loop_restarts), ("gpu_link", a.gpu_link),
+                 ("storage_link", a.storage_link), ("h2d_gbps", a.h2d_gbps), ("storage_gbps", a.storage_gbps),
+                 ("host_credit", a.host_credit), ("disk_credit", a.disk_credit), ("temperature", a.temperature),
+                 ("seed", a.seed), ("prefill_budget", a.prefill_budget), ("capacity_tokens", a.capacity_tokens),
+                 ("latency_path", str(a.latency) if a.latency is not None else None),
+                 ("liveness_timeout_s", a.liveness_timeout),
+                 ("auth_token_file", str(a.auth_token_file) if a.auth_token_file is not None else None),
+                 *((name, getattr(a, name)) for name in _INDEXER_LIMITS))
+        overrides: dict[str, Any] = {k: v for k, v in given if v is not None}
+        cfg = replace(cfg, endpoints=eps, **overrides)
+        if not cfg.endpoints:
+            raise ConfigError("give at least one --endpoint or a --config with [[endpoints]]")
+        serve(cfg)
+    except ConfigError as exc:
+        raise CliError(str(exc)) from None
+    except OSError as exc:  # the HTTP port: in use, or an address this host does not have
+        raise CliError(f"cannot listen on {cfg.listen}: {exc.strerror or exc}") from None
+    return 0
+
+
+#: `kvtier indexer`'s limits on HTTP clients: option (--max-connections ...) -> (type, help); each is the
+#: ServiceConfig setting of the same name (its domain checked there), default the config's, else the README's.
+_INDEXER_LIMITS: dict[str, tuple[type, str]] = {
+    "max_body_bytes": (int, "request body cap, on the wire and decompressed (413)"),
+    "max_query_tokens": (int, "token ids per request (400)"),
+    "max_mm_items": (int, "multimodal items per request (400)"),
+    "max_json_depth": (int, "JSON nesting depth of a body (400)"),
+    "max_request_id_bytes": (int, "request_id length, UTF-8 bytes (400)"),
+    "max_in_flight": (int, "bookings in flight in all (503)"),
+    "max_in_flight_per_client": (int, "bookings in flight per client (429)"),
+    "max_connections": (int, "open HTTP connections (one more: 503, closed)"),
+    "header_timeout_s": (float, "seconds a new connection has to send its request headers"),
+    "read_timeout_s": (float, "seconds a request body has to arrive (408)"),
+    "max_context_tokens": (int, "the served model's context: output_tokens a finish may report (400)"),
+}
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvtier")
+    except PackageNotFoundError:  # (run from a source tree that was never installed)
+        return "unknown (not installed)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="kvtier", description="KV-cache-aware routing toolkit", formatter_class=HelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("--version", action="version", version=f"kvtier {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add = functools.partial(sub.add_parser, formatter_class=HelpFormatter)
+
+    p = add("compare", help="several routing policies on one trace and cluster; table, JSON, CSV, plots")
+    _add_trace_args(p)
+    _add_cluster_args(p)
+    _add_router_args(p)
+    p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated, from {', '.join(POLICIES)}")
+    p.add_argument("--out", default="out/compare", help="output directory")
+    p.add_argument("--jobs", type=COUNT.parse, help="parallel processes (default: one per core)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.set_defaults(func=cmd_compare)
+
+    p = add("replay", help="one policy on one trace")
+    _add_trace_args(p)
+    _add_cluster_args(p)
+    _add_router_args(p)
+    p.add_argument("--policy", default="kv_all", help=f"one of {', '.join(POLICIES)}")
+    p.add_argument("--out", default="out/replay", help="output directory")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.set_defaults(func=cmd_replay)
+
+    p = add("sweep", help="a grid over cluster and router settings")
+    _add_trace_args(p)
+    _add_cluster_args(p)
+    _add_router_args(p)
+    p.add_argument("--policy", default="kv_all", help="policy unless the grid has a policy axis")
+    p.add_argument("--grid", nargs="+", required=True, metavar="NAME=V1,V2",
+                   help="axes, e.g. device_tokens=65536,131072 host_ratio=0,2 policy=kv_device,kv_all")
+    p.add_argument("--out", default="out/sweep", help="output directory")
+    p.add_argument("--jobs", type=COUNT.parse, help="parallel processes (default: one per core)")
+    p.add_argument("--ray", action="store_true", help="run on a Ray cluster (RAY_ADDRESS or a local one)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (one per measure across the grid)")
+    p.set_defaults(func=cmd_sweep)
+
+    p = add("gen-trace", help="write a seeded synthetic trace as Mooncake JSONL")
+    p.add_argument("--kind", choices=sorted(PRESETS), default="chat", help="workload generator")
+    p.add_argument("--requests", type=COUNT.parse, default=1000, help="requests to generate")
+    p.add_argument("--rate", type=SCALE.parse, help="new sessions per second (default: the preset's)")
+    p.add_argument("--seed", type=SEED.parse, default=0, help="generator seed")
+    p.add_argument("-o", "--output", required=True, help="JSONL file to write")
+    p.set_defaults(func=cmd_gen_trace)
+
+    p = add("tokens", help="print a trace request's prompt as the indexer's query body {\"token_ids\": [...]}",
+            description="The token ids `kvtier engine --trace T --seed S` serves for one request of T: pipe them to "
+                        "the indexer's POST /query or /route to ask about a prefix the engine holds.")
+    p.add_argument("--trace", required=True, help="the engine's --trace (a file or builtin:KIND[:N])")
+    p.add_argument("--seed", type=SEED.parse, default=0, help="the engine's --seed (builtin traces and token ids)")
+    p.add_argument("--index", type=SEED.parse, default=0, help="the request's position in the trace")
+    p.add_argument("--request", help="the request's id (instead of --index)")
+    p.set_defaults(func=cmd_tokens)
+
+    p = add("fit-latency", help="fit the prefill/decode latency model to measured points",
+            description="Fits prefill_ms = a*T^2 + b*T + c (T: uncached tokens in a pass) and decode_ms = "
+                        "a*u^2 + b*u + c (u: KV utilisation) by least squares to a CSV with columns kind,x,ms "
+                        "(kind: prefill or decode), and writes the fit as JSON for --latency.")
+    p.add_argument("csv", type=Path, help="measured points: kind,x,ms")
+    p.add_argument("-o", "--output", default="latency.json", help="JSON file to write")
+    p.set_defaults(func=cmd_fit_latency)
+
+    p = add("engine", help="a live engine replaying a trace and publishing KV events over ZMQ",
+                       description="Replays a trace through a real tiered cache, publishing its events (with "
+                                   "replay and state dumps) for `kvtier indexer` to consume.")
+    live.build_parser(p)
+    p.set_defaults(func=live.run)
+
+    p = add("indexer", help="subscribe to engines' KV events and answer overlap queries over HTTP",
+                       description="Subscribes to engine ZMQ endpoints, keeps the tiered index, "
+                                   "serves POST /query, POST /route (with /requests/{id}/first_token and "
+                                   "/finish), GET /metrics and GET /health.")
+    p.add_argument("--config", type=Path, help="TOML file with settings and [[endpoints]] tables")
+    p.add_argument("--endpoint", action="append", default=[], metavar="SPEC",
+                   help="WORKER=tcp://host:port[,replay=tcp://host:port][,dp=N][,dump] (repeatable)")
+    p.add_argument("--block-size", type=int, help="tokens per KV block (default: the config's, else 16)")
+    p.add_argument("--listen", help="HTTP host:port (default: the config's, else 127.0.0.1:8000)")
+    p.add_argument("--cost", choices=["credit", "ttft"],
+                   help="the kv_* policies' cost, as the simulator's --cost (default: the config's, else credit)")
+    p.add_argument("--policy", help="a policy by name, the simulator's with the same cost under the same settings "
+                                    f"({', '.join(n for n, s in REGISTRY.items() if s.served)}), or a "
+                                    "routing-policy plugin: module:attr, file.py:attr or an entry point of "
+                                    "kvtier.policies (default: the config's, else kv_all)")
+    g = p.add_argument_group("routing settings (as the simulator's; default: the config's, else the simulator's "
+                             "defaults)")
+    g.add_argument("--gpu-link", choices=sorted(GPU_LINKS), help="host<->device link preset")
+    g.add_argument("--storage-link", choices=sorted(STORAGE_LINKS), help="storage link preset")
+    g.add_argument("--h2d-gbps", type=float, help="host<->device bandwidth, GB/s (overrides --gpu-link)")
+    g.add_argument("--storage-gbps", type=float, help="storage bandwidth, GB/s (overrides --storage-link)")
+    g.add_argument("--latency", type=Path, metavar="JSON", help="iteration-time fit from `kvtier fit-latency`")
+    g.add_argument("--prefill-budget", type=int, help="the workers' chunked-prefill tokens per iteration")
+    g.add_argument("--capacity-tokens", type=int, help="each worker's device KV, tokens (ttft costs)")
+    g.add_argument("--host-credit", type=float, help="credit cost: weight of a host-tier block")
+    g.add_argument("--disk-credit", type=float, help="credit cost: weight of a disk or shared-pool block")
+    g.add_argument("--temperature", type=float, help="softmax sampling over costs (0: argmin)")
+    g.add_argument("--seed", type=int, help="seed of the router's random choices")
+    p.add_argument("--snapshot", help="file the index is saved to (every 30 s and on stop) and restored from on "
+                                      "start, resuming each stream after its last applied batch (default: none)")
+    p.add_argument("--model", choices=sorted(MODEL_PRESETS), metavar="NAME",
+                   help="the served model's preset: the ttft cost's transfer bytes and, for hybrid models, the "
+                        "sliding window (default: the config's, else llama-3.1-8b)")
+    p.add_argument("--window-tokens", type=int, metavar="N",
+                   help="sliding window, tokens, for engines that send no window-KV events (SGLang): their window "
+                        "KV is inferred from their stores and /query says window_kv: inferred; 0: scored on full "
+                        "attention (default: the config's, else the --model preset's)")
+    p.add_argument("--http-loop", choices=["auto", "uvloop", "asyncio"],
+                   help="the HTTP front end's event loop; auto takes uvloop where it is installed "
+                        "(default: the config's, else auto)")
+    p.add_argument("--loop-restarts", type=int, metavar="N",
+                   help="times a failed event loop starts again (back-off 0.5 s doubling to 30 s; each stream "
+                        "resumes after its last applied batch) before the service exits non-zero "
+                        "(default: the config's, else 0)")
+    p.add_argument("--liveness-timeout", type=float, metavar="S",
+                   help="seconds a worker's publisher may send nothing (no batch, no answer to the idle probes) "
+                        "before it is taken for gone: not routed to while another worker is alive, listed by "
+                        "/health, until heard again; endpoints with a replay socket only (default: the "
+                        "config's, else 5)")
+    g = p.add_argument_group("limits on HTTP clients (README, Security; default: the config's, else the README's)")
+    g.add_argument("--auth-token-file", type=Path, metavar="FILE",
+                   help="tokens, one a line: /route, first_token and finish then need 'Authorization: Bearer "
+                        "<token>', and only the token that booked a request may release it (default: no token)")
+    for name, (kind, text) in _INDEXER_LIMITS.items():
+        g.add_argument("--" + name.replace("_", "-"), type=kind, metavar="N", help=text)
+    p.set_defaults(func=cmd_indexer)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args))
+    except (CliError, ConfigError, TraceError) as exc:
+        print(f"kvtier: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a file or socket the command needed
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"kvtier: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return 2
+
+
+__all__ = ["RunResult", "build_parser", "main"]
+
+if __name__ == "__main__":
+    sys.exit(main())

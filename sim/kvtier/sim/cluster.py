@@ -1,0 +1,440 @@
+"""Simulated workers running the real cache logic on the modeled data path.
+
+A worker does continuous batching: each iteration prefills up to ``prefill_budget``
+uncached prompt tokens (chunked prefill) and decodes one token for every running
+request; its duration comes from the latency model. Iterations with no prefill are
+merged into one closed-form decode run, cut short when new work arrives. Load-back
+and L3 prefetch sit on the critical path of the request that needs them, per the
+cache's prefetch policy.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvtier.engine.cache import Admission, CacheConfig, PrefetchPolicy, TieredCache, WritePolicy
+from kvtier.engine.datapath import Bandwidths, ModeledDataPath
+from kvtier.engine.l3.storage import PageStore
+from kvtier.hardware.latency import (
+    PRESETS,
+    LatencyModel,
+    MockerLatency,
+    decode_run_ms,
+    decode_step_max_ms,
+    decode_steps_done,
+)
+from kvtier.hardware.links import DEFAULT_GPU_LINK, DEFAULT_STORAGE_LINK, GPU_LINKS, STORAGE_LINKS
+from kvtier.indexer.routing.scoring import visible
+from kvtier.sim.core import Environment, Timer
+from kvtier.sim.metrics import RequestRecord
+from kvtier.sim.trace import Request
+from kvtier.util.fields import ConfigError, at_least, check_fields, one_of, positive, within
+from kvtier.wire.protocol import EventBatch, PackedTokens, StorageTier
+
+
+@dataclass(slots=True, frozen=True)
+class ClusterConfig:
+    """Workers, their caches and links."""
+
+    workers: int = field(default=4, metadata=at_least(1))  # engine instances
+    page_size: int = field(default=64, metadata=at_least(1))  # tokens per KV page (= router block size)
+    device_tokens: int = field(default=262_144, metadata=at_least(1))  # device KV capacity per worker, tokens
+    # host capacity / device capacity; 0 disables the host tier
+    host_ratio: float = field(default=2.0, metadata=within(0, 1024))
+    l3: str = field(default="none", metadata=one_of("none", "disk", "external"))  # per worker disk, or one pool
+    l3_tokens: int = field(default=4_194_304, metadata=at_least(1))  # disk per worker, or the pool's total, tokens
+    model: str = field(default="llama-3.1-8b", metadata=one_of(*PRESETS))  # KV bytes per token
+    # SWA models: window-KV pool tokens per full-attention pool token (SGLang's --swa-full-tokens-ratio): the
+    # device KV memory splits as device_tokens full-attention tokens + swa_ratio * device_tokens window tokens
+    swa_ratio: float = field(default=0.8, metadata=within(0, 1024))
+    swa_events: bool = True  # SWA engines announce their window KV (kvtier's extension; False: as SGLang)
+    # speculative-decoding draft model whose KV moves with each page
+    draft_model: str | None = field(default=None, metadata=one_of(*PRESETS, optional=True))
+    write_policy: WritePolicy = field(default=WritePolicy.WRITE_THROUGH,  # device -> host backups
+                                      metadata=one_of(*WritePolicy))
+    prefetch_policy: PrefetchPolicy = field(default=PrefetchPolicy.WAIT_COMPLETE,  # L3 prefetch waiting
+                                            metadata=one_of(*PrefetchPolicy))
+    prefetch_min_pages: int = field(default=1, metadata=at_least(1))  # shortest L3 hit worth prefetching
+    prefill_budget: int = field(default=8192, metadata=at_least(1))  # chunked-prefill tokens per iteration
+    max_running: int = field(default=64, metadata=at_least(1))  # requests in a batch
+    # host <-> device and host <-> L3, GB/s (see indexer.hardware)
+    h2d_gbps: float = field(default=GPU_LINKS[DEFAULT_GPU_LINK].gbps, metadata=positive())
+    storage_gbps: float = field(default=STORAGE_LINKS[DEFAULT_STORAGE_LINK].gbps, metadata=positive())
+    latency: MockerLatency = field(default_factory=MockerLatency)  # iteration times (default: the mocker's fit)
+
+    def cache_config(self) -> CacheConfig:
+        device_pages = self.device_tokens // self.page_size
+        window = PRESETS[self.model].window_tokens
+        window_pages = -(-window // self.page_size)  # pages holding the window before a page-aligned cut
+        return CacheConfig(
+            page_size=self.page_size, device_pages=device_pages, host_ratio=self.host_ratio,
+            write_policy=self.write_policy, prefetch_policy=self.prefetch_policy,
+            prefetch_min_pages=self.prefetch_min_pages, l3_write_behind=self.l3 != "none",
+            swa_window_pages=window_pages, swa_pages=max(window_pages, int(device_pages * self.swa_ratio)),
+            swa_events=self.swa_events)
+
+    def capacity_tokens(self) -> int:
+        """Tokens a worker's device pool holds (whole pages)."""
+        return self.device_tokens // self.page_size * self.page_size
+
+    def device_kv_bytes(self) -> int:
+        """Device memory the KV pools take per worker: full-attention pages, plus the window-KV pool."""
+        preset, cfg = PRESETS[self.model], self.cache_config()
+        full = cfg.device_pages * self.page_size * preset.bytes_per_token
+        return full + (cfg.swa_pages * self.page_size * preset.window_bytes_per_token if cfg.swa_window_pages else 0)
+
+    def bandwidths(self) -> Bandwidths:
+        return Bandwidths(d2h=self.h2d_gbps * 1e9, h2d=self.h2d_gbps * 1e9, storage_write=self.storage_gbps * 1e9,
+                          storage_read=self.storage_gbps * 1e9)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.device_tokens < self.page_size * 4:
+            raise ConfigError(f"--device-tokens: {self.device_tokens} holds fewer than 4 pages of --page-size "
+                              f"{self.page_size}; expected >= {self.page_size * 4}")
+        if self.l3 != "none" and self.host_ratio <= 0:
+            raise ConfigError(f"--l3 {self.l3}: needs a host tier (--host-ratio > 0): pages reach storage from host "
+                              "memory and are prefetched back into it")
+        if self.l3 != "none" and self.l3_tokens < self.page_size:
+            raise ConfigError(f"--l3-tokens: {self.l3_tokens} holds no page of --page-size {self.page_size}")
+
+@dataclass(slots=True, eq=False)
+class Job:
+    """A request inside a worker."""
+
+    req: Request  # from the trace
+    tokens: PackedTokens  # its prompt, packed as the engine keeps it
+    record: RequestRecord  # its metrics, filled as it runs
+    adm: Admission | None = None  # its hold on the cache
+    visible_tier: StorageTier = StorageTier.EXTERNAL  # tiers the router saw when it predicted the overlap
+    admitted_at: float = 0.0  # when the cache was first asked
+    prefill_left: int = 0  # tokens still to prefill
+    generated: int = 0  # output tokens produced
+    digests: bytes = b""  # its full pages' digests joined, made ahead (sim.lookahead); empty: the engine makes them
+    last_token: float = -1.0  # when its latest token was produced
+    gaps: list[float] | None = None  # every inter-token gap, seconds, where the run keeps them (--itl-series)
+
+
+#: The priority of an idle worker's next iteration among the events of one instant: after arrivals (2) and copy
+#: completions (1), so that it sees every request of the instant (kvtier.sim.core runs lower priorities first).
+START_PRIORITY = 3
+
+
+@dataclass(slots=True)
+class _DecodeRun:
+    """Decode iterations merged into one event. Each step runs at its own utilisation: every running
+    request adds one token of KV per step, so utilisation rises by ``du`` per step from ``u0``."""
+
+    start: float  # when the run began
+    u0: float  # KV utilisation at the first step
+    du: float  # utilisation added per step
+    steps: int  # iterations planned
+    timer: Timer  # fires at the end
+
+
+class SimWorker:
+    """One engine: queue, batch, cache. Calls ``on_event`` with each event batch it publishes."""
+
+    def __init__(self, index: int, env: Environment, cfg: ClusterConfig, store: PageStore | None,
+                 on_event: Callable[[int, EventBatch], None], on_first_token: Callable[[Job], None],
+                 on_finish: Callable[[Job], None], latency: LatencyModel | None = None,
+                 on_progress: Callable[[Job], None] | None = None) -> None:
+        self.index = index
+        self.env = env
+        self.cfg = cfg
+        self.latency = latency or cfg.latency
+        per_token = PRESETS[cfg.model].bytes_per_token
+        if cfg.draft_model is not None:
+            per_token += PRESETS[cfg.draft_model].bytes_per_token  # the draft pool is copied with every page
+        page_bytes = per_token * cfg.page_size
+        self.dp = ModeledDataPath(page_bytes, lambda: env.now, cfg.bandwidths(),
+                                  window_page_bytes=PRESETS[cfg.model].window_bytes_per_token * cfg.page_size)
+        self.cache = TieredCache(cfg.cache_config(), self.dp, store, name=f"w{index}")
+        self._on_event = on_event
+        self._on_first_token = on_first_token
+        self._on_finish = on_finish
+        self._on_progress = on_progress  # tokens streamed back, as a router in the response path sees them
+        self.queue: deque[Job] = deque()  # arrived, not yet admitted to the cache
+        self.admitted: list[Job] = []  # admitted, waiting for loads or room
+        self.running: list[Job] = []  # prefilling or decoding
+        self._busy_until: Timer | None = None  # the iteration in progress
+        self._decode: _DecodeRun | None = None  # a merged decode run in progress
+        self._wake: Timer | None = None  # next copy completion
+        self.capacity_tokens = cfg.capacity_tokens()
+        self.peers: list[SimWorker] = []  # workers sharing this one's L3 pool
+
+    # --- arrivals and cache bookkeeping --------------------------------------------------
+
+    def submit(self, job: Job, visible_tier: StorageTier = StorageTier.EXTERNAL) -> None:
+        """A request arrives; ``visible_tier`` limits the true overlap recorded against the router's guess."""
+        job.visible_tier = visible_tier
+        if job.req.input_length + job.req.output_length > self.capacity_tokens:
+            job.record.rejected = True
+            self._on_finish(job)
+            return
+        self.queue.append(job)
+        self.kick()
+
+    def _flush(self) -> None:
+        self._publish()
+        # A write into a shared pool can evict pages other engines announced: their removals
+        # are published now, as a real engine told by its pool would, not at their next step.
+        for peer in self.peers:
+            if peer.cache.has_events:
+                peer._publish()
+        self._schedule_wake()
+
+    def _publish(self) -> None:
+        batch = self.cache.flush_events(ts=self.env.now)
+        if batch is not None:
+            self._on_event(self.index, batch)
+
+    def flush_events(self) -> None:
+        """Publishes pending events now (before a state dump, which must cover them)."""
+        self._publish()
+
+    def _schedule_wake(self) -> None:
+        t = self.dp.next_completion()
+        if t is None or (self._wake is not None and self._wake.time <= t and self._wake.time >= self.env.now):
+            return
+        if self._wake is not None:
+            self._wake.cancel()
+        self._wake = self.env.at(max(t, self.env.now), self._on_copies, priority=1)
+
+    def _on_copies(self) -> None:
+        self._wake = None
+        self.cache.poll()
+        self._flush()
+        self.kick()
+
+    def _ready(self, job: Job) -> bool:
+        adm = job.adm
+        assert adm is not None
+        if self.cache.waiting_for(adm):
+            return False
+        if adm.prefetch_op is None:
+            return True
+        policy = self.cfg.prefetch_policy
+        if policy is PrefetchPolicy.BEST_EFFORT:
+            return True
+        if policy is PrefetchPolicy.TIMEOUT:
+            return self.env.now >= job.admitted_at + self.cache.config.prefetch_timeout_s
+        return False
+
+    def _admit_from_queue(self) -> None:
+        # Admit a bounded number ahead of the batch: admission locks prefixes and starts loads.
+        while self.queue and len(self.admitted) + len(self.running) < self.cfg.max_running:
+            job = self.queue.popleft()
+            if job.record.actual_blocks < 0:  # first admission: what the router's prediction is judged by
+                job.record.actual_blocks = visible(self.cache.peek_overlap(job.tokens), job.visible_tier).external
+                if self.cache.config.swa_window_pages:
+                    job.record.usable_blocks = visible(self.cache.usable_overlap(job.tokens),
+                                                       job.visible_tier).external
+            job.adm = self.cache.admit(job.req.request_id, job.tokens, job.digests)
+            job.admitted_at = self.env.now
+            job.record.device_tokens = job.adm.device_pages * self.cfg.page_size  # refined at prefill start
+            self.admitted.append(job)
+            if self.cfg.prefetch_policy is PrefetchPolicy.TIMEOUT and job.adm.prefetch_op is not None:
+                self.env.after(self.cache.config.prefetch_timeout_s, self.kick)
+        self._flush()
+
+    # --- batching ------------------------------------------------------------------------
+
+    def kick(self) -> None:
+        """New work may be possible: start an iteration, or cut a decode run short. An idle worker starts it once
+        every event of this instant has run (``START_PRIORITY``), so that requests arriving together are scheduled
+        in one batch, as an engine's scheduler step takes every request waiting when it begins."""
+        if self._decode is not None:
+            self._interrupt_decode()
+            return
+        if self._busy_until is None:
+            self._busy_until = self.env.at(self.env.now, self._iterate, priority=START_PRIORITY)
+
+    def _start_prefills(self) -> None:
+        ps = self.cfg.page_size
+        for job in list(self.admitted):
+            if len(self.running) >= self.cfg.max_running:
+                break
+            if job.adm is None:
+                continue  # sent back to the queue by _unlock_others
+            if not self._ready(job):
+                continue
+            assert job.adm is not None
+            plan = self.cache.begin_prefill(job.adm, job.req.output_length)
+            if plan is None and not self.running and not self.dp.ops:
+                self._unlock_others(job)  # nothing will free room: admitted prefixes hold it
+                plan = self.cache.begin_prefill(job.adm, job.req.output_length)
+            if plan is None:
+                break  # no device room: wait for running requests to finish
+            self.admitted.remove(job)
+            rec = job.record
+            # The split is taken now, when prefill starts: the cached prefix is what was on device at
+            # admission, then the host run loaded back, then the L3 run prefetched; whatever else is
+            # on device now was computed by a concurrent request since admission, a device hit too.
+            adm, cached = job.adm, plan.cached_tokens // ps
+            host = min(adm.host_pages, max(0, cached - adm.device_pages))
+            storage = min(adm.l3_pages, max(0, cached - adm.device_pages - host))
+            rec.device_tokens = (cached - host - storage) * ps
+            rec.host_tokens, rec.storage_tokens = host * ps, storage * ps
+            rec.recomputed_tokens = plan.compute_tokens
+            rec.prefill_start = self.env.now
+            # A prompt cached whole still runs its last token through the model for the logits of its first output
+            # token (SGLang and vLLM match at most all but the last token): one token of prefill, its KV already
+            # on device, so the tier split above stands.
+            job.prefill_left = max(plan.compute_tokens, 1)
+            self.running.append(job)
+        self._flush()
+
+    def _unlock_others(self, keep: Job) -> None:
+        """Releases every other admission (they re-queue in order) so ``keep`` can get room."""
+        others = [j for j in self.admitted if j is not keep]
+        for j in reversed(others):
+            assert j.adm is not None
+            self.cache.release(j.adm)
+            j.adm = None
+            self.admitted.remove(j)
+            self.queue.appendleft(j)
+
+    def _iterate(self) -> None:
+        self._busy_until = None
+        self._admit_from_queue()
+        self._start_prefills()
+        budget = self.cfg.prefill_budget
+        chunks: list[tuple[Job, int]] = []
+        for job in self.running:
+            if job.prefill_left > 0 and budget > 0:
+                take = min(job.prefill_left, budget)
+                chunks.append((job, take))
+                budget -= take
+        decoders = [j for j in self.running if j.prefill_left == 0]
+        if not chunks and not decoders:
+            return  # idle until an arrival or a copy completion
+        if not chunks:
+            self._start_decode_run(decoders)
+            return
+        step = self._decode_step(decoders) if decoders else 0.0
+        tokens = sum(t for _, t in chunks)
+        dt = self.latency.prefill_ms(tokens) / 1000.0 + step
+        self._busy_until = self.env.after(dt, lambda: self._end_iteration(chunks, decoders))
+
+    def _utilisation(self, jobs: list[Job] | None = None) -> float:
+        """The KV ``jobs`` (default: every running request) attend over, as a share of the device pool."""
+        return sum(j.req.input_length + j.generated for j in (self.running if jobs is None else jobs)) \
+            / self.capacity_tokens
+
+    def _decode_step(self, decoders: list[Job]) -> float:
+        """The decode part of a mixed iteration: its time grows with the context the decoding requests attend over,
+        not with prompts still being prefilled beside them (a prompt's chunks are the prefill part's cost), as
+        Dynamo's mocker times it too."""
+        return self.latency.decode_ms(self._utilisation(decoders)) / 1000.0
+
+    def _end_iteration(self, chunks: list[tuple[Job, int]], decoders: list[Job]) -> None:
+        now = self.env.now
+        for job in decoders:
+            self._advance(job, 1, now, 0.0, ())
+        for job, take in chunks:
+            job.prefill_left -= take
+            if job.prefill_left == 0:
+                assert job.adm is not None
+                self.cache.finish_prefill(job.adm)
+                job.record.first_token = now
+                self._on_first_token(job)
+                self._advance(job, 1, now, 0.0, ())
+        self._flush()
+        self._iterate()
+
+    def _advance(self, job: Job, steps: int, first_at: float, later_max: float, later: Sequence[float]) -> None:
+        """``steps`` more tokens of ``job``: the first at ``first_at``, each later one its step after the one before,
+        ``later_max`` the longest of those steps and ``later`` all of them (read only where ``job.gaps`` is kept).
+        Records its time to the second token and its longest inter-token gap. O(1), O(steps) keeping gaps."""
+        rec = job.record
+        if job.generated:
+            gap = first_at - job.last_token
+            if job.generated == 1:
+                rec.second_token = first_at
+            rec.max_itl = max(rec.max_itl, gap, later_max)
+            if job.gaps is not None:
+                job.gaps.append(gap)
+                job.gaps.extend(later)
+        else:
+            assert steps == 1, "a first token comes alone, at the end of its prefill"
+        job.last_token = self.env.now
+        job.generated += steps
+        if job.generated >= max(job.req.output_length, 1):
+            job.record.finish = self.env.now
+            assert job.adm is not None
+            self.cache.release(job.adm)
+            self.running.remove(job)
+            self._on_finish(job)
+        elif self._on_progress is not None:
+            self._on_progress(job)
+
+    # --- closed-form decode --------------------------------------------------------------
+
+    def _start_decode_run(self, decoders: list[Job]) -> None:
+        steps = max(1, min(max(j.req.output_length, 1) - j.generated for j in decoders))
+        u0, du = self._utilisation(), len(decoders) / self.capacity_tokens
+        timer = self.env.after(decode_run_ms(self.latency, u0, du, steps) / 1000.0, self._end_decode_run)
+        self._decode = _DecodeRun(self.env.now, u0, du, steps, timer)
+
+    def _interrupt_decode(self) -> None:
+        run = self._decode
+        assert run is not None
+        elapsed_ms = (self.env.now - run.start) * 1000.0
+        done = decode_steps_done(self.latency, run.u0, run.du, run.steps, elapsed_ms)
+        cut = min(done + 1, run.steps)  # finish the iteration in progress
+        if cut >= run.steps:
+            return
+        run.timer.cancel()
+        run.steps = cut
+        run.timer = self.env.at(run.start + decode_run_ms(self.latency, run.u0, run.du, cut) / 1000.0,
+                                self._end_decode_run)
+
+    def _end_decode_run(self) -> None:
+        run = self._decode
+        assert run is not None
+        self._decode = None
+        # Every decoder got a token per step: the first at the end of the run's first step, each later one a step
+        # later, steps that lengthen (or not) with the utilisation each added token brings.
+        lat, u0, du = self.latency, run.u0, run.du
+        first_at = run.start + lat.decode_ms(u0) / 1000.0
+        later_max = decode_step_max_ms(lat, u0 + du, du, run.steps - 1) / 1000.0
+        jobs = [j for j in self.running if j.prefill_left == 0]
+        later: Sequence[float] = ()
+        if run.steps > 1 and any(j.gaps is not None for j in jobs):
+            later = [lat.decode_ms(u0 + k * du) / 1000.0 for k in range(1, run.steps)]
+        for job in jobs:
+            self._advance(job, run.steps, first_at, later_max, later)
+        self._flush()
+        self._iterate()
+
+
+@dataclass(slots=True)
+class Cluster:
+    """Workers plus the shared pool, if any."""
+
+    cfg: ClusterConfig  # configuration
+    workers: list[SimWorker] = field(default_factory=list)  # by index
+    pool: PageStore | None = None  # shared external store
+
+    @property
+    def caches(self) -> list[TieredCache]:
+        return [w.cache for w in self.workers]
+
+
+def build_cluster(cfg: ClusterConfig, env: Environment, on_event: Callable[[int, EventBatch], None],
+                  on_first_token: Callable[[Job], None], on_finish: Callable[[Job], None],
+                  latency: LatencyModel | None = None, on_progress: Callable[[Job], None] | None = None) -> Cluster:
+    pages = max(1, cfg.l3_tokens // cfg.page_size)
+    pool = PageStore(pages, shared=True) if cfg.l3 == "external" else None
+    cluster = Cluster(cfg, pool=pool)
+    for i in range(cfg.workers):
+        store = pool if pool is not None else (PageStore(pages) if cfg.l3 == "disk" else None)
+        cluster.workers.append(SimWorker(i, env, cfg, store, on_event, on_first_token, on_finish, latency,
+                                         on_progress))
+    if pool is not None:
+        for w in cluster.workers:
+            w.peers = [p for p in cluster.workers if p is not w]
+    return cluster

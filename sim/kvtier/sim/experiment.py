@@ -1,0 +1,223 @@
+"""Trace specs and parallel execution of runs (local process pool, or Ray on request)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvtier.engine.cache import PrefetchPolicy, WritePolicy
+from kvtier.sim.cluster import ClusterConfig
+from kvtier.sim.generators import PRESETS, generate
+from kvtier.sim.metrics import RequestRecord
+from kvtier.sim.policies import check_policy
+from kvtier.sim.report import CsvRecords, ItlSeries
+from kvtier.sim.run import RunConfig, RunResult, simulate
+from kvtier.sim.source import ListTrace, MooncakeFile, TraceSource, as_source
+from kvtier.sim.trace import Request, load_azure, load_trace
+from kvtier.util.fields import ConfigError
+
+
+def resolve_trace(spec: str, *, limit: int | None = None, seed: int = 0, time_scale: float = 1.0,
+                  shared_prefix_blocks: int = 0, prefix_groups: int = 8) -> list[Request]:
+    """``builtin:KIND[:N]`` (a seeded synthetic workload of N requests) or a trace file path.
+
+    ``time_scale`` < 1 compresses arrivals (a higher request rate), > 1 stretches them. An Azure CSV (lengths only)
+    gets ``shared_prefix_blocks`` leading blocks shared within each of ``prefix_groups`` groups
+    (:func:`kvtier.sim.trace.load_azure`, seeded by ``seed``).
+    """
+    if spec.startswith("builtin:"):
+        parts = spec.split(":")
+        kind = parts[1] if len(parts) > 1 else ""
+        if kind not in PRESETS:
+            raise ValueError(f"unknown builtin trace {kind!r}; expected one of {sorted(PRESETS)}")
+        count = parts[2] if len(parts) == 3 else None
+        if len(parts) > 3 or (count is not None and not (count.isascii() and count.isdigit() and int(count) >= 1)):
+            # (isdigit alone takes '²', which int() refuses)
+            raise ValueError(f"trace {spec!r}: expected builtin:KIND[:N] with N >= 1 requests")
+        n = int(count) if count is not None else (limit or 1000)
+        reqs = generate(dataclasses.replace(PRESETS[kind], requests=n), seed)
+    else:
+        path = Path(spec)
+        if not path.exists():
+            raise FileNotFoundError(f"trace {spec!r} not found (give a file or builtin:chat|agentic|sysprompt)")
+        if not path.is_file():
+            raise ValueError(f"trace {spec!r} is not a file (give a .jsonl or .csv trace)")
+        reqs = (load_azure(path, share_prefix_blocks=shared_prefix_blocks, groups=prefix_groups, seed=seed,
+                           limit=limit) if path.suffix == ".csv" else load_trace(path, limit))
+    if limit is not None:
+        reqs = reqs[:limit]
+    if time_scale != 1.0:
+        reqs = [dataclasses.replace(r, arrival=r.arrival * time_scale) for r in reqs]
+    return reqs
+
+
+def trace_source(spec: str, *, limit: int | None = None, seed: int = 0, time_scale: float = 1.0,
+                 shared_prefix_blocks: int = 0, prefix_groups: int = 8) -> TraceSource:
+    """The trace :func:`resolve_trace` names, as a run reads it: a Mooncake JSONL file streamed from disk
+    (:class:`~kvtier.sim.source.MooncakeFile`, checked whole here, so a bad line fails before any run), anything
+    else in memory. O(requests) time; memory: a 17-byte index per request of a file."""
+    path = Path(spec)
+    if not spec.startswith("builtin:") and path.is_file() and path.suffix != ".csv":
+        return MooncakeFile(path, limit=limit, time_scale=time_scale).index()
+    return ListTrace(resolve_trace(spec, limit=limit, seed=seed, time_scale=time_scale,
+                                   shared_prefix_blocks=shared_prefix_blocks, prefix_groups=prefix_groups))
+
+
+@dataclass(slots=True, frozen=True)
+class RunSpec:
+    """One run to execute: a trace, a cluster, a router configuration."""
+
+    trace: TraceSource  # requests (a file-backed source is read where the run executes)
+    cluster: ClusterConfig  # cluster configuration
+    run: RunConfig  # router configuration
+    tag: dict[str, Any]  # grid coordinates (for sweeps)
+    # Where the run writes its per-request records as CSV rows (report.CSV_FIELDS, no header), keeping
+    # none in memory; None: see keep_records.
+    records_csv: Path | None = None
+    keep_records: bool = True  # without records_csv: return the records (False: a run's memory stays flat)
+    itl_jsonl: Path | None = None  # where the run writes each completed request's inter-token gaps (JSONL)
+
+
+def execute(job: RunSpec, *, progress: bool = False) -> tuple[dict[str, Any], RunResult]:
+    """Runs one job in this process (``progress``: a per-request bar); its records go where
+    ``job.records_csv`` and ``job.keep_records`` say."""
+    with contextlib.ExitStack() as stack:
+        itl = stack.enter_context(ItlSeries(job.itl_jsonl, job.run.label)).write if job.itl_jsonl else None
+        if job.records_csv is None:
+            sink = None if job.keep_records else _drop
+            return job.tag, simulate(job.trace, job.cluster, job.run, progress=progress, sink=sink, itl_sink=itl)
+        out = stack.enter_context(CsvRecords(job.records_csv, job.run.label))
+        return job.tag, simulate(job.trace, job.cluster, job.run, progress=progress, sink=out.write, itl_sink=itl)
+
+
+def _drop(_: RequestRecord) -> None:
+    pass
+
+
+Done = Callable[[dict[str, Any], RunResult], None]
+
+
+def run_jobs(jobs: Sequence[RunSpec], *, processes: int | None = None, use_ray: bool = False,
+             on_done: Done | None = None) -> list[tuple[dict[str, Any], RunResult]]:
+    """Runs every job; results come back in ``jobs`` order."""
+    if use_ray:
+        return _run_ray(jobs, on_done)
+    n = processes if processes is not None else min(len(jobs), os.cpu_count() or 1)
+    if n <= 1 or len(jobs) == 1:
+        out = []
+        for j in jobs:
+            tag, res = execute(j)
+            if on_done:
+                on_done(tag, res)
+            out.append((tag, res))
+        return out
+    results: dict[int, tuple[dict[str, Any], RunResult]] = {}
+    with ProcessPoolExecutor(max_workers=n) as pool:
+        futures = {pool.submit(execute, j): i for i, j in enumerate(jobs)}
+        for fut in as_completed(futures):
+            tag, res = fut.result()  # a failed run raises here: never swallowed
+            results[futures[fut]] = (tag, res)
+            if on_done:
+                on_done(tag, res)
+    return [results[i] for i in range(len(jobs))]
+
+
+def _run_ray(jobs: Sequence[RunSpec], on_done: Done | None) -> list[tuple[dict[str, Any], RunResult]]:
+    try:
+        import ray
+    except ImportError:
+        raise RuntimeError("--ray needs Ray: pip install ray (or drop --ray for a local pool)") from None
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS"), ignore_reinit_error=True, log_to_driver=False)
+    remote = ray.remote(execute)
+    refs = [remote.remote(j) for j in jobs]
+    out = []
+    for ref in refs:
+        tag, res = ray.get(ref)
+        if on_done:
+            on_done(tag, res)
+        out.append((tag, res))
+    return out
+
+
+def _bool(text: str) -> bool:
+    if text.lower() not in ("true", "false"):
+        raise ValueError(f"{text!r} is not true or false")
+    return text.lower() == "true"
+
+
+def _caster(annotation: str) -> Callable[[str], Any]:
+    casts: dict[str, Callable[[str], Any]] = {"int": int, "float": float, "str": str, "bool": _bool,
+                                                "WritePolicy": WritePolicy, "PrefetchPolicy": PrefetchPolicy}
+    return casts.get(annotation.removesuffix(" | None"), str)
+
+
+#: Sweep keys: which config holds them and how to read their values.
+_FIELDS: dict[str, tuple[str, Callable[[str], Any]]] = {
+    **{f.name: ("cluster", _caster(str(f.type))) for f in dataclasses.fields(ClusterConfig)},
+    **{f.name: ("run", _caster(str(f.type))) for f in dataclasses.fields(RunConfig)},
+}
+
+
+def parse_grid(items: Sequence[str]) -> dict[str, list[Any]]:
+    """``["device_tokens=65536,131072", "policy=kv_device,kv_all"]`` -> axis -> values."""
+    grid: dict[str, list[Any]] = {}
+    for item in items:
+        key, sep, values = item.partition("=")
+        if not sep or not values:
+            raise ValueError(f"grid axis {item!r}: expected NAME=V1,V2,...")
+        if key not in _FIELDS:
+            raise ValueError(f"grid axis {key!r} is not a setting; known: {sorted(_FIELDS)}")
+        cast = _FIELDS[key][1]
+        try:
+            grid[key] = [cast(v) for v in values.split(",")]
+        except ValueError as exc:
+            raise ValueError(f"grid axis {key!r}: {exc}") from None
+    return grid
+
+
+def grid_jobs(trace: Sequence[Request] | TraceSource, base_cluster: ClusterConfig, base_run: RunConfig,
+              grid: dict[str, list[Any]], *, keep_records: bool = True) -> list[RunSpec]:
+    """One job per combination of ``grid``, in grid order; ``keep_records``: see :class:`RunSpec`."""
+    jobs = []
+    source = as_source(trace)
+    for combo in itertools.product(*grid.values()):
+        tag = dict(zip(grid.keys(), combo, strict=True))
+        try:
+            cluster = dataclasses.replace(base_cluster, **{k: v for k, v in tag.items()
+                                                           if _FIELDS[k][0] == "cluster"})
+            run = dataclasses.replace(base_run, **{k: v for k, v in tag.items() if _FIELDS[k][0] == "run"})
+            check_policy(run.policy)
+        except ConfigError as exc:
+            raise ConfigError(f"--grid {' '.join(f'{k}={v}' for k, v in tag.items())}: {exc}") from None
+        jobs.append(RunSpec(source, cluster, run, tag, keep_records=keep_records))
+    return jobs
+
+
+def run_grid(trace: Sequence[Request] | TraceSource, cluster: ClusterConfig, run: RunConfig, grid: dict[str, list[Any]],
+             processes: int | None = None) -> list[tuple[dict[str, Any], RunResult]]:
+    """Every combination of ``grid`` (keys are ClusterConfig or RunConfig fields), in grid order."""
+    return run_jobs(grid_jobs(trace, cluster, run, grid), processes=processes)
+
+
+def shared_dir(start: Path | None = None) -> Path:
+    """The ``shared/`` folder beside the checkout (``KVTIER_SHARED`` overrides)."""
+    env = os.environ.get("KVTIER_SHARED")
+    if env:
+        return Path(env)
+    here = (start or Path.cwd()).resolve()
+    for d in [here, *here.parents]:
+        if (d / "shared" / "traces").is_dir():
+            return d / "shared"
+    raise FileNotFoundError("no shared/traces folder above the working directory; set KVTIER_SHARED")
+
+
+__all__ = ["RunSpec", "execute", "grid_jobs", "parse_grid", "resolve_trace", "run_grid", "run_jobs", "shared_dir",
+           "trace_source"]

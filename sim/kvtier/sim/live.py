@@ -1,0 +1,215 @@
+"""A live engine process: replays a trace through a real EngineNode in wall-clock time.
+
+It publishes the cache's events over ZMQ (with replay and state dumps), so an indexer
+service can be tried, or tested, against real engines. Prompts are "computed" instantly.
+Without ``--l3-dir`` copies complete after their modeled transfer time on the wall clock and the
+L3 tier keeps metadata only; with ``--l3-dir DIR`` the engine moves real bytes (torch, on the CPU)
+and keeps its L3 pages as files in DIR (``--l3 disk``: its own; ``--l3 external``: a pool several
+engines share), so a restarted engine with the same ``--name`` comes back warm. When the trace is
+done the process writes its residency (per tier, the event hashes it holds) as JSON and
+keeps serving replay and dump requests until SIGTERM or ``--hold`` seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import zmq
+from kvtier.engine.cache import CacheConfig, TieredCache
+from kvtier.engine.datapath import Bandwidths, DataPath, ModeledDataPath, TorchDataPath
+from kvtier.engine.l3.pagedir import SyncPolicy
+from kvtier.engine.l3.pagefile import Layout
+from kvtier.engine.l3.storage import PageStore
+from kvtier.engine.node import EngineNode
+from kvtier.sim.experiment import resolve_trace
+from kvtier.sim.trace import Request, TokenBank
+from kvtier.util.fields import Domain, OneLineParser
+from kvtier.wire.transport.publisher import DUMP_INTERVAL_S, MAX_DUMPS
+
+
+def write_residency(cache: TieredCache, path: Path) -> None:
+    data = {t.name: sorted(hs) for t, hs in cache.residency().items()}
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".res-")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+class EngineError(Exception):
+    """A bad option or an unusable resource, reported as one line."""
+
+
+def _store(args: argparse.Namespace) -> PageStore | None:
+    if args.l3 == "none":
+        return None
+    shared = args.l3 == "external"
+    if args.l3_dir is None:
+        return PageStore(args.disk_pages, shared=shared)
+    layout = Layout(args.model, args.page_size, "bfloat16")
+    try:
+        store = PageStore(args.disk_pages, Path(args.l3_dir), shared=shared, layout=layout, owner=args.name,
+                          sync=SyncPolicy(args.l3_sync))
+    except OSError as exc:
+        raise EngineError(f"--l3-dir {args.l3_dir}: {exc.strerror or exc}") from None
+    st = store.stats
+    print(f"engine {args.name}: L3 {store.pages_path}: adopted {st.adopted} pages; removed {st.tmp_removed} "
+          f"temporary and {st.unheld_removed} unheld files; dropped {st.dropped_at_start} held pages", flush=True)
+    return store
+
+
+def _open(args: argparse.Namespace) -> tuple[TieredCache, EngineNode, DataPath, list[Request]]:
+    if args.residency and not Path(args.residency).resolve().parent.is_dir():
+        raise EngineError(f"--residency {args.residency}: its directory does not exist")
+    try:
+        trace = resolve_trace(args.trace, seed=args.seed, time_scale=1.0 / args.speed)
+    except (ValueError, FileNotFoundError) as exc:
+        raise EngineError(str(exc)) from None
+    except OSError as exc:
+        raise EngineError(f"--trace {args.trace}: {exc.strerror or exc}") from None
+    try:
+        cfg = CacheConfig(page_size=args.page_size, device_pages=args.device_pages, host_ratio=args.host_ratio,
+                          l3_write_behind=args.l3 != "none")
+    except ValueError as exc:
+        raise EngineError(str(exc)) from None
+    if args.l3 != "none" and cfg.host_pages == 0:
+        raise EngineError(f"--l3 {args.l3}: needs a host tier (--host-ratio > 0)")
+    dp: DataPath
+    if args.l3_dir is not None:
+        if importlib.util.find_spec("torch") is None:
+            raise EngineError("--l3-dir moves real KV bytes with torch, which is not installed: "
+                              "pip install 'kvtier[engine]'")
+        # Real bytes: a page of page_size tokens x kv_bytes_per_token, moved by torch on the CPU.
+        dp = TorchDataPath(args.device_pages, cfg.host_pages, (args.page_size, args.kv_bytes_per_token // 2),
+                           device="cpu")
+    else:
+        dp = ModeledDataPath(args.page_size * 1024, time.monotonic,
+                             Bandwidths(d2h=2e8, h2d=2e8, storage_write=5e7, storage_read=5e7))
+    store = _store(args)
+    cache = TieredCache(cfg, dp, store, name=args.name)
+    try:
+        node = EngineNode(cache, args.endpoint, args.replay, dp_rank=args.dp_rank,
+                          dump_interval_s=args.dump_interval, max_dumps=args.max_dumps)
+    except (zmq.ZMQError, ValueError) as exc:  # (ValueError: an address no socket could bind)
+        raise EngineError(f"cannot bind {args.endpoint} / {args.replay}: {exc}") from None
+    return cache, node, dp, trace
+
+
+def run(args: argparse.Namespace) -> int:
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+
+    def halted() -> bool:
+        """SIGTERM came, or (``--parent-pid``) the process that started this one died: it was adopted."""
+        if args.parent_pid is not None and os.getppid() != args.parent_pid:
+            stop["now"] = True
+        return stop["now"]
+
+    try:
+        cache, node, dp, trace = _open(args)
+    except EngineError as exc:
+        print(f"kvtier engine: error: {exc}", file=sys.stderr)
+        return 2
+    bank = TokenBank(seed=args.seed)
+    print(f"engine {args.name}: publishing on {node.publisher.endpoint}, replay {node.publisher.replay_endpoint}, "
+          f"{len(trace)} requests", flush=True)
+    t0 = time.monotonic()
+    try:
+        for req in trace:
+            while not halted() and time.monotonic() - t0 < req.arrival:
+                node.step()
+                time.sleep(0.002)
+            if halted():
+                break
+            with node.lock:
+                adm = cache.admit(req.request_id, bank.packed(req))
+                if cache.begin_prefill(adm) is not None:
+                    cache.finish_prefill(adm)
+                cache.release(adm)
+            node.flush()
+        while dp.ops and not halted():
+            node.step()
+            time.sleep(0.002)
+        node.step()
+        if args.residency:
+            with node.lock:
+                write_residency(cache, Path(args.residency))
+        print(f"engine {args.name}: trace done; serving replay and dump requests "
+              + ("until SIGTERM" if math.isinf(args.hold) else f"for {args.hold:g} s more (--hold)"),
+              file=sys.stderr, flush=True)
+        deadline = time.monotonic() + args.hold
+        while not halted() and time.monotonic() < deadline:
+            time.sleep(0.02)  # the publisher's thread keeps answering replay and dump requests
+    finally:
+        node.close()
+        if isinstance(dp, TorchDataPath):
+            dp.close()
+        if cache.store is not None:
+            if cache.store.directory is not None:
+                print(f"engine {args.name}: L3 {cache.store.stats}", flush=True)
+            cache.store.close()
+    return 0
+
+
+def _engine_name(text: str) -> str:
+    """``--name``: the worker id an indexer names this engine by, and its L3 owner directory."""
+    if not text or "/" in text or text in (".", ".."):
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; expected a non-empty name without '/'")
+    return text
+
+
+def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    p = p or OneLineParser(prog="kvtier engine", description=__doc__)
+    count, scale = Domain(int, lo=1), Domain(float, lo=0, lo_open=True)
+    p.add_argument("--name", type=_engine_name, default="w0", help="engine name (the worker id an indexer should use)")
+    p.add_argument("--endpoint", default="tcp://127.0.0.1:5557", help="PUB endpoint to bind")
+    p.add_argument("--replay", default="tcp://127.0.0.1:5558", help="ROUTER replay endpoint to bind")
+    p.add_argument("--dp-rank", type=Domain(int, lo=0).parse, default=None,
+                   help="data-parallel rank carried in each batch")
+    p.add_argument("--dump-interval", type=Domain(float, lo=0).parse, default=DUMP_INTERVAL_S,
+                   help="least seconds between two state dumps answered to one peer of the replay socket; a "
+                        "request sooner gets the end marker alone, which indexers read as no dump (0: no limit)")
+    p.add_argument("--max-dumps", type=count.parse, default=MAX_DUMPS,
+                   help="most state dumps in progress at once; a request past it is refused the same way")
+    p.add_argument("--trace", default="builtin:chat:300", help="trace file or builtin:KIND[:N]")
+    p.add_argument("--seed", type=Domain(int, lo=0).parse, default=0, help="seed of builtin traces and token ids")
+    p.add_argument("--speed", type=scale.parse, default=10.0, help="replay speed-up over the trace's timestamps")
+    p.add_argument("--page-size", type=count.parse, default=16, help="tokens per KV page")
+    p.add_argument("--device-pages", type=Domain(int, lo=4).parse, default=4096, help="device KV pages")
+    p.add_argument("--host-ratio", type=Domain(float, lo=0, hi=1024).parse, default=2.0,
+                   help="host / device capacity (0: no host)")
+    p.add_argument("--l3", choices=["none", "disk", "external"], default="disk",
+                   help="storage tier: this engine's disk, or a pool shared with other engines")
+    p.add_argument("--disk-pages", type=count.parse, default=16384, help="L3 capacity in pages")
+    p.add_argument("--l3-dir", help="keep L3 pages as files here (real bytes, warm restarts); without it the L3 "
+                                    "tier is modeled (metadata only)")
+    p.add_argument("--l3-sync", choices=[s.value for s in SyncPolicy], default=SyncPolicy.NONE.value,
+                   help="when page files are forced to disk: never, per page, or per copy batch")
+    p.add_argument("--model", default="kvtier-live", help="model name in the L3 layout (pages of other models "
+                                                          "sharing --l3-dir are never served)")
+    p.add_argument("--kv-bytes-per-token", type=Domain(int, lo=2).parse, default=1024,
+                   help="KV bytes per token with --l3-dir (the page files' size)")
+    p.add_argument("--residency", help="write the final residency as JSON here")
+    p.add_argument("--hold", type=Domain(float, lo=0, hi=math.inf).parse, default=math.inf,
+                   help="seconds to keep serving replay and dump requests after the trace (default: until SIGTERM, "
+                        "as a real engine keeps serving)")
+    p.add_argument("--parent-pid", type=Domain(int, lo=1).parse, default=None,
+                   help="exit once this process is no longer this one's parent (it died): for test harnesses, "
+                        "so that engines never outlive a run that crashed")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

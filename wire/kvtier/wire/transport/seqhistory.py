@@ -1,0 +1,93 @@
+"""What one stream delivered lately and what it gave up for lost: the memory that tells a duplicate, a straggler
+and a restarted publisher apart (:class:`kvtier.wire.transport.stream.StreamTracker`).
+
+A PUB socket never sends one seq twice with different content, so a seq at or below the last delivered one is a
+duplicate when its payload's digest matches, a straggler when it falls in a range given up for lost (a replay
+answer overtook it) or in the range the last state dump stood for (its end marker overtook it, over the same
+connection), and otherwise the first batch of a new publisher process.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import xxhash
+
+#: A stable digest of a payload (unlike ``hash``, the same in every process: positions are persisted).
+digest = xxhash.xxh3_64_intdigest
+
+__all__ = ["SeqHistory", "digest"]
+
+
+@dataclass(slots=True)
+class SeqHistory:
+    """The digests of the last ``window`` delivered seqs, and the last ``ranges`` seq ranges given up for lost.
+
+    Invariants (:meth:`_check`): at most ``window`` digests and at most ``ranges`` ranges; each range is
+    non-empty.
+    """
+
+    window: int = 4096  # how many recent (seq, digest) pairs identify duplicates
+    ranges: int = 64  # how many given-up ranges are remembered (to tell stragglers from restarts)
+    _recent: OrderedDict[int, int] = field(default_factory=OrderedDict)  # seq -> payload digest, oldest first
+    _skipped: list[tuple[int, int]] = field(default_factory=list)  # seq ranges [a, b) given up for lost, oldest first
+    _covered: tuple[int, int] | None = None  # seqs [a, b) the last state dump stood for, until a reconnect
+
+    def delivered(self, seq: int, payload: bytes) -> None:
+        """``payload`` was delivered as ``seq``; the oldest digest goes past ``window``. O(1)."""
+        self._recent[seq] = digest(payload)
+        if len(self._recent) > self.window:
+            self._recent.popitem(last=False)
+
+    def holds(self, seq: int, payload: bytes) -> bool:
+        """Whether ``seq`` was delivered with this very payload (a duplicate, or the same publisher). O(len)."""
+        return self._recent.get(seq) == digest(payload)
+
+    def digest_at(self, seq: int) -> int | None:
+        """The digest of what was delivered as ``seq``, or None if it is not (or no longer) known. O(1)."""
+        return self._recent.get(seq)
+
+    def vouch(self, seq: int, known: int) -> None:
+        """``known`` is the digest of what a snapshot says was delivered as ``seq``. O(1)."""
+        self._recent[seq] = known
+
+    def gave_up(self, seq: int) -> bool:
+        """Whether ``seq`` lies in a range given up for lost. O(ranges)."""
+        return any(a <= seq < b for a, b in self._skipped)
+
+    def give_up(self, first: int, end: int) -> None:
+        """Seqs ``first .. end - 1`` are lost for good; the oldest range goes past ``ranges``. O(ranges)."""
+        assert first < end, f"given up an empty range [{first}, {end})"
+        self._skipped.append((first, end))
+        del self._skipped[:-self.ranges]
+
+    def cover(self, first: int, end: int) -> None:
+        """A state dump stood for seqs ``first .. end - 1``, none of them delivered: each that comes after it over
+        the same connection is a straggler (:meth:`covered`). Replaces the previous dump's range. O(1)."""
+        self._covered = (first, end) if first < end else None
+
+    def covered(self, seq: int) -> bool:
+        """Whether ``seq`` lies in the range the last dump stood for (and no reconnect came since). O(1)."""
+        return self._covered is not None and self._covered[0] <= seq < self._covered[1]
+
+    def uncover(self) -> None:
+        """The connection dropped: a batch in the dump's range may come from a new process now. O(1)."""
+        self._covered = None
+
+    def forget_digests(self) -> None:
+        """The stream starts over from a resync or a dump: seqs delivered before say nothing now. O(window)."""
+        self._recent.clear()
+        self._covered = None
+
+    def forget(self) -> None:
+        """A new publisher: nothing delivered or given up before is its. O(window)."""
+        self._recent.clear()
+        self._skipped.clear()
+        self._covered = None
+
+    def _check(self) -> None:
+        assert len(self._recent) <= self.window, f"{len(self._recent)} digests kept, window {self.window}"
+        assert len(self._skipped) <= self.ranges, f"{len(self._skipped)} ranges kept, at most {self.ranges}"
+        assert all(a < b for a, b in self._skipped), f"an empty range given up: {self._skipped}"
+        assert self._covered is None or self._covered[0] < self._covered[1], f"an empty dump range: {self._covered}"

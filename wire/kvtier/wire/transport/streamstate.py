@@ -1,0 +1,82 @@
+"""What one stream has delivered and what it holds back: the state that its live path
+(:class:`kvtier.wire.transport.stream.StreamTracker`) and its recovery
+(:class:`kvtier.wire.transport.recovery.StreamRecovery`) share.
+
+Both move ``expected`` forward; neither calls the other through it. The recovery hands back the batches to drain
+through the live path when it ends, so the live path stays the only place that decides, batch by batch, whether to
+deliver, drop or hold.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvtier.util.ratelog import suffix, worth_logging
+from kvtier.wire.codec import DecodeError, decode_payload
+from kvtier.wire.notices import Delivery, MalformedFrame, PublisherRestarted, Received, StreamId, StreamStats
+from kvtier.wire.transport.seqhistory import SeqHistory
+
+log = logging.getLogger("kvtier.wire.transport.stream")  # (one logger for the stream's messages, whichever part logs)
+
+__all__ = ["Held", "StreamState"]
+
+#: Batches kept back, as (seq, payload): live ones that came during a recovery, or a replay answer's past a loss.
+Held = list[tuple[int, bytes]]
+
+
+@dataclass(slots=True)
+class StreamState:
+    """The delivered side of one stream.
+
+    Invariant: every seq below ``expected`` was delivered, skipped as given up for lost, or covered by a state
+    dump; ``held`` is empty whenever no recovery is under way
+    (:meth:`kvtier.wire.transport.recovery.StreamRecovery._check`).
+    """
+
+    stream: StreamId  # identity of the stream
+    stats: StreamStats = field(default_factory=StreamStats)  # counters
+    expected: int | None = None  # next seq to deliver; None before the first message
+    held: Held = field(default_factory=list)  # live messages held back during a recovery
+    history: SeqHistory = field(default_factory=SeqHistory)  # digests of recent seqs, ranges given up
+
+    def deliver(self, seq: int, payload: bytes, source: Literal["live", "replay"], out: list[Delivery]) -> None:
+        """Batch ``seq``, the one expected, handed on (:meth:`hand_on`); its seq is used up even if it fails to
+        decode (the publisher will not send it again). O(payload)."""
+        self.expected = seq + 1
+        self.history.delivered(seq, payload)
+        self.hand_on(seq, payload, source, out, f"seq {seq}")
+
+    def hand_on(self, seq: int, payload: bytes, source: Literal["live", "replay", "dump"], out: list[Delivery],
+                what: str) -> None:
+        """Batch ``seq`` decoded for the consumer, or, if it fails to decode, reported as malformed under
+        ``what``. O(payload)."""
+        try:
+            batch = decode_payload(payload, packed_tokens=True)
+        except DecodeError as exc:
+            self.malformed(f"{what}: {exc}", out)
+            return
+        self.stats.delivered += 1
+        out.append(Received(self.stream, seq, batch, source))
+
+    def malformed(self, reason: str, out: list[Delivery]) -> None:
+        """A frame or payload that failed to parse: counted, logged sparingly, reported. O(1)."""
+        self.stats.malformed += 1
+        if worth_logging(self.stats.malformed):
+            log.warning("stream %s: malformed message: %s%s", self.stream, reason, suffix(self.stats.malformed))
+        out.append(MalformedFrame(self.stream, reason))
+
+    def new_publisher(self, seq: int, expected: int | None, out: list[Delivery]) -> None:
+        """The publisher restarted (``seq``: its first batch seen, -1 if none): reported, what was delivered
+        forgotten, ``expected`` set anew. O(history)."""
+        self.stats.restarts += 1
+        out.append(PublisherRestarted(self.stream, seq))
+        self.history.forget()
+        self.expected = expected
+
+    def take_held(self) -> Held:
+        """The held batches in seq order, none left held. O(h log h)."""
+        held = sorted(self.held)
+        self.held = []
+        return held

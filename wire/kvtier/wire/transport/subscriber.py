@@ -1,0 +1,272 @@
+"""ZMQ event subscriber: one SUB socket and one DEALER replay client per publisher.
+
+Frames are parsed here and handed to a :class:`indexer.stream.StreamTracker` per
+stream, which orders them, asks for replay or a state dump when something was
+lost, and turns them into :data:`indexer.stream.Delivery` items for the consumer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+from kvtier.wire.notices import Delivery, StreamId, StreamStats
+from kvtier.wire.protocol import WorkerId
+from kvtier.wire.transport.addresses import connect_address_error
+from kvtier.wire.transport.frames import unpack_seq
+from kvtier.wire.transport.stream import StreamTracker
+
+log = logging.getLogger(__name__)
+
+_REPLAY_HWM = 200_000  # replay frames queued on the subscriber side before ZMQ pushes back
+
+
+#: The engines an endpoint may name (EndpointConfig.engine).
+ENGINES = ("sglang", "vllm", "kvtier")
+
+
+@dataclass(slots=True, frozen=True)
+class EndpointConfig:
+    """Where one engine stream publishes."""
+
+    worker: str  # worker id used by the index and the router
+    endpoint: str  # PUB endpoint, e.g. "tcp://10.0.0.5:5557"
+    replay_endpoint: str | None = None  # ROUTER replay endpoint; None disables gap filling
+    dp_rank: int = 0  # data-parallel rank this endpoint carries
+    supports_dump: bool = False  # answers state-dump requests (kvtier engines only)
+    topic: bytes = b""  # SUB prefix filter; b"" takes every topic
+    # The engine publishing here: sglang, vllm or kvtier (what its cache promises, kvtier.indexer.service.config
+    # .ENGINE_CLOSED_TIERS); None: kvtier where it answers dumps, else nothing promised
+    engine: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.worker:
+            raise ValueError("the worker id is empty")
+        if isinstance(self.dp_rank, bool) or not isinstance(self.dp_rank, int) or self.dp_rank < 0:
+            raise ValueError(f"dp_rank {self.dp_rank!r}: expected an integer >= 0")
+        for address in (self.endpoint, self.replay_endpoint):
+            if address is not None and (wrong := connect_address_error(address)):
+                raise ValueError(f"{address!r}: {wrong}")
+        if self.replay_endpoint == self.endpoint:
+            # One address cannot be both a PUB and a ROUTER socket: replay requests would never be answered.
+            raise ValueError(f"the replay endpoint is the live one ({self.endpoint!r}): the publisher binds two")
+        if self.engine not in (None, *ENGINES):
+            raise ValueError(f"engine {self.engine!r}: expected one of {', '.join(ENGINES)}")
+        if self.supports_dump and self.replay_endpoint is None:
+            # (no endpoint named here: the callers' messages name the one they were given)
+            raise ValueError("a state dump is asked on the replay socket: no dump without a replay endpoint")
+
+    @property
+    def stream(self) -> StreamId:
+        return StreamId(WorkerId(self.worker), self.dp_rank)
+
+
+@dataclass(slots=True)
+class _Conn:
+    config: EndpointConfig  # what it connects to
+    tracker: StreamTracker  # ordering state
+    sub: zmq.Socket[bytes]  # live socket
+    dealer: zmq.Socket[bytes] | None  # replay client
+    monitor: zmq.Socket[bytes]  # connection events of `sub`
+
+
+class Subscriber:
+    """Receives from many publishers; :meth:`poll` returns deliveries in per-stream order.
+
+    Not thread-safe: call it from one thread (the indexer's event loop).
+    """
+
+    def __init__(
+        self,
+        endpoints: list[EndpointConfig] | None = None,
+        *,
+        replay_timeout_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        resume: dict[StreamId, tuple[int, int | None]] | None = None,
+        probe_s: float = 1.0,
+    ) -> None:
+        """``probe_s``: a stream quiet this long is probed (:class:`StreamTracker`), which also tells a quiet
+        publisher from a gone one (:meth:`silent`)."""
+        self._ctx = context or zmq.Context.instance()
+        self._timeout = replay_timeout_s
+        self._probe_s = probe_s
+        self._clock = clock
+        self._conns: dict[StreamId, _Conn] = {}
+        self._by_socket: dict[zmq.Socket[bytes], _Conn] = {}
+        self._poller = zmq.Poller()
+        for cfg in endpoints or []:
+            self.add_endpoint(cfg, resume=(resume or {}).get(cfg.stream))
+
+    @property
+    def streams(self) -> list[StreamId]:
+        return list(self._conns)
+
+    def stats(self, stream: StreamId) -> StreamStats:
+        return self._conns[stream].tracker.stats
+
+    def recovering(self, stream: StreamId) -> bool:
+        """A catch-up, full replay or dump of ``stream`` is under way. O(1)."""
+        return self._conns[stream].tracker.recovering
+
+    def silent(self, timeout_s: float) -> set[StreamId]:
+        """Streams whose publisher sent nothing, no batch and no answer, for ``timeout_s``
+        (:meth:`StreamTracker.silent`). O(streams)."""
+        now = self._clock()
+        # (read from the service's HTTP thread: a copy of the items, taken at once, while the loop's thread may close)
+        return {s for s, conn in list(self._conns.items()) if conn.tracker.silent(now, timeout_s)}
+
+    def positions(self) -> dict[StreamId, tuple[int, int | None]]:
+        """Each in-sync stream's :meth:`StreamTracker.position` (for a snapshot of the consumer). O(streams)."""
+        out = {}
+        for s, conn in self._conns.items():
+            pos = conn.tracker.position()
+            if pos is not None:
+                out[s] = pos
+        return out
+
+    def add_endpoint(self, cfg: EndpointConfig, resume: tuple[int, int | None] | None = None) -> None:
+        """Connect to a publisher; with ``resume`` (a saved position) continue after it instead of
+        catching up from seq 0. Raises ``ValueError`` if its stream is already connected."""
+        if cfg.stream in self._conns:
+            raise ValueError(f"stream {cfg.stream} is already subscribed")
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt(zmq.SUBSCRIBE, cfg.topic)
+        sub.connect(cfg.endpoint)
+        tracker = StreamTracker(cfg.stream, can_replay=cfg.replay_endpoint is not None,
+                                can_dump=cfg.supports_dump, timeout_s=self._timeout, probe_s=self._probe_s)
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        conn = _Conn(cfg, tracker, sub, self._new_dealer(cfg), monitor)
+        self._conns[cfg.stream] = conn
+        self._register(conn)
+        if resume is not None:
+            tracker.resume(resume, self._clock())
+        else:
+            tracker.start(self._clock())
+        self._flush(conn)
+
+    def remove_endpoint(self, stream: StreamId) -> None:
+        """Disconnect a stream; its pending messages are discarded."""
+        conn = self._conns.pop(stream)
+        conn.sub.disable_monitor()
+        for sock in (conn.sub, conn.dealer, conn.monitor):
+            if sock is not None:
+                self._poller.unregister(sock)
+                self._by_socket.pop(sock, None)
+                sock.close(linger=0)
+
+    def request_resync(self, stream: StreamId, reason: str) -> list[Delivery]:
+        """Asks for ``stream``'s full state again (see :meth:`StreamTracker.request_resync`)."""
+        conn = self._conns[stream]
+        out = conn.tracker.request_resync(reason, self._clock())
+        self._flush(conn)
+        return out
+
+    def _new_dealer(self, cfg: EndpointConfig) -> zmq.Socket[bytes] | None:
+        if cfg.replay_endpoint is None:
+            return None
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        # A replay answer is as long as the publisher's buffer (SGLang and kvtier keep 10,000
+        # batches); the default limit of 1,000 would make the publisher block or drop frames.
+        dealer.setsockopt(zmq.RCVHWM, _REPLAY_HWM)
+        dealer.connect(cfg.replay_endpoint)
+        return dealer
+
+    def _register(self, conn: _Conn) -> None:
+        for sock in (conn.sub, conn.dealer, conn.monitor):
+            if sock is not None:
+                self._poller.register(sock, zmq.POLLIN)
+                self._by_socket[sock] = conn
+
+    def poll(self, timeout_ms: int = 100, max_messages: int = 10_000) -> list[Delivery]:
+        """Waits up to ``timeout_ms`` for traffic, then drains what is ready.
+
+        Returns deliveries in order per stream. Never raises for bad input: a
+        broken frame becomes a :class:`MalformedFrame` delivery.
+        """
+        out: list[Delivery] = []
+        ready = dict(self._poller.poll(timeout_ms))
+        handled = 0
+        while ready and handled < max_messages:
+            for sock in list(ready):
+                conn = self._by_socket.get(sock)
+                if conn is None:
+                    ready.pop(sock)
+                    continue
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    ready.pop(sock)
+                    continue
+                handled += 1
+                now = self._clock()
+                if sock is conn.sub:
+                    self._on_live(conn, frames, now, out)
+                elif sock is conn.monitor:
+                    conn.tracker.on_disconnect()
+                else:
+                    self._on_reply(conn, frames, now, out)
+        now = self._clock()
+        for conn in list(self._conns.values()):
+            out.extend(conn.tracker.on_tick(now))
+            self._flush(conn)
+        return out
+
+    def _on_live(self, conn: _Conn, frames: list[bytes], now: float, out: list[Delivery]) -> None:
+        if len(frames) != 3:
+            self._malformed(conn, f"live message has {len(frames)} frames, expected 3", out)
+            return
+        try:
+            seq = unpack_seq(frames[1])
+        except ValueError as exc:
+            self._malformed(conn, f"live message: {exc}", out)
+            return
+        out.extend(conn.tracker.on_live(seq, frames[2], now))
+        self._flush(conn)
+
+    def _on_reply(self, conn: _Conn, frames: list[bytes], now: float, out: list[Delivery]) -> None:
+        # [b"", topic, seq, payload] (SGLang >= 0.5.18, vLLM) or [b"", seq, payload] (SGLang 0.5.17)
+        if len(frames) not in (3, 4) or frames[0] != b"":
+            self._malformed(conn, f"replay answer has {len(frames)} frames, expected 3 or 4", out)
+            return
+        seq_frame, payload = frames[-2], frames[-1]
+        out.extend(conn.tracker.on_reply(seq_frame, payload, now))
+        self._flush(conn)
+
+    def _malformed(self, conn: _Conn, reason: str, out: list[Delivery]) -> None:
+        out.extend(conn.tracker.on_malformed(reason))
+
+    def _flush(self, conn: _Conn) -> None:
+        tracker = conn.tracker
+        if tracker.reset_replay_socket and conn.dealer is not None:
+            self._poller.unregister(conn.dealer)
+            self._by_socket.pop(conn.dealer, None)
+            conn.dealer.close(linger=0)
+            conn.dealer = self._new_dealer(conn.config)
+            assert conn.dealer is not None
+            self._poller.register(conn.dealer, zmq.POLLIN)
+            self._by_socket[conn.dealer] = conn
+        tracker.reset_replay_socket = False
+        if conn.dealer is None:
+            tracker.outbox.clear()
+            return
+        for request in tracker.outbox:
+            conn.dealer.send_multipart([b"", request])
+        tracker.outbox.clear()
+
+    def close(self) -> None:
+        """Close every socket. Idempotent."""
+        for stream in list(self._conns):
+            self.remove_endpoint(stream)
+
+    def __enter__(self) -> Subscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
