@@ -1,4 +1,24 @@
-"""Discrete-event simulation of routing over tiered KV caches, and the ``kvtier`` CLI."""
+"""Discrete-event simulation of routing over tiered KV caches, and the ``kvtier`` CLI (the top layer).
+
+================  ==================================================================================================
+module            holds
+================  ==================================================================================================
+``core``          a tiny deterministic event loop (SimPy-like: timers, priorities)
+``cluster``       simulated workers running the real cache logic (:mod:`kvtier.engine`) on the modeled data path
+``run``           one run: a trace through a cluster behind one policy
+``policies``      routing policies as the simulator runs them, built from :mod:`kvtier.indexer.routing.policies`
+``transport``     the engine -> router event path: delay, loss, and the router's recovery
+``trace``, ``source``, ``generators``  traces (Mooncake, Azure, built-in), streamed, and seeded workloads
+``lookahead``     token ids, keys and digests of requests about to arrive, made ahead on a helper thread
+``metrics``, ``report``  per-request records and summaries; tables, JSON, CSV, plots
+``experiment``    trace specs and parallel runs (processes, or Ray)
+``live``          a live engine process replaying a trace in wall-clock time (``kvtier engine``)
+``cli``           the ``kvtier`` command line
+================  ==================================================================================================
+
+Every run is accountable: tokens by tier sum to each prompt, unfinished and rejected requests are counted, and a
+change made for speed changes no result (``tests/pinned_results.json``). A run costs O(requests x (pages + workers)).
+"""
 
 from kvtier.sim.cluster import Cluster, ClusterConfig, SimWorker
 from kvtier.sim.core import Environment, Timer

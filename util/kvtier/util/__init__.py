@@ -1,7 +1,8 @@
-"""Small utilities shared by every package; each module stands alone and imports nothing else of kvtier.
+"""Small utilities shared by every package; none imports anything of kvtier outside this package.
 
 * :mod:`~kvtier.util.fields` -- the domain of every configuration field, checked once with one-line errors;
-* :mod:`~kvtier.util.helperthread` -- a daemon helper thread that reports its failure instead of dying silently;
-* :mod:`~kvtier.util.ratelog` -- rate-limited logging of repeated warnings;
-* :mod:`~kvtier.util.gcpause` -- pauses the cyclic garbage collector over long allocation bursts.
+* :mod:`~kvtier.util.helperthread` -- one worker thread per purpose, started on first use;
+* :mod:`~kvtier.util.ratelog` -- logging of bad input that may repeat: counted always, logged at a bounded rate;
+* :mod:`~kvtier.util.gcpause` -- garbage-collector pauses of a long-running process, measured and kept short;
+* :mod:`~kvtier.util.lazy` -- lazy re-exports for package facades.
 """

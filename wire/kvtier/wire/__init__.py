@@ -1,8 +1,15 @@
-"""The wire contract between engines and routers: the event protocol, its msgpack codec for the SGLang
-and vLLM encodings, the ZMQ frame layout, and the transport (publisher with replay, subscriber with
-per-stream ordering, gap replay and resync).
+"""The wire contract between engines and routers, at the bottom of kvtier.
 
-Both sides build on this package; it imports neither :mod:`kvtier.engine` nor :mod:`kvtier.indexer`.
+* :mod:`~kvtier.wire.protocol` -- storage tiers, the three event types (stored, removed, all cleared), the batch;
+* :mod:`~kvtier.wire.codec` -- msgpack encodings of SGLang and vLLM (and kvtier's extensions), decoded strictly;
+* :mod:`~kvtier.wire.tokenarray` -- token-id arrays to and from packed tokens;
+* :mod:`~kvtier.wire.notices` -- what a stream tracker hands its consumer (batches in order, gaps, restarts);
+* :mod:`~kvtier.wire.overlap` -- results of prefix-overlap queries;
+* :mod:`kvtier.wire.transport` -- the ZMQ transport (sub-package): publisher, subscriber, recovery.
+
+Decoding is O(payload) and a malformed payload raises :class:`DecodeError` with nothing applied. The contract
+imports nothing above it (kernels and utilities only) and not its own transport; this facade loads the transport's
+names (and pyzmq) on first use.
 """
 
 from __future__ import annotations
