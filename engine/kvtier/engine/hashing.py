@@ -126,7 +126,7 @@ def _warm(k: Any) -> None:
 
 #: The compiled chain (:mod:`kvtier.kernels.shakernel`), where numba and OpenSSL's libcrypto load.
 _KERNELS = LazyKernels("kvtier.kernels.shakernel", _warm)
-_MIN_PAGES = 4  # below this the kernel's fixed cost (array views, dispatch, 3-5 us) outweighs the hashlib loop
+_MIN_PAGES = 4  # below this the kernel's fixed cost (array views, dispatch) outweighs the hashlib loop
 
 
 def chain(parent_digest: bytes, tokens: Sequence[int] | PackedTokens, page_size: int) -> list[bytes]:

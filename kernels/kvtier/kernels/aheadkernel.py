@@ -5,8 +5,8 @@ Each is what the simulator's main thread computes otherwise, with the same kerne
 (:func:`kvtier.kernels.bankkernel.blocks`), the router's key chain (:func:`kvtier.kernels.keykernel.chain_into`) and
 the engine's SHA-256 page chain (:func:`kvtier.kernels.shakernel.chain_pages`, OpenSSL's, whose addresses the
 caller passes). One call per batch, because a thread that comes back from a call releasing the GIL waits for the
-main thread to hand the GIL over (up to the interpreter's 5 ms switch interval): a call per request would spend
-its time waiting. Imported through :func:`kvtier.kernels.jit.load`; raises ``ImportError`` where the SHA-256 kernel
+main thread to hand the GIL over (up to the interpreter's switch interval): a call per request would spend its
+time waiting. Imported through :func:`kvtier.kernels.jit.load`; raises ``ImportError`` where the SHA-256 kernel
 cannot load (no suitable libcrypto), and the lookahead is then off.
 """
 

@@ -1,9 +1,8 @@
 """Token ids of trace hash ids (:class:`kvtier.sim.trace.TokenBank`), compiled with numba.
 
 Each hash id stands for 512 token ids, each a SplitMix64 mix of its position and the id's key. The numpy
-path makes eight temporary arrays per batch and reduces with a 64-bit modulo, 10-13 ns per token; it
-ran a fifth of a device-only replay of the Mooncake trace, where most of the 288,500 blocks are new
-(182,790 distinct ids). Here it is one pass, about 3 ns per token. Imported through
+path makes eight temporary arrays per batch and reduces with a 64-bit modulo, a large share of a replay
+whose blocks are mostly new. Here it is one pass (figures: ``bench/MEASUREMENTS.md``). Imported through
 :func:`kvtier.kernels.jit.load`; :mod:`kvtier.sim.trace` keeps the numpy path, with the same results.
 """
 

@@ -1,13 +1,13 @@
 """Block keys in one compiled pass: XXH3-64 and the key chain of :mod:`kvtier.indexer.index.keys`, in numba.
 
 :func:`kvtier.indexer.index.keys.chain_keys` makes two xxhash calls per block from Python (one for the
-block's tokens, one to chain it), 160 us for a query of 8,192 tokens in blocks of 16, more than the
-lookups it feeds. Here the whole chain runs as one compiled loop over the packed tokens: 20 ns per block
-of 16 tokens, 50 ns per block of 64 (measured on the 2-core dev machine).
+block's tokens, one to chain it): an interpreter round trip per block, which costs a query more than the
+lookups it feeds. Here the whole chain runs as one compiled loop over the packed tokens (figures:
+``bench/MEASUREMENTS.md``).
 
 Imported only by :mod:`kvtier.indexer.index.keys`, lazily, the first time keys are needed, so that
 ``import kvtier.indexer`` does not pay for numba (see ``keys.key_backend``). Compiled functions are
-cached on disk (``cache=True``): the first process compiles for about 4 s, later ones load in 0.3 s.
+cached on disk (``cache=True``): the first process compiles them, later ones load them.
 
 The hash follows the XXH3 specification (64-bit variant with a seed; every input length, so the tests
 can check it against the ``xxhash`` library on any input). Arithmetic is on ``uint64`` throughout:

@@ -1,14 +1,13 @@
 """A node's page digest chain in one compiled loop: OpenSSL's SHA-256 called from numba.
 
 :func:`kvtier.engine.hashing.chain` hashes page by page from Python: a slice, a concatenation, a
-``hashlib`` object and its digest per page, 1.2-1.9 us a page, where SHA-256 of 288 bytes takes about
-0.2 us. The simulator hashes every page every worker computes (1.6M pages on the Mooncake conversation
-trace, about 2 s of a 7 s round-robin run). Here the loop runs compiled and calls the same library
-``hashlib`` uses (OpenSSL's ``libcrypto``): 0.3 us a page on the 2-core dev machine.
+``hashlib`` object and its digest per page, several times what SHA-256 of one page costs, and the simulator
+hashes every page every worker computes. Here the loop runs compiled and calls the same library ``hashlib``
+uses (OpenSSL's ``libcrypto``); figures in ``bench/MEASUREMENTS.md``.
 
 The library's functions reach the kernel as plain integer addresses, called through a small LLVM
 intrinsic: numba would embed a ctypes global's address in the compiled code (which then cannot be cached
-on disk), and typing a ctypes function passed as an argument costs about 0.4 ms a call.
+on disk), and typing a ctypes function passed as an argument costs more than the call.
 
 Imported only by :mod:`kvtier.engine.hashing`, through :class:`kvtier.kernels.jit.LazyKernels`. Importing it
 raises ``ImportError`` where no ``libcrypto`` with the ``SHA256_Init`` family loads (OpenSSL built without its

@@ -1,9 +1,9 @@
 """Msgpack arrays of token ids to and from packed tokens (uint32 LE), compiled with numba.
 
 A BlockStored carries its token ids as a msgpack array of ints. Decoding that into a list of Python ints
-and packing it for the router's keys cost 108 + 45 us per 4,096 tokens (and the engine side the
-reverse); here each direction is one pass over bytes. Imported through :func:`kvtier.kernels.jit.load` by
-:mod:`kvtier.wire.tokenarray`, which has the pure-Python path with the same results.
+and packing it for the router's keys costs a Python object per token (and the engine side the reverse);
+here each direction is one pass over bytes (figures: ``bench/MEASUREMENTS.md``). Imported through
+:func:`kvtier.kernels.jit.load` by :mod:`kvtier.wire.tokenarray`, which has the pure-Python path with the same results.
 """
 
 from __future__ import annotations

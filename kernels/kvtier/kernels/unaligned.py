@@ -1,7 +1,7 @@
 """Unaligned word reads and writes on ``uint8`` arrays inside numba kernels (LLVM intrinsics).
 
-Numba has neither: combining byte reads made a 256-byte XXH3 8x slower (:mod:`kvtier.kernels.keykernel`), and
-writing a msgpack int byte by byte cost 4 ns a token (:mod:`kvtier.kernels.tokenkernel`). A word is in the machine's
+Numba has neither, and combining byte reads dominated XXH3 (:mod:`kvtier.kernels.keykernel`) and msgpack
+writes (:mod:`kvtier.kernels.tokenkernel`); figures in ``bench/MEASUREMENTS.md``. A word is in the machine's
 byte order, so importing this module fails on a big-endian machine (the kernels' callers then take their Python
 paths). No bounds checks: callers keep ``i + bits / 8 <= len``.
 """

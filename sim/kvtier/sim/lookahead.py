@@ -35,7 +35,7 @@ from kvtier.util.helperthread import HelperThread
 from kvtier.wire.protocol import TOKEN_BYTES, PackedTokens
 
 #: Requests per batch, one helper call each. After each call the helper waits up to the interpreter's switch
-#: interval (5 ms) for the GIL; the main thread takes about 60 ms to simulate 128 Mooncake requests.
+#: interval for the GIL, so a batch must take the main thread much longer than that to simulate.
 BATCH = 128
 
 # aheadkernel.prepare's result: tokens, keys, first key, digests, first page

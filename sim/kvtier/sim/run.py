@@ -238,8 +238,8 @@ def routing_settings(cluster: ClusterConfig, run: RunConfig) -> RoutingSettings:
 
 
 #: The table kernels a simulation's index calls (events applied, prompt-key references, routing queries). A run
-#: with event loss may call a few more (a cleared worker, a resync), each then loaded on first use (some 4 ms); the
-#: other 13 (a service's) added 5 MB to the peak memory of runs that never call them.
+#: with event loss may call a few more (a cleared worker, a resync), each then loaded on first use; loading
+#: the other 13 (a service's) would add to the peak memory of runs that never call them.
 SIM_TABLE_KERNELS = ("store_tokens", "remove", "rehash", "has_bit", "ref_add", "ref_drop", "held_prefix",
                      "run_levels", "runs_by_search")
 

@@ -2,10 +2,10 @@
 
 CPython's cyclic collector stops every thread while it runs, and a full (generation 2) pass visits every
 object the collector tracks. A started service holds some 100,000 such objects that live as long as it does
-(modules, numba's compiled kernels, aiohttp's machinery); a full pass over them took 60-95 ms on the 2-core
-development machine: a stall of the event loop and of every query in flight, and the p99 of
-``bench/service_bench.py``. :func:`freeze_startup_objects` moves them out of the collector's view once
-startup is done (``gc.freeze``), so later passes visit only what was allocated since (well under 1 ms).
+(modules, numba's compiled kernels, aiohttp's machinery); a full pass over them stalls the event loop and every
+query in flight, and set the p99 of ``bench/service_bench.py``. :func:`freeze_startup_objects` moves them out of
+the collector's view once startup is done (``gc.freeze``), so later passes visit only what was allocated since
+(figures: ``bench/MEASUREMENTS.md``).
 
 Objects frozen are still freed by reference counting; only a reference cycle among them would outlive its
 use, and startup objects are meant to live as long as the process anyway.
@@ -43,8 +43,8 @@ def rare_collections(young: int = RARE_YOUNG_THRESHOLD) -> Iterator[None]:
     For batch work over a heap of millions of long-lived objects that die by reference count, such as a
     simulation's radix trees, index and page stores: the default threshold starts a young pass every 700
     net allocations and, as they pile up, full passes that walk the whole heap and find next to no cycles.
-    In a replay of 100,000 chat requests on 64 workers the collector took 5.5 s of 93 s; with this, 0.4 s
-    of 76 s. Cyclic garbage is still collected, only later. O(1).
+    On a long replay this takes most of the collector's time out of the run (``bench/MEASUREMENTS.md``).
+    Cyclic garbage is still collected, only later. O(1).
     """
     if young < 1:
         raise ValueError(f"young-generation threshold must be >= 1, got {young}")

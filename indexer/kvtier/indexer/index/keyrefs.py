@@ -1,11 +1,10 @@
 """Reference counts of prompt block keys in a compiled table: the router's in-flight bookkeeping per worker.
 
 :class:`kvtier.indexer.routing.load.LoadTracker` counts, per worker, the in-flight requests using each prompt block
-key: it
-moves a whole prompt's counts when a request is routed and when it finishes, and binary-searches the held prefix of
-every candidate worker on every routing decision. In a dict that is a boxed int per count and some 300 ns per key
-and request (a prompt of 150 blocks: 50 us to add, as much to finish); here it is one compiled call over the prompt's
-keys as a ``uint64`` array (:func:`kvtier.indexer.index.tablekernel.ref_add`, ``ref_drop``, ``held_prefix``).
+key: it moves a whole prompt's counts when a request is routed and when it finishes, and binary-searches the held
+prefix of every candidate worker on every routing decision. In a dict that is a boxed int per count and an
+interpreter round trip per key and request; here it is one compiled call over the prompt's keys as a ``uint64``
+array (:func:`kvtier.indexer.index.tablekernel.ref_add`, ``ref_drop``, ``held_prefix``).
 
 Only ``int`` keys in ``[0, 2**64)`` fit (router block keys are): :func:`key_array` says None for anything else, and
 the tracker keeps that worker's counts in a dict from then on (:meth:`KeyRefs.to_dict`).

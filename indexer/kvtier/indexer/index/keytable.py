@@ -50,7 +50,7 @@ _M64 = (1 << 64) - 1
 _SIGN = 1 << 63
 _MIN_CAP = 1024
 
-#: The table kernels. Each is compiled (or loaded from numba's cache, some 4 ms) on its first call: a batch run pays
+#: The table kernels. Each is compiled (or loaded from numba's cache) on its first call: a batch run pays
 #: for those it uses, about half of them; a service loads them all before it serves (:func:`warm_tables`).
 KERNELS = LazyKernels("kvtier.indexer.index.tablekernel", lambda k: None)
 
@@ -95,8 +95,8 @@ _HELPER = HelperThread("kvtier-prefault")  # the thread that touches tables' nex
 
 class _Prefaulted:
     """Zeros for a table's next size, written by a helper thread while events keep coming: on this kind of machine
-    most of a growth is the page faults of touching fresh memory (2 us per 4 KiB page on the dev VM: 0.15-0.35 s
-    for 256 MiB, where the rehash into it is 0.06 s), and the table must not stall the event loop for them.
+    most of a growth is the page faults of touching fresh memory, several times the rehash into it
+    (``bench/MEASUREMENTS.md``), and the table must not stall the event loop for them.
     numpy's ``fill`` releases the GIL, so the faults run on another core."""
 
     __slots__ = ("arr", "done", "pid")

@@ -9,7 +9,7 @@ probe), and every operation an event or a query needs runs as one compiled call 
 The helpers called once per block that allocate nothing (``find``, ``delete_at``, the mask pool's) are compiled
 without numba's reference counting (``_nrt=False``): a compiled function otherwise takes a reference to each array
 argument on entry and drops it on exit, an atomic add each, and numba's pruning leaves those in place around
-calls inside the kernels' loops. On the simulator's event stream they took 11% of the apply, 4% after.
+calls inside the kernels' loops, a visible share of every event applied (``bench/MEASUREMENTS.md``).
 
 Tables (see :mod:`kvtier.indexer.index.keytable` for the Python side that owns the arrays):
 
@@ -98,7 +98,7 @@ def _probe(r: Arr, k: np.uint64) -> int:
 @njit(cache=True, inline="always")
 def _copy_row(dst: Arr, i: int, src: Arr, j: int) -> None:
     """``dst[i, :cols] = src[j, :]`` as a loop: a slice assignment builds two array views, which costs more than
-    the few words of a row (a rehash took 1.5-2x as long with it)."""
+    the few words of a row."""
     for c in range(src.shape[1]):
         dst[i, c] = src[j, c]
 
@@ -187,7 +187,7 @@ def _touch(r: Arr, keys: Arr) -> np.uint64:
 @njit(cache=True)
 def _distinct(a: Arr) -> bool:
     """Whether the values of ``a`` are pairwise distinct, through a small open-addressing set at most half full.
-    O(n) expected: on a store of 64 blocks 0.5 us, where a sort took 1.9 us (called once or twice per store)."""
+    O(n) expected, where a sort is O(n log n) and allocates (called once or twice per store)."""
     n = a.shape[0]
     size = 16
     while size < 2 * n:
