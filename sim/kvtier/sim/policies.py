@@ -57,14 +57,8 @@ the router's in-flight load). It prices everything in the unit the user waits in
 Where it wins: Dynamo adds decode blocks to prefill blocks one for one, so a worker holding a request's
 prefix loses it to an idle worker as soon as its decode load exceeds the blocks the hit saves; min_ttft
 keeps the prefix where the decode load costs less than the recompute, in milliseconds on the modeled
-hardware, and stops before the batch or the reserved memory make the worker slower for everyone. With the
-decode step counted once, the estimate left a third of the workers idle on the built-in agentic trace
-(sessions piled where their tool specs were cached) and its median TTFT was worse than Dynamo's.
-
-Measured against ``dynamo`` (note on issue 10): more of the prompt cached (3.4 to 10.5 points) and TTFT
-p50, p90 and p99 no worse on the full Mooncake trace (device only, host 4x, host 4x + disk) and on the
-built-in chat and agentic traces. Against Dynamo 1.6.1's own kv_router (``bench/crosscheck_dynamo.py``)
-it caches 4 points more, device only and host 4x, with every TTFT percentile lower (p99 by 2-5 ms).
+hardware, and stops before the batch or the reserved memory make the worker slower for everyone. The
+measured comparison is the README's results table (``kvtier compare``, ``bench/crosscheck_dynamo.py``).
 """
 
 

@@ -185,7 +185,7 @@ class TtftCost:
     # running requests finish and free their KV, which takes seconds, not milliseconds.
     memory_wait_ms: float = 10_000.0
     # Weight of each decode step in the estimate (see above). Tried 1, 4 and 7 on the Mooncake trace and the
-    # built-in chat and agentic traces (note on issue 10): 7 was the only one that beat Dynamo's cost on
+    # built-in chat and agentic traces: 7 was the only one that beat Dynamo's cost on
     # all of them (1 left agentic's median TTFT behind). Chosen, not derived.
     decode_weight: float = 7.0
 
