@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import zmq
+
 from kvtier.indexer.index.tiered import TieredIndex
 from kvtier.indexer.service import persist
 from kvtier.sim.experiment import resolve_trace

@@ -23,7 +23,6 @@ percentile; the ``dynamo`` policy within 1 point of Dynamo's kv_router hit rate.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -35,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
 from kvtier.hardware.latency import PRESETS
 from kvtier.sim.cluster import ClusterConfig
 from kvtier.sim.experiment import shared_dir
@@ -91,7 +91,7 @@ class Row:
 def crosscheck_cluster(workers: int) -> ClusterConfig:
     """The cluster both simulators run, device only: 16,384 pages of 64 tokens a worker, 256 running,
     8,192 batched tokens, 25 GB/s host links (used once a host tier is added)."""
-    return ClusterConfig(workers=workers, page_size=64, device_tokens=16_384 * 64, max_running=256,
+    return ClusterConfig.of(workers=workers, page_size=64, device_tokens=16_384 * 64, max_running=256,
                          prefill_budget=8192, host_ratio=0.0, h2d_gbps=25.0)
 
 
@@ -100,8 +100,8 @@ def clusters(workers: int) -> dict[str, ClusterConfig]:
     loaded one (8 workers of 4,096 pages, host 4x), where memory runs short and admission, preemption and the
     output room an engine reserves decide the latencies."""
     base = crosscheck_cluster(workers)
-    return {"default": base, "default-host4x": dataclasses.replace(base, host_ratio=4.0),
-            "loaded": dataclasses.replace(base, workers=8, device_tokens=262_144, host_ratio=4.0)}
+    return {"default": base, "default-host4x": base.replace(host_ratio=4.0),
+            "loaded": base.replace(workers=8, device_tokens=262_144, host_ratio=4.0)}
 
 
 def dynamo_python(explicit: str | None) -> str | None:

@@ -15,6 +15,7 @@ import statistics
 import time
 
 import zmq
+
 from kvtier.engine.cache import CacheConfig, TieredCache
 from kvtier.engine.datapath import ModeledDataPath
 from kvtier.engine.node import EngineNode

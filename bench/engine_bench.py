@@ -19,6 +19,7 @@ import statistics
 import time
 
 import torch
+
 from kvtier.engine.cache import CacheConfig, TieredCache
 from kvtier.engine.datapath import CopyKind, ModeledDataPath, TorchDataPath
 from kvtier.hardware.latency import PRESETS

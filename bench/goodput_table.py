@@ -14,12 +14,12 @@ goodput at least as high at every level, and no p50/p90/p99 of TTFT, TPOT or e2e
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
 from kvtier.indexer.routing.policies import REGISTRY
 from kvtier.sim.cluster import ClusterConfig
 from kvtier.sim.experiment import resolve_trace, shared_dir
@@ -27,7 +27,7 @@ from kvtier.sim.metrics import Slo, goodput_count
 from kvtier.sim.run import RunConfig, RunResult, simulate
 from kvtier.sim.trace import Request
 
-DYNAMO_DEFAULT = ClusterConfig(workers=16, page_size=64, device_tokens=16_384 * 64, max_running=256,
+DYNAMO_DEFAULT = ClusterConfig.of(workers=16, page_size=64, device_tokens=16_384 * 64, max_running=256,
                                prefill_budget=8192, host_ratio=0.0, h2d_gbps=25.0)
 
 
@@ -42,12 +42,11 @@ class Workload:
 MOONCAKE = "{shared}/traces/mooncake_conversation_trace.jsonl"
 WORKLOADS = {
     "mooncake-default": Workload(MOONCAKE, DYNAMO_DEFAULT),
-    "mooncake-default-host4x": Workload(MOONCAKE, dataclasses.replace(DYNAMO_DEFAULT, host_ratio=4.0)),
-    "mooncake-loaded": Workload(MOONCAKE, dataclasses.replace(DYNAMO_DEFAULT, workers=8, device_tokens=262_144,
+    "mooncake-default-host4x": Workload(MOONCAKE, DYNAMO_DEFAULT.replace(host_ratio=4.0)),
+    "mooncake-loaded": Workload(MOONCAKE, DYNAMO_DEFAULT.replace(workers=8, device_tokens=262_144, host_ratio=4.0)),
+    "agentic": Workload("builtin:agentic:4000", ClusterConfig.of(workers=16, page_size=64, device_tokens=131_072,
                                                               host_ratio=4.0)),
-    "agentic": Workload("builtin:agentic:4000", ClusterConfig(workers=16, page_size=64, device_tokens=131_072,
-                                                              host_ratio=4.0)),
-    "chat": Workload("builtin:chat:1000", ClusterConfig(workers=4, device_tokens=32_768, host_ratio=4.0, l3="disk",
+    "chat": Workload("builtin:chat:1000", ClusterConfig.of(workers=4, device_tokens=32_768, host_ratio=4.0, l3="disk",
                                                         l3_tokens=1_048_576), time_scale=6.0),
     "azure-shared": Workload("{shared}/traces/azure_llm_2023_conv.csv", DYNAMO_DEFAULT, shared_prefix_blocks=4),
 }

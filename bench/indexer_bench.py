@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from index_workload import BLOCKS_PER_TURN, BS, CONV_BLOCKS, TURNS, conversations, make_queries, percentile, rss_bytes
+
 from kvtier.indexer.index.keys import block_keys, key_backend
 from kvtier.indexer.index.keytable import warm_tables
 from kvtier.indexer.index.tiered import Outcome, TieredIndex

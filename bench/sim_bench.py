@@ -22,7 +22,6 @@ no slower than Dynamo's mocker on the same configuration.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import resource
 import subprocess
@@ -38,8 +37,8 @@ from kvtier.sim.run import RunConfig, load_kernels, simulate
 from kvtier.sim.trace import load_mooncake, write_mooncake
 
 BASE = crosscheck_cluster(16)
-CONFIGS = {"device only": BASE, "host 4x": dataclasses.replace(BASE, host_ratio=4.0),
-           "host 4x + disk 8x": dataclasses.replace(BASE, host_ratio=4.0, l3="disk", l3_tokens=8 * 16_384 * 64)}
+CONFIGS = {"device only": BASE, "host 4x": BASE.replace(host_ratio=4.0),
+           "host 4x + disk 8x": BASE.replace(host_ratio=4.0, l3="disk", l3_tokens=8 * 16_384 * 64)}
 DYNAMO_MODE = {"round_robin": "round_robin", "kv_host": "kv_router"}  # Dynamo's nearest run per policy
 TARGET_S = {"device only": 6.0, "host 4x": 10.0}
 TARGET_GIB = 1.5

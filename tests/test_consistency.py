@@ -20,6 +20,7 @@ from collections.abc import Callable
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
+
 from kvtier.engine.cache import Admission, CacheConfig, PrefetchPolicy, TieredCache, WritePolicy
 from kvtier.engine.datapath import Bandwidths, ModeledDataPath
 from kvtier.engine.l3.storage import PageStore

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+
 from kvtier.engine.events import AllBlocksCleared
 from kvtier.sim import live
 from kvtier.wire.notices import Delivery, ResyncDone, ResyncNeeded

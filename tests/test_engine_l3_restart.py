@@ -21,7 +21,6 @@ from kvtier.engine.l3.pagefile import Layout, read_header
 from kvtier.indexer.service.app import IndexerService, ServiceConfig
 from kvtier.wire import StorageTier
 from kvtier.wire.transport.subscriber import EndpointConfig
-
 from tests.test_multiprocess import ROOT, free_port, read_residency
 
 LAYOUT = Layout("kvtier-live", 16)

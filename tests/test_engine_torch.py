@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from kvtier.engine.cache import Admission, CacheConfig, PrefetchPolicy, TieredCache
 from kvtier.engine.datapath import CopyKind, TorchDataPath, _runs
 from kvtier.engine.l3.pagetree import PageMeta

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from kvtier.engine.cache import CacheConfig, PrefetchPolicy, WritePolicy
 from kvtier.engine.hashing import chain, event_hash
 from kvtier.engine.l3.storage import PageStore
@@ -21,7 +22,6 @@ from kvtier.wire import (
 )
 from kvtier.wire.notices import StreamId
 from kvtier.wire.protocol import pack_tokens, unpack_tokens
-
 from tests.engine_harness import Harness
 
 PS = 4

@@ -17,6 +17,7 @@ from pathlib import Path
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
 from kvtier.engine.cache import CacheConfig, TieredCache
 from kvtier.engine.datapath import Bandwidths, ModeledDataPath
 from kvtier.engine.l3.storage import PageStore

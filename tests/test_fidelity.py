@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from kvtier.engine.cache import WritePolicy
 from kvtier.hardware.latency import (
     MockerLatency,
@@ -34,7 +35,7 @@ def chat(n: int, seed: int = 1) -> list[Request]:
 
 
 def test_write_back_finishes_every_request_when_host_copies_cannot_be_allocated() -> None:
-    cfg = ClusterConfig(workers=1, page_size=64, device_tokens=16_384, host_ratio=0.1,
+    cfg = ClusterConfig.of(workers=1, page_size=64, device_tokens=16_384, host_ratio=0.1,
                         write_policy=WritePolicy.WRITE_BACK)
     res = simulate(chat(300), cfg, RunConfig("round_robin"))
     assert res.summary.unfinished == 0, f"{res.summary.unfinished} of 300 requests never finished"
@@ -43,7 +44,7 @@ def test_write_back_finishes_every_request_when_host_copies_cannot_be_allocated(
 
 def test_unfinished_requests_are_counted_not_dropped() -> None:
     reqs = chat(200)
-    cfg = ClusterConfig(workers=2, page_size=64, device_tokens=32_768, host_ratio=1.0)
+    cfg = ClusterConfig.of(workers=2, page_size=64, device_tokens=32_768, host_ratio=1.0)
     full = simulate(reqs, cfg, RunConfig("round_robin")).summary
     cut = simulate(reqs, cfg, RunConfig("round_robin", until_s=reqs[100].arrival)).summary
     assert full.unfinished == 0 and full.requests == 200
@@ -67,14 +68,14 @@ def test_pages_cached_by_a_concurrent_request_are_device_hits_not_storage() -> N
     # b is admitted while a prefills (nothing cached yet) and starts once a's pages are on device.
     ids = list(range(20))
     reqs = [Request("a", 0.0, 10_000, 20, ids), Request("b", 0.001, 10_000, 20, ids)]
-    cfg = ClusterConfig(workers=1, page_size=64, device_tokens=16_384, host_ratio=0.0, max_running=2)
+    cfg = ClusterConfig.of(workers=1, page_size=64, device_tokens=16_384, host_ratio=0.0, max_running=2)
     s = simulate(reqs, cfg, RunConfig("round_robin")).summary
     assert s.hit_storage == 0.0
     assert s.hit_device == pytest.approx(10_000 // 64 * 64 / 20_000)
 
 
 def test_tokens_by_tier_add_up_to_the_prompt_for_every_request() -> None:
-    cfg = ClusterConfig(workers=3, page_size=64, device_tokens=32_768, host_ratio=1.0, l3="disk",
+    cfg = ClusterConfig.of(workers=3, page_size=64, device_tokens=32_768, host_ratio=1.0, l3="disk",
                         l3_tokens=131_072)
     for policy in ("round_robin", "kv_all"):
         res = simulate(chat(250), cfg, RunConfig(policy))
@@ -86,7 +87,7 @@ def test_tokens_by_tier_add_up_to_the_prompt_for_every_request() -> None:
 def test_decode_run_charges_each_step_at_its_own_utilisation() -> None:
     lat = MockerLatency()
     cap, prompt, steps = 4096, 200, 3000  # utilisation climbs from 5% to 78% while it decodes
-    cfg = ClusterConfig(workers=1, page_size=64, device_tokens=cap, host_ratio=0.0)
+    cfg = ClusterConfig.of(workers=1, page_size=64, device_tokens=cap, host_ratio=0.0)
     rec = simulate([Request("r0", 0.0, prompt, steps + 1, [0])], cfg, RunConfig("round_robin")).records[0]
     expected = sum(lat.decode_ms((prompt + 1 + k) / cap) for k in range(steps)) / 1000
     constant = steps * lat.decode_ms((prompt + 1) / cap) / 1000  # what main charged
@@ -102,7 +103,7 @@ def test_decode_run_closed_form_equals_the_step_by_step_sum(u0: float, du: float
 
 @pytest.mark.parametrize("tokens", [3000, 40_000, 64_000])
 def test_ttft_cost_of_an_idle_worker_equals_the_simulated_ttft(tokens: int) -> None:
-    cfg = ClusterConfig(workers=1, page_size=64, device_tokens=262_144, host_ratio=0.0, prefill_budget=8192)
+    cfg = ClusterConfig.of(workers=1, page_size=64, device_tokens=262_144, host_ratio=0.0, prefill_budget=8192)
     rec = simulate([Request("r0", 0.0, tokens, 5, list(range(-(-tokens // 512))))], cfg,
                    RunConfig("round_robin")).records[0]
     cost = TtftCost(TransferModel(131072), prefill_budget=8192, capacity_tokens=262_144)
@@ -124,7 +125,7 @@ def test_ttft_cost_adds_a_decode_step_to_each_mixed_iteration() -> None:
 def test_index_accuracy_is_measured_at_admission() -> None:
     ids = list(range(8))
     reqs = [Request("a", 0.0, 4096, 50, ids), Request("b", 0.001, 4096, 50, ids)]
-    cfg = ClusterConfig(workers=1, page_size=64, device_tokens=65_536, host_ratio=0.0, max_running=1)
+    cfg = ClusterConfig.of(workers=1, page_size=64, device_tokens=65_536, host_ratio=0.0, max_running=1)
     b = simulate(reqs, cfg, RunConfig("kv_all")).records[1]
     assert b.predicted_blocks == 0  # routed before a's prompt was cached
     assert b.actual_blocks == 4096 // 64  # admitted after it was
@@ -133,7 +134,7 @@ def test_index_accuracy_is_measured_at_admission() -> None:
 def test_multi_turn_sessions_are_closed_loop() -> None:
     reqs = generate(dataclasses.replace(PRESETS["chat"], requests=300, rate=20.0, think_s=0.5), 3)
     assert all(r.session is not None for r in reqs)
-    cfg = ClusterConfig(workers=1, page_size=64, device_tokens=65_536, host_ratio=1.0)
+    cfg = ClusterConfig.of(workers=1, page_size=64, device_tokens=65_536, host_ratio=1.0)
     res = simulate(reqs, cfg, RunConfig("round_robin"))
     by_id = {r.request_id: r for r in res.records}
     last: dict[str, Request] = {}
@@ -161,7 +162,7 @@ def test_sessions_round_trip_through_jsonl(tmp_path: Path) -> None:
 
 def test_l3_without_a_host_tier_is_an_error() -> None:
     with pytest.raises(ValueError, match="host"):
-        ClusterConfig(l3="disk", host_ratio=0.0)
+        ClusterConfig.of(l3="disk", host_ratio=0.0)
 
 
 def test_fit_latency_recovers_the_coefficients_it_was_measured_with() -> None:

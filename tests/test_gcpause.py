@@ -8,6 +8,7 @@ import weakref
 from collections.abc import Iterator
 
 import pytest
+
 from kvtier.sim.cluster import ClusterConfig
 from kvtier.sim.generators import PRESETS, generate
 from kvtier.sim.run import RunConfig, simulate
@@ -77,6 +78,6 @@ def test_a_simulation_runs_with_rare_collections_and_leaves_the_thresholds_as_th
     before = gc.get_threshold()
     seen: list[tuple[int, int, int]] = []
     trace = generate(dataclasses.replace(PRESETS["chat"], requests=40), 3)
-    simulate(trace, ClusterConfig(workers=2), RunConfig("kv_host"), sink=lambda _: seen.append(gc.get_threshold()))
+    simulate(trace, ClusterConfig.of(workers=2), RunConfig("kv_host"), sink=lambda _: seen.append(gc.get_threshold()))
     assert len(seen) == 40 and seen[0][0] == RARE_YOUNG_THRESHOLD  # the first finishes while the run goes on
     assert gc.get_threshold() == before

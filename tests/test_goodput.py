@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from kvtier.hardware.latency import MockerLatency, decode_step_max_ms
 from kvtier.sim.cli import main as cli
 from kvtier.sim.cluster import ClusterConfig
@@ -19,7 +20,7 @@ from kvtier.sim.metrics import RequestRecord, Slo, summarize
 from kvtier.sim.run import RunConfig, simulate
 from kvtier.sim.trace import Request
 
-SMALL = ClusterConfig(workers=3, page_size=64, device_tokens=32_768, host_ratio=1.0, l3="disk", l3_tokens=131_072)
+SMALL = ClusterConfig.of(workers=3, page_size=64, device_tokens=32_768, host_ratio=1.0, l3="disk", l3_tokens=131_072)
 
 
 def chat(n: int) -> list[Request]:
@@ -58,7 +59,7 @@ def test_one_request_decodes_at_the_latency_models_steps() -> None:
     """Alone on a worker, a request's gaps are the model's decode steps at the utilisation each token brings, and
     its max ITL the last (the published fit's step grows with utilisation)."""
     req = Request("r0", 0.0, 640, 40, hash_ids=list(range(10)))
-    cfg = ClusterConfig(workers=1, page_size=64, device_tokens=65_536, host_ratio=0.0)
+    cfg = ClusterConfig.of(workers=1, page_size=64, device_tokens=65_536, host_ratio=0.0)
     gaps: list[list[float]] = []
     res = simulate([req], cfg, RunConfig("round_robin"), itl_sink=lambda rid, g: gaps.append(list(g)))
     lat, cap = MockerLatency(), cfg.capacity_tokens()
@@ -75,7 +76,7 @@ def test_a_newcomers_prefill_shows_in_the_running_streams_max_itl() -> None:
     stream's gap then lasts a prefill chunk, which its max ITL must show (TPOT alone would average it away)."""
     first = Request("a", 0.0, 256, 200, hash_ids=list(range(4)))
     second = Request("b", 0.5, 8192, 10, hash_ids=list(range(100, 228)))
-    cfg = ClusterConfig(workers=1, page_size=64, device_tokens=65_536, host_ratio=0.0, prefill_budget=4096)
+    cfg = ClusterConfig.of(workers=1, page_size=64, device_tokens=65_536, host_ratio=0.0, prefill_budget=4096)
     res = simulate([first, second], cfg, RunConfig("round_robin"))
     a = res.records[0]
     chunk_ms = MockerLatency().prefill_ms(4096)
@@ -145,7 +146,7 @@ def test_a_prompt_cached_whole_still_gets_its_first_token_from_a_prefill() -> No
     recorded: a TTFT of -1 s went into the percentiles."""
     ids = list(range(8))
     reqs = [Request("a", 0.0, 4096, 50, ids), Request("b", 0.001, 4096, 50, ids)]
-    cfg = ClusterConfig(workers=1, page_size=64, device_tokens=65_536, host_ratio=0.0, max_running=1)
+    cfg = ClusterConfig.of(workers=1, page_size=64, device_tokens=65_536, host_ratio=0.0, max_running=1)
     res = simulate(reqs, cfg, RunConfig("kv_all"))
     a, b = res.records
     assert b.device_tokens == 4096 and b.recomputed_tokens == 0

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvtier.engine import hashing
 from kvtier.engine.hashing import ROOT_DIGEST, PageDigests, chain_hashes, event_hash
 from kvtier.kernels import jit

@@ -6,9 +6,10 @@ import math
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+
 from kvtier.indexer.service.exposition import Family, render
 from kvtier.indexer.service.histogram import Histogram
-from prometheus_client.parser import text_string_to_metric_families
 
 
 def test_a_value_on_a_bound_counts_in_that_bucket() -> None:

@@ -10,6 +10,7 @@ import itertools
 from collections.abc import Sequence
 
 import pytest
+
 from kvtier.indexer.index.keys import BlockKey
 from kvtier.indexer.routing.incumbents import Llmd, PowerOfTwo, SglangCacheAware
 from kvtier.indexer.routing.load import LoadTracker
@@ -215,7 +216,7 @@ def test_llmd_precise_scores_the_indexed_prefix_gpu_1_cpu_0_8_and_learns_nothing
 
 # --- in the simulator and the service -----------------------------------------------------------------------------
 
-CLUSTER = ClusterConfig(workers=3, page_size=64, device_tokens=32_768, host_ratio=1.0, l3="disk", l3_tokens=131_072)
+CLUSTER = ClusterConfig.of(workers=3, page_size=64, device_tokens=32_768, host_ratio=1.0, l3="disk", l3_tokens=131_072)
 
 
 def test_each_runs_in_the_simulator_with_sane_hit_rates() -> None:

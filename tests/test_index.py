@@ -9,6 +9,7 @@ import pytest
 import xxhash
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+
 from kvtier.indexer.index import levels as levels_module
 from kvtier.indexer.index.blockmasks import BlockMasks
 from kvtier.indexer.index.keys import block_keys
@@ -17,7 +18,6 @@ from kvtier.indexer.index.tiered import Outcome, TieredIndex
 from kvtier.wire import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event, StorageTier, WorkerId
 from kvtier.wire.notices import StreamId
 from kvtier.wire.overlap import TierOverlap
-
 from tests.reference_index import ReferenceIndex
 
 A, B, C = (StreamId(WorkerId(n)) for n in "abc")

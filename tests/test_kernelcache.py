@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from kvtier.kernels.kernelcache import sources
 
 pytest.importorskip("numba", reason="numba is not installed")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
 from kvtier.indexer.index.keys import block_keys, mm_block_extras, split_extra_keys
 from kvtier.indexer.index.tiered import Outcome, TieredIndex
 from kvtier.wire import BlockStored, EventBatch, StreamId, WireFormat, WorkerId, decode_payload, encode_payload

@@ -14,9 +14,9 @@ import pytest
 import xxhash
 from hypothesis import example, given
 from hypothesis import strategies as st
+
 from kvtier.indexer.index import keys
 from kvtier.indexer.index.keys import BlockKey, chain_keys, namespace
-
 from tests.jit_paths import python_path
 
 keykernel = pytest.importorskip("kvtier.kernels.keykernel", reason="numba is not installed")

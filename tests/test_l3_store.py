@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from kvtier.engine.cache import CacheConfig, PrefetchPolicy, TieredCache
 from kvtier.engine.datapath import TorchDataPath
 from kvtier.engine.hashing import chain
@@ -20,7 +21,6 @@ from kvtier.engine.l3.storage import PageStore, StoreError
 from kvtier.indexer.index.tiered import TieredIndex
 from kvtier.wire import BlockRemoved, BlockStored, StorageTier, WorkerId
 from kvtier.wire.notices import StreamId
-
 from tests.test_engine_torch import DEVICES, PS, SHAPE, run, wait
 
 L = Layout("m", PS)

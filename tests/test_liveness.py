@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+
 from kvtier.indexer.index.consumer import IndexConsumer
 from kvtier.indexer.index.tiered import TieredIndex
 from kvtier.indexer.service.app import ConfigError, IndexerService, ServiceConfig, load_config, parse_endpoint
@@ -33,7 +34,6 @@ from kvtier.wire import (
     encode_payload,
     pack_seq,
 )
-
 from tests.test_service import get, post
 
 BS = 4

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvtier.engine.hashing import ROOT_DIGEST, chain
 from kvtier.engine.radix import RadixTree
 from kvtier.indexer.index.keys import KeyList, block_keys
@@ -110,7 +111,7 @@ def _chat(n: int) -> list[Request]:
 @pytest.mark.parametrize("closed_loop", [True, False])
 def test_runs_give_the_same_results_with_and_without_the_lookahead(closed_loop: bool) -> None:
     reqs = _chat(3 * la.BATCH)  # sessions: later turns arrive closed loop, past the lookahead
-    cfg = ClusterConfig(workers=3, page_size=64, device_tokens=65_536, host_ratio=1.0)
+    cfg = ClusterConfig.of(workers=3, page_size=64, device_tokens=65_536, host_ratio=1.0)
     run = RunConfig("kv_host", closed_loop=closed_loop)
     ahead = simulate(ListTrace(reqs), cfg, run)
 

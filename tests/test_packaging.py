@@ -13,6 +13,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
 from kvtier.sim.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -28,13 +28,13 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
+
+import tests.test_faulty_wire as fw
 from kvtier.indexer.index.consumer import IndexConsumer
 from kvtier.indexer.index.tiered import TieredIndex
 from kvtier.wire import BlockRemoved, BlockStored, EventBatch, StorageTier, WorkerId, decode_payload
 from kvtier.wire.notices import Delivery, PublisherRestarted, Received, ResyncNeeded, ResyncStarted, StreamId
 from kvtier.wire.transport.stream import StreamTracker
-
-import tests.test_faulty_wire as fw
 
 CHECKS: list[tuple[int, int]] = []  # (partial workers, blocks checked) per quiet check
 REGAINED: list[int] = []  # blocks a store proved held (indexed only by regaining them), per quiet check

@@ -31,12 +31,12 @@ from kvtier.sim.trace import Request, load_mooncake
 PINS = Path(__file__).with_name("pinned_results.json")
 REPIN = os.environ.get("KVTIER_REPIN") == "1"
 
-TIERED = ClusterConfig(workers=3, page_size=64, device_tokens=32_768, host_ratio=1.0, l3="disk", l3_tokens=131_072)
+TIERED = ClusterConfig.of(workers=3, page_size=64, device_tokens=32_768, host_ratio=1.0, l3="disk", l3_tokens=131_072)
 # A hybrid model (gpt-oss-20b: sliding-window layers, window 128) with a small window pool, announcing its
 # window KV or not (SGLang): kv_swa tracks, or infers, the window; kv_all over-counts; the oracle reads it.
 SWA = dataclasses.replace(TIERED, model="gpt-oss-20b", swa_ratio=0.2)
-SWA_BLIND = dataclasses.replace(SWA, swa_events=False)
-MOONCAKE = ClusterConfig(workers=8, page_size=64, device_tokens=262_144, host_ratio=2.0, max_running=64,
+SWA_BLIND = SWA.replace(swa_events=False)
+MOONCAKE = ClusterConfig.of(workers=8, page_size=64, device_tokens=262_144, host_ratio=2.0, max_running=64,
                          prefill_budget=8192)
 
 

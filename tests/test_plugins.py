@@ -8,13 +8,13 @@ import time
 from pathlib import Path
 
 import pytest
+
 from kvtier.indexer.routing.plugins import PolicyBase, RouteContext, RoutingPolicy, is_plugin_spec, load_policy
 from kvtier.indexer.service.app import IndexerService, ServiceConfig, parse_endpoint
 from kvtier.sim.cli import main as cli_main
 from kvtier.sim.run import RunConfig, simulate
 from kvtier.wire import EventBatch, Publisher
 from kvtier.wire.notices import StreamId
-
 from tests.test_service import BS, TOKS, post, stored, wait_for
 from tests.test_sim import SMALL, chat
 

@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any
 
 import pytest
+
 from kvtier.indexer.index.consumer import IndexConsumer
 from kvtier.indexer.routing.plugins import note_routed
 from kvtier.indexer.routing.policies import POLICIES, REGISTRY, RoutingSettings, make_cost
@@ -18,7 +19,7 @@ from kvtier.sim.policies import KvPolicy, PluginRouted, RouteInput
 from kvtier.sim.run import RunConfig, routing_settings, simulate
 from kvtier.wire.notices import Delivery
 
-CLUSTER = ClusterConfig(workers=3, page_size=16, device_tokens=32_768, host_ratio=1.0, l3="disk", l3_tokens=131_072,
+CLUSTER = ClusterConfig.of(workers=3, page_size=16, device_tokens=32_768, host_ratio=1.0, l3="disk", l3_tokens=131_072,
                         h2d_gbps=25.0, prefill_budget=4096)
 
 

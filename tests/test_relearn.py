@@ -10,12 +10,12 @@ from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 
 import pytest
+
 from kvtier.indexer.index.keytable import KERNELS, EngineHashes
 from kvtier.indexer.index.tiered import Outcome, TieredIndex
 from kvtier.wire import BlockRemoved, BlockStored, StorageTier, WorkerId
 from kvtier.wire.notices import StreamId
 from kvtier.wire.overlap import TierOverlap
-
 from tests.jit_paths import python_path
 
 W, V = StreamId(WorkerId("sglang")), StreamId(WorkerId("vllm"))

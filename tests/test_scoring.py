@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvtier.hardware.latency import PRESETS, MockerLatency, TransferModel
 from kvtier.indexer.index.keys import block_keys
 from kvtier.indexer.index.tiered import TieredIndex

@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
 from kvtier.indexer.index.keys import key_backend
 from kvtier.indexer.index.tiered import TieredIndex
 from kvtier.indexer.service import persist
@@ -27,8 +29,6 @@ from kvtier.sim.cli import main as cli_main
 from kvtier.wire import BlockRemoved, BlockStored, EventBatch, Publisher, StorageTier, tokenarray, window_group
 from kvtier.wire.notices import StreamId
 from kvtier.wire.protocol import WorkerId
-from prometheus_client.parser import text_string_to_metric_families
-
 from tests.test_multiprocess import ROOT
 
 BS = 4

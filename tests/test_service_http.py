@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 import zmq
+
 from kvtier.indexer.service.app import ConfigError, IndexerService, ServiceConfig, parse_endpoint
 from kvtier.wire import BlockRemoved, BlockStored, EventBatch, Publisher, StorageTier, WorkerId
 from kvtier.wire.notices import StreamId
-
 from tests.test_service import BS, TOKS, get, post, stored, wait_for
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from kvtier.indexer.service import fdlimit
 from kvtier.indexer.service.app import IndexerService, ServiceConfig, load_config, parse_endpoint
 from kvtier.indexer.service.clients import Forbidden
@@ -32,7 +33,6 @@ from kvtier.indexer.service.httplimits import BodyTooLarge, check_depth, read_bo
 from kvtier.sim.cli import main as cli_main
 from kvtier.util.fields import ConfigError
 from kvtier.wire import Publisher
-
 from tests.test_multiprocess import ROOT
 from tests.test_service import BS, TOKS, get, wait_for
 

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from kvtier.hardware.latency import MockerLatency
 from kvtier.sim.cli import main as cli
 from kvtier.sim.cluster import ClusterConfig
@@ -17,7 +18,7 @@ from kvtier.sim.generators import PRESETS, generate
 from kvtier.sim.run import RunConfig, simulate
 from kvtier.sim.trace import Request, prefix_reuse
 
-SMALL = ClusterConfig(workers=3, page_size=64, device_tokens=32_768, host_ratio=1.0, l3="disk", l3_tokens=131_072)
+SMALL = ClusterConfig.of(workers=3, page_size=64, device_tokens=32_768, host_ratio=1.0, l3="disk", l3_tokens=131_072)
 
 
 def chat(n: int, seed: int = 1) -> list[Request]:
@@ -27,7 +28,7 @@ def chat(n: int, seed: int = 1) -> list[Request]:
 def test_unbounded_single_worker_hit_rate_equals_theoretical_reuse() -> None:
     reqs = chat(120)
     spaced = [dataclasses.replace(r, arrival=i * 1000.0) for i, r in enumerate(reqs)]  # no overlap in time
-    cfg = ClusterConfig(workers=1, page_size=64, device_tokens=10_000_000, host_ratio=0.0)
+    cfg = ClusterConfig.of(workers=1, page_size=64, device_tokens=10_000_000, host_ratio=0.0)
     res = simulate(spaced, cfg, RunConfig("round_robin"))
     assert res.summary.requests == len(reqs)
     assert res.summary.hit_rate == pytest.approx(prefix_reuse(spaced, 64), abs=1e-12)
@@ -84,7 +85,7 @@ def test_an_outage_longer_than_the_buffer_needs_a_dump() -> None:
 
 def test_single_request_timing_in_closed_form() -> None:
     lat = MockerLatency()
-    cfg = ClusterConfig(workers=1, page_size=64, device_tokens=65_536, host_ratio=0.0, prefill_budget=8192)
+    cfg = ClusterConfig.of(workers=1, page_size=64, device_tokens=65_536, host_ratio=0.0, prefill_budget=8192)
     req = Request("r0", 0.0, 3000, 50, [1, 2, 3, 4, 5, 6])
     rec = simulate([req], cfg, RunConfig("round_robin")).records[0]
     ttft = lat.prefill_ms(3000) / 1000
@@ -96,7 +97,7 @@ def test_single_request_timing_in_closed_form() -> None:
 
 def test_chunked_prefill_splits_long_prompts() -> None:
     lat = MockerLatency()
-    cfg = ClusterConfig(workers=1, page_size=64, device_tokens=65_536, host_ratio=0.0, prefill_budget=2048)
+    cfg = ClusterConfig.of(workers=1, page_size=64, device_tokens=65_536, host_ratio=0.0, prefill_budget=2048)
     req = Request("r0", 0.0, 5000, 1, list(range(10)))
     rec = simulate([req], cfg, RunConfig("round_robin")).records[0]
     assert rec.ttft == pytest.approx((2 * lat.prefill_ms(2048) + lat.prefill_ms(904)) / 1000)
@@ -222,7 +223,7 @@ backends = load_kernels()
 before = loaded()
 reqs = generate(dataclasses.replace(PRESETS["chat"], requests=150, system_tokens=1024, user_tokens=600), 1)
 for l3 in ("none", "disk", "external"):
-    cfg = ClusterConfig(workers=3, page_size=64, device_tokens=32_768, host_ratio=0.0 if l3 == "none" else 1.0,
+    cfg = ClusterConfig.of(workers=3, page_size=64, device_tokens=32_768, host_ratio=0.0 if l3 == "none" else 1.0,
                         l3=l3, l3_tokens=131_072)
     for policy in ("round_robin", "kv_host", "kv_all", "dynamo", "min_ttft"):
         simulate(reqs, cfg, RunConfig(policy))

@@ -86,6 +86,6 @@ def test_first_turns_arrive_by_time_whatever_their_order_in_the_trace() -> None:
 
     trace = [Request("late", 2.0, 600, 4, [1, 2]), Request("early", 1.0, 600, 4, [1, 3]),
              Request("tie", 2.0, 600, 4, [1, 4])]
-    res = simulate(trace, ClusterConfig(workers=2, page_size=64, device_tokens=8192), RunConfig("kv_all"))
+    res = simulate(trace, ClusterConfig.of(workers=2, page_size=64, device_tokens=8192), RunConfig("kv_all"))
     assert [r.request_id for r in res.records] == ["early", "late", "tie"]  # by time, then trace order
     assert [r.arrival for r in res.records] == [1.0, 2.0, 2.0]

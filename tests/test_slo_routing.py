@@ -4,11 +4,12 @@ first-token and finish reports give the observed values, and /metrics the predic
 from __future__ import annotations
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
 from kvtier.indexer.service import app as service_module
 from kvtier.indexer.service.app import IndexerService, ServiceConfig, parse_endpoint
 from kvtier.wire import BlockStored, WorkerId
 from kvtier.wire.notices import StreamId
-from prometheus_client.parser import text_string_to_metric_families
 
 BS = 16
 W0, W1 = StreamId(WorkerId("w0")), StreamId(WorkerId("w1"))

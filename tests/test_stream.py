@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+
 from kvtier.wire import (
     DUMP_REQUEST,
     END_SEQ,

@@ -23,7 +23,7 @@ from kvtier.sim.run import RunConfig, RunResult, simulate
 from kvtier.sim.source import ListTrace, MooncakeFile
 from kvtier.sim.trace import Request, TraceError, load_mooncake, write_mooncake
 
-CLUSTER = ClusterConfig(workers=3, page_size=64, device_tokens=32_768, host_ratio=1.0)
+CLUSTER = ClusterConfig.of(workers=3, page_size=64, device_tokens=32_768, host_ratio=1.0)
 CHAT = dataclasses.replace(PRESETS["chat"], requests=400, rate=4.0, system_tokens=1024, user_tokens=600)
 
 

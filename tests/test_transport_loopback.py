@@ -11,6 +11,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
+
 from kvtier.wire import (
     AllBlocksCleared,
     BlockStored,
@@ -34,7 +35,6 @@ from kvtier.wire import (
 from kvtier.wire.transport.addresses import bind_address_error, connect_address_error
 from kvtier.wire.transport.frames import END_SEQ, unpack_seq
 from kvtier.wire.transport.recovery import Mode
-
 from tests.wire_vectors import load
 
 

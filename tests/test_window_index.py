@@ -134,7 +134,7 @@ def test_inferred_windows_agree_with_the_engines_in_a_simulated_cluster() -> Non
     """Device-only SWA engines that send no window events, with a window pool large enough to drop nothing:
     every admission's inferred usable overlap is the engine's (no over- or under-count)."""
     trace = generate(dataclasses.replace(PRESETS["chat"], requests=200, system_tokens=1024, user_tokens=600), 1)
-    cluster = ClusterConfig(workers=3, page_size=64, device_tokens=32_768, host_ratio=0.0, l3="none",
+    cluster = ClusterConfig.of(workers=3, page_size=64, device_tokens=32_768, host_ratio=0.0, l3="none",
                             model="gpt-oss-20b", swa_ratio=0.8, swa_events=False)
     blind = simulate(trace, cluster, RunConfig("kv_swa")).summary
     assert blind.requests == 200 and blind.unfinished == 0

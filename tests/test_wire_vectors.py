@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from kvtier.engine.hashing import chain as engine_chain
 from kvtier.engine.hashing import event_hash, iter_chain
 from kvtier.wire import (
@@ -22,7 +23,6 @@ from kvtier.wire import (
     unpack_seq,
 )
 from kvtier.wire.transport.frames import END_SEQ
-
 from tests.wire_vectors import FILES, Capture, load
 
 NAMES = sorted(FILES)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from kvtier.util.fields import at_least, check_fields, one_of, within
+from kvtier.util.fields import Domain, at_least, check_fields, one_of, within
 
 
 class WritePolicy(StrEnum):
@@ -26,26 +26,32 @@ class PrefetchPolicy(StrEnum):
 
 @dataclass(slots=True, frozen=True)
 class CacheConfig:
-    """Sizes and policies of one engine's cache."""
+    """Sizes and policies of one engine's cache. Each field's domain, default and help are stated once, here: the
+    simulator's cluster holds one of these (:class:`kvtier.sim.cluster.ClusterConfig`) and the command line is
+    generated from these fields (:func:`kvtier.util.fields.add_options`)."""
 
-    page_size: int = field(default=16, metadata=at_least(1))  # tokens per page (= block size in events)
-    device_pages: int = field(default=1024, metadata=at_least(1))  # device KV capacity in pages
-    # host pages = host_ratio * device_pages; 0 disables the host tier
-    host_ratio: float = field(default=2.0, metadata=within(0, 1024))
-    write_policy: WritePolicy = field(default=WritePolicy.WRITE_THROUGH, metadata=one_of(*WritePolicy))
-    # hits before write_through_selective backs a node up
-    selective_threshold: int = field(default=2, metadata=at_least(1))
-    load_back: bool = True  # load host hits to device (else recompute them)
-    l3_write_behind: bool = True  # copy host backups to the L3 store
-    prefetch_policy: PrefetchPolicy = field(default=PrefetchPolicy.BEST_EFFORT, metadata=one_of(*PrefetchPolicy))
-    # L3 hit length below which no prefetch is started
-    prefetch_min_pages: int = field(default=1, metadata=at_least(0))
-    prefetch_timeout_s: float = field(default=0.05, metadata=within(0, 3600))  # for PrefetchPolicy.TIMEOUT
+    page_size: int = field(default=64, metadata=at_least(1, help="tokens per KV page (= the router's block size)"))
+    device_pages: int = field(default=1024, metadata=at_least(1, help="device KV capacity, pages"))
+    host_ratio: float = field(default=2.0, metadata=within(0, 1024, help="host / device capacity (0: no host tier)"))
+    write_policy: WritePolicy = field(default=WritePolicy.WRITE_THROUGH, metadata=one_of(
+        *WritePolicy, help="when device pages get a host copy"))
+    selective_threshold: int = field(default=2, metadata=at_least(
+        1, help="write_through_selective: hits before a page is backed up to host"))
+    load_back: bool = field(default=True, metadata=Domain(bool, help=(
+        "host hits are recomputed instead of loaded back to device")).meta())
+    l3_write_behind: bool = True  # copy host backups to the L3 store (a simulated cluster: whenever it has one)
+    prefetch_policy: PrefetchPolicy = field(default=PrefetchPolicy.WAIT_COMPLETE, metadata=one_of(
+        *PrefetchPolicy, help="how long a request waits for its L3 prefetch"))
+    prefetch_min_pages: int = field(default=1, metadata=at_least(
+        1, help="shortest L3 hit worth prefetching, pages"))
+    prefetch_timeout_s: float = field(default=0.05, metadata=within(
+        0, 3600, help="prefetch policy timeout: the longest wait, seconds"))
     # sliding-window attention: pages of window KV a prefix needs (0: no SWA)
     swa_window_pages: int = field(default=0, metadata=at_least(0))
     swa_pages: int = field(default=0, metadata=at_least(0))  # window-KV pool size in pages (0: as many as device)
-    # publish window-KV events (kvtier's SWA extension, kvtier.wire.WINDOW_KIND); False: as SGLang, none
-    swa_events: bool = True
+    swa_events: bool = field(default=True, metadata=Domain(bool, help=(
+        "hybrid models: engines publish no window-KV events (as SGLang): kv_swa infers their window KV, the "
+        "other policies over-count")).meta())
 
     def __post_init__(self) -> None:
         check_fields(self)

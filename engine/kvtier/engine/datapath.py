@@ -29,6 +29,7 @@ from kvtier.engine.l3.storage import DRAFT_PREFIX, StoreError
 
 if TYPE_CHECKING:
     import torch
+
     from kvtier.engine.l3.storage import PageStore
 
 

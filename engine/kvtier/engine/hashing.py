@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, overload
 
 import numpy as np
+
 from kvtier.kernels.jit import LazyKernels
 from kvtier.wire.protocol import TOKEN_BYTES, PackedTokens, pack_tokens
 

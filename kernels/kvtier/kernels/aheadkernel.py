@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import numpy as np
 import numpy.typing as npt
+from numba import njit
+
 from kvtier.kernels.bankkernel import blocks
 from kvtier.kernels.keykernel import chain_into
 from kvtier.kernels.shakernel import DIGEST_BYTES, FINAL, INIT, UPDATE, chain_pages
-from numba import njit
 
 #: What :func:`prepare` takes as ``sha``: the addresses of OpenSSL's functions that :mod:`kvtier.kernels.shakernel`
 #: loaded (the engine checks the first digest of each node made from them against ``hashlib``).

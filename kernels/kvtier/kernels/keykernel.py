@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import numpy as np
 import numpy.typing as npt
-from kvtier.kernels.unaligned import load
 from numba import njit
+
+from kvtier.kernels.unaligned import load
 
 _u = np.uint64
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 import numpy.typing as npt
-from kvtier.kernels.unaligned import load, store64
 from numba import njit
+
+from kvtier.kernels.unaligned import load, store64
 
 _r64 = load(64)
 

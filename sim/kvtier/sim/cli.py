@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import importlib.util
 import json
@@ -16,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kvtier.engine.cache import PrefetchPolicy, WritePolicy
+from kvtier.engine.cache import CacheConfig
 from kvtier.hardware.latency import PRESETS as MODEL_PRESETS
 from kvtier.hardware.latency import (
     MockerLatency,
@@ -29,14 +28,14 @@ from kvtier.hardware.latency import (
 from kvtier.hardware.links import DEFAULT_GPU_LINK, DEFAULT_STORAGE_LINK, GPU_LINKS, STORAGE_LINKS
 from kvtier.indexer.routing.policies import REGISTRY
 from kvtier.sim import live
-from kvtier.sim.cluster import ClusterConfig
+from kvtier.sim.cluster import CACHE_SETTINGS, ClusterConfig
 from kvtier.sim.generators import PRESETS, iter_generate
 from kvtier.sim.policies import POLICIES, check_policy
 from kvtier.sim.run import RunConfig, RunResult
 from kvtier.sim.source import TraceSource
 from kvtier.sim.trace import Request, TraceError, write_mooncake
 from kvtier.sim.transport import Recovery
-from kvtier.util.fields import ConfigError, Domain, OneLineParser
+from kvtier.util.fields import ConfigError, Domain, OneLineParser, add_options
 
 # The incumbents route in O(prompt blocks) per request, and all but llmd_precise (fed events, like kv_host) hear no
 # events: cheap beside the kv_* policies.
@@ -91,27 +90,15 @@ def _add_trace_args(p: argparse.ArgumentParser) -> None:
 def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     d = ClusterConfig()
     g = p.add_argument_group("cluster")
-    g.add_argument("--workers", type=int, default=d.workers, help="inference workers")
-    g.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page / router block")
-    g.add_argument("--device-tokens", type=int, default=d.device_tokens, help="device KV per worker, tokens")
-    g.add_argument("--host-ratio", type=float, default=d.host_ratio, help="host / device capacity (0: no host)")
-    g.add_argument("--l3", choices=["none", "disk", "external"], default=d.l3, help="storage tier")
-    g.add_argument("--l3-tokens", type=int, default=d.l3_tokens, help="disk per worker, or the pool, in tokens")
+    add_options(g, ClusterConfig, ["workers", "device_tokens", "l3", "l3_tokens"])
+    add_options(g, CacheConfig, ["page_size", "host_ratio"])
     g.add_argument("--model", default=d.model, choices=sorted(MODEL_PRESETS), metavar="NAME",
                    help="model preset, its KV bytes per token (hybrid: full-attention + sliding-window KV): "
                         + "; ".join(_describe(p) for p in MODEL_PRESETS.values()))
-    g.add_argument("--swa-ratio", type=float, default=d.swa_ratio,
-                   help="hybrid models: window-KV pool tokens per full-attention pool token (SGLang's "
-                        "--swa-full-tokens-ratio)")
-    g.add_argument("--no-swa-events", dest="swa_events", action="store_false",
-                   help="hybrid models: engines publish no window-KV events (as SGLang): kv_swa infers their window "
-                        "KV, the other policies over-count")
-    g.add_argument("--write-policy", choices=[w.value for w in WritePolicy], default=d.write_policy.value,
-                   help="when device pages are backed up to host")
-    g.add_argument("--prefetch-policy", choices=[p.value for p in PrefetchPolicy], default=d.prefetch_policy.value,
-                   help="how long a request waits for its L3 prefetch")
-    g.add_argument("--prefill-budget", type=int, default=d.prefill_budget, help="chunked-prefill tokens/iteration")
-    g.add_argument("--max-running", type=int, default=d.max_running, help="requests in a worker's batch at once")
+    add_options(g, ClusterConfig, ["swa_ratio"])
+    add_options(g, CacheConfig, ["swa_events", "write_policy", "selective_threshold", "load_back", "prefetch_policy",
+                                 "prefetch_min_pages", "prefetch_timeout_s"])
+    add_options(g, ClusterConfig, ["prefill_budget", "max_running"])
     g.add_argument("--gpu-link", choices=sorted(GPU_LINKS), default=DEFAULT_GPU_LINK,
                    help="host<->device link preset (its bandwidth and source: kvtier.hardware.links)")
     g.add_argument("--storage-link", choices=sorted(STORAGE_LINKS), default=DEFAULT_STORAGE_LINK,
@@ -166,15 +153,13 @@ def _describe(p: ModelPreset) -> str:
 
 
 def _cluster(a: argparse.Namespace) -> ClusterConfig:
-    return ClusterConfig(workers=a.workers, page_size=a.page_size, device_tokens=a.device_tokens,
-                         host_ratio=a.host_ratio, l3=a.l3, l3_tokens=a.l3_tokens, model=a.model,
-                         swa_ratio=a.swa_ratio, swa_events=a.swa_events,
-                         write_policy=WritePolicy(a.write_policy), prefetch_policy=PrefetchPolicy(a.prefetch_policy),
-                         prefill_budget=a.prefill_budget, max_running=a.max_running,
-                         h2d_gbps=a.h2d_gbps if a.h2d_gbps is not None else GPU_LINKS[a.gpu_link].gbps,
-                         storage_gbps=(a.storage_gbps if a.storage_gbps is not None
-                                       else STORAGE_LINKS[a.storage_link].gbps),
-                         latency=_latency(a.latency))
+    """The cluster the options describe: every setting of :func:`_add_cluster_args` by its field's name."""
+    return ClusterConfig.of(
+        **{k: getattr(a, k) for k in ("workers", "device_tokens", "l3", "l3_tokens", "model", "swa_ratio",
+                                      "prefill_budget", "max_running", *CACHE_SETTINGS)},
+        h2d_gbps=a.h2d_gbps if a.h2d_gbps is not None else GPU_LINKS[a.gpu_link].gbps,
+        storage_gbps=a.storage_gbps if a.storage_gbps is not None else STORAGE_LINKS[a.storage_link].gbps,
+        latency=_latency(a.latency))
 
 
 def _latency(path: Path | None) -> MockerLatency:
@@ -210,7 +195,7 @@ def _trace(a: argparse.Namespace) -> TraceSource:
 
 def _meta(a: argparse.Namespace, n_requests: int) -> dict[str, Any]:
     return {"trace": a.trace, "requests": n_requests, "time_scale": a.time_scale,
-            "cluster": dataclasses.asdict(_cluster(a)), "cost": a.cost, "event_delay_s": a.event_delay,
+            "cluster": _cluster(a).settings(), "cost": a.cost, "event_delay_s": a.event_delay,
             "event_loss": a.event_loss, "recovery": a.recovery, "replay_buffer": a.replay_buffer,
             "loss_burst": a.loss_burst, "slo_ms": {"ttft": a.sla_ttft_ms, "tpot": a.sla_tpot_ms, "e2e": a.sla_e2e_ms}}
 

@@ -10,9 +10,12 @@ cache's prefetch policy.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
 
 from kvtier.engine.cache import Admission, CacheConfig, PrefetchPolicy, TieredCache, WritePolicy
 from kvtier.engine.datapath import Bandwidths, ModeledDataPath
@@ -33,47 +36,95 @@ from kvtier.sim.trace import Request
 from kvtier.util.fields import ConfigError, at_least, check_fields, one_of, positive, within
 from kvtier.wire.protocol import EventBatch, PackedTokens, StorageTier
 
+#: The fields of every worker's :class:`CacheConfig` a cluster's user sets; the others follow from the cluster
+#: (device pages from ``device_tokens``, write-behind from ``l3``, window pools from the model and ``swa_ratio``).
+CACHE_SETTINGS = ("page_size", "host_ratio", "write_policy", "selective_threshold", "load_back", "prefetch_policy",
+                  "prefetch_min_pages", "prefetch_timeout_s", "swa_events")
+
 
 @dataclass(slots=True, frozen=True)
 class ClusterConfig:
-    """Workers, their caches and links."""
+    """Workers, their caches and links. The cache settings live once, in :attr:`cache` (a :class:`CacheConfig`,
+    whose fields also give the command line its options and defaults); read them as ``cluster.page_size`` etc.,
+    and build or change a cluster with flat settings through :meth:`of` and :meth:`replace`."""
 
-    workers: int = field(default=4, metadata=at_least(1))  # engine instances
-    page_size: int = field(default=64, metadata=at_least(1))  # tokens per KV page (= router block size)
-    device_tokens: int = field(default=262_144, metadata=at_least(1))  # device KV capacity per worker, tokens
-    # host capacity / device capacity; 0 disables the host tier
-    host_ratio: float = field(default=2.0, metadata=within(0, 1024))
-    l3: str = field(default="none", metadata=one_of("none", "disk", "external"))  # per worker disk, or one pool
-    l3_tokens: int = field(default=4_194_304, metadata=at_least(1))  # disk per worker, or the pool's total, tokens
+    workers: int = field(default=4, metadata=at_least(1, help="inference workers"))
+    device_tokens: int = field(default=262_144, metadata=at_least(1, help="device KV per worker, tokens"))
+    l3: str = field(default="none", metadata=one_of(
+        "none", "disk", "external", help="storage tier: none, a disk per worker, or one external pool"))
+    l3_tokens: int = field(default=4_194_304, metadata=at_least(
+        1, help="disk per worker, or the external pool's total, tokens"))
     model: str = field(default="llama-3.1-8b", metadata=one_of(*PRESETS))  # KV bytes per token
     # SWA models: window-KV pool tokens per full-attention pool token (SGLang's --swa-full-tokens-ratio): the
     # device KV memory splits as device_tokens full-attention tokens + swa_ratio * device_tokens window tokens
-    swa_ratio: float = field(default=0.8, metadata=within(0, 1024))
-    swa_events: bool = True  # SWA engines announce their window KV (kvtier's extension; False: as SGLang)
+    swa_ratio: float = field(default=0.8, metadata=within(0, 1024, help=(
+        "hybrid models: window-KV pool tokens per full-attention pool token (SGLang's --swa-full-tokens-ratio)")))
     # speculative-decoding draft model whose KV moves with each page
     draft_model: str | None = field(default=None, metadata=one_of(*PRESETS, optional=True))
-    write_policy: WritePolicy = field(default=WritePolicy.WRITE_THROUGH,  # device -> host backups
-                                      metadata=one_of(*WritePolicy))
-    prefetch_policy: PrefetchPolicy = field(default=PrefetchPolicy.WAIT_COMPLETE,  # L3 prefetch waiting
-                                            metadata=one_of(*PrefetchPolicy))
-    prefetch_min_pages: int = field(default=1, metadata=at_least(1))  # shortest L3 hit worth prefetching
-    prefill_budget: int = field(default=8192, metadata=at_least(1))  # chunked-prefill tokens per iteration
-    max_running: int = field(default=64, metadata=at_least(1))  # requests in a batch
-    # host <-> device and host <-> L3, GB/s (see indexer.hardware)
+    prefill_budget: int = field(default=8192, metadata=at_least(1, help="chunked-prefill tokens per iteration"))
+    max_running: int = field(default=64, metadata=at_least(1, help="requests in a worker's batch at once"))
+    # host <-> device and host <-> L3, GB/s (see kvtier.hardware.links)
     h2d_gbps: float = field(default=GPU_LINKS[DEFAULT_GPU_LINK].gbps, metadata=positive())
     storage_gbps: float = field(default=STORAGE_LINKS[DEFAULT_STORAGE_LINK].gbps, metadata=positive())
     latency: MockerLatency = field(default_factory=MockerLatency)  # iteration times (default: the mocker's fit)
+    cache: CacheConfig = field(default_factory=CacheConfig)  # every worker's cache settings (CACHE_SETTINGS)
+
+    @classmethod
+    def of(cls, **settings: Any) -> ClusterConfig:
+        """A cluster from flat settings: its own fields and any of :data:`CACHE_SETTINGS` (to its cache). A value
+        given as a string for an enum-typed setting (``write_policy="write_back"``) is converted."""
+        return cls().replace(**settings)
+
+    def replace(self, **settings: Any) -> ClusterConfig:
+        """This cluster with some flat settings changed (see :meth:`of`)."""
+        cache = {k: settings.pop(k) for k in list(settings) if k in CACHE_SETTINGS}
+        for k, v in cache.items():
+            kind = type(getattr(self.cache, k))
+            if issubclass(kind, Enum) and not isinstance(v, kind):
+                cache[k] = kind(v)
+        if cache:
+            settings["cache"] = dataclasses.replace(self.cache, **cache)
+        return dataclasses.replace(self, **settings)
+
+    def settings(self) -> dict[str, Any]:
+        """Every setting, flat (the cluster's fields and :data:`CACHE_SETTINGS`), as JSON-ready values."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "cache"}
+        out.update((k, getattr(self.cache, k)) for k in CACHE_SETTINGS)
+        return {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) and not isinstance(v, type)
+                else getattr(v, "value", v) for k, v in out.items()}
+
+    @property
+    def page_size(self) -> int:
+        return self.cache.page_size
+
+    @property
+    def host_ratio(self) -> float:
+        return self.cache.host_ratio
+
+    @property
+    def write_policy(self) -> WritePolicy:
+        return self.cache.write_policy
+
+    @property
+    def prefetch_policy(self) -> PrefetchPolicy:
+        return self.cache.prefetch_policy
+
+    @property
+    def prefetch_min_pages(self) -> int:
+        return self.cache.prefetch_min_pages
+
+    @property
+    def swa_events(self) -> bool:
+        return self.cache.swa_events
 
     def cache_config(self) -> CacheConfig:
+        """A worker's cache: :attr:`cache` with the sizes the cluster decides."""
         device_pages = self.device_tokens // self.page_size
         window = PRESETS[self.model].window_tokens
         window_pages = -(-window // self.page_size)  # pages holding the window before a page-aligned cut
-        return CacheConfig(
-            page_size=self.page_size, device_pages=device_pages, host_ratio=self.host_ratio,
-            write_policy=self.write_policy, prefetch_policy=self.prefetch_policy,
-            prefetch_min_pages=self.prefetch_min_pages, l3_write_behind=self.l3 != "none",
-            swa_window_pages=window_pages, swa_pages=max(window_pages, int(device_pages * self.swa_ratio)),
-            swa_events=self.swa_events)
+        return dataclasses.replace(
+            self.cache, device_pages=device_pages, l3_write_behind=self.l3 != "none", swa_window_pages=window_pages,
+            swa_pages=max(window_pages, int(device_pages * self.swa_ratio)))
 
     def capacity_tokens(self) -> int:
         """Tokens a worker's device pool holds (whole pages)."""

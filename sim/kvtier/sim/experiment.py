@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtier.engine.cache import PrefetchPolicy, WritePolicy
-from kvtier.sim.cluster import ClusterConfig
+from kvtier.engine.cache import CacheConfig, PrefetchPolicy, WritePolicy
+from kvtier.sim.cluster import CACHE_SETTINGS, ClusterConfig
 from kvtier.sim.generators import PRESETS, generate
 from kvtier.sim.metrics import RequestRecord
 from kvtier.sim.policies import check_policy
@@ -161,7 +161,8 @@ def _caster(annotation: str) -> Callable[[str], Any]:
 
 #: Sweep keys: which config holds them and how to read their values.
 _FIELDS: dict[str, tuple[str, Callable[[str], Any]]] = {
-    **{f.name: ("cluster", _caster(str(f.type))) for f in dataclasses.fields(ClusterConfig)},
+    **{f.name: ("cluster", _caster(str(f.type))) for f in dataclasses.fields(ClusterConfig) if f.name != "cache"},
+    **{f.name: ("cluster", _caster(str(f.type))) for f in dataclasses.fields(CacheConfig) if f.name in CACHE_SETTINGS},
     **{f.name: ("run", _caster(str(f.type))) for f in dataclasses.fields(RunConfig)},
 }
 
@@ -191,8 +192,7 @@ def grid_jobs(trace: Sequence[Request] | TraceSource, base_cluster: ClusterConfi
     for combo in itertools.product(*grid.values()):
         tag = dict(zip(grid.keys(), combo, strict=True))
         try:
-            cluster = dataclasses.replace(base_cluster, **{k: v for k, v in tag.items()
-                                                           if _FIELDS[k][0] == "cluster"})
+            cluster = base_cluster.replace(**{k: v for k, v in tag.items() if _FIELDS[k][0] == "cluster"})
             run = dataclasses.replace(base_run, **{k: v for k, v in tag.items() if _FIELDS[k][0] == "run"})
             check_policy(run.policy)
         except ConfigError as exc:

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
+
 from kvtier.sim.trace import HASH_BLOCK, Request
 
 

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import zmq
+
 from kvtier.engine.cache import CacheConfig, TieredCache
 from kvtier.engine.datapath import Bandwidths, DataPath, ModeledDataPath, TorchDataPath
 from kvtier.engine.l3.pagedir import SyncPolicy

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
 from kvtier.indexer.index.keys import SEED, BlockKey, KeyList, block_keys
 from kvtier.kernels import jit
 from kvtier.sim.trace import HASH_BLOCK, Request, TokenBank

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
+
 from kvtier.kernels import jit
 from kvtier.wire.protocol import PackedTokens
 

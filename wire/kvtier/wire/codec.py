@@ -18,6 +18,7 @@ from enum import StrEnum
 from typing import Any, cast
 
 import msgspec
+
 from kvtier.wire.protocol import (
     AllBlocksCleared,
     BlockRemoved,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import msgspec
 import numpy as np
+
 from kvtier.kernels import jit
 from kvtier.wire.protocol import PackedTokens, pack_tokens, unpack_tokens
 

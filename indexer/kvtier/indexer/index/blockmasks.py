@@ -20,6 +20,7 @@ from typing import cast
 
 import numpy as np
 import numpy.typing as npt
+
 from kvtier.indexer.index.closure import MaskMap, PrefixClosure
 from kvtier.indexer.index.keys import BlockKey
 from kvtier.indexer.index.masklayout import SLOT_MASK, TIERS

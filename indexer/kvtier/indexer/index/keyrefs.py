@@ -16,6 +16,7 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 import numpy.typing as npt
+
 from kvtier.indexer.index.keytable import KERNELS, KEY, VAL, RowTable
 
 U64 = npt.NDArray[np.uint64]

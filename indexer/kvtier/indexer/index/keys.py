@@ -33,6 +33,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 import xxhash
+
 from kvtier.kernels import jit
 from kvtier.wire.protocol import TOKEN_BYTES, PackedTokens, pack_tokens
 

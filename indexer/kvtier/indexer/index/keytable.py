@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
 from kvtier.indexer.index.keys import BlockKey
 from kvtier.indexer.index.masklayout import SLOTS_PER_WORD
 from kvtier.kernels.jit import LazyKernels

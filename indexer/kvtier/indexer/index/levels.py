@@ -23,6 +23,7 @@ from operator import ne
 from typing import Any, cast
 
 import numpy as np
+
 from kvtier.indexer.index.closure import MaskMap
 from kvtier.indexer.index.keys import BlockKey
 from kvtier.indexer.index.keytable import KeyTable

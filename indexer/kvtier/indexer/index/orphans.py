@@ -26,6 +26,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import msgspec
+
 from kvtier.wire.protocol import BlockStored, EngineHash, StorageTier
 
 _encode = msgspec.msgpack.Encoder().encode

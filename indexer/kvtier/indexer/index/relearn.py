@@ -41,6 +41,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 import numpy as np
+
 from kvtier.indexer.index.blockmasks import BlockMasks
 from kvtier.indexer.index.closure import PrefixClosure
 from kvtier.indexer.index.keys import BlockKey

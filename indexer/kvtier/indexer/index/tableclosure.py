@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
 from kvtier.indexer.index.closure import Kids, MaskMap, PrefixClosure
 from kvtier.indexer.index.keys import BlockKey
 from kvtier.indexer.index.keytable import CHILD, KEY, LINKS_NONE, LINKS_SET, USED, KeyTable

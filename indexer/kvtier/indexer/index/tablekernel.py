@@ -33,6 +33,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import numpy as np
+from numba import njit
+
 from kvtier.indexer.index.keys import SEED
 from kvtier.indexer.index.keytable import (
     _PFREE,
@@ -51,7 +53,6 @@ from kvtier.indexer.index.keytable import (
 )
 from kvtier.indexer.index.masklayout import DEV, EXT, SLOTS_PER_WORD, TIERS
 from kvtier.kernels.keykernel import chain_into
-from numba import njit
 
 _GOLD = np.uint64(0x9E3779B97F4A7C15)
 _MIX = np.uint64(0xD6E8FEB86659FD93)  # an odd constant of a well-tested xor-shift-multiply mixer

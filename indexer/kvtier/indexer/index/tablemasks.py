@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
 from kvtier.indexer.index.blockmasks import BlockMasks
 from kvtier.indexer.index.keys import BlockKey
 from kvtier.indexer.index.keytable import _M64, ROOT, ROOT_NS, UNDER, VAL, EngineHashes, KeyTable

@@ -43,6 +43,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import msgspec
+
 from kvtier.indexer.index.applier import EventApplier
 from kvtier.indexer.index.blockmasks import BlockMasks
 from kvtier.indexer.index.closure import MaskMap

@@ -22,6 +22,7 @@ import msgspec
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
+
 from kvtier.indexer.service.clients import Clients, Forbidden, ServiceUnavailable, TooManyInFlight, Unauthorized
 from kvtier.indexer.service.histogram import Histogram
 from kvtier.indexer.service.httplimits import BodyTooLarge, GatedServer, UnsupportedEncoding, read_body

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 import msgspec
+
 from kvtier.indexer.index.tiered import TieredIndex
 from kvtier.wire.notices import StreamId
 from kvtier.wire.protocol import WorkerId

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Annotated, Any, TypeVar, cast
 
 import msgspec
+
 from kvtier.wire.protocol import PackedTokens, pack_tokens
 from kvtier.wire.tokenarray import decode_json_tokens
 

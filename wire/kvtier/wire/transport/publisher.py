@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import zmq
+
 from kvtier.util.ratelog import suffix, worth_logging
 from kvtier.wire.codec import WireFormat, encode_payload
 from kvtier.wire.protocol import EventBatch

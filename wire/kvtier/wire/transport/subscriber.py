@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
+
 from kvtier.wire.notices import Delivery, StreamId, StreamStats
 from kvtier.wire.protocol import WorkerId
 from kvtier.wire.transport.addresses import connect_address_error
