@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from kvtier.util.fields import Domain, at_least, check_fields, one_of, within
+from kvtier.wire.protocol import DEFAULT_BLOCK_SIZE
 
 
 class WritePolicy(StrEnum):
@@ -30,7 +31,8 @@ class CacheConfig:
     simulator's cluster holds one of these (:class:`kvtier.sim.cluster.ClusterConfig`) and the command line is
     generated from these fields (:func:`kvtier.util.fields.add_options`)."""
 
-    page_size: int = field(default=64, metadata=at_least(1, help="tokens per KV page (= the router's block size)"))
+    page_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata=at_least(
+        1, help="tokens per KV page (= the router's block size)"))
     device_pages: int = field(default=1024, metadata=at_least(1, help="device KV capacity, pages"))
     host_ratio: float = field(default=2.0, metadata=within(0, 1024, help="host / device capacity (0: no host tier)"))
     write_policy: WritePolicy = field(default=WritePolicy.WRITE_THROUGH, metadata=one_of(

@@ -36,6 +36,7 @@ from kvtier.sim.source import TraceSource
 from kvtier.sim.trace import Request, TraceError, write_mooncake
 from kvtier.sim.transport import Recovery
 from kvtier.util.fields import ConfigError, Domain, OneLineParser, add_options
+from kvtier.wire.protocol import DEFAULT_BLOCK_SIZE
 
 # The incumbents route in O(prompt blocks) per request, and all but llmd_precise (fed events, like kv_host) hear no
 # events: cheap beside the kv_* policies.
@@ -584,7 +585,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", type=Path, help="TOML file with settings and [[endpoints]] tables")
     p.add_argument("--endpoint", action="append", default=[], metavar="SPEC",
                    help="WORKER=tcp://host:port[,replay=tcp://host:port][,dp=N][,dump] (repeatable)")
-    p.add_argument("--block-size", type=int, help="tokens per KV block (default: the config's, else 16)")
+    p.add_argument("--block-size", type=int, help="tokens per KV block: the engines' page size "
+                   f"(default: the config's, else {DEFAULT_BLOCK_SIZE})")
     p.add_argument("--listen", help="HTTP host:port (default: the config's, else 127.0.0.1:8000)")
     p.add_argument("--cost", choices=["credit", "ttft"],
                    help="the kv_* policies' cost, as the simulator's --cost (default: the config's, else credit)")

@@ -31,6 +31,10 @@ WorkerId = NewType("WorkerId", str)
 #: (An alias, not a NewType: every slice of it is one too.)
 PackedTokens: TypeAlias = bytes
 TOKEN_BYTES = 4
+#: Tokens per KV block (an engine's page) where nothing says otherwise: the one default of the engine's page, the
+#: simulator's and the indexer's block. A router must use its engines' own size (vLLM's default is 16, SGLang's
+#: page size 1); the indexer reports workers whose stores come in another (``/health`` wrong_block_size_workers).
+DEFAULT_BLOCK_SIZE = 64
 
 
 def pack_tokens(tokens: Sequence[int] | PackedTokens) -> PackedTokens:

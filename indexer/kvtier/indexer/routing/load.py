@@ -17,6 +17,7 @@ from typing import cast
 
 from kvtier.indexer.index.keyrefs import U64, KeyRefs, compiled, key_array
 from kvtier.wire.notices import StreamId
+from kvtier.wire.protocol import DEFAULT_BLOCK_SIZE
 
 
 @dataclass(slots=True)
@@ -88,7 +89,7 @@ class LoadTracker:
 
     _OUTPUT_WEIGHT = 1 / 32  # weight of each finished request in expected_output
 
-    def __init__(self, block_size: int = 16) -> None:
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size

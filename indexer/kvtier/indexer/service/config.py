@@ -12,7 +12,7 @@ from kvtier.hardware.latency import PRESETS, MockerLatency, latency_from_json
 from kvtier.hardware.links import DEFAULT_GPU_LINK, DEFAULT_STORAGE_LINK, GPU_LINKS, STORAGE_LINKS
 from kvtier.indexer.routing.policies import RoutingSettings
 from kvtier.util.fields import ConfigError, Domain, at_least, check_fields, one_of, within
-from kvtier.wire.protocol import StorageTier
+from kvtier.wire.protocol import DEFAULT_BLOCK_SIZE, StorageTier
 from kvtier.wire.transport.subscriber import EndpointConfig
 
 
@@ -22,7 +22,7 @@ class ServiceConfig:
 
     endpoints: list[EndpointConfig]  # engine streams to subscribe to
     # tokens per block; events with another size are rejected
-    block_size: int = field(default=16, metadata=within(1, 1 << 16, int))
+    block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata=within(1, 1 << 16, int))
     listen: str = "127.0.0.1:8000"  # HTTP host:port (port 0 picks a free one); checked in __post_init__
     # wait for a replay or dump answer
     replay_timeout_s: float = field(default=2.0, metadata=within(0, 3600, lo_open=True))
