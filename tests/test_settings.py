@@ -1,0 +1,65 @@
+"""One source of settings: the cluster holds the engine's cache config, and the command line comes from the fields."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvtier.engine.cache import CacheConfig, PrefetchPolicy, WritePolicy
+from kvtier.sim.cli import build_parser
+from kvtier.sim.cluster import CACHE_SETTINGS, ClusterConfig
+from kvtier.sim.experiment import grid_jobs, parse_grid
+from kvtier.sim.run import RunConfig
+from kvtier.sim.source import ListTrace
+from kvtier.util.fields import ConfigError, field_default
+
+
+def test_the_cluster_declares_no_cache_field_again() -> None:
+    cluster = {f.name for f in dataclasses.fields(ClusterConfig)}
+    cache = {f.name for f in dataclasses.fields(CacheConfig)}
+    assert not cluster & cache, f"declared twice: {sorted(cluster & cache)}"
+    assert set(CACHE_SETTINGS) <= cache
+
+
+@pytest.mark.parametrize("command", ["replay", "compare", "sweep"])
+def test_every_cache_option_defaults_to_the_field_default(command: str) -> None:
+    args = build_parser().parse_args([command, "--trace", "builtin:chat:5",
+                                      *(["--grid", "workers=1,2"] if command == "sweep" else [])])
+    fields = {f.name: f for f in dataclasses.fields(CacheConfig)}
+    for name in CACHE_SETTINGS:
+        want = field_default(fields[name])
+        assert getattr(args, name) == getattr(want, "value", want), name
+    generated = [f for f in dataclasses.fields(ClusterConfig) if getattr(f.metadata.get("domain"), "help", None)]
+    assert {"workers", "device_tokens", "prefill_budget", "max_running"} <= {f.name for f in generated}
+    for f in generated:
+        assert getattr(args, f.name) == field_default(f), f.name
+
+
+def test_flat_settings_reach_the_cache_and_the_cluster() -> None:
+    c = ClusterConfig.of(workers=3, page_size=16, host_ratio=4.0, write_policy="write_back",
+                         prefetch_policy=PrefetchPolicy.TIMEOUT, selective_threshold=5)
+    assert c.workers == 3 and c.cache.page_size == c.page_size == 16 and c.host_ratio == 4.0
+    assert c.write_policy is WritePolicy.WRITE_BACK and c.prefetch_policy is PrefetchPolicy.TIMEOUT
+    worker = c.cache_config()
+    assert worker.page_size == 16 and worker.selective_threshold == 5
+    assert worker.device_pages == c.device_tokens // 16
+    d = c.replace(host_ratio=0.0, l3="none")
+    assert d.host_ratio == 0.0 and d.page_size == 16 and c.host_ratio == 4.0
+    flat = c.settings()
+    assert flat["page_size"] == 16 and flat["write_policy"] == "write_back" and "cache" not in flat
+
+
+def test_a_bad_flat_setting_names_its_option() -> None:
+    with pytest.raises(ConfigError, match="--page-size: 0 is not allowed"):
+        ClusterConfig.of(page_size=0)
+    with pytest.raises(ConfigError, match="--host-ratio"):
+        ClusterConfig().replace(host_ratio=-1.0)
+
+
+def test_a_sweep_varies_a_cache_setting() -> None:
+    grid = parse_grid(["host_ratio=0,4", "prefetch_policy=best_effort,wait_complete"])
+    jobs = grid_jobs(ListTrace([]), ClusterConfig(), RunConfig("round_robin"), grid)
+    got = [(j.cluster.host_ratio, j.cluster.prefetch_policy) for j in jobs]
+    assert got == [(0.0, PrefetchPolicy.BEST_EFFORT), (0.0, PrefetchPolicy.WAIT_COMPLETE),
+                   (4.0, PrefetchPolicy.BEST_EFFORT), (4.0, PrefetchPolicy.WAIT_COMPLETE)]
