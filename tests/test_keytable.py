@@ -3,8 +3,13 @@ shift, wide masks, and the engine-hash table's signedness and its move to a dict
 
 from __future__ import annotations
 
+import json
 import multiprocessing
+import os
+import platform
 import queue
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -14,9 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvtier.indexer.index.keyrefs import KeyRefs, key_array
 from kvtier.indexer.index.keys import BlockKey
-from kvtier.indexer.index.keytable import KERNELS, KEY, USED, EngineHashes, KeyTable, warm_tables
-
-pytestmark = pytest.mark.skipif(KERNELS.get() is None, reason="compiled tables need numba (KVTIER_JIT=0 here)")
+from kvtier.indexer.index.keytable import KEY, USED, EngineHashes, KeyTable, warm_tables
 
 M64 = (1 << 64) - 1
 
@@ -284,11 +287,25 @@ def test_structured_engine_hashes_spread_like_random_keys() -> None:
 
 
 def test_warming_some_table_kernels_names_kernels_that_exist() -> None:
-    if KERNELS.get() is None:
-        pytest.skip("numba does not run here")
     assert warm_tables(["store_tokens", "remove"]) == "numba"
     with pytest.raises(AssertionError, match=r"no table kernels named \['store_token'\]"):
         warm_tables(["store_token", "remove"])
+
+
+def test_the_index_ignores_kvtier_jit_0_and_without_numba_says_which_platform_lacks_it() -> None:
+    """The tables are the one index: ``KVTIER_JIT=0`` (the leaf kernels' switch) leaves them compiled, and where numba
+    cannot import, building an index fails at once with one line naming the platform."""
+    code = ("import json; from kvtier.indexer.index.tiered import TieredIndex; from kvtier.indexer.index import keys\n"
+            "idx = TieredIndex(16); print(json.dumps([type(idx._masks).__name__, keys.key_backend()]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "KVTIER_JIT": "0"}).stdout
+    assert json.loads(out) == ["KeyTable", "python (KVTIER_JIT=0)"]  # leaf kernels on Python, the index compiled
+    blocked = subprocess.run([sys.executable, "-c", "import sys; sys.modules['numba'] = None\n" + code],
+                             capture_output=True, text=True)
+    assert blocked.returncode == 1
+    last = blocked.stderr.strip().splitlines()[-1]
+    assert last.startswith("kvtier.kernels.jit.KernelsUnavailable: kvtier.indexer.index.tablekernel needs numba"), last
+    assert platform.machine() in last and "no pure-Python path" in last
 
 
 #: Engine hashes the way each engine sends them, so that a table keeps its compiled rows and grows: SGLang's signed

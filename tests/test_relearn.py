@@ -1,22 +1,18 @@
 """After a loss for good, a store on a tier the engine keeps prefix-closed regains the chain it proves held.
 
-Each case runs on the compiled tables (the default build) and on the dicts (``KVTIER_JIT=0``'s path): the index is
-built inside ``python_path`` for the latter.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import nullcontext
 
 import pytest
 
-from kvtier.indexer.index.keytable import KERNELS, EngineHashes
+from kvtier.indexer.index.keytable import EngineHashes
 from kvtier.indexer.index.tiered import Outcome, TieredIndex
 from kvtier.wire import BlockRemoved, BlockStored, StorageTier, WorkerId
 from kvtier.wire.notices import StreamId
 from kvtier.wire.overlap import TierOverlap
-from tests.jit_paths import python_path
 
 W, V = StreamId(WorkerId("sglang")), StreamId(WorkerId("vllm"))
 TOKS = list(range(100, 124))  # six blocks of 4
@@ -31,21 +27,17 @@ def stored(first: int, n: int, parent: int | None, medium: str = "GPU") -> Block
                        token_ids=TOKS[4 * first:4 * (first + n)], block_size=4, medium=medium)
 
 
-@pytest.fixture(params=["tables", "dicts"])
-def new_index(request: pytest.FixtureRequest) -> Iterator[Callable[[], TieredIndex]]:
-    """Makes indexes on one storage path."""
-    if request.param == "tables" and KERNELS.get() is None:
-        pytest.skip("numba does not run here")
-    with python_path(KERNELS) if request.param == "dicts" else nullcontext():
-        yield lambda: TieredIndex(4)
+@pytest.fixture
+def new_index() -> Iterator[Callable[[], TieredIndex]]:
+    """Makes indexes."""
+    yield lambda: TieredIndex(4)
 
 
 def held_then_lost(make: Callable[[], TieredIndex], closed: set[StorageTier], medium: str = "GPU") -> TieredIndex:
     """Worker W (declared closed on ``closed``) and V (declared nothing) each held blocks 0-3 on ``medium``, then
     lost events for good."""
     idx = make()
-    if idx._tables:
-        assert isinstance(idx._workers.add(W).hashes, EngineHashes)
+    assert isinstance(idx._workers.add(W).hashes, EngineHashes)
     idx.set_prefix_closed(W, closed)
     for s in (W, V):
         assert idx.apply(s, stored(0, 4, None, medium)) is Outcome.APPLIED

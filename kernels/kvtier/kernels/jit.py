@@ -2,8 +2,10 @@
 
 Each kernel module (:mod:`kvtier.kernels.keykernel`, :mod:`kvtier.kernels.tokenkernel`, ...) is held by a
 :class:`LazyKernels` and imported the first time it is needed, so that importing kvtier never imports
-numba (about 0.3 s and 140 MB of RSS); every caller keeps a pure-Python path with the same results for
-when it is not there. Before a kernel module is imported, numba's cache of it is checked against every module
+numba (about 0.3 s and 140 MB of RSS). A leaf kernel's caller keeps a short pure-Python path with the same
+results for when it is not there (``KVTIER_JIT=0`` forces it); a *required* module has none (the index's tables:
+one implementation of a stateful structure), and where it cannot load, using it raises :class:`KernelsUnavailable`
+naming the platform. Before a kernel module is imported, numba's cache of it is checked against every module
 compiled into it (:mod:`kvtier.kernels.kernelcache`).
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import platform
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -20,10 +23,15 @@ from kvtier.kernels.kernelcache import refresh
 _OFF = ("0", "false", "off", "no")
 
 
-def load(module: str) -> tuple[ModuleType | None, str]:
-    """``(the kernel module, "numba")``, or ``(None, "python (why)")`` when ``KVTIER_JIT=0`` is set, numba
-    cannot be imported (no wheel for this platform) or the module cannot load here. O(import)."""
-    if os.environ.get("KVTIER_JIT", "1").strip().lower() in _OFF:
+class KernelsUnavailable(RuntimeError):
+    """A required kernel module cannot load on this platform (numba has no wheel for it, or is not installed)."""
+
+
+def load(module: str, required: bool = False) -> tuple[ModuleType | None, str]:
+    """``(the kernel module, "numba")``, or ``(None, "python (why)")`` when ``KVTIER_JIT=0`` is set (ignored for a
+    ``required`` module), numba cannot be imported (no wheel for this platform) or the module cannot load here.
+    O(import)."""
+    if not required and os.environ.get("KVTIER_JIT", "1").strip().lower() in _OFF:
         return None, "python (KVTIER_JIT=0)"
     try:
         refresh(module)  # (numba would serve kernels compiled from an older version of a module they use)
@@ -39,11 +47,12 @@ class LazyKernels:
     argument types their callers pass, so that numba compiles them (or loads them from its cache) then,
     not inside the first timed call."""
 
-    __slots__ = ("backend", "module", "name", "warm")
+    __slots__ = ("backend", "module", "name", "required", "warm")
 
-    def __init__(self, name: str, warm: Callable[[Any], object]) -> None:
+    def __init__(self, name: str, warm: Callable[[Any], object], *, required: bool = False) -> None:
         self.name = name  # the module's import name
         self.warm = warm  # called with the module once it is imported
+        self.required = required  # no Python path: KVTIER_JIT=0 does not apply, and require() raises without it
         self.module: Any = None  # the module; None until loaded, and on the Python path
         self.backend: str | None = None  # None until loaded; then "numba" or "python (why)"
 
@@ -51,11 +60,22 @@ class LazyKernels:
         """The kernel module, or ``None``: use the Python path. Imports and warms it the first time. O(1) after
         the first call."""
         if self.backend is None:
-            module, backend = load(self.name)
+            module, backend = load(self.name, self.required)
             if module is not None:
                 self.warm(module)
             self.module, self.backend = module, backend
         return self.module
 
+    def require(self) -> Any:
+        """The kernel module, imported and warmed the first time; raises :class:`KernelsUnavailable` naming the
+        platform where it cannot load. O(1) after the first call."""
+        module = self.get()
+        if module is None:
+            raise KernelsUnavailable(
+                f"{self.name} needs numba, which cannot load on this platform ({platform.system()} "
+                f"{platform.machine()}, Python {platform.python_version()}): {self.backend}. numba publishes wheels "
+                "for x86_64 and aarch64/arm64 (Linux, macOS, Windows); kvtier's index has no pure-Python path.")
+        return module
 
-__all__ = ["LazyKernels", "load"]
+
+__all__ = ["KernelsUnavailable", "LazyKernels", "load"]

@@ -8,10 +8,8 @@ module                 holds
 ``masklayout``         a block's holders packed in one int: four bits (device, host, disk, pool) per slot
 ``keytable``           the compiled tables seen from Python: key -> mask, engine hash -> key
 ``tablekernel``        the tables' numba kernels: store, remove, clear, search, levels
-``blockmasks``         what an event changes in the masks (dict-shaped reference of the bulk cases)
-``tablemasks``         the same over the compiled tables, one kernel call per event
-``closure``            prefix-closure: loose blocks per (worker, tier), so queries may binary-search
-``tableclosure``       the closure's parent -> children links inside the table
+``blockmasks``         what an event changes in the masks: one kernel call per event, rare cases block by block
+``closure``            prefix-closure: loose blocks per (worker, tier) and the links (in the table) that find them
 ``levels``             a query's per-worker tier depths, read off the masks
 ``applier``            validating and applying one worker's events (parents, orphans, window KV)
 ``workerstate``        per-worker stream state; ``slots``: which mask slot each worker owns

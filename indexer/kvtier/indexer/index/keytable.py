@@ -4,7 +4,7 @@
 :mod:`kvtier.indexer.index.tablekernel` and read like the dicts they replace (``get``, ``[]``, ``in``, ``del``,
 iteration), one compiled call per operation, so that the index's rare paths (snapshots, ``_check``, window
 KV, block-by-block stores) keep working unchanged; the paths every event takes call the kernels on whole
-arrays (:class:`kvtier.indexer.index.tablemasks.TableMasks`).
+arrays (:class:`kvtier.indexer.index.blockmasks.BlockMasks`).
 
 A block's row holds the id of its mask in a :class:`MaskPool`, which keeps each distinct mask once (most blocks
 share a few: one worker, one tier), so a row is three words however many workers there are; a mask wider than
@@ -13,7 +13,7 @@ are all ``int64`` (SGLang) or all ``uint64`` (vLLM); one that is neither, or ``b
 engine hashes into a Python dict for good (:meth:`EngineHashes.int64s`), since the table could not give the same
 object back.
 
-A block's links (parent -> child, for :mod:`kvtier.indexer.index.tableclosure`) live in its row of the
+A block's links (parent -> child, for :mod:`kvtier.indexer.index.closure`) live in its row of the
 :class:`KeyTable`: links die with their parent (no worker holds it), so a table of their own only cost a
 third probe per block and a third table to grow.
 """
@@ -38,7 +38,7 @@ from kvtier.wire.protocol import EngineHash
 KEY, USED, VAL = 0, 1, 2
 #: The masks' table (:class:`KeyTable`) keeps a block's links in its row: its one child in the column after the
 #: mask's id, and in ``USED`` whether it has children: ``LINKS_NONE``, ``LINKS_ONE`` (that child) or ``LINKS_SET``
-#: (a set kept in Python: :class:`kvtier.indexer.index.tableclosure.TableClosure`). Any of them reads as used.
+#: (a set kept in Python: :class:`kvtier.indexer.index.closure.PrefixClosure`). Any of them reads as used.
 CHILD = VAL + 1
 LINKS_NONE, LINKS_ONE, LINKS_SET = 1, 2, 3
 #: The mask pool's counters (:class:`MaskPool`): entries of its content table, free ids, ids handed out, then
@@ -53,15 +53,15 @@ _MIN_CAP = 1024
 
 #: The table kernels. Each is compiled (or loaded from numba's cache) on its first call: a batch run pays
 #: for those it uses, about half of them; a service loads them all before it serves (:func:`warm_tables`).
-KERNELS = LazyKernels("kvtier.indexer.index.tablekernel", lambda k: None)
+KERNELS = LazyKernels("kvtier.indexer.index.tablekernel", lambda k: None, required=True)
 
 
 def warm_tables(only: Collection[str] | None = None) -> str:
     """Loads every table kernel now, or those named in ``only`` (seconds when numba's cache is cold), so that no
-    event or query pays for one; ``"numba"`` or ``"python (why)"``. Under a millisecond once they are loaded."""
-    k = KERNELS.get()
-    if k is not None:
-        k.warm(k if only is None else _Only(k, frozenset(only)))
+    event or query pays for one; ``"numba"`` (:class:`kvtier.kernels.jit.KernelsUnavailable` where it cannot load).
+    Under a millisecond once they are loaded."""
+    k = KERNELS.require()
+    k.warm(k if only is None else _Only(k, frozenset(only)))
     return str(KERNELS.backend)
 
 
@@ -124,7 +124,7 @@ class RowTable:
     __slots__ = ("_next", "k", "m", "r")
 
     def __init__(self, width: int, cap: int = _MIN_CAP) -> None:
-        self.k: Any = KERNELS.get()  # the kernel module (callers checked that it loads)
+        self.k: Any = KERNELS.require()  # the kernel module
         assert self.k is not None, "compiled tables built without numba"
         self.r = np.zeros((cap, VAL + width), np.uint64)  # rows
         # [entries, a sink for reads that only warm the cache (tablekernel._touch): a value stored where the caller
@@ -388,7 +388,7 @@ class EngineHashes(RowTable, MutableMapping[EngineHash, BlockKey]):
                 uarr = np.fromiter(ehs, np.uint64, n)
                 self.signed = False
                 return uarr
-            # Negative ones, if any, are seen where they are stored (TableMasks.insert sets ``signed``).
+            # Negative ones, if any, are seen where they are stored (BlockMasks.insert sets ``signed``).
             return arr.view(np.uint64)
         except (OverflowError, TypeError, ValueError):
             self.demote()

@@ -47,7 +47,6 @@ from kvtier.indexer.index.closure import PrefixClosure
 from kvtier.indexer.index.keys import BlockKey
 from kvtier.indexer.index.keytable import CHILD, KEY, LINKS_NONE, LINKS_SET, USED
 from kvtier.indexer.index.masklayout import SLOT_MASK, TIERS
-from kvtier.indexer.index.tableclosure import TableClosure
 from kvtier.indexer.index.workerstate import WorkerState
 from kvtier.wire.protocol import EngineHash, StorageTier
 
@@ -83,10 +82,8 @@ def ancestry(w: WorkerState, blocks: BlockMasks,
 
 
 def _links_among(closure: PrefixClosure, keys: Mapping[BlockKey, object]) -> Iterable[tuple[BlockKey, BlockKey]]:
-    """The links ``(parent, child)`` whose both ends are among ``keys``. O(keys + their children) on dicts; on a
-    compiled table, O(links in the table), read from its rows all at once."""
-    if not isinstance(closure, TableClosure):
-        return [(key, child) for key in keys for child in closure.children(key) if child in keys]
+    """The links ``(parent, child)`` whose both ends are among ``keys``: O(links in the table), read from its rows
+    all at once."""
     r = closure.table.r
     state = r[:, USED]
     rows = np.flatnonzero((state > LINKS_NONE) & (state != LINKS_SET))  # rows whose one child is in CHILD

@@ -885,8 +885,7 @@ _ONE, _TWO, _FOUR = np.uint64(1), np.uint64(2), np.uint64(4)
 @njit(cache=True)
 def run_levels(pm: Arr, ids: Arr, starts: Arr, runs: int, n: int, slots: int, out: Arr, held_slots: Arr,
                groups: Arr, uniq: Arr) -> tuple[int, int, int]:
-    """:meth:`kvtier.indexer.index.levels.DepthFinder._levels_by_runs` compiled: over runs of equal masks (run ``r``:
-    mask
+    """Cumulative tier levels (:mod:`kvtier.indexer.index.levels`): over runs of equal masks (run ``r``: mask
     id ``ids[r]`` from position ``starts[r]``; ``n`` blocks in all), ``out[slot, tier]`` = the cumulative depth of
     each slot at each level (device; device or host; ... or disk; ... or the shared pool), for the slots of the words
     that hold the first ``slots`` (``out`` has a row for each at least: zeroed here, so that it is kept for the next

@@ -1,20 +1,17 @@
 """The router's global tiered index: which worker holds which block on which tier.
 
-Layout. Every block key maps to one int, a bitmask with four bits per worker slot
-(bit ``4 * slot + tier``; equal masks share one object). A worker's engine hashes resolve to keys
-through a per-worker dict, used only to find a stored block's parent and to resolve
-``BlockRemoved``; router keys are always recomputed from token ids. Links from each key to the
-children stored under it tell whether every worker's tiers are prefix-closed, as radix engines keep
+Layout. Every block key maps to one bitmask with four bits per worker slot (bit ``4 * slot + tier``; equal masks
+share one pool entry). A worker's engine hashes resolve to keys through a per-worker table, used only to find a
+stored block's parent and to resolve ``BlockRemoved``; router keys are always recomputed from token ids. Links
+from each key to the children stored under it tell whether every worker's tiers are prefix-closed, as radix engines keep
 them; while they are, a query binary-searches for the ends of its runs of equal masks instead of
 looking every block up (:mod:`kvtier.indexer.index.closure`).
 
-Storage. Where numba runs, the masks, each worker's engine hashes and the links live in compiled
-open-addressing tables (:mod:`kvtier.indexer.index.keytable`), and a store, a removal or a query is one compiled call
-over its blocks (:class:`kvtier.indexer.index.tablemasks.TableMasks`,
-:class:`kvtier.indexer.index.levels.TableDepthFinder`);
-elsewhere, and with ``KVTIER_JIT=0``, they are the dicts described here
-(:class:`kvtier.indexer.index.blockmasks.BlockMasks`).
-Both give the same results; the tables read as the same mappings for everything but the hot paths.
+Storage. The masks, each worker's engine hashes and the links live in compiled open-addressing tables
+(:mod:`kvtier.indexer.index.keytable`), and a store, a removal or a query is one compiled call over its blocks
+(:class:`kvtier.indexer.index.blockmasks.BlockMasks`, :class:`kvtier.indexer.index.levels.DepthFinder`); the tables
+read as mappings for everything but the hot paths. There is no other implementation: where numba cannot load,
+constructing an index raises :class:`kvtier.kernels.jit.KernelsUnavailable` naming the platform.
 
 Invariants (asserted by :meth:`TieredIndex._check`):
 
@@ -49,13 +46,11 @@ from kvtier.indexer.index.blockmasks import BlockMasks
 from kvtier.indexer.index.closure import MaskMap
 from kvtier.indexer.index.keys import BlockKey, block_keys
 from kvtier.indexer.index.keytable import KERNELS, EngineHashes, KeyTable
-from kvtier.indexer.index.levels import DepthFinder, TableDepthFinder
+from kvtier.indexer.index.levels import DepthFinder
 from kvtier.indexer.index.masklayout import SLOT_MASK, TIERS
 from kvtier.indexer.index.orphans import OrphanStats
 from kvtier.indexer.index.relearn import MAX_REMEMBERED, ancestry
 from kvtier.indexer.index.slots import WorkerSlots
-from kvtier.indexer.index.tableclosure import TableClosure
-from kvtier.indexer.index.tablemasks import TableMasks
 from kvtier.indexer.index.windowkv import WindowKV
 from kvtier.indexer.index.workerstate import Outcome, WorkerState, WorkerStats
 from kvtier.wire.notices import StreamId
@@ -90,21 +85,14 @@ class TieredIndex:
         self.block_size = block_size
         self.window_tokens = window_tokens
         self._default_window = -(-window_tokens // block_size)  # in blocks
-        # Compiled tables where numba runs (kvtier.indexer.index.tablemasks), else dicts: the same results either way.
-        self._tables = KERNELS.get() is not None
-        self._masks: MaskMap = KeyTable() if self._tables else {}
+        KERNELS.require()  # the compiled tables are the index (a clear error where numba cannot load)
+        self._masks = KeyTable()
         self._workers = WorkerSlots(self._new_worker)  # worker streams and the mask slots they own
         self._win = WindowKV(self._masks)  # window-KV bits (SWA workers only: kvtier.indexer.index.windowkv)
         # Reads queries' depths off the masks (kvtier.indexer.index.levels); what events change in them
         # (kvtier.indexer.index.blockmasks).
-        self._depths: DepthFinder
-        self._blocks: BlockMasks
-        if isinstance(self._masks, KeyTable):
-            self._depths = TableDepthFinder(self._masks, self._workers.owners)
-            self._blocks = TableMasks(self._masks, self._win)
-        else:
-            self._depths = DepthFinder(self._masks, self._workers.owners)
-            self._blocks = BlockMasks(self._masks, self._win)
+        self._depths = DepthFinder(self._masks, self._workers.owners)
+        self._blocks = BlockMasks(self._masks, self._win)
         self._closure = self._blocks.closure  # whether queries may binary-search (kvtier.indexer.index.closure)
         self._events = EventApplier(block_size, self._blocks, self._win)  # validates and applies events
 
@@ -118,8 +106,7 @@ class TieredIndex:
         """The state of a worker added at ``slot`` (called by :class:`WorkerSlots`): the index's window, and its
         engine hashes in a compiled table beside compiled masks. O(1)."""
         w = WorkerState(stream, slot, window=self._default_window, inferred=bool(self._default_window))
-        if self._tables:
-            w.hashes = EngineHashes()
+        w.hashes = EngineHashes()
         return w
 
     def add_worker(self, stream: StreamId) -> None:
@@ -336,7 +323,7 @@ class TieredIndex:
                     if not (0 <= key < 1 << 64 and 0 < bits <= SLOT_MASK):  # (bits past the slot are another's)
                         raise ValueError(f"worker {worker}: block {key!r} with tier bits {bits!r}")
                     w.hashes[eh] = BlockKey(key)
-                    index._masks[BlockKey(key)] = index._blocks.share(index._masks.get(key, 0) | (bits << shift))
+                    index._masks[BlockKey(key)] = index._masks.get(key, 0) | (bits << shift)
                     for t in range(TIERS):
                         w.counts[t] += bits >> t & 1
                 # Loose blocks per tier (kvtier.indexer.index.closure), written since queries binary-search; without
@@ -351,7 +338,7 @@ class TieredIndex:
                     w.ups.update((eh, up) for eh, up in swa[7])
             for parent, kids in obj.get("links", ()):
                 for kid in kids:
-                    index._closure.link(BlockKey(parent), BlockKey(kid), index._masks)
+                    index._closure.link(BlockKey(parent), BlockKey(kid))
         except (msgspec.DecodeError, KeyError, TypeError, AttributeError, ValueError, OverflowError) as exc:
             raise ValueError(f"not an index snapshot: {exc}") from None
         return index
@@ -404,11 +391,9 @@ class TieredIndex:
                         if km >> bit & 1 and not pm >> bit & 1 and slot not in cl.unknown:
                             assert kid in cl.loose.get((slot, t), ()), (
                                 f"slot {slot} tier {t}: {kid:#x} held without its parent {parent:#x} but not loose")
-        if isinstance(cl, TableClosure):
-            cl._check()
+        cl._check()
         self._win._check()
-        if isinstance(self._masks, KeyTable):
-            self._masks._check()
+        self._masks._check()
 
 
 def _hashes_by_tier(w: WorkerState | None, masks: MaskMap,
