@@ -76,6 +76,11 @@ def _open(args: argparse.Namespace) -> tuple[TieredCache, EngineNode, DataPath, 
         raise EngineError(str(exc)) from None
     except OSError as exc:
         raise EngineError(f"--trace {args.trace}: {exc.strerror or exc}") from None
+    if args.device_tokens is not None:
+        if args.device_tokens < 4 * args.page_size:
+            raise EngineError(f"--device-tokens: {args.device_tokens} holds fewer than 4 pages of --page-size "
+                              f"{args.page_size}")
+        args.device_pages = args.device_tokens // args.page_size
     try:
         cfg = CacheConfig(page_size=args.page_size, device_pages=args.device_pages, host_ratio=args.host_ratio,
                           l3_write_behind=args.l3 != "none")
@@ -194,16 +199,24 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                         "request sooner gets the end marker alone, which indexers read as no dump (0: no limit)")
     p.add_argument("--max-dumps", type=count.parse, default=MAX_DUMPS,
                    help="most state dumps in progress at once; a request past it is refused the same way")
-    p.add_argument("--trace", default="builtin:chat:300", help="trace file or builtin:KIND[:N]")
+    p.add_argument("--trace", default="builtin:chat:300",
+                   help="trace file or builtin:chat|agentic|sysprompt[:N] (N requests; builtin:KIND alone: 1,000)")
     p.add_argument("--seed", type=Domain(int, lo=0).parse, default=0, help="seed of builtin traces and token ids")
     p.add_argument("--speed", type=scale.parse, default=10.0, help="replay speed-up over the trace's timestamps")
     p.add_argument("--page-size", type=count.parse, default=16, help="tokens per KV page")
-    p.add_argument("--device-pages", type=Domain(int, lo=4).parse, default=4096, help="device KV pages")
+    device = p.add_mutually_exclusive_group()
+    device.add_argument("--device-tokens", type=count.parse, default=None,
+                        help="device KV capacity in tokens, as the simulator's --device-tokens (rounded down to "
+                             "whole pages of --page-size; at least 4 pages) (default: --device-pages x --page-size, "
+                             "65,536)")
+    device.add_argument("--device-pages", type=Domain(int, lo=4).parse, default=4096,
+                        help="the same capacity in pages of --page-size tokens (the engine's native unit)")
     p.add_argument("--host-ratio", type=Domain(float, lo=0, hi=1024).parse, default=2.0,
                    help="host / device capacity (0: no host)")
     p.add_argument("--l3", choices=["none", "disk", "external"], default="disk",
                    help="storage tier: this engine's disk, or a pool shared with other engines")
-    p.add_argument("--disk-pages", type=count.parse, default=16384, help="L3 capacity in pages")
+    p.add_argument("--disk-pages", type=count.parse, default=16384,
+                   help="L3 capacity in pages of --page-size tokens (the simulator's --l3-tokens counts tokens)")
     p.add_argument("--l3-dir", help="keep L3 pages as files here (real bytes, warm restarts); without it the L3 "
                                     "tier is modeled (metadata only)")
     p.add_argument("--l3-sync", choices=[s.value for s in SyncPolicy], default=SyncPolicy.NONE.value,
