@@ -32,7 +32,7 @@ from kvtier.indexer.policies import REGISTRY
 from kvtier.sim import live
 from kvtier.sim.cluster import ClusterConfig
 from kvtier.sim.generators import PRESETS, iter_generate
-from kvtier.sim.policies import POLICIES, check_policy
+from kvtier.sim.policies import POLICIES, check_policy, policy_label
 from kvtier.sim.run import RunConfig, RunResult
 from kvtier.sim.source import TraceSource
 from kvtier.sim.trace import Request, TraceError, write_mooncake
@@ -359,6 +359,12 @@ def cmd_compare(a: argparse.Namespace) -> int:
     if not policies:
         raise CliError(f"--policies: {a.policies!r} names no policy; expected a comma-separated list from "
                        f"{', '.join(POLICIES)} or plugins")
+    named: dict[str, str] = {}
+    for p in policies:
+        label = policy_label(p)
+        if label in named:
+            raise CliError(f"--policies: {named[label]} and {p} are both called {label!r} in the results")
+        named[label] = p
     return _compare(a, policies)
 
 
