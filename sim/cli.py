@@ -291,7 +291,7 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
     parts = [out_dir / f".requests.{i}.csv" for i in range(len(policies))]
     itl_parts = ([a.itl_series.with_name(f".{a.itl_series.name}.{i}") for i in range(len(policies))]
                  if a.itl_series is not None else [None] * len(policies))
-    jobs = [RunSpec(trace, cluster, _run_cfg(a, p), {"policy": p}, records_csv=part, itl_jsonl=itl)
+    jobs = [RunSpec(trace, cluster, _run_cfg(a, p), {"policy": policy_label(p)}, records_csv=part, itl_jsonl=itl)
             for p, part, itl in zip(policies, parts, itl_parts, strict=True)]
     print(f"kvtier: {len(trace)} requests from {a.trace}, {cluster.workers} workers, "
           f"{cluster.device_tokens:,} device tokens each, host x{cluster.host_ratio:g}, l3={cluster.l3}; "
