@@ -3,6 +3,8 @@ simulator and in the service."""
 
 from __future__ import annotations
 
+import csv
+import json
 import sys
 import time
 from pathlib import Path
@@ -63,7 +65,8 @@ def test_the_same_plugin_routes_in_the_simulator() -> None:
     perverse = simulate(reqs, SMALL, RunConfig("tests.test_plugins:LeastDevice"))
     rr = simulate(reqs, SMALL, RunConfig("round_robin"))
     assert fresh.summary.requests == perverse.summary.requests == len(reqs)
-    assert fresh.summary.policy == EXAMPLE and fresh.summary.hit_rate > rr.summary.hit_rate > perverse.summary.hit_rate
+    assert fresh.summary.policy == "fresh_first"  # its declared name, not the spec
+    assert fresh.summary.hit_rate > rr.summary.hit_rate > perverse.summary.hit_rate
 
 
 def test_the_same_plugin_routes_in_the_service() -> None:
@@ -95,6 +98,31 @@ def test_cli_takes_plugins_and_rejects_bad_ones(tmp_path: Path) -> None:
                      "--out", str(out), "--no-plots"]) == 0
     assert cli_main(["replay", "--trace", "builtin:chat:40", "--policy", "tests.test_plugins:Missing",
                      "--out", str(out), "--no-plots"]) == 2
+
+
+class ClaimsKvAll(LeastDevice):
+    name = "kv_all"
+
+
+class AlsoFreshFirst(LeastDevice):
+    name = "fresh_first"
+
+
+def test_a_plugin_is_shown_under_its_declared_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Tables, summary.json and requests.csv name a plugin as it names itself; one that declares a built-in's name
+    keeps its spec beside it, and two runs that would read alike are refused."""
+    out = tmp_path / "run"
+    assert cli_main(["compare", "--trace", "builtin:chat:40", "--workers", "2", "--out", str(out), "--no-plots",
+                     "--policies", f"round_robin,{EXAMPLE},tests.test_plugins:ClaimsKvAll"]) == 0
+    names = ["round_robin", "fresh_first", "kv_all (tests.test_plugins:ClaimsKvAll)"]
+    table = capsys.readouterr().out
+    assert all(f"\n{n} " in table for n in names), table
+    assert [r["policy"] for r in json.loads((out / "summary.json").read_text())["runs"]] == names
+    with (out / "requests.csv").open() as f:
+        assert {row["policy"] for row in csv.DictReader(f)} == set(names)
+    assert cli_main(["compare", "--trace", "builtin:chat:40", "--out", str(out), "--no-plots",
+                     "--policies", f"{EXAMPLE},tests.test_plugins:AlsoFreshFirst"]) == 2
+    assert "both called 'fresh_first'" in capsys.readouterr().err
 
 
 def test_cache_blind_builtins_route_by_turn_and_by_load() -> None:

@@ -281,3 +281,26 @@ def test_an_overloaded_cluster_is_named_and_lost_batches_are_counted(tmp_path: P
     assert head[-4:] == ["lost", "replays", "dumps", "partial"]
     summary = json.loads((tmp_path / "summary.json").read_text())["runs"][0]
     assert out.splitlines()[2].split()[-4] == str(summary["extra"]["events_lost"]) != "0"
+
+
+def test_a_finished_job_frees_its_cluster() -> None:
+    """A run's caches die in reference cycles; a process running job after job (compare's and sweep's pools)
+    must not keep each finished run's cluster until a full collection happens to come. Automatic collection is
+    off here, so nothing but the job itself can free them."""
+    import gc
+
+    from kvtier.engine.cache import TieredCache
+    from kvtier.sim.experiment import RunSpec, execute
+
+    def caches() -> int:
+        return sum(isinstance(o, TieredCache) for o in gc.get_objects())
+
+    gc.collect()
+    before = caches()
+    gc.disable()
+    try:
+        _, res = execute(RunSpec(chat(60), SMALL, RunConfig("kv_all"), {"policy": "kv_all"}))
+        assert res.summary.requests == 60
+        assert caches() == before
+    finally:
+        gc.enable()

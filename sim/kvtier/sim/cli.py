@@ -30,7 +30,7 @@ from kvtier.indexer.routing.policies import REGISTRY
 from kvtier.sim import live
 from kvtier.sim.cluster import CACHE_SETTINGS, ClusterConfig
 from kvtier.sim.generators import PRESETS, iter_generate
-from kvtier.sim.policies import POLICIES, check_policy
+from kvtier.sim.policies import POLICIES, check_policy, policy_label
 from kvtier.sim.run import RunConfig, RunResult
 from kvtier.sim.source import TraceSource
 from kvtier.sim.trace import Request, TraceError, write_mooncake
@@ -277,7 +277,7 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
     parts = [out_dir / f".requests.{i}.csv" for i in range(len(policies))]
     itl_parts = ([a.itl_series.with_name(f".{a.itl_series.name}.{i}") for i in range(len(policies))]
                  if a.itl_series is not None else [None] * len(policies))
-    jobs = [RunSpec(trace, cluster, _run_cfg(a, p), {"policy": p}, records_csv=part, itl_jsonl=itl)
+    jobs = [RunSpec(trace, cluster, _run_cfg(a, p), {"policy": policy_label(p)}, records_csv=part, itl_jsonl=itl)
             for p, part, itl in zip(policies, parts, itl_parts, strict=True)]
     print(f"kvtier: {len(trace)} requests from {a.trace}, {cluster.workers} workers, "
           f"{cluster.device_tokens:,} device tokens each, host x{cluster.host_ratio:g}, l3={cluster.l3}; "
@@ -345,6 +345,12 @@ def cmd_compare(a: argparse.Namespace) -> int:
     if not policies:
         raise CliError(f"--policies: {a.policies!r} names no policy; expected a comma-separated list from "
                        f"{', '.join(POLICIES)} or plugins")
+    named: dict[str, str] = {}
+    for p in policies:
+        label = policy_label(p)
+        if label in named:
+            raise CliError(f"--policies: {named[label]} and {p} are both called {label!r} in the results")
+        named[label] = p
     return _compare(a, policies)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import itertools
 import os
 from collections.abc import Callable, Sequence
@@ -87,14 +88,25 @@ class RunSpec:
 
 def execute(job: RunSpec, *, progress: bool = False) -> tuple[dict[str, Any], RunResult]:
     """Runs one job in this process (``progress``: a per-request bar); its records go where
-    ``job.records_csv`` and ``job.keep_records`` say."""
-    with contextlib.ExitStack() as stack:
-        itl = stack.enter_context(ItlSeries(job.itl_jsonl, job.run.label)).write if job.itl_jsonl else None
-        if job.records_csv is None:
-            sink = None if job.keep_records else _drop
-            return job.tag, simulate(job.trace, job.cluster, job.run, progress=progress, sink=sink, itl_sink=itl)
-        out = stack.enter_context(CsvRecords(job.records_csv, job.run.label))
-        return job.tag, simulate(job.trace, job.cluster, job.run, progress=progress, sink=out.write, itl_sink=itl)
+    ``job.records_csv`` and ``job.keep_records`` say.
+
+    The run's cluster is freed before this returns. Its radix trees, page stores and index hold reference
+    cycles, so they die only in a full collector pass, which the collector starts seldom over a heap that size:
+    a process running job after job (a compare's or a sweep's pool) would hold every finished run's cluster.
+    One full pass per run keeps a process's peak at that of its largest run.
+    """
+    try:
+        with contextlib.ExitStack() as stack:
+            itl = stack.enter_context(ItlSeries(job.itl_jsonl, job.run.label)).write if job.itl_jsonl else None
+            if job.records_csv is None:
+                sink = None if job.keep_records else _drop
+                return job.tag, simulate(job.trace, job.cluster, job.run, progress=progress, sink=sink,
+                                         itl_sink=itl)
+            out = stack.enter_context(CsvRecords(job.records_csv, job.run.label))
+            return job.tag, simulate(job.trace, job.cluster, job.run, progress=progress, sink=out.write,
+                                     itl_sink=itl)
+    finally:
+        gc.collect()
 
 
 def _drop(_: RequestRecord) -> None:

@@ -13,6 +13,7 @@ keeps serving replay and dump requests until SIGTERM or ``--hold`` seconds.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import math
@@ -33,8 +34,12 @@ from kvtier.engine.l3.storage import PageStore
 from kvtier.engine.node import EngineNode
 from kvtier.sim.experiment import resolve_trace
 from kvtier.sim.trace import Request, TokenBank
-from kvtier.util.fields import Domain, OneLineParser
+from kvtier.util.fields import Domain, OneLineParser, add_options, field_default
+from kvtier.wire.protocol import DEFAULT_BLOCK_SIZE
 from kvtier.wire.transport.publisher import DUMP_INTERVAL_S, MAX_DUMPS
+
+#: The engine's default device capacity: CacheConfig's (one default per setting).
+_DEVICE_PAGES: int = field_default(next(f for f in dataclasses.fields(CacheConfig) if f.name == "device_pages"))
 
 
 def write_residency(cache: TieredCache, path: Path) -> None:
@@ -76,6 +81,11 @@ def _open(args: argparse.Namespace) -> tuple[TieredCache, EngineNode, DataPath, 
         raise EngineError(str(exc)) from None
     except OSError as exc:
         raise EngineError(f"--trace {args.trace}: {exc.strerror or exc}") from None
+    if args.device_tokens is not None:
+        if args.device_tokens < 4 * args.page_size:
+            raise EngineError(f"--device-tokens: {args.device_tokens} holds fewer than 4 pages of --page-size "
+                              f"{args.page_size}")
+        args.device_pages = args.device_tokens // args.page_size
     try:
         cfg = CacheConfig(page_size=args.page_size, device_pages=args.device_pages, host_ratio=args.host_ratio,
                           l3_write_behind=args.l3 != "none")
@@ -105,8 +115,8 @@ def _open(args: argparse.Namespace) -> tuple[TieredCache, EngineNode, DataPath, 
 
 
 def run(args: argparse.Namespace) -> int:
-    stop = {"now": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    stop = {"now": False, "signal": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True, signal=True))
 
     def halted() -> bool:
         """SIGTERM came, or (``--parent-pid``) the process that started this one died: it was adopted."""
@@ -157,7 +167,21 @@ def run(args: argparse.Namespace) -> int:
             if cache.store.directory is not None:
                 print(f"engine {args.name}: L3 {cache.store.stats}", flush=True)
             cache.store.close()
+    if stop["signal"]:
+        _exit_now(0)
     return 0
+
+
+def _exit_now(code: int) -> None:
+    """Ends the process once SIGTERM asked for it and the engine has let go of what it held (sockets, page files).
+
+    What is left, the interpreter's teardown of every loaded module, does nothing an engine needs and takes seconds
+    where torch is loaded (``--l3-dir``); a supervisor that sent SIGTERM waits for the exit, so it is skipped,
+    as SIGTERM's default action would skip it.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _engine_name(text: str) -> str:
@@ -180,16 +204,23 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                         "request sooner gets the end marker alone, which indexers read as no dump (0: no limit)")
     p.add_argument("--max-dumps", type=count.parse, default=MAX_DUMPS,
                    help="most state dumps in progress at once; a request past it is refused the same way")
-    p.add_argument("--trace", default="builtin:chat:300", help="trace file or builtin:KIND[:N]")
+    p.add_argument("--trace", default="builtin:chat:300",
+                   help="trace file or builtin:chat|agentic|sysprompt[:N] (N requests; builtin:KIND alone: 1,000)")
     p.add_argument("--seed", type=Domain(int, lo=0).parse, default=0, help="seed of builtin traces and token ids")
     p.add_argument("--speed", type=scale.parse, default=10.0, help="replay speed-up over the trace's timestamps")
-    p.add_argument("--page-size", type=count.parse, default=16, help="tokens per KV page")
-    p.add_argument("--device-pages", type=Domain(int, lo=4).parse, default=4096, help="device KV pages")
-    p.add_argument("--host-ratio", type=Domain(float, lo=0, hi=1024).parse, default=2.0,
-                   help="host / device capacity (0: no host)")
+    add_options(p, CacheConfig, ["page_size"])
+    device = p.add_mutually_exclusive_group()
+    device.add_argument("--device-tokens", type=count.parse, default=None,
+                        help="device KV capacity in tokens, as the simulator's --device-tokens (rounded down to "
+                             "whole pages of --page-size; at least 4 pages) (default: --device-pages x --page-size, "
+                             f"{_DEVICE_PAGES * DEFAULT_BLOCK_SIZE:,})")
+    device.add_argument("--device-pages", type=Domain(int, lo=4).parse, default=_DEVICE_PAGES,
+                        help="the same capacity in pages of --page-size tokens (the engine's native unit)")
+    add_options(p, CacheConfig, ["host_ratio"])
     p.add_argument("--l3", choices=["none", "disk", "external"], default="disk",
                    help="storage tier: this engine's disk, or a pool shared with other engines")
-    p.add_argument("--disk-pages", type=count.parse, default=16384, help="L3 capacity in pages")
+    p.add_argument("--disk-pages", type=count.parse, default=16384,
+                   help="L3 capacity in pages of --page-size tokens (the simulator's --l3-tokens counts tokens)")
     p.add_argument("--l3-dir", help="keep L3 pages as files here (real bytes, warm restarts); without it the L3 "
                                     "tier is modeled (metadata only)")
     p.add_argument("--l3-sync", choices=[s.value for s in SyncPolicy], default=SyncPolicy.NONE.value,

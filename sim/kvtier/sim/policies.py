@@ -279,6 +279,19 @@ def check_policy(name: str) -> None:
         raise ConfigError(str(exc)) from None
 
 
+def policy_label(name: str) -> str:
+    """What tables, plots and files call policy ``name``: a plugin's declared ``name`` rather than the spec that
+    loads it (``fresh_first``, not ``examples/fresh_first_policy.py:FreshFirst``); a plugin that declares a
+    built-in policy's name keeps its spec beside it, so that it never reads as the built-in one."""
+    if name in REGISTRY or not is_plugin_spec(name):
+        return name
+    try:
+        declared = str(load_policy(name).name)
+    except ValueError:
+        return name  # (check_policy reports it)
+    return f"{declared} ({name})" if declared in REGISTRY or not declared else declared
+
+
 def make_policy(name: str, *, workers: int, block_size: int, loads: LoadTracker,
                 caches: Callable[[], list[TieredCache]], settings: RoutingSettings | None = None) -> Policy:
     """The simulator's side of policy ``name`` (a built-in one, or a plugin spec), its cost from the registry

@@ -16,7 +16,7 @@ from kvtier.sim.cluster import ClusterConfig, Job, build_cluster
 from kvtier.sim.core import Environment
 from kvtier.sim.lookahead import Lookahead, lookahead_backend
 from kvtier.sim.metrics import RequestRecord, RunSummary, Slo, SummaryBuilder
-from kvtier.sim.policies import KvPolicy, RouteInput, make_policy
+from kvtier.sim.policies import KvPolicy, RouteInput, make_policy, policy_label
 from kvtier.sim.source import TraceSource, as_source
 from kvtier.sim.trace import Request, TokenBank, bank_backend
 from kvtier.sim.transport import Recovery, SimWire, WireConfig, WireCounters
@@ -63,7 +63,8 @@ class RunConfig:
 
     @property
     def label(self) -> str:
-        return self.policy if self.cost == "credit" else f"{self.policy}[{self.cost}]"
+        name = policy_label(self.policy)
+        return name if self.cost == "credit" else f"{name}[{self.cost}]"
 
 
 @dataclass(slots=True)

@@ -1,0 +1,71 @@
+"""`kvtier engine` as a process: its capacity named as the simulator names it, and a prompt stop on SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.sim import live
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# The engine as `kvtier engine` runs it, in a process whose interpreter teardown takes a minute: an exit handler
+# stands in for the modules (torch's among them) whose finalisation takes seconds.
+_SLOW_TEARDOWN = ("import atexit, sys, time; atexit.register(time.sleep, 60); "
+                  "from kvtier.sim.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
+def test_engine_exits_soon_after_sigterm_without_the_interpreter_teardown(tmp_path: Path) -> None:
+    res = tmp_path / "res.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_TEARDOWN, "engine", "--trace", "builtin:sysprompt:5", "--speed", "1000",
+         "--endpoint", "tcp://127.0.0.1:0", "--replay", "tcp://127.0.0.1:0", "--residency", str(res)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()  # the engine's one stderr line once the trace is done (waits for it)
+        assert "trace done" in line, line + proc.stderr.read()
+        proc.send_signal(signal.SIGTERM)
+        # A loose bound: the stop itself takes well under a second; the teardown this skips takes 60 s.
+        rc = proc.wait(timeout=10)
+        assert rc == 0
+        assert res.is_file()  # what the engine writes before it serves on was written, and the exit was clean
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _opened_device_pages(*argv: str) -> int:
+    args = live.build_parser().parse_args(
+        ["--endpoint", "tcp://127.0.0.1:0", "--replay", "tcp://127.0.0.1:0", "--trace", "builtin:chat:2", *argv])
+    cache, node, _, _ = live._open(args)
+    node.close()
+    return cache.config.device_pages
+
+
+def test_device_tokens_sizes_the_engine_as_the_simulator_does() -> None:
+    """``--device-tokens`` counts tokens, rounded down to whole pages as ``ClusterConfig`` does; ``--device-pages``
+    stays the same capacity in pages."""
+    assert _opened_device_pages("--device-tokens", "32768") == 2048
+    assert _opened_device_pages("--device-tokens", "1000", "--page-size", "64") == 15
+    assert _opened_device_pages("--device-pages", "2048") == 2048
+    assert _opened_device_pages() == 4096
+
+
+def test_device_tokens_below_four_pages_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    args = live.build_parser().parse_args(["--endpoint", "tcp://127.0.0.1:0", "--replay", "tcp://127.0.0.1:0",
+                                           "--trace", "builtin:chat:2", "--device-tokens", "48"])
+    assert live.run(args) == 2
+    assert capsys.readouterr().err == "kvtier engine: error: --device-tokens: 48 holds fewer than 4 pages of " \
+                                      "--page-size 16\n"
+
+
+def test_device_tokens_and_pages_are_one_choice() -> None:
+    with pytest.raises(SystemExit) as info:
+        live.build_parser().parse_args(["--device-tokens", "32768", "--device-pages", "2048"])
+    assert info.value.code == 2

@@ -1,0 +1,106 @@
+"""The README's quick starts run as written (scripts/readme_quickstart.py executes its ```bash quickstart-NAME
+blocks), print what the README says they print, and leave nothing running."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "readme_quickstart.py"
+OPERATOR_PORTS = (5557, 5558, 5567, 5568, 8077)
+
+
+def _run(*args: str, cwd: Path = ROOT, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZMQ binds: past connections' TIME_WAIT is no use
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def test_the_readme_has_both_quick_starts() -> None:
+    out = _run("--list")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["researcher", "operator"]
+
+
+def test_a_failing_block_fails_the_run(tmp_path: Path) -> None:
+    """The runner is what CI trusts: a block that fails part-way fails it, naming the block, and nothing after the
+    failing command runs (-e); a failure inside a pipeline counts too (pipefail)."""
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n\n```bash quickstart-good\necho fine\n```\n\n"
+                      "```bash quickstart-bad\necho before\nfalse | cat\necho after\n```\n\n"
+                      "```bash\nexit 3  # not a quick start: never run\n```\n")
+    out = _run("--readme", str(readme), "--cwd", str(tmp_path))
+    assert out.returncode == 1
+    assert "failed: bad" in out.stderr and "good" not in out.stderr
+    assert "fine\n" in out.stdout and "before\n" in out.stdout and "after\n" not in out.stdout
+    assert _run("--readme", str(readme), "--cwd", str(tmp_path), "good").returncode == 0
+    missing = _run("--readme", str(readme), "nosuch")
+    assert missing.returncode == 2 and "no quick start nosuch" in missing.stderr
+
+
+def test_a_block_past_its_timeout_is_killed_with_what_it_started(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text("```bash quickstart-slow\nsleep 300 &\necho $! > bg.pid\nsleep 300\n```\n")
+    out = _run("--readme", str(readme), "--cwd", str(tmp_path), "--timeout", "3", timeout=60)
+    assert out.returncode == 1 and "killed after 3 s" in out.stdout
+    bg = int((tmp_path / "bg.pid").read_text())
+    assert not Path(f"/proc/{bg}").exists() or "zombie" in Path(f"/proc/{bg}/status").read_text().lower()
+
+
+@pytest.mark.slow
+def test_researcher_quick_start() -> None:
+    out = _run("researcher")
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr
+    text = out.stdout
+    for policy in ("round_robin", "kv_device", "kv_host", "dynamo", "min_ttft"):
+        assert re.search(rf"^{policy} +hit 0\.\d{{3}}  TTFT p90 \d+ ms$", text, re.MULTILINE), policy
+    assert "KVTIER_NB_SIZE=small: the small CI size" in text and "Headline numbers (KVTIER_NB_SIZE=small;" in text
+    # The plugin appears under its declared name, beside the built-in policy.
+    runs = json.loads((ROOT / "out" / "quickstart" / "plugin" / "summary.json").read_text())["runs"]
+    assert [r["policy"] for r in runs] == ["kv_host", "cached_then_idle"]
+    assert re.search(r"^cached_then_idle +500 ", text, re.MULTILINE)
+    assert (ROOT / "out" / "quickstart" / "hit_rate_by_tier.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_operator_quick_start() -> None:
+    busy = [p for p in OPERATOR_PORTS if not _port_free(p)]
+    if busy:
+        pytest.fail(f"the operator quick start binds fixed ports; these are in use: {busy}")
+    out = _run("operator")
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr
+    answers = {}
+    for line in out.stdout.splitlines():
+        if line.startswith("{"):
+            body = json.loads(line)
+            answers.setdefault(next(iter(body)), body)
+    health, query = answers["status"], answers["total_blocks"]
+    assert health["status"] == "ok" and health["workers"] == 2
+    # The prompt engine a served is cached there to its full length, on b not at all: a real hit.
+    a, b = query["workers"]["a"], query["workers"]["b"]
+    assert query["total_blocks"] > 0 and a["device"] == query["total_blocks"] and b["host"] == 0
+    assert query["recommended"] == "a"
+    routed = next(json.loads(ln) for ln in out.stdout.splitlines() if ln.startswith('{"total_blocks"') and
+                  '"request_id"' in ln)
+    assert routed["worker"] == "a" and routed["predicted"]["ttft_ms"] > 0
+    assert answers["request_id"]["in_flight"] is True  # the first-token report found the booking
+    assert re.search(r"^kvtier_events_rejected_total\{worker=\"a\"\} 0$", out.stdout, re.MULTILINE)
+    assert re.search(r"^kvtier_ttft_prediction_error_seconds_count 1$", out.stdout, re.MULTILINE)
+    # The block's trap stopped the engines and the indexer: every port is free again.
+    assert [p for p in OPERATOR_PORTS if not _port_free(p)] == []
