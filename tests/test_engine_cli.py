@@ -51,18 +51,19 @@ def _opened_device_pages(*argv: str) -> int:
 def test_device_tokens_sizes_the_engine_as_the_simulator_does() -> None:
     """``--device-tokens`` counts tokens, rounded down to whole pages as ``ClusterConfig`` does; ``--device-pages``
     stays the same capacity in pages."""
-    assert _opened_device_pages("--device-tokens", "32768") == 2048
+    assert _opened_device_pages("--device-tokens", "32768") == 512  # 64-token pages, CacheConfig's default
+    assert _opened_device_pages("--device-tokens", "32768", "--page-size", "16") == 2048
     assert _opened_device_pages("--device-tokens", "1000", "--page-size", "64") == 15
     assert _opened_device_pages("--device-pages", "2048") == 2048
-    assert _opened_device_pages() == 4096
+    assert _opened_device_pages() == 1024  # CacheConfig's default: one default per setting
 
 
 def test_device_tokens_below_four_pages_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     args = live.build_parser().parse_args(["--endpoint", "tcp://127.0.0.1:0", "--replay", "tcp://127.0.0.1:0",
-                                           "--trace", "builtin:chat:2", "--device-tokens", "48"])
+                                           "--trace", "builtin:chat:2", "--device-tokens", "192"])
     assert live.run(args) == 2
-    assert capsys.readouterr().err == "kvtier engine: error: --device-tokens: 48 holds fewer than 4 pages of " \
-                                      "--page-size 16\n"
+    assert capsys.readouterr().err == "kvtier engine: error: --device-tokens: 192 holds fewer than 4 pages of " \
+                                      "--page-size 64\n"
 
 
 def test_device_tokens_and_pages_are_one_choice() -> None:
