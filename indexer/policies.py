@@ -40,7 +40,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvtier.fields import ConfigError
-from kvtier.indexer.hardware import DEFAULT_GPU_LINK, DEFAULT_STORAGE_LINK, GPU_LINKS, STORAGE_LINKS
+from kvtier.indexer.hardware import (
+    DEFAULT_GPU_LINK,
+    DEFAULT_KV_LINK,
+    DEFAULT_STORAGE_LINK,
+    GPU_LINKS,
+    KV_LINKS,
+    STORAGE_LINKS,
+)
 from kvtier.indexer.incumbents import Llmd, PowerOfTwo, SglangCacheAware
 from kvtier.indexer.latency import PRESETS, LatencyModel, MockerLatency, TransferModel
 from kvtier.indexer.plugins import RoutingPolicy
@@ -65,6 +72,7 @@ class RoutingSettings:
     seed: int = 0  # the router's random choices
     slo_ttft_ms: float | None = None  # the SLO the goodput policy routes for (None: not bounded)
     slo_tpot_ms: float | None = None
+    kv_gbps: float = KV_LINKS[DEFAULT_KV_LINK].gbps  # disaggregated: the prefill -> decode KV link, GB/s
 
     def credits(self) -> TierCredits:
         """The credit weights; a shared pool's blocks earn the disk credit."""

@@ -33,6 +33,13 @@ class RequestRecord:
     usable_blocks: int = -1
     second_token: float = -1.0  # when its second token was produced (-1: it generated one token, or none yet)
     max_itl: float = -1.0  # its longest gap between two consecutive tokens, seconds (-1: fewer than two tokens)
+    # Disaggregated serving (kvtier.sim.cluster): the decode worker (-1: aggregated), when the prompt's KV was
+    # computed (-1: not yet), the prompt tokens the decode worker held already and those sent it over the KV link
+    # (the two sum to the prompt once it was received; a prompt prefilled on its decode worker sends none)
+    decode_worker: int = -1
+    prefill_end: float = -1.0
+    decode_cached_tokens: int = 0
+    transferred_tokens: int = 0
 
     @property
     def ttft(self) -> float:
