@@ -18,7 +18,14 @@ from typing import Any
 
 from kvtier.engine.cache import PrefetchPolicy, WritePolicy
 from kvtier.fields import ConfigError, Domain, OneLineParser
-from kvtier.indexer.hardware import DEFAULT_GPU_LINK, DEFAULT_STORAGE_LINK, GPU_LINKS, STORAGE_LINKS
+from kvtier.indexer.hardware import (
+    DEFAULT_GPU_LINK,
+    DEFAULT_KV_LINK,
+    DEFAULT_STORAGE_LINK,
+    GPU_LINKS,
+    KV_LINKS,
+    STORAGE_LINKS,
+)
 from kvtier.indexer.latency import PRESETS as MODEL_PRESETS
 from kvtier.indexer.latency import (
     MockerLatency,
@@ -91,7 +98,7 @@ def _add_trace_args(p: argparse.ArgumentParser) -> None:
 def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     d = ClusterConfig()
     g = p.add_argument_group("cluster")
-    g.add_argument("--workers", type=int, default=d.workers, help="inference workers")
+    g.add_argument("--workers", type=int, help=f"inference workers (default: {d.workers}, or the pools' sum)")
     g.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page / router block")
     g.add_argument("--device-tokens", type=int, default=d.device_tokens, help="device KV per worker, tokens")
     g.add_argument("--host-ratio", type=float, default=d.host_ratio, help="host / device capacity (0: no host)")
@@ -120,6 +127,15 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--storage-gbps", type=float, help="host<->storage bandwidth, GB/s (default: --storage-link's)")
     g.add_argument("--latency", type=Path, metavar="JSON",
                    help="iteration-time fit written by `kvtier fit-latency` (default: Dynamo mocker's published fit)")
+    g = p.add_argument_group("disaggregated prefill and decode (default: aggregated workers)")
+    g.add_argument("--prefill-workers", type=int, default=0, metavar="P",
+                   help="prefill workers (with --decode-workers; together they make the cluster)")
+    g.add_argument("--decode-workers", type=int, default=0, metavar="D", help="decode workers")
+    g.add_argument("--kv-link", choices=sorted(KV_LINKS), default=DEFAULT_KV_LINK,
+                   help="prefill -> decode KV link preset (its bandwidth and source: kvtier.indexer.hardware)")
+    g.add_argument("--kv-link-gbps", type=float, help="prefill -> decode bandwidth, GB/s (default: --kv-link's)")
+    g.add_argument("--local-prefill-tokens", type=int, default=0, metavar="N",
+                   help="a prompt whose part its decode worker lacks is under N tokens prefills there (0: never)")
 
 
 def _add_router_args(p: argparse.ArgumentParser) -> None:
@@ -166,7 +182,14 @@ def _describe(p: ModelPreset) -> str:
 
 
 def _cluster(a: argparse.Namespace) -> ClusterConfig:
-    return ClusterConfig(workers=a.workers, page_size=a.page_size, device_tokens=a.device_tokens,
+    pools = a.prefill_workers + a.decode_workers if a.prefill_workers > 0 and a.decode_workers > 0 else None
+    if pools is not None and a.workers is not None and a.workers != pools:
+        raise CliError(f"--workers {a.workers} != --prefill-workers {a.prefill_workers} + --decode-workers "
+                       f"{a.decode_workers}: give the pools alone")
+    workers = a.workers if a.workers is not None else (pools or ClusterConfig().workers)
+    return ClusterConfig(workers=workers, prefill_workers=a.prefill_workers, decode_workers=a.decode_workers,
+                         kv_link=a.kv_link, kv_gbps=a.kv_link_gbps, local_prefill_tokens=a.local_prefill_tokens,
+                         page_size=a.page_size, device_tokens=a.device_tokens,
                          host_ratio=a.host_ratio, l3=a.l3, l3_tokens=a.l3_tokens, model=a.model,
                          swa_ratio=a.swa_ratio, swa_events=a.swa_events,
                          write_policy=WritePolicy(a.write_policy), prefetch_policy=PrefetchPolicy(a.prefetch_policy),

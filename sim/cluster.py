@@ -71,7 +71,7 @@ class ClusterConfig:
     h2d_gbps: float = field(default=GPU_LINKS[DEFAULT_GPU_LINK].gbps, metadata=positive())
     storage_gbps: float = field(default=STORAGE_LINKS[DEFAULT_STORAGE_LINK].gbps, metadata=positive())
     latency: MockerLatency = field(default_factory=MockerLatency)  # iteration times (default: the mocker's fit)
-    # Disaggregated serving: prefill and decode pools (both 0: aggregated; else workers == prefill + decode)
+    # Disaggregated serving: prefill and decode pools (both 0: aggregated; else they set workers to their sum)
     prefill_workers: int = field(default=0, metadata=at_least(0))
     decode_workers: int = field(default=0, metadata=at_least(0))
     kv_link: str = field(default=DEFAULT_KV_LINK, metadata=one_of(*KV_LINKS))  # prefill -> decode link preset
@@ -134,9 +134,8 @@ class ClusterConfig:
         if (self.prefill_workers > 0) != (self.decode_workers > 0):
             raise ConfigError(f"--prefill-workers {self.prefill_workers} --decode-workers {self.decode_workers}: "
                               "give both (disaggregated) or neither (aggregated)")
-        if self.disaggregated and self.workers != self.prefill_workers + self.decode_workers:
-            raise ConfigError(f"--workers {self.workers} != --prefill-workers {self.prefill_workers} + "
-                              f"--decode-workers {self.decode_workers}")
+        if self.disaggregated:  # the pools make the cluster (so a sweep over them keeps the rest as it is)
+            object.__setattr__(self, "workers", self.prefill_workers + self.decode_workers)
         if self.l3 != "none" and self.l3_tokens < self.page_size:
             raise ConfigError(f"--l3-tokens: {self.l3_tokens} holds no page of --page-size {self.page_size}")
 

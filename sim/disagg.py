@@ -38,13 +38,14 @@ class PairChoice:
 
 
 class _Pool:
-    """A blind or load policy built for ``len(members)`` workers, its choices mapped onto ``members``."""
+    """A blind policy built for ``len(members)`` workers, its choices mapped onto ``members``."""
+
+    blind: ClassVar[bool] = True
 
     def __init__(self, inner: Policy, members: list[int]) -> None:
         self.inner = inner
         self.members = members
         self.name = inner.name
-        self.blind = inner.blind
 
     def choose(self, req: RouteInput) -> Choice:
         c = self.inner.choose(req)
