@@ -32,7 +32,7 @@ class PairChoice:
     """A disaggregated routing decision: worker indices of the whole cluster."""
 
     prefill: Choice  # the prefill worker, and what the policy expected there
-    decode: int  # the decode worker
+    decode: int  # the decode worker (-1: chosen when the prompt is computed, :meth:`DisaggPolicy.choose_decode`)
     decode_cached: int  # prompt tokens the policy expected the decode worker to hold (0: it saw none)
     local: bool  # prefill on the decode worker (conditional disaggregation)
 
@@ -118,9 +118,19 @@ class DisaggPolicy:
                                         seed=settings.seed + 1)
             self._streams = streams
         self.blind = self.prefill.blind and (self.decode is None or self.decode.blind)
+        # Dynamo's frontend routes the decode side once the prefill has returned (its mocker too, round robin
+        # included); SGLang Model Gateway, llm-d and vLLM's proxy pick both workers when the request arrives. A
+        # conditional pool picks both at arrival, as the choice of where to prefill needs the decode worker.
+        self.decode_at_handoff = rule_at_handoff(name) and not local_prefill_tokens
 
     def choose(self, req: RouteInput) -> PairChoice:
         p = self.prefill.choose(req)
+        if self.decode_at_handoff:
+            return PairChoice(p, -1, 0, False)
+        return self.choose_decode(req, p)
+
+    def choose_decode(self, req: RouteInput, p: Choice) -> PairChoice:
+        """The decode side of the pair (at arrival, or when the prompt is computed: :attr:`decode_at_handoff`)."""
         ps = self.block_size
         if self.decode is not None:
             d = self.decode.choose(req)
@@ -159,3 +169,9 @@ class DisaggPolicy:
         kv = self.kv if self.kv is not None else self.decode
         return kv.events_rejected if isinstance(kv, KvPolicy) else 0
 
+
+
+def rule_at_handoff(name: str) -> bool:
+    """Whether policy ``name`` picks its decode worker once the prompt is computed (Dynamo's, and the blind ones as
+    Dynamo's mocker runs them) rather than when the request arrives."""
+    return name in ("dynamo", "round_robin", "random")

@@ -19,7 +19,7 @@ from kvtier.sim.core import Environment
 from kvtier.sim.disagg import DisaggPolicy
 from kvtier.sim.lookahead import Lookahead, lookahead_backend
 from kvtier.sim.metrics import RequestRecord, RunSummary, Slo, SummaryBuilder
-from kvtier.sim.policies import KvPolicy, Policy, RouteInput, make_policy
+from kvtier.sim.policies import Choice, KvPolicy, Policy, RouteInput, make_policy
 from kvtier.sim.source import TraceSource, as_source
 from kvtier.sim.trace import Request, TokenBank, bank_backend
 from kvtier.sim.transport import Recovery, SimWire, WireConfig, WireCounters
@@ -155,13 +155,24 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
     def on_prefilled(job: Job) -> None:  # disaggregated: the prompt is computed; its decode worker receives it
         if tracked:
             loads.finish(job.req.request_id)
-        cluster.workers[job.record.decode_worker].receive(job)
+        rec = job.record
+        if rec.decode_worker < 0:  # the policy picks the decode side now
+            assert isinstance(policy, DisaggPolicy)
+            req = job.req
+            keys = late_keys.pop(req.request_id, [])
+            pair = policy.choose_decode(RouteInput(req.request_id, job.tokens, req.input_length, keys, env.now),
+                                        Choice(rec.worker))
+            rec.decode_worker = pair.decode
+            if tracked:
+                decode_loads.add(req.request_id, streams[pair.decode], keys, req.input_length, 0)
+        cluster.workers[rec.decode_worker].receive(job)
 
     def on_finish(job: Job) -> None:
         if tracked:
             decode_loads.finish(job.req.request_id, job.generated)
             if disagg:
                 loads.finish(job.req.request_id)  # (rejected before its prefill)
+                late_keys.pop(job.req.request_id, None)
         if itl_sink is not None and job.gaps is not None and not job.record.rejected:
             itl_sink(job.req.request_id, job.gaps)
         if bar is not None:
@@ -183,6 +194,7 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
     # until it finishes; aggregated, one tracker is both.
     disagg = cluster_cfg.disaggregated
     decode_loads = LoadTracker(ps) if disagg else loads
+    late_keys: dict[str, list[BlockKey]] = {}  # of requests whose decode worker is picked at handoff
     policy: Policy | DisaggPolicy
     if disagg:
         policy = DisaggPolicy(run.policy, prefill=cluster_cfg.prefill_workers, decode=cluster_cfg.decode_workers,
@@ -248,7 +260,10 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
         if tracked:
             loads.add(req.request_id, streams[choice.worker], keys, req.input_length,
                       max(0, req.input_length - cached))
-            decode_loads.add(req.request_id, streams[pair.decode], keys, req.input_length, 0)
+            if pair.decode >= 0:
+                decode_loads.add(req.request_id, streams[pair.decode], keys, req.input_length, 0)
+            else:
+                late_keys[req.request_id] = keys
         cluster.workers[choice.worker].submit(job, choice.tier)
 
     def feed(req: Request) -> None:
