@@ -33,19 +33,23 @@ router sees it, is under a threshold prefills there, skipping the transfer, as v
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from kvtier.indexer.index import TieredIndex
 from kvtier.indexer.keys import BlockKey
 from kvtier.indexer.latency import PRESETS, LatencyModel, MockerLatency
-from kvtier.indexer.load import WorkerLoad
-from kvtier.indexer.policies import RoutingSettings, make_cost, policy_spec
+from kvtier.indexer.load import LoadTracker, WorkerLoad
+from kvtier.indexer.plugins import RoutingPolicy
+from kvtier.indexer.policies import REGISTRY, RoutingSettings, make_cost, policy_spec
 from kvtier.indexer.router import RouteDecision, Router
 from kvtier.indexer.scoring import CostModel, DynamoCost
+from kvtier.wire.notices import StreamId
 from kvtier.wire.overlap import TierOverlap
+from kvtier.wire.subscriber import ROLES
 
-#: The roles an endpoint may have (``role =`` in the service's TOML, ``role=`` on its command line).
-ROLES = ("prefill", "decode", "both")
+__all__ = ["ROLES", "KvLinkCost", "PairDecision", "PairRouter", "decode_cost", "decode_rule", "pool_routers",
+           "prefill_cost", "prefills_locally"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -157,6 +161,43 @@ class PairRouter:
         o = overlaps.workers.get(d.worker)
         cached = 0 if o is None else o.device * bs
         return PairDecision(p, d, prefills_locally(num_tokens, cached, self.local_prefill_tokens))
+
+
+def pool_routers(name: str, settings: RoutingSettings, index: TieredIndex, roles: Mapping[StreamId, str],
+                 loads: LoadTracker, decode_loads: LoadTracker,
+                 make: Callable[[], tuple[CostModel, RoutingPolicy | None]],
+                 rebuilding: Callable[[], Collection[StreamId]] | None = None,
+                 dead: Callable[[], Collection[StreamId]] | None = None,
+                 local_prefill_tokens: int = 0) -> PairRouter | None:
+    """The service's pair of routers over one index for policy ``name``, or None where every worker serves both
+    roles (an aggregated pool). ``make`` builds the policy's cost and plugin as the service does for an aggregated
+    pool (called once per pool: a plugin keeps its own history per pool); the registry's policies get their pool
+    rules (:func:`prefill_cost`, :func:`decode_rule`). ``loads`` books a request on its prefill worker until its
+    first token, ``decode_loads`` on its decode worker until it finishes. :class:`ValueError` for a pool without a
+    prefill or a decode worker."""
+    if all(r == "both" for r in roles.values()):
+        return None
+    prefill = [s for s, r in roles.items() if r in ("prefill", "both")]
+    decode = [s for s, r in roles.items() if r in ("decode", "both")]
+    if not prefill or not decode:
+        raise ValueError(f"endpoints: a disaggregated pool needs a prefill and a decode worker; roles: "
+                         f"{sorted(set(roles.values()))}")
+    known = name in REGISTRY
+    cost, plugin = make()
+    if known and plugin is None:
+        cost = prefill_cost(name, settings)
+    rule = decode_rule(name) if known else "same"
+    if rule == "same":
+        dcost, dplugin = make()
+    else:
+        dcost, dplugin = decode_cost(name, settings), None
+
+    def router(c: CostModel, p: RoutingPolicy | None, workers: list[StreamId], ld: LoadTracker, seed: int) -> Router:
+        return Router(index, c, loads=ld, workers=workers, policy=p, rebuilding=rebuilding, window_aware=True,
+                      temperature=settings.temperature, seed=seed, dead=dead)
+    return PairRouter(router(cost, plugin, prefill, loads, settings.seed),
+                      router(dcost, dplugin, decode, decode_loads, settings.seed + 1),
+                      assume_reuse=rule != "dynamo", local_prefill_tokens=local_prefill_tokens)
 
 
 def decode_streams_overlap(decision: PairDecision) -> TierOverlap | None:

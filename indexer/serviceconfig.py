@@ -145,6 +145,7 @@ _ENDPOINT_FIELDS: dict[str, tuple[Domain, bool]] = {
     "worker": (Domain(str), True), "endpoint": (Domain(str), True),
     "replay_endpoint": (Domain(str, optional=True), False), "dp_rank": (Domain(int, lo=0), False),
     "supports_dump": (Domain(bool), False), "engine": (Domain(str, optional=True), False),
+    "role": (Domain(str), False),
 }
 
 #: The tiers each engine keeps prefix-closed (a block held there has its parent held there), on which a store made
@@ -162,7 +163,8 @@ def closed_tiers(ep: EndpointConfig) -> tuple[StorageTier, ...]:
 
 
 def parse_endpoint(spec: str) -> EndpointConfig:
-    """Parses ``WORKER=PUB_ENDPOINT[,replay=ENDPOINT][,dp=N][,dump][,engine=sglang|vllm|kvtier]``."""
+    """Parses ``WORKER=PUB_ENDPOINT[,replay=ENDPOINT][,dp=N][,dump][,engine=sglang|vllm|kvtier]
+    [,role=prefill|decode|both]``."""
     name, sep, rest = spec.partition("=")
     if not sep or not name or not rest:
         raise ConfigError(f"endpoint {spec!r}: expected WORKER=tcp://host:port[,replay=...][,dp=N][,dump]")
@@ -180,6 +182,8 @@ def parse_endpoint(spec: str) -> EndpointConfig:
             opts["dp_rank"] = int(value)
         elif key == "engine":
             opts["engine"] = value
+        elif key == "role":
+            opts["role"] = value
         elif key == "dump":
             if value:
                 raise ConfigError(f"endpoint {spec!r}: option {p!r}: dump takes no value")
@@ -217,7 +221,8 @@ def load_config(path: Path) -> ServiceConfig:
         try:
             eps.append(EndpointConfig(worker=e["worker"], endpoint=e["endpoint"],
                                       replay_endpoint=e.get("replay_endpoint"), dp_rank=e.get("dp_rank", 0),
-                                      supports_dump=e.get("supports_dump", False), engine=e.get("engine")))
+                                      supports_dump=e.get("supports_dump", False), engine=e.get("engine"),
+                                      role=e.get("role", "both")))
         except ValueError as exc:
             raise ConfigError(f"{path}: endpoints[{i}]: {exc}") from None
     known = {f.name for f in fields(ServiceConfig)} - {"endpoints"}  # every setting, so none is forgotten here
