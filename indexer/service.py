@@ -106,9 +106,11 @@ class IndexerService:
                              seed=self.router_settings.seed, dead=self._dead)
         # A disaggregated pool (endpoints with roles): a (prefill, decode) pair per request, each pool booked apart.
         self.decode_loads = LoadTracker(config.block_size)
+        for ep in config.endpoints:
+            self.index.set_role(ep.stream, ep.role)
         try:
             self.pair = pool_routers(config.policy or "kv_all", self.router_settings, self.index,
-                                     {ep.stream: ep.role for ep in config.endpoints}, self.loads, self.decode_loads,
+                                     {s: self.index.role(s) for s in streams}, self.loads, self.decode_loads,
                                      lambda: _policy(config.policy or "kv_all", self.router_settings,
                                                      config.block_size), self._rebuilding, self._dead)
         except ValueError as exc:

@@ -39,12 +39,11 @@ def route_pair(svc: IndexerService, pair: PairRouter, rid: str, keys: list[Block
     note_routed(pair.decode.policy, keys, tokens, d.worker)
     svc._deadlines.book(rid, time.monotonic())
     svc.clients.book(rid, owner)
-    roles = {str(ep.stream): ep.role for ep in svc.config.endpoints}
     out: dict[str, Any] = {"request_id": rid, "prefill": svc._answer(p), "decode": svc._answer(d),
                            "local_prefill": decision.local}
     for side in ("prefill", "decode"):
-        for name, flags in out[side]["workers"].items():
-            flags["role"] = roles.get(name, "both")
+        for s in (p if side == "prefill" else d).overlaps.workers:
+            out[side]["workers"][str(s)]["role"] = svc.index.role(s)
     out["worker"] = out["decode" if decision.local else "prefill"]["recommended"]
     svc.request_seconds["route"].observe(time.perf_counter() - t0)
     return out

@@ -102,6 +102,9 @@ class DisaggPolicy:
             pre.router.cost_model = prefill_cost(name, settings)
         self.prefill = _narrow(pre, list(range(prefill)), loads, settings.seed)
         self.kv = pre if isinstance(pre, KvPolicy) else None  # the index both pools' events feed
+        if self.kv is not None:
+            for i in range(workers):
+                self.kv.index.set_role(self.kv.streams[i], "prefill" if i < prefill else "decode")
         members = list(range(prefill, workers))
         self.rule = decode_rule(name)
         self.decode: Policy | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,11 +16,13 @@ from kvtier.indexer.load import WorkerLoad
 from kvtier.indexer.policies import POLICIES
 from kvtier.sim.cli import main as cli
 from kvtier.sim.cluster import ClusterConfig
+from kvtier.sim.disagg import DisaggPolicy
 from kvtier.sim.experiment import grid_jobs, parse_grid
 from kvtier.sim.generators import PRESETS, generate
-from kvtier.sim.run import RunConfig, simulate
+from kvtier.sim.run import RunConfig, routing_settings, simulate
 from kvtier.sim.trace import Request
 from kvtier.wire.overlap import TierOverlap
+from kvtier.wire.protocol import StorageTier
 
 PD = ClusterConfig(prefill_workers=1, decode_workers=1, page_size=64, device_tokens=65_536, host_ratio=0.0)
 BYTES = MODELS["llama-3.1-8b"].bytes_per_token
@@ -180,3 +183,33 @@ def test_pool_flags_sweep_and_bad_input(tmp_path: Path, capsys: pytest.CaptureFi
     rc = cli(["replay", "--trace", "builtin:chat:20", "--out", str(tmp_path), "--prefill-workers", "1",
               "--decode-workers", "2", "--kv-link", "tcp-100g", "--policy", "dynamo"])
     assert rc == 0
+
+
+def test_both_pools_publish_through_the_codec_and_the_index_knows_their_roles(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill workers announce what they computed (and backed up to host), decode workers what they received: one
+    index hears both, through the real codec, each worker with its role; the router sees the prefill side's tiers
+    and the decode side's device overlap apart."""
+    import kvtier.sim.run as run_module
+
+    seen: list[DisaggPolicy] = []
+
+    class Spy(DisaggPolicy):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            seen.append(self)
+
+    monkeypatch.setattr(run_module, "DisaggPolicy", Spy)
+    cluster = dataclasses.replace(PD, decode_workers=2, host_ratio=1.0, device_tokens=32_768)
+    trace = generate(dataclasses.replace(PRESETS["chat"], requests=80, system_tokens=1024, user_tokens=600), 1)
+    res = simulate(trace, cluster, RunConfig("kv_all"))
+    assert res.events_published > 0 and res.summary.extra["events_lost"] == 0
+    kv = seen[0].kv
+    assert kv is not None
+    index = kv.index
+    assert [index.role(s) for s in kv.streams] == ["prefill", "decode", "decode"]
+    assert index.block_counts(kv.streams[0])[StorageTier.HOST] > 0  # the prefill side's tiers
+    for s in kv.streams[1:]:  # what the decode workers received, on their device only
+        counts = index.block_counts(s)
+        assert counts[StorageTier.DEVICE] > 0 and counts[StorageTier.HOST] == 0
+    assert routing_settings(cluster, RunConfig("kv_all")).kv_gbps == KV_LINKS["rdma-400g"].gbps
