@@ -148,7 +148,10 @@ class DisaggPolicy:
                 overlaps = self.kv.index.find_matches_keys(req.keys)
             dec = router.choose(OverlapScores(total_blocks=len(req.keys)), req.num_tokens, None)
         else:
-            overlaps = router.index.find_matches_keys(req.keys)
+            # The prefill side's walk of the index found every worker's overlap, the decode pool's too: reused
+            # when this request was just routed there (not at handoff, when the index has moved on).
+            known = self.kv.last_overlaps if self.kv is not None and not self.decode_at_handoff else None
+            overlaps = known if known is not None else router.index.find_matches_keys(req.keys)
             dec = router.choose(overlaps, req.num_tokens, req.keys)
         o: TierOverlap | None = overlaps.workers.get(dec.worker)
         cached = o.device * ps if o is not None else 0
