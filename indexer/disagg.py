@@ -16,13 +16,15 @@ decode pool by the rule below (:func:`decode_rule`):
 |                                | counted; its prefill router leaves decode blocks out (``router_track_active_     |
 |                                | blocks`` off). From Dynamo's public replay code (``derive_decode_router_config``)|
 | sglang_cache_aware, power_of_  | a second instance of the same policy over the decode pool: SGLang Model Gateway's|
-| two, llmd, llmd_kv             | PD mode runs a policy per pool (``--prefill-policy``, ``--decode-policy``, both  |
+| two, llmd, llmd_kv, llmd_prec. | PD mode runs a policy per pool (``--prefill-policy``, ``--decode-policy``, both  |
 |                                | the main one unless set); llm-d's P/D profile handler runs a decode profile,     |
 |                                | which kvtier gives the same scorers                                              |
-| kv_*, approx, oracle,          | the same cost over the decode pool, on the decode workers' device overlap (the   |
-| llmd_precise                   | KV that need not move)                                                           |
+| kv_*                           | the same cost over the decode pool, on the decode workers' device overlap (the   |
+|                                | KV that need not move)                                                           |
+| approx, oracle                 | the same cost over the decode pool, seeing no decode overlap (they keep no index)|
 | min_ttft, goodput              | :class:`KvLinkCost`: the transfer of what the decode worker lacks, the decode    |
-|                                | step there (the TPOT the request will see and bring), memory, in milliseconds    |
+|                                | step there (the TPOT the request will see and bring), memory, in milliseconds;   |
+|                                | goodput's TPOT bound is checked here, its TTFT bound on the prefill side         |
 
 The two sides are priced independently and each minimised, which minimises their sum: the KV transfer depends on
 the decode worker only (the prompt's KV is whole on any prefill worker once computed).
@@ -33,6 +35,7 @@ router sees it, is under a threshold prefills there, skipping the transfer, as v
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -43,7 +46,7 @@ from kvtier.indexer.load import LoadTracker, WorkerLoad
 from kvtier.indexer.plugins import RoutingPolicy
 from kvtier.indexer.policies import REGISTRY, RoutingSettings, make_cost, policy_spec
 from kvtier.indexer.router import RouteDecision, Router
-from kvtier.indexer.scoring import CostModel, DynamoCost
+from kvtier.indexer.scoring import SLO_MISS_MS, CostModel, DynamoCost, SloCost
 from kvtier.wire.notices import StreamId
 from kvtier.wire.overlap import TierOverlap
 from kvtier.wire.subscriber import ROLES
@@ -68,6 +71,9 @@ class KvLinkCost:
     memory_headroom: float = 0.9  # see TtftCost
     blind_headroom: float = 0.7
     memory_wait_ms: float = 10_000.0
+    # The goodput policy's TPOT bound (None: none): a worker whose decode step, midway through the request's decode
+    # (as SloCost estimates it), would pass it costs SLO_MISS_MS times its ratio to the bound
+    tpot_ms: float | None = None
 
     def transfer_ms(self, tokens: int) -> float:
         """Milliseconds to move ``tokens`` tokens of KV over the link. O(1)."""
@@ -84,6 +90,11 @@ class KvLinkCost:
                          + output_tokens)
             headroom = self.memory_headroom if output_tokens > 0 else self.blind_headroom
             ms += max(0.0, projected / cap - headroom) * self.memory_wait_ms
+            if self.tpot_ms:
+                context = load.context_tokens + num_tokens + (load.unwritten_tokens + output_tokens) / 2
+                tpot = self.latency.decode_ms(context / cap)
+                if tpot > self.tpot_ms:
+                    return SLO_MISS_MS * tpot / self.tpot_ms
         return ms
 
 
@@ -106,7 +117,10 @@ def prefill_cost(name: str, settings: RoutingSettings) -> CostModel:
     (a prefill worker holds no decode batch: ``router_track_active_blocks`` off)."""
     if name == "dynamo":
         return DynamoCost(settings.credits(), decode_scale=0.0)
-    return make_cost(name, settings)
+    cost = make_cost(name, settings)
+    if isinstance(cost, SloCost):  # the TPOT bound is the decode side's (KvLinkCost), the TTFT bound stays here
+        return dataclasses.replace(cost, tpot_ms=None)
+    return cost
 
 
 def decode_cost(name: str, settings: RoutingSettings) -> CostModel:
@@ -117,7 +131,7 @@ def decode_cost(name: str, settings: RoutingSettings) -> CostModel:
         return DynamoCost(settings.credits(), prefill_load_scale=0.0)
     if rule == "time":
         return KvLinkCost(PRESETS[settings.model].bytes_per_token, settings.kv_gbps, settings.latency,
-                          settings.capacity_tokens)
+                          settings.capacity_tokens, tpot_ms=settings.slo_tpot_ms if name == "goodput" else None)
     return make_cost(name, settings)
 
 

@@ -114,6 +114,7 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
     records: list[RequestRecord] = []
     decisions: list[int] = []
     builder = SummaryBuilder(cluster_cfg.workers, run.slo)
+    builder.split = cluster_cfg.prefill_workers
     # Records in arrival order, waiting for the oldest to be final: the sink sees arrival order.
     waiting: deque[RequestRecord] = deque()
     ps = cluster_cfg.page_size

@@ -9,11 +9,12 @@ from typing import Any
 
 import pytest
 
-from kvtier.indexer.disagg import KvLinkCost, prefills_locally
+from kvtier.indexer.disagg import KvLinkCost, decode_cost, prefill_cost, prefills_locally
 from kvtier.indexer.hardware import KV_LINKS
 from kvtier.indexer.latency import PRESETS as MODELS
 from kvtier.indexer.load import WorkerLoad
-from kvtier.indexer.policies import POLICIES
+from kvtier.indexer.policies import POLICIES, RoutingSettings
+from kvtier.indexer.scoring import SLO_MISS_MS, SloCost
 from kvtier.sim.cli import main as cli
 from kvtier.sim.cluster import ClusterConfig
 from kvtier.sim.disagg import DisaggPolicy
@@ -132,6 +133,8 @@ def test_every_policy_picks_a_prefill_and_a_decode_worker(policy: str) -> None:
     assert res.summary.requests == 120 and res.summary.unfinished == 0
     assert {r.worker for r in res.records} <= {0, 1} and {r.decode_worker for r in res.records} <= {2, 3}
     assert len({r.decode_worker for r in res.records}) == 2  # both decode workers are used
+    if policy == "round_robin":  # each pool in turn: the imbalance is the worse pool's, not the idle other pool's
+        assert res.summary.load_imbalance == pytest.approx(1.0, abs=0.05)
 
 
 def test_dynamo_picks_decode_by_load_and_min_ttft_by_the_kv_it_need_not_move() -> None:
@@ -154,6 +157,21 @@ def test_dynamo_picks_decode_by_load_and_min_ttft_by_the_kv_it_need_not_move() -
             assert all(r.decode_cached_tokens == r.input_tokens - 512 for r in later)
     assert same["min_ttft"] == 24
     assert 4 <= same["dynamo"] <= 20  # by load alone: ties at random, wherever the context is
+
+
+def test_goodput_checks_its_tpot_bound_on_the_decode_side() -> None:
+    """A decode worker whose batch would pass the TPOT bound costs more than any that meets it; the prefill side of
+    goodput keeps the TTFT bound only (a prefill worker does not decode the request)."""
+    settings = RoutingSettings(capacity_tokens=100_000, slo_ttft_ms=500.0, slo_tpot_ms=12.0)
+    dec = decode_cost("goodput", settings)
+    pre = prefill_cost("goodput", settings)
+    assert isinstance(dec, KvLinkCost) and dec.tpot_ms == 12.0
+    assert isinstance(pre, SloCost) and pre.tpot_ms is None and pre.ttft_ms == 500.0
+    none = TierOverlap(0, 0, 0, 0)
+    busy = WorkerLoad(running=100, context_tokens=90_000)
+    idle = WorkerLoad()
+    assert dec.cost(4096, 64, none, busy) >= SLO_MISS_MS > dec.cost(4096, 64, none, idle)
+    assert decode_cost("min_ttft", settings).cost(4096, 64, none, busy) < SLO_MISS_MS
 
 
 def test_kv_link_cost_prices_the_missing_kv_in_time() -> None:
