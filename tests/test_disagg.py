@@ -192,6 +192,12 @@ def test_pool_flags_sweep_and_bad_input(tmp_path: Path, capsys: pytest.CaptureFi
     jobs = grid_jobs(generate(dataclasses.replace(PRESETS["chat"], requests=5), 0), ClusterConfig(workers=4),
                      RunConfig("round_robin"), grid)
     assert [(j.cluster.prefill_workers, j.cluster.workers) for j in jobs] == [(2, 4), (1, 3)]
+    splits = grid_jobs(generate(dataclasses.replace(PRESETS["chat"], requests=5), 0), ClusterConfig(workers=16),
+                       RunConfig("round_robin"), parse_grid(["pools=agg,8:8,4:12"]))
+    assert [(j.cluster.prefill_workers, j.cluster.decode_workers, j.cluster.workers) for j in splits] == [
+        (0, 0, 16), (8, 8, 16), (4, 12, 16)]
+    with pytest.raises(ValueError, match="not P:D"):
+        parse_grid(["pools=8:0"])
     for argv, expected in (
         (["--prefill-workers", "2"], "give both"),
         (["--prefill-workers", "1", "--decode-workers", "1", "--workers", "3"], "--workers 3"),
