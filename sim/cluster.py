@@ -6,6 +6,21 @@ request; its duration comes from the latency model. Iterations with no prefill a
 merged into one closed-form decode run, cut short when new work arrives. Load-back
 and L3 prefetch sit on the critical path of the request that needs them, per the
 cache's prefetch policy.
+
+Disaggregated serving (``prefill_workers`` and ``decode_workers`` > 0): workers ``0..P-1`` prefill, ``P..P+D-1``
+decode. A prefill worker runs the full tiered cache and computes the prompt (reserving room for one output token, as
+a prefill request with ``max_tokens=1`` does); the computed prompt stays held there until its decode worker has
+received it. The decode worker admits the request once its device has room for the prompt and the whole output
+(requests wait in its queue until then), matches the prompt against its own radix cache (device only: the tiers
+below are the prefill pool's), and receives only the part it lacks over the KV link (``kv_link``), in
+``tokens * bytes per token / bandwidth``. The transfer starts once the prefill has finished, not layer by layer
+beside it: vLLM's NixlConnector (what Dynamo and llm-d run) reads the prompt's blocks from the prefill worker when
+the prefill request has finished, and Dynamo's mocker times its handoff the same way; a layer-wise push would hide
+most of it behind the prefill. Transfers do not contend for a NIC (nor do the mocker's). The first token comes from
+the decode worker's first decode step after the KV landed (as vLLM's decode worker and Dynamo's mocker produce it), so
+the transfer and that step show in TTFT. A prompt whose part its decode worker lacks, as the router sees it, is
+under ``local_prefill_tokens`` prefills on its decode worker instead (conditional disaggregation, as vLLM's and
+Dynamo's routers allow).
 """
 
 from __future__ import annotations
