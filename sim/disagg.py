@@ -102,9 +102,6 @@ class DisaggPolicy:
             pre.router.cost_model = prefill_cost(name, settings)
         self.prefill = _narrow(pre, list(range(prefill)), loads, settings.seed)
         self.kv = pre if isinstance(pre, KvPolicy) else None  # the index both pools' events feed
-        if self.kv is not None:
-            for i in range(workers):
-                self.kv.index.set_role(self.kv.streams[i], "prefill" if i < prefill else "decode")
         members = list(range(prefill, workers))
         self.rule = decode_rule(name)
         self.decode: Policy | None = None
@@ -121,6 +118,10 @@ class DisaggPolicy:
                                         seed=settings.seed + 1)
             self._streams = streams
         self.blind = self.prefill.blind and (self.decode is None or self.decode.blind)
+        for kv in (self.kv, self.decode):
+            if isinstance(kv, KvPolicy):
+                for i, s in enumerate(kv.streams):
+                    kv.index.set_role(s, "prefill" if i < prefill else "decode")
         # Dynamo's frontend routes the decode side once the prefill has returned (its mocker too, round robin
         # included); SGLang Model Gateway, llm-d and vLLM's proxy pick both workers when the request arrives. A
         # conditional pool picks both at arrival, as the choice of where to prefill needs the decode worker.
@@ -159,10 +160,10 @@ class DisaggPolicy:
                           prefills_locally(req.num_tokens, cached, self.local_prefill_tokens))
 
     def feed(self, deliveries: list[Delivery]) -> None:
-        """Both pools' events, into the one index."""
+        """Both pools' events, into the index (each side's, where the decode side runs a policy of its own)."""
         if self.kv is not None:
             self.kv.feed(deliveries)
-        elif isinstance(self.decode, KvPolicy):
+        if isinstance(self.decode, KvPolicy):
             self.decode.feed(deliveries)
 
     @property
@@ -174,7 +175,6 @@ class DisaggPolicy:
     def events_rejected(self) -> int:
         kv = self.kv if self.kv is not None else self.decode
         return kv.events_rejected if isinstance(kv, KvPolicy) else 0
-
 
 
 def rule_at_handoff(name: str) -> bool:

@@ -21,6 +21,7 @@ from kvtier.sim.cluster import ClusterConfig
 from kvtier.sim.disagg import DisaggPolicy
 from kvtier.sim.experiment import grid_jobs, parse_grid
 from kvtier.sim.generators import PRESETS, generate
+from kvtier.sim.policies import KvPolicy
 from kvtier.sim.run import RunConfig, routing_settings, simulate
 from kvtier.sim.trace import Request
 from kvtier.wire.overlap import TierOverlap
@@ -253,3 +254,24 @@ def test_lost_events_of_either_pool_are_recovered_by_dumps() -> None:
     res = simulate(trace, cluster, RunConfig("min_ttft", event_loss=0.1, loss_burst=3, replay_buffer=2, seed=1))
     assert res.events_lost > 0 and res.wire.dumps > 0
     assert res.summary.requests == 150 and res.summary.unfinished == 0
+
+
+def test_a_decode_side_with_its_own_index_hears_the_events_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """llm-d's precise scorer runs once per pool, each over its own index: both indexes hear both pools."""
+    import kvtier.sim.run as run_module
+
+    seen: list[DisaggPolicy] = []
+
+    class Spy(DisaggPolicy):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            seen.append(self)
+
+    monkeypatch.setattr(run_module, "DisaggPolicy", Spy)
+    cluster = dataclasses.replace(PD, decode_workers=2, host_ratio=1.0, device_tokens=32_768)
+    trace = generate(dataclasses.replace(PRESETS["chat"], requests=60, system_tokens=1024, user_tokens=600), 1)
+    simulate(trace, cluster, RunConfig("llmd_precise"))
+    dec = seen[0].decode
+    assert isinstance(dec, KvPolicy) and dec.index is not seen[0].prefill.index  # type: ignore[attr-defined]
+    assert all(dec.index.block_counts(s)[StorageTier.DEVICE] > 0 for s in dec.streams)
+    assert [dec.index.role(s) for s in dec.streams] == ["prefill", "decode", "decode"]
