@@ -36,7 +36,7 @@ router sees it, is under a threshold prefills there, skipping the transfer, as v
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 from kvtier.indexer.index import TieredIndex
@@ -212,13 +212,3 @@ def pool_routers(name: str, settings: RoutingSettings, index: TieredIndex, roles
     return PairRouter(router(cost, plugin, prefill, loads, settings.seed),
                       router(dcost, dplugin, decode, decode_loads, settings.seed + 1),
                       assume_reuse=rule != "dynamo", local_prefill_tokens=local_prefill_tokens)
-
-
-def decode_streams_overlap(decision: PairDecision) -> TierOverlap | None:
-    """The decode worker's overlap as the router saw it (None: it saw none)."""
-    return decision.decode.overlaps.workers.get(decision.decode.worker)
-
-
-def pool_members(roles: Sequence[str], role: str) -> list[int]:
-    """Indices of the workers that serve ``role`` (``"both"`` serves either). O(workers)."""
-    return [i for i, r in enumerate(roles) if r == role or r == "both"]
