@@ -112,7 +112,8 @@ class IndexerService:
             self.pair = pool_routers(config.policy or "kv_all", self.router_settings, self.index,
                                      {s: self.index.role(s) for s in streams}, self.loads, self.decode_loads,
                                      lambda: _policy(config.policy or "kv_all", self.router_settings,
-                                                     config.block_size), self._rebuilding, self._dead)
+                                                     config.block_size), self._rebuilding, self._dead,
+                                     config.local_prefill_tokens)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         self._lock = threading.Lock()  # guards index, loads and the deadlines

@@ -9,7 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.fields import ConfigError, Domain, at_least, check_fields, one_of, within
-from kvtier.indexer.hardware import DEFAULT_GPU_LINK, DEFAULT_STORAGE_LINK, GPU_LINKS, STORAGE_LINKS
+from kvtier.indexer.hardware import (
+    DEFAULT_GPU_LINK,
+    DEFAULT_KV_LINK,
+    DEFAULT_STORAGE_LINK,
+    GPU_LINKS,
+    KV_LINKS,
+    STORAGE_LINKS,
+)
 from kvtier.indexer.latency import PRESETS, MockerLatency, latency_from_json
 from kvtier.indexer.policies import RoutingSettings
 from kvtier.wire.protocol import StorageTier
@@ -43,6 +50,12 @@ class ServiceConfig:
     storage_link: str = field(default=DEFAULT_STORAGE_LINK, metadata=one_of(*STORAGE_LINKS))
     h2d_gbps: float | None = field(default=None, metadata=within(0, 1e6, lo_open=True, optional=True))
     storage_gbps: float | None = field(default=None, metadata=within(0, 1e6, lo_open=True, optional=True))
+    # A disaggregated pool (endpoints with roles): the prefill -> decode KV link (kvtier.indexer.hardware.KV_LINKS),
+    # kv_gbps overriding it, and conditional disaggregation: a prompt whose part its decode worker lacks is under
+    # this many tokens prefills there (0: never)
+    kv_link: str = field(default=DEFAULT_KV_LINK, metadata=one_of(*KV_LINKS))
+    kv_gbps: float | None = field(default=None, metadata=within(0, 1e6, lo_open=True, optional=True))
+    local_prefill_tokens: int = field(default=0, metadata=at_least(0))
     # iteration times: a fit written by `kvtier fit-latency` (JSON); None: Dynamo mocker's published fit
     latency_path: str | None = field(default=None, metadata=Domain(str, optional=True).meta())
     # credit costs: a host block's and a disk or shared-pool block's weight against a device block's
@@ -126,7 +139,8 @@ class ServiceConfig:
             h2d_gbps=self.h2d_gbps if self.h2d_gbps is not None else GPU_LINKS[self.gpu_link].gbps,
             storage_gbps=self.storage_gbps if self.storage_gbps is not None else STORAGE_LINKS[self.storage_link].gbps,
             host_credit=self.host_credit, disk_credit=self.disk_credit, prefill_budget=self.prefill_budget,
-            capacity_tokens=self.capacity_tokens, latency=latency, temperature=self.temperature, seed=self.seed)
+            capacity_tokens=self.capacity_tokens, latency=latency, temperature=self.temperature, seed=self.seed,
+            kv_gbps=self.kv_gbps if self.kv_gbps is not None else KV_LINKS[self.kv_link].gbps)
 
     @property
     def inferred_window_tokens(self) -> int:

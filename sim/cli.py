@@ -503,7 +503,8 @@ def cmd_indexer(a: argparse.Namespace) -> int:
                  ("storage_link", a.storage_link), ("h2d_gbps", a.h2d_gbps), ("storage_gbps", a.storage_gbps),
                  ("host_credit", a.host_credit), ("disk_credit", a.disk_credit), ("temperature", a.temperature),
                  ("seed", a.seed), ("prefill_budget", a.prefill_budget), ("capacity_tokens", a.capacity_tokens),
-                 ("latency_path", str(a.latency) if a.latency is not None else None),
+                 ("latency_path", str(a.latency) if a.latency is not None else None), ("kv_link", a.kv_link),
+                 ("kv_gbps", a.kv_link_gbps), ("local_prefill_tokens", a.local_prefill_tokens),
                  ("liveness_timeout_s", a.liveness_timeout),
                  ("auth_token_file", str(a.auth_token_file) if a.auth_token_file is not None else None),
                  *((name, getattr(a, name)) for name in _INDEXER_LIMITS))
@@ -637,6 +638,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--storage-link", choices=sorted(STORAGE_LINKS), help="storage link preset")
     g.add_argument("--h2d-gbps", type=float, help="host<->device bandwidth, GB/s (overrides --gpu-link)")
     g.add_argument("--storage-gbps", type=float, help="storage bandwidth, GB/s (overrides --storage-link)")
+    g.add_argument("--kv-link", choices=sorted(KV_LINKS),
+                   help="endpoints with roles: the prefill -> decode KV link preset (default: rdma-400g)")
+    g.add_argument("--kv-link-gbps", type=float, help="prefill -> decode bandwidth, GB/s (overrides --kv-link)")
+    g.add_argument("--local-prefill-tokens", type=int, metavar="N",
+                   help="endpoints with roles: a prompt whose part its decode worker lacks is under N tokens "
+                        "prefills there (default 0: never)")
     g.add_argument("--latency", type=Path, metavar="JSON", help="iteration-time fit from `kvtier fit-latency`")
     g.add_argument("--prefill-budget", type=int, help="the workers' chunked-prefill tokens per iteration")
     g.add_argument("--capacity-tokens", type=int, help="each worker's device KV, tokens (ttft costs)")

@@ -87,3 +87,32 @@ def test_an_aggregated_pool_answers_as_before() -> None:
     assert svc.pair is None
     out = svc.route({"token_ids": PROMPT, "request_id": "r"})
     assert "prefill" not in out and out["worker"] in ("w0", "w1")
+
+
+def test_a_prompt_its_decode_worker_nearly_holds_prefills_there() -> None:
+    """Conditional disaggregation: with the prompt on w2 but for 4 blocks, under local_prefill_tokens, it prefills on
+    its decode worker, booked there alone, prefill included; a cold prompt goes to the prefill pool."""
+    svc = _service("min_ttft", capacity_tokens=100_000, local_prefill_tokens=128)
+    _store(svc, W[2], 60)
+    out = svc.route({"token_ids": PROMPT, "request_id": "near"})
+    assert out["local_prefill"] is True and out["worker"] == out["decode"]["recommended"] == "w2"
+    assert svc.decode_loads.load(W[2]).pending_prefill_tokens == 4 * BS
+    assert svc.loads.load(W[0]).running == svc.loads.load(W[1]).running == 0
+    cold = svc.route({"token_ids": list(range(50_000, 50_000 + 64 * BS)), "request_id": "cold"})
+    assert cold["local_prefill"] is False and cold["worker"] in ("w0", "w1")
+    assert svc.router_settings.kv_gbps == 50.0
+
+
+def test_the_indexer_cli_refuses_a_pool_without_decode_workers_in_one_line(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtier.sim.cli import main as cli
+
+    for argv, expected in (
+        (["--endpoint", "w0=tcp://127.0.0.1:1,role=prefill"], "needs a prefill and a decode worker"),
+        (["--endpoint", "w0=tcp://127.0.0.1:1,role=prefill", "--endpoint", "w1=tcp://127.0.0.1:2,role=decode",
+          "--kv-link-gbps", "-1"], "kv_gbps"),
+        (["--endpoint", "w0=tcp://127.0.0.1:1,role=dec"], "role 'dec'"),
+    ):
+        rc = cli(["indexer", "--listen", "127.0.0.1:0", *argv])
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert rc == 2 and len(err) == 1 and expected in err[0], (argv, err)
