@@ -24,7 +24,10 @@ percentile; the ``dynamo`` policy within 1 point of Dynamo's kv_router hit rate.
 simulators: prefill workers hold the host tier, decode workers their device cache; a finished prefill sends its
 decode worker the part of the prompt it lacks (Dynamo's ``kv_transfer_timing_mode = destination_missing``) over a
 ``--kv-link-gbps`` link, after the prefill, and the first token is the decode worker's first step. Round robin then
-must agree within 2% on hit rate as well.
+must agree within 2% on hit rate as well. Where the two differ by design: a kvtier decode worker admits a request
+once its prompt and whole output fit (no preemption); the mocker's decode worker admits on the prompt's blocks and
+preempts as outputs grow. Where decode memory runs short (``loaded``) that moves the tail of TTFT, the wait for a
+decode worker, while the prefill side and TPOT still agree.
 """
 
 from __future__ import annotations
