@@ -74,6 +74,8 @@ def _r(x: float) -> float:
 RECORD_FIELDS = [f.name for f in dataclasses.fields(RequestRecord)]
 #: The fields of each request's latency between tokens, popped from the end of a record's row (last first).
 FELT_FIELDS = ["max_itl", "second_token"]
+#: The fields of disaggregated serving, the last of a record, popped from aggregated runs' rows.
+DISAGG_FIELDS = ["decode_worker", "prefill_end", "decode_cached_tokens", "transferred_tokens"]
 
 
 def fingerprint(res: RunResult) -> dict[str, Any]:
@@ -83,6 +85,9 @@ def fingerprint(res: RunResult) -> dict[str, Any]:
         row = [_r(v) if isinstance(v, float) else v for v in dataclasses.astuple(rec)]
         # What a user feels between tokens is pinned apart, so that the digest of the rest stayed as it was.
         felt.update(json.dumps([row.pop(RECORD_FIELDS.index(f)) for f in FELT_FIELDS]).encode())
+        if rec.decode_worker < 0:  # aggregated: the disaggregated fields leave these pins as they were
+            for f in reversed(DISAGG_FIELDS):
+                row.pop(RECORD_FIELDS.index(f) - len(FELT_FIELDS))
         if rec.usable_blocks < 0:  # not an SWA model: the field added for them leaves these pins as they were
             row.pop(RECORD_FIELDS.index("usable_blocks"))
         h.update(json.dumps(row).encode())

@@ -54,6 +54,24 @@ STORAGE_LINKS: dict[str, LinkPreset] = {
     )
 }
 
+#: Prefill -> decode links (disaggregated serving: a finished prefill's KV moves to its decode worker).
+KV_LINKS: dict[str, LinkPreset] = {
+    p.name: p
+    for p in (
+        # Prefill and decode GPUs in one NVLink domain (one HGX H100 node): NVLink 4, 900 GB/s bidirectional per
+        # GPU on NVIDIA's H100 datasheet, so 450 GB/s each way. Not measured here.
+        LinkPreset("nvlink-h100", 450.0, "datasheet: H100 SXM NVLink 4, 900 GB/s bidirectional"),
+        # One 400 Gb/s InfiniBand or RoCE NIC per GPU (ConnectX-7, as in DGX H100 nodes): 50 GB/s line rate, what
+        # NIXL or Mooncake's transfer engine move KV over between nodes. Not measured here.
+        LinkPreset("rdma-400g", 50.0, "line rate of one 400 Gb/s NIC (ConnectX-7 class)"),
+        # One 200 Gb/s NIC per GPU (ConnectX-6 class): 25 GB/s line rate. Not measured here.
+        LinkPreset("rdma-200g", 25.0, "line rate of one 200 Gb/s NIC (ConnectX-6 class)"),
+        # KV sent over TCP on a 100 Gb/s Ethernet NIC: 12.5 GB/s line rate, an upper bound (TCP sustains less).
+        LinkPreset("tcp-100g", 12.5, "line rate of one 100 Gb/s Ethernet NIC; TCP sustains less"),
+    )
+}
+
 DEFAULT_GPU_LINK = "h100-pcie5"
 DEFAULT_STORAGE_LINK = "nvme-gen4"
+DEFAULT_KV_LINK = "rdma-400g"
 

@@ -25,7 +25,14 @@ from kvtier.hardware.latency import (
     latency_to_json,
     load_latency_points,
 )
-from kvtier.hardware.links import DEFAULT_GPU_LINK, DEFAULT_STORAGE_LINK, GPU_LINKS, STORAGE_LINKS
+from kvtier.hardware.links import (
+    DEFAULT_GPU_LINK,
+    DEFAULT_KV_LINK,
+    DEFAULT_STORAGE_LINK,
+    GPU_LINKS,
+    KV_LINKS,
+    STORAGE_LINKS,
+)
 from kvtier.indexer.routing.policies import REGISTRY
 from kvtier.sim import live
 from kvtier.sim.cluster import CACHE_SETTINGS, ClusterConfig
@@ -91,7 +98,8 @@ def _add_trace_args(p: argparse.ArgumentParser) -> None:
 def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     d = ClusterConfig()
     g = p.add_argument_group("cluster")
-    add_options(g, ClusterConfig, ["workers", "device_tokens", "l3", "l3_tokens"])
+    g.add_argument("--workers", type=int, help=f"inference workers (default: {d.workers}, or the pools' sum)")
+    add_options(g, ClusterConfig, ["device_tokens", "l3", "l3_tokens"])
     add_options(g, CacheConfig, ["page_size", "host_ratio"])
     g.add_argument("--model", default=d.model, choices=sorted(MODEL_PRESETS), metavar="NAME",
                    help="model preset, its KV bytes per token (hybrid: full-attention + sliding-window KV): "
@@ -108,6 +116,15 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--storage-gbps", type=float, help="host<->storage bandwidth, GB/s (default: --storage-link's)")
     g.add_argument("--latency", type=Path, metavar="JSON",
                    help="iteration-time fit written by `kvtier fit-latency` (default: Dynamo mocker's published fit)")
+    g = p.add_argument_group("disaggregated prefill and decode (default: aggregated workers)")
+    g.add_argument("--prefill-workers", type=int, default=0, metavar="P",
+                   help="prefill workers (with --decode-workers; together they make the cluster)")
+    g.add_argument("--decode-workers", type=int, default=0, metavar="D", help="decode workers")
+    g.add_argument("--kv-link", choices=sorted(KV_LINKS), default=DEFAULT_KV_LINK,
+                   help="prefill -> decode KV link preset (its bandwidth and source: kvtier.hardware.links)")
+    g.add_argument("--kv-link-gbps", type=float, help="prefill -> decode bandwidth, GB/s (default: --kv-link's)")
+    g.add_argument("--local-prefill-tokens", type=int, default=0, metavar="N",
+                   help="a prompt whose part its decode worker lacks is under N tokens prefills there (0: never)")
 
 
 def _add_router_args(p: argparse.ArgumentParser) -> None:
@@ -155,9 +172,16 @@ def _describe(p: ModelPreset) -> str:
 
 def _cluster(a: argparse.Namespace) -> ClusterConfig:
     """The cluster the options describe: every setting of :func:`_add_cluster_args` by its field's name."""
+    pools = a.prefill_workers + a.decode_workers if a.prefill_workers > 0 and a.decode_workers > 0 else None
+    if pools is not None and a.workers is not None and a.workers != pools:
+        raise CliError(f"--workers {a.workers} != --prefill-workers {a.prefill_workers} + --decode-workers "
+                       f"{a.decode_workers}: give the pools alone")
+    workers = a.workers if a.workers is not None else (pools or ClusterConfig().workers)
     return ClusterConfig.of(
-        **{k: getattr(a, k) for k in ("workers", "device_tokens", "l3", "l3_tokens", "model", "swa_ratio",
-                                      "prefill_budget", "max_running", *CACHE_SETTINGS)},
+        workers=workers, prefill_workers=a.prefill_workers, decode_workers=a.decode_workers, kv_link=a.kv_link,
+        kv_gbps=a.kv_link_gbps, local_prefill_tokens=a.local_prefill_tokens,
+        **{k: getattr(a, k) for k in ("device_tokens", "l3", "l3_tokens", "model", "swa_ratio", "prefill_budget",
+                                      "max_running", *CACHE_SETTINGS)},
         h2d_gbps=a.h2d_gbps if a.h2d_gbps is not None else GPU_LINKS[a.gpu_link].gbps,
         storage_gbps=a.storage_gbps if a.storage_gbps is not None else STORAGE_LINKS[a.storage_link].gbps,
         latency=_latency(a.latency))
@@ -472,7 +496,8 @@ def cmd_indexer(a: argparse.Namespace) -> int:
                  ("storage_link", a.storage_link), ("h2d_gbps", a.h2d_gbps), ("storage_gbps", a.storage_gbps),
                  ("host_credit", a.host_credit), ("disk_credit", a.disk_credit), ("temperature", a.temperature),
                  ("seed", a.seed), ("prefill_budget", a.prefill_budget), ("capacity_tokens", a.capacity_tokens),
-                 ("latency_path", str(a.latency) if a.latency is not None else None),
+                 ("latency_path", str(a.latency) if a.latency is not None else None), ("kv_link", a.kv_link),
+                 ("kv_gbps", a.kv_link_gbps), ("local_prefill_tokens", a.local_prefill_tokens),
                  ("liveness_timeout_s", a.liveness_timeout),
                  ("auth_token_file", str(a.auth_token_file) if a.auth_token_file is not None else None),
                  *((name, getattr(a, name)) for name in _INDEXER_LIMITS))
@@ -546,7 +571,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_router_args(p)
     p.add_argument("--policy", default="kv_all", help="policy unless the grid has a policy axis")
     p.add_argument("--grid", nargs="+", required=True, metavar="NAME=V1,V2",
-                   help="axes, e.g. device_tokens=65536,131072 host_ratio=0,2 policy=kv_device,kv_all")
+                   help="axes, e.g. device_tokens=65536,131072 host_ratio=0,2 policy=kv_device,kv_all "
+                        "pools=agg,8:8,4:12 (prefill:decode workers; or prefill_workers= and decode_workers=)")
     p.add_argument("--out", default="out/sweep", help="output directory")
     p.add_argument("--jobs", type=COUNT.parse, help="parallel processes (default: one per core)")
     p.add_argument("--ray", action="store_true", help="run on a Ray cluster (RAY_ADDRESS or a local one)")
@@ -606,6 +632,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--storage-link", choices=sorted(STORAGE_LINKS), help="storage link preset")
     g.add_argument("--h2d-gbps", type=float, help="host<->device bandwidth, GB/s (overrides --gpu-link)")
     g.add_argument("--storage-gbps", type=float, help="storage bandwidth, GB/s (overrides --storage-link)")
+    g.add_argument("--kv-link", choices=sorted(KV_LINKS),
+                   help="endpoints with roles: the prefill -> decode KV link preset (default: rdma-400g)")
+    g.add_argument("--kv-link-gbps", type=float, help="prefill -> decode bandwidth, GB/s (overrides --kv-link)")
+    g.add_argument("--local-prefill-tokens", type=int, metavar="N",
+                   help="endpoints with roles: a prompt whose part its decode worker lacks is under N tokens "
+                        "prefills there (default 0: never)")
     g.add_argument("--latency", type=Path, metavar="JSON", help="iteration-time fit from `kvtier fit-latency`")
     g.add_argument("--prefill-budget", type=int, help="the workers' chunked-prefill tokens per iteration")
     g.add_argument("--capacity-tokens", type=int, help="each worker's device KV, tokens (ttft costs)")

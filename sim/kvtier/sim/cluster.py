@@ -6,6 +6,21 @@ request; its duration comes from the latency model. Iterations with no prefill a
 merged into one closed-form decode run, cut short when new work arrives. Load-back
 and L3 prefetch sit on the critical path of the request that needs them, per the
 cache's prefetch policy.
+
+Disaggregated serving (``prefill_workers`` and ``decode_workers`` > 0): workers ``0..P-1`` prefill, ``P..P+D-1``
+decode. A prefill worker runs the full tiered cache and computes the prompt (reserving room for one output token, as
+a prefill request with ``max_tokens=1`` does); the computed prompt stays held there until its decode worker has
+received it. The decode worker admits the request once its device has room for the prompt and the whole output
+(requests wait in its queue until then), matches the prompt against its own radix cache (device only: the tiers
+below are the prefill pool's), and receives only the part it lacks over the KV link (``kv_link``), in
+``tokens * bytes per token / bandwidth``. The transfer starts once the prefill has finished, not layer by layer
+beside it: vLLM's NixlConnector (what Dynamo and llm-d run) reads the prompt's blocks from the prefill worker when
+the prefill request has finished, and Dynamo's mocker times its handoff the same way; a layer-wise push would hide
+most of it behind the prefill. Transfers do not contend for a NIC (nor do the mocker's). The first token comes from
+the decode worker's first decode step after the KV landed (as vLLM's decode worker and Dynamo's mocker produce it), so
+the transfer and that step show in TTFT. A prompt whose part its decode worker lacks, as the router sees it, is
+under ``local_prefill_tokens`` prefills on its decode worker instead (conditional disaggregation, as vLLM's and
+Dynamo's routers allow).
 """
 
 from __future__ import annotations
@@ -28,7 +43,14 @@ from kvtier.hardware.latency import (
     decode_step_max_ms,
     decode_steps_done,
 )
-from kvtier.hardware.links import DEFAULT_GPU_LINK, DEFAULT_STORAGE_LINK, GPU_LINKS, STORAGE_LINKS
+from kvtier.hardware.links import (
+    DEFAULT_GPU_LINK,
+    DEFAULT_KV_LINK,
+    DEFAULT_STORAGE_LINK,
+    GPU_LINKS,
+    KV_LINKS,
+    STORAGE_LINKS,
+)
 from kvtier.indexer.routing.scoring import visible
 from kvtier.sim.core import Environment, Timer
 from kvtier.sim.metrics import RequestRecord
@@ -117,6 +139,33 @@ class ClusterConfig:
     def swa_events(self) -> bool:
         return self.cache.swa_events
 
+    # Disaggregated serving: prefill and decode pools (both 0: aggregated; else they set workers to their sum)
+    prefill_workers: int = field(default=0, metadata=at_least(0))
+    decode_workers: int = field(default=0, metadata=at_least(0))
+    kv_link: str = field(default=DEFAULT_KV_LINK, metadata=one_of(*KV_LINKS))  # prefill -> decode link preset
+    kv_gbps: float | None = field(default=None, metadata=positive(optional=True, option="--kv-link-gbps"))
+    # a prompt with fewer uncached tokens than this prefills on its decode worker (0: never)
+    local_prefill_tokens: int = field(default=0, metadata=at_least(0))
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill_workers > 0
+
+    @property
+    def kv_link_gbps(self) -> float:
+        """Prefill -> decode bandwidth, GB/s: ``kv_gbps`` if given, else the preset's."""
+        return self.kv_gbps if self.kv_gbps is not None else KV_LINKS[self.kv_link].gbps
+
+    def role(self, worker: int) -> str:
+        """``"prefill"``, ``"decode"`` or ``"both"`` (aggregated)."""
+        if not self.disaggregated:
+            return "both"
+        return "prefill" if worker < self.prefill_workers else "decode"
+
+    def decode_config(self) -> ClusterConfig:
+        """A decode worker's configuration: its device cache only (the prefill pool holds the tiers below)."""
+        return self.replace(host_ratio=0.0, l3="none")
+
     def cache_config(self) -> CacheConfig:
         """A worker's cache: :attr:`cache` with the sizes the cluster decides."""
         device_pages = self.device_tokens // self.page_size
@@ -148,6 +197,11 @@ class ClusterConfig:
         if self.l3 != "none" and self.host_ratio <= 0:
             raise ConfigError(f"--l3 {self.l3}: needs a host tier (--host-ratio > 0): pages reach storage from host "
                               "memory and are prefetched back into it")
+        if (self.prefill_workers > 0) != (self.decode_workers > 0):
+            raise ConfigError(f"--prefill-workers {self.prefill_workers} --decode-workers {self.decode_workers}: "
+                              "give both (disaggregated) or neither (aggregated)")
+        if self.disaggregated:  # the pools make the cluster (so a sweep over them keeps the rest as it is)
+            object.__setattr__(self, "workers", self.prefill_workers + self.decode_workers)
         if self.l3 != "none" and self.l3_tokens < self.page_size:
             raise ConfigError(f"--l3-tokens: {self.l3_tokens} holds no page of --page-size {self.page_size}")
 
@@ -166,6 +220,9 @@ class Job:
     digests: bytes = b""  # its full pages' digests joined, made ahead (sim.lookahead); empty: the engine makes them
     last_token: float = -1.0  # when its latest token was produced
     gaps: list[float] | None = None  # every inter-token gap, seconds, where the run keeps them (--itl-series)
+    # Disaggregated: the prefill worker holding its computed prompt while a decode worker receives it, and the hold
+    source: SimWorker | None = None
+    source_adm: Admission | None = None
 
 
 #: The priority of an idle worker's next iteration among the events of one instant: after arrivals (2) and copy
@@ -191,8 +248,13 @@ class SimWorker:
     def __init__(self, index: int, env: Environment, cfg: ClusterConfig, store: PageStore | None,
                  on_event: Callable[[int, EventBatch], None], on_first_token: Callable[[Job], None],
                  on_finish: Callable[[Job], None], latency: LatencyModel | None = None,
-                 on_progress: Callable[[Job], None] | None = None) -> None:
+                 on_progress: Callable[[Job], None] | None = None, role: str = "both",
+                 on_prefilled: Callable[[Job], None] | None = None) -> None:
         self.index = index
+        # "both" (aggregated), "prefill" (computes prompts and hands each to ``on_prefilled``, holding its KV until
+        # the decode worker has it: :meth:`release_source`) or "decode" (receives prompts: :meth:`receive`)
+        self.role = role
+        self._on_prefilled = on_prefilled
         self.env = env
         self.cfg = cfg
         self.latency = latency or cfg.latency
@@ -200,6 +262,7 @@ class SimWorker:
         if cfg.draft_model is not None:
             per_token += PRESETS[cfg.draft_model].bytes_per_token  # the draft pool is copied with every page
         page_bytes = per_token * cfg.page_size
+        self.kv_bytes_per_token = per_token  # what the KV link carries per prompt token
         self.dp = ModeledDataPath(page_bytes, lambda: env.now, cfg.bandwidths(),
                                   window_page_bytes=PRESETS[cfg.model].window_bytes_per_token * cfg.page_size)
         self.cache = TieredCache(cfg.cache_config(), self.dp, store, name=f"w{index}")
@@ -215,6 +278,8 @@ class SimWorker:
         self._wake: Timer | None = None  # next copy completion
         self.capacity_tokens = cfg.capacity_tokens()
         self.peers: list[SimWorker] = []  # workers sharing this one's L3 pool
+        self.receiving = 0  # decode role: requests whose KV is on the way (they count against max_running)
+        self.received: list[Job] = []  # decode role: KV landed; they join the batch at the next iteration
 
     # --- arrivals and cache bookkeeping --------------------------------------------------
 
@@ -276,7 +341,7 @@ class SimWorker:
 
     def _admit_from_queue(self) -> None:
         # Admit a bounded number ahead of the batch: admission locks prefixes and starts loads.
-        while self.queue and len(self.admitted) + len(self.running) < self.cfg.max_running:
+        while self.queue and len(self.admitted) + len(self.running) + self.receiving < self.cfg.max_running:
             job = self.queue.popleft()
             if job.record.actual_blocks < 0:  # first admission: what the router's prediction is judged by
                 job.record.actual_blocks = visible(self.cache.peek_overlap(job.tokens), job.visible_tier).external
@@ -285,7 +350,8 @@ class SimWorker:
                                                        job.visible_tier).external
             job.adm = self.cache.admit(job.req.request_id, job.tokens, job.digests)
             job.admitted_at = self.env.now
-            job.record.device_tokens = job.adm.device_pages * self.cfg.page_size  # refined at prefill start
+            if job.source is None:  # (a received prompt's tiers are its prefill worker's)
+                job.record.device_tokens = job.adm.device_pages * self.cfg.page_size  # refined at prefill start
             self.admitted.append(job)
             if self.cfg.prefetch_policy is PrefetchPolicy.TIMEOUT and job.adm.prefetch_op is not None:
                 self.env.after(self.cache.config.prefetch_timeout_s, self.kick)
@@ -305,22 +371,27 @@ class SimWorker:
 
     def _start_prefills(self) -> None:
         ps = self.cfg.page_size
+        # A prefill worker reserves one output token's room, as a prefill request with max_tokens=1 does.
+        output = (lambda job: 1) if self.role == "prefill" else (lambda job: job.req.output_length)
         for job in list(self.admitted):
-            if len(self.running) >= self.cfg.max_running:
+            if len(self.running) + self.receiving >= self.cfg.max_running:
                 break
             if job.adm is None:
                 continue  # sent back to the queue by _unlock_others
             if not self._ready(job):
                 continue
             assert job.adm is not None
-            plan = self.cache.begin_prefill(job.adm, job.req.output_length)
-            if plan is None and not self.running and not self.dp.ops:
+            plan = self.cache.begin_prefill(job.adm, output(job))
+            if plan is None and not self.running and not self.receiving and not self.dp.ops:
                 self._unlock_others(job)  # nothing will free room: admitted prefixes hold it
-                plan = self.cache.begin_prefill(job.adm, job.req.output_length)
+                plan = self.cache.begin_prefill(job.adm, output(job))
             if plan is None:
                 break  # no device room: wait for running requests to finish
             self.admitted.remove(job)
             rec = job.record
+            if job.source is not None:  # its prompt was computed on a prefill worker: receive what is missing
+                self._start_receive(job, plan.cached_tokens, plan.compute_tokens)
+                continue
             # The split is taken now, when prefill starts: the cached prefix is what was on device at
             # admission, then the host run loaded back, then the L3 run prefetched; whatever else is
             # on device now was computed by a concurrent request since admission, a device hit too.
@@ -338,6 +409,39 @@ class SimWorker:
             self.running.append(job)
         self._flush()
 
+    # --- disaggregated serving -----------------------------------------------------------
+
+    def receive(self, job: Job) -> None:
+        """Decode role: ``job``'s prompt was computed on ``job.source``; it waits here for room (its prompt and
+        whole output), then receives the KV this worker's cache lacks."""
+        assert job.source is not None and self.role != "prefill"
+        self.queue.append(job)
+        self.kick()
+
+    def _start_receive(self, job: Job, cached: int, missing: int) -> None:
+        rec = job.record
+        rec.decode_cached_tokens, rec.transferred_tokens = cached, missing
+        self.receiving += 1
+        delay = missing * self.kv_bytes_per_token / (self.cfg.kv_link_gbps * 1e9)
+        self.env.after(delay, lambda: self._received(job), priority=1)
+
+    def _received(self, job: Job) -> None:
+        self.receiving -= 1
+        assert job.adm is not None and job.source is not None
+        self.cache.finish_prefill(job.adm)  # the received pages join this worker's radix cache
+        job.source.release_source(job)
+        self.received.append(job)
+        self._flush()
+        self.kick()
+
+    def release_source(self, job: Job) -> None:
+        """Prefill role: the decode worker has ``job``'s KV; its pages here are free to evict."""
+        assert job.source_adm is not None
+        self.cache.release(job.source_adm)
+        job.source_adm = None
+        self._flush()
+        self.kick()
+
     def _unlock_others(self, keep: Job) -> None:
         """Releases every other admission (they re-queue in order) so ``keep`` can get room."""
         others = [j for j in self.admitted if j is not keep]
@@ -350,6 +454,9 @@ class SimWorker:
 
     def _iterate(self) -> None:
         self._busy_until = None
+        if self.received:  # received KV: these decode from this iteration on, their first token at its end
+            self.running.extend(self.received)
+            self.received.clear()
         self._admit_from_queue()
         self._start_prefills()
         budget = self.cfg.prefill_budget
@@ -390,6 +497,13 @@ class SimWorker:
             if job.prefill_left == 0:
                 assert job.adm is not None
                 self.cache.finish_prefill(job.adm)
+                if self.role == "prefill":  # computed: held here until its decode worker has received it
+                    assert self._on_prefilled is not None
+                    job.record.prefill_end = now
+                    self.running.remove(job)
+                    job.source, job.source_adm, job.adm = self, job.adm, None
+                    self._on_prefilled(job)
+                    continue
                 job.record.first_token = now
                 self._on_first_token(job)
                 self._advance(job, 1, now, 0.0, ())
@@ -410,7 +524,10 @@ class SimWorker:
                 job.gaps.append(gap)
                 job.gaps.extend(later)
         else:
-            assert steps == 1, "a first token comes alone, at the end of its prefill"
+            assert steps == 1, "a first token comes alone, at the end of its prefill or first decode step"
+            if rec.first_token < 0:  # its KV was received: its first token is its first decode step's
+                rec.first_token = self.env.now
+                self._on_first_token(job)
         job.last_token = self.env.now
         job.generated += steps
         if job.generated >= max(job.req.output_length, 1):
@@ -425,7 +542,8 @@ class SimWorker:
     # --- closed-form decode --------------------------------------------------------------
 
     def _start_decode_run(self, decoders: list[Job]) -> None:
-        steps = max(1, min(max(j.req.output_length, 1) - j.generated for j in decoders))
+        # A request whose KV was received makes its first token alone: the run stops after one step.
+        steps = max(1, min((max(j.req.output_length, 1) - j.generated) if j.generated else 1 for j in decoders))
         u0, du = self._utilisation(), len(decoders) / self.capacity_tokens
         timer = self.env.after(decode_run_ms(self.latency, u0, du, steps) / 1000.0, self._end_decode_run)
         self._decode = _DecodeRun(self.env.now, u0, du, steps, timer)
@@ -477,15 +595,25 @@ class Cluster:
 
 def build_cluster(cfg: ClusterConfig, env: Environment, on_event: Callable[[int, EventBatch], None],
                   on_first_token: Callable[[Job], None], on_finish: Callable[[Job], None],
-                  latency: LatencyModel | None = None, on_progress: Callable[[Job], None] | None = None) -> Cluster:
+                  latency: LatencyModel | None = None, on_progress: Callable[[Job], None] | None = None,
+                  on_prefilled: Callable[[Job], None] | None = None) -> Cluster:
+    """The workers; disaggregated, ``on_prefilled`` hears each prompt a prefill worker computed (see the module
+    docstring: it hands the job to a decode worker's :meth:`SimWorker.receive`)."""
     pages = max(1, cfg.l3_tokens // cfg.page_size)
     pool = PageStore(pages, shared=True) if cfg.l3 == "external" else None
     cluster = Cluster(cfg, pool=pool)
+    decode_cfg = cfg.decode_config() if cfg.disaggregated else cfg
     for i in range(cfg.workers):
+        role = cfg.role(i)
+        if role == "decode":
+            cluster.workers.append(SimWorker(i, env, decode_cfg, None, on_event, on_first_token, on_finish, latency,
+                                             on_progress, role))
+            continue
         store = pool if pool is not None else (PageStore(pages) if cfg.l3 == "disk" else None)
         cluster.workers.append(SimWorker(i, env, cfg, store, on_event, on_first_token, on_finish, latency,
-                                         on_progress))
+                                         on_progress, role, on_prefilled))
     if pool is not None:
-        for w in cluster.workers:
-            w.peers = [p for p in cluster.workers if p is not w]
+        sharing = [w for w in cluster.workers if w.role != "decode"]
+        for w in sharing:
+            w.peers = [p for p in sharing if p is not w]
     return cluster

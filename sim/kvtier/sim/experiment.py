@@ -171,11 +171,28 @@ def _caster(annotation: str) -> Callable[[str], Any]:
     return casts.get(annotation.removesuffix(" | None"), str)
 
 
-#: Sweep keys: which config holds them and how to read their values.
+def _pools(text: str) -> str:
+    """A ``pools`` value: ``P:D`` prefill and decode workers, or ``agg`` (aggregated, ``workers`` as set)."""
+    p, sep, d = text.partition(":")
+    if text != "agg" and not (sep and p.isascii() and p.isdigit() and d.isascii() and d.isdigit()
+                              and int(p) > 0 and int(d) > 0):
+        raise ValueError(f"{text!r} is not P:D (two counts >= 1) or agg")
+    return text
+
+
+def _pool_sizes(text: str) -> dict[str, int]:
+    p, _, d = text.partition(":")
+    return {"prefill_workers": 0, "decode_workers": 0} if text == "agg" else \
+        {"prefill_workers": int(p), "decode_workers": int(d)}
+
+
+#: Sweep keys: which config holds them and how to read their values. ``pools`` sets prefill_workers and
+#: decode_workers together (``pools=agg,8:8,4:12``: splits of one cluster, where the two axes would cross).
 _FIELDS: dict[str, tuple[str, Callable[[str], Any]]] = {
     **{f.name: ("cluster", _caster(str(f.type))) for f in dataclasses.fields(ClusterConfig) if f.name != "cache"},
     **{f.name: ("cluster", _caster(str(f.type))) for f in dataclasses.fields(CacheConfig) if f.name in CACHE_SETTINGS},
     **{f.name: ("run", _caster(str(f.type))) for f in dataclasses.fields(RunConfig)},
+    "pools": ("pools", _pools),
 }
 
 
@@ -204,7 +221,11 @@ def grid_jobs(trace: Sequence[Request] | TraceSource, base_cluster: ClusterConfi
     for combo in itertools.product(*grid.values()):
         tag = dict(zip(grid.keys(), combo, strict=True))
         try:
-            cluster = base_cluster.replace(**{k: v for k, v in tag.items() if _FIELDS[k][0] == "cluster"})
+            changes: dict[str, Any] = _pool_sizes(tag["pools"]) if "pools" in tag else {}
+            if changes and not changes["prefill_workers"] and base_cluster.disaggregated:
+                changes["workers"] = base_cluster.workers  # aggregated: the same GPUs
+            changes.update((k, v) for k, v in tag.items() if _FIELDS[k][0] == "cluster")
+            cluster = base_cluster.replace(**changes)
             run = dataclasses.replace(base_run, **{k: v for k, v in tag.items() if _FIELDS[k][0] == "run"})
             check_policy(run.policy)
         except ConfigError as exc:

@@ -33,6 +33,13 @@ class RequestRecord:
     usable_blocks: int = -1
     second_token: float = -1.0  # when its second token was produced (-1: it generated one token, or none yet)
     max_itl: float = -1.0  # its longest gap between two consecutive tokens, seconds (-1: fewer than two tokens)
+    # Disaggregated serving (kvtier.sim.cluster): the decode worker (-1: aggregated), when the prompt's KV was
+    # computed (-1: not yet), the prompt tokens the decode worker held already and those sent it over the KV link
+    # (the two sum to the prompt once it was received; a prompt prefilled on its decode worker sends none)
+    decode_worker: int = -1
+    prefill_end: float = -1.0
+    decode_cached_tokens: int = 0
+    transferred_tokens: int = 0
 
     @property
     def ttft(self) -> float:
@@ -123,7 +130,7 @@ class RunSummary:
     queue_p50: float
     throughput_tok_s: float  # output tokens per second of simulated time
     makespan_s: float  # first arrival to last finish
-    load_imbalance: float  # max / mean requests per worker
+    load_imbalance: float  # max / mean requests per worker (disaggregated: of the worse pool)
     index_mae_blocks: float  # mean |predicted - actual| cached blocks at admission (policies that predict)
     index_exact: float  # share of requests predicted exactly
     unfinished: int = 0  # requests of the trace neither completed nor rejected (still running, queued or unreleased)
@@ -179,6 +186,9 @@ class SummaryBuilder:
         self.records = 0  # records added
         self.rejected = 0  # of them, rejected
         self.per_worker = [0] * workers  # completed requests per worker
+        # Disaggregated: workers 0..split-1 prefill, the rest decode; a request counts on each of its two workers
+        # and the imbalance is the worse pool's (0: aggregated)
+        self.split = 0
         self.ttft = array("d")  # of completed requests, seconds, in the order added
         self.e2e = array("d")
         self.queue = array("d")
@@ -206,6 +216,8 @@ class SummaryBuilder:
         if r.finish < 0:
             return
         self.per_worker[r.worker] += 1
+        if r.decode_worker >= 0 and r.decode_worker != r.worker:
+            self.per_worker[r.decode_worker] += 1
         self.ttft.append(r.ttft)
         self.e2e.append(r.e2e)
         self.queue.append(r.queue)
@@ -237,6 +249,10 @@ class SummaryBuilder:
         prompt = self.prompt or 1
         start, end = (self.start, self.end) if done else (0.0, 0.0)
         mean = sum(self.per_worker) / self.workers if self.workers else 0
+        imbalance = max(self.per_worker) / mean if mean else 0.0
+        if self.split:
+            pools = [c for c in (self.per_worker[:self.split], self.per_worker[self.split:]) if sum(c)]
+            imbalance = max((max(c) * len(c) / sum(c) for c in pools), default=0.0)
         nan = float("nan")
         # Means of integers divide the exact sum once, as statistics.fmean does.
         return RunSummary(
@@ -248,7 +264,7 @@ class SummaryBuilder:
             ttft_mean=statistics.fmean(self.ttft) if done else nan,
             e2e_p50=_pct(self.e2e, 50), queue_p50=_pct(self.queue, 50),
             throughput_tok_s=self.output / max(end - start, 1e-9),
-            makespan_s=end - start, load_imbalance=max(self.per_worker) / mean if mean else 0.0,
+            makespan_s=end - start, load_imbalance=imbalance,
             index_mae_blocks=self.abs_error / self.predicted if self.predicted else nan,
             index_exact=self.exact / self.predicted if self.predicted else nan,
             events_rejected=events_rejected,

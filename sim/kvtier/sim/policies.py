@@ -158,6 +158,7 @@ class KvPolicy:
                              policy=plugin, window_aware=window_aware)
         # The service's consumer, so loss and recovery act on the index exactly as in a deployment.
         self.consumer = IndexConsumer(self.index, wall_clock=lambda: 0.0, keep=self._listens)
+        self.last_overlaps: OverlapScores | None = None  # every worker's, of the latest request routed
 
     def _listens(self, ev: Event) -> bool:
         # A router that only listens to lower tiers never sees the others; one that is not window-aware
@@ -168,6 +169,7 @@ class KvPolicy:
 
     def choose(self, req: RouteInput) -> Choice:
         d = self.router.route_keys(req.keys, req.num_tokens)
+        self.last_overlaps = d.overlaps
         if self.router.window_aware:
             self.index.note_routed(d.worker, req.keys)
         note_routed(self.router.policy, req.keys, req.num_tokens, d.worker)  # as the service does once booked

@@ -130,7 +130,8 @@ def write_json(path: Path, summaries: Sequence[RunSummary], meta: dict[str, Any]
 #: Columns of requests.csv, one row per request and run.
 CSV_FIELDS = ["policy", "request_id", "worker", "arrival", "input_tokens", "output_tokens", "ttft", "e2e", "queue",
               "device_tokens", "host_tokens", "storage_tokens", "recomputed_tokens", "predicted_blocks",
-              "actual_blocks", "usable_blocks", "rejected", "ttst", "tpot", "max_itl"]
+              "actual_blocks", "usable_blocks", "rejected", "ttst", "tpot", "max_itl", "decode_worker",
+              "decode_cached_tokens", "transferred_tokens"]
 
 
 def _s(x: float) -> str:
@@ -143,7 +144,8 @@ def csv_row(policy: str, r: RequestRecord) -> list[object]:
     return [policy, r.request_id, r.worker, f"{r.arrival:.6f}", r.input_tokens, r.output_tokens,
             f"{r.ttft:.6f}", f"{r.e2e:.6f}", f"{r.queue:.6f}", r.device_tokens, r.host_tokens,
             r.storage_tokens, r.recomputed_tokens, r.predicted_blocks, r.actual_blocks,
-            r.usable_blocks, int(r.rejected), _s(r.ttst), _s(r.tpot), _s(r.max_itl if r.max_itl >= 0 else math.nan)]
+            r.usable_blocks, int(r.rejected), _s(r.ttst), _s(r.tpot), _s(r.max_itl if r.max_itl >= 0 else math.nan),
+            r.decode_worker, r.decode_cached_tokens, r.transferred_tokens]
 
 
 class CsvRecords:

@@ -8,22 +8,23 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.engine.hashing import hash_backend
-from kvtier.indexer.index.keys import key_backend
+from kvtier.indexer.index.keys import BlockKey, key_backend
 from kvtier.indexer.index.keytable import warm_tables
 from kvtier.indexer.routing.load import LoadTracker
 from kvtier.indexer.routing.policies import RoutingSettings
 from kvtier.sim.cluster import ClusterConfig, Job, build_cluster
 from kvtier.sim.core import Environment
+from kvtier.sim.disagg import DisaggPolicy
 from kvtier.sim.lookahead import Lookahead, lookahead_backend
 from kvtier.sim.metrics import RequestRecord, RunSummary, Slo, SummaryBuilder
-from kvtier.sim.policies import KvPolicy, RouteInput, make_policy, policy_label
+from kvtier.sim.policies import Choice, KvPolicy, Policy, RouteInput, make_policy, policy_label
 from kvtier.sim.source import TraceSource, as_source
 from kvtier.sim.trace import Request, TokenBank, bank_backend
 from kvtier.sim.transport import Recovery, SimWire, WireConfig, WireCounters
 from kvtier.util.fields import Domain, at_least, check_fields, one_of, positive, within
 from kvtier.util.gcpause import rare_collections
 from kvtier.wire.notices import Delivery, StreamId
-from kvtier.wire.protocol import EventBatch, WorkerId
+from kvtier.wire.protocol import EventBatch, PackedTokens, WorkerId
 from kvtier.wire.tokenarray import token_backend
 
 
@@ -114,6 +115,7 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
     records: list[RequestRecord] = []
     decisions: list[int] = []
     builder = SummaryBuilder(cluster_cfg.workers, run.slo)
+    builder.split = cluster_cfg.prefill_workers
     # Records in arrival order, waiting for the oldest to be final: the sink sees arrival order.
     waiting: deque[RequestRecord] = deque()
     ps = cluster_cfg.page_size
@@ -124,7 +126,7 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
     wire_cfg = WireConfig(run.event_delay_s, run.event_loss, run.loss_burst, recovery, run.replay_buffer)
 
     def deliver(deliveries: list[Delivery]) -> None:
-        assert isinstance(policy, KvPolicy)
+        assert isinstance(policy, KvPolicy | DisaggPolicy)
         policy.feed(deliveries)
 
     def dump(worker: int) -> list[EventBatch]:
@@ -143,18 +145,36 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
                 sink(rec)
 
     def on_event(worker: int, batch: EventBatch) -> None:
-        if isinstance(policy, KvPolicy):
+        if listening:
             wire.publish(worker, batch)
         else:
             unheard.published += 1
 
     def on_first_token(job: Job) -> None:
         if tracked:
-            loads.prefill_done(job.req.request_id)
+            decode_loads.prefill_done(job.req.request_id)
+
+    def on_prefilled(job: Job) -> None:  # disaggregated: the prompt is computed; its decode worker receives it
+        if tracked:
+            loads.finish(job.req.request_id)
+        rec = job.record
+        if rec.decode_worker < 0:  # the policy picks the decode side now
+            assert isinstance(policy, DisaggPolicy)
+            req = job.req
+            keys = late_keys.pop(req.request_id, [])
+            pair = policy.choose_decode(RouteInput(req.request_id, job.tokens, req.input_length, keys, env.now),
+                                        Choice(rec.worker))
+            rec.decode_worker = pair.decode
+            if tracked:
+                decode_loads.add(req.request_id, streams[pair.decode], keys, req.input_length, 0)
+        cluster.workers[rec.decode_worker].receive(job)
 
     def on_finish(job: Job) -> None:
         if tracked:
-            loads.finish(job.req.request_id, job.generated)
+            decode_loads.finish(job.req.request_id, job.generated)
+            if disagg:
+                loads.finish(job.req.request_id)  # (rejected before its prefill)
+                late_keys.pop(job.req.request_id, None)
         if itl_sink is not None and job.gaps is not None and not job.record.rejected:
             itl_sink(job.req.request_id, job.gaps)
         if bar is not None:
@@ -170,14 +190,27 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
             env.at(release, lambda: arrive(nxt), priority=2)
 
     def on_progress(job: Job) -> None:
-        loads.progress(job.req.request_id, job.generated)
+        decode_loads.progress(job.req.request_id, job.generated)
 
-    policy = make_policy(run.policy, workers=cluster_cfg.workers, block_size=ps, loads=loads,
-                         caches=lambda: cluster.caches, settings=routing_settings(cluster_cfg, run))
+    # Disaggregated, the prefill pool's bookkeeping holds a request until its prompt is computed, the decode pool's
+    # until it finishes; aggregated, one tracker is both.
+    disagg = cluster_cfg.disaggregated
+    decode_loads = LoadTracker(ps) if disagg else loads
+    late_keys: dict[str, list[BlockKey]] = {}  # of requests whose decode worker is picked at handoff
+    policy: Policy | DisaggPolicy
+    if disagg:
+        policy = DisaggPolicy(run.policy, prefill=cluster_cfg.prefill_workers, decode=cluster_cfg.decode_workers,
+                              block_size=ps, loads=loads, decode_loads=decode_loads, caches=lambda: cluster.caches,
+                              settings=routing_settings(cluster_cfg, run),
+                              local_prefill_tokens=cluster_cfg.local_prefill_tokens)
+    else:
+        policy = make_policy(run.policy, workers=cluster_cfg.workers, block_size=ps, loads=loads,
+                             caches=lambda: cluster.caches, settings=routing_settings(cluster_cfg, run))
+    listening = isinstance(policy, KvPolicy) or (isinstance(policy, DisaggPolicy) and policy.listens)
     # A blind policy (round robin, random) reads neither keys nor load: the router does no such bookkeeping.
     tracked = not policy.blind
     cluster = build_cluster(cluster_cfg, env, on_event, on_first_token, on_finish,
-                            on_progress=on_progress if tracked else None)
+                            on_progress=on_progress if tracked else None, on_prefilled=on_prefilled)
 
     # Requests released at their arrival time come one at a time, each scheduled when the one before it
     # runs, with a reserved sequence number (its rank in the trace): the order it would have had if all
@@ -187,6 +220,9 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
 
     def arrive(req: Request) -> None:
         tokens, keys, digests = arrivals.take(req)
+        if isinstance(policy, DisaggPolicy):
+            arrive_pair(req, tokens, keys, digests)
+            return
         choice = policy.choose(RouteInput(req.request_id, tokens, req.input_length, keys, env.now))
         rec = RequestRecord(req.request_id, choice.worker, env.now, req.input_length, req.output_length)
         if choice.predicted is not None:
@@ -201,6 +237,36 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
                       max(0, req.input_length - cached))
         cluster.workers[choice.worker].submit(Job(req, tokens, rec, digests=digests,
                                                   gaps=[] if itl_sink is not None else None), choice.tier)
+
+    def arrive_pair(req: Request, tokens: PackedTokens, keys: list[BlockKey], digests: bytes) -> None:
+        assert isinstance(policy, DisaggPolicy)
+        pair = policy.choose(RouteInput(req.request_id, tokens, req.input_length, keys, env.now))
+        choice = pair.prefill
+        first = pair.decode if pair.local else choice.worker
+        rec = RequestRecord(req.request_id, first, env.now, req.input_length, req.output_length)
+        rec.decode_worker = pair.decode
+        if choice.predicted is not None and not pair.local:
+            rec.predicted_blocks = choice.predicted.external
+        waiting.append(rec)
+        if sink is None:
+            records.append(rec)
+            decisions.append(first)
+        job = Job(req, tokens, rec, digests=digests, gaps=[] if itl_sink is not None else None)
+        if pair.local:  # prefilled where it decodes
+            if tracked:
+                decode_loads.add(req.request_id, streams[pair.decode], keys, req.input_length,
+                                 max(0, req.input_length - pair.decode_cached))
+            cluster.workers[pair.decode].submit(job)
+            return
+        cached = choice.predicted.external * ps if choice.predicted is not None else 0
+        if tracked:
+            loads.add(req.request_id, streams[choice.worker], keys, req.input_length,
+                      max(0, req.input_length - cached))
+            if pair.decode >= 0:
+                decode_loads.add(req.request_id, streams[pair.decode], keys, req.input_length, 0)
+            else:
+                late_keys[req.request_id] = keys
+        cluster.workers[choice.worker].submit(job, choice.tier)
 
     def feed(req: Request) -> None:
         upcoming = next(arrivals, None)
@@ -217,9 +283,9 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
     if bar is not None:
         bar.close()
     emit(True)  # what is left never finished
-    rejected = policy.events_rejected if isinstance(policy, KvPolicy) else 0
+    rejected = policy.events_rejected if isinstance(policy, KvPolicy | DisaggPolicy) else 0
     summary = builder.summary(run.label, rejected, total=total)
-    counters = wire.counters if isinstance(policy, KvPolicy) else unheard
+    counters = wire.counters if listening else unheard
     summary.extra.update(events_published=counters.published, events_lost=counters.lost,
                          replay_requests=counters.replay_requests, dumps=counters.dumps,
                          partial_marks=counters.partial_marks)
@@ -235,7 +301,7 @@ def routing_settings(cluster: ClusterConfig, run: RunConfig) -> RoutingSettings:
                            disk_credit=run.disk_credit, prefill_budget=cluster.prefill_budget,
                            capacity_tokens=cluster.capacity_tokens(), latency=cluster.latency,
                            temperature=run.temperature, seed=run.seed, slo_ttft_ms=run.sla_ttft_ms,
-                           slo_tpot_ms=run.sla_tpot_ms)
+                           slo_tpot_ms=run.sla_tpot_ms, kv_gbps=cluster.kv_link_gbps)
 
 
 #: The table kernels a simulation's index calls (events applied, prompt-key references, routing queries). A run
@@ -261,6 +327,11 @@ def _check_accounting(r: RequestRecord) -> None:
         assert booked == r.input_tokens, (
             f"request {r.request_id}: tokens by tier ({r.device_tokens} device + {r.host_tokens} host + "
             f"{r.storage_tokens} storage + {r.recomputed_tokens} recomputed = {booked}) != prompt {r.input_tokens}")
+    if r.first_token >= 0 and r.decode_worker >= 0 and r.prefill_end >= 0:  # its KV reached the decode worker
+        moved = r.decode_cached_tokens + r.transferred_tokens
+        assert moved == r.input_tokens, (
+            f"request {r.request_id}: {r.decode_cached_tokens} tokens held on the decode worker + "
+            f"{r.transferred_tokens} transferred = {moved} != prompt {r.input_tokens}")
 
 
 def _progress(total: int, label: str):  # type: ignore[no-untyped-def]

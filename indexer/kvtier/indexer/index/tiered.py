@@ -84,6 +84,9 @@ class TieredIndex:
             raise ValueError(f"window_tokens must be >= 0, got {window_tokens}")
         self.block_size = block_size
         self.window_tokens = window_tokens
+        # What each worker serves in a disaggregated pool (kvtier.indexer.routing.disagg): "prefill", "decode";
+        # absent: both
+        self._roles: dict[StreamId, str] = {}
         self._default_window = -(-window_tokens // block_size)  # in blocks
         KERNELS.require()  # the compiled tables are the index (a clear error where numba cannot load)
         self._masks = KeyTable()
@@ -188,6 +191,20 @@ class TieredIndex:
         """The tiers :meth:`set_prefix_closed` declared for the worker. O(1)."""
         w = self._workers.get(stream)
         return {t for t in StorageTier if w is not None and w.closed_tiers >> t & 1}
+
+    def set_role(self, stream: StreamId, role: str) -> None:
+        """Declares what the worker serves: ``"prefill"`` (its overlaps are prompt KV it need not compute, on every
+        tier), ``"decode"`` (its device overlap is KV it need not receive) or ``"both"``. O(1)."""
+        if role not in ("prefill", "decode", "both"):
+            raise ValueError(f"role {role!r}: expected prefill, decode or both")
+        if role == "both":
+            self._roles.pop(stream, None)
+        else:
+            self._roles[stream] = role
+
+    def role(self, stream: StreamId) -> str:
+        """What :meth:`set_role` declared for the worker (``"both"`` unless told). O(1)."""
+        return self._roles.get(stream, "both")
 
     def remove_worker(self, stream: StreamId) -> None:
         """Forgets the worker and frees its slot. O(blocks of the worker)."""

@@ -41,7 +41,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvtier.hardware.latency import PRESETS, LatencyModel, MockerLatency, TransferModel
-from kvtier.hardware.links import DEFAULT_GPU_LINK, DEFAULT_STORAGE_LINK, GPU_LINKS, STORAGE_LINKS
+from kvtier.hardware.links import (
+    DEFAULT_GPU_LINK,
+    DEFAULT_KV_LINK,
+    DEFAULT_STORAGE_LINK,
+    GPU_LINKS,
+    KV_LINKS,
+    STORAGE_LINKS,
+)
 from kvtier.indexer.routing.incumbents import Llmd, PowerOfTwo, SglangCacheAware
 from kvtier.indexer.routing.plugins import RoutingPolicy
 from kvtier.indexer.routing.scoring import CostModel, CreditCost, DynamoCost, SloCost, TierCredits, TtftCost
@@ -66,6 +73,7 @@ class RoutingSettings:
     seed: int = 0  # the router's random choices
     slo_ttft_ms: float | None = None  # the SLO the goodput policy routes for (None: not bounded)
     slo_tpot_ms: float | None = None
+    kv_gbps: float = KV_LINKS[DEFAULT_KV_LINK].gbps  # disaggregated: the prefill -> decode KV link, GB/s
 
     def credits(self) -> TierCredits:
         """The credit weights; a shared pool's blocks earn the disk credit."""

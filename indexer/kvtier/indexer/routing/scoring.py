@@ -123,11 +123,16 @@ class DynamoCost:
       Output tokens are not tracked (Dynamo's default), so generated blocks are left out.
     * ``cost = prefill_load_scale * adjusted_prefill_blocks + decode_blocks``; the lowest cost wins, ties
       are broken at random, and a temperature > 0 samples a softmax over the costs (the Router does both).
+
+    Disaggregated (:mod:`kvtier.indexer.routing.disagg`), Dynamo's prefill router leaves decode blocks out
+    (``router_track_active_blocks`` off: ``decode_scale`` 0) and its decode router prefill blocks
+    (``overlap_score_weight`` 0: ``prefill_load_scale`` 0).
     """
 
     credits: TierCredits = field(default_factory=TierCredits)  # overlap credit per tier
     prefill_load_scale: float = 1.0  # weight of prefill blocks against decode blocks (overlap_score_weight)
     max_tier: StorageTier = StorageTier.EXTERNAL  # tiers the router receives events for
+    decode_scale: float = 1.0  # weight of decode blocks (0: a disaggregated prefill router's)
 
     def cost(self, num_tokens: int, block_size: int, overlap: TierOverlap, load: WorkerLoad,
              shared_blocks: int = 0, output_tokens: float = 0.0) -> float:
@@ -135,15 +140,16 @@ class DynamoCost:
         raw_prefill = load.pending_prefill_tokens / block_size + incoming
         adjusted = max(raw_prefill - self.credits.visible_credit(overlap, self.max_tier), 0.0)
         decode = (load.active_blocks - load.generated_blocks) + incoming - shared_blocks
-        return self.prefill_load_scale * adjusted + decode
+        return self.prefill_load_scale * adjusted + self.decode_scale * decode
 
     def costs(self, num_tokens: int, block_size: int, overlaps: Sequence[TierOverlap], loads: Sequence[WorkerLoad],
               shared_blocks: Sequence[int], output_tokens: float = 0.0) -> list[float]:
         """:meth:`cost` of each worker, the same floats, in one call (as :meth:`CreditCost.costs`). O(workers)."""
         incoming = -(-num_tokens // block_size)
         credits, scale = self.credits.visible_credits(overlaps, self.max_tier), self.prefill_load_scale
+        dscale = self.decode_scale
         return [scale * max((load.pending_prefill_tokens / block_size + incoming) - credit, 0.0)
-                + ((load.active_blocks - load.generated_blocks) + incoming - shared)
+                + dscale * ((load.active_blocks - load.generated_blocks) + incoming - shared)
                 for credit, load, shared in zip(credits, loads, shared_blocks, strict=True)]
 
 

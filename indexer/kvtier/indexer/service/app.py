@@ -40,6 +40,7 @@ from kvtier.indexer.index.consumer import Lag
 from kvtier.indexer.index.keys import BlockKey, key_backend
 from kvtier.indexer.index.keytable import warm_tables
 from kvtier.indexer.index.tiered import TieredIndex
+from kvtier.indexer.routing.disagg import pool_routers
 from kvtier.indexer.routing.load import LoadTracker
 from kvtier.indexer.routing.plugins import BUILTIN, RoutingPolicy, load_policy, note_routed
 from kvtier.indexer.routing.policies import REGISTRY, RoutingSettings, make_cost, make_plugin
@@ -49,6 +50,7 @@ from kvtier.indexer.service import fdlimit, persist
 from kvtier.indexer.service.clients import Clients, ServiceUnavailable, load_tokens
 from kvtier.indexer.service.config import ServiceConfig, closed_tiers, load_config, parse_endpoint
 from kvtier.indexer.service.deadlines import Deadlines
+from kvtier.indexer.service.disagg import route_pair
 from kvtier.indexer.service.eventloop import EventLoop
 from kvtier.indexer.service.histogram import Histogram
 from kvtier.indexer.service.httplimits import check_depth
@@ -98,6 +100,18 @@ class IndexerService:
         self.router = Router(self.index, cost, loads=self.loads, policy=plugin, rebuilding=self._rebuilding,
                              window_aware=True, temperature=self.router_settings.temperature,
                              seed=self.router_settings.seed, dead=self._dead)
+        # A disaggregated pool (endpoints with roles): a (prefill, decode) pair per request, each pool booked apart.
+        self.decode_loads = LoadTracker(config.block_size)
+        for ep in config.endpoints:
+            self.index.set_role(ep.stream, ep.role)
+        try:
+            self.pair = pool_routers(config.policy or "kv_all", self.router_settings, self.index,
+                                     {s: self.index.role(s) for s in streams}, self.loads, self.decode_loads,
+                                     lambda: _policy(config.policy or "kv_all", self.router_settings,
+                                                     config.block_size), self._rebuilding, self._dead,
+                                     config.local_prefill_tokens)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         self._lock = threading.Lock()  # guards index, loads and the deadlines
         self._deadlines = Deadlines(config.request_ttl_s)  # routed requests in flight, until finish or expiry
         tokens = load_tokens(config.auth_token_file) if config.auth_token_file is not None else None
@@ -286,6 +300,7 @@ class IndexerService:
     def _expired(self, rid: str) -> None:
         """A booking dropped at its deadline (event loop thread, under the lock)."""
         self.loads.finish(rid)
+        self.decode_loads.finish(rid)
         self.clients.release(rid)
         self.predictions.forget(rid)
 
@@ -320,6 +335,8 @@ class IndexerService:
             if rid in self._deadlines:
                 raise ValueError(f"request {rid!r} is already in flight")
             self.clients.check_room(owner)
+            if self.pair is not None:
+                return route_pair(self, self.pair, rid, keys, tokens, owner, t0)
             dec = self.router.route_keys(keys, tokens, self._request_cost(req))
             ttft_ms, tpot_ms = self._predict(dec, keys, tokens)
             self.predictions.routed(rid, time.monotonic(), ttft_ms, tpot_ms)
@@ -347,6 +364,9 @@ class IndexerService:
             self.clients.check_owner(rid, owner)
             known = rid in self._deadlines
             self.loads.prefill_done(rid)
+            if self.pair is not None:  # its prefill worker is done with it; its decode worker decodes it
+                self.loads.finish(rid)
+                self.decode_loads.prefill_done(rid)
             observed = self.predictions.first_token(rid, time.monotonic())
         if not known:
             raise LookupError(f"request {rid!r} is not in flight (never routed, finished or expired)")
@@ -369,6 +389,7 @@ class IndexerService:
             self.clients.check_owner(rid, owner)
             known = self._deadlines.finish(rid)
             self.loads.finish(rid, out)
+            self.decode_loads.finish(rid, out)
             self.clients.release(rid)
             observed = self.predictions.finish(rid, time.monotonic(), out)
         answer: dict[str, Any] = {"request_id": rid, "was_in_flight": known}

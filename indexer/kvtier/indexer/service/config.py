@@ -9,7 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.hardware.latency import PRESETS, MockerLatency, latency_from_json
-from kvtier.hardware.links import DEFAULT_GPU_LINK, DEFAULT_STORAGE_LINK, GPU_LINKS, STORAGE_LINKS
+from kvtier.hardware.links import (
+    DEFAULT_GPU_LINK,
+    DEFAULT_KV_LINK,
+    DEFAULT_STORAGE_LINK,
+    GPU_LINKS,
+    KV_LINKS,
+    STORAGE_LINKS,
+)
 from kvtier.indexer.routing.policies import RoutingSettings
 from kvtier.util.fields import ConfigError, Domain, at_least, check_fields, one_of, within
 from kvtier.wire.protocol import DEFAULT_BLOCK_SIZE, StorageTier
@@ -43,6 +50,12 @@ class ServiceConfig:
     storage_link: str = field(default=DEFAULT_STORAGE_LINK, metadata=one_of(*STORAGE_LINKS))
     h2d_gbps: float | None = field(default=None, metadata=within(0, 1e6, lo_open=True, optional=True))
     storage_gbps: float | None = field(default=None, metadata=within(0, 1e6, lo_open=True, optional=True))
+    # A disaggregated pool (endpoints with roles): the prefill -> decode KV link (kvtier.hardware.links.KV_LINKS),
+    # kv_gbps overriding it, and conditional disaggregation: a prompt whose part its decode worker lacks is under
+    # this many tokens prefills there (0: never)
+    kv_link: str = field(default=DEFAULT_KV_LINK, metadata=one_of(*KV_LINKS))
+    kv_gbps: float | None = field(default=None, metadata=within(0, 1e6, lo_open=True, optional=True))
+    local_prefill_tokens: int = field(default=0, metadata=at_least(0))
     # iteration times: a fit written by `kvtier fit-latency` (JSON); None: Dynamo mocker's published fit
     latency_path: str | None = field(default=None, metadata=Domain(str, optional=True).meta())
     # credit costs: a host block's and a disk or shared-pool block's weight against a device block's
@@ -126,7 +139,8 @@ class ServiceConfig:
             h2d_gbps=self.h2d_gbps if self.h2d_gbps is not None else GPU_LINKS[self.gpu_link].gbps,
             storage_gbps=self.storage_gbps if self.storage_gbps is not None else STORAGE_LINKS[self.storage_link].gbps,
             host_credit=self.host_credit, disk_credit=self.disk_credit, prefill_budget=self.prefill_budget,
-            capacity_tokens=self.capacity_tokens, latency=latency, temperature=self.temperature, seed=self.seed)
+            capacity_tokens=self.capacity_tokens, latency=latency, temperature=self.temperature, seed=self.seed,
+            kv_gbps=self.kv_gbps if self.kv_gbps is not None else KV_LINKS[self.kv_link].gbps)
 
     @property
     def inferred_window_tokens(self) -> int:
@@ -145,6 +159,7 @@ _ENDPOINT_FIELDS: dict[str, tuple[Domain, bool]] = {
     "worker": (Domain(str), True), "endpoint": (Domain(str), True),
     "replay_endpoint": (Domain(str, optional=True), False), "dp_rank": (Domain(int, lo=0), False),
     "supports_dump": (Domain(bool), False), "engine": (Domain(str, optional=True), False),
+    "role": (Domain(str), False),
 }
 
 #: The tiers each engine keeps prefix-closed (a block held there has its parent held there), on which a store made
@@ -162,7 +177,8 @@ def closed_tiers(ep: EndpointConfig) -> tuple[StorageTier, ...]:
 
 
 def parse_endpoint(spec: str) -> EndpointConfig:
-    """Parses ``WORKER=PUB_ENDPOINT[,replay=ENDPOINT][,dp=N][,dump][,engine=sglang|vllm|kvtier]``."""
+    """Parses ``WORKER=PUB_ENDPOINT[,replay=ENDPOINT][,dp=N][,dump][,engine=sglang|vllm|kvtier]
+    [,role=prefill|decode|both]``."""
     name, sep, rest = spec.partition("=")
     if not sep or not name or not rest:
         raise ConfigError(f"endpoint {spec!r}: expected WORKER=tcp://host:port[,replay=...][,dp=N][,dump]")
@@ -180,6 +196,8 @@ def parse_endpoint(spec: str) -> EndpointConfig:
             opts["dp_rank"] = int(value)
         elif key == "engine":
             opts["engine"] = value
+        elif key == "role":
+            opts["role"] = value
         elif key == "dump":
             if value:
                 raise ConfigError(f"endpoint {spec!r}: option {p!r}: dump takes no value")
@@ -217,7 +235,8 @@ def load_config(path: Path) -> ServiceConfig:
         try:
             eps.append(EndpointConfig(worker=e["worker"], endpoint=e["endpoint"],
                                       replay_endpoint=e.get("replay_endpoint"), dp_rank=e.get("dp_rank", 0),
-                                      supports_dump=e.get("supports_dump", False), engine=e.get("engine")))
+                                      supports_dump=e.get("supports_dump", False), engine=e.get("engine"),
+                                      role=e.get("role", "both")))
         except ValueError as exc:
             raise ConfigError(f"{path}: endpoints[{i}]: {exc}") from None
     known = {f.name for f in fields(ServiceConfig)} - {"endpoints"}  # every setting, so none is forgotten here

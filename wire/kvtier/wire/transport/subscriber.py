@@ -27,6 +27,8 @@ _REPLAY_HWM = 200_000  # replay frames queued on the subscriber side before ZMQ 
 
 #: The engines an endpoint may name (EndpointConfig.engine).
 ENGINES = ("sglang", "vllm", "kvtier")
+#: What an endpoint's worker serves: the prefill or the decode pool of a disaggregated deployment, or both.
+ROLES = ("prefill", "decode", "both")
 
 
 @dataclass(slots=True, frozen=True)
@@ -42,6 +44,8 @@ class EndpointConfig:
     # The engine publishing here: sglang, vllm or kvtier (what its cache promises, kvtier.indexer.service.config
     # .ENGINE_CLOSED_TIERS); None: kvtier where it answers dumps, else nothing promised
     engine: str | None = None
+    # What it serves in a disaggregated pool: "prefill", "decode" or "both" (aggregated; kvtier.indexer.routing.disagg)
+    role: str = "both"
 
     def __post_init__(self) -> None:
         if not self.worker:
@@ -56,6 +60,8 @@ class EndpointConfig:
             raise ValueError(f"the replay endpoint is the live one ({self.endpoint!r}): the publisher binds two")
         if self.engine not in (None, *ENGINES):
             raise ValueError(f"engine {self.engine!r}: expected one of {', '.join(ENGINES)}")
+        if self.role not in ROLES:
+            raise ValueError(f"role {self.role!r}: expected one of {', '.join(ROLES)}")
         if self.supports_dump and self.replay_endpoint is None:
             # (no endpoint named here: the callers' messages name the one they were given)
             raise ValueError("a state dump is asked on the replay socket: no dump without a replay endpoint")

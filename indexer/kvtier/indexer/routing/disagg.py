@@ -1,0 +1,214 @@
+"""Disaggregated prefill and decode: how each policy picks a (prefill, decode) pair, in the simulator and the service.
+
+A request in a disaggregated pool is prefilled on a prefill worker (which holds the tiered cache: device, host,
+storage) and decoded on a decode worker, which receives the prompt's KV over the KV link, all but what its own radix
+cache already holds. So a pair has two prices: the prefill side (queue, cache hits by tier, their load times) and the
+decode side (the KV still to move, the decode batch the request joins, the memory it needs there). Each policy picks
+its prefill worker among the prefill pool by its own rule (:func:`prefill_cost`) and its decode worker among the
+decode pool by the rule below (:func:`decode_rule`):
+
+| policy                         | decode worker                                                                    |
+|--------------------------------|----------------------------------------------------------------------------------|
+| round_robin, random            | the same rule over the decode pool                                               |
+| least_loaded                   | the same rule over the decode pool                                               |
+| dynamo                         | Dynamo's decode router: ``overlap_score_weight`` 0, no assumed KV reuse, no      |
+|                                | prefill tokens tracked: the fewest active blocks, the request's whole prompt     |
+|                                | counted; its prefill router leaves decode blocks out (``router_track_active_     |
+|                                | blocks`` off). From Dynamo's public replay code (``derive_decode_router_config``)|
+| sglang_cache_aware, power_of_  | a second instance of the same policy over the decode pool: SGLang Model Gateway's|
+| two, llmd, llmd_kv, llmd_prec. | PD mode runs a policy per pool (``--prefill-policy``, ``--decode-policy``, both  |
+|                                | the main one unless set); llm-d's P/D profile handler runs a decode profile,     |
+|                                | which kvtier gives the same scorers                                              |
+| kv_*                           | the same cost over the decode pool, on the decode workers' device overlap (the   |
+|                                | KV that need not move)                                                           |
+| approx, oracle                 | the same cost over the decode pool, seeing no decode overlap (they keep no index)|
+| min_ttft, goodput              | :class:`KvLinkCost`: the transfer of what the decode worker lacks, the decode    |
+|                                | step there (the TPOT the request will see and bring), memory, in milliseconds;   |
+|                                | goodput's TPOT bound is checked here, its TTFT bound on the prefill side         |
+
+The two sides are priced independently and each minimised, which minimises their sum: the KV transfer depends on
+the decode worker only (the prompt's KV is whole on any prefill worker once computed).
+
+Conditional disaggregation (:func:`prefills_locally`): a prompt whose part the chosen decode worker lacks, as the
+router sees it, is under a threshold prefills there, skipping the transfer, as vLLM's and Dynamo's routers allow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+
+from kvtier.hardware.latency import PRESETS, LatencyModel, MockerLatency
+from kvtier.indexer.index.keys import BlockKey
+from kvtier.indexer.index.tiered import TieredIndex
+from kvtier.indexer.routing.load import LoadTracker, WorkerLoad
+from kvtier.indexer.routing.plugins import RoutingPolicy
+from kvtier.indexer.routing.policies import REGISTRY, RoutingSettings, make_cost, policy_spec
+from kvtier.indexer.routing.router import RouteDecision, Router
+from kvtier.indexer.routing.scoring import SLO_MISS_MS, CostModel, DynamoCost, SloCost
+from kvtier.wire.notices import StreamId
+from kvtier.wire.overlap import TierOverlap
+from kvtier.wire.transport.subscriber import ROLES
+
+__all__ = ["ROLES", "KvLinkCost", "PairDecision", "PairRouter", "decode_cost", "decode_rule", "pool_routers",
+           "prefill_cost", "prefills_locally"]
+
+
+@dataclass(slots=True, frozen=True)
+class KvLinkCost:
+    """kvtier's decode-side price of a worker, ms: the prompt's KV it lacks (its device overlap, or the prefix its
+    in-flight requests hold, whichever is longer) moved over the KV link, plus the decode step it would run with
+    this request in its batch counted ``decode_weight`` times (the TPOT the request will see, and bring to every
+    stream there; the weight of :class:`~kvtier.indexer.routing.scoring.TtftCost`), plus a full worker's wait for memory
+    (the request reserves its prompt and output there), as ``TtftCost`` charges it."""
+
+    bytes_per_token: int  # KV bytes per prompt token
+    kv_gbps: float  # the prefill -> decode link, GB/s
+    latency: LatencyModel = field(default_factory=MockerLatency)  # iteration times
+    capacity_tokens: int | None = None  # device KV per decode worker (None: no decode or memory term)
+    decode_weight: float = 7.0  # see TtftCost.decode_weight
+    memory_headroom: float = 0.9  # see TtftCost
+    blind_headroom: float = 0.7
+    memory_wait_ms: float = 10_000.0
+    # The goodput policy's TPOT bound (None: none): a worker whose decode step, midway through the request's decode
+    # (as SloCost estimates it), would pass it costs SLO_MISS_MS times its ratio to the bound
+    tpot_ms: float | None = None
+
+    def transfer_ms(self, tokens: int) -> float:
+        """Milliseconds to move ``tokens`` tokens of KV over the link. O(1)."""
+        return max(0, tokens) * self.bytes_per_token / (self.kv_gbps * 1e6)
+
+    def cost(self, num_tokens: int, block_size: int, overlap: TierOverlap, load: WorkerLoad,
+             shared_blocks: int = 0, output_tokens: float = 0.0) -> float:
+        held = max(overlap.device, shared_blocks) * block_size
+        ms = self.transfer_ms(num_tokens - held)
+        if self.capacity_tokens:
+            cap = self.capacity_tokens
+            ms += self.latency.decode_ms(min(1.0, (load.context_tokens + num_tokens) / cap)) * self.decode_weight
+            projected = ((load.active_blocks - shared_blocks) * block_size + load.unwritten_tokens + num_tokens
+                         + output_tokens)
+            headroom = self.memory_headroom if output_tokens > 0 else self.blind_headroom
+            ms += max(0.0, projected / cap - headroom) * self.memory_wait_ms
+            if self.tpot_ms:
+                context = load.context_tokens + num_tokens + (load.unwritten_tokens + output_tokens) / 2
+                tpot = self.latency.decode_ms(context / cap)
+                if tpot > self.tpot_ms:
+                    return SLO_MISS_MS * tpot / self.tpot_ms
+        return ms
+
+
+def decode_rule(name: str) -> str:
+    """How policy ``name`` picks its decode worker: ``"same"`` (its own rule over the decode pool: blind, load and
+    plugin policies), ``"dynamo"``, ``"time"`` (:class:`KvLinkCost`) or ``"cost"`` (its cost model over the decode
+    pool's overlaps). :class:`~kvtier.util.fields.ConfigError` for an unknown name."""
+    spec = policy_spec(name)
+    if name == "dynamo":
+        return "dynamo"
+    if name in ("min_ttft", "goodput"):
+        return "time"
+    if spec.plugin is not None or spec.cost is None:
+        return "same"
+    return "cost"
+
+
+def prefill_cost(name: str, settings: RoutingSettings) -> CostModel:
+    """Policy ``name``'s cost over the prefill pool: its own, but Dynamo's prefill router leaves decode blocks out
+    (a prefill worker holds no decode batch: ``router_track_active_blocks`` off)."""
+    if name == "dynamo":
+        return DynamoCost(settings.credits(), decode_scale=0.0)
+    cost = make_cost(name, settings)
+    if isinstance(cost, SloCost):  # the TPOT bound is the decode side's (KvLinkCost), the TTFT bound stays here
+        return dataclasses.replace(cost, tpot_ms=None)
+    return cost
+
+
+def decode_cost(name: str, settings: RoutingSettings) -> CostModel:
+    """Policy ``name``'s cost over the decode pool (rules ``dynamo``, ``time`` and ``cost`` of :func:`decode_rule`).
+    :class:`~kvtier.util.fields.ConfigError` for a policy without one."""
+    rule = decode_rule(name)
+    if rule == "dynamo":
+        return DynamoCost(settings.credits(), prefill_load_scale=0.0)
+    if rule == "time":
+        return KvLinkCost(PRESETS[settings.model].bytes_per_token, settings.kv_gbps, settings.latency,
+                          settings.capacity_tokens, tpot_ms=settings.slo_tpot_ms if name == "goodput" else None)
+    return make_cost(name, settings)
+
+
+def prefills_locally(num_tokens: int, decode_cached_tokens: int, threshold: int) -> bool:
+    """Whether a prompt prefills on its decode worker: the part that worker lacks is under ``threshold`` tokens
+    (0: never). O(1)."""
+    return threshold > 0 and num_tokens - decode_cached_tokens < threshold
+
+
+@dataclass(slots=True)
+class PairDecision:
+    """A disaggregated routing decision."""
+
+    prefill: RouteDecision  # among the prefill pool
+    decode: RouteDecision  # among the decode pool
+    local: bool = False  # prefill on the decode worker (conditional disaggregation)
+
+
+class PairRouter:
+    """Two routers over one index, each restricted to its pool (their ``workers``), each with its own load
+    bookkeeping: the prefill pool books a request until its prompt is computed, the decode pool until it finishes.
+    ``assume_reuse``: whether the decode side counts prompt blocks its in-flight requests hold once (Dynamo's decode
+    router does not)."""
+
+    def __init__(self, prefill: Router, decode: Router, *, assume_reuse: bool = True,
+                 local_prefill_tokens: int = 0) -> None:
+        if not prefill.workers or not decode.workers:
+            raise ValueError("a disaggregated pool needs at least one prefill and one decode worker")
+        self.prefill = prefill
+        self.decode = decode
+        self.assume_reuse = assume_reuse
+        self.local_prefill_tokens = local_prefill_tokens
+
+    def route_keys(self, keys: list[BlockKey], num_tokens: int) -> PairDecision:
+        """The pair for a request given as block keys. O(blocks + workers)."""
+        p = self.prefill.route_keys(keys, num_tokens)
+        overlaps = p.overlaps if self.prefill.index is self.decode.index else \
+            self.decode.index.find_matches_keys(keys)
+        d = self.decode.choose(overlaps, num_tokens, keys if self.assume_reuse else None)
+        bs = self.decode.index.block_size
+        o = overlaps.workers.get(d.worker)
+        cached = 0 if o is None else o.device * bs
+        return PairDecision(p, d, prefills_locally(num_tokens, cached, self.local_prefill_tokens))
+
+
+def pool_routers(name: str, settings: RoutingSettings, index: TieredIndex, roles: Mapping[StreamId, str],
+                 loads: LoadTracker, decode_loads: LoadTracker,
+                 make: Callable[[], tuple[CostModel, RoutingPolicy | None]],
+                 rebuilding: Callable[[], Collection[StreamId]] | None = None,
+                 dead: Callable[[], Collection[StreamId]] | None = None,
+                 local_prefill_tokens: int = 0) -> PairRouter | None:
+    """The service's pair of routers over one index for policy ``name``, or None where every worker serves both
+    roles (an aggregated pool). ``make`` builds the policy's cost and plugin as the service does for an aggregated
+    pool (called once per pool: a plugin keeps its own history per pool); the registry's policies get their pool
+    rules (:func:`prefill_cost`, :func:`decode_rule`). ``loads`` books a request on its prefill worker until its
+    first token, ``decode_loads`` on its decode worker until it finishes. :class:`ValueError` for a pool without a
+    prefill or a decode worker."""
+    if all(r == "both" for r in roles.values()):
+        return None
+    prefill = [s for s, r in roles.items() if r in ("prefill", "both")]
+    decode = [s for s, r in roles.items() if r in ("decode", "both")]
+    if not prefill or not decode:
+        raise ValueError(f"endpoints: a disaggregated pool needs a prefill and a decode worker; roles: "
+                         f"{sorted(set(roles.values()))}")
+    known = name in REGISTRY
+    cost, plugin = make()
+    if known and plugin is None:
+        cost = prefill_cost(name, settings)
+    rule = decode_rule(name) if known else "same"
+    if rule == "same":
+        dcost, dplugin = make()
+    else:
+        dcost, dplugin = decode_cost(name, settings), None
+
+    def router(c: CostModel, p: RoutingPolicy | None, workers: list[StreamId], ld: LoadTracker, seed: int) -> Router:
+        return Router(index, c, loads=ld, workers=workers, policy=p, rebuilding=rebuilding, window_aware=True,
+                      temperature=settings.temperature, seed=seed, dead=dead)
+    return PairRouter(router(cost, plugin, prefill, loads, settings.seed),
+                      router(dcost, dplugin, decode, decode_loads, settings.seed + 1),
+                      assume_reuse=rule != "dynamo", local_prefill_tokens=local_prefill_tokens)

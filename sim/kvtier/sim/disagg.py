@@ -1,0 +1,183 @@
+"""The simulator's side of disaggregated routing: one policy picking a (prefill, decode) pair.
+
+Which rule each policy applies to each pool is :mod:`kvtier.indexer.routing.disagg`'s; this module builds it over the
+simulated workers (``0..P-1`` prefill, ``P..P+D-1`` decode; see :mod:`kvtier.sim.cluster`). The prefill side is the
+policy :func:`kvtier.sim.policies.make_policy` builds, its candidates narrowed to the prefill pool; a KV-aware one hears
+both pools' events through the real codec, so the decode side prices the decode workers' device overlap from the
+same index. Each pool has its own load bookkeeping (a request is booked on its prefill worker until its prompt is
+computed, on its decode worker until it finishes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+from kvtier.engine.cache import TieredCache
+from kvtier.indexer.index.tiered import TieredIndex
+from kvtier.indexer.routing.disagg import decode_cost, decode_rule, prefill_cost, prefills_locally
+from kvtier.indexer.routing.load import LoadTracker
+from kvtier.indexer.routing.policies import RoutingSettings
+from kvtier.indexer.routing.router import Router
+from kvtier.sim.policies import Choice, KvPolicy, LeastLoaded, Policy, RandomPolicy, RoundRobin, RouteInput, make_policy
+from kvtier.wire.notices import Delivery, StreamId
+from kvtier.wire.overlap import OverlapScores, TierOverlap
+from kvtier.wire.protocol import WorkerId
+
+
+@dataclass(slots=True, frozen=True)
+class PairChoice:
+    """A disaggregated routing decision: worker indices of the whole cluster."""
+
+    prefill: Choice  # the prefill worker, and what the policy expected there
+    decode: int  # the decode worker (-1: chosen when the prompt is computed, :meth:`DisaggPolicy.choose_decode`)
+    decode_cached: int  # prompt tokens the policy expected the decode worker to hold (0: it saw none)
+    local: bool  # prefill on the decode worker (conditional disaggregation)
+
+
+class _Pool:
+    """A blind policy built for ``len(members)`` workers, its choices mapped onto ``members``."""
+
+    blind: ClassVar[bool] = True
+
+    def __init__(self, inner: Policy, members: list[int]) -> None:
+        self.inner = inner
+        self.members = members
+        self.name = inner.name
+
+    def choose(self, req: RouteInput) -> Choice:
+        c = self.inner.choose(req)
+        return Choice(self.members[c.worker], c.predicted, c.tier)
+
+
+class _PoolLeastLoaded:
+    """least_loaded over ``members``, read from their load bookkeeping."""
+
+    blind: ClassVar[bool] = False
+    name = "least_loaded"
+
+    def __init__(self, members: list[int], loads: LoadTracker) -> None:
+        self.members = members
+        self.loads = loads
+        self.streams = [StreamId(WorkerId(f"w{i}")) for i in members]
+
+    def choose(self, req: RouteInput) -> Choice:
+        def load(k: int) -> tuple[int, int, int]:
+            ld = self.loads.load(self.streams[k])
+            return (ld.running, ld.active_blocks, k)
+        return Choice(self.members[min(range(len(self.members)), key=load)])
+
+
+def _narrow(policy: Policy, members: list[int], loads: LoadTracker, seed: int) -> Policy:
+    """``policy`` (built over the whole cluster) choosing among ``members`` only."""
+    router = getattr(policy, "router", None)
+    if isinstance(router, Router):
+        streams: list[StreamId] = getattr(policy, "streams")  # noqa: B009 (every router-backed policy has them)
+        router.workers = [streams[i] for i in members]
+        return policy
+    if isinstance(policy, RoundRobin):
+        return _Pool(RoundRobin(len(members)), members)
+    if isinstance(policy, RandomPolicy):
+        return _Pool(RandomPolicy(len(members), seed), members)
+    if isinstance(policy, LeastLoaded):
+        return _PoolLeastLoaded(members, loads)
+    raise TypeError(f"policy {policy.name!r} cannot be narrowed to a pool")
+
+
+class DisaggPolicy:
+    """Policy ``name`` over a disaggregated cluster of ``prefill`` + ``decode`` workers."""
+
+    def __init__(self, name: str, *, prefill: int, decode: int, block_size: int, loads: LoadTracker,
+                 decode_loads: LoadTracker, caches: Callable[[], list[TieredCache]], settings: RoutingSettings,
+                 local_prefill_tokens: int = 0) -> None:
+        workers = prefill + decode
+        self.name = name
+        self.block_size = block_size
+        self.local_prefill_tokens = local_prefill_tokens
+        pre = make_policy(name, workers=workers, block_size=block_size, loads=loads, caches=caches,
+                          settings=settings)
+        if isinstance(pre, KvPolicy) and pre.router.policy is None:
+            pre.router.cost_model = prefill_cost(name, settings)
+        self.prefill = _narrow(pre, list(range(prefill)), loads, settings.seed)
+        self.kv = pre if isinstance(pre, KvPolicy) else None  # the index both pools' events feed
+        members = list(range(prefill, workers))
+        self.rule = decode_rule(name)
+        self.decode: Policy | None = None
+        self.decode_router: Router | None = None
+        if self.rule == "same":
+            dec = make_policy(name, workers=workers, block_size=block_size, loads=decode_loads, caches=caches,
+                              settings=dataclasses.replace(settings, seed=settings.seed + 1))
+            self.decode = _narrow(dec, members, decode_loads, settings.seed + 1)
+        else:
+            index = self.kv.index if self.kv is not None else TieredIndex(block_size)
+            streams = [StreamId(WorkerId(f"w{i}")) for i in range(workers)]
+            self.decode_router = Router(index, decode_cost(name, settings), loads=decode_loads,
+                                        workers=[streams[i] for i in members], temperature=settings.temperature,
+                                        seed=settings.seed + 1)
+            self._streams = streams
+        self.blind = self.prefill.blind and (self.decode is None or self.decode.blind)
+        for kv in (self.kv, self.decode):
+            if isinstance(kv, KvPolicy):
+                for i, s in enumerate(kv.streams):
+                    kv.index.set_role(s, "prefill" if i < prefill else "decode")
+        # Dynamo's frontend routes the decode side once the prefill has returned (its mocker too, round robin
+        # included); SGLang Model Gateway, llm-d and vLLM's proxy pick both workers when the request arrives. A
+        # conditional pool picks both at arrival, as the choice of where to prefill needs the decode worker.
+        self.decode_at_handoff = rule_at_handoff(name) and not local_prefill_tokens
+
+    def choose(self, req: RouteInput) -> PairChoice:
+        p = self.prefill.choose(req)
+        if self.decode_at_handoff:
+            return PairChoice(p, -1, 0, False)
+        return self.choose_decode(req, p)
+
+    def choose_decode(self, req: RouteInput, p: Choice) -> PairChoice:
+        """The decode side of the pair (at arrival, or when the prompt is computed: :attr:`decode_at_handoff`)."""
+        ps = self.block_size
+        if self.decode is not None:
+            d = self.decode.choose(req)
+            cached = d.predicted.device * ps if d.predicted is not None else 0
+            return PairChoice(p, d.worker, cached, prefills_locally(req.num_tokens, cached,
+                                                                    self.local_prefill_tokens))
+        router = self.decode_router
+        assert router is not None
+        if self.rule == "dynamo":  # overlap weight 0 and no assumed reuse: load alone decides
+            overlaps = OverlapScores(total_blocks=len(req.keys))
+            if self.local_prefill_tokens and self.kv is not None:
+                overlaps = self.kv.index.find_matches_keys(req.keys)
+            dec = router.choose(OverlapScores(total_blocks=len(req.keys)), req.num_tokens, None)
+        else:
+            # The prefill side's walk of the index found every worker's overlap, the decode pool's too: reused
+            # when this request was just routed there (not at handoff, when the index has moved on).
+            known = self.kv.last_overlaps if self.kv is not None and not self.decode_at_handoff else None
+            overlaps = known if known is not None else router.index.find_matches_keys(req.keys)
+            dec = router.choose(overlaps, req.num_tokens, req.keys)
+        o: TierOverlap | None = overlaps.workers.get(dec.worker)
+        cached = o.device * ps if o is not None else 0
+        return PairChoice(p, self._streams.index(dec.worker), cached,
+                          prefills_locally(req.num_tokens, cached, self.local_prefill_tokens))
+
+    def feed(self, deliveries: list[Delivery]) -> None:
+        """Both pools' events, into the index (each side's, where the decode side runs a policy of its own)."""
+        if self.kv is not None:
+            self.kv.feed(deliveries)
+        if isinstance(self.decode, KvPolicy):
+            self.decode.feed(deliveries)
+
+    @property
+    def listens(self) -> bool:
+        """Whether it reads engine events (else the run only counts them)."""
+        return self.kv is not None or isinstance(self.decode, KvPolicy)
+
+    @property
+    def events_rejected(self) -> int:
+        kv = self.kv if self.kv is not None else self.decode
+        return kv.events_rejected if isinstance(kv, KvPolicy) else 0
+
+
+def rule_at_handoff(name: str) -> bool:
+    """Whether policy ``name`` picks its decode worker once the prompt is computed (Dynamo's, and the blind ones as
+    Dynamo's mocker runs them) rather than when the request arrives."""
+    return name in ("dynamo", "round_robin", "random")

@@ -1,0 +1,118 @@
+"""The service over a disaggregated pool: endpoint roles (TOML and command line), ``POST /route`` answering a
+(prefill, decode) pair, and first-token and finish reports booking both workers' load. No sockets: the service is
+not started, its index is fed events directly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvtier.indexer.service.app import ConfigError, IndexerService, ServiceConfig, load_config, parse_endpoint
+from kvtier.wire import BlockStored, WorkerId
+from kvtier.wire.notices import StreamId
+
+BS = 16
+W = [StreamId(WorkerId(f"w{i}")) for i in range(4)]
+PROMPT = list(range(1000, 1000 + 64 * BS))  # 64 blocks
+
+
+def _service(policy: str, roles: tuple[str, ...] = ("prefill", "prefill", "decode", "decode"),
+             **settings: object) -> IndexerService:
+    eps = [parse_endpoint(f"w{i}=tcp://127.0.0.1:{i + 1},role={r}") for i, r in enumerate(roles)]
+    return IndexerService(ServiceConfig(endpoints=eps, block_size=BS, listen="127.0.0.1:0", policy=policy,
+                                        **settings))  # type: ignore[arg-type]
+
+
+def _store(svc: IndexerService, worker: StreamId, blocks: int) -> None:
+    svc.index.apply(worker, BlockStored(block_hashes=list(range(1, blocks + 1)), parent_block_hash=None,
+                                        token_ids=PROMPT[:blocks * BS], block_size=BS, medium="GPU"))
+
+
+def test_roles_from_toml_and_the_command_line(tmp_path: Path) -> None:
+    toml = tmp_path / "svc.toml"
+    toml.write_text('[[endpoints]]\nworker = "p0"\nendpoint = "tcp://127.0.0.1:1"\nrole = "prefill"\n'
+                    '[[endpoints]]\nworker = "d0"\nendpoint = "tcp://127.0.0.1:2"\nrole = "decode"\n'
+                    '[[endpoints]]\nworker = "a0"\nendpoint = "tcp://127.0.0.1:3"\n')
+    assert [ep.role for ep in load_config(toml).endpoints] == ["prefill", "decode", "both"]
+    assert parse_endpoint("w0=tcp://127.0.0.1:1,role=decode").role == "decode"
+    with pytest.raises(ConfigError, match="role 'middle'"):
+        parse_endpoint("w0=tcp://127.0.0.1:1,role=middle")
+    toml.write_text('[[endpoints]]\nworker = "p0"\nendpoint = "tcp://127.0.0.1:1"\nrole = "decoder"\n')
+    with pytest.raises(ConfigError, match="role 'decoder'"):
+        load_config(toml)
+    with pytest.raises(ConfigError, match="needs a prefill and a decode worker"):
+        _service("kv_all", ("prefill", "prefill"))
+
+
+def test_dynamo_answers_a_pair_kv_aware_prefill_and_load_based_decode() -> None:
+    """The prefill side goes where the prompt is cached (w1); the decode side, as Dynamo's decode router, to the
+    decode worker with fewer active blocks (w3), though w2 holds the prompt too."""
+    svc = _service("dynamo")
+    _store(svc, W[1], 64)
+    _store(svc, W[2], 64)
+    svc.decode_loads.add("busy", W[2], [], 4096, 0)
+    out = svc.route({"token_ids": PROMPT, "request_id": "r"})
+    assert out["prefill"]["recommended"] == "w1" and out["decode"]["recommended"] == "w3"
+    assert out["worker"] == "w1" and out["local_prefill"] is False
+    assert set(out["prefill"]["costs"]) == {"w0", "w1"} and set(out["decode"]["costs"]) == {"w2", "w3"}
+    assert out["decode"]["workers"]["w2"]["role"] == "decode" and out["prefill"]["workers"]["w1"]["role"] == "prefill"
+
+
+def test_min_ttft_saves_the_transfer_on_the_decode_side() -> None:
+    svc = _service("min_ttft", capacity_tokens=100_000)
+    _store(svc, W[2], 64)
+    out = svc.route({"token_ids": PROMPT, "request_id": "r"})
+    assert out["decode"]["recommended"] == "w2"  # holds the prompt: nothing to move
+    costs = out["decode"]["costs"]
+    assert costs["w2"] < costs["w3"]
+
+
+def test_first_token_and_finish_book_both_workers() -> None:
+    svc = _service("kv_all")
+    out = svc.route({"token_ids": PROMPT, "request_id": "r"})
+    p = StreamId(WorkerId(out["prefill"]["recommended"]))
+    d = StreamId(WorkerId(out["decode"]["recommended"]))
+    assert svc.loads.load(p).running == 1 and svc.loads.load(p).pending_prefill_tokens == len(PROMPT)
+    assert svc.decode_loads.load(d).running == 1 and svc.decode_loads.load(d).prefilling == 1
+    svc.first_token("r")  # the prompt is computed and handed over: the prefill worker is done with it
+    assert svc.loads.load(p).running == 0
+    assert svc.decode_loads.load(d).running == 1 and svc.decode_loads.load(d).prefilling == 0
+    assert svc.finish("r", {"output_tokens": 40})["was_in_flight"] is True
+    assert svc.decode_loads.load(d).running == 0 and svc.decode_loads.expected_output == 40.0
+
+
+def test_an_aggregated_pool_answers_as_before() -> None:
+    svc = _service("kv_all", ("both", "both"))
+    assert svc.pair is None
+    out = svc.route({"token_ids": PROMPT, "request_id": "r"})
+    assert "prefill" not in out and out["worker"] in ("w0", "w1")
+
+
+def test_a_prompt_its_decode_worker_nearly_holds_prefills_there() -> None:
+    """Conditional disaggregation: with the prompt on w2 but for 4 blocks, under local_prefill_tokens, it prefills on
+    its decode worker, booked there alone, prefill included; a cold prompt goes to the prefill pool."""
+    svc = _service("min_ttft", capacity_tokens=100_000, local_prefill_tokens=128)
+    _store(svc, W[2], 60)
+    out = svc.route({"token_ids": PROMPT, "request_id": "near"})
+    assert out["local_prefill"] is True and out["worker"] == out["decode"]["recommended"] == "w2"
+    assert svc.decode_loads.load(W[2]).pending_prefill_tokens == 4 * BS
+    assert svc.loads.load(W[0]).running == svc.loads.load(W[1]).running == 0
+    cold = svc.route({"token_ids": list(range(50_000, 50_000 + 64 * BS)), "request_id": "cold"})
+    assert cold["local_prefill"] is False and cold["worker"] in ("w0", "w1")
+    assert svc.router_settings.kv_gbps == 50.0
+
+
+def test_the_indexer_cli_refuses_a_pool_without_decode_workers_in_one_line(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtier.sim.cli import main as cli
+
+    for argv, expected in (
+        (["--endpoint", "w0=tcp://127.0.0.1:1,role=prefill"], "needs a prefill and a decode worker"),
+        (["--endpoint", "w0=tcp://127.0.0.1:1,role=prefill", "--endpoint", "w1=tcp://127.0.0.1:2,role=decode",
+          "--kv-link-gbps", "-1"], "kv_gbps"),
+        (["--endpoint", "w0=tcp://127.0.0.1:1,role=dec"], "role 'dec'"),
+    ):
+        rc = cli(["indexer", "--listen", "127.0.0.1:0", *argv])
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert rc == 2 and len(err) == 1 and expected in err[0], (argv, err)
