@@ -27,7 +27,7 @@ from kvtier.sim.trace import Request
 from kvtier.wire.overlap import TierOverlap
 from kvtier.wire.protocol import StorageTier
 
-PD = ClusterConfig(prefill_workers=1, decode_workers=1, page_size=64, device_tokens=65_536, host_ratio=0.0)
+PD = ClusterConfig.of(prefill_workers=1, decode_workers=1, page_size=64, device_tokens=65_536, host_ratio=0.0)
 BYTES = MODELS["llama-3.1-8b"].bytes_per_token
 
 
@@ -53,7 +53,7 @@ def test_a_lone_requests_ttft_is_its_prefill_the_transfer_and_one_decode_step() 
     assert rec.ttft == pytest.approx(prefill + transfer + step, rel=1e-9)
     assert rec.finish > rec.first_token and rec.recomputed_tokens == n
     # The link is the one named: twice the bandwidth halves the transfer.
-    fast = simulate(one, dataclasses.replace(PD, kv_gbps=100.0), RunConfig("round_robin"))
+    fast = simulate(one, PD.replace(kv_gbps=100.0), RunConfig("round_robin"))
     assert fast.records[0].ttft == pytest.approx(prefill + transfer / 2 + step, rel=1e-9)
 
 
@@ -68,14 +68,14 @@ def test_a_later_turn_whose_context_is_on_its_decode_worker_transfers_only_the_n
 
 
 @pytest.mark.parametrize("cluster", [
-    dataclasses.replace(PD, prefill_workers=2, decode_workers=2, device_tokens=32_768, host_ratio=1.0, l3="disk",
+    PD.replace(prefill_workers=2, decode_workers=2, device_tokens=32_768, host_ratio=1.0, l3="disk",
                         l3_tokens=131_072),
-    dataclasses.replace(PD, prefill_workers=2, decode_workers=1, device_tokens=32_768, host_ratio=2.0,
+    PD.replace(prefill_workers=2, decode_workers=1, device_tokens=32_768, host_ratio=2.0,
                         l3="external", l3_tokens=262_144, local_prefill_tokens=7000),
     # (write-back with a disk tier trips an engine assertion, aggregated too: "loading a node without host copy")
-    dataclasses.replace(PD, prefill_workers=2, decode_workers=2, device_tokens=32_768, host_ratio=1.0,
+    PD.replace(prefill_workers=2, decode_workers=2, device_tokens=32_768, host_ratio=1.0,
                         write_policy=WritePolicy.WRITE_BACK),
-    dataclasses.replace(PD, prefill_workers=2, decode_workers=2, device_tokens=32_768, host_ratio=1.0, l3="disk",
+    PD.replace(prefill_workers=2, decode_workers=2, device_tokens=32_768, host_ratio=1.0, l3="disk",
                         l3_tokens=131_072, write_policy=WritePolicy.WRITE_THROUGH_SELECTIVE),
 ])
 @pytest.mark.parametrize("policy", ["round_robin", "min_ttft"])
@@ -106,7 +106,7 @@ def test_tokens_by_tier_and_by_side_sum_to_the_prompt(cluster: ClusterConfig, po
 def test_decode_admission_waits_for_memory_and_requests_never_vanish() -> None:
     """A decode worker admits a request once its prompt and whole output fit: the others wait (their first token
     comes late), none is lost, and a run stopped early counts the waiting ones unfinished."""
-    cluster = dataclasses.replace(PD, device_tokens=4096)
+    cluster = PD.replace(device_tokens=4096)
     trace = [req(f"r{i}", 0.0, 1500, 500, [10 * i, 10 * i + 1, 10 * i + 2]) for i in range(4)]
     res = simulate(trace, cluster, RunConfig("round_robin"))
     assert res.summary.requests == 4 and res.summary.unfinished == 0
@@ -122,7 +122,7 @@ def test_decode_admission_waits_for_memory_and_requests_never_vanish() -> None:
 
 
 def test_short_uncached_prompts_prefill_on_their_decode_worker() -> None:
-    cluster = dataclasses.replace(PD, local_prefill_tokens=512)
+    cluster = PD.replace(local_prefill_tokens=512)
     rec = simulate([req("a", 0.0, 300, 3, [1])], cluster, RunConfig("round_robin")).records[0]
     assert rec.worker == rec.decode_worker == 1 and rec.prefill_end == -1.0 and rec.transferred_tokens == 0
     assert rec.ttft == pytest.approx(cluster.latency.prefill_ms(300) / 1000, rel=1e-12)
@@ -134,7 +134,7 @@ def test_short_uncached_prompts_prefill_on_their_decode_worker() -> None:
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_every_policy_picks_a_prefill_and_a_decode_worker(policy: str) -> None:
-    cluster = dataclasses.replace(PD, prefill_workers=2, decode_workers=2, device_tokens=32_768, host_ratio=1.0)
+    cluster = PD.replace(prefill_workers=2, decode_workers=2, device_tokens=32_768, host_ratio=1.0)
     trace = generate(dataclasses.replace(PRESETS["chat"], requests=120, system_tokens=1024, user_tokens=600), 1)
     res = simulate(trace, cluster, RunConfig(policy))
     assert res.summary.requests == 120 and res.summary.unfinished == 0
@@ -148,7 +148,7 @@ def test_dynamo_picks_decode_by_load_and_min_ttft_by_the_kv_it_need_not_move() -
     """Sessions one after another on an idle cluster of two decode workers: Dynamo's decode router weighs no
     overlap, so a later turn lands on either (ties at random); kvtier's time cost sends it back to the decode worker
     holding its context, which then receives only the new part."""
-    cluster = dataclasses.replace(PD, decode_workers=2)
+    cluster = PD.replace(decode_workers=2)
     trace = []
     for s in range(12):
         base = [100 * s + k for k in range(6)]
@@ -190,10 +190,10 @@ def test_kv_link_cost_prices_the_missing_kv_in_time() -> None:
 
 def test_pool_flags_sweep_and_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     grid = parse_grid(["prefill_workers=2,1", "decode_workers=2"])
-    jobs = grid_jobs(generate(dataclasses.replace(PRESETS["chat"], requests=5), 0), ClusterConfig(workers=4),
+    jobs = grid_jobs(generate(dataclasses.replace(PRESETS["chat"], requests=5), 0), ClusterConfig.of(workers=4),
                      RunConfig("round_robin"), grid)
     assert [(j.cluster.prefill_workers, j.cluster.workers) for j in jobs] == [(2, 4), (1, 3)]
-    splits = grid_jobs(generate(dataclasses.replace(PRESETS["chat"], requests=5), 0), ClusterConfig(workers=16),
+    splits = grid_jobs(generate(dataclasses.replace(PRESETS["chat"], requests=5), 0), ClusterConfig.of(workers=16),
                        RunConfig("round_robin"), parse_grid(["pools=agg,8:8,4:12"]))
     assert [(j.cluster.prefill_workers, j.cluster.decode_workers, j.cluster.workers) for j in splits] == [
         (0, 0, 16), (8, 8, 16), (4, 12, 16)]
@@ -231,7 +231,7 @@ def test_both_pools_publish_through_the_codec_and_the_index_knows_their_roles(
             seen.append(self)
 
     monkeypatch.setattr(run_module, "DisaggPolicy", Spy)
-    cluster = dataclasses.replace(PD, decode_workers=2, host_ratio=1.0, device_tokens=32_768)
+    cluster = PD.replace(decode_workers=2, host_ratio=1.0, device_tokens=32_768)
     trace = generate(dataclasses.replace(PRESETS["chat"], requests=80, system_tokens=1024, user_tokens=600), 1)
     res = simulate(trace, cluster, RunConfig("kv_all"))
     assert res.events_published > 0 and res.summary.extra["events_lost"] == 0
@@ -249,7 +249,7 @@ def test_both_pools_publish_through_the_codec_and_the_index_knows_their_roles(
 def test_lost_events_of_either_pool_are_recovered_by_dumps() -> None:
     """Batches of prefill and decode workers lost on the way are replayed or dumped from their engines: the index
     ends as it would have without loss, and every request completes."""
-    cluster = dataclasses.replace(PD, prefill_workers=2, decode_workers=2, device_tokens=32_768, host_ratio=1.0)
+    cluster = PD.replace(prefill_workers=2, decode_workers=2, device_tokens=32_768, host_ratio=1.0)
     trace = generate(dataclasses.replace(PRESETS["chat"], requests=150, system_tokens=1024, user_tokens=600), 2)
     res = simulate(trace, cluster, RunConfig("min_ttft", event_loss=0.1, loss_burst=3, replay_buffer=2, seed=1))
     assert res.events_lost > 0 and res.wire.dumps > 0
@@ -268,7 +268,7 @@ def test_a_decode_side_with_its_own_index_hears_the_events_too(monkeypatch: pyte
             seen.append(self)
 
     monkeypatch.setattr(run_module, "DisaggPolicy", Spy)
-    cluster = dataclasses.replace(PD, decode_workers=2, host_ratio=1.0, device_tokens=32_768)
+    cluster = PD.replace(decode_workers=2, host_ratio=1.0, device_tokens=32_768)
     trace = generate(dataclasses.replace(PRESETS["chat"], requests=60, system_tokens=1024, user_tokens=600), 1)
     simulate(trace, cluster, RunConfig("llmd_precise"))
     dec = seen[0].decode
