@@ -12,13 +12,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtier.hardware.latency import MockerLatency, decode_step_max_ms
+from kvtier.hardware.latency import MockerLatency, TransferModel, decode_step_max_ms
+from kvtier.indexer.routing.load import WorkerLoad
+from kvtier.indexer.routing.scoring import SLO_MISS_MS, SloCost, TtftCost
 from kvtier.sim.cli import main as cli
 from kvtier.sim.cluster import ClusterConfig
 from kvtier.sim.generators import PRESETS, generate
 from kvtier.sim.metrics import RequestRecord, Slo, summarize
 from kvtier.sim.run import RunConfig, simulate
 from kvtier.sim.trace import Request
+from kvtier.wire.overlap import TierOverlap
 
 SMALL = ClusterConfig.of(workers=3, page_size=64, device_tokens=32_768, host_ratio=1.0, l3="disk", l3_tokens=131_072)
 
@@ -156,30 +159,66 @@ def test_a_prompt_cached_whole_still_gets_its_first_token_from_a_prefill() -> No
     assert res.summary.ttft_p50 > 0
 
 
-def test_the_goodput_policy_keeps_cache_affinity_only_while_the_slo_holds() -> None:
-    """Two workers, the prompt's prefix cached on the first, which already decodes a big batch: without bounds the
-    cost is min_ttft's (the cached worker wins); with a TPOT bound the cached worker's decode step would pass, so
-    the idle one wins; with a bound both meet, affinity wins again."""
-    from kvtier.hardware.latency import TransferModel
-    from kvtier.indexer.routing.load import WorkerLoad
-    from kvtier.indexer.routing.scoring import SloCost, TtftCost
-    from kvtier.wire.overlap import TierOverlap
-
+def _goodput_parts() -> tuple[TtftCost, WorkerLoad, WorkerLoad, TierOverlap, TierOverlap]:
+    """min_ttft's cost on a 1M-token worker; a worker decoding a big batch, one decoding two streams; a 16,384-token
+    prompt's overlap where all but its last 384 tokens are cached, and a cold one."""
     base = TtftCost(TransferModel(131_072), capacity_tokens=1_000_000)
-    busy = WorkerLoad(running=60, prefilling=0, active_blocks=10_000, context_tokens=700_000)
+    busy = WorkerLoad(running=30, active_blocks=5000, context_tokens=300_000)
+    light = WorkerLoad(running=2, active_blocks=300, context_tokens=20_000)
+    return base, busy, light, TierOverlap(250, 250, 250, 250), TierOverlap(0, 0, 0, 0)
+
+
+def test_the_goodput_policy_keeps_cache_affinity_only_while_it_is_worth_what_users_feel() -> None:
+    """Without bounds the policy is min_ttft. Told an SLO, it prices TTFT against TPOT and the streams it slows: the
+    prefix's worker decoding a big batch loses to an idle one (min_ttft keeps the prefix: 7 decode steps cost less
+    than the prefill it saves), the same worker decoding two streams keeps it; a TPOT bound the batch would pass
+    moves the request whatever the price."""
+    base, busy, light, cached, cold = _goodput_parts()
     idle = WorkerLoad()
-    cached, cold = TierOverlap(60, 60, 60, 60), TierOverlap(0, 0, 0, 0)
 
-    def pick(cm: SloCost) -> str:
-        a = cm.cost(4096, 64, cached, busy, 0, 200.0)
-        b = cm.cost(4096, 64, cold, idle, 0, 200.0)
-        return "cached" if a < b else "idle"
+    def pick(cm: SloCost | TtftCost, load: WorkerLoad) -> str:
+        return "cached" if cm.cost(16384, 64, cached, load, 0, 200.0) < cm.cost(16384, 64, cold, idle, 0, 200.0) \
+            else "idle"
 
-    step_busy = base.latency.decode_ms((700_000 + 4096 + 100) / 1_000_000)
-    assert pick(SloCost(base)) == ("cached" if base.cost(4096, 64, cached, busy, 0, 200.0)
-                                   < base.cost(4096, 64, cold, idle, 0, 200.0) else "idle")
-    assert SloCost(base).cost(4096, 64, cached, busy, 0, 200.0) == base.cost(4096, 64, cached, busy, 0, 200.0)
-    assert pick(SloCost(base, tpot_ms=step_busy * 0.9)) == "idle"
-    assert pick(SloCost(base, ttft_ms=1e6, tpot_ms=step_busy * 1.5)) == pick(SloCost(base))
-    ttft, tpot = SloCost(base).estimates(4096, 64, cached, busy, 0, 200.0)
-    assert tpot == pytest.approx(step_busy) and ttft > 0
+    assert SloCost(base).cost(16384, 64, cached, busy, 0, 200.0) == base.cost(16384, 64, cached, busy, 0, 200.0)
+    assert pick(SloCost(base), busy) == pick(base, busy) == "cached"
+    loose = SloCost(base, ttft_ms=1e6, tpot_ms=1e6)
+    assert pick(loose, busy) == "idle" and pick(loose, light) == "cached"
+    _, tpot_light = loose.estimates(16384, 64, cached, light, 0, 200.0)
+    assert pick(SloCost(base, tpot_ms=tpot_light * 0.99), light) == "idle"
+    ttft, tpot = loose.estimates(16384, 64, cached, busy, 0, 200.0)
+    step = base.latency.decode_ms((300_000 + 16384 + 100) / 1_000_000)
+    assert tpot == pytest.approx(step) and ttft > 0  # no uncached tokens routed there: no prefill pass counted
+
+
+def test_the_tpot_estimate_counts_the_prefill_passes_the_decode_steps_share() -> None:
+    """A worker runs prompts' chunks inside its streams' iterations: about as many passes as its in-flight requests
+    brought come in while a request decodes (arrivals replace them), spread over the output it is expected to write;
+    while no output length is known none is counted."""
+    base, _, light, _, cold = _goodput_parts()
+    cm = SloCost(base)
+    prefilled = dataclasses.replace(light, routed_prefill_tokens=6000)
+    (t0, plain), (t1, shared) = cm.estimates(1000, 64, cold, light, 0, 100.0), cm.estimates(1000, 64, cold,
+                                                                                             prefilled, 0, 100.0)
+    assert t0 == t1 and shared - plain == pytest.approx(2 * base.latency.prefill_ms(3000) / 100.0)
+    assert cm.estimates(1000, 64, cold, prefilled, 0, 0.0) == cm.estimates(1000, 64, cold, light, 0, 0.0)
+
+
+def test_a_prompt_cached_whole_is_expected_to_wait_for_its_one_token_pass() -> None:
+    """The engine still runs a wholly cached prompt's last token through the model (for its first output token's
+    logits): the TTFT estimate is that pass, not 0."""
+    base, _, _, _, _ = _goodput_parts()
+    ttft, _ = SloCost(base).estimates(64 * 250, 64, TierOverlap(250, 250, 250, 250), WorkerLoad())
+    assert ttft == pytest.approx(base.latency.prefill_ms(1)) and ttft > 0
+
+
+def test_workers_that_all_miss_the_slo_are_ordered_by_price_not_by_how_far_they_miss() -> None:
+    """A bound no worker can meet (a TPOT under the decode floor) must not turn the policy into a TPOT balancer that
+    throws the cache away: the worker keeping the prefix, the cheaper by price, wins, although its TPOT is the
+    further from the bound; every cost is past SLO_MISS_MS, and the router's tie tolerance cannot merge them."""
+    base, _, light, cached, cold = _goodput_parts()
+    cm = SloCost(base, tpot_ms=1.0)
+    keep, move = cm.cost(16384, 64, cached, light, 0, 200.0), cm.cost(16384, 64, cold, WorkerLoad(), 0, 200.0)
+    assert SLO_MISS_MS <= keep < move and move - keep > 1e-9 * move
+    assert cm.estimates(16384, 64, cached, light, 0, 200.0)[1] > cm.estimates(16384, 64, cold, WorkerLoad(), 0,
+                                                                              200.0)[1]

@@ -79,14 +79,15 @@ def test_load_tracker_bookkeeping() -> None:
     lt.add("r2", A, keys=[5], prompt_tokens=4, prefill_tokens=50)
     with pytest.raises(ValueError, match="r1"):
         lt.add("r1", B, [9], 4, 1)
-    assert lt.load(A) == WorkerLoad(2, 4, 150, prefilling=2, context_tokens=14)
+    assert lt.load(A) == WorkerLoad(2, 4, 150, prefilling=2, context_tokens=14, routed_prefill_tokens=150)
     lt.prefill_done("r1")
     lt.prefill_done("r1")
     assert lt.load(A).pending_prefill_tokens == 50 and lt.load(A).prefilling == 1
     lt.finish("r2")
     lt.finish("nope")
     lt._check()
-    assert lt.load(A) == WorkerLoad(1, 3, 0, context_tokens=10) and lt.load(B) == WorkerLoad()
+    assert lt.load(A) == WorkerLoad(1, 3, 0, context_tokens=10, routed_prefill_tokens=100)
+    assert lt.load(B) == WorkerLoad()
 
 
 def test_load_counts_a_shared_prefix_once_and_grows_with_decode() -> None:
@@ -201,6 +202,26 @@ def test_load_tracks_context_read_by_decode_and_output_engines_reserve() -> None
     assert lt.expected_output == pytest.approx(40 + (56 - 40) / 32)
     lt.finish("r3")  # length unknown: the estimate stays
     assert lt.expected_output == pytest.approx(40.5) and lt.load(A) == WorkerLoad()
+    lt._check()
+
+
+def test_load_keeps_the_uncached_tokens_routed_until_each_request_finishes() -> None:
+    """The goodput policy's TPOT estimate needs the prefill passes a worker's streams share their decode steps with:
+    the uncached tokens its in-flight requests brought stay counted past their first token (when the pending prefill
+    drops them), until they finish."""
+    lt = LoadTracker(block_size=4)
+    lt.add("r1", A, keys=[1, 2, 3], prompt_tokens=12, prefill_tokens=12)
+    lt.add("r2", A, keys=[1, 2, 3, 4], prompt_tokens=17, prefill_tokens=5)
+    lt.add("r3", B, keys=[9], prompt_tokens=4, prefill_tokens=4)
+    assert (lt.load(A).routed_prefill_tokens, lt.load(B).routed_prefill_tokens) == (17, 4)
+    lt.prefill_done("r1")
+    assert (lt.load(A).pending_prefill_tokens, lt.load(A).routed_prefill_tokens) == (5, 17)
+    lt._check()
+    lt.finish("r1", 30)
+    assert lt.load(A).routed_prefill_tokens == 5
+    lt.finish("r2")
+    lt.finish("r3", 2)
+    assert lt.load(A) == WorkerLoad() and lt.load(B) == WorkerLoad()
     lt._check()
 
 

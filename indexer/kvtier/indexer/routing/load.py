@@ -35,6 +35,10 @@ class WorkerLoad:
     # Output tokens the engines are expected to reserve and not yet written: sum over in-flight requests
     # of max(0, expected output at routing - generated). Engines reserve room for the output at admission.
     unwritten_tokens: int = 0
+    # Uncached prompt tokens the in-flight requests brought, kept until each finishes (``pending_prefill_tokens``
+    # drops them at first token): with ``running``, the prefill passes a stream on this worker shares its decode
+    # steps with, as arrivals replace the requests in flight (the goodput policy's TPOT estimate).
+    routed_prefill_tokens: int = 0
 
 
 def held_prefix(held: Container[Hashable], keys: Sequence[Hashable]) -> int:
@@ -181,6 +185,7 @@ class LoadTracker:
         ld.prefilling += 1
         ld.context_tokens += prompt_tokens
         ld.unwritten_tokens += f.reserve
+        ld.routed_prefill_tokens += prefill_tokens
 
     def _count_in(self, w: _Worker, f: _InFlight, keys: Sequence[Hashable]) -> int:
         """Counts request ``f``'s prompt ``keys`` on its worker ``w``; returns how many were not counted there
@@ -282,6 +287,7 @@ class LoadTracker:
         ld.generated_blocks -= f.private - self._private_blocks(f, 0)
         ld.context_tokens -= f.prompt_tokens + f.generated
         ld.unwritten_tokens -= max(0, f.reserve - f.generated)
+        ld.routed_prefill_tokens -= f.prefill_tokens
 
     def _check(self) -> None:
         totals: dict[StreamId, WorkerLoad] = {}
@@ -294,6 +300,7 @@ class LoadTracker:
             t.generated_blocks += f.private - self._private_blocks(f, 0)
             t.context_tokens += f.prompt_tokens + f.generated
             t.unwritten_tokens += max(0, f.reserve - f.generated)
+            t.routed_prefill_tokens += f.prefill_tokens
             for k in f.keys:
                 r[k] = r.get(k, 0) + 1
             if rid in self._prefilling:

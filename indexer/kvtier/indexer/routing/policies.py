@@ -19,7 +19,8 @@ their spec, not here.
 | kv_swa        | index    | every tier, window KV  | the ``cost`` setting, on the usable (windowed) prefix |
 | dynamo        | index    | every tier             | Dynamo kv_router's (:class:`DynamoCost`)             |
 | min_ttft      | index    | every tier             | estimated time to first token (:class:`TtftCost`)    |
-| goodput       | index    | every tier             | min_ttft among workers meeting the SLO (:class:`SloCost`) |
+| goodput       | index    | every tier             | min_ttft; told an SLO, the workers meeting it first, |
+|               |          |                        | priced by TTFT, TPOT and the streams it slows (:class:`SloCost`) |
 | oracle        | oracle   | the engines themselves | the ``cost`` setting                                 |
 
 The incumbent routers' policies, as baselines (routing-policy plugins of :mod:`kvtier.indexer.routing.incumbents`; each
@@ -149,7 +150,8 @@ _SPECS = [
     PolicySpec("dynamo", "index", _E, _dynamo, doc="NVIDIA Dynamo kv_router's cost, from its documentation"),
     PolicySpec("min_ttft", "index", _E, _ttft, doc="kvtier's own: the least estimated time to first token"),
     PolicySpec("goodput", "index", _E, _slo,
-               doc="kvtier's own: min_ttft among the workers where the request meets its SLO (TTFT, TPOT)"),
+               doc="kvtier's own: told an SLO (TTFT, TPOT), the workers where the request meets it first, then "
+                   "the least TTFT / 12 + TPOT + slowdown of the streams there"),
     PolicySpec("oracle", "oracle", _E, _setting_cost, doc="the engines' true state, no events"),
     PolicySpec("sglang_cache_aware", "history", None, doc="SGLang Model Gateway's cache_aware, from its code",
                plugin=lambda s, bs: SglangCacheAware(bs)),

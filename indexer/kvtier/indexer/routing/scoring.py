@@ -226,29 +226,45 @@ class TtftCost:
                                                step * self.decode_weight) + full
 
 
-#: What a worker that would miss the SLO costs on top of its shortfall: more than any estimate of a worker that meets
-#: it, so that one meeting it always wins (ms).
-SLO_MISS_MS = 1e9
+#: What a worker that would miss the SLO costs on top of its price: more than any price of a worker that meets it (a
+#: TTFT spread over :attr:`SloCost.ttft_tokens` plus milliseconds per token), so that one meeting it always wins,
+#: and small enough that prices among the workers missing it still differ by more than the router's tie tolerance.
+SLO_MISS_MS = 1e6
 
 
 @dataclass(slots=True, frozen=True)
 class SloCost:
-    """kvtier's goodput policy: the cheapest worker by ``base`` (:class:`TtftCost`, cache affinity priced in time)
-    among those where the request is expected to meet its SLO, else the one it misses by least.
+    """kvtier's goodput policy: told an SLO, the worker where the request is expected to meet it at the lowest price
+    in what users feel; without bounds, ``base`` (:class:`TtftCost`, min_ttft) exactly.
 
-    Two estimates per worker, for this request: its time to first token (``base`` with each decode step counted
-    once, the request's own wait) and its time per output token, the decode step at the context the worker would
-    attend over midway through the request's decode (the in-flight requests' prompts and outputs so far, this
-    prompt, and half of what it and they are expected still to write). A worker passing either bound
-    (``ttft_ms``, ``tpot_ms``; None: not bounded) costs :data:`SLO_MISS_MS` times its worst ratio to the bound.
-    Piling sessions where their prefixes are wins TTFT and loses every stream's TPOT there once the batch grows:
-    this stops adding to a worker before its decode step passes the bound. Without a capacity the TPOT estimate is
-    left out. Without bounds it routes exactly as ``base``.
+    Two estimates per worker, for this request (:meth:`estimates`): its time to first token (``base`` with each
+    decode step counted once, the request's own wait, and at least the one-token pass a prompt cached whole still
+    runs) and its time per output token. The TPOT is the decode step at the context the worker would attend over
+    midway through the request's decode (the in-flight requests' prompts and outputs so far, this prompt, and half
+    of what it and they are expected still to write), plus the prefill passes its decode steps will share: a
+    worker runs each prompt's chunks inside the iterations of its decoding streams, and while the request decodes
+    new arrivals replace those in flight, so about as many passes as the requests in flight there brought (their
+    uncached tokens, :attr:`~kvtier.indexer.load.WorkerLoad.routed_prefill_tokens`) come in, spread over the
+    output it is expected to write.
+
+    The price (ms per output token): ``TTFT / ttft_tokens + TPOT + spill_weight * running * slowdown``, where the
+    slowdown is what this request adds to the TPOT of each stream in flight there (its own prefill pass spread over
+    an output, and the step its context adds). Pricing TTFT alone piles sessions where their prefixes are and every
+    stream there decodes slower; pricing the request's own e2e (``ttft_tokens`` = its output) gives up the cache
+    for decode speed. A worker expected to pass either bound (``ttft_ms``, ``tpot_ms``; None: not bounded) costs
+    :data:`SLO_MISS_MS` more, so the SLO decides first and the price among the workers on each side of it. Before
+    any output length is known, or without a capacity (no TPOT model), the price is ``base``'s cost.
     """
 
-    base: TtftCost  # the cost among the workers meeting the SLO
+    base: TtftCost  # min_ttft's cost: the policy without bounds, and its price while no TPOT can be estimated
     ttft_ms: float | None = None
     tpot_ms: float | None = None
+    # Output tokens one millisecond of TTFT is spread over against TPOT: TTFT weighs as much as the TPOT of that
+    # many tokens. Tried 10, 12, 15 and 20 on issue 47's goodput grid (bench/goodput_table.py): below 12 the TPOT
+    # tails fell behind Dynamo's on the agentic trace, above it the TTFT p90 behind llm-d's. Chosen, not derived.
+    ttft_tokens: float = 12.0
+    # Weight of the slowdown the request brings to the streams in flight on a worker against its own TPOT.
+    spill_weight: float = 1.0
     # ``base`` with each decode step counted once: the request's own TTFT estimate (derived, made once)
     own: TtftCost = field(init=False, repr=False, compare=False)
 
@@ -261,21 +277,36 @@ class SloCost:
 
     def estimates(self, num_tokens: int, block_size: int, overlap: TierOverlap, load: WorkerLoad,
                   shared_blocks: int = 0, output_tokens: float = 0.0) -> tuple[float, float]:
-        """(TTFT, TPOT) the request is expected to see on a worker, ms; TPOT nan without a capacity. O(1)."""
+        """(TTFT, TPOT) the request is expected to see on a worker, ms; TPOT nan without a capacity. The prefill
+        passes its decode shares are left out while ``output_tokens`` is unknown (0). O(1)."""
         b = self.base
         ttft = self.own.cost(num_tokens, block_size, overlap, load, shared_blocks, output_tokens)
+        if load.pending_prefill_tokens + max(0, num_tokens - visible(overlap, b.max_tier).external * block_size) == 0:
+            ttft += b.latency.prefill_ms(1)  # nothing to compute: the last prompt token still runs, for its logits
         if not b.capacity_tokens:
             return ttft, float("nan")
-        # Over the request's decode the batch's context grows by half of what it and its neighbours still write.
         context = load.context_tokens + num_tokens + (load.unwritten_tokens + output_tokens) / 2
-        return ttft, b.latency.decode_ms(context / b.capacity_tokens)
+        tpot = b.latency.decode_ms(context / b.capacity_tokens)
+        if output_tokens > 0 and load.running:
+            n = load.running
+            tpot += n * b.latency.prefill_ms(round(load.routed_prefill_tokens / n)) / output_tokens
+        return ttft, tpot
 
     def cost(self, num_tokens: int, block_size: int, overlap: TierOverlap, load: WorkerLoad,
              shared_blocks: int = 0, output_tokens: float = 0.0) -> float:
-        base = self.base.cost(num_tokens, block_size, overlap, load, shared_blocks, output_tokens)
         if self.ttft_ms is None and self.tpot_ms is None:
-            return base
+            return self.base.cost(num_tokens, block_size, overlap, load, shared_blocks, output_tokens)
         ttft, tpot = self.estimates(num_tokens, block_size, overlap, load, shared_blocks, output_tokens)
-        worst = max(ttft / self.ttft_ms if self.ttft_ms else 0.0,
-                    tpot / self.tpot_ms if self.tpot_ms and tpot == tpot else 0.0)
-        return base if worst <= 1.0 else SLO_MISS_MS * worst
+        b = self.base
+        if b.capacity_tokens and output_tokens > 0:
+            lat, cap = b.latency, b.capacity_tokens
+            u = load.context_tokens / cap
+            step_added = lat.decode_ms(u + (num_tokens + output_tokens / 2) / cap) - lat.decode_ms(u)
+            uncached = max(0, num_tokens - visible(overlap, b.max_tier).external * block_size)
+            slowdown = step_added + lat.prefill_ms(uncached) / output_tokens
+            price = ttft / self.ttft_tokens + tpot + self.spill_weight * load.running * slowdown
+        else:
+            price = b.cost(num_tokens, block_size, overlap, load, shared_blocks, output_tokens)
+        meets = (self.ttft_ms is None or ttft <= self.ttft_ms) and (
+            self.tpot_ms is None or tpot != tpot or tpot <= self.tpot_ms)
+        return price if meets else SLO_MISS_MS + price
