@@ -29,8 +29,8 @@ LAYOUT = Layout("kvtier-live", 16)
 def engine(l3_dir: Path, pub: int, rep: int, *extra: str, name: str = "w0", l3: str = "disk"
            ) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "kvtier", "engine", "--name", name, "--endpoint", f"tcp://127.0.0.1:{pub}",
-           "--replay", f"tcp://127.0.0.1:{rep}", "--l3", l3, "--l3-dir", str(l3_dir), "--device-pages", "1024",
-           "--host-ratio", "2", "--parent-pid", str(os.getpid()), *extra]
+           "--replay", f"tcp://127.0.0.1:{rep}", "--l3", l3, "--l3-dir", str(l3_dir), "--page-size", "16",
+           "--device-pages", "1024", "--host-ratio", "2", "--parent-pid", str(os.getpid()), *extra]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
 
 

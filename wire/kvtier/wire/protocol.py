@@ -35,6 +35,8 @@ TOKEN_BYTES = 4
 #: simulator's and the indexer's block. A router must use its engines' own size (vLLM's default is 16, SGLang's
 #: page size 1); the indexer reports workers whose stores come in another (``/health`` wrong_block_size_workers).
 DEFAULT_BLOCK_SIZE = 64
+#: What a worker serves: prefill, decode (a disaggregated pool), or both (aggregated, the default).
+ROLES = ("prefill", "decode", "both")
 
 
 def pack_tokens(tokens: Sequence[int] | PackedTokens) -> PackedTokens:

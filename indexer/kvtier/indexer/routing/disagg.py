@@ -49,7 +49,7 @@ from kvtier.indexer.routing.router import RouteDecision, Router
 from kvtier.indexer.routing.scoring import SLO_MISS_MS, CostModel, DynamoCost, SloCost
 from kvtier.wire.notices import StreamId
 from kvtier.wire.overlap import TierOverlap
-from kvtier.wire.transport.subscriber import ROLES
+from kvtier.wire.protocol import ROLES
 
 __all__ = ["ROLES", "KvLinkCost", "PairDecision", "PairRouter", "decode_cost", "decode_rule", "pool_routers",
            "prefill_cost", "prefills_locally"]

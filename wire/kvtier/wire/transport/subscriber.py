@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import zmq
 
 from kvtier.wire.notices import Delivery, StreamId, StreamStats
-from kvtier.wire.protocol import WorkerId
+from kvtier.wire.protocol import ROLES, WorkerId
 from kvtier.wire.transport.addresses import connect_address_error
 from kvtier.wire.transport.frames import unpack_seq
 from kvtier.wire.transport.stream import StreamTracker
@@ -27,8 +27,6 @@ _REPLAY_HWM = 200_000  # replay frames queued on the subscriber side before ZMQ 
 
 #: The engines an endpoint may name (EndpointConfig.engine).
 ENGINES = ("sglang", "vllm", "kvtier")
-#: What an endpoint's worker serves: the prefill or the decode pool of a disaggregated deployment, or both.
-ROLES = ("prefill", "decode", "both")
 
 
 @dataclass(slots=True, frozen=True)
