@@ -27,7 +27,7 @@ blocks/s; <= 200 bytes per (block, worker) entry.
     python bench/indexer_bench.py                    # full size (100,000 events, 10,000 queries)
     python bench/indexer_bench.py --events 2000 --queries 200 --dynamo-python /tmp/dyn/bin/python
     python bench/indexer_bench.py --workers 256
-    KVTIER_JIT=0 python bench/indexer_bench.py       # keys from Python and the index in dicts (no numba)
+    KVTIER_JIT=0 python bench/indexer_bench.py       # router keys from Python (the index is compiled either way)
 """
 
 from __future__ import annotations

@@ -299,8 +299,8 @@ def test_many_workers_beyond_one_word() -> None:
 
 
 def test_vectorised_depths_with_workers_that_never_stored(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Slots handed out to workers that never stored a block: the numpy path reads mask words for every slot
-    handed out, more than any stored mask has (the compiled table widens its masks only when a slot stores)."""
+    """Slots handed out to workers that never stored a block: the scan reads mask words for every slot handed out,
+    more than any stored mask has (the compiled table widens its masks only when a slot stores)."""
     monkeypatch.setattr(levels_module, "MAX_RUNS", 0)
     idx = TieredIndex(4)
     streams = [StreamId(WorkerId(f"w{i}")) for i in range(40)]
@@ -406,7 +406,7 @@ def test_fast_index_agrees_with_naive_model(
 def test_vectorised_path_agrees_with_naive_model(
     events: list[tuple[str, StreamId, Event | None]], qs: list[tuple[list[int], int]]
 ) -> None:
-    """find_matches switches to numpy past MAX_RUNS runs of equal masks: check that path too."""
+    """find_matches scans every leading block past MAX_RUNS runs of equal masks: check that path too."""
     saved = levels_module.MAX_RUNS
     levels_module.MAX_RUNS = 0
     try:
@@ -546,7 +546,6 @@ def _agrees(events: list[tuple[str, StreamId, Event | None]], qs: list[tuple[lis
         assert again.find_matches(doc[:cut]).workers == fast.find_matches(doc[:cut]).workers
 
 
-
 def _leading_masks(idx: TieredIndex, keys: list[int]) -> list[int]:
     """The masks of the leading blocks anybody holds, one mapping read each (what the search must agree with)."""
     out = []
@@ -556,6 +555,7 @@ def _leading_masks(idx: TieredIndex, keys: list[int]) -> list[int]:
             break
         out.append(m)
     return out
+
 
 # --- fuzzing: arbitrary events never raise, every rejection is counted ------------------------
 

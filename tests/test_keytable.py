@@ -19,7 +19,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvtier.indexer.index.keyrefs import KeyRefs, key_array
 from kvtier.indexer.index.keys import BlockKey
-from kvtier.indexer.index.keytable import KEY, USED, EngineHashes, KeyTable, warm_tables
+from kvtier.indexer.index.keytable import KERNELS, KEY, USED, EngineHashes, KeyTable, warm_tables
+from kvtier.sim.cli import main as cli_main
+from tests.jit_paths import python_path
 
 M64 = (1 << 64) - 1
 
@@ -306,6 +308,22 @@ def test_the_index_ignores_kvtier_jit_0_and_without_numba_says_which_platform_la
     last = blocked.stderr.strip().splitlines()[-1]
     assert last.startswith("kvtier.kernels.jit.KernelsUnavailable: kvtier.indexer.index.tablekernel needs numba"), last
     assert platform.machine() in last and "no pure-Python path" in last
+
+
+@pytest.mark.parametrize("argv", [["replay", "--trace", "builtin:chat:20", "--workers", "2"],
+                                  ["indexer", "--listen", "127.0.0.1:0", "--endpoint", "w=tcp://127.0.0.1:1"]])
+def test_a_command_that_builds_an_index_without_its_kernels_exits_2_with_one_line(
+        argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """``kvtier replay`` and ``kvtier indexer`` where the table kernels cannot load: exit 2 and one line naming the
+    platform, not a traceback (the index is built before any socket is opened)."""
+    capsys.readouterr()
+    with python_path(KERNELS):
+        assert cli_main(argv) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("kvtier: error:")]  # (replay announces its run)
+    assert "Traceback" not in err and len(errors) == 1, err
+    assert errors[0].startswith("kvtier: error: kvtier.indexer.index.tablekernel needs numba"), errors
+    assert platform.machine() in errors[0]
 
 
 #: Engine hashes the way each engine sends them, so that a table keeps its compiled rows and grows: SGLang's signed

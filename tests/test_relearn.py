@@ -1,6 +1,4 @@
-"""After a loss for good, a store on a tier the engine keeps prefix-closed regains the chain it proves held.
-
-"""
+"""After a loss for good, a store on a tier the engine keeps prefix-closed regains the chain it proves held."""
 
 from __future__ import annotations
 

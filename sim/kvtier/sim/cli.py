@@ -34,6 +34,7 @@ from kvtier.hardware.links import (
     STORAGE_LINKS,
 )
 from kvtier.indexer.routing.policies import REGISTRY
+from kvtier.kernels.jit import KernelsUnavailable
 from kvtier.sim import live
 from kvtier.sim.cluster import CACHE_SETTINGS, ClusterConfig
 from kvtier.sim.generators import PRESETS, iter_generate
@@ -682,7 +683,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args))
-    except (CliError, ConfigError, TraceError) as exc:
+    except (CliError, ConfigError, TraceError, KernelsUnavailable) as exc:  # (no numba here: the index cannot run)
         print(f"kvtier: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # a file or socket the command needed

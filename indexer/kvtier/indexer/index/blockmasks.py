@@ -34,7 +34,7 @@ import numpy.typing as npt
 
 from kvtier.indexer.index.closure import PrefixClosure
 from kvtier.indexer.index.keys import BlockKey
-from kvtier.indexer.index.keytable import _M64, ROOT, ROOT_NS, UNDER, VAL, EngineHashes, KeyTable
+from kvtier.indexer.index.keytable import _M64, ROOT, ROOT_NS, UNDER, VAL, KeyTable
 from kvtier.indexer.index.masklayout import SLOT_MASK, SLOTS_PER_WORD, TIERS
 from kvtier.indexer.index.windowkv import WindowKV
 from kvtier.indexer.index.workerstate import WorkerState
@@ -58,8 +58,8 @@ def _bits(slot: int, tier: int) -> tuple[int, np.uint64, np.uint64]:
 
 
 class BlockMasks:
-    """Key -> mask in a compiled table, with the closure links. Workers' ``hashes`` must be :class:`EngineHashes`.
-    Not thread-safe (the index's caller serialises access)."""
+    """Key -> mask in a compiled table, with the closure links. Not thread-safe (the index's caller serialises
+    access)."""
 
     __slots__ = ("_c", "_k", "_removal", "_scratch", "_t", "_wheres", "_win", "closure", "masks")
 
@@ -97,7 +97,6 @@ class BlockMasks:
         its engine hashes injective and the prefix-closure links: one kernel call for every case but the rare ones
         (repeated engine hashes, an engine hash reused for other content), which go block by block. O(blocks)."""
         e = w.hashes
-        assert isinstance(e, EngineHashes), f"worker {w.stream}: engine hashes in a {type(e).__name__}"
         ehs = e.int64s(block_hashes)
         if ehs is None:
             self._insert_named_in_dict(w, e.demote(), block_hashes, keys, tier, parent)
@@ -119,7 +118,6 @@ class BlockMasks:
         parent's lookup, the keys and the store. Returns the chain's keys as a ``uint64`` array, valid until the
         next store; or None with nothing done, and the caller takes the general path (:meth:`insert`). O(blocks)."""
         e = w.hashes
-        assert isinstance(e, EngineHashes), f"worker {w.stream}: engine hashes in a {type(e).__name__}"
         peh = ev.parent_block_hash
         if peh is None:
             mode, base = (ROOT, 0) if ns is None else (ROOT_NS, ns)
@@ -158,7 +156,6 @@ class BlockMasks:
         closure's loose blocks and sets of children, the counts; block by block if the kernel took none of its
         cases. ``keys``: the chain's keys, a list or a ``uint64`` array. O(blocks) then, else O(changes)."""
         e, closure = w.hashes, self._c
-        assert isinstance(e, EngineHashes), f"worker {w.stream}: engine hashes in a {type(e).__name__}"
         newly, how, cur, res, _ = self._scratch
         held, added, aliases, linking, high, _, filling = res.tolist()
         parent_held = bool(held)
@@ -199,7 +196,6 @@ class BlockMasks:
         """Room for ``n`` more blocks of worker ``w`` in every table and the pool, for the kernels that check for
         it themselves (they change nothing while it lacks). O(entries) when a table grows, else O(1)."""
         t, e = self._t, w.hashes
-        assert isinstance(e, EngineHashes), f"worker {w.stream}: engine hashes in a {type(e).__name__}"
         t.widen(w.slot + 1)
         t.reserve(n)
         e.reserve(n)
@@ -255,7 +251,6 @@ class BlockMasks:
         n = len(block_hashes)
         p = t.pool
         e = w.hashes
-        assert isinstance(e, EngineHashes), f"worker {w.stream}: engine hashes in a {type(e).__name__}"
         ehs = e.int64s(block_hashes)
         if len(self._removal[0]) < n:
             self._removal = self._removal_outputs(n)
@@ -302,7 +297,6 @@ class BlockMasks:
         t, closure = self._t, self._c
         t.widen(w.slot + 1)
         e = w.hashes
-        assert isinstance(e, EngineHashes), f"worker {w.stream}: engine hashes in a {type(e).__name__}"
         karr = e.key_array()
         word, _, slot_bits = _bits(w.slot, 0)
         p = t.pool

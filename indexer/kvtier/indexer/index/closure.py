@@ -73,7 +73,6 @@ class KidMap(Mapping[BlockKey, Kids]):
         return len(self._rows())
 
 
-
 class PrefixClosure:
     """Loose blocks per (slot, tier) and the parent-to-children links, in the masks' table, that find them. Every
     method is O(1) per block, except those that say otherwise."""

@@ -1,10 +1,10 @@
 """The index's compiled storage, seen from Python: the block-key table and the per-worker engine-hash tables.
 
 :class:`KeyTable` (key -> mask) and :class:`EngineHashes` (engine hash -> key) own the arrays of
-:mod:`kvtier.indexer.index.tablekernel` and read like the dicts they replace (``get``, ``[]``, ``in``, ``del``,
-iteration), one compiled call per operation, so that the index's rare paths (snapshots, ``_check``, window
-KV, block-by-block stores) keep working unchanged; the paths every event takes call the kernels on whole
-arrays (:class:`kvtier.indexer.index.blockmasks.BlockMasks`).
+:mod:`kvtier.indexer.index.tablekernel` and read as mutable mappings (``get``, ``[]``, ``in``, ``del``,
+iteration), one compiled call per operation, for the index's rare paths (snapshots, ``_check``, window KV,
+block-by-block stores); the paths every event takes call the kernels on whole arrays
+(:class:`kvtier.indexer.index.blockmasks.BlockMasks`).
 
 A block's row holds the id of its mask in a :class:`MaskPool`, which keeps each distinct mask once (most blocks
 share a few: one worker, one tier), so a row is three words however many workers there are; a mask wider than
@@ -125,7 +125,6 @@ class RowTable:
 
     def __init__(self, width: int, cap: int = _MIN_CAP) -> None:
         self.k: Any = KERNELS.require()  # the kernel module
-        assert self.k is not None, "compiled tables built without numba"
         self.r = np.zeros((cap, VAL + width), np.uint64)  # rows
         # [entries, a sink for reads that only warm the cache (tablekernel._touch): a value stored where the caller
         # can see it keeps the compiler from dropping them; never read]

@@ -45,7 +45,7 @@ from kvtier.indexer.index.applier import EventApplier
 from kvtier.indexer.index.blockmasks import BlockMasks
 from kvtier.indexer.index.closure import MaskMap
 from kvtier.indexer.index.keys import BlockKey, block_keys
-from kvtier.indexer.index.keytable import KERNELS, EngineHashes, KeyTable
+from kvtier.indexer.index.keytable import KERNELS, KeyTable
 from kvtier.indexer.index.levels import DepthFinder
 from kvtier.indexer.index.masklayout import SLOT_MASK, TIERS
 from kvtier.indexer.index.orphans import OrphanStats
@@ -106,11 +106,8 @@ class TieredIndex:
         return list(self._workers)
 
     def _new_worker(self, stream: StreamId, slot: int) -> WorkerState:
-        """The state of a worker added at ``slot`` (called by :class:`WorkerSlots`): the index's window, and its
-        engine hashes in a compiled table beside compiled masks. O(1)."""
-        w = WorkerState(stream, slot, window=self._default_window, inferred=bool(self._default_window))
-        w.hashes = EngineHashes()
-        return w
+        """The state of a worker added at ``slot`` (called by :class:`WorkerSlots`), with the index's window. O(1)."""
+        return WorkerState(stream, slot, window=self._default_window, inferred=bool(self._default_window))
 
     def add_worker(self, stream: StreamId) -> None:
         """Registers a worker with no blocks (it then appears in every query). O(1)."""

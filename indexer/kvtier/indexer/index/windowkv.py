@@ -42,7 +42,7 @@ class WindowKV:
 
     def __init__(self, masks: MaskMap) -> None:
         self.bits: dict[BlockKey, int] = {}  # key -> window bits (a subset of its mask's bits)
-        self._masks = masks  # the index's key -> mask dict (the same object, kept current by the index)
+        self._masks = masks  # the index's key -> mask table (the same object, kept current by the index)
 
     def __bool__(self) -> bool:
         """Whether any block has window KV indexed. O(1)."""

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from enum import Enum
 
 from kvtier.indexer.index.keys import BlockKey
+from kvtier.indexer.index.keytable import EngineHashes
 from kvtier.indexer.index.masklayout import TIERS
 from kvtier.indexer.index.orphans import OrphanPool
 from kvtier.wire.notices import StreamId
@@ -45,9 +45,9 @@ class WorkerState:
 
     stream: StreamId  # identity
     slot: int  # bit position / TIERS in every mask
-    # Engine hash -> key: a dict, or a compiled table (kvtier.indexer.index.keytable.EngineHashes) beside compiled
-    # masks.
-    hashes: MutableMapping[EngineHash, BlockKey] = field(default_factory=dict)
+    # Engine hash -> key, injective: a compiled table, which keeps ``bytes`` hashes in a dict of its own
+    # (kvtier.indexer.index.keytable.EngineHashes).
+    hashes: EngineHashes = field(default_factory=EngineHashes)
     counts: list[int] = field(default_factory=lambda: [0] * TIERS)  # blocks per tier
     stats: WorkerStats = field(default_factory=WorkerStats)  # counters
     orphans: OrphanPool = field(default_factory=OrphanPool)  # stores waiting for their parent
