@@ -273,6 +273,42 @@ def test_sigterm_stops_the_service_cleanly_with_its_last_snapshot(tmp_path: Path
     assert positions[StreamId(WorkerId("w0"))][0] == 1  # resumes after the one batch applied
 
 
+@pytest.mark.parametrize("where", ["start", "banner"])
+def test_a_stop_signal_during_start_or_the_banner_still_stops_cleanly(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], where: str) -> None:
+    """A supervisor may stop the process the moment it sees the banner, while ``print`` has not returned yet (CI
+    caught it so: a KeyboardInterrupt traceback and exit by SIGINT), or while the service is still starting. The
+    signal is forced at each point here: serve returns as on any stop, the snapshot written."""
+    from kvtier.indexer.service import app
+
+    started = app.IndexerService.start
+    stopped: list[bool] = []
+
+    def start(self: IndexerService) -> None:
+        if where == "start":
+            raise KeyboardInterrupt  # before anything started
+        started(self)
+
+    def stop(self: IndexerService) -> None:
+        stopped.append(True)
+        original_stop(self)
+
+    original_stop = app.IndexerService.stop
+    monkeypatch.setattr(app.IndexerService, "start", start)
+    monkeypatch.setattr(app.IndexerService, "stop", stop)
+    if where == "banner":
+        def banner(*args: object, **kwargs: object) -> None:
+            raise KeyboardInterrupt  # the signal lands inside print
+        monkeypatch.setattr("builtins.print", banner)
+    snap = tmp_path / "index.snap"
+    with Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0") as pub:
+        cfg = ServiceConfig(endpoints=[parse_endpoint(f"w0={pub.endpoint},replay={pub.replay_endpoint}")],
+                            block_size=BS, listen="127.0.0.1:0", snapshot_path=str(snap))
+        app.serve(cfg)  # returns: no KeyboardInterrupt escapes
+    assert stopped == [True]
+    assert snap.exists() == (where == "banner")  # a service that never started has nothing to save
+
+
 def _indexer_process(pub: Publisher, snap: Path) -> tuple[subprocess.Popen[str], str]:
     """``kvtier indexer`` on one publisher with a snapshot file, and its HTTP address once it serves."""
     proc = subprocess.Popen(

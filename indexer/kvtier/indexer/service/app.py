@@ -517,10 +517,12 @@ def serve(config: ServiceConfig) -> None:
     main = threading.current_thread() is threading.main_thread()  # (only the main thread may set handlers)
     previous = signal.signal(signal.SIGTERM, _interrupt) if main else None
     try:
-        svc.start()
-        print(f"kvtier indexer: {len(config.endpoints)} endpoint(s), block size {config.block_size}, "
-              f"HTTP on {svc.address}", flush=True)
+        # A signal may land anywhere from here on, the start and the banner included (a supervisor that saw the
+        # banner may stop the process before print has returned): every path stops the service, snapshot written.
         try:
+            svc.start()
+            print(f"kvtier indexer: {len(config.endpoints)} endpoint(s), block size {config.block_size}, "
+                  f"HTTP on {svc.address}", flush=True)
             svc.failed.wait()
         except KeyboardInterrupt:
             return

@@ -73,8 +73,10 @@ class EventLoop:
         self._stop.set()
 
     def join(self, timeout_s: float = 5.0) -> None:
-        """Waits (at most ``timeout_s``) for the thread to end after :meth:`stop`."""
-        self._thread.join(timeout=timeout_s)
+        """Waits (at most ``timeout_s``) for the thread to end after :meth:`stop`; nothing to wait for if it never
+        started (a service stopped during its start)."""
+        if self._thread.ident is not None:
+            self._thread.join(timeout=timeout_s)
 
     def is_alive(self) -> bool:
         """Whether the thread runs and has not died for good (it may be waiting to restart). O(1)."""
