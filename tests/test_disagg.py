@@ -36,6 +36,21 @@ def req(rid: str, t: float, tokens: int, out: int, blocks: list[int], session: s
     return Request(rid, t, tokens, out, blocks, session=session)
 
 
+def _spy_policies(monkeypatch: pytest.MonkeyPatch) -> list[DisaggPolicy]:
+    """The disaggregated policies the simulator builds from now on, as it builds them."""
+    import kvtier.sim.run as run_module
+
+    seen: list[DisaggPolicy] = []
+
+    class Spy(DisaggPolicy):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            seen.append(self)
+
+    monkeypatch.setattr(run_module, "DisaggPolicy", Spy)
+    return seen
+
+
 def test_a_lone_requests_ttft_is_its_prefill_the_transfer_and_one_decode_step() -> None:
     """The KV moves after the prefill (not layer by layer beside it), over the named link, and the decode worker's
     first step makes the first token: all three are in TTFT, to the float."""
@@ -221,16 +236,7 @@ def test_both_pools_publish_through_the_codec_and_the_index_knows_their_roles(
     """Prefill workers announce what they computed (and backed up to host), decode workers what they received: one
     index hears both, through the real codec, each worker with its role; the router sees the prefill side's tiers
     and the decode side's device overlap apart."""
-    import kvtier.sim.run as run_module
-
-    seen: list[DisaggPolicy] = []
-
-    class Spy(DisaggPolicy):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            seen.append(self)
-
-    monkeypatch.setattr(run_module, "DisaggPolicy", Spy)
+    seen = _spy_policies(monkeypatch)
     cluster = PD.replace(decode_workers=2, host_ratio=1.0, device_tokens=32_768)
     trace = generate(dataclasses.replace(PRESETS["chat"], requests=80, system_tokens=1024, user_tokens=600), 1)
     res = simulate(trace, cluster, RunConfig("kv_all"))
@@ -258,16 +264,7 @@ def test_lost_events_of_either_pool_are_recovered_by_dumps() -> None:
 
 def test_a_decode_side_with_its_own_index_hears_the_events_too(monkeypatch: pytest.MonkeyPatch) -> None:
     """llm-d's precise scorer runs once per pool, each over its own index: both indexes hear both pools."""
-    import kvtier.sim.run as run_module
-
-    seen: list[DisaggPolicy] = []
-
-    class Spy(DisaggPolicy):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            seen.append(self)
-
-    monkeypatch.setattr(run_module, "DisaggPolicy", Spy)
+    seen = _spy_policies(monkeypatch)
     cluster = PD.replace(decode_workers=2, host_ratio=1.0, device_tokens=32_768)
     trace = generate(dataclasses.replace(PRESETS["chat"], requests=60, system_tokens=1024, user_tokens=600), 1)
     simulate(trace, cluster, RunConfig("llmd_precise"))

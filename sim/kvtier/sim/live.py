@@ -13,7 +13,6 @@ keeps serving replay and dump requests until SIGTERM or ``--hold`` seconds.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.util
 import json
 import math
@@ -34,12 +33,12 @@ from kvtier.engine.l3.storage import PageStore
 from kvtier.engine.node import EngineNode
 from kvtier.sim.experiment import resolve_trace
 from kvtier.sim.trace import Request, TokenBank
-from kvtier.util.fields import Domain, OneLineParser, add_options, field_default
+from kvtier.util.fields import Domain, OneLineParser, add_options
 from kvtier.wire.protocol import DEFAULT_BLOCK_SIZE
 from kvtier.wire.transport.publisher import DUMP_INTERVAL_S, MAX_DUMPS
 
 #: The engine's default device capacity: CacheConfig's (one default per setting).
-_DEVICE_PAGES: int = field_default(next(f for f in dataclasses.fields(CacheConfig) if f.name == "device_pages"))
+_DEVICE_PAGES = CacheConfig().device_pages
 
 
 def write_residency(cache: TieredCache, path: Path) -> None:
