@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.hardware.latency import PRESETS
 from kvtier.indexer.service.app import ConfigError, IndexerService, ServiceConfig, load_config, parse_endpoint
 from kvtier.wire import BlockStored, WorkerId
 from kvtier.wire.notices import StreamId
@@ -116,3 +117,48 @@ def test_the_indexer_cli_refuses_a_pool_without_decode_workers_in_one_line(
         rc = cli(["indexer", "--listen", "127.0.0.1:0", *argv])
         err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
         assert rc == 2 and len(err) == 1 and expected in err[0], (argv, err)
+
+
+def test_a_pair_predicts_the_simulators_ttft_for_a_lone_request_and_hears_back() -> None:
+    """On an idle pool, the pair's predicted TTFT is the prefill, the KV transfer and the decode worker's first step,
+    as the simulator runs a lone request (to the float); a decode worker holding the prompt saves its transfer in the
+    prediction. The reports feed the observed latencies back, as in an aggregated pool."""
+    from kvtier.sim.cluster import ClusterConfig
+    from kvtier.sim.run import RunConfig, simulate
+    from kvtier.sim.trace import Request
+
+    n = 3000
+    pd = ClusterConfig.of(prefill_workers=1, decode_workers=1, page_size=64, device_tokens=65_536, host_ratio=0.0)
+    sim = simulate([Request("a", 0.0, n, 5, [1, 2, 3, 4, 5, 6])], pd, RunConfig("round_robin")).records[0]
+    eps = [parse_endpoint("p=tcp://127.0.0.1:1,role=prefill"), parse_endpoint("d=tcp://127.0.0.1:2,role=decode")]
+    svc = IndexerService(ServiceConfig(endpoints=eps, block_size=64, listen="127.0.0.1:0", policy="round_robin",
+                                       capacity_tokens=pd.capacity_tokens()))
+    prompt = list(range(7, 7 + n))
+    cold = svc.route({"token_ids": prompt, "request_id": "a", "slo": {"ttft_ms": 1e4, "tpot_ms": 1e-3}})
+    assert cold["predicted"]["ttft_ms"] == pytest.approx(sim.ttft * 1000, rel=1e-9)
+    assert cold["predicted"]["tpot_ms"] > 0 and cold["predicted"]["meets_slo"] is False
+    assert svc.finish("a", {"output_tokens": 5})["was_in_flight"] is True
+    # The decode worker holds the prompt's 46 whole blocks: only the last 56 tokens' KV moves.
+    d = StreamId(WorkerId("d"))
+    svc.index.apply(d, BlockStored(block_hashes=list(range(1, 47)), parent_block_hash=None, token_ids=prompt[:46 * 64],
+                                   block_size=64, medium="GPU"))
+    warm = svc.route({"token_ids": prompt, "request_id": "b"})
+    saved = 46 * 64 * PRESETS["llama-3.1-8b"].bytes_per_token / (svc.router_settings.kv_gbps * 1e6)
+    assert warm["predicted"]["ttft_ms"] == pytest.approx(cold["predicted"]["ttft_ms"] - saved, rel=1e-9)
+    assert svc.first_token("b")["observed_ttft_ms"] >= 0
+    assert svc.metrics()["predictions"]["ttft"]["abs_error_seconds"]["count"] == 1
+
+
+def test_a_requests_slo_steers_the_goodput_pair() -> None:
+    """The goodput policy's decode side, disaggregated: w2 holds the prompt (no transfer over a slow link) but decodes a
+    big batch. With no SLO it takes w2; told a TPOT bound w2's batch would break, the idle w3; its prediction says
+    so."""
+    svc = _service("goodput", capacity_tokens=100_000, kv_gbps=0.5)
+    _store(svc, W[2], 64)
+    svc.decode_loads.add("batch", W[2], [], 60_000, 0)
+    svc.decode_loads.prefill_done("batch")
+    plain = svc.route({"token_ids": PROMPT, "request_id": "a"})
+    assert plain["decode"]["recommended"] == "w2" and plain["predicted"]["tpot_ms"] > 20
+    bounded = svc.route({"token_ids": PROMPT, "request_id": "b", "slo": {"tpot_ms": 15.0}})
+    assert bounded["decode"]["recommended"] == "w3" and bounded["predicted"]["meets_slo"] is True
+    assert bounded["predicted"]["tpot_ms"] < 15.0

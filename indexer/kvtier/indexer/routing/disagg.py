@@ -75,6 +75,10 @@ class KvLinkCost:
     # (as SloCost estimates it), would pass it costs SLO_MISS_MS times its ratio to the bound
     tpot_ms: float | None = None
 
+    def with_slo(self, tpot_ms: float | None) -> KvLinkCost:
+        """This cost told a request's TPOT bound (the goodput policy's decode side). O(1)."""
+        return dataclasses.replace(self, tpot_ms=tpot_ms)
+
     def transfer_ms(self, tokens: int) -> float:
         """Milliseconds to move ``tokens`` tokens of KV over the link. O(1)."""
         return max(0, tokens) * self.bytes_per_token / (self.kv_gbps * 1e6)
@@ -165,12 +169,14 @@ class PairRouter:
         self.assume_reuse = assume_reuse
         self.local_prefill_tokens = local_prefill_tokens
 
-    def route_keys(self, keys: list[BlockKey], num_tokens: int) -> PairDecision:
-        """The pair for a request given as block keys. O(blocks + workers)."""
-        p = self.prefill.route_keys(keys, num_tokens)
+    def route_keys(self, keys: list[BlockKey], num_tokens: int, prefill_cost: CostModel | None = None,
+                   decode_cost: CostModel | None = None) -> PairDecision:
+        """The pair for a request given as block keys; ``prefill_cost`` and ``decode_cost`` are this request's
+        (None: the routers'). O(blocks + workers)."""
+        p = self.prefill.route_keys(keys, num_tokens, prefill_cost)
         overlaps = p.overlaps if self.prefill.index is self.decode.index else \
             self.decode.index.find_matches_keys(keys)
-        d = self.decode.choose(overlaps, num_tokens, keys if self.assume_reuse else None)
+        d = self.decode.choose(overlaps, num_tokens, keys if self.assume_reuse else None, decode_cost)
         bs = self.decode.index.block_size
         o = overlaps.workers.get(d.worker)
         cached = 0 if o is None else o.device * bs

@@ -318,6 +318,25 @@ class IndexerService:
         return self._predictor.estimates(tokens, self.index.block_size, dec.overlaps.workers[dec.worker], load,
                                          shared, self.loads.expected_output)
 
+    def _route_one(self, rid: str, keys: list[BlockKey], tokens: int, req: RequestBody, owner: str,
+                   t0: float) -> tuple[dict[str, Any], float, float]:
+        """:meth:`route` in an aggregated pool: the answer, with the predicted TTFT and TPOT in ms. Caller holds the
+        lock."""
+        dec = self.router.route_keys(keys, tokens, self._request_cost(req))
+        ttft_ms, tpot_ms = self._predict(dec, keys, tokens)
+        self.predictions.routed(rid, time.monotonic(), ttft_ms, tpot_ms)
+        cached = dec.overlaps.workers[dec.worker].external * self.index.block_size
+        self.loads.add(rid, dec.worker, keys, tokens, max(0, tokens - cached))
+        self.index.note_routed(dec.worker, keys)  # inferred window KV (SWA engines without window events)
+        note_routed(self.router.policy, keys, tokens, dec.worker)  # a routing-history policy learns it
+        self._deadlines.book(rid, time.monotonic())
+        self.clients.book(rid, owner)
+        out = self._answer(dec)
+        self.request_seconds["route"].observe(time.perf_counter() - t0)
+        out["request_id"] = rid
+        out["worker"] = out["recommended"]
+        return out, ttft_ms, tpot_ms
+
     def route(self, body: bytes | Any, owner: str = "local") -> dict[str, Any]:
         """``POST /route``: routes and books the request on its worker until it finishes or expires; ``owner``
         (:meth:`Clients.identify <kvtier.indexer.service.clients.Clients.identify>`) alone may release it.
@@ -336,20 +355,9 @@ class IndexerService:
                 raise ValueError(f"request {rid!r} is already in flight")
             self.clients.check_room(owner)
             if self.pair is not None:
-                return route_pair(self, self.pair, rid, keys, tokens, owner, t0)
-            dec = self.router.route_keys(keys, tokens, self._request_cost(req))
-            ttft_ms, tpot_ms = self._predict(dec, keys, tokens)
-            self.predictions.routed(rid, time.monotonic(), ttft_ms, tpot_ms)
-            cached = dec.overlaps.workers[dec.worker].external * self.index.block_size
-            self.loads.add(rid, dec.worker, keys, tokens, max(0, tokens - cached))
-            self.index.note_routed(dec.worker, keys)  # inferred window KV (SWA engines without window events)
-            note_routed(self.router.policy, keys, tokens, dec.worker)  # a routing-history policy learns it
-            self._deadlines.book(rid, time.monotonic())
-            self.clients.book(rid, owner)
-            out = self._answer(dec)
-            self.request_seconds["route"].observe(time.perf_counter() - t0)
-        out["request_id"] = rid
-        out["worker"] = out["recommended"]
+                out, ttft_ms, tpot_ms = route_pair(self, self.pair, rid, keys, tokens, req.slo, owner, t0)
+            else:
+                out, ttft_ms, tpot_ms = self._route_one(rid, keys, tokens, req, owner, t0)
         predicted: dict[str, Any] = {"ttft_ms": ttft_ms, "tpot_ms": None if tpot_ms != tpot_ms else tpot_ms}
         if req.slo is not None:
             predicted["meets_slo"] = ((req.slo.ttft_ms is None or ttft_ms <= req.slo.ttft_ms)

@@ -3,29 +3,77 @@
 The pair comes from :class:`kvtier.indexer.routing.disagg.PairRouter`. The prefill worker is booked until the
 request's first token (its prompt is computed and handed over by then), the decode worker until it finishes; a
 prompt that prefills on its decode worker (``local_prefill``) is booked there alone, prefill included.
+
+What it predicts for the pair (:func:`predict_pair`), before booking: the TTFT is the prefill worker's (its queue,
+tier loads and the prompt's uncached part, as an aggregated pool's worker is predicted), plus the KV the decode
+worker lacks moved over the KV link, plus the decode worker's first step, which makes the first token; the TPOT is
+the decode worker's (its batch midway through the request's decode). A local prefill is predicted on its decode
+worker alone, as an aggregated worker.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
+from kvtier.hardware.latency import PRESETS
 from kvtier.indexer.index.keys import BlockKey
-from kvtier.indexer.routing.disagg import PairRouter
+from kvtier.indexer.routing.disagg import KvLinkCost, PairDecision, PairRouter
 from kvtier.indexer.routing.plugins import note_routed
+from kvtier.indexer.routing.scoring import CostModel, SloCost
+from kvtier.indexer.service.requestbody import SloBody
+from kvtier.wire.overlap import TierOverlap
 
 if TYPE_CHECKING:
     from kvtier.indexer.service.app import IndexerService
 
+_NONE = TierOverlap(0, 0, 0, 0)
 
-def route_pair(svc: IndexerService, pair: PairRouter, rid: str, keys: list[BlockKey], tokens: int, owner: str,
-               t0: float) -> dict[str, Any]:
+
+def predict_pair(svc: IndexerService, decision: PairDecision, keys: list[BlockKey], tokens: int) -> tuple[float, float]:
+    """Predicted (TTFT, TPOT) in ms of a request on its pair (see the module docstring), before it is booked; TPOT
+    nan without a configured capacity. Caller holds the service's lock. O(blocks)."""
+    est, bs = svc._predictor, svc.index.block_size
+    d = decision.decode
+    (dload,), (dshared,) = svc.decode_loads.loads_and_shared([d.worker], keys)
+    held = d.overlaps.workers.get(d.worker, _NONE)  # (a load-based decode side reads no overlap)
+    ttft, tpot = est.estimates(tokens, bs, held, dload, dshared, svc.decode_loads.expected_output)
+    if decision.local:
+        return ttft, tpot
+    p = decision.prefill
+    (pload,), (pshared,) = svc.loads.loads_and_shared([p.worker], keys)
+    ttft, _ = est.estimates(tokens, bs, p.overlaps.workers.get(p.worker, _NONE), pload, pshared)
+    rs = svc.router_settings
+    missing = max(0, tokens - max(held.device, dshared) * bs)
+    ttft += missing * PRESETS[rs.model].bytes_per_token / (rs.kv_gbps * 1e6)
+    if rs.capacity_tokens:
+        ttft += rs.latency.decode_ms(min(1.0, (dload.context_tokens + tokens) / rs.capacity_tokens))
+    return ttft, tpot
+
+
+def _request_costs(pair: PairRouter, slo: SloBody | None) -> tuple[CostModel | None, CostModel | None]:
+    """The pair's costs for a request that states ``slo``: the goodput policy's prefill side told its TTFT bound, its
+    decode side its TPOT bound; (None, None) for other policies or without an SLO (the routers' own)."""
+    pre, dec = pair.prefill.cost_model, pair.decode.cost_model
+    if slo is None or not isinstance(pre, SloCost):
+        return None, None
+    return (dataclasses.replace(pre, ttft_ms=slo.ttft_ms),
+            dec.with_slo(slo.tpot_ms) if isinstance(dec, KvLinkCost) else None)
+
+
+def route_pair(svc: IndexerService, pair: PairRouter, rid: str, keys: list[BlockKey], tokens: int, slo: SloBody | None,
+               owner: str, t0: float) -> tuple[dict[str, Any], float, float]:
     """Routes and books request ``rid`` on a pair; answers ``{"prefill": ..., "decode": ...}``, each as an aggregated
     pool's answer over its pool (overlaps of every worker, costs of the pool's, its ``recommended`` worker), every
-    worker's ``role`` beside its flags. Caller holds the service's lock. O(blocks + workers)."""
-    decision = pair.route_keys(keys, tokens)
+    worker's ``role`` beside its flags, with the predicted TTFT and TPOT in ms (:func:`predict_pair`), which
+    :attr:`~kvtier.indexer.service.app.IndexerService.predictions` holds until the reports come. Caller holds the
+    service's lock. O(blocks + workers)."""
+    decision = pair.route_keys(keys, tokens, *_request_costs(pair, slo))
     p, d = decision.prefill, decision.decode
     bs = svc.index.block_size
+    ttft_ms, tpot_ms = predict_pair(svc, decision, keys, tokens)
+    svc.predictions.routed(rid, time.monotonic(), ttft_ms, tpot_ms)
     if decision.local:
         o = d.overlaps.workers.get(d.worker)
         svc.decode_loads.add(rid, d.worker, keys, tokens, max(0, tokens - (o.device * bs if o else 0)))
@@ -46,4 +94,4 @@ def route_pair(svc: IndexerService, pair: PairRouter, rid: str, keys: list[Block
             out[side]["workers"][str(s)]["role"] = svc.index.role(s)
     out["worker"] = out["decode" if decision.local else "prefill"]["recommended"]
     svc.request_seconds["route"].observe(time.perf_counter() - t0)
-    return out
+    return out, ttft_ms, tpot_ms
