@@ -306,3 +306,17 @@ def test_a_finished_job_frees_its_cluster() -> None:
         assert caches() == before
     finally:
         gc.enable()
+
+
+def test_write_back_with_disk_loads_a_prefetched_chain_whose_backups_evict_host() -> None:
+    """Under write_back, making device room for a chain an L3 prefetch brought in backs up device leaves, and their
+    host pages evicted host-only leaves: the chain's own last node among them, then loaded without a host copy
+    (an AssertionError in Copies.load). The chain is held while its pages are allocated; the run completes, every
+    request accounted for."""
+    from kvtier.sim.experiment import resolve_trace
+
+    trace = resolve_trace("builtin:chat:400")
+    cluster = ClusterConfig.of(workers=2, device_tokens=16_384, host_ratio=1.0, l3="disk", write_policy="write_back")
+    s = simulate(trace, cluster, RunConfig("round_robin")).summary
+    assert s.requests + s.unfinished + s.rejected == 400 and s.requests > 300
+    assert s.hit_storage > 0  # the L3 tier served prompts: prefetches ran

@@ -203,14 +203,17 @@ class Copies:
     # --- load-back (host -> device) --------------------------------------------------------
 
     def load(self, nodes: list[Node], adm: Admission | None) -> None:
-        """Host -> device for host-only nodes (parents first); joins loads already in flight. A node flagged
-        ``load_swa`` brings its window KV too."""
+        """Host -> device for host-only ``nodes``, a chain (parents first, each an ancestor of the last); joins loads
+        already in flight. A node flagged ``load_swa`` brings its window KV too."""
         todo = []
-        # Making room must not evict the chain's ancestors already on device: one whose children have no device
-        # pages yet is a device leaf, and unless a request holds it (a chain a prefetch brought in hangs below
-        # what the request held), the allocation would evict the parent of the node it loads. Once a child is
-        # loading, its parent is no leaf any more.
-        anchor = nodes[0].parent if nodes else None
+        # Making room must evict neither the chain's ancestors already on device nor the chain's own host copies,
+        # so the whole chain is held (its last node, with every ancestor) while its pages are allocated:
+        # - an ancestor whose children have no device pages yet is a device leaf, and unless a request holds it
+        #   (a chain a prefetch brought in hangs below what the request held), the allocation would evict the
+        #   parent of the node it loads;
+        # - under write_back a device eviction is a backup, whose host pages may evict a host-only leaf: the
+        #   chain's own last node (a prefetched one), which would then be loaded without a host copy.
+        anchor = nodes[-1] if nodes else None
         if anchor is not None:
             self._evictor.lock(anchor)
         try:
