@@ -98,6 +98,7 @@ def main() -> int:
           f"{'p99 ms':>8}{'vs Dynamo':>11}  target")
     misses = 0
     walls: dict[tuple[str, str], float] = {}
+    dyn_walls: dict[tuple[str, str], float] = {}  # Dynamo's, by (configuration, mode)
     with tempfile.TemporaryDirectory() as tmp:
         dyn_trace = Path(tmp) / "trace.jsonl"
         if py:
@@ -105,6 +106,7 @@ def main() -> int:
         for config in a.configs.split(","):
             cfg = CONFIGS[config]
             dyn = run_dynamo(py, dyn_trace, cfg, host_credit=0.75) if py and cfg.l3 == "none" else {}
+            dyn_walls.update({(config, mode): row.wall_s for mode, row in dyn.items()})
             for mode, row in sorted(dyn.items()):
                 print(f"{config:<19}{'Dynamo ' + mode:<22}{'':>11}{row.wall_s:8.2f}{'':>10}{row.hit:8.4f}"
                       f"{row.ttft_p50:10.0f}{row.ttft_p99:8.0f}")
@@ -119,6 +121,10 @@ def main() -> int:
                     peer is None or r["wall_s"] <= peer.wall_s) and (twin is None or r["wall_s"] <= DISAGG_COST * twin)
                 if twin is not None:
                     ratio += f" {r['wall_s'] / twin:.2f}x agg"
+                    mode = DYNAMO_MODE.get(policy, "")
+                    dyn_twin = dyn_walls.get((AGGREGATED_TWIN[config], mode))
+                    if peer is not None and dyn_twin:  # the peer's own cost of disaggregating, beside ours
+                        ratio += f" (Dynamo {peer.wall_s / dyn_twin:.2f}x)"
                 misses += not ok
                 goal = f"<= {want:g} s, " if want else ""
                 print(f"{config:<19}{'kvtier ' + policy:<22}{r['startup_s']:11.2f}{r['wall_s']:8.2f}"
