@@ -18,7 +18,9 @@ either way. Without it, only kvtier's side is printed.
     python bench/crosscheck_dynamo.py --dynamo-python /tmp/dyn/bin/python --disagg 8:8 --clusters default
 
 Targets (issues 10 and 47): round robin within 0.5% relative hit rate and 2% on each TTFT, TPOT and e2e
-percentile; the ``dynamo`` policy within 1 point of Dynamo's kv_router hit rate.
+percentile; the ``dynamo`` policy within 1 point of Dynamo's kv_router hit rate. The hit rates part by eviction:
+kvtier's engines evict whole radix nodes by default (SGLang's radix cache), the mocker frees blocks one by one as
+vLLM's block pool does; ``--eviction page`` runs kvtier's engines the vLLM way.
 
 ``--disagg P:D`` (issue 48) runs each cluster as P prefill and D decode workers of the same size, in both
 simulators: prefill workers hold the host tier, decode workers their device cache; a finished prefill sends its
@@ -182,6 +184,9 @@ def main() -> int:
     ap.add_argument("--disagg", metavar="P:D",
                     help="disaggregated: P prefill and D decode workers in place of each cluster's workers "
                          "(--kv-link-gbps: their link)")
+    ap.add_argument("--eviction", choices=["node", "page"], default="node",
+                    help="kvtier's device eviction: whole radix nodes (its default, as SGLang) or only the pages "
+                         "needed, last first (as vLLM's block pool and Dynamo's mocker); default: %(default)s")
     ap.add_argument("--kv-link-gbps", type=float, default=50.0, help="with --disagg: prefill -> decode GB/s")
     ap.add_argument("--dynamo-python",
                     help="interpreter with ai-dynamo-runtime==1.6.1 (default: this one, if it has it)")
@@ -205,13 +210,14 @@ def main() -> int:
         header = "    hit " + " ".join(f"{h:>7}" for h, _ in LATENCIES) + " wall s"
         misses = 0
         for name in a.clusters.split(","):
-            cfg = known[f"{name}-{a.disagg}" if a.disagg else name]
+            cfg = known[f"{name}-{a.disagg}" if a.disagg else name].replace(eviction=a.eviction)
             dyn = run_dynamo(py, trace, cfg, host_credit=0.75) if py else {}
             ours = {p: run_kvtier(reqs, cfg, p) for p in ("round_robin", "dynamo", "min_ttft")}
             pools = (f" ({cfg.prefill_workers} prefill, host x{cfg.host_ratio:g}; {cfg.decode_workers} decode, device "
                      f"only; KV link {cfg.kv_link_gbps:g} GB/s, the part a decode worker lacks)"
                      if cfg.disaggregated else f", host x{cfg.host_ratio:g}")
-            print(f"\n{name}: {cfg.workers} workers, {cfg.device_tokens // cfg.page_size:,} pages each{pools}"
+            print(f"\n{name}: {cfg.workers} workers, {cfg.device_tokens // cfg.page_size:,} pages each{pools}; "
+                  f"kvtier evicts by {a.eviction}"
                   f"\n{'run':<20}{header}")
             rows = [("Dynamo round_robin", dyn.get("round_robin")), ("kvtier round_robin", ours["round_robin"]),
                     ("Dynamo kv_router", dyn.get("kv_router")), ("kvtier dynamo", ours["dynamo"]),

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
 
 from kvtier.engine.cache import Admission, CacheConfig, PrefetchPolicy, TieredCache, WritePolicy
+from kvtier.engine.config import Eviction
 from kvtier.engine.datapath import Bandwidths, ModeledDataPath
 from kvtier.engine.l3.storage import PageStore
 from kvtier.indexer.index.tiered import Outcome, TieredIndex
@@ -39,7 +40,7 @@ STEPS: list[int] = []  # one entry per checked step, for the report in the issue
 
 
 class Cluster:
-    def __init__(self, policy: WritePolicy, l3: str, swa: bool = False) -> None:
+    def __init__(self, policy: WritePolicy, l3: str, swa: bool = False, eviction: Eviction = Eviction.NODE) -> None:
         self.now = 0.0
         self.index = TieredIndex(PS)
         # The index treats a shared pool as reachable from every worker, so a cluster has one for all
@@ -51,7 +52,7 @@ class Cluster:
         for i, store in enumerate(stores):
             cfg = CacheConfig(page_size=PS, device_pages=10, host_ratio=1.6, write_policy=policy,
                               selective_threshold=1, prefetch_policy=PrefetchPolicy.BEST_EFFORT,
-                              swa_window_pages=2 if swa else 0, swa_pages=5)
+                              swa_window_pages=2 if swa else 0, swa_pages=5, eviction=eviction)
             dp = ModeledDataPath(1000, lambda: self.now, BW)
             self.caches.append(TieredCache(cfg, dp, store, name=f"w{i}"))
             self.streams.append(StreamId(WorkerId(f"w{i}")))
@@ -94,9 +95,10 @@ class Consistency(RuleBasedStateMachine):
         super().__init__()
         self.queries: list[list[int]] = [d[: k * PS] for d in DOCS for k in (1, 3, 7, 12)]
 
-    @initialize(policy=st.sampled_from(POLICIES), l3=st.sampled_from(["disk", "external"]), swa=st.booleans())
-    def start(self, policy: WritePolicy, l3: str, swa: bool) -> None:
-        self.c = Cluster(policy, l3, swa)
+    @initialize(policy=st.sampled_from(POLICIES), l3=st.sampled_from(["disk", "external"]), swa=st.booleans(),
+                eviction=st.sampled_from(list(Eviction)))
+    def start(self, policy: WritePolicy, l3: str, swa: bool, eviction: Eviction = Eviction.NODE) -> None:
+        self.c = Cluster(policy, l3, swa, eviction)
 
     @staticmethod
     def _tokens(doc: int, pages: int, tail: int) -> list[int]:

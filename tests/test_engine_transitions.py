@@ -96,6 +96,24 @@ def test_device_eviction_takes_the_least_recently_used_leaf_not_the_first_one_ca
     assert h.cache.residency()[StorageTier.DEVICE] == set(hashes(a)) | set(hashes(toks(2000, 4)))
 
 
+@pytest.mark.parametrize("host_ratio", [0.0, 2.0])
+def test_page_eviction_takes_only_the_pages_needed_from_the_leafs_tail(host_ratio: float) -> None:
+    """Eviction.PAGE, as vLLM's block pool: making room for 2 pages takes the last 2 of the 6-page leaf a (one
+    BlockRemoved for them); its first 4 stay cached and match. Eviction.NODE (SGLang) takes all of a."""
+    for eviction, left in (("page", 4), ("node", 0)):
+        h = Harness(CacheConfig(page_size=PS, device_pages=8, host_ratio=host_ratio, eviction=eviction))
+        a = toks(0, 6)
+        h.run("a", a)
+        h.settle()
+        h.log.clear()
+        h.run("b", toks(1000, 4))  # 2 pages free: 2 more must go
+        assert removed_hashes(h.log, "GPU") == [hashes(a)[left:]], eviction
+        assert h.cache.peek_overlap(pack_tokens(a)).device == left
+        assert h.cache.residency()[StorageTier.DEVICE] == set(hashes(a)[:left]) | set(hashes(toks(1000, 4)))
+        if host_ratio:  # the evicted tail keeps its host copy, as the whole node would
+            assert h.cache.residency()[StorageTier.HOST] >= set(hashes(a))
+
+
 def test_host_eviction_takes_the_least_recently_used_host_only_leaf() -> None:
     h = Harness(CacheConfig(page_size=PS, device_pages=4, host_ratio=2.5))  # 10 host pages
     a, b = toks(0, 2), toks(1000, 2)

@@ -17,6 +17,13 @@ class WritePolicy(StrEnum):
     WRITE_BACK = "write_back"  # when evicted from the device
 
 
+class Eviction(StrEnum):
+    """What making device room frees."""
+
+    NODE = "node"  # whole radix nodes, least recently used leaf first (SGLang's radix cache)
+    PAGE = "page"  # only the pages needed, a leaf's last pages first (vLLM's block pool, Dynamo's mocker)
+
+
 class PrefetchPolicy(StrEnum):
     """How long a request waits for its L3 prefetch before computing the rest."""
 
@@ -37,6 +44,8 @@ class CacheConfig:
     host_ratio: float = field(default=2.0, metadata=within(0, 1024, help="host / device capacity (0: no host tier)"))
     write_policy: WritePolicy = field(default=WritePolicy.WRITE_THROUGH, metadata=one_of(
         *WritePolicy, help="when device pages get a host copy"))
+    eviction: Eviction = field(default=Eviction.NODE, metadata=one_of(
+        *Eviction, help="device eviction: whole radix nodes (SGLang) or only the pages needed, last first (vLLM)"))
     selective_threshold: int = field(default=2, metadata=at_least(
         1, help="write_through_selective: hits before a page is backed up to host"))
     load_back: bool = field(default=True, metadata=Domain(bool, help=(

@@ -4,7 +4,9 @@ Device pages go from unlocked device leaves (a node with a host copy keeps it; u
 is backed up first, see :meth:`kvtier.engine.copies.Copies.write_back`); host pages from host-only leaves
 whose L3 write is not in flight; window-KV pages (SWA) are tombstoned: the node keeps its full-attention KV, so
 only a window-KV removal is published (nothing, as in SGLang, without window events). Each eviction queues its
-removal events at once, ahead of any event about the pages' next use.
+removal events at once, ahead of any event about the pages' next use. A device eviction takes a whole leaf node, as
+SGLang's radix cache does; under ``Eviction.PAGE`` only the pages the allocation still lacks, the leaf's last ones
+(the node is split first), as vLLM's block pool frees a request's blocks last first and evicts them one by one.
 
 The candidates sit in one lazy heap per pool, ordered by last access: an entry may be stale, checked when it is
 popped (a node used since the entry was made goes back in at its last use: the order is the tree's true LRU order,
@@ -18,7 +20,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 
-from kvtier.engine.config import CacheConfig, WritePolicy
+from kvtier.engine.config import CacheConfig, Eviction, WritePolicy
 from kvtier.engine.events import EventLog
 from kvtier.engine.l3link import L3Link
 from kvtier.engine.pool import PageId, PagePool, PoolExhausted
@@ -84,8 +86,26 @@ class Evictor:
                 and not (self._l3 is not None and self._l3.writing_any(n.digests)))
 
     def alloc_device(self, n: int) -> list[PageId] | None:
-        """``n`` device pages, evicting LRU device leaves; None if that cannot free enough now."""
-        return self._alloc(self._device, self._dev_heap, self.push_dev, self._device_evictable, self._evict_device, n)
+        """``n`` device pages, evicting LRU device leaves (under ``Eviction.PAGE`` only the last pages of the leaf
+        that it takes to make the room: :meth:`_tail`); None if that cannot free enough now."""
+        evict: Callable[[Node], None] = self._evict_device
+        if self._config.eviction == Eviction.PAGE:
+            pool = self._device
+
+            def evict_tail(node: Node) -> None:
+                self._evict_device(self._tail(node, n - pool.free))
+            evict = evict_tail
+        return self._alloc(self._device, self._dev_heap, self.push_dev, self._device_evictable, evict, n)
+
+    def _tail(self, node: Node, need: int) -> Node:
+        """The leaf ``node`` cut so that its last ``need`` pages are a leaf of their own, which it returns (``node``
+        itself where it has no more pages than that, or its pages are being copied or carry window KV). The front
+        keeps the rest, on every tier it had them, and stays cached: vLLM's block pool frees a request's blocks last
+        first, so its eviction takes a prefix's tail and keeps its head. O(pages)."""
+        if need >= node.pages or node.host_pending is not None or node.loading is not None or node.swa is not None:
+            return node
+        self._tree.split(node, node.pages - need)
+        return node
 
     def _alloc(self, pool: PagePool, heap: list[tuple[int, int, Node]], push: Callable[[Node], None],
                evictable: Callable[[Node], bool], evict: Callable[[Node], None], n: int) -> list[PageId] | None:

@@ -106,8 +106,8 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="model preset, its KV bytes per token (hybrid: full-attention + sliding-window KV): "
                         + "; ".join(_describe(p) for p in MODEL_PRESETS.values()))
     add_options(g, ClusterConfig, ["swa_ratio"])
-    add_options(g, CacheConfig, ["swa_events", "write_policy", "selective_threshold", "load_back", "prefetch_policy",
-                                 "prefetch_min_pages", "prefetch_timeout_s"])
+    add_options(g, CacheConfig, ["swa_events", "write_policy", "eviction", "selective_threshold", "load_back",
+                                 "prefetch_policy", "prefetch_min_pages", "prefetch_timeout_s"])
     add_options(g, ClusterConfig, ["prefill_budget", "max_running"])
     g.add_argument("--gpu-link", choices=sorted(GPU_LINKS), default=DEFAULT_GPU_LINK,
                    help="host<->device link preset (its bandwidth and source: kvtier.hardware.links)")

@@ -60,8 +60,8 @@ from kvtier.wire.protocol import EventBatch, PackedTokens, StorageTier
 
 #: The fields of every worker's :class:`CacheConfig` a cluster's user sets; the others follow from the cluster
 #: (device pages from ``device_tokens``, write-behind from ``l3``, window pools from the model and ``swa_ratio``).
-CACHE_SETTINGS = ("page_size", "host_ratio", "write_policy", "selective_threshold", "load_back", "prefetch_policy",
-                  "prefetch_min_pages", "prefetch_timeout_s", "swa_events")
+CACHE_SETTINGS = ("page_size", "host_ratio", "write_policy", "eviction", "selective_threshold", "load_back",
+                  "prefetch_policy", "prefetch_min_pages", "prefetch_timeout_s", "swa_events")
 
 
 @dataclass(slots=True, frozen=True)
