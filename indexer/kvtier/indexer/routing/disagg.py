@@ -75,6 +75,12 @@ class KvLinkCost:
     # (as SloCost estimates it), would pass it costs SLO_MISS_MS times its ratio to the bound
     tpot_ms: float | None = None
 
+    @classmethod
+    def of(cls, settings: RoutingSettings, tpot_ms: float | None = None) -> KvLinkCost:
+        """The cost over the link, latency fit and decode capacity ``settings`` name. O(1)."""
+        return cls(PRESETS[settings.model].bytes_per_token, settings.kv_gbps, settings.latency,
+                   settings.capacity_tokens, tpot_ms=tpot_ms)
+
     def with_slo(self, tpot_ms: float | None) -> KvLinkCost:
         """This cost told a request's TPOT bound (the goodput policy's decode side). O(1)."""
         return dataclasses.replace(self, tpot_ms=tpot_ms)
@@ -83,13 +89,23 @@ class KvLinkCost:
         """Milliseconds to move ``tokens`` tokens of KV over the link. O(1)."""
         return max(0, tokens) * self.bytes_per_token / (self.kv_gbps * 1e6)
 
+    def lacking_ms(self, num_tokens: int, block_size: int, overlap: TierOverlap, shared_blocks: int = 0) -> float:
+        """Milliseconds to move the prompt's KV a decode worker lacks: all but its device overlap, or the prefix its
+        in-flight requests hold, whichever is longer. O(1)."""
+        return self.transfer_ms(num_tokens - max(overlap.device, shared_blocks) * block_size)
+
+    def step_ms(self, load: WorkerLoad, num_tokens: int) -> float:
+        """The decode worker's step with this request's prompt in its batch, ms (0 without a capacity). O(1)."""
+        if not self.capacity_tokens:
+            return 0.0
+        return self.latency.decode_ms(min(1.0, (load.context_tokens + num_tokens) / self.capacity_tokens))
+
     def cost(self, num_tokens: int, block_size: int, overlap: TierOverlap, load: WorkerLoad,
              shared_blocks: int = 0, output_tokens: float = 0.0) -> float:
-        held = max(overlap.device, shared_blocks) * block_size
-        ms = self.transfer_ms(num_tokens - held)
+        ms = self.lacking_ms(num_tokens, block_size, overlap, shared_blocks)
         if self.capacity_tokens:
             cap = self.capacity_tokens
-            ms += self.latency.decode_ms(min(1.0, (load.context_tokens + num_tokens) / cap)) * self.decode_weight
+            ms += self.step_ms(load, num_tokens) * self.decode_weight
             projected = ((load.active_blocks - shared_blocks) * block_size + load.unwritten_tokens + num_tokens
                          + output_tokens)
             headroom = self.memory_headroom if output_tokens > 0 else self.blind_headroom
@@ -134,8 +150,7 @@ def decode_cost(name: str, settings: RoutingSettings) -> CostModel:
     if rule == "dynamo":
         return DynamoCost(settings.credits(), prefill_load_scale=0.0)
     if rule == "time":
-        return KvLinkCost(PRESETS[settings.model].bytes_per_token, settings.kv_gbps, settings.latency,
-                          settings.capacity_tokens, tpot_ms=settings.slo_tpot_ms if name == "goodput" else None)
+        return KvLinkCost.of(settings, tpot_ms=settings.slo_tpot_ms if name == "goodput" else None)
     return make_cost(name, settings)
 
 

@@ -40,7 +40,7 @@ from kvtier.indexer.index.consumer import Lag
 from kvtier.indexer.index.keys import BlockKey, key_backend
 from kvtier.indexer.index.keytable import warm_tables
 from kvtier.indexer.index.tiered import TieredIndex
-from kvtier.indexer.routing.disagg import pool_routers
+from kvtier.indexer.routing.disagg import KvLinkCost, pool_routers
 from kvtier.indexer.routing.load import LoadTracker
 from kvtier.indexer.routing.plugins import BUILTIN, RoutingPolicy, load_policy, note_routed
 from kvtier.indexer.routing.policies import REGISTRY, RoutingSettings, make_cost, make_plugin
@@ -102,6 +102,7 @@ class IndexerService:
                              seed=self.router_settings.seed, dead=self._dead)
         # A disaggregated pool (endpoints with roles): a (prefill, decode) pair per request, each pool booked apart.
         self.decode_loads = LoadTracker(config.block_size)
+        self.kv_link = KvLinkCost.of(rs)  # what a pair's prediction adds between its prefill and its first token
         for ep in config.endpoints:
             self.index.set_role(ep.stream, ep.role)
         try:

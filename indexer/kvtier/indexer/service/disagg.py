@@ -17,7 +17,6 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvtier.hardware.latency import PRESETS
 from kvtier.indexer.index.keys import BlockKey
 from kvtier.indexer.routing.disagg import KvLinkCost, PairDecision, PairRouter
 from kvtier.indexer.routing.plugins import note_routed
@@ -44,12 +43,8 @@ def predict_pair(svc: IndexerService, decision: PairDecision, keys: list[BlockKe
     p = decision.prefill
     (pload,), (pshared,) = svc.loads.loads_and_shared([p.worker], keys)
     ttft, _ = est.estimates(tokens, bs, p.overlaps.workers.get(p.worker, _NONE), pload, pshared)
-    rs = svc.router_settings
-    missing = max(0, tokens - max(held.device, dshared) * bs)
-    ttft += missing * PRESETS[rs.model].bytes_per_token / (rs.kv_gbps * 1e6)
-    if rs.capacity_tokens:
-        ttft += rs.latency.decode_ms(min(1.0, (dload.context_tokens + tokens) / rs.capacity_tokens))
-    return ttft, tpot
+    link = svc.kv_link
+    return ttft + link.lacking_ms(tokens, bs, held, dshared) + link.step_ms(dload, tokens), tpot
 
 
 def _request_costs(pair: PairRouter, slo: SloBody | None) -> tuple[CostModel | None, CostModel | None]:
