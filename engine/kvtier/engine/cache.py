@@ -18,6 +18,7 @@ views of the whole (:mod:`kvtier.engine.views`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from kvtier.engine import views
 from kvtier.engine.admission import Admission, PrefillPlan
@@ -176,9 +177,16 @@ class TieredCache:
         adm.started = True
         return PrefillPlan(usable * ps, n_tokens - usable * ps)
 
-    def finish_prefill(self, adm: Admission) -> None:
-        """The prompt's KV is computed: its new full pages join the tree (BlockStored GPU)."""
+    def finish_prefill(self, adm: Admission, ready: Any = None) -> None:
+        """The prompt's KV is computed: its new full pages join the tree (BlockStored GPU).
+
+        ``ready``: where compute ran on a stream other than the current one, a CUDA event recorded there after it
+        wrote the pages; the pages' backups (and any later copy into them) wait for it
+        (:meth:`~kvtier.engine.datapath.DataPath.written`).
+        """
         self._check_live(adm)
+        if ready is not None:
+            self.dp.written(adm.compute, ready)
         s = self.tree.stride
         full = len(adm.tokens) // s
         path = self.tree.match(adm.tokens)

@@ -6,8 +6,8 @@ ones from :meth:`DataPath.poll`; it never knows which implementation runs:
 * :class:`ModeledDataPath` completes copies when a clock says so (bandwidth +
   latency per channel, FIFO per channel): what the simulator uses;
 * :class:`TorchDataPath` moves real bytes between torch tensors (device pool,
-  host pool, files of an L3 store): CUDA streams and events when CUDA is present,
-  a copy thread otherwise.
+  host pool, files of an L3 store): a CUDA stream per direction and events when
+  CUDA is present, a copy thread otherwise.
 
 Ops complete in submission order within a channel (d2h, h2d, storage writes,
 storage reads), which the cache relies on: a parent's copy is acknowledged no
@@ -97,6 +97,10 @@ class DataPath(ABC):
         """Forgets ops in flight (their completions are dropped)."""
         self.drain()
 
+    def written(self, pages: Sequence[int], event: Any = None) -> None:  # noqa: B027 (optional hook)
+        """Compute wrote device ``pages``; ``event`` marks the end of the write on its stream. Copies that read or
+        overwrite those pages wait for it. A modeled path has no streams: nothing to do."""
+
 
 # --- modeled -------------------------------------------------------------------------------
 
@@ -184,58 +188,139 @@ def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-class TorchDataPath(DataPath):
-    """Real KV pools as torch tensors of shape ``[pages, layers, 2, page_size, kv_heads, head_dim]``.
+def _count_runs(src: list[int], dst: list[int], limit: int) -> int:
+    """How many runs :func:`_runs` would make, counted up to ``limit + 1`` (scattered pages stop it early)."""
+    if not src:
+        return 0
+    runs = 1
+    for i in range(1, len(src)):
+        if src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1:
+            runs += 1
+            if runs > limit:
+                break
+    return runs
 
-    With CUDA: device pool on the GPU, pinned host pool, device<->host copies on a
-    dedicated stream, completion by CUDA events. Without: both pools in CPU memory
-    and a copy thread. L3 reads and writes always run on the copy thread (file I/O).
+
+LAYOUTS = ("page", "layer")
+COPIERS = ("auto", "kernel", "dma")
+AUTO_DMA_COPIES = 4  # copier "auto": an op of at most this many copy_ calls runs them instead of the kernel
+
+
+class TorchDataPath(DataPath):
+    """Real KV pools as torch tensors, on a CUDA device and in pinned host memory, or both in CPU memory.
+
+    ``page_shape`` is one page's KV, ``(layers, 2, page_size, kv_heads, head_dim)`` for a transformer. The
+    ``layout`` of both pools:
+
+    * ``"page"`` (page-major): ``[pages, *page_shape]``, a page's bytes contiguous;
+    * ``"layer"`` (layer-major, as vLLM and SGLang lay out their device KV): ``[layers, 2, pages, *rest]``, a
+      page one chunk per layer and K/V. Needs at least 3 dimensions in ``page_shape``.
+
+    :meth:`pages` and :meth:`set_pages` read and write pages whatever the layout.
+
+    With CUDA, device -> host backups and host -> device load-backs run on two streams of their own, so a
+    load-back is never queued behind backups; each waits for the stream current at submission (compute that
+    wrote or reads its pages) and for the events :meth:`written` recorded for its device pages (compute on
+    other streams). Completion is read from CUDA events. The two streams never touch one page at once, because
+    the cache frees no device page while its backup is in flight and no host page while it is being loaded
+    (:mod:`kvtier.engine.eviction`). ``copier`` picks how pages move:
+
+    * ``"dma"``: one ``copy_`` (a DMA transfer) per run of pages consecutive in both pools, per layout chunk;
+    * ``"kernel"``: one launch of :mod:`kvtier.kernels.pagecopy` per op, which reads and writes the pinned host
+      pool through its device mapping however the pages are scattered (needs Triton);
+    * ``"auto"`` (default): ``dma`` where an op takes at most ``AUTO_DMA_COPIES`` copies, else the kernel where it
+      runs, else ``dma``. Why the kernel could not run is kept in :attr:`kernel_error`.
+
+    Without CUDA a copy thread runs them: a slice copy for one run, else one indexed gather and scatter per pool.
+    L3 reads and writes always run on the copy thread (file I/O).
     """
 
     def __init__(self, device_pages: int, host_pages: int, page_shape: tuple[int, ...],
                  dtype: torch.dtype | None = None, device: str | None = None,
-                 draft_page_shape: tuple[int, ...] | None = None) -> None:
+                 draft_page_shape: tuple[int, ...] | None = None, layout: str = "page",
+                 copier: str = "auto") -> None:
         import torch
 
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+        if copier not in COPIERS:
+            raise ValueError(f"copier must be one of {', '.join(COPIERS)}, got {copier!r}")
+        if layout == "layer" and (len(page_shape) < 3 or (draft_page_shape is not None and len(draft_page_shape) < 3)):
+            raise ValueError("layout 'layer' needs page shapes (layers, 2, ...) of at least 3 dimensions")
         super().__init__()
         self._torch = torch
         dtype = dtype or torch.bfloat16
+        self.layout = layout
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.cuda = self.device.type == "cuda"
-        self.device_kv = torch.zeros((device_pages, *page_shape), dtype=dtype, device=self.device)
-        self.host_kv = torch.zeros((host_pages, *page_shape), dtype=dtype, pin_memory=self.cuda)
+        self.device_kv = self._pool(device_pages, page_shape, dtype, self.device)
+        self.host_kv = self._pool(host_pages, page_shape, dtype, torch.device("cpu"))
         # The draft model's KV (speculative decoding) uses the same page ids: every copy of a page
         # moves its draft page too, and L3 stores it beside the target page under "d:" + key.
         self.device_draft: torch.Tensor | None = None
         self.host_draft: torch.Tensor | None = None
         if draft_page_shape is not None:
-            self.device_draft = torch.zeros((device_pages, *draft_page_shape), dtype=dtype, device=self.device)
-            self.host_draft = torch.zeros((host_pages, *draft_page_shape), dtype=dtype, pin_memory=self.cuda)
+            self.device_draft = self._pool(device_pages, draft_page_shape, dtype, self.device)
+            self.host_draft = self._pool(host_pages, draft_page_shape, dtype, torch.device("cpu"))
         self.page_bytes = self._bytes(self.device_kv) + (self._bytes(self.device_draft) if self.device_draft is not None
                                                          else 0)
-        self._stream = torch.cuda.Stream(device=self.device) if self.cuda else None  # type: ignore[no-untyped-call]
-        self._cuda_inflight: deque[tuple[Any, CopyOp]] = deque()  # (event, op) in submission order
+        self.copier = copier if self.cuda else "dma"
+        self.kernel_error: str | None = None
+        if self.cuda and copier != "dma":
+            self.kernel_error = self._probe_kernel()
+            if self.kernel_error is not None:
+                if copier == "kernel":
+                    raise RuntimeError(f"copier 'kernel' cannot run here: {self.kernel_error}")
+                self.copier = "dma"
+        self._streams: dict[CopyKind, Any] = {}
+        if self.cuda:
+            self._streams = {k: torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
+                             for k in (CopyKind.D2H, CopyKind.H2D)}
+        # (event, op, what the copy reads until it is done) per stream, in submission order
+        self._cuda_inflight: dict[CopyKind, deque[tuple[Any, CopyOp, Any]]] = {k: deque() for k in self._streams}
+        self._written: dict[int, Any] = {}  # device page -> event recorded after compute last wrote it
         self._done: queue.SimpleQueue[CopyOp] = queue.SimpleQueue()
         self._jobs: queue.SimpleQueue[CopyOp | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._worker, name="kv-copy", daemon=True)
         self._thread.start()
 
-    def _start(self, op: CopyOp) -> None:
-        if self.cuda and op.kind in (CopyKind.D2H, CopyKind.H2D):
-            assert self._stream is not None
-            # The copy reads what compute wrote on the default stream: order after it.
-            self._stream.wait_stream(self._torch.cuda.current_stream(self.device))
-            with self._torch.cuda.stream(self._stream):
-                self._copy_pages(op)
-                event = self._torch.cuda.Event()  # type: ignore[no-untyped-call]
-                event.record(self._stream)
-            self._cuda_inflight.append((event, op))
-        else:
-            self._jobs.put(op)
+    # --- pools and pages ---
 
-    @staticmethod
-    def _bytes(pool: torch.Tensor | None) -> int:
-        return 0 if pool is None or len(pool) == 0 else pool[0].numel() * pool.element_size()
+    def _pool(self, pages: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        full = (pages, *shape) if self.layout == "page" else (*shape[:2], pages, *shape[2:])
+        pin = self.cuda and device.type == "cpu"
+        return self._torch.zeros(full, dtype=dtype, device=device, pin_memory=pin)
+
+    def _chunked(self, pool: torch.Tensor) -> torch.Tensor:
+        """``pool`` as ``[chunks, pages, ...]``: one chunk for page-major pools, layers x 2 for layer-major."""
+        return pool.unsqueeze(0) if self.layout == "page" else pool.flatten(0, 1)
+
+    def _page_dim(self) -> int:
+        return 0 if self.layout == "page" else 2
+
+    def _bytes(self, pool: torch.Tensor | None) -> int:
+        """Bytes of one page of ``pool``."""
+        if pool is None or pool.shape[self._page_dim()] == 0:
+            return 0
+        return pool.numel() // pool.shape[self._page_dim()] * pool.element_size()
+
+    def _page(self, pool: torch.Tensor, page: int) -> torch.Tensor:
+        """A view of one page (not contiguous in a layer-major pool)."""
+        return pool[page] if self.layout == "page" else pool[:, :, page]
+
+    def pages(self, pool: torch.Tensor, ids: Sequence[int]) -> torch.Tensor:
+        """A copy of pages ``ids`` of ``pool`` (one of this path's four), as ``[len(ids), *page_shape]``."""
+        if self.layout == "page":
+            return pool[list(ids)]
+        return pool[:, :, list(ids)].movedim(2, 0)
+
+    def set_pages(self, pool: torch.Tensor, ids: Sequence[int], data: torch.Tensor) -> None:
+        """Writes ``data`` (``[len(ids), *page_shape]``, any device) into pages ``ids`` of ``pool``."""
+        data = data.to(pool.device, pool.dtype)
+        if self.layout == "page":
+            pool[list(ids)] = data
+        else:
+            pool[:, :, list(ids)] = data.movedim(0, 2)
 
     def _pools(self) -> list[tuple[torch.Tensor, torch.Tensor, str]]:
         """(device pool, host pool, L3 key prefix) for the target and, if any, the draft KV."""
@@ -244,15 +329,118 @@ class TorchDataPath(DataPath):
             pools.append((self.device_draft, self.host_draft, DRAFT_PREFIX))
         return pools
 
-    def _copy_pages(self, op: CopyOp) -> None:
+    # --- ordering ---
+
+    def written(self, pages: Sequence[int], event: Any = None) -> None:
+        """Compute wrote device ``pages``: copies that read or overwrite them wait for ``event`` (a CUDA event
+        recorded on the writer's stream after the write), or, without one, for the current stream as it is now.
+        Without CUDA compute is done when it returns: nothing to wait for."""
+        if not self.cuda:
+            return
+        if event is None:
+            event = self._torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(self._torch.cuda.current_stream(self.device))
+        for p in pages:
+            self._written[p] = event
+
+    def _wait_for_writers(self, stream: Any, pages: list[int]) -> None:
+        """Orders ``stream`` after every recorded write of ``pages``; a write waited for once is ordered on this
+        stream for good, so its record is dropped."""
+        if not self._written:
+            return
+        events = {id(ev): ev for p in self._written.keys() & set(pages) if (ev := self._written.pop(p))}
+        for ev in events.values():
+            stream.wait_event(ev)
+
+    def _start(self, op: CopyOp) -> None:
+        if self.cuda and op.kind in (CopyKind.D2H, CopyKind.H2D):
+            torch = self._torch
+            stream = self._streams[op.kind]
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            self._wait_for_writers(stream, op.src if op.kind is CopyKind.D2H else op.dst)
+            with torch.cuda.stream(stream):
+                keep = self._copy_pages(op)
+                event = torch.cuda.Event()
+                event.record(stream)
+            self._cuda_inflight[op.kind].append((event, op, keep))
+        else:
+            self._jobs.put(op)
+
+    # --- copies ---
+
+    def _probe_kernel(self) -> str | None:
+        """Why :mod:`kvtier.kernels.pagecopy` cannot move pages here, or None once a trial copy came back right."""
+        from kvtier.kernels import pagecopy
+
+        torch = self._torch
+        if not pagecopy.available():
+            return "Triton is not installed"
+        try:
+            words = pagecopy.TILE_WORDS + 5  # two tiles, the second partly masked
+            dev = torch.arange(3 * words, dtype=torch.int32, device=self.device)
+            host = torch.zeros(2 * words, dtype=torch.int32, pin_memory=True)
+            idx = torch.tensor([[2, 0], [0, 1]], dtype=torch.int64, pin_memory=True)
+            pagecopy.copy_pages(dev, host, idx[0], idx[1], 1, words, 0, 0)  # pages 2, 0 -> host 0, 1
+            back = torch.zeros_like(dev)
+            pagecopy.copy_pages(host, back, idx[1], idx[0], 1, words, 0, 0)  # host 0, 1 -> pages 2, 0
+            torch.cuda.synchronize(self.device)
+        except Exception as exc:  # no driver support, a Triton that refuses host pointers, ...
+            return f"{type(exc).__name__}: {exc}"
+        want = dev.clone()
+        want[words:2 * words] = 0
+        if not (torch.equal(host[:words].to(self.device), dev[2 * words:]) and torch.equal(back, want)):
+            return "a trial copy through mapped host memory came back wrong"
+        return None
+
+    def _uses_kernel(self, op: CopyOp) -> bool:
+        if self.copier != "auto":
+            return self.copier == "kernel"
+        # A few copy_ calls cost less than the kernel's launch and index copy, and one copy_ of a long run moves
+        # at the DMA engines' full rate (bench/engine_bench.py); the runs are counted only as far as that limit.
+        chunks = self._chunked(self.device_kv).shape[0]
+        if chunks > AUTO_DMA_COPIES:
+            return True
+        return _count_runs(op.src, op.dst, AUTO_DMA_COPIES // chunks) * chunks > AUTO_DMA_COPIES
+
+    def _copy_pages(self, op: CopyOp) -> Any:
+        """Enqueues (CUDA) or runs (CPU) ``op``'s page copies; returns what must stay alive until they are done."""
         d2h = op.kind is CopyKind.D2H
+        if self.cuda and self._uses_kernel(op):
+            return self._kernel_copy(op, d2h)
         runs = _runs(op.src, op.dst)
+        gather = not self.cuda and len(runs) > 1
+        if gather:
+            src_idx, dst_idx = self._torch.tensor(op.src), self._torch.tensor(op.dst)
         for device_pool, host_pool, _ in self._pools():
             src, dst = (device_pool, host_pool) if d2h else (host_pool, device_pool)
-            for s, d, n in runs:
-                dst[d:d + n].copy_(src[s:s + n], non_blocking=self.cuda)
+            src_c, dst_c = self._chunked(src), self._chunked(dst)
+            if gather:  # on the CPU one indexed gather and scatter beat a copy per run
+                dst_c.index_copy_(1, dst_idx, src_c.index_select(1, src_idx))
+                continue
+            for c in range(src_c.shape[0]):
+                for s, d, n in runs:
+                    dst_c[c, d:d + n].copy_(src_c[c, s:s + n], non_blocking=self.cuda)
+        return None
+
+    def _kernel_copy(self, op: CopyOp, d2h: bool) -> Any:
+        from kvtier.kernels import pagecopy
+
+        torch = self._torch
+        host_idx = torch.empty((2, len(op.src)), dtype=torch.int64, pin_memory=True)
+        arr = host_idx.numpy()
+        arr[0], arr[1] = op.src, op.dst
+        idx = host_idx.to(self.device, non_blocking=True)  # on this stream, before the kernel that reads it
+        for device_pool, host_pool, _ in self._pools():
+            src, dst = (device_pool, host_pool) if d2h else (host_pool, device_pool)
+            chunks = self._chunked(src).shape[0]
+            chunk_words = self._bytes(src) // chunks // 4
+            src_pages, dst_pages = src.shape[self._page_dim()], dst.shape[self._page_dim()]
+            pagecopy.copy_pages(src.view(-1).view(torch.int32), dst.view(-1).view(torch.int32), idx[0], idx[1],
+                                chunks, chunk_words, src_pages * chunk_words, dst_pages * chunk_words)
+        return host_idx, idx
 
     def _worker(self) -> None:
+        torch = self._torch
         while (op := self._jobs.get()) is not None:
             try:
                 if op.kind in (CopyKind.D2H, CopyKind.H2D):
@@ -262,7 +450,7 @@ class TorchDataPath(DataPath):
                     items: list[tuple[str, bytes | memoryview]] = []
                     for page, key in zip(op.src, op.keys, strict=True):
                         for _, host_pool, prefix in self._pools():
-                            raw = host_pool[page].contiguous().view(-1).view(self._torch.uint8)
+                            raw = self._page(host_pool, page).contiguous().view(-1).view(torch.uint8)
                             items.append((prefix + key, memoryview(raw.numpy().data)))
                     op.store.write_pages(items)
                 else:
@@ -278,16 +466,18 @@ class TorchDataPath(DataPath):
                             if len(data) != want:
                                 op.bad_keys.append(key)
                                 raise ValueError(f"page file {prefix + key}: {len(data)} bytes, not {want}")
-                            raw = self._torch.frombuffer(bytearray(data), dtype=self._torch.uint8)
-                            host_pool[page].view(-1).view(self._torch.uint8).copy_(raw)
+                            view = self._page(host_pool, page)
+                            raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                            view.copy_(raw.view(host_pool.dtype).view(view.shape))
             except Exception as exc:  # reported with the op, never swallowed
                 op.error = f"{type(exc).__name__}: {exc}"
             self._done.put(op)
 
     def poll(self) -> list[CopyOp]:
         out: list[CopyOp] = []
-        while self._cuda_inflight and self._cuda_inflight[0][0].query():
-            out.append(self._cuda_inflight.popleft()[1])
+        for inflight in self._cuda_inflight.values():
+            while inflight and inflight[0][0].query():
+                out.append(inflight.popleft()[1])
         while True:
             try:
                 out.append(self._done.get_nowait())
@@ -300,10 +490,11 @@ class TorchDataPath(DataPath):
     def drain(self) -> list[CopyOp]:
         out: list[CopyOp] = []
         while self.ops:
-            if self._cuda_inflight:
-                self._cuda_inflight[0][0].synchronize()
+            for inflight in self._cuda_inflight.values():
+                if inflight:
+                    inflight[-1][0].synchronize()  # the stream's last op: every earlier one is done too
             out.extend(self.poll())
-            if self.ops and not self._cuda_inflight:
+            if self.ops and not any(self._cuda_inflight.values()):
                 op = self._done.get(timeout=30)
                 self.ops.pop(op.op_id, None)
                 out.append(op)

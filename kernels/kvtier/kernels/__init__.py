@@ -9,9 +9,12 @@
 * :mod:`~kvtier.kernels.keykernel` -- the router's block-key chain (:mod:`kvtier.indexer.index.keys`);
 * :mod:`~kvtier.kernels.shakernel` -- SHA-256 page digests (:mod:`kvtier.engine.hashing`);
 * :mod:`~kvtier.kernels.bankkernel`, :mod:`~kvtier.kernels.aheadkernel` -- a trace's token bank and its keys and
-  digests computed ahead of the replay (:mod:`kvtier.sim.lookahead`).
+  digests computed ahead of the replay (:mod:`kvtier.sim.lookahead`);
+* :mod:`~kvtier.kernels.pagecopy` -- the GPU kernel moving scattered KV pages between device and pinned host pools
+  (:class:`kvtier.engine.datapath.TorchDataPath`); Triton, not numba, built on first use.
 
-Each kernel module imports numpy, numba and its siblings here only: this package imports nothing else of kvtier.
+Each kernel module imports numpy, numba (or Triton) and its siblings here only: this package imports nothing else
+of kvtier.
 The index's own compiled half (:mod:`kvtier.indexer.index.tablekernel`) lives with the tables whose layout it
 shares.
 """
