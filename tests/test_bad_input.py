@@ -203,6 +203,8 @@ CASES: dict[str, Case] = {
                                     "No such file or directory"),
     # fit-latency
     "fit-latency missing csv": (lambda t, f: ["fit-latency", str(t / "none.csv")], "none.csv: No such file"),
+    "latency preset unknown": (lambda t, f: ["replay", *SMALL, "--latency", "h100-llama"],
+                               "h100-llama: No such file, nor a latency preset (dynamo-mocker, h200-llama-3.1-8b)"),
     "latency file missing": (lambda t, f: ["replay", *SMALL, "--latency", str(t / "l.json")],
                              "l.json: No such file"),
     # kvtier engine

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -35,6 +36,19 @@ class MockerLatency:
     decode_b: float = 54.01  # ms per utilisation
     decode_c: float = 5.74  # ms per decode iteration
     decode_floor: float = 1.0  # ms, lower bound of a decode iteration
+    # KV tokens of the device pool the decode utilisation was measured against; 0: none stated, the utilisation
+    # of whatever pool it is used with (the mocker's published fit states none)
+    kv_pool_tokens: int = 0
+
+    def for_pool(self, tokens: int) -> MockerLatency:
+        """This fit for a device KV pool of ``tokens``: a decode step costs what the same KV in use cost where it
+        was measured, so utilisation ``u`` of this pool is ``u * tokens / kv_pool_tokens`` of the measured one (the
+        decode coefficients rescale). Unchanged where the fit states no pool."""
+        if not self.kv_pool_tokens or tokens == self.kv_pool_tokens:
+            return self
+        k = tokens / self.kv_pool_tokens
+        return dataclasses.replace(self, decode_a=self.decode_a * k * k, decode_b=self.decode_b * k,
+                                   kv_pool_tokens=tokens)
 
     def prefill_ms(self, tokens: int) -> float:
         if tokens <= 0:
@@ -208,11 +222,46 @@ def decode_steps_done(model: LatencyModel, u0: float, du: float, steps: int, ela
     return lo
 
 
-def fit_latency(prefill: list[tuple[float, float]], decode: list[tuple[float, float]]) -> MockerLatency:
+#: Iteration-time fits by name (``--latency NAME``; a fit JSON from ``kvtier fit-latency`` is taken too).
+LATENCY_PRESETS: dict[str, MockerLatency] = {
+    # NVIDIA Dynamo mocker's published fit (SPEC section 4), borrowed: the default.
+    "dynamo-mocker": MockerLatency(),
+    # Measured: bench/gpu_latency.py on one NVIDIA H200 (141 GB, driver 580.159, torch 2.11 + CUDA 13), a
+    # Llama-3.1-8B-shaped model with random bf16 weights, eager prefill and CUDA-graph decode; fitted by
+    # `kvtier fit-latency bench/data/gpu_latency_h200_llama-3.1-8b.csv --kv-pool-tokens 875422` (every point:
+    # 11 prefill, 46 decode; rmse 4.8 and 2.9 ms). The pool is 0.9 of the H200's memory less weights and 4 GiB.
+    "h200-llama-3.1-8b": MockerLatency(4.2209781088944336e-07, 0.026373971651130163, 0.7603929817660651,
+                                       -2.401749159691438, 27.06315586710595, 8.827822163133117,
+                                       kv_pool_tokens=875_422),
+}
+DEFAULT_LATENCY = "dynamo-mocker"
+
+
+def resolve_latency(spec: str) -> MockerLatency:
+    """A preset of :data:`LATENCY_PRESETS` by name, or a fit JSON file (:func:`latency_from_json`). ``ValueError``
+    names what was wrong (an unknown name that is no file lists the presets)."""
+    if spec in LATENCY_PRESETS:
+        return LATENCY_PRESETS[spec]
+    try:
+        with open(spec) as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise ValueError(f"{spec}: No such file, nor a latency preset ({', '.join(LATENCY_PRESETS)})") from None
+    except OSError as exc:
+        raise ValueError(f"{spec}: {exc.strerror or exc}") from None
+    try:
+        return latency_from_json(text)
+    except ValueError as exc:
+        raise ValueError(f"{spec}: {exc}") from None
+
+
+def fit_latency(prefill: list[tuple[float, float]], decode: list[tuple[float, float]],
+                kv_pool_tokens: int = 0) -> MockerLatency:
     """Least-squares fit of the mocker's functional form to measured points.
 
-    ``prefill``: (uncached tokens in the pass, ms); ``decode``: (KV utilisation in [0, 1], ms). Each
-    needs at least 3 points. A decode set may be empty: the default decode fit is then kept.
+    ``prefill``: (uncached tokens in the pass, ms); ``decode``: (KV utilisation in [0, 1], ms), of a device pool of
+    ``kv_pool_tokens`` tokens if given (see :meth:`MockerLatency.for_pool`). Each needs at least 3 points. A decode
+    set may be empty: the default decode fit is then kept.
     Raises ``ValueError`` naming what is missing or out of range.
     """
     import numpy as np
@@ -234,7 +283,9 @@ def fit_latency(prefill: list[tuple[float, float]], decode: list[tuple[float, fl
     da, db, dc = quadratic(decode, "decode") if decode else (default.decode_a, default.decode_b, default.decode_c)
     if any(u > 1 for u, _ in decode):
         raise ValueError("decode utilisation must be in [0, 1]")
-    return MockerLatency(pa, pb, pc, da, db, dc)
+    if kv_pool_tokens < 0:
+        raise ValueError(f"kv_pool_tokens must be >= 0, got {kv_pool_tokens}")
+    return MockerLatency(pa, pb, pc, da, db, dc, kv_pool_tokens=kv_pool_tokens)
 
 
 def load_latency_points(path: str) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
@@ -268,9 +319,12 @@ def latency_to_json(model: MockerLatency) -> str:
     """The fit as JSON (what ``--latency`` reads)."""
     import json
 
-    return json.dumps({"prefill_ms": [model.prefill_a, model.prefill_b, model.prefill_c],
-                       "decode_ms": [model.decode_a, model.decode_b, model.decode_c],
-                       "decode_floor_ms": model.decode_floor}, indent=2) + "\n"
+    obj: dict[str, object] = {"prefill_ms": [model.prefill_a, model.prefill_b, model.prefill_c],
+                              "decode_ms": [model.decode_a, model.decode_b, model.decode_c],
+                              "decode_floor_ms": model.decode_floor}
+    if model.kv_pool_tokens:
+        obj["kv_pool_tokens"] = model.kv_pool_tokens
+    return json.dumps(obj, indent=2) + "\n"
 
 
 def latency_from_json(text: str) -> MockerLatency:
@@ -293,5 +347,8 @@ def latency_from_json(text: str) -> MockerLatency:
     floor = obj.get("decode_floor_ms", 1.0)
     if not isinstance(floor, int | float) or isinstance(floor, bool) or not floor > 0:
         raise ValueError(f"decode_floor_ms must be a positive number, got {floor!r}")
+    pool = obj.get("kv_pool_tokens", 0)
+    if not isinstance(pool, int) or isinstance(pool, bool) or pool < 0:
+        raise ValueError(f"kv_pool_tokens must be a whole number >= 0, got {pool!r}")
     (pa, pb, pc), (da, db, dc) = coeffs["prefill_ms"], coeffs["decode_ms"]
-    return MockerLatency(pa, pb, pc, da, db, dc, float(floor))
+    return MockerLatency(pa, pb, pc, da, db, dc, float(floor), pool)

@@ -16,15 +16,17 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.engine.cache import CacheConfig
-from kvtier.hardware.latency import PRESETS as MODEL_PRESETS
 from kvtier.hardware.latency import (
+    DEFAULT_LATENCY,
+    LATENCY_PRESETS,
     MockerLatency,
     ModelPreset,
     fit_latency,
-    latency_from_json,
     latency_to_json,
     load_latency_points,
+    resolve_latency,
 )
+from kvtier.hardware.latency import PRESETS as MODEL_PRESETS
 from kvtier.hardware.links import (
     DEFAULT_GPU_LINK,
     DEFAULT_KV_LINK,
@@ -115,8 +117,9 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="host<->storage link preset")
     g.add_argument("--h2d-gbps", type=float, help="host<->device bandwidth, GB/s each way (default: --gpu-link's)")
     g.add_argument("--storage-gbps", type=float, help="host<->storage bandwidth, GB/s (default: --storage-link's)")
-    g.add_argument("--latency", type=Path, metavar="JSON",
-                   help="iteration-time fit written by `kvtier fit-latency` (default: Dynamo mocker's published fit)")
+    g.add_argument("--latency", metavar="NAME|JSON", default=DEFAULT_LATENCY,
+                   help=f"iteration-time fit: a preset ({', '.join(LATENCY_PRESETS)}: Dynamo mocker's published "
+                        "fit, or one measured by bench/gpu_latency.py) or a JSON from `kvtier fit-latency`")
     g = p.add_argument_group("disaggregated prefill and decode (default: aggregated workers)")
     g.add_argument("--prefill-workers", type=int, default=0, metavar="P",
                    help="prefill workers (with --decode-workers; together they make the cluster)")
@@ -188,15 +191,11 @@ def _cluster(a: argparse.Namespace) -> ClusterConfig:
         latency=_latency(a.latency))
 
 
-def _latency(path: Path | None) -> MockerLatency:
-    if path is None:
-        return MockerLatency()
+def _latency(spec: str) -> MockerLatency:
     try:
-        return latency_from_json(path.read_text())
-    except OSError as exc:
-        raise CliError(f"--latency {path}: {exc.strerror or exc}") from None
+        return resolve_latency(spec)
     except ValueError as exc:
-        raise CliError(f"--latency {path}: {exc}") from None
+        raise CliError(f"--latency {exc}") from None
 
 
 def _run_cfg(a: argparse.Namespace, policy: str) -> RunConfig:
@@ -461,7 +460,7 @@ def cmd_tokens(a: argparse.Namespace) -> int:
 def cmd_fit_latency(a: argparse.Namespace) -> int:
     try:
         prefill, decode = load_latency_points(str(a.csv))
-        fit = fit_latency(prefill, decode)
+        fit = fit_latency(prefill, decode, a.kv_pool_tokens)
     except OSError as exc:
         raise CliError(f"{a.csv}: {exc.strerror or exc}") from None
     except ValueError as exc:
@@ -497,7 +496,7 @@ def cmd_indexer(a: argparse.Namespace) -> int:
                  ("storage_link", a.storage_link), ("h2d_gbps", a.h2d_gbps), ("storage_gbps", a.storage_gbps),
                  ("host_credit", a.host_credit), ("disk_credit", a.disk_credit), ("temperature", a.temperature),
                  ("seed", a.seed), ("prefill_budget", a.prefill_budget), ("capacity_tokens", a.capacity_tokens),
-                 ("latency_path", str(a.latency) if a.latency is not None else None), ("kv_link", a.kv_link),
+                 ("latency_path", a.latency), ("kv_link", a.kv_link),
                  ("kv_gbps", a.kv_link_gbps), ("local_prefill_tokens", a.local_prefill_tokens),
                  ("liveness_timeout_s", a.liveness_timeout),
                  ("auth_token_file", str(a.auth_token_file) if a.auth_token_file is not None else None),
@@ -603,6 +602,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(kind: prefill or decode), and writes the fit as JSON for --latency.")
     p.add_argument("csv", type=Path, help="measured points: kind,x,ms")
     p.add_argument("-o", "--output", default="latency.json", help="JSON file to write")
+    p.add_argument("--kv-pool-tokens", type=int, default=0, metavar="N",
+                   help="the device KV pool, tokens, the decode utilisations are of (bench/gpu_latency.py prints "
+                        "it); a simulated pool of another size is then charged for the same KV in use")
     p.set_defaults(func=cmd_fit_latency)
 
     p = add("engine", help="a live engine replaying a trace and publishing KV events over ZMQ",
@@ -639,7 +641,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--local-prefill-tokens", type=int, metavar="N",
                    help="endpoints with roles: a prompt whose part its decode worker lacks is under N tokens "
                         "prefills there (default 0: never)")
-    g.add_argument("--latency", type=Path, metavar="JSON", help="iteration-time fit from `kvtier fit-latency`")
+    g.add_argument("--latency", metavar="NAME|JSON",
+                   help=f"iteration-time fit: a preset ({', '.join(LATENCY_PRESETS)}) or a JSON from "
+                        "`kvtier fit-latency` (default: dynamo-mocker)")
     g.add_argument("--prefill-budget", type=int, help="the workers' chunked-prefill tokens per iteration")
     g.add_argument("--capacity-tokens", type=int, help="each worker's device KV, tokens (ttft costs)")
     g.add_argument("--host-credit", type=float, help="credit cost: weight of a host-tier block")

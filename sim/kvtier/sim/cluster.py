@@ -88,7 +88,8 @@ class ClusterConfig:
     # host <-> device and host <-> L3, GB/s (see kvtier.hardware.links)
     h2d_gbps: float = field(default=GPU_LINKS[DEFAULT_GPU_LINK].gbps, metadata=positive())
     storage_gbps: float = field(default=STORAGE_LINKS[DEFAULT_STORAGE_LINK].gbps, metadata=positive())
-    latency: MockerLatency = field(default_factory=MockerLatency)  # iteration times (default: the mocker's fit)
+    # iteration times (default: the mocker's fit; kvtier.hardware.latency.LATENCY_PRESETS names measured ones)
+    latency: MockerLatency = field(default_factory=MockerLatency)
     cache: CacheConfig = field(default_factory=CacheConfig)  # every worker's cache settings (CACHE_SETTINGS)
 
     @classmethod
@@ -179,6 +180,11 @@ class ClusterConfig:
         """Tokens a worker's device pool holds (whole pages)."""
         return self.device_tokens // self.page_size * self.page_size
 
+    def worker_latency(self) -> MockerLatency:
+        """The latency fit for a worker's device pool (:meth:`MockerLatency.for_pool`): what the engines charge and
+        the router prices with."""
+        return self.latency.for_pool(self.capacity_tokens())
+
     def device_kv_bytes(self) -> int:
         """Device memory the KV pools take per worker: full-attention pages, plus the window-KV pool."""
         preset, cfg = PRESETS[self.model], self.cache_config()
@@ -257,7 +263,7 @@ class SimWorker:
         self._on_prefilled = on_prefilled
         self.env = env
         self.cfg = cfg
-        self.latency = latency or cfg.latency
+        self.latency = latency or cfg.worker_latency()
         per_token = PRESETS[cfg.model].bytes_per_token
         if cfg.draft_model is not None:
             per_token += PRESETS[cfg.draft_model].bytes_per_token  # the draft pool is copied with every page

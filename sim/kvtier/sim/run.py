@@ -299,7 +299,7 @@ def routing_settings(cluster: ClusterConfig, run: RunConfig) -> RoutingSettings:
     return RoutingSettings(cost=run.cost, model=cluster.model, h2d_gbps=cluster.h2d_gbps,
                            storage_gbps=cluster.storage_gbps, host_credit=run.host_credit,
                            disk_credit=run.disk_credit, prefill_budget=cluster.prefill_budget,
-                           capacity_tokens=cluster.capacity_tokens(), latency=cluster.latency,
+                           capacity_tokens=cluster.capacity_tokens(), latency=cluster.worker_latency(),
                            temperature=run.temperature, seed=run.seed, slo_ttft_ms=run.sla_ttft_ms,
                            slo_tpot_ms=run.sla_tpot_ms, kv_gbps=cluster.kv_link_gbps)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from kvtier.hardware.latency import PRESETS, MockerLatency, latency_from_json
+from kvtier.hardware.latency import PRESETS, MockerLatency, resolve_latency
 from kvtier.hardware.links import (
     DEFAULT_GPU_LINK,
     DEFAULT_KV_LINK,
@@ -56,7 +56,8 @@ class ServiceConfig:
     kv_link: str = field(default=DEFAULT_KV_LINK, metadata=one_of(*KV_LINKS))
     kv_gbps: float | None = field(default=None, metadata=within(0, 1e6, lo_open=True, optional=True))
     local_prefill_tokens: int = field(default=0, metadata=at_least(0))
-    # iteration times: a fit written by `kvtier fit-latency` (JSON); None: Dynamo mocker's published fit
+    # iteration times: a preset of kvtier.hardware.latency.LATENCY_PRESETS or a fit JSON from `kvtier fit-latency`;
+    # None: Dynamo mocker's published fit. With capacity_tokens, a fit that states its pool is rescaled to it
     latency_path: str | None = field(default=None, metadata=Domain(str, optional=True).meta())
     # credit costs: a host block's and a disk or shared-pool block's weight against a device block's
     host_credit: float = field(default=0.75, metadata=within(0, 1))
@@ -129,11 +130,11 @@ class ServiceConfig:
         latency = MockerLatency()
         if self.latency_path is not None:
             try:
-                latency = latency_from_json(Path(self.latency_path).read_text())
-            except OSError as exc:
-                raise ConfigError(f"latency_path {self.latency_path}: {exc.strerror or exc}") from None
+                latency = resolve_latency(self.latency_path)
             except ValueError as exc:
-                raise ConfigError(f"latency_path {self.latency_path}: {exc}") from None
+                raise ConfigError(f"latency_path {exc}") from None
+        if self.capacity_tokens is not None:
+            latency = latency.for_pool(self.capacity_tokens)
         return RoutingSettings(
             cost=self.cost, model=self.model,
             h2d_gbps=self.h2d_gbps if self.h2d_gbps is not None else GPU_LINKS[self.gpu_link].gbps,
