@@ -254,12 +254,20 @@ def test_cuda_copiers_move_scattered_pages_of_both_pools(layout: str, copier: st
 
 
 @NEEDS_CUDA
-def test_auto_copier_runs_the_kernel_on_a_gpu() -> None:
+def test_auto_copier_runs_the_kernel_on_a_gpu_where_chunks_are_whole_words() -> None:
     dp = TorchDataPath(device_pages=4, host_pages=4, page_shape=SHAPE, device="cuda")
     try:
         assert dp.kernel_error is None and dp.copier == "auto"
     finally:
         dp.close()
+    odd = TorchDataPath(device_pages=4, host_pages=4, page_shape=(2, 2, 1, 1, 3), device="cuda", layout="layer")
+    try:  # 6-byte chunks: the kernel moves 4-byte words, so every copy is a copy_
+        assert odd.copier == "dma" and odd.kernel_error is not None and "4-byte words" in odd.kernel_error
+    finally:
+        odd.close()
+    with pytest.raises(RuntimeError, match="4-byte words"):
+        TorchDataPath(device_pages=4, host_pages=4, page_shape=(2, 2, 1, 1, 3), device="cuda", layout="layer",
+                      copier="kernel")
 
 
 @NEEDS_CUDA

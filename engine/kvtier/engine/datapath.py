@@ -267,7 +267,9 @@ class TorchDataPath(DataPath):
         self.copier = copier if self.cuda else "dma"
         self.kernel_error: str | None = None
         if self.cuda and copier != "dma":
-            self.kernel_error = self._probe_kernel()
+            self.kernel_error = self._probe_kernel() if all(
+                (self._bytes(d) // self._chunked(d).shape[0]) % 4 == 0 for d, _, _ in self._pools()) else (
+                "a layout chunk is not a whole number of 4-byte words")
             if self.kernel_error is not None:
                 if copier == "kernel":
                     raise RuntimeError(f"copier 'kernel' cannot run here: {self.kernel_error}")
