@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill", default="512,1024,2048,3072,4096,6144,8192,12288,16384,24576,32768",
                     help="prompt lengths, tokens")
     ap.add_argument("--batches", default="1,2,4,8,16,32,64,128,256", help="decode batch sizes")
-    ap.add_argument("--contexts", default="512,2048,8192,32768", help="decode context lengths, tokens")
+    ap.add_argument("--contexts", default="512,2048,3072,8192,13312,32768", help="decode context lengths, tokens")
     ap.add_argument("--reps", type=int, default=5, help="timed runs per point (the median is kept)")
     ap.add_argument("--memory-fraction", type=float, default=0.9, help="GPU memory an engine gives itself")
     ap.add_argument("--reserve-gib", type=float, default=4.0, help="kept out of the KV pool for activations")
