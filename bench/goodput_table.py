@@ -74,7 +74,7 @@ def goodput(res: RunResult, slo: Slo, total: int) -> float:
     return goodput_count(slo, res.ttft, res.tpot, res.e2e) / total
 
 
-def run_workload(name: str, w: Workload, policies: list[str], limit: int | None) -> int:
+def run_workload(name: str, w: Workload, policies: list[str], limit: int | None, out_of_reach: str = "price") -> int:
     trace: list[Request] = resolve_trace(w.trace.format(shared=shared_dir()), limit=limit, time_scale=w.time_scale,
                                          shared_prefix_blocks=w.shared_prefix_blocks)
     n = len(trace)
@@ -94,7 +94,8 @@ def run_workload(name: str, w: Workload, policies: list[str], limit: int | None)
             continue
         if p == "goodput":  # told each level's SLO: one run per level, each judged at its own level
             runs = {lv: simulate(trace, w.cluster, RunConfig(p, sla_ttft_ms=s.ttft_s * 1000 if s.ttft_s else None,
-                                                             sla_tpot_ms=s.tpot_s * 1000 if s.tpot_s else None))
+                                                             sla_tpot_ms=s.tpot_s * 1000 if s.tpot_s else None,
+                                                             slo_out_of_reach=out_of_reach))
                     for lv, s in slos.items()}
             for lv, res in runs.items():
                 add(f"goodput@{lv}", res, {lv2: goodput(res, s2, n) for lv2, s2 in slos.items()})
@@ -131,13 +132,15 @@ def main() -> int:
     ap.add_argument("--limit", type=int, help="first N requests of each trace only")
     ap.add_argument("--latency", default=DEFAULT_LATENCY, metavar="NAME|JSON",
                     help=f"iteration-time fit of every workload: a preset ({', '.join(LATENCY_PRESETS)}) or a JSON")
+    ap.add_argument("--out-of-reach", default="price", choices=["price", "spread"],
+                    help="the goodput policy's order of workers that miss the SLO (SloCost.out_of_reach)")
     a = ap.parse_args()
     latency = resolve_latency(a.latency)
     misses = 0
     for name in a.workloads.split(","):
         w = WORKLOADS[name]
         w = Workload(w.trace, w.cluster.replace(latency=latency), w.time_scale, w.shared_prefix_blocks)
-        misses += run_workload(name, w, a.policies.split(","), a.limit)
+        misses += run_workload(name, w, a.policies.split(","), a.limit, a.out_of_reach)
     print(f"\n{misses} target(s) missed" if misses else "\nevery target met")
     return 1 if misses else 0
 

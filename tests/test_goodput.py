@@ -222,3 +222,34 @@ def test_workers_that_all_miss_the_slo_are_ordered_by_price_not_by_how_far_they_
     assert SLO_MISS_MS <= keep < move and move - keep > 1e-9 * move
     assert cm.estimates(16384, 64, cached, light, 0, 200.0)[1] > cm.estimates(16384, 64, cold, WorkerLoad(), 0,
                                                                               200.0)[1]
+
+
+def test_spread_sends_a_request_no_worker_can_serve_in_time_where_it_slows_the_others_least() -> None:
+    """``out_of_reach="spread"``: with the same unmeetable bound the request leaves the prefix's worker, whose
+    streams it would slow, for the idle one; workers that meet the bound are still ordered by price."""
+    base, _, light, cached, cold = _goodput_parts()
+    cm = SloCost(base, tpot_ms=1.0, out_of_reach="spread")
+    keep, move = cm.cost(16384, 64, cached, light, 0, 200.0), cm.cost(16384, 64, cold, WorkerLoad(), 0, 200.0)
+    assert SLO_MISS_MS <= move < keep
+    reachable = SloCost(base, tpot_ms=1e6, out_of_reach="spread")
+    assert reachable.cost(16384, 64, cached, light, 0, 200.0) == SloCost(base, tpot_ms=1e6).cost(
+        16384, 64, cached, light, 0, 200.0)
+
+
+def test_the_out_of_reach_order_is_a_setting_of_the_run_the_cli_and_the_service(tmp_path: Path) -> None:
+    from kvtier.indexer.routing.policies import RoutingSettings, make_cost
+    from kvtier.indexer.service.config import ServiceConfig
+    from kvtier.sim.run import routing_settings
+    from kvtier.util.fields import ConfigError
+
+    run = RunConfig("goodput", sla_tpot_ms=10.0, slo_out_of_reach="spread")
+    cm = make_cost("goodput", routing_settings(ClusterConfig(), run))
+    assert isinstance(cm, SloCost) and cm.out_of_reach == "spread"
+    assert make_cost("goodput", ServiceConfig(endpoints=[], slo_out_of_reach="spread").routing_settings()) \
+        .out_of_reach == "spread"  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError, match="--slo-out-of-reach: 'nearest' is not allowed"):
+        RunConfig("goodput", slo_out_of_reach="nearest")
+    with pytest.raises(ConfigError, match="slo_out_of_reach must be one of price, spread"):
+        make_cost("goodput", RoutingSettings(slo_out_of_reach="nearest"))
+    assert cli(["replay", "--trace", "builtin:chat:6", "--workers", "2", "--policy", "goodput", "--sla-tpot-ms",
+                "1", "--slo-out-of-reach", "spread", "--no-plots", "--out", str(tmp_path)]) == 0

@@ -159,6 +159,9 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sla-ttft-ms", type=float, help="time to first token bound, ms")
     g.add_argument("--sla-tpot-ms", type=float, help="time per output token bound (after the first), ms")
     g.add_argument("--sla-e2e-ms", type=float, help="end-to-end latency bound, ms")
+    g.add_argument("--slo-out-of-reach", choices=["price", "spread"], default="price",
+                   help="goodput policy: a request that can meet the SLO on no worker keeps its cached prefix "
+                        "(price) or goes where it slows the other streams least (spread)")
     g.add_argument("--itl-series", type=Path, metavar="FILE",
                    help="write every request's inter-token gaps (seconds) as JSONL: "
                         '{"policy", "request_id", "itl_s": [...]} per completed request')
@@ -203,7 +206,7 @@ def _run_cfg(a: argparse.Namespace, policy: str) -> RunConfig:
     return RunConfig(policy, a.cost, a.event_delay, a.event_loss, a.host_credit, a.disk_credit, a.temperature,
                      a.seed, closed_loop=not a.open_loop, until_s=a.until, recovery=a.recovery,
                      replay_buffer=a.replay_buffer, loss_burst=a.loss_burst, sla_ttft_ms=a.sla_ttft_ms,
-                     sla_tpot_ms=a.sla_tpot_ms, sla_e2e_ms=a.sla_e2e_ms)
+                     sla_tpot_ms=a.sla_tpot_ms, sla_e2e_ms=a.sla_e2e_ms, slo_out_of_reach=a.slo_out_of_reach)
 
 
 def _trace(a: argparse.Namespace) -> TraceSource:
@@ -496,7 +499,7 @@ def cmd_indexer(a: argparse.Namespace) -> int:
                  ("storage_link", a.storage_link), ("h2d_gbps", a.h2d_gbps), ("storage_gbps", a.storage_gbps),
                  ("host_credit", a.host_credit), ("disk_credit", a.disk_credit), ("temperature", a.temperature),
                  ("seed", a.seed), ("prefill_budget", a.prefill_budget), ("capacity_tokens", a.capacity_tokens),
-                 ("latency_path", a.latency), ("kv_link", a.kv_link),
+                 ("latency_path", a.latency), ("slo_out_of_reach", a.slo_out_of_reach), ("kv_link", a.kv_link),
                  ("kv_gbps", a.kv_link_gbps), ("local_prefill_tokens", a.local_prefill_tokens),
                  ("liveness_timeout_s", a.liveness_timeout),
                  ("auth_token_file", str(a.auth_token_file) if a.auth_token_file is not None else None),
@@ -644,6 +647,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--latency", metavar="NAME|JSON",
                    help=f"iteration-time fit: a preset ({', '.join(LATENCY_PRESETS)}) or a JSON from "
                         "`kvtier fit-latency` (default: dynamo-mocker)")
+    g.add_argument("--slo-out-of-reach", choices=["price", "spread"],
+                   help="goodput policy: a request whose SLO no worker can meet keeps its cached prefix (price, the "
+                        "default) or goes where it slows the other streams least (spread)")
     g.add_argument("--prefill-budget", type=int, help="the workers' chunked-prefill tokens per iteration")
     g.add_argument("--capacity-tokens", type=int, help="each worker's device KV, tokens (ttft costs)")
     g.add_argument("--host-credit", type=float, help="credit cost: weight of a host-tier block")

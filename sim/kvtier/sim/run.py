@@ -52,6 +52,9 @@ class RunConfig:
     sla_ttft_ms: float | None = field(default=None, metadata=positive(optional=True, option="--sla-ttft-ms"))
     sla_tpot_ms: float | None = field(default=None, metadata=positive(optional=True, option="--sla-tpot-ms"))
     sla_e2e_ms: float | None = field(default=None, metadata=positive(optional=True, option="--sla-e2e-ms"))
+    # goodput policy: a request that can meet the SLO on no worker keeps its prefix (price) or goes where it slows
+    # the others least (spread); kvtier.indexer.routing.scoring.SloCost.out_of_reach
+    slo_out_of_reach: str = field(default="price", metadata=one_of("price", "spread"))
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -301,7 +304,8 @@ def routing_settings(cluster: ClusterConfig, run: RunConfig) -> RoutingSettings:
                            disk_credit=run.disk_credit, prefill_budget=cluster.prefill_budget,
                            capacity_tokens=cluster.capacity_tokens(), latency=cluster.worker_latency(),
                            temperature=run.temperature, seed=run.seed, slo_ttft_ms=run.sla_ttft_ms,
-                           slo_tpot_ms=run.sla_tpot_ms, kv_gbps=cluster.kv_link_gbps)
+                           slo_tpot_ms=run.sla_tpot_ms, slo_out_of_reach=run.slo_out_of_reach,
+                           kv_gbps=cluster.kv_link_gbps)
 
 
 #: The table kernels a simulation's index calls (events applied, prompt-key references, routing queries). A run

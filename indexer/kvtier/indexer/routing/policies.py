@@ -74,6 +74,7 @@ class RoutingSettings:
     seed: int = 0  # the router's random choices
     slo_ttft_ms: float | None = None  # the SLO the goodput policy routes for (None: not bounded)
     slo_tpot_ms: float | None = None
+    slo_out_of_reach: str = "price"  # the goodput policy's order of workers missing the SLO (SloCost.out_of_reach)
     kv_gbps: float = KV_LINKS[DEFAULT_KV_LINK].gbps  # disaggregated: the prefill -> decode KV link, GB/s
 
     def credits(self) -> TierCredits:
@@ -87,6 +88,9 @@ class RoutingSettings:
         return TransferModel.for_model(PRESETS[self.model], host_to_device_gbps=self.h2d_gbps,
                                        storage_to_host_gbps=self.storage_gbps,
                                        external_to_host_gbps=self.storage_gbps)
+
+
+OUT_OF_REACH = ("price", "spread")  # SloCost.out_of_reach
 
 
 def _setting_cost(s: RoutingSettings, tier: StorageTier) -> CostModel:
@@ -103,7 +107,9 @@ def _ttft(s: RoutingSettings, tier: StorageTier) -> CostModel:
 
 def _slo(s: RoutingSettings, tier: StorageTier) -> CostModel:
     base = TtftCost(s.transfer(), s.latency, tier, s.prefill_budget, s.capacity_tokens)
-    return SloCost(base, s.slo_ttft_ms, s.slo_tpot_ms)
+    if s.slo_out_of_reach not in OUT_OF_REACH:
+        raise ConfigError(f"slo_out_of_reach must be one of {', '.join(OUT_OF_REACH)}, got {s.slo_out_of_reach!r}")
+    return SloCost(base, s.slo_ttft_ms, s.slo_tpot_ms, out_of_reach=s.slo_out_of_reach)
 
 
 def _dynamo(s: RoutingSettings, tier: StorageTier) -> CostModel:

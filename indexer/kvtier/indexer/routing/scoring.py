@@ -254,6 +254,13 @@ class SloCost:
     for decode speed. A worker expected to pass either bound (``ttft_ms``, ``tpot_ms``; None: not bounded) costs
     :data:`SLO_MISS_MS` more, so the SLO decides first and the price among the workers on each side of it. Before
     any output length is known, or without a capacity (no TPOT model), the price is ``base``'s cost.
+
+    ``out_of_reach`` orders the workers a request misses the SLO on: ``"price"`` (the default) by the same price, so
+    a request that cannot meet it anywhere keeps its cached prefix; ``"spread"`` by the slowdown it brings to the
+    streams there plus its own TPOT, without the TTFT term, so it goes where it hurts those that can still meet
+    theirs least. Under iteration times measured on an H200, where an idle worker's decode step sits just under
+    a tight TPOT bound, ``spread`` holds goodput up where ``price`` piles sessions (bench/goodput_table.py
+    ``--out-of-reach``); it gives up cache hits, and TTFT percentiles, to do so.
     """
 
     base: TtftCost  # min_ttft's cost: the policy without bounds, and its price while no TPOT can be estimated
@@ -265,6 +272,7 @@ class SloCost:
     ttft_tokens: float = 12.0
     # Weight of the slowdown the request brings to the streams in flight on a worker against its own TPOT.
     spill_weight: float = 1.0
+    out_of_reach: str = "price"  # how workers missing the SLO are ordered: "price" or "spread" (see above)
     # ``base`` with each decode step counted once: the request's own TTFT estimate (derived, made once)
     own: TtftCost = field(init=False, repr=False, compare=False)
 
@@ -298,15 +306,17 @@ class SloCost:
             return self.base.cost(num_tokens, block_size, overlap, load, shared_blocks, output_tokens)
         ttft, tpot = self.estimates(num_tokens, block_size, overlap, load, shared_blocks, output_tokens)
         b = self.base
+        meets = (self.ttft_ms is None or ttft <= self.ttft_ms) and (
+            self.tpot_ms is None or tpot != tpot or tpot <= self.tpot_ms)
         if b.capacity_tokens and output_tokens > 0:
             lat, cap = b.latency, b.capacity_tokens
             u = load.context_tokens / cap
             step_added = lat.decode_ms(u + (num_tokens + output_tokens / 2) / cap) - lat.decode_ms(u)
             uncached = max(0, num_tokens - visible(overlap, b.max_tier).external * block_size)
             slowdown = step_added + lat.prefill_ms(uncached) / output_tokens
+            if not meets and self.out_of_reach == "spread":
+                return SLO_MISS_MS + load.running * slowdown + tpot
             price = ttft / self.ttft_tokens + tpot + self.spill_weight * load.running * slowdown
         else:
             price = b.cost(num_tokens, block_size, overlap, load, shared_blocks, output_tokens)
-        meets = (self.ttft_ms is None or ttft <= self.ttft_ms) and (
-            self.tpot_ms is None or tpot != tpot or tpot <= self.tpot_ms)
         return price if meets else SLO_MISS_MS + price

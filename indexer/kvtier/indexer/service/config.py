@@ -59,6 +59,8 @@ class ServiceConfig:
     # iteration times: a preset of kvtier.hardware.latency.LATENCY_PRESETS or a fit JSON from `kvtier fit-latency`;
     # None: Dynamo mocker's published fit. With capacity_tokens, a fit that states its pool is rescaled to it
     latency_path: str | None = field(default=None, metadata=Domain(str, optional=True).meta())
+    # goodput policy: a request whose SLO no worker can meet keeps its prefix (price) or spreads (spread)
+    slo_out_of_reach: str = field(default="price", metadata=one_of("price", "spread"))
     # credit costs: a host block's and a disk or shared-pool block's weight against a device block's
     host_credit: float = field(default=0.75, metadata=within(0, 1))
     disk_credit: float = field(default=0.25, metadata=within(0, 1))
@@ -141,6 +143,7 @@ class ServiceConfig:
             storage_gbps=self.storage_gbps if self.storage_gbps is not None else STORAGE_LINKS[self.storage_link].gbps,
             host_credit=self.host_credit, disk_credit=self.disk_credit, prefill_budget=self.prefill_budget,
             capacity_tokens=self.capacity_tokens, latency=latency, temperature=self.temperature, seed=self.seed,
+            slo_out_of_reach=self.slo_out_of_reach,
             kv_gbps=self.kv_gbps if self.kv_gbps is not None else KV_LINKS[self.kv_link].gbps)
 
     @property
