@@ -38,6 +38,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvtier.hardware.latency import ModelPreset
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -52,7 +54,7 @@ class Shape:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.layers * 2 * self.kv_heads * self.head_dim * 2  # K and V, bf16
+        return ModelPreset("", self.layers, self.kv_heads, self.head_dim).bytes_per_token  # K and V, bf16
 
 
 LLAMA_3_1_8B = Shape()

@@ -346,8 +346,9 @@ class TorchDataPath(DataPath):
             self._written[p] = event
 
     def _wait_for_writers(self, stream: Any, pages: list[int]) -> None:
-        """Orders ``stream`` after every recorded write of ``pages``; a write waited for once is ordered on this
-        stream for good, so its record is dropped."""
+        """Orders ``stream`` after every recorded write of ``pages``. A write waited for once needs no second wait:
+        the cache submits any later copy of those pages only after this one is acknowledged, so its record is
+        dropped."""
         if not self._written:
             return
         events = {id(ev): ev for p in self._written.keys() & set(pages) if (ev := self._written.pop(p))}
