@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from kvtier.hardware.latency import DEFAULT_LATENCY, LATENCY_PRESETS, resolve_latency
-from kvtier.indexer.routing.policies import REGISTRY
+from kvtier.indexer.routing.policies import OUT_OF_REACH, REGISTRY
 from kvtier.sim.cluster import ClusterConfig
 from kvtier.sim.experiment import resolve_trace, shared_dir
 from kvtier.sim.metrics import Slo, goodput_count
@@ -132,7 +132,7 @@ def main() -> int:
     ap.add_argument("--limit", type=int, help="first N requests of each trace only")
     ap.add_argument("--latency", default=DEFAULT_LATENCY, metavar="NAME|JSON",
                     help=f"iteration-time fit of every workload: a preset ({', '.join(LATENCY_PRESETS)}) or a JSON")
-    ap.add_argument("--out-of-reach", default="price", choices=["price", "spread"],
+    ap.add_argument("--out-of-reach", default="price", choices=OUT_OF_REACH,
                     help="the goodput policy's order of workers that miss the SLO (SloCost.out_of_reach)")
     a = ap.parse_args()
     latency = resolve_latency(a.latency)

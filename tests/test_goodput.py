@@ -236,20 +236,42 @@ def test_spread_sends_a_request_no_worker_can_serve_in_time_where_it_slows_the_o
         16384, 64, cached, light, 0, 200.0)
 
 
-def test_the_out_of_reach_order_is_a_setting_of_the_run_the_cli_and_the_service(tmp_path: Path) -> None:
+def test_discount_weighs_the_ttft_of_a_request_that_misses_its_slo_less_but_still_counts_it() -> None:
+    """``out_of_reach="discount"`` sits between the two: with the same unmeetable bound, the prefix's worker decoding
+    four streams keeps the request under ``price`` and loses it to the idle worker under ``discount`` (the TTFT it
+    saves is spread over 100 tokens, not 12); decoding two streams it keeps it under ``discount`` too, where
+    ``spread``, which drops TTFT, moves it. A bound some worker meets is ordered by the usual price."""
+    base, _, light, cached, cold = _goodput_parts()
+    four = WorkerLoad(running=4, active_blocks=600, context_tokens=40_000)
+
+    def keeps(mode: str, load: WorkerLoad) -> bool:
+        cm = SloCost(base, tpot_ms=1.0, out_of_reach=mode)
+        keep, move = cm.cost(16384, 64, cached, load, 0, 200.0), cm.cost(16384, 64, cold, WorkerLoad(), 0, 200.0)
+        assert keep >= SLO_MISS_MS and move >= SLO_MISS_MS
+        return keep < move
+
+    assert [keeps(m, four) for m in ("price", "discount", "spread")] == [True, False, False]
+    assert [keeps(m, light) for m in ("price", "discount", "spread")] == [True, True, False]
+    reachable = SloCost(base, tpot_ms=1e6, out_of_reach="discount")
+    assert reachable.cost(16384, 64, cached, four, 0, 200.0) == SloCost(base, tpot_ms=1e6).cost(
+        16384, 64, cached, four, 0, 200.0)
+
+
+@pytest.mark.parametrize("mode", ["discount", "spread"])
+def test_the_out_of_reach_order_is_a_setting_of_the_run_the_cli_and_the_service(tmp_path: Path, mode: str) -> None:
     from kvtier.indexer.routing.policies import RoutingSettings, make_cost
     from kvtier.indexer.service.config import ServiceConfig
     from kvtier.sim.run import routing_settings
     from kvtier.util.fields import ConfigError
 
-    run = RunConfig("goodput", sla_tpot_ms=10.0, slo_out_of_reach="spread")
+    run = RunConfig("goodput", sla_tpot_ms=10.0, slo_out_of_reach=mode)
     cm = make_cost("goodput", routing_settings(ClusterConfig(), run))
-    assert isinstance(cm, SloCost) and cm.out_of_reach == "spread"
-    assert make_cost("goodput", ServiceConfig(endpoints=[], slo_out_of_reach="spread").routing_settings()) \
-        .out_of_reach == "spread"  # type: ignore[attr-defined]
+    assert isinstance(cm, SloCost) and cm.out_of_reach == mode
+    assert make_cost("goodput", ServiceConfig(endpoints=[], slo_out_of_reach=mode).routing_settings()) \
+        .out_of_reach == mode  # type: ignore[attr-defined]
     with pytest.raises(ConfigError, match="--slo-out-of-reach: 'nearest' is not allowed"):
         RunConfig("goodput", slo_out_of_reach="nearest")
-    with pytest.raises(ConfigError, match="slo_out_of_reach must be one of price, spread"):
+    with pytest.raises(ConfigError, match="slo_out_of_reach must be one of price, discount, spread"):
         make_cost("goodput", RoutingSettings(slo_out_of_reach="nearest"))
     assert cli(["replay", "--trace", "builtin:chat:6", "--workers", "2", "--policy", "goodput", "--sla-tpot-ms",
-                "1", "--slo-out-of-reach", "spread", "--no-plots", "--out", str(tmp_path)]) == 0
+                "1", "--slo-out-of-reach", mode, "--no-plots", "--out", str(tmp_path)]) == 0

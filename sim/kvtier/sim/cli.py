@@ -35,7 +35,7 @@ from kvtier.hardware.links import (
     KV_LINKS,
     STORAGE_LINKS,
 )
-from kvtier.indexer.routing.policies import REGISTRY
+from kvtier.indexer.routing.policies import OUT_OF_REACH, REGISTRY
 from kvtier.kernels.jit import KernelsUnavailable
 from kvtier.sim import live
 from kvtier.sim.cluster import CACHE_SETTINGS, ClusterConfig
@@ -52,6 +52,10 @@ from kvtier.wire.protocol import DEFAULT_BLOCK_SIZE
 # events: cheap beside the kv_* policies.
 DEFAULT_POLICIES = ("round_robin,least_loaded,approx,kv_device,kv_host,kv_all,dynamo,min_ttft,oracle,"
                     "sglang_cache_aware,power_of_two,llmd,llmd_kv,llmd_precise")
+
+OUT_OF_REACH_HELP = ("goodput policy, for a request whose SLO no worker is expected to meet: keep its cached prefix by "
+                     "the usual price (price, the default), weigh its TTFT less against the streams it slows "
+                     "(discount), or send it where it slows them least (spread)")
 
 
 class CliError(Exception):
@@ -159,9 +163,7 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sla-ttft-ms", type=float, help="time to first token bound, ms")
     g.add_argument("--sla-tpot-ms", type=float, help="time per output token bound (after the first), ms")
     g.add_argument("--sla-e2e-ms", type=float, help="end-to-end latency bound, ms")
-    g.add_argument("--slo-out-of-reach", choices=["price", "spread"], default="price",
-                   help="goodput policy: a request that can meet the SLO on no worker keeps its cached prefix "
-                        "(price) or goes where it slows the other streams least (spread)")
+    g.add_argument("--slo-out-of-reach", choices=OUT_OF_REACH, default="price", help=OUT_OF_REACH_HELP)
     g.add_argument("--itl-series", type=Path, metavar="FILE",
                    help="write every request's inter-token gaps (seconds) as JSONL: "
                         '{"policy", "request_id", "itl_s": [...]} per completed request')
@@ -647,9 +649,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--latency", metavar="NAME|JSON",
                    help=f"iteration-time fit: a preset ({', '.join(LATENCY_PRESETS)}) or a JSON from "
                         "`kvtier fit-latency` (default: dynamo-mocker)")
-    g.add_argument("--slo-out-of-reach", choices=["price", "spread"],
-                   help="goodput policy: a request whose SLO no worker can meet keeps its cached prefix (price, the "
-                        "default) or goes where it slows the other streams least (spread)")
+    g.add_argument("--slo-out-of-reach", choices=OUT_OF_REACH, help=OUT_OF_REACH_HELP)
     g.add_argument("--prefill-budget", type=int, help="the workers' chunked-prefill tokens per iteration")
     g.add_argument("--capacity-tokens", type=int, help="each worker's device KV, tokens (ttft costs)")
     g.add_argument("--host-credit", type=float, help="credit cost: weight of a host-tier block")

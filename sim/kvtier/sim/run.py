@@ -11,7 +11,7 @@ from kvtier.engine.hashing import hash_backend
 from kvtier.indexer.index.keys import BlockKey, key_backend
 from kvtier.indexer.index.keytable import warm_tables
 from kvtier.indexer.routing.load import LoadTracker
-from kvtier.indexer.routing.policies import RoutingSettings
+from kvtier.indexer.routing.policies import OUT_OF_REACH, RoutingSettings
 from kvtier.sim.cluster import ClusterConfig, Job, build_cluster
 from kvtier.sim.core import Environment
 from kvtier.sim.disagg import DisaggPolicy
@@ -52,9 +52,9 @@ class RunConfig:
     sla_ttft_ms: float | None = field(default=None, metadata=positive(optional=True, option="--sla-ttft-ms"))
     sla_tpot_ms: float | None = field(default=None, metadata=positive(optional=True, option="--sla-tpot-ms"))
     sla_e2e_ms: float | None = field(default=None, metadata=positive(optional=True, option="--sla-e2e-ms"))
-    # goodput policy: a request that can meet the SLO on no worker keeps its prefix (price) or goes where it slows
-    # the others least (spread); kvtier.indexer.routing.scoring.SloCost.out_of_reach
-    slo_out_of_reach: str = field(default="price", metadata=one_of("price", "spread"))
+    # goodput policy: how a request that can meet the SLO on no worker weighs its prefix against the streams it
+    # slows (OUT_OF_REACH); kvtier.indexer.routing.scoring.SloCost.out_of_reach
+    slo_out_of_reach: str = field(default="price", metadata=one_of(*OUT_OF_REACH))
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -90,7 +90,7 @@ class RoutingSettings:
                                        external_to_host_gbps=self.storage_gbps)
 
 
-OUT_OF_REACH = ("price", "spread")  # SloCost.out_of_reach
+OUT_OF_REACH = ("price", "discount", "spread")  # SloCost.out_of_reach
 
 
 def _setting_cost(s: RoutingSettings, tier: StorageTier) -> CostModel:

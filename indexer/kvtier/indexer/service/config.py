@@ -17,7 +17,7 @@ from kvtier.hardware.links import (
     KV_LINKS,
     STORAGE_LINKS,
 )
-from kvtier.indexer.routing.policies import RoutingSettings
+from kvtier.indexer.routing.policies import OUT_OF_REACH, RoutingSettings
 from kvtier.util.fields import ConfigError, Domain, at_least, check_fields, one_of, within
 from kvtier.wire.protocol import DEFAULT_BLOCK_SIZE, StorageTier
 from kvtier.wire.transport.subscriber import EndpointConfig
@@ -59,8 +59,8 @@ class ServiceConfig:
     # iteration times: a preset of kvtier.hardware.latency.LATENCY_PRESETS or a fit JSON from `kvtier fit-latency`;
     # None: Dynamo mocker's published fit. With capacity_tokens, a fit that states its pool is rescaled to it
     latency_path: str | None = field(default=None, metadata=Domain(str, optional=True).meta())
-    # goodput policy: a request whose SLO no worker can meet keeps its prefix (price) or spreads (spread)
-    slo_out_of_reach: str = field(default="price", metadata=one_of("price", "spread"))
+    # goodput policy: how a request whose SLO no worker can meet is placed (OUT_OF_REACH; SloCost.out_of_reach)
+    slo_out_of_reach: str = field(default="price", metadata=one_of(*OUT_OF_REACH))
     # credit costs: a host block's and a disk or shared-pool block's weight against a device block's
     host_credit: float = field(default=0.75, metadata=within(0, 1))
     disk_credit: float = field(default=0.25, metadata=within(0, 1))
