@@ -263,7 +263,8 @@ class SloCost:
     theirs least. Under iteration times measured on an H200, where an idle worker's decode step sits just under
     a tight TPOT bound, most requests can meet the SLO nowhere and ``price`` piles sessions on their prefixes'
     workers until none can; ``discount`` and ``spread`` hold goodput up, ``spread`` at a larger cost in cache hits
-    and TTFT percentiles (bench/goodput_table.py ``--out-of-reach``). Under the mocker's fit ``price`` does best.
+    and TTFT percentiles (bench/goodput_table.py ``--out-of-reach``). Under the mocker's fit ``price`` misses the
+    fewest of that table's checks.
     """
 
     base: TtftCost  # min_ttft's cost: the policy without bounds, and its price while no TPOT can be estimated
