@@ -217,7 +217,7 @@ def test_workers_that_all_miss_the_slo_are_ordered_by_price_not_by_how_far_they_
     throws the cache away: the worker keeping the prefix, the cheaper by price, wins, although its TPOT is the
     further from the bound; every cost is past SLO_MISS_MS, and the router's tie tolerance cannot merge them."""
     base, _, light, cached, cold = _goodput_parts()
-    cm = SloCost(base, tpot_ms=1.0)
+    cm = SloCost(base, tpot_ms=1.0, out_of_reach="price")
     keep, move = cm.cost(16384, 64, cached, light, 0, 200.0), cm.cost(16384, 64, cold, WorkerLoad(), 0, 200.0)
     assert SLO_MISS_MS <= keep < move and move - keep > 1e-9 * move
     assert cm.estimates(16384, 64, cached, light, 0, 200.0)[1] > cm.estimates(16384, 64, cold, WorkerLoad(), 0,
@@ -257,7 +257,24 @@ def test_discount_weighs_the_ttft_of_a_request_that_misses_its_slo_less_but_stil
         16384, 64, cached, four, 0, 200.0)
 
 
-@pytest.mark.parametrize("mode", ["discount", "spread"])
+def test_auto_discounts_where_the_tpot_bound_is_near_an_idle_workers_decode_step() -> None:
+    """``out_of_reach="auto"``, the default everywhere: ``discount`` under a TPOT bound within 1.5 times an idle
+    worker's decode step (where a pile makes every worker miss it), ``price`` above it and under a TTFT bound alone;
+    the cost is then exactly that rule's."""
+    base, _, _, cached, _ = _goodput_parts()
+    four = WorkerLoad(running=4, active_blocks=600, context_tokens=40_000)
+    idle_step = base.latency.decode_ms(0.0)
+    cases = {1.4 * idle_step: "discount", 1.6 * idle_step: "price", None: "price"}
+    for tpot_ms, rule in cases.items():
+        auto = SloCost(base, ttft_ms=1.0, tpot_ms=tpot_ms, out_of_reach="auto")
+        assert auto.rule == rule
+        assert auto.cost(16384, 64, cached, four, 0, 200.0) == SloCost(
+            base, ttft_ms=1.0, tpot_ms=tpot_ms, out_of_reach=rule).cost(16384, 64, cached, four, 0, 200.0)
+    assert SloCost(base).out_of_reach == RunConfig("goodput").slo_out_of_reach == "auto"
+    assert dataclasses.replace(SloCost(base, tpot_ms=1e6), tpot_ms=1.0).rule == "discount"  # told an SLO later
+
+
+@pytest.mark.parametrize("mode", ["price", "discount", "spread"])
 def test_the_out_of_reach_order_is_a_setting_of_the_run_the_cli_and_the_service(tmp_path: Path, mode: str) -> None:
     from kvtier.indexer.routing.policies import RoutingSettings, make_cost
     from kvtier.indexer.service.config import ServiceConfig
@@ -271,7 +288,7 @@ def test_the_out_of_reach_order_is_a_setting_of_the_run_the_cli_and_the_service(
         .out_of_reach == mode  # type: ignore[attr-defined]
     with pytest.raises(ConfigError, match="--slo-out-of-reach: 'nearest' is not allowed"):
         RunConfig("goodput", slo_out_of_reach="nearest")
-    with pytest.raises(ConfigError, match="slo_out_of_reach must be one of price, discount, spread"):
+    with pytest.raises(ConfigError, match="slo_out_of_reach must be one of auto, price, discount, spread"):
         make_cost("goodput", RoutingSettings(slo_out_of_reach="nearest"))
     assert cli(["replay", "--trace", "builtin:chat:6", "--workers", "2", "--policy", "goodput", "--sla-tpot-ms",
                 "1", "--slo-out-of-reach", mode, "--no-plots", "--out", str(tmp_path)]) == 0

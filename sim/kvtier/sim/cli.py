@@ -54,8 +54,9 @@ DEFAULT_POLICIES = ("round_robin,least_loaded,approx,kv_device,kv_host,kv_all,dy
                     "sglang_cache_aware,power_of_two,llmd,llmd_kv,llmd_precise")
 
 OUT_OF_REACH_HELP = ("goodput policy, for a request whose SLO no worker is expected to meet: keep its cached prefix by "
-                     "the usual price (price, the default), weigh its TTFT less against the streams it slows "
-                     "(discount), or send it where it slows them least (spread)")
+                     "the usual price (price), weigh its TTFT less against the streams it slows (discount), send it "
+                     "where it slows them least (spread), or discount only under a TPOT bound within 1.5x an idle "
+                     "worker's decode step (auto, the default)")
 
 
 class CliError(Exception):
@@ -163,7 +164,7 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sla-ttft-ms", type=float, help="time to first token bound, ms")
     g.add_argument("--sla-tpot-ms", type=float, help="time per output token bound (after the first), ms")
     g.add_argument("--sla-e2e-ms", type=float, help="end-to-end latency bound, ms")
-    g.add_argument("--slo-out-of-reach", choices=OUT_OF_REACH, default="price", help=OUT_OF_REACH_HELP)
+    g.add_argument("--slo-out-of-reach", choices=OUT_OF_REACH, default="auto", help=OUT_OF_REACH_HELP)
     g.add_argument("--itl-series", type=Path, metavar="FILE",
                    help="write every request's inter-token gaps (seconds) as JSONL: "
                         '{"policy", "request_id", "itl_s": [...]} per completed request')

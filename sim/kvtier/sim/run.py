@@ -54,7 +54,7 @@ class RunConfig:
     sla_e2e_ms: float | None = field(default=None, metadata=positive(optional=True, option="--sla-e2e-ms"))
     # goodput policy: how a request that can meet the SLO on no worker weighs its prefix against the streams it
     # slows (OUT_OF_REACH); kvtier.indexer.routing.scoring.SloCost.out_of_reach
-    slo_out_of_reach: str = field(default="price", metadata=one_of(*OUT_OF_REACH))
+    slo_out_of_reach: str = field(default="auto", metadata=one_of(*OUT_OF_REACH))
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -74,7 +74,7 @@ class RoutingSettings:
     seed: int = 0  # the router's random choices
     slo_ttft_ms: float | None = None  # the SLO the goodput policy routes for (None: not bounded)
     slo_tpot_ms: float | None = None
-    slo_out_of_reach: str = "price"  # the goodput policy's order of workers missing the SLO (SloCost.out_of_reach)
+    slo_out_of_reach: str = "auto"  # the goodput policy's order of workers missing the SLO (SloCost.out_of_reach)
     kv_gbps: float = KV_LINKS[DEFAULT_KV_LINK].gbps  # disaggregated: the prefill -> decode KV link, GB/s
 
     def credits(self) -> TierCredits:
@@ -90,7 +90,7 @@ class RoutingSettings:
                                        external_to_host_gbps=self.storage_gbps)
 
 
-OUT_OF_REACH = ("price", "discount", "spread")  # SloCost.out_of_reach
+OUT_OF_REACH = ("auto", "price", "discount", "spread")  # SloCost.out_of_reach
 
 
 def _setting_cost(s: RoutingSettings, tier: StorageTier) -> CostModel:

@@ -255,8 +255,8 @@ class SloCost:
     :data:`SLO_MISS_MS` more, so the SLO decides first and the price among the workers on each side of it. Before
     any output length is known, or without a capacity (no TPOT model), the price is ``base``'s cost.
 
-    ``out_of_reach`` orders the workers a request misses the SLO on: ``"price"`` (the default) by the same price, so
-    a request that cannot meet it anywhere keeps its cached prefix; ``"discount"`` by the price with TTFT spread
+    ``out_of_reach`` orders the workers a request misses the SLO on: ``"price"`` by the same price, so a request
+    that cannot meet it anywhere keeps its cached prefix; ``"discount"`` by the price with TTFT spread
     over :attr:`miss_ttft_tokens` output tokens instead of :attr:`ttft_tokens` (the request has failed its SLO
     there, so its own wait weighs less against the streams it slows); ``"spread"`` by the slowdown it brings to
     the streams there plus its own TPOT, without the TTFT term, so it goes where it hurts those that can still meet
@@ -264,7 +264,8 @@ class SloCost:
     a tight TPOT bound, most requests can meet the SLO nowhere and ``price`` piles sessions on their prefixes'
     workers until none can; ``discount`` and ``spread`` hold goodput up, ``spread`` at a larger cost in cache hits
     and TTFT percentiles (bench/goodput_table.py ``--out-of-reach``). Under the mocker's fit ``price`` misses the
-    fewest of that table's checks.
+    fewest of that table's checks. ``"auto"`` (the default) is ``discount`` where the TPOT bound is under
+    :attr:`auto_discount_below` times an idle worker's decode step, and ``price`` elsewhere or without a TPOT bound.
     """
 
     base: TtftCost  # min_ttft's cost: the policy without bounds, and its price while no TPOT can be estimated
@@ -276,16 +277,31 @@ class SloCost:
     ttft_tokens: float = 12.0
     # Weight of the slowdown the request brings to the streams in flight on a worker against its own TPOT.
     spill_weight: float = 1.0
-    out_of_reach: str = "price"  # how workers missing the SLO are ordered: "price", "discount" or "spread" (above)
+    out_of_reach: str = "auto"  # how workers missing the SLO are ordered: OUT_OF_REACH's rules (above)
     # ``ttft_tokens`` on a worker where the request misses the SLO, under ``out_of_reach="discount"``. Tried 24, 50,
     # 100 and 200 on the agentic trace under the H200 fit at the tight level: below 100 sessions still piled
     # (goodput 0.25-0.34 against 0.56 for Dynamo's cost), above it TTFT p90 rose past Dynamo's. Chosen, not derived.
     miss_ttft_tokens: float = 100.0
+    # ``out_of_reach="auto"`` discounts while the TPOT bound is under this many times an idle worker's decode step:
+    # there a few streams' context pushes a worker past the bound, so most requests can meet it nowhere and a pile
+    # feeds itself; with more headroom the cached prefix is worth its TTFT. On issue 47's goodput grid
+    # (bench/goodput_table.py) price collapsed at 1.08 times (agentic, H200 fit: goodput 0.10 against 0.56 for
+    # Dynamo's cost), and discount missed more checks than price at 1.96-2.54 times (mocker's fit). Chosen, not
+    # derived.
+    auto_discount_below: float = 1.5
     # ``base`` with each decode step counted once: the request's own TTFT estimate (derived, made once)
     own: TtftCost = field(init=False, repr=False, compare=False)
+    # the rule ``out_of_reach`` resolves to for this SLO: "price", "discount" or "spread" (derived, made once)
+    rule: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "own", dataclasses.replace(self.base, decode_weight=1.0))
+        rule = self.out_of_reach
+        if rule == "auto":
+            idle_step = self.base.latency.decode_ms(0.0)
+            near = self.tpot_ms is not None and self.tpot_ms < self.auto_discount_below * idle_step
+            rule = "discount" if near else "price"
+        object.__setattr__(self, "rule", rule)
 
     @property
     def max_tier(self) -> StorageTier:
@@ -322,9 +338,9 @@ class SloCost:
             step_added = lat.decode_ms(u + (num_tokens + output_tokens / 2) / cap) - lat.decode_ms(u)
             uncached = max(0, num_tokens - visible(overlap, b.max_tier).external * block_size)
             slowdown = step_added + lat.prefill_ms(uncached) / output_tokens
-            if not meets and self.out_of_reach == "spread":
+            if not meets and self.rule == "spread":
                 return SLO_MISS_MS + load.running * slowdown + tpot
-            per = self.miss_ttft_tokens if not meets and self.out_of_reach == "discount" else self.ttft_tokens
+            per = self.miss_ttft_tokens if not meets and self.rule == "discount" else self.ttft_tokens
             price = ttft / per + tpot + self.spill_weight * load.running * slowdown
         else:
             price = b.cost(num_tokens, block_size, overlap, load, shared_blocks, output_tokens)
