@@ -36,6 +36,7 @@ from kvtier.hardware.links import (
     STORAGE_LINKS,
 )
 from kvtier.indexer.routing.policies import OUT_OF_REACH, REGISTRY
+from kvtier.indexer.routing.scoring import AUTO_DISCOUNT_BELOW
 from kvtier.kernels.jit import KernelsUnavailable
 from kvtier.sim import live
 from kvtier.sim.cluster import CACHE_SETTINGS, ClusterConfig
@@ -55,8 +56,8 @@ DEFAULT_POLICIES = ("round_robin,least_loaded,approx,kv_device,kv_host,kv_all,dy
 
 OUT_OF_REACH_HELP = ("goodput policy, for a request whose SLO no worker is expected to meet: keep its cached prefix by "
                      "the usual price (price), weigh its TTFT less against the streams it slows (discount), send it "
-                     "where it slows them least (spread), or discount only under a TPOT bound within 1.5x an idle "
-                     "worker's decode step (auto, the default)")
+                     "where it slows them least (spread), or discount only under a TPOT bound within "
+                     f"{AUTO_DISCOUNT_BELOW:g}x an idle worker's decode step (auto, the default)")
 
 
 class CliError(Exception):

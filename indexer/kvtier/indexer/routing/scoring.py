@@ -231,6 +231,10 @@ class TtftCost:
 #: and small enough that prices among the workers missing it still differ by more than the router's tie tolerance.
 SLO_MISS_MS = 1e6
 
+#: ``SloCost.out_of_reach="auto"`` discounts under a TPOT bound within this many times an idle worker's decode step
+#: (see :attr:`SloCost.auto_discount_below`).
+AUTO_DISCOUNT_BELOW = 1.5
+
 
 @dataclass(slots=True, frozen=True)
 class SloCost:
@@ -288,7 +292,7 @@ class SloCost:
     # (bench/goodput_table.py) price collapsed at 1.08 times (agentic, H200 fit: goodput 0.10 against 0.56 for
     # Dynamo's cost), and discount missed more checks than price at 1.96-2.54 times (mocker's fit). Chosen, not
     # derived.
-    auto_discount_below: float = 1.5
+    auto_discount_below: float = AUTO_DISCOUNT_BELOW
     # ``base`` with each decode step counted once: the request's own TTFT estimate (derived, made once)
     own: TtftCost = field(init=False, repr=False, compare=False)
     # the rule ``out_of_reach`` resolves to for this SLO: "price", "discount" or "spread" (derived, made once)
