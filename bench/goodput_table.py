@@ -23,6 +23,7 @@ import numpy as np
 
 from kvtier.hardware.latency import DEFAULT_LATENCY, LATENCY_PRESETS, resolve_latency
 from kvtier.indexer.routing.policies import OUT_OF_REACH, REGISTRY
+from kvtier.indexer.routing.scoring import DEFAULT_OUT_OF_REACH
 from kvtier.sim.cluster import ClusterConfig
 from kvtier.sim.experiment import resolve_trace, shared_dir
 from kvtier.sim.metrics import Slo, goodput_count
@@ -74,7 +75,8 @@ def goodput(res: RunResult, slo: Slo, total: int) -> float:
     return goodput_count(slo, res.ttft, res.tpot, res.e2e) / total
 
 
-def run_workload(name: str, w: Workload, policies: list[str], limit: int | None, out_of_reach: str = "auto") -> int:
+def run_workload(name: str, w: Workload, policies: list[str], limit: int | None,
+                 out_of_reach: str = DEFAULT_OUT_OF_REACH) -> int:
     trace: list[Request] = resolve_trace(w.trace.format(shared=shared_dir()), limit=limit, time_scale=w.time_scale,
                                          shared_prefix_blocks=w.shared_prefix_blocks)
     n = len(trace)
@@ -132,7 +134,7 @@ def main() -> int:
     ap.add_argument("--limit", type=int, help="first N requests of each trace only")
     ap.add_argument("--latency", default=DEFAULT_LATENCY, metavar="NAME|JSON",
                     help=f"iteration-time fit of every workload: a preset ({', '.join(LATENCY_PRESETS)}) or a JSON")
-    ap.add_argument("--out-of-reach", default="auto", choices=OUT_OF_REACH,
+    ap.add_argument("--out-of-reach", default=DEFAULT_OUT_OF_REACH, choices=OUT_OF_REACH,
                     help="the goodput policy's order of workers that miss the SLO (SloCost.out_of_reach)")
     a = ap.parse_args()
     latency = resolve_latency(a.latency)

@@ -36,7 +36,7 @@ from kvtier.hardware.links import (
     STORAGE_LINKS,
 )
 from kvtier.indexer.routing.policies import OUT_OF_REACH, REGISTRY
-from kvtier.indexer.routing.scoring import AUTO_DISCOUNT_BELOW
+from kvtier.indexer.routing.scoring import AUTO_DISCOUNT_BELOW, DEFAULT_OUT_OF_REACH
 from kvtier.kernels.jit import KernelsUnavailable
 from kvtier.sim import live
 from kvtier.sim.cluster import CACHE_SETTINGS, ClusterConfig
@@ -165,7 +165,7 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sla-ttft-ms", type=float, help="time to first token bound, ms")
     g.add_argument("--sla-tpot-ms", type=float, help="time per output token bound (after the first), ms")
     g.add_argument("--sla-e2e-ms", type=float, help="end-to-end latency bound, ms")
-    g.add_argument("--slo-out-of-reach", choices=OUT_OF_REACH, default="auto", help=OUT_OF_REACH_HELP)
+    g.add_argument("--slo-out-of-reach", choices=OUT_OF_REACH, default=DEFAULT_OUT_OF_REACH, help=OUT_OF_REACH_HELP)
     g.add_argument("--itl-series", type=Path, metavar="FILE",
                    help="write every request's inter-token gaps (seconds) as JSONL: "
                         '{"policy", "request_id", "itl_s": [...]} per completed request')

@@ -12,6 +12,7 @@ from kvtier.indexer.index.keys import BlockKey, key_backend
 from kvtier.indexer.index.keytable import warm_tables
 from kvtier.indexer.routing.load import LoadTracker
 from kvtier.indexer.routing.policies import OUT_OF_REACH, RoutingSettings
+from kvtier.indexer.routing.scoring import DEFAULT_OUT_OF_REACH
 from kvtier.sim.cluster import ClusterConfig, Job, build_cluster
 from kvtier.sim.core import Environment
 from kvtier.sim.disagg import DisaggPolicy
@@ -54,7 +55,7 @@ class RunConfig:
     sla_e2e_ms: float | None = field(default=None, metadata=positive(optional=True, option="--sla-e2e-ms"))
     # goodput policy: how a request that can meet the SLO on no worker weighs its prefix against the streams it
     # slows (OUT_OF_REACH); kvtier.indexer.routing.scoring.SloCost.out_of_reach
-    slo_out_of_reach: str = field(default="auto", metadata=one_of(*OUT_OF_REACH))
+    slo_out_of_reach: str = field(default=DEFAULT_OUT_OF_REACH, metadata=one_of(*OUT_OF_REACH))
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -52,7 +52,15 @@ from kvtier.hardware.links import (
 )
 from kvtier.indexer.routing.incumbents import Llmd, PowerOfTwo, SglangCacheAware
 from kvtier.indexer.routing.plugins import RoutingPolicy
-from kvtier.indexer.routing.scoring import CostModel, CreditCost, DynamoCost, SloCost, TierCredits, TtftCost
+from kvtier.indexer.routing.scoring import (
+    DEFAULT_OUT_OF_REACH,
+    CostModel,
+    CreditCost,
+    DynamoCost,
+    SloCost,
+    TierCredits,
+    TtftCost,
+)
 from kvtier.util.fields import ConfigError
 from kvtier.wire.protocol import StorageTier
 
@@ -74,7 +82,7 @@ class RoutingSettings:
     seed: int = 0  # the router's random choices
     slo_ttft_ms: float | None = None  # the SLO the goodput policy routes for (None: not bounded)
     slo_tpot_ms: float | None = None
-    slo_out_of_reach: str = "auto"  # the goodput policy's order of workers missing the SLO (SloCost.out_of_reach)
+    slo_out_of_reach: str = DEFAULT_OUT_OF_REACH  # the goodput policy's order of missing workers (SloCost.out_of_reach)
     kv_gbps: float = KV_LINKS[DEFAULT_KV_LINK].gbps  # disaggregated: the prefill -> decode KV link, GB/s
 
     def credits(self) -> TierCredits:

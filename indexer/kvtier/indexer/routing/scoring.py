@@ -231,6 +231,8 @@ class TtftCost:
 #: and small enough that prices among the workers missing it still differ by more than the router's tie tolerance.
 SLO_MISS_MS = 1e6
 
+#: ``SloCost.out_of_reach`` where none is given (the run, the service and the CLI take it from here).
+DEFAULT_OUT_OF_REACH = "auto"
 #: ``SloCost.out_of_reach="auto"`` discounts under a TPOT bound within this many times an idle worker's decode step
 #: (see :attr:`SloCost.auto_discount_below`).
 AUTO_DISCOUNT_BELOW = 1.5
@@ -281,7 +283,7 @@ class SloCost:
     ttft_tokens: float = 12.0
     # Weight of the slowdown the request brings to the streams in flight on a worker against its own TPOT.
     spill_weight: float = 1.0
-    out_of_reach: str = "auto"  # how workers missing the SLO are ordered: OUT_OF_REACH's rules (above)
+    out_of_reach: str = DEFAULT_OUT_OF_REACH  # how workers missing the SLO are ordered: OUT_OF_REACH's rules (above)
     # ``ttft_tokens`` on a worker where the request misses the SLO, under ``out_of_reach="discount"``. Tried 24, 50,
     # 100 and 200 on the agentic trace under the H200 fit at the tight level: below 100 sessions still piled
     # (goodput 0.25-0.34 against 0.56 for Dynamo's cost), above it TTFT p90 rose past Dynamo's. Chosen, not derived.

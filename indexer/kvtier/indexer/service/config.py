@@ -18,6 +18,7 @@ from kvtier.hardware.links import (
     STORAGE_LINKS,
 )
 from kvtier.indexer.routing.policies import OUT_OF_REACH, RoutingSettings
+from kvtier.indexer.routing.scoring import DEFAULT_OUT_OF_REACH
 from kvtier.util.fields import ConfigError, Domain, at_least, check_fields, one_of, within
 from kvtier.wire.protocol import DEFAULT_BLOCK_SIZE, StorageTier
 from kvtier.wire.transport.subscriber import EndpointConfig
@@ -60,7 +61,7 @@ class ServiceConfig:
     # None: Dynamo mocker's published fit. With capacity_tokens, a fit that states its pool is rescaled to it
     latency_path: str | None = field(default=None, metadata=Domain(str, optional=True).meta())
     # goodput policy: how a request whose SLO no worker can meet is placed (OUT_OF_REACH; SloCost.out_of_reach)
-    slo_out_of_reach: str = field(default="auto", metadata=one_of(*OUT_OF_REACH))
+    slo_out_of_reach: str = field(default=DEFAULT_OUT_OF_REACH, metadata=one_of(*OUT_OF_REACH))
     # credit costs: a host block's and a disk or shared-pool block's weight against a device block's
     host_credit: float = field(default=0.75, metadata=within(0, 1))
     disk_credit: float = field(default=0.25, metadata=within(0, 1))
