@@ -95,6 +95,19 @@ def test_single_request_timing_in_closed_form() -> None:
     assert rec.e2e == pytest.approx(ttft + decode, rel=1e-12)
 
 
+@pytest.mark.parametrize("policy", ["round_robin", "kv_all"])  # events unheard, and heard through the codec
+def test_event_blocks_count_the_blocks_the_events_name(policy: str) -> None:
+    cfg = ClusterConfig.of(workers=1, page_size=64, device_tokens=65_536, host_ratio=0.0)
+    req = Request("r0", 0.0, 3000, 50, [1, 2, 3, 4, 5, 6])
+    extra = simulate([req], cfg, RunConfig(policy)).summary.extra
+    assert extra["event_blocks"] == 3000 // 64  # its whole pages, stored once and never evicted
+    # stored on device, then evicted by a second prompt that needs the whole device
+    small = ClusterConfig.of(workers=1, page_size=64, device_tokens=4096, host_ratio=0.0)
+    two = [Request("a", 0.0, 4000, 1, list(range(62))), Request("b", 100.0, 4000, 1, list(range(100, 162)))]
+    extra = simulate(two, small, RunConfig(policy)).summary.extra
+    assert extra["event_blocks"] == 62 + 62 + 62  # a stored, a removed, b stored
+
+
 def test_chunked_prefill_splits_long_prompts() -> None:
     lat = MockerLatency()
     cfg = ClusterConfig.of(workers=1, page_size=64, device_tokens=65_536, host_ratio=0.0, prefill_budget=2048)

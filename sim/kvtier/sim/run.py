@@ -21,7 +21,7 @@ from kvtier.sim.metrics import RequestRecord, RunSummary, Slo, SummaryBuilder
 from kvtier.sim.policies import Choice, KvPolicy, Policy, RouteInput, make_policy, policy_label
 from kvtier.sim.source import TraceSource, as_source
 from kvtier.sim.trace import Request, TokenBank, bank_backend
-from kvtier.sim.transport import Recovery, SimWire, WireConfig, WireCounters
+from kvtier.sim.transport import Recovery, SimWire, WireConfig, WireCounters, event_blocks
 from kvtier.util.fields import Domain, at_least, check_fields, one_of, positive, within
 from kvtier.util.gcpause import rare_collections
 from kvtier.wire.notices import Delivery, StreamId
@@ -151,8 +151,10 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
     def on_event(worker: int, batch: EventBatch) -> None:
         if listening:
             wire.publish(worker, batch)
+            wire.counters.blocks += event_blocks(batch)
         else:
             unheard.published += 1
+            unheard.blocks += event_blocks(batch)
 
     def on_first_token(job: Job) -> None:
         if tracked:
@@ -290,8 +292,8 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
     rejected = policy.events_rejected if isinstance(policy, KvPolicy | DisaggPolicy) else 0
     summary = builder.summary(run.label, rejected, total=total)
     counters = wire.counters if listening else unheard
-    summary.extra.update(events_published=counters.published, events_lost=counters.lost,
-                         replay_requests=counters.replay_requests, dumps=counters.dumps,
+    summary.extra.update(events_published=counters.published, event_blocks=counters.blocks,
+                         events_lost=counters.lost, replay_requests=counters.replay_requests, dumps=counters.dumps,
                          partial_marks=counters.partial_marks)
     return RunResult(summary, records, decisions, counters.published, counters.lost, counters, builder.ttft,
                      builder.tpot, builder.e2e)

@@ -24,7 +24,7 @@ from enum import StrEnum
 from kvtier.sim.core import Environment, Timer
 from kvtier.wire.codec import decode_payload, encode_payload
 from kvtier.wire.notices import Delivery, Received, ResyncNeeded, StreamId
-from kvtier.wire.protocol import EventBatch, WorkerId
+from kvtier.wire.protocol import BlockRemoved, BlockStored, EventBatch, WorkerId
 from kvtier.wire.transport.frames import DUMP_REQUEST, END_SEQ, pack_seq, unpack_seq
 from kvtier.wire.transport.stream import StreamTracker
 
@@ -66,10 +66,16 @@ class WireCounters:
     """What the event path did in one run."""
 
     published: int = 0  # batches the engines published
+    blocks: int = 0  # blocks their stored and removed events name (the index's work is about proportional)
     lost: int = 0  # live batches dropped
     replay_requests: int = 0  # replay requests answered (catch-up, gap fill, probe)
     dumps: int = 0  # state dumps answered
     partial_marks: int = 0  # times a worker was given up as partial (loss beyond the buffer, no dump)
+
+
+def event_blocks(batch: EventBatch) -> int:
+    """Blocks the stored and removed events of ``batch`` name. O(events)."""
+    return sum(len(e.block_hashes) for e in batch.events if isinstance(e, BlockStored | BlockRemoved))
 
 
 class SimWire:
