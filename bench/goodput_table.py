@@ -5,7 +5,9 @@ tight (round robin's p50 of each), medium (p90) and loose (p99). Every other pol
 read at each level from its per-request latencies; ``goodput`` (kvtier's SLO-aware policy) runs once per level,
 told that level's SLO (the knob a user sets). Printed per workload: hit rate, TTFT / TPOT / e2e p50 p90 p99 and
 goodput at each level, and for ``goodput`` and ``min_ttft`` whether they meet the target against each incumbent:
-goodput at least as high at every level, and no p50/p90/p99 of TTFT, TPOT or e2e more than 2% worse.
+goodput at least as high at every level, and no p50/p90/p99 of TTFT, TPOT or e2e more than 2% worse. Last, per
+workload and level, which policy has the highest goodput there (``goodput`` told that level's SLO), beside the best
+incumbent's: the account of which SLO each policy wins.
 
     python bench/goodput_table.py                       # every workload (minutes)
     python bench/goodput_table.py --workloads agentic --limit 2000
@@ -75,8 +77,41 @@ def goodput(res: RunResult, slo: Slo, total: int) -> float:
     return goodput_count(slo, res.ttft, res.tpot, res.e2e) / total
 
 
+@dataclass(frozen=True, slots=True)
+class LevelWinner:
+    """Who has the highest goodput at one workload's SLO level, and the figures beside it."""
+
+    workload: str
+    level: str
+    winner: str  # the policy with the highest goodput there (the first listed, on a tie)
+    best: float  # its goodput
+    ours: float  # kvtier's goodput policy told this level's SLO (nan where it did not run)
+    incumbent: str  # the incumbent with the highest goodput there ("" where none ran)
+    incumbent_best: float  # its goodput (nan where none ran)
+    requests: int  # the trace's requests (goodput is a share of them)
+
+    def margin(self) -> str:
+        """Ours minus the best incumbent's goodput, as a share and in requests."""
+        d = self.ours - self.incumbent_best
+        return f"{d:+.3f} ({round(d * self.requests):+d})" if d == d else "n/a"
+
+
+def level_winners(name: str, goods: dict[str, dict[str, float]], requests: int) -> list[LevelWinner]:
+    """Per level, the policy with the highest goodput: ``goods`` maps each row to its goodput per level, where a
+    ``goodput@LEVEL`` row counts at its own level only (it was told that SLO)."""
+    out = []
+    for lv in LEVELS:
+        at = {label: g[lv] for label, g in goods.items() if not label.startswith("goodput@") or label.endswith(lv)}
+        winner = max(at, key=lambda label: at[label])
+        peers = {p: at[p] for p in INCUMBENTS if p in at}
+        inc = max(peers, key=lambda p: peers[p]) if peers else ""
+        out.append(LevelWinner(name, lv, winner, at[winner], at.get(f"goodput@{lv}", float("nan")), inc,
+                               peers.get(inc, float("nan")), requests))
+    return out
+
+
 def run_workload(name: str, w: Workload, policies: list[str], limit: int | None,
-                 out_of_reach: str = DEFAULT_OUT_OF_REACH) -> int:
+                 out_of_reach: str = DEFAULT_OUT_OF_REACH) -> tuple[int, list[LevelWinner]]:
     trace: list[Request] = resolve_trace(w.trace.format(shared=shared_dir()), limit=limit, time_scale=w.time_scale,
                                          shared_prefix_blocks=w.shared_prefix_blocks)
     n = len(trace)
@@ -123,7 +158,7 @@ def run_workload(name: str, w: Workload, policies: list[str], limit: int | None,
             why = "" if ok else (f" (goodput lower at {', '.join(worse_good)}" if worse_good else " (") + (
                 f"; worse than 2%: {', '.join(worse_fig)})" if worse_fig else ")")
             print(f"  {'MET ' if ok else 'MISS'} {ours} vs {peer}{why}")
-    return misses
+    return misses, level_winners(name, {label: good for label, (_, _, good) in rows.items()}, n)
 
 
 def main() -> int:
@@ -139,10 +174,19 @@ def main() -> int:
     a = ap.parse_args()
     latency = resolve_latency(a.latency)
     misses = 0
+    winners: list[LevelWinner] = []
     for name in a.workloads.split(","):
         w = WORKLOADS[name]
         w = Workload(w.trace, w.cluster.replace(latency=latency), w.time_scale, w.shared_prefix_blocks)
-        misses += run_workload(name, w, a.policies.split(","), a.limit, a.out_of_reach)
+        m, won = run_workload(name, w, a.policies.split(","), a.limit, a.out_of_reach)
+        misses += m
+        winners += won
+    print(f"\nhighest goodput per workload and SLO level (goodput told that level's SLO):\n"
+          f"{'workload':<25}{'level':<8}{'winner':<20}{'goodput':>8}{'ours':>8}  {'best incumbent':<20}{'goodput':>8}"
+          f"  ours - it (requests)")
+    for v in winners:
+        print(f"{v.workload:<25}{v.level:<8}{v.winner:<20}{v.best:8.3f}{v.ours:8.3f}  {v.incumbent:<20}"
+              f"{v.incumbent_best:8.3f}  {v.margin()}")
     print(f"\n{misses} target(s) missed" if misses else "\nevery target met")
     return 1 if misses else 0
 
