@@ -17,6 +17,7 @@ incumbent's: the account of which SLO each policy wins.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,7 +94,7 @@ class LevelWinner:
     def margin(self) -> str:
         """Ours minus the best incumbent's goodput, as a share and in requests."""
         d = self.ours - self.incumbent_best
-        return f"{d:+.3f} ({round(d * self.requests):+d})" if d == d else "n/a"
+        return "n/a" if math.isnan(d) else f"{d:+.3f} ({round(d * self.requests):+d})"
 
 
 def level_winners(name: str, goods: dict[str, dict[str, float]], requests: int) -> list[LevelWinner]:
