@@ -103,7 +103,7 @@ def test_event_blocks_count_the_blocks_the_events_name(policy: str) -> None:
     assert extra["event_blocks"] == 3000 // 64  # its whole pages, stored once and never evicted
     # stored on device, then evicted by a second prompt that needs the whole device
     small = ClusterConfig.of(workers=1, page_size=64, device_tokens=4096, host_ratio=0.0)
-    two = [Request("a", 0.0, 4000, 1, list(range(62))), Request("b", 100.0, 4000, 1, list(range(100, 162)))]
+    two = [Request("a", 0.0, 4000, 1, list(range(8))), Request("b", 100.0, 4000, 1, list(range(100, 108)))]
     extra = simulate(two, small, RunConfig(policy)).summary.extra
     assert extra["event_blocks"] == 62 + 62 + 62  # a stored, a removed, b stored
 
