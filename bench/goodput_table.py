@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from kvtier.hardware.latency import DEFAULT_LATENCY, LATENCY_PRESETS, resolve_latency
-from kvtier.indexer.routing.policies import OUT_OF_REACH, REGISTRY
-from kvtier.indexer.routing.scoring import DEFAULT_OUT_OF_REACH
+from kvtier.indexer.routing.policies import REGISTRY
+from kvtier.indexer.routing.scoring import DEFAULT_OUT_OF_REACH, OUT_OF_REACH
 from kvtier.sim.cluster import ClusterConfig
 from kvtier.sim.experiment import resolve_trace, shared_dir
 from kvtier.sim.metrics import Slo, goodput_count

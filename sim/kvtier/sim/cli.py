@@ -35,8 +35,8 @@ from kvtier.hardware.links import (
     KV_LINKS,
     STORAGE_LINKS,
 )
-from kvtier.indexer.routing.policies import OUT_OF_REACH, REGISTRY
-from kvtier.indexer.routing.scoring import AUTO_DISCOUNT_BELOW, DEFAULT_OUT_OF_REACH
+from kvtier.indexer.routing.policies import REGISTRY
+from kvtier.indexer.routing.scoring import AUTO_DISCOUNT_BELOW, DEFAULT_OUT_OF_REACH, OUT_OF_REACH
 from kvtier.kernels.jit import KernelsUnavailable
 from kvtier.sim import live
 from kvtier.sim.cluster import CACHE_SETTINGS, ClusterConfig

@@ -11,8 +11,8 @@ from kvtier.engine.hashing import hash_backend
 from kvtier.indexer.index.keys import BlockKey, key_backend
 from kvtier.indexer.index.keytable import warm_tables
 from kvtier.indexer.routing.load import LoadTracker
-from kvtier.indexer.routing.policies import OUT_OF_REACH, RoutingSettings
-from kvtier.indexer.routing.scoring import DEFAULT_OUT_OF_REACH
+from kvtier.indexer.routing.policies import RoutingSettings
+from kvtier.indexer.routing.scoring import DEFAULT_OUT_OF_REACH, OUT_OF_REACH
 from kvtier.sim.cluster import ClusterConfig, Job, build_cluster
 from kvtier.sim.core import Environment
 from kvtier.sim.disagg import DisaggPolicy

@@ -54,6 +54,7 @@ from kvtier.indexer.routing.incumbents import Llmd, PowerOfTwo, SglangCacheAware
 from kvtier.indexer.routing.plugins import RoutingPolicy
 from kvtier.indexer.routing.scoring import (
     DEFAULT_OUT_OF_REACH,
+    OUT_OF_REACH,
     CostModel,
     CreditCost,
     DynamoCost,
@@ -96,9 +97,6 @@ class RoutingSettings:
         return TransferModel.for_model(PRESETS[self.model], host_to_device_gbps=self.h2d_gbps,
                                        storage_to_host_gbps=self.storage_gbps,
                                        external_to_host_gbps=self.storage_gbps)
-
-
-OUT_OF_REACH = ("auto", "price", "discount", "spread")  # SloCost.out_of_reach
 
 
 def _setting_cost(s: RoutingSettings, tier: StorageTier) -> CostModel:

@@ -231,7 +231,9 @@ class TtftCost:
 #: and small enough that prices among the workers missing it still differ by more than the router's tie tolerance.
 SLO_MISS_MS = 1e6
 
-#: ``SloCost.out_of_reach`` where none is given (the run, the service and the CLI take it from here).
+#: ``SloCost.out_of_reach``'s rules (see its docstring): the run, the service and the CLI take their choices from here.
+OUT_OF_REACH = ("auto", "price", "discount", "spread")
+#: ``SloCost.out_of_reach`` where none is given.
 DEFAULT_OUT_OF_REACH = "auto"
 #: ``SloCost.out_of_reach="auto"`` discounts under a TPOT bound within this many times an idle worker's decode step
 #: (see :attr:`SloCost.auto_discount_below`).

@@ -17,8 +17,8 @@ from kvtier.hardware.links import (
     KV_LINKS,
     STORAGE_LINKS,
 )
-from kvtier.indexer.routing.policies import OUT_OF_REACH, RoutingSettings
-from kvtier.indexer.routing.scoring import DEFAULT_OUT_OF_REACH
+from kvtier.indexer.routing.policies import RoutingSettings
+from kvtier.indexer.routing.scoring import DEFAULT_OUT_OF_REACH, OUT_OF_REACH
 from kvtier.util.fields import ConfigError, Domain, at_least, check_fields, one_of, within
 from kvtier.wire.protocol import DEFAULT_BLOCK_SIZE, StorageTier
 from kvtier.wire.transport.subscriber import EndpointConfig
