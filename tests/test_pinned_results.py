@@ -38,6 +38,11 @@ SWA = dataclasses.replace(TIERED, model="gpt-oss-20b", swa_ratio=0.2)
 SWA_BLIND = SWA.replace(swa_events=False)
 MOONCAKE = ClusterConfig.of(workers=8, page_size=64, device_tokens=262_144, host_ratio=2.0, max_running=64,
                          prefill_budget=8192)
+# Disaggregated (issue 48): the Mooncake cluster as 4 prefill + 4 decode workers over a 50 GB/s KV link; the tiered
+# one as 2 + 2 with conditional disaggregation, so that both handoffs (at arrival and at handoff) and local
+# prefills are pinned.
+MOONCAKE_PD = MOONCAKE.replace(prefill_workers=4, decode_workers=4, kv_gbps=50.0)
+TIERED_PD = TIERED.replace(prefill_workers=2, decode_workers=2, local_prefill_tokens=512)
 
 
 def _chat() -> list[Request]:
@@ -64,6 +69,9 @@ CASES: dict[str, tuple[str, ClusterConfig, RunConfig]] = {
     **{f"agentic/{p}": ("agentic", TIERED, RunConfig(p)) for p in ("kv_all", "min_ttft")},
     **{f"chat-swa/{p}": ("chat", SWA, RunConfig(p)) for p in ("kv_all", "kv_swa", "oracle")},
     "chat-swa/kv_swa/no-window-events": ("chat", SWA_BLIND, RunConfig("kv_swa")),
+    **{f"mooncake-pd/{p}": ("mooncake", MOONCAKE_PD, RunConfig(p)) for p in ("round_robin", "kv_host", "dynamo",
+                                                                            "goodput", "llmd")},
+    **{f"chat-pd/{p}": ("chat", TIERED_PD, RunConfig(p)) for p in ("kv_all", "least_loaded", "min_ttft")},
 }
 
 
