@@ -101,7 +101,7 @@ class Copies:
 
     def in_flight(self, op_ids: set[int]) -> set[int]:
         """Those of ``op_ids`` not acknowledged yet. O(ids)."""
-        return {o for o in op_ids if o in self._ops}
+        return {o for o in op_ids if o in self._ops} if op_ids else set()
 
     def prefetching_pages(self) -> int:
         """Host pages that L3 -> host copies in flight are filling. O(copies)."""

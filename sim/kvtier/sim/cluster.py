@@ -372,7 +372,8 @@ class SimWorker:
         if self._decode is not None:
             self._interrupt_decode()
             return
-        if self._busy_until is None:
+        if self._busy_until is None and (self.queue or self.admitted or self.running or self.received):
+            # (an idle worker with nothing to run would find nothing: every path that gives it work kicks after)
             self._busy_until = self.env.at(self.env.now, self._iterate, priority=START_PRIORITY)
 
     def _start_prefills(self) -> None:
