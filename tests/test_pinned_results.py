@@ -38,9 +38,9 @@ SWA = dataclasses.replace(TIERED, model="gpt-oss-20b", swa_ratio=0.2)
 SWA_BLIND = SWA.replace(swa_events=False)
 MOONCAKE = ClusterConfig.of(workers=8, page_size=64, device_tokens=262_144, host_ratio=2.0, max_running=64,
                          prefill_budget=8192)
-# Disaggregated (issue 48): the Mooncake cluster as 4 prefill + 4 decode workers over a 50 GB/s KV link; the tiered
-# one as 2 + 2 with conditional disaggregation, so that both handoffs (at arrival and at handoff) and local
-# prefills are pinned.
+# Disaggregated (issue 48): the Mooncake cluster as 4 prefill + 4 decode workers over a 50 GB/s KV link (round robin
+# and dynamo pick the decode worker at handoff, the others at arrival); the tiered one as 2 + 2 with conditional
+# disaggregation, where the KV-aware policies prefill some turns on their decode worker.
 MOONCAKE_PD = MOONCAKE.replace(prefill_workers=4, decode_workers=4, kv_gbps=50.0)
 TIERED_PD = TIERED.replace(prefill_workers=2, decode_workers=2, local_prefill_tokens=512)
 
