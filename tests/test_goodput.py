@@ -290,5 +290,8 @@ def test_the_out_of_reach_order_is_a_setting_of_the_run_the_cli_and_the_service(
         RunConfig("goodput", slo_out_of_reach="nearest")
     with pytest.raises(ConfigError, match="slo_out_of_reach must be one of auto, price, discount, spread"):
         make_cost("goodput", RoutingSettings(slo_out_of_reach="nearest"))
+    base, _, _, _, _ = _goodput_parts()
+    with pytest.raises(ConfigError, match="out_of_reach must be one of auto, price, discount, spread, got 'nearest'"):
+        SloCost(base, tpot_ms=10.0, out_of_reach="nearest")  # built directly: not ordered like price unasked
     assert cli(["replay", "--trace", "builtin:chat:6", "--workers", "2", "--policy", "goodput", "--sla-tpot-ms",
                 "1", "--slo-out-of-reach", mode, "--no-plots", "--out", str(tmp_path)]) == 0

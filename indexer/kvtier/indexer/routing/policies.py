@@ -54,7 +54,6 @@ from kvtier.indexer.routing.incumbents import Llmd, PowerOfTwo, SglangCacheAware
 from kvtier.indexer.routing.plugins import RoutingPolicy
 from kvtier.indexer.routing.scoring import (
     DEFAULT_OUT_OF_REACH,
-    OUT_OF_REACH,
     CostModel,
     CreditCost,
     DynamoCost,
@@ -113,8 +112,6 @@ def _ttft(s: RoutingSettings, tier: StorageTier) -> CostModel:
 
 def _slo(s: RoutingSettings, tier: StorageTier) -> CostModel:
     base = TtftCost(s.transfer(), s.latency, tier, s.prefill_budget, s.capacity_tokens)
-    if s.slo_out_of_reach not in OUT_OF_REACH:
-        raise ConfigError(f"slo_out_of_reach must be one of {', '.join(OUT_OF_REACH)}, got {s.slo_out_of_reach!r}")
     return SloCost(base, s.slo_ttft_ms, s.slo_tpot_ms, out_of_reach=s.slo_out_of_reach)
 
 

@@ -26,6 +26,7 @@ from typing import Protocol
 
 from kvtier.hardware.latency import LatencyModel, MockerLatency, TransferModel
 from kvtier.indexer.routing.load import WorkerLoad
+from kvtier.util.fields import ConfigError
 from kvtier.wire.overlap import TierOverlap
 from kvtier.wire.protocol import StorageTier
 
@@ -303,8 +304,10 @@ class SloCost:
     rule: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "own", dataclasses.replace(self.base, decode_weight=1.0))
         rule = self.out_of_reach
+        if rule not in OUT_OF_REACH:
+            raise ConfigError(f"slo_out_of_reach must be one of {', '.join(OUT_OF_REACH)}, got {rule!r}")
+        object.__setattr__(self, "own", dataclasses.replace(self.base, decode_weight=1.0))
         if rule == "auto":
             idle_step = self.base.latency.decode_ms(0.0)
             near = self.tpot_ms is not None and self.tpot_ms < self.auto_discount_below * idle_step
