@@ -19,6 +19,8 @@ settings.register_profile(
     "slow", max_examples=2_000, deadline=None, suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("KVTIER_HYPOTHESIS_PROFILE", "ci"))
+#: The nightly profile: state machines, whose own settings fix their sizes, scale them up under it.
+SLOW = os.environ.get("KVTIER_HYPOTHESIS_PROFILE") == "slow"
 
 
 @pytest.fixture(scope="session")

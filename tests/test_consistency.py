@@ -14,7 +14,6 @@ prefill is exactly that usable depth.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 from hypothesis import settings
@@ -28,6 +27,7 @@ from kvtier.engine.l3.storage import PageStore
 from kvtier.indexer.index.tiered import Outcome, TieredIndex
 from kvtier.wire import StorageTier, WorkerId, decode_payload, encode_payload
 from kvtier.wire.notices import StreamId
+from tests.conftest import SLOW
 
 PS = 2
 # Documents share prefixes: B and C start like A, D is unrelated. Requests take a prefix of one
@@ -179,7 +179,6 @@ class Consistency(RuleBasedStateMachine):
             STEPS.append(1)
 
 
-SLOW = os.environ.get("KVTIER_HYPOTHESIS_PROFILE") == "slow"
 Consistency.TestCase.settings = settings(max_examples=3000 if SLOW else 400, stateful_step_count=100 if SLOW else 60,
                                          deadline=None)
 TestConsistency = Consistency.TestCase

@@ -9,7 +9,6 @@ view equals its engine's residency, and recovering one worker never touched anot
 
 from __future__ import annotations
 
-import os
 import tempfile
 from collections import deque
 from pathlib import Path
@@ -28,11 +27,11 @@ from kvtier.wire import StorageTier, WorkerId, encode_payload
 from kvtier.wire.notices import Delivery, StreamId
 from kvtier.wire.transport.frames import DUMP_REQUEST, END_SEQ, pack_seq, unpack_seq
 from kvtier.wire.transport.stream import StreamTracker
+from tests.conftest import SLOW
 
 PS = 2
 DOCS = [list(range(100, 120)), list(range(100, 108)) + list(range(300, 312)), list(range(500, 520))]
 BW = Bandwidths(d2h=1e3, h2d=1e3, storage_write=1e3, storage_read=1e3, latency_s=1e-6)
-SLOW = os.environ.get("KVTIER_HYPOTHESIS_PROFILE") == "slow"
 CHECKS: list[int] = []  # quiet-and-recovered checks run, for the report
 
 

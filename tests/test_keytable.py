@@ -21,6 +21,7 @@ from kvtier.indexer.index.keyrefs import KeyRefs, key_array
 from kvtier.indexer.index.keys import BlockKey
 from kvtier.indexer.index.keytable import KERNELS, KEY, USED, EngineHashes, KeyTable, warm_tables
 from kvtier.sim.cli import main as cli_main
+from tests.conftest import SLOW
 from tests.jit_paths import python_path
 
 M64 = (1 << 64) - 1
@@ -75,7 +76,8 @@ class KeyTableMachine(RuleBasedStateMachine):
         self.t._check()
 
 
-KeyTableMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=12, deadline=None)
+KeyTableMachine.TestCase.settings = settings(max_examples=1000 if SLOW else 25, stateful_step_count=30 if SLOW else 12,
+                                                      deadline=None)
 TestKeyTable = KeyTableMachine.TestCase
 
 hashes = st.one_of(st.integers(-(2**63), -1), st.integers(0, 2**63 - 1), st.integers(2**63, M64),
@@ -129,7 +131,8 @@ class EngineHashesMachine(RuleBasedStateMachine):
             assert not (any(h < 0 for h in ints) and any(h >= 2**63 for h in ints)), "both signs in the table"
 
 
-EngineHashesMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=15, deadline=None)
+EngineHashesMachine.TestCase.settings = settings(max_examples=1000 if SLOW else 40,
+                                                          stateful_step_count=30 if SLOW else 15, deadline=None)
 TestEngineHashes = EngineHashesMachine.TestCase
 
 
@@ -494,7 +497,8 @@ class TablesMachine(RuleBasedStateMachine):
         _check_table(self.refs._t)  # type: ignore[arg-type]
 
 
-TablesMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=20, deadline=None)
+TablesMachine.TestCase.settings = settings(max_examples=1000 if SLOW else 30, stateful_step_count=40 if SLOW else 20,
+                                                    deadline=None)
 TestTablesAgainstDicts = TablesMachine.TestCase
 
 

@@ -35,6 +35,7 @@ from kvtier.indexer.index.tiered import TieredIndex
 from kvtier.wire import BlockRemoved, BlockStored, EventBatch, StorageTier, WorkerId, decode_payload
 from kvtier.wire.notices import Delivery, PublisherRestarted, Received, ResyncNeeded, ResyncStarted, StreamId
 from kvtier.wire.transport.stream import StreamTracker
+from tests.conftest import SLOW
 
 CHECKS: list[tuple[int, int]] = []  # (partial workers, blocks checked) per quiet check
 REGAINED: list[int] = []  # blocks a store proved held (indexed only by regaining them), per quiet check
@@ -237,8 +238,8 @@ class PartialRecovery(fw.TwoEngines):
         return closed, stored
 
 
-PartialRecovery.TestCase.settings = settings(max_examples=1000 if fw.SLOW else 300,
-                                             stateful_step_count=80 if fw.SLOW else 50, deadline=None)
+PartialRecovery.TestCase.settings = settings(max_examples=1000 if SLOW else 300,
+                                             stateful_step_count=80 if SLOW else 50, deadline=None)
 TestPartialRecovery = PartialRecovery.TestCase
 
 
