@@ -77,7 +77,7 @@ class KeyTableMachine(RuleBasedStateMachine):
 
 
 KeyTableMachine.TestCase.settings = settings(max_examples=1000 if SLOW else 25, stateful_step_count=30 if SLOW else 12,
-                                                      deadline=None)
+                                             deadline=None)
 TestKeyTable = KeyTableMachine.TestCase
 
 hashes = st.one_of(st.integers(-(2**63), -1), st.integers(0, 2**63 - 1), st.integers(2**63, M64),
@@ -132,7 +132,7 @@ class EngineHashesMachine(RuleBasedStateMachine):
 
 
 EngineHashesMachine.TestCase.settings = settings(max_examples=1000 if SLOW else 40,
-                                                          stateful_step_count=30 if SLOW else 15, deadline=None)
+                                                 stateful_step_count=30 if SLOW else 15, deadline=None)
 TestEngineHashes = EngineHashesMachine.TestCase
 
 
@@ -498,7 +498,7 @@ class TablesMachine(RuleBasedStateMachine):
 
 
 TablesMachine.TestCase.settings = settings(max_examples=1000 if SLOW else 30, stateful_step_count=40 if SLOW else 20,
-                                                    deadline=None)
+                                           deadline=None)
 TestTablesAgainstDicts = TablesMachine.TestCase
 
 

@@ -149,12 +149,11 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
                 sink(rec)
 
     def on_event(worker: int, batch: EventBatch) -> None:
+        counters.blocks += event_blocks(batch)
         if listening:
-            wire.publish(worker, batch)
-            wire.counters.blocks += event_blocks(batch)
+            wire.publish(worker, batch)  # (counts it published)
         else:
-            unheard.published += 1
-            unheard.blocks += event_blocks(batch)
+            counters.published += 1
 
     def on_first_token(job: Job) -> None:
         if tracked:
@@ -213,6 +212,7 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
         policy = make_policy(run.policy, workers=cluster_cfg.workers, block_size=ps, loads=loads,
                              caches=lambda: cluster.caches, settings=routing_settings(cluster_cfg, run))
     listening = isinstance(policy, KvPolicy) or (isinstance(policy, DisaggPolicy) and policy.listens)
+    counters = wire.counters if listening else unheard  # what the run reports of its event path
     # A blind policy (round robin, random) reads neither keys nor load: the router does no such bookkeeping.
     tracked = not policy.blind
     cluster = build_cluster(cluster_cfg, env, on_event, on_first_token, on_finish,
@@ -291,7 +291,6 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
     emit(True)  # what is left never finished
     rejected = policy.events_rejected if isinstance(policy, KvPolicy | DisaggPolicy) else 0
     summary = builder.summary(run.label, rejected, total=total)
-    counters = wire.counters if listening else unheard
     summary.extra.update(events_published=counters.published, event_blocks=counters.blocks,
                          events_lost=counters.lost, replay_requests=counters.replay_requests, dumps=counters.dumps,
                          partial_marks=counters.partial_marks)
