@@ -143,8 +143,7 @@ class _Handler(RequestHandler):
         self._deadline = None
         if self._request_count == 0 and self.transport is not None:
             self._gate.header_timeouts += 1
-            self.force_close()
-            self.transport.close()
+            self.force_close()  # (closes the transport and lets go of it)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._deadline is not None:
