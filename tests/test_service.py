@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import re
 import signal
 import subprocess
@@ -307,6 +308,38 @@ def test_a_stop_signal_during_start_or_the_banner_still_stops_cleanly(
         app.serve(cfg)  # returns: no KeyboardInterrupt escapes
     assert stopped == [True]
     assert snap.exists() == (where == "banner")  # a service that never started has nothing to save
+
+
+def test_a_second_sigterm_while_it_stops_does_not_cut_the_stop_short(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A supervisor may signal again while the service stops (``timeout`` signals the process and then its
+    group, so it gets SIGTERM twice): that one is ignored, and the stop runs to its end, snapshot written (it used
+    to raise out of the stop: a KeyboardInterrupt traceback, exit 130, no snapshot). Both signals are real ones,
+    sent to this process, the first once the service is up, the second from inside its stop."""
+    from kvtier.indexer.service import app
+
+    started, original_stop = app.IndexerService.start, app.IndexerService.stop
+    stops: list[bool] = []
+
+    def start(self: IndexerService) -> None:
+        started(self)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def stop(self: IndexerService) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        original_stop(self)
+        stops.append(True)
+
+    monkeypatch.setattr(app.IndexerService, "start", start)
+    monkeypatch.setattr(app.IndexerService, "stop", stop)
+    before = signal.getsignal(signal.SIGTERM)
+    snap = tmp_path / "index.snap"
+    with Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0") as pub:
+        cfg = ServiceConfig(endpoints=[parse_endpoint(f"w0={pub.endpoint},replay={pub.replay_endpoint}")],
+                            block_size=BS, listen="127.0.0.1:0", snapshot_path=str(snap))
+        app.serve(cfg)  # returns: no KeyboardInterrupt escapes
+    assert stops == [True] and snap.exists()
+    assert signal.getsignal(signal.SIGTERM) == before  # the caller's handler is back
 
 
 def _indexer_process(pub: Publisher, snap: Path) -> tuple[subprocess.Popen[str], str]:

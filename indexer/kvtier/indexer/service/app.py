@@ -516,6 +516,9 @@ def _policy(name: str, settings: RoutingSettings, block_size: int) -> tuple[Cost
 
 
 def _interrupt(signum: int, frame: object) -> None:
+    """SIGTERM as Ctrl-C: the service stops. A second one while it stops (a supervisor signalling the process and
+    then its group) is ignored, so that it cannot cut the stop short before the snapshot is written."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt
 
 
@@ -536,6 +539,8 @@ def serve(config: ServiceConfig) -> None:
         except KeyboardInterrupt:
             return
         finally:
+            if main:  # (stopped by Ctrl-C or a dead event loop: no SIGTERM may cut the stop short either)
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
             svc.stop()
     finally:
         if main:
