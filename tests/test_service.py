@@ -439,6 +439,19 @@ def test_request_bodies_parse_alike_from_bytes_and_objects() -> None:
         parse_body({"token_ids": [object()]})
 
 
+def test_a_body_that_is_not_utf8_says_so_and_where() -> None:
+    """JSON is UTF-8: a string with another encoding's bytes is refused by a line naming the first bad byte and
+    its place in the body (it used to be Python's codec message, its position counted within the string)."""
+    from kvtier.indexer.service.app import parse_body
+    from kvtier.indexer.service.requestbody import parse_finish
+
+    for parse, body, at in ((parse_body, b'{"token_ids": [1, 2], "lora_name": "ok\xff"}', 38),
+                            (parse_body, b'{"request_id": "r\xc3", "token_ids": [1]}', 17),
+                            (parse_finish, b'{"\xff": 1}', 2)):
+        with pytest.raises(ValueError, match=re.escape(f"body is not JSON: invalid UTF-8 at byte {at} (0x")):
+            parse(body)
+
+
 def test_engines_of_another_page_size_make_health_say_so(cluster: tuple[list[Publisher], IndexerService]) -> None:
     """An indexer started with --block-size unlike the engines' page size rejects every store and indexes nothing;
     /health used to say ok. It says degraded, which workers, and what to set."""

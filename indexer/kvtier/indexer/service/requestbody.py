@@ -60,6 +60,13 @@ def _parse(body: bytes | Any, kind: type[_B], what: str) -> _B:
         raise ValueError(f"bad {what}: {exc}") from None
     except msgspec.DecodeError as exc:
         raise ValueError(f"body is not JSON: {exc}") from None
+    except UnicodeDecodeError:  # a string msgspec reads is not UTF-8: where it starts in the body, not the string
+        try:
+            bytes(body).decode()
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"body is not JSON: invalid UTF-8 at byte {exc.start} (0x{exc.object[exc.start]:02x})"
+                             ) from None
+        raise
 
 
 def packed_token_ids(token_ids: list[int]) -> PackedTokens:
