@@ -134,6 +134,12 @@ def test_decode_admission_waits_for_memory_and_requests_never_vanish() -> None:
     # One that could never fit is rejected, not queued forever.
     big = simulate([req("x", 0.0, 3000, 2000, [1, 2, 3, 4, 5, 6])], cluster, RunConfig("round_robin"))
     assert big.summary.rejected == 1 and big.records[0].rejected
+    # Nor one that fills a device with no output: its prefill worker reserves a token more than the prompt (as
+    # a prefill request with max_tokens=1 does), so it fits nowhere; and the request behind it runs.
+    full = simulate([req("x", 0.0, 4096, 0, list(range(8))), req("y", 0.1, 100, 5, [100])], cluster,
+                    RunConfig("round_robin"))
+    assert (full.summary.rejected, full.summary.requests, full.summary.unfinished) == (1, 1, 0)
+    assert [r.rejected for r in full.records] == [True, False]
 
 
 def test_short_uncached_prompts_prefill_on_their_decode_worker() -> None:

@@ -292,7 +292,9 @@ class SimWorker:
     def submit(self, job: Job, visible_tier: StorageTier = StorageTier.EXTERNAL) -> None:
         """A request arrives; ``visible_tier`` limits the true overlap recorded against the router's guess."""
         job.visible_tier = visible_tier
-        if job.req.input_length + job.req.output_length > self.capacity_tokens:
+        # Rejected if it could never fit: here (its prompt and the output room it reserves here) or on a decode
+        # worker (its prompt and whole output; the pools' devices are alike).
+        if job.req.input_length + max(job.req.output_length, self._output_room(job)) > self.capacity_tokens:
             job.record.rejected = True
             self._on_finish(job)
             return
@@ -376,10 +378,13 @@ class SimWorker:
             # (an idle worker with nothing to run would find nothing: every path that gives it work kicks after)
             self._busy_until = self.env.at(self.env.now, self._iterate, priority=START_PRIORITY)
 
+    def _output_room(self, job: Job) -> int:
+        """Output tokens ``job`` reserves room for here: its whole output, or one on a prefill worker (as a prefill
+        request with max_tokens=1 does). O(1)."""
+        return 1 if self.role == "prefill" else job.req.output_length
+
     def _start_prefills(self) -> None:
         ps = self.cfg.page_size
-        # A prefill worker reserves one output token's room, as a prefill request with max_tokens=1 does.
-        output = (lambda job: 1) if self.role == "prefill" else (lambda job: job.req.output_length)
         for job in list(self.admitted):
             if len(self.running) + self.receiving >= self.cfg.max_running:
                 break
@@ -388,10 +393,10 @@ class SimWorker:
             if not self._ready(job):
                 continue
             assert job.adm is not None
-            plan = self.cache.begin_prefill(job.adm, output(job))
+            plan = self.cache.begin_prefill(job.adm, self._output_room(job))
             if plan is None and not self.running and not self.receiving and not self.dp.ops:
                 self._unlock_others(job)  # nothing will free room: admitted prefixes hold it
-                plan = self.cache.begin_prefill(job.adm, output(job))
+                plan = self.cache.begin_prefill(job.adm, self._output_room(job))
             if plan is None:
                 break  # no device room: wait for running requests to finish
             self.admitted.remove(job)
