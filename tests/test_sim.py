@@ -333,3 +333,25 @@ def test_write_back_with_disk_loads_a_prefetched_chain_whose_backups_evict_host(
     s = simulate(trace, cluster, RunConfig("round_robin")).summary
     assert s.requests + s.unfinished + s.rejected == 400 and s.requests > 300
     assert s.hit_storage > 0  # the L3 tier served prompts: prefetches ran
+
+
+@pytest.mark.parametrize("load_back", [True, False])
+def test_a_host_hit_counts_only_where_it_was_loaded_back(load_back: bool) -> None:
+    """A prompt's tokens are booked to the tier they came from. ``c`` and ``b`` find their prefix on host only
+    (evicted from device, backed up). Loaded back, both take it from host. With load-back off nothing reaches
+    the device from host: ``c`` computes the prefix, and ``b``, which waits for room behind it, takes it from the
+    device (it was booked to host)."""
+    cluster = ClusterConfig.of(workers=1, page_size=64, device_tokens=4096, host_ratio=2.0, load_back=load_back)
+    trace = [Request("x", 0.0, 1024, 1, [1, 2]),  # the prefix, written through to host
+             Request("filler", 1.0, 4000, 1, list(range(10, 18))),  # evicts it from device; host keeps it
+             Request("c", 2.0, 1024, 3000, [1, 2]),  # takes most of the device
+             Request("b", 2.0, 1024, 10, [1, 2])]
+    res = simulate(trace, cluster, RunConfig("round_robin"))
+    c, b = res.records[2], res.records[3]
+    tiers = [(r.device_tokens, r.host_tokens, r.recomputed_tokens) for r in (c, b)]
+    if load_back:
+        assert tiers == [(0, 1024, 0), (0, 1024, 0)]
+    else:
+        assert b.prefill_start >= c.first_token  # b started after c had computed the prefix
+        assert tiers == [(0, 0, 1024), (1024, 0, 0)] and res.summary.hit_host == 0
+

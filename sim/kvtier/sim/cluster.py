@@ -406,10 +406,13 @@ class SimWorker:
                 continue
             # The split is taken now, when prefill starts: the cached prefix is what was on device at
             # admission, then the host run loaded back, then the L3 run prefetched; whatever else is
-            # on device now was computed by a concurrent request since admission, a device hit too.
+            # on device now was computed by a concurrent request since admission, a device hit too (so is
+            # all of it where nothing is loaded back: host and L3 pages then never reach the device).
             adm, cached = job.adm, plan.cached_tokens // ps
-            host = min(adm.host_pages, max(0, cached - adm.device_pages))
-            storage = min(adm.l3_pages, max(0, cached - adm.device_pages - host))
+            host = storage = 0
+            if self.cache.config.load_back:
+                host = min(adm.host_pages, max(0, cached - adm.device_pages))
+                storage = min(adm.l3_pages, max(0, cached - adm.device_pages - host))
             rec.device_tokens = (cached - host - storage) * ps
             rec.host_tokens, rec.storage_tokens = host * ps, storage * ps
             rec.recomputed_tokens = plan.compute_tokens
