@@ -355,3 +355,12 @@ def test_a_host_hit_counts_only_where_it_was_loaded_back(load_back: bool) -> Non
         assert b.prefill_start >= c.first_token  # b started after c had computed the prefix
         assert tiers == [(0, 0, 1024), (1024, 0, 0)] and res.summary.hit_host == 0
 
+
+def test_throughput_counts_the_token_a_zero_output_request_generates() -> None:
+    """A request asking for no output still generates one token (its first, from the prefill's logits), as its
+    record's TTFT says: throughput counts it (it counted the length asked for, 0)."""
+    cfg = ClusterConfig.of(workers=1, page_size=64, device_tokens=65_536, host_ratio=0.0)
+    res = simulate([Request("a", 0.0, 640, 0, [1, 2]), Request("b", 0.0, 640, 3, [3, 4])], cfg,
+                   RunConfig("round_robin"))
+    span = max(r.finish for r in res.records) - min(r.arrival for r in res.records)
+    assert res.records[0].ttft > 0 and res.summary.throughput_tok_s == pytest.approx((1 + 3) / span, rel=1e-12)

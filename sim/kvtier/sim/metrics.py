@@ -229,7 +229,7 @@ class SummaryBuilder:
         self.host += r.host_tokens
         self.storage += r.storage_tokens
         self.recomputed += r.recomputed_tokens
-        self.output += r.output_tokens
+        self.output += max(r.output_tokens, 1)  # (a 0 generates one token)
         self.start = min(self.start, r.arrival)
         self.end = max(self.end, r.finish)
         if r.predicted_blocks >= 0 and r.actual_blocks >= 0:
