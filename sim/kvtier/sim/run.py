@@ -97,8 +97,9 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
     Turns of one session (``Request.session``, in trace order) are released closed loop when
     ``run.closed_loop``: a turn arrives ``think_s`` after its predecessor's last token (or, for traces
     without think times, at its own timestamp but never before its predecessor finished); a rejected
-    turn releases its successor at once. Open loop uses every timestamp as it is. Simulated time stops at
-    ``run.until_s`` if given; what has not finished by then is counted as ``unfinished``.
+    turn releases its successor when it is rejected, as a last token would (its think time after that).
+    Open loop uses every timestamp as it is. Simulated time stops at ``run.until_s`` if given; what has not
+    finished by then is counted as ``unfinished``.
 
     Records: without ``sink`` they are returned in :attr:`RunResult.records` (and the routing decisions in
     :attr:`RunResult.decisions`). With ``sink``, each record goes to it once final (completed, rejected, or
