@@ -6,8 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvtier.indexer.index.keys import block_keys, mm_block_extras, split_extra_keys
+from kvtier.indexer.index.keys import block_keys, extra_digest, mm_block_extras, split_extra_keys
 from kvtier.indexer.index.tiered import Outcome, TieredIndex
 from kvtier.wire import BlockStored, EventBatch, StreamId, WireFormat, WorkerId, decode_payload, encode_payload
 
@@ -59,6 +61,22 @@ def test_multimodal_items_scope_the_blocks_they_overlap() -> None:
     assert depth(idx, V, mm_items=[("img-2", 2, 6)]) == 0  # another image, same placeholder tokens
     assert depth(idx, V, mm_items=[("img-1", 3, 5)]) == 0  # the same image elsewhere
     assert mm_block_extras(12, BS, [("img-1", 2, 6)])[2] is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["a", "b", "c"]), st.integers(0, 40), st.integers(1, 20)), max_size=8),
+       st.integers(0, 48))
+def test_multimodal_extras_are_each_blocks_overlapping_items_in_offset_order(
+        items: list[tuple[str, int, int]], num_tokens: int) -> None:
+    """The sweep gives, per block, the items that overlap it (offset relative to the block's start) in offset
+    order, ties in the order given: the definition, checked block by block over every item."""
+    got = mm_block_extras(num_tokens, BS, items)
+    if not items:
+        assert got is None
+        return
+    ordered = sorted(items, key=lambda m: m[1])
+    assert got == [extra_digest([(i, off - b * BS) for i, off, n in ordered if off < (b + 1) * BS and off + n > b * BS])
+                   for b in range(num_tokens // BS)]
 
 
 def test_prompt_embedding_digests_scope_their_block() -> None:

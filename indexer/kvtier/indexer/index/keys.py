@@ -184,15 +184,22 @@ def mm_block_extras(
 ) -> list[int | None] | None:
     """Per-block extras of a query from its multimodal items ``(identifier, offset, length)``,
     placed as vLLM places them: each block lists ``(identifier, item offset - block start)`` for the
-    items overlapping it, in item order. O(blocks + items)."""
+    items overlapping it, in item order (by offset). One sweep over the blocks with the items that overlap the
+    current one: O(blocks + items log items + the (block, item) overlaps)."""
     if not mm_items:
         return None
     items = sorted(mm_items, key=lambda m: m[1])
     out: list[int | None] = []
+    active: list[tuple[str, int, int]] = []  # items begun before this block's end, in offset order
+    nxt = 0  # the first item not begun yet
     for b in range(num_tokens // block_size):
         start, end = b * block_size, (b + 1) * block_size
-        pairs = [(ident, off - start) for ident, off, length in items if off < end and off + length > start]
-        out.append(extra_digest(pairs))
+        while nxt < len(items) and items[nxt][1] < end:
+            active.append(items[nxt])
+            nxt += 1
+        if active:
+            active = [m for m in active if m[1] + m[2] > start]  # those ended before this block go
+        out.append(extra_digest([(ident, off - start) for ident, off, _ in active]))
     return out
 
 
