@@ -188,7 +188,17 @@ CASES: dict[str, Case] = {
     "grid page_size=0": (lambda t, f: ["sweep", *SMALL[:2], "--grid", "page_size=0"],
                          "--grid page_size=0: --page-size: 0 is not allowed"),
     "grid unknown axis": (lambda t, f: ["sweep", *SMALL[:2], "--grid", "colour=red"], "grid axis 'colour'"),
-    "grid bad value": (lambda t, f: ["sweep", *SMALL[:2], "--grid", "workers=x"], "grid axis 'workers'"),
+    "grid bad value": (lambda t, f: ["sweep", *SMALL[:2], "--grid", "workers=x"],
+                       "grid axis 'workers': 'x' is not an integer"),
+    "grid bad number": (lambda t, f: ["sweep", *SMALL[:2], "--grid", "host_ratio=4,lots"],
+                        "grid axis 'host_ratio': 'lots' is not a number"),
+    "grid bad choice": (lambda t, f: ["sweep", *SMALL[:2], "--grid", "eviction=foo"],
+                        "grid axis 'eviction': 'foo' is not one of node, page"),
+    # latency values were taken as plain strings: an AttributeError traceback when the run began
+    "grid unknown latency": (lambda t, f: ["sweep", *SMALL[:2], "--grid", "latency=dynamo-mocker,fast"],
+                             "grid axis 'latency': fast: No such file, nor a latency preset"),
+    "grid axis twice": (lambda t, f: ["sweep", *SMALL[:2], "--grid", "workers=1", "workers=2"],
+                        "grid axis 'workers' is given twice: give its values once, as workers=V1,V2,..."),
     # gen-trace
     "gen-trace requests 0": (lambda t, f: ["gen-trace", "--requests", "0", "-o", str(t / "x.jsonl")],
                              "argument --requests: 0 is not allowed"),

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 
 from kvtier.engine.cache import CacheConfig, PrefetchPolicy, WritePolicy
 from kvtier.sim.cli import build_parser
+from kvtier.sim.cli import main as cli
 from kvtier.sim.cluster import CACHE_SETTINGS, ClusterConfig
 from kvtier.sim.experiment import grid_jobs, parse_grid
 from kvtier.sim.run import RunConfig
@@ -65,3 +68,19 @@ def test_a_sweep_varies_a_cache_setting() -> None:
     got = [(j.cluster.host_ratio, j.cluster.prefetch_policy) for j in jobs]
     assert got == [(0.0, PrefetchPolicy.BEST_EFFORT), (0.0, PrefetchPolicy.WAIT_COMPLETE),
                    (4.0, PrefetchPolicy.BEST_EFFORT), (4.0, PrefetchPolicy.WAIT_COMPLETE)]
+
+
+def test_a_sweep_varies_the_latency_fit(tmp_path: Path) -> None:
+    """``latency`` values are read as ``--latency`` reads them (a preset's name or a fit's path): the runs use the
+    fits, and their tags keep the names (the fits were passed on as strings: a traceback as the run began)."""
+    from kvtier.hardware.latency import LATENCY_PRESETS
+
+    grid = parse_grid(["latency=dynamo-mocker,h200-llama-3.1-8b"])
+    jobs = grid_jobs(ListTrace([]), ClusterConfig(), RunConfig("round_robin"), grid)
+    assert [(j.tag["latency"], j.cluster.latency) for j in jobs] == [
+        (name, LATENCY_PRESETS[name]) for name in ("dynamo-mocker", "h200-llama-3.1-8b")]
+    assert cli(["sweep", "--trace", "builtin:chat:4", "--no-plots", "--out", str(tmp_path), "--grid",
+                "latency=dynamo-mocker,h200-llama-3.1-8b"]) == 0
+    runs = json.loads((tmp_path / "sweep.json").read_text())
+    assert [r["latency"] for r in runs] == ["dynamo-mocker", "h200-llama-3.1-8b"]
+    assert runs[0]["ttft_p50"] != runs[1]["ttft_p50"]

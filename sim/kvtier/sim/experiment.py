@@ -10,10 +10,13 @@ import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from kvtier.engine.cache import CacheConfig, PrefetchPolicy, WritePolicy
+from kvtier.engine.config import Eviction
+from kvtier.hardware.latency import resolve_latency
 from kvtier.sim.cluster import CACHE_SETTINGS, ClusterConfig
 from kvtier.sim.generators import PRESETS, generate
 from kvtier.sim.metrics import RequestRecord
@@ -165,10 +168,41 @@ def _bool(text: str) -> bool:
     return text.lower() == "true"
 
 
+def _number(kind: type[int] | type[float]) -> Callable[[str], Any]:
+    what = "an integer" if kind is int else "a number"
+
+    def cast(text: str) -> Any:
+        try:
+            return kind(text)
+        except ValueError:
+            raise ValueError(f"{text!r} is not {what}") from None
+    return cast
+
+
+def _choice(kind: type[StrEnum]) -> Callable[[str], Any]:
+    def cast(text: str) -> Any:
+        try:
+            return kind(text)
+        except ValueError:
+            raise ValueError(f"{text!r} is not one of {', '.join(m.value for m in kind)}") from None
+    return cast
+
+
+def _latency(text: str) -> str:
+    """A ``latency`` value: a preset's name or a fit's path, checked as ``--latency`` checks it and kept as given
+    (the run's tag names it); :data:`_TO_CONFIG` resolves it."""
+    resolve_latency(text)
+    return text
+
+
+_CASTS: dict[str, Callable[[str], Any]] = {
+    "int": _number(int), "float": _number(float), "str": str, "bool": _bool, "WritePolicy": _choice(WritePolicy),
+    "PrefetchPolicy": _choice(PrefetchPolicy), "Eviction": _choice(Eviction), "MockerLatency": _latency}
+
+
 def _caster(annotation: str) -> Callable[[str], Any]:
-    casts: dict[str, Callable[[str], Any]] = {"int": int, "float": float, "str": str, "bool": _bool,
-                                                "WritePolicy": WritePolicy, "PrefetchPolicy": PrefetchPolicy}
-    return casts.get(annotation.removesuffix(" | None"), str)
+    """How a sweep reads a setting of this type (a type without one is a KeyError: no setting goes unread)."""
+    return _CASTS[annotation.removesuffix(" | None")]
 
 
 def _pools(text: str) -> str:
@@ -194,6 +228,8 @@ _FIELDS: dict[str, tuple[str, Callable[[str], Any]]] = {
     **{f.name: ("run", _caster(str(f.type))) for f in dataclasses.fields(RunConfig)},
     "pools": ("pools", _pools),
 }
+#: Axes whose grid value (what the run's tag shows) is not the setting's own: how the setting is made from it.
+_TO_CONFIG: dict[str, Callable[[Any], Any]] = {"latency": resolve_latency}
 
 
 def parse_grid(items: Sequence[str]) -> dict[str, list[Any]]:
@@ -205,6 +241,8 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[Any]]:
             raise ValueError(f"grid axis {item!r}: expected NAME=V1,V2,...")
         if key not in _FIELDS:
             raise ValueError(f"grid axis {key!r} is not a setting; known: {sorted(_FIELDS)}")
+        if key in grid:
+            raise ValueError(f"grid axis {key!r} is given twice: give its values once, as {key}=V1,V2,...")
         cast = _FIELDS[key][1]
         try:
             grid[key] = [cast(v) for v in values.split(",")]
@@ -224,7 +262,8 @@ def grid_jobs(trace: Sequence[Request] | TraceSource, base_cluster: ClusterConfi
             changes: dict[str, Any] = _pool_sizes(tag["pools"]) if "pools" in tag else {}
             if changes and not changes["prefill_workers"] and base_cluster.disaggregated:
                 changes["workers"] = base_cluster.workers  # aggregated: the same GPUs
-            changes.update((k, v) for k, v in tag.items() if _FIELDS[k][0] == "cluster")
+            changes.update((k, _TO_CONFIG[k](v) if k in _TO_CONFIG else v) for k, v in tag.items()
+                           if _FIELDS[k][0] == "cluster")
             cluster = base_cluster.replace(**changes)
             run = dataclasses.replace(base_run, **{k: v for k, v in tag.items() if _FIELDS[k][0] == "run"})
             check_policy(run.policy)
