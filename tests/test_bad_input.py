@@ -199,6 +199,18 @@ CASES: dict[str, Case] = {
                              "grid axis 'latency': fast: No such file, nor a latency preset"),
     "grid axis twice": (lambda t, f: ["sweep", *SMALL[:2], "--grid", "workers=1", "workers=2"],
                         "grid axis 'workers' is given twice: give its values once, as workers=V1,V2,..."),
+    # plugins that cannot load or break the protocol: they were tracebacks, before or during the run
+    "plugin syntax error": (lambda t, f: replay("--policy", _bytes(t, "p.py", b"def (:\n") + ":P")(t, f),
+                            "p.py:P': SyntaxError: invalid syntax"),
+    "plugin raises on import": (lambda t, f: replay("--policy", _bytes(
+        t, "p.py", b"raise RuntimeError('no GPU here')\n") + ":P")(t, f), "p.py:P': RuntimeError: no GPU here"),
+    "plugin class needs an argument": (lambda t, f: replay("--policy", _bytes(t, "p.py", _PLUGIN + (
+        b"    def __init__(self, k):\n        self.k = k\n")) + ":P")(t, f),
+        "p.py:P': P() failed: TypeError: P.__init__() missing 1 required positional argument: 'k'"),
+    "plugin without score": (lambda t, f: replay("--policy", _bytes(t, "p.py", _PLUGIN.replace(
+        b"    def score", b"    def scored")) + ":P")(t, f), "p.py:P': P defines no score()"),
+    "plugin with an empty name": (lambda t, f: replay("--policy", _bytes(t, "p.py", _PLUGIN.replace(
+        b'name = "p"', b'name = ""')) + ":P")(t, f), "p.py:P': its name must be a non-empty string, got ''"),
     # gen-trace
     "gen-trace requests 0": (lambda t, f: ["gen-trace", "--requests", "0", "-o", str(t / "x.jsonl")],
                              "argument --requests: 0 is not allowed"),
@@ -303,6 +315,11 @@ CASES: dict[str, Case] = {
 }
 
 
+#: A plugin the cases above break one way each.
+_PLUGIN = (b"from kvtier.indexer.routing.plugins import PolicyBase\n\n\nclass P(PolicyBase):\n    name = \"p\"\n\n"
+           b"    def score(self, ctx, worker):\n        return 0.0\n\n")
+
+
 def _bytes(tmp: Path, name: str, data: bytes) -> str:
     (tmp / name).write_bytes(data)
     return str(tmp / name)
@@ -329,6 +346,24 @@ def test_bad_input_gets_one_line_and_exit_2(name: str, tmp_path: Path, capsys: p
     assert rc == 2, (argv, err)
     assert len(err) == 1 and "error: " in err[0], err
     assert expected in err[0], err
+
+
+@pytest.mark.parametrize(("command", "method", "says"), [
+    ("replay", b"    def filter(self, ctx, workers):\n        return []\n",
+     "policy 'p': filter kept [], expected a non-empty subset of the workers"),
+    ("compare", b"    def pick(self, ctx, scores):\n        return 'w99'\n",
+     "policy 'p': picked 'w99', not a scored worker")])
+def test_a_plugin_that_breaks_the_protocol_mid_run_gets_a_line_and_exit_2(
+        command: str, method: bytes, says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only routing shows it: the run has begun (its banner and progress bar are out), then one line says what the
+    plugin did, on a line of its own (it was a LookupError traceback, exit 1)."""
+    monkeypatch.chdir(tmp_path)
+    spec = _bytes(tmp_path, "p.py", _PLUGIN + method) + ":P"
+    rc = main([command, *SMALL, "--policies" if command == "compare" else "--policy", spec])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert err.splitlines()[-1] == f"kvtier: error: {says}", err
 
 
 def test_through_a_real_process(tmp_path: Path) -> None:

@@ -38,6 +38,9 @@ class Nobody(PolicyBase):
     def filter(self, ctx: RouteContext, workers: list[StreamId]) -> list[StreamId]:
         return []
 
+    def score(self, ctx: RouteContext, worker: StreamId) -> float:
+        return 0.0
+
 
 def test_specs_files_modules_and_entry_points(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert load_policy(EXAMPLE).name == "fresh_first"

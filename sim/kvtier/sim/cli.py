@@ -35,6 +35,7 @@ from kvtier.hardware.links import (
     KV_LINKS,
     STORAGE_LINKS,
 )
+from kvtier.indexer.routing.plugins import PluginError
 from kvtier.indexer.routing.policies import REGISTRY
 from kvtier.indexer.routing.scoring import AUTO_DISCOUNT_BELOW, DEFAULT_OUT_OF_REACH, OUT_OF_REACH
 from kvtier.kernels.jit import KernelsUnavailable
@@ -695,7 +696,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args))
-    except (CliError, ConfigError, TraceError, KernelsUnavailable) as exc:  # (no numba here: the index cannot run)
+    # (KernelsUnavailable: no numba here, so the index cannot run; PluginError: a plugin broke the protocol mid-run)
+    except (CliError, ConfigError, TraceError, KernelsUnavailable, PluginError) as exc:
         print(f"kvtier: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # a file or socket the command needed

@@ -285,10 +285,12 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
     first = next(arrivals, None)
     if first is not None:
         env.at(first[1].arrival, lambda: feed(first[1]), priority=2, seq=first[0])
-    with rare_collections():
-        env.run(run.until_s)
-    if bar is not None:
-        bar.close()
+    try:
+        with rare_collections():
+            env.run(run.until_s)
+    finally:
+        if bar is not None:  # (also where the run fails: what is said next starts on a line of its own)
+            bar.close()
     emit(True)  # what is left never finished
     rejected = policy.events_rejected if isinstance(policy, KvPolicy | DisaggPolicy) else 0
     summary = builder.summary(run.label, rejected, total=total)

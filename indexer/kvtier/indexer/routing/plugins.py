@@ -91,8 +91,20 @@ def is_plugin_spec(spec: str) -> bool:
     return ":" in spec or any(ep.name == spec for ep in entry_points(group=ENTRY_POINT_GROUP))
 
 
+class PluginError(LookupError):
+    """A plugin broke the protocol while routing: its filter kept no worker (or one it was not offered), or it
+    picked a worker it did not score. The plugin's fault, named in one line (the CLI exits 2)."""
+
+
+def _failed(exc: BaseException) -> str:
+    """What a plugin's own code raised, in one line: its type and message."""
+    return f"{type(exc).__name__}: {exc}"
+
+
 def load_policy(spec: str) -> RoutingPolicy:
-    """The policy ``spec`` names (see the module docstring). ``ValueError`` naming what went wrong."""
+    """The policy ``spec`` names (see the module docstring). ``ValueError`` naming what went wrong, whatever the
+    plugin's code raised while it loaded (a syntax error, an exception at import or in its constructor), or what it
+    lacks."""
     target: object
     if ":" in spec:
         mod_name, _, attr = spec.rpartition(":")
@@ -109,6 +121,8 @@ def load_policy(spec: str) -> RoutingPolicy:
             target = getattr(module, attr)
         except (ImportError, AttributeError, OSError, ValueError) as exc:
             raise ValueError(f"policy {spec!r}: {exc}") from None
+        except Exception as exc:  # the plugin's own module failed to run
+            raise ValueError(f"policy {spec!r}: {_failed(exc)}") from None
     else:
         eps = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == spec]
         if not eps:
@@ -119,10 +133,18 @@ def load_policy(spec: str) -> RoutingPolicy:
         except Exception as exc:
             raise ValueError(f"policy {spec!r}: entry point failed to load: {exc}") from None
     # A class (which itself has the methods, unbound) or a factory is called; an instance is used as is.
-    policy = target() if isinstance(target, type) or (callable(target) and not isinstance(target, RoutingPolicy)) \
-        else target
+    policy = target
+    if isinstance(target, type) or (callable(target) and not isinstance(target, RoutingPolicy)):
+        try:
+            policy = target()
+        except Exception as exc:
+            raise ValueError(f"policy {spec!r}: {getattr(target, '__name__', 'it')}() failed: {_failed(exc)}") from None
     if not isinstance(policy, RoutingPolicy):
         raise ValueError(f"policy {spec!r}: {type(policy).__name__} lacks name, filter, score or pick")
+    if getattr(type(policy), "score", None) is PolicyBase.score:  # (PolicyBase's own raises at the first request)
+        raise ValueError(f"policy {spec!r}: {type(policy).__name__} defines no score()")
+    if not isinstance(policy.name, str) or not policy.name:  # tables, plots and files are labelled by it
+        raise ValueError(f"policy {spec!r}: its name must be a non-empty string, got {policy.name!r}")
     return policy
 
 
@@ -132,11 +154,11 @@ def route_with(
     """Runs a policy's three steps, checking what each returns. O(workers) plugin calls."""
     kept = policy.filter(ctx, workers)
     if not kept or not set(kept) <= set(workers):
-        raise LookupError(f"policy {policy.name!r}: filter kept {kept!r}, expected a non-empty subset of the workers")
+        raise PluginError(f"policy {policy.name!r}: filter kept {kept!r}, expected a non-empty subset of the workers")
     scores = {w: float(policy.score(ctx, w)) for w in kept}
     chosen = policy.pick(ctx, scores)
     if chosen not in scores:
-        raise LookupError(f"policy {policy.name!r}: picked {chosen!r}, not a scored worker")
+        raise PluginError(f"policy {policy.name!r}: picked {chosen!r}, not a scored worker")
     return chosen, scores
 
 
