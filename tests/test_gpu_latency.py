@@ -25,6 +25,7 @@ from kvtier.sim.cli import main as cli
 from kvtier.sim.cluster import ClusterConfig
 from kvtier.sim.generators import PRESETS, generate
 from kvtier.sim.run import RunConfig, routing_settings, simulate
+from kvtier.util.fields import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 H200 = "h200-llama-3.1-8b"
@@ -104,3 +105,18 @@ def test_a_fit_file_states_its_pool_or_none() -> None:
     bad["kv_pool_tokens"] = -5
     with pytest.raises(ValueError, match="kv_pool_tokens must be a whole number >= 0"):
         latency_from_json(json.dumps(bad))
+
+
+@pytest.mark.parametrize(("coeffs", "worst"), [((1e-5, -0.1, 240.0), 5000),  # convex, below zero at its vertex only
+                                               ((-1e-6, 0.0, 20.0), 8192)])  # concave, below zero past 4,472
+def test_a_prefill_fit_below_zero_within_a_pass_is_refused(coeffs: tuple[float, float, float], worst: int) -> None:
+    """The simulator charges passes of 1 to --prefill-budget tokens, and the router prices them: a fit that gives
+    one a negative time is refused where it is loaded, naming the worst pass (it was a ValueError mid-run)."""
+    fit = dataclasses.replace(MockerLatency(), prefill_a=coeffs[0], prefill_b=coeffs[1], prefill_c=coeffs[2])
+    with pytest.raises(ValueError, match=f"for a pass of {worst} tokens; a pass of 1 to 8192 tokens"):
+        fit.check_prefill(8192)
+    fit.check_prefill(worst // 2 if worst == 8192 else 1000)  # fine below where it turns negative
+    with pytest.raises(ConfigError, match="--latency: its prefill fit gives"):
+        ClusterConfig.of(latency=fit)
+    MockerLatency().check_prefill(10**7)
+    LATENCY_PRESETS["h200-llama-3.1-8b"].check_prefill(10**7)

@@ -50,6 +50,20 @@ class MockerLatency:
         return dataclasses.replace(self, decode_a=self.decode_a * k * k, decode_b=self.decode_b * k,
                                    kv_pool_tokens=tokens)
 
+    def check_prefill(self, max_tokens: int) -> None:
+        """``ValueError`` unless every pass of 1 to ``max_tokens`` tokens takes a positive time under this fit: a
+        quadratic fitted to few or odd points may bend below zero inside that range, and simulated time cannot run
+        backwards. O(1): a quadratic's lowest value over a range is at an end or at its vertex."""
+        a, b = self.prefill_a, self.prefill_b
+        at = {1, max_tokens}
+        if a > 0 and 1 < -b / (2 * a) < max_tokens:
+            vertex = -b / (2 * a)
+            at.update((math.floor(vertex), math.ceil(vertex)))
+        worst = min(sorted(at), key=self.prefill_ms)
+        if not self.prefill_ms(worst) > 0:
+            raise ValueError(f"its prefill fit gives {self.prefill_ms(worst):.3g} ms for a pass of {worst} tokens; a "
+                             f"pass of 1 to {max_tokens} tokens must take more than 0 ms")
+
     def prefill_ms(self, tokens: int) -> float:
         if tokens <= 0:
             return 0.0
@@ -285,7 +299,9 @@ def fit_latency(prefill: list[tuple[float, float]], decode: list[tuple[float, fl
         raise ValueError("decode utilisation must be in [0, 1]")
     if kv_pool_tokens < 0:
         raise ValueError(f"kv_pool_tokens must be >= 0, got {kv_pool_tokens}")
-    return MockerLatency(pa, pb, pc, da, db, dc, kv_pool_tokens=kv_pool_tokens)
+    fit = MockerLatency(pa, pb, pc, da, db, dc, kv_pool_tokens=kv_pool_tokens)
+    fit.check_prefill(max(1, math.ceil(max(x for x, _ in prefill))))  # at least over the measured passes
+    return fit
 
 
 def load_latency_points(path: str) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:

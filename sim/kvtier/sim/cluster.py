@@ -203,6 +203,10 @@ class ClusterConfig:
         if self.l3 != "none" and self.host_ratio <= 0:
             raise ConfigError(f"--l3 {self.l3}: needs a host tier (--host-ratio > 0): pages reach storage from host "
                               "memory and are prefetched back into it")
+        try:
+            self.latency.check_prefill(self.prefill_budget)
+        except ValueError as exc:
+            raise ConfigError(f"--latency: {exc} (a pass computes up to --prefill-budget tokens)") from None
         if (self.prefill_workers > 0) != (self.decode_workers > 0):
             raise ConfigError(f"--prefill-workers {self.prefill_workers} --decode-workers {self.decode_workers}: "
                               "give both (disaggregated) or neither (aggregated)")
