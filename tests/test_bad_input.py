@@ -221,6 +221,11 @@ CASES: dict[str, Case] = {
     "fit-latency negative": (lambda t, f: ["fit-latency", _bytes(
         t, "pts.csv", b"kind,x,ms\nprefill,512,200\nprefill,2048,50\nprefill,8192,1\n"), "-o", str(t / "f.json")],
         "its prefill fit gives"),
+    # checked before the run, not after it (the run was lost, and the error named a temporary file)
+    "itl-series is a directory": (lambda t, f: replay("--itl-series", str(t))(t, f),
+                                  ": is a directory; name a file in it"),
+    "itl-series in a missing directory": (lambda t, f: ["compare", *SMALL, "--itl-series", str(t / "no" / "x.jsonl")],
+                                          "/no/x.jsonl: directory "),
     # gen-trace
     "gen-trace requests 0": (lambda t, f: ["gen-trace", "--requests", "0", "-o", str(t / "x.jsonl")],
                              "argument --requests: 0 is not allowed"),
@@ -374,6 +379,13 @@ def test_a_plugin_that_breaks_the_protocol_mid_run_gets_a_line_and_exit_2(
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err
     assert err.splitlines()[-1] == f"kvtier: error: {says}", err
+
+
+def test_an_itl_series_that_cannot_be_written_is_refused_before_the_run(tmp_path: Path) -> None:
+    """The runs' work is not spent first (the error came once every run was done, naming a temporary file, and
+    left that file behind)."""
+    assert main(["replay", *SMALL, "--out", str(tmp_path / "o"), "--itl-series", str(tmp_path)]) == 2
+    assert list(tmp_path.iterdir()) == []  # no output directory, no part file
 
 
 def test_through_a_real_process(tmp_path: Path) -> None:

@@ -48,6 +48,7 @@ from kvtier.sim.source import TraceSource
 from kvtier.sim.trace import Request, TraceError, write_mooncake
 from kvtier.sim.transport import Recovery
 from kvtier.util.fields import ConfigError, Domain, OneLineParser, add_options
+from kvtier.util.outpath import unwritable
 from kvtier.wire.protocol import DEFAULT_BLOCK_SIZE
 
 # The incumbents route in O(prompt blocks) per request, and all but llmd_precise (fed events, like kv_host) hear no
@@ -302,6 +303,9 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
 
     trace = _trace(a)
     cluster = _cluster(a)
+    problem = unwritable(a.itl_series.resolve()) if a.itl_series is not None else None
+    if problem is not None:  # (now, not once every run is done)
+        raise CliError(f"--itl-series {a.itl_series}: {problem}")
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     # Each run streams its records to a part of requests.csv (in its own process), so no process holds a

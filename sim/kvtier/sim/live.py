@@ -34,6 +34,7 @@ from kvtier.engine.node import EngineNode
 from kvtier.sim.experiment import resolve_trace
 from kvtier.sim.trace import Request, TokenBank
 from kvtier.util.fields import Domain, OneLineParser, add_options
+from kvtier.util.outpath import unwritable
 from kvtier.wire.protocol import DEFAULT_BLOCK_SIZE
 from kvtier.wire.transport.publisher import DUMP_INTERVAL_S, MAX_DUMPS
 
@@ -72,8 +73,9 @@ def _store(args: argparse.Namespace) -> PageStore | None:
 
 
 def _open(args: argparse.Namespace) -> tuple[TieredCache, EngineNode, DataPath, list[Request]]:
-    if args.residency and not Path(args.residency).resolve().parent.is_dir():
-        raise EngineError(f"--residency {args.residency}: its directory does not exist")
+    problem = unwritable(Path(args.residency).resolve()) if args.residency else None
+    if problem is not None:
+        raise EngineError(f"--residency {args.residency}: {problem}")
     try:
         trace = resolve_trace(args.trace, seed=args.seed, time_scale=1.0 / args.speed)
     except (ValueError, FileNotFoundError) as exc:

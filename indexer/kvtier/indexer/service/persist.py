@@ -15,6 +15,7 @@ from pathlib import Path
 import msgspec
 
 from kvtier.indexer.index.tiered import TieredIndex
+from kvtier.util.outpath import unwritable
 from kvtier.wire.notices import StreamId
 from kvtier.wire.protocol import WorkerId
 
@@ -27,13 +28,9 @@ Positions = dict[StreamId, tuple[int, int | None]]
 def check_path(path: Path) -> None:
     """``ValueError`` naming what keeps :func:`save` from writing ``path``: a directory that is missing or not
     writable, or a directory where the file would be (checked when the service starts, not 30 s later). O(1)."""
-    where = path.parent
-    if path.is_dir():
-        raise ValueError(f"snapshot {path}: is a directory; name a file in it")
-    if not where.is_dir():
-        raise ValueError(f"snapshot {path}: directory {where} does not exist")
-    if not os.access(where, os.W_OK | os.X_OK):
-        raise ValueError(f"snapshot {path}: directory {where} is not writable")
+    problem = unwritable(path)
+    if problem is not None:
+        raise ValueError(f"snapshot {path}: {problem}")
 
 
 def save(path: Path, index: TieredIndex, positions: Positions) -> int:

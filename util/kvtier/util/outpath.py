@@ -1,0 +1,23 @@
+"""A file a command writes later (a snapshot, a series, a residency dump): what keeps it from being written, said
+when the command starts, not after the work it was to hold."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def unwritable(path: Path) -> str | None:
+    """Why ``path`` cannot be written as a file, or None: it is a directory, or its directory is missing or not
+    writable. O(1)."""
+    where = path.parent
+    if path.is_dir():
+        return "is a directory; name a file in it"
+    if not where.is_dir():
+        return f"directory {where} does not exist"
+    if not os.access(where, os.W_OK | os.X_OK):
+        return f"directory {where} is not writable"
+    return None
+
+
+__all__ = ["unwritable"]
