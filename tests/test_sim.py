@@ -364,3 +364,25 @@ def test_throughput_counts_the_token_a_zero_output_request_generates() -> None:
                    RunConfig("round_robin"))
     span = max(r.finish for r in res.records) - min(r.arrival for r in res.records)
     assert res.records[0].ttft > 0 and res.summary.throughput_tok_s == pytest.approx((1 + 3) / span, rel=1e-12)
+
+
+def test_summary_meta_holds_every_setting_a_run_depends_on(tmp_path: Path) -> None:
+    """Two runs with other trace and router settings have other results and say why in ``meta`` (it held the
+    cluster and the event path only: runs of other seeds, credits or loop modes looked alike)."""
+    base = ["replay", "--trace", "builtin:chat:30", "--no-plots", "--allow-unfinished"]
+    other = ["--trace-seed", "3", "--seed", "7", "--host-credit", "0.5", "--temperature", "0.3", "--open-loop",
+             "--slo-out-of-reach", "spread", "--until", "500", "--limit", "20"]
+    metas = []
+    for i, extra in enumerate(([], other)):
+        assert cli([*base, *extra, "--out", str(tmp_path / str(i))]) == 0
+        metas.append(json.loads((tmp_path / str(i) / "summary.json").read_text())["meta"])
+    a, b = metas
+    assert (a["run"]["seed"], b["run"]["seed"]) == (0, 7) and b["run"]["host_credit"] == 0.5
+    assert (a["run"]["closed_loop"], b["run"]["closed_loop"]) == (True, False)
+    assert (a["run"]["until_s"], b["run"]["until_s"]) == (None, 500.0)
+    assert b["run"]["temperature"] == 0.3 and b["run"]["slo_out_of_reach"] == "spread"
+    assert "policy" not in a["run"]  # (each run names its own)
+    assert (a["trace_settings"]["seed"], b["trace_settings"]["seed"]) == (0, 3)
+    assert (a["trace_settings"]["limit"], b["trace_settings"]["limit"]) == (None, 20)
+    assert set(a["trace_settings"]) == {"limit", "seed", "time_scale", "shared_prefix_blocks", "prefix_groups"}
+    assert a["slo_ms"] == {"ttft": None, "tpot": None, "e2e": None} and a["requests"] == 30

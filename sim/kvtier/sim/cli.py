@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -227,11 +228,15 @@ def _trace(a: argparse.Namespace) -> TraceSource:
         raise CliError(f"trace {a.trace}: {exc.strerror or exc}") from None
 
 
-def _meta(a: argparse.Namespace, n_requests: int) -> dict[str, Any]:
-    return {"trace": a.trace, "requests": n_requests, "time_scale": a.time_scale,
-            "cluster": _cluster(a).settings(), "cost": a.cost, "event_delay_s": a.event_delay,
-            "event_loss": a.event_loss, "recovery": a.recovery, "replay_buffer": a.replay_buffer,
-            "loss_burst": a.loss_burst, "slo_ms": {"ttft": a.sla_ttft_ms, "tpot": a.sla_tpot_ms, "e2e": a.sla_e2e_ms}}
+def _meta(a: argparse.Namespace, n_requests: int, run: RunConfig) -> dict[str, Any]:
+    """What every run of a command depends on, bar its policy: the trace and how it was read, the cluster, and the
+    router's settings (``run``'s, whose policy each run names itself)."""
+    return {"trace": a.trace, "requests": n_requests,
+            "trace_settings": {"limit": a.limit, "seed": a.trace_seed, "time_scale": a.time_scale,
+                               "shared_prefix_blocks": a.shared_prefix_blocks, "prefix_groups": a.prefix_groups},
+            "cluster": _cluster(a).settings(),
+            "run": {f.name: getattr(run, f.name) for f in dataclasses.fields(run) if f.name != "policy"},
+            "slo_ms": {"ttft": a.sla_ttft_ms, "tpot": a.sla_tpot_ms, "e2e": a.sla_e2e_ms}}
 
 
 #: How long loading the compiled kernels may take before the CLI says why it is quiet, seconds.
@@ -329,7 +334,7 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
     summaries = [res.summary for _, res in results]
     print(table(summaries))
     _warn_overloaded(summaries)
-    write_json(out_dir / "summary.json", summaries, {**_meta(a, len(trace)), "wall_s": round(wall, 3),
+    write_json(out_dir / "summary.json", summaries, {**_meta(a, len(trace), jobs[0].run), "wall_s": round(wall, 3),
                                                      "peak_rss_mib": round(peak, 1)})
     join_csv(out_dir / "requests.csv", parts)
     written = [out_dir / "summary.json", out_dir / "requests.csv"]
