@@ -84,3 +84,23 @@ def test_a_sweep_varies_the_latency_fit(tmp_path: Path) -> None:
     runs = json.loads((tmp_path / "sweep.json").read_text())
     assert [r["latency"] for r in runs] == ["dynamo-mocker", "h200-llama-3.1-8b"]
     assert runs[0]["ttft_p50"] != runs[1]["ttft_p50"]
+
+
+def test_the_indexers_help_says_each_default_a_setting_stands_for() -> None:
+    """Its options default to None (a --config's settings stand unless given): the help said ``(default: none)``
+    for every routing setting and limit; each names ServiceConfig's default now."""
+    from kvtier.indexer.service.config import ServiceConfig
+
+    indexer = next(a for a in build_parser()._subparsers._group_actions[0].choices.values()  # type: ignore[union-attr]
+                   if a.prog.endswith(" indexer"))
+    defaults = {f.name: f.default for f in dataclasses.fields(ServiceConfig)}
+    checked = 0
+    for action in indexer._actions:
+        if defaults.get(action.dest) not in (None, dataclasses.MISSING):
+            text = action.help or ""
+            assert "default" in text and str(defaults[action.dest]) in text, (action.dest, text)
+            checked += 1
+    assert checked >= 20
+    helps = {a.dest: a.help for a in indexer._actions}
+    assert helps["gpu_link"].endswith("(default: the config's, else h100-pcie5)")
+    assert helps["max_connections"].endswith("(default: the config's, else 1024)")

@@ -39,6 +39,7 @@ from kvtier.hardware.links import (
 from kvtier.indexer.routing.plugins import PluginError
 from kvtier.indexer.routing.policies import REGISTRY
 from kvtier.indexer.routing.scoring import AUTO_DISCOUNT_BELOW, DEFAULT_OUT_OF_REACH, OUT_OF_REACH
+from kvtier.indexer.service.config import ENDPOINT_SPEC
 from kvtier.kernels.jit import KernelsUnavailable
 from kvtier.sim import live
 from kvtier.sim.cluster import CACHE_SETTINGS, ClusterConfig
@@ -636,7 +637,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "/finish), GET /metrics and GET /health.")
     p.add_argument("--config", type=Path, help="TOML file with settings and [[endpoints]] tables")
     p.add_argument("--endpoint", action="append", default=[], metavar="SPEC",
-                   help="WORKER=tcp://host:port[,replay=tcp://host:port][,dp=N][,dump] (repeatable)")
+                   help=f"{ENDPOINT_SPEC} (repeatable)")
     p.add_argument("--block-size", type=int, help="tokens per KV block: the engines' page size "
                    f"(default: the config's, else {DEFAULT_BLOCK_SIZE})")
     p.add_argument("--listen", help="HTTP host:port (default: the config's, else 127.0.0.1:8000)")
@@ -695,8 +696,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "<token>', and only the token that booked a request may release it (default: no token)")
     for name, (kind, text) in _INDEXER_LIMITS.items():
         g.add_argument("--" + name.replace("_", "-"), type=kind, metavar="N", help=text)
+    _say_service_defaults(p)
     p.set_defaults(func=cmd_indexer)
     return parser
+
+
+def _say_service_defaults(p: argparse.ArgumentParser) -> None:
+    """``kvtier indexer``'s options default to None, so that a --config's settings stand unless given: each one
+    whose help names no default says the one it stands for, ServiceConfig's (its help said ``none``)."""
+    from kvtier.indexer.service.config import ServiceConfig
+
+    given = {f.name: f.default for f in dataclasses.fields(ServiceConfig)}
+    for action in p._actions:
+        default = given.get(action.dest)
+        if action.default is None and default is not None and "default" not in (action.help or ""):
+            action.help = f"{action.help} (default: the config's, else {default})"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -186,12 +186,16 @@ def closed_tiers(ep: EndpointConfig) -> tuple[StorageTier, ...]:
     return ENGINE_CLOSED_TIERS[engine] if engine else ()
 
 
+#: An endpoint on the command line (``--endpoint``), as :func:`parse_endpoint` reads it.
+ENDPOINT_SPEC = ("WORKER=tcp://host:port[,replay=tcp://host:port][,dp=N][,dump][,engine=sglang|vllm|kvtier]"
+                 "[,role=prefill|decode|both]")
+
+
 def parse_endpoint(spec: str) -> EndpointConfig:
-    """Parses ``WORKER=PUB_ENDPOINT[,replay=ENDPOINT][,dp=N][,dump][,engine=sglang|vllm|kvtier]
-    [,role=prefill|decode|both]``."""
+    """Parses :data:`ENDPOINT_SPEC`."""
     name, sep, rest = spec.partition("=")
     if not sep or not name or not rest:
-        raise ConfigError(f"endpoint {spec!r}: expected WORKER=tcp://host:port[,replay=...][,dp=N][,dump]")
+        raise ConfigError(f"endpoint {spec!r}: expected {ENDPOINT_SPEC}")
     parts = rest.split(",")
     opts: dict[str, Any] = {}
     for p in parts[1:]:
