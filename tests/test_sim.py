@@ -386,3 +386,26 @@ def test_summary_meta_holds_every_setting_a_run_depends_on(tmp_path: Path) -> No
     assert (a["trace_settings"]["limit"], b["trace_settings"]["limit"]) == (None, 20)
     assert set(a["trace_settings"]) == {"limit", "seed", "time_scale", "shared_prefix_blocks", "prefix_groups"}
     assert a["slo_ms"] == {"ttft": None, "tpot": None, "e2e": None} and a["requests"] == 30
+
+
+def test_plot_titles_and_labels_are_wrapped_inside_the_figure(tmp_path: Path) -> None:
+    """Titles name the trace and cluster, labels the SLO: longer than a plot is wide, they ran off its edges."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kvtier.sim.report import _save
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ax.plot([1, 2], [1, 2])
+    ax.set_title("TTFT CDF: /data/traces/mooncake_conversation_trace.jsonl, 16 workers x 1,048,576 device tokens, "
+                 "host x4, l3 external")
+    ax.set_xlabel("SLO scale (1x: TTFT <= 93.7885 ms, TPOT <= 22.5365 ms, e2e <= 12228.3 ms, p90 of round_robin)")
+    _save(fig, tmp_path / "p.png")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    renderer = FigureCanvasAgg(fig).get_renderer()  # (closed, the figure has no canvas of its own)
+    for text in (ax.title, ax.xaxis.label):
+        box = text.get_window_extent(renderer)
+        assert fig.bbox.x0 <= box.x0 and box.x1 <= fig.bbox.x1 and "\n" in text.get_text()

@@ -206,9 +206,17 @@ def join_csv(path: Path, parts: Sequence[Path]) -> None:
 
 
 def _save(fig: Any, path: Path) -> Path:
-    """Lays ``fig`` out, writes it to ``path`` and frees it."""
+    """Lays ``fig`` out, writes it to ``path`` and frees it. Titles and x labels name the trace and cluster, which
+    may be longer than the plot is wide: they are wrapped to the width of their axes, never cut."""
+    import textwrap
+
     import matplotlib.pyplot as plt
 
+    for ax in fig.axes:
+        width_pt = ax.get_position().width * fig.get_figwidth() * 72
+        for text in (ax.title, ax.xaxis.label):
+            # (a character of these fonts averages about 0.6 of the font size)
+            text.set_text(textwrap.fill(text.get_text(), max(20, int(width_pt / (0.6 * text.get_fontsize())))))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
