@@ -177,6 +177,24 @@ CASES: dict[str, Case] = {
         t, "back.csv", ["2023-11-16 18:15:46.6805900", "2023-11-16 18:15:40.1"])], "back.csv:3: TIMESTAMP goes back"),
     "azure mixed time zones": (lambda t, f: ["replay", "--no-plots", "--trace", azure(
         t, "tz.csv", ["2023-11-16 18:15:46.68", "2023-11-16 18:15:47+00:00"])], "tz.csv:3: TIMESTAMP"),
+    "azure row missing a field": (lambda t, f: ["replay", "--no-plots", "--trace", _bytes(
+        t, "short.csv", b"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,100\n")],
+        "short.csv:2: GeneratedTokens is missing"),
+    "azure field not a number": (lambda t, f: ["replay", "--no-plots", "--trace", _bytes(
+        t, "nan.csv", b"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,lots,1\n")],
+        "nan.csv:2: ContextTokens 'lots' is not an integer"),
+    "latency file not UTF-8": (lambda t, f: replay("--latency", _bytes(t, "fit.json", b'{"prefill_ms": "\xff"}'))(
+        t, f), "fit.json: not UTF-8"),
+    "fit-latency negative pool": (lambda t, f: ["fit-latency", "--kv-pool-tokens", "-5", _bytes(
+        t, "pts.csv", b"kind,x,ms\nprefill,512,20\nprefill,2048,50\nprefill,8192,100\n")],
+        "argument --kv-pool-tokens: -5 is not allowed"),
+    "router seed -1": (replay("--seed", "-1"), "argument --seed: -1 is not allowed; expected an integer >= 0"),
+    "tokens index and request": (lambda t, f: ["tokens", "--trace", "builtin:chat:4", "--index", "2", "--request",
+                                               "r3"], "argument --request: not allowed with argument --index"),
+    "engine l3-dir without l3": (lambda t, f: engine("--l3", "none", "--l3-dir", str(t)),
+                                 "--l3-dir: --l3 none keeps no L3 tier"),
+    "gen-trace rate past the timestamps' cap": (lambda t, f: ["gen-trace", "--rate", "1e-300", "--requests", "3",
+                                                              "-o", str(t / "x.jsonl")], "--rate 1e-300: "),
     "azure bad timestamp": (lambda t, f: ["replay", "--no-plots", "--trace", azure(t, "bad.csv", ["yesterday"])],
                             "bad.csv:2: TIMESTAMP 'yesterday' is not an ISO date"),
     # compare and sweep

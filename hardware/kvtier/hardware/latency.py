@@ -263,6 +263,8 @@ def resolve_latency(spec: str) -> MockerLatency:
         raise ValueError(f"{spec}: No such file, nor a latency preset ({', '.join(LATENCY_PRESETS)})") from None
     except OSError as exc:
         raise ValueError(f"{spec}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{spec}: not UTF-8 (byte {exc.start}): expected a fit JSON") from None
     try:
         return latency_from_json(text)
     except ValueError as exc:

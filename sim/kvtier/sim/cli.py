@@ -47,7 +47,7 @@ from kvtier.sim.generators import PRESETS, iter_generate
 from kvtier.sim.policies import POLICIES, check_policy, policy_label
 from kvtier.sim.run import RunConfig, RunResult
 from kvtier.sim.source import TraceSource
-from kvtier.sim.trace import Request, TraceError, write_mooncake
+from kvtier.sim.trace import MAX_TIMESTAMP_MS, Request, TraceError, write_mooncake
 from kvtier.sim.transport import Recovery
 from kvtier.util.fields import ConfigError, Domain, OneLineParser, add_options
 from kvtier.util.outpath import unwritable
@@ -157,7 +157,7 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disk-credit", type=float, default=0.25,
                    help="credit cost: weight of a disk or external block")
     g.add_argument("--temperature", type=float, default=0.0, help="softmax sampling over costs (0: argmin)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the router's random choices")
+    g.add_argument("--seed", type=SEED.parse, default=0, help="seed of the router's random choices")
     g = p.add_argument_group("replay")
     g.add_argument("--open-loop", action="store_true",
                    help="release every turn at its trace timestamp (default: a session's next turn arrives its "
@@ -444,10 +444,17 @@ def cmd_gen_trace(a: argparse.Namespace) -> int:
     def stream() -> Iterator[Request]:
         nonlocal last
         for req in iter_generate(spec, a.seed):  # written as generated: a million requests in flat memory
+            if req.arrival * 1000 > MAX_TIMESTAMP_MS:  # (a trace holding it is refused when read)
+                raise CliError(f"--rate {spec.rate:g}: request {req.request_id} would arrive at {req.arrival:.3g} s, "
+                               f"past the {MAX_TIMESTAMP_MS / 1000:g} s a trace's timestamps may reach")
             last = req.arrival
             yield req
 
-    n = write_mooncake(stream(), Path(a.output))
+    try:
+        n = write_mooncake(stream(), Path(a.output))
+    except CliError:
+        Path(a.output).unlink(missing_ok=True)  # (no partial trace left behind)
+        raise
     print(f"wrote {n} {a.kind} requests over {last:.0f} s to {a.output}", file=sys.stderr)
     return 0
 
@@ -610,8 +617,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the indexer's POST /query or /route to ask about a prefix the engine holds.")
     p.add_argument("--trace", required=True, help="the engine's --trace (a file or builtin:KIND[:N])")
     p.add_argument("--seed", type=SEED.parse, default=0, help="the engine's --seed (builtin traces and token ids)")
-    p.add_argument("--index", type=SEED.parse, default=0, help="the request's position in the trace")
-    p.add_argument("--request", help="the request's id (instead of --index)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--index", type=SEED.parse, default=0, help="the request's position in the trace")
+    which.add_argument("--request", help="the request's id (instead of --index)")
     p.set_defaults(func=cmd_tokens)
 
     p = add("fit-latency", help="fit the prefill/decode latency model to measured points",
@@ -620,7 +628,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(kind: prefill or decode), and writes the fit as JSON for --latency.")
     p.add_argument("csv", type=Path, help="measured points: kind,x,ms")
     p.add_argument("-o", "--output", default="latency.json", help="JSON file to write")
-    p.add_argument("--kv-pool-tokens", type=int, default=0, metavar="N",
+    p.add_argument("--kv-pool-tokens", type=SEED.parse, default=0, metavar="N",
                    help="the device KV pool, tokens, the decode utilisations are of (bench/gpu_latency.py prints "
                         "it); a simulated pool of another size is then charged for the same KV in use")
     p.set_defaults(func=cmd_fit_latency)

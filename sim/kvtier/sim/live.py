@@ -94,6 +94,9 @@ def _open(args: argparse.Namespace) -> tuple[TieredCache, EngineNode, DataPath, 
         raise EngineError(str(exc)) from None
     if args.l3 != "none" and cfg.host_pages == 0:
         raise EngineError(f"--l3 {args.l3}: needs a host tier (--host-ratio > 0)")
+    if args.l3 == "none" and args.l3_dir is not None:  # (it would be ignored: no page is ever written there)
+        raise EngineError(f"--l3-dir: --l3 none keeps no L3 tier; give --l3 disk or external to keep pages in "
+                          f"{args.l3_dir}")
     dp: DataPath
     if args.l3_dir is not None:
         if importlib.util.find_spec("torch") is None:

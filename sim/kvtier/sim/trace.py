@@ -401,11 +401,20 @@ def load_azure(path: Path, *, share_prefix_blocks: int = 0, groups: int = 8, see
             # (DictReader's own line_num moves only once a row is made: its reader's counts the failed one)
             raise TraceError(f"{path}:{reader.reader.line_num}: not CSV: {exc}") from None
         where = f"{path}:{reader.line_num}"
+        missing = [k for k in ("TIMESTAMP", "ContextTokens", "GeneratedTokens") if row.get(k) is None]
+        if missing:  # (a short row: csv leaves its last fields None)
+            raise TraceError(f"{where}: {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing")
         try:
             ts = _azure_time(row["TIMESTAMP"])
-            n_in, n_out = int(row["ContextTokens"]), int(row["GeneratedTokens"])
         except (ValueError, TypeError, AttributeError) as exc:
             raise TraceError(f"{where}: {exc}") from None
+        counts = []
+        for name in ("ContextTokens", "GeneratedTokens"):
+            try:
+                counts.append(int(row[name]))
+            except ValueError:
+                raise TraceError(f"{where}: {name} {row[name].strip()!r} is not an integer") from None
+        n_in, n_out = counts
         if n_in < 1 or n_out < 0:
             raise TraceError(f"{where}: ContextTokens must be >= 1 and GeneratedTokens >= 0")
         for name, n in (("ContextTokens", n_in), ("GeneratedTokens", n_out)):
