@@ -409,3 +409,17 @@ def test_plot_titles_and_labels_are_wrapped_inside_the_figure(tmp_path: Path) ->
     for text in (ax.title, ax.xaxis.label):
         box = text.get_window_extent(renderer)
         assert fig.bbox.x0 <= box.x0 and box.x1 <= fig.bbox.x1 and "\n" in text.get_text()
+
+
+def test_rejected_requests_are_named_on_stderr(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Requests that could never fit a worker's device are rejected: a run rejecting every one exited 0 with only a
+    number in the table's rej column to say so."""
+    assert cli(["replay", "--trace", "builtin:chat:20", "--device-tokens", "1024", "--no-plots",
+                "--out", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    rejected = json.loads((tmp_path / "summary.json").read_text())["runs"][0]["rejected"]
+    assert rejected > 0
+    assert (f"warning: kv_all: {rejected} of 20 requests rejected: their prompt and output do not fit a worker's "
+            "device (--device-tokens)") in err
+    assert cli(["replay", "--trace", "builtin:chat:20", "--no-plots", "--out", str(tmp_path)]) == 0
+    assert "requests rejected" not in capsys.readouterr().err

@@ -334,7 +334,7 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
     wall, peak = time.monotonic() - t0, _peak_rss_mib()
     summaries = [res.summary for _, res in results]
     print(table(summaries))
-    _warn_overloaded(summaries)
+    _warn(summaries)
     write_json(out_dir / "summary.json", summaries, {**_meta(a, len(trace), jobs[0].run), "wall_s": round(wall, 3),
                                                      "peak_rss_mib": round(peak, 1)})
     join_csv(out_dir / "requests.csv", parts)
@@ -352,13 +352,14 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
     return _unfinished_status(a, summaries, len(trace))
 
 
-def _warn_overloaded(summaries: list[Any]) -> None:
-    from kvtier.sim.report import overloaded
+def _warn(summaries: list[Any]) -> None:
+    """What the table shows only as a number and no routing policy fixes: overload, rejected requests."""
+    from kvtier.sim.report import overloaded, rejections
 
     for s in summaries:
-        why = overloaded(s)
-        if why:
-            print(f"kvtier: warning: {why}", file=sys.stderr)
+        for why in (overloaded(s), rejections(s)):
+            if why:
+                print(f"kvtier: warning: {why}", file=sys.stderr)
 
 
 def _peak_rss_mib() -> float:
@@ -430,7 +431,7 @@ def cmd_sweep(a: argparse.Namespace) -> int:
                                for k, v in s.as_dict().items() if k not in ("policy", "extra", "slo")},
                      **s.extra})
     print(table(summaries, first="grid point"))
-    _warn_overloaded(summaries)
+    _warn(summaries)
     (out_dir / "sweep.json").write_text(json.dumps(rows, indent=2, default=str))
     written = [out_dir / "sweep.json", *write_sweep(out_dir, rows, list(grid), plots=not a.no_plots)]
     print(f"\nwrote {', '.join(str(p) for p in written)}", file=sys.stderr)

@@ -67,6 +67,15 @@ def overloaded(s: RunSummary) -> str | None:
     return None
 
 
+def rejections(s: RunSummary) -> str | None:
+    """What a run's rejected requests mean, or None if it rejected none: each needs room for its prompt and output
+    on a worker's device, which no routing policy makes."""
+    if not s.rejected:
+        return None
+    return (f"{s.policy}: {s.rejected} of {s.requests + s.rejected + s.unfinished} requests rejected: their prompt "
+            f"and output do not fit a worker's device (--device-tokens)")
+
+
 #: What a sweep plots, one PNG each: (RunSummary field, axis label).
 SWEEP_MEASURES = [("hit_rate", "hit rate"), ("ttft_p90", "TTFT p90 (s)"), ("tpot_p90", "TPOT p90 (s)"),
                   ("e2e_p99", "e2e p99 (s)"), ("goodput", "goodput")]
