@@ -342,6 +342,30 @@ def test_a_second_sigterm_while_it_stops_does_not_cut_the_stop_short(tmp_path: P
     assert signal.getsignal(signal.SIGTERM) == before  # the caller's handler is back
 
 
+def test_the_indexer_says_why_it_is_quiet_while_its_kernels_compile(monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """A first start after an install compiles the index's kernels (half a minute on 2 cores) before the service
+    prints anything: it was silent all that time. The loading is made to outlast the notice's delay here: it ends
+    only once the notice is out."""
+    from kvtier.indexer.service import app
+    from kvtier.sim import cli
+
+    said = threading.Event()
+    monkeypatch.setattr(cli, "KERNEL_NOTICE_S", 0.0)
+    monkeypatch.setattr(app, "load_kernels", lambda: said.wait(10))
+    monkeypatch.setattr(app, "serve", lambda cfg: None)
+    real_print = print
+
+    def print_then_go(*args: Any, **kwargs: Any) -> None:
+        real_print(*args, **kwargs)
+        said.set()
+    monkeypatch.setattr("builtins.print", print_then_go)
+    assert cli_main(["indexer", "--endpoint", "w0=tcp://127.0.0.1:1"]) == 0
+    err = capsys.readouterr().err
+    assert "kvtier: loading the index's compiled kernels (the first start after an install compiles them" in err
+    assert "kvtier: kernels ready after" in err
+
+
 def _indexer_process(pub: Publisher, snap: Path) -> tuple[subprocess.Popen[str], str]:
     """``kvtier indexer`` on one publisher with a snapshot file, and its HTTP address once it serves."""
     proc = subprocess.Popen(

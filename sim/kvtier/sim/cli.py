@@ -45,7 +45,7 @@ from kvtier.sim import live
 from kvtier.sim.cluster import CACHE_SETTINGS, ClusterConfig
 from kvtier.sim.generators import PRESETS, iter_generate
 from kvtier.sim.policies import POLICIES, check_policy, policy_label
-from kvtier.sim.run import RunConfig, RunResult
+from kvtier.sim.run import RunConfig, RunResult, load_kernels
 from kvtier.sim.source import TraceSource
 from kvtier.sim.trace import MAX_TIMESTAMP_MS, Request, TraceError, write_mooncake
 from kvtier.sim.transport import Recovery
@@ -244,13 +244,12 @@ def _meta(a: argparse.Namespace, n_requests: int, run: RunConfig) -> dict[str, A
 KERNEL_NOTICE_S = 2.0
 
 
-def _load_kernels_saying_so() -> None:
-    """Loads the simulator's compiled kernels before the runs (forked run processes inherit them). Loading takes
-    under a second from numba's cache; the first run after an install compiles them, which takes a minute or two
-    on 2 cores: past :data:`KERNEL_NOTICE_S` a line says so, and when they are ready how long it took."""
+def _load_kernels_saying_so(load: Callable[[], object], whose: str, first: str) -> None:
+    """Loads ``whose`` compiled kernels (``load``: the simulator's before the runs, which forked run processes
+    inherit; the index's before the service starts). Loading takes about a second from numba's cache; the first
+    ``first`` after an install compiles them, which takes a minute or two on 2 cores: past :data:`KERNEL_NOTICE_S`
+    a line says so, and when they are ready how long it took."""
     import threading
-
-    from kvtier.sim.run import load_kernels
 
     done = threading.Event()
     said = threading.Event()
@@ -258,14 +257,14 @@ def _load_kernels_saying_so() -> None:
     def notice() -> None:
         if not done.wait(KERNEL_NOTICE_S):
             said.set()
-            print("kvtier: loading the simulator's compiled kernels (the first run after an install compiles them "
+            print(f"kvtier: loading {whose} compiled kernels (the first {first} after an install compiles them "
                   "into numba's cache, a minute or two on 2 cores)...", file=sys.stderr, flush=True)
 
     t0 = time.monotonic()
     watcher = threading.Thread(target=notice, daemon=True)
     watcher.start()
     try:
-        load_kernels()
+        load()
     finally:
         done.set()
         watcher.join()
@@ -325,7 +324,7 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
           f"{cluster.device_tokens:,} device tokens each, host x{cluster.host_ratio:g}, l3={cluster.l3}; "
           f"policies: {', '.join(policies)}", file=sys.stderr)
     t0 = time.monotonic()
-    _load_kernels_saying_so()
+    _load_kernels_saying_so(load_kernels, "the simulator's", "run")
     if getattr(a, "progress", False):
         results = [execute(jobs[0], progress=True)]
     else:
@@ -418,7 +417,7 @@ def cmd_sweep(a: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"kvtier sweep: {len(jobs)} runs over {', '.join(grid)}"
           f" on {'Ray' if a.ray else 'a local process pool'}", file=sys.stderr)
-    _load_kernels_saying_so()
+    _load_kernels_saying_so(load_kernels, "the simulator's", "run")
     with _RunsProgress(len(jobs)) as bar:
         results = run_jobs(jobs, processes=a.jobs, use_ray=a.ray, on_done=bar.done)
     rows = []
@@ -512,6 +511,7 @@ def _rmse(points: list[tuple[float, float]], f: Callable[[float], float]) -> flo
 def cmd_indexer(a: argparse.Namespace) -> int:
     # The service (and aiohttp) is imported only for this command, so the simulator starts lean.
     from kvtier.indexer.service.app import ConfigError, ServiceConfig, load_config, parse_endpoint, serve
+    from kvtier.indexer.service.app import load_kernels as load_index_kernels
 
     try:
         cfg = load_config(a.config) if a.config else ServiceConfig(endpoints=[])
@@ -531,6 +531,7 @@ def cmd_indexer(a: argparse.Namespace) -> int:
         cfg = replace(cfg, endpoints=eps, **overrides)
         if not cfg.endpoints:
             raise ConfigError("give at least one --endpoint or a --config with [[endpoints]]")
+        _load_kernels_saying_so(load_index_kernels, "the index's", "start")  # (before a snapshot is restored)
         serve(cfg)
     except ConfigError as exc:
         raise CliError(str(exc)) from None

@@ -196,10 +196,7 @@ class IndexerService:
 
     def start(self) -> None:
         """Starts the event loop, then the HTTP front end; raises if the port cannot be bound."""
-        # The compiled kernels load now (seconds when numba's cache is cold), not on a query or an event.
-        key_backend()
-        token_backend()
-        warm_tables()
+        load_kernels()  # now, not on a query or an event
         # Descriptors for every endpoint and connection, now rather than "Too many open files" mid-run.
         fdlimit.ensure(len(self.config.endpoints), self.config.max_connections)
         self._loop.start()
@@ -515,6 +512,14 @@ def _policy(name: str, settings: RoutingSettings, block_size: int) -> tuple[Cost
         raise ConfigError(str(exc)) from None
 
 
+def load_kernels() -> None:
+    """Loads the compiled kernels the service calls: from numba's cache in about a second; the first start after an
+    install compiles them, which takes half a minute or more on 2 cores. O(1) once done."""
+    key_backend()
+    token_backend()
+    warm_tables()
+
+
 def _interrupt(signum: int, frame: object) -> None:
     """SIGTERM as Ctrl-C: the service stops. A second one while it stops (a supervisor signalling the process and
     then its group) is ignored, so that it cannot cut the stop short before the snapshot is written."""
@@ -549,5 +554,5 @@ def serve(config: ServiceConfig) -> None:
     raise SystemExit(f"kvtier indexer: event loop died: {svc.health().get('error')}")
 
 
-__all__ = ["ConfigError", "IndexerService", "ServiceConfig", "ServiceUnavailable", "load_config", "parse_body",
-           "parse_endpoint", "serve"]
+__all__ = ["ConfigError", "IndexerService", "ServiceConfig", "ServiceUnavailable", "load_config", "load_kernels",
+           "parse_body", "parse_endpoint", "serve"]
