@@ -39,7 +39,7 @@ from kvtier.hardware.links import (
 from kvtier.indexer.routing.plugins import PluginError
 from kvtier.indexer.routing.policies import REGISTRY
 from kvtier.indexer.routing.scoring import AUTO_DISCOUNT_BELOW, DEFAULT_OUT_OF_REACH, OUT_OF_REACH
-from kvtier.indexer.service.config import ENDPOINT_SPEC
+from kvtier.indexer.service.config import ENDPOINT_SPEC, ServiceConfig
 from kvtier.kernels.jit import KernelsUnavailable
 from kvtier.sim import live
 from kvtier.sim.cluster import CACHE_SETTINGS, ClusterConfig
@@ -713,9 +713,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _say_service_defaults(p: argparse.ArgumentParser) -> None:
     """``kvtier indexer``'s options default to None, so that a --config's settings stand unless given: each one
-    whose help names no default says the one it stands for, ServiceConfig's (its help said ``none``)."""
-    from kvtier.indexer.service.config import ServiceConfig
-
+    whose help names no default says the one it stands for, ServiceConfig's."""
     given = {f.name: f.default for f in dataclasses.fields(ServiceConfig)}
     for action in p._actions:
         default = given.get(action.dest)
