@@ -466,7 +466,8 @@ def test_random_indexer_arguments_never_escape_as_a_traceback(args: list[str], t
     monkeypatch.chdir(tmp_path)
     started: list[service.IndexerService] = []
 
-    def serve(cfg: service.ServiceConfig) -> None:  # everything serve() checks, then stop instead of serving
+    def serve(cfg: service.ServiceConfig, load: Callable[[], object]) -> None:  # what serve() checks, then stop
+        load()
         svc = service.IndexerService(cfg)
         svc.start()
         started.append(svc)

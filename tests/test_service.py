@@ -353,7 +353,7 @@ def test_the_indexer_says_why_it_is_quiet_while_its_kernels_compile(monkeypatch:
     said = threading.Event()
     monkeypatch.setattr(cli, "KERNEL_NOTICE_S", 0.0)
     monkeypatch.setattr(app, "load_kernels", lambda: said.wait(10))
-    monkeypatch.setattr(app, "serve", lambda cfg: None)
+    monkeypatch.setattr(app, "serve", lambda cfg, load: load())
     real_print = print
 
     def print_then_go(*args: Any, **kwargs: Any) -> None:
@@ -364,6 +364,23 @@ def test_the_indexer_says_why_it_is_quiet_while_its_kernels_compile(monkeypatch:
     err = capsys.readouterr().err
     assert "kvtier: loading the index's compiled kernels (the first start after an install compiles them" in err
     assert "kvtier: kernels ready after" in err
+
+
+def test_a_stop_signal_while_the_kernels_load_stops_cleanly(tmp_path: Path) -> None:
+    """A first start compiles the kernels for half a minute or more: a supervisor's SIGTERM then ends the process as
+    at any other time (serve returns, exit 0), not by the signal's default (exit 143). The signal is real, sent
+    to this process from inside the loading."""
+    from kvtier.indexer.service import app
+
+    def load() -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # (the handler interrupts this at once)
+
+    cfg = ServiceConfig(endpoints=[parse_endpoint("w0=tcp://127.0.0.1:1")], block_size=BS, listen="127.0.0.1:0",
+                        snapshot_path=str(tmp_path / "index.snap"))
+    t0 = time.monotonic()
+    app.serve(cfg, load)  # returns: no KeyboardInterrupt escapes, and nothing was started to stop
+    assert time.monotonic() - t0 < 4 and not (tmp_path / "index.snap").exists()
 
 
 def _indexer_process(pub: Publisher, snap: Path) -> tuple[subprocess.Popen[str], str]:

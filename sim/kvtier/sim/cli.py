@@ -531,8 +531,8 @@ def cmd_indexer(a: argparse.Namespace) -> int:
         cfg = replace(cfg, endpoints=eps, **overrides)
         if not cfg.endpoints:
             raise ConfigError("give at least one --endpoint or a --config with [[endpoints]]")
-        _load_kernels_saying_so(load_index_kernels, "the index's", "start")  # (before a snapshot is restored)
-        serve(cfg)
+        cfg.routing_settings()  # (its errors now, not after a first start's compilation)
+        serve(cfg, functools.partial(_load_kernels_saying_so, load_index_kernels, "the index's", "start"))
     except ConfigError as exc:
         raise CliError(str(exc)) from None
     except OSError as exc:  # the HTTP port: in use, or an address this host does not have

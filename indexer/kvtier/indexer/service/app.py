@@ -527,16 +527,20 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def serve(config: ServiceConfig) -> None:
+def serve(config: ServiceConfig, load: Callable[[], object] = load_kernels) -> None:
     """Runs the service until interrupted (Ctrl-C, or SIGTERM: how supervisors and Kubernetes stop a process),
-    then stops it, the last snapshot written; exits non-zero if its event loop dies."""
-    svc = IndexerService(config)
+    then stops it, the last snapshot written; exits non-zero if its event loop dies. ``load`` loads the compiled
+    kernels first (the CLI's says so while a first start compiles them), a stop signal heeded meanwhile too."""
     main = threading.current_thread() is threading.main_thread()  # (only the main thread may set handlers)
     previous = signal.signal(signal.SIGTERM, _interrupt) if main else None
+    svc: IndexerService | None = None
     try:
-        # A signal may land anywhere from here on, the start and the banner included (a supervisor that saw the
-        # banner may stop the process before print has returned): every path stops the service, snapshot written.
+        # A signal may land anywhere from here on, the kernels' loading, the start and the banner included (a
+        # supervisor that saw the banner may stop the process before print has returned): every path stops what
+        # was made, the service with its snapshot written.
         try:
+            load()
+            svc = IndexerService(config)
             svc.start()
             print(f"kvtier indexer: {len(config.endpoints)} endpoint(s), block size {config.block_size}, "
                   f"HTTP on {svc.address}", flush=True)
@@ -546,7 +550,8 @@ def serve(config: ServiceConfig) -> None:
         finally:
             if main:  # (stopped by Ctrl-C or a dead event loop: no SIGTERM may cut the stop short either)
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            svc.stop()
+            if svc is not None:
+                svc.stop()
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)
