@@ -230,12 +230,12 @@ CASES: dict[str, Case] = {
     "plugin with an empty name": (lambda t, f: replay("--policy", _bytes(t, "p.py", _PLUGIN.replace(
         b'name = "p"', b'name = ""')) + ":P")(t, f), "p.py:P': its name must be a non-empty string, got ''"),
     # a fit whose prefill time goes negative in the range a pass takes: a ValueError traceback mid-run
-    "latency fit negative": (lambda t, f: replay("--latency", _bytes(t, "fit.json", json.dumps(
-        {"prefill_ms": [-1e-6, 0.0, 20.0], "decode_ms": [0.0, 0.0, 5.0]}).encode()))(t, f),
-        "--latency: its prefill fit gives -47.1 ms for a pass of 8192 tokens; a pass of 1 to 8192 tokens"),
+    "latency fit negative": (lambda t, f: replay("--device-tokens", "8192", "--latency", _bytes(
+        t, "fit.json", json.dumps({"prefill_ms": [-1e-6, 0.0, 20.0], "decode_ms": [0.0, 0.0, 5.0]}).encode()))(t, f),
+        "--latency: its prefill fit gives -47.1 ms for 8192 tokens; a prefill of 1 to 8192 tokens must take more"),
     "indexer latency fit negative": (lambda t, f: indexer("--latency", _bytes(t, "fit.json", json.dumps(
         {"prefill_ms": [-1e-6, 0.0, 20.0], "decode_ms": [0.0, 0.0, 5.0]}).encode())),
-        "fit.json: its prefill fit gives -47.1"),
+        "fit.json: its prefill fit gives -1.1e+06 ms for 1048576 tokens"),
     "fit-latency negative": (lambda t, f: ["fit-latency", _bytes(
         t, "pts.csv", b"kind,x,ms\nprefill,512,200\nprefill,2048,50\nprefill,8192,1\n"), "-o", str(t / "f.json")],
         "its prefill fit gives"),

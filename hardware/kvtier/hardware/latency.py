@@ -51,9 +51,10 @@ class MockerLatency:
                                    kv_pool_tokens=tokens)
 
     def check_prefill(self, max_tokens: int) -> None:
-        """``ValueError`` unless every pass of 1 to ``max_tokens`` tokens takes a positive time under this fit: a
-        quadratic fitted to few or odd points may bend below zero inside that range, and simulated time cannot run
-        backwards. O(1): a quadratic's lowest value over a range is at an end or at its vertex."""
+        """``ValueError`` unless a prefill of every size from 1 to ``max_tokens`` tokens takes a positive time under
+        this fit: a quadratic fitted to few or odd points may bend below zero inside that range, where simulated time
+        would run backwards and a router's price turn into a credit. O(1): a quadratic's lowest value over a range
+        is at an end or at its vertex."""
         a, b = self.prefill_a, self.prefill_b
         at = {1, max_tokens}
         if a > 0 and 1 < -b / (2 * a) < max_tokens:
@@ -61,8 +62,8 @@ class MockerLatency:
             at.update((math.floor(vertex), math.ceil(vertex)))
         worst = min(sorted(at), key=self.prefill_ms)
         if not self.prefill_ms(worst) > 0:
-            raise ValueError(f"its prefill fit gives {self.prefill_ms(worst):.3g} ms for a pass of {worst} tokens; a "
-                             f"pass of 1 to {max_tokens} tokens must take more than 0 ms")
+            raise ValueError(f"its prefill fit gives {self.prefill_ms(worst):.3g} ms for {worst} tokens; a prefill "
+                             f"of 1 to {max_tokens} tokens must take more than 0 ms")
 
     def prefill_ms(self, tokens: int) -> float:
         if tokens <= 0:

@@ -203,10 +203,11 @@ class ClusterConfig:
         if self.l3 != "none" and self.host_ratio <= 0:
             raise ConfigError(f"--l3 {self.l3}: needs a host tier (--host-ratio > 0): pages reach storage from host "
                               "memory and are prefetched back into it")
-        try:
-            self.latency.check_prefill(self.prefill_budget)
+        try:  # engines charge passes of up to the budget; the router prices a prompt's prefill whole
+            self.latency.check_prefill(max(self.prefill_budget, self.capacity_tokens()))
         except ValueError as exc:
-            raise ConfigError(f"--latency: {exc} (a pass computes up to --prefill-budget tokens)") from None
+            raise ConfigError(f"--latency: {exc} (engines compute up to --prefill-budget tokens a pass, and the "
+                              "router prices prompts up to --device-tokens)") from None
         if (self.prefill_workers > 0) != (self.decode_workers > 0):
             raise ConfigError(f"--prefill-workers {self.prefill_workers} --decode-workers {self.decode_workers}: "
                               "give both (disaggregated) or neither (aggregated)")

@@ -136,11 +136,11 @@ class ServiceConfig:
                 latency = resolve_latency(self.latency_path)
             except ValueError as exc:
                 raise ConfigError(f"latency_path {exc}") from None
-            try:
-                latency.check_prefill(self.prefill_budget)  # (what it prices a pass of a prompt with)
+            try:  # it prices passes of up to the budget, and a prompt's prefill whole
+                latency.check_prefill(max(self.prefill_budget, self.max_query_tokens))
             except ValueError as exc:
                 raise ConfigError(f"latency_path {self.latency_path}: {exc} (a pass computes up to prefill_budget "
-                                  "tokens)") from None
+                                  "tokens, and a prompt has up to max_query_tokens)") from None
         if self.capacity_tokens is not None:
             latency = latency.for_pool(self.capacity_tokens)
         return RoutingSettings(
