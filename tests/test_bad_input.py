@@ -191,6 +191,8 @@ CASES: dict[str, Case] = {
     "router seed -1": (replay("--seed", "-1"), "argument --seed: -1 is not allowed; expected an integer >= 0"),
     "tokens index and request": (lambda t, f: ["tokens", "--trace", "builtin:chat:4", "--index", "2", "--request",
                                                "r3"], "argument --request: not allowed with argument --index"),
+    "tokens index 0 and request": (lambda t, f: ["tokens", "--trace", "builtin:chat:4", "--index", "0", "--request",
+                                                 "r3"], "argument --request: not allowed with argument --index"),
     "engine l3-dir without l3": (lambda t, f: engine("--l3", "none", "--l3-dir", str(t)),
                                  "--l3-dir: --l3 none keeps no L3 tier"),
     "gen-trace rate past the timestamps' cap": (lambda t, f: ["gen-trace", "--rate", "1e-300", "--requests", "3",

@@ -258,8 +258,8 @@ def resolve_latency(spec: str) -> MockerLatency:
     if spec in LATENCY_PRESETS:
         return LATENCY_PRESETS[spec]
     try:
-        with open(spec) as f:
-            text = f.read()
+        with open(spec, "rb") as f:
+            text = f.read().decode()  # (JSON is UTF-8, whatever the locale says)
     except FileNotFoundError:
         raise ValueError(f"{spec}: No such file, nor a latency preset ({', '.join(LATENCY_PRESETS)})") from None
     except OSError as exc:

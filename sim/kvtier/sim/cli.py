@@ -61,7 +61,7 @@ DEFAULT_POLICIES = ("round_robin,least_loaded,approx,kv_device,kv_host,kv_all,dy
 OUT_OF_REACH_HELP = ("goodput policy, for a request whose SLO no worker is expected to meet: keep its cached prefix by "
                      "the usual price (price), weigh its TTFT less against the streams it slows (discount), send it "
                      "where it slows them least (spread), or discount only under a TPOT bound within "
-                     f"{AUTO_DISCOUNT_BELOW:g}x an idle worker's decode step (auto, the default)")
+                     f"{AUTO_DISCOUNT_BELOW:g}x an idle worker's decode step (auto)")
 
 
 class CliError(Exception):
@@ -244,11 +244,11 @@ def _meta(a: argparse.Namespace, n_requests: int, run: RunConfig) -> dict[str, A
 KERNEL_NOTICE_S = 2.0
 
 
-def _load_kernels_saying_so(load: Callable[[], object], whose: str, first: str) -> None:
+def _load_kernels_saying_so(load: Callable[[], object], whose: str, first: str, takes: str) -> None:
     """Loads ``whose`` compiled kernels (``load``: the simulator's before the runs, which forked run processes
     inherit; the index's before the service starts). Loading takes about a second from numba's cache; the first
-    ``first`` after an install compiles them, which takes a minute or two on 2 cores: past :data:`KERNEL_NOTICE_S`
-    a line says so, and when they are ready how long it took."""
+    ``first`` after an install compiles them, which ``takes`` on 2 cores: past :data:`KERNEL_NOTICE_S` a line says
+    so, and when they are ready how long it took."""
     import threading
 
     done = threading.Event()
@@ -258,7 +258,7 @@ def _load_kernels_saying_so(load: Callable[[], object], whose: str, first: str) 
         if not done.wait(KERNEL_NOTICE_S):
             said.set()
             print(f"kvtier: loading {whose} compiled kernels (the first {first} after an install compiles them "
-                  "into numba's cache, a minute or two on 2 cores)...", file=sys.stderr, flush=True)
+                  f"into numba's cache, {takes} on 2 cores)...", file=sys.stderr, flush=True)
 
     t0 = time.monotonic()
     watcher = threading.Thread(target=notice, daemon=True)
@@ -324,7 +324,7 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
           f"{cluster.device_tokens:,} device tokens each, host x{cluster.host_ratio:g}, l3={cluster.l3}; "
           f"policies: {', '.join(policies)}", file=sys.stderr)
     t0 = time.monotonic()
-    _load_kernels_saying_so(load_kernels, "the simulator's", "run")
+    _load_kernels_saying_so(load_kernels, "the simulator's", "run", "a minute or two")
     if getattr(a, "progress", False):
         results = [execute(jobs[0], progress=True)]
     else:
@@ -417,7 +417,7 @@ def cmd_sweep(a: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"kvtier sweep: {len(jobs)} runs over {', '.join(grid)}"
           f" on {'Ray' if a.ray else 'a local process pool'}", file=sys.stderr)
-    _load_kernels_saying_so(load_kernels, "the simulator's", "run")
+    _load_kernels_saying_so(load_kernels, "the simulator's", "run", "a minute or two")
     with _RunsProgress(len(jobs)) as bar:
         results = run_jobs(jobs, processes=a.jobs, use_ray=a.ray, on_done=bar.done)
     rows = []
@@ -474,10 +474,10 @@ def cmd_tokens(a: argparse.Namespace) -> int:
         if not found:
             raise CliError(f"--request {a.request!r}: no such request in {a.trace} (ids: {reqs[0].request_id} ...)")
         req = found[0]
-    elif a.index >= len(reqs):
+    elif (a.index or 0) >= len(reqs):
         raise CliError(f"--index {a.index}: {a.trace} has {len(reqs)} requests")
     else:
-        req = reqs[a.index]
+        req = reqs[a.index or 0]
     print(json.dumps({"token_ids": TokenBank(seed=a.seed).tokens(req)}))
     return 0
 
@@ -532,7 +532,8 @@ def cmd_indexer(a: argparse.Namespace) -> int:
         if not cfg.endpoints:
             raise ConfigError("give at least one --endpoint or a --config with [[endpoints]]")
         cfg.routing_settings()  # (its errors now, not after a first start's compilation)
-        serve(cfg, functools.partial(_load_kernels_saying_so, load_index_kernels, "the index's", "start"))
+        serve(cfg, functools.partial(_load_kernels_saying_so, load_index_kernels, "the index's", "start",
+                                     "half a minute or more"))
     except ConfigError as exc:
         raise CliError(str(exc)) from None
     except OSError as exc:  # the HTTP port: in use, or an address this host does not have
@@ -620,7 +621,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", required=True, help="the engine's --trace (a file or builtin:KIND[:N])")
     p.add_argument("--seed", type=SEED.parse, default=0, help="the engine's --seed (builtin traces and token ids)")
     which = p.add_mutually_exclusive_group()
-    which.add_argument("--index", type=SEED.parse, default=0, help="the request's position in the trace")
+    # (no default value: argparse takes an option given with its default's value for one not given)
+    which.add_argument("--index", type=SEED.parse, help="the request's position in the trace (default: 0)")
     which.add_argument("--request", help="the request's id (instead of --index)")
     p.set_defaults(func=cmd_tokens)
 
@@ -664,14 +666,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--h2d-gbps", type=float, help="host<->device bandwidth, GB/s (overrides --gpu-link)")
     g.add_argument("--storage-gbps", type=float, help="storage bandwidth, GB/s (overrides --storage-link)")
     g.add_argument("--kv-link", choices=sorted(KV_LINKS),
-                   help="endpoints with roles: the prefill -> decode KV link preset (default: rdma-400g)")
+                   help="endpoints with roles: the prefill -> decode KV link preset")
     g.add_argument("--kv-link-gbps", type=float, help="prefill -> decode bandwidth, GB/s (overrides --kv-link)")
     g.add_argument("--local-prefill-tokens", type=int, metavar="N",
                    help="endpoints with roles: a prompt whose part its decode worker lacks is under N tokens "
-                        "prefills there (default 0: never)")
+                        "prefills there (0: never)")
     g.add_argument("--latency", metavar="NAME|JSON",
                    help=f"iteration-time fit: a preset ({', '.join(LATENCY_PRESETS)}) or a JSON from "
-                        "`kvtier fit-latency` (default: dynamo-mocker)")
+                        f"`kvtier fit-latency` (default: the config's, else {DEFAULT_LATENCY})")
     g.add_argument("--slo-out-of-reach", choices=OUT_OF_REACH, help=OUT_OF_REACH_HELP)
     g.add_argument("--prefill-budget", type=int, help="the workers' chunked-prefill tokens per iteration")
     g.add_argument("--capacity-tokens", type=int, help="each worker's device KV, tokens (ttft costs)")

@@ -108,20 +108,20 @@ def load_policy(spec: str) -> RoutingPolicy:
     target: object
     if ":" in spec:
         mod_name, _, attr = spec.rpartition(":")
+        file = None
+        if mod_name.endswith(".py"):
+            path = Path(mod_name)
+            file = importlib.util.spec_from_file_location(f"kvtier_plugin_{path.stem}", path)
+            if file is None or file.loader is None or not path.is_file():
+                raise ValueError(f"policy {spec!r}: no such file {mod_name}")
         try:
-            if mod_name.endswith(".py"):
-                path = Path(mod_name)
-                s = importlib.util.spec_from_file_location(f"kvtier_plugin_{path.stem}", path)
-                if s is None or s.loader is None or not path.is_file():
-                    raise ValueError(f"no such file {mod_name}")
-                module = importlib.util.module_from_spec(s)
-                s.loader.exec_module(module)
+            if file is not None and file.loader is not None:
+                module = importlib.util.module_from_spec(file)
+                file.loader.exec_module(module)
             else:
                 module = importlib.import_module(mod_name)
             target = getattr(module, attr)
-        except (ImportError, AttributeError, OSError, ValueError) as exc:
-            raise ValueError(f"policy {spec!r}: {exc}") from None
-        except Exception as exc:  # the plugin's own module failed to run
+        except Exception as exc:  # no such module or attribute, or the plugin's own module failed to run
             raise ValueError(f"policy {spec!r}: {_failed(exc)}") from None
     else:
         eps = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == spec]
@@ -131,7 +131,7 @@ def load_policy(spec: str) -> RoutingPolicy:
         try:
             target = eps[0].load()
         except Exception as exc:
-            raise ValueError(f"policy {spec!r}: entry point failed to load: {exc}") from None
+            raise ValueError(f"policy {spec!r}: entry point failed to load: {_failed(exc)}") from None
     # A class (which itself has the methods, unbound) or a factory is called; an instance is used as is.
     policy = target
     if isinstance(target, type) or (callable(target) and not isinstance(target, RoutingPolicy)):
