@@ -168,24 +168,18 @@ def _bool(text: str) -> bool:
     return text.lower() == "true"
 
 
-def _number(kind: type[int] | type[float]) -> Callable[[str], Any]:
-    what = "an integer" if kind is int else "a number"
-
+def _reader(convert: Callable[[str], Any], what: str) -> Callable[[str], Any]:
+    """``convert``, whose ValueError says the value is not ``what``."""
     def cast(text: str) -> Any:
         try:
-            return kind(text)
+            return convert(text)
         except ValueError:
             raise ValueError(f"{text!r} is not {what}") from None
     return cast
 
 
 def _choice(kind: type[StrEnum]) -> Callable[[str], Any]:
-    def cast(text: str) -> Any:
-        try:
-            return kind(text)
-        except ValueError:
-            raise ValueError(f"{text!r} is not one of {', '.join(m.value for m in kind)}") from None
-    return cast
+    return _reader(kind, f"one of {', '.join(m.value for m in kind)}")
 
 
 def _latency(text: str) -> str:
@@ -196,8 +190,9 @@ def _latency(text: str) -> str:
 
 
 _CASTS: dict[str, Callable[[str], Any]] = {
-    "int": _number(int), "float": _number(float), "str": str, "bool": _bool, "WritePolicy": _choice(WritePolicy),
-    "PrefetchPolicy": _choice(PrefetchPolicy), "Eviction": _choice(Eviction), "MockerLatency": _latency}
+    "int": _reader(int, "an integer"), "float": _reader(float, "a number"), "str": str, "bool": _bool,
+    "WritePolicy": _choice(WritePolicy), "PrefetchPolicy": _choice(PrefetchPolicy), "Eviction": _choice(Eviction),
+    "MockerLatency": _latency}
 
 
 def _caster(annotation: str) -> Callable[[str], Any]:
