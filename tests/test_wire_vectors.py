@@ -175,3 +175,33 @@ def test_replay_vectors(capture: Capture) -> None:
     live = {unpack_seq(capture.frames(b)[1]): capture.frames(b)[2] for b in capture.data["batches"]}
     for frames in resp[:-1]:
         assert frames[-1] == live[unpack_seq(frames[-2])]
+
+
+def test_the_publishers_replay_answer_is_the_captures(capture: Capture) -> None:
+    """kvtier's publisher, given the captured batches, answers the captured replay request frame for frame as the
+    captured publisher did: each batch with its topic (where that version sends one) and seq, then the end marker,
+    whose topic frame is empty (it carried the topic)."""
+    import base64
+
+    import zmq
+
+    from kvtier.wire import Publisher
+
+    req = [base64.b64decode(f) for f in capture.data["replay_request"]["frames_b64"]]
+    want = [[base64.b64decode(f) for f in fr] for fr in capture.data["replay_response"]]
+    live = sorted((unpack_seq(capture.frames(b)[1]), capture.frames(b)) for b in capture.data["batches"])
+    got: list[list[bytes]] = []
+    with Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", topic=live[0][1][0],
+                   replay_with_topic=capture.name != "sglang-0.5.17") as pub:
+        for seq, frames in live:
+            assert pub.publish_payload(frames[2]) == seq
+        dealer = zmq.Context.instance().socket(zmq.DEALER)
+        try:
+            dealer.connect(pub.replay_endpoint or "")
+            dealer.send_multipart(req)
+            while not got or got[-1][-2] != END_SEQ:
+                assert dealer.poll(5000), got
+                got.append(dealer.recv_multipart())
+        finally:
+            dealer.close(0)
+    assert got == want

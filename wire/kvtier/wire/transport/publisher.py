@@ -281,7 +281,8 @@ class Publisher:
         return [self._topic, seq, payload] if self._replay_with_topic else [seq, payload]
 
     def _end_frame(self) -> list[bytes]:
-        return self._frame(END_SEQ, b"")
+        # (SGLang and vLLM send the end marker's topic frame empty, where they send one)
+        return [b"", END_SEQ, b""] if self._replay_with_topic else [END_SEQ, b""]
 
     def _answer(self, frames: list[bytes]) -> None:
         if len(frames) != 3 or frames[1] != b"":
