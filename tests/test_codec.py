@@ -125,6 +125,17 @@ def test_unknown_fields_are_ignored_in_both_layouts() -> None:
     arr = ["BlockStored", [7], None, [1, 2], 2, None, "GPU", "lora", "salt", "future", 42]
     ev = decode_payload(msgspec.msgpack.encode([1.0, [arr], 0])).events[0]
     assert isinstance(ev, BlockStored) and ev.lora_name == "lora" and ev.cache_salt == "salt"
+    # Past the medium, an array's positions are a later publisher's: what is not a name there is ignored (it
+    # failed the whole batch, the events beside it too).
+    for later in ([None, [["ad"]]], [7], [{"k": 1}, "salt"]):
+        for packed in (False, True):
+            batch = decode_payload(msgspec.msgpack.encode(
+                [1.0, [["BlockStored", [7], None, [1, 2], 2, None, "GPU", *later], ["AllBlocksCleared"]], 3]),
+                packed_tokens=packed)
+            ev = batch.events[0]
+            assert isinstance(ev, BlockStored) and ev.block_hashes == [7] and ev.lora_name is None
+            assert ev.cache_salt == (later[1] if later[1:] and isinstance(later[1], str) else None)
+            assert batch.events[1] == AllBlocksCleared() and batch.dp_rank == 3
 
 
 def test_two_item_batch_has_no_dp_rank() -> None:

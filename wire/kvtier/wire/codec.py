@@ -94,7 +94,10 @@ class _MapBatch(msgspec.Struct, array_like=True, gc=False):
 
 
 class _ArrStored(_Stored, array_like=True, tag="BlockStored"):
-    pass
+    # Positions past the medium: SGLang's later fields, or a later publisher's other ones: a name is read,
+    # anything else ignored (_text), as unknown fields are.
+    lora_name: Any = None
+    cache_salt: Any = None
 
 
 class _ArrRemoved(_Removed, array_like=True, tag="BlockRemoved"):
@@ -126,7 +129,7 @@ class _MapBatchRaw(msgspec.Struct, array_like=True, gc=False):
     dp_rank: int | None = None
 
 
-class _ArrStoredRaw(_Stored, array_like=True, tag="BlockStored"):
+class _ArrStoredRaw(_ArrStored, array_like=True, tag="BlockStored"):
     token_ids: msgspec.Raw = _NO_TOKENS  # type: ignore[assignment]
 
 
@@ -145,6 +148,11 @@ _arr_raw_decoder = msgspec.msgpack.Decoder(_ArrBatchRaw)
 def _tokens(raw: _Stored) -> list[int] | PackedTokens:
     t: Any = raw.token_ids
     return decode_tokens(t) if isinstance(t, msgspec.Raw) else cast(list[int], t)
+
+
+def _text(value: object) -> str | None:
+    """An array position that holds a name where it holds a string; None (ignored) where it holds anything else."""
+    return value if isinstance(value, str) else None
 
 
 def _to_event(raw: object, tokens: PackedTokens | None = None) -> Event:
@@ -169,8 +177,8 @@ def _to_event(raw: object, tokens: PackedTokens | None = None) -> Event:
             block_size=raw.block_size,
             lora_id=raw.lora_id,
             medium=raw.medium,
-            lora_name=raw.lora_name,
-            cache_salt=raw.cache_salt,
+            lora_name=_text(raw.lora_name),
+            cache_salt=_text(raw.cache_salt),
         )
     if isinstance(raw, _Removed):
         return BlockRemoved(block_hashes=raw.block_hashes, medium=raw.medium)
