@@ -110,3 +110,19 @@ def test_orphan_with_extra_keys_grafts_in_its_scope() -> None:
     assert idx.apply(V, vllm_store([2, 3], TOKS[4:12], [(("img-1", 0),), None], parent=1)) is Outcome.ORPHANED
     idx.apply(V, vllm_store([1], TOKS[:4], None))
     assert depth(idx, V, mm_items=[("img-1", 4, 4)]) == 3 and depth(idx, V) == 1
+
+
+@pytest.mark.parametrize("lora", [None, "ad"])
+def test_a_salted_store_encoded_as_vllm_keeps_its_key_space(lora: str | None) -> None:
+    """vLLM carries a request's cache salt in its first block's extra keys (after the LoRA name, which every block
+    carries): a salted store encoded in vLLM's format decodes into the same key space it was stored in (the salt
+    was dropped, so the blocks were indexed as unsalted)."""
+    ev = BlockStored(block_hashes=[1, 2, 3], parent_block_hash=None, token_ids=TOKS[:12], block_size=BS,
+                     medium="GPU", lora_name=lora, cache_salt="s1")
+    got = decode_payload(encode_payload(EventBatch(ts=1.0, events=[ev]), WireFormat.VLLM)).events[0]
+    assert isinstance(got, BlockStored)
+    assert got.extra_keys == [[*([lora] if lora else []), "s1"], *([[lora]] * 2 if lora else [None, None])]
+    idx = TieredIndex(BS)
+    assert idx.apply(V, got) is Outcome.APPLIED
+    assert idx.find_matches(TOKS, lora_name=lora, cache_salt="s1").workers[V].device == 3
+    assert idx.find_matches(TOKS, lora_name=lora).workers[V].device == 0

@@ -323,6 +323,17 @@ def _encode_window(ev: BlockStored | BlockRemoved, fmt: WireFormat) -> object:
     return _WindowRemoved(hashes, medium, *meta)  # type: ignore[arg-type]
 
 
+def _vllm_extra_keys(ev: BlockStored) -> list[Any] | None:
+    """vLLM's per-block extra keys for ``ev``: its own, where it has them (decoded from vLLM); else, for a salted
+    store that starts a chain (no parent), the salt in block 0's, after the LoRA name every block then carries, as
+    vLLM orders them. A later store's salt is not vLLM's to send (its hashes carry it, and the router keeps the
+    parent's key space). O(blocks)."""
+    if ev.extra_keys is not None or ev.cache_salt is None or ev.parent_block_hash is not None:
+        return ev.extra_keys
+    lora = [ev.lora_name] if ev.lora_name else []
+    return [[*lora, ev.cache_salt], *([*lora] if lora else None for _ in ev.block_hashes[1:])]
+
+
 def _encode_event(ev: Event, fmt: WireFormat) -> object | None:
     if isinstance(ev, BlockStored | BlockRemoved) and ev.kv_cache_spec_kind is not None:
         # The array layout has no field for it: a consumer of that layout would read a window removal as a
@@ -336,7 +347,7 @@ def _encode_event(ev: Event, fmt: WireFormat) -> object | None:
         if fmt is WireFormat.VLLM:
             return _VlStored([_unsigned(h) for h in ev.block_hashes],  # type: ignore[misc]
                              _unsigned(ev.parent_block_hash), _wire_tokens(ev), ev.block_size,
-                             ev.lora_id, medium, ev.lora_name, ev.extra_keys)
+                             ev.lora_id, medium, ev.lora_name, _vllm_extra_keys(ev))
         return ["BlockStored", ev.block_hashes, ev.parent_block_hash, _wire_tokens(ev), ev.block_size,
                 ev.lora_id, medium]
     if isinstance(ev, BlockRemoved):
@@ -357,8 +368,10 @@ def encode_payload(batch: EventBatch, fmt: WireFormat = WireFormat.SGLANG) -> by
     """Encode ``batch`` as ``fmt``'s publisher would. O(batch size).
 
     Medium strings are re-spelled in ``fmt``'s canonical spelling (a vLLM ``CPU``
-    becomes SGLang ``CPU_PINNED``); vLLM hashes are written unsigned. Events carrying vLLM's hybrid-cache
-    fields (window KV) keep them in the map layouts and are left out of the array layout.
+    becomes SGLang ``CPU_PINNED``); vLLM hashes are written unsigned, and a cache salt goes in vLLM's extra keys
+    (:func:`_vllm_extra_keys`). The array layout (SGLang 0.5.17) has no field for a LoRA name or a salt: they are
+    not written there. Events carrying vLLM's hybrid-cache fields (window KV) keep them in the map layouts and are
+    left out of the array layout.
     Raises :class:`indexer.protocol.UnknownMediumError` for an unknown medium.
     """
     events = [e for e in (_encode_event(ev, fmt) for ev in batch.events) if e is not None]
