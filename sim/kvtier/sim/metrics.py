@@ -167,6 +167,11 @@ class RunSummary:
     slo: str = ""  # the SLO, in words ("TTFT <= 500 ms, TPOT <= 50 ms"); empty without one
     extra: dict[str, Any] = field(default_factory=dict)  # policy-specific numbers
 
+    @property
+    def total(self) -> int:
+        """The trace's requests: completed, rejected and unfinished."""
+        return self.requests + self.rejected + self.unfinished
+
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -72,8 +72,8 @@ def rejections(s: RunSummary) -> str | None:
     on a worker's device, which no routing policy makes."""
     if not s.rejected:
         return None
-    return (f"{s.policy}: {s.rejected} of {s.requests + s.rejected + s.unfinished} requests rejected: their prompt "
-            f"and output do not fit a worker's device (--device-tokens)")
+    return (f"{s.policy}: {s.rejected} of {s.total} requests rejected: their prompt and output do not fit a "
+            "worker's device (--device-tokens)")
 
 
 #: What a sweep plots, one PNG each: (RunSummary field, axis label).
@@ -329,7 +329,7 @@ def plot(out_dir: Path, summaries: Sequence[RunSummary], runs: Sequence[Latencie
     base = base_slo(slo, runs)
     fig, ax = plt.subplots(figsize=(7, 4.6))
     for s, r in zip(summaries, runs, strict=True):
-        ax.plot(SLO_FACTORS, goodput_curve(base, r, s.requests + s.rejected + s.unfinished), marker="o", ms=3,
+        ax.plot(SLO_FACTORS, goodput_curve(base, r, s.total), marker="o", ms=3,
                 label=s.policy)
     ax.set_xscale("log")
     ax.set_xticks(SLO_FACTORS)
