@@ -384,12 +384,12 @@ def load_azure(path: Path, *, share_prefix_blocks: int = 0, groups: int = 8, see
     t0: datetime | None = None
     next_id = groups * max(share_prefix_blocks, 0)
     reader = csv.DictReader(line for _, line in _lines(path))
-    need = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"}
+    need = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
     try:
         columns = reader.fieldnames
     except csv.Error as exc:
         raise TraceError(f"{path}:1: not CSV: {exc}") from None
-    if columns is None or not need <= set(columns):
+    if columns is None or not set(need) <= set(columns):
         raise TraceError(f"{path}:1: expected columns {sorted(need)}, got {_show(columns)}")
     prev: datetime | None = None
     while True:
@@ -401,7 +401,7 @@ def load_azure(path: Path, *, share_prefix_blocks: int = 0, groups: int = 8, see
             # (DictReader's own line_num moves only once a row is made: its reader's counts the failed one)
             raise TraceError(f"{path}:{reader.reader.line_num}: not CSV: {exc}") from None
         where = f"{path}:{reader.line_num}"
-        missing = [k for k in ("TIMESTAMP", "ContextTokens", "GeneratedTokens") if row.get(k) is None]
+        missing = [k for k in need if row.get(k) is None]
         if missing:  # (a short row: csv leaves its last fields None)
             raise TraceError(f"{where}: {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing")
         try:
