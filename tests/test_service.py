@@ -495,6 +495,27 @@ def test_a_body_that_is_not_utf8_says_so_and_where() -> None:
             parse(body)
 
 
+def test_a_lone_surrogate_escape_is_named_not_called_truncated() -> None:
+    """A string escaping the first half of a UTF-16 surrogate pair (``\\ud800``) and ending before the second half
+    is malformed JSON. Near the body's end msgspec calls that "Input data was truncated", of a body that is whole;
+    the line names the escape and its byte instead. A truncated body is still called truncated."""
+    from kvtier.indexer.service.app import parse_body
+    from kvtier.indexer.service.requestbody import parse_finish
+
+    for parse, body, at in ((parse_body, b'{"token_ids": [1], "lora_name": "a\\ud800"}', 34),
+                            (parse_body, b'{"token_ids": [1], "lora_name": "\\ud83d\\ude00\\uDBFF"}', 45),
+                            (parse_finish, b'{"\\ud800": 1}', 2)):
+        says = f"body is not JSON: unpaired utf-16 surrogate escape (byte {at})"
+        with pytest.raises(ValueError, match=re.escape(says)):
+            parse(body)
+    with pytest.raises(ValueError, match="body is not JSON: Input data was truncated"):
+        parse_body(b'{"token_ids": [1], "lora_name": "a')
+    req, _ = parse_body(b'{"token_ids": [1], "lora_name": "\\ud83d\\ude00"}')  # a whole pair is a character
+    assert req.lora_name == "\U0001f600"
+    req, _ = parse_body(b'{"token_ids": [1], "lora_name": "a\\\\ud800"}')  # an escaped backslash, then letters
+    assert req.lora_name == "a\\ud800"
+
+
 def test_engines_of_another_page_size_make_health_say_so(cluster: tuple[list[Publisher], IndexerService]) -> None:
     """An indexer started with --block-size unlike the engines' page size rejects every store and indexes nothing;
     /health used to say ok. It says degraded, which workers, and what to set."""

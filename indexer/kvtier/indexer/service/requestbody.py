@@ -3,6 +3,7 @@ where), never a traceback. A prompt's token array goes straight into packed toke
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, TypeVar, cast
 
 import msgspec
@@ -51,6 +52,22 @@ _decoders: dict[type, msgspec.json.Decoder[Any]] = {RequestBody: msgspec.json.De
                                                      FinishBody: msgspec.json.Decoder(FinishBody)}
 
 
+#: A backslash pair (skipped), or the escape of a pair's first half with something other than its second half after.
+_HIGH_ALONE = re.compile(rb"\\(?:\\|u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2}))")
+
+
+def _unpaired_surrogate(body: bytes | Any) -> int | None:
+    """The byte where ``body`` escapes the first half of a UTF-16 surrogate pair without the second, where something
+    follows the escape (msgspec calls such a string near the end "truncated"); None if it has none. O(body)."""
+    if not isinstance(body, bytes | bytearray | memoryview):
+        return None
+    raw = bytes(body)
+    for m in _HIGH_ALONE.finditer(raw):
+        if m.end() - m.start() == 6 and m.end() < len(raw):
+            return m.start()
+    return None
+
+
 def _parse(body: bytes | Any, kind: type[_B], what: str) -> _B:
     try:
         if isinstance(body, bytes | bytearray | memoryview):
@@ -59,6 +76,9 @@ def _parse(body: bytes | Any, kind: type[_B], what: str) -> _B:
     except msgspec.ValidationError as exc:
         raise ValueError(f"bad {what}: {exc}") from None
     except msgspec.DecodeError as exc:
+        at = _unpaired_surrogate(body) if str(exc) == "Input data was truncated" else None
+        if at is not None:
+            raise ValueError(f"body is not JSON: unpaired utf-16 surrogate escape (byte {at})") from None
         raise ValueError(f"body is not JSON: {exc}") from None
     except UnicodeDecodeError:  # a string msgspec reads is not UTF-8: where it starts in the body, not the string
         try:
