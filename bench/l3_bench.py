@@ -20,22 +20,36 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvtier.engine.hashing import ROOT_DIGEST, event_hash, page_digest
 from kvtier.engine.l3.pagedir import SyncPolicy
 from kvtier.engine.l3.pagefile import Layout
 from kvtier.engine.l3.pagetree import PageMeta
 from kvtier.engine.l3.storage import PageStore
+from kvtier.wire import pack_tokens
+
+
+def page_chain(pages: int) -> list[tuple[str, PageMeta]]:
+    """A chain of ``pages`` pages of 16 tokens each: their keys (digests, as an engine's) and metadata."""
+    out: list[tuple[str, PageMeta]] = []
+    parent = ROOT_DIGEST
+    for i in range(pages):
+        tokens = pack_tokens([i] * 16)
+        digest = page_digest(parent, tokens)
+        out.append((digest.hex(), PageMeta(event_hash(digest), parent.hex() or None,
+                                           event_hash(parent) if parent else None, tokens, i)))
+        parent = digest
+    return out
 
 
 def write_run(root: Path, sync: SyncPolicy, pages: int, payload: bytes, batch: int) -> tuple[float, PageStore]:
     store = PageStore(pages + 1, root, layout=Layout("bench", 16), owner="bench", sync=sync)
     store.attach("bench", lambda keys: None)
+    chain = page_chain(pages)
     t0 = time.perf_counter()
-    parent: str | None = None
     for lo in range(0, pages, batch):
-        keys = [f"{i:016x}" for i in range(lo, min(pages, lo + batch))]
-        for k in keys:
-            store.begin_write(k, PageMeta(int(k, 16), parent, None, bytes(64), 0))
-            parent = k
+        keys = [key for key, _ in chain[lo:lo + batch]]
+        for key, meta in chain[lo:lo + batch]:
+            store.begin_write(key, meta)
         store.write_pages([(k, payload) for k in keys])
         for k in keys:
             assert store.commit(k, "bench")
@@ -63,7 +77,7 @@ def main() -> None:
                 dt, store = write_run(root, sync, a.pages, payload, a.batch)
                 times.append(dt)
                 if sync is SyncPolicy.NONE and len(times) == a.repeat:
-                    keys = [f"{i:016x}" for i in range(a.pages)]
+                    keys = [key for key, _ in page_chain(a.pages)]
                     t0 = time.perf_counter()
                     for k in keys:
                         store.read_page(k)

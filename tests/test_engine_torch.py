@@ -10,6 +10,7 @@ import torch
 
 from kvtier.engine.cache import Admission, CacheConfig, PrefetchPolicy, TieredCache
 from kvtier.engine.datapath import CopyKind, TorchDataPath, _count_runs, _runs
+from kvtier.engine.hashing import ROOT_DIGEST, event_hash, page_digest
 from kvtier.engine.l3.pagetree import PageMeta
 from kvtier.engine.l3.storage import PageStore
 from kvtier.kernels import pagecopy
@@ -90,13 +91,15 @@ def test_short_page_payload_is_reported_not_swallowed(tmp_path: Path, device: st
     dp = TorchDataPath(device_pages=2, host_pages=2, page_shape=SHAPE, device=device)
     store = PageStore(8, tmp_path)
     try:
-        store.begin_write("k", PageMeta(1, None, None, b"", 0))
-        store.write_pages([("k", b"short")])  # a sound file whose payload is not a page of this shape
-        assert store.commit("k", "engine")
-        op = dp.new_op(CopyKind.S2H, [], [0], ["k"], store)
+        digest = page_digest(ROOT_DIGEST, bytes(4 * PS))
+        key = digest.hex()
+        store.begin_write(key, PageMeta(event_hash(digest), None, None, bytes(4 * PS), 0))
+        store.write_pages([(key, b"short")])  # a sound file whose payload is not a page of this shape
+        assert store.commit(key, "engine")
+        op = dp.new_op(CopyKind.S2H, [], [0], [key], store)
         dp.submit(op)
         done = dp.drain()
-        assert done[0].error is not None and "bytes" in done[0].error and done[0].bad_keys == ["k"]
+        assert done[0].error is not None and "bytes" in done[0].error and done[0].bad_keys == [key]
     finally:
         dp.close()
 

@@ -3,23 +3,25 @@ engines of other layouts or other processes sharing the directory never touch ea
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
 from kvtier.engine.cache import CacheConfig, PrefetchPolicy, TieredCache
 from kvtier.engine.datapath import TorchDataPath
-from kvtier.engine.hashing import chain
+from kvtier.engine.hashing import ROOT_DIGEST, chain, event_hash, page_digest
 from kvtier.engine.l3 import pagedir
 from kvtier.engine.l3.pagedir import OwnerBusy, SyncPolicy
-from kvtier.engine.l3.pagefile import FIXED_SIZE, Layout, PageFileError, PageHeader, decode, encode
+from kvtier.engine.l3.pagefile import _FIXED, FIXED_SIZE, Layout, PageFileError, PageHeader, decode, encode, read_header
 from kvtier.engine.l3.pagetree import PageMeta
 from kvtier.engine.l3.storage import PageStore, StoreError
 from kvtier.indexer.index.tiered import TieredIndex
-from kvtier.wire import BlockRemoved, BlockStored, StorageTier, WorkerId
+from kvtier.wire import BlockRemoved, BlockStored, StorageTier, WorkerId, pack_tokens
 from kvtier.wire.notices import StreamId
 from tests.test_engine_torch import DEVICES, PS, SHAPE, run, wait
 
@@ -27,9 +29,23 @@ L = Layout("m", PS)
 
 
 
+@functools.cache
+def _digest(i: int, root: int = 0) -> bytes:
+    """Page ``i`` of a chain from page ``root`` (each page's parent the one before it), its tokens all ``i``."""
+    return page_digest(ROOT_DIGEST if i == root else _digest(i - 1, root), pack_tokens([i] * PS))
+
+
+def k(i: int, root: int = 0) -> str:
+    """The L3 key of page ``i`` of the chain from page ``root``: its digest (which its header is checked against)."""
+    return _digest(i, root).hex()
+
+
 def meta(i: int, parent: int | None) -> PageMeta:
-    return PageMeta(1000 + i, None if parent is None else f"k{parent}", None if parent is None else 1000 + parent,
-                    bytes(4 * PS), i)
+    """Page ``i`` under page ``parent`` = ``i - 1`` of the chain from page 0, or a root of its own (None)."""
+    assert parent in (None, i - 1)
+    if parent is None:
+        return PageMeta(event_hash(_digest(i, i)), None, None, pack_tokens([i] * PS), 0)
+    return PageMeta(event_hash(_digest(i)), k(parent), event_hash(_digest(parent)), pack_tokens([i] * PS), i)
 
 
 def chain_store(path: Path, n: int, *, owner: str = "a", capacity: int = 64, shared: bool = False,
@@ -38,9 +54,9 @@ def chain_store(path: Path, n: int, *, owner: str = "a", capacity: int = 64, sha
     store = PageStore(capacity, path, owner=owner, shared=shared, layout=layout, sync=sync)
     store.attach(owner, lambda keys: None)
     for i in range(n):
-        store.begin_write(f"k{i}", meta(i, i - 1 if i else None))
-        store.write_pages([(f"k{i}", bytes([i]) * 64)])
-        assert store.commit(f"k{i}", owner)
+        store.begin_write(k(i), meta(i, i - 1 if i else None))
+        store.write_pages([(k(i), bytes([i]) * 64)])
+        assert store.commit(k(i), owner)
     return store
 
 
@@ -52,22 +68,69 @@ def files(path: Path) -> list[str]:
 
 
 def test_every_damaged_byte_is_caught() -> None:
-    header = PageHeader("k", L.tag(), 7, None, None, 0, b"\x01\x00\x00\x00")
+    header = PageHeader(k(0), L.tag(), event_hash(_digest(0)), None, None, 0, pack_tokens([0] * PS))
     good = b"".join(bytes(x) for x in encode(header, bytes(range(256)) * 4))
-    assert bytes(decode(good, "k", L.tag())[1]) == bytes(range(256)) * 4
+    assert bytes(decode(good, k(0), L.tag())[1]) == bytes(range(256)) * 4
     rng = random.Random(0)
     for pos in range(len(good)):  # every single-byte change is detected, header or payload
         bad = bytearray(good)
         bad[pos] ^= rng.randrange(1, 256)
         with pytest.raises(PageFileError):
-            decode(bytes(bad), "k", L.tag())
+            decode(bytes(bad), k(0), L.tag())
     for cut in (0, FIXED_SIZE - 1, FIXED_SIZE + 3, len(good) - 1):
         with pytest.raises(PageFileError):
-            decode(good[:cut], "k", L.tag())
+            decode(good[:cut], k(0), L.tag())
     with pytest.raises(PageFileError, match="holds page"):
         decode(good, "other", L.tag())
     with pytest.raises(PageFileError, match="layout"):
-        decode(good, "k", Layout("other-model", PS).tag())
+        decode(good, k(0), Layout("other-model", PS).tag())
+
+
+def test_adoption_reads_a_damaged_header_as_damaged(tmp_path: Path) -> None:
+    """Adoption reads a page's header, not its checksum: whatever byte of the header is changed, the header read is
+    the one written or :class:`PageFileError`, never another exception (a key made no UTF-8 stopped every start) nor
+    another page (a token flipped made the engine announce a block it never held). Only its depth is not checked
+    here, but against its parent's by the store (below)."""
+    header = PageHeader(k(1), L.tag(), event_hash(_digest(1)), k(0), event_hash(_digest(0)), 1,
+                        pack_tokens([1] * PS))
+    good = b"".join(bytes(x) for x in encode(header, bytes(64)))
+    path = tmp_path / "page"
+    for pos in range(len(good) - 64):
+        for flip in (0x01, 0x20, 0x80, 0xFF):
+            bad = bytearray(good)
+            bad[pos] ^= flip
+            path.write_bytes(bytes(bad))
+            try:
+                got = read_header(str(path), k(1), L.tag())
+            except PageFileError:
+                continue
+            assert msgspec.structs.replace(got, depth=1) == header, f"byte {pos} ^ {flip:#x} read as another header"
+
+
+def test_a_restart_adopts_no_page_whose_header_or_file_was_damaged(tmp_path: Path) -> None:
+    """A token flipped in one page's header, or a page's file gone from ``pages/`` (its owner's link left in
+    ``refs/``): that page is dropped at start, and its descendants with it; its ancestors stay."""
+    chain_store(tmp_path / "flip", 6)
+    page = tmp_path / "flip" / L.tag() / "pages" / k(2)
+    data = bytearray(page.read_bytes())
+    data[FIXED_SIZE + _FIXED.unpack_from(data)[3] - 1] ^= 1  # the header ends with the last token id's high byte
+    page.write_bytes(bytes(data))  # in place: the owner's link sees it
+    store = PageStore(64, tmp_path / "flip", owner="a", layout=L)
+    assert store.unannounced() == [k(0), k(1)] and store.stats.dropped_at_start == 4
+    chain_store(tmp_path / "gone", 6)
+    (tmp_path / "gone" / L.tag() / "pages" / k(3)).unlink()
+    store = PageStore(64, tmp_path / "gone", owner="a", layout=L)
+    assert store.unannounced() == [k(0), k(1), k(2)]
+    assert bytes(store.read_page(k(2))) == bytes([2]) * 64
+    chain_store(tmp_path / "depth", 6)
+    page = tmp_path / "depth" / L.tag() / "pages" / k(4)
+    data = bytearray(page.read_bytes())
+    at = FIXED_SIZE + _FIXED.unpack_from(data)[3] - 4 * PS - 3  # the depth: before the tokens' bin8 head
+    assert data[at] == 4
+    data[at] = 9
+    page.write_bytes(bytes(data))
+    store = PageStore(64, tmp_path / "depth", owner="a", layout=L)
+    assert store.unannounced() == [k(0), k(1), k(2), k(3)]
 
 
 def test_overwritten_pages_are_never_served(tmp_path: Path) -> None:
@@ -83,10 +146,10 @@ def test_overwritten_pages_are_never_served(tmp_path: Path) -> None:
     served = 0
     for i in range(40):
         try:
-            store.read_page(f"k{i}")
+            store.read_page(k(i))
             served += 1
         except StoreError as exc:
-            assert exc.key == f"k{i}"
+            assert exc.key == k(i)
     assert served == 0 and store.stats.damaged_reads == 40
 
 
@@ -154,17 +217,17 @@ def test_restart_adopts_sound_pages_within_capacity_and_cleans_the_rest(tmp_path
     (base / ".tmp-999999999-x").write_bytes(b"half a page")  # a dead writer's temporary file
     (base / f".tmp-{os.getpid()}-y").write_bytes(b"ours, from before")
     (base / "pages" / "stray").write_bytes(b"nobody holds this")
-    (base / "pages" / "k5").write_bytes(b"KVTP")  # truncated: not adopted, nor its descendants
+    (base / "pages" / k(5)).write_bytes(b"KVTP")  # truncated: not adopted, nor its descendants
     store = PageStore(8, tmp_path, owner="a", layout=L)
     assert store.stats.tmp_removed == 2 and store.stats.unheld_removed >= 1
     assert len(store) == 5 and store.stats.adopted == 5 and store.stats.dropped_at_start == 7
-    assert store.unannounced() == [f"k{i}" for i in range(5)]
+    assert store.unannounced() == [k(i) for i in range(5)]
     store._check()
     assert len(files(base / "pages")) == 5 and not [f for f in os.listdir(base) if f.startswith(".tmp")]
     chain_store(tmp_path / "big", 12)
     assert len(PageStore(8, tmp_path / "big", owner="a", layout=L)) == 8  # capacity holds on start
     assert len(files(tmp_path / "big" / L.tag() / "pages")) == 8
-    assert bytes(store.read_page("k3")) == bytes([3]) * 64
+    assert bytes(store.read_page(k(3))) == bytes([3]) * 64
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -218,10 +281,10 @@ def test_a_write_that_fails_part_way_leaves_nothing(tmp_path: Path, monkeypatch:
 
     monkeypatch.setattr(pagedir, "encode", failing)
     for i in range(1, 5):
-        store.begin_write(f"k{i}", meta(i, i - 1))
+        store.begin_write(k(i), meta(i, i - 1))
     before = files(tmp_path)
     with pytest.raises(OSError, match="No space"):
-        store.write_pages([(f"k{i}", b"x" * 64) for i in range(1, 5)])
+        store.write_pages([(k(i), b"x" * 64) for i in range(1, 5)])
     assert files(tmp_path) == before  # no temporary file, no page, no ref of the batch
 
 
@@ -229,7 +292,7 @@ def test_link_failure_after_some_pages_were_linked_releases_them(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     store = chain_store(tmp_path, 1)
     for i in range(1, 4):
-        store.begin_write(f"k{i}", meta(i, i - 1))
+        store.begin_write(k(i), meta(i, i - 1))
     before = files(tmp_path)
     real, calls = os.link, {"n": 0}
 
@@ -241,7 +304,7 @@ def test_link_failure_after_some_pages_were_linked_releases_them(tmp_path: Path,
 
     monkeypatch.setattr(pagedir.os, "link", link)
     with pytest.raises(OSError, match="I/O"):
-        store.write_pages([(f"k{i}", b"x" * 64) for i in range(1, 4)])
+        store.write_pages([(k(i), b"x" * 64) for i in range(1, 4)])
     monkeypatch.setattr(pagedir.os, "link", real)
     assert files(tmp_path) == before
 
@@ -249,7 +312,7 @@ def test_link_failure_after_some_pages_were_linked_releases_them(tmp_path: Path,
 @pytest.mark.parametrize("sync", list(SyncPolicy))
 def test_every_sync_policy_writes_sound_pages(tmp_path: Path, sync: SyncPolicy) -> None:
     store = chain_store(tmp_path, 5, sync=sync)
-    assert [bytes(store.read_page(f"k{i}"))[:1] for i in range(5)] == [bytes([i]) for i in range(5)]
+    assert [bytes(store.read_page(k(i)))[:1] for i in range(5)] == [bytes([i]) for i in range(5)]
 
 
 # --- sharing one directory -------------------------------------------------------------------
@@ -258,7 +321,7 @@ def test_every_sync_policy_writes_sound_pages(tmp_path: Path, sync: SyncPolicy) 
 def test_other_layouts_in_one_directory_are_isolated(tmp_path: Path) -> None:
     chain_store(tmp_path, 3, layout=Layout("llama", PS))
     other = chain_store(tmp_path, 3, layout=Layout("qwen", PS), owner="a")
-    assert bytes(other.read_page("k1")) == bytes([1]) * 64
+    assert bytes(other.read_page(k(1))) == bytes([1]) * 64
     other.close()
     tp1 = PageStore(8, tmp_path, owner="a", layout=Layout("llama", PS, tp_size=2, tp_rank=1))
     assert len(tp1) == 0  # another shard's pages are not this shard's
@@ -272,19 +335,19 @@ def test_processes_sharing_a_pool_never_delete_each_others_pages(tmp_path: Path)
     a = chain_store(tmp_path, 4, owner="a", shared=True)
     b = PageStore(64, tmp_path, owner="b", shared=True, layout=L)
     b.attach("b", lambda keys: None)
-    assert all(b.lookup(f"k{i}") for i in range(4))  # found on disk, written by a: now held by b too
-    assert not b.lookup("k9")
-    b.begin_write("k4", meta(4, 3))
-    b.write_pages([("k4", bytes([4]) * 64)])
-    assert b.commit("k4", "b")
+    assert all(b.lookup(k(i)) for i in range(4))  # found on disk, written by a: now held by b too
+    assert not b.lookup(k(9))
+    b.begin_write(k(4), meta(4, 3))
+    b.write_pages([(k(4), bytes([4]) * 64)])
+    assert b.commit(k(4), "b")
     a.clear()  # a resets (or evicts everything): b's pages stay
-    assert [bytes(b.read_page(f"k{i}"))[:1] for i in range(5)] == [bytes([i]) for i in range(5)]
+    assert [bytes(b.read_page(k(i)))[:1] for i in range(5)] == [bytes([i]) for i in range(5)]
     with pytest.raises(OwnerBusy, match="in use"):
         PageStore(64, tmp_path, owner="a", shared=True, layout=L)  # one process per owner
     a.close()
     a2 = PageStore(64, tmp_path, owner="a", shared=True, layout=L)
     assert len(a2) == 0  # a held nothing any more
-    b.delete("k4")
+    b.delete(k(4))
     b.clear()
     assert files(tmp_path / L.tag() / "pages") == []  # the last holder gone: the files go
 
@@ -292,8 +355,8 @@ def test_processes_sharing_a_pool_never_delete_each_others_pages(tmp_path: Path)
 def test_a_page_another_process_wrote_without_its_parent_here_is_not_taken(tmp_path: Path) -> None:
     chain_store(tmp_path, 3, owner="a", shared=True)
     b = PageStore(64, tmp_path, owner="b", shared=True, layout=L)
-    assert not b.lookup("k2")  # its parent k1 is not held by b: a page never lives without its parent
-    assert b.lookup("k0") and b.lookup("k1") and b.lookup("k2")
+    assert not b.lookup(k(2))  # its parent k1 is not held by b: a page never lives without its parent
+    assert b.lookup(k(0)) and b.lookup(k(1)) and b.lookup(k(2))
     b._check()
 
 
@@ -327,17 +390,17 @@ def test_children_begun_under_an_aborted_page_count_when_it_is_found_on_disk_ins
     eviction takes it first: a page without its parent."""
     a = PageStore(2, tmp_path, owner="a", shared=True, layout=L)
     a.attach("a", lambda keys: None)
-    a.begin_write("k0", meta(0, None))
-    a.begin_write("k1", meta(1, 0))
-    a.abort("k0")  # (its write failed; k1's goes on)
+    a.begin_write(k(0), meta(0, None))
+    a.begin_write(k(1), meta(1, 0))
+    a.abort(k(0))  # (its write failed; k1's goes on)
     chain_store(tmp_path, 1, owner="b", shared=True)  # another process writes k0
-    assert a.lookup("k0")
+    assert a.lookup(k(0))
     a._check()
-    a.write_pages([("k1", bytes([1]) * 64)])
-    assert a.commit("k1", "a")
+    a.write_pages([(k(1), bytes([1]) * 64)])
+    assert a.commit(k(1), "a")
     a._check()
-    a.begin_write("k9", meta(9, None))
-    a.write_pages([("k9", bytes([9]) * 64)])
-    assert a.commit("k9", "a")  # over capacity: a leaf goes, and k0 is not one
+    a.begin_write(k(9, 9), meta(9, None))
+    a.write_pages([(k(9, 9), bytes([9]) * 64)])
+    assert a.commit(k(9, 9), "a")  # over capacity: a leaf goes, and k0 is not one
     a._check()
-    assert "k0" in a and "k1" not in a
+    assert k(0) in a and k(1) not in a

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from kvtier.engine.l3.storage import DRAFT_PREFIX, StoreError
+from kvtier.engine.l3.pagefile import DRAFT_PREFIX
+from kvtier.engine.l3.storage import StoreError
 
 if TYPE_CHECKING:
     import torch

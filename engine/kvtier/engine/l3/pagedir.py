@@ -212,9 +212,9 @@ class PageDir:
     def scan(self) -> tuple[list[tuple[PageHeader, float]], dict[str, int]]:
         """This owner's sound holdings (header, mtime), after removing what nobody can use. O(files).
 
-        Removes ``.tmp`` files of dead processes, this owner's holds on damaged or foreign pages, and
-        pages no owner holds. Draft companions (``d:`` keys) are not returned; they stay held beside
-        their pages. The counts say what was found and removed.
+        Removes ``.tmp`` files of dead processes, this owner's holds on damaged or foreign pages (and on pages whose
+        file in ``pages/`` is gone or replaced), and pages no owner holds. Draft companions (``d:`` keys) are not
+        returned; they stay held beside their pages. The counts say what was found and removed.
         """
         found: list[tuple[PageHeader, float]] = []
         counts = {"adoptable": 0, "damaged": 0, "tmp_removed": 0, "orphans_removed": 0}
@@ -229,6 +229,12 @@ class PageDir:
                 key = key_of(entry.name)
                 try:
                     header = read_header(entry.path, key, self.layout)
+                    try:  # the page's own file, which reads and other owners find it by
+                        shared = os.path.samestat(entry.stat(), os.stat(self.pages / entry.name))
+                    except FileNotFoundError:
+                        shared = False
+                    if not shared:
+                        raise PageFileError("its file in pages/ is gone or another file")
                 except (OSError, PageFileError) as exc:
                     log.warning("L3 %s: dropping page %s: %s", self.base, key, exc)
                     bad.append(entry.name)

@@ -10,6 +10,10 @@ The checksum is xxh3-64 over ``meta + payload``, so a flipped bit anywhere after
 truncated file, or a page of another key or layout is detected on read and never served. The header
 carries everything an engine needs to announce the page again, which is what makes a restart warm:
 the store adopts valid pages from their headers alone (:func:`read_header`), without reading KV bytes.
+Adoption still never announces a damaged header: a page's key is its digest (SHA-256 over its parent's digest
+and its token ids, :mod:`kvtier.engine.hashing`) and its event hashes are read off the digests, so the key, the
+parent, the hashes and the tokens of a header check each other (:func:`_check_chain`, one hash of a page's
+tokens).
 """
 
 from __future__ import annotations
@@ -21,11 +25,16 @@ from dataclasses import dataclass
 import msgspec
 import xxhash
 
+from kvtier.engine.hashing import ROOT_DIGEST, event_hash, page_digest
+
 MAGIC = b"KVTP"
 VERSION = 1
 _FIXED = struct.Struct("<4sHHIQQ")
 FIXED_SIZE = _FIXED.size  # bytes before the meta
 _MAX_META = 1 << 20  # a header longer than this is damage, not a page
+#: Key prefix of a page's draft-model KV (speculative decoding), stored beside the target page (its header is the
+#: target page's, the key prefixed).
+DRAFT_PREFIX = "d:"
 
 
 class PageFileError(ValueError):
@@ -105,13 +114,33 @@ def _fixed(data: bytes | memoryview) -> tuple[int, int, int]:
 def _meta(raw: bytes | memoryview, key: str, layout: str) -> PageHeader:
     try:
         header = _dec.decode(raw)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # (a string of the header is not UTF-8)
         raise PageFileError(f"unreadable header: {exc}") from None
     if header.key != key:
         raise PageFileError(f"holds page {header.key!r}, not {key!r}")
     if header.layout != layout:
         raise PageFileError(f"written for layout {header.layout!r}, not {layout!r}")
+    _check_chain(header)
     return header
+
+
+def _check_chain(h: PageHeader) -> None:
+    """Raises :class:`PageFileError` unless ``h``'s key is the digest of its parent's and its tokens (both keys as
+    written: lowercase hex), its event hashes those of the two digests, and its depth 0 exactly when it has no
+    parent (that it is its parent's plus one, the store checks: :func:`kvtier.engine.l3.storage._choose`). O(page
+    size)."""
+    if (h.parent_key is None) != (h.depth == 0) or (h.parent_key is None) != (h.parent_hash is None) \
+            or h.depth < 0:
+        raise PageFileError(f"depth {h.depth} with parent {h.parent_key!r}")
+    try:
+        parent = ROOT_DIGEST if h.parent_key is None else bytes.fromhex(h.parent_key)
+        digest = page_digest(parent, h.tokens)
+    except ValueError:  # a parent key that is no hex, or tokens that are no whole uint32s
+        raise PageFileError("parent key or token ids malformed") from None
+    if digest.hex() != h.key.removeprefix(DRAFT_PREFIX) or (parent and parent.hex() != h.parent_key):
+        raise PageFileError("its key is not the digest of its parent and tokens")
+    if h.event_hash != event_hash(digest) or (parent and h.parent_hash != event_hash(parent)):
+        raise PageFileError("its event hashes are not its digests'")
 
 
 def decode(data: bytes | memoryview, key: str, layout: str) -> tuple[PageHeader, memoryview]:

@@ -29,15 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.engine.l3.pagedir import PageDir, SyncPolicy
-from kvtier.engine.l3.pagefile import Layout, PageFileError, PageHeader
+from kvtier.engine.l3.pagefile import DRAFT_PREFIX, Layout, PageFileError, PageHeader
 from kvtier.engine.l3.pagetree import EngineTag, PageEntry, PageMeta, PageTree
 from kvtier.util.ratelog import suffix, worth_logging
 from kvtier.wire.protocol import StorageTier
 
 log = logging.getLogger(__name__)
 
-#: L3 key prefix of a page's draft-model KV (speculative decoding), stored beside the target page.
-DRAFT_PREFIX = "d:"
 #: Called with the keys an announcer loses to eviction.
 EvictListener = Callable[[list[str]], None]
 
@@ -131,8 +129,9 @@ class PageStore:
         if header is None:
             return False
         meta = _meta_of(header)
-        if meta.parent_key is not None and meta.parent_key not in self._entries:
-            self._dir.release([key])
+        parent = self._entries.get(meta.parent_key) if meta.parent_key is not None else None
+        if meta.parent_key is not None and (parent is None or parent.depth + 1 != meta.depth):
+            self._dir.release([key])  # (a depth off its parent's is a damaged header)
             return False
         if meta.parent_key is not None:
             self._tree.add_child(meta.parent_key)
@@ -363,12 +362,15 @@ _Kept = dict[str, tuple[PageMeta, float]]  # key -> (meta, mtime)
 
 def _choose(found: list[tuple[PageHeader, float]], capacity: int) -> tuple[_Kept, list[str]]:
     """Which found pages to adopt (parents first, the newest first among equals, at most ``capacity``,
-    none without its parent) and which to drop. O(n log n)."""
+    none without its parent, nor one whose depth is not its parent's plus one: a damaged header) and which to drop.
+    O(n log n)."""
     found = sorted(found, key=lambda hm: (hm[0].depth, -hm[1]))
     keep: _Kept = {}
     drop: list[str] = []
     for header, mtime in found:
-        if len(keep) < capacity and (header.parent_key is None or header.parent_key in keep):
+        parent = keep.get(header.parent_key) if header.parent_key is not None else None
+        if len(keep) < capacity and (header.parent_key is None
+                                     or (parent is not None and parent[0].depth + 1 == header.depth)):
             keep[header.key] = (_meta_of(header), mtime)
         else:
             drop.append(header.key)
