@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -70,3 +71,65 @@ def test_device_tokens_and_pages_are_one_choice() -> None:
     with pytest.raises(SystemExit) as info:
         live.build_parser().parse_args(["--device-tokens", "32768", "--device-pages", "2048"])
     assert info.value.code == 2
+
+
+def test_ctrl_c_mid_trace_stops_the_engine_cleanly_and_says_where(tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT) stops the engine as SIGTERM does: no traceback, exit 0, the residency written; and a trace cut
+    short is not reported done but stopped, after how many of its requests."""
+    res = tmp_path / "res.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_TEARDOWN, "engine", "--trace", "builtin:chat:300", "--speed", "1",
+         "--endpoint", "tcp://127.0.0.1:0", "--replay", "tcp://127.0.0.1:0", "--residency", str(res)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        line = proc.stdout.readline()  # published: the trace is being replayed (300 requests take minutes)
+        assert "publishing on" in line, line + proc.stderr.read()
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=10)
+        err = proc.stderr.read()
+        assert rc == 0 and "Traceback" not in err, err
+        assert re.fullmatch(r"engine w0: stopped after \d+ of 300 requests\n", err), err
+        assert res.is_file()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    args = live.build_parser().parse_args(["--endpoint", "tcp://127.0.0.1:0", "--replay", "tcp://127.0.0.1:0",
+                                           "--hold", "0", *argv])
+    rc = live.run(args)
+    return rc, capsys.readouterr().err
+
+
+def test_prompts_that_do_not_fit_the_device_are_counted_not_dropped_silently(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    rc, err = _run(capsys, "--trace", "builtin:agentic:5", "--device-tokens", "4096", "--l3", "none")
+    assert rc == 0
+    assert re.search(r"trace done; [1-5] of 5 prompts did not fit the device \(4,096 tokens\) and were not cached",
+                     err), err
+
+
+def test_an_external_pool_without_a_directory_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --l3-dir an engine's pool lives in its process: no other engine could read what it announces as
+    EXTERNAL, which an indexer credits to every worker."""
+    rc, err = _run(capsys, "--trace", "builtin:chat:2", "--l3", "external")
+    assert rc == 2
+    assert err == ("kvtier engine: error: --l3 external: a pool shared with other engines needs --l3-dir (the "
+                   "directory they share)\n")
+
+
+def test_a_residency_that_cannot_be_written_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A path the start-up check passes but the write refuses (/proc takes no new files, even from root) is named as
+    the option, not as the temporary file the write used."""
+    rc, err = _run(capsys, "--trace", "builtin:chat:2", "--l3", "none", "--residency", "/proc/kvtier-res.json")
+    assert rc == 2
+    assert [line for line in err.splitlines() if line.startswith("kvtier engine: error: ")] == [
+        "kvtier engine: error: --residency /proc/kvtier-res.json: No such file or directory"], err
+    assert "Traceback" not in err and ".res-" not in err
+    (tmp_path / "f").write_text("")
+    rc, err = _run(capsys, "--trace", "builtin:chat:2", "--residency", str(tmp_path / "f" / "x.json"))
+    assert rc == 2 and err == f"kvtier engine: error: --residency {tmp_path / 'f' / 'x.json'}: {tmp_path / 'f'} " \
+                              "is not a directory\n"

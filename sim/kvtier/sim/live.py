@@ -94,6 +94,9 @@ def _open(args: argparse.Namespace) -> tuple[TieredCache, EngineNode, DataPath, 
         raise EngineError(str(exc)) from None
     if args.l3 != "none" and cfg.host_pages == 0:
         raise EngineError(f"--l3 {args.l3}: needs a host tier (--host-ratio > 0)")
+    if args.l3 == "external" and args.l3_dir is None:  # (a pool in this process: no other engine reads it, and an
+        # indexer credits every worker with what is announced there)
+        raise EngineError("--l3 external: a pool shared with other engines needs --l3-dir (the directory they share)")
     if args.l3 == "none" and args.l3_dir is not None:  # (it would be ignored: no page is ever written there)
         raise EngineError(f"--l3-dir: --l3 none keeps no L3 tier; give --l3 disk or external to keep pages in "
                           f"{args.l3_dir}")
@@ -120,7 +123,8 @@ def _open(args: argparse.Namespace) -> tuple[TieredCache, EngineNode, DataPath, 
 
 def run(args: argparse.Namespace) -> int:
     stop = {"now": False, "signal": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True, signal=True))
+    for sig in (signal.SIGTERM, signal.SIGINT):  # a supervisor's stop, or Ctrl-C: the same clean stop
+        signal.signal(sig, lambda *_: stop.update(now=True, signal=True))
 
     def halted() -> bool:
         """SIGTERM came, or (``--parent-pid``) the process that started this one died: it was adopted."""
@@ -137,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"engine {args.name}: publishing on {node.publisher.endpoint}, replay {node.publisher.replay_endpoint}, "
           f"{len(trace)} requests", flush=True)
     t0 = time.monotonic()
+    done = too_long = 0  # requests replayed; prompts that could not be cached (longer than the device holds)
+    rc = 0
     try:
         for req in trace:
             while not halted() and time.monotonic() - t0 < req.arrival:
@@ -148,18 +154,32 @@ def run(args: argparse.Namespace) -> int:
                 adm = cache.admit(req.request_id, bank.packed(req))
                 if cache.begin_prefill(adm) is not None:
                     cache.finish_prefill(adm)
+                else:  # (alone on the engine: only a prompt the device cannot hold finds no room)
+                    too_long += 1
                 cache.release(adm)
             node.flush()
+            done += 1
         while dp.ops and not halted():
             node.step()
             time.sleep(0.002)
         node.step()
         if args.residency:
-            with node.lock:
-                write_residency(cache, Path(args.residency))
-        print(f"engine {args.name}: trace done; serving replay and dump requests "
-              + ("until SIGTERM" if math.isinf(args.hold) else f"for {args.hold:g} s more (--hold)"),
-              file=sys.stderr, flush=True)
+            try:
+                with node.lock:
+                    write_residency(cache, Path(args.residency))
+            except OSError as exc:
+                print(f"kvtier engine: error: --residency {args.residency}: {exc.strerror or exc}", file=sys.stderr,
+                      flush=True)
+                rc = 2
+        if done < len(trace):
+            print(f"engine {args.name}: stopped after {done} of {len(trace)} requests", file=sys.stderr, flush=True)
+        else:
+            device = cache.config.device_pages * cache.config.page_size
+            skipped = (f"{too_long} of {done} prompts did not fit the device ({device:,} tokens) and were not "
+                       "cached; ") if too_long else ""
+            print(f"engine {args.name}: trace done; {skipped}serving replay and dump requests "
+                  + ("until SIGTERM" if math.isinf(args.hold) else f"for {args.hold:g} s more (--hold)"),
+                  file=sys.stderr, flush=True)
         deadline = time.monotonic() + args.hold
         while not halted() and time.monotonic() < deadline:
             time.sleep(0.02)  # the publisher's thread keeps answering replay and dump requests
@@ -172,8 +192,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"engine {args.name}: L3 {cache.store.stats}", flush=True)
             cache.store.close()
     if stop["signal"]:
-        _exit_now(0)
-    return 0
+        _exit_now(rc)
+    return rc
 
 
 def _exit_now(code: int) -> None:
@@ -222,7 +242,7 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                         help="the same capacity in pages of --page-size tokens (the engine's native unit)")
     add_options(p, CacheConfig, ["host_ratio"])
     p.add_argument("--l3", choices=["none", "disk", "external"], default="disk",
-                   help="storage tier: this engine's disk, or a pool shared with other engines")
+                   help="storage tier: this engine's disk, or a pool shared with other engines (in --l3-dir)")
     p.add_argument("--disk-pages", type=count.parse, default=16384,
                    help="L3 capacity in pages of --page-size tokens (the simulator's --l3-tokens counts tokens)")
     p.add_argument("--l3-dir", help="keep L3 pages as files here (real bytes, warm restarts); without it the L3 "

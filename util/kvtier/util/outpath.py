@@ -8,11 +8,13 @@ from pathlib import Path
 
 
 def unwritable(path: Path) -> str | None:
-    """Why ``path`` cannot be written as a file, or None: it is a directory, or its directory is missing or not
-    writable. O(1)."""
+    """Why ``path`` cannot be written as a file, or None: it is a directory, or its directory is missing, no
+    directory or not writable. O(1)."""
     where = path.parent
     if path.is_dir():
         return "is a directory; name a file in it"
+    if where.exists() and not where.is_dir():
+        return f"{where} is not a directory"
     if not where.is_dir():
         return f"directory {where} does not exist"
     if not os.access(where, os.W_OK | os.X_OK):
