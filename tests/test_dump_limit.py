@@ -214,8 +214,8 @@ def test_an_abandoned_dump_stops_its_builder(clock: Clock) -> None:
     def provider() -> tuple[int, Iterator[EventBatch]]:
         return pub.last_seq, (big for _ in range(20_000))
 
-    # (a buffer of 8 keeps the replay socket's queue per peer at 1,000 messages: 20,000 of 12 KB cannot all fit
-    # in it, the peer's queue of 1 and the kernel's buffers, so a send finds the queue full)
+    # (the replay socket queues a few hundred messages per peer: 20,000 of 12 KB cannot all fit in it, the peer's
+    # queue of 1 and the kernel's buffers, so a send finds the queue full)
     pub = Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", dump_provider=provider, threaded=False, clock=clock,
                     buffer_size=8)
     pub.stuck_s = 0.0  # the first send that finds the peer's queue full abandons its answer
@@ -233,6 +233,73 @@ def test_an_abandoned_dump_stops_its_builder(clock: Clock) -> None:
         assert len(builders) == 1
         builders[0].join(WAIT_S)
         assert not builders[0].is_alive(), "the builder of an abandoned dump is still running"
+    finally:
+        reader.close()
+        pub.close()
+
+
+def test_a_peer_that_stops_reading_has_a_bounded_part_of_a_replay_queued() -> None:
+    """A replay goes out as its peer reads: one that asks for the whole buffer and never reads has a bounded number
+    of messages queued for it (ZMQ copies each), not the whole buffer per such peer (40 such peers grew an engine by
+    half a gigabyte)."""
+    payload = bytes(64 * 1024)
+    pub = Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", threaded=False, buffer_size=2_000)
+    reader = dealer(pub)
+    reader.setsockopt(zmq.RCVHWM, 1)
+    try:
+        for _ in range(2_000):
+            pub.publish_payload(payload)
+        reader.send_multipart([b"", pack_seq(0)])  # and never reads
+        still, last = 0, -1
+        deadline = time.monotonic() + WAIT_S
+        while still < 50 and time.monotonic() < deadline:  # until nothing more goes out
+            pub.serve_requests(5)
+            still, last = (still + 1 if pub.replay_stats.messages == last else 0), pub.replay_stats.messages
+        # (what the peer's queue of 1 and the kernel's loopback buffers take, beside the publisher's own queue)
+        assert 0 < pub.replay_stats.messages < 1_000
+    finally:
+        reader.close()
+        pub.close()
+
+
+def test_replay_requests_past_max_answers_wait_their_turn() -> None:
+    """Each answer in progress holds memory (a replay, the buffer's payloads it still has to send): past
+    ``max_answers`` requests stay in the socket's queue, to be taken as answers end, none lost."""
+    pub = Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", threaded=False, buffer_size=100, max_answers=3)
+    reader = dealer(pub)
+    try:
+        for i in range(100):
+            pub.publish(batch(i))
+        for _ in range(10):
+            reader.send_multipart([b"", pack_seq(0)])
+        deadline = time.monotonic() + WAIT_S
+        while pub.replay_stats.requests < 3 and time.monotonic() < deadline:
+            pub.serve_requests(5)
+        assert pub.replay_stats.requests == 3 and pub.answers_in_progress == 3
+        ends = 0
+        while ends < 10 and time.monotonic() < deadline:
+            pub.serve_requests(5)
+            assert pub.answers_in_progress <= 3
+            while reader.poll(0):
+                ends += reader.recv_multipart()[2] == END_SEQ
+        assert ends == 10 and pub.replay_stats.requests == 10
+    finally:
+        reader.close()
+        pub.close()
+
+
+def test_a_flood_of_malformed_replay_requests_is_logged_sparsely(caplog: pytest.LogCaptureFixture) -> None:
+    pub = Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", threaded=False)
+    reader = dealer(pub)
+    try:
+        for _ in range(200):
+            reader.send_multipart([b"", b"not a seq"])
+        deadline = time.monotonic() + WAIT_S
+        with caplog.at_level("WARNING", logger="kvtier.wire.transport.publisher"):
+            while pub.replay_stats.malformed < 200 and time.monotonic() < deadline:
+                pub.serve_requests(5)
+        assert pub.replay_stats.malformed == 200
+        assert len(caplog.records) == 10 and "200" not in caplog.records[-1].getMessage()
     finally:
         reader.close()
         pub.close()

@@ -9,6 +9,11 @@ queue of frames pumped round-robin with the others. A peer that reads slowly hol
 answer; a peer that stops reading for :attr:`Publisher.stuck_s` or disconnects has its answer
 abandoned (counted), and the subscriber asks again from its first missing seq.
 
+What one peer costs is bounded: ZMQ queues (copies of) at most a few chunks of messages for a peer that does not read
+(the rest of its answer waits, as references to the replay buffer's payloads), and at most
+:attr:`Publisher.max_answers` answers are in progress at once; requests past it wait in the socket's queue until one
+ends. Malformed requests and abandoned answers are counted and logged sparsely.
+
 State dumps are rationed, replays are not: a dump is the engine's whole residency (megabytes of token ids, an
 encoding pass on the engine's CPU), asked for with four bytes by anyone who can reach the socket. A peer (a
 ROUTER identity) gets at most one dump per :attr:`Publisher.dump_interval_s`, and at most
@@ -47,6 +52,9 @@ log = logging.getLogger(__name__)
 DumpProvider = Callable[[], tuple[int, Iterable[EventBatch]]]
 
 _CHUNK = 64  # messages sent to one peer before the next answer gets its turn
+_PEER_QUEUE = 4 * _CHUNK  # messages ZMQ may hold for one peer (its send high-water mark): past it, EAGAIN
+#: Default most answers (replays and dumps) in progress at once.
+MAX_ANSWERS = 64
 
 #: Default least time between two dumps answered to one peer (s): under the subscriber's resync backoff (1 s),
 #: with room for requests that travel at different speeds.
@@ -87,6 +95,7 @@ class ReplayStats:
     abandoned: int = 0  # answers given up because the peer left or stopped reading
     dump_errors: int = 0  # dumps whose provider raised (answered with an end marker)
     dumps_refused: int = 0  # dump requests answered with the end marker alone (past a limit of Publisher's)
+    malformed: int = 0  # requests that were not a seq nor a dump request (answered with the end marker, or ignored)
 
 
 class Publisher:
@@ -101,7 +110,8 @@ class Publisher:
     :meth:`serve_requests` from the owner's loop.
 
     Dump requests are limited (see the module's docstring): ``dump_interval_s`` between two dumps to one
-    peer (0: no limit), ``max_dumps`` in progress at once, both read with ``clock``.
+    peer (0: no limit), ``max_dumps`` in progress at once, both read with ``clock``; answers of either kind,
+    ``max_answers`` in progress at once.
     """
 
     def __init__(
@@ -119,6 +129,7 @@ class Publisher:
         dump_interval_s: float = DUMP_INTERVAL_S,
         max_dumps: int = MAX_DUMPS,
         clock: Callable[[], float] = time.monotonic,
+        max_answers: int = MAX_ANSWERS,
     ) -> None:
         if buffer_size < 1:
             raise ValueError(f"buffer_size must be >= 1, got {buffer_size}")
@@ -126,6 +137,9 @@ class Publisher:
             raise ValueError(f"dump_interval_s must be a number >= 0, got {dump_interval_s}")
         if max_dumps < 1:
             raise ValueError(f"max_dumps must be >= 1, got {max_dumps}")
+        if max_answers < 1:
+            raise ValueError(f"max_answers must be >= 1, got {max_answers}")
+        self.max_answers = max_answers
         self.dump_interval_s = dump_interval_s
         self.max_dumps = max_dumps
         self._clock = clock
@@ -159,7 +173,7 @@ class Publisher:
             self._router.setsockopt(zmq.LINGER, 0)
             # Fail loudly (EHOSTUNREACH / EAGAIN) instead of dropping frames for a gone or full peer.
             self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            self._router.setsockopt(zmq.SNDHWM, max(1_000, buffer_size + 2))
+            self._router.setsockopt(zmq.SNDHWM, _PEER_QUEUE)
             self.replay_endpoint = self._bind(self._router, replay_endpoint)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -182,6 +196,11 @@ class Publisher:
                 if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
+
+    @property
+    def answers_in_progress(self) -> int:
+        """Replay and dump answers being sent (at most :attr:`max_answers`)."""
+        return len(self._answers)
 
     @property
     def last_seq(self) -> int:
@@ -209,7 +228,7 @@ class Publisher:
             return 0
         served = 0
         wait = 0 if self._answers else timeout_ms
-        while self._router.poll(wait if served == 0 else 0, zmq.POLLIN):
+        while len(self._answers) < self.max_answers and self._router.poll(wait if served == 0 else 0, zmq.POLLIN):
             self._answer(self._router.recv_multipart())
             served += 1
         self._pump()
@@ -268,8 +287,10 @@ class Publisher:
                     return True  # the peer's queue is full: try again on the next turn
                 why = "stopped reading" if exc.errno == zmq.EAGAIN else (
                     "is gone" if exc.errno == errno.EHOSTUNREACH else str(exc))
-                log.warning("replay: abandoning an answer, the peer %s", why)
                 self.replay_stats.abandoned += 1
+                if worth_logging(self.replay_stats.abandoned):
+                    log.warning("replay: abandoning an answer, the peer %s%s", why,
+                                suffix(self.replay_stats.abandoned, "replay_stats.abandoned"))
                 _close(ans)
                 return False
             ans.head = None
@@ -286,7 +307,7 @@ class Publisher:
 
     def _answer(self, frames: list[bytes]) -> None:
         if len(frames) != 3 or frames[1] != b"":
-            log.warning("ignoring malformed replay request with %d frames", len(frames))
+            self._malformed(f"a request of {len(frames)} frames")
             return
         ident, request = frames[0], frames[2]
         self.replay_stats.requests += 1
@@ -306,14 +327,23 @@ class Publisher:
         try:
             start = unpack_seq(request)
         except ValueError as exc:
-            log.warning("ignoring replay request: %s", exc)
+            self._malformed(str(exc))
             self._answers.append(_Answer(ident, iter([self._end_frame()])))
             return
-        with self._lock:
+        with self._lock:  # (references to the payloads: each message is made as it is sent)
             pending = [(s, p) for s, p in self._buffer if s >= start]
-        msgs = [self._frame(pack_seq(s), p) for s, p in pending]
-        msgs.append(self._end_frame())
-        self._answers.append(_Answer(ident, iter(msgs)))
+        self._answers.append(_Answer(ident, self._replay_frames(pending)))
+
+    def _replay_frames(self, pending: list[tuple[int, bytes]]) -> Iterator[list[bytes]]:
+        for s, p in pending:
+            yield self._frame(pack_seq(s), p)
+        yield self._end_frame()
+
+    def _malformed(self, what: str) -> None:
+        st = self.replay_stats
+        st.malformed += 1
+        if worth_logging(st.malformed):
+            log.warning("ignoring malformed replay request: %s%s", what, suffix(st.malformed, "replay_stats.malformed"))
 
     def _dump_refusal(self, ident: bytes) -> str | None:
         """Why a dump for peer ``ident`` is refused now, or None (and the grant remembered). O(answers in
