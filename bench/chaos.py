@@ -90,7 +90,8 @@ class Engine:
     def start(self) -> None:
         cmd = [sys.executable, "-m", "kvtier", "engine", "--name", self.name, "--seed", str(self.seed),
                "--endpoint", f"tcp://127.0.0.1:{self.pub}", "--replay", f"tcp://127.0.0.1:{self.rep}",
-               "--trace", TRACE, "--speed", str(SPEED), "--device-pages", "2048", "--hold", "3600",
+               "--trace", TRACE, "--speed", str(SPEED), "--page-size", str(BLOCK), "--device-pages", "2048",
+               "--hold", "3600",
                "--parent-pid", str(os.getpid())]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         self.started = time.monotonic()
@@ -419,6 +420,9 @@ class Chaos:
                 truth = e.dump()
                 if truth is None:
                     wrong.append(f"{e.name}: no dump")
+                    continue
+                if not any(truth.values()):  # (an engine that holds nothing proves nothing: a wrong page size)
+                    wrong.append(f"{e.name}: its dump holds no block")
                     continue
                 got = view.get(e.name, {})
                 diff = sum(len(truth[t] ^ got.get(t, set())) for t in StorageTier)

@@ -5,7 +5,10 @@ An engine holds a large state (``--prompts`` distinct 64-page prompts on device 
 ``IndexerService`` subscribes and the time until its index holds exactly the engine's residency is
 measured three ways: the engine's replay buffer holds every batch (replay from seq 0); the buffer
 holds only the last 100 (a state dump); and a restart from the snapshot the previous service wrote on
-stop, with 80 batches published while it was down (resume from the saved seq).
+stop, with 80 batches published while it was down (resume from the saved seq). The first service synced by a dump,
+which leaves no batch to resume after, so a live batch reaches it before it stops, as one always does from an engine at
+work. Each row says what the engine's replay socket sent meanwhile (replayed batches, dumps): the snapshot's row
+replays and dumps nothing but the batches published while the service was down.
 
     python bench/restart_bench.py [--prompts 3000]
 """
@@ -46,25 +49,36 @@ def serve(node: EngineNode, now: list[float], i: int) -> None:
     node.step()
 
 
-def truth(node: EngineNode) -> dict[StorageTier, int]:
+def truth(node: EngineNode) -> dict[StorageTier, set[int]]:
     with node.lock:
-        return {t: len(h) for t, h in node.cache.residency().items()}
+        return node.cache.residency()
 
 
-def ready_time(node: EngineNode, cfg: ServiceConfig) -> tuple[float, IndexerService]:
+def ready_time(node: EngineNode, cfg: ServiceConfig, svc: IndexerService | None = None) -> tuple[float,
+                                                                                                 IndexerService]:
+    """Seconds until a new service (or ``svc``, already running) holds exactly the engine's residency."""
     want = truth(node)
+    counts = {t: len(h) for t, h in want.items()}
     t0 = time.perf_counter()
-    svc = IndexerService(cfg)
-    svc.start()
+    if svc is None:
+        svc = IndexerService(cfg)
+        svc.start()
     stream = cfg.endpoints[0].stream
     while True:
-        with svc._lock:
+        with svc._lock:  # (the counts first: cheap, and equal counts are not yet the same blocks)
             got = svc.index.block_counts(stream)
-        if got == want:
-            return time.perf_counter() - t0, svc
+            if got == counts and svc.index.worker_hashes(stream) == want:
+                return time.perf_counter() - t0, svc
         if time.perf_counter() - t0 > 300:
             raise SystemExit(f"not ready after 300 s: {got} vs {want}")
         time.sleep(0.01)
+
+
+def sent(node: EngineNode, since: tuple[int, int, int]) -> str:
+    """What the engine's replay socket sent since ``since`` (its messages, dumps and requests then): batches replayed
+    or dumped (its messages less one end marker per request), and dumps answered."""
+    st = node.publisher.replay_stats
+    return f"{st.messages - since[0] - (st.requests - since[2])} batches sent, {st.dumps - since[1]} dumps"
 
 
 def main() -> None:
@@ -77,13 +91,20 @@ def main() -> None:
             serve(node, now, i)
         pub = node.publisher
         ep = parse_endpoint(f"e0={pub.endpoint},replay={pub.replay_endpoint}" + (",dump" if buffer == 100 else ""))
-        entries = sum(truth(node).values())
+        entries = sum(map(len, truth(node).values()))
         with tempfile.TemporaryDirectory() as d:
             snap = Path(d) / "index.snap"
             cfg = ServiceConfig(endpoints=[ep], block_size=PS, listen="127.0.0.1:0", replay_timeout_s=10.0,
                                 snapshot_path=str(snap) if buffer == 100 else None)
+            st = pub.replay_stats
+            mark = (st.messages, st.dumps, st.requests)
             took, svc = ready_time(node, cfg)
-            print(f"{label:<20} ready in {took:6.2f} s ({entries} block entries, {pub.last_seq + 1} batches published)")
+            print(f"{label:<20} ready in {took:6.2f} s ({entries} block entries, {pub.last_seq + 1} batches published; "
+                  f"{sent(node, mark)})")
+            if buffer == 100:
+                serve(node, now, args.prompts + 40)  # a live batch: what the snapshot resumes after
+                ready_time(node, cfg, svc)
+            published = pub.last_seq + 1
             svc.stop()
             wrote = svc.snapshot_seconds
             if buffer != 100:
@@ -91,9 +112,11 @@ def main() -> None:
                 continue
             for i in range(args.prompts, args.prompts + 40):  # 80 batches published while the service is down
                 serve(node, now, i)
+            mark = (st.messages, st.dumps, st.requests)
             took, svc = ready_time(node, cfg)
             print(f"{'from snapshot':<20} ready in {took:6.2f} s (snapshot {snap.stat().st_size / 1e6:.1f} MB, written "
-                  f"in {wrote:.2f} s; 80 batches replayed after it)")
+                  f"in {wrote:.2f} s; {pub.last_seq + 1 - published} batches published since; "
+                  f"{sent(node, mark)})")
             svc.stop()
         node.close()
 
