@@ -72,6 +72,13 @@ def test_multi_block_store_and_tiers() -> None:
     assert (o.device, o.host, o.disk) == (0, 1, 1)
 
 
+def test_a_worker_the_index_never_heard_holds_nothing_on_any_tier() -> None:
+    """``block_counts`` of an unknown worker: zeros, as ``worker_hashes`` answers empty sets (it raised KeyError)."""
+    idx = TieredIndex(4)
+    assert idx.block_counts(B) == dict.fromkeys(StorageTier, 0)
+    assert idx.worker_hashes(B) == {t: set() for t in StorageTier}
+
+
 def test_unknown_parent_is_held_as_an_orphan_and_grafted_when_the_parent_arrives() -> None:
     idx = TieredIndex(4)
     # Children first (a shared pool's writers, or a prefix stored before a loss), then the parent.

@@ -129,9 +129,9 @@ class TieredIndex:
         return self._workers[stream].orphans.blocks
 
     def block_counts(self, stream: StreamId) -> dict[StorageTier, int]:
-        """Blocks the worker holds per tier. O(1)."""
-        w = self._workers[stream]
-        return {t: w.counts[t] for t in StorageTier}
+        """Blocks the worker holds per tier (zeros for an unknown worker, as :meth:`worker_hashes`). O(1)."""
+        w = self._workers.get(stream)
+        return {t: w.counts[t] if w is not None else 0 for t in StorageTier}
 
     def worker_hashes(self, stream: StreamId) -> dict[StorageTier, set[EngineHash]]:
         """The engine hashes the worker holds per tier, as the index sees them (empty for an unknown
