@@ -112,7 +112,7 @@ def level_winners(name: str, goods: dict[str, dict[str, float]], requests: int) 
 
 
 def run_workload(name: str, w: Workload, policies: list[str], limit: int | None,
-                 out_of_reach: str = DEFAULT_OUT_OF_REACH) -> tuple[int, list[LevelWinner]]:
+                 out_of_reach: str = DEFAULT_OUT_OF_REACH) -> tuple[dict[str, int], list[LevelWinner]]:
     trace: list[Request] = resolve_trace(w.trace.format(shared=shared_dir()), limit=limit, time_scale=w.time_scale,
                                          shared_prefix_blocks=w.shared_prefix_blocks)
     n = len(trace)
@@ -146,7 +146,7 @@ def run_workload(name: str, w: Workload, policies: list[str], limit: int | None,
     for label, (hit, fig, good) in rows.items():
         print(f"{label:<20}{hit:7.3f}" + "".join(f"{fig[h]:10.1f}" for h, _, _ in FIGURES)
               + "".join(f"{good[lv]:12.3f}" for lv in LEVELS))
-    misses = 0
+    misses: dict[str, int] = {}  # by policy (goodput's rows together)
     for ours in [r for r in rows if r in OURS or r.startswith("goodput@")]:
         for peer in [p for p in INCUMBENTS if p in rows]:
             _, fo, go = rows[ours]
@@ -155,9 +155,11 @@ def run_workload(name: str, w: Workload, policies: list[str], limit: int | None,
             worse_good = [lv for lv in levels if go[lv] < gp[lv] - 1e-9]
             worse_fig = [h for h, _, _ in FIGURES if fo[h] > fp[h] * 1.02]
             ok = not worse_good and not worse_fig
-            misses += not ok
-            why = "" if ok else (f" (goodput lower at {', '.join(worse_good)}" if worse_good else " (") + (
-                f"; worse than 2%: {', '.join(worse_fig)})" if worse_fig else ")")
+            policy = ours.split("@")[0]
+            misses[policy] = misses.get(policy, 0) + (not ok)
+            lower = f"goodput lower at {', '.join(worse_good)}" if worse_good else ""
+            worse = f"worse than 2%: {', '.join(worse_fig)}" if worse_fig else ""
+            why = "" if ok else f" ({'; '.join(x for x in (lower, worse) if x)})"
             print(f"  {'MET ' if ok else 'MISS'} {ours} vs {peer}{why}")
     return misses, level_winners(name, {label: good for label, (_, _, good) in rows.items()}, n)
 
@@ -173,14 +175,23 @@ def main() -> int:
     ap.add_argument("--out-of-reach", default=DEFAULT_OUT_OF_REACH, choices=OUT_OF_REACH,
                     help="the goodput policy's order of workers that miss the SLO (SloCost.out_of_reach)")
     a = ap.parse_args()
-    latency = resolve_latency(a.latency)
-    misses = 0
+    unknown = [n for n in a.workloads.split(",") if n not in WORKLOADS]
+    if unknown:
+        ap.error(f"--workloads: {', '.join(unknown)} unknown; expected some of {', '.join(WORKLOADS)}")
+    if a.limit is not None and a.limit < 1:
+        ap.error(f"--limit: {a.limit} is not >= 1")
+    try:
+        latency = resolve_latency(a.latency)
+    except ValueError as exc:
+        ap.error(f"--latency: {exc}")
+    misses: dict[str, int] = {}
     winners: list[LevelWinner] = []
     for name in a.workloads.split(","):
         w = WORKLOADS[name]
         w = Workload(w.trace, w.cluster.replace(latency=latency), w.time_scale, w.shared_prefix_blocks)
         m, won = run_workload(name, w, a.policies.split(","), a.limit, a.out_of_reach)
-        misses += m
+        for policy, count in m.items():
+            misses[policy] = misses.get(policy, 0) + count
         winners += won
     print(f"\nhighest goodput per workload and SLO level (goodput told that level's SLO):\n"
           f"{'workload':<25}{'level':<8}{'winner':<20}{'goodput':>8}{'ours':>8}  {'best incumbent':<20}{'goodput':>8}"
@@ -188,8 +199,10 @@ def main() -> int:
     for v in winners:
         print(f"{v.workload:<25}{v.level:<8}{v.winner:<20}{v.best:8.3f}{v.ours:8.3f}  {v.incumbent:<20}"
               f"{v.incumbent_best:8.3f}  {v.margin()}")
-    print(f"\n{misses} target(s) missed" if misses else "\nevery target met")
-    return 1 if misses else 0
+    total = sum(misses.values())
+    print(f"\n{total} target(s) missed ({', '.join(f'{p}: {m}' for p, m in misses.items())})" if total
+          else "\nevery target met")
+    return 1 if total else 0
 
 
 if __name__ == "__main__":

@@ -22,10 +22,10 @@ from pathlib import Path
 
 from kvtier.engine.hashing import ROOT_DIGEST, event_hash, page_digest
 from kvtier.engine.l3.pagedir import SyncPolicy
-from kvtier.hardware.links import DEFAULT_STORAGE_LINK, STORAGE_LINKS
 from kvtier.engine.l3.pagefile import Layout
 from kvtier.engine.l3.pagetree import PageMeta
 from kvtier.engine.l3.storage import PageStore
+from kvtier.hardware.links import DEFAULT_STORAGE_LINK, STORAGE_LINKS
 from kvtier.wire import pack_tokens
 
 
@@ -96,8 +96,8 @@ def main() -> None:
         print(f"  write --l3-sync {sync.value:<5}  {a.pages / t:9.0f} pages/s  {mb / t:8.0f} MB/s")
     print(f"  read verified         {a.pages / verified:9.0f} pages/s  {mb / verified:8.0f} MB/s "
           f"(raw read of the same files {mb / raw:.0f} MB/s: checking costs {verified / raw:.2f}x)")
-    print(f"  target: none (no peer store to compare with; the simulator's default storage link, {DEFAULT_STORAGE_LINK}, "
-          f"is {STORAGE_LINKS[DEFAULT_STORAGE_LINK].gbps:g} GB/s)")
+    print(f"  target: none (no peer store to compare with; the simulator's default storage link, "
+          f"{DEFAULT_STORAGE_LINK}, is {STORAGE_LINKS[DEFAULT_STORAGE_LINK].gbps:g} GB/s)")
 
 
 if __name__ == "__main__":
