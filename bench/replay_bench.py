@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
+import math
 import statistics
 import sys
 import time
@@ -115,7 +116,7 @@ def converge(cfg: EndpointConfig, n: int, slow_s: float, timeout: float = 120.0)
         got = index.block_counts(cfg.stream)[StorageTier.DEVICE]
         if got < want:
             print(f"  did not converge: {got} of {want} blocks after {timeout:.0f} s")
-        return took, st.reasks + 1, st.resyncs
+        return took if got >= want else math.inf, st.reasks + 1, st.resyncs
 
 
 def run(label: str, make: Callable[[], tuple[EndpointConfig, Callable[[], None]]], n: int, repeat: int,
@@ -130,8 +131,11 @@ def run(label: str, make: Callable[[], tuple[EndpointConfig, Callable[[], None]]
         times.append(t)
         asks.append(a)
         resyncs.append(r)
-    print(f"{label:<28} converged in {statistics.median(times):6.2f} s (median of {repeat}, "
-          f"{slow_s:.1f} s of it not reading), replay requests {asks}, resyncs {resyncs}")
+    failed = sum(math.isinf(t) for t in times)
+    took = f"converged in {statistics.median(times):6.2f} s" if not failed else \
+        f"did NOT converge in {failed} of {repeat} runs"
+    print(f"{label:<28} {took} (median of {repeat}, {slow_s:.1f} s of it not reading), replay requests {asks}, "
+          f"resyncs {resyncs}")
 
 
 def main() -> None:
