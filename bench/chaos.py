@@ -614,13 +614,16 @@ def main() -> int:
     print("to gone: /route answers that picked the hurt engine from the liveness timeout + 1 s after the fault "
           "until it came back, of all answers then; detect: fault to /health not ok; healthy: end of the fault to "
           "/health ok; index=engines: the indexer's snapshot equals every engine's state dump once they idle")
+    missed = [r.scenario for r in rows if r.healthy_s.startswith(">") or r.index_equal != "yes"]
+    print(f"target: healthy again within {HEALTHY_WITHIN_S:.0f} s and index=engines in every scenario: "
+          + (f"MISS ({', '.join(missed)})" if missed else "MET"))
     if args.keep:
         print(f"work directory: {workdir}")
     else:
         for f in workdir.iterdir():
             f.unlink()
         workdir.rmdir()
-    return 0
+    return 1 if missed else 0
 
 
 if __name__ == "__main__":

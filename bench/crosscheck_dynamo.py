@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from benchargs import count, names
 
 from kvtier.hardware.latency import PRESETS
 from kvtier.sim.cluster import ClusterConfig
@@ -177,9 +178,9 @@ def _fmt(r: Row) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", type=Path, help="Mooncake JSONL (default: the shared conversation trace)")
-    ap.add_argument("--limit", type=int, help="first N requests only")
-    ap.add_argument("--workers", type=int, default=16, help="workers of the default cluster")
-    ap.add_argument("--clusters", default="default,default-host4x,loaded",
+    ap.add_argument("--limit", type=count(), help="first N requests only")
+    ap.add_argument("--workers", type=count(), default=16, help="workers of the default cluster")
+    ap.add_argument("--clusters", type=names(clusters(16)), default="default,default-host4x,loaded",
                     help="comma-separated, from default, default-host4x, loaded")
     ap.add_argument("--disagg", metavar="P:D",
                     help="disaggregated: P prefill and D decode workers in place of each cluster's workers "
@@ -209,7 +210,7 @@ def main() -> int:
               f"25 GB/s host links; Dynamo: {py or 'not installed (pip install -e .[crosscheck])'}")
         header = "    hit " + " ".join(f"{h:>7}" for h, _ in LATENCIES) + " wall s"
         misses = 0
-        for name in a.clusters.split(","):
+        for name in a.clusters:
             cfg = known[f"{name}-{a.disagg}" if a.disagg else name].replace(eviction=a.eviction)
             dyn = run_dynamo(py, trace, cfg, host_credit=0.75) if py else {}
             ours = {p: run_kvtier(reqs, cfg, p) for p in ("round_robin", "dynamo", "min_ttft")}

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from benchargs import count, counts, names
 
 from kvtier.engine.cache import CacheConfig, TieredCache
 from kvtier.engine.datapath import CopyKind, ModeledDataPath, TorchDataPath
@@ -179,12 +180,13 @@ def copy_table(layouts: list[str], copiers: list[str], sizes_kib: list[int], bat
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ops", type=int, default=2000, help="cache operations per modeled measurement")
-    ap.add_argument("--layouts", default="page,layer", help="pool layouts: page, layer")
-    ap.add_argument("--copiers", default="dma,kernel,auto", help="copiers: dma, kernel, auto (kernel: CUDA only)")
-    ap.add_argument("--sizes-kib", default="16,32,64,128,256,512", help="page sizes, KiB")
-    ap.add_argument("--batches", default="1,4,16,64,256,1024,4096", help="pages per op")
-    ap.add_argument("--reps", type=int, default=5, help="timed runs per cell (the median is shown)")
+    ap.add_argument("--ops", type=count(2), default=2000, help="cache operations per modeled measurement")
+    ap.add_argument("--layouts", type=names(["page", "layer"]), default="page,layer", help="pool layouts: page, layer")
+    ap.add_argument("--copiers", type=names(["dma", "kernel", "auto"]), default="dma,kernel,auto",
+                    help="copiers: dma, kernel, auto (kernel: CUDA only)")
+    ap.add_argument("--sizes-kib", type=counts(), default="16,32,64,128,256,512", help="page sizes, KiB")
+    ap.add_argument("--batches", type=counts(), default="1,4,16,64,256,1024,4096", help="pages per op")
+    ap.add_argument("--reps", type=count(), default=5, help="timed runs per cell (the median is shown)")
     ap.add_argument("--csv", help="also write every cell to this CSV")
     ap.add_argument("--max-dma-copies", type=int, default=20_000,
                     help="skip dma cells needing more copy_ calls per op than this (nan in the table)")
@@ -192,12 +194,11 @@ def main() -> None:
     args = ap.parse_args()
     if not args.skip_modeled:
         modeled_ops(args.ops)
-    copiers = args.copiers.split(",")
+    copiers: list[str] = args.copiers
     if not torch.cuda.is_available():
         copiers = [c for c in copiers if c != "kernel"] or ["dma"]
     rows: list[dict[str, object]] = []
-    copy_table(args.layouts.split(","), copiers, [int(x) for x in args.sizes_kib.split(",")],
-               [int(x) for x in args.batches.split(",")], args.reps, rows, args.max_dma_copies)
+    copy_table(args.layouts, copiers, args.sizes_kib, args.batches, args.reps, rows, args.max_dma_copies)
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from benchargs import count, names
 
 from kvtier.hardware.latency import DEFAULT_LATENCY, LATENCY_PRESETS, resolve_latency
 from kvtier.indexer.routing.policies import REGISTRY
@@ -166,32 +167,28 @@ def run_workload(name: str, w: Workload, policies: list[str], limit: int | None,
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, from {', '.join(WORKLOADS)}")
+    ap.add_argument("--workloads", type=names(WORKLOADS), default=",".join(WORKLOADS),
+                    help=f"comma-separated, from {', '.join(WORKLOADS)}")
     ap.add_argument("--policies", default=",".join(INCUMBENTS + OURS),
                     help="policies beside round robin (those not in the registry are skipped)")
-    ap.add_argument("--limit", type=int, help="first N requests of each trace only")
+    ap.add_argument("--limit", type=count(), help="first N requests of each trace only")
     ap.add_argument("--latency", default=DEFAULT_LATENCY, metavar="NAME|JSON",
                     help=f"iteration-time fit of every workload: a preset ({', '.join(LATENCY_PRESETS)}) or a JSON")
     ap.add_argument("--out-of-reach", default=DEFAULT_OUT_OF_REACH, choices=OUT_OF_REACH,
                     help="the goodput policy's order of workers that miss the SLO (SloCost.out_of_reach)")
     a = ap.parse_args()
-    unknown = [n for n in a.workloads.split(",") if n not in WORKLOADS]
-    if unknown:
-        ap.error(f"--workloads: {', '.join(unknown)} unknown; expected some of {', '.join(WORKLOADS)}")
-    if a.limit is not None and a.limit < 1:
-        ap.error(f"--limit: {a.limit} is not >= 1")
     try:
         latency = resolve_latency(a.latency)
     except ValueError as exc:
         ap.error(f"--latency: {exc}")
     misses: dict[str, int] = {}
     winners: list[LevelWinner] = []
-    for name in a.workloads.split(","):
+    for name in a.workloads:
         w = WORKLOADS[name]
         w = Workload(w.trace, w.cluster.replace(latency=latency), w.time_scale, w.shared_prefix_blocks)
         m, won = run_workload(name, w, a.policies.split(","), a.limit, a.out_of_reach)
-        for policy, count in m.items():
-            misses[policy] = misses.get(policy, 0) + count
+        for policy, missed in m.items():
+            misses[policy] = misses.get(policy, 0) + missed
         winners += won
     print(f"\nhighest goodput per workload and SLO level (goodput told that level's SLO):\n"
           f"{'workload':<25}{'level':<8}{'winner':<20}{'goodput':>8}{'ours':>8}  {'best incumbent':<20}{'goodput':>8}"

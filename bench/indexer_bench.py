@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchargs import count
 from index_workload import BLOCKS_PER_TURN, BS, CONV_BLOCKS, TURNS, conversations, make_queries, percentile, rss_bytes
 
 from kvtier.indexer.index.keys import block_keys, key_backend
@@ -123,22 +124,11 @@ def line(name: str, ours: float, theirs: float | None, unit: str, target: str, f
     return ok is not False
 
 
-def positive(text: str) -> int:
-    """An argument that counts something: an int >= 1 (argparse's one-line error otherwise)."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an int >= 1")
-    return n
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workers", type=positive, default=16)
-    ap.add_argument("--events", type=positive, default=100_000)
-    ap.add_argument("--queries", type=positive, default=10_000)
+    ap.add_argument("--workers", type=count(), default=16)
+    ap.add_argument("--events", type=count(), default=100_000)
+    ap.add_argument("--queries", type=count(), default=10_000)
     ap.add_argument("--dynamo-python", help="interpreter with ai-dynamo-runtime (default: this one, if it has it)")
     args = ap.parse_args()
 

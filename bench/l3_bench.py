@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchargs import count
+
 from kvtier.engine.hashing import ROOT_DIGEST, event_hash, page_digest
 from kvtier.engine.l3.pagedir import SyncPolicy
 from kvtier.engine.l3.pagefile import Layout
@@ -59,10 +61,10 @@ def write_run(root: Path, sync: SyncPolicy, pages: int, payload: bytes, batch: i
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pages", type=int, default=2000)
-    ap.add_argument("--page-kib", type=int, default=256, help="KV bytes per page, KiB")
-    ap.add_argument("--batch", type=int, default=16, help="pages per copy op")
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--pages", type=count(), default=2000)
+    ap.add_argument("--page-kib", type=count(), default=256, help="KV bytes per page, KiB")
+    ap.add_argument("--batch", type=count(), default=16, help="pages per copy op")
+    ap.add_argument("--repeat", type=count(), default=3)
     ap.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary folder)")
     a = ap.parse_args()
     payload = os.urandom(a.page_kib * 1024)

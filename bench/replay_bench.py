@@ -29,6 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchargs import count
+
 from kvtier.indexer.index.consumer import IndexConsumer
 from kvtier.indexer.index.tiered import TieredIndex
 from kvtier.wire import BlockStored, EndpointConfig, EventBatch, Publisher, StorageTier, StreamId, Subscriber, WorkerId
@@ -120,7 +122,8 @@ def converge(cfg: EndpointConfig, n: int, slow_s: float, timeout: float = 120.0)
 
 
 def run(label: str, make: Callable[[], tuple[EndpointConfig, Callable[[], None]]], n: int, repeat: int,
-        slow_s: float) -> None:
+        slow_s: float) -> bool:
+    """One publisher's row; False if a run did not converge."""
     times, asks, resyncs = [], [], []
     for _ in range(repeat):
         cfg, close = make()
@@ -136,14 +139,15 @@ def run(label: str, make: Callable[[], tuple[EndpointConfig, Callable[[], None]]
         f"did NOT converge in {failed} of {repeat} runs"
     print(f"{label:<28} {took} (median of {repeat}, {slow_s:.1f} s of it not reading), replay requests {asks}, "
           f"resyncs {resyncs}")
+    return not failed
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batches", type=int, default=10_000, help="batches buffered before the join (default: 10000)")
-    ap.add_argument("--repeat", type=int, default=3, help="runs per publisher (default: 3)")
+    ap.add_argument("--batches", type=count(), default=10_000, help="batches buffered before the join (default: 10000)")
+    ap.add_argument("--repeat", type=count(), default=3, help="runs per publisher (default: 3)")
     ap.add_argument("--slow", type=float, default=1.0, help="seconds not reading after the join (default: 1)")
-    ap.add_argument("--blocks", type=int, default=16, help="blocks of 64 tokens per batch (default: 16)")
+    ap.add_argument("--blocks", type=count(), default=16, help="blocks of 64 tokens per batch (default: 16)")
     ap.add_argument("--sglang-kv-events", type=Path, help="SGLang's sglang/srt/disaggregation/kv_events.py")
     ap.add_argument("--vllm-kv-events", type=Path, help="vLLM's vllm/distributed/kv_events.py")
     args = ap.parse_args()
@@ -160,7 +164,7 @@ def main() -> None:
         return EndpointConfig(stream.worker, p.endpoint, p.replay_endpoint), p.close
 
     print(f"{n} batches of {BLOCKS} blocks x {BS} tokens buffered before a subscriber joins")
-    run("kvtier Publisher", make_kvtier, n, args.repeat, args.slow)
+    ok = run("kvtier Publisher", make_kvtier, n, args.repeat, args.slow)
     for label, path, dp_kw in (("SGLang ZmqEventPublisher", args.sglang_kv_events, "attn_dp_rank"),
                                ("vLLM ZmqEventPublisher", args.vllm_kv_events, "data_parallel_rank")):
         if path is None:
@@ -176,8 +180,10 @@ def main() -> None:
             cfg = EndpointConfig(stream.worker, f"tcp://127.0.0.1:{port[0]}", f"tcp://127.0.0.1:{port[0] + 1}")
             return cfg, pub.shutdown
 
-        run(label, make_peer, n, args.repeat, args.slow)
+        ok = run(label, make_peer, n, args.repeat, args.slow) and ok
+    print(f"target: every run converges (the peers' publishers beside kvtier's where given): {'MET' if ok else 'MISS'}")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

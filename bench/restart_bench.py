@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchargs import count
+
 from kvtier.engine.cache import CacheConfig, TieredCache
 from kvtier.engine.datapath import ModeledDataPath
 from kvtier.engine.node import EngineNode
@@ -83,7 +85,7 @@ def sent(node: EngineNode, since: tuple[int, int, int]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=3000, help="distinct 64-page prompts cached (default: 3000)")
+    ap.add_argument("--prompts", type=count(), default=3000, help="distinct 64-page prompts cached (default: 3000)")
     args = ap.parse_args()
     for label, buffer in (("replay from seq 0", 1 << 30), ("state dump", 100)):
         node, now = engine(args.prompts, buffer)
@@ -117,6 +119,8 @@ def main() -> None:
             print(f"{'from snapshot':<20} ready in {took:6.2f} s (snapshot {snap.stat().st_size / 1e6:.1f} MB, written "
                   f"in {wrote:.2f} s; {pub.last_seq + 1 - published} batches published since; "
                   f"{sent(node, mark)})")
+            resumed = pub.replay_stats.dumps == mark[1]
+            print(f"target: a restart from the snapshot resumes at its seq, no dump: {'MET' if resumed else 'MISS'}")
             svc.stop()
         node.close()
 

@@ -22,8 +22,9 @@ import resource
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
+
+from benchargs import count
 
 TARGET_S = 15 * 60
 TARGET_GROWTH = 1.25  # the whole replay's peak over the tenth's
@@ -44,22 +45,10 @@ def replay(trace: Path, workers: int, policy: str, limit: int | None, out: Path)
             "p50_ms": s["ttft_p50"] * 1e3}
 
 
-def _at_least(lo: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            n = int(text)
-        except ValueError:
-            n = lo - 1
-        if n < lo:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an int >= {lo}")
-        return n
-    return parse
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=_at_least(10), default=1_000_000, help="trace length (default: 1,000,000)")
-    ap.add_argument("--workers", type=_at_least(1), default=64, help="inference workers (default: 64)")
+    ap.add_argument("--requests", type=count(10), default=1_000_000, help="trace length (default: 1,000,000)")
+    ap.add_argument("--workers", type=count(), default=64, help="inference workers (default: 64)")
     ap.add_argument("--rate", type=float, default=20.0, help="new chat sessions per second (default: 20)")
     ap.add_argument("--policies", default="round_robin,kv_all", help="comma-separated (default: round_robin,kv_all)")
     ap.add_argument("--out", type=Path, default=Path("out/bench/scale"),

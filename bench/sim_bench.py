@@ -35,8 +35,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchargs import count, names
 from crosscheck_dynamo import crosscheck_cluster, dynamo_python, run_dynamo
 
+from kvtier.indexer.routing.policies import REGISTRY
 from kvtier.sim.experiment import shared_dir
 from kvtier.sim.run import RunConfig, load_kernels, simulate
 from kvtier.sim.trace import load_mooncake, write_mooncake
@@ -80,9 +82,11 @@ def run_fresh(trace: Path, limit: int | None, config: str, policy: str) -> dict[
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", type=Path, help="Mooncake JSONL (default: the shared conversation trace)")
-    ap.add_argument("--limit", type=int, help="first N requests only")
-    ap.add_argument("--policies", default="round_robin,kv_host", help="kvtier policies (default: %(default)s)")
-    ap.add_argument("--configs", default=",".join(CONFIGS), help="cluster configurations (default: %(default)s)")
+    ap.add_argument("--limit", type=count(), help="first N requests only")
+    ap.add_argument("--policies", type=names(REGISTRY), default="round_robin,kv_host",
+                    help="kvtier policies (default: %(default)s)")
+    ap.add_argument("--configs", type=names(CONFIGS), default=",".join(CONFIGS),
+                    help="cluster configurations (default: %(default)s)")
     ap.add_argument("--dynamo-python",
                     help="interpreter with ai-dynamo-runtime==1.6.1 (default: this one, if it has it)")
     ap.add_argument("--one", nargs=2, metavar=("CONFIG", "POLICY"), help=argparse.SUPPRESS)
@@ -92,7 +96,7 @@ def main() -> int:
         print(json.dumps(one_run(trace, a.limit, *a.one)))
         return 0
     py = dynamo_python(a.dynamo_python)
-    policies = a.policies.split(",")
+    policies: list[str] = a.policies
     reqs = load_mooncake(trace, limit=a.limit)  # counted here, written for Dynamo; each kvtier run reloads it
     n = len(reqs)
     print(f"{n} requests from {trace.name}; 16 workers, 16,384 pages of 64 tokens, 256 running, 8,192 batched "
@@ -107,7 +111,7 @@ def main() -> int:
         dyn_trace = Path(tmp) / "trace.jsonl"
         if py:
             write_mooncake(reqs, dyn_trace)
-        for config in a.configs.split(","):
+        for config in a.configs:
             cfg = CONFIGS[config]
             dyn = run_dynamo(py, dyn_trace, cfg, host_credit=0.75) if py and cfg.l3 == "none" else {}
             dyn_walls.update({(config, mode): row.wall_s for mode, row in dyn.items()})

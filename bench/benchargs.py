@@ -1,0 +1,42 @@
+"""Command-line readers the benchmarks share: a bad value is argparse's one line (exit 2), never a traceback later.
+
+Numbers are read by :class:`kvtier.util.fields.Domain`, as the ``kvtier`` CLI reads them; comma-separated lists
+check every element.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterable
+
+from kvtier.util.fields import Domain
+
+
+def count(lo: int = 1) -> Callable[[str], int]:
+    """An integer >= ``lo``."""
+    return Domain(int, lo=lo).parse
+
+
+def counts(lo: int = 1) -> Callable[[str], list[int]]:
+    """Comma-separated integers, each >= ``lo``."""
+    one = count(lo)
+    return lambda text: [one(x) for x in text.split(",")]
+
+
+def rates(text: str) -> list[float]:
+    """Comma-separated numbers, each > 0."""
+    one = Domain(float, lo=0, lo_open=True).parse
+    return [one(x) for x in text.split(",")]
+
+
+def names(choices: Iterable[str]) -> Callable[[str], list[str]]:
+    """Comma-separated names, each one of ``choices``."""
+    allowed = list(choices)
+
+    def parse(text: str) -> list[str]:
+        got = text.split(",")
+        unknown = [n for n in got if n not in allowed]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"{', '.join(unknown)} unknown; expected some of {', '.join(allowed)}")
+        return got
+    return parse
