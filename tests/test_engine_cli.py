@@ -133,3 +133,10 @@ def test_a_residency_that_cannot_be_written_is_one_line(capsys: pytest.CaptureFi
     rc, err = _run(capsys, "--trace", "builtin:chat:2", "--residency", str(tmp_path / "f" / "x.json"))
     assert rc == 2 and err == f"kvtier engine: error: --residency {tmp_path / 'f' / 'x.json'}: {tmp_path / 'f'} " \
                               "is not a directory\n"
+
+
+def test_an_odd_kv_bytes_per_token_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """The page files hold 2-byte (bfloat16) elements: an odd byte count cannot be their size (it was rounded down)."""
+    rc, err = _run(capsys, "--trace", "builtin:chat:2", "--l3-dir", str(tmp_path), "--kv-bytes-per-token", "3")
+    assert rc == 2
+    assert err == "kvtier engine: error: --kv-bytes-per-token: 3 is odd; the pages hold 2-byte (bfloat16) elements\n"

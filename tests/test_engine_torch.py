@@ -100,6 +100,7 @@ def test_short_page_payload_is_reported_not_swallowed(tmp_path: Path, device: st
         dp.submit(op)
         done = dp.drain()
         assert done[0].error is not None and "bytes" in done[0].error and done[0].bad_keys == [key]
+        assert store.stats.damaged_reads == 1  # a page of another size is damage, counted as such
     finally:
         dp.close()
 

@@ -309,6 +309,29 @@ def test_link_failure_after_some_pages_were_linked_releases_them(tmp_path: Path,
     assert files(tmp_path) == before
 
 
+def test_a_store_that_cannot_write_is_counted_and_logged_sparsely(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """A full disk fails every copy batch: each is counted, and the log has the first few and every thousandth, not a
+    line per batch."""
+    def full(header: PageHeader, payload: bytes | memoryview) -> list[bytes | memoryview]:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pagedir, "encode", full)
+    dp = TorchDataPath(device_pages=4, host_pages=8, page_shape=SHAPE, device="cpu")
+    cache = TieredCache(CacheConfig(page_size=PS, device_pages=4, host_ratio=2.0), dp,
+                        PageStore(64, tmp_path, owner="w0", layout=L), name="w0")
+    try:
+        with caplog.at_level("WARNING"):
+            for i in range(40):
+                run(cache, dp, f"r{i}", list(range(i * 1000, i * 1000 + 4 * PS)), fill=None)
+                wait(cache)
+    finally:
+        dp.close()
+    assert cache.l3 is not None and cache.l3.write_failures > 10
+    logged = [r for r in caplog.records if "L3 write failed" in r.getMessage()]
+    assert len(logged) == 10 and "every 1000th" in logged[-1].getMessage()
+
+
 @pytest.mark.parametrize("sync", list(SyncPolicy))
 def test_every_sync_policy_writes_sound_pages(tmp_path: Path, sync: SyncPolicy) -> None:
     store = chain_store(tmp_path, 5, sync=sync)

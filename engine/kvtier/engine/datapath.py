@@ -462,14 +462,10 @@ class TorchDataPath(DataPath):
                     for page, key in zip(op.dst, op.keys, strict=True):
                         for _, host_pool, prefix in self._pools():
                             try:
-                                data = op.store.read_page(prefix + key)
+                                data = op.store.read_page(prefix + key, self._bytes(host_pool))
                             except StoreError as exc:
                                 op.bad_keys.append(exc.key)
                                 raise
-                            want = self._bytes(host_pool)
-                            if len(data) != want:
-                                op.bad_keys.append(key)
-                                raise ValueError(f"page file {prefix + key}: {len(data)} bytes, not {want}")
                             view = self._page(host_pool, page)
                             raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
                             view.copy_(raw.view(host_pool.dtype).view(view.shape))

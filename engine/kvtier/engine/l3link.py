@@ -23,6 +23,7 @@ from kvtier.engine.l3.pagetree import PageMeta
 from kvtier.engine.l3.storage import PageStore
 from kvtier.engine.pool import PageId
 from kvtier.engine.radix import Node, RadixTree
+from kvtier.util.ratelog import suffix, worth_logging
 from kvtier.wire.codec import medium_spelling
 from kvtier.wire.protocol import PackedTokens, StorageTier
 
@@ -35,7 +36,7 @@ WriteOp = Callable[[list[str], list[PageMeta], list[PageId]], None]
 class L3Link:
     """What one engine writes to and announces from its store. Single-threaded, as its cache."""
 
-    __slots__ = ("_write_op", "announced", "config", "events", "name", "pending", "store")
+    __slots__ = ("_write_op", "announced", "config", "events", "name", "pending", "store", "write_failures")
 
     def __init__(self, store: PageStore, name: str, config: CacheConfig, events: EventLog, write_op: WriteOp) -> None:
         self.store = store  # the L3 store (shared with other engines or not)
@@ -45,6 +46,7 @@ class L3Link:
         self._write_op = write_op  # starts a host -> store copy
         self.announced: dict[str, int] = {}  # L3 key -> event hash, pages this engine announced
         self.pending: set[str] = set()  # keys this engine is writing
+        self.write_failures = 0  # copy batches to the store that failed (a full disk fails each: logged sparsely)
         store.attach(name, self._evicted)
         # Pages a directory store adopted on start (a restart): announced with the first flush.
         adopted = store.unannounced()
@@ -144,7 +146,9 @@ class L3Link:
         # parent is kept too).
         self.announce([(k, m) for k, m in landed if k in store])
         if error:
-            log.error("%s: L3 write failed: %s", self.name, error)
+            self.write_failures += 1
+            if worth_logging(self.write_failures):
+                log.error("%s: L3 write failed: %s%s", self.name, error, suffix(self.write_failures, "write_failures"))
 
     def announce(self, pages: list[tuple[str, PageMeta]]) -> None:
         """BlockStored(DISK or EXTERNAL) for pages, one event per run of consecutive pages.

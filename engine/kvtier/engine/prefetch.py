@@ -23,6 +23,7 @@ from kvtier.engine.l3.storage import PageStore
 from kvtier.engine.l3link import L3Link
 from kvtier.engine.pool import PageId, PagePool
 from kvtier.engine.radix import Node, RadixTree
+from kvtier.util.ratelog import suffix, worth_logging
 from kvtier.wire.protocol import PackedTokens, StorageTier
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,8 @@ log = logging.getLogger(__name__)
 class Prefetcher:
     """A cache's L3 -> host prefetches. One per tree, like :class:`kvtier.engine.copies.Copies`."""
 
-    __slots__ = ("_config", "_copies", "_dp", "_events", "_evictor", "_host", "_l3", "_name", "_store", "_tree")
+    __slots__ = ("_config", "_copies", "_dp", "_events", "_evictor", "_host", "_l3", "_name", "_store", "_tree",
+                 "read_failures")
 
     def __init__(self, config: CacheConfig, dp: DataPath, tree: RadixTree, host: PagePool, evictor: Evictor,
                  events: EventLog, copies: Copies, l3: L3Link, store: PageStore, name: str) -> None:
@@ -45,6 +47,7 @@ class Prefetcher:
         self._l3 = l3  # the cache's L3 link: which pages the store holds
         self._store = store  # the L3 store
         self._name = name  # the engine's name, for the log
+        self.read_failures = 0  # prefetches that failed (the store counts and logs each page; these sparsely)
         copies.on_prefetched = self.landed
 
     def l3_run(self, last: Node, tokens: PackedTokens, matched: int) -> list[str]:
@@ -79,7 +82,10 @@ class Prefetcher:
         if adm.prefetch_op == info.op.op_id:
             adm.prefetch_op = None
         if info.op.error:
-            log.error("%s: L3 read failed: %s", self._name, info.op.error)
+            self.read_failures += 1
+            if worth_logging(self.read_failures):
+                log.error("%s: L3 read failed: %s%s", self._name, info.op.error,
+                          suffix(self.read_failures, "read_failures"))
             for key in info.op.bad_keys:  # never offered again: dropped, BlockRemoved by each announcer
                 self._store.drop(key)
             self._host.release([PageId(p) for p in info.op.dst])

@@ -100,6 +100,9 @@ def _open(args: argparse.Namespace) -> tuple[TieredCache, EngineNode, DataPath, 
     if args.l3 == "none" and args.l3_dir is not None:  # (it would be ignored: no page is ever written there)
         raise EngineError(f"--l3-dir: --l3 none keeps no L3 tier; give --l3 disk or external to keep pages in "
                           f"{args.l3_dir}")
+    if args.l3_dir is not None and args.kv_bytes_per_token % 2:
+        raise EngineError(f"--kv-bytes-per-token: {args.kv_bytes_per_token} is odd; the pages hold 2-byte (bfloat16) "
+                          "elements")
     dp: DataPath
     if args.l3_dir is not None:
         if importlib.util.find_spec("torch") is None:
@@ -252,7 +255,7 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--model", default="kvtier-live", help="model name in the L3 layout (pages of other models "
                                                           "sharing --l3-dir are never served)")
     p.add_argument("--kv-bytes-per-token", type=Domain(int, lo=2).parse, default=1024,
-                   help="KV bytes per token with --l3-dir (the page files' size)")
+                   help="KV bytes per token with --l3-dir (the page files' size; even: bfloat16 elements)")
     p.add_argument("--residency", help="write the final residency as JSON here")
     p.add_argument("--hold", type=Domain(float, lo=0, hi=math.inf).parse, default=math.inf,
                    help="seconds to keep serving replay and dump requests after the trace (default: until SIGTERM, "

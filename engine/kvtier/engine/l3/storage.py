@@ -196,14 +196,18 @@ class PageStore:
                                          meta.parent_hash, meta.depth, meta.tokens), payload))
         self._dir.write(items)
 
-    def read_page(self, key: str) -> memoryview:
-        """A page file's verified KV bytes. Raises :class:`StoreError` if it is gone or damaged (counted,
-        logged sparsely); the caller drops the page. O(bytes)."""
+    def read_page(self, key: str, size: int | None = None) -> memoryview:
+        """A page file's verified KV bytes (``size`` of them, where given: a page of the reader's pool). Raises
+        :class:`StoreError` if it is gone or damaged, or of another size (counted, logged sparsely); the caller drops
+        the page. O(bytes)."""
         if self._dir is None:
             raise StoreError(key, "this store keeps no bytes (modeled data path)")
         base = key.removeprefix(DRAFT_PREFIX)
         try:
-            return self._dir.read(key)[1]
+            payload = self._dir.read(key)[1]
+            if size is not None and len(payload) != size:
+                raise PageFileError(f"{len(payload)} bytes, not the {size} of a page here")
+            return payload
         except FileNotFoundError:
             self.stats.missing_reads += 1
             n, why = self.stats.missing_reads, "file is gone"
