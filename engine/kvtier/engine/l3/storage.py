@@ -242,10 +242,13 @@ class PageStore:
                                          meta.page, meta.stride, announcers=self._interned(announcers)))
 
     def abort(self, key: str) -> None:
-        """Drops a reservation whose write failed (its files, if any, were removed by the write)."""
+        """Drops a reservation whose write failed or was abandoned (a reset, which waits for the copies in flight: a
+        write that finished meanwhile left its files, which go too; a failed write removed its own)."""
         meta = self._tree.unreserve(key)
         if meta.parent_key is not None:
             self._tree.drop_child(meta.parent_key)
+        if self._dir is not None:
+            self._dir.release(_with_drafts([key]))
 
     # --- reads ---------------------------------------------------------------------------
 
