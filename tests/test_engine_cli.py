@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,13 +22,23 @@ _SLOW_TEARDOWN = ("import atexit, sys, time; atexit.register(time.sleep, 60); "
                   "from kvtier.sim.cli import main; sys.exit(main(sys.argv[1:]))")
 
 
+@contextlib.contextmanager
+def _engine(*argv: str) -> Iterator[subprocess.Popen[str]]:
+    """``kvtier engine`` with ``argv`` on free ports, in a process whose teardown is slow (killed if left running)."""
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_TEARDOWN, "engine", "--endpoint", "tcp://127.0.0.1:0",
+                             "--replay", "tcp://127.0.0.1:0", *argv],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_engine_exits_soon_after_sigterm_without_the_interpreter_teardown(tmp_path: Path) -> None:
     res = tmp_path / "res.json"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _SLOW_TEARDOWN, "engine", "--trace", "builtin:sysprompt:5", "--speed", "1000",
-         "--endpoint", "tcp://127.0.0.1:0", "--replay", "tcp://127.0.0.1:0", "--residency", str(res)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with _engine("--trace", "builtin:sysprompt:5", "--speed", "1000", "--residency", str(res)) as proc:
         assert proc.stderr is not None
         line = proc.stderr.readline()  # the engine's one stderr line once the trace is done (waits for it)
         assert "trace done" in line, line + proc.stderr.read()
@@ -35,10 +47,6 @@ def test_engine_exits_soon_after_sigterm_without_the_interpreter_teardown(tmp_pa
         rc = proc.wait(timeout=10)
         assert rc == 0
         assert res.is_file()  # what the engine writes before it serves on was written, and the exit was clean
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def _opened_device_pages(*argv: str) -> int:
@@ -77,11 +85,7 @@ def test_ctrl_c_mid_trace_stops_the_engine_cleanly_and_says_where(tmp_path: Path
     """Ctrl-C (SIGINT) stops the engine as SIGTERM does: no traceback, exit 0, the residency written; and a trace cut
     short is not reported done but stopped, after how many of its requests."""
     res = tmp_path / "res.json"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _SLOW_TEARDOWN, "engine", "--trace", "builtin:chat:300", "--speed", "1",
-         "--endpoint", "tcp://127.0.0.1:0", "--replay", "tcp://127.0.0.1:0", "--residency", str(res)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with _engine("--trace", "builtin:chat:300", "--speed", "1", "--residency", str(res)) as proc:
         assert proc.stdout is not None and proc.stderr is not None
         line = proc.stdout.readline()  # published: the trace is being replayed (300 requests take minutes)
         assert "publishing on" in line, line + proc.stderr.read()
@@ -91,10 +95,6 @@ def test_ctrl_c_mid_trace_stops_the_engine_cleanly_and_says_where(tmp_path: Path
         assert rc == 0 and "Traceback" not in err, err
         assert re.fullmatch(r"engine w0: stopped after \d+ of 300 requests\n", err), err
         assert res.is_file()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
