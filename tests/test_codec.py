@@ -115,6 +115,25 @@ def test_vllm_round_trip_writes_unsigned(batch: EventBatch) -> None:
     for ev in again.events:
         if isinstance(ev, BlockStored | BlockRemoved):
             assert all(not isinstance(h, int) or 0 <= h < 2**64 for h in ev.block_hashes)
+        if isinstance(ev, BlockStored):
+            p = ev.parent_block_hash
+            assert not isinstance(p, int) or 0 <= p < 2**64
+
+
+def test_a_chain_of_signed_hashes_published_as_vllm_grafts_whole() -> None:
+    """vLLM's hashes are unsigned: a kvtier engine's (signed) chain encoded as vLLM must name each parent as it names
+    the block, or every store under a hash with its top bit set arrives with a parent nobody stored."""
+    from kvtier.indexer.index.tiered import Outcome, TieredIndex
+    from kvtier.wire.notices import StreamId
+    from kvtier.wire.protocol import WorkerId
+
+    hashes = [-5, 9, -(2**63), 2**63 - 1, -1]
+    events = [BlockStored(block_hashes=[h], parent_block_hash=hashes[i - 1] if i else None,
+                          token_ids=[2 * i, 2 * i + 1], block_size=2, medium="GPU") for i, h in enumerate(hashes)]
+    idx, w = TieredIndex(2), StreamId(WorkerId("w0"))
+    got = decode_payload(encode_payload(EventBatch(ts=1.0, events=events), WireFormat.VLLM))
+    assert [idx.apply(w, ev) for ev in got.events] == [Outcome.APPLIED] * len(hashes)
+    assert idx.find_matches(list(range(2 * len(hashes)))).workers[w].device == len(hashes)
 
 
 def test_unknown_fields_are_ignored_in_both_layouts() -> None:

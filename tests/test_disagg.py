@@ -21,6 +21,7 @@ from kvtier.sim.cluster import ClusterConfig
 from kvtier.sim.disagg import DisaggPolicy
 from kvtier.sim.experiment import grid_jobs, parse_grid
 from kvtier.sim.generators import PRESETS, generate
+from kvtier.sim.metrics import RequestRecord, SummaryBuilder
 from kvtier.sim.policies import KvPolicy
 from kvtier.sim.run import RunConfig, routing_settings, simulate
 from kvtier.sim.trace import Request
@@ -278,3 +279,20 @@ def test_a_decode_side_with_its_own_index_hears_the_events_too(monkeypatch: pyte
     assert isinstance(dec, KvPolicy) and dec.index is not seen[0].prefill.index  # type: ignore[attr-defined]
     assert all(dec.index.block_counts(s)[StorageTier.DEVICE] > 0 for s in dec.streams)
     assert [dec.index.role(s) for s in dec.streams] == ["prefill", "decode", "decode"]
+
+
+def test_a_request_prefilled_on_its_decode_worker_counts_there_once() -> None:
+    """Disaggregated, a request counts on its prefill and its decode worker; prefilled locally (conditional
+    disaggregation) they are one worker, which it loads once: per-worker counts and the imbalance say so."""
+    b = SummaryBuilder(4)
+    b.split = 2  # workers 0-1 prefill, 2-3 decode
+
+    def done(i: int, worker: int, decode: int) -> RequestRecord:
+        r = RequestRecord(f"r{i}", worker, 0.0, 100, 10)
+        r.prefill_start, r.first_token, r.finish, r.recomputed_tokens, r.decode_worker = 0.0, 0.1, 1.0, 100, decode
+        return r
+
+    for r in (done(0, 0, 2), done(1, 1, 3), done(2, 2, 2)):  # r2 prefilled on its decode worker, 2
+        b.add(r)
+    assert b.per_worker == [1, 1, 2, 1]
+    assert b.summary("x").load_imbalance == pytest.approx(max(2 / 1.5, 1.0))

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from kvtier.indexer.index.keys import block_keys
 from kvtier.indexer.index.tiered import Outcome, TieredIndex
 from kvtier.sim.cluster import ClusterConfig
@@ -12,6 +15,7 @@ from kvtier.sim.generators import PRESETS, generate
 from kvtier.sim.run import RunConfig, simulate
 from kvtier.wire import BlockRemoved, BlockStored, StorageTier, WorkerId, window_group
 from kvtier.wire.notices import StreamId
+from kvtier.wire.overlap import window_cut
 
 A, B = StreamId(WorkerId("a")), StreamId(WorkerId("b"))
 BS = 4
@@ -141,3 +145,23 @@ def test_inferred_windows_agree_with_the_engines_in_a_simulated_cluster() -> Non
     assert blind.usable_mae_blocks == 0.0 and blind.overcount_blocks == 0.0
     raw = simulate(trace, cluster, RunConfig("kv_all")).summary
     assert raw.overcount_blocks > 1.0  # the full-attention view over-counts on the same cluster
+
+
+@given(st.lists(st.booleans(), max_size=12), st.integers(0, 12), st.integers(0, 6))
+def test_window_cut_is_its_definition(ok: list[bool], limit: int, window: int) -> None:
+    """The longest reusable prefix of a sliding-window model: the largest cut ``c <= limit`` whose ``window`` blocks
+    before it (fewer near the start: a prefix shorter than the window needs all of its own) have window KV. The
+    engine and the index both call it, so only this test says what it returns."""
+    limit = min(limit, len(ok))
+    want = limit if window <= 0 else max(
+        (c for c in range(limit + 1) if all(ok[max(0, c - window):c])), default=0)
+    assert window_cut(ok, limit, window) == want
+
+
+def test_window_cut_by_hand() -> None:
+    t, f = True, False
+    assert window_cut([t, t], 2, 4) == 2  # shorter than the window: all of it has window KV
+    assert window_cut([t, t, t, f, t], 5, 4) == 3
+    assert window_cut([t, f, t], 3, 4) == 1
+    assert window_cut([f, t, t, t, t], 5, 4) == 5  # the window before the cut is whole again
+    assert window_cut([t, t, t], 3, 0) == 3  # no window: every block is reusable
