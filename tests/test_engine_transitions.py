@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.engine.cache import CacheConfig, PrefetchPolicy, WritePolicy
+from kvtier.engine.datapath import CopyKind
 from kvtier.engine.hashing import chain, event_hash
 from kvtier.engine.l3.storage import PageStore
 from kvtier.indexer.index.tiered import TieredIndex
@@ -138,6 +139,24 @@ def test_host_eviction_only_of_device_evicted_unlocked_leaves() -> None:
     assert kinds(h.log) == [("BlockRemoved", "GPU"), ("BlockStored", "GPU"), ("BlockRemoved", "CPU_PINNED"),
                             ("BlockStored", "CPU_PINNED")]
     assert h.log[0].block_hashes == h.log[2].block_hashes == hashes(toks(0, 4))  # type: ignore[union-attr]
+
+
+def test_host_pages_a_write_to_the_store_reads_are_not_evicted_under_it() -> None:
+    """A host page an L3 write is still reading stays held: freed, the next allocation would hand it out and the
+    store would be sent another page's bytes (loaded back later as this page's, with no error)."""
+    h = Harness(CacheConfig(page_size=1, device_pages=4, host_ratio=1.0, write_policy=WritePolicy.WRITE_THROUGH),
+                store=PageStore(100))
+    h.run("a", [1, 2])
+    h.advance(1.0)
+    h.advance(1.0)
+    h.advance(0.5)  # the host copies landed; the write to the store is in flight
+    h.cache.evict_device(4)
+    h.deliver()
+    sources = {p for op in h.dp.ops.values() if op.kind is CopyKind.H2S for p in op.src}
+    assert sources
+    h.cache.evict_host(4)
+    h.deliver()
+    assert not sources & set(h.cache.host.alloc(h.cache.host.free))  # none of them was free to hand out
 
 
 def test_load_back_emits_gpu_store_after_the_copy() -> None:
@@ -357,6 +376,22 @@ def test_request_larger_than_the_device_evicts_nothing() -> None:
     assert h.cache.begin_prefill(adm) is None
     assert h.cache.residency()[StorageTier.DEVICE] == set(hashes(toks(0, 4)))
     h.cache.release(adm)
+
+
+def test_host_eviction_removes_the_window_kv_before_the_full_kv() -> None:
+    """A host page with window KV leaves with two removals, its window KV's first: a consumer that tracks the
+    sliding-window group apart (vLLM's) keeps no window block of a page that is gone. (kvtier's index clears the
+    window bits with the full removal, so it alone would not tell.)"""
+    h = Harness(CacheConfig(page_size=1, device_pages=8, host_ratio=1.0, swa_window_pages=2))
+    h.run("a", [1, 2])
+    h.settle()
+    h.cache.evict_device(8)
+    h.deliver()
+    h.log.clear()
+    h.cache.evict_host(8)
+    h.settle()
+    assert kinds(h.log) == [("BlockRemoved", "CPU_PINNED window"), ("BlockRemoved", "CPU_PINNED")]
+    assert h.log[0].block_hashes == h.log[1].block_hashes  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("window_events", [False, True])
