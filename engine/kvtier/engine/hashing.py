@@ -2,7 +2,7 @@
 
 ``digest = SHA-256(parent digest || page tokens as uint32 little-endian)`` (the root's
 parent digest is empty); the event hash is the digest's first 8 bytes as a big-endian
-signed int64. Pinned against captured SGLang frames in the tests.
+signed int64 (the rule: :mod:`kvtier.wire.pagehash`). Pinned against captured SGLang frames in the tests.
 
 A node's chain runs as one compiled loop over OpenSSL's SHA-256 where numba and libcrypto load
 (:mod:`kvtier.kernels.shakernel`), else page by page through ``hashlib``; a node keeps its digests joined
@@ -18,20 +18,12 @@ from typing import Any, overload
 import numpy as np
 
 from kvtier.kernels.jit import LazyKernels
+from kvtier.wire.pagehash import ROOT_DIGEST as ROOT_DIGEST  # the rule itself (re-exported: the engine's names)
+from kvtier.wire.pagehash import event_hash as event_hash
+from kvtier.wire.pagehash import page_digest as page_digest
 from kvtier.wire.protocol import TOKEN_BYTES, PackedTokens, pack_tokens
 
-ROOT_DIGEST = b""
 DIGEST_BYTES = 32  # SHA-256
-
-
-def page_digest(parent_digest: bytes, page_tokens: Sequence[int] | PackedTokens) -> bytes:
-    """The 32-byte digest of one page. O(page size)."""
-    return hashlib.sha256(parent_digest + pack_tokens(page_tokens)).digest()
-
-
-def event_hash(digest: bytes) -> int:
-    """The int64 hash SGLang publishes for a page digest. O(1)."""
-    return int.from_bytes(digest[:8], "big", signed=True)
 
 
 def event_hashes(digests: list[bytes]) -> list[int]:

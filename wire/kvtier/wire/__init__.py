@@ -5,6 +5,7 @@
 * :mod:`~kvtier.wire.tokenarray` -- token-id arrays to and from packed tokens;
 * :mod:`~kvtier.wire.notices` -- what a stream tracker hands its consumer (batches in order, gaps, restarts);
 * :mod:`~kvtier.wire.overlap` -- results of prefix-overlap queries;
+* :mod:`~kvtier.wire.pagehash` -- SGLang's page hash chain (page digests and the event hashes read off them);
 * :mod:`kvtier.wire.transport` -- the ZMQ transport (sub-package): publisher, subscriber, recovery.
 
 Decoding is O(payload) and a malformed payload raises :class:`DecodeError` with nothing applied. The contract

@@ -11,7 +11,7 @@ truncated file, or a page of another key or layout is detected on read and never
 carries everything an engine needs to announce the page again, which is what makes a restart warm:
 the store adopts valid pages from their headers alone (:func:`read_header`), without reading KV bytes.
 Adoption still never announces a damaged header: a page's key is its digest (SHA-256 over its parent's digest
-and its token ids, :mod:`kvtier.engine.hashing`) and its event hashes are read off the digests, so the key, the
+and its token ids, :mod:`kvtier.wire.pagehash`) and its event hashes are read off the digests, so the key, the
 parent, the hashes and the tokens of a header check each other (:func:`_check_chain`, one hash of a page's
 tokens).
 """
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import msgspec
 import xxhash
 
-from kvtier.engine.hashing import ROOT_DIGEST, event_hash, page_digest
+from kvtier.wire.pagehash import ROOT_DIGEST, event_hash, page_digest
 
 MAGIC = b"KVTP"
 VERSION = 1
