@@ -332,6 +332,9 @@ def load_kernels() -> dict[str, str]:
 
 def _check_accounting(r: RequestRecord) -> None:
     if r.prefill_start >= 0:  # else never started: nothing booked yet
+        assert min(r.device_tokens, r.host_tokens, r.storage_tokens, r.recomputed_tokens) >= 0, (
+            f"request {r.request_id}: a tier booked fewer than 0 tokens ({r.device_tokens} device, {r.host_tokens} "
+            f"host, {r.storage_tokens} storage, {r.recomputed_tokens} recomputed)")
         booked = r.device_tokens + r.host_tokens + r.storage_tokens + r.recomputed_tokens
         assert booked == r.input_tokens, (
             f"request {r.request_id}: tokens by tier ({r.device_tokens} device + {r.host_tokens} host + "
