@@ -67,12 +67,17 @@ def test_device_tokens_sizes_the_engine_as_the_simulator_does() -> None:
     assert _opened_device_pages() == 1024  # CacheConfig's default: one default per setting
 
 
-def test_device_tokens_below_four_pages_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
     args = live.build_parser().parse_args(["--endpoint", "tcp://127.0.0.1:0", "--replay", "tcp://127.0.0.1:0",
-                                           "--trace", "builtin:chat:2", "--device-tokens", "192"])
-    assert live.run(args) == 2
-    assert capsys.readouterr().err == "kvtier engine: error: --device-tokens: 192 holds fewer than 4 pages of " \
-                                      "--page-size 64\n"
+                                           "--hold", "0", *argv])
+    rc = live.run(args)
+    return rc, capsys.readouterr().err
+
+
+def test_device_tokens_below_four_pages_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, err = _run(capsys, "--trace", "builtin:chat:2", "--device-tokens", "192")
+    assert rc == 2
+    assert err == "kvtier engine: error: --device-tokens: 192 holds fewer than 4 pages of --page-size 64\n"
 
 
 def test_device_tokens_and_pages_are_one_choice() -> None:
@@ -95,13 +100,6 @@ def test_ctrl_c_mid_trace_stops_the_engine_cleanly_and_says_where(tmp_path: Path
         assert rc == 0 and "Traceback" not in err, err
         assert re.fullmatch(r"engine w0: stopped after \d+ of 300 requests\n", err), err
         assert res.is_file()
-
-
-def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
-    args = live.build_parser().parse_args(["--endpoint", "tcp://127.0.0.1:0", "--replay", "tcp://127.0.0.1:0",
-                                           "--hold", "0", *argv])
-    rc = live.run(args)
-    return rc, capsys.readouterr().err
 
 
 def test_prompts_that_do_not_fit_the_device_are_counted_not_dropped_silently(

@@ -33,7 +33,7 @@ from collections.abc import Iterator, Sequence
 from enum import StrEnum
 from pathlib import Path
 
-from kvtier.engine.l3.pagefile import Layout, PageFileError, PageHeader, decode, encode, read_header
+from kvtier.engine.l3.pagefile import DRAFT_PREFIX, Layout, PageFileError, PageHeader, decode, encode, read_header
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,8 @@ def file_name(key: str) -> str:
 
 
 def key_of(name: str) -> str:
-    return "d:" + name[2:] if name.startswith("d_") else name
+    draft = file_name(DRAFT_PREFIX)
+    return DRAFT_PREFIX + name[len(draft):] if name.startswith(draft) else name
 
 
 class PageDir:
@@ -239,7 +240,7 @@ class PageDir:
                     log.warning("L3 %s: dropping page %s: %s", self.base, key, exc)
                     bad.append(entry.name)
                     continue
-                if not key.startswith("d:"):
+                if not key.startswith(DRAFT_PREFIX):
                     found.append((header, entry.stat().st_mtime))
             counts["damaged"] = len(bad)
             self._release_locked(bad)
