@@ -138,3 +138,22 @@ def test_an_odd_kv_bytes_per_token_is_refused(capsys: pytest.CaptureFixture[str]
     rc, err = _run(capsys, "--trace", "builtin:chat:2", "--l3-dir", str(tmp_path), "--kv-bytes-per-token", "3")
     assert rc == 2
     assert err == "kvtier engine: error: --kv-bytes-per-token: 3 is odd; the pages hold 2-byte (bfloat16) elements\n"
+
+
+def test_l3_pages_of_another_kv_size_live_apart(tmp_path: Path) -> None:
+    """The KV size per token is part of the L3 layout: an engine started with another ``--kv-bytes-per-token`` over
+    the same ``--l3-dir`` opens a directory of its own, and one started with an empty ``--model`` is one line."""
+    def store_dir(*argv: str) -> Path | None:
+        args = live.build_parser().parse_args(
+            ["--endpoint", "tcp://127.0.0.1:0", "--replay", "tcp://127.0.0.1:0", "--l3", "disk", "--l3-dir",
+             str(tmp_path), "--page-size", "16", *argv])
+        store = live._store(args)
+        assert store is not None
+        store.close()
+        return store.pages_path
+
+    small, big = store_dir("--kv-bytes-per-token", "64"), store_dir("--kv-bytes-per-token", "128")
+    assert small is not None and big is not None and small.parent != big.parent
+    assert small == store_dir("--kv-bytes-per-token", "64")
+    with pytest.raises(live.EngineError, match=r"^--model: the model name must not be empty$"):
+        store_dir("--model", "")

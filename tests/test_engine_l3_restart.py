@@ -17,13 +17,14 @@ import sys
 import time
 from pathlib import Path
 
+from kvtier.engine.l3 import pagedir
 from kvtier.engine.l3.pagefile import Layout, read_header
 from kvtier.indexer.service.app import IndexerService, ServiceConfig
 from kvtier.wire import StorageTier
 from kvtier.wire.transport.subscriber import EndpointConfig
 from tests.test_multiprocess import ROOT, free_port, read_residency
 
-LAYOUT = Layout("kvtier-live", 16)
+LAYOUT = Layout("kvtier-live", 16, kv_bytes_per_token=1024)  # `kvtier engine`'s defaults
 
 
 def engine(l3_dir: Path, pub: int, rep: int, *extra: str, name: str = "w0", l3: str = "disk"
@@ -48,7 +49,7 @@ def test_engine_killed_mid_write_restarts_warm(tmp_path: Path) -> None:
         first.wait(timeout=10)
     held = len(os.listdir(base / "refs" / "w0"))
     assert held >= 300
-    (base / f".tmp-{first.pid}-torn").write_bytes(b"KVTP half a page")  # what a kill mid-write leaves
+    (base / (pagedir.tmp_prefix(first.pid) + "torn")).write_bytes(b"KVTP half a page")  # what a kill mid-write leaves
 
     residency = tmp_path / "res.json"
     pub, rep = free_port(), free_port()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import os
 import random
+import re
 import time
 from pathlib import Path
 
@@ -215,8 +216,8 @@ def test_damaged_or_missing_page_is_dropped_with_its_descendants_and_removed_fro
 def test_restart_adopts_sound_pages_within_capacity_and_cleans_the_rest(tmp_path: Path) -> None:
     chain_store(tmp_path, 12, capacity=64)  # a process that is killed: nothing cleaned up
     base = tmp_path / L.tag()
-    (base / ".tmp-999999999-x").write_bytes(b"half a page")  # a dead writer's temporary file
-    (base / f".tmp-{os.getpid()}-y").write_bytes(b"ours, from before")
+    (base / (pagedir.tmp_prefix(999_999_999) + "x")).write_bytes(b"half a page")  # a dead writer's temporary file
+    (base / (pagedir.tmp_prefix() + "y")).write_bytes(b"ours, from before")
     (base / "pages" / "stray").write_bytes(b"nobody holds this")
     (base / "pages" / k(5)).write_bytes(b"KVTP")  # truncated: not adopted, nor its descendants
     store = PageStore(8, tmp_path, owner="a", layout=L)
@@ -229,6 +230,28 @@ def test_restart_adopts_sound_pages_within_capacity_and_cleans_the_rest(tmp_path
     assert len(PageStore(8, tmp_path / "big", owner="a", layout=L)) == 8  # capacity holds on start
     assert len(files(tmp_path / "big" / L.tag() / "pages")) == 8
     assert bytes(store.read_page(k(3))) == bytes([3]) * 64
+
+
+def test_temporary_files_are_judged_by_where_their_writer_ran(tmp_path: Path) -> None:
+    """A pool may be shared by engines on other hosts or in other containers, whose process ids mean nothing here:
+    their temporary files go only once older than any write takes (``STALE_TMP_S``). This host's go when their
+    writer is gone, and so do files older than that bound wherever they were written."""
+    base = tmp_path / L.tag()
+    chain_store(tmp_path, 1).close()
+    live, dead = os.getppid(), 999_999_999  # (the test's parent process outlives it)
+    old = time.time() - pagedir.STALE_TMP_S - 60
+    keep = [pagedir.tmp_prefix(dead, host="0123abcd") + "a", pagedir.tmp_prefix(live, host="0123abcd") + "b",
+            pagedir.tmp_prefix(live) + "c"]
+    drop = [pagedir.tmp_prefix(dead) + "d", pagedir.tmp_prefix() + "e", f".tmp-{dead}-f"]
+    stale = [pagedir.tmp_prefix(dead, host="0123abcd") + "g", pagedir.tmp_prefix(live) + "h", f".tmp-{live}-i"]
+    for name in keep + drop + stale:
+        (base / name).write_bytes(b"half a page")
+    for name in stale:
+        os.utime(base / name, (old, old))
+    store = PageStore(8, tmp_path, owner="a", layout=L)
+    assert store.stats.tmp_removed == len(drop + stale)
+    assert sorted(f for f in os.listdir(base) if f.startswith(".tmp")) == sorted(keep)
+    assert len(store) == 1
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -378,6 +401,33 @@ def test_other_layouts_in_one_directory_are_isolated(tmp_path: Path) -> None:
     assert len(llama) == 3
     assert {p.name for p in tmp_path.iterdir()} == {Layout("llama", PS).tag(), Layout("qwen", PS).tag(),
                                                     Layout("llama", PS, tp_size=2, tp_rank=1).tag()}
+
+
+def test_layout_tags_name_each_layout_once() -> None:
+    """A tag is a filesystem-safe directory name, one per layout: models whose names differ only in characters a
+    path cannot hold, and pages of another byte size, never share a directory. A name that needs no escaping keeps
+    the tag it always had, so existing stores are still found."""
+    layouts = [Layout("org/m"), Layout("org_m"), Layout("org:m"), Layout("org%2Fm"), Layout("m", dtype="fp8-e4m3"),
+               Layout("m", dtype="fp8_e4m3"), Layout("m", kv_bytes_per_token=1024), Layout("m", kv_bytes_per_token=512),
+               Layout("m"), Layout("m-ps16-bfloat16-tp0of1-pp0of1"), Layout("m", 16 * 11), Layout("m", 16, dtype="1")]
+    tags = [x.tag() for x in layouts]
+    assert len(set(tags)) == len(tags), tags
+    assert all(re.fullmatch(r"[A-Za-z0-9._%-]+", t) and not t.startswith(".") for t in tags), tags
+    assert Layout("gpt-oss-20b", 64).tag() == "gpt-oss-20b-ps64-bfloat16-tp0of1-pp0of1"
+    with pytest.raises(ValueError, match="model"):
+        Layout("")
+    with pytest.raises(ValueError, match="kv_bytes_per_token"):
+        Layout("m", kv_bytes_per_token=-2)
+
+
+def test_pages_of_another_byte_size_are_kept_apart(tmp_path: Path) -> None:
+    """An engine restarted with another KV size per token over the same directory adopts none of the old pages
+    (they would all be damage at their first read) and leaves them to the engines of their own size."""
+    chain_store(tmp_path, 3, layout=Layout("m", PS, kv_bytes_per_token=4)).close()
+    other = PageStore(8, tmp_path, owner="a", layout=Layout("m", PS, kv_bytes_per_token=8))
+    assert len(other) == 0 and other.stats.dropped_at_start == 0
+    other.close()
+    assert len(PageStore(8, tmp_path, owner="a", layout=Layout("m", PS, kv_bytes_per_token=4))) == 3
 
 
 def test_processes_sharing_a_pool_never_delete_each_others_pages(tmp_path: Path) -> None:

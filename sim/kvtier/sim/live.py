@@ -60,7 +60,10 @@ def _store(args: argparse.Namespace) -> PageStore | None:
     shared = args.l3 == "external"
     if args.l3_dir is None:
         return PageStore(args.disk_pages, shared=shared)
-    layout = Layout(args.model, args.page_size, "bfloat16")
+    try:
+        layout = Layout(args.model, args.page_size, "bfloat16", kv_bytes_per_token=args.kv_bytes_per_token)
+    except ValueError as exc:
+        raise EngineError(f"--model: {str(exc).removeprefix('layout: ')}") from None
     try:
         store = PageStore(args.disk_pages, Path(args.l3_dir), shared=shared, layout=layout, owner=args.name,
                           sync=SyncPolicy(args.l3_sync))

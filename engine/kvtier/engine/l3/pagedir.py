@@ -7,14 +7,15 @@
         refs/<owner>/<key>   hard links: the pages an owner holds
         refs/.<owner>.lock   flock held by the one process acting as that owner
         .lock                flock: linking and unlinking decisions are made under it
-        .tmp-<pid>-*         writes in flight
+        .tmp-h<where>-<pid>-*  writes in flight (<where>: the host, boot and pid namespace of the writer)
 
 Ownership is the link count: an owner holds a page by a hard link under ``refs/<owner>``; releasing
 a page removes that link, and the page file goes only when no owner links it any more (``st_nlink``
 back to 1), decided under the lock. So a process evicting, resetting or restarting never deletes a
 page another process holds, and two owners writing the same page share one file. A restarted owner
-finds its holdings under ``refs/<owner>`` (:meth:`PageDir.scan`); ``.tmp`` files of dead processes and
-pages nobody holds are removed then.
+finds its holdings under ``refs/<owner>`` (:meth:`PageDir.scan`); ``.tmp`` files of dead writers and pages nobody
+holds are removed then. A writer's process id means something only where it ran, so a temporary file written
+elsewhere (another host or container sharing the pool) is judged by its age alone (:data:`STALE_TMP_S`).
 
 Writes go to a temporary file, are made durable per the :class:`SyncPolicy`, then linked into
 ``pages/`` (never replacing a file another owner may hold). A batch that fails part-way removes
@@ -25,10 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import logging
 import os
 import re
+import socket
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from enum import StrEnum
 from pathlib import Path
@@ -37,7 +41,42 @@ from kvtier.engine.l3.pagefile import DRAFT_PREFIX, Layout, PageFileError, PageH
 
 log = logging.getLogger(__name__)
 
-_TMP = re.compile(r"^\.tmp-(\d+)-")
+_TMP = re.compile(r"^\.tmp-(?:h([0-9a-f]{8})-)?(\d+)-")  # (files without the h<where> part are this host's)
+#: A temporary file older than this is a dead writer's, wherever it ran: a write holds one for the time it takes to
+#: write a batch of pages, seconds on a slow disk.
+STALE_TMP_S = 3600.0
+
+
+def _where() -> str:
+    """Where this process's ids mean what they say: its host, boot and pid namespace, as 8 hex digits."""
+    parts = [socket.gethostname()]
+    with contextlib.suppress(OSError):  # (Linux: a reboot reuses process ids)
+        parts.append(Path("/proc/sys/kernel/random/boot_id").read_text().strip())
+    with contextlib.suppress(OSError):  # (Linux: containers on one host number their processes apart)
+        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:8]
+
+
+_WHERE = _where()
+
+
+def tmp_prefix(pid: int | None = None, host: str = _WHERE) -> str:
+    """The name prefix of a temporary page file written by process ``pid`` (this one's by default) at ``host``."""
+    return f".tmp-h{host}-{os.getpid() if pid is None else pid}-"
+
+
+def _dead_tmp(name: str, mtime: float) -> bool:
+    """Whether ``name`` is a temporary file no writer will finish: past :data:`STALE_TMP_S`, or written here by a
+    process that is gone (or by an earlier process with this one's id)."""
+    m = _TMP.match(name)
+    if m is None:
+        return False
+    if time.time() - mtime > STALE_TMP_S:
+        return True
+    if m.group(1) not in (None, _WHERE):
+        return False
+    pid = int(m.group(2))
+    return pid == os.getpid() or not _alive(pid)
 
 
 class OwnerBusy(OSError):
@@ -129,7 +168,7 @@ class PageDir:
         linked: list[str] = []
         try:
             for header, payload in items:
-                fd, tmp = tempfile.mkstemp(dir=self.base, prefix=f".tmp-{os.getpid()}-")
+                fd, tmp = tempfile.mkstemp(dir=self.base, prefix=tmp_prefix())
                 tmps.append(tmp)
                 with os.fdopen(fd, "wb") as f:
                     f.writelines(encode(header, payload))
@@ -213,7 +252,7 @@ class PageDir:
     def scan(self) -> tuple[list[tuple[PageHeader, float]], dict[str, int]]:
         """This owner's sound holdings (header, mtime), after removing what nobody can use. O(files).
 
-        Removes ``.tmp`` files of dead processes, this owner's holds on damaged or foreign pages (and on pages whose
+        Removes ``.tmp`` files of dead writers, this owner's holds on damaged or foreign pages (and on pages whose
         file in ``pages/`` is gone or replaced), and pages no owner holds. Draft companions (``d:`` keys) are not
         returned; they stay held beside their pages. The counts say what was found and removed.
         """
@@ -221,8 +260,7 @@ class PageDir:
         counts = {"adoptable": 0, "damaged": 0, "tmp_removed": 0, "orphans_removed": 0}
         with self._locked():
             for entry in os.scandir(self.base):
-                m = _TMP.match(entry.name)
-                if m and (int(m.group(1)) == os.getpid() or not _alive(int(m.group(1)))):
+                if entry.name.startswith(".tmp-") and _dead_tmp(entry.name, entry.stat().st_mtime):
                     os.unlink(entry.path)
                     counts["tmp_removed"] += 1
             bad: list[str] = []

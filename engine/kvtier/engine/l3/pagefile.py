@@ -45,9 +45,9 @@ class PageFileError(ValueError):
 class Layout:
     """What makes two engines' page bytes interchangeable.
 
-    Pages of different models, page sizes, dtypes or parallel shards have different bytes for the same
-    tokens; the store keeps each layout in its own directory and checks the tag in every header, so
-    engines of different models sharing one pool are never served each other's pages.
+    Pages of different models, page sizes, dtypes, KV sizes per token or parallel shards have different bytes for
+    the same tokens; the store keeps each layout in its own directory (:meth:`tag`) and checks the tag in every
+    header, so engines of different models sharing one pool are never served each other's pages.
     """
 
     model: str = "unknown"  # model name or preset
@@ -57,18 +57,37 @@ class Layout:
     tp_rank: int = 0
     pp_size: int = 1  # pipeline-parallel stages; each stores its own layers
     pp_rank: int = 0
+    kv_bytes_per_token: int = 0  # KV bytes of one token on this shard (0: not part of the layout)
 
     def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("layout: the model name must not be empty")
         if self.page_size < 1 or self.tp_size < 1 or self.pp_size < 1:
             raise ValueError(f"layout: page_size, tp_size and pp_size must be >= 1, got {self}")
         if not (0 <= self.tp_rank < self.tp_size and 0 <= self.pp_rank < self.pp_size):
             raise ValueError(f"layout: ranks must be in [0, size), got {self}")
+        if self.kv_bytes_per_token < 0:
+            raise ValueError(f"layout: kv_bytes_per_token must be >= 0, got {self.kv_bytes_per_token}")
 
     def tag(self) -> str:
-        """A readable, filesystem-safe name unique to this layout."""
-        model = re.sub(r"[^A-Za-z0-9._-]+", "_", self.model) or "_"
-        return (f"{model}-ps{self.page_size}-{self.dtype}-tp{self.tp_rank}of{self.tp_size}"
-                f"-pp{self.pp_rank}of{self.pp_size}")
+        """A readable, filesystem-safe directory name, one per layout: the fields joined by ``-``, the model's
+        characters outside ``[A-Za-z0-9._-]`` and the dtype's outside ``[A-Za-z0-9._]`` escaped as ``%XX`` (UTF-8),
+        so that no two layouts share a tag. Read from the right, the fields after the model are fixed in form."""
+        kv = f"-kv{self.kv_bytes_per_token}" if self.kv_bytes_per_token else ""
+        return (f"{_escape(self.model, _MODEL_SAFE)}-ps{self.page_size}-{_escape(self.dtype, _DTYPE_SAFE)}"
+                f"-tp{self.tp_rank}of{self.tp_size}-pp{self.pp_rank}of{self.pp_size}{kv}")
+
+
+_MODEL_SAFE = re.compile(rb"[^A-Za-z0-9._-]")
+_DTYPE_SAFE = re.compile(rb"[^A-Za-z0-9._]")
+
+
+def _escape(name: str, unsafe: re.Pattern[bytes]) -> str:
+    """``name`` with each byte ``unsafe`` matches (``%`` is always escaped) as ``%XX``; a leading dot too, so that a
+    tag is never a hidden file. Injective."""
+    raw = name.encode("utf-8", "surrogatepass")
+    out = unsafe.sub(lambda m: b"%%%02X" % m.group()[0], raw).decode("ascii")
+    return "%2E" + out[1:] if out.startswith(".") else out
 
 
 class PageHeader(msgspec.Struct, array_like=True, frozen=True):
