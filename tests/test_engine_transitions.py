@@ -8,6 +8,7 @@ import pytest
 
 from kvtier.engine.cache import CacheConfig, PrefetchPolicy, WritePolicy
 from kvtier.engine.datapath import CopyKind
+from kvtier.engine.events import EventLog
 from kvtier.engine.hashing import chain, event_hash
 from kvtier.engine.l3.storage import PageStore
 from kvtier.indexer.index.tiered import TieredIndex
@@ -22,7 +23,7 @@ from kvtier.wire import (
     is_window_event,
 )
 from kvtier.wire.notices import StreamId
-from kvtier.wire.protocol import pack_tokens, unpack_tokens
+from kvtier.wire.protocol import pack_tokens, unpack_tokens, window_group
 from tests.engine_harness import Harness
 
 PS = 4
@@ -468,10 +469,11 @@ def test_swa_full_eviction_emits_gpu_removal() -> None:
     h.run("a", toks(0, 4))
     h.run("b", toks(1000, 4))
     # Each prompt is cached as its tombstoned front and its last window (2 pages) with window KV; b evicts
-    # a's leaf (window KV first), then its front.
+    # a's leaf (window KV first), then its front: one removal of both on the device.
     assert kinds(h.log) == [("BlockStored", "GPU"), ("BlockStored", "GPU"), ("BlockStored", "GPU window"),
-                            ("BlockRemoved", "GPU window"), ("BlockRemoved", "GPU"), ("BlockRemoved", "GPU"),
+                            ("BlockRemoved", "GPU window"), ("BlockRemoved", "GPU"),
                             ("BlockStored", "GPU"), ("BlockStored", "GPU"), ("BlockStored", "GPU window")]
+    assert [len(e.block_hashes) for e in h.log if isinstance(e, BlockRemoved)] == [2, 4]
     assert h.cache.swa.used == 2
 
 
@@ -507,3 +509,25 @@ def test_shared_pool_announcements_stay_prefix_closed_when_another_engine_wrote_
         for ev in batch.events:
             assert fresh.apply(h2.stream, ev).value == "applied", ev
     assert fresh.worker_hashes(h2.stream) == h2.cache.residency()
+
+
+def test_removals_in_a_row_on_one_tier_and_group_are_one_event() -> None:
+    """An eviction freeing several nodes publishes one ``BlockRemoved`` per run of removals on one tier and cache
+    group, their hashes in the order they went; another event, tier or group, or a flush starts a new one."""
+    log = EventLog(page_size=PS, window_pages=2, window_events=True)
+    log.removed([1, 2], StorageTier.DEVICE)
+    log.removed([3], StorageTier.DEVICE)
+    log.removed([4], StorageTier.HOST)
+    log.removed([5], StorageTier.HOST, **window_group(2 * PS))
+    log.removed([6], StorageTier.HOST)
+    log.removed([], StorageTier.HOST)
+    log.cleared()
+    log.removed([7], StorageTier.HOST)
+    batch = log.flush()
+    log.removed([8], StorageTier.HOST)
+    assert batch is not None and kinds(batch.events) == [
+        ("BlockRemoved", "GPU"), ("BlockRemoved", "CPU_PINNED"), ("BlockRemoved", "CPU_PINNED window"),
+        ("BlockRemoved", "CPU_PINNED"), ("AllBlocksCleared", ""), ("BlockRemoved", "CPU_PINNED")]
+    assert [e.block_hashes for e in batch.events if isinstance(e, BlockRemoved)] == [[1, 2, 3], [4], [5], [6], [7]]
+    after = log.flush()
+    assert after is not None and [e.block_hashes for e in after.events if isinstance(e, BlockRemoved)] == [[8]]

@@ -28,10 +28,11 @@ from kvtier.wire.protocol import (
 class EventLog:
     """Events not yet flushed. Single-threaded, as its cache."""
 
-    __slots__ = ("_events", "page_size", "window_pages", "window_tokens")
+    __slots__ = ("_events", "_open", "page_size", "window_pages", "window_tokens")
 
     def __init__(self, page_size: int, window_pages: int, window_events: bool) -> None:
         self._events: list[Event] = []  # in emission order
+        self._open: BlockRemoved | None = None  # the last removal this log made, which the next may join
         self.page_size = page_size  # tokens per page (the events' block size)
         self.window_pages = window_pages if window_events else 0  # SWA window announced in events (0: none)
         self.window_tokens = self.window_pages * page_size  # ``kv_cache_spec_sliding_window``: whole pages
@@ -45,7 +46,7 @@ class EventLog:
         if not self._events:
             return None
         batch = EventBatch(ts=ts, events=self._events, dp_rank=dp_rank)
-        self._events = []
+        self._events, self._open = [], None
         return batch
 
     def stored(self, node: Node, tier: StorageTier, **group: Any) -> None:
@@ -55,10 +56,22 @@ class EventLog:
             block_size=self.page_size, medium=medium_spelling(tier), **group))
 
     def removed(self, hashes: Iterable[EngineHash], tier: StorageTier, **group: Any) -> None:
-        """BlockRemoved of the pages ``hashes`` name on ``tier``; nothing for none. O(pages)."""
+        """BlockRemoved of the pages ``hashes`` name on ``tier``; nothing for none. Removals in a row on one tier and
+        cache group are one event (an eviction that frees many nodes, or an L3 store trimmed page by page, is one
+        ``BlockRemoved``): a removal's blocks are independent of each other, so the consumer's result is the same.
+        O(pages)."""
         removed: list[EngineHash] = list(hashes)
-        if removed:
-            self._events.append(BlockRemoved(block_hashes=removed, medium=medium_spelling(tier), **group))
+        if not removed:
+            return
+        ev = BlockRemoved(block_hashes=removed, medium=medium_spelling(tier), **group)
+        last = self._open
+        if (last is not None and self._events and self._events[-1] is last and last.medium == ev.medium
+                and last.group_idx == ev.group_idx and last.kv_cache_spec_kind == ev.kv_cache_spec_kind
+                and last.kv_cache_spec_sliding_window == ev.kv_cache_spec_sliding_window):
+            last.block_hashes.extend(removed)  # (this log made it, and nothing else holds it before the flush)
+        else:
+            self._events.append(ev)
+            self._open = ev
 
     def window_stored(self, node: Node, tier: StorageTier) -> None:
         """``node``'s window KV is now on ``tier`` (after its full-attention BlockStored there). O(pages)."""
