@@ -1,6 +1,6 @@
 """Every bad input through the real CLI: one line naming what was wrong, exit 2, never a traceback.
 
-The table holds each input issue 15 listed (and ones found since); the hypothesis tests throw
+The table holds the inputs of issue 15 and others of their kind; the hypothesis tests throw
 random argument vectors at ``kvtier replay`` and ``kvtier indexer``.
 """
 
@@ -214,12 +214,12 @@ CASES: dict[str, Case] = {
                         "grid axis 'host_ratio': 'lots' is not a number"),
     "grid bad choice": (lambda t, f: ["sweep", *SMALL[:2], "--grid", "eviction=foo"],
                         "grid axis 'eviction': 'foo' is not one of node, page"),
-    # latency values were taken as plain strings: an AttributeError traceback when the run began
+    # a latency axis names a file or a preset, checked as the grid is read, not when a run begins
     "grid unknown latency": (lambda t, f: ["sweep", *SMALL[:2], "--grid", "latency=dynamo-mocker,fast"],
                              "grid axis 'latency': fast: No such file, nor a latency preset"),
     "grid axis twice": (lambda t, f: ["sweep", *SMALL[:2], "--grid", "workers=1", "workers=2"],
                         "grid axis 'workers' is given twice: give its values once, as workers=V1,V2,..."),
-    # plugins that cannot load or break the protocol: they were tracebacks, before or during the run
+    # plugins that cannot load or break the protocol: one line naming the plugin and what is wrong with it
     "plugin syntax error": (lambda t, f: replay("--policy", _bytes(t, "p.py", b"def (:\n") + ":P")(t, f),
                             "p.py:P': SyntaxError: invalid syntax"),
     "plugin raises on import": (lambda t, f: replay("--policy", _bytes(
@@ -231,7 +231,7 @@ CASES: dict[str, Case] = {
         b"    def score", b"    def scored")) + ":P")(t, f), "p.py:P': P defines no score()"),
     "plugin with an empty name": (lambda t, f: replay("--policy", _bytes(t, "p.py", _PLUGIN.replace(
         b'name = "p"', b'name = ""')) + ":P")(t, f), "p.py:P': its name must be a non-empty string, got ''"),
-    # a fit whose prefill time goes negative in the range a pass takes: a ValueError traceback mid-run
+    # a fit whose prefill time goes negative in the range a pass takes: refused, naming the time it gives
     "latency fit negative": (lambda t, f: replay("--device-tokens", "8192", "--latency", _bytes(
         t, "fit.json", json.dumps({"prefill_ms": [-1e-6, 0.0, 20.0], "decode_ms": [0.0, 0.0, 5.0]}).encode()))(t, f),
         "--latency: its prefill fit gives -47.1 ms for 8192 tokens; a prefill of 1 to 8192 tokens must take more"),
@@ -241,7 +241,7 @@ CASES: dict[str, Case] = {
     "fit-latency negative": (lambda t, f: ["fit-latency", _bytes(
         t, "pts.csv", b"kind,x,ms\nprefill,512,200\nprefill,2048,50\nprefill,8192,1\n"), "-o", str(t / "f.json")],
         "its prefill fit gives"),
-    # checked before the run, not after it (the run was lost, and the error named a temporary file)
+    # checked before the run, so that a bad path costs no run and the error names the path given
     "itl-series is a directory": (lambda t, f: replay("--itl-series", str(t))(t, f),
                                   ": is a directory; name a file in it"),
     "itl-series in a missing directory": (lambda t, f: ["compare", *SMALL, "--itl-series", str(t / "no" / "x.jsonl")],
@@ -251,7 +251,7 @@ CASES: dict[str, Case] = {
                              "argument --requests: 0 is not allowed"),
     "gen-trace rate -1": (lambda t, f: ["gen-trace", "--rate", "-1", "-o", str(t / "x.jsonl")],
                           "argument --rate: -1 is not allowed"),
-    # numpy's generators take no negative seed: this was a traceback, exit 1 (and a line naming no option)
+    # numpy's generators take no negative seed: the option refuses it, and the line names the option
     "trace seed -1": (lambda t, f: ["replay", *SMALL[:2], "--trace-seed", "-1"],
                       "argument --trace-seed: -1 is not allowed; expected an integer >= 0"),
     "gen-trace seed -1": (lambda t, f: ["gen-trace", "--seed", "-1", "-o", str(t / "x.jsonl")],
@@ -293,7 +293,7 @@ CASES: dict[str, Case] = {
     "indexer bad endpoint": (lambda t, f: ["indexer", "--endpoint", "garbage"], "endpoint 'garbage'"),
     "indexer endpoint port past 65535": (lambda t, f: ["indexer", "--endpoint", "w=tcp://127.0.0.1:99999"],
                                          "port in 1..65535"),
-    # str.isdigit() takes '²' and int() does not: a traceback, or int()'s message naming no option
+    # str.isdigit() takes '²' and int() does not: refused as a bad value of the option, naming it
     "indexer endpoint dp superscript": (lambda t, f: ["indexer", "--endpoint", "w=tcp://127.0.0.1:1,dp=\u00b2"],
                                         "option 'dp=\u00b2': expected dp=N with N an integer >= 0"),
     "indexer listen port superscript": (lambda t, f: indexer("--listen", "127.0.0.1:\u00b2"),
@@ -397,7 +397,7 @@ def test_a_plugin_that_breaks_the_protocol_mid_run_gets_a_line_and_exit_2(
         command: str, method: bytes, says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Only routing shows it: the run has begun (its banner and progress bar are out), then one line says what the
-    plugin did, on a line of its own (it was a LookupError traceback, exit 1)."""
+    plugin did, on a line of its own, exit 2, and no traceback."""
     monkeypatch.chdir(tmp_path)
     spec = _bytes(tmp_path, "p.py", _PLUGIN + method) + ":P"
     rc = main([command, *SMALL, "--policies" if command == "compare" else "--policy", spec])
@@ -407,8 +407,8 @@ def test_a_plugin_that_breaks_the_protocol_mid_run_gets_a_line_and_exit_2(
 
 
 def test_an_itl_series_that_cannot_be_written_is_refused_before_the_run(tmp_path: Path) -> None:
-    """The runs' work is not spent first (the error came once every run was done, naming a temporary file, and
-    left that file behind)."""
+    """The runs' work is not spent first: the path is checked before any run, and nothing is left behind (no
+    output directory, no part file)."""
     assert main(["replay", *SMALL, "--out", str(tmp_path / "o"), "--itl-series", str(tmp_path)]) == 2
     assert list(tmp_path.iterdir()) == []  # no output directory, no part file
 

@@ -185,11 +185,11 @@ TestConsistency = Consistency.TestCase
 
 
 def test_a_prefetched_chain_loads_back_without_evicting_its_own_parent() -> None:
-    """Found by the slow profile, shrunk to these steps (the machine checks its invariant after each). In a shared
-    pool, worker 2's request for doc 3 prefetches its first two pages from L3 (written by worker 0) and loads them
-    back; a longer request for doc 3 prefetches four, and when they land the first two are on device, held by no
-    request (they came below what each request held at admission). Loading the next node made room by evicting
-    that parent, a device leaf then: the child landed on device under a parent that was not."""
+    """A fixed sequence of steps; the machine checks its invariant after each. In a shared pool, worker 2's
+    request for doc 3 prefetches its first two pages from L3 (written by worker 0) and loads them back; a longer
+    request for doc 3 prefetches four, and when they land the first two are on device, held by no request (they
+    came below what each request held at admission). Loading the next node must not make room by evicting that
+    parent, a device leaf then: the child would land on device under a parent that is not."""
     m = Consistency()
     steps: list[Callable[[], object]] = [
         lambda: m.start(policy=WritePolicy.WRITE_BACK, l3="external", swa=False),

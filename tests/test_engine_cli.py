@@ -134,7 +134,8 @@ def test_a_residency_that_cannot_be_written_is_one_line(capsys: pytest.CaptureFi
 
 
 def test_an_odd_kv_bytes_per_token_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    """The page files hold 2-byte (bfloat16) elements: an odd byte count cannot be their size (it was rounded down)."""
+    """The page files hold 2-byte (bfloat16) elements: an odd byte count cannot be their size, so it is refused,
+    not rounded down."""
     rc, err = _run(capsys, "--trace", "builtin:chat:2", "--l3-dir", str(tmp_path), "--kv-bytes-per-token", "3")
     assert rc == 2
     assert err == "kvtier engine: error: --kv-bytes-per-token: 3 is odd; the pages hold 2-byte (bfloat16) elements\n"

@@ -115,8 +115,7 @@ def test_two_indexers_one_dumping_one_probing_both_converge() -> None:
         tracker_b = sub_b._conns[cfg.stream].tracker
         tracker_b.probe_s = 0.05
         # B's catch-up from seq 0 is answered before the engine publishes: else, on a slow start, the 8-batch buffer
-        # had moved on by the time it was (a fresh clone's CI run once logged "replay from seq 0 started at seq
-        # 4"), and B needed a dump, which this test is not about.
+        # can move past seq 0 before the answer goes out, and B would need a dump, which this test is not about.
         deadline = time.monotonic() + 5.0
         while tracker_b.recovering and time.monotonic() < deadline:
             con_b.feed(sub_b.poll(10))

@@ -213,7 +213,7 @@ def test_l3_write_and_eviction_emit_disk_events(tmp_path: Path) -> None:
 
 
 def test_l3_pages_share_their_nodes_tokens_and_read_back_their_own() -> None:
-    """A page's metadata keeps its node's packed run and its place in it, not a copy per page (the copies were
+    """A page's metadata keeps its node's packed run and its place in it, not a copy per page (copies would be
     most of the disk tier's memory); a memory store's pages still give their own tokens, also after the node splits
     and after it leaves the tree."""
     store = PageStore(64)
@@ -444,7 +444,7 @@ def test_swa_prefix_reuse_needs_the_window_and_recompute_restores_it() -> None:
 def test_swa_session_whose_own_path_holds_the_window_pool_still_starts() -> None:
     """A session caches a window at each turn's end, all on the next turn's (locked) path. That turn reads
     only the window before its cut: the older windows on its path are tombstoned to make room, as SGLang's
-    SWA lock covers only that window. Before, such a turn waited for window KV forever."""
+    SWA lock covers only that window. So the turn starts, and does not wait for window KV forever."""
     cfg = CacheConfig(page_size=PS, device_pages=32, host_ratio=0.0, swa_window_pages=2, swa_pages=4)
     h = Harness(cfg)
     h.run("t1", toks(0, 4))  # window KV on pages 2-3

@@ -286,10 +286,10 @@ class FaultyWire(TwoEngines):
 
 
 def test_a_restart_while_a_catch_up_answer_is_cut_short_and_its_retry_lost_converges() -> None:
-    """The slow profile's counterexample, step for step: the catch-up answer delivers seq 0 and loses its end
-    marker, the retry's answer is lost, the engine restarts and stores a block. The retry after the reconnect
-    took the new process's seq 1 for the continuation of the old one's seq 0, and the index never had the new
-    seq 0's device block."""
+    """The catch-up answer delivers seq 0 and loses its end marker, the retry's answer is lost, the engine
+    restarts and stores a block. The retry after the reconnect must not take the new process's seq 1 for the
+    continuation of the old one's seq 0: once the wire is quiet, the index holds what the new process holds,
+    its seq 0's device block included."""
     m = FaultyWire()
     m.setup(buffer=2)
     m.reset(w=0)
@@ -306,8 +306,9 @@ def test_a_restart_while_a_catch_up_answer_is_cut_short_and_its_retry_lost_conve
 def test_live_batches_that_arrive_after_the_dump_covering_them_are_no_restart() -> None:
     """w0's catch-up answer is lost across a router restart, so its batches are on the wire when the check at
     the next quiet point finds the buffer past seq 0 and asks for dumps, whose end markers come first. The
-    engine never restarted, but each live batch a dump covered was taken for a new process (a cleared worker, a
-    replay from 0, the stream marked partial and dumped again, three times over)."""
+    engine never restarted, so a live batch a dump covered is counted late, not taken for a new process (which
+    would clear the worker, replay from 0, and mark the stream partial and dump it again): no restart is
+    counted, and the index converges."""
     m = FaultyWire()
     m.setup(buffer=2)
     m.request(doc=0, pages=1, w=0)
@@ -320,9 +321,10 @@ def test_live_batches_that_arrive_after_the_dump_covering_them_are_no_restart() 
 
 
 def test_a_router_resumed_right_after_a_dump_finds_the_engine_restarted_meanwhile() -> None:
-    """As in a slow profile's counterexample: w0's last batch before the router's restart was a state dump, so
-    its saved position had no digest; the engine restarted and published nothing, the resume replayed from the
-    saved seq, found nothing and trusted the stream, and the index kept the blocks the new process never had."""
+    """w0's last batch before the router's restart is a state dump, so its saved position has no digest; the
+    engine then restarts and publishes nothing. A resume that replays from the saved seq and finds nothing past
+    it must not trust the stream: once the wire is quiet, the index holds none of the blocks the new process
+    never had."""
     m = FaultyWire()
     m.setup(buffer=2)
     m.request(doc=0, pages=1, w=0)
@@ -337,10 +339,10 @@ def test_a_router_resumed_right_after_a_dump_finds_the_engine_restarted_meanwhil
 
 
 def test_a_catch_up_asked_again_before_it_was_sent_is_answered_once() -> None:
-    """The slow profile's counterexample: w0's catch-up from seq 0 timed out before it was sent and was asked
-    again on a fresh socket; both went out, the first answer started past seq 0 so a dump was asked, and the
-    second replay answer was taken for the dump's: the stream applied two batches as the engine's whole state and
-    dropped the live ones it said the dump covered."""
+    """w0's catch-up from seq 0 times out before it is sent and is asked again on a fresh socket; both go out,
+    and the first answer starts past seq 0, so a dump is asked. The second replay answer must not be taken for
+    the dump's (that would apply two batches as the engine's whole state and drop the live ones the dump
+    covers): once the wire is quiet, the index matches every engine."""
     m = FaultyWire()
     m.setup(buffer=2)
     m.request(doc=2, pages=1, w=0)

@@ -1,5 +1,5 @@
 """Simulator fidelity: every request accounted, tokens booked to the right tier, time charged as an
-engine spends it. Each test here failed on main before its fix (issue 18)."""
+engine spends it. Each test here checks one requirement of issue 18."""
 
 from __future__ import annotations
 

@@ -146,8 +146,8 @@ def test_cli_reports_goodput_the_itl_series_and_their_plots(tmp_path: Path, caps
 
 def test_a_prompt_cached_whole_still_gets_its_first_token_from_a_prefill() -> None:
     """The second of two identical page-aligned prompts finds every page cached: it still runs its last token for
-    the logits of its first output token, as SGLang and vLLM do. It once skipped to decoding with no first token
-    recorded: a TTFT of -1 s went into the percentiles."""
+    the logits of its first output token, as SGLang and vLLM do. Its first token is recorded after that one-token
+    prefill, so its TTFT is positive and no TTFT of -1 s goes into the percentiles."""
     ids = list(range(8))
     reqs = [Request("a", 0.0, 4096, 50, ids), Request("b", 0.001, 4096, 50, ids)]
     cfg = ClusterConfig.of(workers=1, page_size=64, device_tokens=65_536, host_ratio=0.0, max_running=1)

@@ -155,7 +155,7 @@ def test_a_streamed_line_that_became_hostile_after_indexing_is_named(tmp_path: P
     ("2023-11-16 18:15:47,10000000000,1", f"ContextTokens 10000000000 is past the cap of {MAX_TOKENS:,} tokens"),
     ("2023-11-16 18:15:47," + "1" * 30 + ",1", "ContextTokens 111111111111111111111111111111 is past the cap"),
     ("2023-11-16 18:15:47,10,10000000000", f"GeneratedTokens 10000000000 is past the cap of {MAX_TOKENS:,}"),
-    # past csv's own field limit (131,072 characters): csv.Error escaped as a traceback
+    # past csv's own field limit (131,072 characters): named as not CSV, not let out as a csv.Error traceback
     ("2023-11-16 18:15:47,10,1," + "x" * 200_000, "not CSV: field larger than field limit"),
     ("x" * 100_000 + ",10,1", "TIMESTAMP '" + "x" * 36 + "... is not an ISO date"),
 ])

@@ -206,8 +206,8 @@ def test_snapshot_round_trip_and_bad_snapshot() -> None:
 def test_a_snapshot_of_thousands_of_blocks_per_worker_restores(signed: bool) -> None:
     """A restart from a snapshot writes every worker's engine hashes back one by one, growing its table many
     times over (a worker's table starts at 64 rows): every block must come back where a query finds it, with
-    SGLang's signed and vLLM's unsigned hashes alike. The restore once wrote each hash into the table's rows from
-    before the growth (an ``IndexError``, or a hash silently lost)."""
+    SGLang's signed and vLLM's unsigned hashes alike. Each hash goes into the table as grown so far, never into
+    the rows from before a growth (an ``IndexError``, or a hash silently lost)."""
     n, bs = 3000, 4
     toks = list(range(n * bs))
     base = -(1 << 62) if signed else 1 << 63  # the sign the engine's hashes come with
@@ -448,7 +448,8 @@ def test_general_store_path_agrees_with_naive_model(
 def test_a_branch_under_a_parent_whose_key_has_its_top_bit_set_is_kept_under_that_key() -> None:
     """A chain stored under a parent whose router key is past 2**63 starts a second child there: the set of its
     children must be kept under the key itself. The one-call store reads the parent's key back from an int64
-    array: taken as signed, the set went under a negative number, and the next removal or query lost it."""
+    array, so it must take it as unsigned: a set kept under a negative number is lost to the next removal or
+    query."""
     docs = [[d * 1000 + i for i in range(4)] for d in range(40)]
     doc = next(d for d in docs if block_keys(d[:4], 4)[0] >= 1 << 63)
     parent = block_keys(doc[:4], 4)[0]
@@ -580,8 +581,8 @@ fuzz_events = st.one_of(
 
 
 @given(st.lists(fuzz_events, max_size=40))
-# A well-formed store under an unknown parent is held as an orphan: counted, but not as a rejection
-# (the slow profile found this case; the test used to count every outcome but APPLIED as rejected).
+# A well-formed store under an unknown parent is held as an orphan: counted as an unknown parent, not as a
+# rejection.
 @example([BlockStored(block_hashes=[0], parent_block_hash=0, token_ids=[0, 0], block_size=2, medium=None)])
 def test_fuzzed_events_never_raise_and_never_touch_other_workers(events: list[Event]) -> None:
     idx = TieredIndex(2)

@@ -115,8 +115,8 @@ def test_orphan_with_extra_keys_grafts_in_its_scope() -> None:
 @pytest.mark.parametrize("lora", [None, "ad"])
 def test_a_salted_store_encoded_as_vllm_keeps_its_key_space(lora: str | None) -> None:
     """vLLM carries a request's cache salt in its first block's extra keys (after the LoRA name, which every block
-    carries): a salted store encoded in vLLM's format decodes into the same key space it was stored in (the salt
-    was dropped, so the blocks were indexed as unsalted)."""
+    carries): a salted store encoded in vLLM's format decodes into the same key space it was stored in; the salt
+    is kept, or the blocks would be indexed as unsalted."""
     ev = BlockStored(block_hashes=[1, 2, 3], parent_block_hash=None, token_ids=TOKS[:12], block_size=BS,
                      medium="GPU", lora_name=lora, cache_salt="s1")
     got = decode_payload(encode_payload(EventBatch(ts=1.0, events=[ev]), WireFormat.VLLM)).events[0]

@@ -93,7 +93,7 @@ def test_a_probed_publisher_stays_heard_and_a_gone_one_falls_silent() -> None:
 def test_a_dump_capable_stream_given_up_keeps_asking_for_a_dump_until_one_comes() -> None:
     """An engine killed, then restarted: the dumps asked while it was gone time out and the stream is marked
     partial; it is asked again (paced by the resync backoff) until the restarted engine answers, and the
-    worker is then whole again. Before, no dump was ever asked after the first failed one."""
+    worker is then whole again. A failed dump is never the last one asked."""
     t = StreamTracker(S, can_replay=True, can_dump=True, timeout_s=1.0, probe_s=1.0)
     index = TieredIndex(BS)
     consumer = IndexConsumer(index)
@@ -135,8 +135,9 @@ def test_a_dump_capable_stream_given_up_keeps_asking_for_a_dump_until_one_comes(
 
 def test_a_dump_from_a_publisher_that_published_nothing_yet_is_taken_whole() -> None:
     """A restarted engine that has published nothing numbers its dump batches -1, the end marker's bytes; its
-    end marker has an empty payload, a dump batch never does. Before, the first dump batch was taken for the
-    end marker ("publisher sent no state dump") and the stream stayed partial until the engine published."""
+    end marker has an empty payload, a dump batch never does. So the first dump batch is not taken for the end
+    marker ("publisher sent no state dump"): the dump is applied whole and the stream is no longer partial, before
+    the engine publishes anything."""
     t = StreamTracker(S, can_replay=True, can_dump=True, timeout_s=1.0, probe_s=None)
     index = TieredIndex(BS)
     consumer = IndexConsumer(index)

@@ -58,7 +58,7 @@ def test_committed_outputs_are_not_a_small_run(path: Path) -> None:
 
 @pytest.mark.parametrize("size", ["Full", "tiny", ""])
 def test_an_unknown_size_is_refused(size: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A misspelt size used to run the small one in silence."""
+    """A misspelt size is refused, naming the sizes there are, rather than running the small one in silence."""
     monkeypatch.setenv("KVTIER_NB_SIZE", size)
     for path in NOTEBOOKS:
         with pytest.raises(ValueError, match="expected 'small' or 'full'"):

@@ -80,8 +80,8 @@ def test_the_same_plugin_routes_in_the_service() -> None:
     svc.start()
     try:
         pubs[0].publish(EventBatch(ts=time.time(), events=[stored([1, 2, 3], None, 0)]))
-        # Both workers' catch-ups done too: a worker still recovering is left out of the candidates (w1 was, once,
-        # in a run on a loaded machine, and w0 came back recommended).
+        # Both workers' catch-ups done too: a worker still recovering is left out of the candidates, so while w1
+        # recovers, w0 would be recommended.
         wait_for(lambda: (b := post(svc.address + "/query", {"token_ids": TOKS})[1])["workers"]["w0"]["device"] == 3
                  and not any(w["recovering"] for w in b["workers"].values()))
         body = post(svc.address + "/query", {"token_ids": TOKS})[1]

@@ -255,8 +255,8 @@ def test_a_snapshot_inferred_with_another_window_is_refused(tmp_path: Path) -> N
 
 def test_sigterm_stops_the_service_cleanly_with_its_last_snapshot(tmp_path: Path) -> None:
     """Supervisors (Kubernetes, systemd) stop a process with SIGTERM: the service stops as on Ctrl-C, exit 0, its
-    snapshot written, so that the next start resumes instead of rebuilding every worker (it used to die at once,
-    exit 143, the blocks applied since the last periodic snapshot lost)."""
+    snapshot written, so that the next start resumes instead of rebuilding every worker (not the signal's default:
+    exit 143, and the blocks applied since the last periodic snapshot lost)."""
     snap = tmp_path / "index.snap"
     with Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0") as pub:
         proc, address = _indexer_process(pub, snap)
@@ -277,9 +277,9 @@ def test_sigterm_stops_the_service_cleanly_with_its_last_snapshot(tmp_path: Path
 @pytest.mark.parametrize("where", ["start", "banner"])
 def test_a_stop_signal_during_start_or_the_banner_still_stops_cleanly(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], where: str) -> None:
-    """A supervisor may stop the process the moment it sees the banner, while ``print`` has not returned yet (CI
-    caught it so: a KeyboardInterrupt traceback and exit by SIGINT), or while the service is still starting. The
-    signal is forced at each point here: serve returns as on any stop, the snapshot written."""
+    """A supervisor may stop the process the moment it sees the banner, while ``print`` has not returned yet, or
+    while the service is still starting. The signal is forced at each point here: serve returns as on any stop,
+    no KeyboardInterrupt escapes, and a service that started writes its snapshot."""
     from kvtier.indexer.service import app
 
     started = app.IndexerService.start
@@ -313,8 +313,8 @@ def test_a_stop_signal_during_start_or_the_banner_still_stops_cleanly(
 def test_a_second_sigterm_while_it_stops_does_not_cut_the_stop_short(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A supervisor may signal again while the service stops (``timeout`` signals the process and then its
-    group, so it gets SIGTERM twice): that one is ignored, and the stop runs to its end, snapshot written (it used
-    to raise out of the stop: a KeyboardInterrupt traceback, exit 130, no snapshot). Both signals are real ones,
+    group, so it gets SIGTERM twice): that one is ignored, and the stop runs to its end, snapshot written, with no
+    KeyboardInterrupt out of the stop and the caller's SIGTERM handler back after it. Both signals are real ones,
     sent to this process, the first once the service is up, the second from inside its stop."""
     from kvtier.indexer.service import app
 
@@ -345,8 +345,8 @@ def test_a_second_sigterm_while_it_stops_does_not_cut_the_stop_short(tmp_path: P
 def test_the_indexer_says_why_it_is_quiet_while_its_kernels_compile(monkeypatch: pytest.MonkeyPatch,
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     """A first start after an install compiles the index's kernels (half a minute on 2 cores) before the service
-    prints anything: it was silent all that time. The loading is made to outlast the notice's delay here: it ends
-    only once the notice is out."""
+    can print anything else: a notice says why it is quiet, and another when the kernels are ready. The loading is
+    made to outlast the notice's delay here: it ends only once the notice is out."""
     from kvtier.indexer.service import app
     from kvtier.sim import cli
 
@@ -401,8 +401,8 @@ def _indexer_process(pub: Publisher, snap: Path) -> tuple[subprocess.Popen[str],
 
 def test_the_service_restarts_from_a_snapshot_of_thousands_of_blocks(tmp_path: Path) -> None:
     """The default build restarts from its own snapshot: a worker's engine hashes are written back one by one into
-    a compiled table that grows many times over (it once raised ``IndexError`` there, so that every restart of a
-    service past 48 blocks a worker exited 1 and a supervisor crash-looped). The restarted service resumes the
+    a compiled table that grows many times over, with no ``IndexError`` (which would make every restart of a
+    service past 48 blocks a worker exit 1, and a supervisor crash-loop). The restarted service resumes the
     stream and answers every block."""
     snap, n = tmp_path / "index.snap", 3000
     toks = list(range(n * BS))
@@ -484,7 +484,7 @@ def test_request_bodies_parse_alike_from_bytes_and_objects() -> None:
 
 def test_a_body_that_is_not_utf8_says_so_and_where() -> None:
     """JSON is UTF-8: a string with another encoding's bytes is refused by a line naming the first bad byte and
-    its place in the body (it used to be Python's codec message, its position counted within the string)."""
+    its place in the body (counted in the body's bytes, not within the string)."""
     from kvtier.indexer.service.app import parse_body
     from kvtier.indexer.service.requestbody import parse_finish
 
@@ -518,7 +518,7 @@ def test_a_lone_surrogate_escape_is_named_not_called_truncated() -> None:
 
 def test_engines_of_another_page_size_make_health_say_so(cluster: tuple[list[Publisher], IndexerService]) -> None:
     """An indexer started with --block-size unlike the engines' page size rejects every store and indexes nothing;
-    /health used to say ok. It says degraded, which workers, and what to set."""
+    /health must not say ok: it says degraded, which workers, and what to set."""
     (p0, _, _), svc = cluster
     p0.publish(EventBatch(ts=time.time(), events=[BlockStored(block_hashes=[1], parent_block_hash=None,
                                                               token_ids=TOKS[:4 * BS], block_size=4 * BS)]))

@@ -140,7 +140,7 @@ def test_oversized_declared_body_is_refused_at_once(svc: tuple[Publisher, Publis
 def test_clients_gone_mid_body_cost_a_line_not_a_traceback(svc: tuple[Publisher, Publisher, IndexerService],
                                                           caplog: pytest.LogCaptureFixture) -> None:
     """Clients that hang up before sending their body are counted, logged as one line for the first few,
-    and leave the service serving (each used to log a full traceback at ERROR)."""
+    and leave the service serving: none logs a traceback or anything at ERROR."""
     _, _, s = svc
     host, port = s.address.removeprefix("http://").split(":")
     caplog.set_level(logging.INFO, logger="kvtier.indexer.service.http")
@@ -414,8 +414,8 @@ def test_unparseable_http_gets_400_and_one_log_line(svc: tuple[Publisher, Publis
 
 def test_a_body_that_cannot_be_decompressed_gets_a_json_400_and_one_log_line(
         svc: tuple[Publisher, Publisher, IndexerService], caplog: pytest.LogCaptureFixture) -> None:
-    """A gzip or deflate body that does not decompress is bad input: it used to answer 500 ("internal error:
-    RequestPayloadError") with two tracebacks logged, ours and aiohttp's as it drained the body."""
+    """A gzip or deflate body that does not decompress is bad input: a 400 with a JSON error naming the encoding,
+    not a 500, and no traceback or ERROR logged, ours or aiohttp's as it drains the body."""
     _, _, s = svc
     with caplog.at_level(logging.INFO):
         for encoding in ("gzip", "deflate"):

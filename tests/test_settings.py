@@ -71,8 +71,8 @@ def test_a_sweep_varies_a_cache_setting() -> None:
 
 
 def test_a_sweep_varies_the_latency_fit(tmp_path: Path) -> None:
-    """``latency`` values are read as ``--latency`` reads them (a preset's name or a fit's path): the runs use the
-    fits, and their tags keep the names (the fits were passed on as strings: a traceback as the run began)."""
+    """``latency`` values are read as ``--latency`` reads them (a preset's name or a fit's path), not passed on as
+    strings: the runs use the fits, and their tags keep the names."""
     from kvtier.hardware.latency import LATENCY_PRESETS
 
     grid = parse_grid(["latency=dynamo-mocker,h200-llama-3.1-8b"])

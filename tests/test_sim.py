@@ -340,7 +340,7 @@ def test_a_host_hit_counts_only_where_it_was_loaded_back(load_back: bool) -> Non
     """A prompt's tokens are booked to the tier they came from. ``c`` and ``b`` find their prefix on host only
     (evicted from device, backed up). Loaded back, both take it from host. With load-back off nothing reaches
     the device from host: ``c`` computes the prefix, and ``b``, which waits for room behind it, takes it from the
-    device (it was booked to host)."""
+    device and is booked to device, not to host."""
     cluster = ClusterConfig.of(workers=1, page_size=64, device_tokens=4096, host_ratio=2.0, load_back=load_back)
     trace = [Request("x", 0.0, 1024, 1, [1, 2]),  # the prefix, written through to host
              Request("filler", 1.0, 4000, 1, list(range(10, 18))),  # evicts it from device; host keeps it

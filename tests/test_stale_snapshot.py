@@ -65,8 +65,8 @@ def answer(t: StreamTracker, seqs: list[int], contents: list[int] | None = None)
 
 def test_a_buffer_that_moved_on_past_the_snapshot_is_a_loss_not_a_restart() -> None:
     """The same process kept publishing while the router was down, past its buffer: its answer starts at seq 8.
-    Seqs 5-7 are lost for good: the stream is marked partial and goes on from 8, with no restart counted (it was
-    counted as a restart, so the consumer dropped what it remembered of the worker and replayed from 0)."""
+    Seqs 5-7 are lost for good: the stream is marked partial and goes on from 8, with no restart counted (a restart
+    would make the consumer drop what it remembers of the worker and replay from 0)."""
     t = resumed()
     out = answer(t, [8, 9, 10])
     assert [type(d) for d in out] == [ResyncNeeded, Received, Received, Received]

@@ -293,8 +293,8 @@ def test_restart_during_catch_up_drops_what_the_old_publisher_sent() -> None:
 
 def test_restart_during_a_replay_that_delivered_is_checked_before_its_answer_is_trusted() -> None:
     """The catch-up delivered seq 0 of the old publisher, then its answer stalled; the publisher restarted. The
-    new one's seqs 0 and 1 must not be taken for the continuation: its seq 0 would be skipped as delivered.
-    (Found by the slow profile of test_faulty_wire: the index then lacked a block the engine held.)"""
+    new one's seqs 0 and 1 must not be taken for the continuation: its seq 0 would be skipped as delivered, and
+    the index would lack a block the engine holds."""
     t = tracker()
     t.start(0.0)
     t.outbox.clear()
@@ -393,8 +393,8 @@ def test_a_resync_asked_inside_the_backoff_is_deferred_then_dumped() -> None:
 
 
 def test_a_resync_of_a_stream_without_replay_counts_once() -> None:
-    """The consumer's resync of a stream with no replay socket marks it partial: one resync, one notice (it used
-    to count the request and then the partial mark, two for one)."""
+    """The consumer's resync of a stream with no replay socket marks it partial: one resync, one notice (the
+    request and the partial mark it leads to are not counted apart)."""
     t = tracker(replay=False)
     t.on_live(0, payload(0), 0.0)
     out = t.request_resync("unknown parent", 0.0)
@@ -436,9 +436,10 @@ def test_a_dump_after_a_probe_found_a_loss_counts_as_recovering() -> None:
 
 def test_a_stream_resumed_right_after_a_dump_is_resynchronised_not_trusted() -> None:
     """A position saved right after a state dump has no digest (the dump carries no batch of its own), so
-    nothing can tell the publisher that answers the resume from a new process that restarted meanwhile. The
-    resume used to replay from the saved seq and, finding nothing past it, trust the stream: the index kept the
-    old process's blocks. Now the stream is resynchronised: the consumer drops it, then a replay from 0."""
+    nothing can tell the publisher that answers the resume from a new process that restarted meanwhile. A resume
+    that replays from the saved seq and finds nothing past it must not trust the stream, or the index keeps the
+    old process's blocks: the stream is resynchronised (the consumer drops it, then a replay from 0), with no
+    restart counted."""
     t = tracker(dump=True)
     t.on_live(0, payload(0), 0.0)
     t.request_resync("unknown parent", 0.0)
@@ -474,10 +475,11 @@ def test_a_stream_resumed_right_after_a_dump_is_resynchronised_not_trusted() -> 
 
 def test_live_batches_a_dump_covered_that_arrive_after_it_are_not_taken_for_a_restart() -> None:
     """A router that lags behind its SUB socket gets the dump's end marker (on the replay socket) before the
-    live batches the dump covered, which were still queued on the live one. Each used to look like a new
-    publisher (its seq below the next expected, its digest unknown since the dump has none): the worker was
-    cleared, replayed from 0, dumped again, and under steady lag again after that. Over the same connection
-    they can only be stragglers of the same process; after a reconnect the check is kept."""
+    live batches the dump covered, which were still queued on the live one. By seq and digest alone each looks
+    like a new publisher (its seq below the next expected, its digest unknown since the dump has none), and
+    taking it for one would clear the worker, replay from 0 and dump again, over and over under steady lag. Over
+    the same connection they can only be stragglers of the same process: counted late, no restart. After a
+    reconnect the check is kept."""
     def dump_started(t: StreamTracker) -> None:
         t.on_live(0, payload(0), 0.0)
         t.on_live(3, payload(3), 0.0)  # seqs 1-2 lost; the buffer no longer reaches them: a dump
@@ -520,9 +522,10 @@ def test_live_batches_a_dump_covered_that_arrive_after_it_are_not_taken_for_a_re
 
 
 def test_a_request_asked_again_on_a_fresh_socket_goes_alone() -> None:
-    """Requests not yet sent when the replay socket is recreated are for the request asked again: sent as well,
-    each came back with an answer of its own, and once the first answer had moved the stream on to a dump, the
-    second (a replay answer) was taken for the dump's and applied as the engine's whole state."""
+    """Requests not yet sent when the replay socket is recreated give way to the request asked again, which goes
+    alone: sent as well, each would come back with an answer of its own, and once the first answer moved the
+    stream on to a dump, the second (a replay answer) would be taken for the dump's and applied as the engine's
+    whole state."""
     t = tracker(dump=True)
     t.start(0.0)  # a catch-up from seq 0, not yet sent
     assert t.on_tick(1.5) == [] and t.reset_replay_socket  # timed out: asked again on a fresh socket

@@ -435,9 +435,9 @@ def test_zmq_takes_a_port_past_65535_as_another_one() -> None:
 
 def test_a_seq_no_probe_could_follow_is_refused_and_the_stream_goes_on() -> None:
     """A live batch numbered 2**63 - 1 (or below 0) from a PUB socket the indexer subscribes to: a probe or a replay
-    could never ask for the seq after it (8 signed bytes), and asking once killed the indexer's event loop
-    (``struct.error`` in the idle probe). It is a malformed frame: counted, the stream's state untouched, and the
-    batches after it are taken as before."""
+    could never ask for the seq after it (8 signed bytes): asking would raise ``struct.error`` in the event loop's
+    idle probe. It is a malformed frame: counted, the stream's state untouched, and the batches after it are taken
+    as before."""
     ctx = zmq.Context.instance()
     pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
     port, rport = pub.bind_to_random_port("tcp://127.0.0.1"), router.bind_to_random_port("tcp://127.0.0.1")
