@@ -25,7 +25,13 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from kvtier.indexer.service.clients import Clients, Forbidden, ServiceUnavailable, TooManyInFlight, Unauthorized
 from kvtier.indexer.service.histogram import Histogram
-from kvtier.indexer.service.httplimits import BodyTooLarge, GatedServer, UnsupportedEncoding, read_body
+from kvtier.indexer.service.httplimits import (
+    BodyTooLarge,
+    GatedServer,
+    UnsupportedEncoding,
+    close_at_once,
+    read_body,
+)
 from kvtier.util.ratelog import suffix, worth_logging
 
 
@@ -236,6 +242,8 @@ class HttpFrontEnd:
             return _json(403, {"error": str(exc)})
         except TooManyInFlight as exc:
             return _json(exc.status, {"error": str(exc)})
+        except web.HTTPRequestTimeout as exc:  # a stalled body: its connection is not worth holding any longer
+            return close_at_once(request, _json(exc.status, {"error": exc.reason}))
         except web.HTTPException as exc:
             return _json(exc.status, {"error": exc.reason})
         except ServiceUnavailable as exc:

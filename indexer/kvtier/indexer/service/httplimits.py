@@ -6,7 +6,8 @@
 * JSON nesting deeper than a cap is refused (400) before the JSON parser sees it: the parser recurses.
 * Open connections are capped: one past the cap gets a JSON 503 and is closed at once, before a byte of it
   is parsed.
-* A connection that has not sent a request's headers within a deadline after it opened is closed.
+* A connection that has not sent a request's headers within a deadline after it opened is closed, and one whose
+  body stalled past its deadline (408) is closed with the answer, not kept to read the rest.
 * Errors aiohttp answers itself (a request it cannot parse) come back as JSON over HTTP/1.1 like every
   other answer, and are counted (``kvtier_http_malformed_requests_total``).
 """
@@ -152,6 +153,12 @@ class _Handler(RequestHandler):
         self._gate.closed()
         super().connection_lost(exc)
 
+    def skip_lingering(self) -> None:
+        """The connection closes right after its answer, without first reading what is left of the request's body
+        (aiohttp lingers up to 10 s for it by default, holding the connection): for a body that stalled.
+        (aiohttp 3.x's attribute, read when the answer has gone.)"""
+        self._lingering_time = 0.0
+
     def handle_error(self, request: BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
         """aiohttp's own answers (a request it could not parse, mostly) as JSON over HTTP/1.1, not text/plain
@@ -167,6 +174,14 @@ class _Handler(RequestHandler):
         resp = web.json_response({"error": (text or f"HTTP {status}").strip().splitlines()[0]}, status=status)
         resp.force_close()
         return resp
+
+
+def close_at_once(request: web.Request, resp: web.Response) -> web.Response:
+    """``resp``, after which ``request``'s connection closes at once: the rest of its body is not waited for."""
+    if isinstance(request.protocol, _Handler):
+        request.protocol.skip_lingering()
+    resp.force_close()
+    return resp
 
 
 class GatedServer(web.Server):
