@@ -18,7 +18,8 @@ either way. Without it, only kvtier's side is printed.
     python bench/crosscheck_dynamo.py --dynamo-python /tmp/dyn/bin/python --disagg 8:8 --clusters default
 
 Targets (issues 10 and 47): round robin within 0.5% relative hit rate and 2% on each TTFT, TPOT and e2e
-percentile; the ``dynamo`` policy within 1 point of Dynamo's kv_router hit rate. The hit rates part by eviction:
+percentile; the ``dynamo`` policy within 1 point of Dynamo's kv_router hit rate (whose runs differ by up to about a
+point on one trace: ``--dynamo-runs N`` judges against the mean of N). The hit rates part by eviction:
 kvtier's engines evict whole radix nodes by default (SGLang's radix cache), the mocker frees blocks one by one as
 vLLM's block pool does; ``--eviction page`` runs kvtier's engines the vLLM way.
 
@@ -191,6 +192,9 @@ def main() -> int:
     ap.add_argument("--kv-link-gbps", type=float, default=50.0, help="with --disagg: prefill -> decode GB/s")
     ap.add_argument("--dynamo-python",
                     help="interpreter with ai-dynamo-runtime==1.6.1 (default: this one, if it has it)")
+    ap.add_argument("--dynamo-runs", type=count(), default=1,
+                    help="runs of Dynamo's mocker per cluster: its kv_router's hit rate varies from run to run, and "
+                         "the `dynamo` policy is judged against their mean (default: %(default)s)")
     a = ap.parse_args()
     path = a.trace or shared_dir() / "traces" / "mooncake_conversation_trace.jsonl"
     reqs = load_mooncake(path, limit=a.limit)
@@ -212,7 +216,8 @@ def main() -> int:
         misses = 0
         for name in a.clusters:
             cfg = known[f"{name}-{a.disagg}" if a.disagg else name].replace(eviction=a.eviction)
-            dyn = run_dynamo(py, trace, cfg, host_credit=0.75) if py else {}
+            runs = [run_dynamo(py, trace, cfg, host_credit=0.75) for _ in range(a.dynamo_runs)] if py else []
+            dyn = runs[0] if runs else {}
             ours = {p: run_kvtier(reqs, cfg, p) for p in ("round_robin", "dynamo", "min_ttft")}
             pools = (f" ({cfg.prefill_workers} prefill, host x{cfg.host_ratio:g}; {cfg.decode_workers} decode, device "
                      f"only; KV link {cfg.kv_link_gbps:g} GB/s, the part a decode worker lacks)"
@@ -227,16 +232,24 @@ def main() -> int:
                 if row is not None:
                     print(f"{label:<20}{_fmt(row)}")
             if dyn:
-                misses += _targets(dyn, ours, hit_tolerance=0.02 if cfg.disaggregated else 0.005)
+                router_hits = [r["kv_router"].hit for r in runs]
+                if len(runs) > 1:
+                    print(f"Dynamo kv_router hit rate over {len(runs)} runs: "
+                          + ", ".join(f"{h:.4f}" for h in router_hits)
+                          + f" (spread {(max(router_hits) - min(router_hits)) * 100:.2f} points)")
+                misses += _targets(dyn, ours, hit_tolerance=0.02 if cfg.disaggregated else 0.005,
+                                   router_hit=sum(router_hits) / len(router_hits))
     return 1 if misses else 0
 
 
-def _targets(dyn: dict[str, Row], ours: dict[str, Row], hit_tolerance: float = 0.005) -> int:
+def _targets(dyn: dict[str, Row], ours: dict[str, Row], hit_tolerance: float, router_hit: float) -> int:
+    """Prints each target MET or MISS against Dynamo's runs (``dyn``: the first; ``router_hit``: its kv_router's
+    mean hit rate over every run) and returns the misses."""
     d, k = dyn["round_robin"], ours["round_robin"]
     rr_hit = abs(k.hit / d.hit - 1)
     off = {h: getattr(k, f) / getattr(d, f) - 1 for h, f in LATENCIES}
-    gap = (ours["dynamo"].hit - dyn["kv_router"].hit) * 100
-    lead = (ours["min_ttft"].hit - dyn["kv_router"].hit) * 100
+    gap = (ours["dynamo"].hit - router_hit) * 100
+    lead = (ours["min_ttft"].hit - router_hit) * 100
     checks = [(f"round robin hit rate within {hit_tolerance:.1%} (off by {rr_hit:.2%})", rr_hit <= hit_tolerance)]
     checks += [(f"round robin {h} within 2% ({off[h]:+.2%})", abs(off[h]) <= 0.02) for h, _ in LATENCIES
                if not h.startswith("ITL")]
