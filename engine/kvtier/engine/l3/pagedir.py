@@ -7,7 +7,7 @@
         refs/<owner>/<key>   hard links: the pages an owner holds
         refs/.<owner>.lock   flock held by the one process acting as that owner
         .lock                flock: linking and unlinking decisions are made under it
-        .tmp-h<where>-<pid>-*  writes in flight (<where>: the host, boot and pid namespace of the writer)
+        .tmp-h<where>-<pid>-*  writes in flight (<where>: the writer's host name and boot)
 
 Ownership is the link count: an owner holds a page by a hard link under ``refs/<owner>``; releasing
 a page removes that link, and the page file goes only when no owner links it any more (``st_nlink``
@@ -48,12 +48,11 @@ STALE_TMP_S = 3600.0
 
 
 def _where() -> str:
-    """Where this process's ids mean what they say: its host, boot and pid namespace, as 8 hex digits."""
+    """Where this process's ids mean what they say, as 8 hex digits: its host name (a container's own, which a
+    restarted container keeps, so it still clears what it left) and boot (Linux: a reboot reuses process ids)."""
     parts = [socket.gethostname()]
-    with contextlib.suppress(OSError):  # (Linux: a reboot reuses process ids)
+    with contextlib.suppress(OSError):
         parts.append(Path("/proc/sys/kernel/random/boot_id").read_text().strip())
-    with contextlib.suppress(OSError):  # (Linux: containers on one host number their processes apart)
-        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:8]
 
 
