@@ -16,6 +16,7 @@ from kvtier.wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    EngineHash,
     Event,
     StorageTier,
     TierOverlap,
@@ -344,6 +345,33 @@ def test_children_wait_for_parent_backup() -> None:
     h.settle()
     host = [e for e in h.log if isinstance(e, BlockStored) and e.medium == "CPU_PINNED"]
     assert [e.parent_block_hash for e in host] == [None, hashes(a)[-1]]
+
+
+def test_a_childs_backup_starts_only_once_its_parents_host_copy_has_landed() -> None:
+    """A node's device -> host copy starts only after its parent's host copy has landed, not while the parent's is
+    still in flight: a child computed during its parent's backup has no copy in flight until its parent's
+    BlockStored CPU, and its own starts then (write-through, 1 page/s), so it is announced a whole copy later,
+    under its parent's hash."""
+    h = Harness(CacheConfig(page_size=PS, device_pages=16, host_ratio=2.0))
+    a, ab = toks(0, 2), toks(0, 2) + toks(900, 2)
+    h.run("a", a)  # a's backup: 2 pages, lands at 2 s
+    h.run("ab", ab)  # the child's pages computed while a's backup is in flight
+    parent, child = h.cache.tree.descend(h.cache.tree.root, pack_tokens(ab))
+
+    def copying() -> list[list[int]]:
+        return [op.src for op in h.dp.ops.values() if op.kind is CopyKind.D2H]
+
+    def host(events: list[Event]) -> list[tuple[list[EngineHash], EngineHash | None]]:
+        return [(e.block_hashes, e.parent_block_hash) for e in events
+                if isinstance(e, BlockStored) and e.medium == "CPU_PINNED"]
+
+    assert copying() == [parent.device], "the child's backup started before its parent's landed"
+    assert child.host_pending is None and child.host is None
+    assert host(h.advance(2.5)) == [(hashes(a), None)]  # t = 2.5: the parent's lands; the child's starts now
+    assert copying() == [child.device]
+    assert host(h.advance(1.75)) == []  # t = 4.25: 2 pages take 2 s from 2.5
+    assert host(h.advance(0.5)) == [(hashes(ab)[2:], hashes(a)[-1])]
+    assert not h.dp.ops
 
 
 def test_reset_clears_everything() -> None:

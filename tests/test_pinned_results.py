@@ -3,7 +3,7 @@
 Fixed small runs (every policy on a generated chat trace with host and L3 tiers; the first Mooncake
 requests, whose tokens come from the trace's hash ids; a lossy wire with recovery; closed-loop agent
 sessions) are pinned in ``tests/pinned_results.json``: the readable figures (hit rates by tier, TTFT
-percentiles, batches published) and a digest of every request's record and routing decision.
+percentiles, batches published, load imbalance) and a digest of every request's record and routing decision.
 
 A deliberate change of results re-pins in the same commit and says why in its message::
 
@@ -108,6 +108,7 @@ def fingerprint(res: RunResult) -> dict[str, Any]:
             "hit_storage": _r(s.hit_storage), "ttft_ms": [_r(s.ttft_p50 * 1e3), _r(s.ttft_p90 * 1e3),
                                                           _r(s.ttft_p99 * 1e3)],
             "requests": s.requests, "unfinished": s.unfinished, "batches": res.events_published,
+            "load_imbalance": _r(s.load_imbalance),
             "digest": h.hexdigest()[:32],
             "tpot_ms": [_r(s.tpot_p50 * 1e3), _r(s.tpot_p90 * 1e3), _r(s.tpot_p99 * 1e3)],
             "e2e_s": [_r(s.e2e_p50), _r(s.e2e_p90), _r(s.e2e_p99)], "felt_digest": felt.hexdigest()[:32]}
