@@ -423,3 +423,17 @@ def test_rejected_requests_are_named_on_stderr(tmp_path: Path, capsys: pytest.Ca
             "device (--device-tokens)") in err
     assert cli(["replay", "--trace", "builtin:chat:20", "--no-plots", "--out", str(tmp_path)]) == 0
     assert "requests rejected" not in capsys.readouterr().err
+
+
+def test_a_request_stopped_before_its_prefill_books_no_tokens() -> None:
+    """Tokens are booked to tiers when a prefill starts: a request admitted but still waiting for device room when
+    simulated time stops has 0 tokens on every tier in its record, as ``docs/outputs.md`` says, not the device
+    prefix it found at admission."""
+    from kvtier.sim.experiment import resolve_trace
+
+    cluster = ClusterConfig.of(workers=2, device_tokens=8192)
+    res = simulate(resolve_trace("builtin:chat:100"), cluster, RunConfig("round_robin", until_s=60.0))
+    waiting = [r for r in res.records if r.prefill_start < 0 and r.actual_blocks > 0]
+    assert waiting and res.summary.unfinished > 0  # some were admitted onto a cached prefix and never started
+    assert all((r.device_tokens, r.host_tokens, r.storage_tokens, r.recomputed_tokens) == (0, 0, 0, 0)
+               for r in waiting), [(r.request_id, r.device_tokens) for r in waiting]

@@ -363,8 +363,6 @@ class SimWorker:
                                                        job.visible_tier).external
             job.adm = self.cache.admit(job.req.request_id, job.tokens, job.digests)
             job.admitted_at = self.env.now
-            if job.source is None:  # (a received prompt's tiers are its prefill worker's)
-                job.record.device_tokens = job.adm.device_pages * self.cfg.page_size  # refined at prefill start
             self.admitted.append(job)
             if self.cfg.prefetch_policy is PrefetchPolicy.TIMEOUT and job.adm.prefetch_op is not None:
                 self.env.after(self.cache.config.prefetch_timeout_s, self.kick)
