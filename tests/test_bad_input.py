@@ -208,6 +208,9 @@ CASES: dict[str, Case] = {
     "grid page_size=0": (lambda t, f: ["sweep", *SMALL[:2], "--grid", "page_size=0"],
                          "--grid page_size=0: --page-size: 0 is not allowed"),
     "grid unknown axis": (lambda t, f: ["sweep", *SMALL[:2], "--grid", "colour=red"], "grid axis 'colour'"),
+    # a sweep writes no inter-token series: the option is refused, not accepted and ignored
+    "sweep itl series": (lambda t, f: ["sweep", *SMALL[:2], "--grid", "workers=1", "--itl-series", "x.jsonl"],
+                         "unrecognized arguments: --itl-series x.jsonl"),
     "grid bad value": (lambda t, f: ["sweep", *SMALL[:2], "--grid", "workers=x"],
                        "grid axis 'workers': 'x' is not an integer"),
     "grid bad number": (lambda t, f: ["sweep", *SMALL[:2], "--grid", "host_ratio=4,lots"],

@@ -141,7 +141,8 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="a prompt whose part its decode worker lacks is under N tokens prefills there (0: never)")
 
 
-def _add_router_args(p: argparse.ArgumentParser) -> None:
+def _add_router_args(p: argparse.ArgumentParser, *, itl_series: bool = True) -> None:
+    """The router's, replay's and SLO options; ``--itl-series`` only where the command writes it (not sweep)."""
     g = p.add_argument_group("router")
     g.add_argument("--cost", choices=["credit", "ttft"], default="credit", help="cost model of kv policies")
     g.add_argument("--event-delay", type=float, default=0.0, help="engine -> router event delay, seconds")
@@ -170,9 +171,10 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sla-tpot-ms", type=float, help="time per output token bound (after the first), ms")
     g.add_argument("--sla-e2e-ms", type=float, help="end-to-end latency bound, ms")
     g.add_argument("--slo-out-of-reach", choices=OUT_OF_REACH, default=DEFAULT_OUT_OF_REACH, help=OUT_OF_REACH_HELP)
-    g.add_argument("--itl-series", type=Path, metavar="FILE",
-                   help="write every request's inter-token gaps (seconds) as JSONL: "
-                        '{"policy", "request_id", "itl_s": [...]} per completed request')
+    if itl_series:
+        g.add_argument("--itl-series", type=Path, metavar="FILE",
+                       help="write every request's inter-token gaps (seconds) as JSONL: "
+                            '{"policy", "request_id", "itl_s": [...]} per completed request')
 
 
 def _describe(p: ModelPreset) -> str:
@@ -596,7 +598,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("sweep", help="a grid over cluster and router settings")
     _add_trace_args(p)
     _add_cluster_args(p)
-    _add_router_args(p)
+    _add_router_args(p, itl_series=False)
     p.add_argument("--policy", default="kv_all", help="policy unless the grid has a policy axis")
     p.add_argument("--grid", nargs="+", required=True, metavar="NAME=V1,V2",
                    help="axes, e.g. device_tokens=65536,131072 host_ratio=0,2 policy=kv_device,kv_all "
