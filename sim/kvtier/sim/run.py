@@ -104,7 +104,7 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
     Records: without ``sink`` they are returned in :attr:`RunResult.records` (and the routing decisions in
     :attr:`RunResult.decisions`). With ``sink``, each record goes to it once final (completed, rejected, or
     unfinished when the run ends), in arrival order, and the result keeps none: a run then holds the
-    requests in flight and three floats per completed request (for exact percentiles), whatever the
+    requests in flight and six floats per completed request (for exact percentiles), whatever the
     trace's length. The summary is the same either way. Every record that started its prefill is checked to
     have its prompt tokens booked exactly once: device + host + storage + recomputed == prompt.
 
