@@ -437,3 +437,17 @@ def test_a_request_stopped_before_its_prefill_books_no_tokens() -> None:
     assert waiting and res.summary.unfinished > 0  # some were admitted onto a cached prefix and never started
     assert all((r.device_tokens, r.host_tokens, r.storage_tokens, r.recomputed_tokens) == (0, 0, 0, 0)
                for r in waiting), [(r.request_id, r.device_tokens) for r in waiting]
+
+
+def test_a_run_that_completes_nothing_reports_no_figures_not_zeros(tmp_path: Path) -> None:
+    """Every prompt too big for the device: the run counts 20 rejected and completes none. Its shares, throughput,
+    makespan and balance do not apply: null in summary.json, ``-`` in the table, as for its latencies, not a hit
+    rate of 0 or a makespan of 0 s."""
+    out = tmp_path / "out"
+    assert cli(["replay", "--trace", "builtin:chat:20", "--workers", "2", "--device-tokens", "256", "--no-plots",
+                "--out", str(out)]) == 0
+    run = json.loads((out / "summary.json").read_text())["runs"][0]
+    assert (run["requests"], run["rejected"], run["unfinished"]) == (0, 20, 0)
+    for field in ("hit_rate", "hit_device", "recomputed", "throughput_tok_s", "makespan_s", "load_imbalance",
+                  "ttft_p50"):
+        assert run[field] is None, (field, run[field])

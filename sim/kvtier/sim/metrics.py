@@ -251,7 +251,6 @@ class SummaryBuilder:
         """The aggregates; ``total`` (the trace's size, default the records added) minus the completed and
         rejected requests is reported as ``unfinished``, never silently dropped."""
         done = len(self.ttft)
-        prompt = self.prompt or 1
         start, end = (self.start, self.end) if done else (0.0, 0.0)
         mean = sum(self.per_worker) / self.workers if self.workers else 0
         imbalance = max(self.per_worker) / mean if mean else 0.0
@@ -259,17 +258,22 @@ class SummaryBuilder:
             pools = [c for c in (self.per_worker[:self.split], self.per_worker[self.split:]) if sum(c)]
             imbalance = max((max(c) * len(c) / sum(c) for c in pools), default=0.0)
         nan = float("nan")
+        if not done:  # no completed request: shares, throughput, spans and balance do not apply (null), not 0
+            imbalance = nan
+
+        def share(tokens: int) -> float:
+            return tokens / self.prompt if self.prompt else nan
         # Means of integers divide the exact sum once, as statistics.fmean does.
         return RunSummary(
             policy=policy, requests=done, rejected=self.rejected,
             unfinished=(self.records if total is None else total) - done - self.rejected,
-            hit_rate=(self.device + self.host + self.storage) / prompt, hit_device=self.device / prompt,
-            hit_host=self.host / prompt, hit_storage=self.storage / prompt, recomputed=self.recomputed / prompt,
+            hit_rate=share(self.device + self.host + self.storage), hit_device=share(self.device),
+            hit_host=share(self.host), hit_storage=share(self.storage), recomputed=share(self.recomputed),
             ttft_p50=_pct(self.ttft, 50), ttft_p90=_pct(self.ttft, 90), ttft_p99=_pct(self.ttft, 99),
             ttft_mean=statistics.fmean(self.ttft) if done else nan,
             e2e_p50=_pct(self.e2e, 50), queue_p50=_pct(self.queue, 50),
-            throughput_tok_s=self.output / max(end - start, 1e-9),
-            makespan_s=end - start, load_imbalance=imbalance,
+            throughput_tok_s=self.output / max(end - start, 1e-9) if done else nan,
+            makespan_s=end - start if done else nan, load_imbalance=imbalance,
             index_mae_blocks=self.abs_error / self.predicted if self.predicted else nan,
             index_exact=self.exact / self.predicted if self.predicted else nan,
             events_rejected=events_rejected,
