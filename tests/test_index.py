@@ -640,3 +640,40 @@ def test_search_finds_every_run_end() -> None:
             idx.apply(B, stored(list(range(1, end + 1)), None, tokens[:end], bs=1))
         got = idx.find_matches(tokens).workers
         assert (got[A].device, got[B].device if B in got else 0) == (length, end)
+
+
+def _blocks(*ids: int) -> list[int]:
+    """Token ids of blocks of 4, block ``i`` holding ``10 i .. 10 i + 3``."""
+    return [i * 10 + t for i in ids for t in range(4)]
+
+
+def test_a_store_under_one_of_its_own_blocks_is_rejected() -> None:
+    """A chain cannot hang under one of its own blocks. Held as an orphan and grafted when that hash arrived, it
+    would re-key the very parent it hangs from, and the index's next look at that hash raised out of the event
+    loop: such a store is one rejected event, and the worker's state stays sound."""
+    idx = TieredIndex(4)
+    idx.apply(B, stored([7], None, _blocks(5)))
+    b_before = idx.find_matches(_blocks(5)).workers[B]
+    assert idx.apply(A, stored([91, 91, 92], 91, _blocks(0, 0, 0))) is Outcome.REJECTED
+    assert "one of its own block hashes" in (idx.stats(A).last_error or "")
+    assert idx.apply(A, stored([91, 92], None, _blocks(0, 0))) is Outcome.APPLIED
+    assert idx.apply(A, stored([91], None, _blocks(0))) is Outcome.APPLIED
+    idx._check()
+    assert idx.find_matches(_blocks(5)).workers[B] == b_before
+
+
+def test_an_event_the_index_raises_on_drops_that_worker_only() -> None:
+    """Hashes reused for other content, in an order the applier's checks let through, can break its state midway.
+    The event is then rejected, that worker's blocks are dropped and it is marked partial (what it holds is
+    unknown until a dump), and the index serves on: other workers' blocks and the index's invariants hold."""
+    idx = TieredIndex(4)
+    idx.apply(B, stored([7, 8], None, _blocks(0, 2)))
+    b_before = idx.find_matches(_blocks(0, 2)).workers[B]
+    outcomes = [idx.apply(A, ev) for ev in (stored([4, 1, 3], None, _blocks(0, 2, 2)),
+                                             stored([4, 4, 3], 1, _blocks(2, 2, 0), medium="CPU_PINNED"))]
+    assert outcomes[-1] is Outcome.REJECTED and idx.stats(A).internal_errors == 1
+    assert idx.worker_hashes(A) == {} or not any(idx.worker_hashes(A).values())
+    assert idx.is_partial(A)
+    idx._check()
+    assert idx.find_matches(_blocks(0, 2)).workers[B] == b_before
+    assert idx.apply(A, stored([5], None, _blocks(3))) is Outcome.APPLIED  # it serves on, from live events

@@ -86,6 +86,9 @@ class EventApplier:
             return self._reject(w, f"block_size {bs} differs from the index's {self._block_size}")
         if n == 0:
             return self._reject(w, "BlockStored with no block hashes")
+        if ev.parent_block_hash is not None and ev.parent_block_hash in ev.block_hashes:
+            # (a chain cannot hang under one of its own blocks: grafted, it would re-key the parent it hangs from)
+            return self._reject(w, f"BlockStored under parent {ev.parent_block_hash!r}, one of its own block hashes")
         tokens = ev.num_tokens
         if tokens != n * bs:
             got = f"{tokens} token ids" if tokens >= 0 else f"{len(ev.token_ids)} bytes of packed tokens"

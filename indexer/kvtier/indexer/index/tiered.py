@@ -37,6 +37,7 @@ the workers' slots (:mod:`kvtier.indexer.index.slots`). This module ties them to
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 
 import msgspec
@@ -53,6 +54,7 @@ from kvtier.indexer.index.relearn import MAX_REMEMBERED, ancestry
 from kvtier.indexer.index.slots import WorkerSlots
 from kvtier.indexer.index.windowkv import WindowKV
 from kvtier.indexer.index.workerstate import Outcome, WorkerState, WorkerStats
+from kvtier.util.ratelog import suffix, worth_logging
 from kvtier.wire.notices import StreamId
 from kvtier.wire.overlap import OverlapScores
 from kvtier.wire.protocol import (
@@ -66,6 +68,8 @@ from kvtier.wire.protocol import (
 )
 
 __all__ = ["Outcome", "TieredIndex", "WorkerStats"]
+
+log = logging.getLogger(__name__)
 
 
 
@@ -245,10 +249,28 @@ class TieredIndex:
             self.clear_worker(w.stream)
             outcome = Outcome.APPLIED
         else:
-            outcome = self._events.apply(w, event)
+            try:
+                outcome = self._events.apply(w, event)
+            except Exception as exc:  # (an input the applier's checks let through broke it midway)
+                outcome = self._contain(w, event, exc)
         if outcome is Outcome.APPLIED:
             w.stats.events_applied += 1
         return outcome
+
+    def _contain(self, w: WorkerState, event: Event, exc: Exception) -> Outcome:
+        """An event the applier raised on, having changed part of the worker's state: that state can no longer be
+        trusted, so the worker is dropped (every block and orphan, no remembered keys: its hashes may map wrongly)
+        and marked partial until its state is complete again; the event counts as rejected and the index serves on.
+        Other workers' bits are untouched: their slots are theirs. O(blocks of the worker)."""
+        self.clear_worker(w.stream)
+        w.partial = True
+        w.stats.internal_errors += 1
+        w.stats.events_rejected += 1
+        w.stats.last_error = f"{type(event).__name__} broke the index ({type(exc).__name__}: {exc}); worker dropped"
+        if worth_logging(w.stats.internal_errors):
+            log.error("worker %s: %s%s", w.stream, w.stats.last_error, suffix(w.stats.internal_errors),
+                      exc_info=exc)
+        return Outcome.REJECTED
 
     def note_routed(self, stream: StreamId, keys: Sequence[BlockKey]) -> None:
         """A request with these prompt block keys was sent to ``stream``. A worker whose window KV is inferred
