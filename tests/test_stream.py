@@ -535,3 +535,32 @@ def test_a_request_asked_again_on_a_fresh_socket_goes_alone() -> None:
     assert isinstance(t.on_reply(END_SEQ, b"", 1.6)[0], ResyncStarted) and t.outbox == [DUMP_REQUEST]
     out = t.on_reply(pack_seq(4), payload(40), 1.7) + t.on_reply(END_SEQ, b"", 1.7)
     assert isinstance(out[-1], ResyncDone) and out[-1].seq == 4 and t.expected == 5
+
+
+@pytest.mark.parametrize("where", ["live", "answer"])
+def test_a_recovery_holds_bounded_bytes(where: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches held while a replay goes on (live ones held back, or an answer's batches past a loss) stop at
+    ``MAX_HELD_BYTES``: a replay answer that never ends, or that trickles while live traffic piles up, ends as a
+    loss for good: the answer is abandoned (a fresh replay socket), the stream is marked partial, and what was held
+    is delivered in order."""
+    from kvtier.wire.transport import recovery
+
+    monkeypatch.setattr(recovery, "MAX_HELD_BYTES", 64 << 10)
+    t = tracker()
+    t.on_live(0, payload(0), 0.0)
+    t.on_live(2, payload(2), 0.0)  # seq 1 missing: a replay from 1 is asked
+    assert t.outbox == [pack_seq(1)]
+    t.outbox.clear()
+    out: list[Delivery] = []
+    for seq in range(3, 3000):
+        if where == "live":
+            out += t.on_live(seq, payload(seq), 0.1)
+        else:  # the answer starts past seq 1 (lost for good) and goes on without an end marker
+            out += t.on_reply(pack_seq(seq), payload(seq), 0.1)
+        if any(isinstance(d, ResyncNeeded) for d in out):
+            break
+    size = len(payload(3))
+    assert any(isinstance(d, ResyncNeeded) for d in out), "held without bound"
+    assert seq * size < 2 * (64 << 10) + 2 * 1024 * size  # within twice the cap (or the first count)
+    assert t.reset_replay_socket and not t.recovering
+    assert seqs(out) == list(range(2, seq + 1))  # (seq 1 given up for lost)

@@ -25,7 +25,13 @@ from kvtier.wire.transport.frames import DUMP_REQUEST, END_SEQ, pack_seq, unpack
 from kvtier.wire.transport.replayrequest import ReplayRequest
 from kvtier.wire.transport.streamstate import Held, StreamState, log
 
-__all__ = ["Mode", "StreamRecovery"]
+__all__ = ["MAX_HELD_BYTES", "Mode", "StreamRecovery"]
+
+#: The most batch bytes a stream holds while a recovery goes on (live batches held back, an answer's batches past a
+#: loss), about: past it the recovery is given up as a loss for good, and what is held is delivered. An answer that
+#: keeps coming (a publisher replaying without end, or trickling while live traffic piles up) costs no more.
+MAX_HELD_BYTES = 256 << 20
+_FIRST_SIZE_CHECK = 1024  # batches held when their bytes are first counted; then at each doubling (amortised O(1))
 
 
 class Mode(Enum):
@@ -62,6 +68,7 @@ class StreamRecovery:
     failed_dumps: int = 0  # give-ups of a dump-capable stream in a row since a dump came through (thins the log)
     dump_seq: int | None = None  # last live seq the incoming dump includes
     dump_applied: bool = False  # a batch of the pending dump was handed on: an answer asked again replaces it
+    size_check_at: int = _FIRST_SIZE_CHECK  # batches held when :meth:`overheld` next counts their bytes
 
     @property
     def active(self) -> bool:
@@ -114,6 +121,23 @@ class StreamRecovery:
         else:
             self._dumped(seq, payload, out)
         return []
+
+    def overheld(self, now: float, out: list[Delivery]) -> Held | None:
+        """None while what the recovery holds is within :data:`MAX_HELD_BYTES` (its bytes counted when the held
+        batches reach 1,024, 2,048, ... so that the count costs O(1) a batch); past it, the answer is abandoned
+        and the recovery ends as a loss for good (a dump for a stream that has one, else the stream marked
+        partial, what is held delivered). Amortised O(1)."""
+        held = len(self.state.held) + len(self.replay.beyond)
+        if self.mode is Mode.LIVE or held < self.size_check_at:
+            return None
+        size = sum(len(p) for _, p in self.state.held) + sum(len(p) for _, p in self.replay.beyond)
+        if size <= MAX_HELD_BYTES:
+            self.size_check_at = 2 * held
+            return None
+        self.size_check_at = _FIRST_SIZE_CHECK
+        self._fresh_socket()  # (the rest of this answer is not taken)
+        reason = f"{held} batches ({size >> 20} MiB) held while a {self.mode.name.lower()} went on"
+        return self.unrecoverable(reason, now, out) if self.mode is Mode.REPLAY else self._give_up(reason, now, out)
 
     def resync(self, reason: str, now: float, out: list[Delivery]) -> Held:
         """The consumer wants the stream from scratch (the owner checked nothing is pending): a full replay from
