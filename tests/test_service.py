@@ -525,6 +525,11 @@ def test_engines_of_another_page_size_make_health_say_so(cluster: tuple[list[Pub
     wait_for(lambda: json.loads(get(svc.address + "/health")).get("wrong_block_size_workers") == ["w0"])
     health = json.loads(get(svc.address + "/health"))
     assert health["status"] == "degraded" and "set --block-size to the engines' page size" in health["block_size_error"]
+    # Once that worker's stores have the index's block size again (its engine restarted with the right page size),
+    # health says so: a rejection long past does not keep the service degraded.
+    p0.publish(EventBatch(ts=time.time(), events=[BlockStored(block_hashes=[2], parent_block_hash=None,
+                                                              token_ids=TOKS[:BS], block_size=BS)]))
+    wait_for(lambda: "wrong_block_size_workers" not in json.loads(get(svc.address + "/health")))
 
 
 def test_the_service_regains_hot_prefixes_an_sglang_engine_never_announces_again() -> None:

@@ -83,7 +83,9 @@ class EventApplier:
         bs = ev.block_size
         if bs != self._block_size:
             w.stats.wrong_block_size += 1
+            w.stats.block_size_wrong = True
             return self._reject(w, f"block_size {bs} differs from the index's {self._block_size}")
+        w.stats.block_size_wrong = False
         if n == 0:
             return self._reject(w, "BlockStored with no block hashes")
         if ev.parent_block_hash is not None and ev.parent_block_hash in ev.block_hashes:
@@ -192,6 +194,7 @@ class EventApplier:
             return self._reject(w, "window-KV event without kv_cache_spec_sliding_window")
         if isinstance(ev, BlockStored) and ev.block_size != self._block_size:
             w.stats.wrong_block_size += 1
+            w.stats.block_size_wrong = True
             return self._reject(w, f"block_size {ev.block_size} differs from the index's {self._block_size}")
         self._win.announced(w, ev, tier)
         return Outcome.APPLIED

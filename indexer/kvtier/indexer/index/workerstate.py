@@ -35,6 +35,7 @@ class WorkerStats:
     window_unknown: int = 0  # window-KV blocks announced or removed that the full-attention view lacks
     relearned: int = 0  # blocks dropped at a loss indexed again on a tier a later store proved they are held on
     wrong_block_size: int = 0  # of events_rejected, stores of another block size (a misconfigured --block-size)
+    block_size_wrong: bool = False  # its last store had another block size (none of the index's size since)
     internal_errors: int = 0  # of events_rejected, events the index raised on midway: the worker was dropped
     last_error: str | None = None  # the most recent rejection reason
 

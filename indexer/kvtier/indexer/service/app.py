@@ -466,9 +466,9 @@ class IndexerService:
         with self._lock:
             rebuilding, dead = self._rebuilding(), self._dead()
             flags = {str(s): self.worker_flags(s, rebuilding, dead) for s in self.index.streams}
-            # Stores of another block size are all rejected: that worker is never indexed (--block-size must be
-            # the engines' page size).
-            wrong = sorted(str(s) for s in self.index.streams if self.index.stats(s).wrong_block_size)
+            # Stores of another block size are all rejected: that worker is not indexed (--block-size must be
+            # the engines' page size) until its stores have the index's again.
+            wrong = sorted(str(s) for s in self.index.streams if self.index.stats(s).block_size_wrong)
         partial = sorted(w for w, f in flags.items() if f["partial"])
         recovering = sorted(w for w, f in flags.items() if f["recovering"])
         gone = sorted(w for w, f in flags.items() if f["dead"])
