@@ -677,3 +677,16 @@ def test_an_event_the_index_raises_on_drops_that_worker_only() -> None:
     idx._check()
     assert idx.find_matches(_blocks(0, 2)).workers[B] == b_before
     assert idx.apply(A, stored([5], None, _blocks(3))) is Outcome.APPLIED  # it serves on, from live events
+
+
+def test_a_rejection_quoting_a_huge_value_stays_one_short_line(caplog: pytest.LogCaptureFixture) -> None:
+    """A rejected event's reason may quote its bad value; one of two million ints is cut to a short line, in
+    ``last_error`` and in the log, so a hostile event cannot bloat either."""
+    idx = TieredIndex(4)
+    ev = BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=_blocks(0), block_size=4, medium="GPU",
+                     extra_keys=[[list(range(2_000_000))]])
+    with caplog.at_level("WARNING"):
+        assert idx.apply(A, ev) is Outcome.REJECTED
+    err = idx.stats(A).last_error or ""
+    assert "unrecognised item" in err and len(err) < 400 and err.endswith("characters)")
+    assert max(len(r.getMessage()) for r in caplog.records) < 500

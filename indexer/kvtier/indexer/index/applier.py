@@ -38,6 +38,10 @@ log = logging.getLogger(__name__)
 __all__ = ["EventApplier"]
 
 
+#: The longest rejection reason kept and logged: one line, whatever the event quoted in it held.
+MAX_REASON = 300
+
+
 class EventApplier:
     """Applies events to one index's masks, for the worker the index resolved. Holds no state of its own."""
 
@@ -68,6 +72,8 @@ class EventApplier:
             return self._reject(w, str(exc))
 
     def _reject(self, w: WorkerState, reason: str, outcome: Outcome = Outcome.REJECTED) -> Outcome:
+        if len(reason) > MAX_REASON:  # (a reason may quote the event's bad value, of any size)
+            reason = f"{reason[:MAX_REASON]}... ({len(reason):,} characters)"
         w.stats.events_rejected += 1
         w.stats.last_error = reason
         n = w.stats.events_rejected
