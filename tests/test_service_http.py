@@ -502,3 +502,21 @@ def test_deadlines_expire_only_requests_still_in_flight() -> None:
     assert d.expire(11.0) == ["b"] and "a" in d and d.expired == 1
     d._check()
     assert d.expire(15.0) == ["a"] and len(d) == 0 and d.expired == 2
+
+
+def test_a_header_past_the_limit_is_refused_without_echoing_it(svc: tuple[Publisher, Publisher, IndexerService],
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """aiohttp refuses a header line past its size limit quoting the line's bytes; an ``Authorization`` header's
+    token is in them, so neither the JSON 400 nor the log line quotes request bytes."""
+    _, _, s = svc
+    host, port = s.address.removeprefix("http://").split(":")
+    secret = "s3cr3t" * 2000
+    with caplog.at_level("WARNING"), socket.create_connection((host, int(port)), timeout=5) as k:
+        k.sendall(b"POST /route HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + secret.encode() + b"\r\n"
+                  b"Content-Length: 2\r\n\r\n{}")
+        answer = b""
+        while chunk := k.recv(65536):
+            answer += chunk
+    assert b" 400 " in answer.split(b"\r\n")[0] and b"s3cr3t" not in answer
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"].startswith("Got more than")
+    assert not any("s3cr3t" in r.getMessage() for r in caplog.records)

@@ -31,6 +31,7 @@ from kvtier.indexer.service.httplimits import (
     UnsupportedEncoding,
     close_at_once,
     read_body,
+    without_request_bytes,
 )
 from kvtier.util.ratelog import suffix, worth_logging
 
@@ -79,7 +80,7 @@ def _first_line(exc: BaseException) -> str:
     """What aiohttp says went wrong with a request, in one line: the message of the parser's error, also where a
     body's read wraps it (``RequestPayloadError`` from ``ContentEncodingError``)."""
     cause = exc.__cause__ if isinstance(exc, RequestPayloadError) and exc.__cause__ is not None else exc
-    text = str(cause.message) if isinstance(cause, HttpProcessingError) else str(cause)
+    text = without_request_bytes(str(cause.message) if isinstance(cause, HttpProcessingError) else str(cause))
     return (text.strip().splitlines() or [type(cause).__name__])[0].strip()
 
 

@@ -124,6 +124,15 @@ class _Refused(asyncio.Protocol):
         sink.close()
 
 
+_QUOTED_BYTES = re.compile(r"""[:\s]*\bb(['"]).*""", re.DOTALL)
+
+
+def without_request_bytes(text: str) -> str:
+    """aiohttp's message about a request it could not parse, without the request bytes it quotes (``b'...'``): a
+    header line past the size limit may be an ``Authorization`` one, whose token is never to be echoed or logged."""
+    return _QUOTED_BYTES.sub("", text)
+
+
 class _Handler(RequestHandler):
     """aiohttp's connection handler, plus: the header-read deadline, the open-connection count, and JSON errors
     over HTTP/1.1 for what aiohttp answers itself."""
@@ -170,7 +179,7 @@ class _Handler(RequestHandler):
             # (internals of aiohttp 3.x: the version the answer's status line is written with, and its cache)
             request._version = HttpVersion11
             request._cache.pop("version", None)
-        text = message if status != 500 else "internal error"
+        text = "internal error" if status == 500 else without_request_bytes(message or "")
         resp = web.json_response({"error": (text or f"HTTP {status}").strip().splitlines()[0]}, status=status)
         resp.force_close()
         return resp
