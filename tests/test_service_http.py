@@ -504,6 +504,21 @@ def test_deadlines_expire_only_requests_still_in_flight() -> None:
     assert d.expire(15.0) == ["a"] and len(d) == 0 and d.expired == 2
 
 
+def test_finished_requests_leave_the_deadline_heap_bounded() -> None:
+    """Routes finished long before their time to live hold no memory until it: the deadlines kept stay within about
+    twice those in flight, and the ones in flight still expire, in order."""
+    from kvtier.indexer.service.deadlines import Deadlines
+
+    d = Deadlines(ttl_s=600.0)
+    d.book("kept", 0.0)
+    for i in range(100_000):
+        d.book(f"r{i}", i * 1e-3)
+        d.finish(f"r{i}")
+    assert len(d) == 1 and len(d._heap) <= 2 * len(d) + 1025
+    d._check()
+    assert d.expire(700.0) == ["kept"]
+
+
 def test_a_header_past_the_limit_is_refused_without_echoing_it(svc: tuple[Publisher, Publisher, IndexerService],
                                                               caplog: pytest.LogCaptureFixture) -> None:
     """aiohttp refuses a header line past its size limit quoting the line's bytes; an ``Authorization`` header's

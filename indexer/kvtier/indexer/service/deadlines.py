@@ -16,8 +16,9 @@ class Deadlines:
     """Each in-flight request id's deadline, and a heap of them for expiry.
 
     Invariant: every id in flight has exactly one heap entry with its deadline; the heap may also hold stale
-    entries of ids finished (or booked again) since, skipped when they come up. Not thread-safe: the service
-    calls it under its lock.
+    entries of ids finished (or booked again) since, skipped when they come up, at most about twice as many as are
+    in flight (past that the heap is rebuilt from the ids in flight: routes finished at a high rate do not hold
+    memory until their time to live). Not thread-safe: the service calls it under its lock.
     """
 
     __slots__ = ("_due", "_heap", "expired", "ttl_s")
@@ -35,12 +36,16 @@ class Deadlines:
         return rid in self._due
 
     def book(self, rid: str, now: float) -> None:
-        """``rid`` is in flight from ``now`` until ``now + ttl_s``; ``ValueError`` if it is already. O(log n)."""
+        """``rid`` is in flight from ``now`` until ``now + ttl_s``; ``ValueError`` if it is already. O(log n)
+        amortised."""
         if rid in self._due:
             raise ValueError(f"request {rid!r} is already in flight")
         deadline = now + self.ttl_s
         self._due[rid] = deadline
         heapq.heappush(self._heap, (deadline, rid))
+        if len(self._heap) > 2 * len(self._due) + 1024:  # mostly stale: O(n) once per n bookings or more
+            self._heap = [(d, r) for r, d in self._due.items()]
+            heapq.heapify(self._heap)
 
     def finish(self, rid: str) -> bool:
         """``rid`` is no longer in flight; whether it was. O(1) (its heap entry goes stale)."""
