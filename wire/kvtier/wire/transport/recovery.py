@@ -93,6 +93,7 @@ class StreamRecovery:
         if not self.can_replay:
             return self.unrecoverable("no replay socket", now, out)
         self.mode = Mode.REPLAY
+        self.size_check_at = _FIRST_SIZE_CHECK
         self.replay.ask(start, for_gap=for_gap, probe=probe, resyncing=resyncing, verify=verify)
         self.tries = 1
         self.deadline = now + self.timeout_s
