@@ -71,6 +71,8 @@ class Cluster:
         for cache in self.caches:
             cache._check()
         self.index._check()
+        # An honest engine's events never break the index midway (it would contain it, and drop the worker).
+        assert not [s for s in self.streams if self.index.stats(s).internal_errors], "the index raised on an event"
         for cache, stream in zip(self.caches, self.streams, strict=True):
             seen, truth = self.index.worker_hashes(stream), cache.residency()
             for tier in StorageTier:
