@@ -20,6 +20,7 @@ third probe per block and a third table to grow.
 
 from __future__ import annotations
 
+import array
 import os
 from collections.abc import Collection, Iterator, MutableMapping
 from typing import Any
@@ -372,19 +373,16 @@ class EngineHashes(RowTable, MutableMapping[EngineHash, BlockKey]):
         dict (now, if ``ehs`` has one the table cannot hold). O(len(ehs))."""
         if self.py is not None:
             return None
-        n = len(ehs)
+        # (array.array takes ints only: numpy would parse a bytes hash of ASCII digits, b"12", as the int 12)
         try:
-            if self.signed is False:  # unsigned hashes (vLLM)
-                # numpy before 2 wraps a negative int into uint64 instead of raising (bytes raise TypeError here)
-                if n and min(ehs) < 0:  # type: ignore[operator]
-                    raise OverflowError("a negative engine hash after unsigned ones")
-                return np.fromiter(ehs, np.uint64, n)
+            if self.signed is False:  # unsigned hashes (vLLM): a negative one raises OverflowError
+                return np.frombuffer(array.array("Q", ehs), np.uint64)  # type: ignore[type-var]
             try:
-                arr = np.fromiter(ehs, np.int64, n)
+                arr = np.frombuffer(array.array("q", ehs), np.int64)  # type: ignore[type-var]
             except OverflowError:  # one past 2**63: unsigned, unless negative ones came before
                 if self.signed:
                     raise
-                uarr = np.fromiter(ehs, np.uint64, n)
+                uarr = np.frombuffer(array.array("Q", ehs), np.uint64)  # type: ignore[type-var]
                 self.signed = False
                 return uarr
             # Negative ones, if any, are seen where they are stored (BlockMasks.insert sets ``signed``).
