@@ -10,6 +10,7 @@ import pytest
 
 from kvtier.hardware.latency import PRESETS
 from kvtier.indexer.service.app import ConfigError, IndexerService, ServiceConfig, load_config, parse_endpoint
+from kvtier.indexer.service.clients import TooManyInFlight
 from kvtier.wire import BlockStored, WorkerId
 from kvtier.wire.notices import StreamId
 
@@ -81,6 +82,18 @@ def test_first_token_and_finish_book_both_workers() -> None:
     assert svc.decode_loads.load(d).running == 1 and svc.decode_loads.load(d).prefilling == 0
     assert svc.finish("r", {"output_tokens": 40})["was_in_flight"] is True
     assert svc.decode_loads.load(d).running == 0 and svc.decode_loads.expected_output == 40.0
+
+
+def test_a_pair_booking_counts_its_prompt_blocks_against_the_caps() -> None:
+    svc = _service("kv_all", max_in_flight_blocks=100)
+    assert set(svc.route({"token_ids": PROMPT, "request_id": "r1"})) >= {"prefill", "decode"}
+    assert svc.clients.blocks == 64
+    with pytest.raises(TooManyInFlight, match=r"64 prompt blocks in flight .* max_in_flight_blocks 100") as err:
+        svc.route({"token_ids": PROMPT, "request_id": "r2"})
+    assert err.value.status == 503 and "r2" not in svc.clients._owner
+    svc.finish("r1")
+    assert svc.clients.blocks == 0
+    assert svc.route({"token_ids": PROMPT, "request_id": "r2"})["local_prefill"] is False
 
 
 def test_an_aggregated_pool_answers_as_before() -> None:

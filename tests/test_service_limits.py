@@ -28,7 +28,7 @@ import pytest
 
 from kvtier.indexer.service import fdlimit
 from kvtier.indexer.service.app import IndexerService, ServiceConfig, load_config, parse_endpoint
-from kvtier.indexer.service.clients import Forbidden
+from kvtier.indexer.service.clients import Forbidden, peer_key
 from kvtier.indexer.service.http import MALFORMED_METRIC
 from kvtier.indexer.service.httplimits import BodyTooLarge, check_depth, read_body
 from kvtier.sim.cli import main as cli_main
@@ -234,6 +234,45 @@ def test_bookings_are_capped_per_client_429_and_in_all_503(tmp_path: Path) -> No
         assert book("a4", "alpha")[0] == book("a5", "alpha")[0] == 200
 
 
+def test_bookings_are_capped_in_prompt_blocks_per_client_429_and_in_all_503(tmp_path: Path) -> None:
+    """A booking holds its prompt's block keys until it ends: the blocks in flight are capped, a client's and in all,
+    whatever the count of bookings, and a finish or an expiry gives them back."""
+    (tmp_path / "tokens").write_text("alpha\nbeta\n")
+    with service(auth_token_file=str(tmp_path / "tokens"), max_in_flight_blocks=20,
+                 max_in_flight_blocks_per_client=12, request_ttl_s=0.5) as s:
+        def book(rid: str, token: str, blocks: int) -> tuple[int, Any]:
+            code, out, _ = call(s, "POST", "/route", {"token_ids": TOKS[:blocks * BS], "request_id": rid},
+                                token=token)
+            return code, out
+
+        assert book("a1", "alpha", 8)[0] == 200
+        code, out = book("a2", "alpha", 5)  # 13 > 12
+        assert code == 429 and "8 prompt blocks in flight" in out["error"]
+        assert "max_in_flight_blocks_per_client 12" in out["error"]
+        assert book("a2", "alpha", 4)[0] == 200  # 12: at the cap, not past it
+        assert book("b1", "beta", 8)[0] == 200  # 20 in all
+        code, out = book("b2", "beta", 1)
+        assert code == 503 and "max_in_flight_blocks 20" in out["error"]
+        m = metrics(s)
+        assert (m["blocks_in_flight"], m["requests_in_flight"], m["bookings_refused"]) == (20, 3, 2)
+        assert "kvtier_blocks_in_flight 20" in get(s.address + "/metrics")
+        assert call(s, "POST", "/requests/a1/finish", {}, token="alpha")[0] == 200
+        assert metrics(s)["blocks_in_flight"] == 12
+        assert book("b2", "beta", 4)[0] == 200  # beta: 12, at its cap
+        assert book("b3", "beta", 1)[0] == 429
+        wait_for(lambda: metrics(s)["requests_in_flight"] == 0)  # expired: every block given back
+        assert metrics(s)["blocks_in_flight"] == 0 and s.clients.blocks == 0
+        assert book("a3", "alpha", 8)[0] == 200
+
+
+@pytest.mark.parametrize(("address", "key"), [
+    ("10.0.0.1", "10.0.0.1"), ("::ffff:10.0.0.1", "10.0.0.1"), ("2001:db8::1", "2001:db8::/64"),
+    ("2001:db8::ffff:1", "2001:db8::/64"), ("2001:db8:0:1::1", "2001:db8:0:1::/64"), ("fe80::1%eth0", "fe80::/64"),
+    (None, "?"), ("", "?"), ("not an address", "not an address")])
+def test_a_peer_is_its_address_or_its_ipv6_slash_64(address: str | None, key: str) -> None:
+    assert peer_key(address) == key
+
+
 def test_output_tokens_are_bounded_by_the_context() -> None:
     with service(max_context_tokens=1000) as s:
         assert call(s, "POST", "/route", {"token_ids": TOKS, "request_id": "r1"})[0] == 200
@@ -276,6 +315,98 @@ def test_one_connection_past_the_cap_gets_a_json_503_and_is_closed(loop: str) ->
                 k.close()
         wait_for(lambda: metrics_open(s) == 0)
         assert call(s, "POST", "/query", {"token_ids": TOKS})[0] == 200
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_one_peer_past_its_cap_gets_a_json_429_and_another_peer_is_served(loop: str) -> None:
+    """One peer cannot hold every connection: past its own cap it is turned away, while another peer (a second
+    loopback address) still connects and is answered."""
+    with service(max_connections=8, max_connections_per_peer=3, header_timeout_s=60.0, http_loop=loop) as s:
+        held = [_open(s) for _ in range(3)]
+        try:
+            wait_for(lambda: metrics_open(s) == 3)
+            with _open(s) as extra:
+                answer = b""
+                while chunk := extra.recv(4096):  # ends when the server closes it
+                    answer += chunk
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 429 ") and b"application/json" in head
+            assert "too many open connections from this peer (at most 3)" in json.loads(body)["error"]
+            counters = s._http.counters()
+            assert (counters["http_connections_refused_per_peer"], counters["http_connections_refused"]) == (1, 0)
+            host, port = s.address.removeprefix("http://").split(":")
+            other = http.client.HTTPConnection(host, int(port), timeout=5, source_address=("127.0.0.2", 0))
+            other.request("POST", "/query", body=json.dumps({"token_ids": TOKS}))
+            assert other.getresponse().status == 200
+            other.close()
+        finally:
+            for k in held:
+                k.close()
+        wait_for(lambda: metrics_open(s) == 0)
+        assert s._http._server is not None and not s._http._server.peers  # every peer's count back to none
+        assert call(s, "POST", "/query", {"token_ids": TOKS})[0] == 200  # room again for the first peer
+        assert "kvtier_http_connections_refused_per_peer_total 1" in get(s.address + "/metrics")
+
+
+def _exchange(s: IndexerService, head: bytes, body: bytes = b"") -> tuple[bytes, bytes]:
+    """Sends a request's head, and ``body`` only once the server said ``100 Continue``: the first answer's status
+    line, and the final answer (the first one if it was final)."""
+    with _open(s) as k:
+        k.sendall(head)
+        got = b""
+
+        def answer() -> bytes:  # the next whole answer (its Content-Length bytes of body, if any)
+            nonlocal got
+            while b"\r\n\r\n" not in got:
+                got += k.recv(4096) or _closed()
+            top, _, got = got.partition(b"\r\n\r\n")
+            length = next((int(ln.split(b":")[1]) for ln in top.split(b"\r\n")
+                           if ln.lower().startswith(b"content-length:")), 0)
+            while len(got) < length:
+                got += k.recv(4096) or _closed()
+            out, got = top + b"\r\n\r\n" + got[:length], got[length:]
+            return out
+
+        first = answer()
+        if not first.startswith(b"HTTP/1.1 100 "):
+            return first.partition(b"\r\n")[0], first
+        k.sendall(body)
+        return first.partition(b"\r\n")[0], answer()
+
+
+def _closed() -> bytes:
+    raise AssertionError("the server closed the connection mid-answer")
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_expect_100_continue_is_refused_before_the_body_when_it_would_be_refused_unread(
+        loop: str, tmp_path: Path) -> None:
+    """A client that asks before sending its body is not told to send one that is then refused: a declared length
+    past the cap (413), an encoding that is not decoded (415), a state change without a token (401), an unknown
+    expectation (417) are answered at once, in JSON; a request that passes them gets ``100 Continue``."""
+    (tmp_path / "tokens").write_text("alpha\n")
+    with service(http_loop=loop, auth_token_file=str(tmp_path / "tokens")) as s:
+        def head(path: str, length: int, *extra: str) -> bytes:
+            lines = [f"POST {path} HTTP/1.1", "Host: x", "Content-Type: application/json", f"Content-Length: {length}",
+                     *extra]
+            return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+        body = json.dumps({"token_ids": TOKS}).encode()
+        for path, extra, status, said in [
+                ("/query", ("Expect: 100-continue",), b"413", "body larger than 64000 bytes"),
+                ("/query", ("Expect: 100-continue", "Content-Encoding: br"), b"415", "'br' is not supported"),
+                ("/route", ("Expect: 100-continue",), b"401", "Bearer"),
+                ("/query", ("Expect: something-else",), b"417", "unknown Expect: something-else")]:
+            size = 10**6 if status == b"413" else len(body)
+            first, rest = _exchange(s, head(path, size, *extra), body)
+            assert first.startswith(b"HTTP/1.1 " + status), (path, extra, first)
+            assert said in json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
+        first, rest = _exchange(s, head("/query", len(body), "Expect: 100-continue"), body)
+        assert first.startswith(b"HTTP/1.1 100 ") and b"HTTP/1.1 200 " in rest
+        route = json.dumps({"token_ids": TOKS, "request_id": "r1"}).encode()
+        first, rest = _exchange(s, head("/route", len(route), "Expect: 100-continue", "Authorization: Bearer alpha"),
+                                route)
+        assert first.startswith(b"HTTP/1.1 100 ") and b"HTTP/1.1 200 " in rest and len(s.clients) == 1
 
 
 def metrics_open(s: IndexerService) -> int:

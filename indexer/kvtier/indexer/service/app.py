@@ -117,7 +117,8 @@ class IndexerService:
         self._deadlines = Deadlines(config.request_ttl_s)  # routed requests in flight, until finish or expiry
         tokens = load_tokens(config.auth_token_file) if config.auth_token_file is not None else None
         #: Who booked what, and the caps on bookings (kvtier.indexer.service.clients); under the lock.
-        self.clients = Clients(tokens, config.max_in_flight, config.max_in_flight_per_client)
+        self.clients = Clients(tokens, config.max_in_flight, config.max_in_flight_per_client,
+                               config.max_in_flight_blocks, config.max_in_flight_blocks_per_client)
         self._loop = EventLoop(config, self.index, self._lock, self._deadlines, self._expired, self._resume,
                                clock=clock)
         #: Set when the event loop died: the index no longer follows the engines.
@@ -133,6 +134,7 @@ class IndexerService:
             self._http = HttpFrontEnd(self, self._host, port, max_body_bytes=config.max_body_bytes,
                                       read_timeout_s=config.read_timeout_s, keepalive_s=config.keepalive_s,
                                       loop=config.http_loop, max_connections=config.max_connections,
+                                      max_connections_per_peer=config.max_connections_per_peer,
                                       header_timeout_s=config.header_timeout_s)
         except ImportError:
             raise ConfigError("http_loop: uvloop is not installed (pip install uvloop), use auto or asyncio") from None
@@ -328,7 +330,7 @@ class IndexerService:
         self.index.note_routed(dec.worker, keys)  # inferred window KV (SWA engines without window events)
         note_routed(self.router.policy, keys, tokens, dec.worker)  # a routing-history policy learns it
         self._deadlines.book(rid, time.monotonic())
-        self.clients.book(rid, owner)
+        self.clients.book(rid, owner, len(keys))
         out = self._answer(dec)
         self.request_seconds["route"].observe(time.perf_counter() - t0)
         out["request_id"] = rid
@@ -351,7 +353,7 @@ class IndexerService:
         with self._timed_lock():
             if rid in self._deadlines:
                 raise ValueError(f"request {rid!r} is already in flight")
-            self.clients.check_room(owner)
+            self.clients.check_room(owner, len(keys))
             if self.pair is not None:
                 out, ttft_ms, tpot_ms = route_pair(self, self.pair, rid, keys, tokens, req.slo, owner, t0)
             else:
@@ -434,7 +436,8 @@ class IndexerService:
                 entry.update(apply_lag_seconds=lag.last, apply_lag_max_seconds=lag.max)
                 workers[str(s)] = entry
             return {"batches_applied": self._loop.consumer.counters.batches, "indexed_blocks": len(self.index),
-                    "requests_in_flight": len(self._deadlines), "requests_expired": self.requests_expired,
+                    "requests_in_flight": len(self._deadlines), "blocks_in_flight": self.clients.blocks,
+                    "requests_expired": self.requests_expired,
                     "snapshots": self.snapshots, "snapshot_seconds": self.snapshot_seconds,
                     "snapshot_failures": self._loop.snapshot_failures, **self._http.counters(),
                     "auth_refused": self.clients.refused_auth, "owner_refused": self.clients.refused_owner,

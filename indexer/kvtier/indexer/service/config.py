@@ -101,8 +101,14 @@ class ServiceConfig:
     # bookings in flight (routed, not finished or expired): past the total 503, past one client's 429
     max_in_flight: int = field(default=100_000, metadata=at_least(1))
     max_in_flight_per_client: int = field(default=10_000, metadata=at_least(1))
+    # prompt blocks those bookings hold (each holds its prompt's block keys until it ends, about 115 bytes a block,
+    # 185 in a disaggregated pool: bench/booking_memory.py): past the total 503, past one client's 429
+    max_in_flight_blocks: int = field(default=1 << 24, metadata=at_least(1))
+    max_in_flight_blocks_per_client: int = field(default=1 << 23, metadata=at_least(1))
     # open HTTP connections: one more gets a JSON 503 and is closed
     max_connections: int = field(default=1024, metadata=within(1, 1 << 20, int))
+    # of them from one peer (its address; an IPv6 peer's /64 network): one more gets a JSON 429 and is closed
+    max_connections_per_peer: int = field(default=256, metadata=within(1, 1 << 20, int))
     # a connection that sent no request headers this long after it opened is closed
     header_timeout_s: float = field(default=10.0, metadata=within(0, 3600, lo_open=True))
     # output_tokens a finish may report (the served model's context); more gets 400

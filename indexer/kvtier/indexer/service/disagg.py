@@ -81,7 +81,7 @@ def route_pair(svc: IndexerService, pair: PairRouter, rid: str, keys: list[Block
     svc.index.note_routed(d.worker, keys)  # its KV lands there too
     note_routed(pair.decode.policy, keys, tokens, d.worker)
     svc._deadlines.book(rid, time.monotonic())
-    svc.clients.book(rid, owner)
+    svc.clients.book(rid, owner, len(keys))
     out: dict[str, Any] = {"request_id": rid, "prefill": svc._answer(p), "decode": svc._answer(d),
                            "local_prefill": decision.local}
     for side in ("prefill", "decode"):

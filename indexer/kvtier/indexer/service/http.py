@@ -19,7 +19,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, cast
 
 import msgspec
-from aiohttp import web
+from aiohttp import hdrs, web
+from aiohttp.http import HttpVersion11
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
@@ -29,6 +30,7 @@ from kvtier.indexer.service.httplimits import (
     BodyTooLarge,
     GatedServer,
     UnsupportedEncoding,
+    check_encoding,
     close_at_once,
     read_body,
     without_request_bytes,
@@ -123,7 +125,8 @@ class HttpFrontEnd:
 
     def __init__(self, service: Backend, host: str, port: int, *, max_body_bytes: int,
                  read_timeout_s: float, keepalive_s: float, backlog: int = 1024, loop: str = "auto",
-                 max_connections: int = 1024, header_timeout_s: float = 10.0) -> None:
+                 max_connections: int = 1024, max_connections_per_peer: int | None = None,
+                 header_timeout_s: float = 10.0) -> None:
         self._svc = service
         self._host, self._port = host, port
         self._max_body = max_body_bytes
@@ -131,6 +134,7 @@ class HttpFrontEnd:
         self._keepalive = keepalive_s
         self._backlog = backlog
         self._max_connections = max_connections
+        self._max_per_peer = max_connections_per_peer
         self._header_timeout = header_timeout_s
         self._server: GatedServer | None = None  # the connection handlers' manager, once serving
         self._listener: asyncio.AbstractServer | None = None  # the listening socket
@@ -175,10 +179,10 @@ class HttpFrontEnd:
 
     async def _start(self) -> None:
         app = web.Application(client_max_size=self._max_body, middlewares=[self._errors])
-        app.router.add_post("/query", self._query)
-        app.router.add_post("/route", self._route)
-        app.router.add_post("/requests/{rid}/first_token", self._first_token)
-        app.router.add_post("/requests/{rid}/finish", self._finish)
+        app.router.add_post("/query", self._query, expect_handler=self._expect)
+        app.router.add_post("/route", self._route, expect_handler=self._expect)
+        app.router.add_post("/requests/{rid}/first_token", self._first_token, expect_handler=self._expect)
+        app.router.add_post("/requests/{rid}/finish", self._finish, expect_handler=self._expect)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/health", self._health)
         self._runner = web.AppRunner(app, handle_signals=False, access_log=None, keepalive_timeout=self._keepalive)
@@ -189,6 +193,7 @@ class HttpFrontEnd:
         assert app_server is not None
         self._server = GatedServer(app_server.request_handler, request_factory=app_server.request_factory,
                                    loop=asyncio.get_running_loop(), max_connections=self._max_connections,
+                                   max_per_peer=self._max_per_peer,
                                    header_timeout_s=self._header_timeout, keepalive_timeout=self._keepalive,
                                    access_log=None, auto_decompress=False)
         self._listener = await asyncio.get_running_loop().create_server(
@@ -229,27 +234,32 @@ class HttpFrontEnd:
         """Turns every failure into a JSON error with the right status."""
         try:
             return await handler(request)
-        except web.HTTPRequestEntityTooLarge:
+        except Exception as exc:
+            return self._failure(request, exc)
+
+    def _failure(self, request: web.Request, exc: Exception) -> web.Response:
+        """The JSON answer to a request that raised ``exc``."""
+        if isinstance(exc, web.HTTPRequestEntityTooLarge):
             return _closing(_json(413, {"error": f"body larger than {self._max_body} bytes"}))
-        except BodyTooLarge as exc:  # mid-body: the rest is not read, so the connection cannot be reused
+        if isinstance(exc, BodyTooLarge):  # mid-body: the rest is not read, so the connection cannot be reused
             return _closing(_json(413, {"error": str(exc)}))
-        except UnsupportedEncoding as exc:
+        if isinstance(exc, UnsupportedEncoding):
             return _closing(_json(415, {"error": str(exc)}))
-        except Unauthorized as exc:
+        if isinstance(exc, Unauthorized):
             resp = _json(401, {"error": str(exc)})
             resp.headers["WWW-Authenticate"] = "Bearer"
             return resp
-        except Forbidden as exc:
+        if isinstance(exc, Forbidden):
             return _json(403, {"error": str(exc)})
-        except TooManyInFlight as exc:
+        if isinstance(exc, TooManyInFlight):
             return _json(exc.status, {"error": str(exc)})
-        except web.HTTPRequestTimeout as exc:  # a stalled body: its connection is not worth holding any longer
+        if isinstance(exc, web.HTTPRequestTimeout):  # a stalled body: its connection is not worth holding any longer
             return close_at_once(request, _json(exc.status, {"error": exc.reason}))
-        except web.HTTPException as exc:
+        if isinstance(exc, web.HTTPException):
             return _json(exc.status, {"error": exc.reason})
-        except ServiceUnavailable as exc:
+        if isinstance(exc, ServiceUnavailable):
             return _json(503, {"error": str(exc)})
-        except ConnectionError as exc:
+        if isinstance(exc, ConnectionError):
             # The client went away mid-request (routers cancel, load balancers reset): nobody to answer, and
             # nothing wrong with the service, so one line now and then rather than a traceback each.
             self.disconnects += 1
@@ -257,11 +267,28 @@ class HttpFrontEnd:
                 log.info("http: %s %s: client went away (%s)%s", request.method, request.path, exc,
                          suffix(self.disconnects))
             return _json(400, {"error": "connection lost"})  # aiohttp drops it: the socket is closed
-        except (ValueError, LookupError) as exc:
+        if isinstance(exc, ValueError | LookupError):
             return _json(400, {"error": str(exc)})
+        log.error("http: %s %s failed", request.method, request.path, exc_info=exc)
+        return _json(500, {"error": f"internal error: {type(exc).__name__}"})
+
+    async def _expect(self, request: web.Request) -> web.StreamResponse | None:
+        """A request that asks ``Expect: 100-continue`` before it sends its body: what would refuse it unread (a
+        declared length past the cap, an encoding not decoded, a state change without a valid token) is answered
+        now, so that the client is never told to send a body that is then refused; else ``100 Continue``."""
+        try:
+            if request.content_length is not None and request.content_length > self._max_body:
+                raise web.HTTPRequestEntityTooLarge(max_size=self._max_body, actual_size=request.content_length)
+            check_encoding(request.headers.get(hdrs.CONTENT_ENCODING, ""))
+            if request.path != "/query":  # every other POST changes state
+                self._client(request)
+            if request.version != HttpVersion11 or request.headers[hdrs.EXPECT].lower() != "100-continue":
+                raise web.HTTPExpectationFailed(reason=f"unknown Expect: {request.headers[hdrs.EXPECT]}")
         except Exception as exc:
-            log.exception("http: %s %s failed", request.method, request.path)
-            return _json(500, {"error": f"internal error: {type(exc).__name__}"})
+            return self._failure(request, exc)
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # (aiohttp's count of the answer's bytes: the answer is still to come)
+        return None
 
     async def _body(self, request: web.Request) -> bytes:
         """The raw body (the service decodes and validates it in one pass). A declared length over the cap is
@@ -287,6 +314,7 @@ class HttpFrontEnd:
                 "http_malformed_requests": self.payload_errors + (srv.malformed if srv else 0),
                 "http_connections_open": srv.open if srv else 0,
                 "http_connections_refused": srv.refused if srv else 0,
+                "http_connections_refused_per_peer": srv.refused_per_peer if srv else 0,
                 "http_header_timeouts": srv.header_timeouts if srv else 0}
 
     # --- endpoints -----------------------------------------------------------------------

@@ -5,7 +5,8 @@
   its decompression yields to the other connections between pieces.
 * JSON nesting deeper than a cap is refused (400) before the JSON parser sees it: the parser recurses.
 * Open connections are capped: one past the cap gets a JSON 503 and is closed at once, before a byte of it
-  is parsed.
+  is parsed. So are one peer's (:func:`~kvtier.indexer.service.clients.peer_key`: its address, an IPv6 peer's
+  /64): one past that cap gets a JSON 429, closed likewise, so that one peer cannot hold every connection.
 * A connection that has not sent a request's headers within a deadline after it opened is closed, and one whose
   body stalled past its deadline (408) is closed with the answer, not kept to read the rest.
 * Errors aiohttp answers itself (a request it cannot parse) come back as JSON over HTTP/1.1 like every
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import re
 import zlib
+from collections import Counter
 from typing import Any, cast
 
 import numpy as np
@@ -24,6 +26,8 @@ from aiohttp import hdrs, web
 from aiohttp.http import HttpVersion10, HttpVersion11
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
+
+from kvtier.indexer.service.clients import peer_key
 
 PIECE = 64 << 10  # decompressed bytes produced per step: the most one step holds the event loop for
 
@@ -45,6 +49,11 @@ def _decompressor(encoding: str) -> Any:
     if enc == "deflate":
         return zlib.decompressobj(32 + zlib.MAX_WBITS)  # zlib-wrapped, as RFC 9110 says (gzip also accepted)
     raise UnsupportedEncoding(f"content-encoding {encoding!r} is not supported; use gzip, deflate or identity")
+
+
+def check_encoding(encoding: str) -> None:
+    """:class:`UnsupportedEncoding` if a body of this ``Content-Encoding`` is not one :func:`read_body` decodes."""
+    _decompressor(encoding)
 
 
 async def read_body(request: web.BaseRequest, cap: int) -> bytes:
@@ -134,18 +143,27 @@ def without_request_bytes(text: str) -> str:
 
 
 class _Handler(RequestHandler):
-    """aiohttp's connection handler, plus: the header-read deadline, the open-connection count, and JSON errors
+    """aiohttp's connection handler, plus: the header-read deadline, the open-connection counts, and JSON errors
     over HTTP/1.1 for what aiohttp answers itself."""
 
-    __slots__ = ("_deadline", "_gate")
+    __slots__ = ("_deadline", "_gate", "_peer")
 
     def __init__(self, gate: GatedServer, **kwargs: Any) -> None:
         super().__init__(gate, **kwargs)
         self._gate = gate
         self._deadline: asyncio.TimerHandle | None = None
+        self._peer: str | None = None  # its peer's key, once admitted under the peer's cap
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        peername = transport.get_extra_info("peername")
+        peer = peer_key(peername[0] if isinstance(peername, tuple) and peername else None)
+        if not self._gate.admit(peer):  # answered, then closed: its task ends as the transport goes
+            cast(asyncio.Transport, transport).write(_json_error(
+                429, f"too many open connections from this peer (at most {self._gate.max_per_peer})"))
+            self.force_close()
+            return
+        self._peer = peer
         self._deadline = self._loop.call_later(self._gate.header_timeout_s, self._headers_due)
 
     def _headers_due(self) -> None:
@@ -159,7 +177,8 @@ class _Handler(RequestHandler):
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
-        self._gate.closed()
+        self._gate.closed(self._peer)
+        self._peer = None
         super().connection_lost(exc)
 
     def skip_lingering(self) -> None:
@@ -194,14 +213,20 @@ def close_at_once(request: web.Request, resp: web.Response) -> web.Response:
 
 
 class GatedServer(web.Server):
-    """aiohttp's server with a cap on open connections and a header-read deadline (see the module's text)."""
+    """aiohttp's server with caps on open connections, in all and per peer, and a header-read deadline (see the
+    module's text). What holds: :attr:`open` counts the handlers made and not yet closed, and :attr:`peers` each
+    peer's admitted ones (no entry for a peer with none); both change on the event loop's thread only."""
 
-    def __init__(self, *args: Any, max_connections: int, header_timeout_s: float, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, max_connections: int, header_timeout_s: float, max_per_peer: int | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.max_connections = max_connections
+        self.max_per_peer = max_per_peer if max_per_peer is not None else max_connections
         self.header_timeout_s = header_timeout_s
         self.open = 0  # connections accepted and not yet closed
+        self.peers: Counter[str] = Counter()  # peer key -> its connections admitted and not yet closed
         self.refused = 0  # connections turned away at the cap
+        self.refused_per_peer = 0  # connections turned away at a peer's cap
         self.header_timeouts = 0  # connections closed for sending no headers in time
         self.malformed = 0  # requests aiohttp could not parse (400)
 
@@ -212,6 +237,18 @@ class GatedServer(web.Server):
         self.open += 1
         return _Handler(self, loop=self._loop, **self._kwargs)
 
-    def closed(self) -> None:
-        """A handler's connection ended."""
+    def admit(self, peer: str) -> bool:
+        """Whether a new connection from ``peer`` is within its cap (counted if so). O(1)."""
+        if self.peers[peer] >= self.max_per_peer:
+            self.refused_per_peer += 1
+            return False
+        self.peers[peer] += 1
+        return True
+
+    def closed(self, peer: str | None) -> None:
+        """A handler's connection ended; ``peer``: its peer's key where :meth:`admit` admitted it."""
         self.open -= 1
+        if peer is not None:
+            self.peers[peer] -= 1
+            if not self.peers[peer]:
+                del self.peers[peer]

@@ -44,10 +44,11 @@ _LIMIT_METRICS: dict[str, tuple[str, str]] = {
     "http_malformed_requests": ("counter", "HTTP requests that could not be parsed, answered 400."),
     "http_connections_open": ("gauge", "HTTP connections open."),
     "http_connections_refused": ("counter", "HTTP connections refused at max_connections (503)."),
+    "http_connections_refused_per_peer": ("counter", "HTTP connections refused at max_connections_per_peer (429)."),
     "http_header_timeouts": ("counter", "HTTP connections closed for sending no headers within header_timeout_s."),
     "auth_refused": ("counter", "State-changing requests refused for a missing or invalid token (401)."),
     "owner_refused": ("counter", "Releases of a booking by a client that did not book it (403)."),
-    "bookings_refused": ("counter", "Bookings refused at max_in_flight (503) or max_in_flight_per_client (429)."),
+    "bookings_refused": ("counter", "Bookings refused at max_in_flight[_blocks] (503) or at a per-client cap (429)."),
 }
 
 
@@ -60,6 +61,8 @@ def render_metrics(m: dict[str, Any]) -> str:
         _single("kvtier_batches_applied_total", "counter", "Event batches applied to the index.", m["batches_applied"]),
         _single("kvtier_indexed_blocks", "gauge", "Distinct block keys held by any worker.", m["indexed_blocks"]),
         _single("kvtier_requests_in_flight", "gauge", "Routed requests not finished yet.", m["requests_in_flight"]),
+        _single("kvtier_blocks_in_flight", "gauge", "Prompt blocks the routed requests not finished yet hold.",
+                m["blocks_in_flight"]),
         _single("kvtier_requests_expired_total", "counter", "Routed requests dropped after their TTL.",
                 m["requests_expired"]),
         _single("kvtier_dead_workers", "gauge", "Workers whose publisher looks gone (not routed to).",
