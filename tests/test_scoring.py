@@ -372,3 +372,26 @@ def test_key_array_takes_int_keys_only() -> None:
     assert lt.shared_blocks(A, [5, 6, 7]) == 2 and lt.shared_blocks(A, np.array([5, 9])) == 1
     lt.finish("r1")
     lt._check()
+
+
+def test_a_key_the_compiled_counts_cannot_hold_moves_the_worker_to_a_dict_with_its_requests_in_flight() -> None:
+    """Requests in flight on a worker whose counts move to a dict (a key past 2**64 arrived) keep their keys there:
+    shared prefixes, loads and finishes agree with the dict from then on."""
+    lt = LoadTracker(block_size=4)
+    lt.add("r1", A, [1, 2, 3], 12, 12)
+    lt.add("r2", A, [1, 2, 7], 12, 4)
+    lt.add("r3", B, [1, 2], 8, 8)
+    lt._check()
+    from kvtier.indexer.index.keyrefs import KeyRefs, compiled
+    assert isinstance(lt._workers[A].refs, KeyRefs) == compiled()
+    lt.add("r4", A, [1, 2**64], 8, 4)  # not a uint64: A's counts become a dict, r1 and r2 with them
+    assert isinstance(lt._workers[A].refs, dict) and lt._workers[A].refs[1] == 3
+    assert lt.load(A).active_blocks == 5 and lt.shared_blocks(A, [1, 2, 3, 9]) == 3
+    lt._check()
+    lt.finish("r1")
+    assert lt.load(A).active_blocks == 4 and lt.shared_blocks(A, [1, 2, 3]) == 2
+    lt._check()
+    for rid in ("r2", "r3", "r4"):
+        lt.finish(rid)
+        lt._check()
+    assert lt.load(A) == WorkerLoad() and lt.load(B) == WorkerLoad() and not lt._workers[A].refs

@@ -64,7 +64,7 @@ _PLUS_ONE, _MINUS_ONE, _IS_ONE, _OVER_ONE = (1).__add__, (-1).__add__, (1).__eq_
 @dataclass(slots=True)
 class _InFlight:
     worker: StreamId  # where it went
-    keys: tuple[Hashable, ...]  # its prompt's full blocks, as router block keys
+    blocks: int  # its prompt's full blocks
     prompt_tokens: int  # prompt length
     prefill_tokens: int  # uncached prompt tokens it brought
     private: int = 0  # blocks only it holds: partial prompt tail + generated tokens
@@ -72,7 +72,14 @@ class _InFlight:
     reserve: int = 0  # output tokens expected when it was routed (LoadTracker.expected_output)
     # In a dict of counts: no key repeats (chained keys never do), so its counts move in bulk, in C.
     distinct: bool = True
-    arr: U64 | None = None  # the keys as an array, where the worker's counts are a KeyRefs (moved in one call)
+    # Its prompt's router block keys: as an array where the worker's counts are a KeyRefs (moved in one call), else
+    # as a tuple (one of the two is set, the other empty). The array alone holds no Python int per block.
+    arr: U64 | None = None
+    keys: tuple[Hashable, ...] = ()
+
+    def key_list(self) -> Sequence[Hashable]:
+        """Its prompt's block keys, whichever way they are held."""
+        return self.arr.tolist() if self.arr is not None else self.keys
 
 
 @dataclass(slots=True)
@@ -170,7 +177,7 @@ class LoadTracker:
         ``request_id`` is already in flight."""
         if request_id in self._inflight:
             raise ValueError(f"request {request_id!r} is already in flight")
-        f = _InFlight(worker, tuple(keys), prompt_tokens, prefill_tokens, reserve=round(self.expected_output))
+        f = _InFlight(worker, len(keys), prompt_tokens, prefill_tokens, reserve=round(self.expected_output))
         f.private = self._private_blocks(f, 0)
         self._inflight[request_id] = f
         self._prefilling.add(request_id)
@@ -192,11 +199,12 @@ class LoadTracker:
         yet."""
         refs = w.refs
         if isinstance(refs, KeyRefs):
-            f.arr = key_array(keys)  # (not f.keys: the array block_keys made them from is attached to the list)
+            f.arr = key_array(keys)  # (the array block_keys made them from, where it is attached to the list)
             if f.arr is not None:
                 return refs.add(f.arr)
             refs = w.refs = self._to_dict(f.worker, refs)  # a key the table cannot hold
         assert isinstance(refs, dict)
+        f.keys = tuple(keys)
         f.distinct = len(set(f.keys)) == len(f.keys)
         if f.distinct:  # every count up by one in one pass (the router does this for every request)
             counts = list(map(refs.get, f.keys, repeat(0)))
@@ -213,12 +221,12 @@ class LoadTracker:
         """``worker``'s counts moved into a dict for good, its in-flight requests with them. O(keys + in flight)."""
         for g in self._inflight.values():
             if g.worker == worker and g.arr is not None:
-                g.arr = None
+                g.keys, g.arr = tuple(g.arr.tolist()), None
                 g.distinct = len(set(g.keys)) == len(g.keys)
         return refs.to_dict()
 
     def _private_blocks(self, f: _InFlight, generated: int) -> int:
-        return -(-(f.prompt_tokens + generated) // self.block_size) - len(f.keys)
+        return -(-(f.prompt_tokens + generated) // self.block_size) - f.blocks
 
     def prefill_done(self, request_id: str) -> None:
         """The request produced its first token; idempotent."""
@@ -301,7 +309,7 @@ class LoadTracker:
             t.context_tokens += f.prompt_tokens + f.generated
             t.unwritten_tokens += max(0, f.reserve - f.generated)
             t.routed_prefill_tokens += f.prefill_tokens
-            for k in f.keys:
+            for k in f.key_list():
                 r[k] = r.get(k, 0) + 1
             if rid in self._prefilling:
                 t.pending_prefill_tokens += f.prefill_tokens
