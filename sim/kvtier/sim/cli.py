@@ -355,12 +355,10 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
 
 def _warn(summaries: list[Any]) -> None:
     """What the table shows only as a number and no routing policy fixes: overload, rejected requests."""
-    from kvtier.sim.report import overloaded, rejections
+    from kvtier.sim.report import run_warnings
 
-    for s in summaries:
-        for why in (overloaded(s), rejections(s)):
-            if why:
-                print(f"kvtier: warning: {why}", file=sys.stderr)
+    for why in run_warnings(summaries):
+        print(f"kvtier: warning: {why}", file=sys.stderr)
 
 
 def _peak_rss_mib() -> float:

@@ -76,6 +76,12 @@ def rejections(s: RunSummary) -> str | None:
             "worker's device (--device-tokens)")
 
 
+def run_warnings(summaries: Sequence[RunSummary]) -> list[str]:
+    """What the runs' tables show only as numbers and no routing policy fixes (:func:`overloaded`,
+    :func:`rejections`), one line each, in run order: what the CLI prints as warnings, and notebooks print too."""
+    return [why for s in summaries for why in (overloaded(s), rejections(s)) if why]
+
+
 #: What a sweep plots, one PNG each: (RunSummary field, axis label).
 SWEEP_MEASURES = [("hit_rate", "hit rate"), ("ttft_p90", "TTFT p90 (s)"), ("tpot_p90", "TPOT p90 (s)"),
                   ("e2e_p99", "e2e p99 (s)"), ("goodput", "goodput")]
