@@ -7,15 +7,18 @@ open-files limit."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import http.client
 import json
 import logging
 import resource
 import socket
+import struct
 import subprocess
 import sys
 import threading
+import time
 import tracemalloc
 import zlib
 from collections.abc import AsyncIterator, Iterator
@@ -266,11 +269,19 @@ def test_bookings_are_capped_in_prompt_blocks_per_client_429_and_in_all_503(tmp_
 
 
 @pytest.mark.parametrize(("address", "key"), [
-    ("10.0.0.1", "10.0.0.1"), ("::ffff:10.0.0.1", "10.0.0.1"), ("2001:db8::1", "2001:db8::/64"),
-    ("2001:db8::ffff:1", "2001:db8::/64"), ("2001:db8:0:1::1", "2001:db8:0:1::/64"), ("fe80::1%eth0", "fe80::/64"),
+    ("10.0.0.1", "10.0.0.1"), ("::ffff:10.0.0.1", "10.0.0.1"), ("2001:db8::1", "2001:db8::1"),
+    ("2001:db8:0:0::1", "2001:db8::1"), ("fe80::1%eth0", "fe80::1%eth0"), ("fe80::1%eth1", "fe80::1%eth1"),
     (None, "?"), ("", "?"), ("not an address", "not an address")])
-def test_a_peer_is_its_address_or_its_ipv6_slash_64(address: str | None, key: str) -> None:
+def test_a_peer_is_its_address(address: str | None, key: str) -> None:
+    """One address is one peer however it is written (an IPv4 peer seen by a dual-stack socket included); two
+    addresses are two peers, a link-local one on each interface too."""
     assert peer_key(address) == key
+
+
+def test_an_ipv6_listen_address_may_be_bracketed() -> None:
+    cfg = ServiceConfig(endpoints=[parse_endpoint("w0=tcp://127.0.0.1:1")], listen="[::1]:8077")
+    assert cfg.host_port == ("::1", 8077)
+    assert ServiceConfig(endpoints=cfg.endpoints, listen="::1:8077").host_port == ("::1", 8077)
 
 
 def test_output_tokens_are_bounded_by_the_context() -> None:
@@ -348,9 +359,43 @@ def test_one_peer_past_its_cap_gets_a_json_429_and_another_peer_is_served(loop: 
         assert "kvtier_http_connections_refused_per_peer_total 1" in get(s.address + "/metrics")
 
 
-def _exchange(s: IndexerService, head: bytes, body: bytes = b"") -> tuple[bytes, bytes]:
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_peer_bursting_past_its_cap_takes_no_room_from_another(loop: str) -> None:
+    """Connections refused at their peer's cap never count against the total: with the event loop held while one
+    peer opens four times its cap and another peer one connection (accepted together when the loop wakes), the
+    first peer's surplus gets 429 and the other peer is served, none refused at the total."""
+    with service(max_connections=4, max_connections_per_peer=2, header_timeout_s=60.0, http_loop=loop) as s:
+        http_loop = s._http._loop
+        http_loop.call_soon_threadsafe(time.sleep, 0.5)  # the loop accepts nothing meanwhile
+        burst = [_open(s) for _ in range(8)]
+        host, port = s.address.removeprefix("http://").split(":")
+        other = socket.create_connection((host, int(port)), timeout=5, source_address=("127.0.0.2", 0))
+        try:
+            other.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            answer = b""
+            while chunk := other.recv(4096):
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+            statuses = []
+            for k in burst[2:]:  # the loop takes them in order: the first two are admitted
+                k.settimeout(0.2)
+                with contextlib.suppress(TimeoutError):
+                    statuses.append(k.recv(12))
+            assert statuses == [b"HTTP/1.1 429"] * 6
+            counters = s._http.counters()
+            assert (counters["http_connections_refused_per_peer"], counters["http_connections_refused"]) == (6, 0)
+        finally:
+            other.close()
+            for k in burst:
+                k.close()
+        wait_for(lambda: metrics_open(s) == 0)
+
+
+def _exchange(s: IndexerService, head: bytes, body: bytes = b"") -> tuple[bytes, bytes, bool]:
     """Sends a request's head, and ``body`` only once the server said ``100 Continue``: the first answer's status
-    line, and the final answer (the first one if it was final)."""
+    line, the final answer (the first one if it was final), and, after a first answer that was final, whether the
+    server then closed the connection at once (within the socket's 5 s timeout; aiohttp's lingering close would
+    wait 10 s for a body)."""
     with _open(s) as k:
         k.sendall(head)
         got = b""
@@ -368,10 +413,14 @@ def _exchange(s: IndexerService, head: bytes, body: bytes = b"") -> tuple[bytes,
             return out
 
         first = answer()
-        if not first.startswith(b"HTTP/1.1 100 "):
-            return first.partition(b"\r\n")[0], first
-        k.sendall(body)
-        return first.partition(b"\r\n")[0], answer()
+        if first.startswith(b"HTTP/1.1 100 "):
+            k.sendall(body)
+            return first.partition(b"\r\n")[0], answer(), False  # (a keep-alive connection: not waited on)
+        try:
+            closed = not got and k.recv(1) == b""
+        except TimeoutError:
+            closed = False
+        return first.partition(b"\r\n")[0], first, closed
 
 
 def _closed() -> bytes:
@@ -380,15 +429,17 @@ def _closed() -> bytes:
 
 @pytest.mark.parametrize("loop", LOOPS)
 def test_expect_100_continue_is_refused_before_the_body_when_it_would_be_refused_unread(
-        loop: str, tmp_path: Path) -> None:
+        loop: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A client that asks before sending its body is not told to send one that is then refused: a declared length
-    past the cap (413), an encoding that is not decoded (415), a state change without a token (401), an unknown
-    expectation (417) are answered at once, in JSON; a request that passes them gets ``100 Continue``."""
+    past the cap (413), an encoding that is not decoded (415), a state change without a token (401), an expectation
+    other than 100-continue (417) are answered at once, in JSON, and the connection closed (the body never came);
+    a request that passes them gets ``100 Continue``, and an HTTP/1.0 one's expectation is ignored (RFC 9110). A
+    client gone before it was told to go on costs no traceback."""
     (tmp_path / "tokens").write_text("alpha\n")
     with service(http_loop=loop, auth_token_file=str(tmp_path / "tokens")) as s:
-        def head(path: str, length: int, *extra: str) -> bytes:
-            lines = [f"POST {path} HTTP/1.1", "Host: x", "Content-Type: application/json", f"Content-Length: {length}",
-                     *extra]
+        def head(path: str, length: int, *extra: str, version: str = "1.1") -> bytes:
+            lines = [f"POST {path} HTTP/{version}", "Host: x", "Content-Type: application/json",
+                     f"Content-Length: {length}", *extra]
             return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
         body = json.dumps({"token_ids": TOKS}).encode()
@@ -396,17 +447,28 @@ def test_expect_100_continue_is_refused_before_the_body_when_it_would_be_refused
                 ("/query", ("Expect: 100-continue",), b"413", "body larger than 64000 bytes"),
                 ("/query", ("Expect: 100-continue", "Content-Encoding: br"), b"415", "'br' is not supported"),
                 ("/route", ("Expect: 100-continue",), b"401", "Bearer"),
-                ("/query", ("Expect: something-else",), b"417", "unknown Expect: something-else")]:
+                ("/query", ("Expect: something-else",), b"417", "Expect: something-else is not supported")]:
             size = 10**6 if status == b"413" else len(body)
-            first, rest = _exchange(s, head(path, size, *extra), body)
+            first, final, closed = _exchange(s, head(path, size, *extra), body)
             assert first.startswith(b"HTTP/1.1 " + status), (path, extra, first)
-            assert said in json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
-        first, rest = _exchange(s, head("/query", len(body), "Expect: 100-continue"), body)
-        assert first.startswith(b"HTTP/1.1 100 ") and b"HTTP/1.1 200 " in rest
+            assert said in json.loads(final.partition(b"\r\n\r\n")[2])["error"]
+            assert closed, (path, extra)
+        first, final, closed = _exchange(s, head("/query", len(body), "Expect: 100-continue"), body)
+        assert first.startswith(b"HTTP/1.1 100 ") and final.startswith(b"HTTP/1.1 200 ")
         route = json.dumps({"token_ids": TOKS, "request_id": "r1"}).encode()
-        first, rest = _exchange(s, head("/route", len(route), "Expect: 100-continue", "Authorization: Bearer alpha"),
-                                route)
-        assert first.startswith(b"HTTP/1.1 100 ") and b"HTTP/1.1 200 " in rest and len(s.clients) == 1
+        first, final, _ = _exchange(s, head("/route", len(route), "Expect: 100-continue",
+                                            "Authorization: Bearer alpha"), route)
+        assert first.startswith(b"HTTP/1.1 100 ") and final.startswith(b"HTTP/1.1 200 ") and len(s.clients) == 1
+        with _open(s) as k:  # HTTP/1.0: no 100 Continue, no 417; the body is read as it comes
+            k.sendall(head("/query", len(body), "Expect: 100-continue", version="1.0") + body)
+            assert k.recv(12) == b"HTTP/1.0 200"
+        for rst in (False, True):  # gone before the 100 Continue was written (with a FIN, or a reset)
+            with _open(s) as k:
+                if rst:
+                    k.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                k.sendall(head("/query", len(body), "Expect: 100-continue"))
+        wait_for(lambda: metrics_open(s) == 0)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
 def metrics_open(s: IndexerService) -> int:

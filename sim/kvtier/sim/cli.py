@@ -554,7 +554,7 @@ _INDEXER_LIMITS: dict[str, tuple[type, str]] = {
     "max_in_flight_blocks": (int, "prompt blocks the bookings in flight hold, in all (503)"),
     "max_in_flight_blocks_per_client": (int, "prompt blocks one client's bookings in flight hold (429)"),
     "max_connections": (int, "open HTTP connections (one more: 503, closed)"),
-    "max_connections_per_peer": (int, "open HTTP connections from one peer address, an IPv6 /64 (429, closed)"),
+    "max_connections_per_peer": (int, "open HTTP connections from one peer address (429, closed)"),
     "header_timeout_s": (float, "seconds a new connection has to send its request headers"),
     "read_timeout_s": (float, "seconds a request body has to arrive (408)"),
     "max_context_tokens": (int, "the served model's context: output_tokens a finish may report (400)"),

@@ -194,7 +194,8 @@ class IndexerService:
 
     @property
     def address(self) -> str:
-        return f"http://{self._host}:{self._http.port}"
+        host = f"[{self._host}]" if ":" in self._host else self._host  # (an IPv6 address, bracketed in a URL)
+        return f"http://{host}:{self._http.port}"
 
     def start(self) -> None:
         """Starts the event loop, then the HTTP front end; raises if the port cannot be bound."""

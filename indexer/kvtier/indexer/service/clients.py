@@ -3,9 +3,8 @@ booking.
 
 With tokens configured, ``/route``, ``/requests/{id}/first_token`` and ``/requests/{id}/finish`` need
 ``Authorization: Bearer <token>`` naming one of them (compared in constant time, every token tried), and a
-client is its token: bookings are counted and released per token. Without tokens a client is its peer
-(:func:`peer_key`: its address, an IPv6 peer's /64 network): clients behind one proxy or NAT share it, so they can
-release each other's bookings.
+client is its token: bookings are counted and released per token. Without tokens a client is its peer address
+(:func:`peer_key`): clients behind one proxy or NAT share it, so they can release each other's bookings.
 
 A booking holds its prompt's block keys until it ends, so bookings are capped in blocks as well as in number: a
 client's count and the service's are each bounded, and so is the memory they hold.
@@ -62,19 +61,16 @@ def load_tokens(path: str) -> list[bytes]:
 
 
 def peer_key(address: str | None) -> str:
-    """Who a peer address is, for the caps each client has: an IPv4 address as it is (an IPv4-mapped IPv6 one as
-    its IPv4 address), an IPv6 address as its /64 network, since one host is given a whole /64 and may pick any
-    address in it; anything else (a Unix socket's, none) as given, ``?`` for none."""
+    """Who a peer address is, for the caps each client has: the address, an IPv4-mapped IPv6 one as its IPv4
+    address (a dual-stack socket's view of an IPv4 peer); ``?`` for none."""
     if not address:
         return "?"
     try:
-        ip = ipaddress.ip_address(address.partition("%")[0])  # (a link-local address may carry its zone)
+        ip = ipaddress.ip_address(address)
     except ValueError:
         return address
-    if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:
-            return str(ip.ipv4_mapped)
-        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
     return str(ip)
 
 

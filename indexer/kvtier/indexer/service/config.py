@@ -107,7 +107,7 @@ class ServiceConfig:
     max_in_flight_blocks_per_client: int = field(default=1 << 23, metadata=at_least(1))
     # open HTTP connections: one more gets a JSON 503 and is closed
     max_connections: int = field(default=1024, metadata=within(1, 1 << 20, int))
-    # of them from one peer (its address; an IPv6 peer's /64 network): one more gets a JSON 429 and is closed
+    # of them from one peer address: one more gets a JSON 429 and is closed
     max_connections_per_peer: int = field(default=256, metadata=within(1, 1 << 20, int))
     # a connection that sent no request headers this long after it opened is closed
     header_timeout_s: float = field(default=10.0, metadata=within(0, 3600, lo_open=True))
@@ -167,6 +167,8 @@ class ServiceConfig:
     def host_port(self) -> tuple[str, int]:
         """Where the HTTP front end binds (an empty host is loopback)."""
         host, _, port = self.listen.rpartition(":")
+        if host.startswith("[") and host.endswith("]"):  # an IPv6 address, bracketed as in a URL
+            host = host[1:-1]
         return host or "127.0.0.1", int(port)
 
 

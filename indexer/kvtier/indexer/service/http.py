@@ -241,7 +241,8 @@ class HttpFrontEnd:
         """The JSON answer to a request that raised ``exc``."""
         if isinstance(exc, web.HTTPRequestEntityTooLarge):
             return _closing(_json(413, {"error": f"body larger than {self._max_body} bytes"}))
-        if isinstance(exc, BodyTooLarge):  # mid-body: the rest is not read, so the connection cannot be reused
+        if isinstance(exc, BodyTooLarge):  # mid-body: the connection closes once aiohttp's lingering close has read
+            # and dropped the rest (up to 10 s), so that a client still sending reads its answer, not a reset
             return _closing(_json(413, {"error": str(exc)}))
         if isinstance(exc, UnsupportedEncoding):
             return _closing(_json(415, {"error": str(exc)}))
@@ -275,18 +276,26 @@ class HttpFrontEnd:
     async def _expect(self, request: web.Request) -> web.StreamResponse | None:
         """A request that asks ``Expect: 100-continue`` before it sends its body: what would refuse it unread (a
         declared length past the cap, an encoding not decoded, a state change without a valid token) is answered
-        now, so that the client is never told to send a body that is then refused; else ``100 Continue``."""
+        now and the connection closed at once (the body was never sent, and a client that sends it anyway must
+        not have it read as its next request), so that a client is never told to send a body that is then refused;
+        else ``100 Continue``. An HTTP/1.0 request's expectation is ignored, as RFC 9110 says."""
+        if request.version != HttpVersion11:
+            return None
         try:
+            expect = request.headers[hdrs.EXPECT]
+            if expect.lower() != "100-continue":
+                raise web.HTTPExpectationFailed(reason=f"Expect: {expect} is not supported; only 100-continue")
             if request.content_length is not None and request.content_length > self._max_body:
                 raise web.HTTPRequestEntityTooLarge(max_size=self._max_body, actual_size=request.content_length)
             check_encoding(request.headers.get(hdrs.CONTENT_ENCODING, ""))
             if request.path != "/query":  # every other POST changes state
                 self._client(request)
-            if request.version != HttpVersion11 or request.headers[hdrs.EXPECT].lower() != "100-continue":
-                raise web.HTTPExpectationFailed(reason=f"unknown Expect: {request.headers[hdrs.EXPECT]}")
         except Exception as exc:
+            return close_at_once(request, self._failure(request, exc))
+        try:
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        except ConnectionError as exc:  # the client left before it was told to go on
             return self._failure(request, exc)
-        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         request.writer.output_size = 0  # (aiohttp's count of the answer's bytes: the answer is still to come)
         return None
 

@@ -4,9 +4,10 @@
   bytes on the wire or its decompressed bytes pass the cap: a gzip bomb costs at most the cap in memory and
   its decompression yields to the other connections between pieces.
 * JSON nesting deeper than a cap is refused (400) before the JSON parser sees it: the parser recurses.
-* Open connections are capped: one past the cap gets a JSON 503 and is closed at once, before a byte of it
-  is parsed. So are one peer's (:func:`~kvtier.indexer.service.clients.peer_key`: its address, an IPv6 peer's
-  /64): one past that cap gets a JSON 429, closed likewise, so that one peer cannot hold every connection.
+* Open connections are capped, one peer's (:func:`~kvtier.indexer.service.clients.peer_key`: its address) and all
+  of them: one past its peer's cap gets a JSON 429, one past the total a JSON 503, and either is closed at once,
+  before a byte of it is parsed. A peer is checked against its own cap first, and only admitted connections count
+  against the total, so that one peer bursting past its cap never takes another's room.
 * A connection that has not sent a request's headers within a deadline after it opened is closed, and one whose
   body stalled past its deadline (408) is closed with the answer, not kept to read the rest.
 * Errors aiohttp answers itself (a request it cannot parse) come back as JSON over HTTP/1.1 like every
@@ -121,18 +122,6 @@ def _json_error(status: int, message: str) -> bytes:
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
 
 
-class _Refused(asyncio.Protocol):
-    """A connection past the cap: a JSON 503, then closed, without reading from it."""
-
-    def __init__(self, answer: bytes) -> None:
-        self._answer = answer
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        sink = cast(asyncio.Transport, transport)  # (uvloop's transports are no asyncio.Transport subclass)
-        sink.write(self._answer)
-        sink.close()
-
-
 _QUOTED_BYTES = re.compile(r"""[:\s]*\bb(['"]).*""", re.DOTALL)
 
 
@@ -158,9 +147,10 @@ class _Handler(RequestHandler):
         super().connection_made(transport)
         peername = transport.get_extra_info("peername")
         peer = peer_key(peername[0] if isinstance(peername, tuple) and peername else None)
-        if not self._gate.admit(peer):  # answered, then closed: its task ends as the transport goes
-            cast(asyncio.Transport, transport).write(_json_error(
-                429, f"too many open connections from this peer (at most {self._gate.max_per_peer})"))
+        refusal = self._gate.admit(peer)
+        if refusal is not None:  # answered, then closed: its task ends as the transport goes
+            # (uvloop's transports are no asyncio.Transport subclass)
+            cast(asyncio.Transport, transport).write(refusal)
             self.force_close()
             return
         self._peer = peer
@@ -213,9 +203,9 @@ def close_at_once(request: web.Request, resp: web.Response) -> web.Response:
 
 
 class GatedServer(web.Server):
-    """aiohttp's server with caps on open connections, in all and per peer, and a header-read deadline (see the
-    module's text). What holds: :attr:`open` counts the handlers made and not yet closed, and :attr:`peers` each
-    peer's admitted ones (no entry for a peer with none); both change on the event loop's thread only."""
+    """aiohttp's server with caps on open connections, per peer and in all, and a header-read deadline (see the
+    module's text). What holds: :attr:`open` counts the connections admitted and not yet closed, and :attr:`peers`
+    each peer's share of them (no entry for a peer with none); both change on the event loop's thread only."""
 
     def __init__(self, *args: Any, max_connections: int, header_timeout_s: float, max_per_peer: int | None = None,
                  **kwargs: Any) -> None:
@@ -223,7 +213,7 @@ class GatedServer(web.Server):
         self.max_connections = max_connections
         self.max_per_peer = max_per_peer if max_per_peer is not None else max_connections
         self.header_timeout_s = header_timeout_s
-        self.open = 0  # connections accepted and not yet closed
+        self.open = 0  # connections admitted and not yet closed
         self.peers: Counter[str] = Counter()  # peer key -> its connections admitted and not yet closed
         self.refused = 0  # connections turned away at the cap
         self.refused_per_peer = 0  # connections turned away at a peer's cap
@@ -231,24 +221,25 @@ class GatedServer(web.Server):
         self.malformed = 0  # requests aiohttp could not parse (400)
 
     def __call__(self) -> Any:  # an asyncio protocol factory
-        if self.open >= self.max_connections:
-            self.refused += 1
-            return _Refused(_json_error(503, f"too many open connections (at most {self.max_connections})"))
-        self.open += 1
         return _Handler(self, loop=self._loop, **self._kwargs)
 
-    def admit(self, peer: str) -> bool:
-        """Whether a new connection from ``peer`` is within its cap (counted if so). O(1)."""
+    def admit(self, peer: str) -> bytes | None:
+        """A new connection from ``peer``: None if admitted (and counted), else the answer refusing it (429 past the
+        peer's cap, else 503 past the total). O(1)."""
         if self.peers[peer] >= self.max_per_peer:
             self.refused_per_peer += 1
-            return False
+            return _json_error(429, f"too many open connections from this peer (at most {self.max_per_peer})")
+        if self.open >= self.max_connections:
+            self.refused += 1
+            return _json_error(503, f"too many open connections (at most {self.max_connections})")
+        self.open += 1
         self.peers[peer] += 1
-        return True
+        return None
 
     def closed(self, peer: str | None) -> None:
-        """A handler's connection ended; ``peer``: its peer's key where :meth:`admit` admitted it."""
-        self.open -= 1
+        """A handler's connection ended; ``peer``: its peer's key where :meth:`admit` admitted it, else None."""
         if peer is not None:
+            self.open -= 1
             self.peers[peer] -= 1
             if not self.peers[peer]:
                 del self.peers[peer]
