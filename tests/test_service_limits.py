@@ -307,19 +307,25 @@ def _open(s: IndexerService) -> socket.socket:
     return socket.create_connection((host, int(port)), timeout=5)
 
 
+def _refused(s: IndexerService) -> tuple[bytes, str]:
+    """Opens a connection that the server answers without a request and closes: the answer's head and error."""
+    with _open(s) as k:
+        answer = b""
+        while chunk := k.recv(4096):  # ends when the server closes it
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return head, str(json.loads(body)["error"])
+
+
 @pytest.mark.parametrize("loop", LOOPS)
 def test_one_connection_past_the_cap_gets_a_json_503_and_is_closed(loop: str) -> None:
     with service(max_connections=4, header_timeout_s=60.0, http_loop=loop) as s:
         held = [_open(s) for _ in range(4)]
         try:
             wait_for(lambda: metrics_open(s) == 4)
-            with _open(s) as extra:
-                answer = b""
-                while chunk := extra.recv(4096):  # ends when the server closes it
-                    answer += chunk
-            head, _, body = answer.partition(b"\r\n\r\n")
+            head, error = _refused(s)
             assert head.startswith(b"HTTP/1.1 503 ") and b"application/json" in head
-            assert "too many open connections (at most 4)" in json.loads(body)["error"]
+            assert "too many open connections (at most 4)" in error
             assert s._http.counters()["http_connections_refused"] == 1
         finally:
             for k in held:
@@ -336,13 +342,9 @@ def test_one_peer_past_its_cap_gets_a_json_429_and_another_peer_is_served(loop: 
         held = [_open(s) for _ in range(3)]
         try:
             wait_for(lambda: metrics_open(s) == 3)
-            with _open(s) as extra:
-                answer = b""
-                while chunk := extra.recv(4096):  # ends when the server closes it
-                    answer += chunk
-            head, _, body = answer.partition(b"\r\n\r\n")
+            head, error = _refused(s)
             assert head.startswith(b"HTTP/1.1 429 ") and b"application/json" in head
-            assert "too many open connections from this peer (at most 3)" in json.loads(body)["error"]
+            assert "too many open connections from this peer (at most 3)" in error
             counters = s._http.counters()
             assert (counters["http_connections_refused_per_peer"], counters["http_connections_refused"]) == (1, 0)
             host, port = s.address.removeprefix("http://").split(":")
