@@ -130,7 +130,7 @@ def test_a_plugin_is_shown_under_its_declared_name(tmp_path: Path, capsys: pytes
 
 def test_cache_blind_builtins_route_by_turn_and_by_load() -> None:
     from kvtier.indexer.index.tiered import TieredIndex
-    from kvtier.indexer.routing.plugins import LeastLoadedPolicy, RoundRobinPolicy
+    from kvtier.indexer.routing.plugins import LeastLoadedPolicy, RoundRobinPolicy, note_routed
     from kvtier.indexer.routing.router import Router
     from kvtier.indexer.routing.scoring import CreditCost
     from kvtier.wire import WorkerId
@@ -140,7 +140,12 @@ def test_cache_blind_builtins_route_by_turn_and_by_load() -> None:
     for w in ws:
         idx.add_worker(w)
     rr = Router(idx, CreditCost(), policy=RoundRobinPolicy())
-    assert [str(rr.route([1] * 8).worker) for _ in range(4)] == ["w0", "w1", "w2", "w0"]
+    turns = []
+    for _ in range(4):  # the turn moves once the choice is booked (a query, which books nothing, takes none)
+        assert rr.route([1] * 8).worker == rr.route([1] * 8).worker
+        turns.append(rr.route([1] * 8).worker)
+        note_routed(rr.policy, [], 8, turns[-1])
+    assert [str(w) for w in turns] == ["w0", "w1", "w2", "w0"]
     ll = Router(idx, CreditCost(), policy=LeastLoadedPolicy())
     ll.loads.add("a", ws[0], [], 8, 8)
     ll.loads.add("b", ws[2], [], 8, 8)

@@ -77,9 +77,14 @@ def test_first_token_and_finish_book_both_workers() -> None:
     d = StreamId(WorkerId(out["decode"]["recommended"]))
     assert svc.loads.load(p).running == 1 and svc.loads.load(p).pending_prefill_tokens == len(PROMPT)
     assert svc.decode_loads.load(d).running == 1 and svc.decode_loads.load(d).prefilling == 1
+    workers = svc.metrics()["workers"]
+    assert (workers[str(p)]["requests_running"], workers[str(d)]["requests_running"]) == (1, 1)
     svc.first_token("r")  # the prompt is computed and handed over: the prefill worker is done with it
     assert svc.loads.load(p).running == 0
     assert svc.decode_loads.load(d).running == 1 and svc.decode_loads.load(d).prefilling == 0
+    workers = svc.metrics()["workers"]  # /metrics reads each worker's own pool's bookings
+    assert (workers[str(p)]["requests_running"], workers[str(d)]["requests_running"]) == (0, 1)
+    assert workers[str(d)]["active_blocks"] == svc.decode_loads.load(d).active_blocks > 0
     assert svc.finish("r", {"output_tokens": 40})["was_in_flight"] is True
     assert svc.decode_loads.load(d).running == 0 and svc.decode_loads.expected_output == 40.0
 

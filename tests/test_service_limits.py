@@ -29,14 +29,17 @@ from typing import Any
 
 import pytest
 
+from kvtier.indexer.routing.plugins import PolicyBase, RouteContext
 from kvtier.indexer.service import fdlimit
-from kvtier.indexer.service.app import IndexerService, ServiceConfig, load_config, parse_endpoint
+from kvtier.indexer.service.app import IndexerService, ServiceConfig, load_config, meets_slo, parse_endpoint
 from kvtier.indexer.service.clients import Forbidden, peer_key
 from kvtier.indexer.service.http import MALFORMED_METRIC
 from kvtier.indexer.service.httplimits import BodyTooLarge, check_depth, read_body
+from kvtier.indexer.service.requestbody import SloBody
 from kvtier.sim.cli import main as cli_main
 from kvtier.util.fields import ConfigError
-from kvtier.wire import Publisher
+from kvtier.wire import Publisher, WorkerId
+from kvtier.wire.notices import StreamId
 from tests.test_multiprocess import ROOT
 from tests.test_service import BS, TOKS, get, wait_for
 
@@ -282,6 +285,56 @@ def test_an_ipv6_listen_address_may_be_bracketed() -> None:
     cfg = ServiceConfig(endpoints=[parse_endpoint("w0=tcp://127.0.0.1:1")], listen="[::1]:8077")
     assert cfg.host_port == ("::1", 8077)
     assert ServiceConfig(endpoints=cfg.endpoints, listen="::1:8077").host_port == ("::1", 8077)
+
+
+def test_round_robin_takes_a_turn_per_booking_not_per_query() -> None:
+    """A query books nothing, so it moves no turn: it names the worker the next route goes to, and the routes alone
+    go round."""
+    eps = [parse_endpoint(f"w{i}=tcp://127.0.0.1:{i + 1}") for i in range(3)]
+    s = IndexerService(ServiceConfig(endpoints=eps, block_size=BS, listen="127.0.0.1:0", policy="round_robin"))
+    routed = []
+    for i in range(4):
+        asked = {s.query({"token_ids": TOKS})["recommended"] for _ in range(3)}
+        routed.append(s.route({"token_ids": TOKS, "request_id": f"r{i}"})["worker"])
+        assert asked == {routed[-1]}
+    assert routed == ["w0", "w1", "w2", "w0"]
+
+
+class PicksNobody(PolicyBase):
+    """A plugin that breaks its protocol: it picks a worker it did not score."""
+
+    name = "picks_nobody"
+
+    def score(self, ctx: RouteContext, worker: StreamId) -> float:
+        return 0.0
+
+    def pick(self, ctx: RouteContext, scores: dict[StreamId, float]) -> StreamId:
+        return StreamId(WorkerId("nobody"))
+
+
+def test_a_plugin_that_breaks_its_protocol_is_a_500_naming_it_not_the_clients_400(
+        caplog: pytest.LogCaptureFixture) -> None:
+    with service(policy="tests.test_service_limits:PicksNobody") as s:
+        for path, body in (("/query", {"token_ids": TOKS}), ("/route", {"token_ids": TOKS, "request_id": "r1"})):
+            code, out, _ = call(s, "POST", path, body)
+            assert code == 500 and "policy 'picks_nobody': picked" in out["error"], (path, out)
+        assert len(s.clients) == 0  # nothing booked
+    assert sum("picks_nobody" in r.getMessage() for r in caplog.records if r.levelno == logging.ERROR) == 2
+
+
+@pytest.mark.parametrize(("slo", "ttft", "tpot", "meets"), [
+    ({"ttft_ms": 100}, 50.0, float("nan"), True), ({"ttft_ms": 100}, 150.0, 5.0, False),
+    ({"tpot_ms": 10}, 50.0, float("nan"), None), ({"ttft_ms": 100, "tpot_ms": 10}, 150.0, float("nan"), False),
+    ({"ttft_ms": 100, "tpot_ms": 10}, 50.0, 9.0, True), ({"ttft_ms": 100, "tpot_ms": 10}, 50.0, 11.0, False)])
+def test_meets_slo_is_null_where_a_bound_cannot_be_checked(slo: dict[str, float], ttft: float, tpot: float,
+                                                           meets: bool | None) -> None:
+    assert meets_slo(SloBody(**slo), ttft, tpot) is meets
+
+
+def test_a_route_without_a_tpot_prediction_does_not_claim_its_tpot_bound() -> None:
+    with service() as s:  # no capacity_tokens: no TPOT predicted
+        out = s.route({"token_ids": TOKS, "request_id": "r1", "slo": {"ttft_ms": 60_000, "tpot_ms": 50}})
+        assert out["predicted"]["tpot_ms"] is None and out["predicted"]["meets_slo"] is None
 
 
 def test_output_tokens_are_bounded_by_the_context() -> None:

@@ -163,7 +163,8 @@ def route_with(
 
 
 class RoundRobinPolicy(PolicyBase):
-    """Every worker in turn, ignoring caches and load (the baseline with no router state)."""
+    """Every worker in turn, ignoring caches and load (the baseline with no router state). The turn moves when a
+    request is booked (:meth:`routed`), so a query, which books nothing, takes none."""
 
     name = "round_robin"
 
@@ -175,9 +176,10 @@ class RoundRobinPolicy(PolicyBase):
 
     def pick(self, ctx: RouteContext, scores: dict[StreamId, float]) -> StreamId:
         workers = sorted(scores)
-        chosen = workers[self._turn % len(workers)]
+        return workers[self._turn % len(workers)]
+
+    def routed(self, keys: Sequence[BlockKey], num_tokens: int, worker: StreamId) -> None:
         self._turn += 1
-        return chosen
 
 
 class LeastLoadedPolicy(PolicyBase):

@@ -24,6 +24,7 @@ from aiohttp.http import HttpVersion11
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
+from kvtier.indexer.routing.plugins import PluginError
 from kvtier.indexer.service.clients import Clients, Forbidden, ServiceUnavailable, TooManyInFlight, Unauthorized
 from kvtier.indexer.service.histogram import Histogram
 from kvtier.indexer.service.httplimits import (
@@ -148,6 +149,7 @@ class HttpFrontEnd:
         self.port = port
         self.loop_lag = Histogram()  # how late the loop woke from each LAG_PROBE_S sleep (its only writer)
         self.disconnects = 0  # requests whose client went away before its body arrived
+        self.plugin_errors = 0  # requests a plugin policy failed (it broke its protocol)
         self._lag_probe: asyncio.Future[None] | None = None  # the loop-lag probe's task, once serving
 
     # --- lifecycle -----------------------------------------------------------------------
@@ -268,6 +270,11 @@ class HttpFrontEnd:
                 log.info("http: %s %s: client went away (%s)%s", request.method, request.path, exc,
                          suffix(self.disconnects))
             return _json(400, {"error": "connection lost"})  # aiohttp drops it: the socket is closed
+        if isinstance(exc, PluginError):  # the configured policy's fault, not the request's
+            self.plugin_errors += 1
+            if worth_logging(self.plugin_errors):
+                log.error("http: %s %s: %s%s", request.method, request.path, exc, suffix(self.plugin_errors))
+            return _json(500, {"error": str(exc)})
         if isinstance(exc, ValueError | LookupError):
             return _json(400, {"error": str(exc)})
         log.error("http: %s %s failed", request.method, request.path, exc_info=exc)
