@@ -79,7 +79,9 @@ def render_metrics(m: dict[str, Any]) -> str:
         *(_single(f"kvtier_{key}" + ("_total" if kind == "counter" else ""), kind, text, m[key])
           for key, (kind, text) in _LIMIT_METRICS.items()),
     ]
-    blocks = Family("kvtier_blocks", "gauge", "Blocks a worker holds, per tier.")
+    blocks = Family("kvtier_blocks", "gauge", "Blocks the worker holds a copy of on each tier: a block on two "
+                    "tiers counts in both (not cumulative, unlike /query's depths); external: those it put in the "
+                    "shared pool.")
     per_worker = {key: Family(f"kvtier_{key}" + ("_total" if kind == "counter" else ""), kind, text)
                   for key, (kind, text) in _WORKER_METRICS.items()}
     for w, entry in m["workers"].items():
