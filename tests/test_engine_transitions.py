@@ -8,6 +8,7 @@ import pytest
 
 from kvtier.engine.cache import CacheConfig, PrefetchPolicy, WritePolicy
 from kvtier.engine.datapath import CopyKind
+from kvtier.engine.dump import dump_batches, wire_bytes
 from kvtier.engine.events import EventLog
 from kvtier.engine.hashing import chain, event_hash
 from kvtier.engine.l3.storage import PageStore
@@ -384,6 +385,40 @@ def test_reset_clears_everything() -> None:
     h.settle()
     h.run("b", toks(0, 2))
     h.settle()
+
+
+def test_a_dump_is_cut_by_bytes_and_still_rebuilds_the_same_view(tmp_path: Path) -> None:
+    """A dump batch carries about ``max_bytes`` at most: a run longer than that is cut into consecutive parts (each
+    the next's parent), the batches stay under the budget, and the index they build is the whole dump's."""
+    h = Harness(CacheConfig(page_size=PS, device_pages=64, host_ratio=1.0), PageStore(256, tmp_path))
+    h.run("long", toks(0, 40))  # one node of 40 pages
+    for i in range(1, 4):
+        h.run(f"r{i}", toks(1000 * i, 3))
+    h.settle()
+    snap = h.cache.dump_snapshot()
+    whole = list(dump_batches(snap))
+    per_page = 5 * PS + 9
+    budget = 3 * per_page + 1
+    cut = list(dump_batches(snap, max_bytes=budget))
+    assert len(cut) > 10 * len(whole)
+    for batch in cut:
+        assert sum(wire_bytes(e) for e in batch.events if isinstance(e, BlockStored)) <= budget
+    parts = [e for b in cut for e in b.events if isinstance(e, BlockStored)]
+    assert max(len(e.block_hashes) for e in parts) == 3
+    longs = [e for b in whole for e in b.events if isinstance(e, BlockStored) and len(e.block_hashes) == 40]
+    assert longs  # the long prompt's run, on each tier it is on
+    for run in longs:  # its parts, in order: its pages, each part the next's parent, its tokens
+        mine = [e for e in parts if e.medium == run.medium and e.block_hashes[0] in run.block_hashes]
+        assert [h for e in mine for h in e.block_hashes] == run.block_hashes
+        assert [e.parent_block_hash for e in mine] == [run.parent_block_hash, *(e.block_hashes[-1] for e in mine[:-1])]
+        assert b"".join(bytes(e.token_ids) for e in mine) == bytes(run.token_ids)
+    views = []
+    for batches in (whole, cut):
+        fresh = Harness(h.config, None, name="w0")
+        fresh.apply_all(batches)
+        assert fresh.index is not None
+        views.append(fresh.index.worker_hashes(StreamId(WorkerId("w0"))))
+    assert views[0] == views[1] == h.cache.residency()
 
 
 def test_dump_rebuilds_the_same_view(tmp_path: Path) -> None:

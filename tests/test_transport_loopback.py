@@ -110,6 +110,47 @@ def test_replay_buffer_overrun_marks_stream_stale() -> None:
         assert received(out)[-1] == 9
 
 
+def oversized(i: int, n: int = 1 << 17) -> EventBatch:
+    """A batch whose frame is about 0.6 MiB: past a 64 KiB ``max_frame_bytes``."""
+    return EventBatch(ts=float(i), events=[BlockStored(
+        block_hashes=list(range(1 << 40, (1 << 40) + n // 2)), parent_block_hash=None, token_ids=list(range(n)),
+        block_size=2, medium="GPU")], dp_rank=0)
+
+
+@pytest.mark.parametrize("dump", [False, True])
+def test_a_frame_past_the_cap_is_never_taken_and_its_stream_recovers_or_is_marked_partial(dump: bool) -> None:
+    """A frame past ``max_frame_bytes`` drops its connection unread; its batch is lost as a dropped one is. Replays of
+    it fail the same way, so the recovery ends in a state dump (its batches small) where the engine has one, else in
+    the stream marked partial; another publisher's stream is untouched."""
+    state = EventBatch(ts=-1.0, events=[batch(99).events[0]])
+    holder: dict[str, Publisher] = {}
+    p = Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", buffer_size=100,
+                  dump_provider=(lambda: (holder["p"].last_seq, [state])) if dump else None)
+    holder["p"] = p
+    w0, w1 = StreamId(WorkerId("w0")), StreamId(WorkerId("w1"))
+    with p, Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0") as other, Subscriber(
+            [EndpointConfig("w0", p.endpoint, p.replay_endpoint, supports_dump=dump),
+             EndpointConfig("w1", other.endpoint, other.replay_endpoint)],
+            replay_timeout_s=0.3, max_frame_bytes=1 << 16) as sub:
+        time.sleep(0.1)
+        p.publish(batch(0))
+        other.publish(batch(0))
+        drain(sub, lambda o: len(received(o)) == 2)
+        p.publish(oversized(1))
+        for i in range(2, 5):
+            p.publish(batch(i))
+            other.publish(batch(i - 1))
+        out = drain(sub, lambda o: any(isinstance(d, ResyncDone if dump else ResyncNeeded) for d in o)
+                    and len(received(o, w1)) == 3)
+        assert 1 not in received(out, w0)  # never delivered
+        assert received(out, w1) == [1, 2, 3] and sub.stats(w1).resyncs == 0
+        if dump:
+            dumped = [e for d in out if isinstance(d, Received) and d.source == "dump" for e in d.batch.events]
+            assert [e.block_hashes for e in dumped if isinstance(e, BlockStored)] == [[99]]
+        else:
+            assert any(isinstance(d, ResyncNeeded) and d.stream == w0 for d in out)
+
+
 def test_state_dump_resynchronises() -> None:
     state = EventBatch(ts=-1.0, events=[AllBlocksCleared()])
     holder: dict[str, Publisher] = {}

@@ -541,8 +541,8 @@ def cmd_indexer(a: argparse.Namespace) -> int:
     return 0
 
 
-#: `kvtier indexer`'s limits on HTTP clients: option (--max-connections ...) -> (type, help); each is the
-#: ServiceConfig setting of the same name (its domain checked there), default the config's, else the README's.
+#: `kvtier indexer`'s limits on HTTP clients and publishers: option (--max-connections ...) -> (type, help); each is
+#: the ServiceConfig setting of the same name (its domain checked there), default the config's, else the README's.
 _INDEXER_LIMITS: dict[str, tuple[type, str]] = {
     "max_body_bytes": (int, "request body cap, on the wire and decompressed (413)"),
     "max_query_tokens": (int, "token ids per request (400)"),
@@ -558,6 +558,8 @@ _INDEXER_LIMITS: dict[str, tuple[type, str]] = {
     "header_timeout_s": (float, "seconds a new connection has to send its request headers"),
     "read_timeout_s": (float, "seconds a request body has to arrive (408)"),
     "max_context_tokens": (int, "the served model's context: output_tokens a finish may report (400)"),
+    "max_frame_bytes": (int, "the largest ZMQ frame taken from a publisher (a larger one drops its connection; "
+                             "its events are recovered as lost ones are)"),
 }
 
 

@@ -21,7 +21,7 @@ from kvtier.indexer.routing.policies import RoutingSettings
 from kvtier.indexer.routing.scoring import DEFAULT_OUT_OF_REACH, OUT_OF_REACH
 from kvtier.util.fields import ConfigError, Domain, at_least, check_fields, one_of, within
 from kvtier.wire.protocol import DEFAULT_BLOCK_SIZE, StorageTier
-from kvtier.wire.transport.subscriber import EndpointConfig
+from kvtier.wire.transport.subscriber import MAX_FRAME_BYTES, EndpointConfig
 
 
 @dataclass(slots=True)
@@ -91,6 +91,9 @@ class ServiceConfig:
     # worker is alive, and listed by /health, until it is heard again. Only for endpoints with a replay socket:
     # nothing can be asked of the others, whose silence says nothing.
     liveness_timeout_s: float = field(default=5.0, metadata=within(0, 86400, lo_open=True))
+    # the largest ZMQ frame (an event batch) taken from a publisher: a larger one drops its connection unread, and
+    # what it carried is recovered as a lost batch is (replay, else a state dump, else the worker is partial)
+    max_frame_bytes: int = field(default=MAX_FRAME_BYTES, metadata=within(1 << 16, 1 << 32, int))
     # --- what HTTP clients may spend (README, "Security"); past a limit a client gets a JSON 4xx or 503 ---
     # JSON arrays and objects nested deeper get 400 (the JSON parser recurses)
     max_json_depth: int = field(default=32, metadata=within(2, 500, int))

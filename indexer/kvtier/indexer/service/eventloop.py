@@ -184,7 +184,7 @@ class EventLoop:
         # liveness timeout.
         probe_s = min(1.0, self.config.liveness_timeout_s / 4)
         sub = Subscriber(self.config.endpoints, replay_timeout_s=self.config.replay_timeout_s, resume=resume,
-                         clock=self._clock, probe_s=probe_s)
+                         clock=self._clock, probe_s=probe_s, max_frame_bytes=self.config.max_frame_bytes)
         self._sub = sub
         self.restarting = False
         self.ready.set()

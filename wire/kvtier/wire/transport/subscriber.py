@@ -3,6 +3,11 @@
 Frames are parsed here and handed to a :class:`indexer.stream.StreamTracker` per
 stream, which orders them, asks for replay or a state dump when something was
 lost, and turns them into :data:`indexer.stream.Delivery` items for the consumer.
+
+A frame larger than ``max_frame_bytes`` is never taken into memory: ZMQ drops the connection that carries it
+(``ZMQ_MAXMSGSIZE``) and reconnects. What it carried is then lost like any dropped batch: the gap is replayed, and
+a replay that keeps failing (the same frame, too large again) ends in a state dump (a kvtier engine cuts its dumps
+into batches far smaller), or, from an engine without dumps, in the worker marked partial.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from kvtier.wire.transport.stream import StreamTracker
 log = logging.getLogger(__name__)
 
 _REPLAY_HWM = 200_000  # replay frames queued on the subscriber side before ZMQ pushes back
+MAX_FRAME_BYTES = 64 << 20  # the default cap on one frame (a publisher's batch of events)
 
 
 #: The engines an endpoint may name (EndpointConfig.engine).
@@ -93,10 +99,13 @@ class Subscriber:
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         resume: dict[StreamId, tuple[int, int | None]] | None = None,
         probe_s: float = 1.0,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
     ) -> None:
         """``probe_s``: a stream quiet this long is probed (:class:`StreamTracker`), which also tells a quiet
-        publisher from a gone one (:meth:`silent`)."""
+        publisher from a gone one (:meth:`silent`). ``max_frame_bytes``: the largest frame taken (see the
+        module's text)."""
         self._ctx = context or zmq.Context.instance()
+        self._max_frame = max_frame_bytes
         self._timeout = replay_timeout_s
         self._probe_s = probe_s
         self._clock = clock
@@ -141,6 +150,7 @@ class Subscriber:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
         sub.setsockopt(zmq.SUBSCRIBE, cfg.topic)
         sub.connect(cfg.endpoint)
         tracker = StreamTracker(cfg.stream, can_replay=cfg.replay_endpoint is not None,
@@ -180,6 +190,7 @@ class Subscriber:
         # A replay answer is as long as the publisher's buffer (SGLang and kvtier keep 10,000
         # batches); the default limit of 1,000 would make the publisher block or drop frames.
         dealer.setsockopt(zmq.RCVHWM, _REPLAY_HWM)
+        dealer.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
         dealer.connect(cfg.replay_endpoint)
         return dealer
 
