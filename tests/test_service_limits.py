@@ -31,6 +31,7 @@ import pytest
 
 from kvtier.indexer.routing.plugins import PolicyBase, RouteContext
 from kvtier.indexer.service import fdlimit
+from kvtier.indexer.service import http as http_front
 from kvtier.indexer.service.app import IndexerService, ServiceConfig, load_config, meets_slo, parse_endpoint
 from kvtier.indexer.service.clients import Forbidden, peer_key
 from kvtier.indexer.service.http import MALFORMED_METRIC
@@ -484,11 +485,12 @@ def _closed() -> bytes:
 
 @pytest.mark.parametrize("loop", LOOPS)
 def test_expect_100_continue_is_refused_before_the_body_when_it_would_be_refused_unread(
-        loop: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        loop: str, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """A client that asks before sending its body is not told to send one that is then refused: a declared length
     past the cap (413), an encoding that is not decoded (415), a state change without a token (401), an expectation
-    other than 100-continue (417) are answered at once, in JSON, and the connection closed (the body never came);
-    a request that passes them gets ``100 Continue``, and an HTTP/1.0 one's expectation is ignored (RFC 9110). A
+    other than 100-continue (417) are answered at once, in JSON, and the connection closed (within half a second
+    when no body comes; a body sent anyway is read and dropped first, so that its client reads the answer); a
+    request that passes them gets ``100 Continue``, and an HTTP/1.0 one's expectation is ignored (RFC 9110). A
     client gone before it was told to go on costs no traceback."""
     (tmp_path / "tokens").write_text("alpha\n")
     with service(http_loop=loop, auth_token_file=str(tmp_path / "tokens")) as s:
@@ -517,6 +519,19 @@ def test_expect_100_continue_is_refused_before_the_body_when_it_would_be_refused
         with _open(s) as k:  # HTTP/1.0: no 100 Continue, no 417; the body is read as it comes
             k.sendall(head("/query", len(body), "Expect: 100-continue", version="1.0") + body)
             assert k.recv(12) == b"HTTP/1.0 200"
+        # A body sent without waiting is read and dropped: its client reads the 413, no reset. (The linger made long
+        # here, so that the body has time to come whatever the load; the connection closes once it has come.)
+        monkeypatch.setattr(http_front, "EXPECT_LINGER_S", 30.0)
+        with _open(s) as k:
+            k.sendall(head("/query", 1 << 20, "Expect: 100-continue") + bytes(1 << 20))
+            answer = b""
+            while chunk := k.recv(4096):
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 413 ") and b"body larger than 64000 bytes" in answer
+        with _open(s) as k:  # GET too answers an unknown expectation in JSON
+            k.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nExpect: magic\r\n\r\n")
+            answer = k.recv(4096)
+            assert answer.startswith(b"HTTP/1.1 417 ") and b"application/json" in answer
         for rst in (False, True):  # gone before the 100 Continue was written (with a FIN, or a reset)
             with _open(s) as k:
                 if rst:

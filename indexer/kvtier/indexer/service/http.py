@@ -56,6 +56,8 @@ class Backend(Protocol):
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+#: After an answer refusing an ``Expect: 100-continue`` request, the most time spent reading a body sent anyway.
+EXPECT_LINGER_S = 0.5
 LAG_PROBE_S = 0.01  # the loop-lag probe's sleep: 100 wake-ups a second, a stall of a few ms shows
 
 
@@ -185,8 +187,8 @@ class HttpFrontEnd:
         app.router.add_post("/route", self._route, expect_handler=self._expect)
         app.router.add_post("/requests/{rid}/first_token", self._first_token, expect_handler=self._expect)
         app.router.add_post("/requests/{rid}/finish", self._finish, expect_handler=self._expect)
-        app.router.add_get("/metrics", self._metrics)
-        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics, expect_handler=self._expect)
+        app.router.add_get("/health", self._health, expect_handler=self._expect)
         self._runner = web.AppRunner(app, handle_signals=False, access_log=None, keepalive_timeout=self._keepalive)
         await self._runner.setup()  # the application's startup (frozen routes, middlewares)
         # Our own server on the app's handler (not a TCPSite): it caps connections and headers' arrival, and
@@ -283,9 +285,10 @@ class HttpFrontEnd:
     async def _expect(self, request: web.Request) -> web.StreamResponse | None:
         """A request that asks ``Expect: 100-continue`` before it sends its body: what would refuse it unread (a
         declared length past the cap, an encoding not decoded, a state change without a valid token) is answered
-        now and the connection closed at once (the body was never sent, and a client that sends it anyway must
-        not have it read as its next request), so that a client is never told to send a body that is then refused;
-        else ``100 Continue``. An HTTP/1.0 request's expectation is ignored, as RFC 9110 says."""
+        now and the connection closed (a body sent anyway is read and dropped for at most EXPECT_LINGER_S first, so
+        that its client reads the answer, not a reset, and it is never read as a next request), so that a client is
+        never told to send a body that is then refused; else ``100 Continue``. An HTTP/1.0 request's expectation is
+        ignored, as RFC 9110 says."""
         if request.version != HttpVersion11:
             return None
         try:
@@ -295,10 +298,10 @@ class HttpFrontEnd:
             if request.content_length is not None and request.content_length > self._max_body:
                 raise web.HTTPRequestEntityTooLarge(max_size=self._max_body, actual_size=request.content_length)
             check_encoding(request.headers.get(hdrs.CONTENT_ENCODING, ""))
-            if request.path != "/query":  # every other POST changes state
+            if request.path == "/route" or request.path.startswith("/requests/"):  # they change state
                 self._client(request)
         except Exception as exc:
-            return close_at_once(request, self._failure(request, exc))
+            return close_at_once(request, self._failure(request, exc), EXPECT_LINGER_S)
         try:
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         except ConnectionError as exc:  # the client left before it was told to go on

@@ -6,8 +6,9 @@
 * JSON nesting deeper than a cap is refused (400) before the JSON parser sees it: the parser recurses.
 * Open connections are capped, one peer's (:func:`~kvtier.indexer.service.clients.peer_key`: its address) and all
   of them: one past its peer's cap gets a JSON 429, one past the total a JSON 503, and either is closed at once,
-  before a byte of it is parsed. A peer is checked against its own cap first, and only admitted connections count
-  against the total, so that one peer bursting past its cap never takes another's room.
+  before a byte of it is parsed. Only admitted connections count against the total, so that one peer bursting
+  past its own cap never takes another's room; while the total is full a new connection is refused before a
+  handler is made for it.
 * A connection that has not sent a request's headers within a deadline after it opened is closed, and one whose
   body stalled past its deadline (408) is closed with the answer, not kept to read the rest.
 * Errors aiohttp answers itself (a request it cannot parse) come back as JSON over HTTP/1.1 like every
@@ -122,6 +123,18 @@ def _json_error(status: int, message: str) -> bytes:
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
 
 
+class _Refused(asyncio.Protocol):
+    """A connection refused before a handler is made for it: its answer, then closed, without reading from it."""
+
+    def __init__(self, answer: bytes) -> None:
+        self._answer = answer
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        sink = cast(asyncio.Transport, transport)  # (uvloop's transports are no asyncio.Transport subclass)
+        sink.write(self._answer)
+        sink.close()
+
+
 _QUOTED_BYTES = re.compile(r"""[:\s]*\bb(['"]).*""", re.DOTALL)
 
 
@@ -171,11 +184,11 @@ class _Handler(RequestHandler):
         self._peer = None
         super().connection_lost(exc)
 
-    def skip_lingering(self) -> None:
-        """The connection closes right after its answer, without first reading what is left of the request's body
-        (aiohttp lingers up to 10 s for it by default, holding the connection): for a body that stalled.
-        (aiohttp 3.x's attribute, read when the answer has gone.)"""
-        self._lingering_time = 0.0
+    def linger(self, seconds: float) -> None:
+        """After its answer, the connection reads and drops what is left of the request's body for at most
+        ``seconds`` (aiohttp's default: 10 s, holding the connection), then closes; 0: at once. (aiohttp 3.x's
+        attribute, read when the answer has gone.)"""
+        self._lingering_time = seconds
 
     def handle_error(self, request: BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
@@ -194,10 +207,11 @@ class _Handler(RequestHandler):
         return resp
 
 
-def close_at_once(request: web.Request, resp: web.Response) -> web.Response:
-    """``resp``, after which ``request``'s connection closes at once: the rest of its body is not waited for."""
+def close_at_once(request: web.Request, resp: web.Response, linger_s: float = 0.0) -> web.Response:
+    """``resp``, after which ``request``'s connection closes: at once, or once ``linger_s`` has been spent reading
+    and dropping the rest of its body (a client that sends it anyway then reads its answer, not a reset)."""
     if isinstance(request.protocol, _Handler):
-        request.protocol.skip_lingering()
+        request.protocol.linger(linger_s)
     resp.force_close()
     return resp
 
@@ -221,7 +235,13 @@ class GatedServer(web.Server):
         self.malformed = 0  # requests aiohttp could not parse (400)
 
     def __call__(self) -> Any:  # an asyncio protocol factory
+        if self.open >= self.max_connections:  # full whoever the peer is: refused without building a handler
+            self.refused += 1
+            return _Refused(self._full())
         return _Handler(self, loop=self._loop, **self._kwargs)
+
+    def _full(self) -> bytes:
+        return _json_error(503, f"too many open connections (at most {self.max_connections})")
 
     def admit(self, peer: str) -> bytes | None:
         """A new connection from ``peer``: None if admitted (and counted), else the answer refusing it (429 past the
@@ -229,9 +249,9 @@ class GatedServer(web.Server):
         if self.peers[peer] >= self.max_per_peer:
             self.refused_per_peer += 1
             return _json_error(429, f"too many open connections from this peer (at most {self.max_per_peer})")
-        if self.open >= self.max_connections:
+        if self.open >= self.max_connections:  # (filled since the factory made its handler: one accept batch)
             self.refused += 1
-            return _json_error(503, f"too many open connections (at most {self.max_connections})")
+            return self._full()
         self.open += 1
         self.peers[peer] += 1
         return None
