@@ -320,6 +320,7 @@ def test_a_plugin_that_breaks_its_protocol_is_a_500_naming_it_not_the_clients_40
             code, out, _ = call(s, "POST", path, body)
             assert code == 500 and "policy 'picks_nobody': picked" in out["error"], (path, out)
         assert len(s.clients) == 0  # nothing booked
+        assert metrics(s)["plugin_errors"] == 2 and "kvtier_plugin_errors_total 2" in get(s.address + "/metrics")
     assert sum("picks_nobody" in r.getMessage() for r in caplog.records if r.levelno == logging.ERROR) == 2
 
 

@@ -275,7 +275,8 @@ class HttpFrontEnd:
         if isinstance(exc, PluginError):  # the configured policy's fault, not the request's
             self.plugin_errors += 1
             if worth_logging(self.plugin_errors):
-                log.error("http: %s %s: %s%s", request.method, request.path, exc, suffix(self.plugin_errors))
+                log.error("http: %s %s: %s%s", request.method, request.path, exc,
+                          suffix(self.plugin_errors, "kvtier_plugin_errors_total"))
             return _json(500, {"error": str(exc)})
         if isinstance(exc, ValueError | LookupError):
             return _json(400, {"error": str(exc)})
@@ -334,7 +335,8 @@ class HttpFrontEnd:
                 "http_connections_open": srv.open if srv else 0,
                 "http_connections_refused": srv.refused if srv else 0,
                 "http_connections_refused_per_peer": srv.refused_per_peer if srv else 0,
-                "http_header_timeouts": srv.header_timeouts if srv else 0}
+                "http_header_timeouts": srv.header_timeouts if srv else 0,
+                "plugin_errors": self.plugin_errors}
 
     # --- endpoints -----------------------------------------------------------------------
 

@@ -46,6 +46,7 @@ _LIMIT_METRICS: dict[str, tuple[str, str]] = {
     "http_connections_refused": ("counter", "HTTP connections refused at max_connections (503)."),
     "http_connections_refused_per_peer": ("counter", "HTTP connections refused at max_connections_per_peer (429)."),
     "http_header_timeouts": ("counter", "HTTP connections closed for sending no headers within header_timeout_s."),
+    "plugin_errors": ("counter", "Requests a plugin policy failed by breaking its protocol (answered 500)."),
     "auth_refused": ("counter", "State-changing requests refused for a missing or invalid token (401)."),
     "owner_refused": ("counter", "Releases of a booking by a client that did not book it (403)."),
     "bookings_refused": ("counter", "Bookings refused at max_in_flight[_blocks] (503) or at a per-client cap (429)."),
