@@ -15,6 +15,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 from collections import Counter
+from typing import NoReturn
 
 from kvtier.util.fields import ConfigError
 
@@ -135,7 +136,7 @@ class Clients:
             self._refuse(429, f"this client has {self._blocks[owner]} prompt blocks in flight and this request's "
                               f"{blocks} would pass max_in_flight_blocks_per_client {self.max_blocks_per_client}")
 
-    def _refuse(self, status: int, message: str) -> None:
+    def _refuse(self, status: int, message: str) -> NoReturn:
         self.refused_full += 1
         raise TooManyInFlight(status, message)
 
