@@ -104,8 +104,8 @@ class ServiceConfig:
     # bookings in flight (routed, not finished or expired): past the total 503, past one client's 429
     max_in_flight: int = field(default=100_000, metadata=at_least(1))
     max_in_flight_per_client: int = field(default=10_000, metadata=at_least(1))
-    # prompt blocks those bookings hold (each holds its prompt's block keys until it ends, 50-70 bytes a block,
-    # 85-130 in a disaggregated pool: bench/booking_memory.py): past the total 503, past one client's 429
+    # prompt blocks those bookings hold (each holds its prompt's block keys until it ends, 45-70 bytes a block,
+    # 85-135 in a disaggregated pool: bench/booking_memory.py): past the total 503, past one client's 429
     max_in_flight_blocks: int = field(default=1 << 24, metadata=at_least(1))
     max_in_flight_blocks_per_client: int = field(default=1 << 23, metadata=at_least(1))
     # open HTTP connections: one more gets a JSON 503 and is closed
