@@ -30,13 +30,13 @@ from typing import Any
 import pytest
 
 from kvtier.indexer.routing.plugins import PolicyBase, RouteContext
+from kvtier.indexer.routing.scoring import slo_met
 from kvtier.indexer.service import fdlimit
 from kvtier.indexer.service import http as http_front
-from kvtier.indexer.service.app import IndexerService, ServiceConfig, load_config, meets_slo, parse_endpoint
+from kvtier.indexer.service.app import IndexerService, ServiceConfig, load_config, parse_endpoint
 from kvtier.indexer.service.clients import Forbidden, peer_key
 from kvtier.indexer.service.http import MALFORMED_METRIC
 from kvtier.indexer.service.httplimits import BodyTooLarge, check_depth, read_body
-from kvtier.indexer.service.requestbody import SloBody
 from kvtier.sim.cli import main as cli_main
 from kvtier.util.fields import ConfigError
 from kvtier.wire import Publisher, WorkerId
@@ -330,7 +330,7 @@ def test_a_plugin_that_breaks_its_protocol_is_a_500_naming_it_not_the_clients_40
     ({"ttft_ms": 100, "tpot_ms": 10}, 50.0, 9.0, True), ({"ttft_ms": 100, "tpot_ms": 10}, 50.0, 11.0, False)])
 def test_meets_slo_is_null_where_a_bound_cannot_be_checked(slo: dict[str, float], ttft: float, tpot: float,
                                                            meets: bool | None) -> None:
-    assert meets_slo(SloBody(**slo), ttft, tpot) is meets
+    assert slo_met(ttft, tpot, slo.get("ttft_ms"), slo.get("tpot_ms")) is meets
 
 
 def test_a_route_without_a_tpot_prediction_does_not_claim_its_tpot_bound() -> None:

@@ -241,6 +241,19 @@ DEFAULT_OUT_OF_REACH = "auto"
 AUTO_DISCOUNT_BELOW = 1.5
 
 
+def slo_met(ttft_ms: float, tpot_ms: float, ttft_bound: float | None, tpot_bound: float | None) -> bool | None:
+    """Whether a TTFT and a TPOT estimate, ms, meet the bounds given (None: not bounded): False if one is missed, else
+    None if a TPOT bound cannot be checked (the TPOT estimate is NaN: no capacity to estimate it with), else True.
+    O(1)."""
+    if ttft_bound is not None and not ttft_ms <= ttft_bound:
+        return False
+    if tpot_bound is None:
+        return True
+    if tpot_ms != tpot_ms:
+        return None
+    return tpot_ms <= tpot_bound
+
+
 @dataclass(slots=True, frozen=True)
 class SloCost:
     """kvtier's goodput policy: told an SLO, the worker where the request is expected to meet it at the lowest price
@@ -341,8 +354,7 @@ class SloCost:
             return self.base.cost(num_tokens, block_size, overlap, load, shared_blocks, output_tokens)
         ttft, tpot = self.estimates(num_tokens, block_size, overlap, load, shared_blocks, output_tokens)
         b = self.base
-        meets = (self.ttft_ms is None or ttft <= self.ttft_ms) and (
-            self.tpot_ms is None or tpot != tpot or tpot <= self.tpot_ms)
+        meets = slo_met(ttft, tpot, self.ttft_ms, self.tpot_ms) is not False  # (a bound it cannot check: met)
         if b.capacity_tokens and output_tokens > 0:
             lat, cap = b.latency, b.capacity_tokens
             u = load.context_tokens / cap

@@ -45,7 +45,7 @@ from kvtier.indexer.routing.load import LoadTracker
 from kvtier.indexer.routing.plugins import BUILTIN, RoutingPolicy, load_policy, note_routed
 from kvtier.indexer.routing.policies import REGISTRY, RoutingSettings, make_cost, make_plugin
 from kvtier.indexer.routing.router import RouteDecision, Router
-from kvtier.indexer.routing.scoring import CostModel, SloCost, TtftCost
+from kvtier.indexer.routing.scoring import CostModel, SloCost, TtftCost, slo_met
 from kvtier.indexer.service import fdlimit, persist
 from kvtier.indexer.service.clients import Clients, ServiceUnavailable, load_tokens
 from kvtier.indexer.service.config import ServiceConfig, closed_tiers, load_config, parse_endpoint
@@ -56,7 +56,7 @@ from kvtier.indexer.service.histogram import Histogram
 from kvtier.indexer.service.httplimits import check_depth
 from kvtier.indexer.service.metrics import render_metrics
 from kvtier.indexer.service.predictions import Predictions
-from kvtier.indexer.service.requestbody import RequestBody, SloBody, parse_body, parse_finish
+from kvtier.indexer.service.requestbody import RequestBody, parse_body, parse_finish
 from kvtier.util.fields import ConfigError
 from kvtier.util.gcpause import GcPauses, freeze_startup_objects
 from kvtier.wire.notices import StreamId
@@ -65,19 +65,6 @@ from kvtier.wire.protocol import TOKEN_BYTES, PackedTokens
 from kvtier.wire.tokenarray import token_backend
 
 log = logging.getLogger(__name__)
-
-
-def meets_slo(slo: SloBody, ttft_ms: float, tpot_ms: float) -> bool | None:
-    """Whether predictions of ``ttft_ms`` and ``tpot_ms`` meet each bound ``slo`` gives: False if one is missed, else
-    None where a bound cannot be checked (a TPOT bound while TPOT is not predicted: NaN, without
-    ``capacity_tokens``), else True."""
-    if slo.ttft_ms is not None and not ttft_ms <= slo.ttft_ms:
-        return False
-    if slo.tpot_ms is None:
-        return True
-    if tpot_ms != tpot_ms:
-        return None
-    return tpot_ms <= slo.tpot_ms
 
 
 class IndexerService:
@@ -374,7 +361,7 @@ class IndexerService:
                 out, ttft_ms, tpot_ms = self._route_one(rid, keys, tokens, req, owner, t0)
         predicted: dict[str, Any] = {"ttft_ms": ttft_ms, "tpot_ms": None if tpot_ms != tpot_ms else tpot_ms}
         if req.slo is not None:
-            predicted["meets_slo"] = meets_slo(req.slo, ttft_ms, tpot_ms)
+            predicted["meets_slo"] = slo_met(ttft_ms, tpot_ms, req.slo.ttft_ms, req.slo.tpot_ms)
         out["predicted"] = predicted
         return out
 
