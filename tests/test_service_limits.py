@@ -362,6 +362,20 @@ def _open(s: IndexerService) -> socket.socket:
     return socket.create_connection((host, int(port)), timeout=5)
 
 
+@contextmanager
+def _holding(s: IndexerService, n: int) -> Iterator[None]:
+    """``n`` connections held open (counted by the server) for the body of the ``with``; closed after it, and the
+    server's count back to none."""
+    held = [_open(s) for _ in range(n)]
+    try:
+        wait_for(lambda: metrics_open(s) == n)
+        yield
+    finally:
+        for k in held:
+            k.close()
+    wait_for(lambda: metrics_open(s) == 0)
+
+
 def _refused(s: IndexerService) -> tuple[bytes, str]:
     """Opens a connection that the server answers without a request and closes: the answer's head and error."""
     with _open(s) as k:
@@ -375,17 +389,11 @@ def _refused(s: IndexerService) -> tuple[bytes, str]:
 @pytest.mark.parametrize("loop", LOOPS)
 def test_one_connection_past_the_cap_gets_a_json_503_and_is_closed(loop: str) -> None:
     with service(max_connections=4, header_timeout_s=60.0, http_loop=loop) as s:
-        held = [_open(s) for _ in range(4)]
-        try:
-            wait_for(lambda: metrics_open(s) == 4)
+        with _holding(s, 4):
             head, error = _refused(s)
             assert head.startswith(b"HTTP/1.1 503 ") and b"application/json" in head
             assert "too many open connections (at most 4)" in error
             assert s._http.counters()["http_connections_refused"] == 1
-        finally:
-            for k in held:
-                k.close()
-        wait_for(lambda: metrics_open(s) == 0)
         assert call(s, "POST", "/query", {"token_ids": TOKS})[0] == 200
 
 
@@ -394,9 +402,7 @@ def test_one_peer_past_its_cap_gets_a_json_429_and_another_peer_is_served(loop: 
     """One peer cannot hold every connection: past its own cap it is turned away, while another peer (a second
     loopback address) still connects and is answered."""
     with service(max_connections=8, max_connections_per_peer=3, header_timeout_s=60.0, http_loop=loop) as s:
-        held = [_open(s) for _ in range(3)]
-        try:
-            wait_for(lambda: metrics_open(s) == 3)
+        with _holding(s, 3):
             head, error = _refused(s)
             assert head.startswith(b"HTTP/1.1 429 ") and b"application/json" in head
             assert "too many open connections from this peer (at most 3)" in error
@@ -407,10 +413,6 @@ def test_one_peer_past_its_cap_gets_a_json_429_and_another_peer_is_served(loop: 
             other.request("POST", "/query", body=json.dumps({"token_ids": TOKS}))
             assert other.getresponse().status == 200
             other.close()
-        finally:
-            for k in held:
-                k.close()
-        wait_for(lambda: metrics_open(s) == 0)
         assert s._http._server is not None and not s._http._server.peers  # every peer's count back to none
         assert call(s, "POST", "/query", {"token_ids": TOKS})[0] == 200  # room again for the first peer
         assert "kvtier_http_connections_refused_per_peer_total 1" in get(s.address + "/metrics")
