@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 
 from kvtier.engine.l3.pagetree import PageMeta
-from kvtier.wire.protocol import TOKEN_BYTES, BlockStored, EngineHash, Event, EventBatch, PackedTokens, window_group
+from kvtier.wire.protocol import BlockStored, EngineHash, Event, EventBatch, PackedTokens, window_group
 
 #: The most token and hash bytes (msgpack-encoded, :func:`wire_bytes`) a dump batch carries.
 DUMP_BATCH_BYTES = 4 << 20
@@ -66,8 +66,7 @@ def l3_runs(pages: Iterable[PageMeta], medium: str, page_size: int) -> list[Bloc
 
 def wire_bytes(e: BlockStored) -> int:
     """An upper bound of the bytes msgpack spends on ``e``'s token ids and hashes (5 a token id, 9 a hash). O(1)."""
-    tokens = len(e.token_ids) // TOKEN_BYTES if isinstance(e.token_ids, bytes) else len(e.token_ids)
-    return 5 * tokens + 9 * len(e.block_hashes)
+    return 5 * max(e.num_tokens, 0) + 9 * len(e.block_hashes)
 
 
 def _parts(e: BlockStored, max_bytes: int) -> Iterator[BlockStored]:
