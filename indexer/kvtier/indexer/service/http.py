@@ -32,7 +32,7 @@ from kvtier.indexer.service.httplimits import (
     GatedServer,
     UnsupportedEncoding,
     check_encoding,
-    close_at_once,
+    close_after,
     read_body,
     without_request_bytes,
 )
@@ -259,7 +259,7 @@ class HttpFrontEnd:
         if isinstance(exc, TooManyInFlight):
             return _json(exc.status, {"error": str(exc)})
         if isinstance(exc, web.HTTPRequestTimeout):  # a stalled body: its connection is not worth holding any longer
-            return close_at_once(request, _json(exc.status, {"error": exc.reason}))
+            return close_after(request, _json(exc.status, {"error": exc.reason}))
         if isinstance(exc, web.HTTPException):
             return _json(exc.status, {"error": exc.reason})
         if isinstance(exc, ServiceUnavailable):
@@ -302,7 +302,7 @@ class HttpFrontEnd:
             if request.path == "/route" or request.path.startswith("/requests/"):  # they change state
                 self._client(request)
         except Exception as exc:
-            return close_at_once(request, self._failure(request, exc), EXPECT_LINGER_S)
+            return close_after(request, self._failure(request, exc), EXPECT_LINGER_S)
         try:
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         except ConnectionError as exc:  # the client left before it was told to go on

@@ -207,7 +207,7 @@ class _Handler(RequestHandler):
         return resp
 
 
-def close_at_once(request: web.Request, resp: web.Response, linger_s: float = 0.0) -> web.Response:
+def close_after(request: web.Request, resp: web.Response, linger_s: float = 0.0) -> web.Response:
     """``resp``, after which ``request``'s connection closes: at once, or once ``linger_s`` has been spent reading
     and dropping the rest of its body (a client that sends it anyway then reads its answer, not a reset)."""
     if isinstance(request.protocol, _Handler):
