@@ -6,7 +6,6 @@ cell of a table row of its endpoint's part of the section; so must every Prometh
 
 from __future__ import annotations
 
-import http.client
 import re
 import time
 from collections.abc import Iterator
@@ -17,7 +16,7 @@ import pytest
 
 from kvtier.indexer.service.app import IndexerService, ServiceConfig, parse_endpoint
 from kvtier.wire import BlockStored, EventBatch, Publisher
-from tests.test_service import BS, TOKS, stored, wait_for
+from tests.test_service import BS, TOKS, get, stored, wait_for
 from tests.test_service_disagg import PROMPT, W, _service, _store
 from tests.test_service_http import refuse_subscriptions
 from tests.test_service_limits import call
@@ -109,11 +108,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
         assert code == 200 and out["health"]["status"] == "degraded", out["health"]
         code, out["metrics"], _ = call(svc, "GET", "/metrics?format=json")
         assert code == 200
-        host, port = svc.address.removeprefix("http://").rsplit(":", 1)
-        c = http.client.HTTPConnection(host, int(port), timeout=5)
-        c.request("GET", "/metrics")
-        out["prometheus"] = c.getresponse().read().decode()
-        c.close()
+        out["prometheus"] = get(svc.address + "/metrics")
         snap.rmdir()
         yield out
     finally:
