@@ -102,6 +102,7 @@ def fingerprint(res: RunResult) -> dict[str, Any]:
     h.update(json.dumps(res.decisions).encode())
     wire = dataclasses.asdict(res.wire)
     wire.pop("blocks")  # a count of what the events carried, added later: the pins stay as they were
+    wire.pop("seconds")  # the event path's wall time: measured, not a result
     h.update(json.dumps(list(wire.values())).encode())
     s = res.summary
     return {"hit_rate": _r(s.hit_rate), "hit_device": _r(s.hit_device), "hit_host": _r(s.hit_host),

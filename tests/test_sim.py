@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,19 @@ def test_event_delay_and_loss_degrade_the_index_gracefully() -> None:
     assert lossy.summary.index_exact < 1.0
     late = simulate(reqs, SMALL, RunConfig("kv_all", event_delay_s=5.0))
     assert late.summary.requests == len(reqs) and late.summary.index_exact < 1.0
+
+
+def test_the_event_paths_time_is_counted_where_events_are_heard() -> None:
+    """``wire.seconds`` is the part of a run's wall spent encoding, decoding and applying batches (bench/sim_bench.py
+    prints the rest beside it): none for a policy that hears no events, part of the run for one that does, replays
+    and dumps included."""
+    reqs = chat(250)
+    blind = simulate(reqs, SMALL, RunConfig("round_robin"))
+    assert blind.wire.seconds == 0.0 and blind.summary.extra["event_blocks"] > 0
+    t0 = time.perf_counter()
+    heard = simulate(reqs, SMALL, RunConfig("kv_all", event_loss=0.5, seed=3, recovery="dump", replay_buffer=1))
+    wall = time.perf_counter() - t0
+    assert heard.wire.dumps > 0 and 0.0 < heard.wire.seconds < wall
 
 
 def test_lost_events_are_recovered_by_the_routers_stream_tracker() -> None:

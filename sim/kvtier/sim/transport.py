@@ -16,6 +16,7 @@ only after live traffic, so a run still ends when its work does.
 from __future__ import annotations
 
 import random
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -71,6 +72,9 @@ class WireCounters:
     replay_requests: int = 0  # replay requests answered (catch-up, gap fill, probe)
     dumps: int = 0  # state dumps answered
     partial_marks: int = 0  # times a worker was given up as partial (loss beyond the buffer, no dump)
+    # Wall seconds spent on the event path: encoding batches, and decoding and applying them at the router (live,
+    # replayed or dumped). Measured, so not deterministic: what it costs, never part of a result.
+    seconds: float = 0.0
 
 
 def event_blocks(batch: EventBatch) -> int:
@@ -106,7 +110,9 @@ class SimWire:
         """An engine published ``batch``: buffer it, then lose or deliver it. O(batch)."""
         c = self.counters
         c.published += 1
+        t0 = time.perf_counter()
         payload = encode_payload(batch)
+        c.seconds += time.perf_counter() - t0
         seq = self._next_seq[worker]
         self._next_seq[worker] = seq + 1
         if self._trackers[worker] is not None:
@@ -123,12 +129,14 @@ class SimWire:
             self.env.after(self.cfg.delay_s, lambda: self._live(worker, seq, payload), priority=-1)
 
     def _live(self, w: int, seq: int, payload: bytes) -> None:
+        t0 = time.perf_counter()
         tracker = self._trackers[w]
         if tracker is None:
             self._sink([Received(self._streams[w], seq, decode_payload(payload, packed_tokens=True), "live")])
-            return
-        self._active[w] = True
-        self._handle(w, tracker, tracker.on_live(seq, payload, self.env.now))
+        else:
+            self._active[w] = True
+            self._handle(w, tracker, tracker.on_live(seq, payload, self.env.now))
+        self.counters.seconds += time.perf_counter() - t0
 
     def _handle(self, w: int, tracker: StreamTracker, out: list[Delivery]) -> None:
         """Hands deliveries on, sends the tracker's requests, re-arms its tick."""
@@ -150,6 +158,7 @@ class SimWire:
         assert tracker is not None, "an answer for a worker without recovery"
         if epoch != self._epoch[w]:
             return
+        t0 = time.perf_counter()
         if request == DUMP_REQUEST:
             self.counters.dumps += 1
             batches = self._dump(w)  # flushes first, so the dump covers every published seq
@@ -163,6 +172,7 @@ class SimWire:
         for seq_frame, payload in [*frames, (END_SEQ, b"")]:
             out.extend(tracker.on_reply(seq_frame, payload, self.env.now))
         self._handle(w, tracker, out)
+        self.counters.seconds += time.perf_counter() - t0
 
     def _arm(self, w: int, tracker: StreamTracker) -> None:
         t = tracker.next_tick()
