@@ -395,18 +395,25 @@ def test_bad_input_gets_one_line_and_exit_2(name: str, tmp_path: Path, capsys: p
     ("replay", b"    def filter(self, ctx, workers):\n        return []\n",
      "policy 'p': filter kept [], expected a non-empty subset of the workers"),
     ("compare", b"    def pick(self, ctx, scores):\n        return 'w99'\n",
-     "policy 'p': picked 'w99', not a scored worker")])
-def test_a_plugin_that_breaks_the_protocol_mid_run_gets_a_line_and_exit_2(
+     "policy 'p': picked 'w99', not a scored worker"),
+    ("replay", b"    def score(self, ctx, worker):\n        raise ValueError('no such table ' * 100)\n",
+     "policy 'p': score() raised ValueError: no such table no such table"),
+    ("replay", b"    def score(self, ctx, worker):\n        return float('nan')\n",
+     "policy 'p': score() returned NaN for w0, w1"),
+    ("replay", b"    def routed(self, keys, num_tokens, worker):\n        raise KeyError(worker)\n",
+     "policy 'p': routed() raised KeyError: ")])
+def test_a_plugin_that_fails_mid_run_gets_a_line_and_exit_2(
         command: str, method: bytes, says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Only routing shows it: the run has begun (its banner and progress bar are out), then one line says what the
-    plugin did, on a line of its own, exit 2, and no traceback."""
+    """Only routing shows it: the run has begun (its banner and progress bar are out), then one short line says what
+    the plugin did (broke its protocol, or raised: its own ValueError is no bad input of the user's), on a line of
+    its own, exit 2, and no traceback."""
     monkeypatch.chdir(tmp_path)
     spec = _bytes(tmp_path, "p.py", _PLUGIN + method) + ":P"
     rc = main([command, *SMALL, "--policies" if command == "compare" else "--policy", spec])
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err
-    assert err.splitlines()[-1] == f"kvtier: error: {says}", err
+    assert err.splitlines()[-1].startswith(f"kvtier: error: {says}") and len(err.splitlines()[-1]) < 500, err
 
 
 def test_an_itl_series_that_cannot_be_written_is_refused_before_the_run(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.hardware.latency import PRESETS
+from kvtier.indexer.routing.plugins import PluginError
 from kvtier.indexer.service.app import ConfigError, IndexerService, ServiceConfig, load_config, parse_endpoint
 from kvtier.indexer.service.clients import TooManyInFlight
 from kvtier.wire import BlockStored, WorkerId
@@ -99,6 +100,16 @@ def test_a_pair_booking_counts_its_prompt_blocks_against_the_caps() -> None:
     svc.finish("r1")
     assert svc.clients.blocks == 0
     assert svc.route({"token_ids": PROMPT, "request_id": "r2"})["local_prefill"] is False
+
+
+def test_a_pair_whose_plugin_fails_to_learn_its_route_books_nothing() -> None:
+    """A routing-history hook that raises fails the route as the plugin's error (a 500 over HTTP), before either
+    worker is booked: no load on either pool, no client booking, no prediction waiting for its reports."""
+    svc = _service("tests.test_service_limits:LearnsWrong")
+    with pytest.raises(PluginError, match=r"policy 'learns_wrong': routed\(\) raised KeyError"):
+        svc.route({"token_ids": PROMPT, "request_id": "r"})
+    assert all(svc.loads.load(w).running == 0 and svc.decode_loads.load(w).running == 0 for w in W)
+    assert len(svc.clients) == 0 and len(svc.predictions) == 0
 
 
 def test_an_aggregated_pool_answers_as_before() -> None:

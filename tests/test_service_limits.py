@@ -313,15 +313,45 @@ class PicksNobody(PolicyBase):
         return StreamId(WorkerId("nobody"))
 
 
-def test_a_plugin_that_breaks_its_protocol_is_a_500_naming_it_not_the_clients_400(
-        caplog: pytest.LogCaptureFixture) -> None:
-    with service(policy="tests.test_service_limits:PicksNobody") as s:
-        for path, body in (("/query", {"token_ids": TOKS}), ("/route", {"token_ids": TOKS, "request_id": "r1"})):
-            code, out, _ = call(s, "POST", path, body)
-            assert code == 500 and "policy 'picks_nobody': picked" in out["error"], (path, out)
-        assert len(s.clients) == 0  # nothing booked
-        assert metrics(s)["plugin_errors"] == 2 and "kvtier_plugin_errors_total 2" in get(s.address + "/metrics")
-    assert sum("picks_nobody" in r.getMessage() for r in caplog.records if r.levelno == logging.ERROR) == 2
+class ScoresWrong(PolicyBase):
+    """A plugin whose own code fails: its score raises a ValueError, as a bad request would."""
+
+    name = "scores_wrong"
+
+    def score(self, ctx: RouteContext, worker: StreamId) -> float:
+        raise ValueError("no such table")
+
+
+class LearnsWrong(PolicyBase):
+    """A plugin whose routing-history hook fails: queries (which book nothing) work, routes do not."""
+
+    name = "learns_wrong"
+
+    def score(self, ctx: RouteContext, worker: StreamId) -> float:
+        return 0.0
+
+    def routed(self, keys: Any, num_tokens: int, worker: StreamId) -> None:
+        raise KeyError(worker)
+
+
+@pytest.mark.parametrize(("plugin", "says", "paths"), [
+    ("PicksNobody", "policy 'picks_nobody': picked StreamId(", ("/query", "/route")),
+    ("ScoresWrong", "policy 'scores_wrong': score() raised ValueError: no such table", ("/query", "/route")),
+    ("LearnsWrong", "policy 'learns_wrong': routed() raised KeyError: ", ("/route",))])
+def test_a_failing_plugin_is_a_500_naming_it_not_the_clients_400(
+        plugin: str, says: str, paths: tuple[str, ...], caplog: pytest.LogCaptureFixture) -> None:
+    """Whatever a plugin does wrong (breaks its protocol, or raises: even a ValueError is its bug, not the request's)
+    is answered 500 naming it, logged and counted, and books nothing: no client booking, no load."""
+    with service(policy=f"tests.test_service_limits:{plugin}") as s:
+        for path in ("/query", "/route"):
+            code, out, _ = call(s, "POST", path, {"token_ids": TOKS, "request_id": "r1"} if path == "/route"
+                                else {"token_ids": TOKS})
+            assert (code == 500 and out["error"].startswith(says)) if path in paths else code == 200, (path, out)
+        assert len(s.clients) == 0 and s.loads.load(s.index.streams[0]).running == 0  # nothing booked
+        n = len(paths)
+        assert metrics(s)["plugin_errors"] == n and f"kvtier_plugin_errors_total {n}" in get(s.address + "/metrics")
+    name = says.split("'")[1]
+    assert sum(f"'{name}'" in r.getMessage() for r in caplog.records if r.levelno == logging.ERROR) == n
 
 
 @pytest.mark.parametrize(("slo", "ttft", "tpot", "meets"), [

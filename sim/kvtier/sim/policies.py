@@ -172,7 +172,7 @@ class KvPolicy:
         self.last_overlaps = d.overlaps
         if self.router.window_aware:
             self.index.note_routed(d.worker, req.keys)
-        note_routed(self.router.policy, req.keys, req.num_tokens, d.worker)  # as the service does once booked
+        note_routed(self.router.policy, req.keys, req.num_tokens, d.worker)  # as the service does as it books
         i = self.streams.index(d.worker)
         return Choice(i, visible(d.overlaps.workers[d.worker], self.max_tier), self.max_tier)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib.metadata import entry_points
@@ -92,13 +93,24 @@ def is_plugin_spec(spec: str) -> bool:
 
 
 class PluginError(LookupError):
-    """A plugin broke the protocol while routing: its filter kept no worker (or one it was not offered), or it
-    picked a worker it did not score. The plugin's fault, named in one line (the CLI exits 2)."""
+    """A plugin failed while routing: one of its methods raised, its filter kept no worker (or one it was not
+    offered), it scored a worker with something other than a number, or it picked a worker it did not score. The
+    plugin's fault, not the request's: named in one line (the CLI exits 2, the service answers 500)."""
+
+
+#: Characters of a plugin's message or value quoted in an error, so that the error stays one short line.
+_QUOTED = 300
+
+
+def _brief(text: str) -> str:
+    """``text`` on one line, cut to :data:`_QUOTED` characters."""
+    text = " ".join(text.split())
+    return text if len(text) <= _QUOTED else f"{text[:_QUOTED]}... ({len(text):,} characters)"
 
 
 def _failed(exc: BaseException) -> str:
-    """What a plugin's own code raised, in one line: its type and message."""
-    return f"{type(exc).__name__}: {exc}"
+    """What a plugin's own code raised, in one short line: its type and message."""
+    return _brief(f"{type(exc).__name__}: {exc}")
 
 
 def load_policy(spec: str) -> RoutingPolicy:
@@ -151,14 +163,29 @@ def load_policy(spec: str) -> RoutingPolicy:
 def route_with(
     policy: RoutingPolicy, ctx: RouteContext, workers: list[StreamId]
 ) -> tuple[StreamId, dict[StreamId, float]]:
-    """Runs a policy's three steps, checking what each returns. O(workers) plugin calls."""
-    kept = policy.filter(ctx, workers)
+    """Runs a policy's three steps, checking what each returns. :class:`PluginError` for whatever a step raises
+    (a ``ValueError`` in a plugin's score is its bug, not a bad request) or returns out of protocol. O(workers)
+    plugin calls."""
+    try:
+        kept = policy.filter(ctx, workers)
+    except Exception as exc:
+        raise PluginError(f"policy {policy.name!r}: filter() raised {_failed(exc)}") from exc
     if not kept or not set(kept) <= set(workers):
-        raise PluginError(f"policy {policy.name!r}: filter kept {kept!r}, expected a non-empty subset of the workers")
-    scores = {w: float(policy.score(ctx, w)) for w in kept}
-    chosen = policy.pick(ctx, scores)
+        raise PluginError(f"policy {policy.name!r}: filter kept {_brief(repr(kept))}, expected a non-empty subset of "
+                          "the workers")
+    try:
+        scores = {w: float(policy.score(ctx, w)) for w in kept}
+    except Exception as exc:  # its own error, or a score float() does not take
+        raise PluginError(f"policy {policy.name!r}: score() raised {_failed(exc)}") from exc
+    nan = [w for w, v in scores.items() if math.isnan(v)]  # (min() over a NaN depends on the workers' order)
+    if nan:
+        raise PluginError(f"policy {policy.name!r}: score() returned NaN for {_brief(', '.join(map(str, nan)))}")
+    try:
+        chosen = policy.pick(ctx, scores)
+    except Exception as exc:
+        raise PluginError(f"policy {policy.name!r}: pick() raised {_failed(exc)}") from exc
     if chosen not in scores:
-        raise PluginError(f"policy {policy.name!r}: picked {chosen!r}, not a scored worker")
+        raise PluginError(f"policy {policy.name!r}: picked {_brief(repr(chosen))}, not a scored worker")
     return chosen, scores
 
 
@@ -195,10 +222,14 @@ class LeastLoadedPolicy(PolicyBase):
 def note_routed(policy: RoutingPolicy | None, keys: Sequence[BlockKey], num_tokens: int, worker: StreamId) -> None:
     """Tells ``policy`` that a request it routed was booked on ``worker``, if it has a ``routed(keys, num_tokens,
     worker)`` method: a policy that learns from its own routing history (what it sent where) learns it there, not in
-    ``pick``, so that a query which books nothing (``POST /query``) teaches it nothing."""
+    ``pick``, so that a query which books nothing (``POST /query``) teaches it nothing. :class:`PluginError` for
+    whatever the hook raises: callers call it before they book anything, so that a failing hook books nothing."""
     hook = getattr(policy, "routed", None)
     if hook is not None:
-        hook(keys, num_tokens, worker)
+        try:
+            hook(keys, num_tokens, worker)
+        except Exception as exc:
+            raise PluginError(f"policy {getattr(policy, 'name', '?')!r}: routed() raised {_failed(exc)}") from exc
 
 
 #: kvtier's cache-blind policies as plugins, so the service runs them by name too.

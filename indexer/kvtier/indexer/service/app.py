@@ -325,11 +325,12 @@ class IndexerService:
         lock."""
         dec = self.router.route_keys(keys, tokens, self._request_cost(req))
         ttft_ms, tpot_ms = self._predict(dec, keys, tokens)
+        # A routing-history policy learns it; first, as its hook may fail (PluginError), and then nothing is booked.
+        note_routed(self.router.policy, keys, tokens, dec.worker)
         self.predictions.routed(rid, time.monotonic(), ttft_ms, tpot_ms)
         cached = dec.overlaps.workers[dec.worker].external * self.index.block_size
         self.loads.add(rid, dec.worker, keys, tokens, max(0, tokens - cached))
         self.index.note_routed(dec.worker, keys)  # inferred window KV (SWA engines without window events)
-        note_routed(self.router.policy, keys, tokens, dec.worker)  # a routing-history policy learns it
         self._deadlines.book(rid, time.monotonic())
         self.clients.book(rid, owner, len(keys))
         out = self._answer(dec)

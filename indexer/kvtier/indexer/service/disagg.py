@@ -68,6 +68,10 @@ def route_pair(svc: IndexerService, pair: PairRouter, rid: str, keys: list[Block
     p, d = decision.prefill, decision.decode
     bs = svc.index.block_size
     ttft_ms, tpot_ms = predict_pair(svc, decision, keys, tokens)
+    # Routing-history policies learn it first, as a hook may fail (PluginError), and then nothing is booked.
+    if not decision.local:
+        note_routed(pair.prefill.policy, keys, tokens, p.worker)
+    note_routed(pair.decode.policy, keys, tokens, d.worker)  # its KV lands there too
     svc.predictions.routed(rid, time.monotonic(), ttft_ms, tpot_ms)
     if decision.local:
         o = d.overlaps.workers.get(d.worker)
@@ -77,9 +81,7 @@ def route_pair(svc: IndexerService, pair: PairRouter, rid: str, keys: list[Block
         svc.loads.add(rid, p.worker, keys, tokens, max(0, tokens - (o.external * bs if o else 0)))
         svc.decode_loads.add(rid, d.worker, keys, tokens, 0)
         svc.index.note_routed(p.worker, keys)
-        note_routed(pair.prefill.policy, keys, tokens, p.worker)
     svc.index.note_routed(d.worker, keys)  # its KV lands there too
-    note_routed(pair.decode.policy, keys, tokens, d.worker)
     svc._deadlines.book(rid, time.monotonic())
     svc.clients.book(rid, owner, len(keys))
     out: dict[str, Any] = {"request_id": rid, "prefill": svc._answer(p), "decode": svc._answer(d),
