@@ -19,8 +19,9 @@ decode pool by the rule below (:func:`decode_rule`):
 | two, llmd, llmd_kv, llmd_prec. | PD mode runs a policy per pool (``--prefill-policy``, ``--decode-policy``, both  |
 |                                | the main one unless set); llm-d's P/D profile handler runs a decode profile,     |
 |                                | which kvtier gives the same scorers                                              |
-| kv_*                           | the same cost over the decode pool, on the decode workers' device overlap (the   |
-|                                | KV that need not move)                                                           |
+| kv_*                           | the same cost over the decode pool, on the decode workers' overlap: their device |
+|                                | (the KV that need not move); a shared storage pool's blocks, where the cost      |
+|                                | credits storage, count for every decode worker alike and so change no choice     |
 | approx, oracle                 | the same cost over the decode pool, seeing no decode overlap (they keep no index)|
 | min_ttft, goodput              | :class:`KvLinkCost`: the transfer of what the decode worker lacks, the decode    |
 |                                | step there (the TPOT the request will see and bring), memory, in milliseconds;   |
