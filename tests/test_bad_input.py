@@ -401,7 +401,9 @@ def test_bad_input_gets_one_line_and_exit_2(name: str, tmp_path: Path, capsys: p
     ("replay", b"    def score(self, ctx, worker):\n        return float('nan')\n",
      "policy 'p': score() returned NaN for w0, w1"),
     ("replay", b"    def routed(self, keys, num_tokens, worker):\n        raise KeyError(worker)\n",
-     "policy 'p': routed() raised KeyError: ")])
+     "policy 'p': routed() raised KeyError: "),
+    ("replay", b"    def pick(self, ctx, scores):\n        return list(scores)\n",  # unhashable
+     "policy 'p': picked [StreamId(worker='w0', dp_rank=0), ")])
 def test_a_plugin_that_fails_mid_run_gets_a_line_and_exit_2(
         command: str, method: bytes, says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:

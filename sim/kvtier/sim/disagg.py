@@ -4,8 +4,8 @@ Which rule each policy applies to each pool is :mod:`kvtier.indexer.routing.disa
 simulated workers (``0..P-1`` prefill, ``P..P+D-1`` decode; see :mod:`kvtier.sim.cluster`). The prefill side is the
 policy :func:`kvtier.sim.policies.make_policy` builds, its candidates narrowed to the prefill pool; a KV-aware one hears
 both pools' events through the real codec, so the decode side prices the decode workers' overlap from the same
-index (see the table of :mod:`kvtier.indexer.routing.disagg`). Each pool has its own load bookkeeping (a request is booked on its prefill worker until its prompt is
-computed, on its decode worker until it finishes).
+index (see the table of :mod:`kvtier.indexer.routing.disagg`). Each pool has its own load bookkeeping (a request is
+booked on its prefill worker until its prompt is computed, on its decode worker until it finishes).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -160,6 +160,15 @@ def load_policy(spec: str) -> RoutingPolicy:
     return policy
 
 
+def _subset(got: object, of: Collection[StreamId]) -> bool:
+    """Whether a plugin's ``got`` is a non-empty collection of members of ``of`` (False for anything else, an
+    unhashable item included)."""
+    try:
+        return bool(got) and set(got) <= set(of)  # type: ignore[call-overload]
+    except TypeError:
+        return False
+
+
 def route_with(
     policy: RoutingPolicy, ctx: RouteContext, workers: list[StreamId]
 ) -> tuple[StreamId, dict[StreamId, float]]:
@@ -170,7 +179,7 @@ def route_with(
         kept = policy.filter(ctx, workers)
     except Exception as exc:
         raise PluginError(f"policy {policy.name!r}: filter() raised {_failed(exc)}") from exc
-    if not kept or not set(kept) <= set(workers):
+    if not _subset(kept, workers):
         raise PluginError(f"policy {policy.name!r}: filter kept {_brief(repr(kept))}, expected a non-empty subset of "
                           "the workers")
     try:
@@ -184,7 +193,7 @@ def route_with(
         chosen = policy.pick(ctx, scores)
     except Exception as exc:
         raise PluginError(f"policy {policy.name!r}: pick() raised {_failed(exc)}") from exc
-    if chosen not in scores:
+    if not _subset([chosen], scores):
         raise PluginError(f"policy {policy.name!r}: picked {_brief(repr(chosen))}, not a scored worker")
     return chosen, scores
 
