@@ -233,7 +233,14 @@ CASES: dict[str, Case] = {
     "plugin without score": (lambda t, f: replay("--policy", _bytes(t, "p.py", _PLUGIN.replace(
         b"    def score", b"    def scored")) + ":P")(t, f), "p.py:P': P defines no score()"),
     "plugin with an empty name": (lambda t, f: replay("--policy", _bytes(t, "p.py", _PLUGIN.replace(
-        b'name = "p"', b'name = ""')) + ":P")(t, f), "p.py:P': its name must be a non-empty string, got ''"),
+        b'name = "p"', b'name = ""')) + ":P")(t, f), "p.py:P': its name must be a non-empty printable string, got ''"),
+    "plugin with a newline in its name": (lambda t, f: replay("--policy", _bytes(t, "p.py", _PLUGIN.replace(
+        b'name = "p"', b'name = "a\\nb"')) + ":P")(t, f), "its name must be a non-empty printable string, got 'a\\nb'"),
+    "plugin whose name raises": (lambda t, f: replay("--policy", _bytes(t, "p.py", _PLUGIN.replace(
+        b'name = "p"', b'name = property(lambda self: 1 / 0)')) + ":P")(t, f),
+        "p.py:P': reading its attributes raised ZeroDivisionError: division by zero"),
+    "plugin exits on import": (lambda t, f: replay("--policy", _bytes(t, "p.py", b"import sys\nsys.exit(3)\n") + ":P")(
+        t, f), "p.py:P': SystemExit: 3"),
     # a fit whose prefill time goes negative in the range a pass takes: refused, naming the time it gives
     "latency fit negative": (lambda t, f: replay("--device-tokens", "8192", "--latency", _bytes(
         t, "fit.json", json.dumps({"prefill_ms": [-1e-6, 0.0, 20.0], "decode_ms": [0.0, 0.0, 5.0]}).encode()))(t, f),
@@ -402,6 +409,10 @@ def test_bad_input_gets_one_line_and_exit_2(name: str, tmp_path: Path, capsys: p
      "policy 'p': score() returned NaN for w0, w1"),
     ("replay", b"    def routed(self, keys, num_tokens, worker):\n        raise KeyError(worker)\n",
      "policy 'p': routed() raised KeyError: "),
+    ("replay", b"    def score(self, ctx, worker):\n        raise SystemExit(5)\n",  # not a silent exit 5
+     "policy 'p': score() raised SystemExit: 5"),
+    ("replay", b"    def filter(self, ctx, workers):\n        return (w for w in workers)\n",
+     "policy 'p': filter kept <generator object"),
     ("replay", b"    def pick(self, ctx, scores):\n        return list(scores)\n",  # unhashable
      "policy 'p': picked [StreamId(worker='w0', dp_rank=0), ")])
 def test_a_plugin_that_fails_mid_run_gets_a_line_and_exit_2(

@@ -334,7 +334,17 @@ class LearnsWrong(PolicyBase):
         raise KeyError(worker)
 
 
+class Exits(PolicyBase):
+    """A plugin that calls sys.exit while scoring: the service's event loop must answer, and go on."""
+
+    name = "exits"
+
+    def score(self, ctx: RouteContext, worker: StreamId) -> float:
+        raise SystemExit(5)
+
+
 @pytest.mark.parametrize(("plugin", "says", "paths"), [
+    ("Exits", "policy 'exits': score() raised SystemExit: 5", ("/query", "/route")),
     ("PicksNobody", "policy 'picks_nobody': picked StreamId(", ("/query", "/route")),
     ("ScoresWrong", "policy 'scores_wrong': score() raised ValueError: no such table", ("/query", "/route")),
     ("LearnsWrong", "policy 'learns_wrong': routed() raised KeyError: ", ("/route",))])

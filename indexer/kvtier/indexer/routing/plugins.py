@@ -98,6 +98,10 @@ class PluginError(LookupError):
     plugin's fault, not the request's: named in one line (the CLI exits 2, the service answers 500)."""
 
 
+#: What a plugin's code may raise that is its failure, named in one line: any error, and SystemExit (a plugin that
+#: calls sys.exit must not end a run silently, or leave the service's event loop without an answer).
+_FAULTS = (Exception, SystemExit)
+
 #: Characters of a plugin's message or value quoted in an error, so that the error stays one short line.
 _QUOTED = 300
 
@@ -133,7 +137,7 @@ def load_policy(spec: str) -> RoutingPolicy:
             else:
                 module = importlib.import_module(mod_name)
             target = getattr(module, attr)
-        except Exception as exc:  # no such module or attribute, or the plugin's own module failed to run
+        except _FAULTS as exc:  # no such module or attribute, or the plugin's own module failed to run
             raise ValueError(f"policy {spec!r}: {_failed(exc)}") from None
     else:
         eps = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == spec]
@@ -142,29 +146,40 @@ def load_policy(spec: str) -> RoutingPolicy:
                              "has that name")
         try:
             target = eps[0].load()
-        except Exception as exc:
+        except _FAULTS as exc:
             raise ValueError(f"policy {spec!r}: entry point failed to load: {_failed(exc)}") from None
     # A class (which itself has the methods, unbound) or a factory is called; an instance is used as is.
     policy = target
     if isinstance(target, type) or (callable(target) and not isinstance(target, RoutingPolicy)):
         try:
             policy = target()
-        except Exception as exc:
+        except _FAULTS as exc:
             raise ValueError(f"policy {spec!r}: {getattr(target, '__name__', 'it')}() failed: {_failed(exc)}") from None
-    if not isinstance(policy, RoutingPolicy):
+    try:
+        protocol = isinstance(policy, RoutingPolicy)  # (reads each attribute: a property may raise)
+    except _FAULTS as exc:
+        raise ValueError(f"policy {spec!r}: reading its attributes raised {_failed(exc)}") from None
+    if not protocol:
         raise ValueError(f"policy {spec!r}: {type(policy).__name__} lacks name, filter, score or pick")
     if getattr(type(policy), "score", None) is PolicyBase.score:  # (PolicyBase's own raises at the first request)
         raise ValueError(f"policy {spec!r}: {type(policy).__name__} defines no score()")
-    if not isinstance(policy.name, str) or not policy.name:  # tables, plots and files are labelled by it
-        raise ValueError(f"policy {spec!r}: its name must be a non-empty string, got {policy.name!r}")
+    try:
+        name = policy.name
+    except _FAULTS as exc:
+        raise ValueError(f"policy {spec!r}: reading its name raised {_failed(exc)}") from None
+    # Tables, plots and files are labelled by it, and each class attribute read again is the same.
+    if not isinstance(name, str) or not name or not name.isprintable():
+        raise ValueError(f"policy {spec!r}: its name must be a non-empty printable string, got {_brief(repr(name))}")
     return policy
 
 
 def _subset(got: object, of: Collection[StreamId]) -> bool:
     """Whether a plugin's ``got`` is a non-empty collection of members of ``of`` (False for anything else, an
     unhashable item included)."""
+    if not isinstance(got, Collection):  # (a generator: the check would use it up)
+        return False
     try:
-        return bool(got) and set(got) <= set(of)  # type: ignore[call-overload]
+        return bool(got) and set(got) <= set(of)
     except TypeError:
         return False
 
@@ -177,21 +192,21 @@ def route_with(
     plugin calls."""
     try:
         kept = policy.filter(ctx, workers)
-    except Exception as exc:
+    except _FAULTS as exc:
         raise PluginError(f"policy {policy.name!r}: filter() raised {_failed(exc)}") from exc
     if not _subset(kept, workers):
         raise PluginError(f"policy {policy.name!r}: filter kept {_brief(repr(kept))}, expected a non-empty subset of "
                           "the workers")
     try:
         scores = {w: float(policy.score(ctx, w)) for w in kept}
-    except Exception as exc:  # its own error, or a score float() does not take
+    except _FAULTS as exc:  # its own error, or a score float() does not take
         raise PluginError(f"policy {policy.name!r}: score() raised {_failed(exc)}") from exc
     nan = [w for w, v in scores.items() if math.isnan(v)]  # (min() over a NaN depends on the workers' order)
     if nan:
         raise PluginError(f"policy {policy.name!r}: score() returned NaN for {_brief(', '.join(map(str, nan)))}")
     try:
         chosen = policy.pick(ctx, scores)
-    except Exception as exc:
+    except _FAULTS as exc:
         raise PluginError(f"policy {policy.name!r}: pick() raised {_failed(exc)}") from exc
     if not _subset([chosen], scores):
         raise PluginError(f"policy {policy.name!r}: picked {_brief(repr(chosen))}, not a scored worker")
@@ -237,7 +252,7 @@ def note_routed(policy: RoutingPolicy | None, keys: Sequence[BlockKey], num_toke
     if hook is not None:
         try:
             hook(keys, num_tokens, worker)
-        except Exception as exc:
+        except _FAULTS as exc:
             raise PluginError(f"policy {getattr(policy, 'name', '?')!r}: routed() raised {_failed(exc)}") from exc
 
 
