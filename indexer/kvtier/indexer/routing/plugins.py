@@ -21,7 +21,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 from kvtier.indexer.index.keys import BlockKey
 from kvtier.indexer.routing.load import LoadTracker, WorkerLoad
@@ -161,16 +161,17 @@ def load_policy(spec: str) -> RoutingPolicy:
         raise ValueError(f"policy {spec!r}: reading its attributes raised {_failed(exc)}") from None
     if not protocol:
         raise ValueError(f"policy {spec!r}: {type(policy).__name__} lacks name, filter, score or pick")
-    if getattr(type(policy), "score", None) is PolicyBase.score:  # (PolicyBase's own raises at the first request)
-        raise ValueError(f"policy {spec!r}: {type(policy).__name__} defines no score()")
+    plugin = cast(RoutingPolicy, policy)
+    if getattr(type(plugin), "score", None) is PolicyBase.score:  # (PolicyBase's own raises at the first request)
+        raise ValueError(f"policy {spec!r}: {type(plugin).__name__} defines no score()")
     try:
-        name = policy.name
+        name = plugin.name
     except _FAULTS as exc:
         raise ValueError(f"policy {spec!r}: reading its name raised {_failed(exc)}") from None
-    # Tables, plots and files are labelled by it, and each class attribute read again is the same.
+    # Tables, plots and files are labelled by it: one printable line.
     if not isinstance(name, str) or not name or not name.isprintable():
         raise ValueError(f"policy {spec!r}: its name must be a non-empty printable string, got {_brief(repr(name))}")
-    return policy
+    return plugin
 
 
 def _subset(got: object, of: Collection[StreamId]) -> bool:
