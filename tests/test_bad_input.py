@@ -7,6 +7,7 @@ random argument vectors at ``kvtier replay`` and ``kvtier indexer``.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -357,7 +358,33 @@ CASES: dict[str, Case] = {
         t, 'listen = 8000\n[[endpoints]]\nworker = "w0"\nendpoint = "tcp://127.0.0.1:1"\n')], "listen: 8000"),
     "indexer snapshot garbage": (lambda t, f: indexer("--listen", "127.0.0.1:0", "--snapshot",
                                                       _bytes(t, "snap", b"\x93garbage")), "snap"),
+    # files read whole: a device or a FIFO is refused unread (never read for ever, or waited on), a file past its
+    # cap after the cap, a file the csv module chokes on by its line
+    "latency fit from a device": (lambda t, f: replay("--latency", "/dev/zero")(t, f),
+                                  "--latency /dev/zero: is not a regular file"),
+    "latency fit from a FIFO": (lambda t, f: replay("--latency", _fifo(t, "fit.json"))(t, f),
+                                "fit.json: is not a regular file"),
+    "latency fit too large": (lambda t, f: replay("--latency", _sparse(t, "fit.json"))(t, f),
+                              "fit.json: larger than 1,048,576 bytes"),
+    "fit-latency from a device": (lambda t, f: ["fit-latency", "/dev/zero"], "/dev/zero: is not a regular file"),
+    "fit-latency field past the csv limit": (lambda t, f: ["fit-latency", _bytes(
+        t, "p.csv", b"kind,x,ms\nprefill," + b"1" * 200_000 + b",5\n")], "p.csv:2: field larger than field limit"),
+    "fit-latency not UTF-8": (lambda t, f: ["fit-latency", _bytes(t, "p.csv", b"kind,x,ms\n\xae\n")],
+                              "p.csv: not UTF-8 (byte 10)"),
+    "indexer config from a FIFO": (lambda t, f: ["indexer", "--config", _fifo(t, "svc.toml")],
+                                   "svc.toml: is not a regular file"),
+    "indexer config too large": (lambda t, f: ["indexer", "--config", _sparse(t, "svc.toml")],
+                                 "svc.toml: larger than 1,048,576 bytes"),
+    "indexer config nested too deeply": (lambda t, f: ["indexer", "--config", toml(
+        t, "x = " + "[" * 10_000 + "]" * 10_000 + "\n")], "svc.toml: nested too deeply"),
+    "indexer snapshot from a device": (lambda t, f: indexer("--listen", "127.0.0.1:0", "--snapshot", "/dev/zero"),
+                                       "snapshot /dev/zero: is not a regular file"),
 }
+
+
+def _fifo(tmp: Path, name: str) -> str:
+    os.mkfifo(tmp / name)
+    return str(tmp / name)
 
 
 #: A plugin the cases above break one way each.

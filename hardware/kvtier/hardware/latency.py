@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import io
 import math
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvtier.util.infile import SETTINGS_BYTES, read_input
 from kvtier.wire.protocol import StorageTier
 
 
@@ -257,15 +260,14 @@ def resolve_latency(spec: str) -> MockerLatency:
     names what was wrong (an unknown name that is no file lists the presets)."""
     if spec in LATENCY_PRESETS:
         return LATENCY_PRESETS[spec]
+    if not os.path.lexists(spec):
+        raise ValueError(f"{spec}: No such file, nor a latency preset ({', '.join(LATENCY_PRESETS)})")
     try:
-        with open(spec, "rb") as f:
-            text = f.read().decode()  # (JSON is UTF-8, whatever the locale says)
-    except FileNotFoundError:
-        raise ValueError(f"{spec}: No such file, nor a latency preset ({', '.join(LATENCY_PRESETS)})") from None
-    except OSError as exc:
-        raise ValueError(f"{spec}: {exc.strerror or exc}") from None
+        text = read_input(spec, SETTINGS_BYTES).decode()  # (JSON is UTF-8, whatever the locale says)
     except UnicodeDecodeError as exc:
         raise ValueError(f"{spec}: not UTF-8 (byte {exc.start}): expected a fit JSON") from None
+    except ValueError as exc:
+        raise ValueError(f"{spec}: {exc}") from None
     try:
         return latency_from_json(text)
     except ValueError as exc:
@@ -307,6 +309,10 @@ def fit_latency(prefill: list[tuple[float, float]], decode: list[tuple[float, fl
     return fit
 
 
+#: Cap on a CSV of measured points: a few hundred thousand rows.
+POINTS_BYTES = 16 << 20
+
+
 def load_latency_points(path: str) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
     """Reads measured points from a CSV with columns ``kind,x,ms``: ``kind`` is ``prefill`` (x = tokens)
     or ``decode`` (x = KV utilisation). Raises ``ValueError`` naming the file and line of a bad row."""
@@ -314,8 +320,14 @@ def load_latency_points(path: str) -> tuple[list[tuple[float, float]], list[tupl
 
     prefill: list[tuple[float, float]] = []
     decode: list[tuple[float, float]] = []
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
+    try:
+        text = read_input(path, POINTS_BYTES).decode()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 (byte {exc.start}): expected a CSV of kind,x,ms") from None
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    try:
         if reader.fieldnames is None or not {"kind", "x", "ms"} <= set(reader.fieldnames):
             raise ValueError(f"{path}:1: expected columns kind,x,ms, got {reader.fieldnames}")
         for lineno, row in enumerate(reader, 2):
@@ -331,6 +343,8 @@ def load_latency_points(path: str) -> tuple[list[tuple[float, float]], list[tupl
                 decode.append((x, ms))
             else:
                 raise ValueError(f"{path}:{lineno}: kind must be 'prefill' or 'decode', got {kind!r}")
+    except csv.Error as exc:  # (a field past the csv module's limit, a NUL byte)
+        raise ValueError(f"{path}:{reader.line_num + 1}: {exc}") from None  # (the line it was reading)
     return prefill, decode
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import msgspec
 
 from kvtier.indexer.index.tiered import TieredIndex
+from kvtier.util.infile import read_input
 from kvtier.util.outpath import unwritable
 from kvtier.wire.notices import StreamId
 from kvtier.wire.protocol import WorkerId
@@ -57,7 +58,7 @@ def save(path: Path, index: TieredIndex, positions: Positions) -> int:
 def load(path: Path, block_size: int) -> tuple[TieredIndex, Positions]:
     """Reads a snapshot; ``ValueError`` naming the file and what is wrong with it. O(file)."""
     try:
-        obj = msgspec.msgpack.decode(path.read_bytes())
+        obj = msgspec.msgpack.decode(read_input(path, None))  # (not a FIFO or a device: a file, of any size)
         if not isinstance(obj, dict) or obj.get("version") != VERSION:
             raise ValueError(f"unsupported snapshot version {obj.get('version') if isinstance(obj, dict) else None!r}")
         index = TieredIndex.restore(obj["index"])
