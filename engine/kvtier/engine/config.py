@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from kvtier.util.fields import Domain, at_least, check_fields, one_of, within
+from kvtier.util.fields import ConfigError, Domain, at_least, check_fields, one_of, within
 from kvtier.wire.protocol import DEFAULT_BLOCK_SIZE
 
 
@@ -30,6 +30,10 @@ class PrefetchPolicy(StrEnum):
     BEST_EFFORT = "best_effort"  # never waits; uses what has arrived
     WAIT_COMPLETE = "wait_complete"  # waits for the whole prefetch
     TIMEOUT = "timeout"  # waits up to `prefetch_timeout_s`
+
+
+#: Device and host pages of one cache at most: its pools are made when it starts (some 40 bytes a page).
+MAX_CACHE_PAGES = 1 << 28
 
 
 @dataclass(slots=True, frozen=True)
@@ -66,6 +70,10 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.device_pages * (1.0 + self.host_ratio) > MAX_CACHE_PAGES:
+            raise ConfigError(f"--device-pages {self.device_pages}, --host-ratio {self.host_ratio:g}: "
+                              f"{self.device_pages * (1.0 + self.host_ratio):,.0f} device and host pages; a cache "
+                              f"holds at most {MAX_CACHE_PAGES:,} (every page is bookkept in memory)")
 
     @property
     def host_pages(self) -> int:

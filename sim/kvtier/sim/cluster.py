@@ -215,6 +215,15 @@ class ClusterConfig:
             object.__setattr__(self, "workers", self.prefill_workers + self.decode_workers)
         if self.l3 != "none" and self.l3_tokens < self.page_size:
             raise ConfigError(f"--l3-tokens: {self.l3_tokens} holds no page of --page-size {self.page_size}")
+        pages = self.workers * (self.device_tokens // self.page_size) * (1.0 + self.host_ratio)
+        if pages > MAX_PAGES:  # (decode workers have no host tier: an upper bound, checked before any is made)
+            raise ConfigError(f"--workers {self.workers}, --device-tokens {self.device_tokens}, --host-ratio "
+                              f"{self.host_ratio:g}: {pages:,.0f} device and host pages in all; a simulation holds "
+                              f"at most {MAX_PAGES:,} (every page is bookkept in memory, some 40 bytes each)")
+
+#: Device and host pages of a whole simulated cluster at most: their pools are made when the run starts.
+MAX_PAGES = 1 << 25
+
 
 @dataclass(slots=True, eq=False)
 class Job:

@@ -27,6 +27,9 @@ from kvtier.sim.source import ListTrace, MooncakeFile, TraceSource, as_source
 from kvtier.sim.trace import Request, load_azure, load_trace
 from kvtier.util.fields import ConfigError
 
+#: Requests of a builtin trace at most: each is made in memory before the run (about a kilobyte with its hash ids).
+MAX_BUILTIN_REQUESTS = 1_000_000
+
 
 def resolve_trace(spec: str, *, limit: int | None = None, seed: int = 0, time_scale: float = 1.0,
                   shared_prefix_blocks: int = 0, prefix_groups: int = 8) -> list[Request]:
@@ -46,6 +49,9 @@ def resolve_trace(spec: str, *, limit: int | None = None, seed: int = 0, time_sc
             # (isdigit alone takes '²', which int() refuses)
             raise ValueError(f"trace {spec!r}: expected builtin:KIND[:N] with N >= 1 requests")
         n = int(count) if count is not None else (limit or 1000)
+        if n > MAX_BUILTIN_REQUESTS:
+            raise ValueError(f"trace {spec!r}: {n:,} requests; a builtin trace holds at most "
+                             f"{MAX_BUILTIN_REQUESTS:,} (it is made in memory; gen-trace writes longer ones)")
         reqs = generate(dataclasses.replace(PRESETS[kind], requests=n), seed)
     else:
         path = Path(spec)
