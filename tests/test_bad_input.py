@@ -92,7 +92,7 @@ CASES: dict[str, Case] = {
     "workers 0": (replay("--workers", "0"), "--workers: 0 is not allowed"),
     # sizes whose memory is spent before the run: refused up front, not after gigabytes (or a MemoryError)
     "workers past the pages a run holds": (replay("--workers", "100000000"),
-                                           "1,228,800,000,000 device and host pages in all; a simulation holds at most"),
+                                           "1,228,800,000,000 device and host pages in all; a simulation holds"),
     "device tokens past the pages a run holds": (replay("--device-tokens", "100000000000000000000"),
                                                  "a simulation holds at most 33,554,432"),
     "pools past the pages a run holds": (replay("--prefill-workers", "1000000", "--decode-workers", "1000000"),

@@ -296,3 +296,15 @@ def test_a_request_prefilled_on_its_decode_worker_counts_there_once() -> None:
         b.add(r)
     assert b.per_worker == [1, 1, 2, 1]
     assert b.summary("x").load_imbalance == pytest.approx(max(2 / 1.5, 1.0))
+
+
+def test_a_plugin_policy_routes_a_disaggregated_cluster_from_start_to_end() -> None:
+    """A user's plugin picks both sides of the pair, a second instance of it over the decode pool (as the service
+    builds it): the run completes every request, where the decode rule's lookup used to stop it mid-run with
+    'unknown policy'."""
+    reqs = generate(dataclasses.replace(PRESETS["chat"], requests=30), 1)
+    cfg = PD.replace(prefill_workers=2, decode_workers=2)
+    plugin = str(Path(__file__).resolve().parent.parent / "examples" / "fresh_first_policy.py") + ":FreshFirst"
+    res = simulate(reqs, cfg, RunConfig(plugin))
+    assert res.summary.requests == len(reqs) and res.summary.unfinished == 0
+    assert {r.worker for r in res.records} <= {0, 1} and {r.decode_worker for r in res.records} <= {2, 3}

@@ -44,7 +44,7 @@ from kvtier.hardware.latency import PRESETS, LatencyModel, MockerLatency
 from kvtier.indexer.index.keys import BlockKey
 from kvtier.indexer.index.tiered import TieredIndex
 from kvtier.indexer.routing.load import LoadTracker, WorkerLoad
-from kvtier.indexer.routing.plugins import RoutingPolicy
+from kvtier.indexer.routing.plugins import RoutingPolicy, is_plugin_spec
 from kvtier.indexer.routing.policies import REGISTRY, RoutingSettings, make_cost, policy_spec
 from kvtier.indexer.routing.router import RouteDecision, Router
 from kvtier.indexer.routing.scoring import SLO_MISS_MS, CostModel, DynamoCost, SloCost
@@ -123,6 +123,8 @@ def decode_rule(name: str) -> str:
     """How policy ``name`` picks its decode worker: ``"same"`` (its own rule over the decode pool: blind, load and
     plugin policies), ``"dynamo"``, ``"time"`` (:class:`KvLinkCost`) or ``"cost"`` (its cost model over the decode
     pool's overlaps). :class:`~kvtier.util.fields.ConfigError` for an unknown name."""
+    if is_plugin_spec(name):  # a user's plugin: a second instance of it over the decode pool
+        return "same"
     spec = policy_spec(name)
     if name == "dynamo":
         return "dynamo"
