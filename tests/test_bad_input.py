@@ -99,6 +99,14 @@ CASES: dict[str, Case] = {
                                          "--workers 2000000,"),
     "grid workers past the pages a run holds": (lambda t, f: ["sweep", *SMALL, "--grid", "workers=100000000"],
                                                 "--grid workers=100000000: --workers 100000000,"),
+    # an output directory that cannot take the results: refused before the runs, not after them
+    "out is a file": (lambda t, f: ["replay", *SMALL, "--out", _bytes(t, "f", b"")], "f: is a file; name a directory"),
+    "out is empty": (lambda t, f: ["replay", *SMALL, "--out", ""], "--out: empty; name a directory"),
+    "sweep's file is a directory": (lambda t, f: ["sweep", *SMALL, "--grid", "seed=1,2", "--out", _dir(
+        t, "o/sweep.json")[:-len("/sweep.json")]], "sweep.json is a directory"),
+    "compare's summary is a directory": (lambda t, f: ["compare", *SMALL, "--policies", "round_robin,kv_all",
+                                                       "--out", _dir(t, "o/summary.json")[:-len("/summary.json")]],
+                                         "summary.json is a directory"),
     "builtin trace past its cap": (lambda t, f: ["replay", "--trace", "builtin:chat:99999999999999"],
                                    "99,999,999,999,999 requests; a builtin trace holds at most 1,000,000"),
     "builtin trace limit past its cap": (lambda t, f: ["replay", "--trace", "builtin:chat", "--limit", "2000000"],
@@ -395,6 +403,11 @@ CASES: dict[str, Case] = {
     "indexer snapshot from a device": (lambda t, f: indexer("--listen", "127.0.0.1:0", "--snapshot", "/dev/zero"),
                                        "snapshot /dev/zero: is not a regular file"),
 }
+
+
+def _dir(tmp: Path, name: str) -> str:
+    (tmp / name).mkdir(parents=True)
+    return str(tmp / name)
 
 
 def _fifo(tmp: Path, name: str) -> str:

@@ -304,6 +304,25 @@ class _RunsProgress:
 # --- commands ------------------------------------------------------------------------------
 
 
+def _out_dir(a: argparse.Namespace, *names: str) -> Path:
+    """``--out``, made if need be, once it is known that ``names`` can be written in it: checked now, not once
+    every run is done and its results have nowhere to go. O(1)."""
+    if not a.out:
+        raise CliError("--out: empty; name a directory")
+    out_dir = Path(a.out)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CliError(f"--out {a.out}: is a file; name a directory")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CliError(f"--out {a.out}: {exc.strerror or exc}") from None
+    for name in names:
+        problem = unwritable((out_dir / name).resolve())
+        if problem is not None:
+            raise CliError(f"--out {a.out}: {name} {problem}")
+    return out_dir
+
+
 def _compare(a: argparse.Namespace, policies: list[str]) -> int:
     from kvtier.sim.experiment import RunSpec, execute, run_jobs
     from kvtier.sim.report import join_csv, join_files, plot, table, write_json
@@ -313,8 +332,7 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
     problem = unwritable(a.itl_series.resolve()) if a.itl_series is not None else None
     if problem is not None:  # (now, not once every run is done)
         raise CliError(f"--itl-series {a.itl_series}: {problem}")
-    out_dir = Path(a.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = _out_dir(a, "summary.json", "requests.csv")
     # Each run streams its records to a part of requests.csv (in its own process), so no process holds a
     # long trace's records; the parts are joined in policy order.
     parts = [out_dir / f".requests.{i}.csv" for i in range(len(policies))]
@@ -413,8 +431,7 @@ def cmd_sweep(a: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
     if a.ray and importlib.util.find_spec("ray") is None:
         raise CliError("--ray needs Ray: pip install ray (or drop --ray for a local process pool)")
-    out_dir = Path(a.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = _out_dir(a, "sweep.json", "sweep.csv")
     print(f"kvtier sweep: {len(jobs)} runs over {', '.join(grid)}"
           f" on {'Ray' if a.ray else 'a local process pool'}", file=sys.stderr)
     _load_kernels_saying_so(load_kernels, "the simulator's", "run", "a minute or two")
