@@ -100,11 +100,11 @@ def _add_trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-scale", type=SCALE.parse, default=1.0, help="multiply arrival times (<1 = higher load)")
     p.add_argument("--trace-seed", type=SEED.parse, default=0,
                    help="seed of builtin traces, and of an Azure trace's prefix groups")
-    p.add_argument("--shared-prefix-blocks", type=SEED.parse, default=0, metavar="N",
+    p.add_argument("--shared-prefix-blocks", type=Domain(int, lo=0, hi=1 << 20).parse, default=0, metavar="N",
                    help="Azure CSV traces (lengths only): each request's first N 512-token blocks are its prefix "
                         "group's, as a system prompt per application (Dynamo mocker's trace_shared_prefix_ratio); "
                         "0: every prompt unique")
-    p.add_argument("--prefix-groups", type=COUNT.parse, default=8, metavar="G",
+    p.add_argument("--prefix-groups", type=Domain(int, lo=1, hi=1 << 20).parse, default=8, metavar="G",
                    help="Azure CSV traces: the prefix groups requests join at random (seeded by --trace-seed)")
 
 

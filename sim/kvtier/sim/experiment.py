@@ -6,7 +6,9 @@ import contextlib
 import dataclasses
 import gc
 import itertools
+import math
 import os
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -233,6 +235,10 @@ _FIELDS: dict[str, tuple[str, Callable[[str], Any]]] = {
 _TO_CONFIG: dict[str, Callable[[Any], Any]] = {"latency": resolve_latency}
 
 
+#: Grid points of one sweep at most: its jobs are all made before the first runs.
+MAX_GRID_POINTS = 10_000
+
+
 def parse_grid(items: Sequence[str]) -> dict[str, list[Any]]:
     """``["device_tokens=65536,131072", "policy=kv_device,kv_all"]`` -> axis -> values."""
     grid: dict[str, list[Any]] = {}
@@ -249,6 +255,12 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[Any]]:
             grid[key] = [cast(v) for v in values.split(",")]
         except ValueError as exc:
             raise ValueError(f"grid axis {key!r}: {exc}") from None
+        twice = sorted(str(v) for v, n in Counter(grid[key]).items() if n > 1)
+        if twice:
+            raise ValueError(f"grid axis {key!r}: {', '.join(twice)} given twice (each point would run twice)")
+    points = math.prod(len(v) for v in grid.values())
+    if points > MAX_GRID_POINTS:
+        raise ValueError(f"--grid: {points:,} points; a sweep runs at most {MAX_GRID_POINTS:,} (each is a whole run)")
     return grid
 
 

@@ -23,6 +23,13 @@ class ConfigError(ValueError):
     """A configuration value outside its domain; the message names the option, value and domain."""
 
 
+def _bound(x: float | None) -> str:
+    """A domain's bound as written: a whole number in full (1048576, not 1.04858e+06), else as :g writes it."""
+    if x is None:
+        return ""
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else f"{x:g}"
+
+
 @dataclass(frozen=True, slots=True)
 class Domain:
     """What values one field accepts."""
@@ -44,12 +51,13 @@ class Domain:
         if self.kind is bool:
             return "true or false"
         what = "an integer" if self.kind is int else "a number" if self.kind is float else "a string"
+        lo, hi = _bound(self.lo), _bound(self.hi)
         if self.lo is not None and self.hi is not None:
-            return f"{what} in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+            return f"{what} in {'(' if self.lo_open else '['}{lo}, {hi}{')' if self.hi_open else ']'}"
         if self.lo is not None:
-            return f"{what} {'>' if self.lo_open else '>='} {self.lo:g}"
+            return f"{what} {'>' if self.lo_open else '>='} {lo}"
         if self.hi is not None:
-            return f"{what} {'<' if self.hi_open else '<='} {self.hi:g}"
+            return f"{what} {'<' if self.hi_open else '<='} {hi}"
         return what
 
     def ok(self, value: object) -> bool:
