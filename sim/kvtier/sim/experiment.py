@@ -258,6 +258,9 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[Any]]:
         twice = sorted(str(v) for v, n in Counter(grid[key]).items() if n > 1)
         if twice:
             raise ValueError(f"grid axis {key!r}: {', '.join(twice)} given twice (each point would run twice)")
+    both = sorted({"prefill_workers", "decode_workers"} & set(grid)) if "pools" in grid else []
+    if both:  # (the later would silently win)
+        raise ValueError(f"grid axes 'pools' and {', '.join(map(repr, both))} both size the cluster: give one")
     points = math.prod(len(v) for v in grid.values())
     if points > MAX_GRID_POINTS:
         raise ValueError(f"--grid: {points:,} points; a sweep runs at most {MAX_GRID_POINTS:,} (each is a whole run)")

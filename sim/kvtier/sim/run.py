@@ -41,7 +41,7 @@ class RunConfig:
     host_credit: float = field(default=0.75, metadata=within(0, 1))  # credit model weights
     disk_credit: float = field(default=0.25, metadata=within(0, 1))
     temperature: float = field(default=0.0, metadata=within(0, 1e6))  # softmax sampling of costs (0 = argmin)
-    seed: int = field(default=0, metadata=Domain(int).meta())  # policy and loss randomness
+    seed: int = field(default=0, metadata=Domain(int, lo=0).meta())  # policy and loss randomness (as --seed)
     closed_loop: bool = True  # a session's next turn waits for this turn's answer (see simulate)
     # stop simulated time here; what has not finished is counted unfinished
     until_s: float | None = field(default=None, metadata=positive(optional=True, option="--until"))
