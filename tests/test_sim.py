@@ -465,3 +465,14 @@ def test_a_run_that_completes_nothing_reports_no_figures_not_zeros(tmp_path: Pat
     for field in ("hit_rate", "hit_device", "recomputed", "throughput_tok_s", "makespan_s", "load_imbalance",
                   "ttft_p50"):
         assert run[field] is None, (field, run[field])
+
+
+@pytest.mark.parametrize("swa_ratio", [0.0, 0.0078125, 0.01])
+def test_a_window_pool_of_a_few_windows_serves_every_request(swa_ratio: float) -> None:
+    """A hybrid model's window-KV pool of one to a few windows: a request whose own cached prefix holds the window
+    it would read, beside the pool's other windows, with nothing running to free any, used to wait for ever (most of
+    an agentic trace unfinished). As a last resort its path's window KV goes (recomputed), and every request ends."""
+    reqs = generate(dataclasses.replace(PRESETS["agentic"], requests=200), 0)
+    cfg = ClusterConfig(model="gemma-3-27b", swa_ratio=swa_ratio)
+    s = simulate(reqs, cfg, RunConfig("kv_all")).summary
+    assert (s.requests, s.unfinished) == (len(reqs), 0)

@@ -137,10 +137,13 @@ class TieredCache:
         """Op ids the request still waits for (load-backs; the prefetch per policy is the caller's)."""
         return self.copies.in_flight(adm.waits)
 
-    def begin_prefill(self, adm: Admission, output_tokens: int = 0) -> PrefillPlan | None:
+    def begin_prefill(self, adm: Admission, output_tokens: int = 0, *, last_resort: bool = False) -> PrefillPlan | None:
         """Reserves device pages to compute the rest of the prompt and ``output_tokens``.
 
-        Returns None (nothing reserved) if the device cannot make room now.
+        Returns None (nothing reserved) if the device cannot make room now. ``last_resort``: the caller knows nothing
+        else will free room (no request runs, no copy is in flight); with SWA, the window KV of the request's own
+        path may then go too, the window it would read included (it is recomputed), where the window pool cannot
+        hold that window and the new one beside it: else such a request would wait for ever.
         """
         self._check_live(adm)
         ps = self.config.page_size
@@ -166,9 +169,17 @@ class TieredCache:
         pages = self.evictor.alloc_device(need)
         if pages is None:
             return None
+        w = self.config.swa_window_pages
         swa = self.evictor.alloc_swa(swa_need)
         if swa is None:
-            swa = alloc_from_path(self.evictor, self.swa, path, usable, swa_need, self.config.swa_window_pages)
+            swa = alloc_from_path(self.evictor, self.swa, path, usable, swa_need, w)
+        if swa is None and last_resort:
+            # Its whole path's window KV may go (no window is kept), until a window's room is free; the pages
+            # taken are given back, as the request's need is known only once its usable prefix is.
+            self.swa.release(alloc_from_path(self.evictor, self.swa, path, 0, w, w) or [])
+            usable = window_usable(path, cached, w)
+            swa_need = min(full - usable, w)
+            swa = self.evictor.alloc_swa(swa_need)
         if swa is None:
             self.device.release(pages)
             return None

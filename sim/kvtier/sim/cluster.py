@@ -407,8 +407,8 @@ class SimWorker:
             assert job.adm is not None
             plan = self.cache.begin_prefill(job.adm, self._output_room(job))
             if plan is None and not self.running and not self.receiving and not self.dp.ops:
-                self._unlock_others(job)  # nothing will free room: admitted prefixes hold it
-                plan = self.cache.begin_prefill(job.adm, self._output_room(job))
+                self._unlock_others(job)  # nothing will free room: admitted prefixes hold it, or its own window
+                plan = self.cache.begin_prefill(job.adm, self._output_room(job), last_resort=True)
             if plan is None:
                 break  # no device room: wait for running requests to finish
             self.admitted.remove(job)

@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
                 break
             with node.lock:
                 adm = cache.admit(req.request_id, bank.packed(req))
-                if cache.begin_prefill(adm) is not None:
+                if cache.begin_prefill(adm, last_resort=True) is not None:  # (alone: nothing else frees room)
                     cache.finish_prefill(adm)
                 else:  # (alone on the engine: only a prompt the device cannot hold finds no room)
                     too_long += 1
