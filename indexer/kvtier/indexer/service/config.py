@@ -22,7 +22,7 @@ from kvtier.indexer.routing.scoring import DEFAULT_OUT_OF_REACH, OUT_OF_REACH
 from kvtier.util.fields import ConfigError, Domain, at_least, check_fields, one_of, within
 from kvtier.util.infile import SETTINGS_BYTES, read_input
 from kvtier.wire.protocol import DEFAULT_BLOCK_SIZE, StorageTier
-from kvtier.wire.transport.subscriber import MAX_FRAME_BYTES, EndpointConfig
+from kvtier.wire.transport.subscriber import MAX_DP_RANK, MAX_FRAME_BYTES, EndpointConfig
 
 
 @dataclass(slots=True)
@@ -179,7 +179,7 @@ class ServiceConfig:
 #: [[endpoints]] keys: domain, required.
 _ENDPOINT_FIELDS: dict[str, tuple[Domain, bool]] = {
     "worker": (Domain(str), True), "endpoint": (Domain(str), True),
-    "replay_endpoint": (Domain(str, optional=True), False), "dp_rank": (Domain(int, lo=0), False),
+    "replay_endpoint": (Domain(str, optional=True), False), "dp_rank": (Domain(int, lo=0, hi=MAX_DP_RANK), False),
     "supports_dump": (Domain(bool), False), "engine": (Domain(str, optional=True), False),
     "role": (Domain(str), False),
 }

@@ -35,6 +35,10 @@ MAX_FRAME_BYTES = 64 << 20  # the default cap on one frame (a publisher's batch 
 ENGINES = ("sglang", "vllm", "kvtier")
 
 
+#: Data-parallel ranks an endpoint may carry: far past any deployment's.
+MAX_DP_RANK = 65_535
+
+
 @dataclass(slots=True, frozen=True)
 class EndpointConfig:
     """Where one engine stream publishes."""
@@ -54,8 +58,8 @@ class EndpointConfig:
     def __post_init__(self) -> None:
         if not self.worker:
             raise ValueError("the worker id is empty")
-        if isinstance(self.dp_rank, bool) or not isinstance(self.dp_rank, int) or self.dp_rank < 0:
-            raise ValueError(f"dp_rank {self.dp_rank!r}: expected an integer >= 0")
+        if isinstance(self.dp_rank, bool) or not isinstance(self.dp_rank, int) or not 0 <= self.dp_rank <= MAX_DP_RANK:
+            raise ValueError(f"dp_rank {self.dp_rank!r}: expected an integer in [0, {MAX_DP_RANK}]")
         for address in (self.endpoint, self.replay_endpoint):
             if address is not None and (wrong := connect_address_error(address)):
                 raise ValueError(f"{address!r}: {wrong}")
