@@ -467,12 +467,13 @@ def test_a_run_that_completes_nothing_reports_no_figures_not_zeros(tmp_path: Pat
         assert run[field] is None, (field, run[field])
 
 
-@pytest.mark.parametrize("swa_ratio", [0.0, 0.0078125, 0.01])
-def test_a_window_pool_of_a_few_windows_serves_every_request(swa_ratio: float) -> None:
+@pytest.mark.parametrize(("swa_ratio", "pools"), [(0.0, 0), (0.0078125, 0), (0.01, 0), (0.0, 2), (0.01, 2)])
+def test_a_window_pool_of_a_few_windows_serves_every_request(swa_ratio: float, pools: int) -> None:
     """A hybrid model's window-KV pool of one to a few windows: a request whose own cached prefix holds the window
     it would read, beside the pool's other windows, with nothing running to free any, used to wait for ever (most of
-    an agentic trace unfinished). As a last resort its path's window KV goes (recomputed), and every request ends."""
+    an agentic trace unfinished). As a last resort its path's window KV goes (recomputed), and every request ends;
+    disaggregated too, where a prefill worker waits for its handed-off prompts' holds first."""
     reqs = generate(dataclasses.replace(PRESETS["agentic"], requests=200), 0)
-    cfg = ClusterConfig(model="gemma-3-27b", swa_ratio=swa_ratio)
+    cfg = ClusterConfig(model="gemma-3-27b", swa_ratio=swa_ratio, prefill_workers=pools, decode_workers=pools)
     s = simulate(reqs, cfg, RunConfig("kv_all")).summary
     assert (s.requests, s.unfinished) == (len(reqs), 0)

@@ -215,11 +215,15 @@ class ClusterConfig:
             object.__setattr__(self, "workers", self.prefill_workers + self.decode_workers)
         if self.l3 != "none" and self.l3_tokens < self.page_size:
             raise ConfigError(f"--l3-tokens: {self.l3_tokens} holds no page of --page-size {self.page_size}")
-        pages = self.workers * (self.device_tokens // self.page_size) * (1.0 + self.host_ratio)
-        if pages > MAX_PAGES:  # (decode workers have no host tier: an upper bound, checked before any is made)
-            raise ConfigError(f"--workers {self.workers}, --device-tokens {self.device_tokens}, --host-ratio "
-                              f"{self.host_ratio:g}: {pages:,.0f} device and host pages in all; a simulation holds "
-                              f"at most {MAX_PAGES:,} (every page is bookkept in memory, some 40 bytes each)")
+        # Device, host and window-KV pages (decode workers have no host tier: an upper bound), before any is made.
+        swa = self.swa_ratio if PRESETS[self.model].window_tokens else 0.0
+        pages = self.workers * (self.device_tokens // self.page_size) * (1.0 + self.host_ratio + swa)
+        if pages > MAX_PAGES:
+            who = (f"--prefill-workers {self.prefill_workers} --decode-workers {self.decode_workers}"
+                   if self.disaggregated else f"--workers {self.workers}")
+            raise ConfigError(f"{who}, --device-tokens {self.device_tokens}, --host-ratio {self.host_ratio:g}"
+                              f"{f', --swa-ratio {swa:g}' if swa else ''}: {pages:,.0f} pages in all; a simulation "
+                              f"holds at most {MAX_PAGES:,} (every page is bookkept in memory, some 40 bytes each)")
 
 #: Device and host pages of a whole simulated cluster at most: their pools are made when the run starts.
 MAX_PAGES = 1 << 25
@@ -300,6 +304,7 @@ class SimWorker:
         self.peers: list[SimWorker] = []  # workers sharing this one's L3 pool
         self.receiving = 0  # decode role: requests whose KV is on the way (they count against max_running)
         self.received: list[Job] = []  # decode role: KV landed; they join the batch at the next iteration
+        self.handing_off = 0  # prefill role: computed prompts held here until their decode worker has them
 
     # --- arrivals and cache bookkeeping --------------------------------------------------
 
@@ -408,7 +413,8 @@ class SimWorker:
             plan = self.cache.begin_prefill(job.adm, self._output_room(job))
             if plan is None and not self.running and not self.receiving and not self.dp.ops:
                 self._unlock_others(job)  # nothing will free room: admitted prefixes hold it, or its own window
-                plan = self.cache.begin_prefill(job.adm, self._output_room(job), last_resort=True)
+                # (a prompt handed off frees its hold once received: its window KV then goes the usual way)
+                plan = self.cache.begin_prefill(job.adm, self._output_room(job), last_resort=not self.handing_off)
             if plan is None:
                 break  # no device room: wait for running requests to finish
             self.admitted.remove(job)
@@ -466,6 +472,7 @@ class SimWorker:
         assert job.source_adm is not None
         self.cache.release(job.source_adm)
         job.source_adm = None
+        self.handing_off -= 1
         self._flush()
         self.kick()
 
@@ -529,6 +536,7 @@ class SimWorker:
                     job.record.prefill_end = now
                     self.running.remove(job)
                     job.source, job.source_adm, job.adm = self, job.adm, None
+                    self.handing_off += 1
                     self._on_prefilled(job)
                     continue
                 job.record.first_token = now
