@@ -150,3 +150,21 @@ def test_cache_blind_builtins_route_by_turn_and_by_load() -> None:
     ll.loads.add("a", ws[0], [], 8, 8)
     ll.loads.add("b", ws[2], [], 8, 8)
     assert ll.route([1] * 8).worker == ws[1]
+
+
+def test_a_bug_in_kvtiers_own_policies_surfaces_as_itself_not_as_a_plugin_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """kvtier's own policies go through the plugin protocol too; their exceptions are kvtier's bugs, so they are not
+    dressed as a plugin's failure (a one-line exit 2, a counted 500): they keep their type and traceback."""
+    from kvtier.indexer.routing.load import LoadTracker
+    from kvtier.indexer.routing.plugins import BUILTIN, PluginError, route_with
+    from kvtier.wire.overlap import OverlapScores
+    from kvtier.wire.protocol import WorkerId
+
+    policy = BUILTIN["round_robin"]()
+    monkeypatch.setattr(type(policy), "score", lambda self, ctx, w: {}["missing"])
+    workers = [StreamId(WorkerId("w0")), StreamId(WorkerId("w1"))]
+    ctx = RouteContext(64, BS, [], OverlapScores(total_blocks=4), LoadTracker(BS), frozenset())
+    with pytest.raises(KeyError) as err:
+        route_with(policy, ctx, workers)
+    assert not isinstance(err.value, PluginError)

@@ -102,6 +102,12 @@ class PluginError(LookupError):
 #: calls sys.exit must not end a run silently, or leave the service's event loop without an answer).
 _FAULTS = (Exception, SystemExit)
 
+def _faults(policy: object) -> tuple[type[BaseException], ...]:
+    """What to take as ``policy``'s failure: everything for a user's plugin; nothing for kvtier's own policies
+    (the incumbents, round robin), whose exceptions are bugs to surface with their traceback."""
+    return () if type(policy).__module__.startswith("kvtier.") else _FAULTS
+
+
 #: Characters of a plugin's message or value quoted in an error, so that the error stays one short line.
 _QUOTED = 300
 
@@ -181,7 +187,7 @@ def _subset(got: object, of: Collection[StreamId]) -> bool:
         return False
     try:
         return bool(got) and set(got) <= set(of)
-    except TypeError:
+    except _FAULTS:  # (an item's __hash__ or __eq__, or the collection's own __len__, is the plugin's code too)
         return False
 
 
@@ -191,23 +197,24 @@ def route_with(
     """Runs a policy's three steps, checking what each returns. :class:`PluginError` for whatever a step raises
     (a ``ValueError`` in a plugin's score is its bug, not a bad request) or returns out of protocol. O(workers)
     plugin calls."""
+    faults = _faults(policy)
     try:
         kept = policy.filter(ctx, workers)
-    except _FAULTS as exc:
+    except faults as exc:
         raise PluginError(f"policy {policy.name!r}: filter() raised {_failed(exc)}") from exc
     if not _subset(kept, workers):
         raise PluginError(f"policy {policy.name!r}: filter kept {_brief(repr(kept))}, expected a non-empty subset of "
                           "the workers")
     try:
         scores = {w: float(policy.score(ctx, w)) for w in kept}
-    except _FAULTS as exc:  # its own error, or a score float() does not take
+    except faults as exc:  # its own error, or a score float() does not take
         raise PluginError(f"policy {policy.name!r}: score() raised {_failed(exc)}") from exc
     nan = [w for w, v in scores.items() if math.isnan(v)]  # (min() over a NaN depends on the workers' order)
     if nan:
         raise PluginError(f"policy {policy.name!r}: score() returned NaN for {_brief(', '.join(map(str, nan)))}")
     try:
         chosen = policy.pick(ctx, scores)
-    except _FAULTS as exc:
+    except faults as exc:
         raise PluginError(f"policy {policy.name!r}: pick() raised {_failed(exc)}") from exc
     if not _subset([chosen], scores):
         raise PluginError(f"policy {policy.name!r}: picked {_brief(repr(chosen))}, not a scored worker")
@@ -253,7 +260,7 @@ def note_routed(policy: RoutingPolicy | None, keys: Sequence[BlockKey], num_toke
     if hook is not None:
         try:
             hook(keys, num_tokens, worker)
-        except _FAULTS as exc:
+        except _faults(policy) as exc:
             raise PluginError(f"policy {getattr(policy, 'name', '?')!r}: routed() raised {_failed(exc)}") from exc
 
 
