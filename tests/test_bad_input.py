@@ -92,15 +92,16 @@ CASES: dict[str, Case] = {
     "workers 0": (replay("--workers", "0"), "--workers: 0 is not allowed"),
     # sizes whose memory is spent before the run: refused up front, not after gigabytes (or a MemoryError)
     "workers past the pages a run holds": (replay("--workers", "100000000"),
-                                           "1,228,800,000,000 device and host pages in all; a simulation holds"),
+                                           "1,228,800,000,000 pages in all; a simulation holds at"),
     "device tokens past the pages a run holds": (replay("--device-tokens", "100000000000000000000"),
                                                  "a simulation holds at most 33,554,432"),
     "pools past the pages a run holds": (replay("--prefill-workers", "1000000", "--decode-workers", "1000000"),
-                                         "--workers 2000000,"),
+                                         "--prefill-workers 1000000 --decode-workers 1000000,"),
     "grid workers past the pages a run holds": (lambda t, f: ["sweep", *SMALL, "--grid", "workers=100000000"],
                                                 "--grid workers=100000000: --workers 100000000,"),
     # an output directory that cannot take the results: refused before the runs, not after them
-    "out is a file": (lambda t, f: ["replay", *SMALL, "--out", _bytes(t, "f", b"")], "f: is a file; name a directory"),
+    "out is a file": (lambda t, f: ["replay", *SMALL, "--out", _bytes(t, "f", b"")],
+                      "f: is not a directory; name a directory"),
     "out is empty": (lambda t, f: ["replay", *SMALL, "--out", ""], "--out: empty; name a directory"),
     "sweep's file is a directory": (lambda t, f: ["sweep", *SMALL, "--grid", "seed=1,2", "--out", _dir(
         t, "o/sweep.json")[:-len("/sweep.json")]], "sweep.json is a directory"),

@@ -70,10 +70,11 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if self.device_pages * (1.0 + self.host_ratio) > MAX_CACHE_PAGES:
-            raise ConfigError(f"--device-pages {self.device_pages}, --host-ratio {self.host_ratio:g}: "
-                              f"{self.device_pages * (1.0 + self.host_ratio):,.0f} device and host pages; a cache "
-                              f"holds at most {MAX_CACHE_PAGES:,} (every page is bookkept in memory)")
+        pages = self.device_pages * (1.0 + self.host_ratio) + (self.swa_pages if self.swa_window_pages else 0)
+        if pages > MAX_CACHE_PAGES:
+            raise ConfigError(f"--device-pages {self.device_pages}, --host-ratio {self.host_ratio:g}: {pages:,.0f} "
+                              f"device, host and window-KV pages; a cache holds at most {MAX_CACHE_PAGES:,} (every "
+                              "page is bookkept in memory)")
 
     @property
     def host_pages(self) -> int:

@@ -311,7 +311,7 @@ def _out_dir(a: argparse.Namespace, *names: str) -> Path:
         raise CliError("--out: empty; name a directory")
     out_dir = Path(a.out)
     if out_dir.exists() and not out_dir.is_dir():
-        raise CliError(f"--out {a.out}: is a file; name a directory")
+        raise CliError(f"--out {a.out}: is not a directory; name a directory")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -37,6 +37,7 @@ from kvtier.util.fields import Domain, OneLineParser, add_options
 from kvtier.util.outpath import unwritable
 from kvtier.wire.protocol import DEFAULT_BLOCK_SIZE
 from kvtier.wire.transport.publisher import DUMP_INTERVAL_S, MAX_DUMPS
+from kvtier.wire.transport.subscriber import MAX_DP_RANK
 
 #: The engine's default device capacity: CacheConfig's (one default per setting).
 _DEVICE_PAGES = CacheConfig().device_pages
@@ -227,7 +228,7 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--name", type=_engine_name, default="w0", help="engine name (the worker id an indexer should use)")
     p.add_argument("--endpoint", default="tcp://127.0.0.1:5557", help="PUB endpoint to bind")
     p.add_argument("--replay", default="tcp://127.0.0.1:5558", help="ROUTER replay endpoint to bind")
-    p.add_argument("--dp-rank", type=Domain(int, lo=0).parse, default=None,
+    p.add_argument("--dp-rank", type=Domain(int, lo=0, hi=MAX_DP_RANK).parse, default=None,
                    help="data-parallel rank carried in each batch")
     p.add_argument("--dump-interval", type=Domain(float, lo=0).parse, default=DUMP_INTERVAL_S,
                    help="least seconds between two state dumps answered to one peer of the replay socket; a "
