@@ -303,6 +303,25 @@ def test_a_restart_while_a_catch_up_answer_is_cut_short_and_its_retry_lost_conve
     m.teardown()
 
 
+def test_a_check_that_finds_the_buffer_past_its_seq_is_not_forgotten_by_its_re_ask() -> None:
+    """After a reconnect the tracker checks the publisher by replaying from the last seq delivered (0). The engine
+    restarted, published its seq 0, and its buffer of 2 now starts at seq 1: the check's answer starts past the
+    seq it checks, so what came before is lost for good. That answer is cut short, and the re-ask (from seq 1)
+    answered in full must not be taken for a seamless continuation (it was, and the new process's seq 0 store
+    never reached the index): the worker is dumped, and the index converges. (Found by the slow profile.)"""
+    m = FaultyWire()
+    m.setup(buffer=2)
+    m.reset(w=0)
+    m.quiet_then_check()
+    m.lose_an_answer(w=0)
+    m.restart_process(w=0)
+    m.cut_an_answer_short(keep=1, w=0)
+    m.request(doc=0, pages=1, w=0)
+    m.quiet_then_check()
+    assert m.trackers[0].stats.resyncs == 1
+    m.teardown()
+
+
 def test_live_batches_that_arrive_after_the_dump_covering_them_are_no_restart() -> None:
     """w0's catch-up answer is lost across a router restart, so its batches are on the wire when the check at
     the next quiet point finds the buffer past seq 0 and asks for dumps, whose end markers come first. The

@@ -254,7 +254,7 @@ class StreamRecovery:
                 # what came before this batch is lost for good (the worker is dumped, or cleared once and marked
                 # partial, keeping what it remembers of its blocks), never taken as a seamless continuation.
                 r.frames += 1
-                r.lost = True
+                r.lost = r.lost_at_check = True
                 r.beyond.append((seq, payload))
                 return
         if r.take(seq, payload, s.expected):
@@ -372,7 +372,7 @@ class StreamRecovery:
         # Continue from the oldest batch still at hand (what the replay returned past the loss,
         # then the held live messages): the consumer rebuilds from there.
         by_seq = dict(r.beyond)
-        r.beyond = []
+        r.beyond, r.lost_at_check = [], False
         r.fresh_answer()  # (the answer is used up: its loss now lies in the history)
         by_seq.update(s.held)
         held = sorted(by_seq.items())

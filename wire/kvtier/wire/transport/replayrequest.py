@@ -31,6 +31,9 @@ class ReplayRequest:
     restarted: bool = False  # the check found a new publisher: replay it from 0 next
     hole: bool = False  # the answer skipped a seq after its start (frames dropped)
     lost: bool = False  # the answer started past the seq expected: the buffer no longer holds it
+    # The check's answer started past the seq it checks (``lost`` for good, whatever a re-ask answers: the re-ask
+    # asks from the seq expected, which a publisher restarted since may well hold anew)
+    lost_at_check: bool = False
     frames: int = 0  # batches received in the answer
     progress: int = 0  # batches the answer delivered
     beyond: list[tuple[int, bytes]] = field(default_factory=list)  # answered past a loss for good
@@ -42,12 +45,13 @@ class ReplayRequest:
         self.start = start
         self.for_gap, self.probe, self.resyncing, self.verify, self.restarted = for_gap, probe, resyncing, verify, False
         self.beyond = []
+        self.lost_at_check = False
         self.fresh_answer()
 
     def done(self) -> None:
         """The request is over (answered, abandoned, or given up for a dump): nothing it was for carries over
         into what the stream does next. O(1)."""
-        self.for_gap = self.probe = self.resyncing = self.verify = self.restarted = False
+        self.for_gap = self.probe = self.resyncing = self.verify = self.restarted = self.lost_at_check = False
 
     @property
     def purposes(self) -> bool:
@@ -55,8 +59,9 @@ class ReplayRequest:
         return self.for_gap or self.probe or self.resyncing or self.verify or self.restarted
 
     def fresh_answer(self) -> None:
-        """The same request asked again: what an earlier answer showed is forgotten. O(1)."""
-        self.hole = self.lost = False
+        """The same request asked again: what an earlier answer showed is forgotten, but a loss its check found.
+        O(1)."""
+        self.hole, self.lost = False, self.lost_at_check
         self.frames = self.progress = 0
 
     def take(self, seq: int, payload: bytes, expected: int) -> bool:
@@ -84,3 +89,4 @@ class ReplayRequest:
     def _check(self) -> None:
         assert self.progress <= self.frames, f"{self.progress} delivered of {self.frames} batches answered"
         assert self.beyond or not self.lost, "a loss for good with no batch kept beyond it"
+        assert self.lost or not self.lost_at_check, "a loss its check found, forgotten by the answer"
