@@ -12,6 +12,7 @@ import gzip
 import http.client
 import json
 import logging
+import os
 import resource
 import socket
 import struct
@@ -34,7 +35,7 @@ from kvtier.indexer.routing.scoring import slo_met
 from kvtier.indexer.service import fdlimit
 from kvtier.indexer.service import http as http_front
 from kvtier.indexer.service.app import IndexerService, ServiceConfig, load_config, parse_endpoint
-from kvtier.indexer.service.clients import Forbidden, peer_key
+from kvtier.indexer.service.clients import MAX_TOKEN_FILE_BYTES, Forbidden, load_tokens, peer_key
 from kvtier.indexer.service.http import MALFORMED_METRIC
 from kvtier.indexer.service.httplimits import BodyTooLarge, check_depth, read_body
 from kvtier.sim.cli import main as cli_main
@@ -659,6 +660,23 @@ def test_configurations_refused_in_one_line_exit_2(text: str, expected: str, tmp
     assert cli_main(["indexer", "--config", str(path)]) == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert len(err) == 1 and expected in err[0], err
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "too large"])
+def test_a_token_file_is_a_regular_file_under_its_cap(kind: str, tmp_path: Path) -> None:
+    """A FIFO as auth_token_file blocked start-up for ever, waiting for a writer; it is refused at once, like a
+    directory and a file past the cap (read no further than one byte past it)."""
+    path = tmp_path / "tokens"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path.write_bytes(b"t" * (MAX_TOKEN_FILE_BYTES + 1))
+    want = {"fifo": "is not a regular file", "directory": "is a directory",
+            "too large": f"larger than {MAX_TOKEN_FILE_BYTES:,} bytes"}[kind]
+    with pytest.raises(ConfigError, match=f"auth_token_file {path}: {want}"):
+        load_tokens(str(path))
 
 
 def test_a_config_that_is_not_utf8_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -18,6 +18,7 @@ from collections import Counter
 from typing import NoReturn
 
 from kvtier.util.fields import ConfigError
+from kvtier.util.infile import read_input
 
 MAX_TOKEN_FILE_BYTES = 1 << 16
 
@@ -40,14 +41,11 @@ class TooManyInFlight(Exception):
 
 def load_tokens(path: str) -> list[bytes]:
     """The tokens in ``path``, one a line (blank lines and ``#`` comments skipped); :class:`ConfigError` naming
-    the file if it cannot be read, is not UTF-8, is larger than 64 KiB or holds no token."""
+    the file if it cannot be read or is not a regular file, is not UTF-8, is larger than 64 KiB or holds no token."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_TOKEN_FILE_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"auth_token_file {path}: {exc.strerror or exc}") from None
-    if len(raw) > MAX_TOKEN_FILE_BYTES:
-        raise ConfigError(f"auth_token_file {path}: larger than {MAX_TOKEN_FILE_BYTES} bytes")
+        raw = read_input(path, MAX_TOKEN_FILE_BYTES)
+    except ValueError as exc:
+        raise ConfigError(f"auth_token_file {path}: {exc}") from None
     try:
         text = raw.decode()
     except UnicodeDecodeError as exc:
