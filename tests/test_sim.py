@@ -3,21 +3,28 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
+import random
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
 
 from kvtier.hardware.latency import MockerLatency
+from kvtier.sim import transport
 from kvtier.sim.cli import main as cli
 from kvtier.sim.cluster import ClusterConfig
+from kvtier.sim.core import Environment
 from kvtier.sim.generators import PRESETS, generate
 from kvtier.sim.run import RunConfig, simulate
 from kvtier.sim.trace import Request, prefix_reuse
+from kvtier.sim.transport import SimWire, WireConfig
+from kvtier.wire.protocol import EventBatch
 
 SMALL = ClusterConfig.of(workers=3, page_size=64, device_tokens=32_768, host_ratio=1.0, l3="disk", l3_tokens=131_072)
 
@@ -72,6 +79,29 @@ def test_the_event_paths_time_is_counted_where_events_are_heard() -> None:
     heard = simulate(reqs, SMALL, RunConfig("kv_all", event_loss=0.5, seed=3, recovery="dump", replay_buffer=1))
     wall = time.perf_counter() - t0
     assert heard.wire.dumps > 0 and 0.0 < heard.wire.seconds < wall
+
+
+def test_the_event_paths_time_counts_a_dumps_publishing_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dump flushes the engine's pending events inside the answer's span, and publishing them opens spans of
+    their own: only the outermost span is counted. The clock ticks one second a read and a span reads it twice,
+    so counted once, the seconds are half the reads; a nested span counted too adds its ticks again."""
+    ticks = itertools.count()
+    monkeypatch.setattr(transport, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    env = Environment()
+    flushed: list[int] = []
+
+    def dump(worker: int) -> list[EventBatch]:
+        for _ in range(3):
+            flushed.append(worker)
+            wire.publish(worker, EventBatch(ts=env.now, events=[]))
+        return []
+
+    wire = SimWire(env, WireConfig(loss=0.5, buffer=1), 1, random.Random(0), lambda _: None, dump)
+    for k in range(20):
+        env.after(k * 0.5, lambda: wire.publish(0, EventBatch(ts=env.now, events=[])))
+    env.run(until=10.0)
+    assert wire.counters.dumps > 0 and flushed
+    assert wire.counters.seconds * 2 == next(ticks)
 
 
 def test_lost_events_are_recovered_by_the_routers_stream_tracker() -> None:

@@ -99,6 +99,8 @@ class SimWire:
         self._timers: list[Timer | None] = [None] * workers
         self._active = [False] * workers  # live traffic since the last tick: idle probes are worth it
         self._dropping = [0] * workers  # batches still to lose in the current burst
+        self._timing = 0  # event-path spans open: only the outermost one is counted (a dump publishes inside one)
+        self._t0 = 0.0
         if cfg.recovery is not Recovery.NONE:
             for i, s in enumerate(self._streams):
                 t = StreamTracker(s, can_replay=True, can_dump=cfg.recovery is Recovery.DUMP,
@@ -110,9 +112,11 @@ class SimWire:
         """An engine published ``batch``: buffer it, then lose or deliver it. O(batch)."""
         c = self.counters
         c.published += 1
-        t0 = time.perf_counter()
-        payload = encode_payload(batch)
-        c.seconds += time.perf_counter() - t0
+        self._time_in()
+        try:
+            payload = encode_payload(batch)
+        finally:
+            self._time_out()
         seq = self._next_seq[worker]
         self._next_seq[worker] = seq + 1
         if self._trackers[worker] is not None:
@@ -128,15 +132,28 @@ class SimWire:
         else:
             self.env.after(self.cfg.delay_s, lambda: self._live(worker, seq, payload), priority=-1)
 
+    def _time_in(self) -> None:
+        """Opens an event-path span for :attr:`WireCounters.seconds`; spans nest, and the outermost is counted."""
+        if not self._timing:
+            self._t0 = time.perf_counter()
+        self._timing += 1
+
+    def _time_out(self) -> None:
+        self._timing -= 1
+        if not self._timing:
+            self.counters.seconds += time.perf_counter() - self._t0
+
     def _live(self, w: int, seq: int, payload: bytes) -> None:
-        t0 = time.perf_counter()
-        tracker = self._trackers[w]
-        if tracker is None:
-            self._sink([Received(self._streams[w], seq, decode_payload(payload, packed_tokens=True), "live")])
-        else:
-            self._active[w] = True
-            self._handle(w, tracker, tracker.on_live(seq, payload, self.env.now))
-        self.counters.seconds += time.perf_counter() - t0
+        self._time_in()
+        try:
+            tracker = self._trackers[w]
+            if tracker is None:
+                self._sink([Received(self._streams[w], seq, decode_payload(payload, packed_tokens=True), "live")])
+            else:
+                self._active[w] = True
+                self._handle(w, tracker, tracker.on_live(seq, payload, self.env.now))
+        finally:
+            self._time_out()
 
     def _handle(self, w: int, tracker: StreamTracker, out: list[Delivery]) -> None:
         """Hands deliveries on, sends the tracker's requests, re-arms its tick."""
@@ -158,8 +175,13 @@ class SimWire:
         assert tracker is not None, "an answer for a worker without recovery"
         if epoch != self._epoch[w]:
             return
-        # (the dump flushes the engine's events first, whose publishing times itself: this span replaces that count)
-        before, t0 = self.counters.seconds, time.perf_counter()
+        self._time_in()
+        try:
+            self._answer_request(w, tracker, request)
+        finally:
+            self._time_out()
+
+    def _answer_request(self, w: int, tracker: StreamTracker, request: bytes) -> None:
         if request == DUMP_REQUEST:
             self.counters.dumps += 1
             batches = self._dump(w)  # flushes first, so the dump covers every published seq
@@ -173,7 +195,6 @@ class SimWire:
         for seq_frame, payload in [*frames, (END_SEQ, b"")]:
             out.extend(tracker.on_reply(seq_frame, payload, self.env.now))
         self._handle(w, tracker, out)
-        self.counters.seconds = before + (time.perf_counter() - t0)
 
     def _arm(self, w: int, tracker: StreamTracker) -> None:
         t = tracker.next_tick()
