@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from kvtier.indexer.service import app as service
 from kvtier.sim.cli import main
+from kvtier.sim.cluster import MAX_PAGES
 from tests.test_multiprocess import ROOT, free_port
 
 SMALL = ["--trace", "builtin:chat:4", "--no-plots"]
@@ -97,6 +98,10 @@ CASES: dict[str, Case] = {
                                                  "a simulation holds at most 33,554,432"),
     "pools past the pages a run holds": (replay("--prefill-workers", "1000000", "--decode-workers", "1000000"),
                                          "--prefill-workers 1000000 --decode-workers 1000000,"),
+    "window pools past the pages a run holds": (  # a worker's window pool holds at least its window's 8 pages
+        replay("--model", "tiny-swa", "--swa-ratio", "0", "--host-ratio", "0", "--workers", "1", "--page-size", "16",
+               "--device-tokens", str((MAX_PAGES - 4) * 16)),
+        "--swa-ratio 0 (8 window-KV pages a worker): 33,554,436 pages in all; a simulation holds at most"),
     "grid workers past the pages a run holds": (lambda t, f: ["sweep", *SMALL, "--grid", "workers=100000000"],
                                                 "--grid workers=100000000: --workers 100000000,"),
     # an output directory that cannot take the results: refused before the runs, not after them

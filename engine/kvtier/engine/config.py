@@ -36,6 +36,13 @@ class PrefetchPolicy(StrEnum):
 MAX_CACHE_PAGES = 1 << 28
 
 
+def count_pages(device_pages: int, host_ratio: float, window_pages: int) -> float:
+    """Pages a cache's pools hold (device, host, window KV), each bookkept in memory from the start: what the caps
+    on one cache (:data:`MAX_CACHE_PAGES`) and on a simulated cluster count. A float: sizes past any cap stay
+    exact enough to refuse, and a message can quote them."""
+    return device_pages * (1.0 + host_ratio) + window_pages
+
+
 @dataclass(slots=True, frozen=True)
 class CacheConfig:
     """Sizes and policies of one engine's cache. Each field's domain, default and help are stated once, here: the
@@ -70,7 +77,7 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        pages = self.device_pages * (1.0 + self.host_ratio) + (self.swa_pages if self.swa_window_pages else 0)
+        pages = count_pages(self.device_pages, self.host_ratio, self.swa_pages if self.swa_window_pages else 0)
         if pages > MAX_CACHE_PAGES:
             raise ConfigError(f"--device-pages {self.device_pages}, --host-ratio {self.host_ratio:g}: {pages:,.0f} "
                               f"device, host and window-KV pages; a cache holds at most {MAX_CACHE_PAGES:,} (every "

@@ -33,6 +33,7 @@ from enum import Enum
 from typing import Any
 
 from kvtier.engine.cache import Admission, CacheConfig, PrefetchPolicy, TieredCache, WritePolicy
+from kvtier.engine.config import count_pages
 from kvtier.engine.datapath import Bandwidths, ModeledDataPath
 from kvtier.engine.l3.storage import PageStore
 from kvtier.hardware.latency import (
@@ -169,12 +170,16 @@ class ClusterConfig:
 
     def cache_config(self) -> CacheConfig:
         """A worker's cache: :attr:`cache` with the sizes the cluster decides."""
-        device_pages = self.device_tokens // self.page_size
+        window_pages, swa_pages = self._window_pages()
+        return dataclasses.replace(
+            self.cache, device_pages=self.device_tokens // self.page_size, l3_write_behind=self.l3 != "none",
+            swa_window_pages=window_pages, swa_pages=swa_pages)
+
+    def _window_pages(self) -> tuple[int, int]:
+        """Pages a hybrid model's window needs, and the window-KV pool a worker has (0, 0 without a window)."""
         window = PRESETS[self.model].window_tokens
         window_pages = -(-window // self.page_size)  # pages holding the window before a page-aligned cut
-        return dataclasses.replace(
-            self.cache, device_pages=device_pages, l3_write_behind=self.l3 != "none", swa_window_pages=window_pages,
-            swa_pages=max(window_pages, int(device_pages * self.swa_ratio)))
+        return window_pages, max(window_pages, int(self.device_tokens // self.page_size * self.swa_ratio))
 
     def capacity_tokens(self) -> int:
         """Tokens a worker's device pool holds (whole pages)."""
@@ -216,14 +221,16 @@ class ClusterConfig:
         if self.l3 != "none" and self.l3_tokens < self.page_size:
             raise ConfigError(f"--l3-tokens: {self.l3_tokens} holds no page of --page-size {self.page_size}")
         # Device, host and window-KV pages (decode workers have no host tier: an upper bound), before any is made.
-        swa = self.swa_ratio if PRESETS[self.model].window_tokens else 0.0
-        pages = self.workers * (self.device_tokens // self.page_size) * (1.0 + self.host_ratio + swa)
+        window_pages, swa_pages = self._window_pages()
+        swa_pages = swa_pages if window_pages else 0
+        pages = self.workers * count_pages(self.device_tokens // self.page_size, self.host_ratio, swa_pages)
         if pages > MAX_PAGES:
             who = (f"--prefill-workers {self.prefill_workers} --decode-workers {self.decode_workers}"
                    if self.disaggregated else f"--workers {self.workers}")
-            raise ConfigError(f"{who}, --device-tokens {self.device_tokens}, --host-ratio {self.host_ratio:g}"
-                              f"{f', --swa-ratio {swa:g}' if swa else ''}: {pages:,.0f} pages in all; a simulation "
-                              f"holds at most {MAX_PAGES:,} (every page is bookkept in memory, some 40 bytes each)")
+            swa = f", --swa-ratio {self.swa_ratio:g} ({swa_pages:,} window-KV pages a worker)" if swa_pages else ""
+            raise ConfigError(f"{who}, --device-tokens {self.device_tokens}, --host-ratio {self.host_ratio:g}{swa}: "
+                              f"{pages:,.0f} pages in all; a simulation holds at most {MAX_PAGES:,} (every page is "
+                              "bookkept in memory, some 40 bytes each)")
 
 #: Device and host pages of a whole simulated cluster at most: their pools are made when the run starts.
 MAX_PAGES = 1 << 25
