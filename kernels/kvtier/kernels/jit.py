@@ -12,15 +12,50 @@ compiled into it (:mod:`kvtier.kernels.kernelcache`).
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import platform
+import stat
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from kvtier.kernels.kernelcache import refresh
 
 _OFF = ("0", "false", "off", "no")
+
+
+_NO_LOCATOR = "no locator available"  # numba's words when no cache directory it tried is writable
+_NO_CACHE = "numba cannot cache its kernels"
+
+
+def _cache_privately() -> str | None:
+    """Points numba's cache at ``kvtier-numba-<uid>`` under the temporary directory, made for this user alone;
+    None when it is there, or why not. Called where numba found nothing writable beside the sources or in the
+    user's cache (a read-only install and home, as in a container with a read-only root file system). Numba's
+    cache files are pickles it loads and runs, so a directory others may write, or another user made, is
+    refused rather than used. O(1)."""
+    from numba.core import config  # (imported already: the kernel module that failed imported numba)
+
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    path = Path(tempfile.gettempdir()) / f"kvtier-numba-{uid if uid is not None else 'user'}"
+    try:
+        path.mkdir(mode=0o700, exist_ok=True)
+        st = path.lstat()  # (a link planted there is not followed)
+        if not stat.S_ISDIR(st.st_mode) or (uid is not None and st.st_uid != uid) or st.st_mode & 0o022:
+            return (f"{path} is not a directory only this user may write (others may write it, or it is another "
+                    "user's); set NUMBA_CACHE_DIR to a directory only you can write")
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as exc:
+        return (f"neither beside its sources, in the user's cache nor in {path} can it write "
+                f"({exc.strerror or exc}); set NUMBA_CACHE_DIR to a directory only you can write")
+    setattr(config, "CACHE_DIR", str(path))  # noqa: B010 (numba's settings are set from the environment at import)
+    logging.getLogger(__name__).warning(
+        "numba caches its compiled kernels in %s (the install and the user's cache are read-only); set "
+        "NUMBA_CACHE_DIR to keep them elsewhere", path)
+    return None
 
 
 class KernelsUnavailable(RuntimeError):
@@ -35,7 +70,16 @@ def load(module: str, required: bool = False) -> tuple[ModuleType | None, str]:
         return None, "python (KVTIER_JIT=0)"
     try:
         refresh(module)  # (numba would serve kernels compiled from an older version of a module they use)
-        return importlib.import_module(module), "numba"
+        try:
+            return importlib.import_module(module), "numba"
+        except RuntimeError as exc:
+            if _NO_LOCATOR not in str(exc):
+                raise
+            why = _cache_privately()
+            if why is None:
+                refresh(module)  # (the cache there is checked as well)
+                return importlib.import_module(module), "numba"
+            return None, f"python ({_NO_CACHE}: {why})"
     except ImportError as exc:
         # numba (or llvmlite) missing, or the kernel module's own requirement (a library it loads, byte order).
         what = "numba" if (exc.name or "").split(".")[0] in ("numba", "llvmlite") else "kernels"
@@ -70,6 +114,8 @@ class LazyKernels:
         """The kernel module, imported and warmed the first time; raises :class:`KernelsUnavailable` naming the
         platform where it cannot load. O(1) after the first call."""
         module = self.get()
+        if module is None and self.backend and _NO_CACHE in self.backend:
+            raise KernelsUnavailable(f"{self.name}: {self.backend.removeprefix('python (').removesuffix(')')}")
         if module is None:
             raise KernelsUnavailable(
                 f"{self.name} needs numba, which cannot load on this platform ({platform.system()} "

@@ -7,13 +7,16 @@ cache keeps serving the old code: wrong results, silently, until the kernel's ow
 module is imported (:func:`kvtier.kernels.jit.load`), the digest of every source it is compiled from is compared with
 the one stamped beside its cache, and the cache files are deleted (numba then compiles afresh) when they differ.
 
-Covered: numba's cache next to the sources (``__pycache__``, where it writes whenever that directory is writable).
-A cache elsewhere (``NUMBA_CACHE_DIR``, or a read-only install) is left to numba's own check.
+Covered: wherever numba keeps the cache. It takes the first directory it can write of a named one
+(``NUMBA_CACHE_DIR``, or the private one :mod:`kvtier.kernels.jit` names where nothing else is writable),
+``__pycache__`` beside the sources and the user's cache (``~/.cache/numba``); the stamp is checked in the same one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import os
 import re
 from pathlib import Path
 
@@ -75,25 +78,46 @@ def refresh(module: str) -> bool:
     return dropped
 
 
+def _cache_dirs(kernel: Path) -> list[Path]:
+    """Where numba may keep the cache of the kernel module in file ``kernel``, in the order it tries them (it
+    takes the first it can write): a named cache directory (``NUMBA_CACHE_DIR``, or the one
+    :mod:`kvtier.kernels.jit` names where nothing else is writable), ``__pycache__`` beside the file, the user's
+    cache. In the first and the last, numba keeps it under the module directory's name and the SHA-1 of its
+    path."""
+    parent = os.path.dirname(os.path.abspath(kernel))
+    sub = f"{os.path.basename(parent)}_{hashlib.sha1(parent.encode()).hexdigest()}"
+    try:
+        from numba.core import config
+        from numba.misc.appdirs import AppDirs
+    except ImportError:  # (no numba: no cache to check)
+        return [kernel.parent / "__pycache__"]
+    named: str = getattr(config, "CACHE_DIR", "")  # (numba's settings are set from the environment at import)
+    user = Path(AppDirs(appname="numba", appauthor=False).user_cache_dir)  # type: ignore[no-untyped-call]
+    return [*([Path(named) / sub] if named else []), kernel.parent / "__pycache__", user / sub]
+
+
 def _refresh_one(files: list[Path]) -> bool:
+    """Checks the stamp in the cache directory numba will use for ``files[0]``'s kernels: the first of
+    :func:`_cache_dirs` that takes the stamp (a directory it cannot write, numba skips too)."""
     digest = xxhash.xxh3_64()
     for path in sorted(files):
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     stamp_text = digest.hexdigest()
-    cache = files[0].parent / "__pycache__"
-    stamp = cache / f"{files[0].stem}.kernels.stamp"
-    try:
-        if stamp.read_text() == stamp_text:
-            return False
-    except OSError:
-        pass  # no stamp yet: whatever cache there is predates the check
-    stale = [*cache.glob(f"{files[0].stem}.*.nbi"), *cache.glob(f"{files[0].stem}.*.nbc")]
-    try:
-        for path in stale:
-            path.unlink(missing_ok=True)
-        cache.mkdir(exist_ok=True)
-        stamp.write_text(stamp_text)
-    except OSError:
-        return False  # a read-only install: numba keeps its cache elsewhere, if any
-    return bool(stale)
+    for cache in _cache_dirs(files[0]):
+        stamp = cache / f"{files[0].stem}.kernels.stamp"
+        try:
+            if stamp.read_text() == stamp_text:
+                return False
+        except OSError:
+            pass  # no stamp yet: whatever cache there is predates the check
+        stale = [*cache.glob(f"{files[0].stem}.*.nbi"), *cache.glob(f"{files[0].stem}.*.nbc")]
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            stamp.write_text(stamp_text)
+            for path in stale:
+                path.unlink(missing_ok=True)
+        except OSError:
+            continue  # not writable: numba does not cache there either
+        return bool(stale)
+    return False
