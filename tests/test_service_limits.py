@@ -649,6 +649,7 @@ def test_a_snapshot_that_cannot_be_written_is_reported(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("text", "expected"), [
     ('block_size = 1180591620717411303424\n', "block_size: 1180591620717411303424 is not allowed"),
     ("snapshot_interval_s = 1e-9\n", "snapshot_interval_s: 1e-09 is not allowed"),
+    ("kv_gbps = 1e-300\n", "kv_gbps: 1e-300 is not allowed; expected a number in [0.001, 1000000]"),
     ('[[endpoints]]\nworker = "w1"\nendpoint = "tcp://127.0.0.1:1"\n', "both subscribe to tcp://127.0.0.1:1"),
     ("max_connections = 0\n", "max_connections: 0 is not allowed"),
     ('auth_token_file = "/nonexistent/tokens"\n', "auth_token_file /nonexistent/tokens"),

@@ -71,6 +71,9 @@ KV_LINKS: dict[str, LinkPreset] = {
     )
 }
 
+#: A link speed a setting may name, GB/s: 1 MB/s (slower, and one prompt's KV outlasts any run) to 1 PB/s.
+GBPS_RANGE = (1e-3, 1e6)
+
 DEFAULT_GPU_LINK = "h100-pcie5"
 DEFAULT_STORAGE_LINK = "nvme-gen4"
 DEFAULT_KV_LINK = "rdma-400g"

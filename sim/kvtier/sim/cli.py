@@ -71,7 +71,7 @@ class CliError(Exception):
 #: Domains of options that map to no configuration object (those of ClusterConfig and RunConfig are
 #: stated on their fields).
 COUNT = Domain(int, lo=1)
-SCALE = Domain(float, lo=0, lo_open=True)
+SCALE = Domain(float, lo=1e-6, hi=1e6)  # (past these, a trace's arrivals leave the float range or a run's reach)
 SEED = Domain(int, lo=0)  # (numpy's generators take no negative seed)
 
 

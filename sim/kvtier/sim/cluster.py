@@ -48,6 +48,7 @@ from kvtier.hardware.links import (
     DEFAULT_GPU_LINK,
     DEFAULT_KV_LINK,
     DEFAULT_STORAGE_LINK,
+    GBPS_RANGE,
     GPU_LINKS,
     KV_LINKS,
     STORAGE_LINKS,
@@ -56,7 +57,7 @@ from kvtier.indexer.routing.scoring import visible
 from kvtier.sim.core import Environment, Timer
 from kvtier.sim.metrics import RequestRecord
 from kvtier.sim.trace import Request
-from kvtier.util.fields import ConfigError, at_least, check_fields, one_of, positive, within
+from kvtier.util.fields import ConfigError, at_least, check_fields, one_of, within
 from kvtier.wire.protocol import EventBatch, PackedTokens, StorageTier
 
 #: The fields of every worker's :class:`CacheConfig` a cluster's user sets; the others follow from the cluster
@@ -87,8 +88,8 @@ class ClusterConfig:
     prefill_budget: int = field(default=8192, metadata=at_least(1, help="chunked-prefill tokens per iteration"))
     max_running: int = field(default=64, metadata=at_least(1, help="requests in a worker's batch at once"))
     # host <-> device and host <-> L3, GB/s (see kvtier.hardware.links)
-    h2d_gbps: float = field(default=GPU_LINKS[DEFAULT_GPU_LINK].gbps, metadata=positive())
-    storage_gbps: float = field(default=STORAGE_LINKS[DEFAULT_STORAGE_LINK].gbps, metadata=positive())
+    h2d_gbps: float = field(default=GPU_LINKS[DEFAULT_GPU_LINK].gbps, metadata=within(*GBPS_RANGE))
+    storage_gbps: float = field(default=STORAGE_LINKS[DEFAULT_STORAGE_LINK].gbps, metadata=within(*GBPS_RANGE))
     # iteration times (default: the mocker's fit; kvtier.hardware.latency.LATENCY_PRESETS names measured ones)
     latency: MockerLatency = field(default_factory=MockerLatency)
     cache: CacheConfig = field(default_factory=CacheConfig)  # every worker's cache settings (CACHE_SETTINGS)
@@ -145,7 +146,8 @@ class ClusterConfig:
     prefill_workers: int = field(default=0, metadata=at_least(0))
     decode_workers: int = field(default=0, metadata=at_least(0))
     kv_link: str = field(default=DEFAULT_KV_LINK, metadata=one_of(*KV_LINKS))  # prefill -> decode link preset
-    kv_gbps: float | None = field(default=None, metadata=positive(optional=True, option="--kv-link-gbps"))
+    kv_gbps: float | None = field(default=None, metadata=within(*GBPS_RANGE, optional=True,
+                                                                     option="--kv-link-gbps"))
     # a prompt with fewer uncached tokens than this prefills on its decode worker (0: never)
     local_prefill_tokens: int = field(default=0, metadata=at_least(0))
 

@@ -13,6 +13,7 @@ from kvtier.hardware.links import (
     DEFAULT_GPU_LINK,
     DEFAULT_KV_LINK,
     DEFAULT_STORAGE_LINK,
+    GBPS_RANGE,
     GPU_LINKS,
     KV_LINKS,
     STORAGE_LINKS,
@@ -50,13 +51,13 @@ class ServiceConfig:
     # h2d_gbps / storage_gbps override them
     gpu_link: str = field(default=DEFAULT_GPU_LINK, metadata=one_of(*GPU_LINKS))
     storage_link: str = field(default=DEFAULT_STORAGE_LINK, metadata=one_of(*STORAGE_LINKS))
-    h2d_gbps: float | None = field(default=None, metadata=within(0, 1e6, lo_open=True, optional=True))
-    storage_gbps: float | None = field(default=None, metadata=within(0, 1e6, lo_open=True, optional=True))
+    h2d_gbps: float | None = field(default=None, metadata=within(*GBPS_RANGE, optional=True))
+    storage_gbps: float | None = field(default=None, metadata=within(*GBPS_RANGE, optional=True))
     # A disaggregated pool (endpoints with roles): the prefill -> decode KV link (kvtier.hardware.links.KV_LINKS),
     # kv_gbps overriding it, and conditional disaggregation: a prompt whose part its decode worker lacks is under
     # this many tokens prefills there (0: never)
     kv_link: str = field(default=DEFAULT_KV_LINK, metadata=one_of(*KV_LINKS))
-    kv_gbps: float | None = field(default=None, metadata=within(0, 1e6, lo_open=True, optional=True))
+    kv_gbps: float | None = field(default=None, metadata=within(*GBPS_RANGE, optional=True))
     local_prefill_tokens: int = field(default=0, metadata=at_least(0))
     # iteration times: a preset of kvtier.hardware.latency.LATENCY_PRESETS or a fit JSON from `kvtier fit-latency`;
     # None: Dynamo mocker's published fit. With capacity_tokens, a fit that states its pool is rescaled to it
