@@ -483,6 +483,16 @@ def test_bad_input_gets_one_line_and_exit_2(name: str, tmp_path: Path, capsys: p
     assert expected in err[0], err
 
 
+def test_fit_latency_refuses_its_output_before_fitting(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An -o in a missing directory was refused only after the fit had been printed, as if it had succeeded."""
+    points = _bytes(tmp_path, "p.csv", b"kind,x,ms\nprefill,512,30\nprefill,2048,150\nprefill,8192,1000\n")
+    out = tmp_path / "missing" / "fit.json"
+    assert main(["fit-latency", points, "-o", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.strip() == f"kvtier: error: -o {out}: directory {out.parent} does not exist"
+
+
 @pytest.mark.parametrize(("command", "method", "says"), [
     ("replay", b"    def filter(self, ctx, workers):\n        return []\n",
      "policy 'p': filter kept [], expected a non-empty subset of the workers"),

@@ -500,6 +500,9 @@ def cmd_tokens(a: argparse.Namespace) -> int:
 
 
 def cmd_fit_latency(a: argparse.Namespace) -> int:
+    problem = unwritable(Path(a.output).resolve())  # (said before the fit is printed, not after it)
+    if problem is not None:
+        raise CliError(f"-o {a.output}: {problem}")
     try:
         prefill, decode = load_latency_points(str(a.csv))
         fit = fit_latency(prefill, decode, a.kv_pool_tokens)
@@ -516,7 +519,10 @@ def cmd_fit_latency(a: argparse.Namespace) -> int:
     for tokens in (512, 2048, 8192):
         print(f"  prefill {tokens:>5} tokens: {fit.prefill_ms(tokens):8.2f} ms "
               f"(mocker fit {default.prefill_ms(tokens):8.2f})")
-    Path(a.output).write_text(latency_to_json(fit))
+    try:
+        Path(a.output).write_text(latency_to_json(fit))
+    except OSError as exc:
+        raise CliError(f"-o {a.output}: {exc.strerror or exc}") from None
     print(f"wrote {a.output}; use it with --latency {a.output}", file=sys.stderr)
     return 0
 
