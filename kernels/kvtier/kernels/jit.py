@@ -11,10 +11,13 @@ compiled into it (:mod:`kvtier.kernels.kernelcache`).
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import importlib
 import logging
 import os
 import platform
+import shutil
 import stat
 import tempfile
 from collections.abc import Callable
@@ -32,29 +35,37 @@ _NO_CACHE = "numba cannot cache its kernels"
 
 
 def _cache_privately() -> str | None:
-    """Points numba's cache at ``kvtier-numba-<uid>`` under the temporary directory, made for this user alone;
-    None when it is there, or why not. Called where numba found nothing writable beside the sources or in the
-    user's cache (a read-only install and home, as in a container with a read-only root file system). Numba's
-    cache files are pickles it loads and runs, so a directory others may write, or another user made, is
-    refused rather than used. O(1)."""
+    """Points numba's cache at ``kvtier-numba-<uid>`` in the temporary directory, made for this user alone; None
+    when it is there, or why not. Called where numba found nothing writable (``NUMBA_CACHE_DIR`` if named, beside
+    the sources, the user's cache: a read-only install and home, as in a container with a read-only root file
+    system). Numba's cache files are pickles it loads and runs, so where that directory is not this user's alone
+    (others may write it, it is a link, another user made it), a fresh private one is made instead: safe, but
+    compiled afresh each start. Set in the environment as well, which numba re-reads and child processes
+    inherit. O(1)."""
     from numba.core import config  # (imported already: the kernel module that failed imported numba)
 
+    named: str = getattr(config, "CACHE_DIR", "")  # (a NUMBA_CACHE_DIR numba could not write)
+    hint = f"NUMBA_CACHE_DIR {named} is not writable" if named else "set NUMBA_CACHE_DIR to keep them elsewhere"
     uid = os.getuid() if hasattr(os, "getuid") else None
-    path = Path(tempfile.gettempdir()) / f"kvtier-numba-{uid if uid is not None else 'user'}"
     try:
-        path.mkdir(mode=0o700, exist_ok=True)
-        st = path.lstat()  # (a link planted there is not followed)
-        if not stat.S_ISDIR(st.st_mode) or (uid is not None and st.st_uid != uid) or st.st_mode & 0o022:
-            return (f"{path} is not a directory only this user may write (others may write it, or it is another "
-                    "user's); set NUMBA_CACHE_DIR to a directory only you can write")
+        shared = Path(tempfile.gettempdir()) / f"kvtier-numba-{uid if uid is not None else 'user'}"
+        with contextlib.suppress(FileExistsError):  # (whatever is there is judged below)
+            shared.mkdir(mode=0o700)
+        st = shared.lstat()  # (a link planted there is not followed)
+        if stat.S_ISDIR(st.st_mode) and (uid is None or st.st_uid == uid) and not st.st_mode & 0o022:
+            path, note = shared, ""
+        else:
+            path = Path(tempfile.mkdtemp(prefix="kvtier-numba-"))
+            atexit.register(shutil.rmtree, path, ignore_errors=True)
+            note = f" ({shared} is not this user's alone: this one lasts one run)"
         tempfile.TemporaryFile(dir=path).close()
     except OSError as exc:
-        return (f"neither beside its sources, in the user's cache nor in {path} can it write "
-                f"({exc.strerror or exc}); set NUMBA_CACHE_DIR to a directory only you can write")
+        return (f"no directory it may write, the temporary directory included ({exc.strerror or exc}); "
+                f"{hint if named else 'set NUMBA_CACHE_DIR to a directory only you can write'}")
+    os.environ["NUMBA_CACHE_DIR"] = str(path)
     setattr(config, "CACHE_DIR", str(path))  # noqa: B010 (numba's settings are set from the environment at import)
-    logging.getLogger(__name__).warning(
-        "numba caches its compiled kernels in %s (the install and the user's cache are read-only); set "
-        "NUMBA_CACHE_DIR to keep them elsewhere", path)
+    logging.getLogger(__name__).warning("numba caches its compiled kernels in %s%s: nothing else is writable; %s",
+                                        path, note, hint)
     return None
 
 

@@ -9,7 +9,8 @@ the one stamped beside its cache, and the cache files are deleted (numba then co
 
 Covered: wherever numba keeps the cache. It takes the first directory it can write of a named one
 (``NUMBA_CACHE_DIR``, or the private one :mod:`kvtier.kernels.jit` names where nothing else is writable),
-``__pycache__`` beside the sources and the user's cache (``~/.cache/numba``); the stamp is checked in the same one.
+``__pycache__`` beside the sources and the user's cache (``~/.cache/numba``); the stamp is checked in that one,
+found by the same test numba makes.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import hashlib
 import importlib.util
 import os
 import re
+import tempfile
 from pathlib import Path
 
 import xxhash
@@ -64,10 +66,10 @@ def sources(module: str) -> list[Path]:
 
 
 def refresh(module: str) -> bool:
-    """Deletes the numba cache files of ``module`` (``__pycache__/<name>.*.nbi`` and ``.nbc``), and of each
-    kernel module it imports (importing it loads their caches too), whose :func:`sources` changed since the
-    stamp beside those files was written, and stamps the current digests; True if files were deleted. Nothing
-    happens where a cache directory is read-only. O(source bytes)."""
+    """Deletes the numba cache files of ``module`` (``<name>.*.nbi`` and ``.nbc`` in the directory numba caches it
+    in: :func:`_cache_dir`), and of each kernel module it imports (importing it loads their caches too), whose
+    :func:`sources` changed since the stamp beside those files was written, and stamps the current digests; True
+    if files were deleted. Nothing happens where numba can cache nowhere. O(source bytes)."""
     dropped = False
     try:
         for name, kernel in _closure(module).values():
@@ -78,46 +80,56 @@ def refresh(module: str) -> bool:
     return dropped
 
 
-def _cache_dirs(kernel: Path) -> list[Path]:
-    """Where numba may keep the cache of the kernel module in file ``kernel``, in the order it tries them (it
-    takes the first it can write): a named cache directory (``NUMBA_CACHE_DIR``, or the one
-    :mod:`kvtier.kernels.jit` names where nothing else is writable), ``__pycache__`` beside the file, the user's
-    cache. In the first and the last, numba keeps it under the module directory's name and the SHA-1 of its
-    path."""
+def _cache_dir(kernel: Path) -> Path | None:
+    """The directory numba caches the kernel module in file ``kernel`` in, or None if none is writable: the first
+    it can write of a named cache directory (``NUMBA_CACHE_DIR``, or the one :mod:`kvtier.kernels.jit` names where
+    nothing else is writable), ``__pycache__`` beside the file and the user's cache, each tried as numba tries it
+    (made if missing, then a temporary file made in it). In the first and the last, numba keeps the cache under
+    the module directory's name and the SHA-1 of its path. (Numba's default locators, in their order: a
+    deployment that replaces them, ``NUMBA_CACHE_LOCATOR_CLASSES``, is left to numba's own check.)"""
     parent = os.path.dirname(os.path.abspath(kernel))
     sub = f"{os.path.basename(parent)}_{hashlib.sha1(parent.encode()).hexdigest()}"
     try:
         from numba.core import config
         from numba.misc.appdirs import AppDirs
     except ImportError:  # (no numba: no cache to check)
-        return [kernel.parent / "__pycache__"]
+        return None
     named: str = getattr(config, "CACHE_DIR", "")  # (numba's settings are set from the environment at import)
     user = Path(AppDirs(appname="numba", appauthor=False).user_cache_dir)  # type: ignore[no-untyped-call]
-    return [*([Path(named) / sub] if named else []), kernel.parent / "__pycache__", user / sub]
+    for cache in [*([Path(named) / sub] if named else []), kernel.parent / "__pycache__", user / sub]:
+        try:
+            os.makedirs(cache, exist_ok=True)
+            tempfile.TemporaryFile(dir=cache).close()
+        except OSError:
+            continue
+        return cache
+    return None
 
 
 def _refresh_one(files: list[Path]) -> bool:
-    """Checks the stamp in the cache directory numba will use for ``files[0]``'s kernels: the first of
-    :func:`_cache_dirs` that takes the stamp (a directory it cannot write, numba skips too)."""
+    """Checks the stamp of ``files[0]``'s kernels in the directory numba caches them in; a stale cache is deleted
+    before the new stamp is written (atomically), so a deletion that fails is tried again next time."""
+    cache = _cache_dir(files[0])
+    if cache is None:
+        return False  # numba caches nowhere: no cache to serve stale code from
     digest = xxhash.xxh3_64()
     for path in sorted(files):
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     stamp_text = digest.hexdigest()
-    for cache in _cache_dirs(files[0]):
-        stamp = cache / f"{files[0].stem}.kernels.stamp"
-        try:
-            if stamp.read_text() == stamp_text:
-                return False
-        except OSError:
-            pass  # no stamp yet: whatever cache there is predates the check
-        stale = [*cache.glob(f"{files[0].stem}.*.nbi"), *cache.glob(f"{files[0].stem}.*.nbc")]
-        try:
-            cache.mkdir(parents=True, exist_ok=True)
-            stamp.write_text(stamp_text)
-            for path in stale:
-                path.unlink(missing_ok=True)
-        except OSError:
-            continue  # not writable: numba does not cache there either
-        return bool(stale)
-    return False
+    stamp = cache / f"{files[0].stem}.kernels.stamp"
+    try:
+        if stamp.read_text() == stamp_text:
+            return False
+    except OSError:
+        pass  # no stamp yet: whatever cache there is predates the check
+    stale = [*cache.glob(f"{files[0].stem}.*.nbi"), *cache.glob(f"{files[0].stem}.*.nbc")]
+    try:
+        for path in stale:
+            path.unlink(missing_ok=True)
+        fresh = cache / f"{stamp.name}.{os.getpid()}"
+        fresh.write_text(stamp_text)
+        os.replace(fresh, stamp)
+    except OSError:
+        return False
+    return bool(stale)
