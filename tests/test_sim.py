@@ -81,6 +81,30 @@ def test_the_event_paths_time_is_counted_where_events_are_heard() -> None:
     assert heard.wire.dumps > 0 and 0.0 < heard.wire.seconds < wall
 
 
+@pytest.mark.parametrize(("seed", "delay_s"), [(0, 0.0), (1, 0.0), (0, 0.05), (1, 0.05)])
+def test_the_event_paths_time_is_the_routers_work_counted_once(seed: int, delay_s: float,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the router's work advances this clock (a second for each batch of deliveries it applies), so the event
+    path's seconds are exactly that work: applied live, from a replay or a dump, or released when a gap's deadline
+    passes, each inside a span."""
+    clock = [0.0]
+    monkeypatch.setattr(transport, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    env = Environment()
+    applied: list[int] = []
+
+    def sink(deliveries: list[object]) -> None:
+        applied.append(len(deliveries))
+        clock[0] += 1.0
+
+    wire = SimWire(env, WireConfig(loss=0.3, burst=2, buffer=2, delay_s=delay_s, timeout_s=0.5), 1,
+                   random.Random(seed), sink, lambda _: [])
+    for k in range(40):
+        env.after(k * 0.25, lambda: wire.publish(0, EventBatch(ts=env.now, events=[])))
+    env.run(until=30.0)
+    assert wire.counters.lost > 0 and applied
+    assert wire.counters.seconds == len(applied)
+
+
 def test_the_event_paths_time_counts_a_dumps_publishing_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """A dump flushes the engine's pending events inside the answer's span, and publishing them opens spans of
     their own: only the outermost span is counted. The clock ticks one second a read and a span reads it twice,

@@ -73,7 +73,8 @@ class WireCounters:
     dumps: int = 0  # state dumps answered
     partial_marks: int = 0  # times a worker was given up as partial (loss beyond the buffer, no dump)
     # Wall seconds spent on the event path: encoding batches, and decoding and applying them at the router (live,
-    # replayed or dumped). Measured, so not deterministic: what it costs, never part of a result.
+    # replayed, dumped, or released when a gap's deadline passes). Measured, so not deterministic: what it costs,
+    # never part of a result.
     seconds: float = 0.0
 
 
@@ -219,4 +220,8 @@ class SimWire:
             self._arm(w, tracker)
             return
         self._active[w] = False
-        self._handle(w, tracker, tracker.on_tick(self.env.now))
+        self._time_in()  # (a deadline passed can release held batches, decoded and applied here)
+        try:
+            self._handle(w, tracker, tracker.on_tick(self.env.now))
+        finally:
+            self._time_out()
