@@ -20,9 +20,12 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvtier.engine.config import MAX_CACHE_PAGES, CacheConfig
 from kvtier.indexer.service import app as service
+from kvtier.sim import cli as cli_module
 from kvtier.sim.cli import main
 from kvtier.sim.cluster import MAX_PAGES
+from kvtier.util.fields import ConfigError
 from tests.test_multiprocess import ROOT, free_port
 
 SMALL = ["--trace", "builtin:chat:4", "--no-plots"]
@@ -245,6 +248,8 @@ CASES: dict[str, Case] = {
                                                  "r3"], "argument --request: not allowed with argument --index"),
     "engine l3-dir without l3": (lambda t, f: engine("--l3", "none", "--l3-dir", str(t)),
                                  "--l3-dir: --l3 none keeps no L3 tier"),
+    "engine speed too small": (lambda t, f: engine("--speed", "1e-300"),
+                               "argument --speed: 1e-300 is not allowed; expected a number in [1e-06, 1000000]"),
     "gen-trace rate too small": (lambda t, f: ["gen-trace", "--rate", "1e-300", "--requests", "3",
                                                "-o", str(t / "x.jsonl")],
                                  "argument --rate: 1e-300 is not allowed; expected a number in [1e-06, 1000000]"),
@@ -481,6 +486,25 @@ def test_bad_input_gets_one_line_and_exit_2(name: str, tmp_path: Path, capsys: p
     assert rc == 2, (argv, err)
     assert len(err) == 1 and "error: " in err[0], err
     assert expected in err[0], err
+
+
+def test_gen_trace_stops_where_arrivals_pass_the_timestamps_cap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """A trace whose arrivals pass what a trace's timestamps may hold is refused as it is written (with --rate at
+    its floor, only some ten million requests reach the real cap: it is lowered here)."""
+    monkeypatch.setattr(cli_module, "MAX_TIMESTAMP_MS", 60_000.0)
+    assert main(["gen-trace", "--rate", "0.01", "--requests", "5", "-o", str(tmp_path / "x.jsonl")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kvtier: error: --rate 0.01: request ") and "past the 60 s a trace's timestamps" in err
+
+
+def test_a_caches_page_cap_counts_the_window_pool_it_makes() -> None:
+    """A window pool of swa_pages 0 holds as many pages as the device: counted so (it was counted as none)."""
+    over = MAX_CACHE_PAGES // 2 + 1
+    assert CacheConfig(device_pages=over // 2, swa_window_pages=1, swa_pages=0).window_pool_pages == over // 2
+    with pytest.raises(ConfigError, match=f"{2 * over:,} device, host and window-KV pages; a cache holds at most"):
+        CacheConfig(device_pages=over, host_ratio=0.0, swa_window_pages=1, swa_pages=0)
+    CacheConfig(device_pages=over, host_ratio=0.0)  # no window: no pool
 
 
 def test_fit_latency_refuses_its_output_before_fitting(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -58,7 +58,7 @@ class TieredCache:
         self.dp = datapath
         self.device = PagePool("device", config.device_pages)
         self.host = PagePool("host", config.host_pages)
-        self.swa = PagePool("swa", (config.swa_pages or config.device_pages) if config.swa_window_pages else 0)
+        self.swa = PagePool("swa", config.window_pool_pages)
         self.store = store
         self.events = EventLog(config.page_size, config.swa_window_pages, config.swa_events)  # not yet flushed
         self._epoch = 0  # reset() count

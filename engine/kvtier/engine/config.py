@@ -32,7 +32,7 @@ class PrefetchPolicy(StrEnum):
     TIMEOUT = "timeout"  # waits up to `prefetch_timeout_s`
 
 
-#: Device and host pages of one cache at most: its pools are made when it starts (some 40 bytes a page).
+#: Device, host and window-KV pages of one cache at most: its pools are made when it starts (some 40 bytes a page).
 MAX_CACHE_PAGES = 1 << 28
 
 
@@ -77,11 +77,17 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        pages = count_pages(self.device_pages, self.host_ratio, self.swa_pages if self.swa_window_pages else 0)
+        pages = count_pages(self.device_pages, self.host_ratio, self.window_pool_pages)
         if pages > MAX_CACHE_PAGES:
             raise ConfigError(f"--device-pages {self.device_pages}, --host-ratio {self.host_ratio:g}: {pages:,.0f} "
                               f"device, host and window-KV pages; a cache holds at most {MAX_CACHE_PAGES:,} (every "
                               "page is bookkept in memory)")
+
+    @property
+    def window_pool_pages(self) -> int:
+        """Pages of the window-KV pool: ``swa_pages``, or as many as device pages where that is 0; none without a
+        window."""
+        return (self.swa_pages or self.device_pages) if self.swa_window_pages else 0
 
     @property
     def host_pages(self) -> int:

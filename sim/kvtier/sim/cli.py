@@ -47,7 +47,7 @@ from kvtier.sim.generators import PRESETS, iter_generate
 from kvtier.sim.policies import POLICIES, check_policy, policy_label
 from kvtier.sim.run import RunConfig, RunResult, load_kernels
 from kvtier.sim.source import TraceSource
-from kvtier.sim.trace import MAX_TIMESTAMP_MS, Request, TraceError, write_mooncake
+from kvtier.sim.trace import MAX_TIMESTAMP_MS, TIME_SCALE, Request, TraceError, write_mooncake
 from kvtier.sim.transport import Recovery
 from kvtier.util.fields import ConfigError, Domain, OneLineParser, add_options
 from kvtier.util.outpath import unwritable
@@ -71,7 +71,6 @@ class CliError(Exception):
 #: Domains of options that map to no configuration object (those of ClusterConfig and RunConfig are
 #: stated on their fields).
 COUNT = Domain(int, lo=1)
-SCALE = Domain(float, lo=1e-6, hi=1e6)  # (past these, a trace's arrivals leave the float range or a run's reach)
 SEED = Domain(int, lo=0)  # (numpy's generators take no negative seed)
 
 
@@ -97,7 +96,7 @@ def _add_trace_args(p: argparse.ArgumentParser) -> None:
                    help="Mooncake JSONL, Azure CSV, or builtin:chat|agentic|sysprompt[:N] (N requests; default: "
                         "--limit, else 1,000)")
     p.add_argument("--limit", type=COUNT.parse, help="use only the first N requests (default: all)")
-    p.add_argument("--time-scale", type=SCALE.parse, default=1.0, help="multiply arrival times (<1 = higher load)")
+    p.add_argument("--time-scale", type=TIME_SCALE.parse, default=1.0, help="multiply arrival times (<1 = higher load)")
     p.add_argument("--trace-seed", type=SEED.parse, default=0,
                    help="seed of builtin traces, and of an Azure trace's prefix groups")
     p.add_argument("--shared-prefix-blocks", type=Domain(int, lo=0, hi=1 << 20).parse, default=0, metavar="N",
@@ -638,7 +637,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("gen-trace", help="write a seeded synthetic trace as Mooncake JSONL")
     p.add_argument("--kind", choices=sorted(PRESETS), default="chat", help="workload generator")
     p.add_argument("--requests", type=COUNT.parse, default=1000, help="requests to generate")
-    p.add_argument("--rate", type=SCALE.parse, help="new sessions per second (default: the preset's)")
+    p.add_argument("--rate", type=TIME_SCALE.parse, help="new sessions per second (default: the preset's)")
     p.add_argument("--seed", type=SEED.parse, default=0, help="generator seed")
     p.add_argument("-o", "--output", required=True, help="JSONL file to write")
     p.set_defaults(func=cmd_gen_trace)

@@ -196,7 +196,7 @@ class ClusterConfig:
         """Device memory the KV pools take per worker: full-attention pages, plus the window-KV pool."""
         preset, cfg = PRESETS[self.model], self.cache_config()
         full = cfg.device_pages * self.page_size * preset.bytes_per_token
-        return full + (cfg.swa_pages * self.page_size * preset.window_bytes_per_token if cfg.swa_window_pages else 0)
+        return full + cfg.window_pool_pages * self.page_size * preset.window_bytes_per_token
 
     def bandwidths(self) -> Bandwidths:
         return Bandwidths(d2h=self.h2d_gbps * 1e9, h2d=self.h2d_gbps * 1e9, storage_write=self.storage_gbps * 1e9,
@@ -234,7 +234,7 @@ class ClusterConfig:
                               f"{pages:,.0f} pages in all; a simulation holds at most {MAX_PAGES:,} (every page is "
                               "bookkept in memory, some 40 bytes each)")
 
-#: Device and host pages of a whole simulated cluster at most: their pools are made when the run starts.
+#: Device, host and window-KV pages of a whole simulated cluster at most: their pools are made when the run starts.
 MAX_PAGES = 1 << 25
 
 

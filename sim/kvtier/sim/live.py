@@ -32,7 +32,7 @@ from kvtier.engine.l3.pagefile import Layout
 from kvtier.engine.l3.storage import PageStore
 from kvtier.engine.node import EngineNode
 from kvtier.sim.experiment import resolve_trace
-from kvtier.sim.trace import Request, TokenBank
+from kvtier.sim.trace import TIME_SCALE, Request, TokenBank
 from kvtier.util.fields import Domain, OneLineParser, add_options
 from kvtier.util.outpath import unwritable
 from kvtier.wire.protocol import DEFAULT_BLOCK_SIZE
@@ -224,7 +224,7 @@ def _engine_name(text: str) -> str:
 
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = p or OneLineParser(prog="kvtier engine", description=__doc__)
-    count, scale = Domain(int, lo=1), Domain(float, lo=0, lo_open=True)
+    count = Domain(int, lo=1)
     p.add_argument("--name", type=_engine_name, default="w0", help="engine name (the worker id an indexer should use)")
     p.add_argument("--endpoint", default="tcp://127.0.0.1:5557", help="PUB endpoint to bind")
     p.add_argument("--replay", default="tcp://127.0.0.1:5558", help="ROUTER replay endpoint to bind")
@@ -238,7 +238,7 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--trace", default="builtin:chat:300",
                    help="trace file or builtin:chat|agentic|sysprompt[:N] (N requests; builtin:KIND alone: 1,000)")
     p.add_argument("--seed", type=Domain(int, lo=0).parse, default=0, help="seed of builtin traces and token ids")
-    p.add_argument("--speed", type=scale.parse, default=10.0, help="replay speed-up over the trace's timestamps")
+    p.add_argument("--speed", type=TIME_SCALE.parse, default=10.0, help="replay speed-up over the trace's timestamps")
     add_options(p, CacheConfig, ["page_size"])
     device = p.add_mutually_exclusive_group()
     device.add_argument("--device-tokens", type=count.parse, default=None,

@@ -29,6 +29,7 @@ from typing import BinaryIO
 import numpy as np
 
 from kvtier.kernels import jit
+from kvtier.util.fields import Domain
 from kvtier.wire.protocol import PackedTokens
 
 HASH_BLOCK = 512  # tokens per Mooncake hash id
@@ -49,6 +50,9 @@ MAX_DEPTH = 32
 #: Largest ``timestamp`` (ms; about 31,700 years, exact in a float) and ``think_s`` (s) taken.
 MAX_TIMESTAMP_MS = 1e15
 MAX_THINK_S = 1e12
+#: A factor on a trace's arrival times (``--time-scale``, an engine's ``1 / --speed``) or a rate of arrivals
+#: (``--rate``) as a setting takes: past these, arrivals leave what a run reaches or a float holds.
+TIME_SCALE = Domain(float, lo=1e-6, hi=1e6)
 
 
 class TraceError(ValueError):
