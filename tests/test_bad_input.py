@@ -255,6 +255,17 @@ CASES: dict[str, Case] = {
                                  "argument --rate: 1e-300 is not allowed; expected a number in [1e-06, 1000000]"),
     "azure bad timestamp": (lambda t, f: ["replay", "--no-plots", "--trace", azure(t, "bad.csv", ["yesterday"])],
                             "bad.csv:2: TIMESTAMP 'yesterday' is not an ISO date"),
+    "azure timestamp past the calendar": (lambda t, f: ["replay", "--no-plots", "--trace",
+                                                        azure(t, "bad.csv", ["2024-13-45 00:00:00"])],
+                                          "bad.csv:2: TIMESTAMP '2024-13-45 00:00:00' is not a date and time: "
+                                          "month must be in 1..12"),
+    **{f"azure count {label}": (lambda t, f, text=text: ["replay", "--no-plots", "--trace", _bytes(
+        t, "c.csv", f"TIMESTAMP,ContextTokens,GeneratedTokens\n2024-05-10 00:00:00,{text},10\n".encode())],
+        f"c.csv:2: ContextTokens {shown} is {what}") for label, text, shown, what in [
+            ("with an underscore", "1_000", "'1_000'", "not an integer"),  # (int() takes these three)
+            ("with a space inside", "1 000", "'1 000'", "not an integer"),
+            ("in other digits", "\u0661\u0660\u0660", "'\u0661\u0660\u0660'", "not an integer"),
+            ("of 5,000 digits", "9" * 5000, "9" * 37 + "...", "past the cap of")]},
     # compare and sweep
     "policies empty": (lambda t, f: ["compare", *SMALL, "--policies", ""], "--policies: '' names no policy"),
     "policies commas": (lambda t, f: ["compare", *SMALL, "--policies", " , "], "names no policy"),

@@ -371,7 +371,23 @@ def _azure_time(text: str) -> datetime:
         raise ValueError(f"TIMESTAMP {_show(text.strip())} is not an ISO date and time")
     frac = (m.group(2) or "0")[:6].ljust(6, "0")
     tz = m.group(3)
-    return datetime.fromisoformat(f"{m.group(1)}.{frac}" + ("" if tz is None else tz.replace("Z", "+00:00")))
+    try:
+        return datetime.fromisoformat(f"{m.group(1)}.{frac}" + ("" if tz is None else tz.replace("Z", "+00:00")))
+    except ValueError as exc:  # (a month 13, a day 45, an offset past a day)
+        raise ValueError(f"TIMESTAMP {_show(text.strip())} is not a date and time: {exc}") from None
+
+
+def _azure_count(row: dict[str, str], name: str) -> int:
+    """A token count of an Azure row: ASCII digits (``int`` would also take ``1_000``, spaces inside and other
+    scripts' digits), a sign allowed for the range check to refuse; shown cut, and refused as past the cap before
+    ``int`` meets a number too long for it."""
+    text = row[name].strip()
+    if not re.fullmatch(r"[+-]?[0-9]+", text):
+        raise ValueError(f"{name} {_show(text)} is not an integer")
+    if len(text.lstrip("+-").lstrip("0")) > len(str(MAX_TOKENS)):  # (shown as the cap check below shows it)
+        shown = text if len(text) <= 40 else text[:37] + "..."
+        raise ValueError(f"{name} {shown} is past the cap of {MAX_TOKENS:,} tokens (MAX_TOKENS)")
+    return int(text)
 
 
 def load_azure(path: Path, *, share_prefix_blocks: int = 0, groups: int = 8, seed: int = 0,
@@ -412,13 +428,10 @@ def load_azure(path: Path, *, share_prefix_blocks: int = 0, groups: int = 8, see
             ts = _azure_time(row["TIMESTAMP"])
         except (ValueError, TypeError, AttributeError) as exc:
             raise TraceError(f"{where}: {exc}") from None
-        counts = []
-        for name in ("ContextTokens", "GeneratedTokens"):
-            try:
-                counts.append(int(row[name]))
-            except ValueError:
-                raise TraceError(f"{where}: {name} {row[name].strip()!r} is not an integer") from None
-        n_in, n_out = counts
+        try:
+            n_in, n_out = _azure_count(row, "ContextTokens"), _azure_count(row, "GeneratedTokens")
+        except ValueError as exc:
+            raise TraceError(f"{where}: {exc}") from None
         if n_in < 1 or n_out < 0:
             raise TraceError(f"{where}: ContextTokens must be >= 1 and GeneratedTokens >= 0")
         for name, n in (("ContextTokens", n_in), ("GeneratedTokens", n_out)):
@@ -427,7 +440,7 @@ def load_azure(path: Path, *, share_prefix_blocks: int = 0, groups: int = 8, see
                                  "(MAX_TOKENS)")
         if prev is not None:
             if (ts.tzinfo is None) != (prev.tzinfo is None):
-                raise TraceError(f"{where}: TIMESTAMP {row['TIMESTAMP'].strip()!r} mixes time zones with "
+                raise TraceError(f"{where}: TIMESTAMP {_show(row['TIMESTAMP'].strip())} mixes time zones with "
                                  "earlier rows (some have an offset, some not)")
             if ts < prev:
                 raise TraceError(f"{where}: TIMESTAMP goes backwards ({ts} after {prev})")
