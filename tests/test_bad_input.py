@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from kvtier.engine.config import MAX_CACHE_PAGES, CacheConfig
 from kvtier.indexer.service import app as service
 from kvtier.sim import cli as cli_module
+from kvtier.sim import experiment
 from kvtier.sim.cli import main
 from kvtier.sim.cluster import MAX_PAGES
 from kvtier.util.fields import ConfigError
@@ -516,6 +517,17 @@ def test_a_caches_page_cap_counts_the_window_pool_it_makes() -> None:
     with pytest.raises(ConfigError, match=f"{2 * over:,} device, host and window-KV pages; a cache holds at most"):
         CacheConfig(device_pages=over, host_ratio=0.0, swa_window_pages=1, swa_pages=0)
     CacheConfig(device_pages=over, host_ratio=0.0)  # no window: no pool
+
+
+def test_ctrl_c_mid_run_is_one_line_and_status_130(monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Ctrl-C printed a KeyboardInterrupt traceback from wherever the run was."""
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(experiment, "simulate", interrupted)
+    assert main(["replay", *SMALL]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "kvtier: interrupted"
 
 
 def test_fit_latency_refuses_its_output_before_fitting(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

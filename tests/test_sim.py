@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import multiprocessing
 import os
 import random
 import subprocess
@@ -12,11 +13,12 @@ import sys
 import time
 import types
 from pathlib import Path
+from typing import cast
 
 import pytest
 
 from kvtier.hardware.latency import MockerLatency
-from kvtier.sim import transport
+from kvtier.sim import experiment, transport
 from kvtier.sim.cli import main as cli
 from kvtier.sim.cluster import ClusterConfig
 from kvtier.sim.core import Environment
@@ -126,6 +128,35 @@ def test_the_event_paths_time_counts_a_dumps_publishing_once(monkeypatch: pytest
     env.run(until=10.0)
     assert wire.counters.dumps > 0 and flushed
     assert wire.counters.seconds * 2 == next(ticks)
+
+
+def _job_or_stall(job: object, *, progress: bool = False) -> object:
+    """A stand-in for :func:`kvtier.sim.experiment.execute` in a pool's workers: job 0 ends at once (failing if
+    it says so), the others stall far past any test's patience."""
+    if job == "fail":
+        raise ValueError("run 0 failed")
+    if job == "ok":
+        return {"job": 0}, None
+    time.sleep(120)
+    return {"job": job}, None
+
+
+@pytest.mark.parametrize("how", ["a run fails", "Ctrl-C"])
+def test_a_pool_stops_at_once_when_a_run_fails_or_is_interrupted(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed run (or Ctrl-C, which reaches the parent as KeyboardInterrupt) was raised only once every other
+    run had finished: the pool's exit waited for them, and its workers, each interrupted in turn, went on to
+    the next run. The runs under way are ended, those not started never start."""
+    monkeypatch.setattr(experiment, "execute", _job_or_stall)
+    jobs = cast(list[experiment.RunSpec], ["fail" if how == "a run fails" else "ok", "stall", "stall", "stall"])
+
+    def interrupt(tag: dict[str, object], result: object) -> None:
+        raise KeyboardInterrupt
+
+    t0 = time.monotonic()
+    with pytest.raises(ValueError if how == "a run fails" else KeyboardInterrupt):
+        experiment.run_jobs(jobs, processes=2, on_done=interrupt)
+    assert time.monotonic() - t0 < 60  # (the stalled runs would take 120 s each)
+    assert multiprocessing.active_children() == []
 
 
 def test_lost_events_are_recovered_by_the_routers_stream_tracker() -> None:

@@ -764,6 +764,9 @@ def main(argv: list[str] | None = None) -> int:
         where = f"{exc.filename}: " if exc.filename else ""
         print(f"kvtier: error: {where}{exc.strerror or exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C mid-run (or mid-import of a plugin): no traceback, the shell's status
+        print("kvtier: interrupted", file=sys.stderr)
+        return 130
 
 
 __all__ = ["RunResult", "build_parser", "main"]

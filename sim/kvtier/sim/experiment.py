@@ -7,10 +7,11 @@ import dataclasses
 import gc
 import itertools
 import math
+import multiprocessing
 import os
+import signal
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -142,14 +143,25 @@ def run_jobs(jobs: Sequence[RunSpec], *, processes: int | None = None, use_ray: 
             out.append((tag, res))
         return out
     results: dict[int, tuple[dict[str, Any], RunResult]] = {}
-    with ProcessPoolExecutor(max_workers=n) as pool:
-        futures = {pool.submit(execute, j): i for i, j in enumerate(jobs)}
-        for fut in as_completed(futures):
-            tag, res = fut.result()  # a failed run raises here: never swallowed
-            results[futures[fut]] = (tag, res)
+    # A pool whose workers ignore Ctrl-C, ended by this process at the first failure or interruption: an
+    # executor's exit would wait for every run still queued, each worker going on to the next.
+    pool = multiprocessing.Pool(n, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN))
+    try:
+        for i, (tag, res) in pool.imap_unordered(_numbered, enumerate(jobs)):  # a failed run raises here
+            results[i] = (tag, res)
             if on_done:
                 on_done(tag, res)
+    except BaseException:
+        pool.terminate()  # the runs under way end now; those not started never start
+        raise
+    finally:
+        pool.close()
+        pool.join()
     return [results[i] for i in range(len(jobs))]
+
+
+def _numbered(item: tuple[int, RunSpec]) -> tuple[int, tuple[dict[str, Any], RunResult]]:
+    return item[0], execute(item[1])
 
 
 def _run_ray(jobs: Sequence[RunSpec], on_done: Done | None) -> list[tuple[dict[str, Any], RunResult]]:
