@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import types
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import cast
 
@@ -137,23 +138,28 @@ def _job_or_stall(job: object, *, progress: bool = False) -> object:
         raise ValueError("run 0 failed")
     if job == "ok":
         return {"job": 0}, None
+    if job == "die":
+        os._exit(9)  # (as the kernel's OOM killer ends a process: no exception, no result)
     time.sleep(120)
     return {"job": job}, None
 
 
-@pytest.mark.parametrize("how", ["a run fails", "Ctrl-C"])
+@pytest.mark.parametrize("how", ["a run fails", "Ctrl-C", "a worker dies"])
 def test_a_pool_stops_at_once_when_a_run_fails_or_is_interrupted(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A failed run (or Ctrl-C, which reaches the parent as KeyboardInterrupt) was raised only once every other
     run had finished: the pool's exit waited for them, and its workers, each interrupted in turn, went on to
-    the next run. The runs under way are ended, those not started never start."""
+    the next run. The runs under way are ended, those not started never start; a worker that dies breaks the
+    pool (a pool that replaced it would wait for ever for its run)."""
     monkeypatch.setattr(experiment, "execute", _job_or_stall)
-    jobs = cast(list[experiment.RunSpec], ["fail" if how == "a run fails" else "ok", "stall", "stall", "stall"])
+    first = {"a run fails": "fail", "Ctrl-C": "ok", "a worker dies": "die"}[how]
+    jobs = cast(list[experiment.RunSpec], [first, "stall", "stall", "stall"])
 
     def interrupt(tag: dict[str, object], result: object) -> None:
         raise KeyboardInterrupt
 
     t0 = time.monotonic()
-    with pytest.raises(ValueError if how == "a run fails" else KeyboardInterrupt):
+    raised = {"a run fails": ValueError, "Ctrl-C": KeyboardInterrupt, "a worker dies": BrokenProcessPool}[how]
+    with pytest.raises(raised):
         experiment.run_jobs(jobs, processes=2, on_done=interrupt)
     assert time.monotonic() - t0 < 60  # (the stalled runs would take 120 s each)
     assert multiprocessing.active_children() == []

@@ -7,11 +7,11 @@ import dataclasses
 import gc
 import itertools
 import math
-import multiprocessing
 import os
 import signal
 from collections import Counter
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -143,25 +143,37 @@ def run_jobs(jobs: Sequence[RunSpec], *, processes: int | None = None, use_ray: 
             out.append((tag, res))
         return out
     results: dict[int, tuple[dict[str, Any], RunResult]] = {}
-    # A pool whose workers ignore Ctrl-C, ended by this process at the first failure or interruption: an
-    # executor's exit would wait for every run still queued, each worker going on to the next.
-    pool = multiprocessing.Pool(n, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN))
+    # Workers ignore Ctrl-C: this process stops the pool at the first failure or interruption (an executor's exit
+    # would wait for every run still queued, each interrupted worker going on to the next). A worker that dies
+    # (killed for memory) breaks the pool, raised here too.
+    pool = ProcessPoolExecutor(max_workers=n, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN))
     try:
-        for i, (tag, res) in pool.imap_unordered(_numbered, enumerate(jobs)):  # a failed run raises here
-            results[i] = (tag, res)
+        futures = {pool.submit(execute, j): i for i, j in enumerate(jobs)}
+        for fut in as_completed(futures):
+            tag, res = fut.result()  # a failed run raises here: never swallowed
+            results[futures[fut]] = (tag, res)
             if on_done:
                 on_done(tag, res)
     except BaseException:
-        pool.terminate()  # the runs under way end now; those not started never start
+        _stop(pool)
         raise
-    finally:
-        pool.close()
-        pool.join()
+    pool.shutdown()
     return [results[i] for i in range(len(jobs))]
 
 
-def _numbered(item: tuple[int, RunSpec]) -> tuple[int, tuple[dict[str, Any], RunResult]]:
-    return item[0], execute(item[1])
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """Ends the runs under way and cancels the others: ``terminate_workers`` from Python 3.14; before it, the
+    executor's worker processes (its ``_processes``) are terminated once it is shut down."""
+    terminate = getattr(pool, "terminate_workers", None)
+    if terminate is not None:
+        terminate()
+        return
+    workers = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in workers:
+        proc.terminate()
+    for proc in workers:
+        proc.join()
 
 
 def _run_ray(jobs: Sequence[RunSpec], on_done: Done | None) -> list[tuple[dict[str, Any], RunResult]]:
