@@ -163,17 +163,22 @@ def run_jobs(jobs: Sequence[RunSpec], *, processes: int | None = None, use_ray: 
 
 def _stop(pool: ProcessPoolExecutor) -> None:
     """Ends the runs under way and cancels the others: ``terminate_workers`` from Python 3.14; before it, the
-    executor's worker processes (its ``_processes``) are terminated once it is shut down."""
+    executor's worker processes (its ``_processes``) are terminated once it is shut down. Returns once every
+    worker has exited."""
     terminate = getattr(pool, "terminate_workers", None)
     if terminate is not None:
         terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
         return
     workers = list((getattr(pool, "_processes", None) or {}).values())
+    manager = getattr(pool, "_executor_manager_thread", None)  # (reaps them; where a worker died, ends the others)
     pool.shutdown(wait=False, cancel_futures=True)
     for proc in workers:
         proc.terminate()
     for proc in workers:
         proc.join()
+    if manager is not None:
+        manager.join()
 
 
 def _run_ray(jobs: Sequence[RunSpec], on_done: Done | None) -> list[tuple[dict[str, Any], RunResult]]:
