@@ -178,7 +178,8 @@ class ClusterConfig:
             swa_window_pages=window_pages, swa_pages=swa_pages)
 
     def _window_pages(self) -> tuple[int, int]:
-        """Pages a hybrid model's window needs, and the window-KV pool a worker has (0, 0 without a window)."""
+        """Pages a hybrid model's window needs (0 without a window), and the window-KV pool a worker has (sized
+        either way; made only where there is a window)."""
         window = PRESETS[self.model].window_tokens
         window_pages = -(-window // self.page_size)  # pages holding the window before a page-aligned cut
         return window_pages, max(window_pages, int(self.device_tokens // self.page_size * self.swa_ratio))
