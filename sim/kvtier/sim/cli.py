@@ -303,6 +303,13 @@ class _RunsProgress:
 # --- commands ------------------------------------------------------------------------------
 
 
+def _check_output(option: str, path: str | Path) -> None:
+    """:class:`CliError` naming ``option`` if the file ``path`` could not be written. O(1)."""
+    problem = unwritable(Path(path).resolve())
+    if problem is not None:
+        raise CliError(f"{option} {path}: {problem}")
+
+
 def _out_dir(a: argparse.Namespace, *names: str) -> Path:
     """``--out``, made if need be, once it is known that ``names`` can be written in it: checked now, not once
     every run is done and its results have nowhere to go. O(1)."""
@@ -328,9 +335,8 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
 
     trace = _trace(a)
     cluster = _cluster(a)
-    problem = unwritable(a.itl_series.resolve()) if a.itl_series is not None else None
-    if problem is not None:  # (now, not once every run is done)
-        raise CliError(f"--itl-series {a.itl_series}: {problem}")
+    if a.itl_series is not None:
+        _check_output("--itl-series", a.itl_series)  # (now, not once every run is done)
     out_dir = _out_dir(a, "summary.json", "requests.csv")
     # Each run streams its records to a part of requests.csv (in its own process), so no process holds a
     # long trace's records; the parts are joined in policy order.
@@ -499,9 +505,7 @@ def cmd_tokens(a: argparse.Namespace) -> int:
 
 
 def cmd_fit_latency(a: argparse.Namespace) -> int:
-    problem = unwritable(Path(a.output).resolve())  # (said before the fit is printed, not after it)
-    if problem is not None:
-        raise CliError(f"-o {a.output}: {problem}")
+    _check_output("-o", a.output)  # (said before the fit is printed, not after it)
     try:
         prefill, decode = load_latency_points(str(a.csv))
         fit = fit_latency(prefill, decode, a.kv_pool_tokens)

@@ -181,7 +181,11 @@ def _number(v: object) -> bool:
 
 def _show(v: object) -> str:
     """``repr(v)``, cut to 40 characters: an error line stays one short line whatever the record held."""
-    text = repr(v)
+    return _cut(repr(v))
+
+
+def _cut(text: str) -> str:
+    """``text`` cut to 40 characters, as :func:`_show` cuts what it shows."""
     return text if len(text) <= 40 else text[:37] + "..."
 
 
@@ -385,8 +389,7 @@ def _azure_count(row: dict[str, str], name: str) -> int:
     if not re.fullmatch(r"[+-]?[0-9]+", text):
         raise ValueError(f"{name} {_show(text)} is not an integer")
     if len(text.lstrip("+-").lstrip("0")) > len(str(MAX_TOKENS)):  # (shown as the cap check below shows it)
-        shown = text if len(text) <= 40 else text[:37] + "..."
-        raise ValueError(f"{name} {shown} is past the cap of {MAX_TOKENS:,} tokens (MAX_TOKENS)")
+        raise ValueError(f"{name} {_cut(text)} is past the cap of {MAX_TOKENS:,} tokens (MAX_TOKENS)")
     return int(text)
 
 
