@@ -74,6 +74,19 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
     return rc, capsys.readouterr().err
 
 
+@pytest.mark.parametrize("outcome", ["served", "refused"])
+def test_an_engine_run_in_process_gives_back_the_signal_handlers(outcome: str,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """The engine stops cleanly on SIGTERM and Ctrl-C through handlers of its own; run inside a process that goes on
+    (a test's, a notebook's), it left them installed, so that process ignored Ctrl-C and SIGTERM from then on (and
+    so did every worker a process pool forked from it)."""
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    argv = ("--trace", "builtin:chat:2") if outcome == "served" else ("--trace", "builtin:chat:2", "--l3", "external")
+    rc, _ = _run(capsys, *argv)
+    assert rc == (0 if outcome == "served" else 2)
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
 def test_device_tokens_below_four_pages_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     rc, err = _run(capsys, "--trace", "builtin:chat:2", "--device-tokens", "192")
     assert rc == 2

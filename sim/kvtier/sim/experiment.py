@@ -162,19 +162,19 @@ def run_jobs(jobs: Sequence[RunSpec], *, processes: int | None = None, use_ray: 
 
 
 def _stop(pool: ProcessPoolExecutor) -> None:
-    """Ends the runs under way and cancels the others: ``terminate_workers`` from Python 3.14; before it, the
-    executor's worker processes (its ``_processes``) are terminated once it is shut down. Returns once every
-    worker has exited."""
-    terminate = getattr(pool, "terminate_workers", None)
-    if terminate is not None:
-        terminate()
+    """Ends the runs under way and cancels the others: ``kill_workers`` from Python 3.14; before it, the
+    executor's worker processes (its ``_processes``) are killed once it is shut down. Returns once every worker
+    has exited."""
+    kill = getattr(pool, "kill_workers", None)
+    if kill is not None:
+        kill()
         pool.shutdown(wait=True, cancel_futures=True)
         return
     workers = list((getattr(pool, "_processes", None) or {}).values())
     manager = getattr(pool, "_executor_manager_thread", None)  # (reaps them; where a worker died, ends the others)
     pool.shutdown(wait=False, cancel_futures=True)
     for proc in workers:
-        proc.terminate()
+        proc.kill()  # (not SIGTERM: a handler the worker inherited from this process could swallow it)
     for proc in workers:
         proc.join()
     if manager is not None:

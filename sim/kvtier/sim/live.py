@@ -129,10 +129,21 @@ def _open(args: argparse.Namespace) -> tuple[TieredCache, EngineNode, DataPath, 
 
 
 def run(args: argparse.Namespace) -> int:
+    """Replays the trace, then serves replay and dump requests until ``--hold`` ends or SIGTERM (or Ctrl-C) comes:
+    a clean stop either way. The process's own handlers of those signals are back when this returns (an engine
+    run in a process that goes on, such as a test's or a notebook's, leaves no handler behind that swallows
+    them)."""
     stop = {"now": False, "signal": False}
-    for sig in (signal.SIGTERM, signal.SIGINT):  # a supervisor's stop, or Ctrl-C: the same clean stop
-        signal.signal(sig, lambda *_: stop.update(now=True, signal=True))
+    previous = {sig: signal.signal(sig, lambda *_: stop.update(now=True, signal=True))
+                for sig in (signal.SIGTERM, signal.SIGINT)}  # a supervisor's stop, or Ctrl-C: the same clean stop
+    try:
+        return _serve(args, stop)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
+
+def _serve(args: argparse.Namespace, stop: dict[str, bool]) -> int:
     def halted() -> bool:
         """SIGTERM came, or (``--parent-pid``) the process that started this one died: it was adopted."""
         if args.parent_pid is not None and os.getppid() != args.parent_pid:
