@@ -264,3 +264,24 @@ def test_each_is_served_and_learns_from_routes_not_queries(name: str) -> None:
 def test_the_kv_utilisation_profile_needs_the_capacity_in_the_service() -> None:
     with pytest.raises(ConfigError, match="capacity"):
         _service("llmd_kv", capacity=None)
+
+
+@pytest.mark.parametrize("name,temperature", [("power_of_two", 0.0), ("llmd", 0.0), ("kv_all", 0.0),
+                                              ("kv_all", 0.5)])
+def test_a_query_takes_no_random_draw_from_later_routes(name: str, temperature: float) -> None:
+    """A query books nothing, so it must not move the draws a policy makes (two at random for power_of_two, a
+    tie-break for llmd and the router's cost models, a softmax sample at a temperature): routes with a query
+    before each go where they go without, and each query names the worker its route then gets."""
+    def service() -> IndexerService:
+        eps = [parse_endpoint(f"w{i}=tcp://127.0.0.1:{i + 1}") for i in range(3)]
+        return IndexerService(ServiceConfig(endpoints=eps, block_size=4, listen="127.0.0.1:0", policy=name,
+                                            capacity_tokens=4096, temperature=temperature, seed=3))
+    prompts = [list(range(100 * i, 100 * i + 16)) for i in range(40)]
+    plain, queried = service(), service()
+    alone = [plain.route({"request_id": str(i), "token_ids": t})["worker"] for i, t in enumerate(prompts)]
+    got, said = [], []
+    for i, t in enumerate(prompts):
+        said.append(queried.query({"token_ids": t})["recommended"])
+        got.append(queried.route({"request_id": str(i), "token_ids": t})["worker"])
+    assert len(set(alone)) > 1  # the draws do decide
+    assert got == alone and said == got

@@ -156,13 +156,13 @@ class PowerOfTwo(PolicyBase):
     in-flight request count (``WorkerLoad.running``), what SMG compares when its load monitor has no backend
     token-usage figures for both workers; where it has them (polled every ``load_monitor_interval``, 10 s, from
     backends that report them) SMG compares those instead, which the router here does not see. Draws come from
-    a generator seeded by ``seed``; a ``POST /query`` draws too.
+    a generator seeded by ``seed``, kept as ``rng`` so that a ``POST /query`` takes its draws back.
     """
 
     name = "power_of_two"
 
     def __init__(self, seed: int = 0) -> None:
-        self._rng = random.Random(seed)
+        self.rng = random.Random(seed)
 
     def score(self, ctx: RouteContext, worker: StreamId) -> float:
         return float(ctx.load(worker).running)
@@ -172,8 +172,8 @@ class PowerOfTwo(PolicyBase):
         n = len(workers)
         if n == 1:
             return workers[0]
-        i = self._rng.randrange(n)
-        j = (i + 1 + self._rng.randrange(n - 1)) % n
+        i = self.rng.randrange(n)
+        j = (i + 1 + self.rng.randrange(n - 1)) % n
         return workers[i] if scores[workers[i]] <= scores[workers[j]] else workers[j]
 
 
@@ -234,7 +234,7 @@ class Llmd(PolicyBase):
         self.prefix_weight, self.queue_weight, self.kv_weight = prefix_weight, queue_weight, kv_weight
         self.capacity_tokens = capacity_tokens
         self.lru_blocks = capacity_tokens // block_size if capacity_tokens else self.DEFAULT_LRU_BLOCKS
-        self._rng = random.Random(seed)
+        self.rng = random.Random(seed)
         self._holders: dict[BlockKey, set[StreamId]] = {}  # block hash -> endpoints whose LRU holds it
         self._lrus: dict[StreamId, OrderedDict[BlockKey, None]] = {}  # least recent first
         self._frame: _Frame | None = None
@@ -289,7 +289,7 @@ class Llmd(PolicyBase):
     def pick(self, ctx: RouteContext, scores: dict[StreamId, float]) -> StreamId:
         best = min(scores.values())
         tied = [w for w, s in scores.items() if s == best]
-        return tied[0] if len(tied) == 1 else self._rng.choice(tied)
+        return tied[0] if len(tied) == 1 else self.rng.choice(tied)
 
     def routed(self, keys: Sequence[BlockKey], num_tokens: int, worker: StreamId) -> None:
         """The request was booked on ``worker``: in estimate mode its blocks join the worker's LRU, in prompt order

@@ -5,7 +5,9 @@ hands it a :class:`RouteContext` per request: the index's overlaps per worker an
 router's in-flight load bookkeeping, which workers are partial (events lost for good), the prompt's
 keys. ``filter`` narrows the candidates, ``score`` costs each (lower is better), ``pick`` chooses.
 :class:`PolicyBase` keeps every worker and picks the lowest score, so most plugins write ``score``
-only; one that learns from its own routing history also has ``routed`` (:func:`note_routed`). The same object
+only; one that learns from its own routing history also has ``routed`` (:func:`note_routed`), and one that draws
+at random keeps its ``random.Random`` as ``rng``, whose draws a query takes back
+(:meth:`~kvtier.indexer.routing.router.Router.peek_keys`). The same object
 serves ``kvtier replay/compare --policy SPEC`` and ``kvtier indexer --policy
 SPEC``, where SPEC is ``package.module:attr``, ``path/to/file.py:attr``, or the name of an entry
 point in the group ``kvtier.policies``; ``attr`` is a policy object, or a class or factory called

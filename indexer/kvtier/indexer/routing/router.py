@@ -84,6 +84,19 @@ class Router:
         return self.choose(self.index.find_matches_keys(keys, window_aware=self.window_aware), num_tokens, keys,
                            cost_model)
 
+    def peek_keys(self, keys: list[BlockKey], num_tokens: int) -> RouteDecision:
+        """:meth:`route_keys` for a query, which books nothing: the random draws it makes (a tie-break, a softmax
+        sample, the draws of a policy that keeps its generator as ``rng``) are taken back, so that queries never
+        change where a later request goes, and a query names the worker the next route of the same prompt gets
+        while nothing else changes. O(blocks + workers)."""
+        gens = [g for g in (self._rng, getattr(self.policy, "rng", None)) if isinstance(g, random.Random)]
+        states = [g.getstate() for g in gens]
+        try:
+            return self.route_keys(keys, num_tokens)
+        finally:
+            for g, state in zip(gens, states, strict=True):
+                g.setstate(state)
+
     def choose(self, overlaps: OverlapScores, num_tokens: int, keys: list[BlockKey] | None = None,
                cost_model: CostModel | None = None) -> RouteDecision:
         """Applies the cost model (``cost_model``, else the router's) to given overlaps (an oracle passes true

@@ -280,7 +280,7 @@ class IndexerService:
         keys = self._request_keys(req, tokens)
         self._check_alive()
         with self._timed_lock():
-            out = self._answer(self.router.route_keys(keys, len(tokens) // TOKEN_BYTES))
+            out = self._answer(self.router.peek_keys(keys, len(tokens) // TOKEN_BYTES))
             self.request_seconds["query"].observe(time.perf_counter() - t0)
         return out
 
