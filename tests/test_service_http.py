@@ -161,6 +161,38 @@ def test_clients_gone_mid_body_cost_a_line_not_a_traceback(svc: tuple[Publisher,
     assert post(s.address + "/query", {"token_ids": TOKS})[0] == 200
 
 
+def _half_closed(s: IndexerService, data: bytes) -> bytes:
+    """Sends ``data``, shuts the socket's sending side (as ``nc -N`` or a proxy does after a request), and reads
+    until the service closes the connection."""
+    host, port = s.address.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as k:
+        k.sendall(data)
+        k.shutdown(socket.SHUT_WR)
+        answer = b""
+        while chunk := k.recv(65536):  # (a connection left open would time out here)
+            answer += chunk
+    return answer
+
+
+def test_a_client_that_half_closes_after_its_requests_gets_every_answer(
+        svc: tuple[Publisher, Publisher, IndexerService]) -> None:
+    """A client may shut its sending side once its request is out and read the answer on the other: what it sent
+    in full is answered, then the connection closes. A body cut short by the shutdown can never end: that
+    connection closes at once, unanswered, and counts as a client gone."""
+    _, _, s = svc
+    answer = _half_closed(s, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 200 ") and b'"status"' in answer
+    body = json.dumps({"token_ids": TOKS}).encode()
+    query = (b"POST /query HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    answer = _half_closed(s, query + query)  # two pipelined requests
+    assert answer.count(b"HTTP/1.1 200 ") == 2 and answer.count(b'"recommended"') == 2
+    gone = json.loads(get(s.address + "/metrics?format=json"))["http_disconnects"]
+    assert _half_closed(s, query[:-5]) == b""
+    wait_for(lambda: json.loads(get(s.address + "/metrics?format=json"))["http_disconnects"] == gone + 1)
+    assert post(s.address + "/query", {"token_ids": TOKS})[0] == 200
+
+
 def refuse_subscriptions(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every subscription fails at once (ZMQ refusing its sockets): the event loop dies as it starts. (An address
     ZMQ would refuse is refused earlier, by the configuration.)"""

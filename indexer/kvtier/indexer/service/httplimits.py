@@ -11,6 +11,7 @@
   handler is made for it.
 * A connection that has not sent a request's headers within a deadline after it opened is closed, and one whose
   body stalled past its deadline (408) is closed with the answer, not kept to read the rest.
+* A client that shuts its sending side after its requests (a half-close) still gets their answers.
 * Errors aiohttp answers itself (a request it cannot parse) come back as JSON over HTTP/1.1 like every
   other answer, and are counted (``kvtier_http_malformed_requests_total``).
 """
@@ -25,7 +26,9 @@ from typing import Any, cast
 
 import numpy as np
 from aiohttp import hdrs, web
+from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http import HttpVersion10, HttpVersion11
+from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
@@ -148,13 +151,15 @@ class _Handler(RequestHandler):
     """aiohttp's connection handler, plus: the header-read deadline, the open-connection counts, and JSON errors
     over HTTP/1.1 for what aiohttp answers itself."""
 
-    __slots__ = ("_deadline", "_gate", "_peer")
+    __slots__ = ("_deadline", "_eof", "_gate", "_peer", "_taken")
 
     def __init__(self, gate: GatedServer, **kwargs: Any) -> None:
         super().__init__(gate, **kwargs)
         self._gate = gate
         self._deadline: asyncio.TimerHandle | None = None
         self._peer: str | None = None  # its peer's key, once admitted under the peer's cap
+        self._taken: BaseRequest | None = None  # the request aiohttp's loop took last (GatedServer.take)
+        self._eof = False  # the client shut its sending side: close once what it sent is answered
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -182,7 +187,26 @@ class _Handler(RequestHandler):
             self._deadline = None
         self._gate.closed(self._peer)
         self._peer = None
+        self._taken = None  # (it refers back to this handler)
         super().connection_lost(exc)
+
+    def eof_received(self) -> bool | None:  # type: ignore[override]  # (asyncio's protocol: True keeps it open)
+        """The client shut its sending side. A client may do that once its requests are out (``nc -N``, some
+        proxies) and read the answers on the other side, where aiohttp closes the connection and answers nothing.
+        What came in full (the request in hand, pipelined ones queued behind it) is answered, and then the
+        connection closes: True keeps the transport open to write them. Without a request, or with a body the
+        shutdown cut short (it can never end), it closes now, as aiohttp does; so does a request whose answer is
+        out and whose unread body is being lingered over (a body held back by aiohttp's flow control counts as
+        cut short too)."""
+        pending = [payload for _, payload in self._messages]
+        if self._taken is not None and self._waiter is None:  # start() is busy with it (not waiting for the next)
+            pending.append(self._taken.content)
+        if not pending or not all(p.is_eof() for p in pending):
+            return None
+        self._eof = True
+        if not self._messages:  # else once the last queued one is taken (GatedServer.take)
+            self.close()  # (after the request in hand: aiohttp's loop takes no more)
+        return True
 
     def linger(self, seconds: float) -> None:
         """After its answer, the connection reads and drops what is left of the request's body for at most
@@ -233,6 +257,19 @@ class GatedServer(web.Server):
         self.refused_per_peer = 0  # connections turned away at a peer's cap
         self.header_timeouts = 0  # connections closed for sending no headers in time
         self.malformed = 0  # requests aiohttp could not parse (400)
+        self._factory = self.request_factory
+        self.request_factory = self.take
+
+    def take(self, message: Any, payload: StreamReader, protocol: RequestHandler, writer: AbstractStreamWriter,
+             task: asyncio.Task[None]) -> BaseRequest:
+        """The request aiohttp's loop makes for a message it takes off its queue, remembered by its connection's
+        handler, which looks at its body when the client shuts its sending side (:meth:`_Handler.eof_received`)."""
+        request = self._factory(message, payload, protocol, writer, task)
+        if isinstance(protocol, _Handler):
+            protocol._taken = request
+            if protocol._eof and not protocol._messages:  # the last the client sent: closed after its answer
+                protocol.close()
+        return request
 
     def __call__(self) -> Any:  # an asyncio protocol factory
         if self.open >= self.max_connections:  # full whoever the peer is: refused without building a handler
