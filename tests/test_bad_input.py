@@ -647,3 +647,29 @@ def test_random_indexer_arguments_never_escape_as_a_traceback(args: list[str], t
 
     monkeypatch.setattr(service, "serve", serve)
     _run(["indexer", *args], capsys)
+
+
+@pytest.mark.parametrize("how", ["Ctrl-C", "a run fails"])
+def test_a_compare_that_stops_leaves_no_part_files(how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Each run streams its records to a hidden part of requests.csv (and of --itl-series), joined once all are
+    done: a compare stopped after its first run left that run's parts behind."""
+    real, calls = experiment.simulate, []
+
+    def second_stops(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt if how == "Ctrl-C" else ValueError("the run failed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(experiment, "simulate", second_stops)
+    out, itl = tmp_path / "out", tmp_path / "itl.jsonl"
+    argv = ["compare", *SMALL, "--policies", "round_robin,kv_all", "--jobs", "1", "--out", str(out),
+            "--itl-series", str(itl)]
+    if how == "Ctrl-C":
+        assert main(argv) == 130
+    else:
+        with pytest.raises(ValueError, match="the run failed"):
+            main(argv)
+    assert len(calls) == 2
+    assert list(out.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["out"]

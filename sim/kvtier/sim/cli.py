@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import importlib.util
@@ -350,21 +351,23 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
           f"policies: {', '.join(policies)}", file=sys.stderr)
     t0 = time.monotonic()
     _load_kernels_saying_so(load_kernels, "the simulator's", "run", "a minute or two")
-    if getattr(a, "progress", False):
-        results = [execute(jobs[0], progress=True)]
-    else:
-        with _RunsProgress(len(jobs)) as bar:
-            results = run_jobs(jobs, processes=a.jobs, on_done=bar.done)
-    wall, peak = time.monotonic() - t0, _peak_rss_mib()
-    summaries = [res.summary for _, res in results]
-    print(table(summaries))
-    _warn(summaries)
-    write_json(out_dir / "summary.json", summaries, {**_meta(a, len(trace), jobs[0].run), "wall_s": round(wall, 3),
-                                                     "peak_rss_mib": round(peak, 1)})
-    join_csv(out_dir / "requests.csv", parts)
+    with _removed_on_failure([*parts, *(p for p in itl_parts if p is not None)]):
+        if getattr(a, "progress", False):
+            results = [execute(jobs[0], progress=True)]
+        else:
+            with _RunsProgress(len(jobs)) as bar:
+                results = run_jobs(jobs, processes=a.jobs, on_done=bar.done)
+        wall, peak = time.monotonic() - t0, _peak_rss_mib()
+        summaries = [res.summary for _, res in results]
+        print(table(summaries))
+        _warn(summaries)
+        write_json(out_dir / "summary.json", summaries, {**_meta(a, len(trace), jobs[0].run),
+                                                         "wall_s": round(wall, 3), "peak_rss_mib": round(peak, 1)})
+        join_csv(out_dir / "requests.csv", parts)
+        if a.itl_series is not None:
+            join_files(a.itl_series, [p for p in itl_parts if p is not None])
     written = [out_dir / "summary.json", out_dir / "requests.csv"]
     if a.itl_series is not None:
-        join_files(a.itl_series, [p for p in itl_parts if p is not None])
         written.append(a.itl_series)
     if not a.no_plots:
         where = (f"{a.trace}, {cluster.workers} workers x {cluster.device_tokens:,} device tokens, "
@@ -374,6 +377,18 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
     print(f"\nran in {wall:.1f} s, peak memory {peak:,.0f} MiB (largest process); wrote "
           f"{', '.join(str(p) for p in written)}", file=sys.stderr)
     return _unfinished_status(a, summaries, len(trace))
+
+
+@contextlib.contextmanager
+def _removed_on_failure(parts: list[Path]) -> Iterator[None]:
+    """Removes the ``parts`` (hidden files each run streams its records to, joined once every run is done) when
+    what it wraps fails or is interrupted, so that a stopped run leaves none behind. O(parts)."""
+    try:
+        yield
+    except BaseException:
+        for part in parts:
+            part.unlink(missing_ok=True)
+        raise
 
 
 def _warn(summaries: list[Any]) -> None:
