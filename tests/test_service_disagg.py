@@ -191,3 +191,23 @@ def test_a_requests_slo_steers_the_goodput_pair() -> None:
     bounded = svc.route({"token_ids": PROMPT, "request_id": "b", "slo": {"tpot_ms": 15.0}})
     assert bounded["decode"]["recommended"] == "w3" and bounded["predicted"]["meets_slo"] is True
     assert bounded["predicted"]["tpot_ms"] < 15.0
+
+
+@pytest.mark.parametrize("policy", ["kv_all", "dynamo", "min_ttft", "power_of_two"])
+def test_a_query_answers_the_pair_a_route_would_book_and_books_nothing(policy: str) -> None:
+    """A query in a disaggregated pool recommended a worker of the whole pool, as if aggregated: a decode-only
+    worker (w2, where the prompt is) as the one to send it to. It answers the pair /route books, booking nothing,
+    and takes back its random draws (ties among the prefill workers), so that the route then gets that pair."""
+    svc = _service(policy, capacity_tokens=100_000)
+    _store(svc, W[2], 64)
+    for i in range(6):
+        prompt = PROMPT if i % 2 else list(range(10_000 * i, 10_000 * i + 64 * BS))
+        out = svc.query({"token_ids": prompt})
+        assert out["prefill"]["recommended"] in ("w0", "w1") and out["decode"]["recommended"] in ("w2", "w3")
+        assert set(out["prefill"]["costs"]) == {"w0", "w1"} and out["worker"] == out["prefill"]["recommended"]
+        assert out["local_prefill"] is False and out["prefill"]["workers"]["w2"]["role"] == "decode"
+        assert sum(svc.loads.load(w).running + svc.decode_loads.load(w).running for w in W) == 2 * i  # unbooked
+        routed = svc.route({"token_ids": prompt, "request_id": str(i)})
+        assert [routed[side]["recommended"] for side in ("prefill", "decode")] == \
+            [out[side]["recommended"] for side in ("prefill", "decode")]
+    assert sum(svc.loads.load(w).running for w in W) == 6 and len(svc.clients) == 6

@@ -46,7 +46,7 @@ from kvtier.indexer.index.tiered import TieredIndex
 from kvtier.indexer.routing.load import LoadTracker, WorkerLoad
 from kvtier.indexer.routing.plugins import RoutingPolicy, is_plugin_spec
 from kvtier.indexer.routing.policies import REGISTRY, RoutingSettings, make_cost, policy_spec
-from kvtier.indexer.routing.router import RouteDecision, Router
+from kvtier.indexer.routing.router import RouteDecision, Router, draws_taken_back
 from kvtier.indexer.routing.scoring import SLO_MISS_MS, CostModel, DynamoCost, SloCost
 from kvtier.wire.notices import StreamId
 from kvtier.wire.overlap import TierOverlap
@@ -199,6 +199,12 @@ class PairRouter:
         o = overlaps.workers.get(d.worker)
         cached = 0 if o is None else o.device * bs
         return PairDecision(p, d, prefills_locally(num_tokens, cached, self.local_prefill_tokens))
+
+    def peek_keys(self, keys: list[BlockKey], num_tokens: int) -> PairDecision:
+        """:meth:`route_keys` for a query, which books nothing: both routers' random draws are taken back
+        (:meth:`Router.peek_keys <kvtier.indexer.routing.router.Router.peek_keys>`). O(blocks + workers)."""
+        with draws_taken_back(self.prefill, self.decode):
+            return self.route_keys(keys, num_tokens)
 
 
 def pool_routers(name: str, settings: RoutingSettings, index: TieredIndex, roles: Mapping[StreamId, str],

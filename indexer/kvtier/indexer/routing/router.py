@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from kvtier.indexer.index.keys import BlockKey
@@ -89,13 +90,8 @@ class Router:
         sample, the draws of a policy that keeps its generator as ``rng``) are taken back, so that queries never
         change where a later request goes, and a query names the worker the next route of the same prompt gets
         while nothing else changes. O(blocks + workers)."""
-        gens = [g for g in (self._rng, getattr(self.policy, "rng", None)) if isinstance(g, random.Random)]
-        states = [g.getstate() for g in gens]
-        try:
+        with draws_taken_back(self):
             return self.route_keys(keys, num_tokens)
-        finally:
-            for g, state in zip(gens, states, strict=True):
-                g.setstate(state)
 
     def choose(self, overlaps: OverlapScores, num_tokens: int, keys: list[BlockKey] | None = None,
                cost_model: CostModel | None = None) -> RouteDecision:
@@ -146,3 +142,16 @@ class Router:
         span = (hi - lo) or 1.0
         weights = [math.exp(-(c - lo) / (span * self.temperature)) for c in costs]
         return self._rng.choices(candidates, weights)[0]
+
+
+@contextmanager
+def draws_taken_back(*routers: Router) -> Iterator[None]:
+    """Restores, on leaving, the random generators of ``routers`` and of their policies (a policy's ``rng``): what
+    runs inside (a query's pick) leaves the draws of later picks as they were. O(routers)."""
+    gens = [g for r in routers for g in (r._rng, getattr(r.policy, "rng", None)) if isinstance(g, random.Random)]
+    states = [g.getstate() for g in gens]
+    try:
+        yield
+    finally:
+        for g, state in zip(gens, states, strict=True):
+            g.setstate(state)

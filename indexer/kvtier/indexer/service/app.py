@@ -50,7 +50,7 @@ from kvtier.indexer.service import fdlimit, persist
 from kvtier.indexer.service.clients import Clients, ServiceUnavailable, load_tokens
 from kvtier.indexer.service.config import ServiceConfig, closed_tiers, load_config, parse_endpoint
 from kvtier.indexer.service.deadlines import Deadlines
-from kvtier.indexer.service.disagg import route_pair
+from kvtier.indexer.service.disagg import pair_answer, route_pair
 from kvtier.indexer.service.eventloop import EventLoop
 from kvtier.indexer.service.histogram import Histogram
 from kvtier.indexer.service.httplimits import check_depth
@@ -274,13 +274,19 @@ class IndexerService:
                 "raw": (raw or overlaps.workers[s]).as_dict()}
 
     def query(self, body: bytes | Any) -> dict[str, Any]:
-        """``POST /query`` (raw JSON or a decoded object): overlaps and a recommendation; books nothing."""
+        """``POST /query`` (raw JSON or a decoded object): overlaps and a recommendation, in a disaggregated pool the
+        pair :meth:`route` would book (:func:`~kvtier.indexer.service.disagg.pair_answer`); books nothing, and
+        takes back its random draws."""
         t0 = time.perf_counter()
         req, tokens = self._parse(body)
         keys = self._request_keys(req, tokens)
         self._check_alive()
+        n = len(tokens) // TOKEN_BYTES
         with self._timed_lock():
-            out = self._answer(self.router.peek_keys(keys, len(tokens) // TOKEN_BYTES))
+            if self.pair is not None:
+                out = pair_answer(self, self.pair.peek_keys(keys, n))
+            else:
+                out = self._answer(self.router.peek_keys(keys, n))
             self.request_seconds["query"].observe(time.perf_counter() - t0)
         return out
 

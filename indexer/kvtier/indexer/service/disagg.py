@@ -84,11 +84,19 @@ def route_pair(svc: IndexerService, pair: PairRouter, rid: str, keys: list[Block
     svc.index.note_routed(d.worker, keys)  # its KV lands there too
     svc._deadlines.book(rid, time.monotonic())
     svc.clients.book(rid, owner, len(keys))
-    out: dict[str, Any] = {"request_id": rid, "prefill": svc._answer(p), "decode": svc._answer(d),
-                           "local_prefill": decision.local}
-    for side in ("prefill", "decode"):
-        for s in (p if side == "prefill" else d).overlaps.workers:
-            out[side]["workers"][str(s)]["role"] = svc.index.role(s)
-    out["worker"] = out["decode" if decision.local else "prefill"]["recommended"]
+    out = {"request_id": rid, **pair_answer(svc, decision)}
     svc.request_seconds["route"].observe(time.perf_counter() - t0)
     return out, ttft_ms, tpot_ms
+
+
+def pair_answer(svc: IndexerService, decision: PairDecision) -> dict[str, Any]:
+    """``{"prefill": ..., "decode": ..., "local_prefill": ..., "worker": ...}``: each side as an aggregated pool's
+    answer over its pool, every worker's ``role`` beside its flags; ``worker`` the one the request goes to first
+    (its decode worker for a local prefill). Caller holds the service's lock. O(workers)."""
+    p, d = decision.prefill, decision.decode
+    out: dict[str, Any] = {"prefill": svc._answer(p), "decode": svc._answer(d), "local_prefill": decision.local}
+    for side, dec in (("prefill", p), ("decode", d)):
+        for s in dec.overlaps.workers:
+            out[side]["workers"][str(s)]["role"] = svc.index.role(s)
+    out["worker"] = out["decode" if decision.local else "prefill"]["recommended"]
+    return out
