@@ -144,6 +144,7 @@ def test_a_frame_past_the_cap_is_never_taken_and_its_stream_recovers_or_is_marke
                     and len(received(o, w1)) == 3)
         assert 1 not in received(out, w0)  # never delivered
         assert received(out, w1) == [1, 2, 3] and sub.stats(w1).resyncs == 0
+        assert sub.stats(w0).disconnects >= 1 and sub.stats(w1).disconnects == 0  # (the drop is counted)
         if dump:
             dumped = [e for d in out if isinstance(d, Received) and d.source == "dump" for e in d.batch.events]
             assert [e.block_hashes for e in dumped if isinstance(e, BlockStored)] == [[99]]

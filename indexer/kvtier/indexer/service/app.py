@@ -439,7 +439,8 @@ class IndexerService:
                     entry.update(gaps=ss.gaps, gaps_filled=ss.gaps_filled, resyncs=ss.resyncs,
                                  resyncs_deferred=ss.resyncs_deferred, reasks=ss.reasks,
                                  probe_timeouts=ss.probe_timeouts,
-                                 restarts=ss.restarts, malformed=ss.malformed, duplicates=ss.duplicates)
+                                 restarts=ss.restarts, malformed=ss.malformed, duplicates=ss.duplicates,
+                                 disconnects=ss.disconnects)
                 lag = self._loop.consumer.counters.lag.get(s, Lag())
                 entry.update(apply_lag_seconds=lag.last, apply_lag_max_seconds=lag.max)
                 workers[str(s)] = entry

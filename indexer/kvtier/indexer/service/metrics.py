@@ -26,6 +26,8 @@ _WORKER_METRICS: dict[str, tuple[str, str]] = {
     "restarts": ("counter", "Publisher restarts detected."),
     "malformed": ("counter", "Malformed frames received."),
     "duplicates": ("counter", "Duplicate batches dropped."),
+    "disconnects": ("counter", "Live connections to the worker's publisher lost (it went away or restarted, or a "
+                               "frame past max_frame_bytes was refused)."),
     "partial": ("gauge", "1 once events were lost for good: prefixes stored before the loss are unknown."),
     "recovering": ("gauge", "1 while a catch-up, full replay or state dump is under way."),
     "dead": ("gauge", "1 while the worker's publisher looks gone (nothing heard for liveness_timeout_s): "

@@ -218,6 +218,7 @@ class StreamTracker:
         message after a reconnect first checks, by replay, that the publisher
         still holds the same content for the last seq delivered.
         """
+        self._state.stats.disconnects += 1
         if self._state.expected:
             self._suspect = True
         self._state.history.uncover()  # (a batch in the last dump's range may now come from a new process)
