@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 import pytest
-from hypothesis import settings
+from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
@@ -469,14 +469,21 @@ class TablesMachine(RuleBasedStateMachine):
             assert gone == sum(1 for k in set(chain) if not self.rd[k])
             self.rd = {k: c for k, c in self.rd.items() if c}
 
-    @rule(first=st.integers(1, 50), n=st.integers(1, 400))
-    def refs_held_prefix(self, first: int, n: int) -> None:
-        chain = [first << 32 | j for j in range(n)]
-        arr = key_array(chain)
-        assert arr is not None
-        held = next((j for j, k in enumerate(chain) if k not in self.rd), n)
-        assert self.refs.held_prefix(arr, chain[0]) == held
-        assert KeyRefs.held_prefixes((None, self.refs), arr, chain[0]) == [0, held]
+    @rule(data=st.data())
+    def refs_held_prefix(self, data: st.DataObject) -> None:
+        """Held prefixes of chains that mostly start where a counted prompt does, each asked at the search's edges
+        (one key short of where its counted part ends, there, one key past: partly held) and at a random length."""
+        firsts = sorted({c[0] >> 32 for c in self.prompts if c})
+        first = data.draw(st.sampled_from(firsts) if firsts and data.draw(st.integers(0, 3)) else st.integers(1, 50))
+        counted = next(j for j in range(10_000) if (first << 32 | j) not in self.rd)
+        for n in sorted({max(1, counted - 1), max(1, counted), counted + 1, data.draw(st.integers(1, 400))}):
+            chain = [first << 32 | j for j in range(n)]
+            arr = key_array(chain)
+            assert arr is not None
+            held = min(counted, n)
+            event("held prefix: " + ("none" if held == 0 else "all" if held == n else "part"))
+            assert self.refs.held_prefix(arr, chain[0]) == held
+            assert KeyRefs.held_prefixes((None, self.refs), arr, chain[0]) == [0, held]
 
     # --- what every table must keep -------------------------------------------------------------
 
