@@ -301,7 +301,10 @@ class StreamRecovery:
                 f"replay from seq {s.expected} started at seq {first}: the publisher's buffer no longer holds the "
                 "batches between" if first > s.expected else f"the publisher's buffer no longer holds seq "
                 f"{s.expected - 1}, the last one applied: a restart since cannot be ruled out", now, out)
-        pending = [(q, p) for q, p in s.take_held() if q >= s.expected]
+        # Held batches the replay delivered (or stragglers) are dropped; one below the seq expected that is neither
+        # is a new process's (a check passed on a batch it repeated byte for byte): kept, for the live path to take
+        # as the restart it is.
+        pending = [(q, p) for q, p in s.take_held() if q >= s.expected or s.history.foreign(q, p)]
         if r.hole or (pending and pending[0][0] > s.expected):
             # Frames were dropped, or the answer ended before the held messages: ask again from the
             # first missing seq. An answer that delivered something never counts against `attempts`.

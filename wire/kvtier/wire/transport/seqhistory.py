@@ -44,6 +44,12 @@ class SeqHistory:
         """Whether ``seq`` was delivered with this very payload (a duplicate, or the same publisher). O(len)."""
         return self._recent.get(seq) == digest(payload)
 
+    def foreign(self, seq: int, payload: bytes) -> bool:
+        """Whether ``payload`` at ``seq``, a seq already passed, can only be a new publisher process's: it was not
+        delivered with this payload (a duplicate), nor does it fall in a range given up for lost or the last dump
+        stood for (a straggler). O(ranges)."""
+        return not (self.holds(seq, payload) or self.gave_up(seq) or self.covered(seq))
+
     def digest_at(self, seq: int) -> int | None:
         """The digest of what was delivered as ``seq``, or None if it is not (or no longer) known. O(1)."""
         return self._recent.get(seq)

@@ -303,9 +303,10 @@ class StreamTracker:
         """Batches a recovery handed back, through the live path in seq order; those after one that starts a
         new recovery are held for it."""
         for i, (seq, payload) in enumerate(pending):
-            if self._state.expected is not None and seq < self._state.expected:
-                continue  # already delivered by the replay or included in the dump
-            self._live(seq, payload, now, out)
+            s = self._state
+            if s.expected is not None and seq < s.expected and not s.history.foreign(seq, payload):
+                continue  # already delivered by the replay, or a straggler of a loss or a dump
+            self._live(seq, payload, now, out)  # (one below the seq expected that is neither: a new process)
             if self._recovery.active:  # a new hole inside the held messages
                 self._state.held.extend(pending[i + 1:])
                 return
