@@ -36,21 +36,33 @@ CHECKS: list[int] = []  # quiet-and-recovered checks run, for the report
 
 
 class Engine:
-    """A cache plus a publisher model: seq numbers, a bounded replay buffer, state dumps."""
+    """A cache plus a publisher model: seq numbers, a bounded replay buffer, state dumps.
+
+    Each process stamps its batches with a clock of its own (:data:`RESTART_S` later per restart, as a real process's
+    wall clock has moved on when it comes back): the tracker tells a restarted publisher by what it sends at a seq it
+    has delivered, and a new process that repeated the last batch delivered byte for byte, timestamp included, would
+    be the old one to any check (:mod:`kvtier.wire.transport.seqhistory`). ``distinct_processes = False`` stamps
+    every process alike, for the tests that put such a repeat on purpose."""
+
+    RESTART_S = 1e-3
+    distinct_processes = True
 
     def __init__(self, name: str, clock: list[float], buffer: int) -> None:
         self.name, self.clock, self.buffer_size = name, clock, buffer
+        self.restarts = -1
         self.start()
 
     def start(self) -> None:
         """A (re)started process: empty cache, seq from 0, empty replay buffer."""
+        self.restarts += 1
         cfg = CacheConfig(page_size=PS, device_pages=8, host_ratio=1.5)
         self.cache = TieredCache(cfg, ModeledDataPath(1000, lambda: self.clock[0], BW), PageStore(12), name=self.name)
         self.next_seq = 0
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=self.buffer_size)
 
     def flush(self) -> tuple[int, bytes] | None:
-        batch = self.cache.flush_events(ts=self.clock[0])
+        late = self.restarts * self.RESTART_S if self.distinct_processes else 0.0
+        batch = self.cache.flush_events(ts=self.clock[0] + late)
         if batch is None:
             return None
         msg = (self.next_seq, encode_payload(batch))
@@ -376,9 +388,12 @@ def test_a_restarted_engines_batches_held_through_a_check_are_not_dropped_as_see
     asked again the new process's live seqs 0 and 1 are held. They came back below the next seq expected and were
     dropped unseen as delivered already; seq 0 is a store the old process never sent (its seq 0 cleared the cache),
     so it must be taken for the new process it is: the worker is caught up again, and the index converges. (Found
-    by the slow profile.)"""
+    by the slow profile, before processes stamped their batches apart; a real process's clock would have told the
+    two seq 1 apart.)"""
     m = FaultyWire()
     m.setup(buffer=2)
+    for e in m.engines:
+        e.distinct_processes = False  # (the repeat, on purpose)
     m.reset(w=0)
     m.request(doc=2, pages=1, w=0)
     m.router_restarts_from_its_snapshot()
@@ -398,6 +413,8 @@ def test_a_restarted_engines_held_batch_is_a_restart_where_the_router_knows_no_d
     as on the live path: the worker is caught up again, and the index converges. (Found by the slow profile.)"""
     m = FaultyWire()
     m.setup(buffer=2)
+    for e in m.engines:
+        e.distinct_processes = False  # (the repeat, on purpose)
     m.reset(w=0)
     m.request(doc=2, pages=1, w=0)
     m.router_restarts_from_its_snapshot()
@@ -408,6 +425,25 @@ def test_a_restarted_engines_held_batch_is_a_restart_where_the_router_knows_no_d
     m.request(doc=2, pages=1, w=0)
     m.quiet_then_check()
     assert m.trackers[0].stats.restarts == 1
+    m.teardown()
+
+
+def test_a_restart_whose_first_batch_was_lost_with_a_router_restart_is_told_by_the_next_ones_stamp() -> None:
+    """The restarted engine's seq 0 is lost on the wire while the router restarts; its seq 1 is the old process's
+    seq 1 but for its timestamp. The router's check of seq 1 finds other content there: the worker is caught up
+    again, and the index holds seq 0's block. (Stamped alike, the two processes' seq 1 are one batch to any check:
+    the slow profile found that, and the model now stamps each process apart, as real clocks do.)"""
+    m = FaultyWire()
+    m.setup(buffer=2)
+    m.reset(w=0)
+    m.request(doc=2, pages=1, w=0)
+    m.router_restarts_from_its_snapshot()
+    m.restart_process(w=0)
+    m.cut_an_answer_short(keep=1, w=0)
+    m.request(doc=0, pages=1, w=0)
+    m.router_restarts_from_its_snapshot()
+    m.request(doc=2, pages=1, w=0)
+    m.quiet_then_check()
     m.teardown()
 
 

@@ -4,7 +4,9 @@ and a restarted publisher apart (:class:`kvtier.wire.transport.stream.StreamTrac
 A PUB socket never sends one seq twice with different content, so a seq at or below the last delivered one is a
 duplicate when its payload's digest matches, a straggler when it falls in a range given up for lost (a replay
 answer overtook it) or in the range the last state dump stood for (its end marker overtook it, over the same
-connection), and otherwise the first batch of a new publisher process.
+connection), and otherwise the first batch of a new publisher process. The converse is assumed: a new process does
+not send the batch the old one sent at a seq byte for byte (each batch carries its publisher's wall-clock
+timestamp), so a check that compares what the publisher holds at the last seq delivered tells the two apart.
 """
 
 from __future__ import annotations
