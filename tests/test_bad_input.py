@@ -649,27 +649,35 @@ def test_random_indexer_arguments_never_escape_as_a_traceback(args: list[str], t
     _run(["indexer", *args], capsys)
 
 
-@pytest.mark.parametrize("how", ["Ctrl-C", "a run fails"])
+@pytest.mark.parametrize("how", ["Ctrl-C", "a run fails", "a join fails"])
 def test_a_compare_that_stops_leaves_no_part_files(how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     """Each run streams its records to a hidden part of requests.csv (and of --itl-series), joined once all are
-    done: a compare stopped after its first run left that run's parts behind."""
+    done: a compare stopped after its first run left that run's parts behind; one stopped while joining them (a
+    full disk), a summary beside a half-written requests.csv."""
+    from kvtier.sim import report
+
     real, calls = experiment.simulate, []
 
     def second_stops(*args: Any, **kwargs: Any) -> Any:
         calls.append(1)
-        if len(calls) == 2:
+        if len(calls) == 2 and how != "a join fails":
             raise KeyboardInterrupt if how == "Ctrl-C" else ValueError("the run failed")
         return real(*args, **kwargs)
 
+    def disk_full(path: Path, parts: Any, header: bytes = b"") -> None:
+        path.write_bytes(header + b"half")
+        raise ValueError("no space left on device")
+
     monkeypatch.setattr(experiment, "simulate", second_stops)
+    monkeypatch.setattr(report, "join_files", disk_full)
     out, itl = tmp_path / "out", tmp_path / "itl.jsonl"
     argv = ["compare", *SMALL, "--policies", "round_robin,kv_all", "--jobs", "1", "--out", str(out),
             "--itl-series", str(itl)]
     if how == "Ctrl-C":
         assert main(argv) == 130
     else:
-        with pytest.raises(ValueError, match="the run failed"):
+        with pytest.raises(ValueError, match=r"the run failed|no space left"):
             main(argv)
     assert len(calls) == 2
     assert list(out.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["out"]

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -351,7 +352,13 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
           f"policies: {', '.join(policies)}", file=sys.stderr)
     t0 = time.monotonic()
     _load_kernels_saying_so(load_kernels, "the simulator's", "run", "a minute or two")
-    with _removed_on_failure([*parts, *(p for p in itl_parts if p is not None)]):
+    # The outputs are written under hidden names, then renamed into place together: a compare that stops leaves
+    # neither its parts nor a summary beside a half-joined requests.csv.
+    outputs = [out_dir / "summary.json", out_dir / "requests.csv"]
+    if a.itl_series is not None:
+        outputs.append(a.itl_series)
+    staged = [p.with_name(f".{p.name}.part") for p in outputs]
+    with _removed_on_failure([*parts, *(p for p in itl_parts if p is not None), *staged]):
         if getattr(a, "progress", False):
             results = [execute(jobs[0], progress=True)]
         else:
@@ -361,14 +368,14 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
         summaries = [res.summary for _, res in results]
         print(table(summaries))
         _warn(summaries)
-        write_json(out_dir / "summary.json", summaries, {**_meta(a, len(trace), jobs[0].run),
-                                                         "wall_s": round(wall, 3), "peak_rss_mib": round(peak, 1)})
-        join_csv(out_dir / "requests.csv", parts)
+        write_json(staged[0], summaries, {**_meta(a, len(trace), jobs[0].run), "wall_s": round(wall, 3),
+                                          "peak_rss_mib": round(peak, 1)})
+        join_csv(staged[1], parts)
         if a.itl_series is not None:
-            join_files(a.itl_series, [p for p in itl_parts if p is not None])
-    written = [out_dir / "summary.json", out_dir / "requests.csv"]
-    if a.itl_series is not None:
-        written.append(a.itl_series)
+            join_files(staged[2], [p for p in itl_parts if p is not None])
+        for part, final in zip(staged, outputs, strict=True):
+            os.replace(part, final)
+    written = list(outputs)
     if not a.no_plots:
         where = (f"{a.trace}, {cluster.workers} workers x {cluster.device_tokens:,} device tokens, "
                  f"host x{cluster.host_ratio:g}, l3 {cluster.l3}")
@@ -381,8 +388,9 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
 
 @contextlib.contextmanager
 def _removed_on_failure(parts: list[Path]) -> Iterator[None]:
-    """Removes the ``parts`` (hidden files each run streams its records to, joined once every run is done) when
-    what it wraps fails or is interrupted, so that a stopped run leaves none behind. O(parts)."""
+    """Removes the ``parts`` (hidden files each run streams its records to, joined once every run is done, and the
+    outputs staged before they are renamed into place) when what it wraps fails or is interrupted, so that a
+    stopped run leaves none behind. O(parts)."""
     try:
         yield
     except BaseException:

@@ -89,7 +89,8 @@ class Router:
         """:meth:`route_keys` for a query, which books nothing: the random draws it makes (a tie-break, a softmax
         sample, the draws of a policy that keeps its generator as ``rng``) are taken back, so that queries never
         change where a later request goes, and a query names the worker the next route of the same prompt gets
-        while nothing else changes. O(blocks + workers)."""
+        while nothing else changes (one without an SLO: a query is not priced by the request's SLO).
+        O(blocks + workers)."""
         with draws_taken_back(self):
             return self.route_keys(keys, num_tokens)
 
