@@ -8,6 +8,7 @@ import collections
 import dataclasses
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 
@@ -234,10 +235,10 @@ def test_each_runs_in_the_simulator_with_sane_hit_rates() -> None:
         assert res.decisions == simulate(reqs, CLUSTER, RunConfig(name, seed=2)).decisions, name  # deterministic
 
 
-def _service(policy: str, capacity: int | None = 4096) -> IndexerService:
+def _service(policy: str, capacity: int | None = 4096, **settings: Any) -> IndexerService:
     eps = [parse_endpoint(f"w{i}=tcp://127.0.0.1:{i + 1}") for i in range(3)]
     return IndexerService(ServiceConfig(endpoints=eps, block_size=4, listen="127.0.0.1:0", policy=policy,
-                                        capacity_tokens=capacity))
+                                        capacity_tokens=capacity, **settings))
 
 
 @pytest.mark.parametrize("name", INCUMBENTS)
@@ -272,12 +273,8 @@ def test_a_query_takes_no_random_draw_from_later_routes(name: str, temperature: 
     """A query books nothing, so it must not move the draws a policy makes (two at random for power_of_two, a
     tie-break for llmd and the router's cost models, a softmax sample at a temperature): routes with a query
     before each go where they go without, and each query names the worker its route then gets."""
-    def service() -> IndexerService:
-        eps = [parse_endpoint(f"w{i}=tcp://127.0.0.1:{i + 1}") for i in range(3)]
-        return IndexerService(ServiceConfig(endpoints=eps, block_size=4, listen="127.0.0.1:0", policy=name,
-                                            capacity_tokens=4096, temperature=temperature, seed=3))
     prompts = [list(range(100 * i, 100 * i + 16)) for i in range(40)]
-    plain, queried = service(), service()
+    plain, queried = (_service(name, temperature=temperature, seed=3) for _ in range(2))
     alone = [plain.route({"request_id": str(i), "token_ids": t})["worker"] for i, t in enumerate(prompts)]
     got, said = [], []
     for i, t in enumerate(prompts):
