@@ -440,7 +440,7 @@ CASES: dict[str, Case] = {
     "fit-latency field past the csv limit": (lambda t, f: ["fit-latency", _bytes(
         t, "p.csv", b"kind,x,ms\nprefill," + b"1" * 200_000 + b",5\n")], "p.csv:2: field larger than field limit"),
     "fit-latency not UTF-8": (lambda t, f: ["fit-latency", _bytes(t, "p.csv", b"kind,x,ms\n\xae\n")],
-                              "p.csv: not UTF-8 (byte 10)"),
+                              "p.csv: not UTF-8 (invalid start byte at byte 10): expected a CSV of kind,x,ms"),
     "indexer config from a FIFO": (lambda t, f: ["indexer", "--config", _fifo(t, "svc.toml")],
                                    "svc.toml: is not a regular file"),
     "indexer config too large": (lambda t, f: ["indexer", "--config", _sparse(t, "svc.toml")],

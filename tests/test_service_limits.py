@@ -13,6 +13,7 @@ import http.client
 import json
 import logging
 import os
+import re
 import resource
 import socket
 import struct
@@ -663,7 +664,7 @@ def test_configurations_refused_in_one_line_exit_2(text: str, expected: str, tmp
     assert len(err) == 1 and expected in err[0], err
 
 
-@pytest.mark.parametrize("kind", ["fifo", "directory", "too large"])
+@pytest.mark.parametrize("kind", ["fifo", "directory", "too large", "not UTF-8"])
 def test_a_token_file_is_a_regular_file_under_its_cap(kind: str, tmp_path: Path) -> None:
     """A FIFO as auth_token_file blocked start-up for ever, waiting for a writer; it is refused at once, like a
     directory and a file past the cap (read no further than one byte past it)."""
@@ -672,11 +673,14 @@ def test_a_token_file_is_a_regular_file_under_its_cap(kind: str, tmp_path: Path)
         os.mkfifo(path)
     elif kind == "directory":
         path.mkdir()
-    else:
+    elif kind == "too large":
         path.write_bytes(b"t" * (MAX_TOKEN_FILE_BYTES + 1))
+    else:
+        path.write_bytes(b"token-one\ncaf\xe9\n")
     want = {"fifo": "is not a regular file", "directory": "is a directory",
-            "too large": f"larger than {MAX_TOKEN_FILE_BYTES:,} bytes"}[kind]
-    with pytest.raises(ConfigError, match=f"auth_token_file {path}: {want}"):
+            "too large": f"larger than {MAX_TOKEN_FILE_BYTES:,} bytes",
+            "not UTF-8": "not UTF-8 (invalid continuation byte at byte 13): expected tokens, one a line"}[kind]
+    with pytest.raises(ConfigError, match=re.escape(f"auth_token_file {path}: {want}")):
         load_tokens(str(path))
 
 

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvtier.util.infile import SETTINGS_BYTES, read_input
+from kvtier.util.infile import SETTINGS_BYTES, read_text
 from kvtier.wire.protocol import StorageTier
 
 
@@ -263,9 +263,7 @@ def resolve_latency(spec: str) -> MockerLatency:
     if not os.path.lexists(spec):
         raise ValueError(f"{spec}: No such file, nor a latency preset ({', '.join(LATENCY_PRESETS)})")
     try:
-        text = read_input(spec, SETTINGS_BYTES).decode()  # (JSON is UTF-8, whatever the locale says)
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{spec}: not UTF-8 (byte {exc.start}): expected a fit JSON") from None
+        text = read_text(spec, SETTINGS_BYTES, "a fit JSON")
     except ValueError as exc:
         raise ValueError(f"{spec}: {exc}") from None
     try:
@@ -321,9 +319,7 @@ def load_latency_points(path: str) -> tuple[list[tuple[float, float]], list[tupl
     prefill: list[tuple[float, float]] = []
     decode: list[tuple[float, float]] = []
     try:
-        text = read_input(path, POINTS_BYTES).decode()
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}: not UTF-8 (byte {exc.start}): expected a CSV of kind,x,ms") from None
+        text = read_text(path, POINTS_BYTES, "a CSV of kind,x,ms")
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
     reader = csv.DictReader(io.StringIO(text, newline=""))

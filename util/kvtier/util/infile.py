@@ -43,4 +43,15 @@ def read_input(path: str | Path, limit: int | None) -> bytes:
     return data
 
 
-__all__ = ["SETTINGS_BYTES", "read_input"]
+def read_text(path: str | Path, limit: int | None, expected: str) -> str:
+    """:func:`read_input`, decoded as UTF-8 (what JSON, TOML and these files' CSV are, whatever the locale says).
+    ``ValueError`` says why not, without the path: :func:`read_input`'s reasons, or the first byte that is not
+    UTF-8 and what the file should hold (``expected``, e.g. ``"a fit JSON"``). O(min(size, limit))."""
+    data = read_input(path, limit)
+    try:
+        return data.decode()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not UTF-8 ({exc.reason} at byte {exc.start}): expected {expected}") from None
+
+
+__all__ = ["SETTINGS_BYTES", "read_input", "read_text"]

@@ -18,7 +18,7 @@ from collections import Counter
 from typing import NoReturn
 
 from kvtier.util.fields import ConfigError
-from kvtier.util.infile import read_input
+from kvtier.util.infile import read_text
 
 MAX_TOKEN_FILE_BYTES = 1 << 16
 
@@ -43,13 +43,9 @@ def load_tokens(path: str) -> list[bytes]:
     """The tokens in ``path``, one a line (blank lines and ``#`` comments skipped); :class:`ConfigError` naming
     the file if it cannot be read or is not a regular file, is not UTF-8, is larger than 64 KiB or holds no token."""
     try:
-        raw = read_input(path, MAX_TOKEN_FILE_BYTES)
+        text = read_text(path, MAX_TOKEN_FILE_BYTES, "tokens, one a line")
     except ValueError as exc:
         raise ConfigError(f"auth_token_file {path}: {exc}") from None
-    try:
-        text = raw.decode()
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"auth_token_file {path}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
     tokens = [ln.strip() for ln in text.splitlines()]
     tokens = [t for t in tokens if t and not t.startswith("#")]
     if not tokens:

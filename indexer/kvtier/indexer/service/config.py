@@ -21,7 +21,7 @@ from kvtier.hardware.links import (
 from kvtier.indexer.routing.policies import RoutingSettings
 from kvtier.indexer.routing.scoring import DEFAULT_OUT_OF_REACH, OUT_OF_REACH
 from kvtier.util.fields import ConfigError, Domain, at_least, check_fields, one_of, within
-from kvtier.util.infile import SETTINGS_BYTES, read_input
+from kvtier.util.infile import SETTINGS_BYTES, read_text
 from kvtier.wire.protocol import DEFAULT_BLOCK_SIZE, StorageTier
 from kvtier.wire.transport.subscriber import MAX_DP_RANK, MAX_FRAME_BYTES, EndpointConfig
 
@@ -240,9 +240,7 @@ def parse_endpoint(spec: str) -> EndpointConfig:
 def load_config(path: Path) -> ServiceConfig:
     """Reads a TOML file: top-level settings plus ``[[endpoints]]`` tables."""
     try:
-        raw = tomllib.loads(read_input(path, SETTINGS_BYTES).decode())
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
+        raw = tomllib.loads(read_text(path, SETTINGS_BYTES, "a TOML configuration"))
     except ValueError as exc:  # (TOMLDecodeError is one)
         raise ConfigError(f"{path}: {exc}") from None
     except RecursionError:
