@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.hardware.latency import PRESETS
-from kvtier.indexer.routing.plugins import PluginError
+from kvtier.indexer.routing.plugins import PluginError, PolicyBase, RouteContext
 from kvtier.indexer.service.app import ConfigError, IndexerService, ServiceConfig, load_config, parse_endpoint
 from kvtier.indexer.service.clients import TooManyInFlight
 from kvtier.wire import BlockStored, WorkerId
@@ -110,6 +110,31 @@ def test_a_pair_whose_plugin_fails_to_learn_its_route_books_nothing() -> None:
         svc.route({"token_ids": PROMPT, "request_id": "r"})
     assert all(svc.loads.load(w).running == 0 and svc.decode_loads.load(w).running == 0 for w in W)
     assert len(svc.clients) == 0 and len(svc.predictions) == 0
+
+
+class Counted(PolicyBase):
+    """A plugin that counts its instances (a plugin may hold connections or history: one per pool that routes)."""
+
+    name = "counted"
+    built = 0
+
+    def __init__(self) -> None:
+        Counted.built += 1
+
+    def score(self, ctx: RouteContext, worker: StreamId) -> float:
+        return 0.0
+
+
+@pytest.mark.parametrize(("roles", "built"), [(("prefill", "prefill", "decode", "decode"), 2), (("both", "both"), 1)])
+def test_a_pool_builds_the_routers_it_routes_with_alone(roles: tuple[str, ...], built: int) -> None:
+    """A disaggregated pool builds its plugin once per pool (prefill, decode) and no aggregated router beside them;
+    an aggregated pool one router, no pair."""
+    Counted.built = 0
+    svc = _service("tests.test_service_disagg:Counted", roles)
+    assert Counted.built == built
+    assert (svc.router is None) == (svc.pair is not None)
+    out = svc.route({"token_ids": PROMPT, "request_id": "r"})
+    assert ("prefill" in out) == (svc.pair is not None)
 
 
 def test_an_aggregated_pool_answers_as_before() -> None:

@@ -40,7 +40,7 @@ from kvtier.indexer.index.consumer import Lag
 from kvtier.indexer.index.keys import BlockKey, key_backend
 from kvtier.indexer.index.keytable import warm_tables
 from kvtier.indexer.index.tiered import TieredIndex
-from kvtier.indexer.routing.disagg import KvLinkCost, pool_routers
+from kvtier.indexer.routing.disagg import KvLinkCost, PairRouter, pool_routers
 from kvtier.indexer.routing.load import LoadTracker
 from kvtier.indexer.routing.plugins import BUILTIN, RoutingPolicy, load_policy, note_routed
 from kvtier.indexer.routing.policies import REGISTRY, RoutingSettings, make_cost, make_plugin
@@ -88,7 +88,6 @@ class IndexerService:
             self._restore(Path(config.snapshot_path), streams)
         self.loads = LoadTracker(config.block_size)
         self.router_settings = config.routing_settings()
-        cost, plugin = _policy(config.policy or "kv_all", self.router_settings, config.block_size)
         # Window-aware: engines that announce window KV (SWA models) are scored on their usable prefix; the
         # others as before. Each answer says which it was per worker ("window_kv").
         # What /route predicts for each request on its worker (TTFT, TPOT), as the goodput policy estimates them
@@ -97,22 +96,26 @@ class IndexerService:
         self._predictor = SloCost(TtftCost(rs.transfer(), rs.latency, prefill_budget=rs.prefill_budget,
                                            capacity_tokens=rs.capacity_tokens))
         self.predictions = Predictions()
-        self.router = Router(self.index, cost, loads=self.loads, policy=plugin, rebuilding=self._rebuilding,
-                             window_aware=True, temperature=self.router_settings.temperature,
-                             seed=self.router_settings.seed, dead=self._dead)
         # A disaggregated pool (endpoints with roles): a (prefill, decode) pair per request, each pool booked apart.
         self.decode_loads = LoadTracker(config.block_size)
         self.kv_link = KvLinkCost.of(rs)  # what a pair's prediction adds between its prefill and its first token
         for ep in config.endpoints:
             self.index.set_role(ep.stream, ep.role)
+        name = config.policy or "kv_all"
         try:
-            self.pair = pool_routers(config.policy or "kv_all", self.router_settings, self.index,
-                                     {s: self.index.role(s) for s in streams}, self.loads, self.decode_loads,
-                                     lambda: _policy(config.policy or "kv_all", self.router_settings,
-                                                     config.block_size), self._rebuilding, self._dead,
-                                     config.local_prefill_tokens)
+            #: A disaggregated pool's routers (None in an aggregated pool).
+            self.pair = pool_routers(name, rs, self.index, {s: self.index.role(s) for s in streams}, self.loads,
+                                     self.decode_loads, lambda: _policy(name, rs, config.block_size),
+                                     self._rebuilding, self._dead, config.local_prefill_tokens)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        #: An aggregated pool's router (None in a disaggregated pool: its policy and plugin are built per pool
+        #: there, by :func:`~kvtier.indexer.routing.disagg.pool_routers`, and nowhere else).
+        self.router: Router | None = None
+        if self.pair is None:
+            cost, plugin = _policy(name, rs, config.block_size)
+            self.router = Router(self.index, cost, loads=self.loads, policy=plugin, rebuilding=self._rebuilding,
+                                 window_aware=True, temperature=rs.temperature, seed=rs.seed, dead=self._dead)
         self._lock = threading.Lock()  # guards index, loads and the deadlines
         self._deadlines = Deadlines(config.request_ttl_s)  # routed requests in flight, until finish or expiry
         tokens = load_tokens(config.auth_token_file) if config.auth_token_file is not None else None
@@ -283,10 +286,10 @@ class IndexerService:
         self._check_alive()
         n = len(tokens) // TOKEN_BYTES
         with self._timed_lock():
-            if self.pair is not None:
-                out = pair_answer(self, self.pair.peek_keys(keys, n))
-            else:
+            if self.router is not None:
                 out = self._answer(self.router.peek_keys(keys, n))
+            else:
+                out = pair_answer(self, self._pair().peek_keys(keys, n))
             self.request_seconds["query"].observe(time.perf_counter() - t0)
         return out
 
@@ -311,9 +314,16 @@ class IndexerService:
         self.clients.release(rid)
         self.predictions.forget(rid)
 
-    def _request_cost(self, req: RequestBody) -> CostModel | None:
+    def _pair(self) -> PairRouter:
+        """:attr:`pair`, in a disaggregated pool (where :attr:`router` is None)."""
+        if self.pair is None:
+            raise RuntimeError("an aggregated pool has no pair of routers")
+        return self.pair
+
+    @staticmethod
+    def _request_cost(router: Router, req: RequestBody) -> CostModel | None:
         """The cost model of this request: the goodput policy's told the request's own SLO, else the router's."""
-        cm = self.router.cost_model
+        cm = router.cost_model
         if req.slo is None or not isinstance(cm, SloCost):
             return None
         return dataclasses.replace(cm, ttft_ms=req.slo.ttft_ms, tpot_ms=req.slo.tpot_ms)
@@ -325,14 +335,14 @@ class IndexerService:
         return self._predictor.estimates(tokens, self.index.block_size, dec.overlaps.workers[dec.worker], load,
                                          shared, self.loads.expected_output)
 
-    def _route_one(self, rid: str, keys: list[BlockKey], tokens: int, req: RequestBody, owner: str,
+    def _route_one(self, router: Router, rid: str, keys: list[BlockKey], tokens: int, req: RequestBody, owner: str,
                    t0: float) -> tuple[dict[str, Any], float, float]:
-        """:meth:`route` in an aggregated pool: the answer, with the predicted TTFT and TPOT in ms. Caller holds the
-        lock."""
-        dec = self.router.route_keys(keys, tokens, self._request_cost(req))
+        """:meth:`route` in an aggregated pool (``router``: :attr:`router`): the answer, with the predicted TTFT and
+        TPOT in ms. Caller holds the lock."""
+        dec = router.route_keys(keys, tokens, self._request_cost(router, req))
         ttft_ms, tpot_ms = self._predict(dec, keys, tokens)
         # A routing-history policy learns it; first, as its hook may fail (PluginError), and then nothing is booked.
-        note_routed(self.router.policy, keys, tokens, dec.worker)
+        note_routed(router.policy, keys, tokens, dec.worker)
         self.predictions.routed(rid, time.monotonic(), ttft_ms, tpot_ms)
         cached = dec.overlaps.workers[dec.worker].external * self.index.block_size
         self.loads.add(rid, dec.worker, keys, tokens, max(0, tokens - cached))
@@ -362,10 +372,10 @@ class IndexerService:
             if rid in self._deadlines:
                 raise ValueError(f"request {rid!r} is already in flight")
             self.clients.check_room(owner, len(keys))
-            if self.pair is not None:
-                out, ttft_ms, tpot_ms = route_pair(self, self.pair, rid, keys, tokens, req.slo, owner, t0)
+            if self.router is not None:
+                out, ttft_ms, tpot_ms = self._route_one(self.router, rid, keys, tokens, req, owner, t0)
             else:
-                out, ttft_ms, tpot_ms = self._route_one(rid, keys, tokens, req, owner, t0)
+                out, ttft_ms, tpot_ms = route_pair(self, self._pair(), rid, keys, tokens, req.slo, owner, t0)
         predicted: dict[str, Any] = {"ttft_ms": ttft_ms, "tpot_ms": None if tpot_ms != tpot_ms else tpot_ms}
         if req.slo is not None:
             predicted["meets_slo"] = slo_met(ttft_ms, tpot_ms, req.slo.ttft_ms, req.slo.tpot_ms)
