@@ -168,3 +168,25 @@ def test_a_bug_in_kvtiers_own_policies_surfaces_as_itself_not_as_a_plugin_error(
     with pytest.raises(KeyError) as err:
         route_with(policy, ctx, workers)
     assert not isinstance(err.value, PluginError)
+
+
+@pytest.mark.parametrize("module", ["kvtier.contrib.mine", "my_policies"])
+def test_a_users_plugin_fails_as_a_plugin_whatever_its_module(module: str) -> None:
+    """The ``kvtier`` namespace is open to other packages: a user's plugin there (or a subclass of one of kvtier's
+    own) is still a plugin, its exception named in one line (a PluginError), not taken for kvtier's bug."""
+    from kvtier.indexer.routing.load import LoadTracker
+    from kvtier.indexer.routing.plugins import BUILTIN, PluginError, route_with
+    from kvtier.wire.overlap import OverlapScores
+    from kvtier.wire.protocol import WorkerId
+
+    class Theirs(BUILTIN["round_robin"]):  # type: ignore[misc,valid-type]
+        name = "theirs"
+
+        def score(self, ctx: RouteContext, worker: StreamId) -> float:
+            return {}["missing"]  # type: ignore[no-any-return]
+
+    Theirs.__module__ = module
+    workers = [StreamId(WorkerId("w0")), StreamId(WorkerId("w1"))]
+    ctx = RouteContext(64, BS, [], OverlapScores(total_blocks=4), LoadTracker(BS), frozenset())
+    with pytest.raises(PluginError, match=r"policy 'theirs': score\(\) raised KeyError: 'missing'"):
+        route_with(Theirs(), ctx, workers)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from kvtier.indexer.index.keys import BlockKey
 from kvtier.indexer.routing.load import held_prefix
-from kvtier.indexer.routing.plugins import PolicyBase, RouteContext
+from kvtier.indexer.routing.plugins import PolicyBase, RouteContext, own_policy
 from kvtier.util.fields import ConfigError
 from kvtier.wire.notices import StreamId
 
@@ -39,6 +39,7 @@ class _Frame:
     values: dict[StreamId, float]
 
 
+@own_policy
 class SglangCacheAware(PolicyBase):
     """SGLang Model Gateway's (SMG, formerly sgl-router) ``cache_aware`` policy, in its approximate-tree mode
     (no KV events).
@@ -147,6 +148,7 @@ class SglangCacheAware(PolicyBase):
             tree.popitem(last=False)
 
 
+@own_policy
 class PowerOfTwo(PolicyBase):
     """SGLang Model Gateway's ``power_of_two`` policy: two distinct workers drawn at random, the less loaded wins.
 
@@ -177,6 +179,7 @@ class PowerOfTwo(PolicyBase):
         return workers[i] if scores[workers[i]] <= scores[workers[j]] else workers[j]
 
 
+@own_policy
 class Llmd(PolicyBase):
     """llm-d's inference scheduler, default scheduling profile: a prefix-cache scorer weighted 3 and a queue scorer
     weighted 2, summed, and the max-score picker (ties uniformly at random); a KV-cache-utilisation scorer as an

@@ -23,7 +23,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Protocol, cast, runtime_checkable
+from typing import Protocol, TypeVar, cast, runtime_checkable
 
 from kvtier.indexer.index.keys import BlockKey
 from kvtier.indexer.routing.load import LoadTracker, WorkerLoad
@@ -104,10 +104,22 @@ class PluginError(LookupError):
 #: calls sys.exit must not end a run silently, or leave the service's event loop without an answer).
 _FAULTS = (Exception, SystemExit)
 
+_P = TypeVar("_P", bound=type)
+#: kvtier's own policy classes (:func:`own_policy`), exactly: a user's subclass of one is a user's plugin.
+_OWN: set[type] = set()
+
+
+def own_policy(cls: _P) -> _P:
+    """Marks ``cls`` (a class decorator) as one of kvtier's own policies: its exceptions are bugs to surface with
+    their traceback, not a plugin's failure to name in one line (:func:`_faults`)."""
+    _OWN.add(cls)
+    return cls
+
+
 def _faults(policy: object) -> tuple[type[BaseException], ...]:
-    """What to take as ``policy``'s failure: everything for a user's plugin; nothing for kvtier's own policies
-    (the incumbents, round robin), whose exceptions are bugs to surface with their traceback."""
-    return () if type(policy).__module__.startswith("kvtier.") else _FAULTS
+    """What to take as ``policy``'s failure: everything for a user's plugin (whatever its module is named: the
+    ``kvtier`` namespace is open to other packages); nothing for kvtier's own policies (:func:`own_policy`)."""
+    return () if type(policy) in _OWN else _FAULTS
 
 
 #: Characters of a plugin's message or value quoted in an error, so that the error stays one short line.
@@ -223,6 +235,7 @@ def route_with(
     return chosen, scores
 
 
+@own_policy
 class RoundRobinPolicy(PolicyBase):
     """Every worker in turn, ignoring caches and load (the baseline with no router state). The turn moves when a
     request is booked (:meth:`routed`), so a query, which books nothing, takes none."""
@@ -243,6 +256,7 @@ class RoundRobinPolicy(PolicyBase):
         self._turn += 1
 
 
+@own_policy
 class LeastLoadedPolicy(PolicyBase):
     """The worker with the fewest running requests, then the fewest active blocks (no cache awareness)."""
 
