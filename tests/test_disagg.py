@@ -155,6 +155,20 @@ def test_short_uncached_prompts_prefill_on_their_decode_worker() -> None:
 
 
 @pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_prefills_a_turn_whose_context_its_decode_worker_holds_there(policy: str) -> None:
+    """Conditional disaggregation reads the decode worker's device overlap from the index whatever the policy, as
+    the service's pool does: a second turn whose 2,048-token context is on its (only) decode worker lacks 300
+    tokens there, under the threshold, so it prefills there, for a policy that keeps no index of its own too
+    (round robin, least loaded, an incumbent's plugin, the routing history, the oracle)."""
+    trace = [req("t0", 0.0, 2048, 4, [1, 2, 3, 4], "s"), req("t1", 5.0, 2348, 4, [1, 2, 3, 4, 5], "s")]
+    res = simulate(trace, PD.replace(local_prefill_tokens=512), RunConfig(policy))
+    first, second = res.records
+    assert first.worker == 0 and first.transferred_tokens == 2048  # the first turn: nothing cached, transferred
+    assert second.worker == second.decode_worker == 1 and second.prefill_end == -1.0
+    assert (second.device_tokens, second.recomputed_tokens) == (2048, 300)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
 def test_every_policy_picks_a_prefill_and_a_decode_worker(policy: str) -> None:
     cluster = PD.replace(prefill_workers=2, decode_workers=2, device_tokens=32_768, host_ratio=1.0)
     trace = generate(dataclasses.replace(PRESETS["chat"], requests=120, system_tokens=1024, user_tokens=600), 1)

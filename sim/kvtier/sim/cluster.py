@@ -18,9 +18,9 @@ beside it: vLLM's NixlConnector (what Dynamo and llm-d run) reads the prompt's b
 the prefill request has finished, and Dynamo's mocker times its handoff the same way; a layer-wise push would hide
 most of it behind the prefill. Transfers do not contend for a NIC (nor do the mocker's). The first token comes from
 the decode worker's first decode step after the KV landed (as vLLM's decode worker and Dynamo's mocker produce it), so
-the transfer and that step show in TTFT. A prompt whose part its decode worker lacks, as the router sees it, is
-under ``local_prefill_tokens`` prefills on its decode worker instead (conditional disaggregation, as vLLM's and
-Dynamo's routers allow).
+the transfer and that step show in TTFT. A prompt whose part its decode worker lacks, as the router's index shows it
+(whatever the policy: :mod:`kvtier.sim.disagg`), is under ``local_prefill_tokens`` prefills on its decode worker
+instead (conditional disaggregation, as vLLM's and Dynamo's routers allow).
 """
 
 from __future__ import annotations

@@ -6,6 +6,11 @@ policy :func:`kvtier.sim.policies.make_policy` builds, its candidates narrowed t
 both pools' events through the real codec, so the decode side prices the decode workers' overlap from the same
 index (see the table of :mod:`kvtier.indexer.routing.disagg`). Each pool has its own load bookkeeping (a request is
 booked on its prefill worker until its prompt is computed, on its decode worker until it finishes).
+
+Conditional disaggregation (``local_prefill_tokens``) reads the chosen decode worker's device overlap from the index
+whatever the policy, as the service's pool does (:class:`kvtier.indexer.routing.disagg.PairRouter`): a policy that
+keeps no index of its own (blind, load-based, a routing history, an incumbent's plugin, the oracle) is given one, fed
+both pools' events, for that check alone.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kvtier.engine.cache import TieredCache
+from kvtier.indexer.index.consumer import IndexConsumer
 from kvtier.indexer.index.tiered import TieredIndex
 from kvtier.indexer.routing.disagg import decode_cost, decode_rule, prefill_cost, prefills_locally
 from kvtier.indexer.routing.load import LoadTracker
@@ -33,7 +39,7 @@ class PairChoice:
 
     prefill: Choice  # the prefill worker, and what the policy expected there
     decode: int  # the decode worker (-1: chosen when the prompt is computed, :meth:`DisaggPolicy.choose_decode`)
-    decode_cached: int  # prompt tokens the policy expected the decode worker to hold (0: it saw none)
+    decode_cached: int  # prompt tokens the index shows on the decode worker's device (0: none, or not read)
     local: bool  # prefill on the decode worker (conditional disaggregation)
 
 
@@ -117,7 +123,14 @@ class DisaggPolicy:
                                         workers=[streams[i] for i in members], temperature=settings.temperature,
                                         seed=settings.seed + 1)
             self._streams = streams
-        self.blind = self.prefill.blind and (self.decode is None or self.decode.blind)
+        # The index the conditional check reads where the policy keeps none (see the module's docstring).
+        self._local: IndexConsumer | None = None
+        if local_prefill_tokens and self.kv is None:
+            self._streams = [StreamId(WorkerId(f"w{i}")) for i in range(workers)]
+            self._local = IndexConsumer(TieredIndex(block_size), wall_clock=lambda: 0.0)
+            for s in self._streams:
+                self._local.index.add_worker(s)
+        self.blind = self._local is None and self.prefill.blind and (self.decode is None or self.decode.blind)
         for kv in (self.kv, self.decode):
             if isinstance(kv, KvPolicy):
                 for i, s in enumerate(kv.streams):
@@ -138,7 +151,7 @@ class DisaggPolicy:
         ps = self.block_size
         if self.decode is not None:
             d = self.decode.choose(req)
-            cached = d.predicted.device * ps if d.predicted is not None else 0
+            cached = d.predicted.device * ps if d.predicted is not None else self._held(req, d.worker)
             return PairChoice(p, d.worker, cached, prefills_locally(req.num_tokens, cached,
                                                                     self.local_prefill_tokens))
         router = self.decode_router
@@ -154,27 +167,44 @@ class DisaggPolicy:
             known = self.kv.last_overlaps if self.kv is not None and not self.decode_at_handoff else None
             overlaps = known if known is not None else router.index.find_matches_keys(req.keys)
             dec = router.choose(overlaps, req.num_tokens, req.keys)
+        worker = self._streams.index(dec.worker)
         o: TierOverlap | None = overlaps.workers.get(dec.worker)
         cached = o.device * ps if o is not None else 0
-        return PairChoice(p, self._streams.index(dec.worker), cached,
-                          prefills_locally(req.num_tokens, cached, self.local_prefill_tokens))
+        if self._local is not None:  # (the decode router's index is an empty one: the policy keeps none)
+            cached = self._held(req, worker)
+        return PairChoice(p, worker, cached, prefills_locally(req.num_tokens, cached, self.local_prefill_tokens))
+
+    def _held(self, req: RouteInput, worker: int) -> int:
+        """Prompt tokens the conditional check's own index shows on decode worker ``worker``'s device (0 where
+        there is none: the pool is not conditional, or the policy's index was read). O(blocks)."""
+        if self._local is None:
+            return 0
+        o = self._local.index.find_matches_keys(req.keys).workers.get(self._streams[worker])
+        return o.device * self.block_size if o is not None else 0
 
     def feed(self, deliveries: list[Delivery]) -> None:
-        """Both pools' events, into the index (each side's, where the decode side runs a policy of its own)."""
+        """Both pools' events, into the index (each side's, where the decode side runs a policy of its own; the
+        conditional check's, where the policy keeps none)."""
         if self.kv is not None:
             self.kv.feed(deliveries)
         if isinstance(self.decode, KvPolicy):
             self.decode.feed(deliveries)
+        if self._local is not None:
+            self._local.feed(deliveries)
 
     @property
     def listens(self) -> bool:
         """Whether it reads engine events (else the run only counts them)."""
-        return self.kv is not None or isinstance(self.decode, KvPolicy)
+        return self.kv is not None or isinstance(self.decode, KvPolicy) or self._local is not None
 
     @property
     def events_rejected(self) -> int:
         kv = self.kv if self.kv is not None else self.decode
-        return kv.events_rejected if isinstance(kv, KvPolicy) else 0
+        if isinstance(kv, KvPolicy):
+            return kv.events_rejected
+        if self._local is not None:
+            return sum(self._local.index.stats(s).events_rejected for s in self._local.index.streams)
+        return 0
 
 
 def rule_at_handoff(name: str) -> bool:

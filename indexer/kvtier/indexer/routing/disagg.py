@@ -30,8 +30,9 @@ decode pool by the rule below (:func:`decode_rule`):
 The two sides are priced independently and each minimised, which minimises their sum: the KV transfer depends on
 the decode worker only (the prompt's KV is whole on any prefill worker once computed).
 
-Conditional disaggregation (:func:`prefills_locally`): a prompt whose part the chosen decode worker lacks, as the
-router sees it, is under a threshold prefills there, skipping the transfer, as vLLM's and Dynamo's routers allow.
+Conditional disaggregation (:func:`prefills_locally`): a prompt whose part the chosen decode worker lacks on device,
+as the index shows it whatever the policy (the simulator's pools read it so too), is under a threshold prefills there,
+skipping the transfer, as vLLM's and Dynamo's routers allow.
 """
 
 from __future__ import annotations
