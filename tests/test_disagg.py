@@ -21,7 +21,7 @@ from kvtier.sim.cluster import ClusterConfig
 from kvtier.sim.disagg import DisaggPolicy
 from kvtier.sim.experiment import grid_jobs, parse_grid
 from kvtier.sim.generators import PRESETS, generate
-from kvtier.sim.metrics import RequestRecord, SummaryBuilder
+from kvtier.sim.metrics import RequestRecord, SummaryBuilder, summarize
 from kvtier.sim.policies import KvPolicy
 from kvtier.sim.run import RunConfig, routing_settings, simulate
 from kvtier.sim.trace import Request
@@ -166,6 +166,19 @@ def test_every_policy_prefills_a_turn_whose_context_its_decode_worker_holds_ther
     assert first.worker == 0 and first.transferred_tokens == 2048  # the first turn: nothing cached, transferred
     assert second.worker == second.decode_worker == 1 and second.prefill_end == -1.0
     assert (second.device_tokens, second.recomputed_tokens) == (2048, 300)
+
+
+def test_a_summary_of_a_disaggregated_runs_records_is_the_runs() -> None:
+    """:func:`summarize` over a disaggregated run's records, told its prefill pool, gives the run's own summary (the
+    load imbalance the worse pool's, not the whole cluster's: round robin balances each pool, 6 decode workers
+    beside 2 prefill ones)."""
+    cluster = PD.replace(prefill_workers=2, decode_workers=6, device_tokens=32_768)
+    trace = generate(dataclasses.replace(PRESETS["chat"], requests=120, system_tokens=1024, user_tokens=600), 1)
+    res = simulate(trace, cluster, RunConfig("round_robin"))
+    again = summarize("round_robin", res.records, cluster.workers, total=len(trace), prefill_workers=2)
+    # (the run adds its event counts as extra; NaN where a figure does not apply: compared as text)
+    assert repr(again) == repr(dataclasses.replace(res.summary, extra={}))
+    assert res.summary.load_imbalance == pytest.approx(1.0, abs=0.05)
 
 
 @pytest.mark.parametrize("policy", POLICIES)

@@ -306,10 +306,13 @@ def goodput_count(slo: Slo, ttft: Sequence[float], tpot: Sequence[float], e2e: S
 
 
 def summarize(policy: str, records: Iterable[RequestRecord], workers: int, events_rejected: int = 0,
-              total: int | None = None, slo: Slo | None = None) -> RunSummary:
+              total: int | None = None, slo: Slo | None = None, prefill_workers: int = 0) -> RunSummary:
     """Aggregates over completed requests (:class:`SummaryBuilder`); ``total`` (the trace's size, default
-    the number of records) minus the completed and rejected ones is reported as ``unfinished``."""
+    the number of records) minus the completed and rejected ones is reported as ``unfinished``.
+    ``prefill_workers``: a disaggregated run's (workers ``0..P-1`` prefill; the imbalance is the worse pool's, as
+    the run's own summary has it); 0 for an aggregated one."""
     builder = SummaryBuilder(workers, slo)
+    builder.split = prefill_workers
     for r in records:
         builder.add(r)
     return builder.summary(policy, events_rejected, total)
