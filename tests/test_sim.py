@@ -541,6 +541,29 @@ def test_rejected_requests_are_named_on_stderr(tmp_path: Path, capsys: pytest.Ca
     assert "requests rejected" not in capsys.readouterr().err
 
 
+def test_requests_csv_leaves_latencies_that_never_came_empty(tmp_path: Path) -> None:
+    """A rejected request has no first token, no finish and no prefill start; an unfinished one lacks some of
+    them: requests.csv leaves those cells empty (it wrote -1 minus the arrival: a negative latency a mean took in),
+    and a finished one's cells are its latencies."""
+    import csv
+
+    assert cli(["replay", "--trace", "builtin:chat:200", "--time-scale", "0.3", "--device-tokens", "3072",
+                "--host-ratio", "0", "--policy", "round_robin", "--until", "20", "--allow-unfinished", "--no-plots",
+                "--out", str(tmp_path)]) == 0
+    rows = list(csv.DictReader((tmp_path / "requests.csv").open()))
+    run = json.loads((tmp_path / "summary.json").read_text())["runs"][0]
+    assert run["rejected"] > 0 and run["unfinished"] > 0 and run["requests"] > 0
+    rejected = [r for r in rows if r["rejected"] == "1"]
+    assert len(rejected) == run["rejected"] and all(r["ttft"] == r["e2e"] == r["queue"] == "" for r in rejected)
+    done = [r for r in rows if r["e2e"]]
+    assert len(done) == run["requests"]
+    assert all(0 <= float(r["queue"]) <= float(r["ttft"]) <= float(r["e2e"]) for r in done)
+    waiting = [r for r in rows if r["rejected"] == "0" and not r["e2e"]]
+    # (unfinished counts the turns never released before --until too: they have no row)
+    assert 0 < len(waiting) <= run["unfinished"] and any(not r["ttft"] for r in waiting)
+    assert all(not r[c] or float(r[c]) >= 0 for r in rows for c in ("ttft", "e2e", "queue"))
+
+
 def test_a_request_stopped_before_its_prefill_books_no_tokens() -> None:
     """Tokens are booked to tiers when a prefill starts: a request admitted but still waiting for device room when
     simulated time stops has 0 tokens on every tier in its record, as ``docs/outputs.md`` says, not the device

@@ -153,11 +153,17 @@ def _s(x: float) -> str:
     return "" if math.isnan(x) else f"{x:.6f}"
 
 
+def _since(t: float, arrival: float) -> str:
+    """Seconds from ``arrival`` to ``t``, empty where ``t`` never came (-1: rejected, or unfinished at the end)."""
+    return f"{t - arrival:.6f}" if t >= 0 else ""
+
+
 def csv_row(policy: str, r: RequestRecord) -> list[object]:
-    """One row of :data:`CSV_FIELDS` (a latency that does not apply, such as a one-token answer's TPOT, is
-    empty)."""
+    """One row of :data:`CSV_FIELDS` (a latency that does not apply, such as a one-token answer's TPOT, or the TTFT
+    of a request that got no token, is empty)."""
     return [policy, r.request_id, r.worker, f"{r.arrival:.6f}", r.input_tokens, r.output_tokens,
-            f"{r.ttft:.6f}", f"{r.e2e:.6f}", f"{r.queue:.6f}", r.device_tokens, r.host_tokens,
+            _since(r.first_token, r.arrival), _since(r.finish, r.arrival), _since(r.prefill_start, r.arrival),
+            r.device_tokens, r.host_tokens,
             r.storage_tokens, r.recomputed_tokens, r.predicted_blocks, r.actual_blocks,
             r.usable_blocks, int(r.rejected), _s(r.ttst), _s(r.tpot), _s(r.max_itl if r.max_itl >= 0 else math.nan),
             r.decode_worker, r.decode_cached_tokens, r.transferred_tokens]
