@@ -236,3 +236,44 @@ def test_a_query_answers_the_pair_a_route_would_book_and_books_nothing(policy: s
         assert [routed[side]["recommended"] for side in ("prefill", "decode")] == \
             [out[side]["recommended"] for side in ("prefill", "decode")]
     assert sum(svc.loads.load(w).running for w in W) == 6 and len(svc.clients) == 6
+
+
+def test_a_both_worker_shows_both_sides_bookings_in_metrics() -> None:
+    """A worker of role "both" in a disaggregated pool may prefill one request and decode another: /metrics adds its
+    two pools' bookings (it showed the prefill pool's alone: a request decoding there was invisible)."""
+    svc = _service("kv_all", ("both", "decode"), local_prefill_tokens=256)
+    _store(svc, W[0], 64)
+    out = svc.route({"token_ids": PROMPT, "request_id": "r"})  # held whole on w0: prefilled there, decoded there
+    assert out["local_prefill"] is True and out["worker"] == "w0"
+    assert svc.decode_loads.load(W[0]).running == 1 and svc.loads.load(W[0]).running == 0
+    w0 = svc.metrics()["workers"]["w0"]
+    assert (w0["requests_running"], w0["requests_prefilling"]) == (1, 1) and w0["active_blocks"] > 0
+    assert 'kvtier_requests_running{worker="w0"} 1' in svc.metrics_text()
+    svc.first_token("r")
+    svc.finish("r")
+    assert svc.metrics()["workers"]["w0"]["requests_running"] == 0
+
+
+def test_a_both_worker_picked_by_both_sides_prefills_where_it_decodes() -> None:
+    """Nothing moves when a pair's two sides pick the same worker (role "both"): the request is a local prefill,
+    booked on that worker once, its prediction without a KV transfer (it was booked in both pools, a transfer from
+    the worker to itself predicted)."""
+    svc = _service("kv_all", ("both", "decode"), capacity_tokens=100_000)
+    _store(svc, W[0], 64)
+    out = svc.route({"token_ids": PROMPT, "request_id": "s"})
+    assert out["prefill"]["recommended"] == out["decode"]["recommended"] == out["worker"] == "w0"
+    assert out["local_prefill"] is True
+    assert svc.loads.load(W[0]).running == 0 and svc.decode_loads.load(W[0]).running == 1
+
+
+def test_a_pairs_finish_teaches_the_output_length_to_the_decode_pool_alone() -> None:
+    """The prefill pool decodes nothing: a finish's output_tokens is the decode pool's to learn, whether or not the
+    first token was reported (skipping that report taught it to the prefill pool, whose routing then reserved output
+    room on prefill workers)."""
+    for report_first in (True, False):
+        svc = _service("min_ttft", capacity_tokens=20_000)
+        svc.route({"token_ids": PROMPT, "request_id": "r"})
+        if report_first:
+            svc.first_token("r")
+        svc.finish("r", {"output_tokens": 8000})
+        assert svc.loads.expected_output == 0 and svc.decode_loads.expected_output > 0, report_first

@@ -19,9 +19,11 @@ decode pool by the rule below (:func:`decode_rule`):
 | two, llmd, llmd_kv, llmd_prec. | PD mode runs a policy per pool (``--prefill-policy``, ``--decode-policy``, both  |
 |                                | the main one unless set); llm-d's P/D profile handler runs a decode profile,     |
 |                                | which kvtier gives the same scorers                                              |
-| kv_*                           | the same cost over the decode pool, on the decode workers' overlap: their device |
-|                                | (the KV that need not move); a shared storage pool's blocks, where the cost      |
-|                                | credits storage, count for every decode worker alike and so change no choice     |
+| kv_*                           | the same cost over the decode pool, on the decode workers' overlap in the tiers  |
+|                                | the policy hears: the KV that need not cross the link (the simulator's decode    |
+|                                | workers hold device only; a served one that offloads to host has its host copy   |
+|                                | credited as the policy credits host); a shared storage pool's blocks, where the  |
+|                                | cost credits storage, count for every decode worker alike: no choice changes     |
 | approx, oracle                 | the same cost over the decode pool, seeing no decode overlap (they keep no index)|
 | min_ttft, goodput              | :class:`KvLinkCost`: the transfer of what the decode worker lacks, the decode    |
 |                                | step there (the TPOT the request will see and bring), memory, in milliseconds;   |
@@ -32,7 +34,8 @@ the decode worker only (the prompt's KV is whole on any prefill worker once comp
 
 Conditional disaggregation (:func:`prefills_locally`): a prompt whose part the chosen decode worker lacks on device,
 as the index shows it whatever the policy (the simulator's pools read it so too), is under a threshold prefills there,
-skipping the transfer, as vLLM's and Dynamo's routers allow.
+skipping the transfer, as vLLM's and Dynamo's routers allow. So does a prompt whose two sides picked the same worker
+(one of role ``both`` in the service's pool): there is nothing to move.
 """
 
 from __future__ import annotations
@@ -199,7 +202,9 @@ class PairRouter:
         bs = self.decode.index.block_size
         o = overlaps.workers.get(d.worker)
         cached = 0 if o is None else o.device * bs
-        return PairDecision(p, d, prefills_locally(num_tokens, cached, self.local_prefill_tokens))
+        # (a worker of role "both" picked by both sides prefills where it decodes: nothing moves)
+        local = d.worker == p.worker or prefills_locally(num_tokens, cached, self.local_prefill_tokens)
+        return PairDecision(p, d, local)
 
     def peek_keys(self, keys: list[BlockKey], num_tokens: int) -> PairDecision:
         """:meth:`route_keys` for a query, which books nothing: both routers' random draws are taken back

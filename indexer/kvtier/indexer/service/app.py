@@ -41,7 +41,7 @@ from kvtier.indexer.index.keys import BlockKey, key_backend
 from kvtier.indexer.index.keytable import warm_tables
 from kvtier.indexer.index.tiered import TieredIndex
 from kvtier.indexer.routing.disagg import KvLinkCost, PairRouter, pool_routers
-from kvtier.indexer.routing.load import LoadTracker
+from kvtier.indexer.routing.load import LoadTracker, WorkerLoad
 from kvtier.indexer.routing.plugins import BUILTIN, RoutingPolicy, load_policy, note_routed
 from kvtier.indexer.routing.policies import REGISTRY, RoutingSettings, make_cost, make_plugin
 from kvtier.indexer.routing.router import RouteDecision, Router
@@ -413,7 +413,8 @@ class IndexerService:
         with self._lock:
             self.clients.check_owner(rid, owner)
             known = self._deadlines.finish(rid)
-            self.loads.finish(rid, out)
+            # (in a pair the prefill pool decodes nothing: the output length is the decode pool's to learn)
+            self.loads.finish(rid, None if self.pair is not None else out)
             self.decode_loads.finish(rid, out)
             self.clients.release(rid)
             observed = self.predictions.finish(rid, time.monotonic(), out)
@@ -432,8 +433,7 @@ class IndexerService:
             for s in self.index.streams:
                 st = self.index.stats(s)
                 orphans = self.index.orphan_stats(s)
-                # (a decode worker's bookings are in the decode pool's tracker, a local prefill's too)
-                ld = (self.decode_loads if self.index.role(s) == "decode" else self.loads).load(s)
+                ld = self._worker_load(s)
                 entry: dict[str, Any] = {
                     "events_applied": st.events_applied, "events_rejected": st.events_rejected,
                     "unknown_parents": st.unknown_parents, "unknown_removals": st.unknown_removals,
@@ -463,6 +463,19 @@ class IndexerService:
                     "bookings_refused": self.clients.refused_full,
                     "loop_restarts": self.loop_restarts, **self.gc.figures(), "latency": self._latency(),
                     "dead_workers": len(dead), "predictions": self.predictions.as_dict(), "workers": workers}
+
+    def _worker_load(self, s: StreamId) -> WorkerLoad:
+        """What is booked on worker ``s``: a decode worker's bookings are in the decode pool's tracker (a local
+        prefill's too), a prefill worker's in the prefill pool's; a worker of role "both" in a disaggregated pool
+        serves either side, so it has its two trackers' figures added (a prefix a request of each side holds counted
+        in each). Caller holds the lock. O(1)."""
+        role = self.index.role(s)
+        if role == "decode":
+            return self.decode_loads.load(s)
+        if role == "prefill" or self.pair is None:
+            return self.loads.load(s)
+        a, b = self.loads.load(s), self.decode_loads.load(s)
+        return WorkerLoad(**{f.name: getattr(a, f.name) + getattr(b, f.name) for f in dataclasses.fields(a)})
 
     def _latency(self) -> dict[str, dict[str, Any]]:
         """The latency histograms, JSON form. Caller holds the lock (the HTTP loop's lag has its own writer:
