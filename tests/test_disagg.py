@@ -168,6 +168,16 @@ def test_every_policy_prefills_a_turn_whose_context_its_decode_worker_holds_ther
     assert (second.device_tokens, second.recomputed_tokens) == (2048, 300)
 
 
+def test_a_conditional_pools_prefill_side_learns_only_what_went_there() -> None:
+    """Round robin over 2 prefill workers and 1 decode worker, conditional: the second turn prefills on its decode
+    worker, so the prefill turn stays where it was, as the service's pool keeps it (its round robin moves at
+    ``routed``): the cold third request goes to w1 (it went to w0 again when the turn moved for the second)."""
+    trace = [req("t0", 0.0, 2048, 4, [1, 2, 3, 4], "s"), req("t1", 5.0, 2348, 4, [1, 2, 3, 4, 5], "s"),
+             req("c", 10.0, 2048, 4, [7, 8, 9, 10])]
+    res = simulate(trace, PD.replace(prefill_workers=2, local_prefill_tokens=512), RunConfig("round_robin"))
+    assert [(r.worker, r.decode_worker) for r in res.records] == [(0, 2), (2, 2), (1, 2)]
+
+
 def test_a_summary_of_a_disaggregated_runs_records_is_the_runs() -> None:
     """:func:`summarize` over a disaggregated run's records, told its prefill pool, gives the run's own summary (the
     load imbalance the worse pool's, not the whole cluster's: round robin balances each pool, 6 decode workers

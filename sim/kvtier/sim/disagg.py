@@ -53,9 +53,12 @@ class _Pool:
         self.members = members
         self.name = inner.name
 
-    def choose(self, req: RouteInput) -> Choice:
-        c = self.inner.choose(req)
+    def choose(self, req: RouteInput, *, learn: bool = True) -> Choice:
+        c = self.inner.choose(req, learn=learn)
         return Choice(self.members[c.worker], c.predicted, c.tier)
+
+    def learn(self, req: RouteInput, choice: Choice) -> None:
+        self.inner.learn(req, Choice(self.members.index(choice.worker), choice.predicted, choice.tier))
 
 
 class _PoolLeastLoaded:
@@ -69,7 +72,10 @@ class _PoolLeastLoaded:
         self.loads = loads
         self.streams = [StreamId(WorkerId(f"w{i}")) for i in members]
 
-    def choose(self, req: RouteInput) -> Choice:
+    def learn(self, req: RouteInput, choice: Choice) -> None:
+        pass  # (the load is the run's booking)
+
+    def choose(self, req: RouteInput, *, learn: bool = True) -> Choice:
         def load(k: int) -> tuple[int, int, int]:
             ld = self.loads.load(self.streams[k])
             return (ld.running, ld.active_blocks, k)
@@ -141,10 +147,16 @@ class DisaggPolicy:
         self.decode_at_handoff = rule_at_handoff(name) and not local_prefill_tokens
 
     def choose(self, req: RouteInput) -> PairChoice:
-        p = self.prefill.choose(req)
+        # A conditional pool's prefill side learns only when the prompt goes there (not to its decode worker), as
+        # the service's pool does (kvtier.indexer.service.disagg.route_pair); its draws are taken either way.
+        conditional = self.local_prefill_tokens > 0
+        p = self.prefill.choose(req, learn=not conditional)
         if self.decode_at_handoff:
             return PairChoice(p, -1, 0, False)
-        return self.choose_decode(req, p)
+        pair = self.choose_decode(req, p)
+        if conditional and not pair.local:
+            self.prefill.learn(req, p)
+        return pair
 
     def choose_decode(self, req: RouteInput, p: Choice) -> PairChoice:
         """The decode side of the pair (at arrival, or when the prompt is computed: :attr:`decode_at_handoff`)."""

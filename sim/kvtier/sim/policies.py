@@ -88,7 +88,17 @@ class Policy(Protocol):
     #: the simulation then computes neither, as such a router would not. Results are the same either way.
     blind: ClassVar[bool]
 
-    def choose(self, req: RouteInput) -> Choice: ...
+    def choose(self, req: RouteInput, *, learn: bool = True) -> Choice:
+        """The worker for ``req``. What the policy learns from sending it there (a round-robin turn, a routing
+        history, a plugin's ``routed``) is learned now, or with ``learn=False`` only if :meth:`learn` is called:
+        a conditional disaggregated pool's prefill side, whose prompt may prefill on its decode worker instead,
+        learns only when the prompt goes where it chose, as the service's pool does. Random draws are taken
+        either way."""
+        ...
+
+    def learn(self, req: RouteInput, choice: Choice) -> None:
+        """Learns that ``req`` went to ``choice`` (after ``choose(req, learn=False)``)."""
+        ...
 
 
 def _streams(n: int) -> list[StreamId]:
@@ -102,10 +112,14 @@ class RoundRobin:
     _next: int = 0
     blind: ClassVar[bool] = True
 
-    def choose(self, req: RouteInput) -> Choice:
-        w = self._next
-        self._next = (w + 1) % self.workers
-        return Choice(w)
+    def choose(self, req: RouteInput, *, learn: bool = True) -> Choice:
+        c = Choice(self._next)
+        if learn:
+            self.learn(req, c)
+        return c
+
+    def learn(self, req: RouteInput, choice: Choice) -> None:
+        self._next = (self._next + 1) % self.workers  # the turn moves when a request goes to it
 
 
 @dataclass(slots=True)
@@ -119,8 +133,11 @@ class RandomPolicy:
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
 
-    def choose(self, req: RouteInput) -> Choice:
+    def choose(self, req: RouteInput, *, learn: bool = True) -> Choice:
         return Choice(self._rng.randrange(self.workers))
+
+    def learn(self, req: RouteInput, choice: Choice) -> None:
+        pass  # (its draw is taken in choose)
 
 
 @dataclass(slots=True)
@@ -130,7 +147,10 @@ class LeastLoaded:
     name: str = "least_loaded"
     blind: ClassVar[bool] = False
 
-    def choose(self, req: RouteInput) -> Choice:
+    def learn(self, req: RouteInput, choice: Choice) -> None:
+        pass  # (the load is the run's booking)
+
+    def choose(self, req: RouteInput, *, learn: bool = True) -> Choice:
         streams = _streams(self.workers)
 
         def load(i: int) -> tuple[int, int, int]:
@@ -167,14 +187,20 @@ class KvPolicy:
             parse_medium(ev.medium) > self.max_tier
             or (ev.kv_cache_spec_kind is not None and not self.router.window_aware)))
 
-    def choose(self, req: RouteInput) -> Choice:
+    def choose(self, req: RouteInput, *, learn: bool = True) -> Choice:
         d = self.router.route_keys(req.keys, req.num_tokens)
         self.last_overlaps = d.overlaps
-        if self.router.window_aware:
-            self.index.note_routed(d.worker, req.keys)
-        note_routed(self.router.policy, req.keys, req.num_tokens, d.worker)  # as the service does as it books
         i = self.streams.index(d.worker)
-        return Choice(i, visible(d.overlaps.workers[d.worker], self.max_tier), self.max_tier)
+        c = Choice(i, visible(d.overlaps.workers[d.worker], self.max_tier), self.max_tier)
+        if learn:
+            self.learn(req, c)
+        return c
+
+    def learn(self, req: RouteInput, choice: Choice) -> None:
+        w = self.streams[choice.worker]
+        if self.router.window_aware:
+            self.index.note_routed(w, req.keys)
+        note_routed(self.router.policy, req.keys, req.num_tokens, w)  # as the service does as it books
 
     def feed(self, deliveries: list[Delivery]) -> None:
         """Deliveries of the modeled event path (:mod:`kvtier.sim.transport`), recovery notices included."""
@@ -198,7 +224,10 @@ class Oracle:
         self.router = Router(TieredIndex(block_size), cost, loads=loads, workers=self.streams,
                              temperature=temperature, seed=seed)
 
-    def choose(self, req: RouteInput) -> Choice:
+    def learn(self, req: RouteInput, choice: Choice) -> None:
+        pass  # (it reads the engines)
+
+    def choose(self, req: RouteInput, *, learn: bool = True) -> Choice:
         scores = OverlapScores(total_blocks=len(req.keys))
         for s, cache in zip(self.streams, self._caches(), strict=True):
             scores.workers[s] = cache.usable_overlap(req.tokens)  # what the engine would reuse (SWA: the cut)
@@ -222,7 +251,7 @@ class Approx:
         self.router = Router(TieredIndex(block_size), cost, loads=loads, workers=self.streams)
         self._routed = 0
 
-    def choose(self, req: RouteInput) -> Choice:
+    def choose(self, req: RouteInput, *, learn: bool = True) -> Choice:
         scores = OverlapScores(total_blocks=len(req.keys))
         horizon = req.now - self.ttl
         for s, seen in zip(self.streams, self._seen, strict=True):
@@ -234,15 +263,18 @@ class Approx:
                 n += 1
             scores.workers[s] = TierOverlap(n, n, n, n)
         d = self.router.choose(scores, req.num_tokens, req.keys)
-        i = self.streams.index(d.worker)
-        seen = self._seen[i]
-        choice = Choice(i, scores.workers[d.worker], StorageTier.DEVICE)
+        choice = Choice(self.streams.index(d.worker), scores.workers[d.worker], StorageTier.DEVICE)
+        if learn:
+            self.learn(req, choice)
+        return choice
+
+    def learn(self, req: RouteInput, choice: Choice) -> None:
+        seen = self._seen[choice.worker]
         for k in req.keys:
             seen[k] = req.now
         self._routed += 1
         if self._routed % 1024 == 0:
-            self._prune(horizon)
-        return choice
+            self._prune(req.now - self.ttl)
 
     def _prune(self, horizon: float) -> None:
         for i, seen in enumerate(self._seen):
@@ -262,10 +294,15 @@ class PluginRouted:
         self.streams = _streams(workers)
         self.router = Router(TieredIndex(block_size), CreditCost(), loads=loads, workers=self.streams, policy=plugin)
 
-    def choose(self, req: RouteInput) -> Choice:
+    def choose(self, req: RouteInput, *, learn: bool = True) -> Choice:
         d = self.router.choose(OverlapScores(total_blocks=len(req.keys)), req.num_tokens, req.keys)
-        note_routed(self.plugin, req.keys, req.num_tokens, d.worker)
-        return Choice(self.streams.index(d.worker))
+        c = Choice(self.streams.index(d.worker))
+        if learn:
+            self.learn(req, c)
+        return c
+
+    def learn(self, req: RouteInput, choice: Choice) -> None:
+        note_routed(self.plugin, req.keys, req.num_tokens, self.streams[choice.worker])
 
 
 def check_policy(name: str) -> None:
