@@ -106,6 +106,25 @@ def test_goodput_counts_requests_meeting_every_bound_over_the_whole_trace() -> N
     assert s.tpot_p50 == pytest.approx(0.09) and s.tpot_p99 == pytest.approx(0.3, rel=0.02)
 
 
+def test_the_goodput_plot_bases_its_slo_on_a_run_that_completed_requests() -> None:
+    """No SLO given: the plot's is the p90s of the first run that completed a request (a first policy that
+    completed none gave an SLO without a bound, which counted one request, numpy's scalar True, for every policy
+    at every scale); an SLO without a bound is met by every completed request."""
+    from types import SimpleNamespace
+
+    from kvtier.sim.metrics import goodput_count
+    from kvtier.sim.report import base_slo, goodput_curve
+
+    none = SimpleNamespace(ttft=[], tpot=[], e2e=[])
+    some = SimpleNamespace(ttft=[0.1] * 40, tpot=[0.01] * 40, e2e=[1.0] * 40)
+    base = base_slo(Slo(), [none, some])  # type: ignore[list-item]
+    assert base == Slo(0.1, 0.01, 1.0)
+    assert goodput_curve(base, some, 50)[-1] == pytest.approx(0.8)  # type: ignore[arg-type]
+    assert goodput_curve(base, none, 50) == [0.0] * len(goodput_curve(base, none, 50))  # type: ignore[arg-type]
+    assert goodput_count(Slo(), [0.1] * 40, [0.01] * 40, [1.0] * 40) == 40
+    assert goodput_count(Slo(), [], [], []) == 0
+
+
 def test_a_run_reports_goodput_under_its_slo() -> None:
     reqs = chat(150)
     loose = simulate(reqs, SMALL, RunConfig("kv_all", sla_ttft_ms=1e6, sla_tpot_ms=1e6, sla_e2e_ms=1e9)).summary

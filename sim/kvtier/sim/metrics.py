@@ -302,7 +302,9 @@ def goodput_count(slo: Slo, ttft: Sequence[float], tpot: Sequence[float], e2e: S
     """How many of the completed requests whose latencies are given meet ``slo``. O(n)."""
     import numpy as np
 
-    return int(np.count_nonzero(slo.met(np.asarray(ttft), np.asarray(tpot), np.asarray(e2e))))
+    t = np.asarray(ttft)
+    # (an SLO without a bound is met by every one: met() answers a scalar True then, counted once alone)
+    return int(np.count_nonzero(np.broadcast_to(slo.met(t, np.asarray(tpot), np.asarray(e2e)), t.shape)))
 
 
 def summarize(policy: str, records: Iterable[RequestRecord], workers: int, events_rejected: int = 0,

@@ -258,12 +258,14 @@ SLO_FACTORS = (0.25, 0.35, 0.5, 0.7, 1.0, 1.4, 2.0, 2.8, 4.0)
 
 def base_slo(slo: Slo, runs: Sequence[Latencies]) -> Slo:
     """The SLO the goodput plot tightens and loosens: the one given, or else the p90 of TTFT, TPOT and e2e of the
-    first run (a comparison's first policy, round robin by default), so that it passes 90% on each alone there."""
-    if slo or not runs:
+    first run (a comparison's first policy, round robin by default) that completed a request, so that it passes 90%
+    on each alone there (no bound where none did: every completed request meets it)."""
+    done = [r for r in runs if len(r.ttft)]
+    if slo or not done:
         return slo
     import numpy as np
 
-    r = runs[0]
+    r = done[0]
 
     def p90(xs: Sequence[float]) -> float | None:
         a = np.asarray(xs, dtype=float)
