@@ -324,6 +324,13 @@ CASES: dict[str, Case] = {
                                   ": is a directory; name a file in it"),
     "itl-series in a missing directory": (lambda t, f: ["compare", *SMALL, "--itl-series", str(t / "no" / "x.jsonl")],
                                           "/no/x.jsonl: directory "),
+    # (it was run, then renamed over requests.csv: the gaps' JSONL was left in it)
+    "itl-series is requests.csv": (lambda t, f: replay("--out", _dir(t, "o"), "--itl-series",
+                                                       str(t / "o" / "requests.csv"))(t, f),
+                                   "requests.csv: is one of --out's own outputs; name another file"),
+    "itl-series is a plot": (lambda t, f: ["compare", "--trace", "builtin:chat:4", "--out", _dir(t, "o"),
+                                           "--itl-series", "o/../o/ttft_cdf.png"],
+                             "ttft_cdf.png: is one of --out's own outputs"),
     # gen-trace
     "gen-trace requests 0": (lambda t, f: ["gen-trace", "--requests", "0", "-o", str(t / "x.jsonl")],
                              "argument --requests: 0 is not allowed"),

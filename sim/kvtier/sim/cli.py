@@ -333,13 +333,17 @@ def _out_dir(a: argparse.Namespace, *names: str) -> Path:
 
 def _compare(a: argparse.Namespace, policies: list[str]) -> int:
     from kvtier.sim.experiment import RunSpec, execute, run_jobs
-    from kvtier.sim.report import join_csv, join_files, plot, table, write_json
+    from kvtier.sim.report import PLOTS, join_csv, join_files, plot, table, write_json
 
     trace = _trace(a)
     cluster = _cluster(a)
     if a.itl_series is not None:
         _check_output("--itl-series", a.itl_series)  # (now, not once every run is done)
     out_dir = _out_dir(a, "summary.json", "requests.csv")
+    if a.itl_series is not None:
+        own = {(out_dir / n).resolve() for n in ("summary.json", "requests.csv", *([] if a.no_plots else PLOTS))}
+        if a.itl_series.resolve() in own:
+            raise CliError(f"--itl-series {a.itl_series}: is one of --out's own outputs; name another file")
     # Each run streams its records to a part of requests.csv (in its own process), so no process holds a
     # long trace's records; the parts are joined in policy order.
     parts = [out_dir / f".requests.{i}.csv" for i in range(len(policies))]

@@ -142,6 +142,9 @@ def write_json(path: Path, summaries: Sequence[RunSummary], meta: dict[str, Any]
     path.write_text(json.dumps({"meta": meta, "runs": runs}, indent=2, default=str))
 
 
+#: The plots :func:`plot` writes in its directory.
+PLOTS = ("hit_rate_by_tier.png", "ttft_cdf.png", "ttft_tpot_pareto.png", "goodput_vs_slo.png")
+
 #: Columns of requests.csv, one row per request and run.
 CSV_FIELDS = ["policy", "request_id", "worker", "arrival", "input_tokens", "output_tokens", "ttft", "e2e", "queue",
               "device_tokens", "host_tokens", "storage_tokens", "recomputed_tokens", "predicted_blocks",
@@ -309,7 +312,7 @@ def plot(out_dir: Path, summaries: Sequence[RunSummary], runs: Sequence[Latencie
     ax.set_title(f"Prompt tokens by source: {title}")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.tick_params(axis="x", rotation=30)
-    paths.append(_save(fig, out_dir / "hit_rate_by_tier.png"))
+    paths.append(_save(fig, out_dir / PLOTS[0]))
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for name, values in ((s.policy, r.ttft) for s, r in zip(summaries, runs, strict=True)):
@@ -326,7 +329,7 @@ def plot(out_dir: Path, summaries: Sequence[RunSummary], runs: Sequence[Latencie
     ax.set_title(f"TTFT CDF: {title}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="lower right")
-    paths.append(_save(fig, out_dir / "ttft_cdf.png"))
+    paths.append(_save(fig, out_dir / PLOTS[1]))
 
     fig, ax = plt.subplots(figsize=(7, 4.6))
     for s in summaries:
@@ -337,7 +340,7 @@ def plot(out_dir: Path, summaries: Sequence[RunSummary], runs: Sequence[Latencie
     ax.set_ylabel("TPOT p90 (ms)")
     ax.set_title(f"Pareto view, lower left is better: {title}", fontsize=10)
     ax.grid(True, alpha=0.3)
-    paths.append(_save(fig, out_dir / "ttft_tpot_pareto.png"))
+    paths.append(_save(fig, out_dir / PLOTS[2]))
 
     slo = slo or Slo()
     base = base_slo(slo, runs)
@@ -355,5 +358,5 @@ def plot(out_dir: Path, summaries: Sequence[RunSummary], runs: Sequence[Latencie
     ax.set_title(f"Goodput as the SLO tightens: {title}", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
-    paths.append(_save(fig, out_dir / "goodput_vs_slo.png"))
+    paths.append(_save(fig, out_dir / PLOTS[3]))
     return paths
