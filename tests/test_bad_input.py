@@ -537,6 +537,30 @@ def test_ctrl_c_mid_run_is_one_line_and_status_130(monkeypatch: pytest.MonkeyPat
     assert capsys.readouterr().err.strip().splitlines()[-1] == "kvtier: interrupted"
 
 
+def test_ctrl_c_inside_a_compiled_kernel_is_one_line_and_status_130(monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """A Ctrl-C that lands inside a numba kernel surfaces as a SystemError ("returned a result with an exception
+    set") caused by the KeyboardInterrupt: it printed that traceback and exited 1. A SystemError of its own still
+    raises."""
+    def interrupted(*args: object, **kwargs: object) -> None:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as exc:
+            raise SystemError("CPUDispatcher(<function strip_tokens>) returned a result with an exception set") \
+                from exc
+
+    monkeypatch.setattr(experiment, "simulate", interrupted)
+    assert main(["replay", *SMALL]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "kvtier: interrupted"
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise SystemError("a bug")
+
+    monkeypatch.setattr(experiment, "simulate", broken)
+    with pytest.raises(SystemError, match="a bug"):
+        main(["replay", *SMALL])
+
+
 def test_fit_latency_refuses_its_output_before_fitting(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """An -o in a missing directory was refused only after the fit had been printed, as if it had succeeded."""
     points = _bytes(tmp_path, "p.csv", b"kind,x,ms\nprefill,512,30\nprefill,2048,150\nprefill,8192,1000\n")

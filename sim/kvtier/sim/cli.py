@@ -798,6 +798,23 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C mid-run (or mid-import of a plugin): no traceback, the shell's status
         print("kvtier: interrupted", file=sys.stderr)
         return 130
+    except SystemError as exc:  # Ctrl-C inside a compiled kernel: numba's dispatch wraps it in a SystemError
+        if not _interrupted(exc):
+            raise
+        print("kvtier: interrupted", file=sys.stderr)
+        return 130
+
+
+def _interrupted(exc: BaseException) -> bool:
+    """Whether ``exc`` was caused by a KeyboardInterrupt (its cause or context, at any depth). O(chain)."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
 
 
 __all__ = ["RunResult", "build_parser", "main"]
