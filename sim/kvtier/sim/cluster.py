@@ -221,6 +221,11 @@ class ClusterConfig:
                               "give both (disaggregated) or neither (aggregated)")
         if self.disaggregated:  # the pools make the cluster (so a sweep over them keeps the rest as it is)
             object.__setattr__(self, "workers", self.prefill_workers + self.decode_workers)
+        if self.workers > MAX_WORKERS:
+            who = (f"--prefill-workers {self.prefill_workers} --decode-workers {self.decode_workers}"
+                   if self.disaggregated else f"--workers {self.workers}")
+            raise ConfigError(f"{who}: {self.workers:,} workers; a simulation holds at most {MAX_WORKERS:,} (each "
+                              "costs some 15 KB and a tenth of a millisecond before it holds a page)")
         if self.l3 != "none" and self.l3_tokens < self.page_size:
             raise ConfigError(f"--l3-tokens: {self.l3_tokens} holds no page of --page-size {self.page_size}")
         # Device, host and window-KV pages (decode workers have no host tier: an upper bound), before any is made.
@@ -237,6 +242,8 @@ class ClusterConfig:
 
 #: Device, host and window-KV pages of a whole simulated cluster at most: their pools are made when the run starts.
 MAX_PAGES = 1 << 25
+#: Workers of a simulated cluster at most: each has its engine, scheduler and bookkeeping whatever its pages.
+MAX_WORKERS = 1 << 14
 
 
 @dataclass(slots=True, eq=False)
