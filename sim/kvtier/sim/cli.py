@@ -658,7 +658,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default="kv_all", help="policy unless the grid has a policy axis")
     p.add_argument("--grid", nargs="+", required=True, metavar="NAME=V1,V2",
                    help="axes, e.g. device_tokens=65536,131072 host_ratio=0,2 policy=kv_device,kv_all "
-                        "pools=agg,8:8,4:12 (prefill:decode workers; or prefill_workers= and decode_workers=)")
+                        "pools=agg,8:8,4:12 (splits of --workers into prefill:decode workers; or prefill_workers= and "
+                        "decode_workers=, which resize the cluster)")
     p.add_argument("--out", default="out/sweep", help="output directory")
     p.add_argument("--jobs", type=COUNT.parse, help="parallel processes (default: one per core)")
     p.add_argument("--ray", action="store_true", help="run on a Ray cluster (RAY_ADDRESS or a local one)")

@@ -310,12 +310,31 @@ def grid_jobs(trace: Sequence[Request] | TraceSource, base_cluster: ClusterConfi
             changes.update((k, _TO_CONFIG[k](v) if k in _TO_CONFIG else v) for k, v in tag.items()
                            if _FIELDS[k][0] == "cluster")
             cluster = base_cluster.replace(**changes)
+            _check_axes(tag, base_cluster, cluster)
             run = dataclasses.replace(base_run, **{k: v for k, v in tag.items() if _FIELDS[k][0] == "run"})
             check_policy(run.policy)
         except ConfigError as exc:
             raise ConfigError(f"--grid {' '.join(f'{k}={v}' for k, v in tag.items())}: {exc}") from None
         jobs.append(RunSpec(source, cluster, run, tag, keep_records=keep_records))
     return jobs
+
+
+def _check_axes(tag: dict[str, Any], base: ClusterConfig, cluster: ClusterConfig) -> None:
+    """:class:`ConfigError` where an axis of ``tag`` would not take effect in ``cluster`` (its row would report a
+    setting that never ran): ``workers`` where the pools size the cluster, ``kv_link`` where ``--kv-link-gbps``
+    overrides its bandwidth, a ``pools`` split with other than the base cluster's workers (the splits of one
+    cluster keep its GPUs: an aggregated base's ``--workers``, a disaggregated one's pools)."""
+    if "workers" in tag and cluster.workers != tag["workers"]:
+        raise ConfigError(f"a disaggregated cluster's workers are its pools' ({cluster.prefill_workers} + "
+                          f"{cluster.decode_workers}): sweep pools, prefill_workers or decode_workers instead")
+    if "kv_link" in tag and cluster.kv_gbps is not None:
+        raise ConfigError(f"--kv-link-gbps {cluster.kv_gbps:g} sets the link's bandwidth, whatever its preset: drop "
+                          "one")
+    whole = tag.get("workers", base.workers)
+    if tag.get("pools", "agg") != "agg" and cluster.workers != whole:
+        raise ConfigError(f"{cluster.workers} workers, the cluster {whole}: a split keeps the cluster's workers "
+                          f"(give --workers {cluster.workers}, or sweep prefill_workers and decode_workers to resize "
+                          "it)")
 
 
 def run_grid(trace: Sequence[Request] | TraceSource, cluster: ClusterConfig, run: RunConfig, grid: dict[str, list[Any]],
