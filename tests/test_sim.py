@@ -527,6 +527,36 @@ def test_plot_titles_and_labels_are_wrapped_inside_the_figure(tmp_path: Path) ->
         assert fig.bbox.x0 <= box.x0 and box.x1 <= fig.bbox.x1 and "\n" in text.get_text()
 
 
+@pytest.mark.parametrize("command", ["replay", "sweep"])
+def test_a_plot_interrupted_mid_write_leaves_no_truncated_file(command: str, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while a plot was written left a truncated PNG (124 bytes, no end) under its final name, and a sweep's
+    tables were written in place too: each output is now written whole, under a hidden name then renamed, or not
+    at all."""
+    import matplotlib.figure
+
+    real = matplotlib.figure.Figure.savefig
+    calls = []
+
+    def savefig(self: matplotlib.figure.Figure, fname: Path, *args: object, **kwargs: object) -> None:
+        calls.append(fname)
+        if len(calls) == 2:  # the second plot: half written, then Ctrl-C
+            Path(fname).write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 116)
+            raise KeyboardInterrupt
+        real(self, fname, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    argv = [command, "--trace", "builtin:chat:20", "--out", str(tmp_path)]
+    if command == "sweep":
+        argv += ["--grid", "policy=round_robin,kv_all", "--jobs", "1"]
+    assert cli(argv) == 130
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert not [n for n in names if n.startswith(".")], names  # no part file left
+    assert len([n for n in names if n.endswith(".png")]) == 1, names  # the first, whole; not the second
+    first = tmp_path / Path(calls[0]).name.removeprefix(".").removesuffix(".part")
+    assert first.read_bytes().endswith(b"IEND\xaeB`\x82")
+
+
 def test_rejected_requests_are_named_on_stderr(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Requests that could never fit a worker's device are rejected: a run rejecting every one exited 0 with only a
     number in the table's rej column to say so."""

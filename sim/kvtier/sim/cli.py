@@ -454,7 +454,7 @@ def cmd_replay(a: argparse.Namespace) -> int:
 
 def cmd_sweep(a: argparse.Namespace) -> int:
     from kvtier.sim.experiment import grid_jobs, parse_grid, run_jobs
-    from kvtier.sim.report import table, write_sweep
+    from kvtier.sim.report import table, whole, write_sweep
 
     try:
         grid = parse_grid(a.grid)
@@ -480,7 +480,8 @@ def cmd_sweep(a: argparse.Namespace) -> int:
                      **s.extra})
     print(table(summaries, first="grid point"))
     _warn(summaries)
-    (out_dir / "sweep.json").write_text(json.dumps(rows, indent=2, default=str))
+    with whole(out_dir / "sweep.json") as part:
+        part.write_text(json.dumps(rows, indent=2, default=str))
     written = [out_dir / "sweep.json", *write_sweep(out_dir, rows, list(grid), plots=not a.no_plots)]
     print(f"\nwrote {', '.join(str(p) for p in written)}", file=sys.stderr)
     return _unfinished_status(a, summaries, len(jobs[0].trace) if jobs else 0)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
 import math
+import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -93,7 +95,7 @@ def write_sweep(out_dir: Path, rows: Sequence[dict[str, Any]], axes: Sequence[st
     the others. Returns the paths written."""
     keys = list(rows[0]) if rows else []
     path = out_dir / "sweep.csv"
-    with open(path, "w", newline="") as f:
+    with whole(path) as part, open(part, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(keys)
         for r in rows:
@@ -128,7 +130,8 @@ def write_sweep(out_dir: Path, rows: Sequence[dict[str, Any]], axes: Sequence[st
             ax.legend(fontsize=7)
         fig.tight_layout()
         p = out_dir / f"sweep_{field}.png"
-        fig.savefig(p, dpi=110)
+        with whole(p) as part:
+            fig.savefig(part, dpi=110, format="png")
         plt.close(fig)
         written.append(p)
     return written
@@ -210,6 +213,20 @@ class ItlSeries:
         self._file.close()
 
 
+@contextlib.contextmanager
+def whole(path: Path) -> Iterator[Path]:
+    """A hidden part file beside ``path`` to write, renamed to ``path`` once what it wraps is done, removed if it
+    fails or is interrupted: ``path`` is written whole or not at all (a run stopped mid-write leaves no truncated
+    plot or table). O(1)."""
+    part = path.with_name(f".{path.name}.part")
+    try:
+        yield part
+        os.replace(part, path)
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
+
+
 def join_files(path: Path, parts: Sequence[Path], header: bytes = b"") -> None:
     """``path`` made of ``header`` then ``parts`` in order; the parts are removed. O(total size), in 1 MiB
     copies."""
@@ -242,7 +259,8 @@ def _save(fig: Any, path: Path) -> Path:
             # (a character of these fonts averages about 0.6 of the font size)
             text.set_text(textwrap.fill(text.get_text(), max(20, int(width_pt / (0.6 * text.get_fontsize())))))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with whole(path) as part:
+        fig.savefig(part, dpi=120, format="png")
     plt.close(fig)
     return path
 
