@@ -30,7 +30,9 @@ decode pool by the rule below (:func:`decode_rule`):
 |                                | goodput's TPOT bound is checked here, its TTFT bound on the prefill side         |
 
 The two sides are priced independently and each minimised, which minimises their sum: the KV transfer depends on
-the decode worker only (the prompt's KV is whole on any prefill worker once computed).
+the decode worker only (the prompt's KV is whole on any prefill worker once computed). Each side's router reads its
+own pool's bookings: a worker of role ``both`` in a pool with dedicated ones is priced by each side on that side's
+bookings alone (``/metrics`` shows their sum).
 
 Conditional disaggregation (:func:`prefills_locally`): a prompt whose part the chosen decode worker lacks on device,
 as the index shows it whatever the policy (the simulator's pools read it so too), is under a threshold prefills there,
