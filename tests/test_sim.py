@@ -557,6 +557,33 @@ def test_a_plot_interrupted_mid_write_leaves_no_truncated_file(command: str, tmp
     assert first.read_bytes().endswith(b"IEND\xaeB`\x82")
 
 
+@pytest.mark.parametrize("command", ["replay", "sweep"])
+def test_ctrl_c_while_plotting_is_held_until_the_plots_are_whole(command: str, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C that matplotlib's weakref callbacks received was printed and dropped: the command exited 0. It is
+    now held while the plots are drawn and written, then raised: status 130, every plot whole."""
+    import matplotlib.figure
+
+    real = matplotlib.figure.Figure.savefig
+    calls = []
+
+    def savefig(self: matplotlib.figure.Figure, fname: Path, *args: object, **kwargs: object) -> None:
+        calls.append(fname)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C mid-plot
+        real(self, fname, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    argv = [command, "--trace", "builtin:chat:20", "--out", str(tmp_path)]
+    if command == "sweep":
+        argv += ["--grid", "policy=round_robin,kv_all", "--jobs", "1"]
+    assert cli(argv) == 130
+    pngs = [p for p in tmp_path.iterdir() if p.suffix == ".png"]
+    assert len(pngs) == len(calls) >= 2 and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert all(p.read_bytes().endswith(b"IEND\xaeB`\x82") for p in pngs)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # (given back)
+
+
 def test_rejected_requests_are_named_on_stderr(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Requests that could never fit a worker's device are rejected: a run rejecting every one exited 0 with only a
     number in the table's rej column to say so."""

@@ -11,7 +11,9 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -383,11 +385,31 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
     if not a.no_plots:
         where = (f"{a.trace}, {cluster.workers} workers x {cluster.device_tokens:,} device tokens, "
                  f"host x{cluster.host_ratio:g}, l3 {cluster.l3}")
-        written += plot(out_dir, summaries, [res for _, res in results], where,
-                        _run_cfg(a, policies[0]).slo)
+        with _interrupt_after():
+            written += plot(out_dir, summaries, [res for _, res in results], where,
+                            _run_cfg(a, policies[0]).slo)
     print(f"\nran in {wall:.1f} s, peak memory {peak:,.0f} MiB (largest process); wrote "
           f"{', '.join(str(p) for p in written)}", file=sys.stderr)
     return _unfinished_status(a, summaries, len(trace))
+
+
+@contextlib.contextmanager
+def _interrupt_after() -> Iterator[None]:
+    """Holds a Ctrl-C while the plots are drawn and written, and raises it once they are: matplotlib runs weakref
+    callbacks, where Python prints an interrupt and drops it (the command then went on and exited 0). A no-op off
+    the main thread, or where SIGINT is ignored. O(1)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) in (
+            signal.SIG_IGN, None):
+        yield
+        return
+    held: list[int] = []
+    before = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+    if held:
+        raise KeyboardInterrupt
 
 
 @contextlib.contextmanager
@@ -482,7 +504,8 @@ def cmd_sweep(a: argparse.Namespace) -> int:
     _warn(summaries)
     with whole(out_dir / "sweep.json") as part:
         part.write_text(json.dumps(rows, indent=2, default=str))
-    written = [out_dir / "sweep.json", *write_sweep(out_dir, rows, list(grid), plots=not a.no_plots)]
+    with _interrupt_after():
+        written = [out_dir / "sweep.json", *write_sweep(out_dir, rows, list(grid), plots=not a.no_plots)]
     print(f"\nwrote {', '.join(str(p) for p in written)}", file=sys.stderr)
     return _unfinished_status(a, summaries, len(jobs[0].trace) if jobs else 0)
 
