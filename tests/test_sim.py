@@ -527,12 +527,13 @@ def test_plot_titles_and_labels_are_wrapped_inside_the_figure(tmp_path: Path) ->
         assert fig.bbox.x0 <= box.x0 and box.x1 <= fig.bbox.x1 and "\n" in text.get_text()
 
 
+@pytest.mark.parametrize("how", ["mid-write", "signal"])
 @pytest.mark.parametrize("command", ["replay", "sweep"])
-def test_a_plot_interrupted_mid_write_leaves_no_truncated_file(command: str, tmp_path: Path,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ctrl-C while a plot was written left a truncated PNG (124 bytes, no end) under its final name, and a sweep's
-    tables were written in place too: each output is now written whole, under a hidden name then renamed, or not
-    at all."""
+def test_ctrl_c_while_plotting_leaves_whole_plots_and_status_130(command: str, how: str, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each plot and a sweep's tables are written whole or not at all: an interrupt raised mid-write (it left a
+    truncated PNG, 124 bytes, under its final name) removes the part file. A Ctrl-C while plotting is held until the
+    plots are done, then raised: matplotlib's weakref callbacks printed and dropped it, and the command exited 0."""
     import matplotlib.figure
 
     real = matplotlib.figure.Figure.savefig
@@ -540,35 +541,9 @@ def test_a_plot_interrupted_mid_write_leaves_no_truncated_file(command: str, tmp
 
     def savefig(self: matplotlib.figure.Figure, fname: Path, *args: object, **kwargs: object) -> None:
         calls.append(fname)
-        if len(calls) == 2:  # the second plot: half written, then Ctrl-C
+        if len(calls) == 2 and how == "mid-write":  # the second plot: half written, then interrupted
             Path(fname).write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 116)
             raise KeyboardInterrupt
-        real(self, fname, *args, **kwargs)
-
-    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
-    argv = [command, "--trace", "builtin:chat:20", "--out", str(tmp_path)]
-    if command == "sweep":
-        argv += ["--grid", "policy=round_robin,kv_all", "--jobs", "1"]
-    assert cli(argv) == 130
-    names = sorted(p.name for p in tmp_path.iterdir())
-    assert not [n for n in names if n.startswith(".")], names  # no part file left
-    assert len([n for n in names if n.endswith(".png")]) == 1, names  # the first, whole; not the second
-    first = tmp_path / Path(calls[0]).name.removeprefix(".").removesuffix(".part")
-    assert first.read_bytes().endswith(b"IEND\xaeB`\x82")
-
-
-@pytest.mark.parametrize("command", ["replay", "sweep"])
-def test_ctrl_c_while_plotting_is_held_until_the_plots_are_whole(command: str, tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """A Ctrl-C that matplotlib's weakref callbacks received was printed and dropped: the command exited 0. It is
-    now held while the plots are drawn and written, then raised: status 130, every plot whole."""
-    import matplotlib.figure
-
-    real = matplotlib.figure.Figure.savefig
-    calls = []
-
-    def savefig(self: matplotlib.figure.Figure, fname: Path, *args: object, **kwargs: object) -> None:
-        calls.append(fname)
         if len(calls) == 2:
             os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C mid-plot
         real(self, fname, *args, **kwargs)
@@ -578,8 +553,10 @@ def test_ctrl_c_while_plotting_is_held_until_the_plots_are_whole(command: str, t
     if command == "sweep":
         argv += ["--grid", "policy=round_robin,kv_all", "--jobs", "1"]
     assert cli(argv) == 130
-    pngs = [p for p in tmp_path.iterdir() if p.suffix == ".png"]
-    assert len(pngs) == len(calls) >= 2 and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert not [n for n in names if n.startswith(".")], names  # no part file left
+    pngs = [tmp_path / n for n in names if n.endswith(".png")]
+    assert len(pngs) == (1 if how == "mid-write" else len(calls)), names
     assert all(p.read_bytes().endswith(b"IEND\xaeB`\x82") for p in pngs)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # (given back)
 
