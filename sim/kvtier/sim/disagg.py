@@ -72,14 +72,14 @@ class _PoolLeastLoaded:
         self.loads = loads
         self.streams = [StreamId(WorkerId(f"w{i}")) for i in members]
 
-    def learn(self, req: RouteInput, choice: Choice) -> None:
-        pass  # (the load is the run's booking)
-
     def choose(self, req: RouteInput, *, learn: bool = True) -> Choice:
         def load(k: int) -> tuple[int, int, int]:
             ld = self.loads.load(self.streams[k])
             return (ld.running, ld.active_blocks, k)
         return Choice(self.members[min(range(len(self.members)), key=load)])
+
+    def learn(self, req: RouteInput, choice: Choice) -> None:
+        pass  # (the load is the run's booking)
 
 
 def _narrow(policy: Policy, members: list[int], loads: LoadTracker, seed: int) -> Policy:

@@ -147,9 +147,6 @@ class LeastLoaded:
     name: str = "least_loaded"
     blind: ClassVar[bool] = False
 
-    def learn(self, req: RouteInput, choice: Choice) -> None:
-        pass  # (the load is the run's booking)
-
     def choose(self, req: RouteInput, *, learn: bool = True) -> Choice:
         streams = _streams(self.workers)
 
@@ -158,6 +155,9 @@ class LeastLoaded:
             return (ld.running, ld.active_blocks, i)
 
         return Choice(min(range(self.workers), key=load))
+
+    def learn(self, req: RouteInput, choice: Choice) -> None:
+        pass  # (the load is the run's booking)
 
 
 class KvPolicy:
@@ -224,9 +224,6 @@ class Oracle:
         self.router = Router(TieredIndex(block_size), cost, loads=loads, workers=self.streams,
                              temperature=temperature, seed=seed)
 
-    def learn(self, req: RouteInput, choice: Choice) -> None:
-        pass  # (it reads the engines)
-
     def choose(self, req: RouteInput, *, learn: bool = True) -> Choice:
         scores = OverlapScores(total_blocks=len(req.keys))
         for s, cache in zip(self.streams, self._caches(), strict=True):
@@ -234,6 +231,9 @@ class Oracle:
         d = self.router.choose(scores, req.num_tokens, req.keys)
         i = self.streams.index(d.worker)
         return Choice(i, scores.workers[d.worker])
+
+    def learn(self, req: RouteInput, choice: Choice) -> None:
+        pass  # (it reads the engines)
 
 
 class Approx:
