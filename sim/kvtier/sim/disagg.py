@@ -115,6 +115,7 @@ class DisaggPolicy:
         self.prefill = _narrow(pre, list(range(prefill)), loads, settings.seed)
         self.kv = pre if isinstance(pre, KvPolicy) else None  # the index both pools' events feed
         members = list(range(prefill, workers))
+        self._streams = [StreamId(WorkerId(f"w{i}")) for i in range(workers)]
         self.rule = decode_rule(name)
         self.decode: Policy | None = None
         self.decode_router: Router | None = None
@@ -124,15 +125,12 @@ class DisaggPolicy:
             self.decode = _narrow(dec, members, decode_loads, settings.seed + 1)
         else:
             index = self.kv.index if self.kv is not None else TieredIndex(block_size)
-            streams = [StreamId(WorkerId(f"w{i}")) for i in range(workers)]
             self.decode_router = Router(index, decode_cost(name, settings), loads=decode_loads,
-                                        workers=[streams[i] for i in members], temperature=settings.temperature,
-                                        seed=settings.seed + 1)
-            self._streams = streams
+                                        workers=[self._streams[i] for i in members],
+                                        temperature=settings.temperature, seed=settings.seed + 1)
         # The index the conditional check reads where the policy keeps none (see the module's docstring).
         self._local: IndexConsumer | None = None
         if local_prefill_tokens and self.kv is None:
-            self._streams = [StreamId(WorkerId(f"w{i}")) for i in range(workers)]
             self._local = IndexConsumer(TieredIndex(block_size), wall_clock=lambda: 0.0)
             for s in self._streams:
                 self._local.index.add_worker(s)
