@@ -10,7 +10,6 @@ import importlib.util
 import json
 import logging
 import math
-import os
 import signal
 import sys
 import threading
@@ -335,7 +334,7 @@ def _out_dir(a: argparse.Namespace, *names: str) -> Path:
 
 def _compare(a: argparse.Namespace, policies: list[str]) -> int:
     from kvtier.sim.experiment import RunSpec, execute, run_jobs
-    from kvtier.sim.report import PLOTS, join_csv, join_files, plot, table, write_json
+    from kvtier.sim.report import PLOTS, join_csv, join_files, plot, table, wholes, write_json
 
     trace = _trace(a)
     cluster = _cluster(a)
@@ -363,8 +362,7 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
     outputs = [out_dir / "summary.json", out_dir / "requests.csv"]
     if a.itl_series is not None:
         outputs.append(a.itl_series)
-    staged = [p.with_name(f".{p.name}.part") for p in outputs]
-    with _removed_on_failure([*parts, *(p for p in itl_parts if p is not None), *staged]):
+    with _removed_on_failure([*parts, *(p for p in itl_parts if p is not None)]), wholes(outputs) as staged:
         if getattr(a, "progress", False):
             results = [execute(jobs[0], progress=True)]
         else:
@@ -379,8 +377,6 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
         join_csv(staged[1], parts)
         if a.itl_series is not None:
             join_files(staged[2], [p for p in itl_parts if p is not None])
-        for part, final in zip(staged, outputs, strict=True):
-            os.replace(part, final)
     written = list(outputs)
     if not a.no_plots:
         where = (f"{a.trace}, {cluster.workers} workers x {cluster.device_tokens:,} device tokens, "
@@ -414,9 +410,8 @@ def _interrupt_after() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _removed_on_failure(parts: list[Path]) -> Iterator[None]:
-    """Removes the ``parts`` (hidden files each run streams its records to, joined once every run is done, and the
-    outputs staged before they are renamed into place) when what it wraps fails or is interrupted, so that a
-    stopped run leaves none behind. O(parts)."""
+    """Removes the ``parts`` (hidden files each run streams its records to, joined once every run is done) when
+    what it wraps fails or is interrupted, so that a stopped run leaves none behind. O(parts)."""
     try:
         yield
     except BaseException:

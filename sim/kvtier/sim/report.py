@@ -218,12 +218,22 @@ def whole(path: Path) -> Iterator[Path]:
     """A hidden part file beside ``path`` to write, renamed to ``path`` once what it wraps is done, removed if it
     fails or is interrupted: ``path`` is written whole or not at all (a run stopped mid-write leaves no truncated
     plot or table). O(1)."""
-    part = path.with_name(f".{path.name}.part")
-    try:
+    with wholes([path]) as (part,):
         yield part
-        os.replace(part, path)
+
+
+@contextlib.contextmanager
+def wholes(paths: Sequence[Path]) -> Iterator[list[Path]]:
+    """:func:`whole` of several files at once: their parts are renamed into place together, once what it wraps is
+    done (a stopped run leaves none of them beside the others half-written), or all removed. O(files)."""
+    parts = [p.with_name(f".{p.name}.part") for p in paths]
+    try:
+        yield parts
+        for part, path in zip(parts, paths, strict=True):
+            os.replace(part, path)
     except BaseException:
-        part.unlink(missing_ok=True)
+        for part in parts:
+            part.unlink(missing_ok=True)
         raise
 
 
