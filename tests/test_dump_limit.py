@@ -264,26 +264,45 @@ def test_a_peer_that_stops_reading_has_a_bounded_part_of_a_replay_queued() -> No
 
 def test_replay_requests_past_max_answers_wait_their_turn() -> None:
     """Each answer in progress holds memory (a replay, the buffer's payloads it still has to send): past
-    ``max_answers`` requests stay in the socket's queue, to be taken as answers end, none lost."""
-    pub = Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", threaded=False, buffer_size=100, max_answers=3)
+    ``max_answers`` requests stay in the socket's queue, to be taken as answers end, none lost.
+
+    Three dumps whose provider waits on a gate fill the answers, so none can end while the replay requests
+    queue behind them; a replay alone could end before the next request arrived, and the cap never be met."""
+    gate = threading.Event()
+
+    def provider() -> tuple[int, Iterator[EventBatch]]:
+        gate.wait(WAIT_S)
+        return pub.last_seq, iter([batch(0)])
+
+    pub = Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", threaded=False, buffer_size=100, max_answers=3,
+                    dump_provider=provider, dump_interval_s=0.0)
     reader = dealer(pub)
     try:
         for i in range(100):
             pub.publish(batch(i))
-        for _ in range(10):
-            reader.send_multipart([b"", pack_seq(0)])
+        for _ in range(3):
+            reader.send_multipart([b"", DUMP_REQUEST])
         deadline = time.monotonic() + WAIT_S
         while pub.replay_stats.requests < 3 and time.monotonic() < deadline:
             pub.serve_requests(5)
         assert pub.replay_stats.requests == 3 and pub.answers_in_progress == 3
+        for _ in range(7):
+            reader.send_multipart([b"", pack_seq(0)])
+        assert pub._router is not None and pub._router.poll(int(WAIT_S * 1000), zmq.POLLIN)  # one is queued
+        for _ in range(20):
+            pub.serve_requests(5)
+            assert pub.replay_stats.requests == 3 and pub.answers_in_progress == 3
+        gate.set()
         ends = 0
         while ends < 10 and time.monotonic() < deadline:
             pub.serve_requests(5)
             assert pub.answers_in_progress <= 3
             while reader.poll(0):
                 ends += reader.recv_multipart()[2] == END_SEQ
-        assert ends == 10 and pub.replay_stats.requests == 10
+        assert ends == 10 and pub.replay_stats.requests == 10 and pub.replay_stats.dumps == 3
+        assert pub.replay_stats.messages == 3 * 2 + 7 * 101
     finally:
+        gate.set()
         reader.close()
         pub.close()
 
