@@ -146,6 +146,13 @@ CASES: dict[str, Case] = {
                                                            "--decode-workers", "1", "--kv-link-gbps", "50", "--grid",
                                                            "kv_link=tcp-100g,nvlink-h100"],
                                              "--grid kv_link=tcp-100g: --kv-link-gbps 50 sets the link's bandwidth"),
+    # the prefill -> decode link's options on an aggregated cluster: nothing would use them
+    "kv link aggregated": (replay("--kv-link", "tcp-100g"),
+                           "--kv-link: it applies to a disaggregated cluster only; give --prefill-workers"),
+    "kv link options aggregated": (replay("--kv-link-gbps", "50", "--local-prefill-tokens", "128"),
+                                   "--kv-link-gbps, --local-prefill-tokens: they apply to a disaggregated cluster"),
+    "sweep kv link aggregated": (lambda t, f: ["sweep", *SMALL, "--kv-link-gbps", "50", "--grid", "seed=1,2"],
+                                 "--kv-link-gbps: it applies to a disaggregated cluster only"),
     "sweep grid split of another size": (lambda t, f: ["sweep", *SMALL, "--workers", "8", "--grid", "pools=agg,2:2"],
                                          "--grid pools=2:2: 4 workers, the cluster 8: a split keeps the cluster's"),
     "sweep grid pools and a pool size": (lambda t, f: ["sweep", *SMALL, "--grid", "pools=2:2", "prefill_workers=1"],

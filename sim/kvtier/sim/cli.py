@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -136,8 +136,9 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-workers", type=int, default=0, metavar="P",
                    help="prefill workers (with --decode-workers; together they make the cluster)")
     g.add_argument("--decode-workers", type=int, default=0, metavar="D", help="decode workers")
-    g.add_argument("--kv-link", choices=sorted(KV_LINKS), default=DEFAULT_KV_LINK,
-                   help="prefill -> decode KV link preset (its bandwidth and source: kvtier.hardware.links)")
+    g.add_argument("--kv-link", choices=sorted(KV_LINKS),
+                   help=f"prefill -> decode KV link preset (its bandwidth and source: kvtier.hardware.links; default: "
+                        f"{DEFAULT_KV_LINK})")
     g.add_argument("--kv-link-gbps", type=float, help="prefill -> decode bandwidth, GB/s (default: --kv-link's)")
     g.add_argument("--local-prefill-tokens", type=int, default=0, metavar="N",
                    help="a prompt whose part its decode worker lacks is under N tokens prefills there (0: never)")
@@ -189,15 +190,28 @@ def _describe(p: ModelPreset) -> str:
             f"{p.window_tokens}-token window)")
 
 
-def _cluster(a: argparse.Namespace) -> ClusterConfig:
-    """The cluster the options describe: every setting of :func:`_add_cluster_args` by its field's name."""
+_DISAGG_AXES = frozenset({"pools", "prefill_workers", "decode_workers"})  # sweep axes that may split the cluster
+
+
+def _cluster(a: argparse.Namespace, axes: Collection[str] = ()) -> ClusterConfig:
+    """The cluster the options describe: every setting of :func:`_add_cluster_args` by its field's name. The
+    prefill -> decode link's options are refused for an aggregated cluster (they would change nothing), unless a
+    sweep's ``axes`` may split it."""
     pools = a.prefill_workers + a.decode_workers if a.prefill_workers > 0 and a.decode_workers > 0 else None
     if pools is not None and a.workers is not None and a.workers != pools:
         raise CliError(f"--workers {a.workers} != --prefill-workers {a.prefill_workers} + --decode-workers "
                        f"{a.decode_workers}: give the pools alone")
+    if a.prefill_workers == a.decode_workers == 0 and not _DISAGG_AXES & set(axes):
+        inert = [f for f, given in (("--kv-link", a.kv_link is not None),
+                                    ("--kv-link-gbps", a.kv_link_gbps is not None),
+                                    ("--local-prefill-tokens", a.local_prefill_tokens != 0)) if given]
+        if inert:
+            raise CliError(f"{', '.join(inert)}: {'they apply' if len(inert) > 1 else 'it applies'} to a "
+                           "disaggregated cluster only; give --prefill-workers and --decode-workers")
     workers = a.workers if a.workers is not None else (pools or ClusterConfig().workers)
     return ClusterConfig.of(
-        workers=workers, prefill_workers=a.prefill_workers, decode_workers=a.decode_workers, kv_link=a.kv_link,
+        workers=workers, prefill_workers=a.prefill_workers, decode_workers=a.decode_workers,
+        kv_link=a.kv_link or DEFAULT_KV_LINK,
         kv_gbps=a.kv_link_gbps, local_prefill_tokens=a.local_prefill_tokens,
         **{k: getattr(a, k) for k in ("device_tokens", "l3", "l3_tokens", "model", "swa_ratio", "prefill_budget",
                                       "max_running", *CACHE_SETTINGS)},
@@ -475,7 +489,7 @@ def cmd_sweep(a: argparse.Namespace) -> int:
 
     try:
         grid = parse_grid(a.grid)
-        jobs = grid_jobs(_trace(a), _cluster(a), _run_cfg(a, a.policy), grid, keep_records=False)
+        jobs = grid_jobs(_trace(a), _cluster(a, grid), _run_cfg(a, a.policy), grid, keep_records=False)
     except ValueError as exc:  # ConfigError included
         raise CliError(str(exc)) from None
     if a.ray and importlib.util.find_spec("ray") is None:
