@@ -289,6 +289,64 @@ def test_a_restarted_event_loop_resumes_streams_and_rebuilds_the_torn_one(monkey
             p.close()
 
 
+def test_a_restarted_event_loop_rebuilds_every_stream_with_a_batch_of_the_failed_poll_unapplied(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One poll hands over a batch of w0 and then one of w1, and applying w0's fails: w1's position counts its
+    batch too, which the index never got. Resumed, w1 would lose block 13 for good (not partial, /health ok) and
+    hold block 14 as an orphan; it is rebuilt from its publisher's replay instead."""
+    from kvtier.indexer.index.consumer import IndexConsumer
+    from kvtier.wire.notices import Received
+    from kvtier.wire.transport.subscriber import Subscriber
+
+    pubs = [Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0") for _ in range(2)]
+    eps = [parse_endpoint(f"w{i}={p.endpoint},replay={p.replay_endpoint}") for i, p in enumerate(pubs)]
+    s = IndexerService(ServiceConfig(endpoints=eps, block_size=BS, listen="127.0.0.1:0", replay_timeout_s=1.0,
+                                     loop_restarts=1))
+    s.start()
+    try:
+        def device(w: str) -> int:
+            return int(post(s.address + "/query", {"token_ids": TOKS})[1]["workers"][w]["device"])
+
+        pubs[0].publish(EventBatch(ts=time.time(), events=[stored([1, 2, 3], None, 0)]))
+        pubs[1].publish(EventBatch(ts=time.time(), events=[stored([11, 12], None, 0)]))
+        wait_for(lambda: device("w0") == 3 and device("w1") == 2)
+        w0, w1 = StreamId(WorkerId("w0")), StreamId(WorkerId("w1"))
+        real_poll, real_feed = Subscriber.poll, IndexConsumer.feed
+        armed, polling = [True], threading.Event()
+
+        def poll_both(self: Subscriber, timeout_ms: int = 100, max_messages: int = 10_000) -> list[Any]:
+            """Until both new batches are in, one poll: w0's first (the order a real poll may hand them in)."""
+            if not armed[0]:
+                return real_poll(self, timeout_ms, max_messages)
+            polling.set()
+            got: list[Any] = []
+            deadline = time.monotonic() + 10.0
+            while {d.stream for d in got if isinstance(d, Received)} != {w0, w1} and time.monotonic() < deadline:
+                got += real_poll(self, timeout_ms, max_messages)
+            armed[0] = False
+            return sorted(got, key=lambda d: d.stream != w0)  # (stable: each stream's order kept)
+
+        def feed_failing_on_w0(self: IndexConsumer, deliveries: Any) -> None:
+            if not armed[0] and deliveries[0].stream == w0 and not s.loop_restarts:
+                raise RuntimeError("injected")
+            real_feed(self, deliveries)
+
+        monkeypatch.setattr(Subscriber, "poll", poll_both)
+        monkeypatch.setattr(IndexConsumer, "feed", feed_failing_on_w0)
+        assert polling.wait(10.0)  # (a poll begun before the patch could take w0's batch alone)
+        pubs[0].publish(EventBatch(ts=time.time(), events=[stored([4], 3, 3)]))
+        pubs[1].publish(EventBatch(ts=time.time(), events=[stored([13], 12, 2)]))
+        wait_for(lambda: s.loop_restarts == 1)
+        pubs[1].publish(EventBatch(ts=time.time(), events=[stored([14], 13, 3)]))
+        wait_for(lambda: device("w0") == 4 and device("w1") == 4)
+        wait_for(lambda: json.loads(get(s.address + "/health"))["status"] == "ok")
+        assert s.index.orphan_blocks(w1) == 0 and not s.index.is_partial(w1) and not s.failed.is_set()
+    finally:
+        s.stop()
+        for p in pubs:
+            p.close()
+
+
 def test_a_service_stopped_while_its_loop_waits_to_restart_still_saves_its_snapshot(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The snapshot written on stop then holds the index and where each stream resumes: the stream whose

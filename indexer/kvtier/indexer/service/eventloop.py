@@ -20,7 +20,7 @@ from kvtier.indexer.service import persist
 from kvtier.indexer.service.config import ServiceConfig
 from kvtier.indexer.service.deadlines import Deadlines
 from kvtier.indexer.service.histogram import Histogram
-from kvtier.wire.notices import StreamId, StreamStats
+from kvtier.wire.notices import Delivery, StreamId, StreamStats
 from kvtier.wire.transport.subscriber import Subscriber
 
 __all__ = ["EventLoop"]
@@ -53,7 +53,7 @@ class EventLoop:
         self.error: str | None = None  # why it died, if it did
         self.restarts = 0  # times it failed and was started again (config.loop_restarts)
         self.restarting = False  # between a failure and the restart
-        self._torn: StreamId | None = None  # the stream whose delivery is being applied
+        self._torn: set[StreamId] = set()  # streams of deliveries polled, not applied, when the loop last ended
         self._positions: persist.Positions = {}  # each in-sync stream's position when the loop last ended
         self.snapshots = 0  # snapshots written
         self.snapshot_seconds = 0.0  # how long the last one took
@@ -162,15 +162,15 @@ class EventLoop:
 
     def _resume_points(self, fallback: persist.Positions) -> persist.Positions:
         """Where each stream resumes after a failure: its subscriber's position. A stream with none (it was
-        catching up), or whose delivery was being applied when the loop failed (torn: its position counts a
-        batch the index may hold in part), is cleared, to be rebuilt from scratch. ``fallback`` if no
-        subscriber was made."""
+        catching up), or with a delivery of the failed poll not applied (torn: its position counts the batch being
+        applied, which the index may hold in part, and every batch polled after it, which the index lacks), is
+        cleared, to be rebuilt from scratch. ``fallback`` if no subscriber was made."""
         if self._sub is None:
             return fallback
         positions = dict(self._positions)
-        if self._torn is not None:
-            positions.pop(self._torn, None)
-            self._torn = None
+        for s in self._torn:
+            positions.pop(s, None)
+        self._torn = set()
         with self._lock:
             for s in self.index.streams:
                 if s not in positions:
@@ -189,18 +189,20 @@ class EventLoop:
         self.restarting = False
         self.ready.set()
         next_snapshot = time.monotonic() + self.config.snapshot_interval_s
+        polled: list[Delivery] = []
+        applied = 0  # of polled
         try:
             while not self._stop.is_set():
                 if time.monotonic() >= next_snapshot:
                     self._save_logged()
                     next_snapshot = time.monotonic() + self.config.snapshot_interval_s
-                for d in sub.poll(50):
+                polled, applied = sub.poll(50), 0
+                for d in polled:
                     t0 = time.perf_counter()
                     with self._lock:  # one batch per hold: queries wait for a batch, never a backlog
                         t1 = time.perf_counter()
-                        self._torn = d.stream  # if applying it fails, its state is half there: never resumed
                         self.consumer.feed((d,))
-                        self._torn = None
+                        applied += 1
                         self.apply_wait.observe(t1 - t0)
                         self.apply_hold.observe(time.perf_counter() - t1)
                 if self._deadlines.due(time.monotonic()):
@@ -210,6 +212,9 @@ class EventLoop:
             self._save_logged()  # on stop
         finally:
             self._positions = sub.positions()  # where a restart resumes (closing forgets the streams)
+            # The subscriber counts every delivery it handed over: the stream of one not applied (the one that
+            # failed, or one polled after it) is past what the index holds, so it is not resumed.
+            self._torn = {d.stream for d in polled[applied:]}
             sub.close()
 
     def _died(self, exc: Exception) -> None:
