@@ -253,6 +253,43 @@ def test_a_snapshot_inferred_with_another_window_is_refused(tmp_path: Path) -> N
     assert svc.restored_from == str(snap) and svc.index.window_tokens == 2 * BS
 
 
+def test_a_snapshot_write_that_fails_leaves_no_temporary_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk fails the write: the previous snapshot stays whole, and the part written does not hold its
+    space (one snapshot's worth a failure) until the next start."""
+    import errno
+
+    snap = tmp_path / "index.snap"
+    persist.save(snap, TieredIndex(BS), {})
+    before = snap.read_bytes()
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    index = TieredIndex(BS)
+    index.apply(StreamId(WorkerId("w0")), stored([1, 2, 3], None, 0))
+    with pytest.raises(OSError, match="No space"):
+        persist.save(snap, index, {})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["index.snap"] and snap.read_bytes() == before
+
+
+def test_a_start_removes_the_temporary_files_of_writers_that_are_gone(tmp_path: Path) -> None:
+    """A writer that crashed mid-write (killed, the machine lost) left its temporary file, named for its pid: the
+    next start removes those of processes gone, and its own pid's (a container's restarted process has the same),
+    never a live process's (two services on one path: the other's write in progress)."""
+    snap = tmp_path / "index.snap"
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    names = {f".index.snap.tmp-{pid}" for pid in (gone, os.getpid(), os.getppid())} | {".index.snap.tmp-x",
+                                                                                         ".other.snap.tmp-1"}
+    for n in names:
+        (tmp_path / n).write_bytes(b"part of a snapshot")
+    IndexerService(ServiceConfig(endpoints=[parse_endpoint("w0=tcp://127.0.0.1:1")], block_size=BS,
+                                 snapshot_path=str(snap)))
+    assert {p.name for p in tmp_path.iterdir()} == {f".index.snap.tmp-{os.getppid()}", ".index.snap.tmp-x",
+                                                     ".other.snap.tmp-1"}
+
+
 def test_sigterm_stops_the_service_cleanly_with_its_last_snapshot(tmp_path: Path) -> None:
     """Supervisors (Kubernetes, systemd) stop a process with SIGTERM: the service stops as on Ctrl-C, exit 0, its
     snapshot written, so that the next start resumes instead of rebuilding every worker (not the signal's default:

@@ -4,11 +4,13 @@ A restarted service restores the index and resumes every stream right after the 
 applied last (the publisher is first checked to still hold that batch, else it is a new process and
 the stream starts over). Only what the publishers' replay buffers no longer hold falls back to a
 dump or a partial mark. The file is written atomically (a temporary file in the same directory,
-fsynced, then renamed over the old one), so a crash mid-write leaves the previous snapshot intact.
+fsynced, then renamed over the old one), so a crash mid-write leaves the previous snapshot intact; a failed write
+removes its temporary file, and a start removes those crashed writers left (:func:`remove_stale`).
 """
 
 from __future__ import annotations
 
+import glob
 import os
 from pathlib import Path
 
@@ -28,10 +30,43 @@ Positions = dict[StreamId, tuple[int, int | None]]
 
 def check_path(path: Path) -> None:
     """``ValueError`` naming what keeps :func:`save` from writing ``path``: a directory that is missing or not
-    writable, or a directory where the file would be (checked when the service starts, not 30 s later). O(1)."""
+    writable, or a directory where the file would be (checked when the service starts, not 30 s later). Removes the
+    temporary files of writers that are gone (:func:`remove_stale`). O(1), plus the directory's entries."""
     problem = unwritable(path)
     if problem is not None:
         raise ValueError(f"snapshot {path}: {problem}")
+    remove_stale(path)
+
+
+def _temporary(path: Path, pid: int) -> Path:
+    return path.with_name(f".{path.name}.tmp-{pid}")
+
+
+def remove_stale(path: Path) -> list[Path]:
+    """Removes the temporary files a writer of ``path`` left when it crashed mid-write (each the size of a snapshot;
+    a crash-looping service on a full disk would leave one a life): those of this process, which has written none
+    yet, and of processes that are gone. A live process's is left alone. Returns what it removed."""
+    prefix, removed = _temporary(path, 0).name[:-1], []
+    for tmp in path.parent.glob(f"{glob.escape(prefix)}*"):
+        pid = tmp.name[len(prefix):]
+        if not (pid.isascii() and pid.isdigit()) or (int(pid) != os.getpid() and _alive(int(pid))):
+            continue
+        try:
+            tmp.unlink()
+            removed.append(tmp)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):  # (past the largest pid: no process)
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def save(path: Path, index: TieredIndex, positions: Positions) -> int:
@@ -41,12 +76,16 @@ def save(path: Path, index: TieredIndex, positions: Positions) -> int:
         "index": index.snapshot(),
         "positions": [[s.worker, s.dp_rank, seq, digest] for s, (seq, digest) in positions.items()],
     })
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp = _temporary(path, os.getpid())
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk: the part written would hold its space until the next start
+        tmp.unlink(missing_ok=True)
+        raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)  # the rename itself is durable
