@@ -200,6 +200,11 @@ def test_snapshot_round_trip_and_bad_snapshot() -> None:
                                       "workers": [("a", 0, False, [entry])]})
         with pytest.raises(ValueError, match="not an index snapshot"):
             TieredIndex.restore(bad)
+    # A worker's record cut after its window (damage, or a writer of another version): refused, not an IndexError.
+    bad = msgspec.msgpack.encode({"version": 1, "block_size": 4, "window_tokens": 0, "links": [],
+                                  "workers": [("a", 0, False, [(1, 5, 1)], 8)]})
+    with pytest.raises(ValueError, match="not an index snapshot"):
+        TieredIndex.restore(bad)
 
 
 @pytest.mark.parametrize("signed", [True, False])

@@ -253,6 +253,20 @@ def test_a_snapshot_inferred_with_another_window_is_refused(tmp_path: Path) -> N
     assert svc.restored_from == str(snap) and svc.index.window_tokens == 2 * BS
 
 
+@pytest.mark.parametrize("position", [["w0", 0, 0, None], ["w0", 0, -3, None], ["w0", -1, 2, None],
+                                      ["w0", 0, 1 << 63, None], [7, 0, 2, None], ["w0", 0, 2, "digest"]])
+def test_a_snapshot_with_an_impossible_stream_position_is_refused(tmp_path: Path, position: list[Any]) -> None:
+    """save() writes a stream's next seq after a batch it applied: a position it cannot have written (damage, or
+    another writer) is refused naming the file, not taken to the event loop, which would die on it."""
+    import msgspec
+
+    snap = tmp_path / "index.snap"
+    snap.write_bytes(msgspec.msgpack.encode({"version": persist.VERSION, "index": TieredIndex(BS).snapshot(),
+                                             "positions": [position]}))
+    with pytest.raises(ValueError, match=f"snapshot {snap}: stream position"):
+        persist.load(snap, BS)
+
+
 def test_a_snapshot_write_that_fails_leaves_no_temporary_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A full disk fails the write: the previous snapshot stays whole, and the part written does not hold its
     space (one snapshot's worth a failure) until the next start."""

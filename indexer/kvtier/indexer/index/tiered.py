@@ -375,7 +375,7 @@ class TieredIndex:
             for parent, kids in obj.get("links", ()):
                 for kid in kids:
                     index._closure.link(BlockKey(parent), BlockKey(kid))
-        except (msgspec.DecodeError, KeyError, TypeError, AttributeError, ValueError, OverflowError) as exc:
+        except (msgspec.DecodeError, KeyError, TypeError, AttributeError, ValueError, OverflowError, IndexError) as exc:
             raise ValueError(f"not an index snapshot: {exc}") from None
         return index
 

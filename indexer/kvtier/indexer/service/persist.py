@@ -21,6 +21,7 @@ from kvtier.util.infile import read_input
 from kvtier.util.outpath import unwritable
 from kvtier.wire.notices import StreamId
 from kvtier.wire.protocol import WorkerId
+from kvtier.wire.transport.frames import MAX_SEQ
 
 VERSION = 1
 
@@ -101,9 +102,15 @@ def load(path: Path, block_size: int) -> tuple[TieredIndex, Positions]:
         if not isinstance(obj, dict) or obj.get("version") != VERSION:
             raise ValueError(f"unsupported snapshot version {obj.get('version') if isinstance(obj, dict) else None!r}")
         index = TieredIndex.restore(obj["index"])
-        positions: Positions = {StreamId(WorkerId(str(w)), int(dp)): (int(seq), None if digest is None else int(digest))
-                                for w, dp, seq, digest in obj["positions"]}
-    except (OSError, msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
+        positions: Positions = {}
+        for w, dp, seq, digest in obj["positions"]:
+            if not (isinstance(w, str) and isinstance(dp, int) and dp >= 0 and isinstance(seq, int)
+                    and 1 <= seq <= MAX_SEQ + 1 and (digest is None or isinstance(digest, int))):
+                # (save writes a stream's next seq, so at least 1, after a batch it applied)
+                raise ValueError(f"stream position {[w, dp, seq, digest]!r}; expected [worker, dp rank >= 0, "
+                                 f"next seq in 1..{MAX_SEQ + 1}, digest or null]")
+            positions[StreamId(WorkerId(w), dp)] = (seq, digest)
+    except (OSError, msgspec.DecodeError, KeyError, TypeError, ValueError, IndexError) as exc:
         raise ValueError(f"snapshot {path}: {exc}") from None
     if index.block_size != block_size:
         raise ValueError(f"snapshot {path}: block size {index.block_size}, the service's is {block_size}")
