@@ -232,6 +232,26 @@ def test_restart_adopts_sound_pages_within_capacity_and_cleans_the_rest(tmp_path
     assert bytes(store.read_page(k(3))) == bytes([3]) * 64
 
 
+def test_a_page_dropped_at_restart_takes_its_draft_with_it(tmp_path: Path) -> None:
+    """A page written with its draft model's companion (``d:`` + its key, as TorchDataPath writes them) and found
+    damaged at restart: the draft goes too, not held for good where no store names it (its own clear() included)."""
+    store = PageStore(8, tmp_path, owner="a", layout=L)
+    store.attach("a", lambda keys: None)
+    for i in range(2):
+        store.begin_write(k(i), meta(i, i - 1 if i else None))
+        store.write_pages([(k(i), bytes([i]) * 64), ("d:" + k(i), bytes([i]) * 32)])
+        assert store.commit(k(i), "a")
+    store.close()
+    base = tmp_path / L.tag()
+    (base / "pages" / k(1)).write_bytes(b"KVTP")  # page 1 damaged, its draft sound
+    again = PageStore(8, tmp_path, owner="a", layout=L)
+    assert again.stats.adopted == 1
+    assert sorted(files(base / "pages")) == sorted([k(0), "d_" + k(0)]) == sorted(files(base / "refs" / "a"))
+    again.attach("a", lambda keys: None)
+    again.clear()
+    assert files(base / "pages") == [] and files(base / "refs" / "a") == []
+
+
 def test_temporary_files_are_judged_by_where_their_writer_ran(tmp_path: Path) -> None:
     """A pool may be shared by engines on other hosts or in other containers, whose process ids mean nothing here:
     their temporary files go only once older than any write takes (``STALE_TMP_S``). This host's go when their

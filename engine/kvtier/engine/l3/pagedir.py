@@ -253,7 +253,8 @@ class PageDir:
 
         Removes ``.tmp`` files of dead writers, this owner's holds on damaged or foreign pages (and on pages whose
         file in ``pages/`` is gone or replaced), and pages no owner holds. Draft companions (``d:`` keys) are not
-        returned; they stay held beside their pages. The counts say what was found and removed.
+        returned; they stay held beside their pages, and go where their page is not held. The counts say what was
+        found and removed.
         """
         found: list[tuple[PageHeader, float]] = []
         counts = {"adoptable": 0, "damaged": 0, "tmp_removed": 0, "orphans_removed": 0}
@@ -263,6 +264,7 @@ class PageDir:
                     os.unlink(entry.path)
                     counts["tmp_removed"] += 1
             bad: list[str] = []
+            drafts: list[tuple[str, str]] = []  # (file name, its page's key) of sound drafts
             for entry in os.scandir(self.refs):
                 key = key_of(entry.name)
                 try:
@@ -277,8 +279,14 @@ class PageDir:
                     log.warning("L3 %s: dropping page %s: %s", self.base, key, exc)
                     bad.append(entry.name)
                     continue
-                if not key.startswith(DRAFT_PREFIX):
+                if key.startswith(DRAFT_PREFIX):
+                    drafts.append((entry.name, key.removeprefix(DRAFT_PREFIX)))
+                else:
                     found.append((header, entry.stat().st_mtime))
+            # A draft goes with its page: one whose page is dropped or not held would stay held for good (no store
+            # ever names it: it is released with its page).
+            held = {h.key for h, _ in found}
+            bad += [name for name, base in drafts if base not in held]
             counts["damaged"] = len(bad)
             self._release_locked(bad)
             for entry in os.scandir(self.pages):
