@@ -266,6 +266,27 @@ def test_a_both_worker_picked_by_both_sides_prefills_where_it_decodes() -> None:
     assert svc.loads.load(W[0]).running == 0 and svc.decode_loads.load(W[0]).running == 1
 
 
+def test_each_side_prices_a_both_worker_with_what_the_other_side_booked_there() -> None:
+    """w1 serves both roles: what the decode side booked there loads it for the prefill side, and the other way round
+    (each side read its own pool's bookings alone, so a worker prefilling a local prefill looked idle to the prefill
+    side). Dynamo's prefill side prices prompt blocks still to prefill, its decode side active blocks: w0 and w2 have
+    one each booked, w1 256 from the other side."""
+    svc = _service("dynamo", ("prefill", "both", "decode"))
+    svc.loads.add("small-prefill", W[0], [], BS, BS)
+    svc.decode_loads.add("small-decode", W[2], [], BS, 0)
+    held = list(range(10_000, 10_256))  # (a booking's blocks are its prompt's keys)
+    svc.decode_loads.add("local", W[1], held, 256 * BS, 256 * BS)  # a local prefill: booked on the decode side
+    out = svc.route({"token_ids": PROMPT, "request_id": "a"})
+    assert out["prefill"]["recommended"] == "w0", out["prefill"]["costs"]
+    assert svc.pair is not None and svc.pair.prefill.loads.load(W[1]).running == 1
+    svc.finish("a")
+    svc.decode_loads.finish("local")
+    svc.loads.add("prefilling", W[1], held, 256 * BS, 256 * BS)
+    out = svc.route({"token_ids": PROMPT, "request_id": "b"})
+    assert out["decode"]["recommended"] == "w2", out["decode"]["costs"]
+    assert svc.pair.decode.loads.load(W[1]).running == 1 and svc.decode_loads.load(W[1]).running == 0
+
+
 def test_a_pairs_finish_teaches_the_output_length_to_the_decode_pool_alone() -> None:
     """The prefill pool decodes nothing: a finish's output_tokens is the decode pool's to learn, whether or not the
     first token was reported (skipping that report taught it to the prefill pool, whose routing then reserved output

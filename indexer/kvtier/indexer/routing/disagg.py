@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from kvtier.hardware.latency import PRESETS, LatencyModel, MockerLatency
 from kvtier.indexer.index.keys import BlockKey
 from kvtier.indexer.index.tiered import TieredIndex
-from kvtier.indexer.routing.load import LoadTracker, WorkerLoad
+from kvtier.indexer.routing.load import LoadTracker, LoadView, PoolLoads, WorkerLoad
 from kvtier.indexer.routing.plugins import RoutingPolicy, is_plugin_spec
 from kvtier.indexer.routing.policies import REGISTRY, RoutingSettings, make_cost, policy_spec
 from kvtier.indexer.routing.router import RouteDecision, Router, draws_taken_back
@@ -225,8 +225,9 @@ def pool_routers(name: str, settings: RoutingSettings, index: TieredIndex, roles
     roles (an aggregated pool). ``make`` builds the policy's cost and plugin as the service does for an aggregated
     pool (called once per pool: a plugin keeps its own history per pool); the registry's policies get their pool
     rules (:func:`prefill_cost`, :func:`decode_rule`). ``loads`` books a request on its prefill worker until its
-    first token, ``decode_loads`` on its decode worker until it finishes. :class:`ValueError` for a pool without a
-    prefill or a decode worker."""
+    first token, ``decode_loads`` on its decode worker until it finishes; each pool's router reads a worker that
+    serves both roles with both added (:class:`~kvtier.indexer.routing.load.PoolLoads`). :class:`ValueError` for a pool
+    without a prefill or a decode worker."""
     if all(r == "both" for r in roles.values()):
         return None
     prefill = [s for s, r in roles.items() if r in ("prefill", "both")]
@@ -244,9 +245,12 @@ def pool_routers(name: str, settings: RoutingSettings, index: TieredIndex, roles
     else:
         dcost, dplugin = decode_cost(name, settings), None
 
-    def router(c: CostModel, p: RoutingPolicy | None, workers: list[StreamId], ld: LoadTracker, seed: int) -> Router:
+    def router(c: CostModel, p: RoutingPolicy | None, workers: list[StreamId], ld: LoadView, seed: int) -> Router:
         return Router(index, c, loads=ld, workers=workers, policy=p, rebuilding=rebuilding, window_aware=True,
                       temperature=settings.temperature, seed=seed, dead=dead)
-    return PairRouter(router(cost, plugin, prefill, loads, settings.seed),
-                      router(dcost, dplugin, decode, decode_loads, settings.seed + 1),
+    both = [s for s, r in roles.items() if r == "both"]  # each side prices what the other booked there too
+    return PairRouter(router(cost, plugin, prefill, PoolLoads(loads, decode_loads, both) if both else loads,
+                             settings.seed),
+                      router(dcost, dplugin, decode, PoolLoads(decode_loads, loads, both) if both else decode_loads,
+                             settings.seed + 1),
                       assume_reuse=rule != "dynamo", local_prefill_tokens=local_prefill_tokens)

@@ -10,10 +10,10 @@ blocks, which grow as the router sees tokens stream back (:meth:`LoadTracker.pro
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Container, Hashable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Container, Hashable, Sequence
+from dataclasses import dataclass, field, fields
 from itertools import compress, repeat
-from typing import cast
+from typing import Protocol, cast
 
 from kvtier.indexer.index.keyrefs import U64, KeyRefs, compiled, key_array
 from kvtier.wire.notices import StreamId
@@ -39,6 +39,10 @@ class WorkerLoad:
     # drops them at first token): with ``running``, the prefill passes a stream on this worker shares its decode
     # steps with, as arrivals replace the requests in flight (the goodput policy's TPOT estimate).
     routed_prefill_tokens: int = 0
+
+    def plus(self, other: WorkerLoad) -> WorkerLoad:
+        """Both loads' figures added (a worker's bookings kept in two trackers). O(1)."""
+        return WorkerLoad(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
 
 def held_prefix(held: Container[Hashable], keys: Sequence[Hashable]) -> int:
@@ -321,3 +325,64 @@ class LoadTracker:
             assert held == refs.get(w, {}), f"prompt block references of {w} out of sync"
             assert state.load == totals.get(w, WorkerLoad()), \
                 f"load of {w} out of sync: {state.load} != {totals.get(w)}"
+
+
+class LoadView(Protocol):
+    """What routing reads of the in-flight loads: a :class:`LoadTracker`, or a :class:`PoolLoads` over two."""
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def expected_output(self) -> float: ...
+
+    def load(self, worker: StreamId) -> WorkerLoad: ...
+
+    def shared_blocks(self, worker: StreamId, keys: Sequence[Hashable]) -> int: ...
+
+    def load_and_shared(self, worker: StreamId, keys: Sequence[Hashable]) -> tuple[WorkerLoad, int]: ...
+
+    def loads_and_shared(self, workers: Sequence[StreamId],
+                         keys: Sequence[Hashable]) -> tuple[list[WorkerLoad], list[int]]: ...
+
+
+class PoolLoads:
+    """One pool's view of a disaggregated pool's loads where some workers serve both roles (``both``): each side
+    books in its own tracker (a prefill until the first token, a decode until the finish), but such a worker's engine
+    runs what both booked, so its load is the two added, and the prefix its in-flight requests hold the longer
+    side's; any other worker's is ``own``'s alone. Read only. A prompt block booked on both sides counts twice in
+    ``active_blocks`` (an upper bound: the two may share it). O(1) more than a tracker per worker of ``both``."""
+
+    def __init__(self, own: LoadTracker, other: LoadTracker, both: Collection[StreamId]) -> None:
+        self.own, self.other, self.both = own, other, frozenset(both)
+
+    @property
+    def block_size(self) -> int:
+        return self.own.block_size
+
+    @property
+    def expected_output(self) -> float:
+        return self.own.expected_output
+
+    def load(self, worker: StreamId) -> WorkerLoad:
+        ld = self.own.load(worker)
+        return ld.plus(self.other.load(worker)) if worker in self.both else ld
+
+    def shared_blocks(self, worker: StreamId, keys: Sequence[Hashable]) -> int:
+        return self.load_and_shared(worker, keys)[1]
+
+    def load_and_shared(self, worker: StreamId, keys: Sequence[Hashable]) -> tuple[WorkerLoad, int]:
+        loads, shared = self.loads_and_shared((worker,), keys)
+        return loads[0], shared[0]
+
+    def loads_and_shared(self, workers: Sequence[StreamId],
+                         keys: Sequence[Hashable]) -> tuple[list[WorkerLoad], list[int]]:
+        loads, shared = self.own.loads_and_shared(workers, keys)
+        at = [i for i, w in enumerate(workers) if w in self.both]
+        if not at:
+            return loads, shared
+        loads, shared = list(loads), list(shared)
+        more, held = self.other.loads_and_shared([workers[i] for i in at], keys)
+        for i, ld, n in zip(at, more, held, strict=True):
+            loads[i], shared[i] = loads[i].plus(ld), max(shared[i], n)
+        return loads, shared

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Protocol, TypeVar, cast, runtime_checkable
 
 from kvtier.indexer.index.keys import BlockKey
-from kvtier.indexer.routing.load import LoadTracker, WorkerLoad
+from kvtier.indexer.routing.load import LoadView, WorkerLoad
 from kvtier.wire.notices import StreamId
 from kvtier.wire.overlap import OverlapScores, TierOverlap
 
@@ -42,7 +42,7 @@ class RouteContext:
     block_size: int  # tokens per block
     keys: Sequence[BlockKey]  # the prompt's block keys, from the root
     overlaps: OverlapScores  # per worker, leading blocks held per tier (cumulative levels)
-    loads: LoadTracker  # in-flight requests per worker, as the router booked them
+    loads: LoadView  # in-flight requests per worker, as the router booked them
     partial: frozenset[StreamId]  # workers whose index lost events for good (what they show is a lower bound)
 
     def overlap(self, worker: StreamId) -> TierOverlap:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from kvtier.indexer.index.keys import BlockKey
 from kvtier.indexer.index.tiered import TieredIndex
-from kvtier.indexer.routing.load import LoadTracker
+from kvtier.indexer.routing.load import LoadTracker, LoadView
 from kvtier.indexer.routing.plugins import RouteContext, RoutingPolicy, route_with
 from kvtier.indexer.routing.scoring import CostModel
 from kvtier.wire.notices import StreamId
@@ -42,7 +42,7 @@ class Router:
         index: TieredIndex,
         cost_model: CostModel,
         *,
-        loads: LoadTracker | None = None,
+        loads: LoadView | None = None,
         workers: Sequence[StreamId] | None = None,
         temperature: float = 0.0,
         seed: int = 0,
@@ -55,7 +55,7 @@ class Router:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         self.index = index
         self.cost_model = cost_model
-        self.loads = loads or LoadTracker(index.block_size)
+        self.loads: LoadView = loads if loads is not None else LoadTracker(index.block_size)
         self.workers = list(workers) if workers is not None else None
         self.temperature = temperature
         self._rng = random.Random(seed)

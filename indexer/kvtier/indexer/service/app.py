@@ -474,8 +474,7 @@ class IndexerService:
             return self.decode_loads.load(s)
         if role == "prefill" or self.pair is None:
             return self.loads.load(s)
-        a, b = self.loads.load(s), self.decode_loads.load(s)
-        return WorkerLoad(**{f.name: getattr(a, f.name) + getattr(b, f.name) for f in dataclasses.fields(a)})
+        return self.loads.load(s).plus(self.decode_loads.load(s))
 
     def _latency(self) -> dict[str, dict[str, Any]]:
         """The latency histograms, JSON form. Caller holds the lock (the HTTP loop's lag has its own writer:

@@ -30,18 +30,20 @@ if TYPE_CHECKING:
 _NONE = TierOverlap(0, 0, 0, 0)
 
 
-def predict_pair(svc: IndexerService, decision: PairDecision, keys: list[BlockKey], tokens: int) -> tuple[float, float]:
-    """Predicted (TTFT, TPOT) in ms of a request on its pair (see the module docstring), before it is booked; TPOT
-    nan without a configured capacity. Caller holds the service's lock. O(blocks)."""
+def predict_pair(svc: IndexerService, pair: PairRouter, decision: PairDecision, keys: list[BlockKey],
+                 tokens: int) -> tuple[float, float]:
+    """Predicted (TTFT, TPOT) in ms of a request on its pair (see the module docstring), before it is booked, each
+    worker's load as its pool's router reads it; TPOT nan without a configured capacity. Caller holds the service's
+    lock. O(blocks)."""
     est, bs = svc._predictor, svc.index.block_size
     d = decision.decode
-    (dload,), (dshared,) = svc.decode_loads.loads_and_shared([d.worker], keys)
+    (dload,), (dshared,) = pair.decode.loads.loads_and_shared([d.worker], keys)
     held = d.overlaps.workers.get(d.worker, _NONE)  # (a load-based decode side reads no overlap)
-    ttft, tpot = est.estimates(tokens, bs, held, dload, dshared, svc.decode_loads.expected_output)
+    ttft, tpot = est.estimates(tokens, bs, held, dload, dshared, pair.decode.loads.expected_output)
     if decision.local:
         return ttft, tpot
     p = decision.prefill
-    (pload,), (pshared,) = svc.loads.loads_and_shared([p.worker], keys)
+    (pload,), (pshared,) = pair.prefill.loads.loads_and_shared([p.worker], keys)
     ttft, _ = est.estimates(tokens, bs, p.overlaps.workers.get(p.worker, _NONE), pload, pshared)
     link = svc.kv_link
     return ttft + link.lacking_ms(tokens, bs, held, dshared) + link.step_ms(dload, tokens), tpot
@@ -67,7 +69,7 @@ def route_pair(svc: IndexerService, pair: PairRouter, rid: str, keys: list[Block
     decision = pair.route_keys(keys, tokens, *_request_costs(pair, slo))
     p, d = decision.prefill, decision.decode
     bs = svc.index.block_size
-    ttft_ms, tpot_ms = predict_pair(svc, decision, keys, tokens)
+    ttft_ms, tpot_ms = predict_pair(svc, pair, decision, keys, tokens)
     # Routing-history policies learn it first, as a hook may fail (PluginError), and then nothing is booked.
     if not decision.local:
         note_routed(pair.prefill.policy, keys, tokens, p.worker)
