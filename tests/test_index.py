@@ -207,6 +207,25 @@ def test_snapshot_round_trip_and_bad_snapshot() -> None:
         TieredIndex.restore(bad)
 
 
+def test_a_hash_reused_for_content_another_hash_names_keeps_one_name() -> None:
+    """An engine reuses hash 1 for the content its hash 2 names: hash 1's old block goes, and hash 1 becomes an alias
+    (unknown later), as a new hash for held content does. Naming the key twice, a removal of hash 2 left hash 1
+    naming a key with no bits: the next snapshot raised KeyError (the service's event loop died) or wrote a file
+    no restart could read."""
+    idx = TieredIndex(4)
+    idx.apply(B, stored([50], None, TOKS[4:8]))
+    for e in (stored([1], None, TOKS[:4]), stored([2], None, TOKS[4:8]), stored([1], None, TOKS[4:8])):
+        assert idx.apply(A, e) is Outcome.APPLIED
+    idx._check()
+    assert idx.stats(A).aliases == 1 and idx.block_counts(A)[StorageTier.DEVICE] == 1
+    assert idx.apply(A, BlockRemoved(block_hashes=[2], medium="GPU")) is Outcome.APPLIED
+    idx._check()
+    assert idx.block_counts(A)[StorageTier.DEVICE] == 0 and idx.find_matches(TOKS[4:8]).workers[B].device == 1
+    again = TieredIndex.restore(idx.snapshot())
+    again._check()
+    assert again.snapshot() == idx.snapshot()
+
+
 @pytest.mark.parametrize("signed", [True, False])
 def test_a_snapshot_of_thousands_of_blocks_per_worker_restores(signed: bool) -> None:
     """A restart from a snapshot writes every worker's engine hashes back one by one, growing its table many

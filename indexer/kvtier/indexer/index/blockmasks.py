@@ -332,8 +332,12 @@ class BlockMasks:
                     hashes[eh] = key
             elif old != key:  # the engine reused a hash for other content: forget the old block
                 self._drop_slot_bits(w, old, slot_bits)
-                hashes[eh] = key
                 m = masks.get(key, 0)
+                if m & slot_bits:  # the new content has a name here already: keep it (the dict stays injective)
+                    del hashes[eh]
+                    w.stats.aliases += 1
+                else:
+                    hashes[eh] = key
                 below = prev if prev is not None else parent
                 parent_held = below is None or bool(masks.get(below, 0) & bit)  # the dropped block may be it
             if prev is not None and linked(prev) != key:  # (most stores here repeat a link already made)
