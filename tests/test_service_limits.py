@@ -647,6 +647,24 @@ def test_a_snapshot_that_cannot_be_written_is_reported(tmp_path: Path) -> None:
         assert "snapshot_error" not in s.health()
 
 
+def test_a_snapshot_that_fails_on_a_bug_leaves_the_loop_running(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writing a snapshot is beside the point of the loop: a bug there (an index that cannot be read back whole) is
+    reported as a failed snapshot, and the index goes on following the engines (the loop died, every worker's
+    /query with it)."""
+    from kvtier.indexer.index.tiered import TieredIndex
+
+    def broken(self: TieredIndex) -> bytes:
+        raise KeyError(12345)
+
+    monkeypatch.setattr(TieredIndex, "snapshot", broken)
+    snap = tmp_path / "idx.snap"
+    with service(snapshot_path=str(snap), snapshot_interval_s=0.1) as s:
+        wait_for(lambda: metrics(s)["snapshot_failures"] >= 2)
+        h = s.health()
+        assert h["status"] == "degraded" and "KeyError: 12345" in h["snapshot_error"] and not s.failed.is_set()
+
+
 @pytest.mark.parametrize(("text", "expected"), [
     ('block_size = 1180591620717411303424\n', "block_size: 1180591620717411303424 is not allowed"),
     ("snapshot_interval_s = 1e-9\n", "snapshot_interval_s: 1e-09 is not allowed"),

@@ -130,6 +130,10 @@ class EventLoop:
             self.snapshot_failures += 1
             self.snapshot_error = f"snapshot to {self.config.snapshot_path} failed: {exc.strerror or exc}"
             log.error("%s", self.snapshot_error)
+        except Exception as exc:  # nor a bug in writing one: routing goes on, the failure shows in /metrics
+            self.snapshot_failures += 1
+            self.snapshot_error = f"snapshot to {self.config.snapshot_path} failed: {type(exc).__name__}: {exc}"
+            log.exception("%s", self.snapshot_error)
         else:
             self.snapshot_error = None
 
