@@ -40,8 +40,11 @@ from kvtier.indexer.index.keytable import CHILD, KEY, LINKS_NONE, LINKS_SET, USE
 #: mapping by the rare block-by-block paths).
 MaskMap = MutableMapping[BlockKey, int]
 
-#: A key's children: one key (a chain), or a set (a branch). Entries may name dead keys; readers skip them.
+#: A key's children: one key (a chain), or a set (a branch). Entries may name dead keys; readers skip them. A set
+#: drops its dead keys as it grows (at twice its live size), so it holds O(live children).
 Kids = BlockKey | set[BlockKey]
+
+_PRUNE_MIN = 16  # children in a set before its dead ones are first looked for
 
 
 class KidMap(Mapping[BlockKey, Kids]):
@@ -77,11 +80,12 @@ class PrefixClosure:
     """Loose blocks per (slot, tier) and the parent-to-children links, in the masks' table, that find them. Every
     method is O(1) per block, except those that say otherwise."""
 
-    __slots__ = ("branches", "kids", "loose", "table", "unknown")
+    __slots__ = ("_prune_at", "branches", "kids", "loose", "table", "unknown")
 
     def __init__(self, table: KeyTable) -> None:
         self.table = table  # the masks, with each block's links in its row
         self.branches: dict[BlockKey, set[BlockKey]] = {}  # parent -> its children, where it has several
+        self._prune_at: dict[BlockKey, int] = {}  # parent -> its set's size at which dead children are dropped
         self.kids = KidMap(self)  # the links, read as a mapping (may name dead keys)
         self.loose: dict[tuple[int, int], set[BlockKey]] = {}  # (slot, tier) -> held blocks whose parent is not
         self.unknown: set[int] = set()  # slots restored from a snapshot without links: not known to be closed
@@ -207,9 +211,21 @@ class PrefixClosure:
     def _branch(self, parent: BlockKey | None, child: BlockKey, how: int, cur: Any) -> None:
         assert parent is not None, "a link under the root"
         if how == 1:
-            self.branches[parent].add(child)
+            kids = self.branches[parent]
+            kids.add(child)
+            if len(kids) >= self._prune_at.get(parent, _PRUNE_MIN):
+                self._prune(parent, kids, child)
         else:
             self.branches[parent] = {BlockKey(int(cur)), child}
+
+    def _prune(self, parent: BlockKey, kids: set[BlockKey], child: BlockKey) -> None:
+        """Drops the dead keys (no row: no worker holds them) from ``parent``'s children, ``child`` (being linked:
+        its row may come after its link) kept. A long-lived parent (a system prompt) has children stored and evicted
+        by the thousand: its set would keep every one it ever had, and a removal of it walk them all. The next prune
+        waits until the set has doubled, so each costs O(1) per link made meanwhile. O(children)."""
+        slot = self.table.slot
+        kids.intersection_update([c for c in kids if c == child or slot(c) >= 0])
+        self._prune_at[parent] = max(_PRUNE_MIN, 2 * len(kids))
 
     def removed_found(self, slot: int, tier: int, gone: list[BlockKey], kids: list[BlockKey],
                       branched: list[BlockKey], holds: Callable[[list[BlockKey]], Sequence[int]]) -> None:
@@ -240,6 +256,9 @@ class PrefixClosure:
         if self.branches:
             for _ in map(self.branches.pop, dead, repeat(None)):
                 pass
+            if self._prune_at:
+                for _ in map(self._prune_at.pop, dead, repeat(None)):
+                    pass
 
     def _check(self) -> None:
         """Asserts that the parents whose children are a set kept in Python are exactly those flagged so in the
@@ -249,6 +268,7 @@ class PrefixClosure:
         kept = set(self.branches)
         assert flagged == kept, (f"{len(kept - flagged)} children's sets kept for parents not flagged, "
                                  f"{len(flagged - kept)} parents flagged without a set")
+        assert set(self._prune_at) <= kept, "a prune threshold kept for a parent without a set"
 
     def links(self) -> list[tuple[BlockKey, list[BlockKey]]]:
         return [(p, sorted(c) if isinstance(c, set) else [c]) for p, c in self.kids.items()]
