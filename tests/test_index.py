@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 import msgspec
 import pytest
@@ -207,6 +208,31 @@ def test_snapshot_round_trip_and_bad_snapshot() -> None:
         TieredIndex.restore(bad)
 
 
+def test_a_parents_children_set_keeps_its_live_children_not_every_child_it_had() -> None:
+    """A long-lived parent (a system prompt) has children stored and evicted by the thousand: its set of children
+    kept every one it ever had (memory, and a walk of them all at each removal of it). The dead go as it grows; the
+    live stay, so a removal of the parent still finds every child that becomes loose."""
+    idx = TieredIndex(4)
+    parent = stored([7], None, TOKS[:4])
+    idx.apply(B, parent)
+    idx.apply(A, parent)
+    live = []
+    for i in range(3000):
+        idx.apply(A, stored([1000 + i], 7, [i, i, i, 9]))
+        if i % 500 == 0:
+            live.append(idx.request_keys(TOKS[:4] + [i, i, i, 9])[1])
+        else:
+            idx.apply(A, BlockRemoved(block_hashes=[1000 + i], medium="GPU"))
+    idx._check()
+    pkey = idx.request_keys(TOKS[:4])[0]
+    kids = idx._closure.branches[pkey]
+    assert set(live) <= kids and len(kids) < 64
+    idx.apply(A, BlockRemoved(block_hashes=[7], medium="GPU"))  # A's live children are loose now
+    idx._check()
+    assert set(live) <= idx._closure.loose[(idx._workers[A].slot, StorageTier.DEVICE)]
+    assert idx.block_counts(A)[StorageTier.DEVICE] == len(live) == 6
+
+
 def test_a_hash_reused_for_content_another_hash_names_keeps_one_name() -> None:
     """An engine reuses hash 1 for the content its hash 2 names: hash 1's old block goes, and hash 1 becomes an alias
     (unknown later), as a new hash for held content does. Naming the key twice, a removal of hash 2 left hash 1
@@ -224,6 +250,12 @@ def test_a_hash_reused_for_content_another_hash_names_keeps_one_name() -> None:
     again = TieredIndex.restore(idx.snapshot())
     again._check()
     assert again.snapshot() == idx.snapshot()
+    # Reuses in an order that broke the worker's state midway (the event then rejected, the worker dropped): sound.
+    idx = TieredIndex(4)
+    for ev in (stored([4, 1, 3], None, _blocks(0, 2, 2)), stored([4, 4, 3], 1, _blocks(2, 2, 0), medium="CPU_PINNED")):
+        assert idx.apply(A, ev) is Outcome.APPLIED
+        idx._check()
+    assert idx.stats(A).internal_errors == 0 and not idx.is_partial(A)
 
 
 @pytest.mark.parametrize("signed", [True, False])
@@ -766,15 +798,26 @@ def test_a_store_under_one_of_its_own_blocks_is_rejected() -> None:
     assert idx.find_matches(_blocks(5)).workers[B] == b_before
 
 
-def test_an_event_the_index_raises_on_drops_that_worker_only() -> None:
-    """Hashes reused for other content, in an order the applier's checks let through, can break its state midway.
-    The event is then rejected, that worker's blocks are dropped and it is marked partial (what it holds is
-    unknown until a dump), and the index serves on: other workers' blocks and the index's invariants hold."""
+def test_an_event_the_index_raises_on_drops_that_worker_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug the applier's checks let through can break its state midway (forced here: the second block an event
+    re-keys raises, the first re-keyed already). The event is then rejected, that worker's blocks are dropped and it
+    is marked partial (what it holds is unknown until a dump), and the index serves on: other workers' blocks and
+    the index's invariants hold."""
     idx = TieredIndex(4)
     idx.apply(B, stored([7, 8], None, _blocks(0, 2)))
     b_before = idx.find_matches(_blocks(0, 2)).workers[B]
-    outcomes = [idx.apply(A, ev) for ev in (stored([4, 1, 3], None, _blocks(0, 2, 2)),
-                                             stored([4, 4, 3], 1, _blocks(2, 2, 0), medium="CPU_PINNED"))]
+    assert idx.apply(A, stored([4, 1, 3], None, _blocks(0, 2, 2))) is Outcome.APPLIED
+    real, calls = BlockMasks._drop_slot_bits, []
+
+    def failing(self: BlockMasks, *args: Any) -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected")
+        real(self, *args)
+
+    monkeypatch.setattr(BlockMasks, "_drop_slot_bits", failing)
+    outcomes = [idx.apply(A, stored([4, 1, 3], None, _blocks(5, 6, 7)))]  # each hash reused for other content
+    assert len(calls) == 2
     assert outcomes[-1] is Outcome.REJECTED and idx.stats(A).internal_errors == 1
     assert idx.worker_hashes(A) == {} or not any(idx.worker_hashes(A).values())
     assert idx.is_partial(A)
