@@ -108,6 +108,25 @@ def test_orphan_removed_before_its_graft_is_never_indexed() -> None:
     assert idx.worker_hashes(A)[StorageTier.DEVICE] == {1, 2}
 
 
+def test_removals_of_held_orphans_go_by_hash_and_tier_each_block_once() -> None:
+    """A removal marks every held block of that hash on that tier gone (in every run naming it), leaves the same
+    hash on another tier, and a second removal of it is unknown: the graft then indexes exactly what is still
+    held."""
+    idx = TieredIndex(4)
+    idx.apply(A, stored([2, 3, 4], 1, TOKS[4:16]))
+    idx.apply(A, stored([3], 9, TOKS[:4]))  # another run naming hash 3, under a parent that never comes
+    idx.apply(A, stored([3], 1, TOKS[12:16], medium="CPU_PINNED"))
+    idx.apply(A, BlockRemoved(block_hashes=[3, 4], medium="GPU"))
+    idx._check()
+    assert idx.stats(A).unknown_removals == 0 and idx.orphan_blocks(A) == 5
+    idx.apply(A, BlockRemoved(block_hashes=[3], medium="GPU"))
+    assert idx.stats(A).unknown_removals == 1
+    idx.apply(A, stored([1], None, TOKS[:4]))
+    idx._check()
+    held = idx.worker_hashes(A)
+    assert held[StorageTier.DEVICE] == {1, 2} and held[StorageTier.HOST] == {3}
+
+
 def test_one_bad_event_costs_one_event() -> None:
     idx = TieredIndex(4)
     batch = [stored([7], 99, TOKS[:4]), stored([1, 2], None, TOKS[:8]),

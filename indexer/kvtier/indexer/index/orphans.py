@@ -16,8 +16,8 @@ name an orphan's blocks are applied to the held copy, so a graft never resurrect
 engine dropped. The oldest orphans are aged out when the pool is full.
 
 Invariants (asserted by :meth:`OrphanPool._check`): every held run is listed once under its
-parent hash, once in age order, and under each of its block hashes; ``blocks`` is the sum of
-the runs' lengths.
+parent hash, once in age order, and each of its blocks still present under its (block hash, tier),
+by position; ``blocks`` is the sum of the runs' lengths.
 """
 
 from __future__ import annotations
@@ -60,7 +60,9 @@ class OrphanPool:
     blocks: int = 0  # blocks currently held
     stats: OrphanStats = field(default_factory=OrphanStats)  # counters
     _by_parent: dict[EngineHash, list[OrphanRun]] = field(default_factory=dict)  # waiting on a hash
-    _by_hash: dict[EngineHash, list[OrphanRun]] = field(default_factory=dict)  # runs naming a block
+    # (block hash, tier) -> id(run) -> positions in that run of the blocks with that hash still present: a removal
+    # takes its entry whole (a block once gone from a run never comes back), so each listed block costs one visit.
+    _by_hash: dict[tuple[EngineHash, StorageTier], dict[int, list[int]]] = field(default_factory=dict)
     _age: OrderedDict[int, OrphanRun] = field(default_factory=OrderedDict)  # id(run) -> run, oldest first
 
     def __bool__(self) -> bool:
@@ -104,9 +106,11 @@ class OrphanPool:
         parent = run.event.parent_block_hash
         assert parent is not None, "a root store is never an orphan"
         self._by_parent.setdefault(parent, []).append(run)
-        for eh in run.event.block_hashes:
-            self._by_hash.setdefault(eh, []).append(run)
-        self._age[id(run)] = run
+        rid, tier = id(run), run.tier
+        for i, (eh, present) in enumerate(zip(run.event.block_hashes, run.present, strict=True)):
+            if present:
+                self._by_hash.setdefault((eh, tier), {}).setdefault(rid, []).append(i)
+        self._age[rid] = run
         self.blocks += len(run.event.block_hashes)
 
     def take(self, parent: EngineHash) -> list[OrphanRun]:
@@ -121,15 +125,16 @@ class OrphanPool:
         return runs
 
     def remove(self, eh: EngineHash, tier: StorageTier) -> bool:
-        """Marks block ``eh`` gone from ``tier`` in every held run; True if any run named it. O(runs naming it)."""
-        found = False
-        for run in self._by_hash.get(eh, ()):
-            if run.tier is tier:
-                for i, h in enumerate(run.event.block_hashes):
-                    if h == eh and run.present[i]:
-                        run.present[i] = False
-                        found = True
-        return found
+        """Marks block ``eh`` gone from ``tier`` in every held run; True if any run held it. O(blocks it names:
+        each held block is visited by one removal at most)."""
+        named = self._by_hash.pop((eh, tier), None)
+        if named is None:
+            return False
+        for rid, positions in named.items():
+            present = self._age[rid].present
+            for i in positions:
+                present[i] = False
+        return True
 
     def clear(self) -> None:
         """Drops every held run (the worker was cleared). O(1) amortised."""
@@ -149,14 +154,11 @@ class OrphanPool:
         self._unlist(run)
 
     def _unlist(self, run: OrphanRun) -> None:
-        for eh in run.event.block_hashes:
-            named = self._by_hash.get(eh)
-            if named is None:
-                continue
-            if run in named:
-                named.remove(run)
-            if not named:
-                del self._by_hash[eh]
+        rid, tier = id(run), run.tier
+        for eh in set(run.event.block_hashes):
+            named = self._by_hash.get((eh, tier))
+            if named is not None and named.pop(rid, None) is not None and not named:
+                del self._by_hash[(eh, tier)]
         self.blocks -= len(run.event.block_hashes)
 
     def _check(self) -> None:
@@ -165,8 +167,9 @@ class OrphanPool:
         assert len({id(r) for r in runs}) == len(runs), "a run is held twice"
         by_parent = [r for rs in self._by_parent.values() for r in rs]
         assert sorted(map(id, by_parent)) == sorted(map(id, runs)), "parent lists and age order disagree"
-        for r in runs:
-            for eh in r.event.block_hashes:
-                assert any(x is r for x in self._by_hash.get(eh, ())), f"run not listed under block {eh!r}"
+        listed = {(eh, tier, rid, i) for (eh, tier), named in self._by_hash.items() for rid, ps in named.items()
+                  for i in ps}
+        held = {(eh, r.tier, id(r), i) for r in runs for i, eh in enumerate(r.event.block_hashes) if r.present[i]}
+        assert listed == held, f"{len(held - listed)} present blocks not listed, {len(listed - held)} listed not held"
         assert self.blocks == sum(len(r.event.block_hashes) for r in runs), (
             f"blocks={self.blocks} but runs hold {sum(len(r.event.block_hashes) for r in runs)}")
