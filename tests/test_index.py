@@ -150,6 +150,23 @@ def test_orphan_pool_is_bounded_oldest_first() -> None:
     idx._check()
 
 
+def test_orphan_pool_is_bounded_in_bytes_too() -> None:
+    """A held store of one block may carry a salt of megabytes: a pool bounded in blocks alone held 65,536 such
+    (64 GiB a worker). Past its bytes the oldest go, as past its blocks."""
+    idx = TieredIndex(4)
+    pool = idx._workers.add(A).orphans
+    pool.byte_capacity = 10_000
+    for i in range(20):
+        ev = BlockStored(block_hashes=[100 + i], parent_block_hash=50 + i, token_ids=TOKS[:4], block_size=4,
+                         medium="GPU", cache_salt=f"{i:02d}" * 1000)
+        assert idx.apply(A, ev) is Outcome.ORPHANED
+    idx._check()
+    assert 0 < pool.held_bytes <= 10_000 and idx.orphan_blocks(A) == 4 and idx.orphan_stats(A).dropped == 16
+    assert idx.apply(A, BlockStored(block_hashes=[69], parent_block_hash=None, token_ids=TOKS[:4], block_size=4,
+                                    medium="GPU", cache_salt="9" * 2000)) is Outcome.APPLIED
+    assert idx.orphan_stats(A).grafted == 1  # the newest (under 69) was kept
+
+
 @pytest.mark.parametrize("ev,reason", [
     (stored([1], None, TOKS[:4], bs=8), "block_size"),
     (stored([1, 2], None, TOKS[:5]), "token ids"),

@@ -17,7 +17,7 @@ engine dropped. The oldest orphans are aged out when the pool is full.
 
 Invariants (asserted by :meth:`OrphanPool._check`): every held run is listed once under its
 parent hash, once in age order, and each of its blocks still present under its (block hash, tier),
-by position; ``blocks`` is the sum of the runs' lengths.
+by position; ``blocks`` and ``held_bytes`` are the sums of the runs' lengths and sizes.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ class OrphanRun:
     tier: StorageTier  # tier the store put its blocks on
     present: list[bool]  # per block: False once a removal on ``tier`` named it
     extras: list[int | None] | None  # per-block key scopes, already read from the event's extra keys
+    size: int = 0  # bytes it holds, about: its store as msgpack (set when held)
 
 
 @dataclass(slots=True)
@@ -54,10 +55,13 @@ class OrphanStats:
 
 @dataclass(slots=True)
 class OrphanPool:
-    """Held orphan stores of one worker. Bounded by ``capacity`` blocks."""
+    """Held orphan stores of one worker. Bounded by ``capacity`` blocks and ``byte_capacity`` bytes (a store of one
+    block may carry a salt, a LoRA name or extra keys of megabytes): past either, the oldest runs go first."""
 
-    capacity: int = 65_536  # blocks held at most; the oldest runs go first
+    capacity: int = 65_536  # blocks held at most
+    byte_capacity: int = 64 << 20  # bytes held at most (each run's store as msgpack)
     blocks: int = 0  # blocks currently held
+    held_bytes: int = 0  # bytes currently held
     stats: OrphanStats = field(default_factory=OrphanStats)  # counters
     _by_parent: dict[EngineHash, list[OrphanRun]] = field(default_factory=dict)  # waiting on a hash
     # (block hash, tier) -> id(run) -> positions in that run of the blocks with that hash still present: a removal
@@ -79,7 +83,7 @@ class OrphanPool:
         """
         self._keep(OrphanRun(event, tier, [True] * len(event.block_hashes), extras))
         self.stats.held += 1
-        while self.blocks > self.capacity and self._age:
+        while (self.blocks > self.capacity or self.held_bytes > self.byte_capacity) and self._age:
             _, oldest = self._age.popitem(last=False)
             self._forget(oldest)
             self.stats.dropped += 1
@@ -112,6 +116,8 @@ class OrphanPool:
                 self._by_hash.setdefault((eh, tier), {}).setdefault(rid, []).append(i)
         self._age[rid] = run
         self.blocks += len(run.event.block_hashes)
+        run.size = len(_encode(run.event))
+        self.held_bytes += run.size
 
     def take(self, parent: EngineHash) -> list[OrphanRun]:
         """Removes and returns the runs waiting for ``parent``. O(1) plus their blocks."""
@@ -142,7 +148,7 @@ class OrphanPool:
         self._by_parent.clear()
         self._by_hash.clear()
         self._age.clear()
-        self.blocks = 0
+        self.blocks = self.held_bytes = 0
 
     def _forget(self, run: OrphanRun) -> None:
         parent = run.event.parent_block_hash
@@ -160,6 +166,7 @@ class OrphanPool:
             if named is not None and named.pop(rid, None) is not None and not named:
                 del self._by_hash[(eh, tier)]
         self.blocks -= len(run.event.block_hashes)
+        self.held_bytes -= run.size
 
     def _check(self) -> None:
         """Asserts every invariant. O(held blocks)."""
@@ -171,5 +178,7 @@ class OrphanPool:
                   for i in ps}
         held = {(eh, r.tier, id(r), i) for r in runs for i, eh in enumerate(r.event.block_hashes) if r.present[i]}
         assert listed == held, f"{len(held - listed)} present blocks not listed, {len(listed - held)} listed not held"
+        size = sum(r.size for r in runs)
+        assert self.held_bytes == size, f"held_bytes={self.held_bytes} but runs hold {size}"
         assert self.blocks == sum(len(r.event.block_hashes) for r in runs), (
             f"blocks={self.blocks} but runs hold {sum(len(r.event.block_hashes) for r in runs)}")
