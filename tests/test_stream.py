@@ -537,6 +537,24 @@ def test_a_request_asked_again_on_a_fresh_socket_goes_alone() -> None:
     assert isinstance(out[-1], ResyncDone) and out[-1].seq == 4 and t.expected == 5
 
 
+def test_batches_of_no_payload_held_in_a_recovery_are_bounded_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each held batch costs its tuple, seq and bytes object beside its payload: a flood of empty payloads held
+    while a replay goes on counted as nothing, and was held without bound."""
+    from kvtier.wire.transport import recovery
+
+    monkeypatch.setattr(recovery, "MAX_HELD_BYTES", 64 << 10)
+    t = tracker()
+    t.on_live(0, payload(0), 0.0)
+    t.on_live(2, payload(2), 0.0)  # seq 1 missing: a replay from 1 is asked
+    out: list[Delivery] = []
+    for seq in range(3, 20_000):
+        out += t.on_live(seq, b"", 0.1)
+        if any(isinstance(d, ResyncNeeded) for d in out):
+            break
+    assert any(isinstance(d, ResyncNeeded) for d in out), "held without bound"
+    assert seq * recovery.HELD_ENTRY_BYTES < 2 * (64 << 10) + 2 * 1024 * recovery.HELD_ENTRY_BYTES
+
+
 @pytest.mark.parametrize("where", ["live", "answer"])
 def test_a_recovery_holds_bounded_bytes(where: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Batches held while a replay goes on (live ones held back, or an answer's batches past a loss) stop at

@@ -31,6 +31,9 @@ __all__ = ["MAX_HELD_BYTES", "Mode", "StreamRecovery"]
 #: loss), about: past it the recovery is given up as a loss for good, and what is held is delivered. An answer that
 #: keeps coming (a publisher replaying without end, or trickling while live traffic piles up) costs no more.
 MAX_HELD_BYTES = 256 << 20
+#: What holding one batch costs beside its payload (its tuple, seq and bytes object): counted, so that batches of no
+#: payload, which a publisher may send by the million, are bounded too.
+HELD_ENTRY_BYTES = 128
 _FIRST_SIZE_CHECK = 1024  # batches held when their bytes are first counted; then at each doubling (amortised O(1))
 
 
@@ -131,7 +134,8 @@ class StreamRecovery:
         held = len(self.state.held) + len(self.replay.beyond)
         if self.mode is Mode.LIVE or held < self.size_check_at:
             return None
-        size = sum(len(p) for _, p in self.state.held) + sum(len(p) for _, p in self.replay.beyond)
+        size = (sum(len(p) for _, p in self.state.held) + sum(len(p) for _, p in self.replay.beyond)
+                + held * HELD_ENTRY_BYTES)
         if size <= MAX_HELD_BYTES:
             self.size_check_at = 2 * held
             return None
