@@ -350,6 +350,32 @@ def test_a_flood_of_malformed_batches_is_counted_but_logged_sparingly(caplog: py
     assert "every 1000th" in caplog.records[9].getMessage()
 
 
+@pytest.mark.parametrize("path", ["live", "replay"])
+def test_a_batch_that_does_not_decode_is_a_loss_for_good(path: str) -> None:
+    """A batch in order that fails to decode (one ill-typed field throws the whole batch) used up its seq: its events,
+    a removal perhaps, are lost for good (the publisher sends the same bytes again). The stream is marked partial
+    (resynchronised by a dump where it has one), never left claiming what the lost batch removed; the seqs after it
+    follow on."""
+    bad = b"\xc1 not msgpack"
+    t = tracker()
+    out = t.on_live(0, payload(0), 0.0)
+    if path == "live":
+        out += t.on_live(1, bad, 0.0)
+    else:  # seq 1 is missed live; the replay of the gap delivers it
+        out += t.on_live(2, payload(2), 0.0)
+        assert t.outbox == [pack_seq(1)] and not any(isinstance(d, ResyncNeeded) for d in out)
+        out += t.on_reply(pack_seq(1), bad, 0.1) + t.on_reply(pack_seq(2), payload(2), 0.1)
+        out += t.on_reply(END_SEQ, b"", 0.1)
+    out += t.on_live(3 if path == "replay" else 2, payload(3), 0.2)
+    kinds = [type(d).__name__ for d in out]
+    assert kinds.count("MalformedFrame") == 1 and kinds.count("ResyncNeeded") == 1, kinds
+    assert kinds.index("ResyncNeeded") > kinds.index("MalformedFrame")
+    assert seqs(out) == ([0, 2, 3] if path == "replay" else [0, 2]) and not t.recovering
+    d = tracker(dump=True)
+    out = d.on_live(0, payload(0), 0.0) + d.on_live(1, bad, 0.0)
+    assert isinstance(out[-1], ResyncStarted) and d.outbox == [DUMP_REQUEST]
+
+
 def test_a_check_that_timed_out_does_not_make_the_next_probe_a_check() -> None:
     """The replay that checks a reconnected publisher went unanswered and was given up; the idle probe that
     follows asks from ``expected``, and its first batch is not the last one delivered: no restart."""

@@ -99,7 +99,8 @@ class ResyncNeeded:
 
 @dataclass(slots=True, frozen=True)
 class MalformedFrame:
-    """A message that could not be parsed or decoded; counted and skipped."""
+    """A message that could not be parsed or decoded; counted and skipped. One that used up a seq is followed by
+    the loss it is (``ResyncStarted`` for a dump, else ``ResyncNeeded``)."""
 
     stream: StreamId  # where it came from
     reason: str  # what was wrong with it

@@ -72,6 +72,7 @@ class StreamRecovery:
     dump_seq: int | None = None  # last live seq the incoming dump includes
     dump_applied: bool = False  # a batch of the pending dump was handed on: an answer asked again replaces it
     size_check_at: int = _FIRST_SIZE_CHECK  # batches held when :meth:`overheld` next counts their bytes
+    undecodable: str | None = None  # a batch the pending replay delivered did not decode: why (see lost_batch)
 
     @property
     def active(self) -> bool:
@@ -97,6 +98,7 @@ class StreamRecovery:
             return self.unrecoverable("no replay socket", now, out)
         self.mode = Mode.REPLAY
         self.size_check_at = _FIRST_SIZE_CHECK
+        self.undecodable = None
         self.replay.ask(start, for_gap=for_gap, probe=probe, resyncing=resyncing, verify=verify)
         self.tries = 1
         self.deadline = now + self.timeout_s
@@ -261,8 +263,8 @@ class StreamRecovery:
                 r.lost = r.lost_at_check = True
                 r.beyond.append((seq, payload))
                 return
-        if r.take(seq, payload, s.expected):
-            s.deliver(seq, payload, "replay", out)
+        if r.take(seq, payload, s.expected) and not s.deliver(seq, payload, "replay", out):
+            self.undecodable = f"seq {seq} did not decode"  # (a loss once the replay is over: lost_batch)
 
     def _check_failed(self, seq: int, out: list[Delivery]) -> None:
         """The check's answer (first batch ``seq``, -1 if none) did not hold the last batch delivered: a new
@@ -327,6 +329,9 @@ class StreamRecovery:
             s.stats.gaps_filled += 1
             out.append(GapFilled(s.stream, r.start, s.expected - 1))
         r.done()
+        if self.undecodable is not None:
+            reason, self.undecodable = self.undecodable, None
+            self.lost_batch(reason, now, out)  # (a dump it starts holds what is pending, as the live path would)
         return pending
 
     # --- losses for good ---------------------------------------------------------------------
@@ -347,18 +352,34 @@ class StreamRecovery:
         if self.can_dump and not resync and not self._resync_allowed(now):
             self.dump_due = True  # mark partial now, dump when the rate limit allows
         elif self.can_dump:
-            if worth_logging(self.failed_dumps + 1):
-                log.warning("stream %s: %s; requesting a state dump%s", self.state.stream, reason,
-                            suffix(self.failed_dumps + 1, "the resyncs metric") if self.failed_dumps else "")
-            self.mode = Mode.DUMP
-            self.dump_seq = None
-            self.dump_applied = False
-            self.tries = 1
-            self.deadline = now + self.timeout_s
-            self.outbox.append(DUMP_REQUEST)
-            out.append(ResyncStarted(self.state.stream, reason))
+            self._start_dump(reason, now, out)
             return []
         return self._give_up(reason, now, out)
+
+    def _start_dump(self, reason: str, now: float, out: list[Delivery]) -> None:
+        if worth_logging(self.failed_dumps + 1):
+            log.warning("stream %s: %s; requesting a state dump%s", self.state.stream, reason,
+                        suffix(self.failed_dumps + 1, "the resyncs metric") if self.failed_dumps else "")
+        self.mode = Mode.DUMP
+        self.dump_seq = None
+        self.dump_applied = False
+        self.tries = 1
+        self.deadline = now + self.timeout_s
+        self.outbox.append(DUMP_REQUEST)
+        out.append(ResyncStarted(self.state.stream, reason))
+
+    def lost_batch(self, reason: str, now: float, out: list[Delivery]) -> None:
+        """A batch delivered in order used up its seq but did not decode: its events are lost for good (asked
+        again, the publisher sends the same bytes), a removal among them perhaps. A state dump where the stream
+        has one (once the backoff allows: the stream marked partial meanwhile), else the stream marked partial;
+        the seqs after it follow on as they come. Live mode only. O(1)."""
+        assert self.mode is Mode.LIVE, "a lost batch handled while a recovery is pending"
+        self.state.stats.resyncs += 1
+        if self.can_dump and self._resync_allowed(now):
+            self._start_dump(reason, now, out)
+            return
+        self.dump_due = self.can_dump  # (the batch was logged as malformed, sparingly: a flood logs no more here)
+        out.append(ResyncNeeded(self.state.stream, reason))
 
     def _give_up(self, reason: str, now: float, out: list[Delivery]) -> Held:
         """The stream marked partial. A dump-capable one keeps asking for a dump, paced by the resync backoff,

@@ -290,7 +290,8 @@ class StreamTracker:
             self._drain(rec.replay_from(s.expected - 1, now, out, verify=True), now, out)
             return
         if seq == s.expected:
-            s.deliver(seq, payload, "live", out)
+            if not s.deliver(seq, payload, "live", out):
+                rec.lost_batch(f"seq {seq} did not decode", now, out)
             return
         first_missing = 0 if s.expected is None else s.expected
         s.stats.gaps += 1

@@ -41,24 +41,25 @@ class StreamState:
     held: Held = field(default_factory=list)  # live messages held back during a recovery
     history: SeqHistory = field(default_factory=SeqHistory)  # digests of recent seqs, ranges given up
 
-    def deliver(self, seq: int, payload: bytes, source: Literal["live", "replay"], out: list[Delivery]) -> None:
+    def deliver(self, seq: int, payload: bytes, source: Literal["live", "replay"], out: list[Delivery]) -> bool:
         """Batch ``seq``, the one expected, handed on (:meth:`hand_on`); its seq is used up even if it fails to
-        decode (the publisher will not send it again). O(payload)."""
+        decode (the publisher will not send it again): False then, a loss for the caller to report. O(payload)."""
         self.expected = seq + 1
         self.history.delivered(seq, payload)
-        self.hand_on(seq, payload, source, out, f"seq {seq}")
+        return self.hand_on(seq, payload, source, out, f"seq {seq}")
 
     def hand_on(self, seq: int, payload: bytes, source: Literal["live", "replay", "dump"], out: list[Delivery],
-                what: str) -> None:
-        """Batch ``seq`` decoded for the consumer, or, if it fails to decode, reported as malformed under
-        ``what``. O(payload)."""
+                what: str) -> bool:
+        """Batch ``seq`` decoded for the consumer (True), or, if it fails to decode, reported as malformed under
+        ``what`` (False). O(payload)."""
         try:
             batch = decode_payload(payload, packed_tokens=True)
         except DecodeError as exc:
             self.malformed(f"{what}: {exc}", out)
-            return
+            return False
         self.stats.delivered += 1
         out.append(Received(self.stream, seq, batch, source))
+        return True
 
     def malformed(self, reason: str, out: list[Delivery]) -> None:
         """A frame or payload that failed to parse: counted, logged sparingly, reported. O(1)."""
