@@ -211,7 +211,10 @@ def test_an_abandoned_dump_stops_its_builder(clock: Clock) -> None:
     big = EventBatch(ts=0.0, events=[BlockStored(block_hashes=list(range(1, 17)), token_ids=list(range(4096)),
                                                  block_size=256)])  # 12 KB encoded: ZMQ's queues fill soon
 
+    builders: list[threading.Thread] = []
+
     def provider() -> tuple[int, Iterator[EventBatch]]:
+        builders.append(threading.current_thread())  # (the builder's: it may be gone before the test looks for it)
         return pub.last_seq, (big for _ in range(20_000))
 
     # (the replay socket queues a few hundred messages per peer: 20,000 of 12 KB cannot all fit in it, the peer's
@@ -223,14 +226,12 @@ def test_an_abandoned_dump_stops_its_builder(clock: Clock) -> None:
     reader.setsockopt(zmq.RCVHWM, 1)
     try:
         pub.publish(batch(0))
-        before = set(threading.enumerate())
         reader.send_multipart([b"", DUMP_REQUEST])  # and never reads
         deadline = time.monotonic() + WAIT_S
         while pub.replay_stats.abandoned == 0 and time.monotonic() < deadline:
             pub.serve_requests(5)
         assert pub.replay_stats.abandoned == 1
-        builders = [t for t in set(threading.enumerate()) - before if t.name == "kv-dump"]
-        assert len(builders) == 1
+        assert len(builders) == 1 and builders[0].name == "kv-dump"
         builders[0].join(WAIT_S)
         assert not builders[0].is_alive(), "the builder of an abandoned dump is still running"
     finally:

@@ -454,7 +454,8 @@ def engine_hash(worker: StreamId, tokens: tuple[int, ...]) -> EngineHash:
     """A different (opaque) engine hash scheme per worker, content-chained like SGLang's, in each form the wire
     carries: signed int64 (SGLang), unsigned past 2**63 (vLLM), bytes; small ints for the padding workers. The
     compiled index keeps each in a form of its own (kvtier.indexer.index.keytable.EngineHashes)."""
-    h = hash((worker.worker, worker.dp_rank, tokens)) & ((1 << 64) - 1)
+    # (xxhash, not hash(): a str's hash() changes with PYTHONHASHSEED, and the derandomized examples with it)
+    h = xxhash.xxh3_64_intdigest(repr((worker.worker, worker.dp_rank, tokens)).encode())
     if worker == A:
         return h - (1 << 63)
     if worker == B:

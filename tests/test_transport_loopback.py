@@ -69,21 +69,31 @@ def pub() -> Iterator[Publisher]:
 
 
 def test_gaps_are_filled_by_replay(pub: Publisher) -> None:
-    dropped = {3, 4, 10, 17, 18, 19}
-    pub.live_filter = lambda s: s not in dropped
-    with Subscriber([EndpointConfig("w0", pub.endpoint, pub.replay_endpoint)]) as sub:
-        time.sleep(0.1)
-        for i in range(30):
+    """Batches the live socket never carries are replayed as gaps. The drops start once the live socket has carried
+    a batch and the join's catch-up is over: before that, a catch-up answer (or an idle probe) could carry every
+    batch, and no gap be seen."""
+    w0 = StreamId(WorkerId("w0"))
+    with Subscriber([EndpointConfig("w0", pub.endpoint, pub.replay_endpoint)], probe_s=3600.0) as sub:
+        out: list[Delivery] = []
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline and (sub.recovering(w0) or not any(
+                isinstance(d, Received) and d.source == "live" for d in out)):
+            pub.publish(batch(pub.last_seq + 1))
+            out += sub.poll(20)
+        first = pub.last_seq + 1
+        dropped = {first + k for k in (3, 4, 10, 17, 18, 19)}
+        pub.live_filter = lambda s: s not in dropped
+        for i in range(first, first + 30):
             pub.publish(batch(i))
         # A replay can deliver every batch before its answer's end marker arrives, and a gap counts as
         # filled at that marker: wait for the last one too (stopping at 30 batches made this test flaky).
         def settled(out: list[Delivery]) -> bool:
-            st = sub.stats(StreamId(WorkerId("w0")))
-            return has_seqs(30)(out) and st.gaps_filled == st.gaps
+            st = sub.stats(w0)
+            return has_seqs(first + 30)(out) and st.gaps_filled == st.gaps
 
-        out = drain(sub, settled)
-        assert received(out) == list(range(30))
-        st = sub.stats(StreamId(WorkerId("w0")))
+        out += drain(sub, lambda more: settled(out + more))
+        assert received(out) == list(range(first + 30))
+        st = sub.stats(w0)
         assert st.gaps >= 1 and st.gaps_filled == st.gaps and st.resyncs == 0
 
 
@@ -188,11 +198,11 @@ def test_publisher_restart_is_reported() -> None:
         p2 = Publisher(ep, rep)
         try:
             out: list[Delivery] = []
-            for i in range(100, 130):  # keep publishing: the SUB reconnects in the background
+            i, deadline = 100, time.monotonic() + 10.0
+            while 105 not in received(out) and time.monotonic() < deadline:  # the SUB reconnects in the background
                 p2.publish(batch(i))
+                i += 1
                 out += sub.poll(50)
-                if 105 in received(out):
-                    break
             assert any(isinstance(d, PublisherRestarted) for d in out), out
             got = received(out)
             assert got == list(range(100, got[-1] + 1))  # the new stream from its seq 0, nothing stale
@@ -228,7 +238,7 @@ def test_streams_are_independent() -> None:
 
 def test_malformed_frames_never_stop_the_subscriber() -> None:
     ctx = zmq.Context.instance()
-    raw = ctx.socket(zmq.PUB)
+    raw = ctx.socket(zmq.XPUB)  # (a PUB that hears the subscription: frames sent before it would be dropped)
     port = raw.bind_to_random_port("tcp://127.0.0.1")
     good = msgspec.msgpack.encode([1.0, [["AllBlocksCleared"]], 0])
     bad_payloads = [
@@ -238,7 +248,7 @@ def test_malformed_frames_never_stop_the_subscriber() -> None:
     ]
     try:
         with Subscriber([EndpointConfig("w", f"tcp://127.0.0.1:{port}")]) as sub:
-            time.sleep(0.3)
+            assert raw.poll(10_000) and raw.recv()[:1] == b"\x01"  # subscribed
             seq = 0
             for p in bad_payloads:
                 raw.send_multipart([b"kv", pack_seq(seq), p])
@@ -260,7 +270,7 @@ def test_captured_sglang_0517_stream_and_replay(shared_dir: Path) -> None:
     """Replays the captured 0.5.17 frames verbatim from raw sockets, replay answers included."""
     cap = load(shared_dir, "sglang-0.5.17")
     ctx = zmq.Context.instance()
-    pubsock, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+    pubsock, router = ctx.socket(zmq.XPUB), ctx.socket(zmq.ROUTER)  # (XPUB: it hears the subscription)
     port = pubsock.bind_to_random_port("tcp://127.0.0.1")
     rport = router.bind_to_random_port("tcp://127.0.0.1")
     import base64
@@ -268,7 +278,7 @@ def test_captured_sglang_0517_stream_and_replay(shared_dir: Path) -> None:
     try:
         with Subscriber([EndpointConfig("w", f"tcp://127.0.0.1:{port}",
                                         f"tcp://127.0.0.1:{rport}", dp_rank=3)]) as sub:
-            time.sleep(0.3)
+            assert pubsock.poll(10_000) and pubsock.recv()[:1] == b"\x01"  # subscribed
             frames = [cap.frames(b) for b in cap.data["batches"]]
             ident, _, start = router.recv_multipart()  # the catch-up request sent on joining
             assert unpack_seq(start) == 0
