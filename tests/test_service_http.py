@@ -3,6 +3,7 @@ in-flight bookkeeping with a TTL, and a dead event loop that stops looking healt
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import http.client
 import json
@@ -12,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -246,10 +247,10 @@ def test_a_failed_event_loop_restarts_when_configured_then_gives_up(monkeypatch:
         s.stop()
 
 
-def test_a_restarted_event_loop_resumes_streams_and_rebuilds_the_torn_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The loop fails while applying w0's batch: w0's position already counts that batch, which the index
-    holds in part or not at all, so w0 is rebuilt from its publisher's replay (resumed, block 5 would be
-    an orphan under the missing block 4); w1 resumes after its last batch with its blocks kept."""
+@contextlib.contextmanager
+def restartable_pair() -> Iterator[tuple[list[Publisher], IndexerService, Callable[[str], int]]]:
+    """Two workers' publishers and a started service allowed one event-loop restart, w0 holding blocks 1-3 and w1
+    blocks 11-12; with a function of a worker's device overlap of TOKS."""
     pubs = [Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0") for _ in range(2)]
     eps = [parse_endpoint(f"w{i}={p.endpoint},replay={p.replay_endpoint}") for i, p in enumerate(pubs)]
     s = IndexerService(ServiceConfig(endpoints=eps, block_size=BS, listen="127.0.0.1:0", replay_timeout_s=1.0,
@@ -262,6 +263,18 @@ def test_a_restarted_event_loop_resumes_streams_and_rebuilds_the_torn_one(monkey
         pubs[0].publish(EventBatch(ts=time.time(), events=[stored([1, 2, 3], None, 0)]))
         pubs[1].publish(EventBatch(ts=time.time(), events=[stored([11, 12], None, 0)]))
         wait_for(lambda: device("w0") == 3 and device("w1") == 2)
+        yield pubs, s, device
+    finally:
+        s.stop()
+        for p in pubs:
+            p.close()
+
+
+def test_a_restarted_event_loop_resumes_streams_and_rebuilds_the_torn_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop fails while applying w0's batch: w0's position already counts that batch, which the index
+    holds in part or not at all, so w0 is rebuilt from its publisher's replay (resumed, block 5 would be
+    an orphan under the missing block 4); w1 resumes after its last batch with its blocks kept."""
+    with restartable_pair() as (pubs, s, device):
         from kvtier.indexer.index.consumer import IndexConsumer
 
         real = IndexConsumer.feed
@@ -284,10 +297,6 @@ def test_a_restarted_event_loop_resumes_streams_and_rebuilds_the_torn_one(monkey
         wait_for(lambda: device("w0") == 5 and device("w1") == 3)
         wait_for(lambda: json.loads(get(s.address + "/health"))["status"] == "ok")
         assert s.loop_restarts == 1 and not s.failed.is_set()
-    finally:
-        s.stop()
-        for p in pubs:
-            p.close()
 
 
 def test_a_restarted_event_loop_rebuilds_every_stream_with_a_batch_of_the_failed_poll_unapplied(
@@ -299,18 +308,7 @@ def test_a_restarted_event_loop_rebuilds_every_stream_with_a_batch_of_the_failed
     from kvtier.wire.notices import Received
     from kvtier.wire.transport.subscriber import Subscriber
 
-    pubs = [Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0") for _ in range(2)]
-    eps = [parse_endpoint(f"w{i}={p.endpoint},replay={p.replay_endpoint}") for i, p in enumerate(pubs)]
-    s = IndexerService(ServiceConfig(endpoints=eps, block_size=BS, listen="127.0.0.1:0", replay_timeout_s=1.0,
-                                     loop_restarts=1))
-    s.start()
-    try:
-        def device(w: str) -> int:
-            return int(post(s.address + "/query", {"token_ids": TOKS})[1]["workers"][w]["device"])
-
-        pubs[0].publish(EventBatch(ts=time.time(), events=[stored([1, 2, 3], None, 0)]))
-        pubs[1].publish(EventBatch(ts=time.time(), events=[stored([11, 12], None, 0)]))
-        wait_for(lambda: device("w0") == 3 and device("w1") == 2)
+    with restartable_pair() as (pubs, s, device):
         w0, w1 = StreamId(WorkerId("w0")), StreamId(WorkerId("w1"))
         real_poll, real_feed = Subscriber.poll, IndexConsumer.feed
         armed, polling = [True], threading.Event()
@@ -342,10 +340,6 @@ def test_a_restarted_event_loop_rebuilds_every_stream_with_a_batch_of_the_failed
         wait_for(lambda: device("w0") == 4 and device("w1") == 4)
         wait_for(lambda: json.loads(get(s.address + "/health"))["status"] == "ok")
         assert s.index.orphan_blocks(w1) == 0 and not s.index.is_partial(w1) and not s.failed.is_set()
-    finally:
-        s.stop()
-        for p in pubs:
-            p.close()
 
 
 def test_a_service_stopped_while_its_loop_waits_to_restart_still_saves_its_snapshot(
