@@ -38,6 +38,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from kvtier.engine.l3.pagefile import DRAFT_PREFIX, Layout, PageFileError, PageHeader, decode, encode, read_header
+from kvtier.util.pids import alive
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ def _dead_tmp(name: str, mtime: float) -> bool:
     if m.group(1) not in (None, _WHERE):
         return False
     pid = int(m.group(2))
-    return pid == os.getpid() or not _alive(pid)
+    return pid == os.getpid() or not alive(pid)
 
 
 class OwnerBusy(OSError):
@@ -96,16 +97,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def file_name(key: str) -> str:

@@ -19,6 +19,7 @@ import msgspec
 from kvtier.indexer.index.tiered import TieredIndex
 from kvtier.util.infile import read_input
 from kvtier.util.outpath import unwritable
+from kvtier.util.pids import alive
 from kvtier.wire.notices import StreamId
 from kvtier.wire.protocol import WorkerId
 from kvtier.wire.transport.frames import MAX_SEQ
@@ -50,7 +51,7 @@ def remove_stale(path: Path) -> list[Path]:
     prefix, removed = _temporary(path, 0).name[:-1], []
     for tmp in path.parent.glob(f"{glob.escape(prefix)}*"):
         pid = tmp.name[len(prefix):]
-        if not (pid.isascii() and pid.isdigit()) or (int(pid) != os.getpid() and _alive(int(pid))):
+        if not (pid.isascii() and pid.isdigit()) or (int(pid) != os.getpid() and alive(int(pid))):
             continue
         try:
             tmp.unlink()
@@ -58,16 +59,6 @@ def remove_stale(path: Path) -> list[Path]:
         except FileNotFoundError:
             pass
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):  # (past the largest pid: no process)
-        return False
-    except PermissionError:  # another user's
-        return True
-    return True
 
 
 def save(path: Path, index: TieredIndex, positions: Positions) -> int:
