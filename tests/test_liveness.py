@@ -34,7 +34,7 @@ from kvtier.wire import (
     encode_payload,
     pack_seq,
 )
-from tests.test_service import get, post
+from tests.test_service import Clock, get, post
 
 BS = 4
 TOKS = list(range(1000, 1000 + 8 * BS))
@@ -186,16 +186,6 @@ def test_a_publisher_that_answers_a_dump_with_nothing_is_not_asked_again() -> No
 
 
 # --- the service, over loopback ----------------------------------------------------------------
-
-
-class Clock:
-    """The streams' clock, moved by the test."""
-
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def health(svc: IndexerService) -> dict[str, Any]:

@@ -57,6 +57,17 @@ def get(url: str) -> str:
         return str(r.read().decode())
 
 
+class Clock:
+    """A clock moved by the test (``IndexerService(clock=..., request_clock=...)``): nothing it times depends on how
+    fast the machine runs."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
 def wait_for(cond: Callable[[], bool], timeout: float = 8.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -24,20 +24,27 @@ from kvtier.indexer.service.app import ConfigError, IndexerService, ServiceConfi
 from kvtier.wire import BlockRemoved, BlockStored, EventBatch, Publisher, StorageTier, WorkerId
 from kvtier.wire.notices import StreamId
 from tests.test_bad_input import NOTICES
-from tests.test_service import BS, TOKS, get, post, stored, wait_for
+from tests.test_service import BS, TOKS, Clock, get, post, stored, wait_for
 
 
 # Every front-end test runs on both event loops: uvloop where it is installed, and asyncio's own, which
 # is what the service falls back to without it.
+@pytest.fixture
+def request_clock() -> Clock:
+    """The routed requests' clock of :func:`svc`'s service (time to live: 0.6 s)."""
+    return Clock()
+
+
 @pytest.fixture(params=["uvloop", "asyncio"])
-def svc(request: pytest.FixtureRequest) -> Iterator[tuple[Publisher, Publisher, IndexerService]]:
+def svc(request: pytest.FixtureRequest,
+        request_clock: Clock) -> Iterator[tuple[Publisher, Publisher, IndexerService]]:
     if request.param == "uvloop":
         pytest.importorskip("uvloop")
     pubs = [Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0") for _ in range(2)]
     eps = [parse_endpoint(f"w{i}={p.endpoint},replay={p.replay_endpoint}") for i, p in enumerate(pubs)]
     s = IndexerService(ServiceConfig(endpoints=eps, block_size=BS, listen="127.0.0.1:0", max_body_bytes=64_000,
                                      read_timeout_s=0.5, request_ttl_s=0.6, max_query_tokens=4096,
-                                     http_loop=request.param))
+                                     http_loop=request.param), request_clock=request_clock)
     s.start()
     assert s.health()["http_loop"] == request.param
     yield pubs[0], pubs[1], s
@@ -58,7 +65,8 @@ def call(c: http.client.HTTPConnection, method: str, path: str, body: Any = None
     return r.status, json.loads(r.read())
 
 
-def test_route_books_load_until_finish_and_expires_unfinished(svc: tuple[Publisher, Publisher, IndexerService]) -> None:
+def test_route_books_load_until_finish_and_expires_unfinished(svc: tuple[Publisher, Publisher, IndexerService],
+                                                              request_clock: Clock) -> None:
     p0, _, s = svc
     p0.publish(EventBatch(ts=time.time(), events=[stored([1, 2, 3, 4], None, 0)]))
     wait_for(lambda: post(s.address + "/query", {"token_ids": TOKS})[1]["workers"]["w0"]["device"] == 4)
@@ -80,11 +88,16 @@ def test_route_books_load_until_finish_and_expires_unfinished(svc: tuple[Publish
     assert post(s.address + "/requests/r2/finish", {"output_tokens": 300})[0] == 200
     assert s.loads.expected_output == 300
     assert post(s.address + "/requests/nope/first_token", {})[0] == 400
-    # A request nobody finishes leaves the load after its TTL (0.6 s here).
+    # A request nobody finishes leaves the load after its TTL (0.6 s here), and not before.
     assert post(s.address + "/route", {"request_id": "lost", "token_ids": TOKS})[0] == 200
+    request_clock.t += 0.5
+    assert post(s.address + "/route", {"request_id": "kept", "token_ids": TOKS})[0] == 200
+    request_clock.t += 0.2
     wait_for(lambda: json.loads(get(s.address + "/metrics?format=json"))["requests_expired"] == 1, timeout=5)
     m = json.loads(get(s.address + "/metrics?format=json"))
-    assert m["requests_in_flight"] == 0 and all(w["requests_running"] == 0 for w in m["workers"].values())
+    assert m["requests_in_flight"] == 1 and sum(w["requests_running"] for w in m["workers"].values()) == 1
+    assert post(s.address + "/requests/kept/finish", {})[1]["was_in_flight"] is True
+    assert post(s.address + "/requests/lost/finish", {})[1]["was_in_flight"] is False
 
 
 def test_keep_alive_and_json_errors_on_one_connection(svc: tuple[Publisher, Publisher, IndexerService]) -> None:

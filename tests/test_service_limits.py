@@ -45,17 +45,18 @@ from kvtier.wire import Publisher, WorkerId
 from kvtier.wire.notices import StreamId
 from tests.test_bad_input import NOTICES
 from tests.test_multiprocess import ROOT
-from tests.test_service import BS, TOKS, get, wait_for
+from tests.test_service import BS, TOKS, Clock, get, wait_for
 
 
 @contextmanager
-def service(**settings: Any) -> Iterator[IndexerService]:
-    """A started service on one (silent) publisher, with ``settings`` over small test defaults."""
+def service(request_clock: Clock | None = None, **settings: Any) -> Iterator[IndexerService]:
+    """A started service on one (silent) publisher, with ``settings`` over small test defaults (and the routed
+    requests' clock ``request_clock``, if given)."""
     pub = Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
     cfg: dict[str, Any] = {"block_size": BS, "listen": "127.0.0.1:0", "max_body_bytes": 64_000,
                            "read_timeout_s": 2.0, "max_query_tokens": 4096, **settings}
     s = IndexerService(ServiceConfig(endpoints=[parse_endpoint(f"w0={pub.endpoint},replay={pub.replay_endpoint}")],
-                                     **cfg))
+                                     **cfg), request_clock=request_clock or time.monotonic)
     s.start()
     try:
         yield s
@@ -223,7 +224,8 @@ def test_without_tokens_the_owner_is_the_peer() -> None:
 
 def test_bookings_are_capped_per_client_429_and_in_all_503(tmp_path: Path) -> None:
     (tmp_path / "tokens").write_text("alpha\nbeta\n")
-    with service(auth_token_file=str(tmp_path / "tokens"), max_in_flight=3, max_in_flight_per_client=2,
+    clock = Clock()
+    with service(clock, auth_token_file=str(tmp_path / "tokens"), max_in_flight=3, max_in_flight_per_client=2,
                  request_ttl_s=0.5) as s:
         def book(rid: str, token: str) -> tuple[int, Any]:
             code, out, _ = call(s, "POST", "/route", {"token_ids": TOKS, "request_id": rid}, token=token)
@@ -239,6 +241,7 @@ def test_bookings_are_capped_per_client_429_and_in_all_503(tmp_path: Path) -> No
         assert call(s, "POST", "/requests/a1/finish", {}, token="alpha")[0] == 200
         assert book("b2", "beta")[0] == 200  # room again
         # bookings that expire free their client's room too
+        clock.t += 0.5
         wait_for(lambda: metrics(s)["requests_in_flight"] == 0)
         assert len(s.clients) == 0
         assert book("a4", "alpha")[0] == book("a5", "alpha")[0] == 200
@@ -248,7 +251,8 @@ def test_bookings_are_capped_in_prompt_blocks_per_client_429_and_in_all_503(tmp_
     """A booking holds its prompt's block keys until it ends: the blocks in flight are capped, a client's and in all,
     whatever the count of bookings, and a finish or an expiry gives them back."""
     (tmp_path / "tokens").write_text("alpha\nbeta\n")
-    with service(auth_token_file=str(tmp_path / "tokens"), max_in_flight_blocks=20,
+    clock = Clock()
+    with service(clock, auth_token_file=str(tmp_path / "tokens"), max_in_flight_blocks=20,
                  max_in_flight_blocks_per_client=12, request_ttl_s=0.5) as s:
         def book(rid: str, token: str, blocks: int) -> tuple[int, Any]:
             code, out, _ = call(s, "POST", "/route", {"token_ids": TOKS[:blocks * BS], "request_id": rid},
@@ -270,6 +274,7 @@ def test_bookings_are_capped_in_prompt_blocks_per_client_429_and_in_all_503(tmp_
         assert metrics(s)["blocks_in_flight"] == 12
         assert book("b2", "beta", 4)[0] == 200  # beta: 12, at its cap
         assert book("b3", "beta", 1)[0] == 429
+        clock.t += 0.5
         wait_for(lambda: metrics(s)["requests_in_flight"] == 0)  # expired: every block given back
         assert metrics(s)["blocks_in_flight"] == 0 and s.clients.blocks == 0
         assert book("a3", "alpha", 8)[0] == 200

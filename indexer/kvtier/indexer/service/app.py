@@ -72,8 +72,10 @@ class IndexerService:
     (:class:`~kvtier.indexer.service.eventloop.EventLoop`) and the HTTP front end. The router, the loads and the routed
     requests' deadlines (:class:`~kvtier.indexer.service.deadlines.Deadlines`) are this class's, under its lock."""
 
-    def __init__(self, config: ServiceConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
-        """``clock``: the engine streams' (replay deadlines, idle probes, liveness); tests move it by hand."""
+    def __init__(self, config: ServiceConfig, *, clock: Callable[[], float] = time.monotonic,
+                 request_clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock``: the engine streams' (replay deadlines, idle probes, liveness); ``request_clock``: the routed
+        requests' (time to live, observed TTFT and TPOT). Tests move them by hand."""
         if not config.endpoints:
             raise ConfigError("no endpoints configured")
         streams = [ep.stream for ep in config.endpoints]
@@ -117,7 +119,8 @@ class IndexerService:
             self.router = Router(self.index, cost, loads=self.loads, policy=plugin, rebuilding=self._rebuilding,
                                  window_aware=True, temperature=rs.temperature, seed=rs.seed, dead=self._dead)
         self._lock = threading.Lock()  # guards index, loads and the deadlines
-        self._deadlines = Deadlines(config.request_ttl_s)  # routed requests in flight, until finish or expiry
+        # routed requests in flight, until finish or expiry
+        self._deadlines = Deadlines(config.request_ttl_s, request_clock)
         tokens = load_tokens(config.auth_token_file) if config.auth_token_file is not None else None
         #: Who booked what, and the caps on bookings (kvtier.indexer.service.clients); under the lock.
         self.clients = Clients(tokens, config.max_in_flight, config.max_in_flight_per_client,
@@ -343,11 +346,11 @@ class IndexerService:
         ttft_ms, tpot_ms = self._predict(dec, keys, tokens)
         # A routing-history policy learns it; first, as its hook may fail (PluginError), and then nothing is booked.
         note_routed(router.policy, keys, tokens, dec.worker)
-        self.predictions.routed(rid, time.monotonic(), ttft_ms, tpot_ms)
+        self.predictions.routed(rid, self._deadlines.clock(), ttft_ms, tpot_ms)
         cached = dec.overlaps.workers[dec.worker].external * self.index.block_size
         self.loads.add(rid, dec.worker, keys, tokens, max(0, tokens - cached))
         self.index.note_routed(dec.worker, keys)  # inferred window KV (SWA engines without window events)
-        self._deadlines.book(rid, time.monotonic())
+        self._deadlines.book(rid, self._deadlines.clock())
         self.clients.book(rid, owner, len(keys))
         out = self._answer(dec)
         self.request_seconds["route"].observe(time.perf_counter() - t0)
@@ -392,7 +395,7 @@ class IndexerService:
             if self.pair is not None:  # its prefill worker is done with it; its decode worker decodes it
                 self.loads.finish(rid)
                 self.decode_loads.prefill_done(rid)
-            observed = self.predictions.first_token(rid, time.monotonic())
+            observed = self.predictions.first_token(rid, self._deadlines.clock())
         if not known:
             raise LookupError(f"request {rid!r} is not in flight (never routed, finished or expired)")
         answer: dict[str, Any] = {"request_id": rid, "in_flight": True}
@@ -417,7 +420,7 @@ class IndexerService:
             self.loads.finish(rid, None if self.pair is not None else out)
             self.decode_loads.finish(rid, out)
             self.clients.release(rid)
-            observed = self.predictions.finish(rid, time.monotonic(), out)
+            observed = self.predictions.finish(rid, self._deadlines.clock(), out)
         answer: dict[str, Any] = {"request_id": rid, "was_in_flight": known}
         if observed is not None:
             answer["observed_tpot_ms"] = observed * 1000

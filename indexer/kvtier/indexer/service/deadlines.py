@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import heapq
 import logging
+import time
+from collections.abc import Callable
 
 __all__ = ["Deadlines"]
 
@@ -21,10 +23,13 @@ class Deadlines:
     memory until their time to live). Not thread-safe: the service calls it under its lock.
     """
 
-    __slots__ = ("_due", "_heap", "expired", "ttl_s")
+    __slots__ = ("_due", "_heap", "clock", "expired", "ttl_s")
 
-    def __init__(self, ttl_s: float) -> None:
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock``: the time base of every ``now`` the service passes (bookings, expiry, observed TTFT and TPOT);
+        tests move it by hand, so that no expiry depends on how fast the machine runs."""
         self.ttl_s = ttl_s  # how long a request stays in flight without a finish
+        self.clock = clock
         self._due: dict[str, float] = {}  # request id -> its deadline
         self._heap: list[tuple[float, str]] = []  # (deadline, request id), stale entries included
         self.expired = 0  # requests dropped at their deadline

@@ -74,7 +74,7 @@ def route_pair(svc: IndexerService, pair: PairRouter, rid: str, keys: list[Block
     if not decision.local:
         note_routed(pair.prefill.policy, keys, tokens, p.worker)
     note_routed(pair.decode.policy, keys, tokens, d.worker)  # its KV lands there too
-    svc.predictions.routed(rid, time.monotonic(), ttft_ms, tpot_ms)
+    svc.predictions.routed(rid, svc._deadlines.clock(), ttft_ms, tpot_ms)
     if decision.local:
         o = d.overlaps.workers.get(d.worker)
         svc.decode_loads.add(rid, d.worker, keys, tokens, max(0, tokens - (o.device * bs if o else 0)))
@@ -84,7 +84,7 @@ def route_pair(svc: IndexerService, pair: PairRouter, rid: str, keys: list[Block
         svc.decode_loads.add(rid, d.worker, keys, tokens, 0)
         svc.index.note_routed(p.worker, keys)
     svc.index.note_routed(d.worker, keys)  # its KV lands there too
-    svc._deadlines.book(rid, time.monotonic())
+    svc._deadlines.book(rid, svc._deadlines.clock())
     svc.clients.book(rid, owner, len(keys))
     out = {"request_id": rid, **pair_answer(svc, decision)}
     svc.request_seconds["route"].observe(time.perf_counter() - t0)

@@ -209,9 +209,9 @@ class EventLoop:
                         applied += 1
                         self.apply_wait.observe(t1 - t0)
                         self.apply_hold.observe(time.perf_counter() - t1)
-                if self._deadlines.due(time.monotonic()):
+                if self._deadlines.due(self._deadlines.clock()):
                     with self._lock:
-                        for rid in self._deadlines.expire(time.monotonic()):
+                        for rid in self._deadlines.expire(self._deadlines.clock()):
                             self._on_expired(rid)
             self._save_logged()  # on stop
         finally:
