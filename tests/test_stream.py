@@ -149,12 +149,74 @@ def test_dump_with_no_answer_falls_back_to_partial() -> None:
     t = tracker(dump=True)
     t.on_live(0, payload(0), 0.0)
     t.on_live(3, payload(3), 0.0)
-    for _ in range(t.attempts - 1):  # empty answers: each is asked again, then the stream needs a dump
+    for _ in range(t.attempts):  # empty answers: each is asked again, then seq 3 is set aside as doubtful
         assert not t.on_reply(END_SEQ, b"", 0.0)
-    assert isinstance(t.on_reply(END_SEQ, b"", 0.0)[0], ResyncStarted)
+    # The live batches go on past it: it was real, and the replay keeps nothing: the stream needs a dump.
+    assert isinstance(t.on_live(4, payload(4), 0.0)[0], ResyncStarted)
     assert t.outbox[-1] == DUMP_REQUEST and t.stats.reasks == t.attempts - 1
     out = t.on_reply(END_SEQ, b"", 0.0)  # publisher answered the dump with nothing
-    assert isinstance(out[0], ResyncNeeded) and seqs(out) == [3]
+    assert isinstance(out[0], ResyncNeeded) and seqs(out) == [3, 4]
+
+
+def _answer_honestly(t: StreamTracker, buffer: dict[int, bytes], now: float) -> list[Delivery]:
+    """The publisher answers each replay request with every buffered batch from the seq asked, then the end marker,
+    and a dump request with one batch at its last seq."""
+    out: list[Delivery] = []
+    while t.outbox:
+        request = t.outbox.pop(0)
+        t.reset_replay_socket = False
+        if request == DUMP_REQUEST:
+            out += t.on_reply(pack_seq(max(buffer)), payload(-2), now) + t.on_reply(END_SEQ, b"", now)
+            continue
+        start = unpack_seq(request)
+        for q in sorted(q for q in buffer if q >= start):
+            out += t.on_reply(pack_seq(q), buffer[q], now)
+        out += t.on_reply(END_SEQ, b"", now)
+    return out
+
+
+@pytest.mark.parametrize("dump", [False, True])
+def test_one_live_batch_with_a_corrupt_seq_does_not_wedge_the_stream(dump: bool) -> None:
+    """One live frame of an honest publisher carries a corrupt seq far ahead (2**62). Its replay answers hold
+    nothing past the last seq delivered, and its next live batches go on from there: the corrupt one is dropped and
+    counted, and the batches after it are applied, with no loss reported. Jumping to it instead dropped every
+    later batch as a straggler of the seqs it skipped, until the engine restarted."""
+    t = tracker(dump=dump)
+    buffer = {q: payload(q) for q in range(10)}
+    out = [d for q in range(10) for d in t.on_live(q, buffer[q], 0.0)]
+    out += t.on_live(2**62, payload(-1), 0.0) + _answer_honestly(t, buffer, 0.0)
+    assert t.expected == 10 and not t.recovering
+    for q in range(10, 40):
+        buffer[q] = payload(q)
+        out += t.on_live(q, buffer[q], 0.1 * q) + _answer_honestly(t, buffer, 0.1 * q)
+        out += t.on_tick(0.1 * q) + _answer_honestly(t, buffer, 0.1 * q)
+        t._check()
+    assert seqs(out) == list(range(40)) and t.expected == 40
+    assert not any(isinstance(d, ResyncNeeded | ResyncStarted) for d in out)
+    assert [type(d) for d in out].count(MalformedFrame) == 1
+    assert t.stats.bogus_seqs == 1 and t.stats.malformed == 1 and t.stats.late == 0 and t.stats.resyncs == 0
+
+
+def test_batches_the_replay_does_not_hold_are_real_if_the_live_ones_go_on_past_them() -> None:
+    """A publisher whose replay keeps nothing: the batches past the gap are set aside, not dropped, and the next live
+    batch, which follows them, shows they were real: the gap is a loss for good (the stream marked partial) and
+    they are delivered, then the new one. A restart meanwhile drops them unseen."""
+    t = tracker()
+    t.on_live(0, payload(0), 0.0)
+    out = t.on_live(5, payload(5), 0.0) + _answer_honestly(t, {}, 0.0)
+    assert seqs(out) == [] and t.expected == 1 and not t.recovering
+    out = t.on_live(6, payload(6), 0.1)
+    assert isinstance(out[0], ResyncNeeded) and seqs(out) == [5, 6] and t.expected == 7
+    assert t.stats.bogus_seqs == 0 and t.stats.resyncs == 1
+    assert t.on_live(3, payload(3), 0.2) == [] and t.stats.late == 1  # (a straggler of the loss)
+
+    r = tracker()
+    r.on_live(0, payload(0), 0.0)
+    r.on_live(5, payload(5), 0.0)
+    _answer_honestly(r, {}, 0.0)
+    out = r.on_live(0, payload(100), 0.1)  # a new process
+    assert isinstance(out[0], PublisherRestarted) and seqs(out) == [0] and r.stats.bogus_seqs == 0
+    assert seqs(r.on_live(1, payload(101), 0.2)) == [1]
 
 
 def test_a_dump_asked_again_after_it_stalled_starts_over() -> None:

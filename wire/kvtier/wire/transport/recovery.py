@@ -320,6 +320,8 @@ class StreamRecovery:
             elif self.tries < self.attempts:
                 self.tries += 1
                 self._reask(now)
+            elif not r.hole and not r.beyond:
+                self._doubt(now, out)
             else:
                 return self.unrecoverable(f"replay from seq {s.expected} came back short {self.tries} times",
                                           now, out)
@@ -333,6 +335,22 @@ class StreamRecovery:
             reason, self.undecodable = self.undecodable, None
             self.lost_batch(reason, now, out)  # (a dump it starts holds what is pending, as the live path would)
         return pending
+
+    def _doubt(self, now: float, out: list[Delivery]) -> None:
+        """The answers, asked ``attempts`` times, held no batch at or past the seq expected, yet live batches past it
+        are held. A publisher buffers each batch as it publishes it and answers with every buffered batch from the
+        seq asked, so one that published them would have sent at least the last: its own sequence ends below them.
+        They are a corrupt seq frame's (the batches between are not missing, so jumping to them would drop every
+        batch the publisher sends next as a straggler), or real ones of a publisher whose replay keeps nothing. Only
+        the live batches that follow tell which, so these are set aside, neither delivered nor given up, and the
+        stream goes live again at the seq expected (``StreamTracker._settle_doubtful``). O(h)."""
+        s = self.state
+        s.doubtful, s.held = s.held, []
+        self.mode = Mode.LIVE
+        self.replay.done()
+        if self.undecodable is not None:  # (a batch an earlier answer delivered: lost all the same)
+            reason, self.undecodable = self.undecodable, None
+            self.lost_batch(reason, now, out)
 
     # --- losses for good ---------------------------------------------------------------------
 

@@ -225,6 +225,7 @@ class StreamTracker:
         # Messages held back came over the connection that dropped: if the publisher restarted
         # they are stale. Dropping them is always safe, a replay fetches whatever is current.
         self._state.held.clear()
+        self._state.doubtful.clear()
         self._recovery.disconnect()
 
     def on_tick(self, now: float) -> list[Delivery]:
@@ -281,6 +282,8 @@ class StreamTracker:
                 return
             # A PUB socket never repeats a seq with new content: the publisher restarted.
             s.new_publisher(seq, None, out)
+        if s.doubtful and self._settle_doubtful(seq, payload, now, out):
+            return
         if s.expected is None and seq == 0:
             s.expected = 0
         if self._suspect and self._checks_publisher:  # (the flag first: this runs for every batch)
@@ -299,6 +302,34 @@ class StreamTracker:
         s.held.append((seq, payload))
         s.expected = first_missing
         self._drain(rec.replay_from(first_missing, now, out, for_gap=True), now, out)
+
+    def _settle_doubtful(self, seq: int, payload: bytes, now: float, out: list[Delivery]) -> bool:
+        """The first live batch since batches were set aside as doubtful (the publisher's replay answers held
+        nothing at or past the seq expected: :meth:`~kvtier.wire.transport.recovery.StreamRecovery._doubt`) tells
+        what they were; True if it took ``seq``. O(doubtful).
+
+        Below the first of them, the publisher's sequence goes on where the answers said it ends: they were never
+        part of it (a corrupt seq frame), and are dropped as malformed (``bogus_seqs``) while ``seq`` goes on as
+        usual. At or past it, they were the publisher's, whose replay cannot give back the batches before them: a
+        loss for good (a dump, else the stream marked partial), delivered from the first of them on, ``seq`` after.
+        Those a replay since moved ``expected`` past are dropped unseen."""
+        s = self._state
+        assert s.expected is not None, "batches set aside with no seq expected"
+        doubtful, s.doubtful = [(q, p) for q, p in s.doubtful if q >= s.expected], []
+        if not doubtful:
+            return False
+        first = doubtful[0][0]
+        if seq < first:
+            for q, _ in doubtful:
+                s.stats.bogus_seqs += 1
+                s.malformed(f"seq {q}: not in the publisher's replay answers, and its next batch is seq {seq}: "
+                            "a corrupt seq, dropped", out)
+            return False
+        s.held = [*doubtful, (seq, payload)]
+        self._drain(self._recovery.unrecoverable(
+            f"the publisher's replay holds nothing from seq {s.expected} on, yet its batches go on from seq "
+            f"{first}: the batches between are lost for good", now, out), now, out)
+        return True
 
     def _drain(self, pending: Held, now: float, out: list[Delivery]) -> None:
         """Batches a recovery handed back, through the live path in seq order; those after one that starts a

@@ -40,6 +40,9 @@ class StreamState:
     expected: int | None = None  # next seq to deliver; None before the first message
     held: Held = field(default_factory=list)  # live messages held back during a recovery
     history: SeqHistory = field(default_factory=SeqHistory)  # digests of recent seqs, ranges given up
+    # Live batches past ``expected`` that the publisher's replay answers did not hold: neither delivered nor given up
+    # until the next live batch tells whether they are the publisher's (``StreamTracker._settle_doubtful``)
+    doubtful: Held = field(default_factory=list)
 
     def deliver(self, seq: int, payload: bytes, source: Literal["live", "replay"], out: list[Delivery]) -> bool:
         """Batch ``seq``, the one expected, handed on (:meth:`hand_on`); its seq is used up even if it fails to
@@ -74,6 +77,7 @@ class StreamState:
         self.stats.restarts += 1
         out.append(PublisherRestarted(self.stream, seq))
         self.history.forget()
+        self.doubtful = []  # (the old process's, if anyone's)
         self.expected = expected
 
     def take_held(self) -> Held:
