@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtier.indexer.routing.plugins import PolicyBase, RouteContext
 from kvtier.indexer.routing.scoring import slo_met
@@ -167,6 +169,42 @@ def test_deep_nesting_is_a_json_400_not_a_500(caplog: pytest.LogCaptureFixture) 
     check_depth(b"[[[]]]", 3)
     with pytest.raises(ValueError, match="deeper than 2"):
         check_depth(b"[[[]]]", 2)
+
+
+def _depth(value: Any) -> int:
+    """How deep a parsed JSON value nests arrays and objects."""
+    if isinstance(value, list | dict):
+        kids = value.values() if isinstance(value, dict) else value
+        return 1 + max(map(_depth, kids), default=0)
+    return 0
+
+
+_TEXT = st.text(alphabet='[]{}"\\ab\u00e9', max_size=8)
+_JSON = st.recursive(st.none() | st.integers(-9, 9) | _TEXT,
+                     lambda kids: st.lists(kids, max_size=3) | st.dictionaries(_TEXT, kids, max_size=3), max_leaves=40)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(value=_JSON, ascii_only=st.booleans())
+def test_the_depth_check_sees_the_nesting_the_decoder_would(value: Any, ascii_only: bool) -> None:
+    """Brackets, quotes and backslashes in strings are text; the check refuses a body exactly when the value it
+    encodes nests deeper than allowed."""
+    body = json.dumps(value, ensure_ascii=ascii_only).encode()
+    depth = _depth(value)
+    check_depth(body, max(depth, 2))
+    if depth > 2:
+        with pytest.raises(ValueError, match=f"deeper than {depth - 1} levels"):
+            check_depth(body, depth - 1)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("tail", [b'"' + b'\\"' * 1_000_000, b'"' * 2_000_000, b'"a",' * 500_000])
+def test_the_depth_check_is_linear_in_a_hostile_body(tail: bytes) -> None:
+    """An unterminated string of escaped quotes, a run of bare quotes and many strings, 2 MB each behind 40 brackets:
+    a check that rescanned from every quote (quadratic) would run for hours; this one is refused within the test's
+    timeout, as deeper than allowed."""
+    with pytest.raises(ValueError, match="deeper than 32"):
+        check_depth(b"[" * 40 + tail, 32)
 
 
 def test_caps_on_mm_items_token_ids_and_request_id_length() -> None:
