@@ -64,12 +64,14 @@ def test_multimodal_items_scope_the_blocks_they_overlap() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["a", "b", "c"]), st.integers(0, 40), st.integers(1, 20)), max_size=8),
+@given(st.lists(st.tuples(st.sampled_from(["a", "b", "c", "d" * 31, "e" * 32, "f" * 300, "g" * 70_000]),
+                         st.integers(0, 40), st.integers(1, 20)), max_size=8),
        st.integers(0, 48))
 def test_multimodal_extras_are_each_blocks_overlapping_items_in_offset_order(
         items: list[tuple[str, int, int]], num_tokens: int) -> None:
     """The sweep gives, per block, the items that overlap it (offset relative to the block's start) in offset
-    order, ties in the order given: the definition, checked block by block over every item."""
+    order, ties in the order given: the definition, checked block by block over every item (identifiers of every
+    msgpack string size, as a block inside one item hashes only its offset after the item's hashed prefix)."""
     got = mm_block_extras(num_tokens, BS, items)
     if not items:
         assert got is None

@@ -33,6 +33,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtier.indexer.index.keys import extra_digest, mm_block_extras
 from kvtier.indexer.routing.plugins import PolicyBase, RouteContext
 from kvtier.indexer.routing.scoring import slo_met
 from kvtier.indexer.service import fdlimit
@@ -209,7 +210,7 @@ def test_the_depth_check_is_linear_in_a_hostile_body(tail: bytes) -> None:
 
 def test_caps_on_mm_items_token_ids_and_request_id_length() -> None:
     with service(max_mm_items=2, max_request_id_bytes=8) as s:
-        items = [{"identifier": f"i{k}", "offset": 0, "length": 4} for k in range(3)]
+        items = [{"identifier": f"i{k}", "offset": 4 * k, "length": 4} for k in range(3)]
         code, out, _ = call(s, "POST", "/query", {"token_ids": TOKS, "mm_items": items})
         assert code == 400 and "3 mm_items; at most 2" in out["error"]
         assert call(s, "POST", "/query", {"token_ids": TOKS, "mm_items": items[:2]})[0] == 200
@@ -221,6 +222,22 @@ def test_caps_on_mm_items_token_ids_and_request_id_length() -> None:
         code, out, _ = call(s, "POST", "/query", {"token_ids": TOKS, "mm_items": [
             {"identifier": "i", "offset": 2**70, "length": 4}]})
         assert code == 400, out
+        # A prompt's items are disjoint: overlapping ones, which would make every block hash every item, get 400.
+        code, out, _ = call(s, "POST", "/query", {"token_ids": TOKS, "mm_items": [
+            {"identifier": "a", "offset": 4, "length": 8}, {"identifier": "b", "offset": 0, "length": 5}]})
+        assert code == 400 and "the item at offset 4 starts inside the one at offset 0 (length 5)" in out["error"]
+        assert call(s, "POST", "/query", {"token_ids": TOKS, "mm_items": [
+            {"identifier": "a", "offset": 5, "length": 8}, {"identifier": "b", "offset": 0, "length": 5}]})[0] == 200
+
+
+@pytest.mark.timeout(60)
+def test_a_long_multimodal_identifier_is_hashed_once_per_item_not_per_block() -> None:
+    """One item over a 1,048,576-token prompt (65,536 blocks of 16) with a 4 MB identifier: hashing the identifier
+    for every block would be 275 GB of work; each block inside the item hashes its offset only."""
+    ident = "x" * (4 << 20)
+    extras = mm_block_extras(1 << 20, 16, [(ident, 0, 1 << 20)])
+    assert extras is not None and len(extras) == 1 << 16
+    assert extras[0] == extra_digest([(ident, 0)]) and extras[-1] == extra_digest([(ident, -(1 << 20) + 16)])
 
 
 # --- tokens, owners, bookings ------------------------------------------------------------------------------

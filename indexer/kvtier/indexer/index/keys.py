@@ -185,13 +185,16 @@ def mm_block_extras(
     """Per-block extras of a query from its multimodal items ``(identifier, offset, length)``,
     placed as vLLM places them: each block lists ``(identifier, item offset - block start)`` for the
     items overlapping it, in item order (by offset). One sweep over the blocks with the items that overlap the
-    current one: O(blocks + items log items + the (block, item) overlaps)."""
+    current one: O(blocks + items log items + the (block, item) overlaps). A block inside one item hashes only its
+    offset on top of that item's hashed prefix (:func:`extra_digest` of the pair, streamed), so a long identifier
+    costs once per item, not once per block."""
     if not mm_items:
         return None
     items = sorted(mm_items, key=lambda m: m[1])
     out: list[int | None] = []
     active: list[tuple[str, int, int]] = []  # items begun before this block's end, in offset order
     nxt = 0  # the first item not begun yet
+    prefixes: dict[tuple[str, int, int], Any] = {}  # item -> xxh3 of its lone pair's msgpack but the offset
     for b in range(num_tokens // block_size):
         start, end = b * block_size, (b + 1) * block_size
         while nxt < len(items) and items[nxt][1] < end:
@@ -199,7 +202,16 @@ def mm_block_extras(
             nxt += 1
         if active:
             active = [m for m in active if m[1] + m[2] > start]  # those ended before this block go
-        out.append(extra_digest([(ident, off - start) for ident, off, _ in active]))
+        if len(active) == 1:
+            item = active[0]
+            base = prefixes.get(item)
+            if base is None:  # [[identifier, 0]] with its final 0 (one byte) left for the offset
+                base = prefixes[item] = xxhash.xxh3_64(_encode([[item[0], 0]])[:-1], seed=SEED)
+            h = base.copy()
+            h.update(_encode(item[1] - start))
+            out.append(h.intdigest())
+        else:
+            out.append(extra_digest([(ident, off - start) for ident, off, _ in active]))
     return out
 
 

@@ -27,6 +27,7 @@ the lock, so the lock covers lookups and bookkeeping only.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import signal
 import threading
@@ -250,6 +251,12 @@ class IndexerService:
         if req.mm_items and len(req.mm_items) > self.config.max_mm_items:
             raise ValueError(f"{len(req.mm_items)} mm_items; at most {self.config.max_mm_items} per request")
         mm = [(m.identifier, m.offset, m.length) for m in req.mm_items] if req.mm_items else None
+        if mm:
+            # The placeholders of a prompt's items are disjoint, which bounds the (block, item) overlaps to hash.
+            for a, b in itertools.pairwise(sorted(mm, key=lambda m: m[1])):
+                if b[1] < a[1] + a[2]:
+                    raise ValueError(f"mm_items overlap: the item at offset {b[1]} starts inside the one at offset "
+                                     f"{a[1]} (length {a[2]})")
         return self.index.request_keys(tokens, lora_name=req.lora_name, cache_salt=req.cache_salt, mm_items=mm)
 
     def _check_alive(self) -> None:
