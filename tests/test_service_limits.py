@@ -41,7 +41,7 @@ from kvtier.indexer.service import http as http_front
 from kvtier.indexer.service.app import IndexerService, ServiceConfig, load_config, parse_endpoint
 from kvtier.indexer.service.clients import MAX_TOKEN_FILE_BYTES, Forbidden, load_tokens, peer_key
 from kvtier.indexer.service.http import MALFORMED_METRIC
-from kvtier.indexer.service.httplimits import BodyTooLarge, check_depth, read_body
+from kvtier.indexer.service.httplimits import BodiesBusy, BodyBudget, BodyTooLarge, check_depth, read_body
 from kvtier.sim.cli import main as cli_main
 from kvtier.util.fields import ConfigError
 from kvtier.wire import Publisher, WorkerId
@@ -155,6 +155,71 @@ def test_a_gzip_bomb_gets_413_over_http_and_other_clients_are_served() -> None:
         assert call(s, "POST", "/query", {"token_ids": TOKS})[0] == 200
         code, out, _ = call(s, "POST", "/query", raw=b"{}", headers={"Content-Encoding": "br"})
         assert code == 415 and "br" in out["error"]
+
+
+class _Stalled(_Stream):
+    """Hands out ``data``, then waits for ``go`` before it ends: a body stalled short of its end."""
+
+    def __init__(self, data: bytes, chunk: int, go: asyncio.Event) -> None:
+        super().__init__(data, chunk)
+        self.go = go
+
+    async def iter_any(self) -> AsyncIterator[bytes]:
+        async for piece in super().iter_any():
+            yield piece
+        await self.go.wait()
+
+
+def test_the_bodies_being_read_share_one_budget_given_back_however_they_end() -> None:
+    """Bodies stalled short of their end hold what they read (compressed ones, what they inflated to) against one
+    budget: the one that would pass it is refused, and whatever ends a read, its bytes are given back."""
+    budget = BodyBudget(1 << 20)
+    plain = b"1," * (200 << 10)  # 400 KiB
+
+    async def run() -> None:
+        go = asyncio.Event()
+        reqs = [_Request(b"", encoding) for encoding in ("identity", "gzip", "identity")]
+        for r, data in zip(reqs, [plain, gzip.compress(plain), plain], strict=True):
+            r.content = _Stalled(data, 1 << 14, go)
+        first = asyncio.create_task(read_body(reqs[0], 1 << 20, budget))  # type: ignore[arg-type]
+        second = asyncio.create_task(read_body(reqs[1], 1 << 20, budget))  # type: ignore[arg-type]
+        for _ in range(10_000):  # until both read all they were sent, and wait for the rest
+            if budget.held == 2 * len(plain):
+                break
+            await asyncio.sleep(0)
+        with pytest.raises(BodiesBusy, match=r"at most 1048576 \(max_body_bytes_in_flight\)"):
+            await read_body(reqs[2], 1 << 20, budget)  # type: ignore[arg-type]
+        assert budget.held == 2 * len(plain) and budget.refused == 1  # (the refused one's part given back)
+        first.cancel()  # (a read timeout)
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert budget.held == len(plain)
+        go.set()
+        assert await second == plain and budget.held == 0
+
+    asyncio.run(run())
+
+
+def test_bodies_past_the_budget_get_503_and_other_clients_are_served() -> None:
+    with service(max_body_bytes=64_000, max_body_bytes_in_flight=100_000) as s:
+        host, port = s.address.removeprefix("http://").split(":")
+        head = (b"POST /query HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 60000\r\n\r\n")
+        stalled = socket.create_connection((host, int(port)))
+        stalled.sendall(head + b"[" + b"1," * 25_000)  # 50,001 bytes of 60,000, then nothing
+        wait_for(lambda: s._http.bodies.held == 50_001)
+        late = socket.create_connection((host, int(port)))
+        late.sendall(head + b"[" + b"1," * 25_000)
+        late.settimeout(5)
+        answer = late.recv(4096)
+        assert b" 503 " in answer.split(b"\r\n")[0] and b"max_body_bytes_in_flight" in answer, answer
+        assert b"connection: close" in answer.lower()
+        assert call(s, "POST", "/query", {"token_ids": TOKS})[0] == 200  # a small body fits beside the stalled one
+        assert metrics(s)["http_bodies_refused"] == 1
+        assert "kvtier_http_bodies_refused_total 1" in get(s.address + "/metrics")
+        stalled.close()
+        late.close()
+        wait_for(lambda: s._http.bodies.held == 0)
 
 
 def test_deep_nesting_is_a_json_400_not_a_500(caplog: pytest.LogCaptureFixture) -> None:

@@ -631,6 +631,7 @@ def cmd_indexer(a: argparse.Namespace) -> int:
 #: the ServiceConfig setting of the same name (its domain checked there), default the config's, else the README's.
 _INDEXER_LIMITS: dict[str, tuple[type, str]] = {
     "max_body_bytes": (int, "request body cap, on the wire and decompressed (413)"),
+    "max_body_bytes_in_flight": (int, "what all request bodies being read hold together (503, closed)"),
     "max_query_tokens": (int, "token ids per request (400)"),
     "max_mm_items": (int, "multimodal items per request (400)"),
     "max_json_depth": (int, "JSON nesting depth of a body (400)"),

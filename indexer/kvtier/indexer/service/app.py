@@ -142,7 +142,8 @@ class IndexerService:
                                       read_timeout_s=config.read_timeout_s, keepalive_s=config.keepalive_s,
                                       loop=config.http_loop, max_connections=config.max_connections,
                                       max_connections_per_peer=config.max_connections_per_peer,
-                                      header_timeout_s=config.header_timeout_s)
+                                      header_timeout_s=config.header_timeout_s,
+                                      max_body_bytes_in_flight=config.max_body_bytes_in_flight)
         except ImportError:
             raise ConfigError("http_loop: uvloop is not installed (pip install uvloop), use auto or asyncio") from None
         for ep in config.endpoints:

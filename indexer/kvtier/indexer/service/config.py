@@ -74,6 +74,8 @@ class ServiceConfig:
     # (0 for a full-attention model); 0: such engines are scored on their full-attention overlap.
     window_tokens: int | None = field(default=None, metadata=at_least(0, optional=True))
     max_body_bytes: int = field(default=8 << 20, metadata=at_least(1))  # larger request bodies get 413
+    # the bytes all request bodies being read hold together; a body that would pass it gets 503
+    max_body_bytes_in_flight: int = field(default=256 << 20, metadata=at_least(1))
     # longer prompts get 400 (bounds a query's lock hold)
     max_query_tokens: int = field(default=1 << 20, metadata=at_least(1))
     # a request body must arrive within this (408)

@@ -28,6 +28,8 @@ from kvtier.indexer.routing.plugins import PluginError
 from kvtier.indexer.service.clients import Clients, Forbidden, ServiceUnavailable, TooManyInFlight, Unauthorized
 from kvtier.indexer.service.histogram import Histogram
 from kvtier.indexer.service.httplimits import (
+    BodiesBusy,
+    BodyBudget,
     BodyTooLarge,
     GatedServer,
     UnsupportedEncoding,
@@ -129,10 +131,11 @@ class HttpFrontEnd:
     def __init__(self, service: Backend, host: str, port: int, *, max_body_bytes: int,
                  read_timeout_s: float, keepalive_s: float, backlog: int = 1024, loop: str = "auto",
                  max_connections: int = 1024, max_connections_per_peer: int | None = None,
-                 header_timeout_s: float = 10.0) -> None:
+                 header_timeout_s: float = 10.0, max_body_bytes_in_flight: int = 256 << 20) -> None:
         self._svc = service
         self._host, self._port = host, port
         self._max_body = max_body_bytes
+        self.bodies = BodyBudget(max_body_bytes_in_flight)  # what the bodies being read hold together
         self._read_timeout = read_timeout_s
         self._keepalive = keepalive_s
         self._backlog = backlog
@@ -248,6 +251,8 @@ class HttpFrontEnd:
         if isinstance(exc, BodyTooLarge):  # mid-body: the connection closes once aiohttp's lingering close has read
             # and dropped the rest (up to 10 s), so that a client still sending reads its answer, not a reset
             return _closing(_json(413, {"error": str(exc)}))
+        if isinstance(exc, BodiesBusy):  # mid-body too: closed as a body too large is
+            return _closing(_json(503, {"error": str(exc)}))
         if isinstance(exc, UnsupportedEncoding):
             return _closing(_json(415, {"error": str(exc)}))
         if isinstance(exc, Unauthorized):
@@ -316,7 +321,7 @@ class HttpFrontEnd:
         if request.content_length is not None and request.content_length > self._max_body:
             raise web.HTTPRequestEntityTooLarge(max_size=self._max_body, actual_size=request.content_length)
         try:
-            return await asyncio.wait_for(read_body(request, self._max_body), self._read_timeout)
+            return await asyncio.wait_for(read_body(request, self._max_body, self.bodies), self._read_timeout)
         except TimeoutError:
             raise web.HTTPRequestTimeout(reason=f"body not received within {self._read_timeout:g} s") from None
         except RequestPayloadError as exc:  # (a broken chunked encoding, say)
@@ -336,6 +341,7 @@ class HttpFrontEnd:
                 "http_connections_refused": srv.refused if srv else 0,
                 "http_connections_refused_per_peer": srv.refused_per_peer if srv else 0,
                 "http_header_timeouts": srv.header_timeouts if srv else 0,
+                "http_bodies_refused": self.bodies.refused,
                 "plugin_errors": self.plugin_errors}
 
     # --- endpoints -----------------------------------------------------------------------

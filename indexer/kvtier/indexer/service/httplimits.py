@@ -40,6 +40,31 @@ class BodyTooLarge(Exception):
     """A request body past the cap, on the wire or decompressed."""
 
 
+class BodiesBusy(Exception):
+    """The request bodies being read hold the service's whole budget for them (:class:`BodyBudget`): a 503."""
+
+
+class BodyBudget:
+    """The bytes that the request bodies being read hold together (as received, or as decompressed so far), capped,
+    so that many connections each stalling a body just short of its cap do not add up to ``max_connections``
+    times ``max_body_bytes``. Used on the HTTP loop's thread only."""
+
+    __slots__ = ("cap", "held", "refused")
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.held = 0  # bytes held by bodies being read
+        self.refused = 0  # bodies refused for want of room
+
+    def take(self, n: int) -> None:
+        """Room for ``n`` more bytes, else :class:`BodiesBusy`. O(1)."""
+        if self.held + n > self.cap:
+            self.refused += 1
+            raise BodiesBusy(f"request bodies being read hold {self.held} bytes; at most {self.cap} "
+                             "(max_body_bytes_in_flight): try again")
+        self.held += n
+
+
 class UnsupportedEncoding(Exception):
     """A ``Content-Encoding`` the service does not decode."""
 
@@ -61,41 +86,56 @@ def check_encoding(encoding: str) -> None:
     _decompressor(encoding)
 
 
-async def read_body(request: web.BaseRequest, cap: int) -> bytes:
+async def read_body(request: web.BaseRequest, cap: int, budget: BodyBudget | None = None) -> bytes:
     """The request's body, decompressed as its ``Content-Encoding`` says; :class:`BodyTooLarge` as soon as more
-    than ``cap`` bytes came on the wire or came out of the decompressor, ``ValueError`` for a compressed body
-    that does not decompress. Memory O(cap); the loop is given back after every PIECE of output."""
+    than ``cap`` bytes came on the wire or came out of the decompressor, :class:`BodiesBusy` as soon as what it holds
+    does not fit in ``budget`` with the other bodies being read, ``ValueError`` for a compressed body that does not
+    decompress. Memory O(cap); the loop is given back after every PIECE of output."""
     encoding = request.headers.get(hdrs.CONTENT_ENCODING, "")
     d = _decompressor(encoding)
     out = bytearray()
     wire = 0
-    async for chunk in request.content.iter_any():
-        wire += len(chunk)
-        if wire > cap:
-            raise BodyTooLarge(f"body larger than {cap} bytes")
-        if d is None:
-            out += chunk
-            continue
-        pending: bytes = chunk
-        while True:
-            if d.eof:  # a gzip body may be several members back to back
-                if not pending:
+    taken = 0  # of the budget, given back however this ends
+
+    def grow(data: bytes) -> None:
+        nonlocal taken
+        if budget is not None:
+            budget.take(len(data))
+            taken += len(data)
+        out.extend(data)
+
+    try:
+        async for chunk in request.content.iter_any():
+            wire += len(chunk)
+            if wire > cap:
+                raise BodyTooLarge(f"body larger than {cap} bytes")
+            if d is None:
+                grow(chunk)
+                continue
+            pending: bytes = chunk
+            while True:
+                if d.eof:  # a gzip body may be several members back to back
+                    if not pending:
+                        break
+                    d = _decompressor(encoding)
+                try:
+                    piece = d.decompress(pending, PIECE)
+                except zlib.error:
+                    raise ValueError(f"request body: Can not decode content-encoding: {encoding.strip()}") from None
+                if len(out) + len(piece) > cap:
+                    raise BodyTooLarge(f"body larger than {cap} bytes once decompressed")
+                grow(piece)
+                pending = d.unused_data if d.eof else d.unconsumed_tail
+                if not pending and (d.eof or len(piece) < PIECE):
                     break
-                d = _decompressor(encoding)
-            try:
-                piece = d.decompress(pending, PIECE)
-            except zlib.error:
-                raise ValueError(f"request body: Can not decode content-encoding: {encoding.strip()}") from None
-            out += piece
-            if len(out) > cap:
-                raise BodyTooLarge(f"body larger than {cap} bytes once decompressed")
-            pending = d.unused_data if d.eof else d.unconsumed_tail
-            if not pending and (d.eof or len(piece) < PIECE):
-                break
-            await asyncio.sleep(0)  # other connections run between pieces
-    if d is not None and not d.eof:
-        raise ValueError(f"request body: Can not decode content-encoding: {encoding.strip()} (truncated)")
-    return bytes(out)
+                await asyncio.sleep(0)  # other connections run between pieces
+        if d is not None and not d.eof:
+            raise ValueError(f"request body: Can not decode content-encoding: {encoding.strip()} (truncated)")
+        return bytes(out)
+    finally:  # (a failed read's frames may outlive it in a reference cycle: its bytes go now, not at a collection)
+        out.clear()
+        if budget is not None:
+            budget.held -= taken
 
 
 def check_depth(body: bytes, max_depth: int) -> None:

@@ -48,6 +48,7 @@ _LIMIT_METRICS: dict[str, tuple[str, str]] = {
     "http_connections_refused": ("counter", "HTTP connections refused at max_connections (503)."),
     "http_connections_refused_per_peer": ("counter", "HTTP connections refused at max_connections_per_peer (429)."),
     "http_header_timeouts": ("counter", "HTTP connections closed for sending no headers within header_timeout_s."),
+    "http_bodies_refused": ("counter", "Request bodies refused at max_body_bytes_in_flight (503)."),
     "plugin_errors": ("counter", "Requests a plugin policy failed by breaking its protocol (answered 500)."),
     "auth_refused": ("counter", "State-changing requests refused for a missing or invalid token (401)."),
     "owner_refused": ("counter", "Releases of a booking by a client that did not book it (403)."),
