@@ -264,6 +264,16 @@ CASES: dict[str, Case] = {
         "nan.csv:2: ContextTokens 'lots' is not an integer"),
     "latency file not UTF-8": (lambda t, f: replay("--latency", _bytes(t, "fit.json", b'{"prefill_ms": "\xff"}'))(
         t, f), "fit.json: not UTF-8"),
+    # coefficients that overflow a price: an infinite floor (JSON's Infinity), a huge constant, a fit to huge points
+    "latency floor Infinity": (lambda t, f: replay("--latency", _bytes(t, "inf.json", b'{"prefill_ms": [0, 0.01, 10], '
+                                                   b'"decode_ms": [0, 0, 5], "decode_floor_ms": Infinity}'))(t, f),
+                               "inf.json: its decode_floor is inf; a latency coefficient must be at most 1e+09"),
+    "latency huge constant": (lambda t, f: replay("--latency", _bytes(t, "big.json", b'{"prefill_ms": [0, 0.01, 10], '
+                                                  b'"decode_ms": [0, 0, 1e308]}'))(t, f),
+                              "big.json: its decode_c is 1e+308; a latency coefficient must be at most 1e+09"),
+    "fit-latency huge points": (lambda t, f: ["fit-latency", "-o", str(t / "fit.json"), _bytes(
+        t, "huge.csv", b"kind,x,ms\nprefill,1,1\nprefill,2,1\nprefill,3,1e308\ndecode,0,1\ndecode,0.5,1\n"
+        b"decode,1,1e308\n")], "a latency coefficient must be at most 1e+09 in size"),
     "fit-latency negative pool": (lambda t, f: ["fit-latency", "--kv-pool-tokens", "-5", _bytes(
         t, "pts.csv", b"kind,x,ms\nprefill,512,20\nprefill,2048,50\nprefill,8192,100\n")],
         "argument --kv-pool-tokens: -5 is not allowed"),

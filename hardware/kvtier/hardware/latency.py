@@ -26,6 +26,10 @@ class LatencyModel(Protocol):
         ...
 
 
+#: The largest latency coefficient accepted, in size (ms, ms per token, ...): prices stay finite.
+MAX_COEFFICIENT = 1e9
+
+
 @dataclass(slots=True, frozen=True)
 class MockerLatency:
     """NVIDIA Dynamo mocker's functional form, in milliseconds: prefill quadratic in uncached tokens,
@@ -52,6 +56,16 @@ class MockerLatency:
         k = tokens / self.kv_pool_tokens
         return dataclasses.replace(self, decode_a=self.decode_a * k * k, decode_b=self.decode_b * k,
                                    kv_pool_tokens=tokens)
+
+    def check_bounded(self) -> None:
+        """``ValueError`` unless every coefficient, and the decode floor, is at most :data:`MAX_COEFFICIENT` in size:
+        larger ones (a fit to absurd points, a hand-written file) overflow prices to infinity or NaN, where routing
+        can no longer tell workers apart. O(1)."""
+        for name in ("prefill_a", "prefill_b", "prefill_c", "decode_a", "decode_b", "decode_c", "decode_floor"):
+            v = getattr(self, name)
+            if not abs(v) <= MAX_COEFFICIENT:
+                raise ValueError(f"its {name} is {v:.3g}; a latency coefficient must be at most {MAX_COEFFICIENT:.0e} "
+                                 "in size")
 
     def check_prefill(self, max_tokens: int) -> None:
         """``ValueError`` unless a prefill of every size from 1 to ``max_tokens`` tokens takes a positive time under
@@ -303,6 +317,7 @@ def fit_latency(prefill: list[tuple[float, float]], decode: list[tuple[float, fl
     if kv_pool_tokens < 0:
         raise ValueError(f"kv_pool_tokens must be >= 0, got {kv_pool_tokens}")
     fit = MockerLatency(pa, pb, pc, da, db, dc, kv_pool_tokens=kv_pool_tokens)
+    fit.check_bounded()
     fit.check_prefill(max(1, math.ceil(max(x for x, _ in prefill))))  # at least over the measured passes
     return fit
 
@@ -380,4 +395,6 @@ def latency_from_json(text: str) -> MockerLatency:
     if not isinstance(pool, int) or isinstance(pool, bool) or pool < 0:
         raise ValueError(f"kv_pool_tokens must be a whole number >= 0, got {pool!r}")
     (pa, pb, pc), (da, db, dc) = coeffs["prefill_ms"], coeffs["decode_ms"]
-    return MockerLatency(pa, pb, pc, da, db, dc, float(floor), pool)
+    model = MockerLatency(pa, pb, pc, da, db, dc, float(floor), pool)
+    model.check_bounded()
+    return model
