@@ -636,3 +636,17 @@ def test_a_window_pool_of_a_few_windows_serves_every_request(swa_ratio: float, p
     cfg = ClusterConfig(model="gemma-3-27b", swa_ratio=swa_ratio, prefill_workers=pools, decode_workers=pools)
     s = simulate(reqs, cfg, RunConfig("kv_all")).summary
     assert (s.requests, s.unfinished) == (len(reqs), 0)
+
+
+def test_a_run_that_completes_nothing_plots_without_a_warning(tmp_path: Path) -> None:
+    """Every request rejected (prompts past the device): the TTFT CDF has no line, and says so in the plot rather
+    than in a matplotlib warning on stderr."""
+    import warnings
+
+    from kvtier.sim.cli import main as cli_main
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cli_main(["compare", "--trace", "builtin:chat:30", "--workers", "2", "--device-tokens", "1024",
+                         "--policies", "kv_all,round_robin", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "ttft_cdf.png").stat().st_size > 0

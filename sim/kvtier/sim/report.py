@@ -356,7 +356,10 @@ def plot(out_dir: Path, summaries: Sequence[RunSummary], runs: Sequence[Latencie
     ax.set_ylabel("fraction of requests")
     ax.set_title(f"TTFT CDF: {title}")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(loc="lower right")
+    if ax.lines:
+        ax.legend(loc="lower right")
+    else:  # (a legend of nothing is a matplotlib warning on stderr)
+        ax.text(0.5, 0.5, "no request completed", transform=ax.transAxes, ha="center", va="center")
     paths.append(_save(fig, out_dir / PLOTS[1]))
 
     fig, ax = plt.subplots(figsize=(7, 4.6))
