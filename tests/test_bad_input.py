@@ -123,6 +123,8 @@ CASES: dict[str, Case] = {
     "compare's summary is a directory": (lambda t, f: ["compare", *SMALL, "--policies", "round_robin,kv_all",
                                                        "--out", _dir(t, "o/summary.json")[:-len("/summary.json")]],
                                          "summary.json is a directory"),
+    "sweep grid of a link on an aggregated cluster": (lambda t, f: ["sweep", *SMALL, "--grid", "kv_gbps=10,20"],
+                                                       "grid axis 'kv_gbps': it applies to a disaggregated cluster"),
     "sweep grid past its cap": (lambda t, f: ["sweep", *SMALL, "--grid", "seed=" + ",".join(map(str, range(200))),
                                              "temperature=" + ",".join(map(str, range(1, 101)))],
                                 "--grid: 20,000 points; a sweep runs at most 10,000"),

@@ -195,8 +195,8 @@ _DISAGG_AXES = frozenset({"pools", "prefill_workers", "decode_workers"})  # swee
 
 def _cluster(a: argparse.Namespace, axes: Collection[str] = ()) -> ClusterConfig:
     """The cluster the options describe: every setting of :func:`_add_cluster_args` by its field's name. The
-    prefill -> decode link's options are refused for an aggregated cluster (they would change nothing), unless a
-    sweep's ``axes`` may split it."""
+    prefill -> decode link's options, and a sweep's axes over them, are refused for an aggregated cluster (they would
+    change nothing), unless a sweep's ``axes`` may split it."""
     pools = a.prefill_workers + a.decode_workers if a.prefill_workers > 0 and a.decode_workers > 0 else None
     if pools is not None and a.workers is not None and a.workers != pools:
         raise CliError(f"--workers {a.workers} != --prefill-workers {a.prefill_workers} + --decode-workers "
@@ -205,6 +205,7 @@ def _cluster(a: argparse.Namespace, axes: Collection[str] = ()) -> ClusterConfig
         inert = [f for f, given in (("--kv-link", a.kv_link is not None),
                                     ("--kv-link-gbps", a.kv_link_gbps is not None),
                                     ("--local-prefill-tokens", a.local_prefill_tokens != 0)) if given]
+        inert += [f"grid axis {axis!r}" for axis in ("kv_link", "kv_gbps", "local_prefill_tokens") if axis in axes]
         if inert:
             raise CliError(f"{', '.join(inert)}: {'they apply' if len(inert) > 1 else 'it applies'} to a "
                            "disaggregated cluster only; give --prefill-workers and --decode-workers")
