@@ -99,7 +99,10 @@ def _add_trace_args(p: argparse.ArgumentParser) -> None:
                    help="Mooncake JSONL, Azure CSV, or builtin:chat|agentic|sysprompt[:N] (N requests; default: "
                         "--limit, else 1,000)")
     p.add_argument("--limit", type=COUNT.parse, help="use only the first N requests (default: all)")
-    p.add_argument("--time-scale", type=TIME_SCALE.parse, default=1.0, help="multiply arrival times (<1 = higher load)")
+    p.add_argument("--time-scale", type=TIME_SCALE.parse, default=1.0,
+                   help="multiply arrival times (<1 = higher load); closed loop (the default), it moves sessions' "
+                        "first turns only, and later turns still follow their think times (--open-loop moves every "
+                        "arrival)")
     p.add_argument("--trace-seed", type=SEED.parse, default=0,
                    help="seed of builtin traces, and of an Azure trace's prefix groups")
     p.add_argument("--shared-prefix-blocks", type=Domain(int, lo=0, hi=1 << 20).parse, default=0, metavar="N",
