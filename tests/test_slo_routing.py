@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier.indexer.service import app as service_module
 from kvtier.indexer.service.app import IndexerService, ServiceConfig, parse_endpoint
 from kvtier.wire import BlockStored, WorkerId
 from kvtier.wire.notices import StreamId
@@ -25,16 +24,16 @@ class Clock:
 
 
 @pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
-    c = Clock()
-    monkeypatch.setattr(service_module.time, "monotonic", c)
-    return c
+def clock() -> Clock:
+    """The routed requests' clock of :func:`svc`'s service."""
+    return Clock()
 
 
-def _service(**settings: object) -> IndexerService:
+def _service(clock: Clock, **settings: object) -> IndexerService:
     """Two workers (not started: no sockets); w0 holds PROMPT's blocks on device and decodes a big batch."""
     eps = [parse_endpoint(f"w{i}=tcp://127.0.0.1:{i + 1}") for i in range(2)]
-    svc = IndexerService(ServiceConfig(endpoints=eps, block_size=BS, listen="127.0.0.1:0", **settings))  # type: ignore[arg-type]
+    svc = IndexerService(ServiceConfig(endpoints=eps, block_size=BS, listen="127.0.0.1:0", **settings),  # type: ignore[arg-type]
+                         request_clock=clock)
     svc.index.apply(W0, BlockStored(block_hashes=list(range(1, 257)), parent_block_hash=None, token_ids=PROMPT,
                                     block_size=BS, medium="GPU"))
     svc.loads.add("batch", W0, [], 60_000, 0)  # 60,000 tokens of context decoding on w0
@@ -43,8 +42,8 @@ def _service(**settings: object) -> IndexerService:
 
 
 @pytest.fixture
-def svc() -> IndexerService:
-    return _service(policy="goodput", capacity_tokens=100_000)
+def svc(clock: Clock) -> IndexerService:
+    return _service(clock, policy="goodput", capacity_tokens=100_000)
 
 
 def test_a_requests_slo_steers_the_goodput_policy(svc: IndexerService, clock: Clock) -> None:
@@ -84,7 +83,7 @@ def test_reports_feed_back_the_observed_latencies_and_metrics_export_the_errors(
 
 
 def test_without_a_capacity_there_is_no_tpot_prediction(clock: Clock) -> None:
-    s = _service(policy="kv_all")
+    s = _service(clock, policy="kv_all")
     out = s.route({"token_ids": PROMPT, "request_id": "a", "slo": {"ttft_ms": 500.0}})
     assert out["predicted"]["tpot_ms"] is None and out["predicted"]["ttft_ms"] >= 0
     assert s.route({"token_ids": PROMPT, "request_id": "b"})["worker"] in ("w0", "w1")
