@@ -650,3 +650,21 @@ def test_a_run_that_completes_nothing_plots_without_a_warning(tmp_path: Path) ->
         assert cli_main(["compare", "--trace", "builtin:chat:30", "--workers", "2", "--device-tokens", "1024",
                          "--policies", "kv_all,round_robin", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "ttft_cdf.png").stat().st_size > 0
+
+
+def test_a_run_removes_the_plots_an_earlier_run_left_that_it_does_not_write(tmp_path: Path) -> None:
+    """A compare with --no-plots after one with plots, and a sweep without an SLO after one with it, into the same
+    --out: the earlier run's plots would pass for this run's results, so they go."""
+    from kvtier.sim.cli import main as cli_main
+    from kvtier.sim.report import PLOTS
+
+    small = ["--trace", "builtin:chat:30", "--workers", "2", "--device-tokens", "16384", "--out", str(tmp_path)]
+    assert cli_main(["compare", *small, "--policies", "kv_all,round_robin"]) == 0
+    assert all((tmp_path / p).is_file() for p in PLOTS)
+    assert cli_main(["compare", *small, "--policies", "dynamo", "--no-plots"]) == 0
+    assert not any((tmp_path / p).exists() for p in PLOTS) and (tmp_path / "summary.json").is_file()
+    sweep = ["sweep", *small, "--grid", "seed=1,2"]
+    assert cli_main([*sweep, "--sla-ttft-ms", "500"]) == 0
+    assert (tmp_path / "sweep_goodput.png").is_file() and (tmp_path / "sweep_hit_rate.png").is_file()
+    assert cli_main(sweep) == 0
+    assert not (tmp_path / "sweep_goodput.png").exists() and (tmp_path / "sweep_hit_rate.png").is_file()

@@ -352,7 +352,7 @@ def _out_dir(a: argparse.Namespace, *names: str) -> Path:
 
 def _compare(a: argparse.Namespace, policies: list[str]) -> int:
     from kvtier.sim.experiment import RunSpec, execute, run_jobs
-    from kvtier.sim.report import PLOTS, join_csv, join_files, plot, table, wholes, write_json
+    from kvtier.sim.report import PLOTS, join_csv, join_files, plot, remove_stale, table, wholes, write_json
 
     trace = _trace(a)
     cluster = _cluster(a)
@@ -402,6 +402,7 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
         with _interrupt_after():
             written += plot(out_dir, summaries, [res for _, res in results], where,
                             _run_cfg(a, policies[0]).slo)
+    remove_stale(out_dir, PLOTS, written)
     print(f"\nran in {wall:.1f} s, peak memory {peak:,.0f} MiB (largest process); wrote "
           f"{', '.join(str(p) for p in written)}", file=sys.stderr)
     return _unfinished_status(a, summaries, len(trace))
@@ -489,7 +490,7 @@ def cmd_replay(a: argparse.Namespace) -> int:
 
 def cmd_sweep(a: argparse.Namespace) -> int:
     from kvtier.sim.experiment import grid_jobs, parse_grid, run_jobs
-    from kvtier.sim.report import table, whole, write_sweep
+    from kvtier.sim.report import SWEEP_PLOTS, remove_stale, table, whole, write_sweep
 
     try:
         grid = parse_grid(a.grid)
@@ -519,6 +520,7 @@ def cmd_sweep(a: argparse.Namespace) -> int:
         part.write_text(json.dumps(rows, indent=2, default=str))
     with _interrupt_after():
         written = [out_dir / "sweep.json", *write_sweep(out_dir, rows, list(grid), plots=not a.no_plots)]
+    remove_stale(out_dir, SWEEP_PLOTS, written)
     print(f"\nwrote {', '.join(str(p) for p in written)}", file=sys.stderr)
     return _unfinished_status(a, summaries, len(jobs[0].trace) if jobs else 0)
 

@@ -145,6 +145,24 @@ def write_json(path: Path, summaries: Sequence[RunSummary], meta: dict[str, Any]
     path.write_text(json.dumps({"meta": meta, "runs": runs}, indent=2, default=str))
 
 
+#: The plots :func:`write_sweep` may write in its directory.
+SWEEP_PLOTS = tuple(f"sweep_{field}.png" for field, _ in SWEEP_MEASURES)
+
+
+def remove_stale(out_dir: Path, names: Sequence[str], written: Sequence[Path]) -> list[Path]:
+    """Removes the files of ``names`` in ``out_dir`` that this run did not write (``written``): an earlier run's
+    plots (of another trace, other policies or an SLO this one lacks) would sit beside this run's results as if
+    they were its own. Returns the paths removed. O(names)."""
+    mine = {p.resolve() for p in written}
+    gone = []
+    for name in names:
+        p = out_dir / name
+        if p.resolve() not in mine and p.is_file():
+            p.unlink()
+            gone.append(p)
+    return gone
+
+
 #: The plots :func:`plot` writes in its directory.
 PLOTS = ("hit_rate_by_tier.png", "ttft_cdf.png", "ttft_tpot_pareto.png", "goodput_vs_slo.png")
 
