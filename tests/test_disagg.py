@@ -141,6 +141,11 @@ def test_decode_admission_waits_for_memory_and_requests_never_vanish() -> None:
                     RunConfig("round_robin"))
     assert (full.summary.rejected, full.summary.requests, full.summary.unfinished) == (1, 1, 0)
     assert [r.rejected for r in full.records] == [True, False]
+    # An aggregated worker of that device alike: a request asking for no output generates one token all the same.
+    agg = cluster.replace(prefill_workers=0, decode_workers=0, workers=1)
+    for out in (0, 1):
+        alone = simulate([req("x", 0.0, 4096, out, list(range(8)))], agg, RunConfig("round_robin"))
+        assert alone.summary.rejected == 1, out
 
 
 def test_short_uncached_prompts_prefill_on_their_decode_worker() -> None:

@@ -413,9 +413,9 @@ class SimWorker:
             self._busy_until = self.env.at(self.env.now, self._iterate, priority=START_PRIORITY)
 
     def _output_room(self, job: Job) -> int:
-        """Output tokens ``job`` reserves room for here: its whole output, or one on a prefill worker (as a prefill
-        request with max_tokens=1 does). O(1)."""
-        return 1 if self.role == "prefill" else job.req.output_length
+        """Output tokens ``job`` reserves room for here: its whole output, at least the one token every request
+        generates, or one on a prefill worker (as a prefill request with max_tokens=1 does). O(1)."""
+        return 1 if self.role == "prefill" else max(1, job.req.output_length)
 
     def _start_prefills(self) -> None:
         ps = self.cfg.page_size
