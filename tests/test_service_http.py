@@ -601,6 +601,12 @@ def test_deadlines_expire_only_requests_still_in_flight() -> None:
     assert d.expire(11.0) == ["b"] and "a" in d and d.expired == 1
     d._check()
     assert d.expire(15.0) == ["a"] and len(d) == 0 and d.expired == 2
+    # A wave of expiries comes out in batches (the event loop takes one per hold of the service's lock).
+    for i in range(5):
+        d.book(f"r{i}", float(i))
+    assert d.expire(100.0, limit=2) == ["r0", "r1"] and d.due(100.0)
+    assert d.expire(100.0, limit=2) == ["r2", "r3"] and d.expire(100.0, limit=2) == ["r4"]
+    assert not d.due(100.0) and d.expired == 7
 
 
 def test_finished_requests_leave_the_deadline_heap_bounded() -> None:

@@ -60,10 +60,11 @@ class Deadlines:
         """Whether some heap entry's deadline has passed (a stale one included). O(1)."""
         return bool(self._heap) and self._heap[0][0] <= now
 
-    def expire(self, now: float) -> list[str]:
-        """The requests whose deadline has passed, no longer in flight. O(expired log n)."""
-        gone = []
-        while self._heap and self._heap[0][0] <= now:
+    def expire(self, now: float, limit: int | None = None) -> list[str]:
+        """The requests whose deadline has passed, no longer in flight: at most ``limit`` of them, the earliest
+        first (the rest stay due). O(expired log n)."""
+        gone: list[str] = []
+        while self._heap and self._heap[0][0] <= now and (limit is None or len(gone) < limit):
             deadline, rid = heapq.heappop(self._heap)
             if self._due.get(rid) == deadline:
                 del self._due[rid]

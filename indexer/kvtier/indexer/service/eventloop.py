@@ -27,6 +27,7 @@ __all__ = ["EventLoop"]
 
 log = logging.getLogger(__name__)
 
+_EXPIRE_BATCH = 64  # requests expired per hold of the service's lock
 _RESTART_BACKOFF_S = 0.5  # the first wait before a failed event loop starts again
 _RESTART_BACKOFF_MAX_S = 30.0  # the longest, as failures repeat
 
@@ -209,9 +210,10 @@ class EventLoop:
                         applied += 1
                         self.apply_wait.observe(t1 - t0)
                         self.apply_hold.observe(time.perf_counter() - t1)
-                if self._deadlines.due(self._deadlines.clock()):
-                    with self._lock:
-                        for rid in self._deadlines.expire(self._deadlines.clock()):
+                now = self._deadlines.clock()
+                while self._deadlines.due(now):
+                    with self._lock:  # a batch per hold: a wave of expiries (their blocks) never stalls queries
+                        for rid in self._deadlines.expire(now, _EXPIRE_BATCH):
                             self._on_expired(rid)
             self._save_logged()  # on stop
         finally:
