@@ -41,7 +41,14 @@ from kvtier.indexer.service import http as http_front
 from kvtier.indexer.service.app import IndexerService, ServiceConfig, load_config, parse_endpoint
 from kvtier.indexer.service.clients import MAX_TOKEN_FILE_BYTES, Forbidden, load_tokens, peer_key
 from kvtier.indexer.service.http import MALFORMED_METRIC
-from kvtier.indexer.service.httplimits import BodiesBusy, BodyBudget, BodyTooLarge, check_depth, read_body
+from kvtier.indexer.service.httplimits import (
+    MAX_MEMBERS,
+    BodiesBusy,
+    BodyBudget,
+    BodyTooLarge,
+    check_depth,
+    read_body,
+)
 from kvtier.sim.cli import main as cli_main
 from kvtier.util.fields import ConfigError
 from kvtier.wire import Publisher, WorkerId
@@ -142,6 +149,12 @@ def test_a_gzip_bomb_is_refused_while_it_inflates_in_memory_bounded_by_the_cap()
     assert asyncio.run(read_body(_Request(plain, "identity"), cap)) == plain  # type: ignore[arg-type]
     two = gzip.compress(plain[:10]) + gzip.compress(plain[10:])  # a gzip body of two members
     assert asyncio.run(read_body(_Request(two, "gzip", chunk=5), cap)) == plain  # type: ignore[arg-type]
+    # Each member costs a decompressor: a body of empty members (hundreds of thousands fit the cap) is refused.
+    empty = gzip.compress(b"")
+    many = empty * MAX_MEMBERS + gzip.compress(plain)
+    with pytest.raises(ValueError, match=f"more than {MAX_MEMBERS} gzip members"):
+        asyncio.run(read_body(_Request(many, "gzip"), cap))  # type: ignore[arg-type]
+    assert asyncio.run(read_body(_Request(many[len(empty):], "gzip"), cap)) == plain  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="truncated"):
         asyncio.run(read_body(_Request(gzip.compress(plain)[:-9], "gzip"), cap))  # type: ignore[arg-type]
 

@@ -35,6 +35,8 @@ from aiohttp.web_request import BaseRequest
 from kvtier.indexer.service.clients import peer_key
 
 PIECE = 64 << 10  # decompressed bytes produced per step: the most one step holds the event loop for
+#: Compressed members a body may hold back to back (each costs a decompressor; a client sends one, or a few).
+MAX_MEMBERS = 1024
 
 class BodyTooLarge(Exception):
     """A request body past the cap, on the wire or decompressed."""
@@ -96,6 +98,7 @@ async def read_body(request: web.BaseRequest, cap: int, budget: BodyBudget | Non
     out = bytearray()
     wire = 0
     taken = 0  # of the budget, given back however this ends
+    members = 1  # gzip members begun
 
     def grow(data: bytes) -> None:
         nonlocal taken
@@ -117,6 +120,9 @@ async def read_body(request: web.BaseRequest, cap: int, budget: BodyBudget | Non
                 if d.eof:  # a gzip body may be several members back to back
                     if not pending:
                         break
+                    members += 1
+                    if members > MAX_MEMBERS:
+                        raise ValueError(f"request body: more than {MAX_MEMBERS} {encoding.strip()} members")
                     d = _decompressor(encoding)
                 try:
                     piece = d.decompress(pending, PIECE)
