@@ -179,8 +179,8 @@ def _answer_honestly(t: StreamTracker, buffer: dict[int, bytes], now: float) -> 
 def test_one_live_batch_with_a_corrupt_seq_does_not_wedge_the_stream(dump: bool) -> None:
     """One live frame of an honest publisher carries a corrupt seq far ahead (2**62). Its replay answers hold
     nothing past the last seq delivered, and its next live batches go on from there: the corrupt one is dropped and
-    counted, and the batches after it are applied, with no loss reported. Jumping to it instead dropped every
-    later batch as a straggler of the seqs it skipped, until the engine restarted."""
+    counted, and the batches after it are applied, with no loss reported (jumping to it would drop every later batch
+    as a straggler of the seqs it skipped)."""
     t = tracker(dump=dump)
     buffer = {q: payload(q) for q in range(10)}
     out = [d for q in range(10) for d in t.on_live(q, buffer[q], 0.0)]
@@ -217,6 +217,45 @@ def test_batches_the_replay_does_not_hold_are_real_if_the_live_ones_go_on_past_t
     out = r.on_live(0, payload(100), 0.1)  # a new process
     assert isinstance(out[0], PublisherRestarted) and seqs(out) == [0] and r.stats.bogus_seqs == 0
     assert seqs(r.on_live(1, payload(101), 0.2)) == [1]
+
+
+def test_batches_set_aside_again_join_those_set_aside_before() -> None:
+    """A publisher whose replay keeps nothing: batch 5 is set aside, an idle probe starts, live batch 6 is held during
+    it and the probe comes back empty too: 6 joins 5 (5 was dropped unseen when the second set replaced the first),
+    and the next live batch delivers both after the loss."""
+    t = tracker()
+    out = t.on_live(0, payload(0), 0.0)
+    out += t.on_live(5, payload(5), 0.0) + _answer_honestly(t, {}, 0.0)
+    out += t.on_tick(1.5)  # quiet past probe_s: a probe from seq 1
+    out += t.on_live(6, payload(6), 1.6) + _answer_honestly(t, {}, 1.6)
+    t._check()
+    out += t.on_live(7, payload(7), 1.7) + _answer_honestly(t, {}, 1.7)
+    assert seqs(out) == [0, 5, 6, 7] and sum(isinstance(d, ResyncNeeded) for d in out) == 1
+    t._check()
+
+
+def test_a_stream_given_up_drops_the_batches_it_had_set_aside() -> None:
+    """A corrupt seq set aside, then a resync while the replay socket is unresponsive: the replay and the dump time
+    out and the stream is given up with nothing held (no seq expected). What was set aside goes with it; the next
+    live batch starts the stream again rather than failing an assertion (which ended the service's event loop)."""
+    t = tracker(dump=True)
+    buffer = {q: payload(q) for q in range(10)}
+    for q in range(10):
+        t.on_live(q, buffer[q], 0.0)
+    t.on_live(2**62, payload(-1), 0.0)
+    _answer_honestly(t, buffer, 0.0)
+    now = 100.0
+    t.request_resync("consumer inconsistent", now)
+    while t.recovering or t.expected is not None:  # nothing answers on the replay socket
+        now += 0.5
+        t.on_tick(now)
+        t.outbox.clear()
+        t.reset_replay_socket = False
+        t._check()
+        assert now < 200.0, "never given up"
+    out = t.on_live(10, payload(10), now) + _answer_honestly(t, {**buffer, 10: payload(10)}, now)
+    t._check()
+    assert seqs(out)[-1] == 10 and t.expected == 11 and t.stats.bogus_seqs == 0
 
 
 def test_a_dump_asked_again_after_it_stalled_starts_over() -> None:

@@ -345,7 +345,7 @@ class StreamRecovery:
         the live batches that follow tell which, so these are set aside, neither delivered nor given up, and the
         stream goes live again at the seq expected (``StreamTracker._settle_doubtful``). O(h)."""
         s = self.state
-        s.doubtful, s.held = s.held, []
+        s.doubtful, s.held = sorted({**dict(s.doubtful), **dict(s.held)}.items()), []  # (set aside before: kept)
         self.mode = Mode.LIVE
         self.replay.done()
         if self.undecodable is not None:  # (a batch an earlier answer delivered: lost all the same)
@@ -423,6 +423,9 @@ class StreamRecovery:
         by_seq.update(s.held)
         held = sorted(by_seq.items())
         s.held = []
+        # Batches set aside as doubtful are never continued from (a corrupt seq would wedge the stream): the loss
+        # reported here covers them if they were the publisher's.
+        s.doubtful = []
         if held and s.expected is not None and held[0][0] > s.expected:
             s.history.give_up(s.expected, held[0][0])
         s.expected = held[0][0] if held else None

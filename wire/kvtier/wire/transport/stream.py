@@ -310,12 +310,14 @@ class StreamTracker:
 
         Below the first of them, the publisher's sequence goes on where the answers said it ends: they were never
         part of it (a corrupt seq frame), and are dropped as malformed (``bogus_seqs``) while ``seq`` goes on as
-        usual. At or past it, they were the publisher's, whose replay cannot give back the batches before them: a
-        loss for good (a dump, else the stream marked partial), delivered from the first of them on, ``seq`` after.
-        Those a replay since moved ``expected`` past are dropped unseen."""
+        usual. At or past it, they are taken for the publisher's, whose replay cannot give back the batches before
+        them: a loss for good (a dump, else the stream marked partial), delivered from the first of them on, ``seq``
+        after. That reading is wrong where live batches were also lost between a corrupt seq and ``seq`` (a loss is
+        then reported that a replay could have filled) or where a second corrupt seq is ``seq``: the rule fixes a
+        lone corrupt seq, the common case, not every sequence of them. Those a replay since moved ``expected`` past
+        are dropped unseen."""
         s = self._state
-        assert s.expected is not None, "batches set aside with no seq expected"
-        doubtful, s.doubtful = [(q, p) for q, p in s.doubtful if q >= s.expected], []
+        doubtful, s.doubtful = [(q, p) for q, p in s.doubtful if s.expected is not None and q >= s.expected], []
         if not doubtful:
             return False
         first = doubtful[0][0]
@@ -345,5 +347,8 @@ class StreamTracker:
 
     def _check(self) -> None:
         """Asserts the tracker's invariants (tests call it between steps)."""
+        doubtful = [q for q, _ in self._state.doubtful]
+        assert doubtful == sorted(set(doubtful)), f"doubtful batches out of order or repeated: {doubtful}"
+        assert not doubtful or self._state.expected is not None, "doubtful batches with no seq expected"
         self._recovery._check()
         self._state.history._check()
