@@ -152,7 +152,8 @@ def check_depth(body: bytes, max_depth: int) -> None:
     Strings are told by the quotes before each bracket: an odd count opens one, and a quote after an odd run of
     backslashes is escaped. That is exact for valid JSON; where a body is not valid JSON the count may differ from
     the decoder's view only past the first byte the decoder refuses, so no nesting the decoder would reach is
-    missed. (A regular expression that skips strings is quadratic on an unterminated string of escaped quotes.)"""
+    missed. (A regular expression that skips strings would be quadratic on an unterminated string of escaped
+    quotes.)"""
     if body.count(b"[") + body.count(b"{") <= max_depth:
         return
     a = np.frombuffer(body, np.uint8)
