@@ -214,6 +214,8 @@ def test_the_bodies_being_read_share_one_budget_given_back_however_they_end() ->
 
 
 def test_bodies_past_the_budget_get_503_and_other_clients_are_served() -> None:
+    with pytest.raises(ConfigError, match="max_body_bytes_in_flight 1000 is less than max_body_bytes 64000"):
+        ServiceConfig(endpoints=[], max_body_bytes=64_000, max_body_bytes_in_flight=1000)
     with service(max_body_bytes=64_000, max_body_bytes_in_flight=100_000) as s:
         host, port = s.address.removeprefix("http://").split(":")
         head = (b"POST /query HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

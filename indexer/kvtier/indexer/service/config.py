@@ -134,6 +134,9 @@ class ServiceConfig:
         _, sep, port = self.listen.rpartition(":")
         if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
             raise ConfigError(f"listen: {self.listen!r} is not allowed; expected HOST:PORT with a port in 0..65535")
+        if self.max_body_bytes_in_flight < self.max_body_bytes:  # (a body between the two could never be read)
+            raise ConfigError(f"max_body_bytes_in_flight {self.max_body_bytes_in_flight} is less than max_body_bytes "
+                              f"{self.max_body_bytes}: every body the cap allows must fit")
         named: dict[str, str] = {}  # endpoint -> the worker subscribed to it
         for ep in self.endpoints:
             other = named.setdefault(ep.endpoint, ep.worker)
