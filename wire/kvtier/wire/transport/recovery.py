@@ -331,9 +331,7 @@ class StreamRecovery:
             s.stats.gaps_filled += 1
             out.append(GapFilled(s.stream, r.start, s.expected - 1))
         r.done()
-        if self.undecodable is not None:
-            reason, self.undecodable = self.undecodable, None
-            self.lost_batch(reason, now, out)  # (a dump it starts holds what is pending, as the live path would)
+        self._lost_undecodable(now, out)  # (a dump it starts holds what is pending, as the live path would)
         return pending
 
     def _doubt(self, now: float, out: list[Delivery]) -> None:
@@ -348,7 +346,12 @@ class StreamRecovery:
         s.doubtful, s.held = sorted({**dict(s.doubtful), **dict(s.held)}.items()), []  # (set aside before: kept)
         self.mode = Mode.LIVE
         self.replay.done()
-        if self.undecodable is not None:  # (a batch an earlier answer delivered: lost all the same)
+        self._lost_undecodable(now, out)  # (a batch an earlier answer delivered: lost all the same)
+
+    def _lost_undecodable(self, now: float, out: list[Delivery]) -> None:
+        """The replay just ended: a batch it delivered that did not decode is the loss :meth:`lost_batch` reports.
+        O(1)."""
+        if self.undecodable is not None:
             reason, self.undecodable = self.undecodable, None
             self.lost_batch(reason, now, out)
 
