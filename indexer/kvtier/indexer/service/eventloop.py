@@ -127,14 +127,12 @@ class EventLoop:
     def _save_logged(self, positions: persist.Positions | None = None) -> None:
         try:
             self.save_snapshot(positions)
-        except OSError as exc:  # a full disk must not stop the index from following the engines
+        except Exception as exc:  # a full disk, or a bug in writing one: the index goes on following the engines,
+            # and the failure shows in /metrics (a traceback for a bug, one line for the disk)
             self.snapshot_failures += 1
-            self.snapshot_error = f"snapshot to {self.config.snapshot_path} failed: {exc.strerror or exc}"
-            log.error("%s", self.snapshot_error)
-        except Exception as exc:  # nor a bug in writing one: routing goes on, the failure shows in /metrics
-            self.snapshot_failures += 1
-            self.snapshot_error = f"snapshot to {self.config.snapshot_path} failed: {type(exc).__name__}: {exc}"
-            log.exception("%s", self.snapshot_error)
+            why = (exc.strerror or exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
+            self.snapshot_error = f"snapshot to {self.config.snapshot_path} failed: {why}"
+            log.error("%s", self.snapshot_error, exc_info=not isinstance(exc, OSError))
         else:
             self.snapshot_error = None
 
