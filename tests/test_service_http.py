@@ -130,8 +130,10 @@ def test_slow_clients_hold_nothing_and_time_out(svc: tuple[Publisher, Publisher,
         k.sendall(b"POST /query HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
         slow.append(k)
     t0 = time.monotonic()
-    assert post(s.address + "/query", {"token_ids": TOKS})[0] == 200  # served at once meanwhile
-    assert time.monotonic() - t0 < 0.4
+    assert post(s.address + "/query", {"token_ids": TOKS})[0] == 200  # served meanwhile
+    # A server that waited on each slow body in turn would answer after 50 read timeouts (25 s); a bound far
+    # below that, and far above any pause of a loaded machine, tells the two apart.
+    assert time.monotonic() - t0 < 10.0
     k = slow[0]
     k.settimeout(5)
     answer = k.recv(4096)
@@ -409,9 +411,36 @@ def test_cli_exits_non_zero_when_the_event_loop_dies_and_on_a_busy_port() -> Non
     assert r.returncode == 2 and err.startswith("kvtier: error: cannot listen on") and "Traceback" not in r.stderr
 
 
-def test_queries_do_not_wait_for_a_backlog_of_events(svc: tuple[Publisher, Publisher, IndexerService]) -> None:
-    """Events are applied a batch per lock hold: a burst of batches does not stall queries."""
+def test_queries_do_not_wait_for_a_backlog_of_events(svc: tuple[Publisher, Publisher, IndexerService],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Events are applied a batch per lock hold: a burst of batches does not stall queries. Checked by counting
+    the batches applied in each of the event loop's lock holds, not by timing queries."""
     p0, _, s = svc
+    loop = s._loop
+    holds = {"batches": 0, "worst": 0, "fed": 0}
+
+    class CountingLock:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def __enter__(self) -> None:
+            self.inner.acquire()
+            holds["batches"] = 0
+
+        def __exit__(self, *exc: object) -> None:
+            holds["worst"] = max(holds["worst"], holds["batches"])
+            self.inner.release()
+
+    feed = loop.consumer.feed
+
+    def counted(deliveries: Any) -> Any:
+        deliveries = list(deliveries)
+        holds["batches"] += len(deliveries)
+        holds["fed"] += len(deliveries)
+        return feed(deliveries)
+
+    monkeypatch.setattr(loop, "_lock", CountingLock(loop._lock))
+    monkeypatch.setattr(loop.consumer, "feed", counted)
     done = threading.Event()
 
     def burst() -> None:
@@ -422,12 +451,12 @@ def test_queries_do_not_wait_for_a_backlog_of_events(svc: tuple[Publisher, Publi
 
     threading.Thread(target=burst).start()
     c = conn(s)
-    worst = 0.0
-    while not done.is_set():
-        t0 = time.perf_counter()
+    queries = 0
+    while not done.is_set() or queries == 0:
         assert call(c, "POST", "/query", {"token_ids": TOKS})[0] == 200
-        worst = max(worst, time.perf_counter() - t0)
-    assert worst < 0.5, worst
+        queries += 1
+    wait_for(lambda: holds["fed"] >= 3000, timeout=30)
+    assert holds["worst"] == 1, holds
 
 
 def test_restart_resumes_from_the_snapshot(tmp_path: Any) -> None:
