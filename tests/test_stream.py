@@ -27,6 +27,7 @@ from kvtier.wire import (
     pack_seq,
     unpack_seq,
 )
+from kvtier.wire.transport import recovery
 from kvtier.wire.transport.backoff import Backoff
 from kvtier.wire.transport.seqhistory import SeqHistory
 from kvtier.wire.transport.subscriber import EndpointConfig
@@ -151,9 +152,13 @@ def test_dump_with_no_answer_falls_back_to_partial() -> None:
     t.on_live(3, payload(3), 0.0)
     for _ in range(t.attempts):  # empty answers: each is asked again, then seq 3 is set aside as doubtful
         assert not t.on_reply(END_SEQ, b"", 0.0)
-    # The live batches go on past it: it was real, and the replay keeps nothing: the stream needs a dump.
-    assert isinstance(t.on_live(4, payload(4), 0.0)[0], ResyncStarted)
-    assert t.outbox[-1] == DUMP_REQUEST and t.stats.reasks == t.attempts - 1
+    # The live batches go on past it, and a replay asked since still holds nothing: it was real, and the replay
+    # keeps nothing: the stream needs a dump.
+    assert isinstance(t.on_live(4, payload(4), 0.0)[0], GapDetected)
+    for i in range(t.attempts):
+        out = t.on_reply(END_SEQ, b"", 0.0)
+        assert not out if i < t.attempts - 1 else isinstance(out[0], ResyncStarted)
+    assert t.outbox[-1] == DUMP_REQUEST and t.stats.reasks == 2 * (t.attempts - 1)
     out = t.on_reply(END_SEQ, b"", 0.0)  # publisher answered the dump with nothing
     assert isinstance(out[0], ResyncNeeded) and seqs(out) == [3, 4]
 
@@ -197,15 +202,108 @@ def test_one_live_batch_with_a_corrupt_seq_does_not_wedge_the_stream(dump: bool)
     assert t.stats.bogus_seqs == 1 and t.stats.malformed == 1 and t.stats.late == 0 and t.stats.resyncs == 0
 
 
+def _contents(out: list[Delivery]) -> list[tuple[int, float]]:
+    """(seq, the tag of the payload delivered there) for each batch delivered."""
+    return [(d.seq, d.batch.ts) for d in out if isinstance(d, Received)]
+
+
+@pytest.mark.parametrize("dump", [False, True])
+@pytest.mark.parametrize(("corrupt", "dropped"), [(11, []), (12, []), (12, [11, 12]), (2**62, [11])])
+def test_a_corrupt_seq_on_a_published_batch_is_dropped_and_every_batch_delivered_once(
+        dump: bool, corrupt: int, dropped: list[int]) -> None:
+    """An honest publisher's batch 10 comes with a corrupt seq, near (11, 12) or far (2**62); then some live batches
+    are lost on the wire. Its replay brings batch 10 back, so the corrupt frame repeats a batch delivered already: it
+    is dropped as a corrupt seq, and the gap the lost batches leave is filled by a replay, with no loss reported and
+    each batch delivered once, at its own seq. (Before, a near corrupt seq was delivered as the batch at that seq, and
+    with the drops the gap was reported lost for good.)"""
+    t = tracker(dump=dump)
+    buffer = {q: payload(q) for q in range(10)}
+    out = [d for q in range(10) for d in t.on_live(q, buffer[q], 0.0)]
+    buffer[10] = payload(10)
+    out += t.on_live(corrupt, buffer[10], 0.0) + _answer_honestly(t, buffer, 0.0)
+    t._check()
+    for q in range(11, 20):
+        buffer[q] = payload(q)
+        if q not in dropped:
+            out += t.on_live(q, buffer[q], 0.1 * q) + _answer_honestly(t, buffer, 0.1 * q)
+        t._check()
+    assert _contents(out) == [(q, float(q)) for q in range(20)] and t.expected == 20
+    assert not any(isinstance(d, ResyncNeeded | ResyncStarted | PublisherRestarted) for d in out)
+    assert t.stats.bogus_seqs == 1 and t.stats.malformed == 1 and t.stats.resyncs == 0
+
+
+def test_corrupt_seqs_twice_in_a_row_do_not_wedge_the_stream() -> None:
+    """Two live frames in a row come with the same corrupt seq (2**62, a systematic bit pattern), each carrying a batch
+    the publisher published. Neither is taken for the publisher's sequence (the second used to confirm the first,
+    and the stream then dropped every later batch as a straggler of the seqs it skipped)."""
+    t = tracker()
+    buffer = {q: payload(q) for q in range(12)}
+    out = [d for q in range(12) for d in t.on_live(q, buffer[q], 0.0)]
+    for q in (12, 13):
+        buffer[q] = payload(q)
+        out += t.on_live(2**62, buffer[q], 0.0) + _answer_honestly(t, buffer, 0.0)
+        t._check()
+    for q in range(14, 20):
+        buffer[q] = payload(q)
+        out += t.on_live(q, buffer[q], 0.1 * q) + _answer_honestly(t, buffer, 0.1 * q)
+    assert _contents(out) == [(q, float(q)) for q in range(20)] and t.expected == 20
+    assert not any(isinstance(d, ResyncNeeded | ResyncStarted) for d in out) and t.stats.bogus_seqs == 2
+
+
+def test_batches_set_aside_when_a_later_replay_delivers_are_settled_against_it() -> None:
+    """Two frames the publisher's replay does not hold are set aside (fabricated: their payloads are no batch of
+    its), the second at the same seq as the first: one of them is corrupt at once. Then the publisher publishes 10
+    and 11, and a live batch past the set-aside seq comes: the replay asked then delivers 10 and 11, so the replay
+    works and the batch kept aside is not the publisher's either; the next live batch, below it, drops it."""
+    t = tracker()
+    buffer = {q: payload(q) for q in range(10)}
+    for q in range(10):
+        t.on_live(q, buffer[q], 0.0)
+    out = t.on_live(15, payload(-1), 0.0) + t.on_live(15, payload(-3), 0.0) + _answer_honestly(t, buffer, 0.0)
+    assert t.stats.bogus_seqs == 1 and [q for q, _ in t._state.doubtful] == [15] and not t.recovering
+    buffer |= {10: payload(10), 11: payload(11)}
+    out += t.on_live(17, payload(-4), 0.1) + _answer_honestly(t, buffer, 0.1)
+    t._check()
+    assert seqs(out) == [10, 11] and [q for q, _ in t._state.doubtful] == [15, 17]
+    buffer[12] = payload(12)
+    out += t.on_live(12, buffer[12], 0.2)
+    assert seqs(out) == [10, 11, 12] and not t._state.doubtful and t.stats.bogus_seqs == 3
+    assert not any(isinstance(d, ResyncNeeded | ResyncStarted) for d in out)
+
+
+def test_batches_set_aside_cost_bounded_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Live batches held through a long replay whose answers hold nothing are set aside at most
+    :data:`MAX_HELD_BYTES` of them (the highest seqs past it go as corrupt), and a replay under way counts them with
+    what it holds."""
+    monkeypatch.setattr(recovery, "MAX_HELD_BYTES", 20 * (len(payload(0)) + recovery.HELD_ENTRY_BYTES))
+    t = tracker()
+    t.on_live(0, payload(0), 0.0)
+    for q in range(5, 55):  # held while the gap's replay is pending
+        t.on_live(q, payload(q), 0.0)
+    _answer_honestly(t, {0: payload(0)}, 0.0)
+    t._check()
+    aside = t._state.doubtful
+    assert [q for q, _ in aside] == list(range(5, 25)) and t.stats.bogus_seqs == 30
+    assert recovery._bytes(aside) <= recovery.MAX_HELD_BYTES
+    # The next live batch starts a replay to settle them; the live batches held while it goes on take the bytes
+    # held past the bound when they are counted (at 1,024 batches held, with those set aside): given up.
+    out = [d for q in range(60, 60 + 1024 - 20) for d in t.on_live(q, payload(q), 0.1)]
+    t._check()
+    assert isinstance(out[-1], Received) and any(isinstance(d, ResyncNeeded) for d in out)
+    assert not t._state.doubtful and not t.recovering and t.stats.resyncs == 1 and t.expected == 60 + 1024 - 20
+
+
 def test_batches_the_replay_does_not_hold_are_real_if_the_live_ones_go_on_past_them() -> None:
-    """A publisher whose replay keeps nothing: the batches past the gap are set aside, not dropped, and the next live
-    batch, which follows them, shows they were real: the gap is a loss for good (the stream marked partial) and
-    they are delivered, then the new one. A restart meanwhile drops them unseen."""
+    """A publisher whose replay keeps nothing: the batches past the gap are set aside, not dropped; the next live
+    batch follows them, and a replay asked then still holds nothing: they were real, the gap is a loss for good (the
+    stream marked partial) and they are delivered, then the new one. A restart meanwhile drops them unseen."""
     t = tracker()
     t.on_live(0, payload(0), 0.0)
     out = t.on_live(5, payload(5), 0.0) + _answer_honestly(t, {}, 0.0)
     assert seqs(out) == [] and t.expected == 1 and not t.recovering
     out = t.on_live(6, payload(6), 0.1)
+    assert [type(d) for d in out] == [GapDetected] and t.recovering
+    out = _answer_honestly(t, {}, 0.1)
     assert isinstance(out[0], ResyncNeeded) and seqs(out) == [5, 6] and t.expected == 7
     assert t.stats.bogus_seqs == 0 and t.stats.resyncs == 1
     assert t.on_live(3, payload(3), 0.2) == [] and t.stats.late == 1  # (a straggler of the loss)

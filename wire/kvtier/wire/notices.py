@@ -128,7 +128,8 @@ class StreamStats:
     probe_timeouts: int = 0  # idle probes that got no answer (harmless)
     late: int = 0  # live batches that arrived after their seq had been given up for lost or covered by a dump
     malformed: int = 0  # frames or payloads that failed to parse
-    # live batches whose seq the publisher's own replay answers and the live batches after them both contradicted
-    # (a corrupt seq frame): dropped, each counted in ``malformed`` too
+    # live batches found to carry a corrupt seq frame: one that repeats a batch delivered already (the replay of the gap
+    # it opened brought that batch back at its own seq), or one the publisher's replay answers and the live batches
+    # after them contradict; dropped, each counted in ``malformed`` too
     bogus_seqs: int = 0
     disconnects: int = 0  # live connections lost (a publisher gone or restarting, a frame past max_frame_bytes)

@@ -28,13 +28,19 @@ from kvtier.wire.transport.streamstate import Held, StreamState, log
 __all__ = ["MAX_HELD_BYTES", "Mode", "StreamRecovery"]
 
 #: The most batch bytes a stream holds while a recovery goes on (live batches held back, an answer's batches past a
-#: loss), about: past it the recovery is given up as a loss for good, and what is held is delivered. An answer that
-#: keeps coming (a publisher replaying without end, or trickling while live traffic piles up) costs no more.
+#: loss, batches set aside as doubtful), about: past it the recovery is given up as a loss for good, and what is held
+#: is delivered. An answer that keeps coming (a publisher replaying without end, or trickling while live traffic
+#: piles up) costs no more; nor do batches set aside again and again (past it, the highest seqs go as corrupt).
 MAX_HELD_BYTES = 256 << 20
 #: What holding one batch costs beside its payload (its tuple, seq and bytes object): counted, so that batches of no
 #: payload, which a publisher may send by the million, are bounded too.
 HELD_ENTRY_BYTES = 128
 _FIRST_SIZE_CHECK = 1024  # batches held when their bytes are first counted; then at each doubling (amortised O(1))
+
+
+def _bytes(held: Held) -> int:
+    """What holding ``held`` costs, about: its payloads and an entry each. O(h)."""
+    return sum(len(p) for _, p in held) + len(held) * HELD_ENTRY_BYTES
 
 
 class Mode(Enum):
@@ -91,7 +97,7 @@ class StreamRecovery:
         return self.pace.next_at if self.dump_due else None
 
     def replay_from(self, start: int, now: float, out: list[Delivery], *, for_gap: bool = False,
-                    probe: bool = False, resyncing: bool = False, verify: bool = False) -> Held:
+                    probe: bool = False, resyncing: bool = False, verify: bool = False, settle: bool = False) -> Held:
         """Asks for every batch from ``start``, for what the flags say (:class:`ReplayRequest`); without a replay
         socket the stream is unrecoverable at once. O(1)."""
         if not self.can_replay:
@@ -99,7 +105,7 @@ class StreamRecovery:
         self.mode = Mode.REPLAY
         self.size_check_at = _FIRST_SIZE_CHECK
         self.undecodable = None
-        self.replay.ask(start, for_gap=for_gap, probe=probe, resyncing=resyncing, verify=verify)
+        self.replay.ask(start, for_gap=for_gap, probe=probe, resyncing=resyncing, verify=verify, settle=settle)
         self.tries = 1
         self.deadline = now + self.timeout_s
         self.outbox.append(pack_seq(start))
@@ -133,11 +139,11 @@ class StreamRecovery:
         batches reach 1,024, 2,048, ... so that the count costs O(1) a batch); past it, the answer is abandoned
         and the recovery ends as a loss for good (a dump for a stream that has one, else the stream marked
         partial, what is held delivered). Amortised O(1)."""
-        held = len(self.state.held) + len(self.replay.beyond)
+        s = self.state
+        held = len(s.held) + len(self.replay.beyond) + len(s.doubtful)
         if self.mode is Mode.LIVE or held < self.size_check_at:
             return None
-        size = (sum(len(p) for _, p in self.state.held) + sum(len(p) for _, p in self.replay.beyond)
-                + held * HELD_ENTRY_BYTES)
+        size = _bytes(s.held) + _bytes(self.replay.beyond) + _bytes(s.doubtful)
         if size <= MAX_HELD_BYTES:
             self.size_check_at = 2 * held
             return None
@@ -320,6 +326,8 @@ class StreamRecovery:
             elif self.tries < self.attempts:
                 self.tries += 1
                 self._reask(now)
+            elif not r.hole and not r.beyond and r.settle and s.expected == r.start:
+                return self._confirm_doubtful(now, out)
             elif not r.hole and not r.beyond:
                 self._doubt(now, out)
             else:
@@ -338,15 +346,44 @@ class StreamRecovery:
         """The answers, asked ``attempts`` times, held no batch at or past the seq expected, yet live batches past it
         are held. A publisher buffers each batch as it publishes it and answers with every buffered batch from the
         seq asked, so one that published them would have sent at least the last: its own sequence ends below them.
-        They are a corrupt seq frame's (the batches between are not missing, so jumping to them would drop every
-        batch the publisher sends next as a straggler), or real ones of a publisher whose replay keeps nothing. Only
-        the live batches that follow tell which, so these are set aside, neither delivered nor given up, and the
-        stream goes live again at the seq expected (``StreamTracker._settle_doubtful``). O(h)."""
+        They are corrupt seq frames (the batches between are not missing, so jumping to them would drop every batch
+        the publisher sends next as a straggler), or real ones of a publisher whose replay keeps nothing. One whose
+        payload is a batch delivered already is a corrupt seq, dropped at once (as an honest publisher's corrupt
+        frame is: its batch came back in the replay). The rest are set aside, neither delivered nor given up, and
+        the stream goes live again at the seq expected: the live batches that follow tell which they were
+        (``StreamTracker._settle_doubtful``). What was set aside before is kept (at one seq, the later batch); past
+        :data:`MAX_HELD_BYTES`, the highest seqs go as corrupt. O((h + d) log(h + d)) and hashing their payloads."""
         s = self.state
-        s.doubtful, s.held = sorted({**dict(s.doubtful), **dict(s.held)}.items()), []  # (set aside before: kept)
+        aside = dict(s.doubtful)
+        for seq, payload in s.held:
+            if aside.get(seq, payload) != payload:
+                s.bogus(seq, "another batch came with the same seq, neither held by the publisher's replay", out)
+            aside[seq] = payload
+        s.held = []
+        s.doubtful, size = [], 0
+        for seq, payload in sorted(aside.items()):
+            if s.history.repeats(payload):
+                s.bogus(seq, "the payload of a batch delivered already, which the publisher's replay ends before", out)
+            elif size + len(payload) + HELD_ENTRY_BYTES > MAX_HELD_BYTES:
+                s.bogus(seq, f"set aside past {MAX_HELD_BYTES >> 20} MiB of doubtful batches", out)
+            else:
+                size += len(payload) + HELD_ENTRY_BYTES
+                s.doubtful.append((seq, payload))
         self.mode = Mode.LIVE
         self.replay.done()
         self._lost_undecodable(now, out)  # (a batch an earlier answer delivered: lost all the same)
+
+    def _confirm_doubtful(self, now: float, out: list[Delivery]) -> Held:
+        """A replay asked after a live batch went past the batches set aside as doubtful still holds nothing from
+        the seq expected on: the publisher's replay keeps nothing, and they are its batches (a corrupt seq's payload
+        is one the publisher published, which its replay would hold). The batches between are lost for good: a
+        dump, else the stream marked partial, delivering from the first set aside on. O(h + d)."""
+        s = self.state
+        s.held = sorted({**dict(s.doubtful), **dict(s.held)}.items())
+        s.doubtful = []
+        return self.unrecoverable(
+            f"the publisher's replay holds nothing from seq {s.expected} on, yet its batches go on from seq "
+            f"{s.held[0][0]}: the batches between are lost for good", now, out)
 
     def _lost_undecodable(self, now: float, out: list[Delivery]) -> None:
         """The replay just ended: a batch it delivered that did not decode is the loss :meth:`lost_batch` reports.

@@ -28,6 +28,9 @@ class ReplayRequest:
     probe: bool = False  # an idle probe: no answer means nothing
     resyncing: bool = False  # a resync (its dump fallback is not rate-limited again)
     verify: bool = False  # its first batch checks the last delivered seq's content
+    # it was asked after a live batch went past batches set aside as doubtful: an answer that still holds nothing
+    # from its start on shows they are the publisher's (its replay keeps nothing), not corrupt seqs
+    settle: bool = False
     restarted: bool = False  # the check found a new publisher: replay it from 0 next
     hole: bool = False  # the answer skipped a seq after its start (frames dropped)
     lost: bool = False  # the answer started past the seq expected: the buffer no longer holds it
@@ -39,11 +42,12 @@ class ReplayRequest:
     beyond: list[tuple[int, bytes]] = field(default_factory=list)  # answered past a loss for good
 
     def ask(self, start: int, *, for_gap: bool = False, probe: bool = False, resyncing: bool = False,
-            verify: bool = False) -> None:
+            verify: bool = False, settle: bool = False) -> None:
         """A new request from ``start``, for what the flags say (nothing of an earlier request carries over), with
         no answer yet. O(1)."""
         self.start = start
         self.for_gap, self.probe, self.resyncing, self.verify, self.restarted = for_gap, probe, resyncing, verify, False
+        self.settle = settle
         self.beyond = []
         self.lost_at_check = False
         self.fresh_answer()
@@ -52,11 +56,13 @@ class ReplayRequest:
         """The request is over (answered, abandoned, or given up for a dump): nothing it was for carries over
         into what the stream does next. O(1)."""
         self.for_gap = self.probe = self.resyncing = self.verify = self.restarted = self.lost_at_check = False
+        self.settle = False
 
     @property
     def purposes(self) -> bool:
-        """Whether the request is marked as for something (a gap, a probe, a resync, a check, a restart)."""
-        return self.for_gap or self.probe or self.resyncing or self.verify or self.restarted
+        """Whether the request is marked as for something (a gap, a probe, a resync, a check, a restart, doubtful
+        batches)."""
+        return self.for_gap or self.probe or self.resyncing or self.verify or self.restarted or self.settle
 
     def fresh_answer(self) -> None:
         """The same request asked again: what an earlier answer showed is forgotten, but a loss its check found.

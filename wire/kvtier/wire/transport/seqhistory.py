@@ -26,21 +26,35 @@ __all__ = ["SeqHistory", "digest"]
 class SeqHistory:
     """The digests of the last ``window`` delivered seqs, and the last ``ranges`` seq ranges given up for lost.
 
-    Invariants (:meth:`_check`): at most ``window`` digests and at most ``ranges`` ranges; each range is
-    non-empty.
+    Invariants (:meth:`_check`): at most ``window`` digests, counted by digest in ``_counts``, and at most ``ranges``
+    ranges; each range is non-empty.
     """
 
     window: int = 4096  # how many recent (seq, digest) pairs identify duplicates
     ranges: int = 64  # how many given-up ranges are remembered (to tell stragglers from restarts)
     _recent: OrderedDict[int, int] = field(default_factory=OrderedDict)  # seq -> payload digest, oldest first
+    _counts: dict[int, int] = field(default_factory=dict)  # payload digest -> how many seqs in _recent have it
     _skipped: list[tuple[int, int]] = field(default_factory=list)  # seq ranges [a, b) given up for lost, oldest first
     _covered: tuple[int, int] | None = None  # seqs [a, b) the last state dump stood for, until a reconnect
 
     def delivered(self, seq: int, payload: bytes) -> None:
-        """``payload`` was delivered as ``seq``; the oldest digest goes past ``window``. O(1)."""
-        self._recent[seq] = digest(payload)
+        """``payload`` was delivered as ``seq``; the oldest digest goes past ``window``. O(payload)."""
+        self._record(seq, digest(payload))
+
+    def _record(self, seq: int, known: int) -> None:
+        """``seq`` was delivered with a payload of digest ``known``. O(1)."""
+        old = self._recent.get(seq)
+        if old is not None:
+            self._uncount(old)
+        self._recent[seq] = known
+        self._counts[known] = self._counts.get(known, 0) + 1
         if len(self._recent) > self.window:
-            self._recent.popitem(last=False)
+            self._uncount(self._recent.popitem(last=False)[1])
+
+    def _uncount(self, known: int) -> None:
+        left = self._counts.pop(known) - 1
+        if left:
+            self._counts[known] = left
 
     def holds(self, seq: int, payload: bytes) -> bool:
         """Whether ``seq`` was delivered with this very payload (a duplicate, or the same publisher). O(len)."""
@@ -52,13 +66,19 @@ class SeqHistory:
         stood for (a straggler). O(ranges)."""
         return not (self.holds(seq, payload) or self.gave_up(seq) or self.covered(seq))
 
+    def repeats(self, payload: bytes) -> bool:
+        """Whether ``payload`` is, byte for byte, one of the last ``window`` batches delivered (each batch carries
+        its publisher's timestamp: a live frame held through a gap's replay that repeats one is most likely a corrupt
+        seq frame). O(payload)."""
+        return digest(payload) in self._counts
+
     def digest_at(self, seq: int) -> int | None:
         """The digest of what was delivered as ``seq``, or None if it is not (or no longer) known. O(1)."""
         return self._recent.get(seq)
 
     def vouch(self, seq: int, known: int) -> None:
         """``known`` is the digest of what a snapshot says was delivered as ``seq``. O(1)."""
-        self._recent[seq] = known
+        self._record(seq, known)
 
     def gave_up(self, seq: int) -> bool:
         """Whether ``seq`` lies in a range given up for lost. O(ranges)."""
@@ -86,16 +106,22 @@ class SeqHistory:
     def forget_digests(self) -> None:
         """The stream starts over from a resync or a dump: seqs delivered before say nothing now. O(window)."""
         self._recent.clear()
+        self._counts.clear()
         self._covered = None
 
     def forget(self) -> None:
         """A new publisher: nothing delivered or given up before is its. O(window)."""
         self._recent.clear()
+        self._counts.clear()
         self._skipped.clear()
         self._covered = None
 
     def _check(self) -> None:
         assert len(self._recent) <= self.window, f"{len(self._recent)} digests kept, window {self.window}"
+        counts: dict[int, int] = {}
+        for known in self._recent.values():
+            counts[known] = counts.get(known, 0) + 1
+        assert counts == self._counts, "the digest counts differ from the digests kept"
         assert len(self._skipped) <= self.ranges, f"{len(self._skipped)} ranges kept, at most {self.ranges}"
         assert all(a < b for a, b in self._skipped), f"an empty range given up: {self._skipped}"
         assert self._covered is None or self._covered[0] < self._covered[1], f"an empty dump range: {self._covered}"

@@ -282,8 +282,8 @@ class StreamTracker:
                 return
             # A PUB socket never repeats a seq with new content: the publisher restarted.
             s.new_publisher(seq, None, out)
-        if s.doubtful and self._settle_doubtful(seq, payload, now, out):
-            return
+        if s.doubtful:
+            self._settle_doubtful(seq, out)
         if s.expected is None and seq == 0:
             s.expected = 0
         if self._suspect and self._checks_publisher:  # (the flag first: this runs for every batch)
@@ -301,45 +301,45 @@ class StreamTracker:
         out.append(GapDetected(s.stream, first_missing, seq))
         s.held.append((seq, payload))
         s.expected = first_missing
-        self._drain(rec.replay_from(first_missing, now, out, for_gap=True), now, out)
+        # (with batches set aside, the replay settles them: :meth:`_settle_doubtful`)
+        self._drain(rec.replay_from(first_missing, now, out, for_gap=True, settle=bool(s.doubtful)), now, out)
 
-    def _settle_doubtful(self, seq: int, payload: bytes, now: float, out: list[Delivery]) -> bool:
-        """The first live batch since batches were set aside as doubtful (the publisher's replay answers held
-        nothing at or past the seq expected: :meth:`~kvtier.wire.transport.recovery.StreamRecovery._doubt`) tells
-        what they were; True if it took ``seq``. O(doubtful).
+    def _settle_doubtful(self, seq: int, out: list[Delivery]) -> None:
+        """Live batch ``seq`` came while batches are set aside as doubtful (the publisher's replay answers held
+        nothing at or past the seq expected: :meth:`~kvtier.wire.transport.recovery.StreamRecovery._doubt`); it
+        tells what they were. O(d).
 
         Below the first of them, the publisher's sequence goes on where the answers said it ends: they were never
-        part of it (a corrupt seq frame), and are dropped as malformed (``bogus_seqs``) while ``seq`` goes on as
-        usual. At or past it, they are taken for the publisher's, whose replay cannot give back the batches before
-        them: a loss for good (a dump, else the stream marked partial), delivered from the first of them on, ``seq``
-        after. That reading is wrong where live batches were also lost between a corrupt seq and ``seq`` (a loss is
-        then reported that a replay could have filled) or where a second corrupt seq is ``seq``: the rule fixes a
-        lone corrupt seq, the common case, not every sequence of them. Those a replay since moved ``expected`` past
-        are dropped unseen."""
+        part of it (corrupt seq frames), and are dropped as malformed (``bogus_seqs``) while ``seq`` goes on as usual.
+        At or past it, the live path finds the gap before ``seq`` as usual, and its replay, asked now that the
+        publisher has published ``seq``, settles them: one that delivers anything shows the replay works (those set
+        aside at seqs it delivers are settled against what it delivered, the rest stay aside); one that still holds
+        nothing shows the publisher's replay keeps nothing, and they are its batches
+        (:meth:`~kvtier.wire.transport.recovery.StreamRecovery._confirm_doubtful`). Those a replay or dump since
+        moved ``expected`` past are settled first (``StreamState.settle_passed_doubtful``)."""
         s = self._state
-        doubtful, s.doubtful = [(q, p) for q, p in s.doubtful if s.expected is not None and q >= s.expected], []
-        if not doubtful:
-            return False
-        first = doubtful[0][0]
-        if seq < first:
-            for q, _ in doubtful:
-                s.stats.bogus_seqs += 1
-                s.malformed(f"seq {q}: not in the publisher's replay answers, and its next batch is seq {seq}: "
-                            "a corrupt seq, dropped", out)
-            return False
-        s.held = [*doubtful, (seq, payload)]
-        self._drain(self._recovery.unrecoverable(
-            f"the publisher's replay holds nothing from seq {s.expected} on, yet its batches go on from seq "
-            f"{first}: the batches between are lost for good", now, out), now, out)
-        return True
+        s.settle_passed_doubtful(out)
+        if s.doubtful and seq < s.doubtful[0][0]:
+            for q, _ in s.doubtful:
+                s.bogus(q, f"not in the publisher's replay answers, and its next batch is seq {seq}", out)
+            s.doubtful = []
 
     def _drain(self, pending: Held, now: float, out: list[Delivery]) -> None:
         """Batches a recovery handed back, through the live path in seq order; those after one that starts a
-        new recovery are held for it."""
+        new recovery are held for it. One past the seq delivered last that repeats a batch delivered already, byte
+        for byte, is a corrupt seq frame: an honest publisher's batch whose seq was garbled, which the replay its gap
+        started brought back at its own seq (a publisher that does send a batch twice loses nothing: the gap it leaves
+        is replayed). Once the stream is live, batches set aside as doubtful that a replay or dump moved ``expected``
+        past are settled."""
+        if self._state.doubtful and not self._recovery.active:
+            self._state.settle_passed_doubtful(out)
         for i, (seq, payload) in enumerate(pending):
             s = self._state
             if s.expected is not None and seq < s.expected and not s.history.foreign(seq, payload):
                 continue  # already delivered by the replay, or a straggler of a loss or a dump
+            if s.expected is not None and seq >= s.expected and s.history.repeats(payload):
+                s.bogus(seq, "the payload of a batch delivered already", out)
+                continue
             self._live(seq, payload, now, out)  # (one below the seq expected that is neither: a new process)
             if self._recovery.active:  # a new hole inside the held messages
                 self._state.held.extend(pending[i + 1:])

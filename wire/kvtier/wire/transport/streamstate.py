@@ -41,7 +41,7 @@ class StreamState:
     held: Held = field(default_factory=list)  # live messages held back during a recovery
     history: SeqHistory = field(default_factory=SeqHistory)  # digests of recent seqs, ranges given up
     # Live batches past ``expected`` that the publisher's replay answers did not hold: neither delivered nor given up
-    # until the next live batch tells whether they are the publisher's (``StreamTracker._settle_doubtful``)
+    # until the live batches after them tell whether they are the publisher's (``StreamTracker._settle_doubtful``)
     doubtful: Held = field(default_factory=list)
 
     def deliver(self, seq: int, payload: bytes, source: Literal["live", "replay"], out: list[Delivery]) -> bool:
@@ -70,6 +70,30 @@ class StreamState:
         if worth_logging(self.stats.malformed):
             log.warning("stream %s: malformed message: %s%s", self.stream, reason, suffix(self.stats.malformed))
         out.append(MalformedFrame(self.stream, reason))
+
+    def bogus(self, seq: int, reason: str, out: list[Delivery]) -> None:
+        """A batch set aside as doubtful turned out never to be the publisher's batch ``seq``: a corrupt seq frame,
+        dropped, counted in ``bogus_seqs`` and as malformed. O(1)."""
+        self.stats.bogus_seqs += 1
+        self.malformed(f"seq {seq}: {reason}: a corrupt seq, dropped", out)
+
+    def settle_passed_doubtful(self, out: list[Delivery]) -> None:
+        """Doubtful batches that ``expected`` moved past (a replay or dump delivered their seqs) are settled as the
+        live path settles a seq already passed: the very batch delivered there (a duplicate), a straggler of a loss
+        or of a dump, or else a corrupt seq (not a new process: the publisher's replay did not hold it). O(d)."""
+        if self.expected is None:
+            return
+        kept: Held = []
+        for seq, payload in self.doubtful:
+            if seq >= self.expected:
+                kept.append((seq, payload))
+            elif self.history.holds(seq, payload):
+                self.stats.duplicates += 1
+            elif self.history.gave_up(seq) or self.history.covered(seq):
+                self.stats.late += 1
+            else:
+                self.bogus(seq, f"another batch was delivered as seq {seq}", out)
+        self.doubtful = kept
 
     def new_publisher(self, seq: int, expected: int | None, out: list[Delivery]) -> None:
         """The publisher restarted (``seq``: its first batch seen, -1 if none): reported, what was delivered
