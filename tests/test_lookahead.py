@@ -57,6 +57,22 @@ def test_every_request_gets_the_tokens_keys_and_digests_it_would_get_on_arrival(
 
 
 @compiled
+def test_what_is_read_ahead_is_bounded_by_tokens_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trace of long prompts is read ahead by tokens, not only by requests: at most two batches of
+    :data:`BATCH_TOKENS` and one request are outstanding (128 prompts of 16M tokens each took gigabytes)."""
+    monkeypatch.setattr(la, "BATCH_TOKENS", 10 * HASH_BLOCK)
+    lengths = [3 * HASH_BLOCK, 1, 7 * HASH_BLOCK, 12 * HASH_BLOCK, 2, 5 * HASH_BLOCK] * 20
+    reqs = [_request(i, n, 1000 * i) for i, n in enumerate(lengths)]
+    bank = TokenBank(0)
+    ahead = la.Lookahead(iter(enumerate(reqs)), bank, 64, True)
+    for _, req in ahead:
+        due = sum(r.input_length for r in reqs if id(r) in ahead._due)
+        assert due <= 2 * la.BATCH_TOKENS + max(lengths), f"{due} tokens read ahead"
+        assert ahead.take(req)[0] == bank.packed(req)
+    assert not ahead._due and ahead._ahead_tokens == 0
+
+
+@compiled
 def test_a_request_not_read_ahead_is_made_when_it_arrives() -> None:
     # A closed-loop session's later turn comes from the source's successor, not through the lookahead.
     bank = TokenBank()

@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
-from itertools import chain, islice
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -38,6 +38,10 @@ from kvtier.wire.protocol import TOKEN_BYTES, PackedTokens
 #: Requests per batch, one helper call each. After each call the helper waits up to the interpreter's switch
 #: interval for the GIL, so a batch must take the main thread much longer than that to simulate.
 BATCH = 128
+#: Prompt tokens per batch, at most (or one request, if it is longer): what is read ahead, about 5 bytes a token
+#: once made, stays within two batches and a request whatever the trace's prompts are (128 requests of Mooncake's
+#: conversation trace hold about 1.5M tokens).
+BATCH_TOKENS = 1 << 22
 
 # aheadkernel.prepare's result: tokens, keys, first key, digests, first page
 _Made = tuple[npt.NDArray[np.uint32], npt.NDArray[np.uint64], npt.NDArray[np.int64], npt.NDArray[np.uint8],
@@ -79,6 +83,7 @@ class Lookahead:
         self._page_size = page_size  # tokens per router key and per engine page
         self._keys = keys  # whether the run needs router keys
         self._ahead: deque[tuple[int, Request]] = deque()  # read, not yet handed out
+        self._ahead_tokens = 0  # their prompt tokens
         self._due: dict[int, tuple[_Batch, int]] = {}  # id(request) -> its batch and index, until taken
         self._ended = False  # arrivals exhausted
         # A TokenBank subclass may make other tokens: only the bank itself is made ahead.
@@ -91,18 +96,29 @@ class Lookahead:
         """The next ``(rank, request)`` released at its arrival time. O(1), and O(BATCH) to read a batch."""
         if self._k is None:
             return next(self._arrivals)
-        while len(self._ahead) <= BATCH and not self._ended:
+        while len(self._ahead) <= BATCH and self._ahead_tokens <= BATCH_TOKENS and not self._ended:
             self._read()
         if not self._ahead:
             raise StopIteration
-        return self._ahead.popleft()
+        pair = self._ahead.popleft()
+        self._ahead_tokens -= pair[1].input_length
+        return pair
 
     def _read(self) -> None:
-        """Reads the next batch from the arrivals and hands it to the helper. O(BATCH)."""
-        pairs = list(islice(self._arrivals, BATCH))
-        self._ended = len(pairs) < BATCH
+        """Reads the next batch from the arrivals (:data:`BATCH` requests, fewer if they reach
+        :data:`BATCH_TOKENS`) and hands it to the helper. O(BATCH)."""
+        pairs: list[tuple[int, Request]] = []
+        tokens = 0
+        while len(pairs) < BATCH and tokens < BATCH_TOKENS:
+            pair = next(self._arrivals, None)
+            if pair is None:
+                self._ended = True
+                break
+            pairs.append(pair)
+            tokens += pair[1].input_length
         if not pairs:
             return
+        self._ahead_tokens += tokens
         reqs = [r for _, r in pairs]
         first_block = np.zeros(len(reqs) + 1, np.int64)
         np.cumsum(np.fromiter((len(r.hash_ids) for r in reqs), np.int64, len(reqs)), out=first_block[1:])
