@@ -276,6 +276,9 @@ CASES: dict[str, Case] = {
     "fit-latency huge points": (lambda t, f: ["fit-latency", "-o", str(t / "fit.json"), _bytes(
         t, "huge.csv", b"kind,x,ms\nprefill,1,1\nprefill,2,1\nprefill,3,1e308\ndecode,0,1\ndecode,0.5,1\n"
         b"decode,1,1e308\n")], "a latency coefficient must be at most 1e+09 in size"),
+    "fit-latency x past 1e12": (lambda t, f: ["fit-latency", "-o", str(t / "fit.json"), _bytes(
+        t, "far.csv", b"kind,x,ms\nprefill,1e200,5\nprefill,2e200,6\nprefill,3e200,7\n")],  # (lstsq never returned)
+        "prefill points must have x at most 1e+12"),
     "fit-latency negative pool": (lambda t, f: ["fit-latency", "--kv-pool-tokens", "-5", _bytes(
         t, "pts.csv", b"kind,x,ms\nprefill,512,20\nprefill,2048,50\nprefill,8192,100\n")],
         "argument --kv-pool-tokens: -5 is not allowed"),

@@ -286,6 +286,10 @@ def resolve_latency(spec: str) -> MockerLatency:
         raise ValueError(f"{spec}: {exc}") from None
 
 
+#: The largest x (tokens, or a utilisation) a fit takes: far past any pass, and squared far from overflow.
+_FIT_MAX_X = 1e12
+
+
 def fit_latency(prefill: list[tuple[float, float]], decode: list[tuple[float, float]],
                 kv_pool_tokens: int = 0) -> MockerLatency:
     """Least-squares fit of the mocker's functional form to measured points.
@@ -304,6 +308,8 @@ def fit_latency(prefill: list[tuple[float, float]], decode: list[tuple[float, fl
         ys = np.array([y for _, y in points], dtype=float)
         if not (np.isfinite(xs).all() and np.isfinite(ys).all()) or (ys <= 0).any() or (xs < 0).any():
             raise ValueError(f"{what} points must be finite, x >= 0 and ms > 0")
+        if (xs > _FIT_MAX_X).any():  # (x squared must not overflow: lstsq would never return)
+            raise ValueError(f"{what} points must have x at most {_FIT_MAX_X:g}")
         if len(set(xs.tolist())) < 3:
             raise ValueError(f"fitting {what} needs at least 3 distinct x values")
         a, b, c = np.linalg.lstsq(np.stack([xs * xs, xs, np.ones_like(xs)], axis=1), ys, rcond=None)[0]
