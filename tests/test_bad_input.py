@@ -659,6 +659,21 @@ def test_through_a_real_process(tmp_path: Path) -> None:
         assert out.returncode == 2 and len(lines) == 1 and "error:" in lines[0], (argv, out.stderr)
 
 
+@pytest.mark.parametrize("command", [["replay"], ["compare", "--policies", "kv_all,round_robin"],
+                                     ["sweep", "--grid", "workers=2,4"]])
+def test_a_stdout_that_cannot_take_the_table_loses_no_result(tmp_path: Path, command: list[str]) -> None:
+    """A full or closed stdout (a pager quit early, ``> /dev/full``) failed the command before its results were
+    written: they are written first, and the table that could not be printed costs a warning naming where it is."""
+    out = tmp_path / "o"
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-m", "kvtier", *command, *SMALL, "--out", str(out)], cwd=ROOT,
+                           stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "kvtier: warning: the results table could not be printed (No space left on device)" in r.stderr
+    assert sorted(p.name for p in out.iterdir()) == (["sweep.csv", "sweep.json"] if command[0] == "sweep"
+                                                     else ["requests.csv", "summary.json"])
+
+
 # --- random argument vectors -------------------------------------------------------------------------
 
 _VALUES = ["0", "-1", "1", "2", "nan", "inf", "-inf", "1e309", "x", "", "3.5", "true", "builtin:chat:2", "16",

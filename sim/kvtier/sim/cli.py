@@ -10,6 +10,7 @@ import importlib.util
 import json
 import logging
 import math
+import os
 import signal
 import sys
 import threading
@@ -388,13 +389,13 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
                 results = run_jobs(jobs, processes=a.jobs, on_done=bar.done)
         wall, peak = time.monotonic() - t0, _peak_rss_mib()
         summaries = [res.summary for _, res in results]
-        print(table(summaries))
-        _warn(summaries)
         write_json(staged[0], summaries, {**_meta(a, len(trace), jobs[0].run), "wall_s": round(wall, 3),
                                           "peak_rss_mib": round(peak, 1)})
         join_csv(staged[1], parts)
         if a.itl_series is not None:
             join_files(staged[2], [p for p in itl_parts if p is not None])
+    _print_table(table(summaries), outputs[0])  # (once the results are on disk: a closed stdout loses none)
+    _warn(summaries)
     written = list(outputs)
     if not a.no_plots:
         where = (f"{a.trace}, {cluster.workers} workers x {cluster.device_tokens:,} device tokens, "
@@ -437,6 +438,18 @@ def _removed_on_failure(parts: list[Path]) -> Iterator[None]:
         for part in parts:
             part.unlink(missing_ok=True)
         raise
+
+
+def _print_table(text: str, saved: Path) -> None:
+    """Prints the results table on stdout; one that cannot take it (closed, as by ``| head``, or full) costs a
+    warning, not the outputs still to write: the table is in ``saved``. Later prints to stdout go nowhere."""
+    try:
+        print(text, flush=True)
+    except OSError as exc:
+        print(f"kvtier: warning: the results table could not be printed ({exc.strerror or exc}); it is in {saved}",
+              file=sys.stderr)
+        with contextlib.suppress(OSError, ValueError):  # (so that the exit's flush does not fail again)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def _warn(summaries: list[Any]) -> None:
@@ -514,10 +527,10 @@ def cmd_sweep(a: argparse.Namespace) -> int:
         rows.append({**tag, **{k: None if isinstance(v, float) and math.isnan(v) else v  # (strict JSON: no NaN)
                                for k, v in s.as_dict().items() if k not in ("policy", "extra", "slo")},
                      **s.extra})
-    print(table(summaries, first="grid point"))
-    _warn(summaries)
     with whole(out_dir / "sweep.json") as part:
         part.write_text(json.dumps(rows, indent=2, default=str))
+    _print_table(table(summaries, first="grid point"), out_dir / "sweep.json")
+    _warn(summaries)
     with _interrupt_after():
         written = [out_dir / "sweep.json", *write_sweep(out_dir, rows, list(grid), plots=not a.no_plots)]
     remove_stale(out_dir, SWEEP_PLOTS, written)
