@@ -287,10 +287,17 @@ CASES: dict[str, Case] = {
                                                "r3"], "argument --request: not allowed with argument --index"),
     "tokens index 0 and request": (lambda t, f: ["tokens", "--trace", "builtin:chat:4", "--index", "0", "--request",
                                                  "r3"], "argument --request: not allowed with argument --index"),
+    "engine l3-dir empty": (lambda t, f: engine("--l3", "disk", "--l3-dir", ""),  # (was the working directory)
+                            "--l3-dir: an empty path"),
+    "engine pools past memory": (lambda t, f: engine("--l3-dir", str(t / "l3"), "--kv-bytes-per-token", "100000000"),
+                                 "GiB of memory, more than the"),  # (was torch's allocation traceback)
     "engine l3-dir without l3": (lambda t, f: engine("--l3", "none", "--l3-dir", str(t)),
                                  "--l3-dir: --l3 none keeps no L3 tier"),
     "engine speed too small": (lambda t, f: engine("--speed", "1e-300"),
                                "argument --speed: 1e-300 is not allowed; expected a number in [1e-06, 1000000]"),
+    "gen-trace requests past the cap": (lambda t, f: ["gen-trace", "--requests", "100000000000000", "-o",
+                                                      str(t / "big.jsonl")],  # (ran for days, silent)
+                                        "argument --requests: 100000000000000 is not allowed"),
     "gen-trace rate too small": (lambda t, f: ["gen-trace", "--rate", "1e-300", "--requests", "3",
                                                "-o", str(t / "x.jsonl")],
                                  "argument --rate: 1e-300 is not allowed; expected a number in [1e-06, 1000000]"),
@@ -672,6 +679,16 @@ def test_a_stdout_that_cannot_take_the_table_loses_no_result(tmp_path: Path, com
     assert "kvtier: warning: the results table could not be printed (No space left on device)" in r.stderr
     assert sorted(p.name for p in out.iterdir()) == (["sweep.csv", "sweep.json"] if command[0] == "sweep"
                                                      else ["requests.csv", "summary.json"])
+
+
+def test_gen_trace_reports_its_progress(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long trace is written with a line on stderr every GEN_PROGRESS_EVERY requests, not in silence."""
+    monkeypatch.setattr(cli_module, "GEN_PROGRESS_EVERY", 2)
+    assert main(["gen-trace", "--requests", "5", "-o", str(tmp_path / "t.jsonl")]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[:2] == ["kvtier: 2 of 5 requests written", "kvtier: 4 of 5 requests written"]
+    assert err[2].startswith("wrote 5 chat requests")
 
 
 # --- random argument vectors -------------------------------------------------------------------------

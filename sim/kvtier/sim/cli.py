@@ -75,6 +75,10 @@ class CliError(Exception):
 #: Domains of options that map to no configuration object (those of ClusterConfig and RunConfig are
 #: stated on their fields).
 COUNT = Domain(int, lo=1)
+#: gen-trace's most requests: some 100 times the largest public traces, written at about 100,000 a second.
+GEN_REQUESTS = Domain(int, lo=1, hi=100_000_000)
+#: gen-trace reports its progress every this many requests.
+GEN_PROGRESS_EVERY = 1_000_000
 SEED = Domain(int, lo=0)  # (numpy's generators take no negative seed)
 
 
@@ -544,12 +548,14 @@ def cmd_gen_trace(a: argparse.Namespace) -> int:
 
     def stream() -> Iterator[Request]:
         nonlocal last
-        for req in iter_generate(spec, a.seed):  # written as generated: a million requests in flat memory
+        for i, req in enumerate(iter_generate(spec, a.seed), 1):  # written as generated: in flat memory
             if req.arrival * 1000 > MAX_TIMESTAMP_MS:  # (a trace holding it is refused when read)
                 raise CliError(f"--rate {spec.rate:g}: request {req.request_id} would arrive at {req.arrival:.3g} s, "
                                f"past the {MAX_TIMESTAMP_MS / 1000:g} s a trace's timestamps may reach")
             last = req.arrival
             yield req
+            if i % GEN_PROGRESS_EVERY == 0:
+                print(f"kvtier: {i:,} of {a.requests:,} requests written", file=sys.stderr, flush=True)
 
     try:
         n = write_mooncake(stream(), Path(a.output))
@@ -721,7 +727,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("gen-trace", help="write a seeded synthetic trace as Mooncake JSONL")
     p.add_argument("--kind", choices=sorted(PRESETS), default="chat", help="workload generator")
-    p.add_argument("--requests", type=COUNT.parse, default=1000, help="requests to generate")
+    p.add_argument("--requests", type=GEN_REQUESTS.parse, default=1000,
+                   help=f"requests to generate (at most {GEN_REQUESTS.hi:,}; a line on stderr every "
+                        f"{GEN_PROGRESS_EVERY:,})")
     p.add_argument("--rate", type=TIME_SCALE.parse, help="new sessions per second (default: the preset's)")
     p.add_argument("--seed", type=SEED.parse, default=0, help="generator seed")
     p.add_argument("-o", "--output", required=True, help="JSONL file to write")

@@ -55,6 +55,19 @@ class EngineError(Exception):
     """A bad option or an unusable resource, reported as one line."""
 
 
+def _memory_available() -> int | None:
+    """Bytes of memory this machine can give a new allocation now (Linux's MemAvailable), or None where unknown.
+    O(1)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def _store(args: argparse.Namespace) -> PageStore | None:
     if args.l3 == "none":
         return None
@@ -104,6 +117,8 @@ def _open(args: argparse.Namespace) -> tuple[TieredCache, EngineNode, DataPath, 
     if args.l3 == "none" and args.l3_dir is not None:  # (it would be ignored: no page is ever written there)
         raise EngineError(f"--l3-dir: --l3 none keeps no L3 tier; give --l3 disk or external to keep pages in "
                           f"{args.l3_dir}")
+    if args.l3_dir is not None and not args.l3_dir.strip():  # (Path("") is the working directory)
+        raise EngineError("--l3-dir: an empty path; name the directory to keep L3 pages in")
     if args.l3_dir is not None and args.kv_bytes_per_token % 2:
         raise EngineError(f"--kv-bytes-per-token: {args.kv_bytes_per_token} is odd; the pages hold 2-byte (bfloat16) "
                           "elements")
@@ -113,8 +128,18 @@ def _open(args: argparse.Namespace) -> tuple[TieredCache, EngineNode, DataPath, 
             raise EngineError("--l3-dir moves real KV bytes with torch, which is not installed: "
                               "pip install 'kvtier[engine]'")
         # Real bytes: a page of page_size tokens x kv_bytes_per_token, moved by torch on the CPU.
-        dp = TorchDataPath(args.device_pages, cfg.host_pages, (args.page_size, args.kv_bytes_per_token // 2),
-                           device="cpu")
+        pools = (args.device_pages + cfg.host_pages) * args.page_size * args.kv_bytes_per_token
+        free = _memory_available()
+        if free is not None and pools > free:
+            raise EngineError(f"--l3-dir: the device and host pools (--device-pages {args.device_pages}, --host-ratio "
+                              f"{args.host_ratio:g}, --kv-bytes-per-token {args.kv_bytes_per_token}) need "
+                              f"{pools / 2**30:,.1f} GiB of memory, more than the {free / 2**30:,.1f} GiB available")
+        try:
+            dp = TorchDataPath(args.device_pages, cfg.host_pages, (args.page_size, args.kv_bytes_per_token // 2),
+                               device="cpu")
+        except RuntimeError as exc:  # (torch's allocation failure, where the memory available was not known)
+            raise EngineError(f"--l3-dir: the device and host pools ({pools / 2**30:,.1f} GiB) could not be "
+                              f"allocated: {str(exc).splitlines()[0]}") from None
     else:
         dp = ModeledDataPath(args.page_size * 1024, time.monotonic,
                              Bandwidths(d2h=2e8, h2d=2e8, storage_write=5e7, storage_read=5e7))
