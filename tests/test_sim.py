@@ -388,6 +388,23 @@ def test_azure_traces_get_shared_prefixes_from_the_cli(tmp_path: Path, shared_di
     assert hits[0] == 0.0 and hits[1] > 0.3
 
 
+def test_runs_that_take_long_are_not_silent(monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """While no run finishes (runs of a long trace in worker processes take minutes), a line says how long it has
+    been, every heartbeat_s."""
+    from kvtier.sim.cli import _RunsProgress
+
+    monkeypatch.setattr(_RunsProgress, "heartbeat_s", 0.05)
+    seen = ""
+    with _RunsProgress(3) as progress:
+        assert progress.lines  # (stderr is no terminal here)
+        deadline = time.monotonic() + 30
+        while "kvtier: 0/3 runs done after" not in seen and time.monotonic() < deadline:
+            time.sleep(0.05)
+            seen += capsys.readouterr().err
+    assert "kvtier: 0/3 runs done after" in seen and "the others are running" in seen
+
+
 def test_a_comparison_piped_to_a_log_reports_each_run(tmp_path: Path) -> None:
     """Without a terminal (CI, a pipe) tqdm's bar turns itself off: each finished run is a line instead, so a long
     comparison is never silent."""

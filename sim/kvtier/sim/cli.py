@@ -302,7 +302,10 @@ def _load_kernels_saying_so(load: Callable[[], object], whose: str, first: str, 
 
 class _RunsProgress:
     """Runs finished: a bar on a terminal, else a line per run (a CI log, a pipe), so a long comparison is never
-    silent."""
+    silent; while no run finishes, the bar's clock is refreshed, or a line says how long it has been, every
+    :attr:`heartbeat_s` (a run of a long trace takes minutes)."""
+
+    heartbeat_s = 15.0
 
     def __init__(self, total: int) -> None:
         from tqdm import tqdm
@@ -310,19 +313,41 @@ class _RunsProgress:
         self.total, self.count, self.t0 = total, 0, time.monotonic()
         self.bar = tqdm(total=total, desc="runs", unit="run", disable=None)
         self.lines = bool(self.bar.disable)
+        self._lock = threading.Lock()  # (the heartbeat thread and the thread reporting runs done)
+        self._last = self.t0  # when a line or a run was last shown
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeat, name="kvtier-runs-progress", daemon=True)
 
     def done(self, tag: dict[str, Any], res: RunResult) -> None:
-        self.count += 1
-        self.bar.update(1)
-        if self.lines:
-            what = " ".join(f"{k}={v}" for k, v in tag.items())
-            print(f"kvtier: run {self.count}/{self.total} done ({what}; {res.summary.requests} requests) after "
-                  f"{time.monotonic() - self.t0:.1f} s", file=sys.stderr, flush=True)
+        with self._lock:
+            self.count += 1
+            self.bar.update(1)
+            self._last = time.monotonic()
+            if self.lines:
+                what = " ".join(f"{k}={v}" for k, v in tag.items())
+                print(f"kvtier: run {self.count}/{self.total} done ({what}; {res.summary.requests} requests) after "
+                      f"{self._last - self.t0:.1f} s", file=sys.stderr, flush=True)
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.heartbeat_s / 3):
+            with self._lock:
+                now = time.monotonic()
+                if now - self._last < self.heartbeat_s:
+                    continue
+                self._last = now
+                if self.lines:
+                    print(f"kvtier: {self.count}/{self.total} runs done after {now - self.t0:.0f} s; the others are "
+                          "running", file=sys.stderr, flush=True)
+                else:
+                    self.bar.refresh()
 
     def __enter__(self) -> _RunsProgress:
+        self._beat.start()
         return self
 
     def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._beat.join()
         self.bar.close()
 
 
