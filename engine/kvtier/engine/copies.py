@@ -21,7 +21,7 @@ from kvtier.engine.config import CacheConfig, WritePolicy
 from kvtier.engine.datapath import CopyKind, CopyOp, DataPath
 from kvtier.engine.events import EventLog
 from kvtier.engine.eviction import Evictor
-from kvtier.engine.l3.pagetree import PageMeta
+from kvtier.engine.l3.pagetree import PageEntry, PageMeta
 from kvtier.engine.l3.storage import PageStore
 from kvtier.engine.l3link import L3Link
 from kvtier.engine.pool import PageId
@@ -40,6 +40,7 @@ class OpInfo:
     parent: Node | None = None  # S2H: node the prefetched pages continue
     tokens: PackedTokens = b""  # S2H: the prefetched pages' tokens
     window: tuple[int, int] = (0, 0)  # S2H: pages (of the prefetched ones) whose window KV comes along
+    pinned: list[PageEntry] = field(default_factory=list)  # S2H: the store's entries pinned for the read
 
 
 class Copies:
@@ -115,7 +116,7 @@ class Copies:
                     if self._store.is_pending(k):
                         self._store.abort(k)
             if info.op.kind is CopyKind.S2H and self._store is not None:
-                self._store.unpin(info.op.keys)
+                self._store.unpin(info.pinned)
         self._ops.clear()
         self._node_ops.clear()
 

@@ -65,19 +65,20 @@ class Prefetcher:
         pages = self._evictor.alloc_host(len(keys))
         if pages is None:
             return
-        self._store.pin(keys)
+        pinned = self._store.pin(keys)
         self._evictor.lock(last)  # the prefetched pages hang below `last`: keep it until they land
         lo, hi = (min(max(e - matched, 0), len(keys)) for e in window)
         op = self._dp.new_op(CopyKind.S2H, [], pages, keys, self._store, window_pages=hi - lo)
         self._copies.submit(op, OpInfo(op, admission=adm, parent=last,
-                                       tokens=tokens[matched * s:(matched + len(keys)) * s], window=(lo, hi)))
+                                       tokens=tokens[matched * s:(matched + len(keys)) * s], window=(lo, hi),
+                                       pinned=pinned))
         adm.l3_pages = len(keys)
         adm.prefetch_op = op.op_id
 
     def landed(self, info: OpInfo) -> None:
         """A prefetch's acknowledgement: its pages join the tree on host, then load back for the request."""
         assert info.parent is not None and info.admission is not None
-        self._store.unpin(info.op.keys)
+        self._store.unpin(info.pinned)
         adm, parent = info.admission, info.parent
         if adm.prefetch_op == info.op.op_id:
             adm.prefetch_op = None

@@ -5,9 +5,10 @@
     ROOT/<layout tag>/
         pages/<key>          one file per page (kvtier.engine.l3.pagefile format)
         refs/<owner>/<key>   hard links: the pages an owner holds
-        refs/.<owner>.lock   flock held by the one process acting as that owner
+        refs/.<owner>.lock   flock held by the one process acting as that owner (so no owner name starts with '.')
         .lock                flock: linking and unlinking decisions are made under it
-        .tmp-h<where>-<pid>-*  writes in flight (<where>: the writer's host name and boot)
+        .tmp-h<where>-<pid>-s<store>-*  writes in flight (<where>: the writer's host name, boot and pid namespace;
+                                        <store>: a token of the writing PageDir)
 
 Ownership is the link count: an owner holds a page by a hard link under ``refs/<owner>``; releasing
 a page removes that link, and the page file goes only when no owner links it any more (``st_nlink``
@@ -15,7 +16,8 @@ back to 1), decided under the lock. So a process evicting, resetting or restarti
 page another process holds, and two owners writing the same page share one file. A restarted owner
 finds its holdings under ``refs/<owner>`` (:meth:`PageDir.scan`); ``.tmp`` files of dead writers and pages nobody
 holds are removed then. A writer's process id means something only where it ran, so a temporary file written
-elsewhere (another host or container sharing the pool) is judged by its age alone (:data:`STALE_TMP_S`).
+elsewhere (another host, or a container with a pid namespace of its own sharing the pool) is judged by its age alone
+(:data:`STALE_TMP_S`); one written here goes when its writer is provably gone (:func:`_dead_tmp`).
 
 Writes go to a temporary file, are made durable per the :class:`SyncPolicy`, then linked into
 ``pages/`` (never replacing a file another owner may hold). A batch that fails part-way removes
@@ -30,44 +32,57 @@ import hashlib
 import logging
 import os
 import re
+import secrets
 import socket
 import tempfile
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from enum import StrEnum
 from pathlib import Path
 
 from kvtier.engine.l3.pagefile import DRAFT_PREFIX, Layout, PageFileError, PageHeader, decode, encode, read_header
 from kvtier.util.pids import alive
+from kvtier.util.ratelog import suffix, worth_logging
 
 log = logging.getLogger(__name__)
 
-_TMP = re.compile(r"^\.tmp-(?:h([0-9a-f]{8})-)?(\d+)-")  # (files without the h<where> part are this host's)
+# (files without the h<where> part are this host's; those without the s<store> part were never this process's)
+_TMP = re.compile(r"^\.tmp-(?:h([0-9a-f]{8})-)?(\d+)-(?:s([0-9a-f]{16})-)?")
 #: A temporary file older than this is a dead writer's, wherever it ran: a write holds one for the time it takes to
 #: write a batch of pages, seconds on a slow disk.
 STALE_TMP_S = 3600.0
 
 
 def _where() -> str:
-    """Where this process's ids mean what they say, as 8 hex digits: its host name (a container's own, which a
-    restarted container keeps, so it still clears what it left) and boot (Linux: a reboot reuses process ids)."""
+    """Where this process's ids mean what they say, as 8 hex digits: its host name, boot (Linux: a reboot reuses
+    process ids) and pid namespace (containers sharing a host name and boot, e.g. with host networking, number their
+    processes apart: each may run the engine as pid 1). A restarted container has a new pid namespace: what it left
+    goes by its age."""
     parts = [socket.gethostname()]
     with contextlib.suppress(OSError):
         parts.append(Path("/proc/sys/kernel/random/boot_id").read_text().strip())
+    with contextlib.suppress(OSError):
+        parts.append(os.readlink("/proc/self/ns/pid"))
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:8]
 
 
 _WHERE = _where()
+#: Token -> the PageDir of this process that names its temporary files with it (while it exists).
+_STORES: weakref.WeakValueDictionary[str, PageDir] = weakref.WeakValueDictionary()
 
 
-def tmp_prefix(pid: int | None = None, host: str = _WHERE) -> str:
-    """The name prefix of a temporary page file written by process ``pid`` (this one's by default) at ``host``."""
-    return f".tmp-h{host}-{os.getpid() if pid is None else pid}-"
+def tmp_prefix(pid: int | None = None, host: str = _WHERE, token: str = "") -> str:
+    """The name prefix of a temporary page file written by process ``pid`` (this one's by default) at ``host``, by the
+    PageDir whose :attr:`PageDir.token` is ``token`` (none: a name without the store's part)."""
+    return f".tmp-h{host}-{os.getpid() if pid is None else pid}-" + (f"s{token}-" if token else "")
 
 
 def _dead_tmp(name: str, mtime: float) -> bool:
-    """Whether ``name`` is a temporary file no writer will finish: past :data:`STALE_TMP_S`, or written here by a
-    process that is gone (or by an earlier process with this one's id)."""
+    """Whether ``name`` is a temporary file no writer will finish: past :data:`STALE_TMP_S` wherever it was written;
+    before that, only one written here (:func:`_where`) by a writer provably gone: a process that no longer exists, or
+    one with this process's id but not written by a PageDir of this process (an earlier process with this id). A file
+    of a live store of this process stays; so does one written elsewhere, whose process id means nothing here."""
     m = _TMP.match(name)
     if m is None:
         return False
@@ -76,7 +91,9 @@ def _dead_tmp(name: str, mtime: float) -> bool:
     if m.group(1) not in (None, _WHERE):
         return False
     pid = int(m.group(2))
-    return pid == os.getpid() or not alive(pid)
+    if pid == os.getpid():
+        return m.group(3) is None or m.group(3) not in _STORES
+    return not alive(pid)
 
 
 class OwnerBusy(OSError):
@@ -112,14 +129,19 @@ class PageDir:
     """One owner's view of a shared page directory (see the module docstring)."""
 
     def __init__(self, root: Path, layout: Layout, owner: str, sync: SyncPolicy = SyncPolicy.NONE) -> None:
-        if not owner or "/" in owner or owner in (".", ".."):
-            raise ValueError(f"store owner must be a non-empty name without '/', got {owner!r}")
+        # (a name starting with '.' could be another owner's lock file, ".<owner>.lock", or "." / "..")
+        if not owner or "/" in owner or owner.startswith("."):
+            raise ValueError(f"store owner {owner!r} is not allowed: expected a non-empty name without '/' that does "
+                             "not start with '.'")
         self.layout = layout.tag()
         self.owner = owner
         self.sync = sync
         self.base = root / self.layout
         self.pages = self.base / "pages"
         self.refs = self.base / "refs" / owner
+        self.token = secrets.token_hex(8)  # in the names of this PageDir's temporary files (see _dead_tmp)
+        self.release_failures = 0  # pages whose hold or file could not be removed (see release)
+        self.probe_failures = 0  # pages another owner wrote that could not be held (see probe)
         self.pages.mkdir(parents=True, exist_ok=True)
         self.refs.mkdir(parents=True, exist_ok=True)
         self._lock_path = self.base / ".lock"
@@ -131,6 +153,7 @@ class PageDir:
             os.close(self._owner_fd)
             self._owner_fd = -1
             raise OwnerBusy(f"L3 {self.base}: owner {owner!r} is in use by another process") from None
+        _STORES[self.token] = self
 
     def close(self) -> None:
         """Gives up the owner lock (also released when the process exits)."""
@@ -158,7 +181,7 @@ class PageDir:
         linked: list[str] = []
         try:
             for header, payload in items:
-                fd, tmp = tempfile.mkstemp(dir=self.base, prefix=tmp_prefix())
+                fd, tmp = tempfile.mkstemp(dir=self.base, prefix=tmp_prefix(token=self.token))
                 tmps.append(tmp)
                 with os.fdopen(fd, "wb") as f:
                     f.writelines(encode(header, payload))
@@ -191,7 +214,7 @@ class PageDir:
                     _fsync_dir(self.refs)
         except BaseException:
             for tmp in tmps:
-                with contextlib.suppress(FileNotFoundError):
+                with contextlib.suppress(OSError):  # (one that cannot go is a dead file once this PageDir is gone)
                     os.unlink(tmp)
             with self._locked():
                 self._release_locked(linked)
@@ -205,37 +228,69 @@ class PageDir:
         return decode(data, key, self.layout)
 
     def probe(self, key: str) -> PageHeader | None:
-        """A page another owner wrote, if present and sound: its header, and this owner now holds it."""
+        """A page another owner wrote, if present and sound: its header, and this owner now holds it. Otherwise None,
+        as for a page this owner cannot hold: the lock or the hard link could not be made (a full or read-only disk:
+        ENOSPC, EDQUOT, EROFS), which is counted in :attr:`probe_failures` and logged sparsely."""
         name = file_name(key)
-        with self._locked():
-            try:
-                header = read_header(str(self.pages / name), key, self.layout)
-            except FileNotFoundError:
-                return None
-            except (OSError, PageFileError):
-                return None
-            with contextlib.suppress(FileExistsError):
-                os.link(self.pages / name, self.refs / name)
+        try:
+            with self._locked():
+                try:
+                    header = read_header(str(self.pages / name), key, self.layout)
+                except FileNotFoundError:
+                    return None
+                except (OSError, PageFileError):
+                    return None
+                with contextlib.suppress(FileExistsError):
+                    os.link(self.pages / name, self.refs / name)
+        except OSError as exc:
+            self.probe_failures += 1
+            n = self.probe_failures
+            if worth_logging(n):
+                log.warning("L3 %s: page %s found but not taken: %s%s", self.base, key, exc.strerror or exc,
+                            suffix(n, "PageDir.probe_failures"))
+            return None
         return header
 
     # --- releases ------------------------------------------------------------------------
 
     def release(self, keys: Sequence[str]) -> None:
-        """Drops this owner's hold; files no owner holds are deleted. O(keys)."""
+        """Drops this owner's hold; files no owner holds are deleted. O(keys).
+
+        Never raises ``OSError``: the caller has let the pages go already (its store no longer has them, and their
+        announcers are told), so a hold or file that cannot be removed (EIO, EROFS, ...; or no lock) is counted in
+        :attr:`release_failures`, logged sparsely, and left as a crash at that point would leave it: a hold under
+        ``refs/<owner>`` nobody counts, or a page file nobody holds. This process never serves it (it is not in the
+        store); the page's next release (it is written again, sharing that file, and goes again) retries, and so does
+        the next start-up scan (:meth:`scan`), which judges it like any leftover: an unheld file is removed, a hold is
+        adopted only if its header is sound and its parent is adopted too, and a page's payload is checked when read.
+        """
         if keys:
-            with self._locked():
-                self._release_locked([file_name(k) for k in keys])
+            try:
+                with self._locked():
+                    self._release_locked([file_name(k) for k in keys])
+            except OSError as exc:  # (the lock: _release_locked raises none)
+                self._release_failed(file_name(keys[0]), exc)
 
     def _release_locked(self, names: Sequence[str]) -> None:
         for name in names:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.refs / name)
-            page = self.pages / name
             try:
-                if os.stat(page).st_nlink <= 1:
-                    os.unlink(page)
-            except FileNotFoundError:
-                pass
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.refs / name)
+                page = self.pages / name
+                with contextlib.suppress(FileNotFoundError):
+                    if os.stat(page).st_nlink <= 1:
+                        os.unlink(page)
+            except OSError as exc:
+                self._release_failed(name, exc)
+
+    def _release_failed(self, name: str, exc: OSError) -> None:
+        """Counts and logs (sparsely) a hold or page file :meth:`release` could not remove."""
+        self.release_failures += 1
+        n = self.release_failures
+        if worth_logging(n):
+            log.warning("L3 %s: page %s released but its file not removed: %s; left for its next release or the next "
+                        "start-up scan%s", self.base, key_of(name), exc.strerror or exc,
+                        suffix(n, "PageDir.release_failures"))
 
     # --- start-up ------------------------------------------------------------------------
 
@@ -251,9 +306,12 @@ class PageDir:
         counts = {"adoptable": 0, "damaged": 0, "tmp_removed": 0, "orphans_removed": 0}
         with self._locked():
             for entry in os.scandir(self.base):
-                if entry.name.startswith(".tmp-") and _dead_tmp(entry.name, entry.stat().st_mtime):
-                    os.unlink(entry.path)
-                    counts["tmp_removed"] += 1
+                # (a writer in another process removes its temporary files outside the lock when its batch fails:
+                # one listed here may be gone by now)
+                with contextlib.suppress(FileNotFoundError):
+                    if entry.name.startswith(".tmp-") and _dead_tmp(entry.name, entry.stat().st_mtime):
+                        os.unlink(entry.path)
+                        counts["tmp_removed"] += 1
             bad: list[str] = []
             drafts: list[tuple[str, str]] = []  # (file name, its page's key) of sound drafts
             for entry in os.scandir(self.refs):

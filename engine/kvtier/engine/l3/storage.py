@@ -14,7 +14,9 @@ Two invariants make the store safe for event consumers:
   counts pending children too), and only pages with no committed or pending
   children are evicted (leaf-first LRU). So every announced page's parent is
   announced too, and a state dump never names an unknown parent;
-* pages being read (``pin``) are never evicted.
+* pages being read (``pin``) are never evicted. A pin belongs to the entry it was taken on: a reader's
+  ``unpin`` of a page dropped meanwhile (:meth:`PageStore.drop`) never touches the entry of the page written
+  again since, so pins never go negative.
 
 A store is *shared* when several engines use it (an external pool): each engine
 announces the pages it wrote or found present, and on eviction every announcer
@@ -252,16 +254,20 @@ class PageStore:
 
     # --- reads ---------------------------------------------------------------------------
 
-    def pin(self, keys: list[str]) -> None:
-        for k in keys:
-            self._entries[k].pins += 1
+    def pin(self, keys: list[str]) -> list[PageEntry]:
+        """Marks committed pages as being read (never evicted meanwhile); returns their entries, for :meth:`unpin`.
+        O(keys)."""
+        pinned = [self._entries[k] for k in keys]
+        for k, e in zip(keys, pinned, strict=True):
+            e.pins += 1
             self._tree.touch(k)
+        return pinned
 
-    def unpin(self, keys: list[str]) -> None:
-        for k in keys:
-            e = self._entries.get(k)
-            if e is not None:
-                e.pins -= 1
+    def unpin(self, pinned: Sequence[PageEntry]) -> None:
+        """The reads of what :meth:`pin` returned are done. Each entry loses its own pin: one dropped meanwhile is no
+        longer the store's, and the entry of its page written again since keeps its own readers' pins. O(entries)."""
+        for e in pinned:
+            e.pins -= 1
 
     # --- eviction ------------------------------------------------------------------------
 
@@ -292,8 +298,8 @@ class PageStore:
 
     def drop(self, key: str) -> list[str]:
         """Removes a page that cannot be served (damaged, or its file gone) with every committed
-        descendant, whatever reads are in flight: their reads fail too. Announcers are told. Returns
-        the keys removed, children first. O(pages) (a scan for descendants)."""
+        descendant, whatever reads are in flight: their reads fail too (their pins stay with the removed
+        entries). Announcers are told. Returns the keys removed, children first. O(pages) (a scan for descendants)."""
         if key not in self._entries:
             return []
         order = self._tree.subtree(key)
