@@ -402,6 +402,8 @@ CASES: dict[str, Case] = {
     # ZMQ would bind port 99999 - 65536 = 34463 and say nothing.
     "engine port past 65535": (lambda t, f: [*engine(), "--replay", "tcp://127.0.0.1:99999"], "port in 0..65535"),
     "engine empty name": (lambda t, f: engine("--name", ""), "argument --name: '' is not allowed"),
+    "engine name of a lock file": (lambda t, f: engine("--name", ".w0.lock"),  # (another owner's lock, in refs/)
+                                   "argument --name: '.w0.lock' is not allowed"),
     "engine not a ZMQ address": (lambda t, f: [*engine(), "--endpoint", "http://127.0.0.1:1"], "expected tcp://"),
     "engine seed -1": (lambda t, f: engine("--seed", "-1"), "argument --seed: -1 is not allowed; expected an integer"),
     "engine speed 0": (lambda t, f: engine("--speed", "0"), "argument --speed: 0 is not allowed"),

@@ -253,8 +253,9 @@ def _exit_now(code: int) -> None:
 
 def _engine_name(text: str) -> str:
     """``--name``: the worker id an indexer names this engine by, and its L3 owner directory."""
-    if not text or "/" in text or text in (".", ".."):
-        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; expected a non-empty name without '/'")
+    if not text or "/" in text or text.startswith("."):  # (an L3 directory's own files start with '.')
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; expected a non-empty name without '/' that does "
+                                         "not start with '.'")
     return text
 
 
