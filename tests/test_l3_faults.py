@@ -75,6 +75,7 @@ def test_a_page_whose_file_cannot_be_removed_still_leaves_the_store_and_its_anno
     store._check()
     warned = [r for r in caplog.records if "not removed" in r.getMessage()]
     assert warned and len(warned) <= 10 and os.strerror(err) in warned[0].getMessage()
+    assert store.stats.release_failures >= len(warned)  # (in the stats line kvtier engine prints)
 
 
 def test_a_failed_removal_is_retried_when_the_page_is_written_and_released_again(
@@ -151,6 +152,7 @@ def test_a_pool_page_that_cannot_be_held_is_a_miss(tmp_path: Path, monkeypatch: 
     assert len(b) == 0
     warned = [r for r in caplog.records if "not taken" in r.getMessage()]
     assert len(warned) == 10 and os.strerror(err) in warned[0].getMessage()
+    assert b.stats.probe_failures == 30  # (in the stats line kvtier engine prints)
     adm = cache.admit("r", [0] * PS + [1] * PS)
     assert adm.l3_pages == 0
     monkeypatch.undo()

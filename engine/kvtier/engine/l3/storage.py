@@ -52,6 +52,8 @@ class StoreStats:
     dropped_at_start: int = 0  # held pages found damaged, orphaned, or over capacity on start
     tmp_removed: int = 0  # temporary files of dead writers removed on start
     unheld_removed: int = 0  # page files no owner held, removed on start
+    release_failures: int = 0  # holds or page files that could not be removed (PageDir.release)
+    probe_failures: int = 0  # pages another owner wrote that could not be held (PageDir.probe)
 
 
 class StoreError(RuntimeError):
@@ -77,7 +79,7 @@ class PageStore:
         self.directory = directory
         self.shared = shared
         self.tier = tier or (StorageTier.EXTERNAL if shared else StorageTier.DISK)
-        self.stats = StoreStats()
+        self._stats = StoreStats()
         self._tree = PageTree()  # committed pages and writes in flight, with the leaves in LRU order
         self._entries = self._tree.entries  # (read on every lookup)
         # Announcer set -> its one shared copy (_interned). Never pruned: it holds each distinct set that ever
@@ -88,6 +90,14 @@ class PageStore:
         self._dir = PageDir(directory, layout or Layout(), owner, sync) if directory is not None else None
         if self._dir is not None:
             self._adopt()
+
+    @property
+    def stats(self) -> StoreStats:
+        """What the store found wrong and adopted, with its directory's failures to release and to hold. O(1)."""
+        if self._dir is not None:
+            self._stats.release_failures = self._dir.release_failures
+            self._stats.probe_failures = self._dir.probe_failures
+        return self._stats
 
     def close(self) -> None:
         """Lets another process (a restart) act as this store's owner; the pages stay."""
