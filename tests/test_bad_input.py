@@ -693,6 +693,21 @@ def test_gen_trace_reports_its_progress(tmp_path: Path, capsys: pytest.CaptureFi
     assert err[2].startswith("wrote 5 chat requests")
 
 
+def test_options_that_change_nothing_get_a_warning(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An option given that these runs never read (the L3 tier's with none, event-loss recovery's with no loss, an
+    Azure trace's prefix groups with another trace) ran silently, reading as if it mattered; a sweep axis that may
+    make it apply silences it."""
+    assert main(["replay", *SMALL, "--out", str(tmp_path / "r"), "--l3-tokens", "1000", "--prefetch-policy",
+                 "timeout", "--loss-burst", "3", "--prefix-groups", "2"]) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warned == ["kvtier: warning: --l3-tokens changes nothing without an L3 tier (--l3 disk or external)",
+                      "kvtier: warning: --prefetch-policy changes nothing without an L3 tier (--l3 disk or external)",
+                      "kvtier: warning: --loss-burst changes nothing without --event-loss",
+                      "kvtier: warning: --prefix-groups changes nothing but with an Azure CSV trace"]
+    assert main(["sweep", *SMALL, "--out", str(tmp_path / "s"), "--grid", "l3=none,disk", "--l3-tokens", "4096"]) == 0
+    assert "warning: --l3-tokens" not in capsys.readouterr().err
+
+
 # --- random argument vectors -------------------------------------------------------------------------
 
 _VALUES = ["0", "-1", "1", "2", "nan", "inf", "-inf", "1e309", "x", "", "3.5", "true", "builtin:chat:2", "16",

@@ -229,6 +229,30 @@ def _cluster(a: argparse.Namespace, axes: Collection[str] = ()) -> ClusterConfig
         latency=_latency(a.latency))
 
 
+def _warn_inert(a: argparse.Namespace, axes: Collection[str] = ()) -> None:
+    """A line on stderr for each option given that changes nothing in these runs (a setting that reads as if it
+    mattered): the L3 tier's with no L3 tier, the event-loss recovery's with no loss, an Azure trace's prefix groups
+    with another trace. A sweep axis that may make them apply silences them. O(1)."""
+    cache, cluster = CacheConfig(), ClusterConfig()
+    run = {f.name: f.default for f in dataclasses.fields(RunConfig)}
+    inert: list[tuple[str, bool, str]] = []
+    if a.l3 == "none" and "l3" not in axes:
+        inert += [(f"--{name.replace('_', '-')}", getattr(a, name) != default, "without an L3 tier (--l3 disk or "
+                   "external)") for name, default in (("l3_tokens", cluster.l3_tokens),
+                                                      ("prefetch_policy", cache.prefetch_policy),
+                                                      ("prefetch_min_pages", cache.prefetch_min_pages),
+                                                      ("prefetch_timeout_s", cache.prefetch_timeout_s))]
+    if not a.event_loss and "event_loss" not in axes:
+        inert += [(f"--{name.replace('_', '-')}", getattr(a, name) != run[name], "without --event-loss")
+                  for name in ("recovery", "replay_buffer", "loss_burst")]
+    if not a.trace.endswith(".csv"):
+        inert += [("--shared-prefix-blocks", a.shared_prefix_blocks != 0, "but with an Azure CSV trace"),
+                  ("--prefix-groups", a.prefix_groups != 8, "but with an Azure CSV trace")]
+    for option, given, why in inert:
+        if given:
+            print(f"kvtier: warning: {option} changes nothing {why}", file=sys.stderr)
+
+
 def _latency(spec: str) -> MockerLatency:
     try:
         return resolve_latency(spec)
@@ -400,6 +424,7 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
                  if a.itl_series is not None else [None] * len(policies))
     jobs = [RunSpec(trace, cluster, _run_cfg(a, p), {"policy": policy_label(p)}, records_csv=part, itl_jsonl=itl)
             for p, part, itl in zip(policies, parts, itl_parts, strict=True)]
+    _warn_inert(a)  # (once every option is checked: a refused one gets its error alone)
     print(f"kvtier: {len(trace)} requests from {a.trace}, {cluster.workers} workers, "
           f"{cluster.device_tokens:,} device tokens each, host x{cluster.host_ratio:g}, l3={cluster.l3}; "
           f"policies: {', '.join(policies)}", file=sys.stderr)
@@ -539,6 +564,7 @@ def cmd_sweep(a: argparse.Namespace) -> int:
         jobs = grid_jobs(_trace(a), _cluster(a, grid), _run_cfg(a, a.policy), grid, keep_records=False)
     except ValueError as exc:  # ConfigError included
         raise CliError(str(exc)) from None
+    _warn_inert(a, grid)
     if a.ray and importlib.util.find_spec("ray") is None:
         raise CliError("--ray needs Ray: pip install ray (or drop --ray for a local process pool)")
     out_dir = _out_dir(a, "sweep.json", "sweep.csv")
