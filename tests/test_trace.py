@@ -43,12 +43,26 @@ def test_mooncake_trace_loads_and_matches_published_reuse(shared_dir: Path) -> N
     ('{"timestamp": 1, "input_length": 0, "output_length": 1, "hash_ids": []}', "input_length"),
     ('{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": ["a"]}', "hash_ids"),
     ('[1, 2]', "JSON object"),
+    ('{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": [1], "request_id": [1]}',
+     "request_id must be a string or an integer, got "),  # (was taken as the id "[1]")
+    ('{"timestamp": "1\x01"}', "not JSON: Invalid control character at column 17"),  # (the message ended at "at")
 ])
 def test_malformed_mooncake_line_is_named(tmp_path: Path, line: str, fragment: str) -> None:
     p = tmp_path / "t.jsonl"
     good = '{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}'
     p.write_text(f"{good}\n{good}\n{line}\n")
     with pytest.raises(TraceError, match=rf"t\.jsonl:3: .*{fragment}"):
+        load_mooncake(p)
+
+
+def test_an_id_a_record_without_one_would_get_is_named_as_such(tmp_path: Path) -> None:
+    """Line 2 names no id (null, as none) and gets r1, which line 1 named: the message said line 2 used 'r1' as if it
+    named it."""
+    p = tmp_path / "t.jsonl"
+    p.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1], "request_id": "r1"}\n'
+                 '{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": [1], "request_id": null}\n')
+    with pytest.raises(TraceError, match=r":2: no request_id, and the one a record without one gets, 'r1' \(r<its "
+                                         r"index>\), is line 1's"):
         load_mooncake(p)
 
 

@@ -266,8 +266,8 @@ def decode_record(text: str | bytes, where: str) -> object:
         raise TraceError(f"{where}: JSON nested deeper than {MAX_DEPTH} levels (MAX_DEPTH)")
     try:
         return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise TraceError(f"{where}: not JSON: {exc.msg}") from None
+    except json.JSONDecodeError as exc:  # (its message names a column; the line is `where`'s)
+        raise TraceError(f"{where}: not JSON: {exc.msg.removesuffix(' at')} at column {exc.colno}") from None
     except ValueError as exc:  # e.g. an integer of more digits than int() takes
         raise TraceError(f"{where}: not JSON: {exc}") from None
     except RecursionError:  # (cannot happen past the depth check; one line all the same)
@@ -307,13 +307,17 @@ def request_from(obj: object, where: str) -> Request:
     if len(ids) != math.ceil(n_in / HASH_BLOCK):
         raise TraceError(f"{where}: {len(ids)} hash_ids for {n_in} input tokens "
                          f"(expected ceil({n_in}/{HASH_BLOCK}) = {math.ceil(n_in / HASH_BLOCK)})")
+    rid = obj.get("request_id")
+    rid = "" if rid is None else rid  # (null: no id, as a record without one)
+    if not isinstance(rid, str | int) or isinstance(rid, bool):
+        raise TraceError(f"{where}: request_id must be a string or an integer, got {_show(rid)}")
     session, think = obj.get("session_id"), obj.get("think_s")
     if session is not None and not isinstance(session, str | int):
         raise TraceError(f"{where}: session_id must be a string or an integer, got {_show(session)}")
     if think is not None and not _within(think, 0, MAX_THINK_S):
         raise TraceError(f"{where}: think_s must be a non-negative number of seconds up to {MAX_THINK_S:g}, "
                          f"got {_show(think)}")
-    return Request(str(obj.get("request_id", "")), float(ts) / 1000.0, n_in, n_out, list(ids),
+    return Request(str(rid), float(ts) / 1000.0, n_in, n_out, list(ids),
                    None if session is None else str(session), None if think is None else float(think))
 
 
@@ -341,14 +345,17 @@ def read_mooncake(path: Path, limit: int | None = None) -> Iterator[tuple[int, i
         if req.request_id and seen is None:
             seen = {f"r{i}": line_i for i, line_i in enumerate(generated)}
             generated = array("l")
-        if not req.request_id:
+        named = bool(req.request_id)
+        if not named:
             req.request_id = f"r{n}"
         if seen is None:
             generated.append(lineno)
         else:
             if req.request_id in seen:
                 raise TraceError(f"{where}: request_id {req.request_id!r} already used on line "
-                                 f"{seen[req.request_id]}")
+                                 f"{seen[req.request_id]}" if named else f"{where}: no request_id, and the one a "
+                                 f"record without one gets, {req.request_id!r} (r<its index>), is line "
+                                 f"{seen[req.request_id]}'s: give every record its own id, or none")
             seen[req.request_id] = lineno
         if prev is not None and req.arrival < prev:
             raise TraceError(f"{where}: timestamp goes backwards ({req.arrival * 1000:g} ms after "
