@@ -685,3 +685,12 @@ def test_a_run_removes_the_plots_an_earlier_run_left_that_it_does_not_write(tmp_
     assert (tmp_path / "sweep_goodput.png").is_file() and (tmp_path / "sweep_hit_rate.png").is_file()
     assert cli_main(sweep) == 0
     assert not (tmp_path / "sweep_goodput.png").exists() and (tmp_path / "sweep_hit_rate.png").is_file()
+
+
+def test_a_policy_is_labelled_with_the_cost_model_only_if_it_takes_one() -> None:
+    """``--cost ttft`` chooses the cost model of the policies that price tiers by it; round_robin[ttft] read as a run
+    other than round_robin's, though the cost changes nothing there."""
+    assert RunConfig("kv_all", cost="ttft").label == "kv_all[ttft]"
+    assert RunConfig("kv_all").label == "kv_all"
+    for name in ("round_robin", "dynamo", "min_ttft", "llmd"):
+        assert RunConfig(name, cost="ttft").label == name

@@ -11,7 +11,7 @@ from kvtier.engine.hashing import hash_backend
 from kvtier.indexer.index.keys import BlockKey, key_backend
 from kvtier.indexer.index.keytable import warm_tables
 from kvtier.indexer.routing.load import LoadTracker
-from kvtier.indexer.routing.policies import RoutingSettings
+from kvtier.indexer.routing.policies import REGISTRY, RoutingSettings
 from kvtier.indexer.routing.scoring import DEFAULT_OUT_OF_REACH, OUT_OF_REACH
 from kvtier.sim.cluster import ClusterConfig, Job, build_cluster
 from kvtier.sim.core import Environment
@@ -69,7 +69,9 @@ class RunConfig:
     @property
     def label(self) -> str:
         name = policy_label(self.policy)
-        return name if self.cost == "credit" else f"{name}[{self.cost}]"
+        spec = REGISTRY.get(self.policy)
+        # (a policy that ignores --cost is not labelled with it: round_robin[ttft] would read as a different run)
+        return name if self.cost == "credit" or spec is None or not spec.takes_cost else f"{name}[{self.cost}]"
 
 
 @dataclass(slots=True)

@@ -135,6 +135,11 @@ class PolicySpec:
     plugin: Callable[[RoutingSettings, int], RoutingPolicy] | None = None
 
     @property
+    def takes_cost(self) -> bool:
+        """Whether the settings' ``cost`` (credit or ttft) chooses its cost model; the others ignore it."""
+        return self.cost is _setting_cost
+
+    @property
     def served(self) -> bool:
         """Whether ``kvtier indexer`` runs it: the event-fed ones, and the plugins it ships."""
         return self.kind == "index" or self.plugin is not None or self.name in ("round_robin", "least_loaded")
