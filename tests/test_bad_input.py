@@ -401,6 +401,8 @@ CASES: dict[str, Case] = {
     "engine port in use": (lambda t, f: [*engine(), "--endpoint", f["busy_zmq"]], "cannot bind"),
     # ZMQ would bind port 99999 - 65536 = 34463 and say nothing.
     "engine port past 65535": (lambda t, f: [*engine(), "--replay", "tcp://127.0.0.1:99999"], "port in 0..65535"),
+    "engine parent pid not its parent": (lambda t, f: engine("--parent-pid", "999999999"),  # (exited 0 at once)
+                                         "--parent-pid 999999999: not this process's parent"),
     "engine empty name": (lambda t, f: engine("--name", ""), "argument --name: '' is not allowed"),
     "engine name of a lock file": (lambda t, f: engine("--name", ".w0.lock"),  # (another owner's lock, in refs/)
                                    "argument --name: '.w0.lock' is not allowed"),
