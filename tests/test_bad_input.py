@@ -710,6 +710,17 @@ def test_options_that_change_nothing_get_a_warning(tmp_path: Path, capsys: pytes
     assert "warning: --l3-tokens" not in capsys.readouterr().err
 
 
+def test_tokens_by_index_reads_the_trace_up_to_that_record(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``kvtier tokens --index N`` read (and checked) the whole trace first: 16 s and 788 MB for one record of a
+    million-line file. Now the records up to N alone: a bad record past it is not read; --request still scans."""
+    good = '{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n'
+    trace = _bytes(tmp_path, "t.jsonl", (good * 2 + "{not json\n").encode())
+    assert main(["tokens", "--trace", trace, "--index", "1"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 10
+    assert main(["tokens", "--trace", trace, "--request", "r0"]) == 2
+    assert "t.jsonl:3: not JSON" in capsys.readouterr().err
+
+
 # --- random argument vectors -------------------------------------------------------------------------
 
 _VALUES = ["0", "-1", "1", "2", "nan", "inf", "-inf", "1e309", "x", "", "3.5", "true", "builtin:chat:2", "16",

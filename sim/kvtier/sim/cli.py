@@ -623,8 +623,8 @@ def cmd_tokens(a: argparse.Namespace) -> int:
     from kvtier.sim.experiment import resolve_trace
     from kvtier.sim.trace import TokenBank
 
-    try:
-        reqs = resolve_trace(a.trace, seed=a.seed)
+    try:  # (by index, the records up to it alone are read: the first of a million-line trace at once)
+        reqs = resolve_trace(a.trace, seed=a.seed, limit=None if a.request is not None else (a.index or 0) + 1)
     except (TraceError, FileNotFoundError, ValueError) as exc:
         raise CliError(str(exc)) from None
     if a.request is not None:
@@ -633,7 +633,7 @@ def cmd_tokens(a: argparse.Namespace) -> int:
             raise CliError(f"--request {a.request!r}: no such request in {a.trace} (ids: {reqs[0].request_id} ...)")
         req = found[0]
     elif (a.index or 0) >= len(reqs):
-        raise CliError(f"--index {a.index}: {a.trace} has {len(reqs)} requests")
+        raise CliError(f"--index {a.index}: {a.trace} has {len(reqs)} requests")  # (fewer than the limit read)
     else:
         req = reqs[a.index or 0]
     print(json.dumps({"token_ids": TokenBank(seed=a.seed).tokens(req)}))
