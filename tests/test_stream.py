@@ -163,11 +163,13 @@ def test_dump_with_no_answer_falls_back_to_partial() -> None:
     assert isinstance(out[0], ResyncNeeded) and seqs(out) == [3, 4]
 
 
-def _answer_honestly(t: StreamTracker, buffer: dict[int, bytes], now: float) -> list[Delivery]:
+def _answer_honestly(t: StreamTracker, buffer: dict[int, bytes], now: float, most: int = 100) -> list[Delivery]:
     """The publisher answers each replay request with every buffered batch from the seq asked, then the end marker,
-    and a dump request with one batch at its last seq."""
+    and a dump request with one batch at its last seq; past ``most`` requests the stream is taken to loop for ever."""
     out: list[Delivery] = []
-    while t.outbox:
+    for _ in range(most):
+        if not t.outbox:
+            return out
         request = t.outbox.pop(0)
         t.reset_replay_socket = False
         if request == DUMP_REQUEST:
@@ -177,6 +179,7 @@ def _answer_honestly(t: StreamTracker, buffer: dict[int, bytes], now: float) -> 
         for q in sorted(q for q in buffer if q >= start):
             out += t.on_reply(pack_seq(q), buffer[q], now)
         out += t.on_reply(END_SEQ, b"", now)
+    assert not t.outbox, f"still asking after {most} answers: {t.stats}"
     return out
 
 
@@ -269,6 +272,72 @@ def test_batches_set_aside_when_a_later_replay_delivers_are_settled_against_it()
     out += t.on_live(12, buffer[12], 0.2)
     assert seqs(out) == [10, 11, 12] and not t._state.doubtful and t.stats.bogus_seqs == 3
     assert not any(isinstance(d, ResyncNeeded | ResyncStarted) for d in out)
+
+
+def test_a_disconnect_while_set_aside_batches_are_settled_leaves_no_settle_behind() -> None:
+    """A corrupt seq is set aside, and a live batch past it starts the replay that settles it; then the live socket
+    drops (what was set aside goes with it) and another corrupt seq is held during the replay asked again. That replay
+    is no longer settling anything: the new frame is set aside and dropped at the next live batch, and the stream goes
+    on. (The settle purpose outlived the disconnect, so the empty answers were taken to confirm batches no longer set
+    aside, and the stream jumped to the corrupt seq, dropping every later batch as a straggler of the seqs skipped.)"""
+    t = tracker()
+    buffer = {q: payload(q) for q in range(10)}
+    out = [d for q in range(10) for d in t.on_live(q, buffer[q], 0.0)]
+    out += t.on_live(15, payload(-1), 0.0) + _answer_honestly(t, buffer, 0.0)
+    assert [q for q, _ in t._state.doubtful] == [15]
+    out += t.on_live(17, payload(-4), 0.1)  # past it: the replay that settles it is asked
+    t.on_disconnect()
+    t._check()
+    out += t.on_live(2**62, payload(-5), 0.2) + _answer_honestly(t, buffer, 0.2)
+    t._check()
+    assert t.expected == 10 and not t.recovering
+    for q in range(10, 15):
+        buffer[q] = payload(q)
+        out += t.on_live(q, buffer[q], 0.3) + _answer_honestly(t, buffer, 0.3)
+        t._check()
+    assert _contents(out) == [(q, float(q)) for q in range(15)] and t.expected == 15
+    assert not any(isinstance(d, ResyncNeeded | ResyncStarted | PublisherRestarted) for d in out)
+
+
+@pytest.mark.parametrize("corrupt", [10, 11])
+def test_a_held_corrupt_seq_the_replay_passed_does_not_restart_the_stream_for_ever(corrupt: int) -> None:
+    """Batch 10 is lost on the wire, 11 opens the gap, and batch 12 comes with a corrupt seq below it (10 or 11) while
+    the replay is pending. The replay delivers 10, 11 and 12: the held frame is below the seq expected with content
+    other than what was delivered there, yet it repeats batch 12 byte for byte: a corrupt seq, dropped. (It was taken
+    for a new process: a restart, a replay from 0 that held the frame again, and so on without end.)"""
+    t = tracker()
+    buffer = {q: payload(q) for q in range(10)}
+    out = [d for q in range(10) for d in t.on_live(q, buffer[q], 0.0)]
+    buffer |= {10: payload(10), 11: payload(11)}
+    out += t.on_live(11, buffer[11], 0.1)
+    buffer[12] = payload(12)
+    out += t.on_live(corrupt, buffer[12], 0.1)
+    for _ in range(5):
+        out += _answer_honestly(t, buffer, 0.2)
+        t._check()
+    assert not t.recovering and t.expected == 13
+    buffer[13] = payload(13)
+    out += t.on_live(13, buffer[13], 0.3)
+    assert _contents(out) == [(q, float(q)) for q in range(14)]
+    assert not any(isinstance(d, PublisherRestarted | ResyncNeeded | ResyncStarted) for d in out)
+    assert t.stats.bogus_seqs == 1 and t.stats.restarts == 0
+
+
+def test_a_held_batch_never_replaces_the_replays_own_at_its_seq() -> None:
+    """The publisher's buffer no longer holds 5 and 6 (a loss for good); its answer brings 7, 8 and 9, while a live
+    frame with another payload was held at seq 9. What the stream goes on from at seq 9 is the publisher's batch
+    from its replay, and the held frame is dropped as a corrupt seq: taking it, the real batch 9 would later look
+    like a new process's."""
+    t = tracker()
+    buffer = {q: payload(q) for q in range(5)}
+    out = [d for q in range(5) for d in t.on_live(q, buffer[q], 0.0)]
+    buffer = {q: payload(q) for q in range(7, 10)}
+    out += t.on_live(8, buffer[8], 0.1) + t.on_live(9, payload(-9), 0.1) + _answer_honestly(t, buffer, 0.1)
+    t._check()
+    assert sum(isinstance(d, ResyncNeeded) for d in out) == 1 and t.expected == 10
+    out += t.on_live(9, buffer[9], 0.2) + t.on_live(10, payload(10), 0.2)
+    assert _contents(out) == [(q, float(q)) for q in [*range(5), *range(7, 11)]]
+    assert t.stats.bogus_seqs == 1 and t.stats.restarts == 0 and t.stats.duplicates == 1
 
 
 def test_batches_set_aside_cost_bounded_memory(monkeypatch: pytest.MonkeyPatch) -> None:

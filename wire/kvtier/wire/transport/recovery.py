@@ -183,6 +183,7 @@ class StreamRecovery:
         follow the old one's seamlessly: once anything was delivered, the replay asks again as a check, from the
         last seq delivered (:meth:`_ask_again`). O(1)."""
         self._fresh_socket()
+        self.replay.settle = False  # (the batches it was to settle went with the connection)
         if self.mode is Mode.REPLAY and self.state.expected is not None:
             if self.state.expected:
                 self.replay.verify = True
@@ -326,7 +327,7 @@ class StreamRecovery:
             elif self.tries < self.attempts:
                 self.tries += 1
                 self._reask(now)
-            elif not r.hole and not r.beyond and r.settle and s.expected == r.start:
+            elif not r.hole and not r.beyond and r.settle and s.doubtful and s.expected == r.start:
                 return self._confirm_doubtful(now, out)
             elif not r.hole and not r.beyond:
                 self._doubt(now, out)
@@ -354,11 +355,8 @@ class StreamRecovery:
         (``StreamTracker._settle_doubtful``). What was set aside before is kept (at one seq, the later batch); past
         :data:`MAX_HELD_BYTES`, the highest seqs go as corrupt. O((h + d) log(h + d)) and hashing their payloads."""
         s = self.state
-        aside = dict(s.doubtful)
-        for seq, payload in s.held:
-            if aside.get(seq, payload) != payload:
-                s.bogus(seq, "another batch came with the same seq, neither held by the publisher's replay", out)
-            aside[seq] = payload
+        aside = s.merged(s.doubtful + s.held, "another batch came with the same seq, neither held by the publisher's "
+                                              "replay", out)
         s.held = []
         s.doubtful, size = [], 0
         for seq, payload in sorted(aside.items()):
@@ -379,7 +377,7 @@ class StreamRecovery:
         is one the publisher published, which its replay would hold). The batches between are lost for good: a
         dump, else the stream marked partial, delivering from the first set aside on. O(h + d)."""
         s = self.state
-        s.held = sorted({**dict(s.doubtful), **dict(s.held)}.items())
+        s.held = sorted(s.merged(s.doubtful + s.held, "another batch came with the same seq", out).items())
         s.doubtful = []
         return self.unrecoverable(
             f"the publisher's replay holds nothing from seq {s.expected} on, yet its batches go on from seq "
@@ -457,10 +455,10 @@ class StreamRecovery:
         # (the replay is done already: unrecoverable ended it, or a dump, which only unrecoverable starts)
         # Continue from the oldest batch still at hand (what the replay returned past the loss,
         # then the held live messages): the consumer rebuilds from there.
-        by_seq = dict(r.beyond)
+        # At a seq both hold, the publisher's replay wins: a live frame there with other content has a corrupt seq.
+        by_seq = s.merged(s.held + r.beyond, "the publisher's replay answer holds another batch at that seq", out)
         r.beyond, r.lost_at_check = [], False
         r.fresh_answer()  # (the answer is used up: its loss now lies in the history)
-        by_seq.update(s.held)
         held = sorted(by_seq.items())
         s.held = []
         # Batches set aside as doubtful are never continued from (a corrupt seq would wedge the stream): the loss

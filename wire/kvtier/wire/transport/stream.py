@@ -271,14 +271,9 @@ class StreamTracker:
             s.held.append((seq, payload))
             return
         if s.expected is not None and seq < s.expected:
-            if s.history.holds(seq, payload):
-                s.stats.duplicates += 1
-                return
-            if s.history.gave_up(seq) or s.history.covered(seq):
-                # A straggler of batches already given up for lost (a replay answer overtook it), or
-                # of those the last dump stood for (its end marker overtook it): applying it now, after
-                # later batches, could resurrect removed blocks.
-                s.stats.late += 1
+            # (a straggler is one of batches given up for lost, which a replay answer overtook, or of those the
+            # last dump stood for, which its end marker overtook)
+            if s.passed(seq, payload):
                 return
             # A PUB socket never repeats a seq with new content: the publisher restarted.
             s.new_publisher(seq, None, out)
@@ -326,18 +321,19 @@ class StreamTracker:
 
     def _drain(self, pending: Held, now: float, out: list[Delivery]) -> None:
         """Batches a recovery handed back, through the live path in seq order; those after one that starts a
-        new recovery are held for it. One past the seq delivered last that repeats a batch delivered already, byte
-        for byte, is a corrupt seq frame: an honest publisher's batch whose seq was garbled, which the replay its gap
-        started brought back at its own seq (a publisher that does send a batch twice loses nothing: the gap it leaves
-        is replayed). Once the stream is live, batches set aside as doubtful that a replay or dump moved ``expected``
-        past are settled."""
+        new recovery are held for it. One that repeats, byte for byte, a batch delivered already at another seq is
+        a corrupt seq frame: an honest publisher's batch whose seq was garbled, which the replay its gap started
+        brought back at its own seq (a publisher that does send a batch twice loses nothing: the gap it leaves is
+        replayed). Below the seq expected it would otherwise be taken for a new process's, whose replay from 0 would
+        hold it again, restarting the stream without end. Once the stream is live, batches set aside as doubtful
+        that a replay or dump moved ``expected`` past are settled."""
         if self._state.doubtful and not self._recovery.active:
             self._state.settle_passed_doubtful(out)
         for i, (seq, payload) in enumerate(pending):
             s = self._state
             if s.expected is not None and seq < s.expected and not s.history.foreign(seq, payload):
                 continue  # already delivered by the replay, or a straggler of a loss or a dump
-            if s.expected is not None and seq >= s.expected and s.history.repeats(payload):
+            if s.expected is not None and s.history.repeats(payload):
                 s.bogus(seq, "the payload of a batch delivered already", out)
                 continue
             self._live(seq, payload, now, out)  # (one below the seq expected that is neither: a new process)

@@ -72,26 +72,45 @@ class StreamState:
         out.append(MalformedFrame(self.stream, reason))
 
     def bogus(self, seq: int, reason: str, out: list[Delivery]) -> None:
-        """A batch set aside as doubtful turned out never to be the publisher's batch ``seq``: a corrupt seq frame,
-        dropped, counted in ``bogus_seqs`` and as malformed. O(1)."""
+        """A live batch that is not the publisher's batch ``seq`` (it repeats one delivered already, another batch
+        holds its seq, or the publisher's sequence went on without it): a corrupt seq frame, dropped, counted in
+        ``bogus_seqs`` and as malformed. O(1)."""
         self.stats.bogus_seqs += 1
         self.malformed(f"seq {seq}: {reason}: a corrupt seq, dropped", out)
 
+    def passed(self, seq: int, payload: bytes) -> bool:
+        """Batch ``seq``, below the seq expected, is accounted for: the very batch delivered there (counted as a
+        duplicate), or a straggler of a loss or of a dump (counted as late; applying it after later batches could
+        resurrect removed blocks). False: it is no batch this stream delivered there. O(1) and hashing it."""
+        if self.history.holds(seq, payload):
+            self.stats.duplicates += 1
+            return True
+        if self.history.gave_up(seq) or self.history.covered(seq):
+            self.stats.late += 1
+            return True
+        return False
+
+    def merged(self, batches: Held, reason: str, out: list[Delivery]) -> dict[int, bytes]:
+        """``batches`` by seq; at a seq held twice with other content, the later one wins and the earlier goes as a
+        corrupt seq (``reason``). O(b)."""
+        by_seq: dict[int, bytes] = {}
+        for seq, payload in batches:
+            if by_seq.setdefault(seq, payload) != payload:
+                self.bogus(seq, reason, out)
+                by_seq[seq] = payload
+        return by_seq
+
     def settle_passed_doubtful(self, out: list[Delivery]) -> None:
         """Doubtful batches that ``expected`` moved past (a replay or dump delivered their seqs) are settled as the
-        live path settles a seq already passed: the very batch delivered there (a duplicate), a straggler of a loss
-        or of a dump, or else a corrupt seq (not a new process: the publisher's replay did not hold it). O(d)."""
+        live path settles a seq already passed (:meth:`passed`), except that one accounted for by nothing is a
+        corrupt seq (not a new process: the publisher's replay did not hold it). O(d)."""
         if self.expected is None:
             return
         kept: Held = []
         for seq, payload in self.doubtful:
             if seq >= self.expected:
                 kept.append((seq, payload))
-            elif self.history.holds(seq, payload):
-                self.stats.duplicates += 1
-            elif self.history.gave_up(seq) or self.history.covered(seq):
-                self.stats.late += 1
-            else:
+            elif not self.passed(seq, payload):
                 self.bogus(seq, f"another batch was delivered as seq {seq}", out)
         self.doubtful = kept
 
