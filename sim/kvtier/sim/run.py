@@ -170,6 +170,7 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
             assert isinstance(policy, DisaggPolicy)
             req = job.req
             keys = late_keys.pop(req.request_id, [])
+            cluster.report_progress()
             pair = policy.choose_decode(RouteInput(req.request_id, job.tokens, req.input_length, keys, env.now),
                                         Choice(rec.worker))
             rec.decode_worker = pair.decode
@@ -197,8 +198,8 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
             release = env.now + nxt.think_s if nxt.think_s is not None else max(env.now, nxt.arrival)
             env.at(release, lambda: arrive(nxt), priority=2)
 
-    def on_progress(job: Job) -> None:
-        decode_loads.progress(job.req.request_id, job.generated)
+    def on_progress(job: Job, generated: int) -> None:
+        decode_loads.progress(job.req.request_id, generated)
 
     # Disaggregated, the prefill pool's bookkeeping holds a request until its prompt is computed, the decode pool's
     # until it finishes; aggregated, one tracker is both.
@@ -232,6 +233,8 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
         if isinstance(policy, DisaggPolicy):
             arrive_pair(req, tokens, keys, digests)
             return
+        if tracked:
+            cluster.report_progress()  # (what it routes by: the tokens streamed back so far)
         choice = policy.choose(RouteInput(req.request_id, tokens, req.input_length, keys, env.now))
         rec = RequestRecord(req.request_id, choice.worker, env.now, req.input_length, req.output_length)
         if choice.predicted is not None:
@@ -249,6 +252,8 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
 
     def arrive_pair(req: Request, tokens: PackedTokens, keys: list[BlockKey], digests: bytes) -> None:
         assert isinstance(policy, DisaggPolicy)
+        if tracked:
+            cluster.report_progress()
         pair = policy.choose(RouteInput(req.request_id, tokens, req.input_length, keys, env.now))
         choice = pair.prefill
         first = pair.decode if pair.local else choice.worker
