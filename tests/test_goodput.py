@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from kvtier.indexer.routing.scoring import SLO_MISS_MS, SloCost, TtftCost
 from kvtier.sim.cli import main as cli
 from kvtier.sim.cluster import ClusterConfig
 from kvtier.sim.generators import PRESETS, generate
-from kvtier.sim.metrics import RequestRecord, Slo, summarize
+from kvtier.sim.metrics import RequestRecord, Slo, _pct, summarize
 from kvtier.sim.run import RunConfig, simulate
 from kvtier.sim.trace import Request
 from kvtier.wire.overlap import TierOverlap
@@ -314,3 +315,18 @@ def test_the_out_of_reach_order_is_a_setting_of_the_run_the_cli_and_the_service(
         SloCost(base, tpot_ms=10.0, out_of_reach="nearest")  # built directly: not ordered like price unasked
     assert cli(["replay", "--trace", "builtin:chat:6", "--workers", "2", "--policy", "goodput", "--sla-tpot-ms",
                 "1", "--slo-out-of-reach", mode, "--no-plots", "--out", str(tmp_path)]) == 0
+
+
+@given(st.lists(st.floats(1e-6, 1e3), min_size=1, max_size=6), st.integers(2, 40),
+       st.lists(st.floats(1e-6, 1e3), max_size=6))
+def test_percentiles_stay_within_the_values_and_in_order(low: list[float], ties: int, high: list[float]) -> None:
+    """Percentiles of latencies with ties (a run's TTFTs often share a value) never fall outside the values, nor
+    does a higher percentile fall below a lower one: the interpolation can land an ulp past two equal values."""
+    xs = low + [low[-1]] * ties + high
+    got = [_pct(xs, p) for p in (0.1, 1.0, 50.0, 90.0, 99.0, 99.9)]
+    assert min(xs) <= got[0] and got[-1] <= max(xs) and got == sorted(got)
+    assert _pct([0.0005046868558173902] * 10, 99.0) == 0.0005046868558173902  # (one below, before)
+    if len(xs) > 1:  # (otherwise as statistics.quantiles interpolates)
+        cuts = statistics.quantiles(xs, n=1000, method="inclusive")
+        want = [cuts[round(p * 10) - 1] for p in (0.1, 1.0, 50.0, 90.0, 99.0, 99.9)]
+        assert got == pytest.approx(want, rel=1e-12)

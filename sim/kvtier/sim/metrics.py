@@ -103,11 +103,18 @@ class Slo:
 
 
 def _pct(xs: Sequence[float], p: float) -> float:
+    """Percentile ``p`` (to a tenth) of ``xs``, interpolated between the two values around it as
+    ``statistics.quantiles(xs, n=1000, method="inclusive")`` does, but never outside them: the weighted sum can land
+    an ulp past two equal values, so a percentile could exceed the largest value or a higher percentile.
+    O(n log n)."""
     if not xs:
         return float("nan")
-    if len(xs) == 1:
-        return xs[0]
-    return statistics.quantiles(xs, n=1000, method="inclusive")[min(998, max(0, round(p * 10) - 1))]
+    data = sorted(xs)
+    if len(data) == 1:
+        return data[0]
+    j, delta = divmod(min(999, max(1, round(p * 10))) * (len(data) - 1), 1000)
+    lo, hi = data[j], data[j + 1]
+    return min(hi, max(lo, (lo * (1000 - delta) + hi * delta) / 1000))
 
 
 @dataclass(slots=True)
