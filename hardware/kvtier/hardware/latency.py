@@ -241,10 +241,11 @@ def decode_step_max_ms(model: LatencyModel, u0: float, du: float, steps: int) ->
     return max(model.decode_ms(u0 + k * du) for k in range(steps))
 
 
-def decode_steps_done(model: LatencyModel, u0: float, du: float, steps: int, elapsed_ms: float) -> int:
+def decode_steps_done(model: LatencyModel, u0: float, du: float, steps: int, elapsed_ms: float,
+                      at_least: int = 0) -> int:
     """How many whole iterations of such a run have completed ``elapsed_ms`` after it began (at most
-    ``steps``). O(log steps) evaluations of :func:`decode_run_ms`."""
-    lo, hi = 0, steps
+    ``steps``; ``at_least`` of them known done). O(log(steps - at_least)) evaluations of :func:`decode_run_ms`."""
+    lo, hi = at_least, steps
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if decode_run_ms(model, u0, du, mid) <= elapsed_ms + 1e-9:

@@ -26,6 +26,7 @@ instead (conditional disaggregation, as vLLM's and Dynamo's routers allow).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -282,6 +283,7 @@ class _DecodeRun:
     steps: int  # iterations planned
     timer: Timer  # fires at the end
     reported: int = 0  # iterations whose tokens the router was told of (SimWorker.report_progress)
+    due_ms: float = 0.0  # when, after ``start``, the first iteration not reported ends (0: not worked out yet)
 
 
 class SimWorker:
@@ -607,12 +609,17 @@ class SimWorker:
         one-step iterations it stands for would have as each ended: a router in the response path sees every token
         as it streams back, and the loads it routes by must not depend on how the simulator merges steps. Called
         before each routing decision; a run whose steps done have not changed since is skipped. O(decoding
-        requests) when a step ended since, else O(log steps)."""
+        requests) when a step ended since, else O(1)."""
         run = self._decode
         if run is None or self._on_progress is None:
             return
-        done = decode_steps_done(self.latency, run.u0, run.du, run.steps, (self.env.now - run.start) * 1000.0)
-        if done <= run.reported:
+        elapsed_ms = (self.env.now - run.start) * 1000.0
+        if elapsed_ms + 1e-9 < run.due_ms:  # (decode_steps_done's tolerance)
+            return
+        lat = self.latency
+        done = decode_steps_done(lat, run.u0, run.du, run.steps, elapsed_ms, run.reported)
+        run.due_ms = decode_run_ms(lat, run.u0, run.du, done + 1) if done < run.steps else math.inf
+        if done == run.reported:
             return
         run.reported = done
         for job in self.running:
