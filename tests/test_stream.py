@@ -111,11 +111,16 @@ def test_restart_and_duplicates() -> None:
         t.on_live(i, payload(i), 0.0)
     assert t.on_live(1, payload(1), 0.0) == []  # exact duplicate
     assert t.stats.duplicates == 1
-    out = t.on_live(0, payload(99), 0.0)  # new content at seq 0: a new publisher
-    assert out[0] == PublisherRestarted(S, 0) and seqs(out) == [0]
-    # A restart first seen past 0 also replays the new publisher from 0.
-    out = t.on_live(0, payload(42), 0.0)
-    assert isinstance(out[0], PublisherRestarted)
+    # New content at seq 0 over the same connection: a new process, or a corrupt seq. The publisher is asked
+    # whether it still holds batch 2: the new one holds nothing there, so it restarted; it is replayed from 0.
+    out = t.on_live(0, payload(99), 0.0)
+    assert out == [] and [unpack_seq(r) for r in t.outbox] == [2]
+    out = _answer_honestly(t, {0: payload(99)}, 0.0)
+    assert out[0] == PublisherRestarted(S, -1) and _contents(out) == [(0, 99.0)] and t.stats.restarts == 1
+    # After a reconnect, a seq going back is a restart at once.
+    t.on_disconnect()
+    out = t.on_live(0, payload(42), 0.1)
+    assert out[0] == PublisherRestarted(S, 0) and _contents(out) == [(0, 42.0)] and t.stats.restarts == 2
 
 
 def test_replay_timeout_gives_up_and_resets_socket() -> None:
@@ -340,6 +345,138 @@ def test_a_held_batch_never_replaces_the_replays_own_at_its_seq() -> None:
     assert t.stats.bogus_seqs == 1 and t.stats.restarts == 0 and t.stats.duplicates == 1
 
 
+def test_a_live_batch_below_the_seq_expected_is_checked_before_it_is_taken_for_a_restart() -> None:
+    """Batch 20 comes with a corrupt seq below the seq expected (5), carrying content never delivered. No reconnect
+    came, so the publisher is asked first whether it still holds the last batch delivered: it does (its replay from
+    19 starts with batch 19 as delivered), so the frame is a corrupt seq, dropped, and batch 20 comes at its own
+    seq. (It was taken for a new process at once: a restart, a replay from 0 that the publisher's buffer no longer
+    reached, and the stream marked partial.)"""
+    t = tracker()
+    buffer = {q: payload(q) for q in range(20)}
+    out = [d for q in range(20) for d in t.on_live(q, buffer[q], 0.0)]
+    buffer = {q: payload(q) for q in range(16, 21)}  # the buffer holds the last five batches
+    out += t.on_live(5, buffer[20], 0.1)
+    assert [unpack_seq(r) for r in t.outbox] == [19]
+    out += _answer_honestly(t, buffer, 0.1)
+    t._check()
+    assert not t.recovering and t.expected == 21
+    assert _contents(out) == [(q, float(q)) for q in range(21)]
+    assert not any(isinstance(d, PublisherRestarted | ResyncNeeded | ResyncStarted) for d in out)
+    assert t.stats.bogus_seqs == 1 and t.stats.restarts == 0
+
+
+@pytest.mark.parametrize("at", ["below", "expected"])
+def test_a_live_batch_repeating_one_delivered_is_a_corrupt_seq_wherever_it_lands(at: str) -> None:
+    """Batch 12 (or 13) comes with a corrupt seq after the replay of the gap it left delivered it: below the seq
+    expected (10) or exactly at it (15). It repeats a delivered batch byte for byte: a corrupt seq, dropped, and the
+    real batch at that seq is delivered. (Below, it was taken for a new process; at the seq expected it was delivered
+    as batch 15, and the real batch 15 then looked like a new process.)"""
+    t = tracker()
+    buffer = {q: payload(q) for q in range(15)}
+    out = [d for q in range(12) for d in t.on_live(q, buffer[q], 0.0)]
+    out += t.on_live(13, buffer[13], 0.1) + t.on_live(14, buffer[14], 0.1) + _answer_honestly(t, buffer, 0.1)
+    assert t.expected == 15 and not t.recovering
+    out += t.on_live(10 if at == "below" else 15, buffer[12 if at == "below" else 13], 0.2)
+    buffer[15] = payload(15)
+    out += t.on_live(15, buffer[15], 0.3) + _answer_honestly(t, buffer, 0.3)
+    t._check()
+    assert _contents(out) == [(q, float(q)) for q in range(16)] and t.expected == 16
+    assert not any(isinstance(d, PublisherRestarted | ResyncNeeded | ResyncStarted) for d in out)
+    assert t.stats.bogus_seqs == 1 and t.stats.restarts == 0
+
+
+def test_a_stream_given_up_never_goes_back_to_a_held_batch_below_the_seq_expected() -> None:
+    """Seqs 5 and 6 are lost on the wire, and batch 8 comes with a corrupt seq below them (2) while their replay is
+    pending; the publisher's buffer no longer holds 5: a loss for good. The stream goes on from the publisher's own
+    batches past the loss (6, 7, 8), never from the held frame below the seq expected (it was delivered as seq 2,
+    rewinding the stream)."""
+    t = tracker()
+    buffer = {q: payload(q) for q in range(5)}
+    out = [d for q in range(5) for d in t.on_live(q, buffer[q], 0.0)]
+    buffer = {q: payload(q) for q in range(6, 9)}
+    out += t.on_live(7, buffer[7], 0.0) + t.on_live(2, buffer[8], 0.1) + _answer_honestly(t, buffer, 0.1)
+    t._check()
+    assert sum(isinstance(d, ResyncNeeded) for d in out) == 1 and t.expected == 9
+    assert _contents(out) == [(q, float(q)) for q in [*range(5), 6, 7, 8]]
+    assert t.stats.bogus_seqs == 1 and t.stats.restarts == 0
+
+
+def test_a_stream_given_up_drops_a_held_batch_the_replay_holds_at_another_seq() -> None:
+    """Seq 9 is lost on the wire; while its replay is pending, the real batch 11 and batch 17 with a corrupt seq 11
+    are held. The publisher's buffer no longer holds 9 to 13 (a loss for good); its answer holds batch 17 at its own
+    seq, so the held frame at seq 11 is a corrupt seq and the real batch 11 is the one the stream goes on from. (The
+    later frame at seq 11 won: batch 17 was delivered as seq 11, and the real batch 11 dropped.)"""
+    t = tracker()
+    buffer = {q: payload(q) for q in range(9)}
+    out = [d for q in range(9) for d in t.on_live(q, buffer[q], 0.0)]
+    out += t.on_live(10, payload(10), 0.0) + t.on_live(11, payload(11), 0.1) + t.on_live(11, payload(17), 0.2)
+    buffer = {q: payload(q) for q in range(14, 18)}
+    out += _answer_honestly(t, buffer, 0.3)
+    t._check()
+    assert sum(isinstance(d, ResyncNeeded) for d in out) == 2  # (9, then 12 and 13: never received)
+    assert _contents(out) == [(q, float(q)) for q in [*range(9), 10, 11, *range(14, 18)]]
+    assert t.stats.bogus_seqs == 1 and t.stats.restarts == 0
+
+
+def test_a_late_copy_of_a_batch_delivered_before_a_dump_is_no_restart() -> None:
+    """Batch 1 is reordered behind batch 2 on the wire: the gap's replay delivers 1 while the live copy is held; the
+    rest of the answer stalls, and asked again the publisher's buffer no longer holds 2: a dump. The held copy of
+    batch 1, delivered before the dump, is drained after it: a straggler, not a new process (it was taken for one:
+    a restart, and the whole stream replayed from 0)."""
+    t = tracker(dump=True)
+    out = t.on_live(0, payload(0), 0.0) + t.on_live(2, payload(2), 0.0) + t.on_live(1, payload(1), 0.1)
+    out += t.on_reply(pack_seq(1), payload(1), 0.1) + t.on_tick(0.7)
+    out += t.on_reply(pack_seq(3), payload(3), 0.8) + t.on_reply(END_SEQ, b"", 0.8)
+    assert t.outbox[-1] == DUMP_REQUEST
+    out += t.on_reply(pack_seq(3), payload(-3), 0.9) + t.on_reply(END_SEQ, b"", 0.9)
+    out += t.on_live(1, payload(1), 1.0)  # another late copy, after the dump
+    t._check()
+    assert ResyncDone(S, 3) in out and t.expected == 4 and not t.recovering
+    assert not any(isinstance(d, PublisherRestarted) for d in out) and t.stats.restarts == 0
+    assert seqs(t.on_live(4, payload(4), 1.1)) == [4]
+
+
+def test_a_straggler_of_an_earlier_dump_is_no_restart_after_the_next_dump() -> None:
+    """Two dumps in a row (each after a loss the publisher's buffer no longer reached); a late live copy of a batch
+    the first dump stood for arrives after the second. The second dump stands for it too: a straggler, counted late
+    (the second dump's range replaced the first's, so it was taken for a new process's batch)."""
+    t = tracker(dump=True)
+    t.on_live(0, payload(0), 0.0)
+    out = t.on_live(3, payload(3), 0.0) + t.on_reply(pack_seq(3), payload(3), 0.0) + t.on_reply(END_SEQ, b"", 0.0)
+    out += t.on_reply(pack_seq(5), payload(-5), 0.1) + t.on_reply(END_SEQ, b"", 0.1)
+    assert ResyncDone(S, 5) in out and t.expected == 6
+    out = t.on_live(8, payload(8), 10.0) + t.on_reply(pack_seq(7), payload(7), 10.0)
+    out += t.on_reply(END_SEQ, b"", 10.0) + t.on_reply(pack_seq(9), payload(-9), 10.1) + t.on_reply(END_SEQ, b"", 10.1)
+    assert ResyncDone(S, 9) in out and t.expected == 10 and not t.recovering
+    t.outbox.clear()
+    assert t.on_live(4, payload(4), 10.2) == [] and t.on_live(1, payload(1), 10.2) == [] and not t.outbox
+    assert t.stats.late == 2 and t.stats.restarts == 0
+    assert seqs(t.on_live(10, payload(10), 10.3)) == [10]
+
+
+def test_a_stream_given_up_after_a_reconnect_never_continues_from_the_old_connections_answer() -> None:
+    """A gap's replay answer starts past the seq asked (a loss for good) and brings 6 and 7, then the connection
+    drops and the publisher restarts: the check asked again goes unanswered, while the new process's 0 and 1 are
+    held. The stream given up goes on from the new process's batches only; the old answer's (6, 7) said nothing
+    of it (they were continued from, mixing two processes' batches)."""
+    t = tracker()
+    out = [d for q in range(5) for d in t.on_live(q, payload(q), 0.0)]
+    out += t.on_live(7, payload(7), 0.0) + t.on_reply(pack_seq(6), payload(6), 0.0)
+    out += t.on_reply(pack_seq(7), payload(7), 0.0)
+    t.on_disconnect()
+    out += t.on_live(0, payload(100), 0.1) + t.on_live(1, payload(101), 0.1)
+    now = 0.1
+    while t.recovering:  # nothing answers on the replay socket
+        now += 0.5
+        out += t.on_tick(now)
+        t.outbox.clear()
+        t.reset_replay_socket = False
+        t._check()
+        assert now < 100.0, "never given up"
+    given_up = next(i for i, d in enumerate(out) if isinstance(d, ResyncNeeded))
+    assert _contents(out[given_up:]) == [(0, 100.0), (1, 101.0)] and t.expected == 2
+
+
 def test_batches_set_aside_cost_bounded_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """Live batches held through a long replay whose answers hold nothing are set aside at most
     :data:`MAX_HELD_BYTES` of them (the highest seqs past it go as corrupt), and a replay under way counts them with
@@ -381,7 +518,8 @@ def test_batches_the_replay_does_not_hold_are_real_if_the_live_ones_go_on_past_t
     r.on_live(0, payload(0), 0.0)
     r.on_live(5, payload(5), 0.0)
     _answer_honestly(r, {}, 0.0)
-    out = r.on_live(0, payload(100), 0.1)  # a new process
+    out = r.on_live(0, payload(100), 0.1)  # a new process: checked, it holds other content at seq 0
+    out += _answer_honestly(r, {0: payload(100)}, 0.1)
     assert isinstance(out[0], PublisherRestarted) and seqs(out) == [0] and r.stats.bogus_seqs == 0
     assert seqs(r.on_live(1, payload(101), 0.2)) == [1]
 
@@ -611,8 +749,8 @@ def test_stragglers_of_any_earlier_loss_are_not_taken_for_a_restart() -> None:
 def test_a_flood_of_malformed_batches_is_counted_but_logged_sparingly(caplog: pytest.LogCaptureFixture) -> None:
     t = tracker()
     with caplog.at_level(logging.WARNING, logger="kvtier.wire.transport.stream"):
-        for i in range(3000):
-            t.on_live(i, b"\xc1 not msgpack", 0.0)
+        for i in range(3000):  # (each batch other bytes: one repeating another would be a corrupt seq)
+            t.on_live(i, b"\xc1 not msgpack %d" % i, 0.0)
     assert t.stats.malformed == 3000 and t.expected == 3000
     assert len(caplog.records) == 10 + 3  # the first ten, then the 1000th, 2000th and 3000th
     assert "every 1000th" in caplog.records[9].getMessage()
@@ -797,9 +935,12 @@ def test_live_batches_a_dump_covered_that_arrive_after_it_are_not_taken_for_a_re
     t.on_disconnect()  # a reconnect: the next batch below the dump's seq may come from a new process
     assert isinstance(t.on_live(0, payload(100), 0.2)[0], PublisherRestarted)
 
+    # A late copy of a batch delivered before the dump is a straggler too; new content at a seq the dump stood
+    # for is taken for one as well (a corrupt seq there cannot be told from one).
     t = tracker(dump=True)
     dumped(t)
-    assert isinstance(t.on_live(0, payload(100), 0.2)[0], PublisherRestarted)  # below what the dump covered
+    assert t.on_live(0, payload(0), 0.2) == [] and t.on_live(0, payload(100), 0.2) == []
+    assert t.stats.late == 2 and t.stats.restarts == 0
 
     # A reconnect during the dump: the dump is asked again, and a batch of the dropped connection that the new
     # answer covers is a straggler too; one past it is checked against the publisher, not applied blindly.

@@ -97,7 +97,8 @@ class StreamRecovery:
         return self.pace.next_at if self.dump_due else None
 
     def replay_from(self, start: int, now: float, out: list[Delivery], *, for_gap: bool = False,
-                    probe: bool = False, resyncing: bool = False, verify: bool = False, settle: bool = False) -> Held:
+                    probe: bool = False, resyncing: bool = False, verify: bool = False, settle: bool = False,
+                    below: bool = False) -> Held:
         """Asks for every batch from ``start``, for what the flags say (:class:`ReplayRequest`); without a replay
         socket the stream is unrecoverable at once. O(1)."""
         if not self.can_replay:
@@ -105,7 +106,8 @@ class StreamRecovery:
         self.mode = Mode.REPLAY
         self.size_check_at = _FIRST_SIZE_CHECK
         self.undecodable = None
-        self.replay.ask(start, for_gap=for_gap, probe=probe, resyncing=resyncing, verify=verify, settle=settle)
+        self.replay.ask(start, for_gap=for_gap, probe=probe, resyncing=resyncing, verify=verify, settle=settle,
+                        below=below)
         self.tries = 1
         self.deadline = now + self.timeout_s
         self.outbox.append(pack_seq(start))
@@ -183,11 +185,15 @@ class StreamRecovery:
         follow the old one's seamlessly: once anything was delivered, the replay asks again as a check, from the
         last seq delivered (:meth:`_ask_again`). O(1)."""
         self._fresh_socket()
-        self.replay.settle = False  # (the batches it was to settle went with the connection)
+        # (the batches it was to settle, or to check below the seq expected, went with the connection, and what an
+        # answer over it held past a loss says nothing of a publisher that may have restarted since)
+        r = self.replay
+        r.settle = r.below = r.lost_at_check = False
+        r.beyond = []
+        r.fresh_answer()
         if self.mode is Mode.REPLAY and self.state.expected is not None:
             if self.state.expected:
-                self.replay.verify = True
-            self.replay.fresh_answer()
+                r.verify, r.checked = True, False
             self._ask_again()
         elif self.mode is Mode.DUMP:
             self._dump_again()
@@ -256,6 +262,7 @@ class StreamRecovery:
         if r.verify:
             r.verify = False
             if seq == s.expected - 1 and s.history.holds(seq, payload):
+                r.checked = True
                 return  # same publisher: the replay goes on as usual
             if seq < s.expected:
                 self._check_failed(seq, out)
@@ -314,10 +321,19 @@ class StreamRecovery:
                 f"replay from seq {s.expected} started at seq {first}: the publisher's buffer no longer holds the "
                 "batches between" if first > s.expected else f"the publisher's buffer no longer holds seq "
                 f"{s.expected - 1}, the last one applied: a restart since cannot be ruled out", now, out)
-        # Held batches the replay delivered (or stragglers) are dropped; one below the seq expected that is neither
-        # is a new process's (a check passed on a batch it repeated byte for byte): kept, for the live path to take
-        # as the restart it is.
-        pending = [(q, p) for q, p in s.take_held() if q >= s.expected or s.history.foreign(q, p)]
+        # Held batches the replay delivered (or stragglers) are dropped. One below the seq expected that is neither
+        # is a corrupt seq once a check asked for such a batch passed (the publisher still holds what was delivered),
+        # else kept for the live path (a new process's after a reconnect, else checked).
+        pending: Held = []
+        for q, p in s.take_held():
+            if q >= s.expected:
+                pending.append((q, p))
+            elif not s.history.foreign(q, p):
+                continue
+            elif r.below and r.checked:
+                s.bogus(q, "below the seq expected, yet the publisher still holds the last batch delivered", out)
+            else:
+                pending.append((q, p))
         if r.hole or (pending and pending[0][0] > s.expected):
             # Frames were dropped, or the answer ended before the held messages: ask again from the
             # first missing seq. An answer that delivered something never counts against `attempts`.
@@ -454,9 +470,21 @@ class StreamRecovery:
             self.dump_due = True
         # (the replay is done already: unrecoverable ended it, or a dump, which only unrecoverable starts)
         # Continue from the oldest batch still at hand (what the replay returned past the loss,
-        # then the held live messages): the consumer rebuilds from there.
-        # At a seq both hold, the publisher's replay wins: a live frame there with other content has a corrupt seq.
-        by_seq = s.merged(s.held + r.beyond, "the publisher's replay answer holds another batch at that seq", out)
+        # then the held live messages): the consumer rebuilds from there, never from before the seq expected but
+        # after a reconnect (a new process's batches then, its first seen).
+        # At a seq both hold, the publisher's replay wins: a live frame there with other content has a corrupt seq,
+        # as has one whose batch the replay holds at another seq.
+        at = {p: q for q, p in r.beyond}
+        live: Held = []
+        for q, p in s.held:
+            if s.expected is not None and q < s.expected and not s.reconnected:
+                if s.history.foreign(q, p):
+                    s.bogus(q, "below the seq expected at a loss for good", out)
+            elif at.get(p, q) != q:
+                s.bogus(q, f"the publisher's replay answer holds this batch at seq {at[p]}", out)
+            else:
+                live.append((q, p))
+        by_seq = s.merged(live + r.beyond, "the publisher's replay answer holds another batch at that seq", out)
         r.beyond, r.lost_at_check = [], False
         r.fresh_answer()  # (the answer is used up: its loss now lies in the history)
         held = sorted(by_seq.items())
@@ -497,8 +525,7 @@ class StreamRecovery:
         self.failed_dumps = 0
         first = s.expected if s.expected is not None else 0  # (the first seq not delivered before the dump)
         s.expected = self.dump_seq + 1
-        s.history.forget_digests()
-        s.history.cover(first, s.expected)
+        s.history.dumped(first, s.expected)
         out.append(ResyncDone(s.stream, self.dump_seq))
         return s.take_held()
 

@@ -32,6 +32,10 @@ class ReplayRequest:
     # from its start on shows they are the publisher's (its replay keeps nothing), not corrupt seqs
     settle: bool = False
     restarted: bool = False  # the check found a new publisher: replay it from 0 next
+    # it checks the publisher for a live batch that came below the seq expected over the same connection: once the
+    # check passes (``checked``), such batches are corrupt seqs
+    below: bool = False
+    checked: bool = False  # the check passed: the publisher still holds the last batch delivered
     hole: bool = False  # the answer skipped a seq after its start (frames dropped)
     lost: bool = False  # the answer started past the seq expected: the buffer no longer holds it
     # The check's answer started past the seq it checks (``lost`` for good, whatever a re-ask answers: the re-ask
@@ -42,12 +46,12 @@ class ReplayRequest:
     beyond: list[tuple[int, bytes]] = field(default_factory=list)  # answered past a loss for good
 
     def ask(self, start: int, *, for_gap: bool = False, probe: bool = False, resyncing: bool = False,
-            verify: bool = False, settle: bool = False) -> None:
+            verify: bool = False, settle: bool = False, below: bool = False) -> None:
         """A new request from ``start``, for what the flags say (nothing of an earlier request carries over), with
         no answer yet. O(1)."""
         self.start = start
         self.for_gap, self.probe, self.resyncing, self.verify, self.restarted = for_gap, probe, resyncing, verify, False
-        self.settle = settle
+        self.settle, self.below, self.checked = settle, below, False
         self.beyond = []
         self.lost_at_check = False
         self.fresh_answer()
@@ -56,13 +60,14 @@ class ReplayRequest:
         """The request is over (answered, abandoned, or given up for a dump): nothing it was for carries over
         into what the stream does next. O(1)."""
         self.for_gap = self.probe = self.resyncing = self.verify = self.restarted = self.lost_at_check = False
-        self.settle = False
+        self.settle = self.below = False
 
     @property
     def purposes(self) -> bool:
         """Whether the request is marked as for something (a gap, a probe, a resync, a check, a restart, doubtful
-        batches)."""
-        return self.for_gap or self.probe or self.resyncing or self.verify or self.restarted or self.settle
+        batches, a batch below the seq expected)."""
+        return (self.for_gap or self.probe or self.resyncing or self.verify or self.restarted or self.settle
+                or self.below)
 
     def fresh_answer(self) -> None:
         """The same request asked again: what an earlier answer showed is forgotten, but a loss its check found.

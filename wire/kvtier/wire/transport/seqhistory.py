@@ -4,9 +4,11 @@ and a restarted publisher apart (:class:`kvtier.wire.transport.stream.StreamTrac
 A PUB socket never sends one seq twice with different content, so a seq at or below the last delivered one is a
 duplicate when its payload's digest matches, a straggler when it falls in a range given up for lost (a replay
 answer overtook it) or in the range the last state dump stood for (its end marker overtook it, over the same
-connection), and otherwise the first batch of a new publisher process. The converse is assumed: a new process does
-not send the batch the old one sent at a seq byte for byte (each batch carries its publisher's wall-clock
-timestamp), so a check that compares what the publisher holds at the last seq delivered tells the two apart.
+connection; a dump stands for what was delivered before it too), and otherwise the first batch of a new publisher
+process or a corrupt seq frame. The converse is assumed: a new process does not send the batch the old one sent at a
+seq byte for byte (each batch carries its publisher's wall-clock timestamp), so a check that compares what the
+publisher holds at the last seq delivered tells the two apart, and a batch that repeats one delivered at another seq
+is a corrupt seq frame.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class SeqHistory:
     _recent: OrderedDict[int, int] = field(default_factory=OrderedDict)  # seq -> payload digest, oldest first
     _counts: dict[int, int] = field(default_factory=dict)  # payload digest -> how many seqs in _recent have it
     _skipped: list[tuple[int, int]] = field(default_factory=list)  # seq ranges [a, b) given up for lost, oldest first
-    _covered: tuple[int, int] | None = None  # seqs [a, b) the last state dump stood for, until a reconnect
+    _covered: tuple[int, int] | None = None  # seqs [a, b) the last state dump stood for, until a reconnect (dumped)
 
     def delivered(self, seq: int, payload: bytes) -> None:
         """``payload`` was delivered as ``seq``; the oldest digest goes past ``window``. O(payload)."""
@@ -90,10 +92,14 @@ class SeqHistory:
         self._skipped.append((first, end))
         del self._skipped[:-self.ranges]
 
-    def cover(self, first: int, end: int) -> None:
-        """A state dump stood for seqs ``first .. end - 1``, none of them delivered: each that comes after it over
-        the same connection is a straggler (:meth:`covered`). Replaces the previous dump's range. O(1)."""
-        self._covered = (first, end) if first < end else None
+    def dumped(self, first: int, end: int) -> None:
+        """A state dump stood for the stream up to seq ``end - 1`` (``first``: the first seq not delivered before
+        it). It stands for what was delivered before it too, and for what the previous dump stood for: each seq
+        from the oldest of those on that comes after it over the same connection is a straggler (:meth:`covered`),
+        as the digests, which could tell a late copy, are forgotten. O(window)."""
+        start = min(first, next(iter(self._recent), first), first if self._covered is None else self._covered[0])
+        self.forget_digests()
+        self._covered = (start, end) if start < end else None
 
     def covered(self, seq: int) -> bool:
         """Whether ``seq`` lies in the range the last dump stood for (and no reconnect came since). O(1)."""

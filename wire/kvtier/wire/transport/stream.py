@@ -221,6 +221,7 @@ class StreamTracker:
         self._state.stats.disconnects += 1
         if self._state.expected:
             self._suspect = True
+        self._state.reconnected = True
         self._state.history.uncover()  # (a batch in the last dump's range may now come from a new process)
         # Messages held back came over the connection that dropped: if the publisher restarted
         # they are stale. Dropping them is always safe, a replay fetches whatever is current.
@@ -266,17 +267,36 @@ class StreamTracker:
         return bool(self._suspect and self._state.expected and self._recovery.can_replay)
 
     def _live(self, seq: int, payload: bytes, now: float, out: list[Delivery]) -> None:
+        """Live batch ``seq``: held during a recovery; dropped if it is accounted for below the seq expected
+        (:meth:`StreamState.passed`) or repeats a batch delivered already (a corrupt seq); below the seq expected
+        otherwise, a new process's if it came over a new connection before its check was over, else held for a
+        check of the publisher; delivered at the seq expected (after a reconnect's check); past it, a gap and its
+        replay. O(1) and hashing it."""
         s, rec = self._state, self._recovery
         if rec.active:
             s.held.append((seq, payload))
             return
+        # (a straggler is one of batches given up for lost, which a replay answer overtook, or of those the last
+        # dump stood for, which its end marker overtook)
+        if s.expected is not None and seq < s.expected and s.passed(seq, payload):
+            return
+        if s.expected is not None and s.history.repeats(payload):
+            # An honest publisher's batch whose seq frame was garbled, which the replay of the gap it left brought
+            # back at its own seq: delivered as this seq, the real batch here would later look like a new process's
+            s.bogus(seq, "the payload of a batch delivered already", out)
+            return
         if s.expected is not None and seq < s.expected:
-            # (a straggler is one of batches given up for lost, which a replay answer overtook, or of those the
-            # last dump stood for, which its end marker overtook)
-            if s.passed(seq, payload):
+            if s.reconnected or not rec.can_replay:
+                # Reconnected (or nothing can be asked): a PUB socket never repeats a seq with new content, so the
+                # publisher restarted.
+                s.new_publisher(seq, None, out)
+            else:
+                # Over the same connection, a seq going back is a corrupt seq frame or a restart whose disconnect
+                # has not been seen yet: the publisher is asked whether it still holds the last batch delivered
+                # (held batches below the seq expected are corrupt seqs once it does: ``_finish_replay``).
+                s.held.append((seq, payload))
+                self._drain(rec.replay_from(s.expected - 1, now, out, verify=True, below=True), now, out)
                 return
-            # A PUB socket never repeats a seq with new content: the publisher restarted.
-            s.new_publisher(seq, None, out)
         if s.doubtful:
             self._settle_doubtful(seq, out)
         if s.expected is None and seq == 0:
@@ -321,25 +341,20 @@ class StreamTracker:
 
     def _drain(self, pending: Held, now: float, out: list[Delivery]) -> None:
         """Batches a recovery handed back, through the live path in seq order; those after one that starts a
-        new recovery are held for it. One that repeats, byte for byte, a batch delivered already at another seq is
-        a corrupt seq frame: an honest publisher's batch whose seq was garbled, which the replay its gap started
-        brought back at its own seq (a publisher that does send a batch twice loses nothing: the gap it leaves is
-        replayed). Below the seq expected it would otherwise be taken for a new process's, whose replay from 0 would
-        hold it again, restarting the stream without end. Once the stream is live, batches set aside as doubtful
-        that a replay or dump moved ``expected`` past are settled."""
+        new recovery are held for it. Once the stream is live, batches set aside as doubtful that a replay or dump
+        moved ``expected`` past are settled."""
         if self._state.doubtful and not self._recovery.active:
             self._state.settle_passed_doubtful(out)
         for i, (seq, payload) in enumerate(pending):
             s = self._state
             if s.expected is not None and seq < s.expected and not s.history.foreign(seq, payload):
                 continue  # already delivered by the replay, or a straggler of a loss or a dump
-            if s.expected is not None and s.history.repeats(payload):
-                s.bogus(seq, "the payload of a batch delivered already", out)
-                continue
-            self._live(seq, payload, now, out)  # (one below the seq expected that is neither: a new process)
+            self._live(seq, payload, now, out)
             if self._recovery.active:  # a new hole inside the held messages
                 self._state.held.extend(pending[i + 1:])
                 return
+        if not self._recovery.active and not self._suspect:
+            self._state.reconnected = False  # (the reconnect's check is over, the batches held through it drained)
 
     def _check(self) -> None:
         """Asserts the tracker's invariants (tests call it between steps)."""
