@@ -674,8 +674,7 @@ class Cluster:
     def report_progress(self) -> None:
         """Every worker's decode progress up to now, told to the router (:meth:`SimWorker.report_progress`)."""
         for w in self.workers:
-            if w._decode is not None:
-                w.report_progress()
+            w.report_progress()
 
 
 def build_cluster(cfg: ClusterConfig, env: Environment, on_event: Callable[[int, EventBatch], None],

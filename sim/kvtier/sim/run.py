@@ -170,7 +170,8 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
             assert isinstance(policy, DisaggPolicy)
             req = job.req
             keys = late_keys.pop(req.request_id, [])
-            cluster.report_progress()
+            if tracked:
+                cluster.report_progress()
             pair = policy.choose_decode(RouteInput(req.request_id, job.tokens, req.input_length, keys, env.now),
                                         Choice(rec.worker))
             rec.decode_worker = pair.decode
