@@ -29,7 +29,7 @@ from kvtier.wire import (
 )
 from kvtier.wire.transport import recovery
 from kvtier.wire.transport.backoff import Backoff
-from kvtier.wire.transport.seqhistory import SeqHistory
+from kvtier.wire.transport.seqhistory import SeqHistory, digest
 from kvtier.wire.transport.subscriber import EndpointConfig
 
 S = StreamId(WorkerId("w"), 0)
@@ -475,6 +475,21 @@ def test_a_stream_given_up_after_a_reconnect_never_continues_from_the_old_connec
         assert now < 100.0, "never given up"
     given_up = next(i for i, d in enumerate(out) if isinstance(d, ResyncNeeded))
     assert _contents(out[given_up:]) == [(0, 100.0), (1, 101.0)] and t.expected == 2
+
+
+def test_a_batch_below_a_resumed_position_held_through_its_check_is_a_new_process() -> None:
+    """A router resumed from a snapshot (position 3) is on a new connection, over which a PUB socket sends new
+    batches only: a batch below the position, no duplicate or straggler, held through the resume's check, is a new
+    process's even when the check passes (the new process's seq 2 repeats the old one's byte for byte, its clock
+    stamping alike), as after a reconnect; it was checked again as a corrupt seq would be, and dropped."""
+    t = tracker()
+    t.resume((3, digest(payload(2))), 0.0)
+    assert [unpack_seq(r) for r in t.outbox] == [2]
+    out = t.on_live(0, payload(100), 0.1)
+    out += _answer_honestly(t, {0: payload(100), 1: payload(101), 2: payload(2)}, 0.1)
+    t._check()
+    assert PublisherRestarted(S, 0) in out and t.stats.bogus_seqs == 0
+    assert _contents(out) == [(0, 100.0)] and t.expected == 1
 
 
 def test_batches_set_aside_cost_bounded_memory(monkeypatch: pytest.MonkeyPatch) -> None:

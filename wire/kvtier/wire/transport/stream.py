@@ -160,6 +160,7 @@ class StreamTracker:
         self._heard = now  # (silence is counted from the start)
         assert expected >= 1 and s.expected is None, "resume() replaces start() on a fresh tracker"
         s.expected = expected
+        s.reconnected = True  # (a new connection: a batch below the position, no straggler, is a new process's)
         if known is not None:
             s.history.vouch(expected - 1, known)
         if rec.can_replay:
