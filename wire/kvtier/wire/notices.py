@@ -129,7 +129,8 @@ class StreamStats:
     late: int = 0  # live batches that arrived after their seq had been given up for lost or covered by a dump
     malformed: int = 0  # frames or payloads that failed to parse
     # live batches found to carry a corrupt seq frame: one that repeats a batch delivered already (the replay of the gap
-    # it opened brought that batch back at its own seq), or one the publisher's replay answers and the live batches
-    # after them contradict; dropped, each counted in ``malformed`` too
+    # it opened brought that batch back at its own seq), one the publisher's replay answers and the live batches
+    # after them contradict, one below the seq expected while the publisher still holds the last batch delivered, or
+    # one a loss's replay answer holds at another seq; dropped, each counted in ``malformed`` too
     bogus_seqs: int = 0
     disconnects: int = 0  # live connections lost (a publisher gone or restarting, a frame past max_frame_bytes)
