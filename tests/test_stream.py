@@ -492,6 +492,77 @@ def test_a_batch_below_a_resumed_position_held_through_its_check_is_a_new_proces
     assert _contents(out) == [(0, 100.0)] and t.expected == 1
 
 
+def test_a_restart_seen_by_its_seqs_alone_after_a_dump_is_not_taken_for_stragglers() -> None:
+    """A dump stood for seqs 10 to 15; then the publisher restarts and no disconnect is seen (a proxy between, a
+    monitor event lost): the new process's batches from seq 0 come with content the stream never delivered there. It
+    is checked, not dropped as stragglers of the dump (the range a dump stood for once reached back to every seq
+    delivered before it, so the new process's batches up to 15 were dropped unseen and 16 on continued the old
+    process's stream)."""
+    t = tracker(dump=True)
+    out = [d for q in range(10) for d in t.on_live(q, payload(q), 0.0)]
+    out += t.on_live(12, payload(12), 0.1) + t.on_reply(pack_seq(13), payload(13), 0.1) + t.on_reply(END_SEQ, b"", 0.1)
+    out += t.on_reply(pack_seq(15), payload(-15), 0.2) + t.on_reply(END_SEQ, b"", 0.2)
+    assert ResyncDone(S, 15) in out and t.expected == 16
+    t.outbox.clear()
+    out = t.on_live(0, payload(100), 1.0)
+    assert out == [] and [unpack_seq(r) for r in t.outbox] == [15] and t.stats.late == 0
+    out += _answer_honestly(t, {0: payload(100)}, 1.1)  # the new process holds nothing at 15: a restart
+    assert isinstance(out[0], ResyncStarted | PublisherRestarted) and _contents(out) == [(0, 100.0)]
+
+
+def test_a_check_for_a_seq_going_back_that_is_never_answered_is_a_restart() -> None:
+    """A restart no disconnect told of: the new process's batches come below the seq expected and the check its first
+    one starts is never answered (its replay socket not up yet). After the check's tries the publisher is taken for
+    a new process, as when its answer comes back empty (it was given up as a loss, and the new process's batches
+    dropped as corrupt seqs). Once even the replay from 0 goes unanswered, the batches at hand are delivered."""
+    t = tracker()
+    for q in range(17):
+        t.on_live(q, payload(q), 0.0)
+    out = [d for q in range(6) for d in t.on_live(q, payload(100 + q), 0.1 + q / 100)]
+    now = 0.2
+    while t.recovering:
+        now += 1.1
+        out += t.on_tick(now)
+        t.outbox.clear()
+        t.reset_replay_socket = False
+        t._check()
+        assert now < 100.0, "never given up"
+    assert out[0] == PublisherRestarted(S, -1) and t.stats.bogus_seqs == 0
+    assert _contents(out) == [(q, 100.0 + q) for q in range(6)] and t.expected == 6
+
+
+def test_held_batches_of_the_old_process_go_when_a_check_finds_a_new_one() -> None:
+    """Batch 10 is lost and 11, 12 held through its replay; the old process dies and a new one (no disconnect seen)
+    sends its 0 and 1, held too. The replay and the check that follow find the new process: it is replayed from 0,
+    and the old process's held 11 and 12 go with the old process (they were held on through the new one's replay and
+    delivered as its batches 11 and 12, and the real ones then looked like yet another process)."""
+    t = tracker()
+    for q in range(10):
+        t.on_live(q, payload(q), 0.0)
+    t.outbox.clear()
+    out = t.on_live(11, payload(11), 0.1) + t.on_live(12, payload(12), 0.1)
+    out += t.on_live(0, payload(100), 0.2) + t.on_live(1, payload(101), 0.2)
+    out += t.on_reply(END_SEQ, b"", 0.3)  # the new process holds nothing at 10
+    while t.outbox and unpack_seq(t.outbox[-1]) != 0:  # (the check: nothing at 9 either)
+        t.outbox.clear()
+        out += t.on_reply(END_SEQ, b"", 0.3)
+    assert any(isinstance(d, PublisherRestarted) for d in out)
+    t.outbox.clear()
+    out += t.on_reply(pack_seq(0), payload(100), 0.4) + t.on_reply(pack_seq(1), payload(101), 0.4)
+    out += t.on_reply(END_SEQ, b"", 0.4)
+    for q in range(2, 11):  # live while whatever the stream asked is pending
+        out += t.on_live(q, payload(100 + q), 0.5)
+    for r in list(t.outbox):
+        t.outbox.remove(r)
+        out += [d for q in range(unpack_seq(r), 11) for d in t.on_reply(pack_seq(q), payload(100 + q), 0.6)]
+        out += t.on_reply(END_SEQ, b"", 0.6)
+    out += t.on_live(11, payload(111), 0.7) + t.on_live(12, payload(112), 0.7)
+    t._check()
+    after = max(i for i, d in enumerate(out) if isinstance(d, PublisherRestarted))
+    assert _contents(out[after:]) == [(q, 100.0 + q) for q in range(13)] and t.expected == 13
+    assert t.stats.restarts == 1
+
+
 def test_batches_set_aside_cost_bounded_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """Live batches held through a long replay whose answers hold nothing are set aside at most
     :data:`MAX_HELD_BYTES` of them (the highest seqs past it go as corrupt), and a replay under way counts them with
@@ -950,12 +1021,16 @@ def test_live_batches_a_dump_covered_that_arrive_after_it_are_not_taken_for_a_re
     t.on_disconnect()  # a reconnect: the next batch below the dump's seq may come from a new process
     assert isinstance(t.on_live(0, payload(100), 0.2)[0], PublisherRestarted)
 
-    # A late copy of a batch delivered before the dump is a straggler too; new content at a seq the dump stood
-    # for is taken for one as well (a corrupt seq there cannot be told from one).
+    # A late copy of a batch delivered before the dump is a duplicate. New content there is a new process's or a
+    # corrupt seq: the publisher is checked, and as the dump's own seq has no batch to compare with (a new process
+    # could not be told from the same one), the stream is resynchronised from 0.
     t = tracker(dump=True)
     dumped(t)
-    assert t.on_live(0, payload(0), 0.2) == [] and t.on_live(0, payload(100), 0.2) == []
-    assert t.stats.late == 2 and t.stats.restarts == 0
+    t.outbox.clear()
+    assert t.on_live(0, payload(0), 0.2) == [] and t.stats.duplicates == 1 and not t.outbox
+    assert t.on_live(0, payload(100), 0.2) == [] and [unpack_seq(r) for r in t.outbox] == [5]
+    out = t.on_reply(pack_seq(5), payload(5), 0.3)
+    assert isinstance(out[0], ResyncStarted) and t.stats.restarts == 0 and t.expected == 0
 
     # A reconnect during the dump: the dump is asked again, and a batch of the dropped connection that the new
     # answer covers is a straggler too; one past it is checked against the publisher, not applied blindly.

@@ -234,6 +234,12 @@ class StreamRecovery:
                 self._ask_again()
             else:
                 self._dump_again()
+        elif self.mode is Mode.REPLAY and r.below and r.verify:
+            # A seq went back and the publisher never answered whether it still holds the last batch delivered:
+            # a new process is assumed (its replay socket not up yet, or the request went down the old connection),
+            # as when an answer comes back empty.
+            self._check_failed(-1, out)
+            return self.replay_from(0, now, out)
         elif self.mode is Mode.REPLAY:
             return self.unrecoverable("replay timed out", now, out)
         else:
@@ -291,7 +297,16 @@ class StreamRecovery:
             self._on_new_publisher(seq, out)
 
     def _on_new_publisher(self, seq: int, out: list[Delivery]) -> None:
-        self.state.new_publisher(seq, 0, out)
+        """The check found a new process: it is replayed from 0. Batches held at or past the seq expected may be
+        the old process's (its last, overtaken by the restart when no disconnect was seen), and what an answer held
+        past a loss was the old one's: they go (the replay fetches the new one's), as do duplicates and stragglers.
+        Those held below it that are neither are the new process's: kept. O(h)."""
+        s = self.state
+        old = s.expected
+        s.held = [(q, p) for q, p in s.held if old is not None and q < old and s.history.foreign(q, p)]
+        self.replay.beyond, self.replay.lost_at_check = [], False
+        self.replay.fresh_answer()
+        s.new_publisher(seq, 0, out)
         self.replay.restarted = True
 
     def _unverifiable(self, out: list[Delivery]) -> None:

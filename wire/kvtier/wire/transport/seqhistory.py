@@ -3,12 +3,11 @@ and a restarted publisher apart (:class:`kvtier.wire.transport.stream.StreamTrac
 
 A PUB socket never sends one seq twice with different content, so a seq at or below the last delivered one is a
 duplicate when its payload's digest matches, a straggler when it falls in a range given up for lost (a replay
-answer overtook it) or in the range the last state dump stood for (its end marker overtook it, over the same
-connection; a dump stands for what was delivered before it too), and otherwise the first batch of a new publisher
-process or a corrupt seq frame. The converse is assumed: a new process does not send the batch the old one sent at a
-seq byte for byte (each batch carries its publisher's wall-clock timestamp), so a check that compares what the
-publisher holds at the last seq delivered tells the two apart, and a batch that repeats one delivered at another seq
-is a corrupt seq frame.
+answer overtook it) or in the range the last state dumps stood for (their end marker overtook it, over the same
+connection), and otherwise the first batch of a new publisher process or a corrupt seq frame. The converse is
+assumed: a new process does not send the batch the old one sent at a seq byte for byte (each batch carries its
+publisher's wall-clock timestamp), so a check that compares what the publisher holds at the last seq delivered tells
+the two apart, and a batch that repeats one delivered at another seq is a corrupt seq frame.
 """
 
 from __future__ import annotations
@@ -64,7 +63,7 @@ class SeqHistory:
 
     def foreign(self, seq: int, payload: bytes) -> bool:
         """Whether ``payload`` at ``seq``, a seq already passed, can only be a new publisher process's: it was not
-        delivered with this payload (a duplicate), nor does it fall in a range given up for lost or the last dump
+        delivered with this payload (a duplicate), nor does it fall in a range given up for lost or the last dumps
         stood for (a straggler). O(ranges)."""
         return not (self.holds(seq, payload) or self.gave_up(seq) or self.covered(seq))
 
@@ -93,24 +92,28 @@ class SeqHistory:
         del self._skipped[:-self.ranges]
 
     def dumped(self, first: int, end: int) -> None:
-        """A state dump stood for the stream up to seq ``end - 1`` (``first``: the first seq not delivered before
-        it). It stands for what was delivered before it too, and for what the previous dump stood for: each seq
-        from the oldest of those on that comes after it over the same connection is a straggler (:meth:`covered`),
-        as the digests, which could tell a late copy, are forgotten. O(window)."""
-        start = min(first, next(iter(self._recent), first), first if self._covered is None else self._covered[0])
-        self.forget_digests()
-        self._covered = (start, end) if start < end else None
+        """A state dump stood for the stream up to seq ``end - 1``, and for seqs ``first .. end - 1``, none of them
+        delivered: each of those that comes after it over the same connection is a straggler (:meth:`covered`), as
+        is one the previous dump stood for when nothing was delivered between the two (dumps back to back). The
+        digests of seqs delivered before it are kept (a late copy is a duplicate), but from seq ``end - 1`` on (the
+        dump carries no batch of its own to compare with, and a publisher that restarted unseen may have dumped
+        below what was delivered). O(window)."""
+        for seq in [q for q in self._recent if q >= end - 1]:
+            self._uncount(self._recent.pop(seq))
+        if self._covered is not None and self._covered[1] == first:
+            first = self._covered[0]
+        self._covered = (first, end) if first < end else None
 
     def covered(self, seq: int) -> bool:
-        """Whether ``seq`` lies in the range the last dump stood for (and no reconnect came since). O(1)."""
+        """Whether ``seq`` lies in the range the last dumps stood for (and no reconnect came since). O(1)."""
         return self._covered is not None and self._covered[0] <= seq < self._covered[1]
 
     def uncover(self) -> None:
-        """The connection dropped: a batch in the dump's range may come from a new process now. O(1)."""
+        """The connection dropped: a batch in the dumps' range may come from a new process now. O(1)."""
         self._covered = None
 
     def forget_digests(self) -> None:
-        """The stream starts over from a resync or a dump: seqs delivered before say nothing now. O(window)."""
+        """The stream starts over from a resync: seqs delivered before say nothing now. O(window)."""
         self._recent.clear()
         self._counts.clear()
         self._covered = None
