@@ -563,6 +563,31 @@ def test_held_batches_of_the_old_process_go_when_a_check_finds_a_new_one() -> No
     assert t.stats.restarts == 1
 
 
+def test_a_seq_going_back_right_after_a_dump_is_never_continued_from() -> None:
+    """Right after a dump, batch 13 comes with a corrupt seq below the seq expected (5). The dump's seq has no batch
+    to check the publisher against, so the stream is resynchronised from 0; the publisher's buffer no longer reaches
+    0 and the backoff defers a second dump, so the stream goes on from what the replay holds past the loss, never
+    from the frame whose seq went back (batch 13 was delivered as seq 5, and the stream went on from there)."""
+    t = tracker(dump=True)
+    buffer = {q: payload(q) for q in range(10)}
+    out = [d for q in range(10) for d in t.on_live(q, buffer[q], 0.0)]
+    buffer = {q: payload(q) for q in range(11, 13)}
+    out += t.on_live(12, buffer[12], 0.1) + _answer_honestly(t, buffer, 0.1)
+    assert ResyncDone(S, 12) in out and t.expected == 13
+    buffer[13] = payload(13)
+    out = t.on_live(5, buffer[13], 0.2)
+    assert [unpack_seq(r) for r in t.outbox] == [12]
+    t.outbox.clear()
+    out += t.on_reply(pack_seq(12), buffer[12], 0.2) + t.on_reply(END_SEQ, b"", 0.2)
+    assert isinstance(out[0], ResyncStarted) and [unpack_seq(r) for r in t.outbox] == [0]
+    t.outbox.clear()  # the replay from 0 answers from 11 on, its last frame dropped
+    out += t.on_reply(pack_seq(11), buffer[11], 0.3) + t.on_reply(pack_seq(12), buffer[12], 0.3)
+    out += t.on_reply(END_SEQ, b"", 0.3)
+    t._check()
+    after = max(i for i, d in enumerate(out) if isinstance(d, ResyncNeeded))
+    assert _contents(out[after:]) == [(11, 11.0), (12, 12.0)] and t.expected == 13
+
+
 def test_batches_set_aside_cost_bounded_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """Live batches held through a long replay whose answers hold nothing are set aside at most
     :data:`MAX_HELD_BYTES` of them (the highest seqs past it go as corrupt), and a replay under way counts them with

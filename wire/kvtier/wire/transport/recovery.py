@@ -312,9 +312,15 @@ class StreamRecovery:
     def _unverifiable(self, out: list[Delivery]) -> None:
         """The check has nothing to compare with: the last seq delivered came with a state dump, which carries no
         batch of its own (or a resumed position saved then). A publisher that restarted since cannot be told from
-        the same one, so the stream is resynchronised from seq 0 as after a restart, and counted as a resync."""
+        the same one, so the stream is resynchronised from seq 0 as after a restart, and counted as a resync. What
+        is held goes (the replay from 0 fetches whatever is current): a batch whose seq went back, which started the
+        check, may be a corrupt seq as well as a new process's, and continued from after a loss it would stand at a
+        seq not its own."""
         s = self.state
         assert s.expected, "a check with no seq delivered"
+        s.held = []
+        self.replay.beyond, self.replay.lost_at_check = [], False
+        self.replay.fresh_answer()
         s.stats.resyncs += 1
         out.append(ResyncStarted(s.stream, f"the publisher cannot be checked: seq {s.expected - 1} came with a "
                                            "state dump, whose content no replay can be compared with"))
