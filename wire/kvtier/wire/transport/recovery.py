@@ -214,7 +214,8 @@ class StreamRecovery:
         self.outbox.append(pack_seq(expected - 1 if self.replay.verify else expected))
 
     def _timed_out(self, now: float, out: list[Delivery]) -> Held:
-        """The pending replay or dump went quiet past its deadline: asked again, or given up."""
+        """The pending replay or dump went quiet past its deadline: asked again, or given up (a check for a seq
+        going back that was never answered: a restart)."""
         self._fresh_socket()
         r = self.replay
         if self.mode is Mode.REPLAY and r.progress:

@@ -20,7 +20,7 @@ class ReplayRequest:
 
     Invariants: ``progress <= frames``; ``beyond`` is non-empty when ``lost``. An answer asked again keeps
     ``beyond`` (a publisher that lost those batches sends the same ones again, and if it never answers they are
-    still the oldest at hand).
+    still the oldest at hand), unless the connection dropped meanwhile (the publisher may be a new process).
     """
 
     start: int = 0  # first seq asked
@@ -60,7 +60,7 @@ class ReplayRequest:
         """The request is over (answered, abandoned, or given up for a dump): nothing it was for carries over
         into what the stream does next. O(1)."""
         self.for_gap = self.probe = self.resyncing = self.verify = self.restarted = self.lost_at_check = False
-        self.settle = self.below = False
+        self.settle = self.below = self.checked = False
 
     @property
     def purposes(self) -> bool:

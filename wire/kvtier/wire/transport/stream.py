@@ -222,7 +222,8 @@ class StreamTracker:
         self._state.stats.disconnects += 1
         if self._state.expected:
             self._suspect = True
-        self._state.reconnected = True
+        # (a check or the recovery under way ends it; with nothing delivered no seq can go back)
+        self._state.reconnected = bool(self._state.expected) or self._recovery.active
         self._state.history.uncover()  # (a batch in the last dump's range may now come from a new process)
         # Messages held back came over the connection that dropped: if the publisher restarted
         # they are stale. Dropping them is always safe, a replay fetches whatever is current.
@@ -272,7 +273,7 @@ class StreamTracker:
         (:meth:`StreamState.passed`) or repeats a batch delivered already (a corrupt seq); below the seq expected
         otherwise, a new process's if it came over a new connection before its check was over, else held for a
         check of the publisher; delivered at the seq expected (after a reconnect's check); past it, a gap and its
-        replay. O(1) and hashing it."""
+        replay. O(1) and hashing it (twice when delivered)."""
         s, rec = self._state, self._recovery
         if rec.active:
             s.held.append((seq, payload))

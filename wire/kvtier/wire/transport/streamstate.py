@@ -43,9 +43,9 @@ class StreamState:
     # Live batches past ``expected`` that the publisher's replay answers did not hold: neither delivered nor given up
     # until the live batches after them tell whether they are the publisher's (``StreamTracker._settle_doubtful``)
     doubtful: Held = field(default_factory=list)
-    # The live socket reconnected, or the stream resumed from a snapshot, and the check that follows is not over
-    # (batches held through it not yet drained):
-    # a batch below ``expected`` that is no duplicate or straggler is a new process's, not a corrupt seq
+    # The live socket reconnected, or the stream resumed from a snapshot, and the check (or recovery) that follows is
+    # not over, the batches held through it not yet drained: a batch below ``expected`` that is no duplicate or
+    # straggler is a new process's, not a corrupt seq
     reconnected: bool = False
 
     def deliver(self, seq: int, payload: bytes, source: Literal["live", "replay"], out: list[Delivery]) -> bool:
