@@ -188,6 +188,22 @@ def _answer_honestly(t: StreamTracker, buffer: dict[int, bytes], now: float, mos
     return out
 
 
+def _answer_nothing(t: StreamTracker, now: float, step: float, *, until_given_up: bool = False
+                    ) -> tuple[list[Delivery], float]:
+    """Ticks every ``step`` s while nothing answers on the replay socket, until no recovery is under way (or, with
+    ``until_given_up``, none and no seq expected): what was delivered meanwhile, and the time then."""
+    out: list[Delivery] = []
+    start = now
+    while t.recovering or (until_given_up and t.expected is not None):
+        now += step
+        out += t.on_tick(now)
+        t.outbox.clear()
+        t.reset_replay_socket = False
+        t._check()
+        assert now < start + 100.0, "never given up"
+    return out, now
+
+
 @pytest.mark.parametrize("dump", [False, True])
 def test_one_live_batch_with_a_corrupt_seq_does_not_wedge_the_stream(dump: bool) -> None:
     """One live frame of an honest publisher carries a corrupt seq far ahead (2**62). Its replay answers hold
@@ -465,14 +481,7 @@ def test_a_stream_given_up_after_a_reconnect_never_continues_from_the_old_connec
     out += t.on_reply(pack_seq(7), payload(7), 0.0)
     t.on_disconnect()
     out += t.on_live(0, payload(100), 0.1) + t.on_live(1, payload(101), 0.1)
-    now = 0.1
-    while t.recovering:  # nothing answers on the replay socket
-        now += 0.5
-        out += t.on_tick(now)
-        t.outbox.clear()
-        t.reset_replay_socket = False
-        t._check()
-        assert now < 100.0, "never given up"
+    out += _answer_nothing(t, 0.1, 0.5)[0]
     given_up = next(i for i, d in enumerate(out) if isinstance(d, ResyncNeeded))
     assert _contents(out[given_up:]) == [(0, 100.0), (1, 101.0)] and t.expected == 2
 
@@ -519,14 +528,7 @@ def test_a_check_for_a_seq_going_back_that_is_never_answered_is_a_restart() -> N
     for q in range(17):
         t.on_live(q, payload(q), 0.0)
     out = [d for q in range(6) for d in t.on_live(q, payload(100 + q), 0.1 + q / 100)]
-    now = 0.2
-    while t.recovering:
-        now += 1.1
-        out += t.on_tick(now)
-        t.outbox.clear()
-        t.reset_replay_socket = False
-        t._check()
-        assert now < 100.0, "never given up"
+    out += _answer_nothing(t, 0.2, 1.1)[0]
     assert out[0] == PublisherRestarted(S, -1) and t.stats.bogus_seqs == 0
     assert _contents(out) == [(q, 100.0 + q) for q in range(6)] and t.expected == 6
 
@@ -676,15 +678,8 @@ def test_a_stream_given_up_drops_the_batches_it_had_set_aside() -> None:
         t.on_live(q, buffer[q], 0.0)
     t.on_live(2**62, payload(-1), 0.0)
     _answer_honestly(t, buffer, 0.0)
-    now = 100.0
-    t.request_resync("consumer inconsistent", now)
-    while t.recovering or t.expected is not None:  # nothing answers on the replay socket
-        now += 0.5
-        t.on_tick(now)
-        t.outbox.clear()
-        t.reset_replay_socket = False
-        t._check()
-        assert now < 200.0, "never given up"
+    t.request_resync("consumer inconsistent", 100.0)
+    now = _answer_nothing(t, 100.0, 0.5, until_given_up=True)[1]
     out = t.on_live(10, payload(10), now) + _answer_honestly(t, {**buffer, 10: payload(10)}, now)
     t._check()
     assert seqs(out)[-1] == 10 and t.expected == 11 and t.stats.bogus_seqs == 0
