@@ -36,7 +36,7 @@ class SeqHistory:
     _recent: OrderedDict[int, int] = field(default_factory=OrderedDict)  # seq -> payload digest, oldest first
     _counts: dict[int, int] = field(default_factory=dict)  # payload digest -> how many seqs in _recent have it
     _skipped: list[tuple[int, int]] = field(default_factory=list)  # seq ranges [a, b) given up for lost, oldest first
-    _covered: tuple[int, int] | None = None  # seqs [a, b) the last state dump stood for, until a reconnect (dumped)
+    _covered: tuple[int, int] | None = None  # seqs [a, b) the last dumps (back to back) stood for, until a reconnect
 
     def delivered(self, seq: int, payload: bytes) -> None:
         """``payload`` was delivered as ``seq``; the oldest digest goes past ``window``. O(payload)."""
