@@ -188,9 +188,8 @@ class StreamRecovery:
         # (the batches it was to settle, or to check below the seq expected, went with the connection, and what an
         # answer over it held past a loss says nothing of a publisher that may have restarted since)
         r = self.replay
-        r.settle = r.below = r.lost_at_check = False
-        r.beyond = []
-        r.fresh_answer()
+        r.settle = r.below = False
+        r.forget_answer()
         if self.mode is Mode.REPLAY and self.state.expected is not None:
             if self.state.expected:
                 r.verify, r.checked = True, False
@@ -305,8 +304,7 @@ class StreamRecovery:
         s = self.state
         old = s.expected
         s.held = [(q, p) for q, p in s.held if old is not None and q < old and s.history.foreign(q, p)]
-        self.replay.beyond, self.replay.lost_at_check = [], False
-        self.replay.fresh_answer()
+        self.replay.forget_answer()
         s.new_publisher(seq, 0, out)
         self.replay.restarted = True
 
@@ -320,8 +318,7 @@ class StreamRecovery:
         s = self.state
         assert s.expected, "a check with no seq delivered"
         s.held = []
-        self.replay.beyond, self.replay.lost_at_check = [], False
-        self.replay.fresh_answer()
+        self.replay.forget_answer()
         s.stats.resyncs += 1
         out.append(ResyncStarted(s.stream, f"the publisher cannot be checked: seq {s.expected - 1} came with a "
                                            "state dump, whose content no replay can be compared with"))
@@ -507,8 +504,7 @@ class StreamRecovery:
             else:
                 live.append((q, p))
         by_seq = s.merged(live + r.beyond, "the publisher's replay answer holds another batch at that seq", out)
-        r.beyond, r.lost_at_check = [], False
-        r.fresh_answer()  # (the answer is used up: its loss now lies in the history)
+        r.forget_answer()  # (the answer is used up: its loss now lies in the history)
         held = sorted(by_seq.items())
         s.held = []
         # Batches set aside as doubtful are never continued from (a corrupt seq would wedge the stream): the loss

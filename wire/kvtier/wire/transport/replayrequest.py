@@ -75,6 +75,12 @@ class ReplayRequest:
         self.hole, self.lost = False, self.lost_at_check
         self.frames = self.progress = 0
 
+    def forget_answer(self) -> None:
+        """What the answer showed is forgotten, the batches past a loss and the loss its check found too (the
+        answer was used up, or it may be an old process's). O(1)."""
+        self.beyond, self.lost_at_check = [], False
+        self.fresh_answer()
+
     def take(self, seq: int, payload: bytes, expected: int) -> bool:
         """Sorts batch ``seq`` of the answer (after the check, if any): True if it is the one ``expected``, to
         deliver. Batches of a publisher found restarted, already delivered or after a hole are dropped; one past
