@@ -3,7 +3,11 @@ every policy's (prefill, decode) pair, and the CLI's flags."""
 
 from __future__ import annotations
 
+import csv
 import dataclasses
+import json
+import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -181,6 +185,49 @@ def test_a_conditional_pools_prefill_side_learns_only_what_went_there() -> None:
              req("c", 10.0, 2048, 4, [7, 8, 9, 10])]
     res = simulate(trace, PD.replace(prefill_workers=2, local_prefill_tokens=512), RunConfig("round_robin"))
     assert [(r.worker, r.decode_worker) for r in res.records] == [(0, 2), (2, 2), (1, 2)]
+
+
+def test_the_wait_for_room_on_a_decode_worker_is_recorded_reported_and_named(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A prompt computed on its prefill worker waits for room (its prompt and output) on its decode worker before its
+    KV moves: that wait is its ``decode_queue`` (``receive_start - prefill_end``), in requests.csv and summarized in
+    summary.json, and a run whose median request spent most of its TTFT there is named overloaded: the decode pool is
+    short, which the prefill queue (``queue``) does not show."""
+    cluster = PD.replace(device_tokens=4096)
+    trace = [req(f"r{i}", 0.0, 1500, 500, [10 * i, 10 * i + 1, 10 * i + 2]) for i in range(4)]
+    res = simulate(trace, cluster, RunConfig("round_robin"))
+    recs = sorted(res.records, key=lambda r: r.first_token)
+    transfer = 1500 * BYTES / (KV_LINKS["rdma-400g"].gbps * 1e9)
+    for r in recs:  # the wait, then the transfer, then the first decode step: all in TTFT
+        assert r.prefill_end >= 0 and r.receive_start >= r.prefill_end
+        assert r.decode_queue == r.receive_start - r.prefill_end
+        assert r.first_token > r.receive_start + transfer
+    # The first two are received at once; the later two waited for them to finish on the decode worker.
+    assert recs[0].decode_queue == recs[1].decode_queue == 0.0
+    assert min(r.decode_queue for r in recs[2:]) >= min(r.finish for r in recs[:2]) - max(r.prefill_end
+                                                                                          for r in recs[2:])
+    waits = sorted(r.decode_queue for r in recs)
+    assert res.summary.decode_queue_p50 == pytest.approx((waits[1] + waits[2]) / 2)
+    assert res.summary.decode_queue_p99 <= waits[3] and res.summary.decode_queue_p90 > waits[1]
+    # An aggregated run hands nothing off: no wait to report.
+    agg = simulate(trace, cluster.replace(prefill_workers=0, decode_workers=0, workers=2), RunConfig("round_robin"))
+    assert all(r.receive_start == -1.0 and math.isnan(r.decode_queue) for r in agg.records)
+    assert math.isnan(agg.summary.decode_queue_p50)
+    # The CLI: a decode pool of one behind three prefill workers, arrivals faster than it decodes.
+    assert cli(["replay", "--trace", "builtin:chat:200", "--time-scale", "0.2", "--open-loop",
+                "--prefill-workers", "3", "--decode-workers", "1", "--device-tokens", "65536",
+                "--policy", "round_robin", "--no-plots", "--out", str(tmp_path)]) == 0
+    _, err = capsys.readouterr()
+    assert "3 prefill + 1 decode workers" in err
+    assert "round_robin: overloaded: the median request waited" in err and "for room on its decode worker" in err
+    summary = json.loads((tmp_path / "summary.json").read_text())["runs"][0]
+    assert summary["queue_p50"] < 1.0 < summary["decode_queue_p50"]
+    with (tmp_path / "requests.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    done = [r for r in rows if r["e2e"]]
+    assert all(float(r["decode_queue"]) >= 0 and float(r["prefill_end"]) >= float(r["queue"]) for r in done)
+    waited = sorted(float(r["decode_queue"]) for r in done)
+    assert summary["decode_queue_p50"] == pytest.approx(statistics.median(waited), abs=2e-6)
 
 
 def test_a_summary_of_a_disaggregated_runs_records_is_the_runs() -> None:

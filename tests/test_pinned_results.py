@@ -83,7 +83,7 @@ RECORD_FIELDS = [f.name for f in dataclasses.fields(RequestRecord)]
 #: The fields of each request's latency between tokens, popped from the end of a record's row (last first).
 FELT_FIELDS = ["max_itl", "second_token"]
 #: The fields of disaggregated serving, the last of a record, popped from aggregated runs' rows.
-DISAGG_FIELDS = ["decode_worker", "prefill_end", "decode_cached_tokens", "transferred_tokens"]
+DISAGG_FIELDS = ["decode_worker", "prefill_end", "decode_cached_tokens", "transferred_tokens", "receive_start"]
 
 
 def fingerprint(res: RunResult) -> dict[str, Any]:

@@ -425,7 +425,7 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
     jobs = [RunSpec(trace, cluster, _run_cfg(a, p), {"policy": policy_label(p)}, records_csv=part, itl_jsonl=itl)
             for p, part, itl in zip(policies, parts, itl_parts, strict=True)]
     _warn_inert(a)  # (once every option is checked: a refused one gets its error alone)
-    print(f"kvtier: {len(trace)} requests from {a.trace}, {cluster.workers} workers, "
+    print(f"kvtier: {len(trace)} requests from {a.trace}, {cluster.describe_workers()}, "
           f"{cluster.device_tokens:,} device tokens each, host x{cluster.host_ratio:g}, l3={cluster.l3}; "
           f"policies: {', '.join(policies)}", file=sys.stderr)
     t0 = time.monotonic()
@@ -452,7 +452,7 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
     _warn(summaries)
     written = list(outputs)
     if not a.no_plots:
-        where = (f"{a.trace}, {cluster.workers} workers x {cluster.device_tokens:,} device tokens, "
+        where = (f"{a.trace}, {cluster.describe_workers()} x {cluster.device_tokens:,} device tokens, "
                  f"host x{cluster.host_ratio:g}, l3 {cluster.l3}")
         with _interrupt_after():
             written += plot(out_dir, summaries, [res for _, res in results], where,

@@ -161,6 +161,12 @@ class ClusterConfig:
         """Prefill -> decode bandwidth, GB/s: ``kv_gbps`` if given, else the preset's."""
         return self.kv_gbps if self.kv_gbps is not None else KV_LINKS[self.kv_link].gbps
 
+    def describe_workers(self) -> str:
+        """The workers in words: ``4 workers``, or ``3 prefill + 1 decode workers``."""
+        if not self.disaggregated:
+            return f"{self.workers} workers"
+        return f"{self.prefill_workers} prefill + {self.decode_workers} decode workers"
+
     def role(self, worker: int) -> str:
         """``"prefill"``, ``"decode"`` or ``"both"`` (aggregated)."""
         if not self.disaggregated:
@@ -475,6 +481,7 @@ class SimWorker:
     def _start_receive(self, job: Job, cached: int, missing: int) -> None:
         rec = job.record
         rec.decode_cached_tokens, rec.transferred_tokens = cached, missing
+        rec.receive_start = self.env.now
         self.receiving += 1
         delay = missing * self.kv_bytes_per_token / (self.cfg.kv_link_gbps * 1e9)
         self.env.after(delay, lambda: self._received(job), priority=1)

@@ -35,11 +35,14 @@ class RequestRecord:
     max_itl: float = -1.0  # its longest gap between two consecutive tokens, seconds (-1: fewer than two tokens)
     # Disaggregated serving (kvtier.sim.cluster): the decode worker (-1: aggregated), when the prompt's KV was
     # computed (-1: not yet), the prompt tokens the decode worker held already and those sent it over the KV link
-    # (the two sum to the prompt once it was received; a prompt prefilled on its decode worker sends none)
+    # (the two sum to the prompt once it was received; a prompt prefilled on its decode worker sends none), and
+    # when the decode worker had room for its prompt and output and began receiving (-1: not yet, or nothing was
+    # handed off: aggregated, or prefilled on its decode worker)
     decode_worker: int = -1
     prefill_end: float = -1.0
     decode_cached_tokens: int = 0
     transferred_tokens: int = 0
+    receive_start: float = -1.0
 
     @property
     def ttft(self) -> float:
@@ -64,6 +67,12 @@ class RequestRecord:
     @property
     def queue(self) -> float:
         return self.prefill_start - self.arrival
+
+    @property
+    def decode_queue(self) -> float:
+        """Disaggregated: from its prompt's KV computed on its prefill worker to its decode worker having room for
+        it, seconds: the decode pool's queue, in TTFT (nan: nothing was handed off, or not yet)."""
+        return self.receive_start - self.prefill_end if self.receive_start >= 0 else math.nan
 
 
 @dataclass(slots=True, frozen=True)
@@ -167,6 +176,12 @@ class RunSummary:
     queue_p90: float = float("nan")
     queue_p95: float = float("nan")
     queue_p99: float = float("nan")
+    # Disaggregated: the wait of a prompt computed on its prefill worker for room on its decode worker, seconds, over
+    # completed requests that were handed off (nan: none was)
+    decode_queue_p50: float = float("nan")
+    decode_queue_p90: float = float("nan")
+    decode_queue_p95: float = float("nan")
+    decode_queue_p99: float = float("nan")
     # Under the run's SLO (nan without one): the share of the trace's requests that completed meeting every bound
     # (rejected and unfinished ones count as missing it), and their rate per second of the makespan
     goodput: float = float("nan")
@@ -188,8 +203,9 @@ class SummaryBuilder:
     over the records would give: sums are exact (integers, or floats summed once at the end), the
     percentiles sort every value.
 
-    Memory: six floats per completed request (TTFT, TTST, TPOT, max ITL, end-to-end, queue), kept for exact
-    percentiles and goodput, and nothing per record otherwise. :meth:`add` is O(1); :meth:`summary` O(n log n).
+    Memory: seven floats per completed request (TTFT, TTST, TPOT, max ITL, end-to-end, queue, decode queue), kept
+    for exact percentiles and goodput, and nothing per record otherwise. :meth:`add` is O(1); :meth:`summary`
+    O(n log n).
     """
 
     def __init__(self, workers: int, slo: Slo | None = None) -> None:
@@ -207,6 +223,7 @@ class SummaryBuilder:
         self.ttst = array("d")  # nan where a request generated one token
         self.tpot = array("d")  # (ditto)
         self.itl_max = array("d")  # (ditto)
+        self.decode_queue = array("d")  # nan where nothing was handed off (aggregated, or prefilled locally)
         # token sums of completed requests
         self.prompt = self.device = self.host = self.storage = self.recomputed = self.output = 0
         self.start = math.inf  # earliest arrival of a completed request
@@ -236,6 +253,7 @@ class SummaryBuilder:
         self.ttst.append(r.ttst)
         self.tpot.append(r.tpot)
         self.itl_max.append(r.max_itl if r.max_itl >= 0 else math.nan)
+        self.decode_queue.append(r.decode_queue)
         self.prompt += r.input_tokens
         self.device += r.device_tokens
         self.host += r.host_tokens
@@ -293,7 +311,8 @@ class SummaryBuilder:
     def _felt(self, done: int, total: int, makespan: float) -> dict[str, Any]:
         """The percentiles of what a user feels, and goodput under the SLO. O(n log n)."""
         out: dict[str, Any] = {"ttft_p95": _pct(self.ttft, 95)}
-        for name, xs in (("ttst", self.ttst), ("tpot", self.tpot), ("itl_max", self.itl_max)):
+        for name, xs in (("ttst", self.ttst), ("tpot", self.tpot), ("itl_max", self.itl_max),
+                         ("decode_queue", self.decode_queue)):
             vals = [x for x in xs if not math.isnan(x)]
             out.update({f"{name}_p{p}": _pct(vals, p) for p in (50, 90, 95, 99)})
         out.update({f"{name}_p{p}": _pct(xs, p) for name, xs in (("e2e", self.e2e), ("queue", self.queue))

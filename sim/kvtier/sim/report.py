@@ -61,11 +61,18 @@ def table(summaries: Sequence[RunSummary], first: str = "policy") -> str:
 
 def overloaded(s: RunSummary) -> str | None:
     """Why a run's cluster could not keep up, or None: most of the median request's TTFT was spent queued before
-    its prefill (arrivals outpaced the workers), which no routing policy fixes."""
-    if s.requests and s.queue_p50 > 1.0 and s.queue_p50 > 0.5 * s.ttft_p50:
+    its prefill (arrivals outpaced the workers), or, disaggregated, waiting for room on its decode worker once its
+    prompt was computed (the decode pool is short), which no routing policy fixes."""
+    if not s.requests:
+        return None
+    if s.queue_p50 > 1.0 and s.queue_p50 > 0.5 * s.ttft_p50:
         return (f"{s.policy}: overloaded: the median request waited {s.queue_p50:.1f} s in queue of a "
                 f"{s.ttft_p50:.1f} s TTFT; arrivals outpace the cluster (more workers, a larger --time-scale or "
                 f"fewer requests)")
+    if s.decode_queue_p50 > 1.0 and s.decode_queue_p50 > 0.5 * s.ttft_p50:  # (False where nan: aggregated)
+        return (f"{s.policy}: overloaded: the median request waited {s.decode_queue_p50:.1f} s for room on its "
+                f"decode worker of a {s.ttft_p50:.1f} s TTFT; the decode pool cannot keep up (more decode workers, "
+                f"a larger --time-scale or fewer requests)")
     return None
 
 
@@ -170,7 +177,7 @@ PLOTS = ("hit_rate_by_tier.png", "ttft_cdf.png", "ttft_tpot_pareto.png", "goodpu
 CSV_FIELDS = ["policy", "request_id", "worker", "arrival", "input_tokens", "output_tokens", "ttft", "e2e", "queue",
               "device_tokens", "host_tokens", "storage_tokens", "recomputed_tokens", "predicted_blocks",
               "actual_blocks", "usable_blocks", "rejected", "ttst", "tpot", "max_itl", "decode_worker",
-              "decode_cached_tokens", "transferred_tokens"]
+              "decode_cached_tokens", "transferred_tokens", "prefill_end", "decode_queue"]
 
 
 def _s(x: float) -> str:
@@ -190,7 +197,8 @@ def csv_row(policy: str, r: RequestRecord) -> list[object]:
             r.device_tokens, r.host_tokens,
             r.storage_tokens, r.recomputed_tokens, r.predicted_blocks, r.actual_blocks,
             r.usable_blocks, int(r.rejected), _s(r.ttst), _s(r.tpot), _s(r.max_itl if r.max_itl >= 0 else math.nan),
-            r.decode_worker, r.decode_cached_tokens, r.transferred_tokens]
+            r.decode_worker, r.decode_cached_tokens, r.transferred_tokens, _since(r.prefill_end, r.arrival),
+            _s(r.decode_queue)]
 
 
 class CsvRecords:
