@@ -403,15 +403,17 @@ def test_load_kernels_loads_every_kernel_a_run_calls(jit: str) -> None:
 def test_azure_traces_get_shared_prefixes_from_the_cli(tmp_path: Path, shared_dir: Path) -> None:
     """An Azure trace has lengths only: --shared-prefix-blocks gives each request its prefix group's leading
     blocks (as Dynamo mocker's trace_shared_prefix_ratio does), so routing has something to find; 0 keeps every
-    prompt unique."""
-    trace = str(shared_dir / "traces" / "azure_llm_2023_conv.csv")
+    prompt unique. A file named in capitals (``.CSV``) is an Azure trace too."""
+    trace = shared_dir / "traces" / "azure_llm_2023_conv.csv"
+    upper = tmp_path / "AZURE.CSV"
+    upper.symlink_to(trace)
     hits = []
-    for blocks in ("0", "4"):
-        out = tmp_path / blocks
-        assert cli(["replay", "--trace", trace, "--limit", "200", "--shared-prefix-blocks", blocks,
+    for name, blocks in ((trace, "0"), (trace, "4"), (upper, "4")):
+        out = tmp_path / f"{name.name}-{blocks}"
+        assert cli(["replay", "--trace", str(name), "--limit", "200", "--shared-prefix-blocks", blocks,
                     "--prefix-groups", "4", "--policy", "kv_all", "--no-plots", "--out", str(out)]) == 0
         hits.append(json.loads((out / "summary.json").read_text())["runs"][0]["hit_rate"])
-    assert hits[0] == 0.0 and hits[1] > 0.3
+    assert hits[0] == 0.0 and hits[1] > 0.3 and hits[2] == hits[1]
 
 
 def test_runs_that_take_long_are_not_silent(monkeypatch: pytest.MonkeyPatch,

@@ -51,7 +51,7 @@ from kvtier.sim.generators import PRESETS, iter_generate
 from kvtier.sim.policies import POLICIES, check_policy, policy_label
 from kvtier.sim.run import RunConfig, RunResult, load_kernels
 from kvtier.sim.source import TraceSource
-from kvtier.sim.trace import MAX_TIMESTAMP_MS, TIME_SCALE, Request, TraceError, write_mooncake
+from kvtier.sim.trace import MAX_TIMESTAMP_MS, TIME_SCALE, Request, TraceError, is_azure, write_mooncake
 from kvtier.sim.transport import Recovery
 from kvtier.util.fields import ConfigError, Domain, OneLineParser, add_options
 from kvtier.util.outpath import unwritable
@@ -245,7 +245,7 @@ def _warn_inert(a: argparse.Namespace, axes: Collection[str] = ()) -> None:
     if not a.event_loss and "event_loss" not in axes:
         inert += [(f"--{name.replace('_', '-')}", getattr(a, name) != run[name], "without --event-loss")
                   for name in ("recovery", "replay_buffer", "loss_burst")]
-    if not a.trace.endswith(".csv"):
+    if not is_azure(a.trace):
         inert += [("--shared-prefix-blocks", a.shared_prefix_blocks != 0, "but with an Azure CSV trace"),
                   ("--prefix-groups", a.prefix_groups != 8, "but with an Azure CSV trace")]
     for option, given, why in inert:

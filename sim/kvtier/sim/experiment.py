@@ -27,7 +27,7 @@ from kvtier.sim.policies import check_policy
 from kvtier.sim.report import CsvRecords, ItlSeries
 from kvtier.sim.run import RunConfig, RunResult, simulate
 from kvtier.sim.source import ListTrace, MooncakeFile, TraceSource, as_source
-from kvtier.sim.trace import Request, load_azure, load_trace
+from kvtier.sim.trace import Request, is_azure, load_azure, load_trace
 from kvtier.util.fields import ConfigError
 
 #: Requests of a builtin trace at most: each is made in memory before the run (about a kilobyte with its hash ids).
@@ -63,7 +63,7 @@ def resolve_trace(spec: str, *, limit: int | None = None, seed: int = 0, time_sc
         if not path.is_file():
             raise ValueError(f"trace {spec!r} is not a file (give a .jsonl or .csv trace)")
         reqs = (load_azure(path, share_prefix_blocks=shared_prefix_blocks, groups=prefix_groups, seed=seed,
-                           limit=limit) if path.suffix == ".csv" else load_trace(path, limit))
+                           limit=limit) if is_azure(path) else load_trace(path, limit))
     if limit is not None:
         reqs = reqs[:limit]
     if time_scale != 1.0:
@@ -77,7 +77,7 @@ def trace_source(spec: str, *, limit: int | None = None, seed: int = 0, time_sca
     (:class:`~kvtier.sim.source.MooncakeFile`, checked whole here, so a bad line fails before any run), anything
     else in memory. O(requests) time; memory: a 17-byte index per request of a file."""
     path = Path(spec)
-    if not spec.startswith("builtin:") and path.is_file() and path.suffix != ".csv":
+    if not spec.startswith("builtin:") and path.is_file() and not is_azure(path):
         return MooncakeFile(path, limit=limit, time_scale=time_scale).index()
     return ListTrace(resolve_trace(spec, limit=limit, seed=seed, time_scale=time_scale,
                                    shared_prefix_blocks=shared_prefix_blocks, prefix_groups=prefix_groups))

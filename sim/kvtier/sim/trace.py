@@ -470,9 +470,15 @@ def load_azure(path: Path, *, share_prefix_blocks: int = 0, groups: int = 8, see
     return out
 
 
+def is_azure(path: Path | str) -> bool:
+    """Whether a trace file is an Azure CSV (lengths only) rather than Mooncake JSONL: by its extension, in any
+    case (``.csv``, ``.CSV``). O(1)."""
+    return Path(path).suffix.lower() == ".csv"
+
+
 def load_trace(path: Path, limit: int | None = None) -> list[Request]:
-    """Mooncake JSONL or Azure CSV, by extension."""
-    if path.suffix == ".csv":
+    """Mooncake JSONL or Azure CSV, by extension (:func:`is_azure`)."""
+    if is_azure(path):
         return load_azure(path, limit=limit)
     return load_mooncake(path, limit=limit)
 
