@@ -708,6 +708,34 @@ def test_options_that_change_nothing_get_a_warning(tmp_path: Path, capsys: pytes
                       "kvtier: warning: --prefix-groups changes nothing but with an Azure CSV trace"]
     assert main(["sweep", *SMALL, "--out", str(tmp_path / "s"), "--grid", "l3=none,disk", "--l3-tokens", "4096"]) == 0
     assert "warning: --l3-tokens" not in capsys.readouterr().err
+    # The storage link's with no L3 tier, the host link's with no tier to load back from, a write or prefetch
+    # policy's setting under another policy, a sliding-window model's with a full-attention one, the SLO's with none.
+    assert main(["replay", *SMALL, "--out", str(tmp_path / "r2"), "--host-ratio", "0", "--storage-link",
+                 "nvme-gen5", "--storage-gbps", "3", "--gpu-link", "h200", "--h2d-gbps", "9", "--no-load-back",
+                 "--selective-threshold", "4", "--swa-ratio", "0.5", "--no-swa-events", "--slo-out-of-reach",
+                 "price"]) == 0
+    warned = [line.split("warning: ")[1] for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warned == ["--storage-link changes nothing without an L3 tier (--l3 disk or external)",
+                      "--storage-gbps changes nothing without an L3 tier (--l3 disk or external)",
+                      "--gpu-link changes nothing without a host or L3 tier (--host-ratio, --l3)",
+                      "--h2d-gbps changes nothing without a host or L3 tier (--host-ratio, --l3)",
+                      "--no-load-back changes nothing without a host or L3 tier (--host-ratio, --l3)",
+                      "--selective-threshold changes nothing but with --write-policy write_through_selective",
+                      "--swa-ratio changes nothing but with a sliding-window model (--model)",
+                      "--no-swa-events changes nothing but with a sliding-window model (--model)",
+                      "--slo-out-of-reach changes nothing without an SLO (--sla-ttft-ms, --sla-tpot-ms, --sla-e2e-ms)"]
+    assert main(["replay", *SMALL, "--out", str(tmp_path / "r3"), "--l3", "disk", "--prefetch-timeout-s",
+                 "0.2"]) == 0
+    warned = [line.split("warning: ")[1] for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warned == ["--prefetch-timeout-s changes nothing but with --prefetch-policy timeout"]
+    # Each is silent where it applies, or where a sweep axis may make it apply.
+    assert main(["replay", *SMALL, "--out", str(tmp_path / "r4"), "--l3", "disk", "--storage-gbps", "3",
+                 "--write-policy", "write_through_selective", "--selective-threshold", "4", "--model",
+                 "gpt-oss-20b", "--swa-ratio", "0.5", "--sla-ttft-ms", "500", "--slo-out-of-reach", "price"]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert main(["sweep", *SMALL, "--out", str(tmp_path / "s2"), "--grid", "host_ratio=0,2", "--no-load-back",
+                 "--h2d-gbps", "9"]) == 0
+    assert "warning" not in capsys.readouterr().err
 
 
 def test_tokens_by_index_reads_the_trace_up_to_that_record(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.engine.cache import CacheConfig
+from kvtier.engine.config import PrefetchPolicy, WritePolicy
 from kvtier.hardware.latency import (
     DEFAULT_LATENCY,
     LATENCY_PRESETS,
@@ -231,25 +232,51 @@ def _cluster(a: argparse.Namespace, axes: Collection[str] = ()) -> ClusterConfig
 
 def _warn_inert(a: argparse.Namespace, axes: Collection[str] = ()) -> None:
     """A line on stderr for each option given that changes nothing in these runs (a setting that reads as if it
-    mattered): the L3 tier's with no L3 tier, the event-loss recovery's with no loss, an Azure trace's prefix groups
-    with another trace. A sweep axis that may make them apply silences them. O(1)."""
+    mattered): the L3 tier's and its link's with no L3 tier, the host link's with no tier to load back from, a write
+    or prefetch policy's setting under another policy, a sliding-window model's with a full-attention one, the SLO's
+    with no SLO, the event-loss recovery's with no loss, an Azure trace's prefix groups with another trace. A sweep
+    axis that may make them apply silences them; an option is named once, for its first reason. O(1)."""
     cache, cluster = CacheConfig(), ClusterConfig()
     run = {f.name: f.default for f in dataclasses.fields(RunConfig)}
     inert: list[tuple[str, bool, str]] = []
-    if a.l3 == "none" and "l3" not in axes:
+
+    def unless(*names: str) -> bool:  # no sweep axis among ``names``
+        return not set(names) & set(axes)
+    if a.l3 == "none" and unless("l3"):
         inert += [(f"--{name.replace('_', '-')}", getattr(a, name) != default, "without an L3 tier (--l3 disk or "
                    "external)") for name, default in (("l3_tokens", cluster.l3_tokens),
                                                       ("prefetch_policy", cache.prefetch_policy),
                                                       ("prefetch_min_pages", cache.prefetch_min_pages),
-                                                      ("prefetch_timeout_s", cache.prefetch_timeout_s))]
-    if not a.event_loss and "event_loss" not in axes:
+                                                      ("prefetch_timeout_s", cache.prefetch_timeout_s),
+                                                      ("storage_link", DEFAULT_STORAGE_LINK),
+                                                      ("storage_gbps", None))]
+        if a.host_ratio == 0 and unless("host_ratio"):
+            inert += [(option, given, "without a host or L3 tier (--host-ratio, --l3)")
+                      for option, given in (("--gpu-link", a.gpu_link != DEFAULT_GPU_LINK),
+                                            ("--h2d-gbps", a.h2d_gbps is not None),
+                                            ("--no-load-back", not a.load_back))]
+    if a.write_policy != WritePolicy.WRITE_THROUGH_SELECTIVE and unless("write_policy"):
+        inert.append(("--selective-threshold", a.selective_threshold != cache.selective_threshold,
+                      f"but with --write-policy {WritePolicy.WRITE_THROUGH_SELECTIVE}"))
+    if a.prefetch_policy != PrefetchPolicy.TIMEOUT and unless("prefetch_policy"):
+        inert.append(("--prefetch-timeout-s", a.prefetch_timeout_s != cache.prefetch_timeout_s,
+                      f"but with --prefetch-policy {PrefetchPolicy.TIMEOUT}"))
+    if not MODEL_PRESETS[a.model].swa_layers and unless("model"):
+        inert += [("--swa-ratio", a.swa_ratio != cluster.swa_ratio, "but with a sliding-window model (--model)"),
+                  ("--no-swa-events", not a.swa_events, "but with a sliding-window model (--model)")]
+    if a.sla_ttft_ms is a.sla_tpot_ms is a.sla_e2e_ms is None and unless("sla_ttft_ms", "sla_tpot_ms", "sla_e2e_ms"):
+        inert.append(("--slo-out-of-reach", a.slo_out_of_reach != run["slo_out_of_reach"],
+                      "without an SLO (--sla-ttft-ms, --sla-tpot-ms, --sla-e2e-ms)"))
+    if not a.event_loss and unless("event_loss"):
         inert += [(f"--{name.replace('_', '-')}", getattr(a, name) != run[name], "without --event-loss")
                   for name in ("recovery", "replay_buffer", "loss_burst")]
     if not is_azure(a.trace):
         inert += [("--shared-prefix-blocks", a.shared_prefix_blocks != 0, "but with an Azure CSV trace"),
                   ("--prefix-groups", a.prefix_groups != 8, "but with an Azure CSV trace")]
+    named: set[str] = set()
     for option, given, why in inert:
-        if given:
+        if given and option not in named:
+            named.add(option)
             print(f"kvtier: warning: {option} changes nothing {why}", file=sys.stderr)
 
 
