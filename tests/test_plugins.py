@@ -190,3 +190,33 @@ def test_a_users_plugin_fails_as_a_plugin_whatever_its_module(module: str) -> No
     ctx = RouteContext(64, BS, [], OverlapScores(total_blocks=4), LoadTracker(BS), frozenset())
     with pytest.raises(PluginError, match=r"policy 'theirs': score\(\) raised KeyError: 'missing'"):
         route_with(Theirs(), ctx, workers)
+
+
+def test_a_plugins_error_names_the_line_of_its_own_code(tmp_path: Path) -> None:
+    """The one line a failing plugin gets names where in the plugin's code it raised: the plugin's own line where
+    a library it called raised beneath it, and the line of a plugin that fails at import (a syntax error's message
+    names its line already)."""
+    from kvtier.indexer.routing.load import LoadTracker
+    from kvtier.indexer.routing.plugins import PluginError, load_policy, route_with
+    from kvtier.wire.overlap import OverlapScores
+    from kvtier.wire.protocol import WorkerId
+
+    src = tmp_path / "mypolicy.py"
+    src.write_text("import json\n"
+                   "from kvtier.indexer.routing.plugins import PolicyBase\n"
+                   "\n"
+                   "class Bad(PolicyBase):\n"
+                   "    name = 'bad'\n"
+                   "\n"
+                   "    def score(self, ctx, worker):\n"
+                   "        return json.loads('{')\n")
+    workers = [StreamId(WorkerId("w0")), StreamId(WorkerId("w1"))]
+    ctx = RouteContext(64, BS, [], OverlapScores(total_blocks=4), LoadTracker(BS), frozenset())
+    with pytest.raises(PluginError) as err:
+        route_with(load_policy(f"{src}:Bad"), ctx, workers)
+    assert str(err.value).startswith("policy 'bad': score() raised JSONDecodeError: Expecting property name")
+    assert str(err.value).endswith("(mypolicy.py, line 8, in score)")
+    broken = tmp_path / "atimport.py"
+    broken.write_text("X = 1\nY = {}['missing']\n")
+    with pytest.raises(ValueError, match=r"KeyError: 'missing' \(atimport\.py, line 2, in <module>\)$"):
+        load_policy(f"{broken}:X")

@@ -19,6 +19,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+import os
+import sys
+import sysconfig
+import traceback
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from importlib.metadata import entry_points
@@ -132,9 +136,39 @@ def _brief(text: str) -> str:
     return text if len(text) <= _QUOTED else f"{text[:_QUOTED]}... ({len(text):,} characters)"
 
 
-def _failed(exc: BaseException) -> str:
-    """What a plugin's own code raised, in one short line: its type and message."""
-    return _brief(f"{type(exc).__name__}: {exc}")
+def _failed(exc: BaseException, policy: object = None) -> str:
+    """What a plugin's own code raised, in one short line: its type and message, and where it raised
+    (:func:`_where`)."""
+    return _brief(f"{type(exc).__name__}: {exc}") + _where(exc, policy)
+
+
+def _library_dirs() -> tuple[str, ...]:
+    """Where code that is not a plugin's own lives: the standard library, installed packages, kvtier's own
+    packages."""
+    paths = sysconfig.get_paths()
+    kvtier = importlib.import_module("kvtier")
+    return tuple({str(Path(d).resolve()) + os.sep for d in (paths["stdlib"], paths["purelib"], paths["platlib"],
+                                                            *getattr(kvtier, "__path__", ()))})
+
+
+def _where(exc: BaseException, policy: object = None) -> str:
+    """`` (file.py, line N, in function)``: the line of the plugin's code ``exc`` came from, which the one-line error
+    would otherwise lose: the innermost frame in the file of ``policy``'s class (a library it called may have raised
+    beneath it), else the innermost one outside the standard library, installed packages and kvtier (an error at
+    import); empty if there is none, or for a ``SyntaxError``, whose message names its line. O(frames)."""
+    if isinstance(exc, SyntaxError):
+        return ""
+    frames = traceback.extract_tb(exc.__traceback__)
+    home = getattr(sys.modules.get(type(policy).__module__), "__file__", None) if policy is not None else None
+    mine = [f for f in frames if home is not None and f.filename == home]
+    if not mine:
+        libraries = _library_dirs()
+        mine = [f for f in frames if not f.filename.startswith("<")
+                and not str(Path(f.filename).resolve()).startswith(libraries)]
+    if not mine:
+        return ""
+    f = mine[-1]
+    return f" ({Path(f.filename).name}, line {f.lineno}, in {f.name})"
 
 
 def load_policy(spec: str) -> RoutingPolicy:
@@ -215,21 +249,21 @@ def route_with(
     try:
         kept = policy.filter(ctx, workers)
     except faults as exc:
-        raise PluginError(f"policy {policy.name!r}: filter() raised {_failed(exc)}") from exc
+        raise PluginError(f"policy {policy.name!r}: filter() raised {_failed(exc, policy)}") from exc
     if not _subset(kept, workers):
         raise PluginError(f"policy {policy.name!r}: filter kept {_brief(repr(kept))}, expected a non-empty subset of "
                           "the workers")
     try:
         scores = {w: float(policy.score(ctx, w)) for w in kept}
     except faults as exc:  # its own error, or a score float() does not take
-        raise PluginError(f"policy {policy.name!r}: score() raised {_failed(exc)}") from exc
+        raise PluginError(f"policy {policy.name!r}: score() raised {_failed(exc, policy)}") from exc
     nan = [w for w, v in scores.items() if math.isnan(v)]  # (min() over a NaN depends on the workers' order)
     if nan:
         raise PluginError(f"policy {policy.name!r}: score() returned NaN for {_brief(', '.join(map(str, nan)))}")
     try:
         chosen = policy.pick(ctx, scores)
     except faults as exc:
-        raise PluginError(f"policy {policy.name!r}: pick() raised {_failed(exc)}") from exc
+        raise PluginError(f"policy {policy.name!r}: pick() raised {_failed(exc, policy)}") from exc
     if not _subset([chosen], scores):
         raise PluginError(f"policy {policy.name!r}: picked {_brief(repr(chosen))}, not a scored worker")
     return chosen, scores
@@ -277,7 +311,8 @@ def note_routed(policy: RoutingPolicy | None, keys: Sequence[BlockKey], num_toke
         try:
             hook(keys, num_tokens, worker)
         except _faults(policy) as exc:
-            raise PluginError(f"policy {getattr(policy, 'name', '?')!r}: routed() raised {_failed(exc)}") from exc
+            name = getattr(policy, "name", "?")
+            raise PluginError(f"policy {name!r}: routed() raised {_failed(exc, policy)}") from exc
 
 
 #: kvtier's cache-blind policies as plugins, so the service runs them by name too.
