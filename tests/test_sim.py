@@ -8,6 +8,7 @@ import json
 import multiprocessing
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -356,12 +357,25 @@ def test_dynamo_and_min_ttft_policies_use_their_own_cost_models() -> None:
 def test_replay_progress_bar_shows_simulated_time_and_request_rate() -> None:
     from kvtier.sim.run import _progress
 
-    bar = _progress(10, "kv_all")
+    bar = _progress(10, "kv_all", terminal=True)
     bar.sim_now = 1234.4
     bar.update(3)
     text = str(bar)
     bar.close()
     assert "3/10" in text and "req/s" in text and "sim 1,234 s" in text, text
+
+
+def test_a_replay_piped_to_a_log_writes_lines_not_a_bar(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """Without a terminal a replay's progress is a line now and then, not tqdm's bar: its carriage returns ran into
+    the table's header in a log."""
+    from kvtier.sim.run import _ProgressLines
+
+    monkeypatch.setattr(_ProgressLines, "interval_s", 0.0)
+    assert cli(["replay", "--trace", "builtin:chat:40", "--workers", "2", "--no-plots", "--out", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err and "req/s" not in err
+    assert re.search(r"^kvtier: kv_all: 40 of 40 requests done after \d+ s \(sim [\d,]+ s\)$", err, re.M), err
 
 
 _KERNEL_CHECK = r"""

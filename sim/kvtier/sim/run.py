@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import sys
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -354,7 +356,32 @@ def _check_accounting(r: RequestRecord) -> None:
             f"{r.transferred_tokens} transferred = {moved} != prompt {r.input_tokens}")
 
 
-def _progress(total: int, label: str):  # type: ignore[no-untyped-def]
+class _ProgressLines:
+    """A replay's progress with no terminal (a CI log, a pipe), where tqdm's bar would write carriage returns into
+    the log: a line every :attr:`interval_s` as requests finish, with the simulated clock."""
+
+    interval_s = 15.0
+
+    def __init__(self, total: int, label: str) -> None:
+        self.total, self.label, self.n, self.sim_now = total, label.strip(), 0, 0.0
+        self.t0 = self._last = time.monotonic()
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        now = time.monotonic()
+        if now - self._last >= self.interval_s:
+            self._last = now
+            print(f"kvtier: {self.label}: {self.n:,} of {self.total:,} requests done after {now - self.t0:.0f} s "
+                  f"(sim {self.sim_now:,.0f} s)", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, label: str, terminal: bool | None = None):  # type: ignore[no-untyped-def]
+    """A requests bar on a terminal (``terminal``, default: whether stderr is one), else :class:`_ProgressLines`."""
+    if not (sys.stderr.isatty() if terminal is None else terminal):
+        return _ProgressLines(total, label)
     from tqdm import tqdm
 
     class _SimBar(tqdm):  # type: ignore[type-arg]
