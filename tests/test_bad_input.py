@@ -325,7 +325,11 @@ CASES: dict[str, Case] = {
     "grid unknown axis": (lambda t, f: ["sweep", *SMALL[:2], "--grid", "colour=red"], "grid axis 'colour'"),
     # a sweep writes no inter-token series: the option is refused, not accepted and ignored
     "sweep itl series": (lambda t, f: ["sweep", *SMALL[:2], "--grid", "workers=1", "--itl-series", "x.jsonl"],
-                         "unrecognized arguments: --itl-series x.jsonl"),
+                         "kvtier sweep: error: unrecognized arguments: --itl-series x.jsonl (see kvtier sweep --help)"),
+    # a misspelt option is named by the subcommand that took it, with the nearest options it has
+    "misspelt option": (lambda t, f: ["compare", *SMALL, "--polices", "kv_all"],
+                        "kvtier compare: error: unrecognized arguments: --polices kv_all; did you mean --policies? "
+                        "(see kvtier compare --help)"),
     "grid bad value": (lambda t, f: ["sweep", *SMALL[:2], "--grid", "workers=x"],
                        "grid axis 'workers': 'x' is not an integer"),
     "grid bad number": (lambda t, f: ["sweep", *SMALL[:2], "--grid", "host_ratio=4,lots"],

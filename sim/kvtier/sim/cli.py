@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import difflib
 import functools
 import importlib.util
 import json
@@ -921,8 +922,24 @@ def _say_service_defaults(p: argparse.ArgumentParser) -> None:
             action.help = f"{action.help} (default: the config's, else {default})"
 
 
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line parsed; arguments no option takes are refused by the subcommand they were given to
+    (``kvtier compare: error: ...``, its --help named), with the nearest of its options to a misspelt one."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        sub = subs.choices[args.command]
+        options = [o for action in sub._actions for o in action.option_strings if o.startswith("--")]
+        near = [m for x in extra if x.startswith("--")
+                for m in difflib.get_close_matches(x.partition("=")[0], options, n=1, cutoff=0.75)]
+        hint = f"; did you mean {', '.join(dict.fromkeys(near))}?" if near else ""
+        sub.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = _parse(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
