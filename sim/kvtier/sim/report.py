@@ -336,6 +336,27 @@ def goodput_curve(slo: Slo, run: Latencies, total: int) -> list[float]:
     return [goodput_count(slo.scaled(f), run.ttft, run.tpot, run.e2e) / max(total, 1) for f in SLO_FACTORS]
 
 
+def _line(i: int) -> dict[str, Any]:
+    """The ``i``-th policy's line style and marker: with the colour cycle (10 colours) no two of 20 policies look
+    alike, so curves that nearly coincide stay told apart."""
+    return {"linestyle": ("-", "--", ":", "-.")[i % 4], "marker": "osD^v<>"[(i // 4) % 7]}
+
+
+def _roomy(labels: Sequence[tuple[str, float, float]], ax: Any, height_pt: float = 9.0) -> list[tuple[str, float,
+                                                                                                     float, int]]:
+    """Of ``labels`` (text, x, y), to be written to the right of their points, those that overlap no other label,
+    with their index (text widths estimated at 4.5 points a character, the labels' size). O(labels^2)."""
+    ax.autoscale_view()
+    to_pt = 72.0 / ax.figure.dpi
+    boxes = []
+    for text, *point in labels:
+        x, y = (v * to_pt for v in ax.transData.transform(point))
+        boxes.append((x, x + 5 + 4.5 * len(text), y))
+    return [(text, x, y, i) for i, (text, x, y) in enumerate(labels)
+            if not any(j != i and boxes[i][0] < b[1] and b[0] < boxes[i][1] and abs(boxes[i][2] - b[2]) < height_pt
+                       for j, b in enumerate(boxes))]
+
+
 def plot(out_dir: Path, summaries: Sequence[RunSummary], runs: Sequence[Latencies], title: str,
          slo: Slo | None = None) -> list[Path]:
     """Stacked hit-rate bars per tier, CDFs of the completed requests' TTFT, the Pareto view (TTFT p90 against
@@ -369,12 +390,10 @@ def plot(out_dir: Path, summaries: Sequence[RunSummary], runs: Sequence[Latencie
     paths.append(_save(fig, out_dir / PLOTS[0]))
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for name, values in ((s.policy, r.ttft) for s, r in zip(summaries, runs, strict=True)):
+    for i, (name, values) in enumerate((s.policy, r.ttft) for s, r in zip(summaries, runs, strict=True)):
         ttft = np.sort(np.asarray(values, dtype=float))
         if len(ttft):
-            # (line styles cycle too, so that policies whose curves nearly coincide stay told apart)
-            style = ("-", "--", ":", "-.")[len(ax.lines) % 4]
-            ax.plot(ttft, np.arange(1, len(ttft) + 1) / len(ttft), label=name, linestyle=style, linewidth=1.2)
+            ax.plot(ttft, np.arange(1, len(ttft) + 1) / len(ttft), label=name, linewidth=1.2, **_line(i))
     ax.set_xscale("log")
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
@@ -388,12 +407,22 @@ def plot(out_dir: Path, summaries: Sequence[RunSummary], runs: Sequence[Latencie
         ax.text(0.5, 0.5, "no request completed", transform=ax.transAxes, ha="center", va="center")
     paths.append(_save(fig, out_dir / PLOTS[1]))
 
-    fig, ax = plt.subplots(figsize=(7, 4.6))
-    for s in summaries:
-        ax.scatter(s.ttft_p90 * 1e3, s.tpot_p90 * 1e3, s=40, zorder=3)
-        ax.annotate(s.policy, (s.ttft_p90 * 1e3, s.tpot_p90 * 1e3), textcoords="offset points", xytext=(5, 4),
-                    fontsize=8)
-    ax.set_xlabel("TTFT p90 (ms)")
+    fig, ax = plt.subplots(figsize=(8.2, 4.6))
+    points = [(s.policy, s.ttft_p90 * 1e3, s.tpot_p90 * 1e3, i) for i, s in enumerate(summaries)
+              if math.isfinite(s.ttft_p90) and math.isfinite(s.tpot_p90)]
+    for name, x, y, i in points:  # (each policy its colour and marker, as its line in the other plots)
+        ax.scatter(x, y, s=40, zorder=3, color=f"C{i % 10}", marker=_line(i)["marker"], label=name)
+    xs = [x for _, x, _, _ in points]
+    wide = bool(xs) and min(xs) > 0 and max(xs) > 20 * min(xs)  # one policy far out squeezes the rest together
+    if wide:
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
+    # Points named beside them where the name has room; the legend names every one.
+    for name, x, y, _ in _roomy([(name, x, y) for name, x, y, _ in points], ax):
+        ax.annotate(name, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=7)
+    if points:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
+    ax.set_xlabel("TTFT p90 (ms, log scale)" if wide else "TTFT p90 (ms)")
     ax.set_ylabel("TPOT p90 (ms)")
     ax.set_title(f"Pareto view, lower left is better: {title}", fontsize=10)
     ax.grid(True, alpha=0.3)
@@ -401,10 +430,9 @@ def plot(out_dir: Path, summaries: Sequence[RunSummary], runs: Sequence[Latencie
 
     slo = slo or Slo()
     base = base_slo(slo, runs)
-    fig, ax = plt.subplots(figsize=(7, 4.6))
-    for s, r in zip(summaries, runs, strict=True):
-        ax.plot(SLO_FACTORS, goodput_curve(base, r, s.total), marker="o", ms=3,
-                label=s.policy)
+    fig, ax = plt.subplots(figsize=(8.2, 4.6))
+    for i, (s, r) in enumerate(zip(summaries, runs, strict=True)):
+        ax.plot(SLO_FACTORS, goodput_curve(base, r, s.total), ms=3, label=s.policy, **_line(i))
     ax.set_xscale("log")
     ax.set_xticks(SLO_FACTORS)
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}x"))
@@ -414,6 +442,6 @@ def plot(out_dir: Path, summaries: Sequence[RunSummary], runs: Sequence[Latencie
     ax.set_ylim(0, 1.02)
     ax.set_title(f"Goodput as the SLO tightens: {title}", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)  # (beside the curves, not over them)
     paths.append(_save(fig, out_dir / PLOTS[3]))
     return paths
