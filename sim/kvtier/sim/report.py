@@ -337,9 +337,9 @@ def goodput_curve(slo: Slo, run: Latencies, total: int) -> list[float]:
 
 
 def _line(i: int) -> dict[str, Any]:
-    """The ``i``-th policy's line style and marker: with the colour cycle (10 colours) no two of 20 policies look
-    alike, so curves that nearly coincide stay told apart."""
-    return {"linestyle": ("-", "--", ":", "-.")[i % 4], "marker": "osD^v<>"[(i // 4) % 7]}
+    """The ``i``-th policy's colour, line style and marker, the same in every plot: no two of 20 policies look alike,
+    so curves that nearly coincide stay told apart."""
+    return {"color": f"C{i % 10}", "linestyle": ("-", "--", ":", "-.")[i % 4], "marker": "osD^v<>"[(i // 4) % 7]}
 
 
 def _roomy(labels: Sequence[tuple[str, float, float]], ax: Any, height_pt: float = 9.0) -> list[tuple[str, float,
@@ -389,11 +389,12 @@ def plot(out_dir: Path, summaries: Sequence[RunSummary], runs: Sequence[Latencie
     ax.tick_params(axis="x", rotation=30)
     paths.append(_save(fig, out_dir / PLOTS[0]))
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(8.2, 4.2))
     for i, (name, values) in enumerate((s.policy, r.ttft) for s, r in zip(summaries, runs, strict=True)):
         ttft = np.sort(np.asarray(values, dtype=float))
         if len(ttft):
-            ax.plot(ttft, np.arange(1, len(ttft) + 1) / len(ttft), label=name, linewidth=1.2, **_line(i))
+            ax.plot(ttft, np.arange(1, len(ttft) + 1) / len(ttft), label=name, linewidth=1.2, ms=3,
+                    markevery=max(1, len(ttft) // 8), **_line(i))
     ax.set_xscale("log")
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
@@ -402,7 +403,7 @@ def plot(out_dir: Path, summaries: Sequence[RunSummary], runs: Sequence[Latencie
     ax.set_title(f"TTFT CDF: {title}")
     ax.grid(True, which="both", alpha=0.3)
     if ax.lines:
-        ax.legend(loc="lower right")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     else:  # (a legend of nothing is a matplotlib warning on stderr)
         ax.text(0.5, 0.5, "no request completed", transform=ax.transAxes, ha="center", va="center")
     paths.append(_save(fig, out_dir / PLOTS[1]))
@@ -411,7 +412,7 @@ def plot(out_dir: Path, summaries: Sequence[RunSummary], runs: Sequence[Latencie
     points = [(s.policy, s.ttft_p90 * 1e3, s.tpot_p90 * 1e3, i) for i, s in enumerate(summaries)
               if math.isfinite(s.ttft_p90) and math.isfinite(s.tpot_p90)]
     for name, x, y, i in points:  # (each policy its colour and marker, as its line in the other plots)
-        ax.scatter(x, y, s=40, zorder=3, color=f"C{i % 10}", marker=_line(i)["marker"], label=name)
+        ax.scatter(x, y, s=40, zorder=3, color=_line(i)["color"], marker=_line(i)["marker"], label=name)
     xs = [x for _, x, _, _ in points]
     wide = bool(xs) and min(xs) > 0 and max(xs) > 20 * min(xs)  # one policy far out squeezes the rest together
     if wide:
