@@ -6,10 +6,13 @@ import logging
 
 import pytest
 
+from kvtier.indexer.index.consumer import IndexConsumer
+from kvtier.indexer.index.tiered import TieredIndex
 from kvtier.wire import (
     DUMP_REQUEST,
     END_SEQ,
     AllBlocksCleared,
+    BlockStored,
     Delivery,
     EventBatch,
     GapDetected,
@@ -1143,3 +1146,62 @@ def test_a_recovery_holds_bounded_bytes(where: str, monkeypatch: pytest.MonkeyPa
     assert seq * size < 2 * (64 << 10) + 2 * 1024 * size  # within twice the cap (or the first count)
     assert t.reset_replay_socket and not t.recovering
     assert seqs(out) == list(range(2, seq + 1))  # (seq 1 given up for lost)
+
+
+@pytest.mark.parametrize("before", [0, 7])
+def test_a_publishers_first_batch_after_a_loss_for_good_makes_the_state_complete(before: int) -> None:
+    """An engine that can replay but not dump (SGLang, vLLM) is down while the stream's replay goes unanswered (the
+    router started first, or the engine is restarting), so its state is given up for lost and the worker marked
+    partial. When the engine comes up its first batch is seq 0: everything it holds is announced from there, so the
+    worker's state is complete again, cleared of anything from before, as after a replay from 0; with batches
+    delivered before (``before``), it is a restart. It stayed partial for good."""
+    t = tracker()
+    if before:  # (followed from its first batch; then the engine went down: the reconnect's check goes unanswered)
+        out = [d for q in range(before) for d in t.on_live(q, payload(q), 0.0)]
+        t.on_disconnect()
+    else:  # (the router's replay from 0 at start goes unanswered)
+        t.start(0.0)
+        out = []
+    out += t.on_tick(5.0)
+    out += _answer_nothing(t, 5.0, 1.1, until_given_up=True)[0]
+    assert any(isinstance(d, ResyncNeeded) for d in out) and t.expected is None
+    index = TieredIndex(block_size=16)
+    consumer = IndexConsumer(index)
+    consumer.feed(out)
+    assert index.is_partial(S)
+    def store(q: int) -> bytes:  # (a block stored, not the AllBlocksCleared that would end a partial state itself)
+        return encode_payload(EventBatch(ts=100.0 + q, dp_rank=0, events=[BlockStored(
+            block_hashes=[1000 + q], parent_block_hash=None, token_ids=list(range(16 * q, 16 * q + 16)),
+            block_size=16)]))
+
+    later = [d for q in range(3) for d in t.on_live(q, store(q), 100.0)]
+    assert _contents(later) == [(q, 100.0 + q) for q in range(3)]
+    assert isinstance(later[0], PublisherRestarted if before else ResyncStarted)
+    assert t.stats.restarts == (1 if before else 0)
+    consumer.feed(later)
+    assert not index.is_partial(S)
+    # Past seq 0 the stream is as partial as it was: what came before is unknown.
+    t2 = tracker()
+    t2.start(0.0)
+    lost = _answer_nothing(t2, 0.0, 1.1, until_given_up=True)[0]
+    assert not any(isinstance(d, ResyncStarted | PublisherRestarted) for d in t2.on_live(5, payload(5), 100.0))
+    assert any(isinstance(d, ResyncNeeded) for d in lost)
+
+
+def test_losses_for_good_of_an_engine_without_dumps_are_logged_sparingly(caplog: pytest.LogCaptureFixture) -> None:
+    """A publisher whose replay buffer no longer holds what the wire dropped (an engine without dumps past its
+    high-water mark) loses batches for good again and again: each is counted (``resyncs``) and marks the worker
+    partial, but only the first ten and every thousandth reach the log, as malformed frames do (the count that
+    thinned them grew only for dump-capable engines, so every loss was logged)."""
+    t = tracker()
+    t.on_live(0, payload(0), 0.0)
+    with caplog.at_level(logging.WARNING, logger="kvtier.wire.transport.stream"):
+        for k in range(1, 1201):
+            out = t.on_live(2 * k, payload(2 * k), float(k))  # (2k - 1 dropped on the wire)
+            out += t.on_reply(pack_seq(2 * k), payload(2 * k), float(k))  # (the buffer starts past it)
+            out += t.on_reply(END_SEQ, b"", float(k))
+            assert any(isinstance(d, ResyncNeeded) for d in out) and t.expected == 2 * k + 1
+    assert t.stats.resyncs == 1200
+    partial = [r for r in caplog.records if "state marked partial" in r.getMessage()]
+    assert len(partial) == 10 + 1, [r.getMessage() for r in partial[:12]]
+    assert "further ones logged every 1000th" in partial[9].getMessage()

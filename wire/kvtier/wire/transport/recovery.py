@@ -478,9 +478,12 @@ class StreamRecovery:
         may be gone for now (killed, restarting), and a restarted one would otherwise stay partial for good,
         since nothing else asks it for its state."""
         s, r = self.state, self.replay
-        if worth_logging(self.failed_dumps + 1):
-            log.warning("stream %s: %s; state marked partial%s", s.stream, reason,
-                        "; a state dump is asked again as the resync backoff allows" if self.can_dump else "")
+        # (thinned by the dumps failed in a row where dumps are asked, else by the losses for good: each counted)
+        count = self.failed_dumps + 1 if self.can_dump else s.stats.resyncs
+        if worth_logging(count):
+            log.warning("stream %s: %s; state marked partial%s%s", s.stream, reason,
+                        "; a state dump is asked again as the resync backoff allows" if self.can_dump else "",
+                        suffix(count, "the resyncs metric"))
         out.append(ResyncNeeded(s.stream, reason))
         self.mode = Mode.LIVE
         self.dump_applied = False
@@ -513,6 +516,7 @@ class StreamRecovery:
         if held and s.expected is not None and held[0][0] > s.expected:
             s.history.give_up(s.expected, held[0][0])
         s.expected = held[0][0] if held else None
+        s.lost_all = not held
         return held
 
     def _dump_again(self) -> None:

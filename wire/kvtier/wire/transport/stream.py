@@ -18,7 +18,7 @@ what it missed (replays, dumps, resyncs) is :class:`~kvtier.wire.transport.recov
 
 from __future__ import annotations
 
-from kvtier.wire.notices import Delivery, GapDetected, StreamId, StreamStats
+from kvtier.wire.notices import Delivery, GapDetected, ResyncStarted, StreamId, StreamStats
 from kvtier.wire.transport.backoff import Backoff
 from kvtier.wire.transport.recovery import StreamRecovery
 from kvtier.wire.transport.streamstate import Held, StreamState
@@ -302,6 +302,15 @@ class StreamTracker:
         if s.doubtful:
             self._settle_doubtful(seq, out)
         if s.expected is None and seq == 0:
+            if s.lost_all:
+                # Given up for lost with nothing to go on from (its publisher down, or restarting: nothing answered),
+                # and now a publisher's first batch: everything its process holds is announced from here, so the
+                # worker's state is complete again, cleared of the old process's if there was one.
+                s.lost_all = False
+                if s.stats.delivered:
+                    s.new_publisher(seq, None, out)
+                else:
+                    out.append(ResyncStarted(s.stream, "the publisher's first batch after its state was lost"))
             s.expected = 0
         if self._suspect and self._checks_publisher:  # (the flag first: this runs for every batch)
             assert s.expected is not None, "a check with no seq delivered"

@@ -47,6 +47,9 @@ class StreamState:
     # not over, the batches held through it not yet drained: a batch below ``expected`` that is no duplicate or
     # straggler is a new process's, not a corrupt seq
     reconnected: bool = False
+    # The last recovery gave the stream up for lost with nothing at hand to go on from (``expected`` None): a seq 0
+    # next is a publisher process's first batch, from which its state is complete again (``StreamTracker._live``)
+    lost_all: bool = False
 
     def deliver(self, seq: int, payload: bytes, source: Literal["live", "replay"], out: list[Delivery]) -> bool:
         """Batch ``seq``, the one expected, handed on (:meth:`hand_on`); its seq is used up even if it fails to
@@ -126,6 +129,7 @@ class StreamState:
         self.history.forget()
         self.doubtful = []  # (the old process's, if anyone's)
         self.expected = expected
+        self.lost_all = False  # (reported already)
 
     def take_held(self) -> Held:
         """The held batches in seq order, none left held. O(h log h)."""
