@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -284,3 +285,46 @@ def test_liveness_timeout_is_a_setting_checked_like_the_others(tmp_path: Any) ->
     with pytest.raises(SystemExit) as exit_:  # (argparse's own one-line error)
         cli_main(["indexer", "--endpoint", "w=tcp://127.0.0.1:1", "--liveness-timeout", "soon"])
     assert exit_.value.code == 2
+
+
+def test_a_long_snapshot_takes_no_worker_for_gone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The event loop writes its snapshots on its own thread (seconds each, for a large index) and polls nothing
+    meanwhile: that time is no silence. Every live worker was listed dead for most of each long snapshot, alerts
+    flapping and quiet workers routed around. Each snapshot here takes 60 s of the streams' clock; /health, asked
+    from inside them, lists no worker dead, nor after them."""
+    from kvtier.indexer.service import persist
+
+    p0 = Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    eps = [parse_endpoint(f"w0={p0.endpoint},replay={p0.replay_endpoint}")]
+    clock = Clock()
+    svc = IndexerService(ServiceConfig(endpoints=eps, block_size=BS, listen="127.0.0.1:0", replay_timeout_s=1.0,
+                                       liveness_timeout_s=5.0, snapshot_path=str(tmp_path / "snap"),
+                                       snapshot_interval_s=0.1), clock=clock)
+    seen: list[list[str]] = []
+    armed = [False]
+    save = persist.save
+
+    def slow_save(*args: Any) -> int:
+        if armed[0]:
+            clock.t += 60.0
+            seen.append(health(svc)["dead_workers"])
+        return save(*args)
+
+    monkeypatch.setattr(persist, "save", slow_save)
+    svc.start()
+    try:
+        p0.publish(batch(stored([1, 2, 3], None, 0)))
+        run_clock(clock, lambda: query(svc)["workers"]["w0"]["device"] == 3 and not health(svc)["recovering_workers"],
+                  step=0.1)
+        assert health(svc)["dead_workers"] == []
+        armed[0] = True
+        deadline = time.monotonic() + 30
+        while len(seen) < 3:
+            assert time.monotonic() < deadline, "no snapshot written"
+            time.sleep(0.01)
+        armed[0] = False
+        assert seen[:3] == [[], [], []]
+        assert health(svc)["dead_workers"] == [] and health(svc)["status"] == "ok"
+    finally:
+        svc.stop()
+        p0.close()

@@ -532,3 +532,50 @@ def test_a_seq_no_probe_could_follow_is_refused_and_the_stream_goes_on() -> None
     finally:
         pub.close(0)
         router.close(0)
+
+
+def test_time_the_owner_spends_away_from_polling_is_no_silence() -> None:
+    """The indexer's event loop stops polling while it applies what a poll returned or writes a snapshot (seconds,
+    for a large index): a publisher cannot be heard then, so that time is no silence (every worker was listed dead
+    for most of each snapshot) and no wait for a replay's answer; silence while polling still counts."""
+    ctx = zmq.Context.instance()
+    pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+    port, rport = pub.bind_to_random_port("tcp://127.0.0.1"), router.bind_to_random_port("tcp://127.0.0.1")
+    now = [0.0]
+    answering = [True]
+
+    def rounds(n: int, send: list[bytes] | None = None) -> list[Delivery]:
+        out: list[Delivery] = []
+        for _ in range(n):
+            if send is not None:
+                pub.send_multipart(send)
+            now[0] += 0.5
+            out += sub.poll(20)
+            while answering[0] and router.poll(0):
+                ident, _, _ = router.recv_multipart()
+                router.send_multipart([ident, b"", b"", END_SEQ, b""])
+        return out
+
+    good = [b"kv", pack_seq(0), encode_payload(batch(0))]
+    try:
+        cfg = EndpointConfig("w0", f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}")
+        with Subscriber([cfg], clock=lambda: now[0], probe_s=1.0) as sub:
+            out: list[Delivery] = []
+            for _ in range(250):
+                out += rounds(1, good)
+                if received(out):
+                    break
+            rounds(4)
+            assert not sub.silent(5.0)
+            with sub.away():  # a snapshot of 60 s
+                now[0] += 60.0
+                assert not sub.silent(5.0)
+            assert not sub.silent(5.0)
+            out = rounds(4)
+            assert not sub.silent(5.0) and not any(isinstance(d, ResyncNeeded) for d in out)
+            answering[0] = False  # the publisher's replay socket goes quiet: silence counts while polling
+            rounds(12)
+            assert sub.silent(5.0) == {cfg.stream}
+    finally:
+        pub.close(0)
+        router.close(0)

@@ -196,23 +196,26 @@ class EventLoop:
         applied = 0  # of polled
         try:
             while not self._stop.is_set():
-                if time.monotonic() >= next_snapshot:
-                    self._save_logged()
-                    next_snapshot = time.monotonic() + self.config.snapshot_interval_s
                 polled, applied = sub.poll(50), 0
-                for d in polled:
-                    t0 = time.perf_counter()
-                    with self._lock:  # one batch per hold: queries wait for a batch, never a backlog
-                        t1 = time.perf_counter()
-                        self.consumer.feed((d,))
-                        applied += 1
-                        self.apply_wait.observe(t1 - t0)
-                        self.apply_hold.observe(time.perf_counter() - t1)
-                now = self._deadlines.clock()
-                while self._deadlines.due(now):
-                    with self._lock:  # a batch per hold: a wave of expiries (their blocks) never stalls queries
-                        for rid in self._deadlines.expire(now, _EXPIRE_BATCH):
-                            self._on_expired(rid)
+                # Away from polling (applying, expiring, a snapshot, which takes seconds for a large index): no
+                # publisher can be heard, so none is taken for gone nor a replay for unanswered meanwhile.
+                with sub.away():
+                    for d in polled:
+                        t0 = time.perf_counter()
+                        with self._lock:  # one batch per hold: queries wait for a batch, never a backlog
+                            t1 = time.perf_counter()
+                            self.consumer.feed((d,))
+                            applied += 1
+                            self.apply_wait.observe(t1 - t0)
+                            self.apply_hold.observe(time.perf_counter() - t1)
+                    now = self._deadlines.clock()
+                    while self._deadlines.due(now):
+                        with self._lock:  # a batch per hold: a wave of expiries (their blocks) never stalls queries
+                            for rid in self._deadlines.expire(now, _EXPIRE_BATCH):
+                                self._on_expired(rid)
+                    if time.monotonic() >= next_snapshot:
+                        self._save_logged()
+                        next_snapshot = time.monotonic() + self.config.snapshot_interval_s
             self._save_logged()  # on stop
         finally:
             self._positions = sub.positions()  # where a restart resumes (closing forgets the streams)

@@ -12,9 +12,10 @@ into batches far smaller), or, from an engine without dumps, in the worker marke
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import zmq
@@ -113,6 +114,12 @@ class Subscriber:
         self._timeout = replay_timeout_s
         self._probe_s = probe_s
         self._clock = clock
+        # The streams' clock is ``clock`` less the time the owner spent away from polling (:meth:`away`): the seconds
+        # it was away in all, and when it left (None while it is not away). Written by the owner's thread, read by
+        # others (:meth:`silent`): ``_away`` grows before ``_left`` is cleared, and :meth:`_now` reads ``_left``
+        # first, so a reader never counts an absence as silence.
+        self._away = 0.0
+        self._left: float | None = None
         self._conns: dict[StreamId, _Conn] = {}
         self._by_socket: dict[zmq.Socket[bytes], _Conn] = {}
         self._poller = zmq.Poller()
@@ -130,10 +137,28 @@ class Subscriber:
         """A catch-up, full replay or dump of ``stream`` is under way. O(1)."""
         return self._conns[stream].tracker.recovering
 
+    def _now(self) -> float:
+        """The streams' clock: ``clock`` less the time the owner was away from polling; it stands still while the
+        owner is away. O(1)."""
+        left = self._left
+        return (self._clock() if left is None else left) - self._away
+
+    @contextlib.contextmanager
+    def away(self) -> Iterator[None]:
+        """The owner stops polling for a while (applying what a poll returned, writing a snapshot): no publisher can
+        be heard meanwhile, so that time counts as no silence (:meth:`silent`), no wait for a replay's answer and no
+        idle time before a probe: the streams' clock stands still until it is back. O(1)."""
+        left = self._left = self._clock()
+        try:
+            yield
+        finally:
+            self._away += self._clock() - left
+            self._left = None
+
     def silent(self, timeout_s: float) -> set[StreamId]:
-        """Streams whose publisher sent nothing, no batch and no answer, for ``timeout_s``
-        (:meth:`StreamTracker.silent`). O(streams)."""
-        now = self._clock()
+        """Streams whose publisher sent nothing, no batch and no answer, for ``timeout_s`` of the time the owner was
+        polling (:meth:`StreamTracker.silent`, :meth:`away`). O(streams)."""
+        now = self._now()
         # (read from the service's HTTP thread: a copy of the items, taken at once, while the loop's thread may close)
         return {s for s, conn in list(self._conns.items()) if conn.tracker.silent(now, timeout_s)}
 
@@ -164,9 +189,9 @@ class Subscriber:
         self._conns[cfg.stream] = conn
         self._register(conn)
         if resume is not None:
-            tracker.resume(resume, self._clock())
+            tracker.resume(resume, self._now())
         else:
-            tracker.start(self._clock())
+            tracker.start(self._now())
         self._flush(conn)
 
     def remove_endpoint(self, stream: StreamId) -> None:
@@ -182,7 +207,7 @@ class Subscriber:
     def request_resync(self, stream: StreamId, reason: str) -> list[Delivery]:
         """Asks for ``stream``'s full state again (see :meth:`StreamTracker.request_resync`)."""
         conn = self._conns[stream]
-        out = conn.tracker.request_resync(reason, self._clock())
+        out = conn.tracker.request_resync(reason, self._now())
         self._flush(conn)
         return out
 
@@ -225,14 +250,14 @@ class Subscriber:
                     ready.pop(sock)
                     continue
                 handled += 1
-                now = self._clock()
+                now = self._now()
                 if sock is conn.sub:
                     self._on_live(conn, frames, now, out)
                 elif sock is conn.monitor:
                     conn.tracker.on_disconnect()
                 else:
                     self._on_reply(conn, frames, now, out)
-        now = self._clock()
+        now = self._now()
         for conn in list(self._conns.values()):
             out.extend(conn.tracker.on_tick(now))
             self._flush(conn)
