@@ -819,6 +819,10 @@ def test_a_snapshot_that_fails_on_a_bug_leaves_the_loop_running(
     ("snapshot_interval_s = 1e-9\n", "snapshot_interval_s: 1e-09 is not allowed"),
     ("kv_gbps = 1e-300\n", "kv_gbps: 1e-300 is not allowed; expected a number in [0.001, 1000000]"),
     ('[[endpoints]]\nworker = "w1"\nendpoint = "tcp://127.0.0.1:1"\n', "both subscribe to tcp://127.0.0.1:1"),
+    # two streams one name: worker w0's rank 1 and a worker named w0/dp1 (one would vanish from every answer)
+    ('[[endpoints]]\nworker = "w0"\ndp_rank = 1\nendpoint = "tcp://127.0.0.1:2"\n[[endpoints]]\nworker = "w0/dp1"\n'
+     'endpoint = "tcp://127.0.0.1:3"\n',
+     "endpoints: worker 'w0' rank 1 and worker 'w0/dp1' are both named w0/dp1 in every answer"),
     ("max_connections = 0\n", "max_connections: 0 is not allowed"),
     ('auth_token_file = "/nonexistent/tokens"\n', "auth_token_file /nonexistent/tokens"),
 ])

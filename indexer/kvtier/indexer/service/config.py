@@ -22,6 +22,7 @@ from kvtier.indexer.routing.policies import RoutingSettings
 from kvtier.indexer.routing.scoring import DEFAULT_OUT_OF_REACH, OUT_OF_REACH
 from kvtier.util.fields import ConfigError, Domain, at_least, check_fields, one_of, within
 from kvtier.util.infile import SETTINGS_BYTES, read_text
+from kvtier.wire.notices import StreamId
 from kvtier.wire.protocol import DEFAULT_BLOCK_SIZE, StorageTier
 from kvtier.wire.transport.subscriber import MAX_DP_RANK, MAX_FRAME_BYTES, EndpointConfig
 
@@ -142,6 +143,15 @@ class ServiceConfig:
             other = named.setdefault(ep.endpoint, ep.worker)
             if other != ep.worker:  # each would index the other's events as its own
                 raise ConfigError(f"endpoints: workers {other!r} and {ep.worker!r} both subscribe to {ep.endpoint}")
+        # A rank past 0 is named worker/dpN in every answer and metric: a worker named so would take its place.
+        called: dict[str, StreamId] = {}
+        for ep in self.endpoints:
+            first = called.setdefault(str(ep.stream), ep.stream)
+            if first != ep.stream:
+                def what(s: StreamId) -> str:
+                    return f"worker {s.worker!r}" + (f" rank {s.dp_rank}" if s.dp_rank else "")
+                raise ConfigError(f"endpoints: {what(first)} and {what(ep.stream)} are both named {ep.stream} in "
+                                  "every answer")
 
     def routing_settings(self) -> RoutingSettings:
         """What the policy prices with, as the simulator builds it (:mod:`kvtier.indexer.routing.policies`); a latency
