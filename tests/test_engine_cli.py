@@ -171,3 +171,16 @@ def test_l3_pages_of_another_kv_size_live_apart(tmp_path: Path) -> None:
     assert small == store_dir("--kv-bytes-per-token", "64")
     with pytest.raises(live.EngineError, match=r"^--model: the model name must not be empty$"):
         store_dir("--model", "")
+
+
+def test_a_long_trace_says_how_long_it_takes_and_how_far_it_is(capsys: pytest.CaptureFixture[str],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first line gives the trace's span at --speed, and a line every PROGRESS_S says how far the replay is: the
+    README's engine example was silent for 44 s between its first line and 'trace done'."""
+    monkeypatch.setattr(live, "PROGRESS_S", 0.0)
+    args = live.build_parser().parse_args(["--endpoint", "tcp://127.0.0.1:0", "--replay", "tcp://127.0.0.1:0",
+                                           "--hold", "0", "--trace", "builtin:chat:3", "--speed", "1000"])
+    assert live.run(args) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^engine w0: publishing on .*, 3 requests over \d+\.\d s at --speed 1000$", out, re.M), out
+    assert re.search(r"^engine w0: 3 of 3 requests served after \d+ s$", out, re.M), out

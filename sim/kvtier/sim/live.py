@@ -41,6 +41,8 @@ from kvtier.wire.transport.subscriber import MAX_DP_RANK
 
 #: The engine's default device capacity: CacheConfig's (one default per setting).
 _DEVICE_PAGES = CacheConfig().device_pages
+#: A replay says how far it is every this many seconds (a trace at --speed takes minutes).
+PROGRESS_S = 15.0
 
 
 def write_residency(cache: TieredCache, path: Path) -> None:
@@ -183,9 +185,10 @@ def _serve(args: argparse.Namespace, stop: dict[str, bool]) -> int:
         print(f"kvtier engine: error: {exc}", file=sys.stderr)
         return 2
     bank = TokenBank(seed=args.seed)
+    span = trace[-1].arrival if trace else 0.0
     print(f"engine {args.name}: publishing on {node.publisher.endpoint}, replay {node.publisher.replay_endpoint}, "
-          f"{len(trace)} requests", flush=True)
-    t0 = time.monotonic()
+          f"{len(trace)} requests over {span:.1f} s at --speed {args.speed:g}", flush=True)
+    t0 = said = time.monotonic()
     done = too_long = 0  # requests replayed; prompts that could not be cached (longer than the device holds)
     rc = 0
     try:
@@ -204,6 +207,10 @@ def _serve(args: argparse.Namespace, stop: dict[str, bool]) -> int:
                 cache.release(adm)
             node.flush()
             done += 1
+            if time.monotonic() - said >= PROGRESS_S:
+                said = time.monotonic()
+                print(f"engine {args.name}: {done} of {len(trace)} requests served after {said - t0:.0f} s",
+                      flush=True)
         while dp.ops and not halted():
             node.step()
             time.sleep(0.002)
