@@ -81,7 +81,7 @@ def test_a_sweep_varies_the_latency_fit(tmp_path: Path) -> None:
         (name, LATENCY_PRESETS[name]) for name in ("dynamo-mocker", "h200-llama-3.1-8b")]
     assert cli(["sweep", "--trace", "builtin:chat:4", "--no-plots", "--out", str(tmp_path), "--grid",
                 "latency=dynamo-mocker,h200-llama-3.1-8b"]) == 0
-    runs = json.loads((tmp_path / "sweep.json").read_text())
+    runs = json.loads((tmp_path / "sweep.json").read_text())["runs"]
     assert [r["latency"] for r in runs] == ["dynamo-mocker", "h200-llama-3.1-8b"]
     assert runs[0]["ttft_p50"] != runs[1]["ttft_p50"]
 

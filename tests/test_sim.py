@@ -296,8 +296,15 @@ def test_cli_sweep_gen_trace_and_errors(tmp_path: Path, capsys: pytest.CaptureFi
               "--grid", "host_ratio=0,2", "policy=kv_device,kv_host", "--jobs", "2", "--out", str(tmp_path / "s")])
     assert rc == 0
     text = (tmp_path / "s" / "sweep.json").read_text()
-    rows = json.loads(text, parse_constant=lambda c: pytest.fail(f"sweep.json holds {c}: strict JSON refuses it"))
+    sweep = json.loads(text, parse_constant=lambda c: pytest.fail(f"sweep.json holds {c}: strict JSON refuses it"))
+    rows = sweep["runs"]
     assert rows[0]["goodput"] is None  # (no SLO given)
+    # What every grid point shares is kept beside them, as summary.json keeps it: the trace, the cluster, the run's
+    # settings and the grid itself
+    meta = sweep["meta"]
+    assert meta["trace"] == str(trace) and meta["requests"] == 80 and meta["cluster"]["workers"] == 2
+    assert meta["grid"] == {"host_ratio": [0.0, 2.0], "policy": ["kv_device", "kv_host"]}
+    assert meta["run"]["closed_loop"] is True and "policy" not in meta["run"]
     csv_rows = (tmp_path / "s" / "sweep.csv").read_text().splitlines()
     assert csv_rows[0].startswith("host_ratio,policy,requests,") and len(csv_rows) == 5
     for measure in ("hit_rate", "ttft_p90", "tpot_p90"):
@@ -323,7 +330,7 @@ def test_sweep_on_ray_when_installed(tmp_path: Path) -> None:
     rc = cli(["sweep", "--trace", str(trace), "--workers", "2", "--device-tokens", "32768", "--ray",
               "--grid", "policy=round_robin,kv_all", "--out", str(tmp_path)])
     assert rc == 0
-    rows = json.loads((tmp_path / "sweep.json").read_text())
+    rows = json.loads((tmp_path / "sweep.json").read_text())["runs"]
     assert [r["policy"] for r in rows] == ["round_robin", "kv_all"] and all(r["requests"] == 60 for r in rows)
 
 

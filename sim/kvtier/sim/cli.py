@@ -610,8 +610,11 @@ def cmd_sweep(a: argparse.Namespace) -> int:
         rows.append({**tag, **{k: None if isinstance(v, float) and math.isnan(v) else v  # (strict JSON: no NaN)
                                for k, v in s.as_dict().items() if k not in ("policy", "extra", "slo")},
                      **s.extra})
+    # What every grid point shares (the trace, the cluster and run settings the grid varies from, the grid) beside
+    # the points, as summary.json keeps it
+    meta = {**_meta(a, len(jobs[0].trace) if jobs else 0, _run_cfg(a, a.policy)), "grid": grid}
     with whole(out_dir / "sweep.json") as part:
-        part.write_text(json.dumps(rows, indent=2, default=str))
+        part.write_text(json.dumps({"meta": meta, "runs": rows}, indent=2, default=str))
     _print_table(table(summaries, first="grid point"), out_dir / "sweep.json")
     _warn(summaries)
     with _interrupt_after():
