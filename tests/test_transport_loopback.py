@@ -536,8 +536,10 @@ def test_a_seq_no_probe_could_follow_is_refused_and_the_stream_goes_on() -> None
 
 def test_time_the_owner_spends_away_from_polling_is_no_silence() -> None:
     """The indexer's event loop stops polling while it applies what a poll returned or writes a snapshot (seconds,
-    for a large index): a publisher cannot be heard then, so that time is no silence (every worker was listed dead
-    for most of each snapshot) and no wait for a replay's answer; silence while polling still counts."""
+    for a large index): a quiet publisher cannot be probed then, so the part of an absence past the probes' interval
+    is no silence (every worker was listed dead for most of each snapshot) and no wait for a replay's answer. Silence
+    while polling still counts, and so do absences shorter than the probes' interval: a loop kept busy by other
+    streams still finds a gone publisher."""
     ctx = zmq.Context.instance()
     pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
     port, rport = pub.bind_to_random_port("tcp://127.0.0.1"), router.bind_to_random_port("tcp://127.0.0.1")
@@ -575,6 +577,15 @@ def test_time_the_owner_spends_away_from_polling_is_no_silence() -> None:
             assert not sub.silent(5.0) and not any(isinstance(d, ResyncNeeded) for d in out)
             answering[0] = False  # the publisher's replay socket goes quiet: silence counts while polling
             rounds(12)
+            assert sub.silent(5.0) == {cfg.stream}
+            answering[0] = True
+            rounds(4)
+            assert not sub.silent(5.0)
+            answering[0] = False  # and while the loop is busy, away for most of each round but never long
+            for _ in range(8):
+                with sub.away():
+                    now[0] += 0.9
+                rounds(1)
             assert sub.silent(5.0) == {cfg.stream}
     finally:
         pub.close(0)

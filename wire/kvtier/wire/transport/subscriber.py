@@ -114,9 +114,9 @@ class Subscriber:
         self._timeout = replay_timeout_s
         self._probe_s = probe_s
         self._clock = clock
-        # The streams' clock is ``clock`` less the time the owner spent away from polling (:meth:`away`): the seconds
-        # it was away in all, and when it left (None while it is not away). Written by the owner's thread, read by
-        # others (:meth:`silent`): ``_away`` grows before ``_left`` is cleared, and :meth:`_now` reads ``_left``
+        # The streams' clock is ``clock`` less the part of each absence from polling past ``probe_s`` (:meth:`away`):
+        # those parts summed, and when the owner left (None while it is not away). Written by the owner's thread, read
+        # by others (:meth:`silent`): ``_away`` grows before ``_left`` is cleared, and :meth:`_now` reads ``_left``
         # first, so a reader never counts an absence as silence.
         self._away = 0.0
         self._left: float | None = None
@@ -138,21 +138,25 @@ class Subscriber:
         return self._conns[stream].tracker.recovering
 
     def _now(self) -> float:
-        """The streams' clock: ``clock`` less the time the owner was away from polling; it stands still while the
-        owner is away. O(1)."""
-        left = self._left
-        return (self._clock() if left is None else left) - self._away
+        """The streams' clock: ``clock`` less the part of each absence from polling past ``probe_s``; it stands
+        still from ``probe_s`` into an absence until the owner is back. O(1)."""
+        left, now = self._left, self._clock()
+        if left is not None:
+            now = min(now, left + self._probe_s)
+        return now - self._away
 
     @contextlib.contextmanager
     def away(self) -> Iterator[None]:
-        """The owner stops polling for a while (applying what a poll returned, writing a snapshot): no publisher can
-        be heard meanwhile, so that time counts as no silence (:meth:`silent`), no wait for a replay's answer and no
-        idle time before a probe: the streams' clock stands still until it is back. O(1)."""
+        """The owner stops polling for a while (applying what a poll returned, writing a snapshot). A quiet
+        publisher is heard only by answering the idle probes, which go out from :meth:`poll` alone: an absence longer
+        than the probes' interval kept it from being asked, so the part past ``probe_s`` counts as no silence
+        (:meth:`silent`), no wait for a replay's answer and no idle time. Shorter absences count in full, so a
+        loop that is never long away (busy, polling between batches) still finds a gone publisher in time. O(1)."""
         left = self._left = self._clock()
         try:
             yield
         finally:
-            self._away += self._clock() - left
+            self._away += max(0.0, self._clock() - left - self._probe_s)
             self._left = None
 
     def silent(self, timeout_s: float) -> set[StreamId]:
