@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -220,3 +222,19 @@ def test_a_plugins_error_names_the_line_of_its_own_code(tmp_path: Path) -> None:
     broken.write_text("X = 1\nY = {}['missing']\n")
     with pytest.raises(ValueError, match=r"KeyError: 'missing' \(atimport\.py, line 2, in <module>\)$"):
         load_policy(f"{broken}:X")
+    # Where no line of the plugin's raised (no such module, a score float() does not take), kvtier's own line is no
+    # plugin's: none is named.
+    with pytest.raises(ValueError) as no_module:
+        load_policy("no_such_module_here:X")
+    assert str(no_module.value).endswith("No module named 'no_such_module_here'"), no_module.value
+    src.write_text(src.read_text().replace("json.loads('{')", "'abc'"))
+    with pytest.raises(PluginError) as not_a_number:
+        route_with(load_policy(f"{src}:Bad"), ctx, workers)
+    assert str(not_a_number.value).endswith("could not convert string to float: 'abc'"), not_a_number.value
+    # The same from the installed command, whose kvtier package path is the install's, not the tests' (an editable
+    # install's names one folder of kvtier's seven): kvtier's own line is still no plugin's.
+    run = subprocess.run([sys.executable, "-m", "kvtier", "replay", "--trace", "builtin:chat:4", "--no-plots",
+                          "--out", str(tmp_path / "out"), "--policy", f"{src}:Bad"], capture_output=True, text=True,
+                         timeout=300, check=False, cwd=tmp_path, env={k: v for k, v in os.environ.items()
+                                                                      if k != "PYTHONPATH"})
+    assert run.returncode == 2 and run.stderr.rstrip().endswith("could not convert string to float: 'abc'"), run.stderr

@@ -16,6 +16,7 @@ with no arguments. See ``examples/fresh_first_policy.py``.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import math
@@ -142,33 +143,39 @@ def _failed(exc: BaseException, policy: object = None) -> str:
     return _brief(f"{type(exc).__name__}: {exc}") + _where(exc, policy)
 
 
+@functools.cache
 def _library_dirs() -> tuple[str, ...]:
-    """Where code that is not a plugin's own lives: the standard library, installed packages, kvtier's own
-    packages."""
+    """Where code that is no plugin's lives besides kvtier: the standard library and installed packages (absolute
+    directories, each ending in a separator). Once per process."""
     paths = sysconfig.get_paths()
-    kvtier = importlib.import_module("kvtier")
-    return tuple({str(Path(d).resolve()) + os.sep for d in (paths["stdlib"], paths["purelib"], paths["platlib"],
-                                                            *getattr(kvtier, "__path__", ()))})
+    dirs = {paths.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    return tuple(str(Path(d).resolve()) + os.sep for d in dirs if d and os.path.isabs(d))
 
 
 def _where(exc: BaseException, policy: object = None) -> str:
     """`` (file.py, line N, in function)``: the line of the plugin's code ``exc`` came from, which the one-line error
     would otherwise lose: the innermost frame in the file of ``policy``'s class (a library it called may have raised
-    beneath it), else the innermost one outside the standard library, installed packages and kvtier (an error at
-    import); empty if there is none, or for a ``SyntaxError``, whose message names its line. O(frames)."""
+    beneath it), else the innermost one outside kvtier's modules, the standard library and installed packages (an
+    error at import); empty if there is none, for a ``SyntaxError`` (its message names its line), or if the frames
+    cannot be read: the location only adds to the message. O(frames + modules)."""
     if isinstance(exc, SyntaxError):
         return ""
-    frames = traceback.extract_tb(exc.__traceback__)
-    home = getattr(sys.modules.get(type(policy).__module__), "__file__", None) if policy is not None else None
-    mine = [f for f in frames if home is not None and f.filename == home]
-    if not mine:
-        libraries = _library_dirs()
-        mine = [f for f in frames if not f.filename.startswith("<")
-                and not str(Path(f.filename).resolve()).startswith(libraries)]
-    if not mine:
+    try:
+        frames = traceback.extract_tb(exc.__traceback__)
+        home = getattr(sys.modules.get(type(policy).__module__), "__file__", None) if policy is not None else None
+        mine = [f for f in frames if home is not None and f.filename == home]
+        if not mine:
+            ours = {getattr(m, "__file__", None) for name, m in list(sys.modules.items())
+                    if name.partition(".")[0] == "kvtier"}
+            libraries = _library_dirs()
+            mine = [f for f in frames if not f.filename.startswith("<") and f.filename not in ours
+                    and not str(Path(f.filename).resolve()).startswith(libraries)]
+        if not mine:
+            return ""
+        f = mine[-1]
+        return f" ({Path(f.filename).name}, line {f.lineno}, in {f.name})"
+    except Exception:  # (a frame's file gone, the working directory deleted: the message stands without it)
         return ""
-    f = mine[-1]
-    return f" ({Path(f.filename).name}, line {f.lineno}, in {f.name})"
 
 
 def load_policy(spec: str) -> RoutingPolicy:
