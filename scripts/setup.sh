@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv and installs kvtier with its dev tools. Idempotent; safe to re-run: an install that
-# succeeded for this pyproject.toml and this script is not run again (.venv/install.stamp).
+# succeeded for this pyproject.toml, this script and this checkout's place is not run again
+# (.venv/install.stamp; kvtier is installed editable, from here).
 # pip's output goes to .venv/install.log and is shown only if the install fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,7 +10,12 @@ if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
 stamp=.venv/install.stamp
-want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+want=$(.venv/bin/python -c 'import hashlib, os
+h = hashlib.sha256(os.getcwd().encode())
+for name in ("pyproject.toml", "scripts/setup.sh"):
+    with open(name, "rb") as f:
+        h.update(f.read())
+print(h.hexdigest())')
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     exit 0  # (kvtier is installed editable: code changes need no reinstall, dependency changes do)
 fi

@@ -717,7 +717,7 @@ def test_options_that_change_nothing_get_a_warning(tmp_path: Path, capsys: pytes
     assert main(["replay", *SMALL, "--out", str(tmp_path / "r2"), "--host-ratio", "0", "--storage-link",
                  "nvme-gen5", "--storage-gbps", "3", "--gpu-link", "h200", "--h2d-gbps", "9", "--no-load-back",
                  "--selective-threshold", "4", "--swa-ratio", "0.5", "--no-swa-events", "--slo-out-of-reach",
-                 "price"]) == 0
+                 "price", "--sla-e2e-ms", "9000"]) == 0
     warned = [line.split("warning: ")[1] for line in capsys.readouterr().err.splitlines() if "warning" in line]
     assert warned == ["--storage-link changes nothing without an L3 tier (--l3 disk or external)",
                       "--storage-gbps changes nothing without an L3 tier (--l3 disk or external)",
@@ -727,7 +727,7 @@ def test_options_that_change_nothing_get_a_warning(tmp_path: Path, capsys: pytes
                       "--selective-threshold changes nothing but with --write-policy write_through_selective",
                       "--swa-ratio changes nothing but with a sliding-window model (--model)",
                       "--no-swa-events changes nothing but with a sliding-window model (--model)",
-                      "--slo-out-of-reach changes nothing without an SLO (--sla-ttft-ms, --sla-tpot-ms, --sla-e2e-ms)"]
+                      "--slo-out-of-reach changes nothing without a TTFT or TPOT bound (--sla-ttft-ms, --sla-tpot-ms)"]
     assert main(["replay", *SMALL, "--out", str(tmp_path / "r3"), "--l3", "disk", "--prefetch-timeout-s",
                  "0.2"]) == 0
     warned = [line.split("warning: ")[1] for line in capsys.readouterr().err.splitlines() if "warning" in line]
