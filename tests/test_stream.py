@@ -1148,44 +1148,92 @@ def test_a_recovery_holds_bounded_bytes(where: str, monkeypatch: pytest.MonkeyPa
     assert seqs(out) == list(range(2, seq + 1))  # (seq 1 given up for lost)
 
 
-@pytest.mark.parametrize("before", [0, 7])
-def test_a_publishers_first_batch_after_a_loss_for_good_makes_the_state_complete(before: int) -> None:
-    """An engine that can replay but not dump (SGLang, vLLM) is down while the stream's replay goes unanswered (the
-    router started first, or the engine is restarting), so its state is given up for lost and the worker marked
-    partial. When the engine comes up its first batch is seq 0: everything it holds is announced from there, so the
-    worker's state is complete again, cleared of anything from before, as after a replay from 0; with batches
-    delivered before (``before``), it is a restart. It stayed partial for good."""
-    t = tracker()
-    if before:  # (followed from its first batch; then the engine went down: the reconnect's check goes unanswered)
-        out = [d for q in range(before) for d in t.on_live(q, payload(q), 0.0)]
+def _store(q: int, proc: int = 1) -> bytes:
+    """Batch ``q`` of publisher process ``proc``: a block stored (not the AllBlocksCleared of :func:`payload`, which
+    would end a partial state itself)."""
+    return encode_payload(EventBatch(ts=100.0 * proc + q, dp_rank=0, events=[BlockStored(
+        block_hashes=[1000 * proc + q], parent_block_hash=None, token_ids=list(range(16 * q, 16 * q + 16)),
+        block_size=16)]))
+
+
+def _given_up(before: int, **kw: bool) -> tuple[StreamTracker, list[Delivery]]:
+    """A stream given up for lost with nothing at hand: followed from its first batch for ``before`` batches, then
+    its engine went down (the reconnect's check goes unanswered); or, with none, the router's replay from 0 at start
+    went unanswered."""
+    t = tracker(**kw)
+    out: list[Delivery] = []
+    if before:
+        out = [d for q in range(before) for d in t.on_live(q, _store(q, proc=0), 0.0)]
         t.on_disconnect()
-    else:  # (the router's replay from 0 at start goes unanswered)
+    else:
         t.start(0.0)
-        out = []
     out += t.on_tick(5.0)
     out += _answer_nothing(t, 5.0, 1.1, until_given_up=True)[0]
     assert any(isinstance(d, ResyncNeeded) for d in out) and t.expected is None
+    return t, out
+
+
+@pytest.mark.parametrize("first", [0, 3])
+@pytest.mark.parametrize("before", [0, 7])
+def test_a_publishers_first_batches_after_a_loss_for_good_make_the_state_complete(before: int, first: int) -> None:
+    """An engine that can replay but not dump (SGLang, vLLM) is down while the stream's replay goes unanswered (the
+    router started first, or the engine is restarting), so its state is given up for lost and the worker marked
+    partial. When the engine comes up, everything it holds is announced from its seq 0: that batch live, or, where
+    the reconnecting socket missed its first ones (``first``), a replay from 0. The worker's state is complete again
+    once they are delivered, cleared of anything from before (a restart where batches were delivered before and seq
+    0 came live). It stayed partial for good."""
+    t, out = _given_up(before)
     index = TieredIndex(block_size=16)
     consumer = IndexConsumer(index)
     consumer.feed(out)
     assert index.is_partial(S)
-    def store(q: int) -> bytes:  # (a block stored, not the AllBlocksCleared that would end a partial state itself)
-        return encode_payload(EventBatch(ts=100.0 + q, dp_rank=0, events=[BlockStored(
-            block_hashes=[1000 + q], parent_block_hash=None, token_ids=list(range(16 * q, 16 * q + 16)),
-            block_size=16)]))
-
-    later = [d for q in range(3) for d in t.on_live(q, store(q), 100.0)]
-    assert _contents(later) == [(q, 100.0 + q) for q in range(3)]
-    assert isinstance(later[0], PublisherRestarted if before else ResyncStarted)
-    assert t.stats.restarts == (1 if before else 0)
+    buffer = {q: _store(q) for q in range(first + 3)}
+    later = [d for q in range(first, first + 3) for d in t.on_live(q, buffer[q], 100.0)]
+    later += _answer_honestly(t, buffer, 100.0)
+    assert _contents(later) == [(q, 100.0 + q) for q in range(first + 3)]
+    notice = PublisherRestarted if before and not first else ResyncStarted
+    assert isinstance(later[0], notice) and not any(isinstance(d, ResyncNeeded) for d in later), later
+    assert t.stats.restarts == (1 if notice is PublisherRestarted else 0)
     consumer.feed(later)
-    assert not index.is_partial(S)
-    # Past seq 0 the stream is as partial as it was: what came before is unknown.
-    t2 = tracker()
-    t2.start(0.0)
-    lost = _answer_nothing(t2, 0.0, 1.1, until_given_up=True)[0]
-    assert not any(isinstance(d, ResyncStarted | PublisherRestarted) for d in t2.on_live(5, payload(5), 100.0))
-    assert any(isinstance(d, ResyncNeeded) for d in lost)
+    assert not index.is_partial(S) and t.expected == first + 3 and not t.recovering and not t.outbox
+    assert t.on_tick(101.0) == [] and [unpack_seq(r) for r in t.outbox] == [first + 3]  # (an idle probe, no check)
+
+
+def test_a_check_the_old_connection_owed_is_not_asked_of_the_new_process() -> None:
+    """The engine went down while a gap's replay was under way (the reconnect's check deferred behind it) and the
+    stream was given up for lost. The new process's seq 0 ends the partial mark; the check the old connection owed
+    is not asked of it afterwards (unanswered by an engine still starting, it marked the worker partial again)."""
+    t = tracker()
+    for q in range(7):
+        t.on_live(q, _store(q, proc=0), 0.0)
+    t.on_live(9, _store(9, proc=0), 1.0)  # (8 lost: its replay under way)
+    t.on_disconnect()
+    _answer_nothing(t, 1.0, 1.1, until_given_up=True)
+    out = t.on_live(0, _store(0), 100.0) + t.on_live(1, _store(1), 100.1)
+    assert isinstance(out[0], PublisherRestarted) and _contents(out) == [(0, 100.0), (1, 101.0)]
+    assert not t.recovering and not t.outbox
+
+
+def test_a_garbled_seq_0_after_a_loss_for_good_is_no_new_process() -> None:
+    """The stream was given up for lost, its publisher still running; a live frame of a batch delivered before comes
+    with its seq garbled to 0. It repeats a delivered batch: a corrupt seq, not a new process's first batch (which
+    would have ended the partial mark and counted a restart that never was)."""
+    t, _ = _given_up(7)
+    out = t.on_live(0, _store(5, proc=0), 100.0)
+    assert not any(isinstance(d, PublisherRestarted | ResyncStarted | Received) for d in out)
+    assert t.stats.bogus_seqs == 1 and t.stats.restarts == 0
+
+
+def test_a_dump_capable_publishers_seq_0_after_a_loss_for_good_asks_no_dump() -> None:
+    """A dump-capable engine given up for lost (its dumps unanswered: down) is asked for a dump again as the backoff
+    allows; when it comes back with its seq 0, its state is complete from there, and no dump is asked for (one would
+    clear the worker and rebuild what it holds already)."""
+    t, _ = _given_up(7, dump=True)
+    out = t.on_live(0, _store(0), 100.0)
+    assert isinstance(out[0], PublisherRestarted) and _contents(out) == [(0, 100.0)]
+    assert not t.outbox
+    out = t.on_tick(1000.0)
+    assert not out and t.outbox == [pack_seq(1)] and t.stats.resyncs == 1  # (an idle probe, no dump)
 
 
 def test_losses_for_good_of_an_engine_without_dumps_are_logged_sparingly(caplog: pytest.LogCaptureFixture) -> None:

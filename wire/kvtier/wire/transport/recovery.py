@@ -179,6 +179,12 @@ class StreamRecovery:
             return None
         return self._timed_out(now, out) if now >= self.deadline else []
 
+    def owe_nothing(self) -> None:
+        """The publisher's state is being announced whole from its seq 0 (``StreamTracker._fresh_start``): no dump
+        is owed it, and none failed for it. O(1)."""
+        self.dump_due = False
+        self.failed_dumps = 0
+
     def disconnect(self) -> None:
         """The live socket lost its peer, and the replay socket most likely the same one: the pending request
         could vanish, so it goes again on a fresh socket. The peer may be a restarted publisher, whose seqs would

@@ -282,7 +282,7 @@ class StreamTracker:
         # dump stood for, which its end marker overtook)
         if s.expected is not None and seq < s.expected and s.passed(seq, payload):
             return
-        if s.expected is not None and s.history.repeats(payload):
+        if s.history.repeats(payload):  # (also right after a loss for good: no new process's first batch then)
             # An honest publisher's batch whose seq frame was garbled, which the replay of the gap it left brought
             # back at its own seq: delivered as this seq, the real batch here would later look like a new process's
             s.bogus(seq, "the payload of a batch delivered already", out)
@@ -301,16 +301,9 @@ class StreamTracker:
                 return
         if s.doubtful:
             self._settle_doubtful(seq, out)
+        if s.expected is None and s.lost_all:
+            self._fresh_start(seq, out)
         if s.expected is None and seq == 0:
-            if s.lost_all:
-                # Given up for lost with nothing to go on from (its publisher down, or restarting: nothing answered),
-                # and now a publisher's first batch: everything its process holds is announced from here, so the
-                # worker's state is complete again, cleared of the old process's if there was one.
-                s.lost_all = False
-                if s.stats.delivered:
-                    s.new_publisher(seq, None, out)
-                else:
-                    out.append(ResyncStarted(s.stream, "the publisher's first batch after its state was lost"))
             s.expected = 0
         if self._suspect and self._checks_publisher:  # (the flag first: this runs for every batch)
             assert s.expected is not None, "a check with no seq delivered"
@@ -329,6 +322,25 @@ class StreamTracker:
         s.expected = first_missing
         # (with batches set aside, the replay settles them: :meth:`_settle_doubtful`)
         self._drain(rec.replay_from(first_missing, now, out, for_gap=True, settle=bool(s.doubtful)), now, out)
+
+    def _fresh_start(self, seq: int, out: list[Delivery]) -> None:
+        """The stream was given up for lost with nothing to go on from (its publisher down or restarting: nothing
+        answered), and live batch ``seq`` came: everything a publisher process holds is announced from its seq 0, this
+        batch or the replay from 0 its gap asks for, so the worker's state will be complete again. Reported as a new
+        process where this is its seq 0 and batches were delivered before, else as a resync (a replay from 0 that
+        fails marks it partial again); what the old connection owed (a check, a dump) is not asked of it. O(1), and
+        O(history) forgetting the old process."""
+        s = self._state
+        s.lost_all = False
+        self._suspect = False
+        s.reconnected = False
+        self._recovery.owe_nothing()
+        if seq == 0 and s.stats.delivered:
+            s.new_publisher(seq, None, out)
+            return
+        if seq == 0:
+            s.history.forget()  # (a resumed stream's vouched digest: the old process's)
+        out.append(ResyncStarted(s.stream, "a publisher's batches after its state was lost: rebuilt from its seq 0"))
 
     def _settle_doubtful(self, seq: int, out: list[Delivery]) -> None:
         """Live batch ``seq`` came while batches are set aside as doubtful (the publisher's replay answers held

@@ -47,8 +47,8 @@ class StreamState:
     # not over, the batches held through it not yet drained: a batch below ``expected`` that is no duplicate or
     # straggler is a new process's, not a corrupt seq
     reconnected: bool = False
-    # The last recovery gave the stream up for lost with nothing at hand to go on from (``expected`` None): a seq 0
-    # next is a publisher process's first batch, from which its state is complete again (``StreamTracker._live``)
+    # The last recovery gave the stream up for lost with nothing at hand to go on from (``expected`` None): the next
+    # live batch starts the state anew from the publisher's seq 0 (``StreamTracker._fresh_start``)
     lost_all: bool = False
 
     def deliver(self, seq: int, payload: bytes, source: Literal["live", "replay"], out: list[Delivery]) -> bool:

@@ -152,6 +152,7 @@ class Subscriber:
         than the probes' interval kept it from being asked, so the part past ``probe_s`` counts as no silence
         (:meth:`silent`), no wait for a replay's answer and no idle time. Shorter absences count in full, so a
         loop that is never long away (busy, polling between batches) still finds a gone publisher in time. O(1)."""
+        assert self._left is None, "away() does not nest (the inner absence would be excused twice)"
         left = self._left = self._clock()
         try:
             yield
