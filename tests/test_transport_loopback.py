@@ -485,53 +485,68 @@ def test_zmq_takes_a_port_past_65535_as_another_one() -> None:
         Publisher("tcp://127.0.0.1:70000")
 
 
+class _ByHand:
+    """A PUB and a ROUTER socket on loopback as a publisher, and a subscriber's clock moved on by hand: each round
+    sends a frame (if given), moves the clock ``step`` on, polls once, and answers every replay request or probe with
+    the end marker (nothing past what was published live) while ``answering``."""
+
+    def __init__(self, step: float) -> None:
+        ctx = zmq.Context.instance()
+        self.pub, self.router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+        port, rport = self.pub.bind_to_random_port("tcp://127.0.0.1"), self.router.bind_to_random_port("tcp://127.0.0.1")
+        self.cfg = EndpointConfig("w0", f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}")
+        self.now, self.step, self.answering = 0.0, step, True
+
+    def clock(self) -> float:
+        return self.now
+
+    def rounds(self, sub: Subscriber, n: int, send: list[bytes] | None = None) -> list[Delivery]:
+        out: list[Delivery] = []
+        for _ in range(n):
+            if send is not None:
+                self.pub.send_multipart(send)
+            self.now += self.step
+            out += sub.poll(20)
+            while self.answering and self.router.poll(0):
+                ident, _, _ = self.router.recv_multipart()
+                self.router.send_multipart([ident, b"", b"", END_SEQ, b""])
+        return out
+
+    def connect(self, sub: Subscriber) -> None:
+        """Batch 0, sent again and again until the SUB socket is connected and delivers it (duplicates after)."""
+        out: list[Delivery] = []
+        for _ in range(250):
+            out += self.rounds(sub, 1, [b"kv", pack_seq(0), encode_payload(batch(0))])
+            if received(out):
+                break
+        assert received(out) == [0]
+
+    def close(self) -> None:
+        self.pub.close(0)
+        self.router.close(0)
+
+
 def test_a_seq_no_probe_could_follow_is_refused_and_the_stream_goes_on() -> None:
     """A live batch numbered 2**63 - 1 (or below 0) from a PUB socket the indexer subscribes to: a probe or a replay
     could never ask for the seq after it (8 signed bytes): asking would raise ``struct.error`` in the event loop's
     idle probe. It is a malformed frame: counted, the stream's state untouched, and the batches after it are taken
     as before."""
-    ctx = zmq.Context.instance()
-    pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
-    port, rport = pub.bind_to_random_port("tcp://127.0.0.1"), router.bind_to_random_port("tcp://127.0.0.1")
-    now = [0.0]  # the subscriber's clock: moved on by hand, so that every idle probe falls due
-
-    def rounds(n: int, send: list[bytes] | None = None) -> list[Delivery]:
-        """``n`` polls, each after the clock moved past the probe interval; every replay request or probe is
-        answered with the end marker (nothing past what was published live)."""
-        out: list[Delivery] = []
-        for _ in range(n):
-            if send is not None:
-                pub.send_multipart(send)
-            now[0] += 2.0
-            out += sub.poll(20)
-            while router.poll(0):
-                ident, _, _ = router.recv_multipart()
-                router.send_multipart([ident, b"", b"", END_SEQ, b""])
-        return out
-
-    good = [b"kv", pack_seq(0), encode_payload(batch(0))]
+    hand = _ByHand(step=2.0)  # (every idle probe falls due)
     try:
-        cfg = EndpointConfig("w0", f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}")
-        with Subscriber([cfg], clock=lambda: now[0]) as sub:
-            out: list[Delivery] = []
-            for _ in range(250):  # until the SUB socket is connected (seq 0 again and again: duplicates after one)
-                out += rounds(1, good)
-                if received(out):
-                    break
-            assert received(out) == [0]
+        with Subscriber([hand.cfg], clock=hand.clock) as sub:
+            hand.connect(sub)
             for hostile in (2**63 - 1, -5):
-                pub.send_multipart([b"kv", struct.pack(">q", hostile), encode_payload(batch(1))])
-            out = rounds(10)
+                hand.pub.send_multipart([b"kv", struct.pack(">q", hostile), encode_payload(batch(1))])
+            out = hand.rounds(sub, 10)
             bad = [d for d in out if isinstance(d, MalformedFrame)]
             assert len(bad) == 2 and all("seq" in d.reason for d in bad), bad
             assert not any(isinstance(d, ResyncNeeded | ResyncStarted) for d in out)
-            pub.send_multipart([b"kv", pack_seq(1), encode_payload(batch(1))])
-            out = rounds(5)
+            hand.pub.send_multipart([b"kv", pack_seq(1), encode_payload(batch(1))])
+            out = hand.rounds(sub, 5)
             assert received(out) == [1]
-            assert sub.stats(cfg.stream).malformed == 2
+            assert sub.stats(hand.cfg.stream).malformed == 2
     finally:
-        pub.close(0)
-        router.close(0)
+        hand.close()
 
 
 def test_time_the_owner_spends_away_from_polling_is_no_silence() -> None:
@@ -540,53 +555,29 @@ def test_time_the_owner_spends_away_from_polling_is_no_silence() -> None:
     is no silence (every worker was listed dead for most of each snapshot) and no wait for a replay's answer. Silence
     while polling still counts, and so do absences shorter than the probes' interval: a loop kept busy by other
     streams still finds a gone publisher."""
-    ctx = zmq.Context.instance()
-    pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
-    port, rport = pub.bind_to_random_port("tcp://127.0.0.1"), router.bind_to_random_port("tcp://127.0.0.1")
-    now = [0.0]
-    answering = [True]
-
-    def rounds(n: int, send: list[bytes] | None = None) -> list[Delivery]:
-        out: list[Delivery] = []
-        for _ in range(n):
-            if send is not None:
-                pub.send_multipart(send)
-            now[0] += 0.5
-            out += sub.poll(20)
-            while answering[0] and router.poll(0):
-                ident, _, _ = router.recv_multipart()
-                router.send_multipart([ident, b"", b"", END_SEQ, b""])
-        return out
-
-    good = [b"kv", pack_seq(0), encode_payload(batch(0))]
+    hand = _ByHand(step=0.5)
     try:
-        cfg = EndpointConfig("w0", f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{rport}")
-        with Subscriber([cfg], clock=lambda: now[0], probe_s=1.0) as sub:
-            out: list[Delivery] = []
-            for _ in range(250):
-                out += rounds(1, good)
-                if received(out):
-                    break
-            rounds(4)
+        with Subscriber([hand.cfg], clock=hand.clock, probe_s=1.0) as sub:
+            hand.connect(sub)
+            hand.rounds(sub, 4)
             assert not sub.silent(5.0)
             with sub.away():  # a snapshot of 60 s
-                now[0] += 60.0
+                hand.now += 60.0
                 assert not sub.silent(5.0)
             assert not sub.silent(5.0)
-            out = rounds(4)
+            out = hand.rounds(sub, 4)
             assert not sub.silent(5.0) and not any(isinstance(d, ResyncNeeded) for d in out)
-            answering[0] = False  # the publisher's replay socket goes quiet: silence counts while polling
-            rounds(12)
-            assert sub.silent(5.0) == {cfg.stream}
-            answering[0] = True
-            rounds(4)
+            hand.answering = False  # the publisher's replay socket goes quiet: silence counts while polling
+            hand.rounds(sub, 12)
+            assert sub.silent(5.0) == {hand.cfg.stream}
+            hand.answering = True
+            hand.rounds(sub, 4)
             assert not sub.silent(5.0)
-            answering[0] = False  # and while the loop is busy, away for most of each round but never long
+            hand.answering = False  # and while the loop is busy, away for most of each round but never long
             for _ in range(8):
                 with sub.away():
-                    now[0] += 0.9
-                rounds(1)
-            assert sub.silent(5.0) == {cfg.stream}
+                    hand.now += 0.9
+                hand.rounds(sub, 1)
+            assert sub.silent(5.0) == {hand.cfg.stream}
     finally:
-        pub.close(0)
-        router.close(0)
+        hand.close()
