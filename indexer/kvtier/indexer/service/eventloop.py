@@ -197,8 +197,9 @@ class EventLoop:
         try:
             while not self._stop.is_set():
                 polled, applied = sub.poll(50), 0
-                # Away from polling (applying, expiring, a snapshot, which takes seconds for a large index): no
-                # publisher can be heard, so none is taken for gone nor a replay for unanswered meanwhile.
+                # Away from polling (applying, expiring, a snapshot, which takes seconds for a large index): no idle
+                # probe goes out, so the part of a long absence past the probes' interval counts toward no silence and
+                # no replay's timeout (Subscriber.away).
                 with sub.away():
                     for d in polled:
                         t0 = time.perf_counter()

@@ -161,8 +161,9 @@ class Subscriber:
             self._left = None
 
     def silent(self, timeout_s: float) -> set[StreamId]:
-        """Streams whose publisher sent nothing, no batch and no answer, for ``timeout_s`` of the time the owner was
-        polling (:meth:`StreamTracker.silent`, :meth:`away`). O(streams)."""
+        """Streams whose publisher sent nothing, no batch and no answer, for ``timeout_s`` of the streams' clock (the
+        owner's long absences from polling count up to ``probe_s``: :meth:`away`; :meth:`StreamTracker.silent`).
+        O(streams)."""
         now = self._now()
         # (read from the service's HTTP thread: a copy of the items, taken at once, while the loop's thread may close)
         return {s for s, conn in list(self._conns.items()) if conn.tracker.silent(now, timeout_s)}
