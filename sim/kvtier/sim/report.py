@@ -342,8 +342,8 @@ def _line(i: int) -> dict[str, Any]:
     return {"color": f"C{i % 10}", "linestyle": ("-", "--", ":", "-.")[i % 4], "marker": "osD^v<>"[(i // 4) % 7]}
 
 
-def _roomy(labels: Sequence[tuple[str, float, float]], ax: Any, height_pt: float = 9.0) -> list[tuple[str, float,
-                                                                                                     float, int]]:
+def _roomy(labels: Sequence[tuple[str, float, float]], ax: Any,
+           height_pt: float = 9.0) -> list[tuple[str, float, float, int]]:
     """Of ``labels`` (text, x, y), to be written to the right of their points, those that overlap no other label,
     with their index (text widths estimated at 4.5 points a character, the labels' size). O(labels^2)."""
     ax.autoscale_view()
