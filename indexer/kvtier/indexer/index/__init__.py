@@ -4,6 +4,7 @@
 module                 holds
 =====================  ==============================================================================
 ``tiered``             :class:`TieredIndex`: workers, events in, overlap queries out, snapshots
+``snapshot``           the snapshot format: each worker's blocks and the links as arrays (reads version 1 too)
 ``keys``               router block keys from token ids (SPEC section 2)
 ``masklayout``         a block's holders packed in one int: four bits (device, host, disk, pool) per slot
 ``keytable``           the compiled tables seen from Python: key -> mask, engine hash -> key
@@ -29,7 +30,8 @@ store / remove event                   O(n) in one kernel call (+ O(children) fo
 overlap query, every tier prefix-closed  O(r log n) table lookups, then O(r * words + w)
 overlap query, some tier loose         O(n) lookups in one kernel call
 drop a worker                          O(blocks of that worker)
-snapshot / restore                     O(entries)
+snapshot: copy / encode                O(entries) in a few kernel calls / O(entries log entries) (sorted)
+restore                                O(entries) in a few kernel calls
 =====================================  =====================================================================
 
 Invariants: a key present in the table has a non-zero mask; every block held on a tier without its parent there is

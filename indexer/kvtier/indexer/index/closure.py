@@ -34,11 +34,15 @@ import numpy as np
 import numpy.typing as npt
 
 from kvtier.indexer.index.keys import BlockKey
-from kvtier.indexer.index.keytable import CHILD, KEY, LINKS_NONE, LINKS_SET, USED, KeyTable
+from kvtier.indexer.index.keytable import CHILD, KEY, LINKS_NONE, LINKS_ONE, LINKS_SET, USED, KeyTable
 
 #: The index's key -> mask map (the compiled table :class:`kvtier.indexer.index.keytable.KeyTable`, read as a
 #: mapping by the rare block-by-block paths).
 MaskMap = MutableMapping[BlockKey, int]
+
+#: A snapshot's copy of the links (:meth:`PrefixClosure.link_pairs`): the parents with one child, those children, and
+#: each parent with a set of children with its children.
+Links = tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], list[tuple[BlockKey, list[BlockKey]]]]
 
 #: A key's children: one key (a chain), or a set (a branch). Entries may name dead keys; readers skip them. A set
 #: drops its dead keys as it grows (at twice its live size), so it holds O(live children).
@@ -185,19 +189,22 @@ class PrefixClosure:
         if len(keys) > 1:
             self._link(keys[:-1], keys[1:], karr[:-1], karr[1:])
 
-    def _link(self, parents: Sequence[BlockKey], children: Sequence[BlockKey], parr: Any, carr: Any) -> None:
+    def _link(self, parents: Sequence[BlockKey] | npt.NDArray[np.uint64],
+              children: Sequence[BlockKey] | npt.NDArray[np.uint64], parr: Any, carr: Any) -> None:
         t = self.table
         cur = np.zeros(len(parents), np.uint64)
         how = t.k.link_chain(t.r, parr, carr, cur)
         if how.any():
             self.branched(parents, children, how, cur)
 
-    def branched(self, parents: Sequence[BlockKey | None], children: Sequence[BlockKey], how: Any, cur: Any) -> None:
+    def branched(self, parents: Sequence[BlockKey | None] | npt.NDArray[np.uint64],
+                 children: Sequence[BlockKey] | npt.NDArray[np.uint64], how: Any, cur: Any) -> None:
         """What the link kernels leave to Python, the sets of a parent's children: where ``how[j]`` is 1,
         ``children[j]`` joins its parent's set; where 2, the parent's set is made of its child ``cur[j]`` and
         ``children[j]``. O(pairs)."""
         for j in np.flatnonzero(how).tolist():
-            self._branch(parents[j], children[j], int(how[j]), cur[j])
+            p = parents[j]  # (ints, or a restored snapshot's uint64s)
+            self._branch(None if p is None else BlockKey(int(p)), BlockKey(int(children[j])), int(how[j]), cur[j])
 
     def branched_chain(self, first: BlockKey | None, keys: Sequence[BlockKey] | npt.NDArray[np.uint64], how: Any,
                        cur: Any) -> None:
@@ -270,5 +277,14 @@ class PrefixClosure:
                                  f"{len(flagged - kept)} parents flagged without a set")
         assert set(self._prune_at) <= kept, "a prune threshold kept for a parent without a set"
 
-    def links(self) -> list[tuple[BlockKey, list[BlockKey]]]:
-        return [(p, sorted(c) if isinstance(c, set) else [c]) for p, c in self.kids.items()]
+    def link_pairs(self) -> Links:
+        """Every link, copied for a snapshot: the parents with one child and those children (table order), and the
+        parents with a set of children with theirs. O(table + links)."""
+        r = self.table.r
+        one = np.flatnonzero(r[:, USED] == LINKS_ONE)
+        return r[one, KEY], r[one, CHILD], [(p, list(kids)) for p, kids in self.branches.items()]
+
+    def link_all(self, parents: npt.NDArray[np.uint64], children: npt.NDArray[np.uint64]) -> None:
+        """Records links ``children[j]`` under ``parents[j]`` (a restored snapshot's: their parents' masks restored
+        first, as a parent nobody holds gets none). O(links)."""
+        self._link(parents, children, parents, children)

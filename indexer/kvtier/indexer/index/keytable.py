@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvtier.indexer.index.keys import BlockKey
-from kvtier.indexer.index.masklayout import SLOTS_PER_WORD
+from kvtier.indexer.index.masklayout import SLOT_MASK, SLOTS_PER_WORD, TIERS
 from kvtier.kernels.jit import LazyKernels
 from kvtier.util.helperthread import HelperThread
 from kvtier.wire.protocol import EngineHash
@@ -327,6 +327,40 @@ class KeyTable(RowTable, MutableMapping[BlockKey, int]):
         assert len(set(free.tolist())) == len(free) and not refs[free].any(), "a free id is in use"
         assert len(live) + len(free) + 1 == int(p.pa[_PTOP]), "ids lost (neither live nor free)"
 
+    def slot_bits(self, keys: U64, slot: int) -> npt.NDArray[np.uint8]:
+        """Per key, the ``TIERS`` bits of worker slot ``slot`` in its mask (0 for a key nobody holds), for a
+        snapshot. O(keys)."""
+        rows = self.k.find_all(self.r, keys)
+        word, shift = divmod(slot, SLOTS_PER_WORD)
+        if not len(keys) or word >= self.words:
+            return np.zeros(len(keys), np.uint8)
+        ids = np.where(rows >= 0, self.r[rows, VAL], 0).astype(np.intp)  # (id 0: the empty mask)
+        out: npt.NDArray[np.uint8] = ((self.pool.pm[ids, word] >> np.uint64(TIERS * shift))
+                                      & np.uint64(SLOT_MASK)).astype(np.uint8)
+        return out
+
+    def add_slot_bits(self, keys: U64, bits: npt.NDArray[np.uint8], slot: int) -> None:
+        """Sets each key's ``bits`` (a slot's ``TIERS`` bits each) at worker slot ``slot``, for a restored snapshot;
+        ``ValueError`` naming a key given twice, or one that carries the slot's bits already (the keys before it
+        are set). O(keys)."""
+        self.widen(slot + 1)
+        word, shift = divmod(slot, SLOTS_PER_WORD)
+        slot_bits = np.uint64(SLOT_MASK << (TIERS * shift))
+        self.reserve(len(keys))
+        for b in np.unique(bits).tolist():  # a call per distinct bits, so that a run of blocks shares one lookup
+            sel = keys[bits == b]
+            done = 0
+            while done < len(sel):
+                p = self.pool
+                at = int(self.k.add_bits(self.r, self.m, p.pm, p.ph, p.pa, sel, done, word,
+                                         np.uint64(b << (TIERS * shift)), slot_bits))
+                if at < 0:
+                    raise ValueError(f"block {int(sel[-1 - at]):#x} given twice")
+                if at == done:  # no room: make it (the pool grows by doubling, so this happens O(log masks) times)
+                    self.reserve(len(sel) - done)
+                    p.reserve(1)
+                done = at
+
     def array(self, keys: list[BlockKey]) -> U64:
         """``keys`` as the ``uint64`` array the kernels take (the array ``block_keys`` made them from, when it
         is attached). O(keys)."""
@@ -454,6 +488,38 @@ class EngineHashes(RowTable, MutableMapping[EngineHash, BlockKey]):
             return list(self.py.values())
         out: list[BlockKey] = self.r[self.used(), VAL].tolist()
         return out
+
+    def export(self) -> tuple[U64 | list[EngineHash], U64]:
+        """Every entry, for a snapshot: the engine hashes (their 64 bits, read back as :attr:`signed` says, or the
+        hashes themselves where they live in a dict) and the keys they name, in the same order. O(entries)."""
+        if self.py is not None:
+            return list(self.py), np.array(list(self.py.values()), dtype=np.uint64)
+        rows = self.used()
+        return self.r[rows, KEY], self.r[rows, VAL]
+
+    def load(self, ehs: U64 | list[EngineHash], keys: U64, signed: bool | None) -> None:
+        """Adds :meth:`export`'s entries to an empty table (``signed``: how 64-bit hashes read back);
+        ``ValueError`` naming an engine hash given twice. O(entries)."""
+        assert not len(self), "load fills an empty table"
+        if isinstance(ehs, list):
+            arr = self.int64s(ehs)
+            if arr is None:  # hashes the table cannot hold: a dict
+                py = self.demote()
+                py.update(zip(ehs, keys.tolist(), strict=True))
+                if len(py) != len(ehs):
+                    raise ValueError("an engine hash given twice")
+                return
+            ehs = arr
+            # (int64s says unsigned ones; negative ones are its int64s read as such)
+            signed = self.signed if self.signed is not None else (True if (arr.view(np.int64) < 0).any() else None)
+        elif signed is None and len(ehs) and int(ehs.max()) >= _SIGN:
+            raise ValueError("engine hashes past 2**63 without their signedness")
+        self.signed = signed
+        self.reserve(len(ehs))
+        done = int(self.k.put_all(self.r, self.m, ehs, keys))
+        if done < 0:
+            twice = ehs[-1 - done]
+            raise ValueError(f"engine hash {int(twice.view(np.int64)) if signed else int(twice)} given twice")
 
     def key_array(self) -> U64:
         """Every key named, as an array (table order). O(entries)."""

@@ -90,8 +90,9 @@ class OrphanPool:
 
     def dump(self) -> list[tuple[bytes, int, list[bool], list[int | None] | None]]:
         """The held runs, oldest first, as plain values for a snapshot: ``(the store as msgpack, its tier, which
-        blocks are still present, its key scopes)``. O(blocks held)."""
-        return [(_encode(r.event), int(r.tier), r.present, r.extras) for r in self._age.values()]
+        blocks are still present, its key scopes)``, copies: the pool may change while a snapshot is written from
+        them. O(blocks held)."""
+        return [(_encode(r.event), int(r.tier), list(r.present), r.extras) for r in self._age.values()]
 
     def load(self, runs: list[tuple[bytes, int, list[bool], list[int | None] | None]]) -> None:
         """Holds :meth:`dump`'s runs again as they were (removals applied to them kept), after those held now; no

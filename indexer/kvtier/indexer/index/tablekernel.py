@@ -966,6 +966,52 @@ def _put(out: Arr, bits: np.uint64, g: int, lvl: int, depth: int) -> None:
         bits ^= low
 
 
+
+# --- snapshots (kvtier.indexer.index.snapshot) ---------------------------------------------------------------
+
+
+@njit(cache=True)
+def find_all(r: Arr, keys: Arr) -> Arr:
+    """Per key its row, or -1. O(keys)."""
+    out = np.empty(keys.shape[0], np.int64)
+    for j in range(keys.shape[0]):
+        out[j] = find(r, keys[j])
+    return out
+
+
+@njit(cache=True)
+def put_all(r: Arr, m: Arr, keys: Arr, vals: Arr) -> int:
+    """Claims a row per key with its value (one column), the caller having reserved room for them all; returns how
+    many, or ``-1 - j`` where ``keys[j]`` was there already (the rows before it are claimed). O(keys)."""
+    for j in range(keys.shape[0]):
+        i = claim(r, m, keys[j])
+        if i >= 0:
+            return -1 - j
+        r[-1 - i, VAL] = vals[j]
+    return int(keys.shape[0])
+
+
+@njit(cache=True)
+def add_bits(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, keys: Arr, start: int, word: int, bits: np.uint64,
+             slot_bits: np.uint64) -> int:
+    """Sets ``bits`` (in ``word``) on each of ``keys`` from ``start`` on, a key nobody holds claimed; none may carry
+    any of ``slot_bits`` yet. Returns how many keys are done: all of them; fewer, where the table or the mask pool
+    needs room first (the caller makes it and calls again from there); or ``-1 - j`` where ``keys[j]`` carries
+    ``slot_bits`` already. O(keys)."""
+    tmp = np.empty(pm.shape[1], np.uint64)
+    memo = _memo()
+    for j in range(start, keys.shape[0]):
+        if not (_room(t, tm, 1) and _pool_room(pm, ph, pa, 1, word)):
+            return j
+        i = claim(t, tm, keys[j])
+        if i < 0:
+            i = -1 - i
+        elif _has(t, i, pm, word, slot_bits):
+            return -1 - j
+        _change(t, i, pm, ph, pa, tmp, word, bits, _ALL, memo)
+    return int(keys.shape[0])
+
+
 @njit(cache=True)
 def set_mask(t: Arr, tm: Arr, pm: Arr, ph: Arr, pa: Arr, k: np.uint64, words: Arr) -> None:
     """Key ``k``'s mask is ``words`` (not empty) now. O(words)."""
@@ -1023,4 +1069,7 @@ def warm(k: Any) -> None:
     k.run_levels(pm, np.zeros(1, np.int64), np.zeros(2, np.int64), 1, 1, 1, np.zeros((16, 4), np.int64),
                  np.zeros(16, np.int64), np.zeros(16, np.int64), np.zeros((16, 4), np.int64))
     k.set_mask(t, m, pm, ph, pa, b, one)
+    k.find_all(t, one)
+    k.put_all(e, m, one, one)
+    k.add_bits(t, m, pm, ph, pa, one, 0, 0, b, b)
     k.del_mask(t, m, pm, ph, pa, b)

@@ -41,7 +41,9 @@ import logging
 from collections.abc import Iterable, Sequence
 
 import msgspec
+import numpy as np
 
+from kvtier.indexer.index import snapshot as snapfmt
 from kvtier.indexer.index.applier import EventApplier
 from kvtier.indexer.index.blockmasks import BlockMasks
 from kvtier.indexer.index.closure import MaskMap
@@ -323,58 +325,57 @@ class TieredIndex:
     # --- snapshot ------------------------------------------------------------------------
 
     def snapshot(self) -> bytes:
-        """The whole index as bytes (msgpack). O(total entries)."""
-        workers = []
+        """The whole index as bytes (:mod:`kvtier.indexer.index.snapshot`; the same index, the same bytes).
+        :meth:`capture`, then :func:`kvtier.indexer.index.snapshot.encode`."""
+        return snapfmt.encode(self.capture())
+
+    def capture(self) -> snapfmt.Capture:
+        """A copy of the index for a snapshot, which :func:`kvtier.indexer.index.snapshot.encode` turns into bytes,
+        on another thread if need be (the index may change meanwhile). O(total entries), a few compiled passes."""
+        records, blocks = [], []
         for w in self._workers.values():
+            hashes, keys = w.hashes.export()
+            blocks.append((keys, self._masks.slot_bits(keys, w.slot), hashes))
             shift = TIERS * w.slot
-            entries = [(eh, key, (self._masks[key] >> shift) & SLOT_MASK) for eh, key in w.hashes.items()]
-            window = [(key, bits) for key in w.hashes.values()
-                      if (bits := (self._win.bits.get(key, 0) >> shift) & SLOT_MASK)] if w.window else []
-            # Then what is held outside the blocks: the keys of blocks dropped at a loss, stores awaiting a parent.
-            workers.append((w.stream.worker, w.stream.dp_rank, w.partial, entries, w.window, window, w.inferred,
-                            None if w.slot in self._closure.unknown else self._closure.loose_of(w.slot, TIERS),
-                            list(w.ghosts.items()), w.orphans.dump(), w.closed_tiers, list(w.ups.items())))
-        return msgspec.msgpack.encode({"version": 1, "block_size": self.block_size,
-                                       "window_tokens": self.window_tokens, "workers": workers,
-                                       "links": self._closure.links()})
+            window = sorted((key, b) for key, m in self._win.bits.items() if (b := m >> shift & SLOT_MASK))
+            records.append(snapfmt.WorkerRecord(
+                worker=w.stream.worker, dp_rank=w.stream.dp_rank, partial=w.partial, keys=b"", bits=b"", hashes=b"",
+                signed=w.hashes.signed, window=w.window, inferred=w.inferred, window_bits=window,
+                loose=None if w.slot in self._closure.unknown else self._closure.loose_of(w.slot, TIERS),
+                # Then what is held outside the blocks: the keys of blocks dropped at a loss, stores awaiting a parent.
+                ghosts=sorted(w.ghosts.items(), key=repr), orphans=w.orphans.dump(), closed_tiers=w.closed_tiers,
+                ups=sorted(w.ups.items(), key=repr)))
+        head = snapfmt.Snapshot(version=snapfmt.VERSION, block_size=self.block_size,
+                                 window_tokens=self.window_tokens, workers=records, links=b"")
+        return snapfmt.Capture(head, blocks, self._closure.link_pairs())
 
     @classmethod
     def restore(cls, data: bytes) -> TieredIndex:
-        """Inverse of :meth:`snapshot`. Raises ``ValueError`` naming what is wrong with ``data``."""
+        """Inverse of :meth:`snapshot`, which also reads version-1 snapshots. Raises ``ValueError`` naming what is
+        wrong with ``data``. O(total entries), a few compiled passes."""
         try:
-            obj = msgspec.msgpack.decode(data)
-            if obj.get("version") != 1:
-                raise ValueError(f"unsupported snapshot version {obj.get('version')!r}")
-            index = cls(int(obj["block_size"]), window_tokens=int(obj.get("window_tokens", 0)))
-            for worker, dp_rank, partial, entries, *swa in obj["workers"]:
-                w = index._workers.add(StreamId(WorkerId(worker), int(dp_rank)))
-                w.partial = bool(partial)
-                if swa:  # written since window KV is tracked; older snapshots have none
-                    w.window = int(swa[0])
-                    w.inferred = bool(swa[2]) if len(swa) > 2 else False
-                    for key, bits in swa[1]:
-                        index._win.bits[BlockKey(key)] = index._win.bits.get(key, 0) | (bits << (TIERS * w.slot))
+            snap = snapfmt.decode(data)
+            index = cls(snap.block_size, window_tokens=snap.window_tokens)
+            for rec in snap.workers:
+                b = snapfmt.blocks(rec)
+                stream = StreamId(WorkerId(rec.worker), rec.dp_rank)
+                if stream in index._workers:
+                    raise ValueError(f"worker {rec.worker!r} rank {rec.dp_rank} twice")
+                w = index._workers.add(stream)
+                w.partial, w.window, w.inferred = rec.partial, rec.window, rec.inferred
+                index._masks.add_slot_bits(b.keys, b.bits, w.slot)
+                w.hashes.load(b.hashes, b.keys, rec.signed)
+                w.counts[:] = [int(np.count_nonzero(b.bits & (1 << t))) for t in range(TIERS)]
                 shift = TIERS * w.slot
-                for eh, key, bits in entries:
-                    if not (0 <= key < 1 << 64 and 0 < bits <= SLOT_MASK):  # (bits past the slot are another's)
-                        raise ValueError(f"worker {worker}: block {key!r} with tier bits {bits!r}")
-                    w.hashes[eh] = BlockKey(key)
-                    index._masks[BlockKey(key)] = index._masks.get(key, 0) | (bits << shift)
-                    for t in range(TIERS):
-                        w.counts[t] += bits >> t & 1
-                # Loose blocks per tier (kvtier.indexer.index.closure), written since queries binary-search; without
-                # them (or the links) the worker is not known to be prefix-closed and queries scan.
-                if entries:
-                    index._closure.restore_slot(w.slot, swa[3] if len(swa) > 3 and "links" in obj else None)
-                if len(swa) > 5:  # written since ghosts and orphans are kept; older snapshots lose them
-                    w.ghosts.update((eh, BlockKey(key)) for eh, key in swa[4])
-                    w.orphans.load(swa[5])
-                if len(swa) > 7:  # written since stores regain what they prove held (kvtier.indexer.index.relearn)
-                    w.closed_tiers = int(swa[6]) & ((1 << TIERS) - 1)
-                    w.ups.update((eh, up) for eh, up in swa[7])
-            for parent, kids in obj.get("links", ()):
-                for kid in kids:
-                    index._closure.link(BlockKey(parent), BlockKey(kid))
+                for key, bits in b.window:
+                    index._win.bits[key] = index._win.bits.get(key, 0) | bits << shift
+                if len(b.keys):  # (without loose blocks the worker is not known to be prefix-closed: queries scan)
+                    index._closure.restore_slot(w.slot, None if b.loose is None else [sorted(x) for x in b.loose])
+                w.ghosts.update((eh, BlockKey(key)) for eh, key in rec.ghosts)
+                w.orphans.load(rec.orphans)
+                w.closed_tiers = rec.closed_tiers & ((1 << TIERS) - 1)
+                w.ups.update(rec.ups)
+            index._closure.link_all(*snapfmt.links(snap))
         except (msgspec.DecodeError, KeyError, TypeError, AttributeError, ValueError, OverflowError, IndexError) as exc:
             raise ValueError(f"not an index snapshot: {exc}") from None
         return index

@@ -1,0 +1,188 @@
+"""Index snapshots (:mod:`kvtier.indexer.index.snapshot`): every part of the index comes back, a snapshot written by
+the previous format (version 1) still restores, the bytes are canonical, and damaged snapshots are refused whole."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+
+from kvtier.indexer.index.keys import BlockKey, block_keys
+from kvtier.indexer.index.masklayout import TIERS
+from kvtier.indexer.index.tiered import Outcome, TieredIndex
+from kvtier.wire import AllBlocksCleared, BlockRemoved, BlockStored, StorageTier, WorkerId, window_group
+from kvtier.wire.notices import StreamId
+
+BS = 4
+TOKS = list(range(1000, 1000 + 64 * BS))
+OTHER = list(range(5000, 5000 + 16 * BS))  # a second prompt
+FORK = list(range(9000, 9000 + 8 * BS))  # a continuation of TOKS[:4 blocks] that branches off
+V1 = Path(__file__).with_name("index_snapshot_v1.msgpack")  # written by the version-1 writer from varied_index()
+
+S, S1, U, Y, G, ORPH, W, X = (StreamId(WorkerId(n), dp) for n, dp in
+                            [("sglang", 0), ("sglang", 1), ("vllm", 0), ("bytes", 0), ("lost", 0), ("orphans", 0),
+                             ("swa", 0), ("gone", 0)])
+SIGNED = [-(1 << 62) - i for i in range(64)]  # SGLang-like engine hashes (int64)
+UNSIGNED = [(1 << 63) + 7919 * i for i in range(64)]  # vLLM-like engine hashes (past 2**63)
+BYTES = [bytes([i]) * 32 for i in range(64)]  # hashes that fit no table (kept in a dict)
+
+
+def store(hashes: list[Any], first: int, n: int, parent: Any, medium: str = "GPU", toks: list[int] = TOKS,
+          **group: Any) -> BlockStored:
+    """Blocks ``first .. first + n - 1`` of ``toks``, named by ``hashes[first:first + n]``, under ``parent``."""
+    return BlockStored(block_hashes=hashes[first:first + n], parent_block_hash=parent,
+                       token_ids=toks[first * BS:(first + n) * BS], block_size=BS, medium=medium, **group)
+
+
+def varied_index() -> TieredIndex:
+    """An index holding one of everything a snapshot keeps: signed, unsigned and ``bytes`` engine hashes; every tier;
+    a parent with a set of children; loose blocks (a middle block evicted); a worker lost for good (ghosts, and a
+    store regaining what a later one proves held); held orphans; announced window KV; declared closed tiers; a data
+    parallel rank; a freed slot."""
+    idx = TieredIndex(BS)
+    idx.add_worker(X)  # slot 0, freed below: the others' slots do not start at 0
+    idx.set_prefix_closed(S, [StorageTier.DEVICE, StorageTier.HOST])
+    ok = Outcome.APPLIED
+    assert idx.apply(S, store(SIGNED, 0, 10, None)) is ok
+    assert idx.apply(S, store(SIGNED, 0, 6, None, "CPU")) is ok
+    assert idx.apply(S, store(SIGNED, 0, 3, None, "DISK")) is ok
+    assert idx.apply(S, store(SIGNED, 0, 2, None, "EXTERNAL")) is ok
+    fork = [-(1 << 61) - i for i in range(8)]
+    assert idx.apply(S, store(fork, 4, 3, SIGNED[3], toks=TOKS[:4 * BS] + FORK)) is ok  # block 3 gets two children
+    assert idx.apply(S1, store(SIGNED, 0, 5, None)) is ok
+    assert idx.apply(U, store(UNSIGNED, 0, 8, None)) is ok
+    assert idx.apply(U, store(UNSIGNED, 0, 4, None, "CPU")) is ok
+    assert idx.apply(U, BlockRemoved(block_hashes=[UNSIGNED[2]], medium="GPU")) is ok  # blocks 3.. loose on device
+    assert idx.apply(Y, store(BYTES, 0, 4, None, "CPU")) is ok
+    idx.set_prefix_closed(G, [StorageTier.DEVICE])
+    assert idx.apply(G, store(SIGNED, 0, 6, None)) is ok
+    idx.clear_worker(G, partial=True)  # lost for good: ghosts
+    assert idx.apply(G, store(SIGNED, 6, 2, SIGNED[5])) is ok  # regains blocks 0..5 (closed device)
+    assert idx.apply(G, store(SIGNED, 0, 3, None, toks=OTHER)) is ok
+    assert idx.apply(ORPH, store(UNSIGNED, 2, 3, UNSIGNED[1])) is Outcome.ORPHANED  # parent unknown: held
+    assert idx.apply(ORPH, store(UNSIGNED, 5, 1, UNSIGNED[4], "CPU")) is Outcome.ORPHANED
+    assert idx.apply(ORPH, store(UNSIGNED, 0, 1, None, toks=OTHER)) is ok
+    assert idx.apply(W, store(SIGNED, 0, 6, None)) is ok
+    assert idx.apply(W, store(SIGNED, 3, 3, SIGNED[2], **window_group(2 * BS))) is ok
+    idx.remove_worker(X)
+    idx._check()
+    return idx
+
+
+def describe(idx: TieredIndex) -> dict[Any, Any]:
+    """Everything the index knows, by stream and block key (independent of slots and table layout)."""
+    out: dict[Any, Any] = {"block_size": idx.block_size, "window_tokens": idx.window_tokens,
+                           "closed": idx._closure.closed}
+    for s in sorted(idx.streams):
+        w = idx._workers[s]
+        loose = [sorted(idx._closure.loose.get((w.slot, t), ())) for t in range(TIERS)]
+        out[s] = {
+            "hashes": sorted(w.hashes.items(), key=repr), "tiers": idx.worker_hashes(s),
+            "windows": idx.window_hashes(s), "counts": list(w.counts), "partial": w.partial, "window": w.window,
+            "inferred": w.inferred, "closed_tiers": w.closed_tiers, "ghosts": sorted(w.ghosts.items(), key=repr),
+            "ups": sorted(w.ups.items(), key=repr), "orphans": w.orphans.dump(), "loose": loose,
+            "unknown": w.slot in idx._closure.unknown, "signed": w.hashes.signed,
+            "dict": w.hashes.py is not None,
+        }
+    held = {BlockKey(k) for k, _ in idx._masks.items()}
+    out["links"] = sorted((p, sorted(c for c in idx._closure.children(p) if c in held)) for p in idx._closure.kids)
+    out["links"] = [(p, c) for p, c in out["links"] if c]
+    for toks in (TOKS, OTHER, TOKS[:4 * BS] + FORK):
+        out[("query", toks[0])] = idx.find_matches_keys(block_keys(toks, BS), window_aware=True)
+    return out
+
+
+def later(idx: TieredIndex) -> TieredIndex:
+    """What happens after a restart: the orphans' parent comes, a store extends a ghost, a parent is removed."""
+    assert idx.apply(ORPH, store(UNSIGNED, 0, 2, None)) is Outcome.APPLIED  # grafts the held runs
+    assert idx.apply(S, BlockRemoved(block_hashes=[SIGNED[3]], medium="GPU")) is Outcome.APPLIED
+    assert idx.apply(U, store(UNSIGNED, 2, 1, UNSIGNED[1])) is Outcome.APPLIED  # no block is loose again
+    assert idx.apply(Y, AllBlocksCleared()) is Outcome.APPLIED
+    idx._check()
+    return idx
+
+
+def test_a_snapshot_restores_every_part_of_the_index() -> None:
+    idx = varied_index()
+    back = TieredIndex.restore(idx.snapshot())
+    back._check()
+    assert describe(back) == describe(idx)
+    assert describe(later(back)) == describe(later(idx))
+
+
+def test_a_snapshot_written_by_the_version_1_writer_restores() -> None:
+    """An upgraded service restores the snapshot the previous version wrote (the file was written from
+    :func:`varied_index` by that version's ``TieredIndex.snapshot``)."""
+    old = TieredIndex.restore(V1.read_bytes())
+    old._check()
+    idx = varied_index()
+    assert describe(old) == describe(idx)
+    assert describe(later(old)) == describe(later(idx))
+
+
+def test_snapshot_bytes_are_canonical() -> None:
+    """The same index writes the same bytes, however its tables' rows happen to lie (restored, or grown
+    otherwise): a snapshot can be compared and deduplicated by its bytes."""
+    n = 3000
+    toks = list(range(n * BS))
+    idx = TieredIndex(BS)
+    for lo in range(0, n, 500):
+        parent = UNSIGNED[0] + 7919 * (lo - 1) if lo else None
+        hashes = [UNSIGNED[0] + 7919 * i for i in range(lo, lo + 500)]
+        assert idx.apply(U, BlockStored(block_hashes=hashes, parent_block_hash=parent,
+                                        token_ids=toks[lo * BS:(lo + 500) * BS], block_size=BS)) is Outcome.APPLIED
+    idx.apply(S, store(SIGNED, 0, 10, None, "CPU"))
+    data = idx.snapshot()
+    back = TieredIndex.restore(data)
+    assert back.snapshot() == data
+    assert TieredIndex.restore(back.snapshot()).find_matches(toks) == idx.find_matches(toks)
+
+
+def _record(**change: Any) -> bytes:
+    """A snapshot of one worker holding blocks 1 and 2 (engine hashes 7 and 8) with ``change`` made to its record."""
+    keys = np.array([1, 2], "<u8").tobytes()
+    rec = {"worker": "a", "dp_rank": 0, "partial": False, "keys": keys, "bits": bytes([1, 3]),
+           "hashes": np.array([7, 8], "<u8").tobytes(), "signed": None, "window": 0, "inferred": False,
+           "window_bits": [], "loose": [[], [2], [], []], "ghosts": [], "orphans": [], "closed_tiers": 0, "ups": []}
+    rec.update(change)
+    return msgspec.msgpack.encode({"version": 2, "block_size": 4, "window_tokens": 0, "workers": [rec],
+                                   "links": np.array([1, 2], "<u8").tobytes()})
+
+
+def test_the_record_used_for_damage_is_sound() -> None:
+    idx = TieredIndex.restore(_record())
+    idx._check()
+    assert idx.worker_hashes(StreamId(WorkerId("a"))) == {StorageTier.DEVICE: {7, 8}, StorageTier.HOST: {8},
+                                                           StorageTier.DISK: set(), StorageTier.EXTERNAL: set()}
+
+
+@pytest.mark.parametrize("change", [
+    {"keys": b"\x01" * 12},  # not whole keys
+    {"bits": bytes([1])},  # fewer tier bits than keys
+    {"bits": bytes([1, 0])},  # a block held on no tier
+    {"bits": bytes([1, 16])},  # bits past the worker's own slot
+    {"keys": np.array([1, 1], "<u8").tobytes()},  # one block twice
+    {"hashes": np.array([7, 7], "<u8").tobytes()},  # one engine hash for two blocks
+    {"hashes": np.array([7], "<u8").tobytes()},  # fewer engine hashes than blocks
+    {"hashes": [7, 7]},  # as a list, one engine hash twice
+    {"hashes": [7]},
+    {"signed": None, "hashes": np.array([7, 1 << 63], "<u8").tobytes()},  # hashes past 2**63 said to be signed-less
+    {"loose": [[], [2]]},  # loose blocks of fewer tiers
+    {"loose": [[], [1], [], []]},  # a loose block the worker does not hold there
+    {"dp_rank": -1},
+    {"worker": 5},
+])
+def test_a_damaged_snapshot_is_refused_whole(change: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="not an index snapshot"):
+        TieredIndex.restore(_record(**change))
+
+
+def test_damaged_links_are_refused() -> None:
+    for links in (b"\x01" * 12, np.array([1], "<u8").tobytes()):  # not whole keys; a parent without its child
+        data = msgspec.msgpack.decode(_record())
+        data["links"] = links
+        with pytest.raises(ValueError, match="not an index snapshot"):
+            TieredIndex.restore(msgspec.msgpack.encode(data))
