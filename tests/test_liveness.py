@@ -288,8 +288,8 @@ def test_liveness_timeout_is_a_setting_checked_like_the_others(tmp_path: Any) ->
 
 
 def test_a_long_snapshot_takes_no_worker_for_gone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The event loop writes its snapshots on its own thread (seconds each, for a large index) and polls nothing
-    meanwhile: that time is no silence. Every live worker was listed dead for most of each long snapshot, alerts
+    """The event loop copies the index for its snapshots on its own thread (long, for a large index) and polls
+    nothing meanwhile: that time is no silence. Every live worker was listed dead for most of each long snapshot, alerts
     flapping and quiet workers routed around. Each snapshot here takes 60 s of the streams' clock; /health, asked
     from inside them, lists no worker dead, nor after them."""
     from kvtier.indexer.service import persist
@@ -302,15 +302,15 @@ def test_a_long_snapshot_takes_no_worker_for_gone(tmp_path: Path, monkeypatch: p
                                        snapshot_interval_s=0.1), clock=clock)
     seen: list[list[str]] = []
     armed = [False]
-    save = persist.save
+    capture = persist.capture  # (the part of a snapshot made on the loop's thread; the write is another thread's)
 
-    def slow_save(*args: Any) -> int:
+    def slow_capture(*args: Any) -> persist.Pending:
         if armed[0]:
             clock.t += 60.0
             seen.append(health(svc)["dead_workers"])
-        return save(*args)
+        return capture(*args)
 
-    monkeypatch.setattr(persist, "save", slow_save)
+    monkeypatch.setattr(persist, "capture", slow_capture)
     svc.start()
     try:
         p0.publish(batch(stored([1, 2, 3], None, 0)))

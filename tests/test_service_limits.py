@@ -51,7 +51,7 @@ from kvtier.indexer.service.httplimits import (
 )
 from kvtier.sim.cli import main as cli_main
 from kvtier.util.fields import ConfigError
-from kvtier.wire import Publisher, WorkerId
+from kvtier.wire import BlockStored, EventBatch, Publisher, WorkerId
 from kvtier.wire.notices import StreamId
 from tests.test_bad_input import NOTICES
 from tests.test_multiprocess import ROOT
@@ -796,22 +796,79 @@ def test_a_snapshot_that_cannot_be_written_is_reported(tmp_path: Path) -> None:
         assert "snapshot_error" not in s.health()
 
 
+@pytest.mark.parametrize("where", ["capture", "encode"])
 def test_a_snapshot_that_fails_on_a_bug_leaves_the_loop_running(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Writing a snapshot is beside the point of the loop: a bug there (an index that cannot be read back whole) is
     reported as a failed snapshot, and the index goes on following the engines (the loop died, every worker's
-    /query with it)."""
+    /query with it), whether it is in the copy made on the loop's thread or in the encoding on the writer's."""
     from kvtier.indexer.index.tiered import TieredIndex
+    from kvtier.indexer.service import persist
 
-    def broken(self: TieredIndex) -> bytes:
+    def broken(*args: Any) -> Any:
         raise KeyError(12345)
 
-    monkeypatch.setattr(TieredIndex, "snapshot", broken)
+    if where == "capture":
+        monkeypatch.setattr(TieredIndex, "capture", broken)
+    else:
+        monkeypatch.setattr(persist, "encode", broken)
     snap = tmp_path / "idx.snap"
     with service(snapshot_path=str(snap), snapshot_interval_s=0.1) as s:
         wait_for(lambda: metrics(s)["snapshot_failures"] >= 2)
         h = s.health()
         assert h["status"] == "degraded" and "KeyError: 12345" in h["snapshot_error"] and not s.failed.is_set()
+        assert s._loop.is_alive() and not snap.exists()
+
+
+def test_events_are_applied_while_a_snapshot_is_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop copies the index for a periodic snapshot and a helper thread encodes and writes the copy: the index
+    applied no event for as long as a whole snapshot took (seconds for millions of blocks). Here the write is held
+    until a batch published after the copy is applied and found by a query; the file then holds the index as it was
+    copied, no second copy is taken while the first is being written, and the snapshot taken at stop holds the
+    batch."""
+    from kvtier.indexer.service import persist
+
+    write, held, release = persist.write, threading.Event(), threading.Event()
+    capture, copies, first = persist.capture, [], []
+
+    def counted_capture(*args: Any) -> persist.Pending:
+        copies.append(1)
+        return capture(*args)
+
+    def held_write(path: Path, pending: persist.Pending) -> int:
+        if release.is_set():
+            return write(path, pending)
+        held.set()
+        assert release.wait(30)
+        n = write(path, pending)
+        first.append(len(persist.load(path, BS)[0]))
+        return n
+
+    monkeypatch.setattr(persist, "capture", counted_capture)
+    monkeypatch.setattr(persist, "write", held_write)
+    snap = tmp_path / "idx.snap"
+    pub = Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    s = IndexerService(ServiceConfig(endpoints=[parse_endpoint(f"w0={pub.endpoint},replay={pub.replay_endpoint}")],
+                                     block_size=BS, listen="127.0.0.1:0", snapshot_path=str(snap),
+                                     snapshot_interval_s=0.1))
+    s.start()
+    try:
+        assert held.wait(30), "no periodic snapshot began"
+        pub.publish(EventBatch(ts=0.0, events=[BlockStored(block_hashes=[1], token_ids=list(range(BS)),
+                                                             block_size=BS)]))
+        wait_for(lambda: s.query({"token_ids": list(range(BS))})["workers"]["w0"]["device"] == 1)
+        time.sleep(0.3)  # three intervals more: the write still held, no copy is taken
+        assert len(copies) == 1 and s.snapshots == 0 and not snap.exists()
+        release.set()
+        wait_for(lambda: s.snapshots >= 1)
+        assert first == [0]  # the index as copied, before the batch came
+        assert 0 < metrics(s)["snapshot_pause_seconds"] <= metrics(s)["snapshot_seconds"]
+    finally:
+        release.set()
+        s.stop()
+        pub.close()
+    index, _ = persist.load(snap, BS)
+    assert len(index) == 1
 
 
 @pytest.mark.parametrize(("text", "expected"), [

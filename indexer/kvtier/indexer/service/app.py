@@ -469,6 +469,7 @@ class IndexerService:
                     "requests_in_flight": len(self._deadlines), "blocks_in_flight": self.clients.blocks,
                     "requests_expired": self.requests_expired,
                     "snapshots": self.snapshots, "snapshot_seconds": self.snapshot_seconds,
+                    "snapshot_pause_seconds": self._loop.snapshot_pause_seconds,
                     "snapshot_failures": self._loop.snapshot_failures, **self._http.counters(),
                     "auth_refused": self.clients.refused_auth, "owner_refused": self.clients.refused_owner,
                     "bookings_refused": self.clients.refused_full,

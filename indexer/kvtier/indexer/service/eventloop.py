@@ -1,8 +1,9 @@
 """The indexer service's event loop: the thread that follows the engines.
 
 It subscribes to every endpoint, applies each delivered batch to the index under the service's lock (one batch per
-hold: a query waits for a batch, never for a backlog), drops routed requests past their time to live, and writes
-snapshots. A failure ends it (``failed``) unless the configuration allows restarts: it then starts again after a
+hold: a query waits for a batch, never for a backlog), drops routed requests past their time to live, and copies
+the index for a snapshot every ``snapshot_interval_s``, which a helper thread encodes and writes while events go on
+being applied. A failure ends it (``failed``) unless the configuration allows restarts: it then starts again after a
 back-off, each stream resuming after its last applied batch as from a snapshot, while the service answers, degraded.
 """
 
@@ -12,6 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 
 from kvtier.indexer.index.consumer import IndexConsumer
@@ -20,6 +22,7 @@ from kvtier.indexer.service import persist
 from kvtier.indexer.service.config import ServiceConfig
 from kvtier.indexer.service.deadlines import Deadlines
 from kvtier.indexer.service.histogram import Histogram
+from kvtier.util.helperthread import HelperThread
 from kvtier.wire.notices import Delivery, StreamId, StreamStats
 from kvtier.wire.transport.subscriber import Subscriber
 
@@ -30,6 +33,7 @@ log = logging.getLogger(__name__)
 _EXPIRE_BATCH = 64  # requests expired per hold of the service's lock
 _RESTART_BACKOFF_S = 0.5  # the first wait before a failed event loop starts again
 _RESTART_BACKOFF_MAX_S = 30.0  # the longest, as failures repeat
+_WRITER = HelperThread("kvtier-snapshot")  # writes the periodic snapshots' copies (EventLoop._save_behind)
 
 
 class EventLoop:
@@ -57,7 +61,9 @@ class EventLoop:
         self._torn: set[StreamId] = set()  # streams of deliveries polled, not applied, when the loop last ended
         self._positions: persist.Positions = {}  # each in-sync stream's position when the loop last ended
         self.snapshots = 0  # snapshots written
-        self.snapshot_seconds = 0.0  # how long the last one took
+        self.snapshot_seconds = 0.0  # how long the last one took, copy and write
+        self.snapshot_pause_seconds = 0.0  # how long the copy of the last one stopped the loop
+        self._writing: Future[None] | None = None  # the periodic snapshot being written on the writer thread
         self.snapshot_failures = 0  # snapshots that could not be written
         self.snapshot_error: str | None = None  # why the last one failed, until one succeeds again
         self.apply_wait = Histogram()  # a delivered batch's wait for the lock: how long requests held it up
@@ -110,23 +116,57 @@ class EventLoop:
     # --- snapshots ------------------------------------------------------------------------
 
     def save_snapshot(self, positions: persist.Positions | None = None) -> int | None:
-        """Writes the snapshot now (loop thread: the index's only writer, so no lock is needed for a consistent
-        read, and queries go on meanwhile), with each stream's ``positions`` (default: the subscriber's). Returns
-        its size, None if not configured."""
+        """Writes the snapshot now, after the one being written if any (loop thread: the index's only writer, so no
+        lock is needed for a consistent read, and queries go on meanwhile; or once it stopped), with each stream's
+        ``positions`` (default: the subscriber's). Returns its size, None if not configured."""
         if self.config.snapshot_path is None or (self._sub is None and positions is None):
             return None
         if positions is None:
             assert self._sub is not None
             positions = self._sub.positions()
+        self._settle()
         t0 = time.monotonic()
-        n = persist.save(Path(self.config.snapshot_path), self.index, positions)
+        pending = persist.capture(self.index, positions)
+        self.snapshot_pause_seconds = time.monotonic() - t0
+        return self._write(pending, t0)
+
+    def _write(self, pending: persist.Pending, t0: float) -> int:
+        assert self.config.snapshot_path is not None
+        n = persist.write(Path(self.config.snapshot_path), pending)
         self.snapshots += 1
         self.snapshot_seconds = time.monotonic() - t0
         return n
 
+    def _settle(self) -> None:
+        """Waits for the snapshot being written on the writer thread, if any (its failure is accounted there)."""
+        if self._writing is not None:
+            self._writing.result()
+            self._writing = None
+
     def _save_logged(self, positions: persist.Positions | None = None) -> None:
+        self._logged(lambda: self.save_snapshot(positions))
+
+    def _save_behind(self) -> bool:
+        """The periodic snapshot: copies the index on this thread and writes the copy on the writer thread, so that
+        events stop being applied only for the copy, not for encoding and writing it. False, doing nothing, while
+        the last one is still being written (the next try is the caller's)."""
+        if self._writing is not None and not self._writing.done():
+            return False
+        self._writing = None
+        assert self._sub is not None
+        positions = self._sub.positions()
+        t0 = time.monotonic()
+        taken: list[persist.Pending] = []
+        self._logged(lambda: taken.append(persist.capture(self.index, positions)))
+        if taken:
+            self.snapshot_pause_seconds = time.monotonic() - t0
+            self._writing = _WRITER.submit(self._logged, lambda: self._write(taken[0], t0))
+        return True
+
+    def _logged(self, save: Callable[[], object]) -> None:
+        """Runs ``save``; a failure is counted, logged and shown until a snapshot succeeds again."""
         try:
-            self.save_snapshot(positions)
+            save()
         except Exception as exc:  # a full disk, or a bug in writing one: the index goes on following the engines,
             # and the failure shows in /metrics (a traceback for a bug, one line for the disk)
             self.snapshot_failures += 1
@@ -214,8 +254,7 @@ class EventLoop:
                         with self._lock:  # a batch per hold: a wave of expiries (their blocks) never stalls queries
                             for rid in self._deadlines.expire(now, _EXPIRE_BATCH):
                                 self._on_expired(rid)
-                    if time.monotonic() >= next_snapshot:
-                        self._save_logged()
+                    if time.monotonic() >= next_snapshot and self._save_behind():
                         next_snapshot = time.monotonic() + self.config.snapshot_interval_s
             self._save_logged()  # on stop
         finally:

@@ -6,16 +6,22 @@ the stream starts over). Only what the publishers' replay buffers no longer hold
 dump or a partial mark. The file is written atomically (a temporary file in the same directory,
 fsynced, then renamed over the old one), so a crash mid-write leaves the previous snapshot intact; a failed write
 removes its temporary file, and a start removes those crashed writers left (:func:`remove_stale`).
+
+A snapshot is taken in two parts: :func:`capture` copies the index and the positions on the thread that applies
+events (a few compiled passes over its tables), and :func:`write` encodes and writes that copy, on another thread if
+the caller likes, while events go on being applied.
 """
 
 from __future__ import annotations
 
 import glob
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 
+from kvtier.indexer.index.snapshot import Capture, encode
 from kvtier.indexer.index.tiered import TieredIndex
 from kvtier.util.infile import read_input
 from kvtier.util.outpath import unwritable
@@ -61,12 +67,32 @@ def remove_stale(path: Path) -> list[Path]:
     return removed
 
 
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """A snapshot copied out of the index, to be written (:func:`write`) while the index goes on changing."""
+
+    index: Capture  # TieredIndex.capture
+    positions: Positions  # each stream's, when it was taken
+
+
+def capture(index: TieredIndex, positions: Positions) -> Pending:
+    """A copy of the index and the streams' positions, taken together (the index's writer's thread). O(index
+    entries), a few compiled passes: the part of a snapshot that stops the index's writer."""
+    return Pending(index.capture(), dict(positions))
+
+
 def save(path: Path, index: TieredIndex, positions: Positions) -> int:
-    """Writes the snapshot atomically; returns its size in bytes. O(index entries)."""
+    """Writes the snapshot atomically; returns its size in bytes. :func:`capture`, then :func:`write`."""
+    return write(path, capture(index, positions))
+
+
+def write(path: Path, pending: Pending) -> int:
+    """Writes a captured snapshot atomically (any thread); returns its size in bytes. O(index entries log
+    entries) to encode, then the file."""
     data = msgspec.msgpack.encode({
         "version": VERSION,
-        "index": index.snapshot(),
-        "positions": [[s.worker, s.dp_rank, seq, digest] for s, (seq, digest) in positions.items()],
+        "index": encode(pending.index),
+        "positions": [[s.worker, s.dp_rank, seq, digest] for s, (seq, digest) in pending.positions.items()],
     })
     tmp = _temporary(path, os.getpid())
     try:
