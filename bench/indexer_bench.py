@@ -1,5 +1,5 @@
-"""Indexer benchmark: apply throughput, find_matches latency and memory per indexed block, beside NVIDIA
-Dynamo's RadixTree on the same workload when ``ai-dynamo-runtime`` is installed.
+"""Indexer benchmark: apply throughput, find_matches latency, memory per indexed block, and snapshot and restore
+times, beside NVIDIA Dynamo's RadixTree on the same workload when ``ai-dynamo-runtime`` is installed.
 
 Workload (``bench/index_workload.py``): 16 workers; 8-turn conversations of 512 blocks of 16 tokens, one
 BlockStored of 64 blocks per turn; 16 shared system prompts of 32 blocks; a quarter of the conversations
@@ -22,7 +22,9 @@ Dynamo runs in a subprocess (``bench/dynamo_index.py``): in this interpreter if 
 
 Targets (issue 12), on the 2-core machine: find_matches p50 from keys <= 0.5x Dynamo's and <= 40 us; from
 8,192 token ids <= 1.0x Dynamo's hashing plus find_matches; apply >= 2x Dynamo's blocks/s and >= 1.5M
-blocks/s; <= 200 bytes per (block, worker) entry.
+blocks/s; <= 200 bytes per (block, worker) entry. Snapshots: the pause (the copy the service's event loop makes;
+a helper thread encodes and writes it) <= Dynamo's dump of its tree as events, and a restore <= Dynamo's application
+of that dump to a new tree.
 
     python bench/indexer_bench.py                    # full size (100,000 events, 10,000 queries)
     python bench/indexer_bench.py --events 2000 --queries 200 --dynamo-python /tmp/dyn/bin/python
@@ -46,8 +48,9 @@ from typing import Any
 from benchargs import count
 from index_workload import BLOCKS_PER_TURN, BS, CONV_BLOCKS, TURNS, conversations, make_queries, percentile, rss_bytes
 
-from kvtier.indexer.index.keys import block_keys, key_backend
+from kvtier.indexer.index.keys import BlockKey, block_keys, key_backend
 from kvtier.indexer.index.keytable import warm_tables
+from kvtier.indexer.index.snapshot import encode
 from kvtier.indexer.index.tiered import Outcome, TieredIndex
 from kvtier.wire import BlockStored, EngineHash, EventBatch, WorkerId
 from kvtier.wire.codec import decode_payload, encode_payload
@@ -124,6 +127,32 @@ def line(name: str, ours: float, theirs: float | None, unit: str, target: str, f
     return ok is not False
 
 
+def snapshot_phase(index: TieredIndex, keyed: list[list[BlockKey]], entries: int,
+                   dyn: dict[str, Any] | None) -> list[bool]:
+    """Times a snapshot, its copy (``TieredIndex.capture``: what stops the service's event loop, which encodes and
+    writes the copy on a helper thread) and the encoding, and a restore from it (checked to answer the first 200
+    queries alike), beside Dynamo's dump of its tree as events (its snapshot, made on the thread that applies its
+    events) and their application to a new tree (its restore)."""
+    t0 = time.perf_counter()
+    copy = index.capture()
+    t1 = time.perf_counter()
+    data = encode(copy)
+    t2 = time.perf_counter()
+    again = TieredIndex.restore(data)
+    t3 = time.perf_counter()
+    for keys in keyed[:200]:
+        assert again.find_matches_keys(keys) == index.find_matches_keys(keys), "a restored index answers otherwise"
+    theirs = f"; Dynamo's dump {dyn['dump_bytes'] / 1e6:,.0f} MB" if dyn else ""
+    print(f"snapshot: {len(data) / 1e6:,.0f} MB{theirs}; per million entries: pause {(t1 - t0) * 1e6 / entries:.2f} s, "
+          f"copy and encode {(t2 - t0) * 1e6 / entries:.2f} s, restore {(t3 - t2) * 1e6 / entries:.2f} s")
+    d_dump, d_restore = (dyn["dump_s"], dyn["restore_s"]) if dyn else (None, None)
+    return [line("snapshot pause (copy)", t1 - t0, d_dump, "s", "target <= 1.0x Dynamo's dump", "{:12,.2f}",
+                 None if d_dump is None else t1 - t0 <= d_dump),
+            line("snapshot (copy + encode)", t2 - t0, d_dump, "s", "reported", "{:12,.2f}"),
+            line("restore (from snapshot)", t3 - t2, d_restore, "s", "target <= 1.0x Dynamo's", "{:12,.2f}",
+                 None if d_restore is None else t3 - t2 <= d_restore)]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=count(), default=16)
@@ -194,6 +223,7 @@ def main() -> int:
             if p == 50 and (bound is not None or theirs is not None):
                 ok = (bound is None or mine <= bound) and (theirs is None or mine <= factor * theirs)
             met.append(line(f"{name} p{p}", mine, theirs, "us", target if p == 50 else "reported", ok=ok))
+    met += snapshot_phase(index, keyed, entries, dyn)
     print(f"mean best device overlap {matched / len(queries):.0f} of {CONV_BLOCKS} blocks")
     return 0 if all(met) else 1
 
