@@ -23,10 +23,24 @@ def counts(lo: int = 1) -> Callable[[str], list[int]]:
     return lambda text: [one(x) for x in text.split(",")]
 
 
+def positive(text: str) -> float:
+    """A number > 0."""
+    return float(Domain(float, lo=0, lo_open=True).parse(text))
+
+
+def at_least(lo: float) -> Callable[[str], float]:
+    """A number >= ``lo``."""
+    return Domain(float, lo=lo).parse
+
+
+def fraction(text: str) -> float:
+    """A number in (0, 1]."""
+    return float(Domain(float, lo=0, lo_open=True, hi=1).parse(text))
+
+
 def rates(text: str) -> list[float]:
     """Comma-separated numbers, each > 0."""
-    one = Domain(float, lo=0, lo_open=True).parse
-    return [one(x) for x in text.split(",")]
+    return [positive(x) for x in text.split(",")]
 
 
 def names(choices: Iterable[str]) -> Callable[[str], list[str]]:

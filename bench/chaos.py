@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import zmq
+from benchargs import count, positive
 
 from kvtier.indexer.index.tiered import TieredIndex
 from kvtier.indexer.service import persist
@@ -582,13 +583,13 @@ def print_row(r: Row, file: Any = sys.stdout) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engines", type=int, default=3, choices=[2, 3, 4])
-    p.add_argument("--clients", type=int, default=4, help="client threads sending /query and /route")
-    p.add_argument("--down-s", type=float, default=20.0,
+    p.add_argument("--clients", type=count(), default=4, help="client threads sending /query and /route")
+    p.add_argument("--down-s", type=positive, default=20.0,
                    help="how long a killed or stopped engine stays down; the default outlasts the indexer's replay "
                         "and dump attempts on a killed engine (about 12 s), so it is given up before it comes back")
-    p.add_argument("--flood-threads", type=int, default=32)
-    p.add_argument("--flood-s", type=float, default=4.0)
-    p.add_argument("--idle-sockets", type=int, default=200)
+    p.add_argument("--flood-threads", type=count(), default=32)
+    p.add_argument("--flood-s", type=positive, default=4.0)
+    p.add_argument("--idle-sockets", type=count(0), default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", help="comma-separated scenarios (default: all, in order)")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs, snapshot, config)")

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from benchargs import count, names
+from benchargs import count, names, positive
 
 from kvtier.hardware.latency import PRESETS
 from kvtier.sim.cluster import ClusterConfig
@@ -189,7 +189,7 @@ def main() -> int:
     ap.add_argument("--eviction", choices=["node", "page"], default="node",
                     help="kvtier's device eviction: whole radix nodes (its default, as SGLang) or only the pages "
                          "needed, last first (as vLLM's block pool and Dynamo's mocker); default: %(default)s")
-    ap.add_argument("--kv-link-gbps", type=float, default=50.0, help="with --disagg: prefill -> decode GB/s")
+    ap.add_argument("--kv-link-gbps", type=positive, default=50.0, help="with --disagg: prefill -> decode GB/s")
     ap.add_argument("--dynamo-python",
                     help="interpreter with ai-dynamo-runtime==1.6.1 (default: this one, if it has it)")
     ap.add_argument("--dynamo-runs", type=count(), default=1,

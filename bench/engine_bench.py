@@ -1,8 +1,8 @@
 """Engine benchmark: cache operations per second, and how fast the torch data path moves scattered pages.
 
 Modeled data path: insert (admit, prefill, release of a new 64-page sequence), match (admit and
-release of one the device holds, checked to be found there) and device eviction, in operations per second; prompts packed
-(:func:`kvtier.wire.pack_tokens`), and match once more from token-id lists.
+release of one the device holds, checked to be found there) and device eviction, in operations per
+second; prompts packed (:func:`kvtier.wire.pack_tokens`), and match once more from token-id lists.
 
 Torch data path: device -> host (backup) and host -> device (load-back) ops of scattered pages (random
 page ids on both sides, so no two pages are consecutive in both pools), 16 KiB to 512 KiB pages, 1 to
@@ -195,7 +195,7 @@ def main() -> None:
     ap.add_argument("--batches", type=counts(), default="1,4,16,64,256,1024,4096", help="pages per op")
     ap.add_argument("--reps", type=count(), default=5, help="timed runs per cell (the median is shown)")
     ap.add_argument("--csv", help="also write every cell to this CSV")
-    ap.add_argument("--max-dma-copies", type=int, default=20_000,
+    ap.add_argument("--max-dma-copies", type=count(), default=20_000,
                     help="skip dma cells needing more copy_ calls per op than this (nan in the table)")
     ap.add_argument("--skip-modeled", action="store_true", help="only the torch data path")
     args = ap.parse_args()

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from benchargs import at_least, count, counts, fraction
 
 from kvtier.hardware.latency import ModelPreset
 
@@ -236,13 +237,14 @@ def measure(model: Model, prefill_tokens: list[int], batches: list[int], context
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-o", "--output", default="gpu_latency.csv", help="CSV to write (kind,x,ms,...)")
-    ap.add_argument("--prefill", default="512,1024,2048,3072,4096,6144,8192,12288,16384,24576,32768",
+    ap.add_argument("--prefill", type=counts(), default="512,1024,2048,3072,4096,6144,8192,12288,16384,24576,32768",
                     help="prompt lengths, tokens")
-    ap.add_argument("--batches", default="1,2,4,8,16,32,64,128,256", help="decode batch sizes")
-    ap.add_argument("--contexts", default="512,2048,3072,8192,13312,32768", help="decode context lengths, tokens")
-    ap.add_argument("--reps", type=int, default=5, help="timed runs per point (the median is kept)")
-    ap.add_argument("--memory-fraction", type=float, default=0.9, help="GPU memory an engine gives itself")
-    ap.add_argument("--reserve-gib", type=float, default=4.0, help="kept out of the KV pool for activations")
+    ap.add_argument("--batches", type=counts(), default="1,2,4,8,16,32,64,128,256", help="decode batch sizes")
+    ap.add_argument("--contexts", type=counts(), default="512,2048,3072,8192,13312,32768",
+                    help="decode context lengths, tokens")
+    ap.add_argument("--reps", type=count(), default=5, help="timed runs per point (the median is kept)")
+    ap.add_argument("--memory-fraction", type=fraction, default=0.9, help="GPU memory an engine gives itself")
+    ap.add_argument("--reserve-gib", type=at_least(0), default=4.0, help="kept out of the KV pool for activations")
     ap.add_argument("--eager-decode", action="store_true", help="decode without CUDA graphs")
     ap.add_argument("--decode-attention", default="sdpa,matmul",
                     help="decode attentions to time; each point keeps the fastest (Model.attend)")
@@ -269,14 +271,11 @@ def main(argv: list[str] | None = None) -> int:
               f"x {row['x']:<9} {row['ms']:9.3f} ms {rate if row['kind'] == 'prefill' else row['attention']}",
               flush=True)
 
-    def ints(v: str) -> list[int]:
-        return [int(x) for x in v.split(",") if x]
-
     attentions = a.decode_attention.split(",")
     if not attentions or not set(attentions) <= {"sdpa", "matmul"}:
         print(f"gpu_latency: --decode-attention takes sdpa and/or matmul, got {a.decode_attention!r}", file=sys.stderr)
         return 2
-    measure(model, ints(a.prefill), ints(a.batches), ints(a.contexts), capacity, a.reps,
+    measure(model, a.prefill, a.batches, a.contexts, capacity, a.reps,
             not (a.eager_decode or a.tiny), out, attentions)
     with open(a.output, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=["kind", "x", "ms", "batch", "context", "tokens", "attention"])

@@ -24,6 +24,8 @@ import sys
 import time
 from collections.abc import Callable
 
+from benchargs import count
+
 from kvtier.indexer.index.tiered import TieredIndex
 from kvtier.wire import BlockRemoved, BlockStored, EngineHash, WorkerId
 from kvtier.wire.notices import StreamId
@@ -63,8 +65,8 @@ def parent_churn(n: int) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--blocks", type=int, default=4096, help="the smaller size (the larger is 4x)")
-    ap.add_argument("--repeat", type=int, default=3, help="runs per case and size (median)")
+    ap.add_argument("--blocks", type=count(), default=4096, help="the smaller size (the larger is 4x)")
+    ap.add_argument("--repeat", type=count(), default=3, help="runs per case and size (median)")
     a = ap.parse_args()
     cases: list[tuple[str, Callable[[int], float]]] = [
         ("orphan removal", lambda n: orphan_removal(n, False)),

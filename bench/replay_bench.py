@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchargs import count
+from benchargs import at_least, count
 
 from kvtier.indexer.index.consumer import IndexConsumer
 from kvtier.indexer.index.tiered import TieredIndex
@@ -146,7 +146,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=count(), default=10_000, help="batches buffered before the join (default: 10000)")
     ap.add_argument("--repeat", type=count(), default=3, help="runs per publisher (default: 3)")
-    ap.add_argument("--slow", type=float, default=1.0, help="seconds not reading after the join (default: 1)")
+    ap.add_argument("--slow", type=at_least(0), default=1.0, help="seconds not reading after the join (default: 1)")
     ap.add_argument("--blocks", type=count(), default=16, help="blocks of 64 tokens per batch (default: 16)")
     ap.add_argument("--sglang-kv-events", type=Path, help="SGLang's sglang/srt/disaggregation/kv_events.py")
     ap.add_argument("--vllm-kv-events", type=Path, help="vLLM's vllm/distributed/kv_events.py")

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchargs import count
+from benchargs import count, positive
 
 TARGET_S = 15 * 60
 TARGET_GROWTH = 1.25  # the whole replay's peak over the tenth's
@@ -49,7 +49,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=count(10), default=1_000_000, help="trace length (default: 1,000,000)")
     ap.add_argument("--workers", type=count(), default=64, help="inference workers (default: 64)")
-    ap.add_argument("--rate", type=float, default=20.0, help="new chat sessions per second (default: 20)")
+    ap.add_argument("--rate", type=positive, default=20.0, help="new chat sessions per second (default: 20)")
     ap.add_argument("--policies", default="round_robin,kv_all", help="comma-separated (default: round_robin,kv_all)")
     ap.add_argument("--out", type=Path, default=Path("out/bench/scale"),
                     help="trace and results (default: out/bench/scale)")

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import aiohttp
+from benchargs import count, positive
 
 TOKENS, BS, DOCS, PUBLISHERS = 2048, 16, 64, 8
 SETTLE_S = 2.0  # pause before each open-loop run, events still flowing
@@ -186,11 +187,11 @@ def where(m0: dict[str, Any], m1: dict[str, Any], late: list[float]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rate", type=float, default=1000.0, help="open-loop queries per second (default: 1000)")
-    ap.add_argument("--seconds", type=float, default=5.0, help="length of each open-loop run (default: 5)")
-    ap.add_argument("--events-per-s", type=float, default=50.0,
+    ap.add_argument("--rate", type=positive, default=1000.0, help="open-loop queries per second (default: 1000)")
+    ap.add_argument("--seconds", type=positive, default=5.0, help="length of each open-loop run (default: 5)")
+    ap.add_argument("--events-per-s", type=positive, default=50.0,
                     help="event batches per second per publisher (default: 50; 8 publishers)")
-    ap.add_argument("--connections", type=int, default=200, help="concurrent keep-alive clients (default: 200)")
+    ap.add_argument("--connections", type=count(), default=200, help="concurrent keep-alive clients (default: 200)")
     ap.add_argument("--http-loop", choices=["auto", "uvloop", "asyncio"], default="auto",
                     help="the service's event loop (default: auto, uvloop where installed)")
     args = ap.parse_args()
