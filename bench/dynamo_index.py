@@ -16,13 +16,22 @@ import json
 import sys
 import time
 
-from index_workload import BLOCKS_PER_TURN, BS, TURNS, conversations, make_queries, rss_bytes
+USAGE = "usage: python bench/dynamo_index.py WORKERS EVENTS QUERIES OUT.json (run by bench/indexer_bench.py)"
 
 
 def main() -> None:
-    from dynamo.llm import RadixTree, compute_block_hash_for_seq
+    args = sys.argv[1:]
+    if len(args) != 4 or not all(a.isdigit() and int(a) > 0 for a in args[:3]):
+        print(__doc__ if args[:1] in (["-h"], ["--help"]) else USAGE, file=sys.stderr)
+        raise SystemExit(0 if args[:1] in (["-h"], ["--help"]) else 2)
+    try:
+        from dynamo.llm import RadixTree, compute_block_hash_for_seq
+        from index_workload import BLOCKS_PER_TURN, BS, TURNS, conversations, make_queries, rss_bytes
+    except ImportError as exc:
+        raise SystemExit(f"dynamo_index.py: this interpreter ({sys.executable}) needs ai-dynamo-runtime and numpy: "
+                         f"{exc}") from None
 
-    workers, n_events, n_queries, out_path = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    workers, n_events, n_queries, out_path = int(args[0]), int(args[1]), int(args[2]), args[3]
     tree = RadixTree()
     gc.collect()
     rss0 = rss_bytes()
