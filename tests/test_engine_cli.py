@@ -123,6 +123,16 @@ def test_prompts_that_do_not_fit_the_device_are_counted_not_dropped_silently(
                      err), err
 
 
+def test_a_replay_behind_its_schedule_caches_every_prompt_that_fits(capsys: pytest.CaptureFixture[str]) -> None:
+    """A replay behind its schedule (a high --speed, a slow machine) never waited for an arrival, so the engine's
+    copies to host were never polled: their device pages stayed held, and prompts the device holds easily were
+    counted as not fitting it and left uncached (101 of 120 at --speed 1000). The longest prompt here is 4,294
+    tokens, the device 12,800."""
+    rc, err = _run(capsys, "--trace", "builtin:sysprompt:120", "--device-pages", "200", "--host-ratio", "1",
+                   "--speed", "100000")
+    assert rc == 0 and err == "engine w0: trace done; serving replay and dump requests for 0 s more (--hold)\n", err
+
+
 def test_an_external_pool_without_a_directory_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     """Without --l3-dir an engine's pool lives in its process: no other engine could read what it announces as
     EXTERNAL, which an indexer credits to every worker."""

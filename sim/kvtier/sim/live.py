@@ -200,9 +200,19 @@ def _serve(args: argparse.Namespace, stop: dict[str, bool]) -> int:
                 break
             with node.lock:
                 adm = cache.admit(req.request_id, bank.packed(req))
-                if cache.begin_prefill(adm, last_resort=True) is not None:  # (alone: nothing else frees room)
+                plan = cache.begin_prefill(adm, last_resort=not dp.ops)
+            # Copies in flight (backups to host, writes to L3) hold device pages until polled, and a replay behind its
+            # schedule never waits above: a prompt that finds no room waits for them to land. Then it is alone on
+            # the engine, and only a prompt the device cannot hold finds none.
+            while plan is None and dp.ops and not halted():
+                node.step()
+                time.sleep(0.002)
+                with node.lock:
+                    plan = cache.begin_prefill(adm, last_resort=not dp.ops)
+            with node.lock:
+                if plan is not None:
                     cache.finish_prefill(adm)
-                else:  # (alone on the engine: only a prompt the device cannot hold finds no room)
+                elif not halted():
                     too_long += 1
                 cache.release(adm)
             node.flush()
