@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import json
+import math
+import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -93,6 +99,17 @@ def test_device_tokens_below_four_pages_is_one_line(capsys: pytest.CaptureFixtur
     assert err == "kvtier engine: error: --device-tokens: 192 holds fewer than 4 pages of --page-size 64\n"
 
 
+def test_hold_takes_seconds_or_inf(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--hold inf`` is the default spelled out; it was refused as "not allowed; expected a number in [0, inf]"."""
+    parse = live.build_parser().parse_args
+    assert parse(["--hold", "inf"]).hold == parse([]).hold == math.inf
+    assert parse(["--hold", "2.5"]).hold == 2.5
+    for bad in ("-1", "nan", "soon"):
+        with pytest.raises(SystemExit):
+            parse(["--hold", bad])
+        assert "argument --hold" in capsys.readouterr().err
+
+
 def test_device_tokens_and_pages_are_one_choice() -> None:
     with pytest.raises(SystemExit) as info:
         live.build_parser().parse_args(["--device-tokens", "32768", "--device-pages", "2048"])
@@ -154,6 +171,51 @@ def test_a_residency_that_cannot_be_written_is_one_line(capsys: pytest.CaptureFi
     rc, err = _run(capsys, "--trace", "builtin:chat:2", "--residency", str(tmp_path / "f" / "x.json"))
     assert rc == 2 and err == f"kvtier engine: error: --residency {tmp_path / 'f' / 'x.json'}: {tmp_path / 'f'} " \
                               "is not a directory\n"
+
+
+def test_a_residency_write_that_fails_leaves_nothing_and_one_that_succeeds_follows_the_umask(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk failed the write after its temporary file was made, and the file stayed; a residency written was
+    mode 0600 whatever the umask (the temporary file's mode, kept by the rename)."""
+    real = Path.write_text
+
+    def full(self: Path, *args: Any, **kwargs: Any) -> int:
+        real(self, "")  # made, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    res = tmp_path / "r.json"
+    monkeypatch.setattr(Path, "write_text", full)
+    rc, err = _run(capsys, "--trace", "builtin:chat:2", "--l3", "none", "--residency", str(res))
+    assert rc == 2 and f"kvtier engine: error: --residency {res}: No space left on device" in err, err
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    umask = os.umask(0o022)
+    try:
+        rc, _ = _run(capsys, "--trace", "builtin:chat:2", "--l3", "none", "--residency", str(res))
+    finally:
+        os.umask(umask)
+    assert rc == 0 and stat.S_IMODE(res.stat().st_mode) == 0o644
+    assert set(json.loads(res.read_text())) == {"DEVICE", "HOST", "DISK", "EXTERNAL"}
+
+
+def test_l3_writes_that_fail_are_said_at_the_end(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full L3 disk fails every write: the log said they were "counted in write_failures", a count the engine then
+    printed nowhere, and the run ended as any other."""
+    from kvtier.engine.l3 import pagedir
+
+    def full(*args: Any) -> Any:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pagedir, "encode", full)
+    rc = live.run(live.build_parser().parse_args([
+        "--endpoint", "tcp://127.0.0.1:0", "--replay", "tcp://127.0.0.1:0", "--hold", "0", "--trace", "builtin:chat:20",
+        "--speed", "1000", "--device-pages", "128", "--l3-dir", str(tmp_path)]))
+    out, err = capsys.readouterr()
+    assert rc == 0
+    failed = re.search(r"trace done; .*?(\d+) copy batches to L3 failed and their pages were not stored there; ", err)
+    assert failed and int(failed.group(1)) > 0, err
+    assert f"write_failures={failed.group(1)}" in out, out
 
 
 def test_an_odd_kv_bytes_per_token_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -19,7 +19,6 @@ import math
 import os
 import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from kvtier.engine.l3.pagefile import Layout
 from kvtier.engine.l3.storage import PageStore
 from kvtier.engine.node import EngineNode
 from kvtier.sim.experiment import resolve_trace
+from kvtier.sim.report import whole
 from kvtier.sim.trace import TIME_SCALE, Request, TokenBank
 from kvtier.util.fields import Domain, OneLineParser, add_options
 from kvtier.util.outpath import unwritable
@@ -46,11 +46,11 @@ PROGRESS_S = 15.0
 
 
 def write_residency(cache: TieredCache, path: Path) -> None:
+    """``--residency``: per tier name, the engine hashes of the pages held there, sorted (JSON), written whole or
+    not at all (a failed write leaves no part file). O(pages)."""
     data = {t.name: sorted(hs) for t, hs in cache.residency().items()}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".res-")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
+    with whole(path) as part:
+        part.write_text(json.dumps(data))
 
 
 class EngineError(Exception):
@@ -239,6 +239,9 @@ def _serve(args: argparse.Namespace, stop: dict[str, bool]) -> int:
             device = cache.config.device_pages * cache.config.page_size
             skipped = (f"{too_long} of {done} prompts did not fit the device ({device:,} tokens) and were not "
                        "cached; ") if too_long else ""
+            failed = cache.l3.write_failures if cache.l3 is not None else 0
+            if failed:  # (a full disk: each batch logged sparsely above, the pages kept off the L3 tier)
+                skipped += f"{failed} copy batches to L3 failed and their pages were not stored there; "
             print(f"engine {args.name}: trace done; {skipped}serving replay and dump requests "
                   + ("until SIGTERM" if math.isinf(args.hold) else f"for {args.hold:g} s more (--hold)"),
                   file=sys.stderr, flush=True)
@@ -251,7 +254,8 @@ def _serve(args: argparse.Namespace, stop: dict[str, bool]) -> int:
             dp.close()
         if cache.store is not None:
             if cache.store.directory is not None:
-                print(f"engine {args.name}: L3 {cache.store.stats}", flush=True)
+                failed = cache.l3.write_failures if cache.l3 is not None else 0
+                print(f"engine {args.name}: L3 {cache.store.stats}, write_failures={failed}", flush=True)
             cache.store.close()
     if stop["signal"]:
         _exit_now(rc)
@@ -268,6 +272,11 @@ def _exit_now(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _hold(text: str) -> float:
+    """``--hold``: seconds >= 0, or ``inf`` (numbers read by :class:`Domain` are finite)."""
+    return math.inf if text.strip().lower() in ("inf", "infinity") else float(Domain(float, lo=0).parse(text))
 
 
 def _engine_name(text: str) -> str:
@@ -300,7 +309,7 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     device.add_argument("--device-tokens", type=count.parse, default=None,
                         help="device KV capacity in tokens, as the simulator's --device-tokens (rounded down to "
                              "whole pages of --page-size; at least 4 pages) (default: --device-pages x --page-size, "
-                             f"{_DEVICE_PAGES * DEFAULT_BLOCK_SIZE:,})")
+                             f"{_DEVICE_PAGES * DEFAULT_BLOCK_SIZE:,} at their defaults)")
     device.add_argument("--device-pages", type=Domain(int, lo=4).parse, default=_DEVICE_PAGES,
                         help="the same capacity in pages of --page-size tokens (the engine's native unit)")
     add_options(p, CacheConfig, ["host_ratio"])
@@ -316,10 +325,11 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                                                           "sharing --l3-dir are never served)")
     p.add_argument("--kv-bytes-per-token", type=Domain(int, lo=2).parse, default=1024,
                    help="KV bytes per token with --l3-dir (the page files' size; even: bfloat16 elements)")
-    p.add_argument("--residency", help="write the final residency as JSON here")
-    p.add_argument("--hold", type=Domain(float, lo=0, hi=math.inf).parse, default=math.inf,
-                   help="seconds to keep serving replay and dump requests after the trace (default: until SIGTERM, "
-                        "as a real engine keeps serving)")
+    p.add_argument("--residency", help="write the final residency as JSON here: per tier, the engine hashes of the "
+                                       "pages held there (docs/outputs.md)")
+    p.add_argument("--hold", type=_hold, default=math.inf,
+                   help="seconds to keep serving replay and dump requests after the trace, or inf: until SIGTERM, "
+                        "as a real engine keeps serving (default: inf)")
     p.add_argument("--parent-pid", type=Domain(int, lo=1).parse, default=None,
                    help="exit once this process is no longer this one's parent (it died): for test harnesses, "
                         "so that engines never outlive a run that crashed")
