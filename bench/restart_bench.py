@@ -4,11 +4,12 @@ An engine holds a large state (``--prompts`` distinct 64-page prompts on device 
 (block, tier) entries at the default, like the 388k-key state of the service issue). A fresh
 ``IndexerService`` subscribes and the time until its index holds exactly the engine's residency is
 measured three ways: the engine's replay buffer holds every batch (replay from seq 0); the buffer
-holds only the last 100 (a state dump); and a restart from the snapshot the previous service wrote on
-stop, with 80 batches published while it was down (resume from the saved seq). The first service synced by a dump,
-which leaves no batch to resume after, so a live batch reaches it before it stops, as one always does from an engine at
-work. Each row says what the engine's replay socket sent meanwhile (replayed batches, dumps): the snapshot's row
-replays and dumps nothing but the batches published while the service was down.
+holds only the last 100 (a state dump: each prompt publishes two batches, hence at least 100 prompts); and a
+restart from the snapshot the previous service wrote on stop, with 80 batches published while it was down (resume
+from the saved seq, after checking that the engine still holds the batch applied last: one batch more sent). The
+first service synced by a dump, which leaves no batch to resume after, so a live batch reaches it before it stops,
+as one always does from an engine at work. Each row says what the engine's replay socket sent meanwhile (replayed
+batches, dumps): the snapshot's row replays and dumps nothing but the batches published while the service was down.
 
     python bench/restart_bench.py [--prompts 3000]
 """
@@ -85,31 +86,34 @@ def sent(node: EngineNode, since: tuple[int, int, int]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=count(), default=3000, help="distinct 64-page prompts cached (default: 3000)")
+    ap.add_argument("--prompts", type=count(100), default=3000,
+                    help="distinct 64-page prompts cached, at least 100: their 200 batches overflow the dump row's "
+                         "buffer of 100 (default: 3000)")
     args = ap.parse_args()
     for label, buffer in (("replay from seq 0", 1 << 30), ("state dump", 100)):
+        dumps = label == "state dump"
         node, now = engine(args.prompts, buffer)
         for i in range(args.prompts):
             serve(node, now, i)
         pub = node.publisher
-        ep = parse_endpoint(f"e0={pub.endpoint},replay={pub.replay_endpoint}" + (",dump" if buffer == 100 else ""))
+        ep = parse_endpoint(f"e0={pub.endpoint},replay={pub.replay_endpoint}" + (",dump" if dumps else ""))
         entries = sum(map(len, truth(node).values()))
         with tempfile.TemporaryDirectory() as d:
             snap = Path(d) / "index.snap"
             cfg = ServiceConfig(endpoints=[ep], block_size=PS, listen="127.0.0.1:0", replay_timeout_s=10.0,
-                                snapshot_path=str(snap) if buffer == 100 else None)
+                                snapshot_path=str(snap) if dumps else None)
             st = pub.replay_stats
             mark = (st.messages, st.dumps, st.requests)
             took, svc = ready_time(node, cfg)
             print(f"{label:<20} ready in {took:6.2f} s ({entries} block entries, {pub.last_seq + 1} batches published; "
                   f"{sent(node, mark)})")
-            if buffer == 100:
+            if dumps:
                 serve(node, now, args.prompts + 40)  # a live batch: what the snapshot resumes after
                 ready_time(node, cfg, svc)
             published = pub.last_seq + 1
             svc.stop()
             wrote = svc.snapshot_seconds
-            if buffer != 100:
+            if not dumps:
                 node.close()
                 continue
             for i in range(args.prompts, args.prompts + 40):  # 80 batches published while the service is down
@@ -118,7 +122,7 @@ def main() -> None:
             took, svc = ready_time(node, cfg)
             print(f"{'from snapshot':<20} ready in {took:6.2f} s (snapshot {snap.stat().st_size / 1e6:.1f} MB, written "
                   f"in {wrote:.2f} s; {pub.last_seq + 1 - published} batches published since; "
-                  f"{sent(node, mark)})")
+                  f"{sent(node, mark)}, the first the check that the engine still holds the batch applied last)")
             resumed = pub.replay_stats.dumps == mark[1]
             print(f"target: a restart from the snapshot resumes at its seq, no dump: {'MET' if resumed else 'MISS'}")
             svc.stop()
