@@ -31,7 +31,11 @@ TARGET_GROWTH = 1.25  # the whole replay's peak over the tenth's
 
 
 def kvtier(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "kvtier", *args], check=True, stdout=subprocess.DEVNULL)
+    """Runs ``kvtier args``; its progress lines (stderr) are kept out of the table, and shown only if it fails."""
+    run = subprocess.run([sys.executable, "-m", "kvtier", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                         text=True, check=False)
+    if run.returncode:
+        raise SystemExit(f"scale_bench: kvtier {' '.join(args)} failed (exit {run.returncode}):\n{run.stderr[-2000:]}")
 
 
 def replay(trace: Path, workers: int, policy: str, limit: int | None, out: Path) -> dict[str, float]:
