@@ -308,6 +308,14 @@ def test_caps_on_mm_items_token_ids_and_request_id_length() -> None:
         assert code == 400 and "the item at offset 4 starts inside the one at offset 0 (length 5)" in out["error"]
         assert call(s, "POST", "/query", {"token_ids": TOKS, "mm_items": [
             {"identifier": "a", "offset": 5, "length": 8}, {"identifier": "b", "offset": 0, "length": 5}]})[0] == 200
+        # An item's placeholders are prompt tokens: one that ends past the prompt is refused, not hashed silently.
+        for offset, length in ((len(TOKS), 1), (len(TOKS) - 2, 3), (2**31, 4)):
+            code, out, _ = call(s, "POST", "/route", {"token_ids": TOKS, "request_id": "mm", "mm_items": [
+                {"identifier": "a", "offset": offset, "length": length}]})
+            assert code == 400 and out["error"] == (f"mm_items: the item at offset {offset} (length {length}) ends "
+                                                    f"past the prompt's {len(TOKS)} tokens"), out
+        assert call(s, "POST", "/query", {"token_ids": TOKS, "mm_items": [
+            {"identifier": "a", "offset": len(TOKS) - 3, "length": 3}]})[0] == 200
 
 
 @pytest.mark.timeout(60)

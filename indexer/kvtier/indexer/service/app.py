@@ -253,6 +253,10 @@ class IndexerService:
             raise ValueError(f"{len(req.mm_items)} mm_items; at most {self.config.max_mm_items} per request")
         mm = [(m.identifier, m.offset, m.length) for m in req.mm_items] if req.mm_items else None
         if mm:
+            for _, offset, length in mm:  # (placeholders are prompt tokens: an item past the end is a client's error)
+                if offset + length > n:
+                    raise ValueError(f"mm_items: the item at offset {offset} (length {length}) ends past the prompt's "
+                                     f"{n} tokens")
             # The placeholders of a prompt's items are disjoint, which bounds the (block, item) overlaps to hash.
             for a, b in itertools.pairwise(sorted(mm, key=lambda m: m[1])):
                 if b[1] < a[1] + a[2]:
