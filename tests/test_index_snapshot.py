@@ -9,9 +9,12 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvtier.indexer.index.keys import BlockKey, block_keys
 from kvtier.indexer.index.masklayout import TIERS
+from kvtier.indexer.index.snapshot import WorkerRecord
 from kvtier.indexer.index.tiered import Outcome, TieredIndex
 from kvtier.wire import AllBlocksCleared, BlockRemoved, BlockStored, StorageTier, WorkerId, window_group
 from kvtier.wire.notices import StreamId
@@ -186,3 +189,46 @@ def test_damaged_links_are_refused() -> None:
         data["links"] = links
         with pytest.raises(ValueError, match="not an index snapshot"):
             TieredIndex.restore(msgspec.msgpack.encode(data))
+
+
+_SNAPSHOT = varied_index().snapshot()
+_FIELDS = msgspec.structs.fields(WorkerRecord)
+_ANY = st.recursive(st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.binary(max_size=24)
+                    | st.text(max_size=4), lambda inner: st.lists(inner, max_size=4), max_leaves=8)
+
+
+@given(worker=st.integers(0, 7), field=st.sampled_from([f.name for f in _FIELDS]), value=_ANY)
+def test_a_snapshot_with_any_field_of_a_worker_replaced_restores_sound_or_is_refused(worker: int, field: str,
+                                                                                    value: Any) -> None:
+    """Whatever a damaged or hostile file holds in a worker's record, a restore raises ``ValueError`` or gives an index
+    whose every invariant holds: never another exception, never an index that breaks later."""
+    obj = msgspec.msgpack.decode(_SNAPSHOT)
+    obj["workers"][worker % len(obj["workers"])][field] = value
+    _restored_sound_or_refused(msgspec.msgpack.encode(obj))
+
+
+@given(field=st.sampled_from(["version", "block_size", "window_tokens", "workers", "links"]), value=_ANY)
+def test_a_snapshot_with_any_top_field_replaced_restores_sound_or_is_refused(field: str, value: Any) -> None:
+    obj = msgspec.msgpack.decode(_SNAPSHOT)
+    obj[field] = value
+    _restored_sound_or_refused(msgspec.msgpack.encode(obj))
+
+
+@given(flips=st.lists(st.tuples(st.integers(0, len(_SNAPSHOT) - 1), st.integers(0, 255)), min_size=1, max_size=4))
+def test_a_snapshot_with_bytes_changed_restores_sound_or_is_refused(flips: list[tuple[int, int]]) -> None:
+    data = bytearray(_SNAPSHOT)
+    for at, byte in flips:
+        data[at] = byte
+    _restored_sound_or_refused(bytes(data))
+
+
+def _restored_sound_or_refused(data: bytes) -> None:
+    try:
+        idx = TieredIndex.restore(data)
+    except ValueError as exc:
+        assert str(exc).startswith("not an index snapshot: "), exc
+        return
+    idx._check()
+    idx.find_matches(TOKS)
+    again = TieredIndex.restore(idx.snapshot())  # (the bytes may differ: a damaged set of children can name the dead)
+    assert describe(again) == describe(idx)

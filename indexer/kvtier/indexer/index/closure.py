@@ -34,7 +34,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvtier.indexer.index.keys import BlockKey
-from kvtier.indexer.index.keytable import CHILD, KEY, LINKS_NONE, LINKS_ONE, LINKS_SET, USED, KeyTable
+from kvtier.indexer.index.keytable import CHILD, KEY, LINKS_NONE, LINKS_ONE, LINKS_SET, USED, VAL, KeyTable
+from kvtier.indexer.index.masklayout import SLOTS_PER_WORD, TIERS
 
 #: The index's key -> mask map (the compiled table :class:`kvtier.indexer.index.keytable.KeyTable`, read as a
 #: mapping by the rare block-by-block paths).
@@ -286,5 +287,20 @@ class PrefixClosure:
 
     def link_all(self, parents: npt.NDArray[np.uint64], children: npt.NDArray[np.uint64]) -> None:
         """Records links ``children[j]`` under ``parents[j]`` (a restored snapshot's: their parents' masks restored
-        first, as a parent nobody holds gets none). O(links)."""
+        first, as a parent nobody holds gets none), then makes loose every child held on a tier of a slot whose
+        parent is not (a snapshot's loose blocks may be damaged: ``loose`` may hold more, never fewer).
+        O(links * mask words), plus the children made loose."""
         self._link(parents, children, parents, children)
+        t = self.table
+        rows = t.k.find_all(t.r, np.concatenate([parents, children]))
+        ids = np.where(rows >= 0, t.r[rows, VAL], 0).astype(np.intp)  # (id 0: the empty mask)
+        pid, cid = ids[:len(parents)], ids[len(parents):]
+        lacking = t.pool.pm[cid] & ~t.pool.pm[pid]  # per link and mask word: the child's bits its parent lacks
+        for j, word in zip(*(a.tolist() for a in np.nonzero(lacking)), strict=True):
+            bits = int(lacking[j, word])
+            while bits:
+                bit = (bits & -bits).bit_length() - 1
+                bits &= bits - 1
+                slot = word * SLOTS_PER_WORD + bit // TIERS
+                if slot not in self.unknown:
+                    self.loose.setdefault((slot, bit % TIERS), set()).add(BlockKey(int(children[j])))

@@ -25,6 +25,7 @@ import numpy.typing as npt
 from kvtier.indexer.index.closure import Links
 from kvtier.indexer.index.keys import BlockKey
 from kvtier.indexer.index.masklayout import SLOT_MASK, TIERS
+from kvtier.indexer.index.relearn import MAX_REMEMBERED
 from kvtier.wire.protocol import EngineHash
 
 VERSION = 2
@@ -127,8 +128,13 @@ def decode(data: bytes) -> Snapshot:
 def blocks(rec: WorkerRecord) -> Blocks:
     """``rec``'s blocks as arrays, with every check the tables do not make themselves: keys ascending (so none
     twice), tier bits of the worker's own slot on every block, one engine hash per block, loose blocks and window KV
-    held where they say. ``ValueError`` naming the worker. O(blocks + loose + window)."""
+    held where they say, window KV only with a window, and no more remembered from a loss than the index keeps.
+    ``ValueError`` naming the worker. O(blocks + loose + window)."""
     where = f"worker {rec.worker!r} rank {rec.dp_rank}"
+    if (rec.inferred or rec.window_bits) and not rec.window:
+        raise ValueError(f"{where}: window KV without a window")
+    if len(rec.ghosts) > MAX_REMEMBERED or len(rec.ups) > MAX_REMEMBERED:
+        raise ValueError(f"{where}: more than {MAX_REMEMBERED} blocks remembered from a loss")
     keys = _words(rec.keys, f"{where}: keys")
     bits = np.frombuffer(rec.bits, np.uint8)
     n = len(keys)
