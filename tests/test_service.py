@@ -281,6 +281,30 @@ def test_a_snapshot_with_an_impossible_stream_position_is_refused(tmp_path: Path
         persist.load(snap, BS)
 
 
+def test_a_damaged_snapshot_file_is_refused_whole(tmp_path: Path) -> None:
+    """A byte of a saved snapshot changed (bit rot, a torn copy) where its format cannot tell: inside a block key, or
+    a stream's position. The index restored from it would hold a block nobody has, or resume a stream at the wrong
+    seq; the file's checksum refuses it in one line naming the file."""
+    import msgspec
+
+    index = TieredIndex(BS)
+    index.apply(StreamId(WorkerId("w0")), BlockStored(block_hashes=[1, 2], token_ids=list(range(2 * BS)),
+                                                       block_size=BS))
+    snap = tmp_path / "index.snap"
+    persist.save(snap, index, {StreamId(WorkerId("w0")): (7, 12345)})
+    assert len(persist.load(snap, BS)[0]) == 2
+    good = snap.read_bytes()
+    obj = msgspec.msgpack.decode(good)
+    key = msgspec.msgpack.decode(obj["index"])["workers"][0]["keys"][:8]  # the first block's key, as written
+    position = msgspec.msgpack.encode(["w0", 0, 7, 12345])
+    for at in (good.index(key) + 3, good.index(position) + position.index(7, 4)):  # a key's byte; the seq 7
+        damaged = bytearray(good)
+        damaged[at] ^= 0x10
+        snap.write_bytes(bytes(damaged))
+        with pytest.raises(ValueError, match=f"snapshot {snap}: damaged: its checksum does not match"):
+            persist.load(snap, BS)
+
+
 def test_a_snapshot_write_that_fails_leaves_no_temporary_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A full disk fails the write: the previous snapshot stays whole, and the part written does not hold its
     space (one snapshot's worth a failure) until the next start."""

@@ -5,7 +5,8 @@ applied last (the publisher is first checked to still hold that batch, else it i
 the stream starts over). Only what the publishers' replay buffers no longer hold falls back to a
 dump or a partial mark. The file is written atomically (a temporary file in the same directory,
 fsynced, then renamed over the old one), so a crash mid-write leaves the previous snapshot intact; a failed write
-removes its temporary file, and a start removes those crashed writers left (:func:`remove_stale`).
+removes its temporary file, and a start removes those crashed writers left (:func:`remove_stale`). A checksum
+over what it holds refuses a file damaged since (a flipped bit in a block key would restore a wrong index).
 
 A snapshot is taken in two parts: :func:`capture` copies the index and the positions on the thread that applies
 events (a few compiled passes over its tables), and :func:`write` encodes and writes that copy, on another thread if
@@ -18,8 +19,10 @@ import glob
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgspec
+import xxhash
 
 from kvtier.indexer.index.snapshot import Capture, encode
 from kvtier.indexer.index.tiered import TieredIndex
@@ -89,11 +92,10 @@ def save(path: Path, index: TieredIndex, positions: Positions) -> int:
 def write(path: Path, pending: Pending) -> int:
     """Writes a captured snapshot atomically (any thread); returns its size in bytes. O(index entries log
     entries) to encode, then the file."""
-    data = msgspec.msgpack.encode({
-        "version": VERSION,
-        "index": encode(pending.index),
-        "positions": [[s.worker, s.dp_rank, seq, digest] for s, (seq, digest) in pending.positions.items()],
-    })
+    index = encode(pending.index)
+    positions = [[s.worker, s.dp_rank, seq, digest] for s, (seq, digest) in pending.positions.items()]
+    data = msgspec.msgpack.encode({"version": VERSION, "index": index, "positions": positions,
+                                   "checksum": _checksum(index, positions)})
     tmp = _temporary(path, os.getpid())
     try:
         with open(tmp, "wb") as f:
@@ -112,12 +114,23 @@ def write(path: Path, pending: Pending) -> int:
     return len(data)
 
 
+def _checksum(index: bytes, positions: list[Any]) -> int:
+    """xxh3-64 of the index's bytes and the positions' (a damaged file is refused whole, never restored wrong).
+    O(bytes)."""
+    h = xxhash.xxh3_64(index)
+    h.update(msgspec.msgpack.encode(positions))
+    return h.intdigest()
+
+
 def load(path: Path, block_size: int) -> tuple[TieredIndex, Positions]:
     """Reads a snapshot; ``ValueError`` naming the file and what is wrong with it. O(file)."""
     try:
         obj = msgspec.msgpack.decode(read_input(path, None))  # (not a FIFO or a device: a file, of any size)
         if not isinstance(obj, dict) or obj.get("version") != VERSION:
             raise ValueError(f"unsupported snapshot version {obj.get('version') if isinstance(obj, dict) else None!r}")
+        if "checksum" in obj and obj["checksum"] != _checksum(obj["index"], obj["positions"]):  # (older files: none)
+            raise ValueError("damaged: its checksum does not match what it holds (a torn or corrupted file); "
+                             "remove it to start afresh")
         index = TieredIndex.restore(obj["index"])
         positions: Positions = {}
         for w, dp, seq, digest in obj["positions"]:
