@@ -21,16 +21,20 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 log=.venv/install.log
 echo "kvtier: installing into .venv (log: $log)" >&2
-# torch is pinned in pyproject.toml (2.13.0) and taken as its CPU build, never a multi-GB CUDA download:
-# from PyTorch's CPU index where it can be reached (2.13.0+cpu ranks above PyPI's 2.13.0), else from the
-# wheels pip is configured with.
-extra=()
+# torch is pinned in pyproject.toml and taken as its CPU build, never a multi-GB CUDA download: first alone
+# from PyTorch's CPU index where it can be reached (as PyTorch's install instructions do; --index-url, so that
+# no other package can come from there, nor torch from elsewhere), then everything else from the wheels pip is
+# configured with, where the pinned torch is then installed already (2.13.0+cpu satisfies ==2.13.0).
+torch_pin=$(.venv/bin/python -c 'import tomllib
+with open("pyproject.toml", "rb") as f:
+    print(next(d for d in tomllib.load(f)["project"]["optional-dependencies"]["engine"] if d.startswith("torch")))')
+cpu_torch=(true)
 if .venv/bin/python -c "import urllib.request; urllib.request.urlopen('https://download.pytorch.org/whl/cpu/', timeout=5)" \
         >/dev/null 2>&1; then
-    extra=(--extra-index-url https://download.pytorch.org/whl/cpu)
+    cpu_torch=(.venv/bin/python -m pip install -q --index-url https://download.pytorch.org/whl/cpu "$torch_pin")
 fi
-if ! { .venv/bin/python -m pip install -q --upgrade pip \
-        && .venv/bin/python -m pip install -q ${extra[@]+"${extra[@]}"} -e ".[dev]"; } >"$log" 2>&1; then
+if ! { .venv/bin/python -m pip install -q --upgrade pip && "${cpu_torch[@]}" \
+        && .venv/bin/python -m pip install -q -e ".[dev]"; } >"$log" 2>&1; then
     cat "$log" >&2
     echo "kvtier: install failed (see above)" >&2
     exit 1
