@@ -3,6 +3,7 @@ the previous format (version 1) still restores, the bytes are canonical, and dam
 
 from __future__ import annotations
 
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -85,8 +86,9 @@ def describe(idx: TieredIndex) -> dict[Any, Any]:
         out[s] = {
             "hashes": sorted(w.hashes.items(), key=repr), "tiers": idx.worker_hashes(s),
             "windows": idx.window_hashes(s), "counts": list(w.counts), "partial": w.partial, "window": w.window,
-            "inferred": w.inferred, "closed_tiers": w.closed_tiers, "ghosts": sorted(w.ghosts.items(), key=repr),
-            "ups": sorted(w.ups.items(), key=repr), "orphans": w.orphans.dump(), "loose": loose,
+            # (ghosts and their parents in order: the oldest are forgotten first)
+            "inferred": w.inferred, "closed_tiers": w.closed_tiers, "ghosts": list(w.ghosts.items()),
+            "ups": list(w.ups.items()), "orphans": w.orphans.dump(), "loose": loose,
             "unknown": w.slot in idx._closure.unknown, "signed": w.hashes.signed,
             "dict": w.hashes.py is not None,
         }
@@ -124,6 +126,26 @@ def test_a_snapshot_written_by_the_version_1_writer_restores() -> None:
     idx = varied_index()
     assert describe(old) == describe(idx)
     assert describe(later(old)) == describe(later(idx))
+
+
+def test_a_restored_index_forgets_the_oldest_blocks_remembered_from_a_loss_first(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The blocks remembered from losses (ghosts, and their parents) are forgotten oldest first; a snapshot wrote
+    them sorted, so a restored index forgot the newest instead."""
+    from kvtier.indexer.index import snapshot, tiered
+
+    monkeypatch.setattr(tiered, "MAX_REMEMBERED", 4)
+    monkeypatch.setattr(snapshot, "MAX_REMEMBERED", 4)
+    idx = TieredIndex(BS)
+    for hashes, toks in (([200, 300], TOKS[:8]), ([10, 11], OTHER[:8])):  # two losses, the older ghosts sort last
+        assert idx.apply(S, BlockStored(block_hashes=hashes, token_ids=toks, block_size=BS)) is Outcome.APPLIED
+        idx.clear_worker(S, partial=True)
+    assert idx.apply(S, BlockStored(block_hashes=[7], token_ids=FORK[:4], block_size=BS)) is Outcome.APPLIED
+    back = TieredIndex.restore(idx.snapshot())
+    for x in (idx, back):
+        x.clear_worker(S, partial=True)  # one more: the oldest goes
+    assert list(back._workers[S].ghosts) == list(idx._workers[S].ghosts)
+    assert set(idx._workers[S].ghosts) == {300, 10, 11, 7}  # (200, the oldest, went)
 
 
 def test_snapshot_bytes_are_canonical() -> None:
@@ -177,10 +199,19 @@ def test_the_record_used_for_damage_is_sound() -> None:
     {"loose": [[], [1], [], []]},  # a loose block the worker does not hold there
     {"dp_rank": -1},
     {"worker": 5},
+    {"ghosts": [[7, -1]]},  # a remembered block outside the key space (a later store under 7 failed midway)
+    {"inferred": True},  # window KV inferred without a window
 ])
 def test_a_damaged_snapshot_is_refused_whole(change: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match="not an index snapshot"):
         TieredIndex.restore(_record(**change))
+
+
+def test_msgpack_nested_past_the_decoders_depth_is_refused() -> None:
+    for data in (b"\x81\xa7version" + b"\x91" * 200_000 + b"\x02",
+                 b"\x84\xa7version\x01\xaablock_size\x04\xa7workers\x90\xa5links" + b"\x91" * 200_000 + b"\x90"):
+        with pytest.raises(ValueError, match="not an index snapshot"):
+            TieredIndex.restore(data)
 
 
 def test_damaged_links_are_refused() -> None:
@@ -220,6 +251,25 @@ def test_a_snapshot_with_bytes_changed_restores_sound_or_is_refused(flips: list[
     for at, byte in flips:
         data[at] = byte
     _restored_sound_or_refused(bytes(data))
+
+
+def test_a_small_snapshot_restores_in_memory_of_its_size() -> None:
+    """4,096 workers holding nothing and 100,000 links, a 2 MB file: the restore widened every mask to 256 words
+    and compared a child's mask with its parent's per link, 426 MB at its peak."""
+    rec = msgspec.msgpack.decode(msgspec.msgpack.encode(WorkerRecord(
+        worker="", dp_rank=0, partial=False, keys=b"", bits=b"", hashes=b"", signed=None, window=0, inferred=False,
+        window_bits=[], loose=None, ghosts=[], orphans=[], closed_tiers=0, ups=[])))
+    data = msgspec.msgpack.encode({"version": 2, "block_size": BS, "window_tokens": 0,
+                                   "workers": [{**rec, "worker": f"w{i}"} for i in range(4096)],
+                                   "links": np.arange(1, 200_001, dtype="<u8").tobytes()})
+    tracemalloc.start()
+    try:
+        idx = TieredIndex.restore(data)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(idx.streams) == 4096 and idx._masks.words == 1
+    assert peak < 16 * len(data), f"{peak / 1e6:.0f} MB to restore {len(data) / 1e6:.1f} MB"
 
 
 def _restored_sound_or_refused(data: bytes) -> None:

@@ -168,8 +168,9 @@ class PrefixClosure:
         self.unknown.discard(slot)
 
     def loose_of(self, slot: int, tiers: int) -> list[list[BlockKey]]:
-        """Per tier, the slot's loose blocks (for a snapshot). O(loose blocks)."""
-        return [sorted(self.loose.get((slot, t), ())) for t in range(tiers)]
+        """Per tier, the slot's loose blocks, copied for a snapshot (unsorted: the encoder sorts them off the event
+        loop). O(loose blocks)."""
+        return [list(self.loose.get((slot, t), ())) for t in range(tiers)]
 
     def restore_slot(self, slot: int, loose: list[list[int]] | None) -> None:
         """Inverse of :meth:`loose_of` for a slot restored with blocks; ``None`` (a snapshot without loose
@@ -293,14 +294,29 @@ class PrefixClosure:
         self._link(parents, children, parents, children)
         t = self.table
         rows = t.k.find_all(t.r, np.concatenate([parents, children]))
-        ids = np.where(rows >= 0, t.r[rows, VAL], 0).astype(np.intp)  # (id 0: the empty mask)
+        ids = np.where(rows >= 0, t.r[rows, VAL], 0).astype(np.int64)  # (id 0: the empty mask)
         pid, cid = ids[:len(parents)], ids[len(parents):]
-        lacking = t.pool.pm[cid] & ~t.pool.pm[pid]  # per link and mask word: the child's bits its parent lacks
-        for j, word in zip(*(a.tolist() for a in np.nonzero(lacking)), strict=True):
-            bits = int(lacking[j, word])
-            while bits:
-                bit = (bits & -bits).bit_length() - 1
-                bits &= bits - 1
-                slot = word * SLOTS_PER_WORD + bit // TIERS
-                if slot not in self.unknown:
-                    self.loose.setdefault((slot, bit % TIERS), set()).add(BlockKey(int(children[j])))
+        # Only a held child whose mask differs from its parent's can lack a parent anywhere; each such pair of masks
+        # is compared once, a bounded number of rows at a time (masks are a word per 16 workers).
+        some = np.flatnonzero((cid != 0) & (cid != pid))
+        n_ids = t.pool.pm.shape[0]
+        pairs, which = np.unique(cid[some] * n_ids + pid[some], return_inverse=True)
+        lacks: dict[int, list[tuple[int, int]]] = {}  # pair -> the (slot, tier)s its child has and its parent lacks
+        step = max(1, (1 << 16) // t.pool.pm.shape[1])
+        for lo in range(0, len(pairs), step):
+            u = pairs[lo:lo + step]
+            lacking = t.pool.pm[u // n_ids] & ~t.pool.pm[u % n_ids]
+            for k, word in zip(*(a.tolist() for a in np.nonzero(lacking)), strict=True):
+                bits = int(lacking[k, word])
+                while bits:
+                    bit = (bits & -bits).bit_length() - 1
+                    bits &= bits - 1
+                    slot = word * SLOTS_PER_WORD + bit // TIERS
+                    if slot not in self.unknown:
+                        lacks.setdefault(lo + k, []).append((slot, bit % TIERS))
+        if lacks:
+            bad = np.fromiter(lacks, np.int64, len(lacks))
+            for j in np.flatnonzero(np.isin(which, bad)).tolist():
+                child = BlockKey(int(children[some[j]]))
+                for slot_tier in lacks[int(which[j])]:
+                    self.loose.setdefault(slot_tier, set()).add(child)

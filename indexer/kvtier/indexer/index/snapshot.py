@@ -99,13 +99,17 @@ class Capture(NamedTuple):
 
 
 def encode(c: Capture) -> bytes:
-    """The snapshot's bytes: each worker's blocks in ascending key order, the links of parents with one child by
-    parent, then each set of children by parent and child (so the bytes are canonical). Fills ``c.head``.
-    O(blocks log blocks)."""
+    """The snapshot's bytes: each worker's blocks, loose blocks and window KV in ascending key order, the links of
+    parents with one child by parent, then each set of children by parent and child; ghosts and their parents oldest
+    first, as the index forgets them (the same index, the same bytes). Fills ``c.head``. O(blocks log blocks)."""
     for rec, (keys, bits, hashes) in zip(c.head.workers, c.blocks, strict=True):
         order = np.argsort(keys)  # (keys are distinct: any sort is canonical)
         rec.keys, rec.bits = pack(keys[order]), bits[order].tobytes()
         rec.hashes = [hashes[i] for i in order.tolist()] if isinstance(hashes, list) else pack(hashes[order])
+        rec.window_bits.sort()
+        if rec.loose is not None:
+            for tier in rec.loose:
+                tier.sort()
     parents, children, sets = c.links
     order = np.argsort(parents)  # (a parent with one child is in one pair)
     sets = sorted((p, sorted(kids)) for p, kids in sets)
@@ -135,6 +139,8 @@ def blocks(rec: WorkerRecord) -> Blocks:
         raise ValueError(f"{where}: window KV without a window")
     if len(rec.ghosts) > MAX_REMEMBERED or len(rec.ups) > MAX_REMEMBERED:
         raise ValueError(f"{where}: more than {MAX_REMEMBERED} blocks remembered from a loss")
+    if not all(0 <= key < 1 << 64 for _, key in rec.ghosts):
+        raise ValueError(f"{where}: a block remembered from a loss with a key outside 0..2**64-1")
     keys = _words(rec.keys, f"{where}: keys")
     bits = np.frombuffer(rec.bits, np.uint8)
     n = len(keys)

@@ -333,18 +333,18 @@ class TieredIndex:
         """A copy of the index for a snapshot, which :func:`kvtier.indexer.index.snapshot.encode` turns into bytes,
         on another thread if need be (the index may change meanwhile). O(total entries), a few compiled passes."""
         records, blocks = [], []
+        windows = self._win.by_slot()
         for w in self._workers.values():
             hashes, keys = w.hashes.export()
             blocks.append((keys, self._masks.slot_bits(keys, w.slot), hashes))
-            shift = TIERS * w.slot
-            window = sorted((key, b) for key, m in self._win.bits.items() if (b := m >> shift & SLOT_MASK))
             records.append(snapfmt.WorkerRecord(
                 worker=w.stream.worker, dp_rank=w.stream.dp_rank, partial=w.partial, keys=b"", bits=b"", hashes=b"",
-                signed=w.hashes.signed, window=w.window, inferred=w.inferred, window_bits=window,
+                signed=w.hashes.signed, window=w.window, inferred=w.inferred, window_bits=windows.get(w.slot, []),
                 loose=None if w.slot in self._closure.unknown else self._closure.loose_of(w.slot, TIERS),
-                # Then what is held outside the blocks: the keys of blocks dropped at a loss, stores awaiting a parent.
-                ghosts=sorted(w.ghosts.items(), key=repr), orphans=w.orphans.dump(), closed_tiers=w.closed_tiers,
-                ups=sorted(w.ups.items(), key=repr)))
+                # Then what is held outside the blocks: the keys of blocks dropped at a loss and their parents, oldest
+                # first (the order they are forgotten in), and the stores awaiting a parent.
+                ghosts=list(w.ghosts.items()), orphans=w.orphans.dump(), closed_tiers=w.closed_tiers,
+                ups=list(w.ups.items())))
         head = snapfmt.Snapshot(version=snapfmt.VERSION, block_size=self.block_size,
                                  window_tokens=self.window_tokens, workers=records, links=b"")
         return snapfmt.Capture(head, blocks, self._closure.link_pairs())
@@ -363,7 +363,8 @@ class TieredIndex:
                     raise ValueError(f"worker {rec.worker!r} rank {rec.dp_rank} twice")
                 w = index._workers.add(stream)
                 w.partial, w.window, w.inferred = rec.partial, rec.window, rec.inferred
-                index._masks.add_slot_bits(b.keys, b.bits, w.slot)
+                if len(b.keys):  # (a worker holding nothing widens no mask)
+                    index._masks.add_slot_bits(b.keys, b.bits, w.slot)
                 w.hashes.load(b.hashes, b.keys, rec.signed)
                 w.counts[:] = [int(np.count_nonzero(b.bits & (1 << t))) for t in range(TIERS)]
                 shift = TIERS * w.slot
@@ -376,7 +377,8 @@ class TieredIndex:
                 w.closed_tiers = rec.closed_tiers & ((1 << TIERS) - 1)
                 w.ups.update(rec.ups)
             index._closure.link_all(*snapfmt.links(snap))
-        except (msgspec.DecodeError, KeyError, TypeError, AttributeError, ValueError, OverflowError, IndexError) as exc:
+        except (msgspec.DecodeError, KeyError, TypeError, AttributeError, ValueError, OverflowError, IndexError,
+                RecursionError) as exc:  # (RecursionError: msgpack nested deeper than a decoder goes)
             raise ValueError(f"not an index snapshot: {exc}") from None
         return index
 

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Sequence
 
 from kvtier.indexer.index.closure import MaskMap
 from kvtier.indexer.index.keys import BlockKey
-from kvtier.indexer.index.masklayout import SLOT_MASK, slot_shift, tier_bit
+from kvtier.indexer.index.masklayout import SLOT_MASK, TIERS, slot_shift, tier_bit
 from kvtier.indexer.index.workerstate import WorkerState
 from kvtier.wire.overlap import OverlapScores, TierOverlap, window_cut
 from kvtier.wire.protocol import BlockRemoved, BlockStored, StorageTier
@@ -63,6 +63,18 @@ class WindowKV:
                 self.bits[key] = m
             else:
                 del self.bits[key]
+
+    def by_slot(self) -> dict[int, list[tuple[BlockKey, int]]]:
+        """Per worker slot, its (key, window tier bits) pairs, in one pass (for a snapshot). O(window bits)."""
+        out: dict[int, list[tuple[BlockKey, int]]] = {}
+        for key, m in self.bits.items():
+            slot = 0
+            while m:
+                if m & SLOT_MASK:
+                    out.setdefault(slot, []).append((key, m & SLOT_MASK))
+                m >>= TIERS
+                slot += 1
+        return out
 
     def drop_slot(self, slot: int, keys: Iterable[BlockKey]) -> None:
         """Drops the slot's window bits on ``keys``. O(keys)."""
