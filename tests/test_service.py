@@ -305,6 +305,13 @@ def test_a_damaged_snapshot_file_is_refused_whole(tmp_path: Path) -> None:
             persist.load(snap, BS)
 
 
+def test_a_snapshot_file_nested_past_the_decoders_depth_is_one_line(tmp_path: Path) -> None:
+    snap = tmp_path / "index.snap"
+    snap.write_bytes(b"\x83\xa7version\x01\xa5index" + b"\x91" * 200_000 + b"\xc0\xa9positions\x90")
+    with pytest.raises(ValueError, match=f"snapshot {snap}: "):
+        persist.load(snap, BS)
+
+
 def test_a_snapshot_write_that_fails_leaves_no_temporary_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A full disk fails the write: the previous snapshot stays whole, and the part written does not hold its
     space (one snapshot's worth a failure) until the next start."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gzip
 import http.client
 import json
@@ -34,12 +35,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.indexer.index.keys import extra_digest, mm_block_extras
+from kvtier.indexer.index.tiered import TieredIndex
 from kvtier.indexer.routing.plugins import PolicyBase, RouteContext
 from kvtier.indexer.routing.scoring import slo_met
 from kvtier.indexer.service import fdlimit
 from kvtier.indexer.service import http as http_front
 from kvtier.indexer.service.app import IndexerService, ServiceConfig, load_config, parse_endpoint
 from kvtier.indexer.service.clients import MAX_TOKEN_FILE_BYTES, Forbidden, load_tokens, peer_key
+from kvtier.indexer.service.deadlines import Deadlines
+from kvtier.indexer.service.eventloop import EventLoop
 from kvtier.indexer.service.http import MALFORMED_METRIC
 from kvtier.indexer.service.httplimits import (
     MAX_MEMBERS,
@@ -810,7 +814,6 @@ def test_a_snapshot_that_fails_on_a_bug_leaves_the_loop_running(
     """Writing a snapshot is beside the point of the loop: a bug there (an index that cannot be read back whole) is
     reported as a failed snapshot, and the index goes on following the engines (the loop died, every worker's
     /query with it), whether it is in the copy made on the loop's thread or in the encoding on the writer's."""
-    from kvtier.indexer.index.tiered import TieredIndex
     from kvtier.indexer.service import persist
 
     def broken(*args: Any) -> Any:
@@ -877,6 +880,68 @@ def test_events_are_applied_while_a_snapshot_is_written(tmp_path: Path, monkeypa
         pub.close()
     index, _ = persist.load(snap, BS)
     assert len(index) == 1
+
+
+class _NoSubscriber:
+    """What EventLoop._save_behind asks of a subscriber: the streams' positions (none)."""
+
+    def positions(self) -> dict[StreamId, tuple[int, int | None]]:
+        return {}
+
+
+def _loop(tmp_path: Path, **settings: Any) -> EventLoop:
+    cfg = ServiceConfig(endpoints=[], block_size=BS, snapshot_path=str(tmp_path / "s"), **settings)
+    return EventLoop(cfg, TieredIndex(BS), threading.Lock(), Deadlines(10.0), lambda rid: None, {})
+
+
+def test_a_snapshot_error_stays_while_the_next_write_is_under_way(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """With every write failing (a full disk), the copy's success on the loop thread cleared the error before the
+    write on the helper thread ran: /health read "ok" for as long as each write took."""
+    from kvtier.indexer.service import persist
+
+    gate, entered = threading.Event(), threading.Event()
+
+    def failing_write(path: Path, pending: persist.Pending) -> int:
+        entered.set()
+        assert gate.wait(10)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(persist, "write", failing_write)
+    loop = _loop(tmp_path)
+    loop._sub = _NoSubscriber()  # type: ignore[assignment]
+    for failures in (1, 2):
+        gate.clear()
+        assert loop._save_behind()
+        assert entered.wait(10)
+        if failures == 2:
+            assert loop.snapshot_error is not None, "the error was cleared while a failing write was under way"
+        gate.set()
+        assert loop._writing is not None
+        loop._writing.result()
+        assert loop.snapshot_failures == failures and "No space left on device" in (loop.snapshot_error or "")
+
+
+def test_stop_waits_for_the_snapshots_it_writes_on_its_way_out(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """On stop the loop waits for the periodic write in flight, then writes the last snapshot; join gave up after
+    5 s, and a process exiting then lost the last snapshot (the loop's thread is a daemon)."""
+    from kvtier.indexer.service import persist
+
+    write, started = persist.write, threading.Event()
+
+    def slow_write(path: Path, pending: persist.Pending) -> int:
+        started.set()
+        time.sleep(3.0)  # a large index's snapshot
+        return write(path, pending)
+
+    monkeypatch.setattr(persist, "write", slow_write)
+    loop = _loop(tmp_path, snapshot_interval_s=0.1)
+    loop.start()
+    assert started.wait(10)  # a periodic write is in flight
+    loop.stop()
+    loop.join()
+    assert not loop._thread.is_alive() and loop.snapshots == 2
 
 
 @pytest.mark.parametrize(("text", "expected"), [

@@ -64,6 +64,7 @@ class EventLoop:
         self.snapshot_seconds = 0.0  # how long the last one took, copy and write
         self.snapshot_pause_seconds = 0.0  # how long the copy of the last one stopped the loop
         self._writing: Future[None] | None = None  # the periodic snapshot being written on the writer thread
+        self._saving = False  # a snapshot is being written on this thread (the last, on stop): join waits for it
         self.snapshot_failures = 0  # snapshots that could not be written
         self.snapshot_error: str | None = None  # why the last one failed, until one succeeds again
         self.apply_wait = Histogram()  # a delivered batch's wait for the lock: how long requests held it up
@@ -80,10 +81,16 @@ class EventLoop:
         self._stop.set()
 
     def join(self, timeout_s: float = 5.0) -> None:
-        """Waits (at most ``timeout_s``) for the thread to end after :meth:`stop`; nothing to wait for if it never
+        """Waits for the thread to end after :meth:`stop`: at most ``timeout_s``, and as long as snapshots are being
+        written on the way out (the one in flight, then the last), up to a minute or three times the last one's
+        length more (a process that exits meanwhile would lose the last snapshot); nothing to wait for if it never
         started (a service stopped during its start)."""
-        if self._thread.ident is not None:
-            self._thread.join(timeout=timeout_s)
+        if self._thread.ident is None:
+            return
+        self._thread.join(timeout=timeout_s)
+        end = time.monotonic() + max(60.0, 3 * self.snapshot_seconds)
+        while self._thread.is_alive() and self._saving and time.monotonic() < end:
+            self._thread.join(timeout=0.05)
 
     def is_alive(self) -> bool:
         """Whether the thread runs and has not died for good (it may be waiting to restart). O(1)."""
@@ -144,7 +151,11 @@ class EventLoop:
             self._writing = None
 
     def _save_logged(self, positions: persist.Positions | None = None) -> None:
-        self._logged(lambda: self.save_snapshot(positions))
+        self._saving = True
+        try:
+            self._logged(lambda: self.save_snapshot(positions))
+        finally:
+            self._saving = False
 
     def _save_behind(self) -> bool:
         """The periodic snapshot: copies the index on this thread and writes the copy on the writer thread, so that
@@ -156,25 +167,31 @@ class EventLoop:
         assert self._sub is not None
         positions = self._sub.positions()
         t0 = time.monotonic()
-        taken: list[persist.Pending] = []
-        self._logged(lambda: taken.append(persist.capture(self.index, positions)))
-        if taken:
-            self.snapshot_pause_seconds = time.monotonic() - t0
-            self._writing = _WRITER.submit(self._logged, lambda: self._write(taken[0], t0))
+        try:
+            pending = persist.capture(self.index, positions)
+        except Exception as exc:  # a bug in the copy: a failed snapshot (the error stays until one is written)
+            self._failed(exc)
+            return True
+        self.snapshot_pause_seconds = time.monotonic() - t0
+        self._writing = _WRITER.submit(self._logged, lambda: self._write(pending, t0))
         return True
 
     def _logged(self, save: Callable[[], object]) -> None:
-        """Runs ``save``; a failure is counted, logged and shown until a snapshot succeeds again."""
+        """Runs ``save``, which writes a snapshot; a failure is counted, logged and shown until one is written."""
         try:
             save()
-        except Exception as exc:  # a full disk, or a bug in writing one: the index goes on following the engines,
-            # and the failure shows in /metrics (a traceback for a bug, one line for the disk)
-            self.snapshot_failures += 1
-            why = (exc.strerror or exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
-            self.snapshot_error = f"snapshot to {self.config.snapshot_path} failed: {why}"
-            log.error("%s", self.snapshot_error, exc_info=not isinstance(exc, OSError))
+        except Exception as exc:
+            self._failed(exc)
         else:
             self.snapshot_error = None
+
+    def _failed(self, exc: Exception) -> None:
+        """A full disk, or a bug in writing a snapshot: the index goes on following the engines, and the failure
+        shows in /metrics and /health (a traceback for a bug, one line for the disk)."""
+        self.snapshot_failures += 1
+        why = (exc.strerror or exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
+        self.snapshot_error = f"snapshot to {self.config.snapshot_path} failed: {why}"
+        log.error("%s", self.snapshot_error, exc_info=not isinstance(exc, OSError))
 
     # --- the thread -----------------------------------------------------------------------
 
