@@ -138,6 +138,7 @@ class EventLoop:
         return self._write(pending, t0)
 
     def _write(self, pending: persist.Pending, t0: float) -> int:
+        """Writes a copy taken at ``t0`` and counts it (either thread; one write at a time). Returns its size."""
         assert self.config.snapshot_path is not None
         n = persist.write(Path(self.config.snapshot_path), pending)
         self.snapshots += 1
@@ -173,7 +174,10 @@ class EventLoop:
             self._failed(exc)
             return True
         self.snapshot_pause_seconds = time.monotonic() - t0
-        self._writing = _WRITER.submit(self._logged, lambda: self._write(pending, t0))
+        try:
+            self._writing = _WRITER.submit(self._logged, lambda: self._write(pending, t0))
+        except RuntimeError:  # the interpreter is shutting down and starts no thread: written here
+            self._logged(lambda: self._write(pending, t0))
         return True
 
     def _logged(self, save: Callable[[], object]) -> None:
