@@ -237,8 +237,10 @@ class Oracle:
 
 
 class Approx:
-    """Predicts each worker's cache from where it sent earlier requests (no events), with a
-    TTL, like SGLang's gateway cache_aware policy and Dynamo's --no-kv-events mode."""
+    """Predicts each worker's cache from where it sent earlier requests (no events), with a TTL (120 s, refreshed
+    by each request routed over a block), as Dynamo's --no-kv-events mode does, and prices it with the run's cost
+    model (``--cost``, default ``credit``), not Dynamo's; Dynamo also prunes that tree past 2**20 blocks, which is
+    not modelled (``incumbents.SglangCacheAware`` is SGLang's gateway's approximate tree)."""
 
     blind: ClassVar[bool] = False
 

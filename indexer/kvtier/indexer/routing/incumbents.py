@@ -57,8 +57,9 @@ class SglangCacheAware(PolicyBase):
       loaded worker, ties to the one this router sent fewer requests, then to the first listed (SMG's
       ``(load, processed, index)``);
     * otherwise the longest prefix of the prompt that any worker's tree holds; match rate = its tokens / the
-      prompt's tokens. Above ``cache_threshold``: the worker holding it (several: the one that routed its last
-      block most recently, as SMG's node remembers its last tenant). At or below: the least loaded worker, as
+      prompt's tokens. Above ``cache_threshold``: the worker holding it (several: here the one that routed its
+      last block most recently, a deterministic choice; SMG's node answers the tenant it cached, refreshed on about
+      one touch in 16, else any holder). At or below: the least loaded worker, as
       above (SMG's code and its docs today); ``fallback="smallest_tree"`` takes the worker whose tree holds the
       fewest tokens instead (what SMG's source header and the older sgl-router describe).
     * Every routed prompt is inserted into its worker's tree, in either state.
@@ -183,7 +184,8 @@ class PowerOfTwo(PolicyBase):
 class Llmd(PolicyBase):
     """llm-d's inference scheduler, default scheduling profile: a prefix-cache scorer weighted 3 and a queue scorer
     weighted 2, summed, and the max-score picker (ties uniformly at random); a KV-cache-utilisation scorer as an
-    option (``kv_weight``).
+    option (``kv_weight``: ``llmd_kv``, which is llm-d's default profile whole; ``llmd`` is that profile without
+    it).
 
     Sources: llm-d/llm-d-inference-scheduler at 520af47 (the Gateway API Inference Extension's endpoint picker,
     kubernetes-sigs/gateway-api-inference-extension, now lives there):
@@ -211,7 +213,10 @@ class Llmd(PolicyBase):
     llm-d scrapes from vLLM's metrics come from the router's own bookkeeping instead, so the policy is the same
     object in the simulator and the service: the waiting queue is the requests routed to the worker and not yet
     at their first token (``WorkerLoad.prefilling``), KV usage the blocks its in-flight requests hold
-    (``WorkerLoad.active_blocks``) over its device capacity, ``capacity_tokens``, which also sizes each LRU.
+    (``WorkerLoad.active_blocks``) over its device capacity, ``capacity_tokens``, which also sizes each LRU. Both
+    are current at every decision, where llm-d's scraped metrics lag by its polling interval: under a burst this
+    flatters llm-d. The precise mode weighs the blocks past the device prefix 0.8 (host), where llm-d weighs a
+    block by its best tier, so a block back on the GPU past a gap there scores 1.0 in llm-d.
     """
 
     name = "llmd"

@@ -31,8 +31,10 @@ docstring names its public source and defaults):
 | sglang_cache_aware | history | its own routing     | SGLang Model Gateway's cache_aware: approximate trees,    |
 |                    |         |                     | the least loaded when in-flight counts are imbalanced     |
 | power_of_two       | load    | its own bookkeeping | SGLang Model Gateway's: the less loaded of two at random  |
-| llmd               | history | its own routing     | llm-d's default profile: prefix estimate 3 + queue 2      |
-| llmd_kv            | history | its own routing     | the same + KV-cache utilisation 2 (needs the capacity)    |
+| llmd               | history | its own routing     | llm-d's default profile less KV utilisation: prefix       |
+|                    |         |                     | estimate 3 + queue 2                                      |
+| llmd_kv            | history | its own routing     | llm-d's default profile: the same + KV-cache utilisation  |
+|                    |         |                     | 2 (needs the capacity)                                    |
 | llmd_precise       | index   | device + host       | llm-d's profile, its precise (event-fed) prefix scorer    |
 """
 
@@ -171,11 +173,13 @@ _SPECS = [
                plugin=lambda s, bs: SglangCacheAware(bs)),
     PolicySpec("power_of_two", "load", None, doc="SGLang Model Gateway's power_of_two, from its code",
                plugin=lambda s, bs: PowerOfTwo(s.seed)),
-    PolicySpec("llmd", "history", None, doc="llm-d's default profile (prefix estimate 3, queue 2), from its code",
+    PolicySpec("llmd", "history", None,
+               doc="llm-d's default profile less its KV-utilisation scorer (prefix estimate 3, queue 2), from its code",
                plugin=lambda s, bs: Llmd(bs, capacity_tokens=s.capacity_tokens, seed=s.seed)),
-    PolicySpec("llmd_kv", "history", None, doc="llm-d's default profile with its KV-utilisation scorer (weight 2)",
+    PolicySpec("llmd_kv", "history", None,
+               doc="llm-d's default profile: llmd with its KV-utilisation scorer (weight 2)",
                plugin=lambda s, bs: _llmd_kv(s, bs)),
-    PolicySpec("llmd_precise", "index", _H, _setting_cost, doc="llm-d's default profile, precise prefix scorer",
+    PolicySpec("llmd_precise", "index", _H, _setting_cost, doc="llmd with llm-d's precise prefix scorer",
                plugin=lambda s, bs: Llmd(bs, capacity_tokens=s.capacity_tokens, seed=s.seed, name="llmd_precise",
                                          mode="precise")),
 ]

@@ -125,6 +125,11 @@ class DynamoCost:
     * ``cost = prefill_load_scale * adjusted_prefill_blocks + decode_blocks``; the lowest cost wins, ties
       are broken at random, and a temperature > 0 samples a softmax over the costs (the Router does both).
 
+    Not modelled: Dynamo's router-side queue (``router_queue_threshold``: requests held while every worker's queued
+    prefill is past it; off before Dynamo 1.0, on by default since), and newer releases' booking of a routed
+    request's prefill less its credit-weighted overlap (``effective_prefill_tokens``): here it books its prompt less
+    every cached block, whatever the tier.
+
     Disaggregated (:mod:`kvtier.indexer.routing.disagg`), Dynamo's prefill router leaves decode blocks out
     (``router_track_active_blocks`` off: ``decode_scale`` 0) and its decode router prefill blocks
     (``overlap_score_weight`` 0: ``prefill_load_scale`` 0).
