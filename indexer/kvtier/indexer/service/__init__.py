@@ -2,8 +2,9 @@
 
 * :mod:`~kvtier.indexer.service.app` -- :class:`IndexerService`: wires the event loop, the router and HTTP;
 * :mod:`~kvtier.indexer.service.config` -- settings (command line or TOML) and engine endpoints;
-* :mod:`~kvtier.indexer.service.eventloop` -- the thread that follows the engines and snapshots the index;
-* :mod:`~kvtier.indexer.service.persist` -- the snapshot file;
+* :mod:`~kvtier.indexer.service.eventloop` -- the thread that follows the engines and copies the index for a
+  snapshot, which a helper thread encodes and writes;
+* :mod:`~kvtier.indexer.service.persist` -- the snapshot file (the index, each stream's position, a checksum);
 * :mod:`~kvtier.indexer.service.http`, :mod:`~kvtier.indexer.service.httplimits`,
   :mod:`~kvtier.indexer.service.requestbody`, :mod:`~kvtier.indexer.service.clients` -- the aiohttp front end,
   what it refuses to spend on a client, request bodies, and who may change state;
