@@ -922,6 +922,56 @@ def test_a_snapshot_error_stays_while_the_next_write_is_under_way(tmp_path: Path
         assert loop.snapshot_failures == failures and "No space left on device" in (loop.snapshot_error or "")
 
 
+def test_a_service_without_snapshots_takes_none() -> None:
+    """Without a snapshot path the periodic snapshot still ran, failed on its missing path and left /health
+    degraded from the first interval on (30 s by default), for every deployment without snapshots."""
+    with service(snapshot_interval_s=0.1) as s:
+        loop = s._loop
+        wait_for(lambda: loop._sub is not None)
+        time.sleep(0.5)  # five intervals
+        assert loop.snapshot_failures == 0 and loop.snapshots == 0 and s.health()["status"] == "ok", s.health()
+
+
+def test_a_snapshot_copy_is_whole_while_routing_marks_window_kv() -> None:
+    """Routing marks inferred window KV from the HTTP threads (under the service's lock) while the event loop copies
+    the index for a snapshot (without it): the copy iterated the window-KV dict, and a mark that added a key meanwhile
+    failed the snapshot ("dictionary changed size during iteration"). Here half the blocks have window KV, another
+    thread marks the other half one by one, and thread switches are as frequent as the interpreter allows, so that a
+    copy that can be interleaved is."""
+    index = TieredIndex(BS, window_tokens=BS)
+    stream = StreamId(WorkerId("w0"))
+    toks = list(range(BS * 20_000))
+    index.apply(stream, BlockStored(block_hashes=list(range(1, 20_001)), token_ids=toks, block_size=BS))
+    keys = index.request_keys(toks)
+    go, stop = threading.Event(), threading.Event()
+
+    def route() -> None:
+        while not stop.is_set():
+            go.wait()
+            for k in keys[1::2]:
+                index.note_routed(stream, [k])
+            go.clear()
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    router = threading.Thread(target=route)
+    router.start()
+    try:
+        for _ in range(20):
+            index._win.bits.clear()
+            for k in keys[::2]:
+                index.note_routed(stream, [k])
+            go.set()
+            index.capture()
+            while go.is_set():
+                time.sleep(0.001)
+    finally:
+        stop.set()
+        go.set()
+        router.join()
+        sys.setswitchinterval(old)
+
+
 def test_stop_waits_for_the_snapshots_it_writes_on_its_way_out(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """On stop the loop waits for the periodic write in flight, then writes the last snapshot; join gave up after

@@ -65,9 +65,13 @@ class WindowKV:
                 del self.bits[key]
 
     def by_slot(self) -> dict[int, list[tuple[BlockKey, int]]]:
-        """Per worker slot, its (key, window tier bits) pairs, in one pass (for a snapshot). O(window bits)."""
+        """Per worker slot, its (key, window tier bits) pairs, in one pass (for a snapshot). O(window bits).
+
+        Routing marks window KV from the service's HTTP threads (:meth:`note_routed`) while the event loop copies the
+        index for a snapshot: the dict is copied first in one step that no other thread interleaves with (``list``
+        of its items runs in C, under the GIL, with no Python code between), then read."""
         out: dict[int, list[tuple[BlockKey, int]]] = {}
-        for key, m in self.bits.items():
+        for key, m in list(self.bits.items()):
             slot = 0
             while m:
                 if m & SLOT_MASK:

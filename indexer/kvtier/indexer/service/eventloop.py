@@ -162,6 +162,8 @@ class EventLoop:
         """The periodic snapshot: copies the index on this thread and writes the copy on the writer thread, so that
         events stop being applied only for the copy, not for encoding and writing it. False, doing nothing, while
         the last one is still being written (the next try is the caller's)."""
+        if self.config.snapshot_path is None:
+            return True  # (no snapshots configured)
         if self._writing is not None and not self._writing.done():
             return False
         self._writing = None
