@@ -273,6 +273,37 @@ def test_a_gone_engine_is_not_routed_to_and_comes_back_whole_after_a_restart() -
                 p.close()
 
 
+def test_an_engine_that_cannot_dump_started_after_the_indexer_is_alive_while_idle() -> None:
+    """An SGLang or vLLM engine started after the indexer: the replay asked at start goes unanswered and the stream is
+    given up with nothing at hand, which no idle probe can ask from. The engine then came up and stayed idle (nothing
+    routed to it yet), and was listed dead for good: the router sent it nothing, so it never published. A live
+    connection to the publisher now shows it up; once gone again, it is silent as before."""
+    first = Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    live, replay = first.endpoint, first.replay_endpoint
+    first.close()  # its addresses, with nobody behind them yet
+    clock = Clock()
+    svc = IndexerService(ServiceConfig(endpoints=[parse_endpoint(f"w0={live},replay={replay}")], block_size=BS,
+                                       listen="127.0.0.1:0", replay_timeout_s=1.0, liveness_timeout_s=5.0), clock=clock)
+    svc.start()
+    pub: Publisher | None = None
+    try:
+        run_clock(clock, lambda: health(svc)["dead_workers"] == ["w0"] == health(svc)["partial_workers"], step=0.25)
+        pub = Publisher(live, replay)  # the engine starts, and publishes nothing
+        run_clock(clock, lambda: health(svc)["dead_workers"] == [], step=0.25, limit_s=15.0)
+        clock.t += 60.0  # a minute of idleness
+        assert health(svc)["dead_workers"] == []
+        pub.publish(batch(stored([1, 2, 3], None, 0)))  # its first batch: the state is whole from here
+        run_clock(clock, lambda: health(svc)["status"] == "ok" and query(svc)["workers"]["w0"]["device"] == 3,
+                  step=0.1)
+        pub.close()
+        pub = None
+        run_clock(clock, lambda: health(svc)["dead_workers"] == ["w0"], step=0.25)
+    finally:
+        svc.stop()
+        if pub is not None:
+            pub.close()
+
+
 def test_liveness_timeout_is_a_setting_checked_like_the_others(tmp_path: Any) -> None:
     cfg = tmp_path / "indexer.toml"
     cfg.write_text('liveness_timeout_s = 2.5\n[[endpoints]]\nworker = "a"\nendpoint = "tcp://127.0.0.1:5557"\n')

@@ -36,7 +36,7 @@ class StreamTracker:
     them; a recovery that ends hands its held batches back to it (:meth:`_drain`).
     """
 
-    __slots__ = ("_heard", "_last_seen", "_recovery", "_state", "_suspect", "probe_s")
+    __slots__ = ("_connected", "_heard", "_last_seen", "_recovery", "_state", "_suspect", "probe_s")
 
     def __init__(self, stream: StreamId, can_replay: bool, can_dump: bool, *, timeout_s: float = 2.0,
                  stall_s: float = 0.5, attempts: int = 3, probe_s: float | None = 1.0,
@@ -56,6 +56,7 @@ class StreamTracker:
         self._suspect = False  # the live socket reconnected: the publisher may be a new process
         self._last_seen = 0.0  # when the stream last showed activity (for tail probes)
         self._heard: float | None = None  # when the publisher last sent anything (a batch or an answer)
+        self._connected = False  # the live socket holds a connection to the publisher (the subscriber's monitor)
 
     @property
     def stream(self) -> StreamId:
@@ -189,7 +190,11 @@ class StreamTracker:
         :meth:`start`. Never for a stream without a replay socket: nothing can be asked of it, and an idle
         publisher is as silent as a dead one. A stream given up with no batch at hand has nothing to probe
         from: it is heard again at its next batch (or, dump-capable, at the next answer to the dumps it keeps
-        asking for). O(1)."""
+        asking for), and while its live socket holds a connection to the publisher (:meth:`on_connect`, until
+        :meth:`on_disconnect`) it is taken to be up: an engine started after the indexer, idle, would otherwise stay
+        gone until it published, and a router sends nothing to a worker it takes for gone. O(1)."""
+        if self._connected and self._state.lost_all and self._state.expected is None:
+            return False
         return (self._recovery.can_replay and self._heard is not None
                 and now - self._heard >= timeout_s)
 
@@ -211,6 +216,11 @@ class StreamTracker:
             self._drain(self._recovery.resync(reason, now, out), now, out)
         return out
 
+    def on_connect(self, now: float) -> None:
+        """The live socket completed a handshake with the publisher: it is up now. O(1)."""
+        self._heard = now
+        self._connected = True
+
     def on_disconnect(self) -> None:
         """The live socket lost its connection. O(1).
 
@@ -219,6 +229,7 @@ class StreamTracker:
         message after a reconnect first checks, by replay, that the publisher
         still holds the same content for the last seq delivered.
         """
+        self._connected = False
         self._state.stats.disconnects += 1
         if self._state.expected:
             self._suspect = True

@@ -80,13 +80,19 @@ class EndpointConfig:
         return StreamId(WorkerId(self.worker), self.dp_rank)
 
 
+def _event(frames: list[bytes]) -> int:
+    """The event number of a monitor socket's message (its first frame: the event, 16 bits, then its value); -1 for
+    a message that is not one. O(1)."""
+    return int.from_bytes(frames[0][:2], "little") if frames and len(frames[0]) >= 2 else -1
+
+
 @dataclass(slots=True)
 class _Conn:
     config: EndpointConfig  # what it connects to
     tracker: StreamTracker  # ordering state
     sub: zmq.Socket[bytes]  # live socket
     dealer: zmq.Socket[bytes] | None  # replay client
-    monitor: zmq.Socket[bytes]  # connection events of `sub`
+    monitor: zmq.Socket[bytes]  # connection events of `sub`: a publisher's handshake, a lost connection
 
 
 class Subscriber:
@@ -190,7 +196,7 @@ class Subscriber:
         sub.connect(cfg.endpoint)
         tracker = StreamTracker(cfg.stream, can_replay=cfg.replay_endpoint is not None,
                                 can_dump=cfg.supports_dump, timeout_s=self._timeout, probe_s=self._probe_s)
-        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         conn = _Conn(cfg, tracker, sub, self._new_dealer(cfg), monitor)
         self._conns[cfg.stream] = conn
         self._register(conn)
@@ -260,7 +266,10 @@ class Subscriber:
                 if sock is conn.sub:
                     self._on_live(conn, frames, now, out)
                 elif sock is conn.monitor:
-                    conn.tracker.on_disconnect()
+                    if _event(frames) == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                        conn.tracker.on_connect(now)
+                    else:
+                        conn.tracker.on_disconnect()
                 else:
                     self._on_reply(conn, frames, now, out)
         now = self._now()
