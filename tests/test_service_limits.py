@@ -935,21 +935,24 @@ def test_a_service_without_snapshots_takes_none() -> None:
 def test_a_snapshot_copy_is_whole_while_routing_marks_window_kv() -> None:
     """Routing marks inferred window KV from the HTTP threads (under the service's lock) while the event loop copies
     the index for a snapshot (without it): the copy iterated the window-KV dict, and a mark that added a key meanwhile
-    failed the snapshot ("dictionary changed size during iteration"). Here half the blocks have window KV, another
-    thread marks the other half one by one, and thread switches are as frequent as the interpreter allows, so that a
-    copy that can be interleaved is."""
+    failed the snapshot ("dictionary changed size during iteration"). The copy of that dict is made under the lock.
+    Here half the blocks have window KV, another thread marks the other half one by one, as routing does, and thread
+    switches are as frequent as the interpreter allows, so that a copy that can be interleaved is."""
+    from kvtier.indexer.service import persist
+
     index = TieredIndex(BS, window_tokens=BS)
     stream = StreamId(WorkerId("w0"))
     toks = list(range(BS * 20_000))
     index.apply(stream, BlockStored(block_hashes=list(range(1, 20_001)), token_ids=toks, block_size=BS))
     keys = index.request_keys(toks)
-    go, stop = threading.Event(), threading.Event()
+    go, stop, lock = threading.Event(), threading.Event(), threading.Lock()
 
     def route() -> None:
         while not stop.is_set():
             go.wait()
             for k in keys[1::2]:
-                index.note_routed(stream, [k])
+                with lock:
+                    index.note_routed(stream, [k])
             go.clear()
 
     old = sys.getswitchinterval()
@@ -962,7 +965,7 @@ def test_a_snapshot_copy_is_whole_while_routing_marks_window_kv() -> None:
             for k in keys[::2]:
                 index.note_routed(stream, [k])
             go.set()
-            index.capture()
+            persist.capture(index, {}, lock)
             while go.is_set():
                 time.sleep(0.001)
     finally:

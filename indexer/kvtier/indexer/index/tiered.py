@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import msgspec
 import numpy as np
@@ -329,11 +330,13 @@ class TieredIndex:
         :meth:`capture`, then :func:`kvtier.indexer.index.snapshot.encode`."""
         return snapfmt.encode(self.capture())
 
-    def capture(self) -> snapfmt.Capture:
+    def capture(self, guard: AbstractContextManager[object] | None = None) -> snapfmt.Capture:
         """A copy of the index for a snapshot, which :func:`kvtier.indexer.index.snapshot.encode` turns into bytes,
-        on another thread if need be (the index may change meanwhile). O(total entries), a few compiled passes."""
+        on another thread if need be (the index may change meanwhile). ``guard``: held while the window KV is copied,
+        which :meth:`note_routed` changes from other threads (the service's lock; the index's writer may copy the
+        rest without it). O(total entries), a few compiled passes."""
         records, blocks = [], []
-        windows = self._win.by_slot()
+        windows = self._win.by_slot(guard or nullcontext())
         for w in self._workers.values():
             hashes, keys = w.hashes.export()
             blocks.append((keys, self._masks.slot_bits(keys, w.slot), hashes))

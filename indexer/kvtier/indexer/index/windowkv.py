@@ -26,6 +26,7 @@ tier is set only where its full-attention bit there is.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
 
 from kvtier.indexer.index.closure import MaskMap
 from kvtier.indexer.index.keys import BlockKey
@@ -64,14 +65,16 @@ class WindowKV:
             else:
                 del self.bits[key]
 
-    def by_slot(self) -> dict[int, list[tuple[BlockKey, int]]]:
+    def by_slot(self, guard: AbstractContextManager[object]) -> dict[int, list[tuple[BlockKey, int]]]:
         """Per worker slot, its (key, window tier bits) pairs, in one pass (for a snapshot). O(window bits).
 
-        Routing marks window KV from the service's HTTP threads (:meth:`note_routed`) while the event loop copies the
-        index for a snapshot: the dict is copied first in one step that no other thread interleaves with (``list``
-        of its items runs in C, under the GIL, with no Python code between), then read."""
+        Routing marks window KV from the service's HTTP threads (:meth:`note_routed`, under the service's lock) while
+        the event loop copies the index for a snapshot without it: the dict is copied under ``guard`` (that lock),
+        then read."""
+        with guard:
+            bits = dict(self.bits)
         out: dict[int, list[tuple[BlockKey, int]]] = {}
-        for key, m in list(self.bits.items()):
+        for key, m in bits.items():
             slot = 0
             while m:
                 if m & SLOT_MASK:

@@ -133,7 +133,7 @@ class EventLoop:
             positions = self._sub.positions()
         self._settle()
         t0 = time.monotonic()
-        pending = persist.capture(self.index, positions)
+        pending = persist.capture(self.index, positions, self._lock)
         self.snapshot_pause_seconds = time.monotonic() - t0
         return self._write(pending, t0)
 
@@ -171,7 +171,7 @@ class EventLoop:
         positions = self._sub.positions()
         t0 = time.monotonic()
         try:
-            pending = persist.capture(self.index, positions)
+            pending = persist.capture(self.index, positions, self._lock)
         except Exception as exc:  # a bug in the copy: a failed snapshot (the error stays until one is written)
             self._failed(exc)
             return True

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import glob
 import os
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,10 +79,11 @@ class Pending:
     positions: Positions  # each stream's, when it was taken
 
 
-def capture(index: TieredIndex, positions: Positions) -> Pending:
-    """A copy of the index and the streams' positions, taken together (the index's writer's thread). O(index
-    entries), a few compiled passes: the part of a snapshot that stops the index's writer."""
-    return Pending(index.capture(), dict(positions))
+def capture(index: TieredIndex, positions: Positions, guard: AbstractContextManager[object] | None = None) -> Pending:
+    """A copy of the index and the streams' positions, taken together (the index's writer's thread; ``guard``: the
+    service's lock, see ``TieredIndex.capture``). O(index entries), a few compiled passes: the part of a snapshot
+    that stops the index's writer."""
+    return Pending(index.capture(guard), dict(positions))
 
 
 def save(path: Path, index: TieredIndex, positions: Positions) -> int:
