@@ -86,7 +86,9 @@ class PartialRecovery(fw.TwoEngines):
                 for t in CLOSED:
                     self.proven[w][t].clear()  # (dropped with the rest: remembered, no longer reported)
             elif isinstance(d, ResyncStarted | PublisherRestarted):
-                self._forget(w)
+                # The consumer clears the worker, partial no longer: it is rebuilt from seq 0 (also a stream given up
+                # with nothing at hand whose publisher's batches came after: StreamTracker._fresh_start).
+                self._started_afresh(w)
             elif isinstance(d, Received) and self.lost[w]:
                 self.lost[w] = False
                 self.boundary[w] = d.seq
