@@ -26,7 +26,7 @@ themselves; ``kids`` reads the links as a mapping for everything else.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from itertools import repeat
 from typing import Any
 
@@ -172,7 +172,7 @@ class PrefixClosure:
         loop). O(loose blocks)."""
         return [list(self.loose.get((slot, t), ())) for t in range(tiers)]
 
-    def restore_slot(self, slot: int, loose: list[list[int]] | None) -> None:
+    def restore_slot(self, slot: int, loose: Sequence[Iterable[int]] | None) -> None:
         """Inverse of :meth:`loose_of` for a slot restored with blocks; ``None`` (a snapshot without loose
         blocks or links) leaves the slot not known to be closed until it is cleared. O(loose blocks)."""
         if loose is None:

@@ -330,10 +330,10 @@ class KeyTable(RowTable, MutableMapping[BlockKey, int]):
     def slot_bits(self, keys: U64, slot: int) -> npt.NDArray[np.uint8]:
         """Per key, the ``TIERS`` bits of worker slot ``slot`` in its mask (0 for a key nobody holds), for a
         snapshot. O(keys)."""
-        rows = self.k.find_all(self.r, keys)
         word, shift = divmod(slot, SLOTS_PER_WORD)
         if not len(keys) or word >= self.words:
             return np.zeros(len(keys), np.uint8)
+        rows = self.k.find_all(self.r, keys)
         ids = np.where(rows >= 0, self.r[rows, VAL], 0).astype(np.intp)  # (id 0: the empty mask)
         out: npt.NDArray[np.uint8] = ((self.pool.pm[ids, word] >> np.uint64(TIERS * shift))
                                       & np.uint64(SLOT_MASK)).astype(np.uint8)

@@ -374,7 +374,7 @@ class TieredIndex:
                 for key, bits in b.window:
                     index._win.bits[key] = index._win.bits.get(key, 0) | bits << shift
                 if len(b.keys):  # (without loose blocks the worker is not known to be prefix-closed: queries scan)
-                    index._closure.restore_slot(w.slot, None if b.loose is None else [sorted(x) for x in b.loose])
+                    index._closure.restore_slot(w.slot, b.loose)
                 w.ghosts.update((eh, BlockKey(key)) for eh, key in rec.ghosts)
                 w.orphans.load(rec.orphans)
                 w.closed_tiers = rec.closed_tiers & ((1 << TIERS) - 1)

@@ -133,9 +133,14 @@ class EventLoop:
             positions = self._sub.positions()
         self._settle()
         t0 = time.monotonic()
+        return self._write(self._capture(positions), t0)
+
+    def _capture(self, positions: persist.Positions) -> persist.Pending:
+        """The copy of a snapshot (this thread; the window KV under the service's lock), its pause recorded."""
+        t0 = time.monotonic()
         pending = persist.capture(self.index, positions, self._lock)
         self.snapshot_pause_seconds = time.monotonic() - t0
-        return self._write(pending, t0)
+        return pending
 
     def _write(self, pending: persist.Pending, t0: float) -> int:
         """Writes a copy taken at ``t0`` and counts it (either thread; one write at a time). Returns its size."""
@@ -171,11 +176,10 @@ class EventLoop:
         positions = self._sub.positions()
         t0 = time.monotonic()
         try:
-            pending = persist.capture(self.index, positions, self._lock)
+            pending = self._capture(positions)
         except Exception as exc:  # a bug in the copy: a failed snapshot (the error stays until one is written)
             self._failed(exc)
             return True
-        self.snapshot_pause_seconds = time.monotonic() - t0
         try:
             self._writing = _WRITER.submit(self._logged, lambda: self._write(pending, t0))
         except RuntimeError:  # the interpreter is shutting down and starts no thread: written here

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from kvtier.wire.notices import Delivery, StreamId, StreamStats
 from kvtier.wire.protocol import ROLES, WorkerId
@@ -78,12 +79,6 @@ class EndpointConfig:
     @property
     def stream(self) -> StreamId:
         return StreamId(WorkerId(self.worker), self.dp_rank)
-
-
-def _event(frames: list[bytes]) -> int:
-    """The event number of a monitor socket's message (its first frame: the event, 16 bits, then its value); -1 for
-    a message that is not one. O(1)."""
-    return int.from_bytes(frames[0][:2], "little") if frames and len(frames[0]) >= 2 else -1
 
 
 @dataclass(slots=True)
@@ -266,7 +261,7 @@ class Subscriber:
                 if sock is conn.sub:
                     self._on_live(conn, frames, now, out)
                 elif sock is conn.monitor:
-                    if _event(frames) == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    if parse_monitor_message(frames)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                         conn.tracker.on_connect(now)
                     else:
                         conn.tracker.on_disconnect()
