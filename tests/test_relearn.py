@@ -117,6 +117,25 @@ def test_a_chain_stops_where_the_index_holds_it_and_is_not_guessed_past_what_it_
     assert idx.worker_hashes(W)[DEV] == {H[4]} and idx.stats(W).relearned == 0
 
 
+def test_a_second_loss_keeps_the_parent_of_a_block_stored_under_one_dropped_at_the_first(
+        new_index: Callable[[], TieredIndex]) -> None:
+    """Blocks 0-3 dropped at a first loss, blocks 0-3 stored again on host, block 4 stored under block 3 on disk, then
+    blocks 0-3 removed from host: block 4 is held with no parent held. A second loss drops block 4; a device store
+    under it proves blocks 0-4 on device. The index saw block 4 stored under block 3, a block it remembers from the
+    first loss, so it regains the whole chain (found by the slow profile of tests/test_partial_recovery.py)."""
+    idx = held_then_lost(new_index, {DEV, HOST})
+    idx.apply(W, stored(0, 4, None, "CPU_PINNED"))
+    idx.apply(W, stored(4, 1, H[3], "DISK"))
+    idx.apply(W, BlockRemoved(block_hashes=H[:4], medium="CPU_PINNED"))
+    idx._check()
+    assert idx.worker_hashes(W)[DISK] == {H[4]} and idx.worker_hashes(W)[HOST] == set()
+    idx.clear_worker(W, partial=True)
+    idx.apply(W, stored(5, 1, H[4]))
+    idx._check()
+    assert idx.worker_hashes(W)[DEV] == set(H[:6]) and idx.stats(W).relearned == 5
+    assert idx.find_matches(TOKS).workers[W].device == 6
+
+
 def test_a_snapshot_keeps_what_a_later_store_needs_to_regain_a_chain(new_index: Callable[[], TieredIndex]) -> None:
     """A router restarted from its snapshot between the loss and the store regains the same chain."""
     idx = held_then_lost(new_index, {DEV})

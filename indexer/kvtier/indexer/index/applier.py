@@ -111,33 +111,41 @@ class EventApplier:
         if extras is None:  # the parent, the keys and the store in one pass, where the masks have one
             done = self._blocks.insert_tokens(w, ev, tier, ns)
             if done is not None:
+                if w.ghosts and ev.parent_block_hash in w.ghosts:
+                    self._remember_up(w, ev)
                 if (w.inferred and tier <= StorageTier.HOST) or w.orphans:
                     self._after_store(w, ev, done.tolist(), tier)
                 if w.partial and w.closed_tiers >> tier & 1 and ev.parent_block_hash is not None:
                     self._relearn(w, ev.parent_block_hash, tier)  # (its parent may be held on another tier only)
                 return Outcome.APPLIED
-        ghost = False
         if ev.parent_block_hash is None:
             parent = None
         else:
             parent = w.hashes.get(ev.parent_block_hash)
             if parent is None and w.ghosts:
                 parent = w.ghosts.get(ev.parent_block_hash)
-                ghost = parent is not None
             if parent is None:
                 w.stats.unknown_parents += 1
                 w.orphans.hold(ev, tier, extras)
                 return Outcome.ORPHANED
         keys = chain_keys(ev.token_ids, bs, parent, ns, extras)  # (bad token ids raise here: nothing changed)
-        if ghost:  # a store extending a block dropped at a loss: the dropped block's parent, for a later store
-            w.ups.setdefault(ev.block_hashes[0], ev.parent_block_hash)
-            if len(w.ups) > MAX_REMEMBERED:
-                del w.ups[next(iter(w.ups))]  # the oldest goes
+        if w.ghosts and ev.parent_block_hash in w.ghosts:
+            self._remember_up(w, ev)
         if w.partial and w.closed_tiers >> tier & 1 and ev.parent_block_hash is not None:
             self._relearn(w, ev.parent_block_hash, tier)  # first, so that the store hangs under a held parent
         self._blocks.insert(w, ev.block_hashes, keys, tier, parent)
         self._after_store(w, ev, keys, tier)
         return Outcome.APPLIED
+
+    @staticmethod
+    def _remember_up(w: WorkerState, ev: BlockStored) -> None:
+        """A store under a block dropped at a loss (held again or not): its first block's parent, for a later store
+        that proves the chain (:mod:`kvtier.indexer.index.relearn`). The index's links name a parent only while the
+        worker holds it, and a later loss reads them: a block stored under one held again, that outlives it, would
+        otherwise be dropped at that loss with its parent forgotten. O(1)."""
+        w.ups.setdefault(ev.block_hashes[0], ev.parent_block_hash)
+        if len(w.ups) > MAX_REMEMBERED:
+            del w.ups[next(iter(w.ups))]  # the oldest goes
 
     def _relearn(self, w: WorkerState, parent: EngineHash, tier: StorageTier) -> None:
         """A store of partial worker ``w`` under ``parent`` on ``tier``, one the engine keeps prefix-closed: the

@@ -29,8 +29,9 @@ Finding the ancestors. Router keys are recomputed from token ids and a dropped b
 its parent's engine hash are remembered when it is dropped (:attr:`WorkerState.ghosts` and :attr:`WorkerState.ups`):
 the parent from the index's links (:mod:`kvtier.indexer.index.closure`: a child is linked under its parent while the
 parent is held), and "under the root" for a block held on a tier where it is not loose with no parent among the
-worker's blocks; stores made under a dropped block record that parent themselves. Each map keeps at most
-:data:`MAX_REMEMBERED` entries, the oldest going first.
+worker's blocks; stores made under a dropped block (stored again since or not) record that parent themselves, as
+the links forget it once the parent goes. Each map keeps at most :data:`MAX_REMEMBERED` entries, the oldest going
+first.
 
 Cost: nothing on a worker that is not partial; for a partial one, O(1) per store on a closed tier whose parent is
 held there, and O(chain) for a store that regains one; at a loss, O(blocks dropped) to read their parents.
