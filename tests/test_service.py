@@ -275,8 +275,9 @@ def test_a_snapshot_with_an_impossible_stream_position_is_refused(tmp_path: Path
     import msgspec
 
     snap = tmp_path / "index.snap"
-    snap.write_bytes(msgspec.msgpack.encode({"version": persist.VERSION, "index": TieredIndex(BS).snapshot(),
-                                             "positions": [position]}))
+    index = TieredIndex(BS).snapshot()
+    snap.write_bytes(msgspec.msgpack.encode({"version": persist.VERSION, "index": index, "positions": [position],
+                                             "checksum": persist._checksum(index, [position])}))
     with pytest.raises(ValueError, match=f"snapshot {snap}: stream position"):
         persist.load(snap, BS)
 
@@ -303,6 +304,23 @@ def test_a_damaged_snapshot_file_is_refused_whole(tmp_path: Path) -> None:
         snap.write_bytes(bytes(damaged))
         with pytest.raises(ValueError, match=f"snapshot {snap}: damaged: its checksum does not match"):
             persist.load(snap, BS)
+
+
+def test_a_snapshot_file_without_its_checksum_is_refused_and_an_older_one_is_read(tmp_path: Path) -> None:
+    """A file of this format always carries its checksum: one whose checksum entry was lost or renamed (the damage
+    the checksum cannot see) is refused, not restored unchecked. A file written before checksums (version 1, none)
+    is still read."""
+    import msgspec
+
+    snap = tmp_path / "index.snap"
+    persist.save(snap, TieredIndex(BS), {StreamId(WorkerId("w0")): (7, 12345)})
+    good = snap.read_bytes()
+    snap.write_bytes(good.replace(b"checksum", b"checksuM"))
+    with pytest.raises(ValueError, match=f"snapshot {snap}: no checksum"):
+        persist.load(snap, BS)
+    obj = msgspec.msgpack.decode(good)
+    snap.write_bytes(msgspec.msgpack.encode({"version": 1, "index": obj["index"], "positions": obj["positions"]}))
+    assert persist.load(snap, BS)[1] == {StreamId(WorkerId("w0")): (7, 12345)}
 
 
 def test_a_snapshot_file_nested_past_the_decoders_depth_is_one_line(tmp_path: Path) -> None:

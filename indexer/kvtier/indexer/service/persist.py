@@ -34,7 +34,8 @@ from kvtier.wire.notices import StreamId
 from kvtier.wire.protocol import WorkerId
 from kvtier.wire.transport.frames import MAX_SEQ
 
-VERSION = 1
+#: This format: version 2 always carries a checksum. Version 1 files (written before checksums) are still read.
+VERSION = 2
 
 #: stream -> (next seq, digest of the last applied batch); see StreamTracker.position.
 Positions = dict[StreamId, tuple[int, int | None]]
@@ -128,9 +129,12 @@ def load(path: Path, block_size: int) -> tuple[TieredIndex, Positions]:
     """Reads a snapshot; ``ValueError`` naming the file and what is wrong with it. O(file)."""
     try:
         obj = msgspec.msgpack.decode(read_input(path, None))  # (not a FIFO or a device: a file, of any size)
-        if not isinstance(obj, dict) or obj.get("version") != VERSION:
+        if not isinstance(obj, dict) or obj.get("version") not in (1, VERSION):
             raise ValueError(f"unsupported snapshot version {obj.get('version') if isinstance(obj, dict) else None!r}")
-        if "checksum" in obj and obj["checksum"] != _checksum(obj["index"], obj["positions"]):  # (older files: none)
+        if obj["version"] == VERSION and "checksum" not in obj:
+            raise ValueError("no checksum, which every file of its version carries (a damaged file); "
+                             "remove it to start afresh")
+        if "checksum" in obj and obj["checksum"] != _checksum(obj["index"], obj["positions"]):
             raise ValueError("damaged: its checksum does not match what it holds (a torn or corrupted file); "
                              "remove it to start afresh")
         index = TieredIndex.restore(obj["index"])
