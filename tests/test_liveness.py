@@ -8,7 +8,10 @@ about how fast the machine is.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -302,6 +305,98 @@ def test_an_engine_that_cannot_dump_started_after_the_indexer_is_alive_while_idl
         svc.stop()
         if pub is not None:
             pub.close()
+
+
+class FreezingProxy:
+    """A TCP relay on loopback to ``target`` (``tcp://host:port``) that :meth:`freeze` stops dead: its connections
+    stay open and nothing more passes either way, as when a publisher's host vanishes (power lost, a partition)
+    without closing them. Threads: one accepting, two per connection."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.removeprefix("tcp://").rsplit(":", 1)
+        self._target = (host, int(port))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"tcp://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._frozen = threading.Event()
+        self._closed = threading.Event()
+        self._socks: list[socket.socket] = [self._listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            if self._frozen.is_set():
+                self._socks.append(client)  # (held open, never answered)
+                continue
+            try:
+                server = socket.create_connection(self._target)
+            except OSError:
+                client.close()
+                continue
+            self._socks += [client, server]
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        while not self._closed.is_set():
+            try:
+                data = src.recv(65536)
+            except OSError:
+                return
+            if self._frozen.is_set():
+                self._closed.wait()  # (the bytes are swallowed; the connection stays open)
+                return
+            if not data:
+                with contextlib.suppress(OSError):
+                    dst.shutdown(socket.SHUT_WR)
+                return
+            try:
+                dst.sendall(data)
+            except OSError:
+                return
+
+    def freeze(self) -> None:
+        self._frozen.set()
+
+    def close(self) -> None:
+        self._closed.set()
+        for sock in self._socks:
+            sock.close()
+
+
+def test_an_idle_engine_whose_host_vanishes_without_closing_its_connection_is_found_gone() -> None:
+    """The engine of the test above, alive while idle because its live connection holds: its host then vanishes
+    without closing that connection (power lost, a partition), which TCP alone notices only after minutes or never.
+    The subscriber's heartbeats on the live socket (``ZMQ_HEARTBEAT_IVL``) drop it once they go unanswered, and
+    the worker is listed dead."""
+    first = Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    live, replay = first.endpoint, first.replay_endpoint
+    first.close()
+    proxies = [FreezingProxy(live), FreezingProxy(replay)]
+    clock = Clock()
+    svc = IndexerService(ServiceConfig(endpoints=[parse_endpoint(
+        f"w0={proxies[0].endpoint},replay={proxies[1].endpoint}")], block_size=BS, listen="127.0.0.1:0",
+        replay_timeout_s=1.0, liveness_timeout_s=1.0), clock=clock)
+    svc.start()
+    pub: Publisher | None = None
+    try:
+        run_clock(clock, lambda: health(svc)["dead_workers"] == ["w0"] == health(svc)["partial_workers"], step=0.25)
+        pub = Publisher(live, replay)  # the engine starts, and publishes nothing
+        run_clock(clock, lambda: health(svc)["dead_workers"] == [], step=0.25, limit_s=15.0)
+        clock.t += 60.0
+        assert health(svc)["dead_workers"] == []
+        for proxy in proxies:
+            proxy.freeze()
+        run_clock(clock, lambda: health(svc)["dead_workers"] == ["w0"], step=0.25, limit_s=20.0)
+    finally:
+        svc.stop()
+        if pub is not None:
+            pub.close()
+        for proxy in proxies:
+            proxy.close()
 
 
 def test_liveness_timeout_is_a_setting_checked_like_the_others(tmp_path: Any) -> None:

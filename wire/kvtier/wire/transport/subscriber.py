@@ -188,6 +188,13 @@ class Subscriber:
         sub.setsockopt(zmq.RCVHWM, 100_000)
         sub.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
         sub.setsockopt(zmq.SUBSCRIBE, cfg.topic)
+        # Heartbeats (ZMTP 3.1 PINGs, answered by the publisher's I/O thread however busy the engine is): a publisher
+        # whose host vanishes without closing the connection is dropped within three probe intervals (a second at
+        # least: no scheduling hiccup drops a live one). TCP alone may keep such a connection for minutes, and
+        # StreamTracker.silent takes a connected stream for up.
+        beat_ms = max(1, round(self._probe_s * 1000))
+        sub.setsockopt(zmq.HEARTBEAT_IVL, beat_ms)
+        sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(3 * beat_ms, 1000))
         sub.connect(cfg.endpoint)
         tracker = StreamTracker(cfg.stream, can_replay=cfg.replay_endpoint is not None,
                                 can_dump=cfg.supports_dump, timeout_s=self._timeout, probe_s=self._probe_s)
