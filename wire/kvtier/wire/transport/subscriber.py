@@ -195,10 +195,11 @@ class Subscriber:
         beat_ms = max(1, round(self._probe_s * 1000))
         sub.setsockopt(zmq.HEARTBEAT_IVL, beat_ms)
         sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(3 * beat_ms, 1000))
+        # (monitored before it connects: a publisher already up may complete its handshake at once, unseen)
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         sub.connect(cfg.endpoint)
         tracker = StreamTracker(cfg.stream, can_replay=cfg.replay_endpoint is not None,
                                 can_dump=cfg.supports_dump, timeout_s=self._timeout, probe_s=self._probe_s)
-        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         conn = _Conn(cfg, tracker, sub, self._new_dealer(cfg), monitor)
         self._conns[cfg.stream] = conn
         self._register(conn)
