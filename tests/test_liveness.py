@@ -454,3 +454,72 @@ def test_a_long_snapshot_takes_no_worker_for_gone(tmp_path: Path, monkeypatch: p
     finally:
         svc.stop()
         p0.close()
+
+
+def test_a_snapshot_taken_while_an_idle_probe_is_unanswered_keeps_the_stream(tmp_path: Path) -> None:
+    """A quiet stream is probed every second. A snapshot taken between a probe and its answer (a stop's, or a
+    periodic one) saved no position for the stream, so the restarted service cleared its worker and started it
+    afresh: an SGLang or vLLM worker whose replay buffer no longer reaches seq 0 came back partial, its blocks lost.
+    Here the probe's answer is held (the replay connection frozen) while the service stops; the restart resumes the
+    stream after its last batch, whole."""
+    W0 = StreamId(WorkerId("w0"), 0)
+    pub = Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", buffer_size=1)
+    proxy = FreezingProxy(pub.replay_endpoint)
+    snap = tmp_path / "index.snap"
+
+    def service(replay: str, clock: Clock) -> IndexerService:
+        return IndexerService(ServiceConfig(endpoints=[parse_endpoint(f"w0={pub.endpoint},replay={replay}")],
+                                            block_size=BS, listen="127.0.0.1:0", replay_timeout_s=1.0,
+                                            liveness_timeout_s=5.0, snapshot_path=str(snap)), clock=clock)
+
+    clock = Clock()
+    svc = service(proxy.endpoint, clock)
+    svc.start()
+    try:
+        assert svc._loop._sub is not None
+        tracker = svc._loop._sub._conns[W0].tracker
+        run_clock(clock, lambda: health(svc)["status"] == "ok" and tracker._connected, step=0.1)
+        pub.publish(batch(stored([1, 2, 3], None, 0)))
+        run_clock(clock, lambda: query(svc)["workers"]["w0"]["device"] == 3, step=0.1)
+        pub.publish(batch(stored([4], 3, 3)))  # the publisher's buffer holds this batch (seq 1) alone
+        run_clock(clock, lambda: query(svc)["workers"]["w0"]["device"] == 4, step=0.1)
+        assert health(svc)["status"] == "ok"
+        proxy.freeze()
+        recovery = tracker._recovery
+        run_clock(clock, lambda: recovery.active and recovery.replay.probe, step=0.25)
+    finally:
+        svc.stop()
+        proxy.close()
+    clock = Clock()
+    svc = service(pub.replay_endpoint, clock)
+    svc.start()
+    try:
+        run_clock(clock, lambda: not svc._loop._sub or not svc._loop._sub.recovering(W0), step=0.1)
+        assert health(svc)["partial_workers"] == [] and query(svc)["workers"]["w0"]["device"] == 4
+    finally:
+        svc.stop()
+        pub.close()
+
+
+def test_a_handshake_with_a_publisher_already_up_is_seen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The subscriber learns that its live socket is connected from the socket's monitor. Attached after the socket
+    connected, the monitor missed a handshake that completed first (a publisher already up, a thread slow to get
+    to it), and the stream never counted as connected. Here attaching a monitor takes a while."""
+    import zmq
+
+    from kvtier.wire.transport.subscriber import EndpointConfig, Subscriber
+
+    attach = zmq.Socket.get_monitor_socket
+
+    def slow_attach(self: zmq.Socket[bytes], *args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.5)
+        return attach(self, *args, **kwargs)
+
+    monkeypatch.setattr(zmq.Socket, "get_monitor_socket", slow_attach)
+    with Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0") as pub, \
+            Subscriber([EndpointConfig("w0", pub.endpoint, pub.replay_endpoint)]) as sub:
+        tracker = sub._conns[StreamId(WorkerId("w0"), 0)].tracker
+        deadline = time.monotonic() + 10.0
+        while not tracker._connected:
+            assert time.monotonic() < deadline, "the handshake was never seen"
+            sub.poll(50)

@@ -1253,3 +1253,36 @@ def test_losses_for_good_of_an_engine_without_dumps_are_logged_sparingly(caplog:
     partial = [r for r in caplog.records if "state marked partial" in r.getMessage()]
     assert len(partial) == 10 + 1, [r.getMessage() for r in partial[:12]]
     assert "further ones logged every 1000th" in partial[9].getMessage()
+
+
+def test_the_position_is_kept_while_a_replay_is_pending_and_not_while_a_dump_is() -> None:
+    """What a pending replay has not delivered is held back, so the consumer's state is whole up to the seq before
+    the one expected, and a snapshot taken meanwhile resumes from there (a stream left out of one is started
+    afresh). An idle probe and a gap's replay keep the position; a resync starts from seq 0 (nothing delivered
+    yet), and a dump under way has none: the consumer's state is then being rebuilt."""
+    t = StreamTracker(S, can_replay=True, can_dump=True, timeout_s=1.0, probe_s=1.0)
+    for i in range(3):
+        t.on_live(i, payload(i), 0.0)
+    at = t.position()
+    assert at is not None and at[0] == 3
+    t.on_tick(2.0)  # quiet: an idle probe goes out
+    assert [unpack_seq(q) for q in t.outbox] == [3] and t.position() == at
+    t.outbox.clear()
+    t.on_reply(END_SEQ, b"", 2.1)  # nothing new
+    t.on_live(5, payload(5), 2.2)  # seqs 3 and 4 went missing: a gap's replay, seq 5 held back
+    assert [unpack_seq(q) for q in t.outbox] == [3] and t.position() == at
+    t.outbox.clear()
+    t.on_reply(pack_seq(3), payload(3), 2.3)
+    pos = t.position()
+    assert pos is not None and pos[0] == 4  # seq 3 delivered, 4 still missing
+    t.on_reply(pack_seq(4), payload(4), 2.3)
+    t.on_reply(pack_seq(5), payload(5), 2.3)
+    t.on_reply(END_SEQ, b"", 2.3)
+    pos = t.position()
+    assert pos is not None and pos[0] == 6
+    t.request_resync("the consumer found its state inconsistent", 2.4)
+    assert [unpack_seq(q) for q in t.outbox] == [0] and t.position() is None  # (from seq 0: nothing delivered)
+    t.outbox.clear()
+    t.on_reply(pack_seq(4), payload(4), 2.5)  # the buffer no longer reaches seq 0: a dump
+    t.on_reply(END_SEQ, b"", 2.5)
+    assert t.outbox == [DUMP_REQUEST] and t.position() is None
