@@ -397,3 +397,14 @@ def test_a_plugin_policy_routes_a_disaggregated_cluster_from_start_to_end() -> N
     res = simulate(reqs, cfg, RunConfig(plugin))
     assert res.summary.requests == len(reqs) and res.summary.unfinished == 0
     assert {r.worker for r in res.records} <= {0, 1} and {r.decode_worker for r in res.records} <= {2, 3}
+
+
+def test_a_sweep_over_splits_takes_the_link_options(tmp_path: Path) -> None:
+    """The link's options with a grid whose points split the cluster apply to every split point: the sweep ran every
+    point, then refused them for the aggregated cluster its options alone describe, exit 2 and nothing written."""
+    out = tmp_path / "s"
+    assert cli(["sweep", "--trace", "builtin:chat:6", "--workers", "4", "--no-plots", "--kv-link", "tcp-100g",
+                "--local-prefill-tokens", "64", "--grid", "pools=2:2,1:3", "--out", str(out)]) == 0
+    sweep = json.loads((out / "sweep.json").read_text())
+    assert [run["pools"] for run in sweep["runs"]] == ["2:2", "1:3"]
+    assert sweep["meta"]["cluster"]["local_prefill_tokens"] == 64

@@ -308,13 +308,13 @@ def _trace(a: argparse.Namespace) -> TraceSource:
         raise CliError(f"trace {a.trace}: {exc.strerror or exc}") from None
 
 
-def _meta(a: argparse.Namespace, n_requests: int, run: RunConfig) -> dict[str, Any]:
-    """What every run of a command depends on, bar its policy: the trace and how it was read, the cluster, and the
-    router's settings (``run``'s, whose policy each run names itself)."""
+def _meta(a: argparse.Namespace, n_requests: int, run: RunConfig, axes: Collection[str] = ()) -> dict[str, Any]:
+    """What every run of a command depends on, bar its policy: the trace and how it was read, the cluster (that a
+    sweep's ``axes`` vary), and the router's settings (``run``'s, whose policy each run names itself)."""
     return {"trace": a.trace, "requests": n_requests,
             "trace_settings": {"limit": a.limit, "seed": a.trace_seed, "time_scale": a.time_scale,
                                "shared_prefix_blocks": a.shared_prefix_blocks, "prefix_groups": a.prefix_groups},
-            "cluster": _cluster(a).settings(),
+            "cluster": _cluster(a, axes).settings(),
             "run": {f.name: getattr(run, f.name) for f in dataclasses.fields(run) if f.name != "policy"},
             "slo_ms": {"ttft": a.sla_ttft_ms, "tpot": a.sla_tpot_ms, "e2e": a.sla_e2e_ms}}
 
@@ -592,6 +592,9 @@ def cmd_sweep(a: argparse.Namespace) -> int:
         jobs = grid_jobs(_trace(a), _cluster(a, grid), _run_cfg(a, a.policy), grid, keep_records=False)
     except ValueError as exc:  # ConfigError included
         raise CliError(str(exc)) from None
+    # What every grid point shares (the trace, the cluster and run settings the grid varies from, the grid) beside
+    # the points, as summary.json keeps it
+    meta = {**_meta(a, len(jobs[0].trace) if jobs else 0, _run_cfg(a, a.policy), grid), "grid": grid}
     _warn_inert(a, grid)
     if a.ray and importlib.util.find_spec("ray") is None:
         raise CliError("--ray needs Ray: pip install ray (or drop --ray for a local process pool)")
@@ -610,9 +613,6 @@ def cmd_sweep(a: argparse.Namespace) -> int:
         rows.append({**tag, **{k: None if isinstance(v, float) and math.isnan(v) else v  # (strict JSON: no NaN)
                                for k, v in s.as_dict().items() if k not in ("policy", "extra", "slo")},
                      **s.extra})
-    # What every grid point shares (the trace, the cluster and run settings the grid varies from, the grid) beside
-    # the points, as summary.json keeps it
-    meta = {**_meta(a, len(jobs[0].trace) if jobs else 0, _run_cfg(a, a.policy)), "grid": grid}
     with whole(out_dir / "sweep.json") as part:
         part.write_text(json.dumps({"meta": meta, "runs": rows}, indent=2, default=str))
     _print_table(table(summaries, first="grid point"), out_dir / "sweep.json")
