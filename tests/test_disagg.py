@@ -77,6 +77,23 @@ def test_a_lone_requests_ttft_is_its_prefill_the_transfer_and_one_decode_step() 
     assert fast.records[0].ttft == pytest.approx(prefill + transfer / 2 + step, rel=1e-9)
 
 
+@pytest.mark.parametrize("n", [3000, 700])
+def test_a_hybrid_models_transfer_carries_the_window_kv_of_the_prompts_last_window(n: int) -> None:
+    """A hybrid model's decode worker needs the sliding-window layers' KV of the prompt's last window beside every
+    token's full-attention KV, as a load from host does (SGLang's trailing pages): the link carried the full KV
+    alone, a TTFT too short by the window's bytes. The router prices the same bytes."""
+    model = MODELS["gemma-3-27b"]
+    swa = PD.replace(model="gemma-3-27b", device_tokens=131_072)
+    rec = simulate([req("a", 0.0, n, 5, list(range(1, 1 + -(-n // 512))))], swa, RunConfig("round_robin")).records[0]
+    nbytes = n * model.bytes_per_token + min(n, model.window_tokens) * model.window_bytes_per_token
+    assert rec.transferred_tokens == n
+    lat = swa.latency
+    step = lat.decode_ms(n / swa.capacity_tokens()) / 1000
+    assert rec.ttft == pytest.approx(rec.prefill_end + nbytes / (KV_LINKS["rdma-400g"].gbps * 1e9) + step, rel=1e-9)
+    price = KvLinkCost.of(routing_settings(swa, RunConfig("round_robin")))
+    assert price.transfer_ms(n) == pytest.approx(nbytes / (KV_LINKS["rdma-400g"].gbps * 1e6), rel=1e-12)
+
+
 def test_a_later_turn_whose_context_is_on_its_decode_worker_transfers_only_the_new_part() -> None:
     trace = [req("a", 0.0, 2048, 4, [1, 2, 3, 4], "s"), req("b", 5.0, 2748, 4, [1, 2, 3, 4, 5, 6], "s")]
     a, b = simulate(trace, PD, RunConfig("round_robin")).records

@@ -144,6 +144,15 @@ PRESETS: dict[str, ModelPreset] = {
 }
 
 
+def trailing_kv_bytes(tokens: int, bytes_per_token: int, window_bytes_per_token: int = 0,
+                      window_tokens: int = 0) -> int:
+    """KV bytes to move for ``tokens`` tokens that end a prompt: every token's full-attention KV, and a hybrid
+    model's sliding-window KV for the last ``window_tokens`` of them (all a later token attends to: SGLang's
+    TRAILING_PAGES). A load into device memory and a prefill-to-decode transfer move the same. O(1)."""
+    tokens = max(0, tokens)
+    return tokens * bytes_per_token + min(tokens, window_tokens) * window_bytes_per_token
+
+
 @dataclass(slots=True, frozen=True)
 class TransferModel:
     """Time to bring cached KV into device memory, per source tier."""
@@ -165,7 +174,7 @@ class TransferModel:
         window KV of their last ``window_tokens`` too: SGLang's TRAILING_PAGES)."""
         if tier is StorageTier.DEVICE or tokens <= 0:
             return 0.0
-        nbytes = tokens * self.bytes_per_token + min(tokens, self.window_tokens) * self.window_bytes_per_token
+        nbytes = trailing_kv_bytes(tokens, self.bytes_per_token, self.window_bytes_per_token, self.window_tokens)
         ms = nbytes / (self.host_to_device_gbps * 1e6)
         if tier is StorageTier.DISK:
             ms += nbytes / (self.storage_to_host_gbps * 1e6)

@@ -44,6 +44,7 @@ from kvtier.hardware.latency import (
     decode_run_ms,
     decode_step_max_ms,
     decode_steps_done,
+    trailing_kv_bytes,
 )
 from kvtier.hardware.links import (
     DEFAULT_GPU_LINK,
@@ -312,7 +313,7 @@ class SimWorker:
         if cfg.draft_model is not None:
             per_token += PRESETS[cfg.draft_model].bytes_per_token  # the draft pool is copied with every page
         page_bytes = per_token * cfg.page_size
-        self.kv_bytes_per_token = per_token  # what the KV link carries per prompt token
+        self.kv_bytes_per_token = per_token  # what the KV link carries per prompt token (and window KV: _start_receive)
         self.dp = ModeledDataPath(page_bytes, lambda: env.now, cfg.bandwidths(),
                                   window_page_bytes=PRESETS[cfg.model].window_bytes_per_token * cfg.page_size)
         self.cache = TieredCache(cfg.cache_config(), self.dp, store, name=f"w{index}")
@@ -483,7 +484,9 @@ class SimWorker:
         rec.decode_cached_tokens, rec.transferred_tokens = cached, missing
         rec.receive_start = self.env.now
         self.receiving += 1
-        delay = missing * self.kv_bytes_per_token / (self.cfg.kv_link_gbps * 1e9)
+        model = PRESETS[self.cfg.model]
+        nbytes = trailing_kv_bytes(missing, self.kv_bytes_per_token, model.window_bytes_per_token, model.window_tokens)
+        delay = nbytes / (self.cfg.kv_link_gbps * 1e9)
         self.env.after(delay, lambda: self._received(job), priority=1)
 
     def _received(self, job: Job) -> None:

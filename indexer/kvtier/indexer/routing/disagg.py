@@ -46,7 +46,7 @@ import dataclasses
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
-from kvtier.hardware.latency import PRESETS, LatencyModel, MockerLatency
+from kvtier.hardware.latency import PRESETS, LatencyModel, MockerLatency, trailing_kv_bytes
 from kvtier.indexer.index.keys import BlockKey
 from kvtier.indexer.index.tiered import TieredIndex
 from kvtier.indexer.routing.load import LoadTracker, LoadView, PoolLoads, WorkerLoad
@@ -81,20 +81,26 @@ class KvLinkCost:
     # The goodput policy's TPOT bound (None: none): a worker whose decode step, midway through the request's decode
     # (as SloCost estimates it), would pass it costs SLO_MISS_MS times its ratio to the bound
     tpot_ms: float | None = None
+    window_bytes_per_token: int = 0  # a hybrid model's sliding-window KV per token, moved for the last window
+    window_tokens: int = 0  # its window
 
     @classmethod
     def of(cls, settings: RoutingSettings, tpot_ms: float | None = None) -> KvLinkCost:
         """The cost over the link, latency fit and decode capacity ``settings`` name. O(1)."""
-        return cls(PRESETS[settings.model].bytes_per_token, settings.kv_gbps, settings.latency,
-                   settings.capacity_tokens, tpot_ms=tpot_ms)
+        model = PRESETS[settings.model]
+        return cls(model.bytes_per_token, settings.kv_gbps, settings.latency, settings.capacity_tokens,
+                   tpot_ms=tpot_ms, window_bytes_per_token=model.window_bytes_per_token,
+                   window_tokens=model.window_tokens)
 
     def with_slo(self, tpot_ms: float | None) -> KvLinkCost:
         """This cost told a request's TPOT bound (the goodput policy's decode side). O(1)."""
         return dataclasses.replace(self, tpot_ms=tpot_ms)
 
     def transfer_ms(self, tokens: int) -> float:
-        """Milliseconds to move ``tokens`` tokens of KV over the link. O(1)."""
-        return max(0, tokens) * self.bytes_per_token / (self.kv_gbps * 1e6)
+        """Milliseconds to move the KV of ``tokens`` tokens that end a prompt over the link (with a hybrid model's
+        window KV: :func:`~kvtier.hardware.latency.trailing_kv_bytes`). O(1)."""
+        nbytes = trailing_kv_bytes(tokens, self.bytes_per_token, self.window_bytes_per_token, self.window_tokens)
+        return nbytes / (self.kv_gbps * 1e6)
 
     def lacking_ms(self, num_tokens: int, block_size: int, overlap: TierOverlap, shared_blocks: int = 0) -> float:
         """Milliseconds to move the prompt's KV a decode worker lacks: all but its device overlap, or the prefix its
