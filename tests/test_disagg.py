@@ -109,9 +109,8 @@ def test_a_later_turn_whose_context_is_on_its_decode_worker_transfers_only_the_n
                         l3_tokens=131_072),
     PD.replace(prefill_workers=2, decode_workers=1, device_tokens=32_768, host_ratio=2.0,
                         l3="external", l3_tokens=262_144, local_prefill_tokens=7000),
-    # (write-back with a disk tier trips an engine assertion, aggregated too: "loading a node without host copy")
-    PD.replace(prefill_workers=2, decode_workers=2, device_tokens=32_768, host_ratio=1.0,
-                        write_policy=WritePolicy.WRITE_BACK),
+    PD.replace(prefill_workers=2, decode_workers=2, device_tokens=32_768, host_ratio=1.0, l3="disk",
+                        l3_tokens=131_072, write_policy=WritePolicy.WRITE_BACK),
     PD.replace(prefill_workers=2, decode_workers=2, device_tokens=32_768, host_ratio=1.0, l3="disk",
                         l3_tokens=131_072, write_policy=WritePolicy.WRITE_THROUGH_SELECTIVE),
 ])
