@@ -70,9 +70,11 @@ def overloaded(s: RunSummary) -> str | None:
                 f"{s.ttft_p50:.1f} s TTFT; arrivals outpace the cluster (more workers, a larger --time-scale or "
                 f"fewer requests)")
     if s.decode_queue_p50 > 1.0 and s.decode_queue_p50 > 0.5 * s.ttft_p50:  # (False where nan: aggregated)
-        return (f"{s.policy}: overloaded: the median request waited {s.decode_queue_p50:.1f} s for room on its "
-                f"decode worker of a {s.ttft_p50:.1f} s TTFT; the decode pool cannot keep up (more decode workers, "
-                f"a larger --time-scale or fewer requests)")
+        # (the wait is the handed-off requests' median, the TTFT every request's: prompts prefilled on their decode
+        # worker wait for none)
+        return (f"{s.policy}: overloaded: the median request handed to a decode worker waited "
+                f"{s.decode_queue_p50:.1f} s there for room (the median TTFT: {s.ttft_p50:.1f} s); the decode pool "
+                f"cannot keep up (more decode workers, a larger --time-scale or fewer requests)")
     return None
 
 
