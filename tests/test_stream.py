@@ -23,6 +23,7 @@ from kvtier.wire import (
     ResyncDone,
     ResyncNeeded,
     ResyncStarted,
+    StorageTier,
     StreamId,
     StreamTracker,
     WorkerId,
@@ -1286,3 +1287,23 @@ def test_the_position_is_kept_while_a_replay_is_pending_and_not_while_a_dump_is(
     t.on_reply(pack_seq(4), payload(4), 2.5)  # the buffer no longer reaches seq 0: a dump
     t.on_reply(END_SEQ, b"", 2.5)
     assert t.outbox == [DUMP_REQUEST] and t.position() is None
+
+
+def test_batches_naming_another_dp_rank_than_their_endpoints_are_reported_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """An endpoint's ``dp=`` names the data-parallel rank the router sends its blocks' requests to; SGLang and vLLM
+    name the publishing rank in every batch. A mismatch (the endpoint configured for another rank's port) routed
+    each prefix to a rank that does not hold it, unnoticed: it is logged once per stream, the blocks still indexed
+    under the endpoint's stream (the configuration is the operator's to fix)."""
+    consumer = IndexConsumer(TieredIndex(4))
+    rank1 = StreamId(WorkerId("w"), 1)
+    store = BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=[1, 2, 3, 4], block_size=4)
+    with caplog.at_level(logging.WARNING):
+        for seq in range(2):
+            consumer.feed([Received(rank1, seq, EventBatch(ts=0.0, events=[store], dp_rank=0), "live")])
+        consumer.feed([Received(S, 0, EventBatch(ts=0.0, events=[store], dp_rank=0), "live"),
+                       Received(StreamId(WorkerId("v"), 1), 0, EventBatch(ts=0.0, events=[store]), "live")])
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == ["stream w (dp rank 1): its batches name dp rank 0; the endpoint's dp= (dp_rank in TOML) is the "
+                      "rank the router sends its blocks' requests to: check it names the rank that publishes there"]
+    assert consumer.index.worker_hashes(rank1)[StorageTier.DEVICE] == {1}

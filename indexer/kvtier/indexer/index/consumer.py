@@ -57,6 +57,7 @@ class IndexConsumer:
         self.counters = ConsumerCounters()
         self._wall = wall_clock
         self._keep = keep  # events it returns False for are skipped (a router listening to some tiers)
+        self._ranks_told: set[StreamId] = set()  # streams whose batches named another dp rank (logged once each)
 
     def feed(self, deliveries: Iterable[Delivery]) -> None:
         """Applies each delivery in order. O(events delivered), plus O(blocks) per clear."""
@@ -72,6 +73,12 @@ class IndexConsumer:
 
     def _apply(self, d: Received) -> None:
         outcomes, keep = self.counters.outcomes, self._keep
+        rank = d.batch.dp_rank
+        if rank is not None and rank != d.stream.dp_rank and d.stream not in self._ranks_told:
+            self._ranks_told.add(d.stream)
+            log.warning("stream %s (dp rank %d): its batches name dp rank %d; the endpoint's dp= (dp_rank in TOML) is "
+                        "the rank the router sends its blocks' requests to: check it names the rank that publishes "
+                        "there", d.stream.worker, d.stream.dp_rank, rank)
         events = d.batch.events if keep is None else [ev for ev in d.batch.events if keep(ev)]
         for outcome in self.index.apply_events(d.stream, events):
             if outcome is not Outcome.APPLIED:
