@@ -137,6 +137,14 @@ def test_tokens_by_tier_and_by_side_sum_to_the_prompt(cluster: ClusterConfig, po
     assert moved > 0
     assert (local > 0) == (cluster.local_prefill_tokens > 0)
     assert res.summary.hit_host + res.summary.hit_storage > 0  # the prefill pool's tiers are used
+    # The summary's shares of what moved over the link, and of what the decode side held already
+    done = [r for r in res.records if r.finish >= 0]
+    handed = [r for r in done if r.prefill_end >= 0]
+    assert res.summary.kv_transferred == sum(r.transferred_tokens for r in done) / sum(r.input_tokens for r in done)
+    assert res.summary.decode_cached == (sum(r.decode_cached_tokens for r in handed)
+                                         / sum(r.input_tokens for r in handed)) > 0
+    agg = simulate(trace[:20], cluster.replace(prefill_workers=0, decode_workers=0, workers=2), RunConfig(policy))
+    assert math.isnan(agg.summary.kv_transferred) and math.isnan(agg.summary.decode_cached)
 
 
 def test_decode_admission_waits_for_memory_and_requests_never_vanish() -> None:

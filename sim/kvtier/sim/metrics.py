@@ -182,6 +182,10 @@ class RunSummary:
     decode_queue_p90: float = float("nan")
     decode_queue_p95: float = float("nan")
     decode_queue_p99: float = float("nan")
+    # Disaggregated: shares of the completed requests' prompt tokens moved over the KV link, and of the handed-off
+    # ones' found on their decode worker (the transfer its radix cache saved); nan aggregated, or none handed off
+    kv_transferred: float = float("nan")
+    decode_cached: float = float("nan")
     # Under the run's SLO (nan without one): the share of the trace's requests that completed meeting every bound
     # (rejected and unfinished ones count as missing it), and their rate per second of the makespan
     goodput: float = float("nan")
@@ -226,6 +230,7 @@ class SummaryBuilder:
         self.decode_queue = array("d")  # nan where nothing was handed off (aggregated, or prefilled locally)
         # token sums of completed requests
         self.prompt = self.device = self.host = self.storage = self.recomputed = self.output = 0
+        self.transferred = self.decode_cached = self.handed_off = 0  # (prompt tokens of the requests handed off)
         self.start = math.inf  # earliest arrival of a completed request
         self.end = -math.inf  # latest finish of a completed request
         self.predicted = 0  # completed requests with a prediction and an admission count
@@ -260,6 +265,10 @@ class SummaryBuilder:
         self.storage += r.storage_tokens
         self.recomputed += r.recomputed_tokens
         self.output += max(r.output_tokens, 1)  # (a 0 generates one token)
+        if r.receive_start >= 0:
+            self.handed_off += r.input_tokens
+            self.transferred += r.transferred_tokens
+            self.decode_cached += r.decode_cached_tokens
         self.start = min(self.start, r.arrival)
         self.end = max(self.end, r.finish)
         if r.predicted_blocks >= 0 and r.actual_blocks >= 0:
@@ -305,6 +314,8 @@ class SummaryBuilder:
             usable_mae_blocks=self.usable_error / self.swa if self.swa else nan,
             overcount_blocks=self.overcount / self.swa if self.swa else nan,
             overcount_share=self.overcount / max(1, self.swa_predicted) if self.swa else nan,
+            kv_transferred=share(self.transferred) if self.split else nan,
+            decode_cached=self.decode_cached / self.handed_off if self.split and self.handed_off else nan,
             **self._felt(done, (self.records if total is None else total), end - start),
         )
 
