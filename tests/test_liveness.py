@@ -276,6 +276,18 @@ def test_a_gone_engine_is_not_routed_to_and_comes_back_whole_after_a_restart() -
                 p.close()
 
 
+def idle_engine_comes_up(svc: IndexerService, clock: Clock, live: str, replay: str) -> Publisher:
+    """Worker w0's engine, at ``live`` and ``replay``, is not up when the service starts: its stream is given up with
+    nothing at hand, dead and partial. The engine then starts and publishes nothing: it is alive while its live
+    connection holds, through a minute of idleness. Returns its publisher."""
+    run_clock(clock, lambda: health(svc)["dead_workers"] == ["w0"] == health(svc)["partial_workers"], step=0.25)
+    pub = Publisher(live, replay)
+    run_clock(clock, lambda: health(svc)["dead_workers"] == [], step=0.25, limit_s=15.0)
+    clock.t += 60.0
+    assert health(svc)["dead_workers"] == []
+    return pub
+
+
 def test_an_engine_that_cannot_dump_started_after_the_indexer_is_alive_while_idle() -> None:
     """An SGLang or vLLM engine started after the indexer: the replay asked at start goes unanswered and the stream is
     given up with nothing at hand, which no idle probe can ask from. The engine then came up and stayed idle (nothing
@@ -290,11 +302,7 @@ def test_an_engine_that_cannot_dump_started_after_the_indexer_is_alive_while_idl
     svc.start()
     pub: Publisher | None = None
     try:
-        run_clock(clock, lambda: health(svc)["dead_workers"] == ["w0"] == health(svc)["partial_workers"], step=0.25)
-        pub = Publisher(live, replay)  # the engine starts, and publishes nothing
-        run_clock(clock, lambda: health(svc)["dead_workers"] == [], step=0.25, limit_s=15.0)
-        clock.t += 60.0  # a minute of idleness
-        assert health(svc)["dead_workers"] == []
+        pub = idle_engine_comes_up(svc, clock, live, replay)
         pub.publish(batch(stored([1, 2, 3], None, 0)))  # its first batch: the state is whole from here
         run_clock(clock, lambda: health(svc)["status"] == "ok" and query(svc)["workers"]["w0"]["device"] == 3,
                   step=0.1)
@@ -383,11 +391,7 @@ def test_an_idle_engine_whose_host_vanishes_without_closing_its_connection_is_fo
     svc.start()
     pub: Publisher | None = None
     try:
-        run_clock(clock, lambda: health(svc)["dead_workers"] == ["w0"] == health(svc)["partial_workers"], step=0.25)
-        pub = Publisher(live, replay)  # the engine starts, and publishes nothing
-        run_clock(clock, lambda: health(svc)["dead_workers"] == [], step=0.25, limit_s=15.0)
-        clock.t += 60.0
-        assert health(svc)["dead_workers"] == []
+        pub = idle_engine_comes_up(svc, clock, live, replay)
         for proxy in proxies:
             proxy.freeze()
         run_clock(clock, lambda: health(svc)["dead_workers"] == ["w0"], step=0.25, limit_s=20.0)
