@@ -669,3 +669,37 @@ def test_a_header_past_the_limit_is_refused_without_echoing_it(svc: tuple[Publis
     assert b" 400 " in answer.split(b"\r\n")[0] and b"s3cr3t" not in answer
     assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"].startswith("Got more than")
     assert not any("s3cr3t" in r.getMessage() for r in caplog.records)
+
+
+def test_a_large_batch_lets_waiting_requests_in_between_its_slices(
+        svc: tuple[Publisher, Publisher, IndexerService], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch's size is bounded only by the largest frame (64 MiB): one of a million cheap events held the index
+    lock for seconds, and every request waited, /health included (a liveness probe would restart the service). A
+    batch is applied in slices, and the requests waiting when one ends go first. Here /health is asked while the
+    batch's first event is applied, and the batch's last event waits until it is answered."""
+    from kvtier.indexer.index.consumer import SLICE_WORK
+    from kvtier.indexer.index.tiered import TieredIndex
+    from kvtier.wire import AllBlocksCleared
+
+    p0, _, s = svc
+    n = 3 * SLICE_WORK
+    answered, seen = threading.Event(), [0]
+    apply = TieredIndex._apply
+
+    def watched(index: TieredIndex, w: Any, event: Any) -> Any:
+        if index is s.index and isinstance(event, AllBlocksCleared):
+            seen[0] += 1
+            if seen[0] == 1:
+                threading.Thread(target=lambda: (get(s.address + "/health"), answered.set()), daemon=True).start()
+                deadline = time.monotonic() + 10.0
+                while not s._lock._waiting:  # (the request is in: it waits for the lock this batch holds)
+                    assert time.monotonic() < deadline, "/health never came to the lock"
+                    time.sleep(0.001)
+            elif seen[0] == n:
+                assert answered.wait(10.0), "/health was not answered before the batch's last event"
+        return apply(index, w, event)
+
+    monkeypatch.setattr(TieredIndex, "_apply", watched)
+    p0.publish(EventBatch(ts=time.time(), events=[AllBlocksCleared() for _ in range(n)]))
+    wait_for(lambda: seen[0] == n and s.metrics()["batches_applied"] >= 1, timeout=30)
+    assert answered.is_set()

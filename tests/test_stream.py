@@ -1307,3 +1307,29 @@ def test_batches_naming_another_dp_rank_than_their_endpoints_are_reported_once(
     assert warned == ["stream w (dp rank 1): its batches name dp rank 0; the endpoint's dp= (dp_rank in TOML) is the "
                       "rank the router sends its blocks' requests to: check it names the rank that publishes there"]
     assert consumer.index.worker_hashes(rank1)[StorageTier.DEVICE] == {1}
+
+
+def test_a_batch_applied_in_slices_gives_the_index_feed_gives() -> None:
+    """IndexConsumer.slices (the service's way with a large batch) applies what feed applies, counts the batch once
+    and yields between its slices only, the inferred-window rule reading the batch's stores whole."""
+    from kvtier.wire import BlockRemoved
+
+    toks = list(range(100, 132))
+    events = [BlockStored(block_hashes=[i], parent_block_hash=i - 1 if i else None, token_ids=toks[4 * i:4 * i + 4],
+                          block_size=4) for i in range(8)]
+    events += [BlockRemoved(block_hashes=[7, 6]), AllBlocksCleared(), *events[:5],
+               BlockStored(block_hashes=[40], parent_block_hash=99, token_ids=toks[:4], block_size=4)]
+    d = Received(S, 0, EventBatch(ts=0.0, events=events), "live")
+    whole, sliced = IndexConsumer(TieredIndex(4, window_tokens=8)), IndexConsumer(TieredIndex(4, window_tokens=8))
+    whole.feed([d])
+    yields = 0
+    for _ in sliced.slices(d, work=3):
+        yields += 1
+        assert sliced.counters.batches == 0  # (counted once whole)
+    assert yields >= 7  # 16 events, two or so a slice
+    for consumer in (whole, sliced):
+        consumer.index._check()
+        assert consumer.counters.batches == 1 and consumer.counters.outcomes == {"orphaned": 1}
+    assert whole.index.worker_hashes(S) == sliced.index.worker_hashes(S)
+    assert whole.index.window_hashes(S) == sliced.index.window_hashes(S)
+    assert sum(map(len, whole.index.worker_hashes(S).values())) == 5

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.indexer.index.tiered import Outcome, TieredIndex
@@ -26,6 +26,10 @@ from kvtier.wire.notices import Delivery, PublisherRestarted, Received, ResyncNe
 from kvtier.wire.protocol import Event
 
 log = logging.getLogger(__name__)
+
+#: Work (an event, and a block per block hash it names) applied per slice of a batch (:meth:`IndexConsumer.slices`):
+#: about 10 ms of the cheapest events, so that a reader waits for a slice, never a whole batch.
+SLICE_WORK = 4096
 
 
 @dataclass(slots=True)
@@ -71,20 +75,63 @@ class IndexConsumer:
             else:
                 log.debug("%s", d)
 
+    def slices(self, d: Delivery, work: int = SLICE_WORK) -> Iterator[None]:
+        """Applies ``d`` as :meth:`feed` does, a slice of a batch at a time: a batch of more than ``work`` units (an
+        event, and a block per block hash it names) yields after each slice of about that many but the last, where
+        the caller may let readers of the index in (the index is whole after every event; the batch's later events
+        are not applied yet); anything else is fed whole. Run it to its end. O(events delivered)."""
+        if isinstance(d, Received):
+            events = self._events(d)
+            end = _slice_end(events, 0, work)
+            if end < len(events):
+                yield from self._sliced(d, events, end, work)
+                return
+        self.feed((d,))
+
+    def _sliced(self, d: Received, events: Sequence[Event], end: int, work: int) -> Iterator[None]:
+        """:meth:`slices` of a batch whose first slice ends at ``end``."""
+        self._count(self.index.apply_events(d.stream, events[:end]))  # (it begins the batch: the inferred-window rule)
+        while end < len(events):
+            yield
+            start, end = end, _slice_end(events, end, work)
+            self._count([self.index.apply(d.stream, ev) for ev in events[start:end]])  # (apply continues the batch)
+        self._applied(d)
+
     def _apply(self, d: Received) -> None:
-        outcomes, keep = self.counters.outcomes, self._keep
+        self._count(self.index.apply_events(d.stream, self._events(d)))
+        self._applied(d)
+
+    def _events(self, d: Received) -> Sequence[Event]:
+        """The batch's events the index takes (those ``keep`` keeps); a batch naming another dp rank than its stream's
+        is logged, once per stream."""
         rank = d.batch.dp_rank
         if rank is not None and rank != d.stream.dp_rank and d.stream not in self._ranks_told:
             self._ranks_told.add(d.stream)
             log.warning("stream %s (dp rank %d): its batches name dp rank %d; the endpoint's dp= (dp_rank in TOML) is "
                         "the rank the router sends its blocks' requests to: check it names the rank that publishes "
                         "there", d.stream.worker, d.stream.dp_rank, rank)
-        events = d.batch.events if keep is None else [ev for ev in d.batch.events if keep(ev)]
-        for outcome in self.index.apply_events(d.stream, events):
+        keep = self._keep
+        return d.batch.events if keep is None else [ev for ev in d.batch.events if keep(ev)]
+
+    def _count(self, applied: list[Outcome]) -> None:
+        outcomes = self.counters.outcomes
+        for outcome in applied:
             if outcome is not Outcome.APPLIED:
                 outcomes[outcome.value] = outcomes.get(outcome.value, 0) + 1
+
+    def _applied(self, d: Received) -> None:
+        """A batch applied whole: counted, and its lag measured."""
         self.counters.batches += 1
         if d.source == "live" and d.batch.ts > 0:
             lag = self.counters.lag.setdefault(d.stream, Lag())
             lag.last = max(0.0, self._wall() - d.batch.ts)
             lag.max = max(lag.max, lag.last)
+
+
+def _slice_end(events: Sequence[Event], start: int, work: int) -> int:
+    """Where the slice of ``events`` from ``start`` ends: after about ``work`` units, at least one event. O(slice)."""
+    end, units = start, 0
+    while end < len(events) and units < work:
+        units += 1 + len(getattr(events[end], "block_hashes", ()))
+        end += 1
+    return end

@@ -19,8 +19,9 @@ Endpoints:
 is released only by the client that made it (:mod:`kvtier.indexer.service.clients`); README, "Security", lists the
 limits on what a client may spend.
 
-Threads: one owns the ZMQ subscriber and applies deliveries, a batch per lock hold; the HTTP front
-end (:mod:`kvtier.indexer.service.http`, asyncio) answers on another. Requests hash their keys before taking
+Threads: one owns the ZMQ subscriber and applies deliveries, a batch per lock hold (a large one in slices, the requests
+waiting let in between: :mod:`kvtier.indexer.service.indexlock`); the HTTP front end
+(:mod:`kvtier.indexer.service.http`, asyncio) answers on another. Requests hash their keys before taking
 the lock, so the lock covers lookups and bookkeeping only.
 """
 
@@ -55,6 +56,7 @@ from kvtier.indexer.service.disagg import pair_answer, route_pair
 from kvtier.indexer.service.eventloop import EventLoop
 from kvtier.indexer.service.histogram import Histogram
 from kvtier.indexer.service.httplimits import check_depth
+from kvtier.indexer.service.indexlock import IndexLock
 from kvtier.indexer.service.metrics import render_metrics
 from kvtier.indexer.service.predictions import Predictions
 from kvtier.indexer.service.requestbody import RequestBody, parse_body, parse_finish
@@ -119,7 +121,7 @@ class IndexerService:
             cost, plugin = _policy(name, rs, config.block_size)
             self.router = Router(self.index, cost, loads=self.loads, policy=plugin, rebuilding=self._rebuilding,
                                  window_aware=True, temperature=rs.temperature, seed=rs.seed, dead=self._dead)
-        self._lock = threading.Lock()  # guards index, loads and the deadlines
+        self._lock = IndexLock()  # guards index, loads and the deadlines
         # routed requests in flight, until finish or expiry
         self._deadlines = Deadlines(config.request_ttl_s, request_clock)
         tokens = load_tokens(config.auth_token_file) if config.auth_token_file is not None else None

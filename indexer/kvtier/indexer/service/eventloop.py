@@ -22,6 +22,7 @@ from kvtier.indexer.service import persist
 from kvtier.indexer.service.config import ServiceConfig
 from kvtier.indexer.service.deadlines import Deadlines
 from kvtier.indexer.service.histogram import Histogram
+from kvtier.indexer.service.indexlock import IndexLock
 from kvtier.util.helperthread import HelperThread
 from kvtier.wire.notices import Delivery, StreamId, StreamStats
 from kvtier.wire.transport.subscriber import Subscriber
@@ -39,7 +40,7 @@ _WRITER = HelperThread("kvtier-snapshot")  # writes the periodic snapshots' copi
 class EventLoop:
     """Follows the engines on its own thread (:meth:`start`); the index's only writer."""
 
-    def __init__(self, config: ServiceConfig, index: TieredIndex, lock: threading.Lock, deadlines: Deadlines,
+    def __init__(self, config: ServiceConfig, index: TieredIndex, lock: IndexLock, deadlines: Deadlines,
                  on_expired: Callable[[str], None], resume: persist.Positions,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """``clock``: the streams' (replay deadlines, idle probes, liveness); tests move it by hand."""
@@ -68,7 +69,7 @@ class EventLoop:
         self.snapshot_failures = 0  # snapshots that could not be written
         self.snapshot_error: str | None = None  # why the last one failed, until one succeeds again
         self.apply_wait = Histogram()  # a delivered batch's wait for the lock: how long requests held it up
-        self.apply_hold = Histogram()  # the lock held by one delivered batch's application
+        self.apply_hold = Histogram()  # the lock held by one delivered batch's application (a slice of a large one)
         self._thread = threading.Thread(target=self._run, name="kv-indexer", daemon=True)
 
     def start(self, ready_within_s: float = 5.0) -> None:
@@ -270,11 +271,16 @@ class EventLoop:
                 with sub.away():
                     for d in polled:
                         t0 = time.perf_counter()
-                        with self._lock:  # one batch per hold: queries wait for a batch, never a backlog
+                        # One batch per hold, a large one in slices with the requests waiting let in between: a query
+                        # waits for a slice, never a backlog (kvtier.indexer.service.indexlock)
+                        with self._lock:
                             t1 = time.perf_counter()
-                            self.consumer.feed((d,))
-                            applied += 1
                             self.apply_wait.observe(t1 - t0)
+                            for _ in self.consumer.slices(d):
+                                self.apply_hold.observe(time.perf_counter() - t1)
+                                self._lock.let_waiters_in()
+                                t1 = time.perf_counter()
+                            applied += 1
                             self.apply_hold.observe(time.perf_counter() - t1)
                     now = self._deadlines.clock()
                     while self._deadlines.due(now):

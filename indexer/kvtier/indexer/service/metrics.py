@@ -115,7 +115,7 @@ def _latency_families(lat: dict[str, Any]) -> list[Family]:
     out = [request]
     for key, text in (("lock_wait", "Time /query and /route waited for the index lock (held by event application)."),
                       ("apply_wait", "Time each delivered event batch waited for the index lock (held by requests)."),
-                      ("apply_hold", "Time each delivered event batch held the index lock."),
+                      ("apply_hold", "Time each delivered event batch (or slice of a large one) held the index lock."),
                       ("http_loop_lag", "How late the HTTP event loop woke from a short sleep: a starved loop "
                                         "delays every connection at once.")):
         fam = Family(f"kvtier_{key}_seconds", "histogram", text)
