@@ -388,6 +388,27 @@ def test_sigterm_stops_the_service_cleanly_with_its_last_snapshot(tmp_path: Path
     assert positions[StreamId(WorkerId("w0"))][0] == 1  # resumes after the one batch applied
 
 
+def test_a_stop_whose_last_snapshot_cannot_be_written_exits_non_zero(tmp_path: Path) -> None:
+    """The snapshot written on stop failed (its directory removed meanwhile, a full disk): the process exited 0, so
+    a supervisor took the stop for clean and the next start came up cold. It says why on stderr and exits 1."""
+    snap = tmp_path / "gone" / "index.snap"
+    snap.parent.mkdir()
+    with Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0") as pub:
+        proc, address = _indexer_process(pub, snap)
+        try:
+            pub.publish(EventBatch(ts=time.time(), events=[stored([1, 2, 3], None, 0)]))
+            wait_for(lambda: post(address + "/query", {"token_ids": TOKS})[1]["workers"]["w0"]["device"] == 3,
+                     timeout=30)
+            snap.parent.rmdir()
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=30)
+        finally:
+            proc.kill() if proc.poll() is None else None
+    assert proc.returncode == 1, err
+    assert err.splitlines()[-1].startswith(f"kvtier indexer: stopped without its last snapshot: snapshot to {snap} "
+                                           "failed"), err
+
+
 @pytest.mark.parametrize("where", ["start", "banner"])
 def test_a_stop_signal_during_start_or_the_banner_still_stops_cleanly(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], where: str) -> None:

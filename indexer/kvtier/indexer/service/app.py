@@ -598,7 +598,7 @@ def serve(config: ServiceConfig, load: Callable[[], object] = load_kernels) -> N
                   f"HTTP on {svc.address}", flush=True)
             svc.failed.wait()
         except KeyboardInterrupt:
-            return
+            pass
         finally:
             if main:  # (stopped by Ctrl-C or a dead event loop: no SIGTERM may cut the stop short either)
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -607,8 +607,14 @@ def serve(config: ServiceConfig, load: Callable[[], object] = load_kernels) -> N
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)
-    # The index no longer follows the engines: exit non-zero so a supervisor restarts the service.
-    raise SystemExit(f"kvtier indexer: event loop died: {svc.health().get('error')}")
+    if svc is None:
+        return
+    if svc.failed.is_set():
+        # The index no longer follows the engines: exit non-zero so a supervisor restarts the service.
+        raise SystemExit(f"kvtier indexer: event loop died: {svc.health().get('error')}")
+    if (error := svc.health().get("snapshot_error")) is not None:
+        # The last snapshot, written on the way out, failed: the next start is cold, which a clean exit would hide.
+        raise SystemExit(f"kvtier indexer: stopped without its last snapshot: {error}")
 
 
 __all__ = ["ConfigError", "IndexerService", "ServiceConfig", "ServiceUnavailable", "load_config", "load_kernels",
