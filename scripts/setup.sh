@@ -6,7 +6,19 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+too_old() {  # kvtier needs Python 3.11 or later (tomllib, below and in kvtier): said in one line, not a traceback
+    ! "$1" -c 'import sys; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1
+}
+if [ -x .venv/bin/python ] && too_old .venv/bin/python; then
+    echo "kvtier: .venv runs $(.venv/bin/python -V 2>&1), older than 3.11: making it again" >&2
+    rm -rf .venv
+fi
 if [ ! -x .venv/bin/python ]; then
+    if too_old "$PY"; then
+        found=$(command -v "$PY" >/dev/null && "$PY" -V 2>&1 || echo "not found")
+        echo "kvtier: needs Python 3.11 or later; $PY is $found (set PYTHON, e.g. PYTHON=python3.11 bash $0)" >&2
+        exit 2
+    fi
     "$PY" -m venv .venv
 fi
 stamp=.venv/install.stamp
@@ -20,7 +32,18 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     exit 0  # (kvtier is installed editable: code changes need no reinstall, dependency changes do)
 fi
 log=.venv/install.log
+: >"$log"
 echo "kvtier: installing into .venv (log: $log)" >&2
+
+step() {  # step WHAT CMD...: says WHAT, runs CMD into the log; on failure shows the log and stops
+    echo "kvtier: $1" >&2
+    shift
+    if ! "$@" >>"$log" 2>&1; then
+        cat "$log" >&2
+        echo "kvtier: install failed (see above)" >&2
+        exit 1
+    fi
+}
 # torch is pinned in pyproject.toml and taken as its CPU build, never a multi-GB CUDA download: first alone
 # from PyTorch's CPU index where it can be reached (as PyTorch's install instructions do; --index-url, so that
 # no other package can come from there, nor torch from elsewhere), then everything else from the wheels pip is
@@ -28,15 +51,12 @@ echo "kvtier: installing into .venv (log: $log)" >&2
 torch_pin=$(.venv/bin/python -c 'import tomllib
 with open("pyproject.toml", "rb") as f:
     print(next(d for d in tomllib.load(f)["project"]["optional-dependencies"]["engine"] if d.startswith("torch")))')
-cpu_torch=(true)
+step "upgrading pip" .venv/bin/python -m pip install -q --upgrade pip
 if .venv/bin/python -c "import urllib.request; urllib.request.urlopen('https://download.pytorch.org/whl/cpu/', timeout=5)" \
         >/dev/null 2>&1; then
-    cpu_torch=(.venv/bin/python -m pip install -q --index-url https://download.pytorch.org/whl/cpu "$torch_pin")
+    step "installing $torch_pin, CPU build (some 200 MB), from PyTorch's index" \
+        .venv/bin/python -m pip install -q --index-url https://download.pytorch.org/whl/cpu "$torch_pin"
 fi
-if ! { .venv/bin/python -m pip install -q --upgrade pip && "${cpu_torch[@]}" \
-        && .venv/bin/python -m pip install -q -e ".[dev]"; } >"$log" 2>&1; then
-    cat "$log" >&2
-    echo "kvtier: install failed (see above)" >&2
-    exit 1
-fi
+step "installing kvtier and its dependencies (minutes on a first install: 1.3 GB in all)" \
+    .venv/bin/python -m pip install -q -e ".[dev]"
 echo "$want" > "$stamp"

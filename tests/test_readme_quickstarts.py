@@ -104,3 +104,32 @@ def test_operator_quick_start() -> None:
     assert re.search(r"^kvtier_ttft_prediction_error_seconds_count 1$", out.stdout, re.MULTILINE)
     # The block's trap stopped the engines and the indexer: every port is free again.
     assert [p for p in OPERATOR_PORTS if not _port_free(p)] == []
+
+
+def test_the_operator_quick_start_run_with_plain_bash_stops_when_a_server_fails(tmp_path: Path) -> None:
+    """Saved to a file and run with ``bash`` (no ``-e``, as the README offers), the block went on past a server that
+    did not start (its port taken) and exited 0 after querying an index that never caught up. It stops there with a
+    non-zero status."""
+    import zmq
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from readme_quickstart import quickstarts
+
+    busy = [p for p in OPERATOR_PORTS if not _port_free(p)]
+    if busy:
+        pytest.fail(f"the operator quick start binds fixed ports; these are in use: {busy}")
+    body = quickstarts((ROOT / "README.md").read_text())["operator"]
+    script = tmp_path / "operator.sh"
+    script.write_text(body)
+    ctx = zmq.Context()
+    holder = ctx.socket(zmq.PUB)
+    holder.bind("tcp://127.0.0.1:5557")  # engine a's port, taken
+    try:
+        out = subprocess.run(["bash", str(script)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    finally:
+        holder.close(linger=0)
+        ctx.term()
+    assert out.returncode != 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "quickstart: a server exited" in out.stdout
+    assert "total_blocks" not in out.stdout  # (no query was asked of an index that never caught up)
+    assert [p for p in OPERATOR_PORTS if not _port_free(p)] == []
