@@ -742,6 +742,18 @@ def test_options_that_change_nothing_get_a_warning(tmp_path: Path, capsys: pytes
     assert "warning" not in capsys.readouterr().err
 
 
+def test_an_azure_trace_without_shared_prefixes_says_nothing_can_hit(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """An Azure CSV trace holds lengths only: with the default --shared-prefix-blocks 0 every prompt is unique and
+    every hit rate reads 0, which ran silently. It is a warning now, silent where sharing is synthesised."""
+    trace = azure(tmp_path, "a.csv", [f"2024-05-10 00:00:0{i}" for i in range(4)])
+    assert main(["replay", "--trace", trace, "--limit", "20", "--no-plots", "--out", str(tmp_path / "a")]) == 0
+    assert "--shared-prefix-blocks 0 (the default) no two prompts share a block" in capsys.readouterr().err
+    assert main(["replay", "--trace", trace, "--limit", "20", "--no-plots", "--out", str(tmp_path / "b"),
+                 "--shared-prefix-blocks", "4"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_tokens_by_index_reads_the_trace_up_to_that_record(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``kvtier tokens --index N`` read (and checked) the whole trace first: 16 s and 788 MB for one record of a
     million-line file. Now the records up to N alone: a bad record past it is not read; --request still scans."""

@@ -274,6 +274,11 @@ def _warn_inert(a: argparse.Namespace, axes: Collection[str] = ()) -> None:
     if not is_azure(a.trace):
         inert += [("--shared-prefix-blocks", a.shared_prefix_blocks != 0, "but with an Azure CSV trace"),
                   ("--prefix-groups", a.prefix_groups != 8, "but with an Azure CSV trace")]
+    elif a.shared_prefix_blocks == 0 and unless("shared_prefix_blocks"):
+        # (lengths only: no two prompts share a block unless sharing is synthesised, so every hit rate reads 0)
+        print("kvtier: warning: an Azure CSV trace holds lengths only: with --shared-prefix-blocks 0 (the default) no "
+              "two prompts share a block and nothing can hit; --shared-prefix-blocks N gives each request its prefix "
+              "group's first N blocks", file=sys.stderr)
     named: set[str] = set()
     for option, given, why in inert:
         if given and option not in named:
