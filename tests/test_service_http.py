@@ -524,7 +524,8 @@ def test_cost_models_by_name() -> None:
         IndexerService(ServiceConfig(endpoints=eps, listen="127.0.0.1:0", cost="magic"))
     # Policies that read what a service does not have (the engines' own state, a seeded coin) say so.
     for name, says in (("oracle", "simulator only"), ("random", "simulator only"),
-                       ("teleport", "no 'kvtier.policies' entry point")):
+                       ("teleport", "no 'kvtier.policies' entry point has that name; built-in policies: "
+                                    "round_robin, least_loaded, kv_device")):
         with pytest.raises(ConfigError, match=says):
             IndexerService(ServiceConfig(endpoints=eps, listen="127.0.0.1:0", policy=name))
 

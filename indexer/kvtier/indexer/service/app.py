@@ -561,7 +561,9 @@ def _policy(name: str, settings: RoutingSettings, block_size: int) -> tuple[Cost
     try:
         return make_cost("kv_all", settings), load_policy(name)
     except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+        served = ", ".join(n for n, p in REGISTRY.items() if p.served)
+        # (a bare name is a typo of a built-in more often than an entry point's)
+        raise ConfigError(f"{exc}" + ("" if ":" in name else f"; built-in policies: {served}")) from None
 
 
 def load_kernels() -> None:
