@@ -858,3 +858,13 @@ def test_a_compare_that_stops_leaves_no_part_files(how: str, tmp_path: Path, mon
             main(argv)
     assert len(calls) == 2
     assert list(out.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+@pytest.mark.parametrize("command", ["replay", "compare"])
+def test_a_refused_policy_makes_no_output_directory(tmp_path: Path, command: str) -> None:
+    """A policy typo is refused in one line, exit 2, and leaves nothing behind: --out was made first, an empty
+    out/replay/ in the user's working directory."""
+    out = tmp_path / "out"
+    flag = ["--policy", "kv_al"] if command == "replay" else ["--policies", "kv_all,kv_al"]
+    assert main([command, *SMALL, *flag, "--out", str(out)]) == 2
+    assert not out.exists()

@@ -443,6 +443,7 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
 
     trace = _trace(a)
     cluster = _cluster(a)
+    runs = [_run_cfg(a, p) for p in policies]  # (before --out is made: a refused policy leaves nothing behind)
     if a.itl_series is not None:
         _check_output("--itl-series", a.itl_series)  # (now, not once every run is done)
     out_dir = _out_dir(a, "summary.json", "requests.csv")
@@ -455,8 +456,8 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
     parts = [out_dir / f".requests.{i}.csv" for i in range(len(policies))]
     itl_parts = ([a.itl_series.with_name(f".{a.itl_series.name}.{i}") for i in range(len(policies))]
                  if a.itl_series is not None else [None] * len(policies))
-    jobs = [RunSpec(trace, cluster, _run_cfg(a, p), {"policy": policy_label(p)}, records_csv=part, itl_jsonl=itl)
-            for p, part, itl in zip(policies, parts, itl_parts, strict=True)]
+    jobs = [RunSpec(trace, cluster, run, {"policy": policy_label(p)}, records_csv=part, itl_jsonl=itl)
+            for p, run, part, itl in zip(policies, runs, parts, itl_parts, strict=True)]
     _warn_inert(a)  # (once every option is checked: a refused one gets its error alone)
     print(f"kvtier: {len(trace)} requests from {a.trace}, {cluster.describe_workers()}, "
           f"{cluster.device_tokens:,} device tokens each, host x{cluster.host_ratio:g}, l3={cluster.l3}; "
@@ -488,8 +489,7 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
         where = (f"{a.trace}, {cluster.describe_workers()} x {cluster.device_tokens:,} device tokens, "
                  f"host x{cluster.host_ratio:g}, l3 {cluster.l3}")
         with _interrupt_after():
-            written += plot(out_dir, summaries, [res for _, res in results], where,
-                            _run_cfg(a, policies[0]).slo)
+            written += plot(out_dir, summaries, [res for _, res in results], where, runs[0].slo)
     remove_stale(out_dir, PLOTS, written)
     print(f"\nran in {wall:.1f} s, peak memory {peak:,.0f} MiB (largest process); wrote "
           f"{', '.join(str(p) for p in written)}", file=sys.stderr)
