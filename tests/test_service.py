@@ -182,8 +182,16 @@ def test_config_file_and_errors(tmp_path: Path) -> None:
     c = load_config(cfg)
     assert c.block_size == 32 and c.endpoints[0].dp_rank == 2 and c.endpoints[0].supports_dump
     (tmp_path / "bad.toml").write_text('colour = "blue"\n')
-    with pytest.raises(ConfigError, match="colour"):
+    with pytest.raises(ConfigError, match=r"unknown settings \['colour'\]$"):  # (nothing like it: no guess)
         load_config(tmp_path / "bad.toml")
+    # A typo, or the command line's spelling of an endpoint option, gets the name meant
+    (tmp_path / "typo.toml").write_text('blocksize = 16\n')
+    with pytest.raises(ConfigError, match=r"settings \['blocksize'\]; did you mean 'blocksize' -> 'block_size'"):
+        load_config(tmp_path / "typo.toml")
+    (tmp_path / "cli.toml").write_text('[[endpoints]]\nworker = "a"\nendpoint = "tcp://h:1"\nreplay = "tcp://h:2"\n'
+                                       'dump = true\n')
+    with pytest.raises(ConfigError, match="did you mean 'dump' -> 'supports_dump', 'replay' -> 'replay_endpoint'"):
+        load_config(tmp_path / "cli.toml")
     (tmp_path / "bad2.toml").write_text('[[endpoints]]\nworker = "a"\n')
     with pytest.raises(ConfigError, match=r"endpoints\[0\]"):
         load_config(tmp_path / "bad2.toml")

@@ -3,7 +3,9 @@ the cost model its routing answers use."""
 
 from __future__ import annotations
 
+import difflib
 import tomllib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -266,7 +268,8 @@ def load_config(path: Path) -> ServiceConfig:
         raise ConfigError(f"{path}: endpoints must be [[endpoints]] tables")
     for i, e in enumerate(tables):
         if unknown := set(e) - set(_ENDPOINT_FIELDS):
-            raise ConfigError(f"{path}: endpoints[{i}]: unknown fields {sorted(unknown)}")
+            raise ConfigError(f"{path}: endpoints[{i}]: unknown fields {sorted(unknown)}"
+                              f"{_meant(unknown, _ENDPOINT_FIELDS, _ENDPOINT_OPTIONS)}")
         for name, (domain, required) in _ENDPOINT_FIELDS.items():
             if name in e:
                 domain.check(f"{path}: endpoints[{i}].{name}", e[name])
@@ -281,5 +284,18 @@ def load_config(path: Path) -> ServiceConfig:
             raise ConfigError(f"{path}: endpoints[{i}]: {exc}") from None
     known = {f.name for f in fields(ServiceConfig)} - {"endpoints"}  # every setting, so none is forgotten here
     if unknown := set(raw) - known:
-        raise ConfigError(f"{path}: unknown settings {sorted(unknown)}")
+        raise ConfigError(f"{path}: unknown settings {sorted(unknown)}{_meant(unknown, known)}")
     return ServiceConfig(endpoints=eps, **raw)
+
+
+#: The command line's --endpoint options by the TOML fields they set (replay=..., dp=N, dump).
+_ENDPOINT_OPTIONS = {"replay": "replay_endpoint", "dp": "dp_rank", "dump": "supports_dump"}
+
+
+def _meant(unknown: set[str], names: Iterable[str], aliases: Mapping[str, str] | None = None) -> str:
+    """``"; did you mean ..."`` for the unknown names that look like known ones (a typo, or the command line's
+    spelling of an endpoint field), else nothing. O(unknown x names)."""
+    known = list(names)
+    guesses = [f"{name!r} -> {(aliases or {}).get(name) or close[0]!r}" for name in sorted(unknown)
+               if (aliases or {}).get(name) or (close := difflib.get_close_matches(name, known, n=1))]
+    return f"; did you mean {', '.join(guesses)}" if guesses else ""
