@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import socket
 import threading
 import time
@@ -527,3 +528,26 @@ def test_a_handshake_with_a_publisher_already_up_is_seen(monkeypatch: pytest.Mon
         while not tracker._connected:
             assert time.monotonic() < deadline, "the handshake was never seen"
             sub.poll(50)
+
+
+def test_a_publisher_never_reached_is_named_by_its_address_once(caplog: pytest.LogCaptureFixture) -> None:
+    """An endpoint with a wrong address or port, or an engine not up: the stream's replay times out and it is given
+    up, and the log said so naming the worker alone. It names the addresses too, once."""
+    from kvtier.wire import ResyncNeeded
+    from kvtier.wire.transport.subscriber import EndpointConfig, Subscriber
+
+    first = Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    live, replay = first.endpoint, first.replay_endpoint
+    first.close()  # nobody behind these addresses
+    given_up = 0
+    with caplog.at_level(logging.WARNING), \
+            Subscriber([EndpointConfig("w0", live, replay)], replay_timeout_s=0.2, probe_s=0.1) as sub:
+        deadline = time.monotonic() + 15.0
+        while given_up < 2:
+            assert time.monotonic() < deadline, "the stream was not given up twice"
+            given_up += sum(isinstance(d, ResyncNeeded) for d in sub.poll(20))
+            if given_up == 1:
+                sub.request_resync(StreamId(WorkerId("w0"), 0), "asked again")  # (given up again: no second line)
+    named = [r.getMessage() for r in caplog.records if "no connection to its publisher" in r.getMessage()]
+    assert named == [f"stream w0: no connection to its publisher at {live} (replay {replay}) yet: check that "
+                     "address, and that the engine runs with its KV events on"]

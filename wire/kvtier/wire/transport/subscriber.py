@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from kvtier.wire.notices import Delivery, StreamId, StreamStats
+from kvtier.wire.notices import Delivery, ResyncNeeded, StreamId, StreamStats
 from kvtier.wire.protocol import ROLES, WorkerId
 from kvtier.wire.transport.addresses import connect_address_error
 from kvtier.wire.transport.frames import unpack_seq
@@ -88,6 +88,8 @@ class _Conn:
     sub: zmq.Socket[bytes]  # live socket
     dealer: zmq.Socket[bytes] | None  # replay client
     monitor: zmq.Socket[bytes]  # connection events of `sub`: a publisher's handshake, a lost connection
+    reached: bool = False  # `sub` completed a handshake with the publisher once
+    told_unreached: bool = False  # the log said the publisher was never reached (once)
 
 
 class Subscriber:
@@ -270,6 +272,7 @@ class Subscriber:
                     self._on_live(conn, frames, now, out)
                 elif sock is conn.monitor:
                     if parse_monitor_message(frames)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                        conn.reached = True
                         conn.tracker.on_connect(now)
                     else:
                         conn.tracker.on_disconnect()
@@ -279,7 +282,22 @@ class Subscriber:
         for conn in list(self._conns.values()):
             out.extend(conn.tracker.on_tick(now))
             self._flush(conn)
+        for d in out:
+            if isinstance(d, ResyncNeeded):
+                self._unreached(d.stream)
         return out
+
+    def _unreached(self, stream: StreamId) -> None:
+        """A stream given up whose publisher was never reached: the tracker's line names the stream alone, so this
+        one names the addresses (a wrong address or port, or an engine not up), once. O(1)."""
+        conn = self._conns.get(stream)
+        if conn is None or conn.reached or conn.told_unreached:
+            return
+        conn.told_unreached = True
+        cfg = conn.config
+        log.warning("stream %s: no connection to its publisher at %s%s yet: check that address, and that the engine "
+                    "runs with its KV events on", stream, cfg.endpoint,
+                    f" (replay {cfg.replay_endpoint})" if cfg.replay_endpoint else "")
 
     def _on_live(self, conn: _Conn, frames: list[bytes], now: float, out: list[Delivery]) -> None:
         if len(frames) != 3:
