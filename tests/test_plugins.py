@@ -64,6 +64,17 @@ def test_specs_files_modules_and_entry_points(tmp_path: Path, monkeypatch: pytes
     assert is_plugin_spec("least_device") and load_policy("least_device").name == "least_device"
 
 
+def test_a_plugin_file_named_without_its_policy_is_told_how(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--policy examples/fresh_first_policy.py`` (the attribute left out) got the unknown-policy list; it is told
+    to name the policy in the file."""
+    from kvtier.sim.cli import main
+
+    assert main(["replay", "--trace", "builtin:chat:4", "--policy", "examples/fresh_first_policy.py"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "kvtier: error: policy 'examples/fresh_first_policy.py': a plugin file is named with the policy in it, "
+        "examples/fresh_first_policy.py:ATTR (its class, factory or instance)")
+
+
 def test_the_same_plugin_routes_in_the_simulator() -> None:
     reqs = chat(200)
     fresh = simulate(reqs, SMALL, RunConfig(EXAMPLE))

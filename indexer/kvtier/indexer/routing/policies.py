@@ -191,6 +191,9 @@ POLICIES = list(REGISTRY)
 def policy_spec(name: str) -> PolicySpec:
     """The built-in policy ``name``; :class:`ConfigError` (one line) naming the known ones otherwise."""
     spec = REGISTRY.get(name)
+    if spec is None and name.endswith(".py"):
+        raise ConfigError(f"policy {name!r}: a plugin file is named with the policy in it, {name}:ATTR (its class, "
+                          "factory or instance)")
     if spec is None:
         raise ConfigError(f"unknown policy {name!r}; expected one of {', '.join(POLICIES)}, module:attr, "
                           "file.py:attr, or an entry point of the group kvtier.policies")
