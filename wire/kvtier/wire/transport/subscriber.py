@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 
 _REPLAY_HWM = 200_000  # replay frames queued on the subscriber side before ZMQ pushes back
 MAX_FRAME_BYTES = 64 << 20  # the default cap on one frame (a publisher's batch of events)
+#: Seconds of silence after which TCP keepalive drops a live socket's connection whose peer host no longer answers
+#: (a second idle, then a probe a second, the last unanswered).
+TCP_KEEPALIVE_S = 5
 
 
 #: The engines an endpoint may name (EndpointConfig.engine).
@@ -190,13 +193,16 @@ class Subscriber:
         sub.setsockopt(zmq.RCVHWM, 100_000)
         sub.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
         sub.setsockopt(zmq.SUBSCRIBE, cfg.topic)
-        # Heartbeats (ZMTP 3.1 PINGs, answered by the publisher's I/O thread however busy the engine is): a publisher
-        # whose host vanishes without closing the connection is dropped within three probe intervals (a second at
-        # least: no scheduling hiccup drops a live one). TCP alone may keep such a connection for minutes, and
-        # StreamTracker.silent takes a connected stream for up.
-        beat_ms = max(1, round(self._probe_s * 1000))
-        sub.setsockopt(zmq.HEARTBEAT_IVL, beat_ms)
-        sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(3 * beat_ms, 1000))
+        # TCP keepalive: a publisher whose host vanishes without closing the connection (power lost, a partition)
+        # stops answering the kernel's probes, and the connection is dropped within some TCP_KEEPALIVE_S seconds of
+        # silence; StreamTracker.silent takes a connected stream for up, and without keepalive TCP may keep such a
+        # connection for hours. Not ZMTP heartbeats: a SUB socket whose receive queue is full stops reading, misses
+        # the answers to its heartbeats, drops a live publisher, and libzmq 4.3 aborts the process on the reconnect
+        # (zeromq/libzmq#3937). A hung process on a live host keeps its connection either way.
+        sub.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        sub.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 1)
+        sub.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 1)
+        sub.setsockopt(zmq.TCP_KEEPALIVE_CNT, TCP_KEEPALIVE_S - 1)
         # (monitored before it connects: a publisher already up may complete its handshake at once, unseen)
         monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         sub.connect(cfg.endpoint)
