@@ -141,13 +141,14 @@ class StreamTracker:
     def position(self) -> tuple[int, int | None] | None:
         """``(next seq, digest of the last delivered batch)`` for a snapshot of the consumer's state
         (digest None right after a state dump, which carries no batch of its own); None while nothing
-        was delivered or a state dump is under way. A pending replay (an idle probe, a gap's, a check's, a resync's
-        from seq 0) holds back what it has not delivered, so the consumer's state is whole up to the seq before the
-        one expected: a snapshot taken meanwhile resumes from there (a quiet stream is probed every second, and a
-        stream left out of a snapshot is started afresh, partial where the publisher's buffer no longer reaches seq
-        0). A restart found, or a resync begun, expects seq 0 again: nothing delivered. O(1)."""
-        s = self._state
-        if self._recovery.mode is Mode.DUMP or not s.expected:
+        was delivered, a state dump is under way, or a replayed batch that did not decode awaits its replay's end
+        (the seq expected is past it, and its loss is reported then). A pending replay (an idle probe, a gap's, a
+        check's, a resync's from seq 0) holds back what it has not delivered, so the consumer's state is whole up to
+        the seq before the one expected: a snapshot taken meanwhile resumes from there (a quiet stream is probed every
+        second, and a stream left out of a snapshot is started afresh, partial where the publisher's buffer no longer
+        reaches seq 0). A restart found, or a resync begun, expects seq 0 again: nothing delivered. O(1)."""
+        s, rec = self._state, self._recovery
+        if rec.mode is Mode.DUMP or (rec.mode is Mode.REPLAY and rec.undecodable is not None) or not s.expected:
             return None
         return s.expected, s.history.digest_at(s.expected - 1)
 
