@@ -161,3 +161,25 @@ def test_what_is_remembered_of_dropped_blocks_is_bounded(new_index: Callable[[],
     assert len(w.ghosts) == 3 and len(w.ups) == 3  # of the 4 blocks dropped
     idx.apply(W, stored(4, 1, H[3]))
     assert idx.worker_hashes(W)[DEV] == {H[4]}
+
+
+def test_stores_under_a_prefix_held_again_remember_their_parents_in_bounded_room(
+        new_index: Callable[[], TieredIndex], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every new conversation under a hot prefix dropped at a loss and stored again records its parent: on a busy
+    partial worker that grew ``ups`` by one entry per conversation up to a million, pushing out what the loss had
+    recorded, and on a worker declared nothing prefix-closed (vLLM), which never reads them. They are kept below a
+    room of their own, never pushing a loss's entries out, and only where a store can prove a chain."""
+    import kvtier.indexer.index.applier as applier_module
+
+    monkeypatch.setattr(applier_module, "UPS_OF_HELD_AGAIN", 8)
+    idx = held_then_lost(new_index, {DEV})
+    for s in (W, V):
+        idx.apply(s, stored(0, 4, None))  # held again
+    w, v = idx._workers[W], idx._workers[V]
+    at_loss = dict(w.ups)
+    assert len(at_loss) == 4 and not v.ups
+    for i in range(50):  # conversations under the prefix
+        for s in (W, V):
+            idx.apply(s, BlockStored(block_hashes=[10**9 + i], parent_block_hash=H[3], token_ids=[7 + i] * 4,
+                                     block_size=4))
+    assert len(w.ups) == 8 and at_loss.items() <= w.ups.items() and not v.ups

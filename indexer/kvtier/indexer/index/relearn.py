@@ -29,9 +29,9 @@ Finding the ancestors. Router keys are recomputed from token ids and a dropped b
 its parent's engine hash are remembered when it is dropped (:attr:`WorkerState.ghosts` and :attr:`WorkerState.ups`):
 the parent from the index's links (:mod:`kvtier.indexer.index.closure`: a child is linked under its parent while the
 parent is held), and "under the root" for a block held on a tier where it is not loose with no parent among the
-worker's blocks; stores made under a dropped block (stored again since or not) record that parent themselves, as
-the links forget it once the parent goes. Each map keeps at most :data:`MAX_REMEMBERED` entries, the oldest going
-first.
+worker's blocks; stores made under a dropped block record that parent themselves (under one stored again since, as the
+links forget it once the parent goes, only on a worker declared prefix-closed somewhere and while ``ups`` has under
+:data:`UPS_OF_HELD_AGAIN` entries). Each map keeps at most :data:`MAX_REMEMBERED` entries, the oldest going first.
 
 Cost: nothing on a worker that is not partial; for a partial one, O(1) per store on a closed tier whose parent is
 held there, and O(chain) for a store that regains one; at a loss, O(blocks dropped) to read their parents.
@@ -51,10 +51,13 @@ from kvtier.indexer.index.masklayout import SLOT_MASK, TIERS
 from kvtier.indexer.index.workerstate import WorkerState
 from kvtier.wire.protocol import EngineHash, StorageTier
 
-__all__ = ["MAX_REMEMBERED", "ancestry", "relearn"]
+__all__ = ["MAX_REMEMBERED", "UPS_OF_HELD_AGAIN", "ancestry", "relearn"]
 
 #: Entries kept per worker in each of ``ghosts`` and ``ups`` (oldest forgotten first): some 200 bytes an entry.
 MAX_REMEMBERED = 1 << 20
+#: ``ups`` entries below which a store under a dropped block held again records its parent (about 13 MB a worker;
+#: never pushing out what a loss recorded): see :meth:`kvtier.indexer.index.applier.EventApplier._remember_up`.
+UPS_OF_HELD_AGAIN = 1 << 16
 
 
 def ancestry(w: WorkerState, blocks: BlockMasks,
