@@ -375,22 +375,30 @@ def test_a_start_removes_the_temporary_files_of_writers_that_are_gone(tmp_path: 
                                                      ".other.snap.tmp-1"}
 
 
-def test_sigterm_stops_the_service_cleanly_with_its_last_snapshot(tmp_path: Path) -> None:
-    """Supervisors (Kubernetes, systemd) stop a process with SIGTERM: the service stops as on Ctrl-C, exit 0, its
-    snapshot written, so that the next start resumes instead of rebuilding every worker (not the signal's default:
-    exit 143, and the blocks applied since the last periodic snapshot lost)."""
-    snap = tmp_path / "index.snap"
+def _sigterm_after_a_batch(snap: Path, before_stop: Callable[[], object] = lambda: None) -> tuple[int, str]:
+    """``kvtier indexer`` with snapshot ``snap`` applies one batch of 3 blocks, then (after ``before_stop``) is sent
+    SIGTERM: its exit status and stderr."""
     with Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0") as pub:
         proc, address = _indexer_process(pub, snap)
         try:
             pub.publish(EventBatch(ts=time.time(), events=[stored([1, 2, 3], None, 0)]))
             wait_for(lambda: post(address + "/query", {"token_ids": TOKS})[1]["workers"]["w0"]["device"] == 3,
                      timeout=30)
+            before_stop()
             proc.send_signal(signal.SIGTERM)
             _, err = proc.communicate(timeout=30)
         finally:
             proc.kill() if proc.poll() is None else None
-    assert proc.returncode == 0, err
+    return proc.returncode, err
+
+
+def test_sigterm_stops_the_service_cleanly_with_its_last_snapshot(tmp_path: Path) -> None:
+    """Supervisors (Kubernetes, systemd) stop a process with SIGTERM: the service stops as on Ctrl-C, exit 0, its
+    snapshot written, so that the next start resumes instead of rebuilding every worker (not the signal's default:
+    exit 143, and the blocks applied since the last periodic snapshot lost)."""
+    snap = tmp_path / "index.snap"
+    code, err = _sigterm_after_a_batch(snap)
+    assert code == 0, err
     index, positions = persist.load(snap, BS)
     assert index.find_matches(TOKS).workers[StreamId(WorkerId("w0"))].device == 3
     assert positions[StreamId(WorkerId("w0"))][0] == 1  # resumes after the one batch applied
@@ -401,18 +409,8 @@ def test_a_stop_whose_last_snapshot_cannot_be_written_exits_non_zero(tmp_path: P
     a supervisor took the stop for clean and the next start came up cold. It says why on stderr and exits 1."""
     snap = tmp_path / "gone" / "index.snap"
     snap.parent.mkdir()
-    with Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0") as pub:
-        proc, address = _indexer_process(pub, snap)
-        try:
-            pub.publish(EventBatch(ts=time.time(), events=[stored([1, 2, 3], None, 0)]))
-            wait_for(lambda: post(address + "/query", {"token_ids": TOKS})[1]["workers"]["w0"]["device"] == 3,
-                     timeout=30)
-            snap.parent.rmdir()
-            proc.send_signal(signal.SIGTERM)
-            _, err = proc.communicate(timeout=30)
-        finally:
-            proc.kill() if proc.poll() is None else None
-    assert proc.returncode == 1, err
+    code, err = _sigterm_after_a_batch(snap, before_stop=snap.parent.rmdir)
+    assert code == 1, err
     assert err.splitlines()[-1].startswith(f"kvtier indexer: stopped without its last snapshot: snapshot to {snap} "
                                            "failed"), err
 
