@@ -27,8 +27,9 @@ from kvtier.wire.protocol import Event
 
 log = logging.getLogger(__name__)
 
-#: Work (an event, and a block per block hash it names) applied per slice of a batch (:meth:`IndexConsumer.slices`):
-#: about 10 ms of the cheapest events, so that a reader waits for a slice, never a whole batch.
+#: Work (an event, and a block per block hash it names) applied per slice of a batch (:meth:`IndexConsumer.slices`),
+#: so that a reader waits for a slice, never a whole batch (a slice of clears, the events costliest to apply for their
+#: size, holds the lock longest).
 SLICE_WORK = 4096
 
 
