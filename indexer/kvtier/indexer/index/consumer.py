@@ -81,16 +81,15 @@ class IndexConsumer:
         event, and a block per block hash it names) yields after each slice of about that many but the last, where
         the caller may let readers of the index in (the index is whole after every event; the batch's later events
         are not applied yet); anything else is fed whole. Run it to its end. O(events delivered)."""
-        if isinstance(d, Received):
-            events = self._events(d)
-            end = _slice_end(events, 0, work)
-            if end < len(events):
-                yield from self._sliced(d, events, end, work)
-                return
+        if isinstance(d, Received) and _slice_end(d.batch.events, 0, work) < len(d.batch.events):
+            yield from self._sliced(d, work)
+            return
         self.feed((d,))
 
-    def _sliced(self, d: Received, events: Sequence[Event], end: int, work: int) -> Iterator[None]:
-        """:meth:`slices` of a batch whose first slice ends at ``end``."""
+    def _sliced(self, d: Received, work: int) -> Iterator[None]:
+        """:meth:`slices` of a batch of more than one slice (counted before ``keep`` filters it)."""
+        events = self._events(d)
+        end = _slice_end(events, 0, work)
         self._count(self.index.apply_events(d.stream, events[:end]))  # (it begins the batch: the inferred-window rule)
         while end < len(events):
             yield
