@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from kvtier.wire.notices import Delivery, ResyncNeeded, StreamId, StreamStats
+from kvtier.wire.notices import Delivery, StreamId, StreamStats
 from kvtier.wire.protocol import ROLES, WorkerId
 from kvtier.wire.transport.addresses import connect_address_error
 from kvtier.wire.transport.frames import unpack_seq
@@ -288,21 +288,17 @@ class Subscriber:
         for conn in list(self._conns.values()):
             out.extend(conn.tracker.on_tick(now))
             self._flush(conn)
-        for d in out:
-            if isinstance(d, ResyncNeeded):
-                self._unreached(d.stream)
+            if not conn.reached and not conn.told_unreached and conn.tracker.stats.resyncs:
+                self._unreached(conn)
         return out
 
-    def _unreached(self, stream: StreamId) -> None:
-        """A stream given up whose publisher was never reached: the tracker's line names the stream alone, so this
-        one names the addresses (a wrong address or port, or an engine not up), once. O(1)."""
-        conn = self._conns.get(stream)
-        if conn is None or conn.reached or conn.told_unreached:
-            return
+    def _unreached(self, conn: _Conn) -> None:
+        """A stream given up (or asked for a dump) whose publisher was never reached: the tracker's line names the
+        stream alone, so this one names the addresses (a wrong address or port, or an engine not up), once. O(1)."""
         conn.told_unreached = True
         cfg = conn.config
         log.warning("stream %s: no connection to its publisher at %s%s yet: check that address, and that the engine "
-                    "runs with its KV events on", stream, cfg.endpoint,
+                    "runs with its KV events on", cfg.stream, cfg.endpoint,
                     f" (replay {cfg.replay_endpoint})" if cfg.replay_endpoint else "")
 
     def _on_live(self, conn: _Conn, frames: list[bytes], now: float, out: list[Delivery]) -> None:
