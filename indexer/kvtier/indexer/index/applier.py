@@ -111,8 +111,8 @@ class EventApplier:
         if extras is None:  # the parent, the keys and the store in one pass, where the masks have one
             done = self._blocks.insert_tokens(w, ev, tier, ns)
             if done is not None:
-                if w.ghosts and w.closed_tiers and ev.parent_block_hash in w.ghosts:
-                    self._remember_up(w, ev, held_again=True)  # (the fast path: its parent is held)
+                if w.ghosts:
+                    self._remember_up(w, ev, held=True)  # (the fast path: its parent is held)
                 if (w.inferred and tier <= StorageTier.HOST) or w.orphans:
                     self._after_store(w, ev, done.tolist(), tier)
                 if w.partial and w.closed_tiers >> tier & 1 and ev.parent_block_hash is not None:
@@ -131,8 +131,8 @@ class EventApplier:
                 w.orphans.hold(ev, tier, extras)
                 return Outcome.ORPHANED
         keys = chain_keys(ev.token_ids, bs, parent, ns, extras)  # (bad token ids raise here: nothing changed)
-        if w.ghosts and ev.parent_block_hash in w.ghosts and (w.closed_tiers or not held):
-            self._remember_up(w, ev, held_again=held)
+        if w.ghosts:
+            self._remember_up(w, ev, held=held)
         if w.partial and w.closed_tiers >> tier & 1 and ev.parent_block_hash is not None:
             self._relearn(w, ev.parent_block_hash, tier)  # first, so that the store hangs under a held parent
         self._blocks.insert(w, ev.block_hashes, keys, tier, parent)
@@ -140,15 +140,18 @@ class EventApplier:
         return Outcome.APPLIED
 
     @staticmethod
-    def _remember_up(w: WorkerState, ev: BlockStored, *, held_again: bool) -> None:
-        """A store under a block dropped at a loss: its first block's parent, for a later store that proves the chain
-        (:mod:`kvtier.indexer.index.relearn`). Under a dropped block not held: the oldest entry makes room. Under one
-        held again (a worker declared prefix-closed somewhere): the index's links name the parent while the worker
-        holds it, but a later loss reads them, and a block that outlives its parent would be dropped then with its
-        parent forgotten; every new conversation under a hot prefix held again makes such a store, so these are
-        kept while ``ups`` has under :data:`UPS_OF_HELD_AGAIN` entries, never pushing out what a loss recorded. O(1)."""
-        if held_again:
-            if len(w.ups) < UPS_OF_HELD_AGAIN:
+    def _remember_up(w: WorkerState, ev: BlockStored, *, held: bool) -> None:
+        """A store whose parent (``held`` by the worker or not) may be a block dropped at a loss: if so, its first
+        block's parent, for a later store that proves the chain (:mod:`kvtier.indexer.index.relearn`). Under a dropped
+        block not held: the oldest entry makes room. Under one held again (on a worker declared prefix-closed
+        somewhere): the index's links name the parent while the worker holds it, but a later loss reads them, and a
+        block that outlives its parent would be dropped then with its parent forgotten; every new conversation under a
+        hot prefix held again makes such a store, so these are kept while ``ups`` has under
+        :data:`UPS_OF_HELD_AGAIN` entries, never pushing out what a loss recorded. O(1)."""
+        if ev.parent_block_hash not in w.ghosts:
+            return
+        if held:
+            if w.closed_tiers and len(w.ups) < UPS_OF_HELD_AGAIN:
                 w.ups.setdefault(ev.block_hashes[0], ev.parent_block_hash)
             return
         w.ups.setdefault(ev.block_hashes[0], ev.parent_block_hash)
