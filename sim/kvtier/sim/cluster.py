@@ -309,13 +309,16 @@ class SimWorker:
         self.env = env
         self.cfg = cfg
         self.latency = latency or cfg.worker_latency()
-        per_token = PRESETS[cfg.model].bytes_per_token
+        model = PRESETS[cfg.model]
+        per_token = model.bytes_per_token
         if cfg.draft_model is not None:
             per_token += PRESETS[cfg.draft_model].bytes_per_token  # the draft pool is copied with every page
         page_bytes = per_token * cfg.page_size
-        self.kv_bytes_per_token = per_token  # what the KV link carries per prompt token (and window KV: _start_receive)
+        self.kv_bytes_per_token = per_token  # what the KV link carries per prompt token
+        # and per token of the prompt's last window, a hybrid model's window KV (bytes per token, window)
+        self.kv_window = (model.window_bytes_per_token, model.window_tokens)
         self.dp = ModeledDataPath(page_bytes, lambda: env.now, cfg.bandwidths(),
-                                  window_page_bytes=PRESETS[cfg.model].window_bytes_per_token * cfg.page_size)
+                                  window_page_bytes=model.window_bytes_per_token * cfg.page_size)
         self.cache = TieredCache(cfg.cache_config(), self.dp, store, name=f"w{index}")
         self._on_event = on_event
         self._on_first_token = on_first_token
@@ -484,8 +487,7 @@ class SimWorker:
         rec.decode_cached_tokens, rec.transferred_tokens = cached, missing
         rec.receive_start = self.env.now
         self.receiving += 1
-        model = PRESETS[self.cfg.model]
-        nbytes = trailing_kv_bytes(missing, self.kv_bytes_per_token, model.window_bytes_per_token, model.window_tokens)
+        nbytes = trailing_kv_bytes(missing, self.kv_bytes_per_token, *self.kv_window)
         delay = nbytes / (self.cfg.kv_link_gbps * 1e9)
         self.env.after(delay, lambda: self._received(job), priority=1)
 

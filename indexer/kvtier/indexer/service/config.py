@@ -295,7 +295,7 @@ _ENDPOINT_OPTIONS = {"replay": "replay_endpoint", "dp": "dp_rank", "dump": "supp
 def _meant(unknown: set[str], names: Iterable[str], aliases: Mapping[str, str] | None = None) -> str:
     """``"; did you mean ..."`` for the unknown names that look like known ones (a typo, or the command line's
     spelling of an endpoint field), else nothing. O(unknown x names)."""
-    known = list(names)
-    guesses = [f"{name!r} -> {(aliases or {}).get(name) or close[0]!r}" for name in sorted(unknown)
-               if (aliases or {}).get(name) or (close := difflib.get_close_matches(name, known, n=1))]
+    known, aliases = list(names), aliases or {}
+    guesses = [f"{name!r} -> {meant!r}" for name in sorted(unknown)
+               if (meant := aliases.get(name) or next(iter(difflib.get_close_matches(name, known, n=1)), None))]
     return f"; did you mean {', '.join(guesses)}" if guesses else ""

@@ -50,9 +50,6 @@ class IndexLock:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.release()
 
-    def locked(self) -> bool:
-        return self._lock.locked()
-
     def let_waiters_in(self, timeout_s: float = 1.0) -> int:
         """Called by the holder: if threads are waiting for the lock, releases it until each of them has taken it
         (or ``timeout_s`` passed: one that gave up waiting), then takes it back. Returns how many were waiting.
