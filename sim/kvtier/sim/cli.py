@@ -594,12 +594,13 @@ def cmd_sweep(a: argparse.Namespace) -> int:
 
     try:
         grid = parse_grid(a.grid)
-        jobs = grid_jobs(_trace(a), _cluster(a, grid), _run_cfg(a, a.policy), grid, keep_records=False)
+        run = _run_cfg(a, a.policy)
+        jobs = grid_jobs(_trace(a), _cluster(a, grid), run, grid, keep_records=False)
     except ValueError as exc:  # ConfigError included
         raise CliError(str(exc)) from None
     # What every grid point shares (the trace, the cluster and run settings the grid varies from, the grid) beside
     # the points, as summary.json keeps it
-    meta = {**_meta(a, len(jobs[0].trace) if jobs else 0, _run_cfg(a, a.policy), grid), "grid": grid}
+    meta = {**_meta(a, len(jobs[0].trace) if jobs else 0, run, grid), "grid": grid}
     _warn_inert(a, grid)
     if a.ray and importlib.util.find_spec("ray") is None:
         raise CliError("--ray needs Ray: pip install ray (or drop --ray for a local process pool)")
