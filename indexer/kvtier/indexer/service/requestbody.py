@@ -79,14 +79,25 @@ def _parse(body: bytes | Any, kind: type[_B], what: str) -> _B:
         at = _unpaired_surrogate(body) if str(exc) == "Input data was truncated" else None
         if at is not None:
             raise ValueError(f"body is not JSON: unpaired utf-16 surrogate escape (byte {at})") from None
-        raise ValueError(f"body is not JSON: {exc}") from None
-    except UnicodeDecodeError:  # a string msgspec reads is not UTF-8: where it starts in the body, not the string
-        try:
-            bytes(body).decode()
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"body is not JSON: invalid UTF-8 at byte {exc.start} (0x{exc.object[exc.start]:02x})"
-                             ) from None
-        raise
+        # (msgspec >= 0.23 says a string is not UTF-8 by a DecodeError that does not say where)
+        raise ValueError(_invalid_utf8(body) or f"body is not JSON: {exc}") from None
+    except UnicodeDecodeError:  # (msgspec < 0.23: a string it reads is not UTF-8)
+        bad = _invalid_utf8(body)
+        if bad is None:
+            raise
+        raise ValueError(bad) from None
+
+
+def _invalid_utf8(body: bytes | Any) -> str | None:
+    """Where a body's bytes stop being UTF-8: the first bad byte and its place in the body, not in the string that
+    holds it; None for a body that is UTF-8, or not bytes. O(body)."""
+    if not isinstance(body, bytes | bytearray | memoryview):
+        return None
+    try:
+        bytes(body).decode()
+    except UnicodeDecodeError as exc:
+        return f"body is not JSON: invalid UTF-8 at byte {exc.start} (0x{exc.object[exc.start]:02x})"
+    return None
 
 
 def packed_token_ids(token_ids: list[int]) -> PackedTokens:
