@@ -50,7 +50,7 @@ from kvtier.indexer.service.httplimits import (
     BodiesBusy,
     BodyBudget,
     BodyTooLarge,
-    check_depth,
+    check_json_shape,
     read_body,
 )
 from kvtier.sim.cli import main as cli_main
@@ -251,9 +251,21 @@ def test_deep_nesting_is_a_json_400_not_a_500(caplog: pytest.LogCaptureFixture) 
         text = json.dumps({"token_ids": TOKS, "lora_name": None, "cache_salt": "[" * 100}).encode()
         assert call(s, "POST", "/query", raw=text)[0] == 200
     assert not any(r.exc_info for r in caplog.records)
-    check_depth(b"[[[]]]", 3)
+    check_json_shape(b"[[[]]]", 3, 8)
     with pytest.raises(ValueError, match="deeper than 2"):
-        check_depth(b"[[[]]]", 2)
+        check_json_shape(b"[[[]]]", 2, 8)
+
+
+def test_a_body_of_many_empty_arrays_is_a_json_400_before_the_parser_walks_it() -> None:
+    """The parser skips an unknown field's arrays one by one, at many times a string's cost per byte: a body of
+    them past ``max_json_containers`` is refused by count, while as many brackets in a string are text."""
+    with service(max_json_containers=64) as s:
+        many = b'{"token_ids": [1, 2, 3, 4], "x": [' + b"[]," * 70 + b"[]]}"
+        code, out, _ = call(s, "POST", "/query", raw=many)
+        assert code == 400 and out["error"] == "bad request body: 74 JSON arrays and objects; at most 64", out
+        assert call(s, "POST", "/query", raw=b'{"token_ids": [1, 2, 3, 4], "x": [' + b"[]," * 60 + b"[]]}")[0] == 200
+        text = json.dumps({"token_ids": TOKS, "cache_salt": "[]{}" * 100}).encode()
+        assert call(s, "POST", "/query", raw=text)[0] == 200
 
 
 def _depth(value: Any) -> int:
@@ -264,6 +276,14 @@ def _depth(value: Any) -> int:
     return 0
 
 
+def _containers(value: Any) -> int:
+    """How many arrays and objects a parsed JSON value holds, itself included."""
+    if isinstance(value, list | dict):
+        kids = value.values() if isinstance(value, dict) else value
+        return 1 + sum(map(_containers, kids))
+    return 0
+
+
 _TEXT = st.text(alphabet='[]{}"\\ab\u00e9', max_size=8)
 _JSON = st.recursive(st.none() | st.integers(-9, 9) | _TEXT,
                      lambda kids: st.lists(kids, max_size=3) | st.dictionaries(_TEXT, kids, max_size=3), max_leaves=40)
@@ -271,15 +291,19 @@ _JSON = st.recursive(st.none() | st.integers(-9, 9) | _TEXT,
 
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(value=_JSON, ascii_only=st.booleans())
-def test_the_depth_check_sees_the_nesting_the_decoder_would(value: Any, ascii_only: bool) -> None:
+def test_the_shape_check_sees_the_nesting_and_the_containers_the_decoder_would(value: Any, ascii_only: bool) -> None:
     """Brackets, quotes and backslashes in strings are text; the check refuses a body exactly when the value it
-    encodes nests deeper than allowed."""
+    encodes nests deeper than allowed, or holds more arrays and objects than allowed."""
     body = json.dumps(value, ensure_ascii=ascii_only).encode()
-    depth = _depth(value)
-    check_depth(body, max(depth, 2))
+    depth, containers = _depth(value), _containers(value)
+    check_json_shape(body, max(depth, 2), max(containers, 4))
     if depth > 2:
         with pytest.raises(ValueError, match=f"deeper than {depth - 1} levels"):
-            check_depth(body, depth - 1)
+            check_json_shape(body, depth - 1, max(containers, 4))
+    if containers > 4:
+        with pytest.raises(ValueError, match=f"^bad request body: {containers} JSON arrays and objects; at most "
+                                             f"{containers - 1}$"):
+            check_json_shape(body, max(depth, 2), containers - 1)
 
 
 @pytest.mark.timeout(60)
@@ -289,7 +313,7 @@ def test_the_depth_check_is_linear_in_a_hostile_body(tail: bytes) -> None:
     a check that rescanned from every quote (quadratic) would run for hours; this one is refused within the test's
     timeout, as deeper than allowed."""
     with pytest.raises(ValueError, match="deeper than 32"):
-        check_depth(b"[" * 40 + tail, 32)
+        check_json_shape(b"[" * 40 + tail, 32, 1 << 20)
 
 
 def test_caps_on_mm_items_token_ids_and_request_id_length() -> None:

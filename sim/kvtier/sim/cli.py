@@ -748,6 +748,7 @@ _INDEXER_LIMITS: dict[str, tuple[type, str]] = {
     "max_query_tokens": (int, "token ids per request (400)"),
     "max_mm_items": (int, "multimodal items per request (400)"),
     "max_json_depth": (int, "JSON nesting depth of a body (400)"),
+    "max_json_containers": (int, "JSON arrays and objects in a body (400)"),
     "max_request_id_bytes": (int, "request_id length, UTF-8 bytes (400)"),
     "max_in_flight": (int, "bookings in flight in all (503)"),
     "max_in_flight_per_client": (int, "bookings in flight per client (429)"),

@@ -55,7 +55,7 @@ from kvtier.indexer.service.deadlines import Deadlines
 from kvtier.indexer.service.disagg import pair_answer, route_pair
 from kvtier.indexer.service.eventloop import EventLoop
 from kvtier.indexer.service.histogram import Histogram
-from kvtier.indexer.service.httplimits import check_depth
+from kvtier.indexer.service.httplimits import check_json_shape
 from kvtier.indexer.service.indexlock import IndexLock
 from kvtier.indexer.service.metrics import render_metrics
 from kvtier.indexer.service.predictions import Predictions
@@ -319,9 +319,10 @@ class IndexerService:
             yield
 
     def _parse(self, body: bytes | Any) -> tuple[RequestBody, PackedTokens]:
-        """:func:`parse_body`, JSON nesting past ``max_json_depth`` refused first. O(body)."""
+        """:func:`parse_body`, JSON nesting past ``max_json_depth`` and more than ``max_json_containers`` arrays and
+        objects refused first. O(body)."""
         if isinstance(body, bytes | bytearray):
-            check_depth(bytes(body), self.config.max_json_depth)
+            check_json_shape(bytes(body), self.config.max_json_depth, self.config.max_json_containers)
         return parse_body(body)
 
     def _expired(self, rid: str) -> None:

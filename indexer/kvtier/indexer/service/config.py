@@ -104,6 +104,9 @@ class ServiceConfig:
     # --- what HTTP clients may spend (README, "Security"); past a limit a client gets a JSON 4xx or 503 ---
     # JSON arrays and objects nested deeper get 400 (the JSON parser recurses)
     max_json_depth: int = field(default=32, metadata=within(2, 500, int))
+    # more JSON arrays and objects in one body get 400 (a request has a few, and a multimodal item one each; the
+    # parser's cost per empty array is what a body of them would spend)
+    max_json_containers: int = field(default=65_536, metadata=within(4, 1 << 24, int))
     # more multimodal items in one request get 400
     max_mm_items: int = field(default=256, metadata=at_least(0))
     # a longer request_id (UTF-8 bytes) gets 400

@@ -3,7 +3,8 @@
 * A body is read and decompressed here, a bounded piece at a time, and refused (413) the moment either its
   bytes on the wire or its decompressed bytes pass the cap: a gzip bomb costs at most the cap in memory and
   its decompression yields to the other connections between pieces.
-* JSON nesting deeper than a cap is refused (400) before the JSON parser sees it: the parser recurses.
+* JSON nesting deeper than a cap, and more arrays and objects than a cap, are refused (400) before the JSON
+  parser sees them: the parser recurses, and spends far more on an empty array than on its two bytes.
 * Open connections are capped, one peer's (:func:`~kvtier.indexer.service.clients.peer_key`: its address) and all
   of them: one past its peer's cap gets a JSON 429, one past the total a JSON 503, and either is closed at once,
   before a byte of it is parsed. Only admitted connections count against the total, so that one peer bursting
@@ -144,32 +145,45 @@ async def read_body(request: web.BaseRequest, cap: int, budget: BodyBudget | Non
             budget.held -= taken
 
 
-def check_depth(body: bytes, max_depth: int) -> None:
-    """``ValueError`` if ``body``'s JSON nests arrays and objects deeper than ``max_depth`` (brackets in strings are
-    text). Linear in numpy, about 13 bytes of scratch per body byte whatever the body holds; a body with at most
-    ``max_depth`` brackets in all (any ordinary request) costs two ``bytes.count`` calls.
+def check_json_shape(body: bytes, max_depth: int, max_containers: int) -> None:
+    """``ValueError`` if ``body``'s JSON nests arrays and objects deeper than ``max_depth`` (the parser recurses), or
+    holds more than ``max_containers`` of them (the parser's work per array or object, skipped in an unknown field
+    too, is far more than per byte of a string or a number). Brackets in strings are text. Linear in numpy, about
+    12 bytes of scratch per body byte whatever the body holds; a body with at most that many brackets in all (any
+    ordinary request) costs two ``bytes.count`` calls.
 
     Strings are told by the quotes before each bracket: an odd count opens one, and a quote after an odd run of
     backslashes is escaped. That is exact for valid JSON; where a body is not valid JSON the count may differ from
     the decoder's view only past the first byte the decoder refuses, so no nesting the decoder would reach is
     missed. (A regular expression that skips strings would be quadratic on an unterminated string of escaped
-    quotes.)"""
-    if body.count(b"[") + body.count(b"{") <= max_depth:
+    quotes.) The runs are found from their ends alone, and the prefix sums are ``accumulate`` calls whose input has
+    the output's width or a plain cast: no per-byte index array."""
+    if body.count(b"[") + body.count(b"{") <= min(max_depth, max_containers):
         return
     a = np.frombuffer(body, np.uint8)
-    idx: Any = np.int32 if len(a) < 2**31 else np.int64  # positions and counts
-    quote = a == ord('"')
+    idx: Any = np.int32 if len(a) < 2**31 else np.int64  # depths
+    quote = (a == ord('"')).view(np.uint8)
     backslash = a == ord("\\")
-    if backslash.any() and quote.any():
-        # the run of backslashes before position p is p - 1 - (the last other byte before p) long
-        last = np.maximum.accumulate(np.where(backslash, -1, np.arange(len(a), dtype=idx)))
-        q = np.flatnonzero(quote[1:]) + 1
-        quote[q[((q - 1 - last[q - 1]) & 1).astype(bool)]] = False
-        del last
-    outside = (np.cumsum(quote, dtype=idx) & 1) == 0  # an even count of quotes up to here: not in a string
+    if quote.any() and backslash.any():
+        # runs of backslashes, each from a start to an end (exclusive): a quote at the end of an odd run is escaped
+        starts = np.flatnonzero(backslash[1:] & ~backslash[:-1]) + 1
+        ends = np.flatnonzero(backslash[:-1] & ~backslash[1:]) + 1
+        if backslash[0]:
+            starts = np.insert(starts, 0, 0)
+        if backslash[-1]:
+            ends = np.append(ends, len(a))  # (a run at the end has no quote after it)
+        odd = ends[((ends - starts) & 1) == 1]
+        odd = odd[odd < len(a)]
+        quote[odd[quote[odd] == 1]] = 0
+    del backslash
+    outside = np.bitwise_xor.accumulate(quote) == 0  # an even count of quotes up to here: not in a string
+    del quote
     opens = ((a == ord("[")) | (a == ord("{"))) & outside
+    containers = int(np.count_nonzero(opens))
+    if containers > max_containers:
+        raise ValueError(f"bad request body: {containers} JSON arrays and objects; at most {max_containers}")
     closes = ((a == ord("]")) | (a == ord("}"))) & outside
-    if int(np.cumsum(opens.view(np.int8) - closes.view(np.int8), dtype=idx).max()) > max_depth:
+    if int(np.add.accumulate(opens.view(np.int8) - closes.view(np.int8), dtype=idx).max()) > max_depth:
         raise ValueError(f"bad request body: JSON nested deeper than {max_depth} levels")
 
 
