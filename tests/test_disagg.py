@@ -433,3 +433,26 @@ def test_a_sweep_over_splits_takes_the_link_options(tmp_path: Path) -> None:
     sweep = json.loads((out / "sweep.json").read_text())
     assert [run["pools"] for run in sweep["runs"]] == ["2:2", "1:3"]
     assert sweep["meta"]["cluster"]["local_prefill_tokens"] == 64
+
+
+def test_an_aggregated_point_of_a_link_axis_runs_once_tagged_not_applicable(tmp_path: Path) -> None:
+    """``pools=agg,2:2`` crossed with ``kv_link``: the aggregated point has no link, so it runs once, its link
+    tagged None (null in sweep.json, empty in sweep.csv), where it ran once per link, labelled with links it never
+    used; the split point runs per link. The plots draw it as a level across the link axis."""
+    grid = parse_grid(["kv_link=tcp-100g,rdma-400g", "pools=agg,2:2"])
+    jobs = grid_jobs(generate(dataclasses.replace(PRESETS["chat"], requests=5), 0), ClusterConfig.of(workers=4),
+                     RunConfig("round_robin"), grid)
+    assert [(j.tag["kv_link"], j.tag["pools"]) for j in jobs] == [
+        (None, "agg"), ("tcp-100g", "2:2"), ("rdma-400g", "2:2")]
+    agg = jobs[0].cluster
+    assert not agg.disaggregated and agg.kv_link == ClusterConfig.of(workers=4).kv_link
+    out = tmp_path / "s"
+    assert cli(["sweep", "--trace", "builtin:chat:6", "--workers", "4", "--grid", "kv_link=tcp-100g,rdma-400g",
+                "pools=agg,2:2", "local_prefill_tokens=0,64", "--out", str(out)]) == 0
+    runs = json.loads((out / "sweep.json").read_text())["runs"]
+    assert [(r["kv_link"], r["pools"], r["local_prefill_tokens"]) for r in runs] == [
+        (None, "agg", None), ("tcp-100g", "2:2", 0), ("tcp-100g", "2:2", 64), ("rdma-400g", "2:2", 0),
+        ("rdma-400g", "2:2", 64)]
+    rows = list(csv.DictReader((out / "sweep.csv").open()))
+    assert (rows[0]["kv_link"], rows[0]["pools"], rows[0]["local_prefill_tokens"]) == ("", "agg", "")
+    assert (out / "sweep_hit_rate.png").stat().st_size > 0

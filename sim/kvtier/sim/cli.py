@@ -614,7 +614,7 @@ def cmd_sweep(a: argparse.Namespace) -> int:
     summaries = []
     for tag, res in results:
         s = res.summary
-        s.policy = " ".join(f"{k}={v}" for k, v in tag.items())
+        s.policy = " ".join(f"{k}={v}" for k, v in tag.items() if v is not None)  # (None: not applicable)
         summaries.append(s)
         rows.append({**tag, **{k: None if isinstance(v, float) and math.isnan(v) else v  # (strict JSON: no NaN)
                                for k, v in s.as_dict().items() if k not in ("policy", "extra", "slo")},

@@ -264,6 +264,9 @@ _FIELDS: dict[str, tuple[str, Callable[[str], Any]]] = {
 _TO_CONFIG: dict[str, Callable[[Any], Any]] = {"latency": resolve_latency}
 
 
+#: Settings of the prefill -> decode link: an aggregated grid point has none (see :func:`grid_jobs`).
+DISAGG_ONLY = ("kv_link", "kv_gbps", "local_prefill_tokens")
+
 #: Grid points of one sweep at most: its jobs are all made before the first runs.
 MAX_GRID_POINTS = 10_000
 
@@ -298,9 +301,14 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[Any]]:
 
 def grid_jobs(trace: Sequence[Request] | TraceSource, base_cluster: ClusterConfig, base_run: RunConfig,
               grid: dict[str, list[Any]], *, keep_records: bool = True) -> list[RunSpec]:
-    """One job per combination of ``grid``, in grid order; ``keep_records``: see :class:`RunSpec`."""
+    """One job per combination of ``grid``, in grid order; ``keep_records``: see :class:`RunSpec`.
+
+    An aggregated point has no prefill -> decode link: its axes of :data:`DISAGG_ONLY` are tagged None (not
+    applicable) and left at the base cluster's values, and it runs once, not once per link (the first combination
+    that reaches it stands for the others)."""
     jobs = []
     source = as_source(trace)
+    seen: set[tuple[tuple[str, Any], ...]] = set()  # aggregated points' tags, made once
     for combo in itertools.product(*grid.values()):
         tag = dict(zip(grid.keys(), combo, strict=True))
         try:
@@ -310,6 +318,13 @@ def grid_jobs(trace: Sequence[Request] | TraceSource, base_cluster: ClusterConfi
             changes.update((k, _TO_CONFIG[k](v) if k in _TO_CONFIG else v) for k, v in tag.items()
                            if _FIELDS[k][0] == "cluster")
             cluster = base_cluster.replace(**changes)
+            idle = [k for k in DISAGG_ONLY if k in tag and not cluster.disaggregated]
+            if idle:
+                tag.update(dict.fromkeys(idle))
+                if tuple(tag.items()) in seen:
+                    continue
+                seen.add(tuple(tag.items()))
+                cluster = base_cluster.replace(**{k: v for k, v in changes.items() if k not in idle})
             _check_axes(tag, base_cluster, cluster)
             run = dataclasses.replace(base_run, **{k: v for k, v in tag.items() if _FIELDS[k][0] == "run"})
             check_policy(run.policy)
@@ -327,7 +342,7 @@ def _check_axes(tag: dict[str, Any], base: ClusterConfig, cluster: ClusterConfig
     if "workers" in tag and cluster.workers != tag["workers"]:
         raise ConfigError(f"a disaggregated cluster's workers are its pools' ({cluster.prefill_workers} + "
                           f"{cluster.decode_workers}): sweep pools, prefill_workers or decode_workers instead")
-    if "kv_link" in tag and cluster.kv_gbps is not None:
+    if tag.get("kv_link") is not None and cluster.kv_gbps is not None:
         raise ConfigError(f"--kv-link-gbps {cluster.kv_gbps:g} sets the link's bandwidth, whatever its preset: drop "
                           "one")
     whole = tag.get("workers", base.workers)

@@ -101,7 +101,8 @@ SWEEP_MEASURES = [("hit_rate", "hit rate"), ("ttft_p90", "TTFT p90 (s)"), ("tpot
 def write_sweep(out_dir: Path, rows: Sequence[dict[str, Any]], axes: Sequence[str], plots: bool) -> list[Path]:
     """``sweep.csv`` (one row per grid point: its settings, then every scalar summary field) and, with ``plots``,
     one line plot per measure of :data:`SWEEP_MEASURES`: the first grid axis along x, a line per combination of
-    the others. Returns the paths written."""
+    the others. A point whose first axis does not apply (None: an aggregated point of a link axis) is drawn across
+    the plot as a dashed level. Returns the paths written."""
     keys = list(rows[0]) if rows else []
     path = out_dir / "sweep.csv"
     with whole(path) as part, open(part, "w", newline="") as f:
@@ -127,15 +128,21 @@ def write_sweep(out_dir: Path, rows: Sequence[dict[str, Any]], axes: Sequence[st
         for r in rows:
             lines.setdefault(tuple(r[a] for a in rest), []).append((r[x], math.nan if r[field] is None else r[field]))
         categorical = any(isinstance(v, str) for pts in lines.values() for v, _ in pts)
+        legend = bool(rest) or any(r[x] is None for r in rows)
         for key, pts in lines.items():
-            xs = [str(v) for v, _ in pts] if categorical else [v for v, _ in pts]
-            ax.plot(xs, [y for _, y in pts], marker="o", label=", ".join(f"{a}={v}" for a, v in zip(rest, key,
-                                                                                                     strict=True)))
+            name = ", ".join(f"{a}={v}" for a, v in zip(rest, key, strict=True) if v is not None)
+            level = [y for v, y in pts if v is None]
+            pts = [(v, y) for v, y in pts if v is not None]
+            if pts:
+                xs = [str(v) for v, _ in pts] if categorical else [v for v, _ in pts]
+                ax.plot(xs, [y for _, y in pts], marker="o", label=name)
+            for y in level:  # (the same at every x)
+                ax.axhline(y, linestyle="--", color="0.4", label=f"{name} ({x} n/a)" if name else f"{x} n/a")
         ax.set_xlabel(x)
         ax.set_ylabel(label)
         ax.set_title(f"{label} across {x}", fontsize=10)
         ax.grid(alpha=0.3)
-        if rest:
+        if legend:
             ax.legend(fontsize=7)
         fig.tight_layout()
         p = out_dir / f"sweep_{field}.png"
