@@ -23,8 +23,9 @@ point on one trace: ``--dynamo-runs N`` judges against the mean of N). The hit r
 kvtier's engines evict whole radix nodes by default (SGLang's radix cache), the mocker frees blocks one by one as
 vLLM's block pool does; ``--eviction page`` runs kvtier's engines the vLLM way.
 
-``--disagg P:D`` (issue 48) runs each cluster as P prefill and D decode workers of the same size, in both
-simulators: prefill workers hold the host tier, decode workers their device cache; a finished prefill sends its
+``--disagg P:D`` (issue 48) runs each cluster as P prefill and D decode workers of the same size (or decode workers
+of ``--decode-device-tokens`` and ``--decode-max-running``, as both simulators take a decode pool's engine args), in
+both simulators: prefill workers hold the host tier, decode workers their device cache; a finished prefill sends its
 decode worker the part of the prompt it lacks (Dynamo's ``kv_transfer_timing_mode = destination_missing``) over a
 ``--kv-link-gbps`` link, after the prefill, and the first token is the decode worker's first step. Round robin then
 must agree within 2% on hit rate as well. Where the two differ by design: a kvtier decode worker admits a request
@@ -71,7 +72,8 @@ if args["disagg"]:
     # Prefill workers hold the tiers; decode workers their device cache, receiving what they lack over the KV link.
     link = {"kv_transfer_bandwidth": args["kv_gbps"], "kv_bytes_per_token": args["bytes_per_token"],
             "kv_transfer_timing_mode": "destination_missing"}
-    decode = {k: v for k, v in engine.items() if k not in ("native_host_offload", "kv_cache_bytes_per_token")}
+    decode = {**{k: v for k, v in engine.items() if k not in ("native_host_offload", "kv_cache_bytes_per_token")},
+              "num_gpu_blocks": args["decode_blocks"], "max_num_seqs": args["decode_running"]}
     pools = {"prefill_engine_args": {"engine": {**engine, **link, "worker_type": "prefill"}},
              "decode_engine_args": {"engine": {**decode, **link, "worker_type": "decode"}},
              "num_prefill_workers": args["disagg"][0], "num_decode_workers": args["disagg"][1]}
@@ -146,6 +148,9 @@ def run_dynamo(python: str, trace: Path, cfg: ClusterConfig, host_credit: float)
             "h2d_gbps": cfg.h2d_gbps, "bytes_per_token": PRESETS[cfg.model].bytes_per_token, "host_credit": host_credit,
             "disagg": [cfg.prefill_workers, cfg.decode_workers] if cfg.disaggregated else None,
             "kv_gbps": cfg.kv_link_gbps}
+    if cfg.disaggregated:  # the decode pool's own engine args
+        dec = cfg.decode_config()
+        args |= {"decode_blocks": dec.device_tokens // dec.page_size, "decode_running": dec.max_running}
     # Dynamo logs each routing decision at info level (DYN_LOG), 12,000 lines a Mooncake run: not its speed.
     env = {**os.environ, "RUST_LOG": "error", "DYN_LOG": "error"}
     out = subprocess.run([python, "-c", _DYNAMO_SCRIPT, json.dumps(args)], capture_output=True, text=True,
@@ -190,6 +195,10 @@ def main() -> int:
                     help="kvtier's device eviction: whole radix nodes (its default, as SGLang) or only the pages "
                          "needed, last first (as vLLM's block pool and Dynamo's mocker); default: %(default)s")
     ap.add_argument("--kv-link-gbps", type=positive, default=50.0, help="with --disagg: prefill -> decode GB/s")
+    ap.add_argument("--decode-device-tokens", type=count(), help="with --disagg: a decode worker's device KV, tokens "
+                    "(default: the cluster's); both simulators' decode engines get it")
+    ap.add_argument("--decode-max-running", type=count(), help="with --disagg: a decode worker's batch (default: the "
+                    "cluster's)")
     ap.add_argument("--dynamo-python",
                     help="interpreter with ai-dynamo-runtime==1.6.1 (default: this one, if it has it)")
     ap.add_argument("--dynamo-runs", type=count(), default=1,
@@ -204,8 +213,12 @@ def main() -> int:
         if not (p.isdigit() and d.isdigit() and int(p) > 0 and int(d) > 0):
             ap.error(f"--disagg {a.disagg!r}: expected P:D, two counts >= 1")
         known = {f"{name}-{a.disagg}": cfg.replace(prefill_workers=int(p), decode_workers=int(d),
-                                                    kv_gbps=a.kv_link_gbps)
+                                                    kv_gbps=a.kv_link_gbps, decode_device_tokens=a.decode_device_tokens,
+                                                    decode_max_running=a.decode_max_running)
                  for name, cfg in known.items()}
+    elif a.decode_device_tokens or a.decode_max_running:
+        ap.error("--decode-device-tokens and --decode-max-running size a disaggregated cluster's decode pool: give "
+                 "--disagg P:D")
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "trace.jsonl"
         write_mooncake(reqs, trace)  # the same requests, also when --limit cuts the file
@@ -219,8 +232,10 @@ def main() -> int:
             runs = [run_dynamo(py, trace, cfg, host_credit=0.75) for _ in range(a.dynamo_runs)] if py else []
             dyn = runs[0] if runs else {}
             ours = {p: run_kvtier(reqs, cfg, p) for p in ("round_robin", "dynamo", "min_ttft")}
+            dec = cfg.decode_config()
             pools = (f" ({cfg.prefill_workers} prefill, host x{cfg.host_ratio:g}; {cfg.decode_workers} decode, device "
-                     f"only; KV link {cfg.kv_link_gbps:g} GB/s, the part a decode worker lacks)"
+                     f"only, {dec.device_tokens // dec.page_size:,} pages, {dec.max_running} running; KV link "
+                     f"{cfg.kv_link_gbps:g} GB/s, the part a decode worker lacks)"
                      if cfg.disaggregated else f", host x{cfg.host_ratio:g}")
             print(f"\n{name}: {cfg.workers} workers, {cfg.device_tokens // cfg.page_size:,} pages each{pools}; "
                   f"kvtier evicts by {a.eviction}"

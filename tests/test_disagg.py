@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import itertools
 import json
 import math
 import statistics
@@ -17,7 +18,7 @@ from kvtier.engine.config import WritePolicy
 from kvtier.hardware.latency import PRESETS as MODELS
 from kvtier.hardware.links import KV_LINKS
 from kvtier.indexer.routing.disagg import KvLinkCost, decode_cost, prefill_cost, prefills_locally
-from kvtier.indexer.routing.load import WorkerLoad
+from kvtier.indexer.routing.load import LoadTracker, WorkerLoad
 from kvtier.indexer.routing.policies import POLICIES, RoutingSettings
 from kvtier.indexer.routing.scoring import SLO_MISS_MS, SloCost
 from kvtier.sim.cli import main as cli
@@ -29,6 +30,7 @@ from kvtier.sim.metrics import RequestRecord, SummaryBuilder, summarize
 from kvtier.sim.policies import KvPolicy
 from kvtier.sim.run import RunConfig, routing_settings, simulate
 from kvtier.sim.trace import Request
+from kvtier.util.fields import ConfigError
 from kvtier.wire.overlap import TierOverlap
 from kvtier.wire.protocol import StorageTier
 
@@ -446,6 +448,10 @@ def test_an_aggregated_point_of_a_link_axis_runs_once_tagged_not_applicable(tmp_
         (None, "agg"), ("tcp-100g", "2:2"), ("rdma-400g", "2:2")]
     agg = jobs[0].cluster
     assert not agg.disaggregated and agg.kv_link == ClusterConfig.of(workers=4).kv_link
+    pools = grid_jobs(generate(dataclasses.replace(PRESETS["chat"], requests=5), 0), ClusterConfig.of(workers=4),
+                      RunConfig("round_robin"), parse_grid(["pools=agg,2:2", "decode_max_running=4,8"]))
+    assert [(j.tag["pools"], j.tag["decode_max_running"], j.cluster.decode_config().max_running if
+             j.cluster.disaggregated else None) for j in pools] == [("agg", None, None), ("2:2", 4, 4), ("2:2", 8, 8)]
     out = tmp_path / "s"
     assert cli(["sweep", "--trace", "builtin:chat:6", "--workers", "4", "--grid", "kv_link=tcp-100g,rdma-400g",
                 "pools=agg,2:2", "local_prefill_tokens=0,64", "--out", str(out)]) == 0
@@ -456,3 +462,35 @@ def test_an_aggregated_point_of_a_link_axis_runs_once_tagged_not_applicable(tmp_
     rows = list(csv.DictReader((out / "sweep.csv").open()))
     assert (rows[0]["kv_link"], rows[0]["pools"], rows[0]["local_prefill_tokens"]) == ("", "agg", "")
     assert (out / "sweep_hit_rate.png").stat().st_size > 0
+
+
+def test_the_decode_pool_is_sized_apart() -> None:
+    """``decode_device_tokens`` and ``decode_max_running`` size the decode workers alone (as Dynamo's mocker takes
+    decode engine args apart): their caches, their batch, the rejection of a request no decode device could hold,
+    and what the decode side of the router prices with. Unset, the decode pool is the prefill pool's size."""
+    cfg = PD.replace(decode_device_tokens=8192, decode_max_running=1)
+    dec = cfg.decode_config()
+    assert (dec.device_tokens, dec.max_running, dec.workers, dec.disaggregated) == (8192, 1, 1, False)
+    assert (PD.decode_config().device_tokens, PD.decode_config().max_running) == (PD.device_tokens, PD.max_running)
+    with pytest.raises(ConfigError, match="--decode-device-tokens: 128 holds fewer than 4 pages"):
+        PD.replace(decode_device_tokens=128)
+    # fits the prefill worker's 65,536 tokens, not the decode worker's 8,192 (prompt and whole output): rejected
+    reqs = [Request(f"r{i}", 0.01 * i, 2048, 64, [10 * i + k for k in range(4)]) for i in range(6)]
+    reqs.append(Request("big", 0.1, 8192, 64, list(range(1000, 1016))))
+    res = simulate(reqs, cfg, RunConfig("kv_host"))
+    by_id = {r.request_id: r for r in res.records}
+    assert by_id["big"].rejected and res.summary.rejected == 1 and res.summary.unfinished == 0
+    assert simulate(reqs, PD, RunConfig("kv_host")).summary.rejected == 0
+    # one request at a time in the decode worker's batch: its decodes never overlap
+    def overlapping(records: list[RequestRecord]) -> bool:
+        spans = sorted((r.receive_start, r.finish) for r in records if not r.rejected)
+        return any(b[0] < a[1] for a, b in itertools.pairwise(spans))
+    assert not overlapping(res.records) and overlapping(simulate(reqs[:6], PD, RunConfig("kv_host")).records)
+    run = RunConfig("min_ttft")  # (its decode side prices the decode worker's memory and step in time)
+    policy = DisaggPolicy("min_ttft", prefill=1, decode=1, block_size=64, loads=LoadTracker(64),
+                          decode_loads=LoadTracker(64), caches=list, settings=routing_settings(cfg, run),
+                          decode_settings=routing_settings(dec, run))
+    assert policy.decode_router is not None
+    link = policy.decode_router.cost_model
+    assert isinstance(link, KvLinkCost) and link.capacity_tokens == 8192
+    assert link.latency == dec.worker_latency()

@@ -152,6 +152,7 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-link-gbps", type=float, help="prefill -> decode bandwidth, GB/s (default: --kv-link's)")
     g.add_argument("--local-prefill-tokens", type=int, default=0, metavar="N",
                    help="a prompt whose part its decode worker lacks is under N tokens prefills there (0: never)")
+    add_options(g, ClusterConfig, ["decode_device_tokens", "decode_max_running"])
 
 
 def _add_router_args(p: argparse.ArgumentParser, *, itl_series: bool = True) -> None:
@@ -205,17 +206,21 @@ _DISAGG_AXES = frozenset({"pools", "prefill_workers", "decode_workers"})  # swee
 
 def _cluster(a: argparse.Namespace, axes: Collection[str] = ()) -> ClusterConfig:
     """The cluster the options describe: every setting of :func:`_add_cluster_args` by its field's name. The
-    prefill -> decode link's options, and a sweep's axes over them, are refused for an aggregated cluster (they would
-    change nothing), unless a sweep's ``axes`` may split it."""
+    prefill -> decode link's and the decode pool's options, and a sweep's axes over them, are refused for an
+    aggregated cluster (they would change nothing), unless a sweep's ``axes`` may split it."""
     pools = a.prefill_workers + a.decode_workers if a.prefill_workers > 0 and a.decode_workers > 0 else None
     if pools is not None and a.workers is not None and a.workers != pools:
         raise CliError(f"--workers {a.workers} != --prefill-workers {a.prefill_workers} + --decode-workers "
                        f"{a.decode_workers}: give the pools alone")
     if a.prefill_workers == a.decode_workers == 0 and not _DISAGG_AXES & set(axes):
+        from kvtier.sim.experiment import DISAGG_ONLY
+
         inert = [f for f, given in (("--kv-link", a.kv_link is not None),
                                     ("--kv-link-gbps", a.kv_link_gbps is not None),
-                                    ("--local-prefill-tokens", a.local_prefill_tokens != 0)) if given]
-        inert += [f"grid axis {axis!r}" for axis in ("kv_link", "kv_gbps", "local_prefill_tokens") if axis in axes]
+                                    ("--local-prefill-tokens", a.local_prefill_tokens != 0),
+                                    ("--decode-device-tokens", a.decode_device_tokens is not None),
+                                    ("--decode-max-running", a.decode_max_running is not None)) if given]
+        inert += [f"grid axis {axis!r}" for axis in DISAGG_ONLY if axis in axes]
         if inert:
             raise CliError(f"{', '.join(inert)}: {'they apply' if len(inert) > 1 else 'it applies'} to a "
                            "disaggregated cluster only; give --prefill-workers and --decode-workers")
@@ -224,6 +229,7 @@ def _cluster(a: argparse.Namespace, axes: Collection[str] = ()) -> ClusterConfig
         workers=workers, prefill_workers=a.prefill_workers, decode_workers=a.decode_workers,
         kv_link=a.kv_link or DEFAULT_KV_LINK,
         kv_gbps=a.kv_link_gbps, local_prefill_tokens=a.local_prefill_tokens,
+        decode_device_tokens=a.decode_device_tokens, decode_max_running=a.decode_max_running,
         **{k: getattr(a, k) for k in ("device_tokens", "l3", "l3_tokens", "model", "swa_ratio", "prefill_budget",
                                       "max_running", *CACHE_SETTINGS)},
         h2d_gbps=a.h2d_gbps if a.h2d_gbps is not None else GPU_LINKS[a.gpu_link].gbps,

@@ -8,17 +8,18 @@ and L3 prefetch sit on the critical path of the request that needs them, per the
 cache's prefetch policy.
 
 Disaggregated serving (``prefill_workers`` and ``decode_workers`` > 0): workers ``0..P-1`` prefill, ``P..P+D-1``
-decode. A prefill worker runs the full tiered cache and computes the prompt (reserving room for one output token, as
-a prefill request with ``max_tokens=1`` does); the computed prompt stays held there until its decode worker has
+decode (their device and batch sized by ``decode_device_tokens`` and ``decode_max_running``, by default the prefill
+workers'). A prefill worker runs the full tiered cache and computes the prompt (reserving room for one output token,
+as a prefill request with ``max_tokens=1`` does); the computed prompt stays held there until its decode worker has
 received it. The decode worker admits the request once its device has room for the prompt and the whole output
 (requests wait in its queue until then), matches the prompt against its own radix cache (device only: the tiers
-below are the prefill pool's), and receives only the part it lacks over the KV link (``kv_link``), in
-``tokens * bytes per token / bandwidth``. The transfer starts once the prefill has finished, not layer by layer
-beside it: vLLM's NixlConnector (what Dynamo and llm-d run) reads the prompt's blocks from the prefill worker when
-the prefill request has finished, and Dynamo's mocker times its handoff the same way; a layer-wise push would hide
-most of it behind the prefill. Transfers do not contend for a NIC (nor do the mocker's). The first token comes from
-the decode worker's first decode step after the KV landed (as vLLM's decode worker and Dynamo's mocker produce it), so
-the transfer and that step show in TTFT. A prompt whose part its decode worker lacks, as the router's index shows it
+below are the prefill pool's), and receives only the part it lacks over the KV link (``kv_link``), in ``tokens *
+bytes per token / bandwidth``. The transfer starts once the prefill has finished, not layer by layer beside it:
+vLLM's NixlConnector (what Dynamo and llm-d run) reads the prompt's blocks from the prefill worker when the prefill
+request has finished, and Dynamo's mocker times its handoff the same way; a layer-wise push would hide most of it
+behind the prefill. Transfers do not contend for a NIC (nor do the mocker's). The first token comes from the decode
+worker's first decode step after the KV landed (as vLLM's decode worker and Dynamo's mocker produce it), so the
+transfer and that step show in TTFT. A prompt whose part its decode worker lacks, as the router's index shows it
 (whatever the policy: :mod:`kvtier.sim.disagg`), is under ``local_prefill_tokens`` prefills on its decode worker
 instead (conditional disaggregation, as vLLM's and Dynamo's routers allow).
 """
@@ -152,6 +153,12 @@ class ClusterConfig:
                                                                      option="--kv-link-gbps"))
     # a prompt with fewer uncached tokens than this prefills on its decode worker (0: never)
     local_prefill_tokens: int = field(default=0, metadata=at_least(0))
+    # A decode worker's own device KV and batch (None: the prefill pool's device_tokens, max_running), as Dynamo's
+    # mocker takes decode engine args apart and SGLang's decode servers are given more running requests.
+    decode_device_tokens: int | None = field(default=None, metadata=at_least(1, optional=True, help=(
+        "device KV per decode worker, tokens (default: --device-tokens)")))
+    decode_max_running: int | None = field(default=None, metadata=at_least(1, optional=True, help=(
+        "requests in a decode worker's batch at once (default: --max-running)")))
 
     @property
     def disaggregated(self) -> bool:
@@ -175,8 +182,12 @@ class ClusterConfig:
         return "prefill" if worker < self.prefill_workers else "decode"
 
     def decode_config(self) -> ClusterConfig:
-        """A decode worker's configuration: its device cache only (the prefill pool holds the tiers below)."""
-        return self.replace(host_ratio=0.0, l3="none")
+        """The decode pool's configuration, as a cluster of its ``decode_workers`` alone: a device cache only (the
+        prefill pool holds the tiers below), of its own size and batch where ``decode_device_tokens`` and
+        ``decode_max_running`` say."""
+        return self.replace(host_ratio=0.0, l3="none", device_tokens=self.decode_device_tokens or self.device_tokens,
+                            max_running=self.decode_max_running or self.max_running, workers=self.decode_workers,
+                            prefill_workers=0, decode_workers=0, decode_device_tokens=None, decode_max_running=None)
 
     def cache_config(self) -> CacheConfig:
         """A worker's cache: :attr:`cache` with the sizes the cluster decides."""
@@ -185,12 +196,19 @@ class ClusterConfig:
             self.cache, device_pages=self.device_tokens // self.page_size, l3_write_behind=self.l3 != "none",
             swa_window_pages=window_pages, swa_pages=swa_pages)
 
-    def _window_pages(self) -> tuple[int, int]:
-        """Pages a hybrid model's window needs (0 without a window), and the window-KV pool a worker has (sized
-        either way; made only where there is a window)."""
+    def _window_pages(self, device_tokens: int | None = None) -> tuple[int, int]:
+        """Pages a hybrid model's window needs (0 without a window), and the window-KV pool a worker with
+        ``device_tokens`` (default: :attr:`device_tokens`) has (sized either way; made only where there is a
+        window)."""
         window = PRESETS[self.model].window_tokens
         window_pages = -(-window // self.page_size)  # pages holding the window before a page-aligned cut
-        return window_pages, max(window_pages, int(self.device_tokens // self.page_size * self.swa_ratio))
+        device = (self.device_tokens if device_tokens is None else device_tokens) // self.page_size
+        return window_pages, max(window_pages, int(device * self.swa_ratio))
+
+    def _pages(self, device_tokens: int, host_ratio: float) -> float:
+        """Device, host and window-KV pages of one worker with ``device_tokens``."""
+        window_pages, swa_pages = self._window_pages(device_tokens)
+        return count_pages(device_tokens // self.page_size, host_ratio, swa_pages if window_pages else 0)
 
     def capacity_tokens(self) -> int:
         """Tokens a worker's device pool holds (whole pages)."""
@@ -213,9 +231,11 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if self.device_tokens < self.page_size * 4:
-            raise ConfigError(f"--device-tokens: {self.device_tokens} holds fewer than 4 pages of --page-size "
-                              f"{self.page_size}; expected >= {self.page_size * 4}")
+        for option, tokens in (("--device-tokens", self.device_tokens),
+                               ("--decode-device-tokens", self.decode_device_tokens)):
+            if tokens is not None and tokens < self.page_size * 4:
+                raise ConfigError(f"{option}: {tokens} holds fewer than 4 pages of --page-size {self.page_size}; "
+                                  f"expected >= {self.page_size * 4}")
         if self.l3 != "none" and self.host_ratio <= 0:
             raise ConfigError(f"--l3 {self.l3}: needs a host tier (--host-ratio > 0): pages reach storage from host "
                               "memory and are prefetched back into it")
@@ -236,17 +256,20 @@ class ClusterConfig:
                               "costs some 15 KB and a tenth of a millisecond before it holds a page)")
         if self.l3 != "none" and self.l3_tokens < self.page_size:
             raise ConfigError(f"--l3-tokens: {self.l3_tokens} holds no page of --page-size {self.page_size}")
-        # Device, host and window-KV pages (decode workers have no host tier: an upper bound), before any is made.
-        window_pages, swa_pages = self._window_pages()
-        swa_pages = swa_pages if window_pages else 0
-        pages = self.workers * count_pages(self.device_tokens // self.page_size, self.host_ratio, swa_pages)
+        # Device, host and window-KV pages, before any is made (a decode worker has no host tier).
+        pages = self.workers * self._pages(self.device_tokens, self.host_ratio)
+        if self.disaggregated:
+            pages = (self.prefill_workers * self._pages(self.device_tokens, self.host_ratio)
+                     + self.decode_workers * self._pages(self.decode_device_tokens or self.device_tokens, 0.0))
         if pages > MAX_PAGES:
             who = (f"--prefill-workers {self.prefill_workers} --decode-workers {self.decode_workers}"
                    if self.disaggregated else f"--workers {self.workers}")
-            swa = f", --swa-ratio {self.swa_ratio:g} ({swa_pages:,} window-KV pages a worker)" if swa_pages else ""
-            raise ConfigError(f"{who}, --device-tokens {self.device_tokens}, --host-ratio {self.host_ratio:g}{swa}: "
-                              f"{pages:,.0f} pages in all; a simulation holds at most {MAX_PAGES:,} (every page is "
-                              "bookkept in memory, some 40 bytes each)")
+            window_pages, swa_pages = self._window_pages()
+            swa = f", --swa-ratio {self.swa_ratio:g} ({swa_pages:,} window-KV pages a worker)" if window_pages else ""
+            dec = f", --decode-device-tokens {self.decode_device_tokens}" if self.decode_device_tokens else ""
+            raise ConfigError(f"{who}, --device-tokens {self.device_tokens}{dec}, --host-ratio {self.host_ratio:g}"
+                              f"{swa}: {pages:,.0f} pages in all; a simulation holds at most {MAX_PAGES:,} (every "
+                              "page is bookkept in memory, some 40 bytes each)")
 
 #: Device, host and window-KV pages of a whole simulated cluster at most: their pools are made when the run starts.
 MAX_PAGES = 1 << 25
@@ -332,6 +355,8 @@ class SimWorker:
         self._decode: _DecodeRun | None = None  # a merged decode run in progress
         self._wake: Timer | None = None  # next copy completion
         self.capacity_tokens = cfg.capacity_tokens()
+        # what a decode worker's device holds (set by build_cluster for a prefill worker; this one's own otherwise)
+        self.decode_capacity_tokens = self.capacity_tokens
         self.peers: list[SimWorker] = []  # workers sharing this one's L3 pool
         self.receiving = 0  # decode role: requests whose KV is on the way (they count against max_running)
         self.received: list[Job] = []  # decode role: KV landed; they join the batch at the next iteration
@@ -343,8 +368,10 @@ class SimWorker:
         """A request arrives; ``visible_tier`` limits the true overlap recorded against the router's guess."""
         job.visible_tier = visible_tier
         # Rejected if it could never fit: here (its prompt and the output room it reserves here) or on a decode
-        # worker (its prompt and whole output; the pools' devices are alike).
-        if job.req.input_length + max(job.req.output_length, self._output_room(job)) > self.capacity_tokens:
+        # worker (its prompt and whole output).
+        prompt = job.req.input_length
+        if prompt + self._output_room(job) > self.capacity_tokens or \
+                prompt + job.req.output_length > self.decode_capacity_tokens:
             job.record.rejected = True
             self._on_finish(job)
             return
@@ -708,6 +735,8 @@ def build_cluster(cfg: ClusterConfig, env: Environment, on_event: Callable[[int,
         store = pool if pool is not None else (PageStore(pages) if cfg.l3 == "disk" else None)
         cluster.workers.append(SimWorker(i, env, cfg, store, on_event, on_first_token, on_finish, latency,
                                          on_progress, role, on_prefilled))
+        if role == "prefill":
+            cluster.workers[-1].decode_capacity_tokens = decode_cfg.capacity_tokens()
     if pool is not None:
         sharing = [w for w in cluster.workers if w.role != "decode"]
         for w in sharing:

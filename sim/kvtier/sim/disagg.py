@@ -103,7 +103,7 @@ class DisaggPolicy:
 
     def __init__(self, name: str, *, prefill: int, decode: int, block_size: int, loads: LoadTracker,
                  decode_loads: LoadTracker, caches: Callable[[], list[TieredCache]], settings: RoutingSettings,
-                 local_prefill_tokens: int = 0) -> None:
+                 decode_settings: RoutingSettings | None = None, local_prefill_tokens: int = 0) -> None:
         workers = prefill + decode
         self.name = name
         self.block_size = block_size
@@ -116,18 +116,20 @@ class DisaggPolicy:
         self.kv = pre if isinstance(pre, KvPolicy) else None  # the index both pools' events feed
         members = list(range(prefill, workers))
         self._streams = [StreamId(WorkerId(f"w{i}")) for i in range(workers)]
+        # The decode side prices with its own pool's device capacity and latency fit (default: the prefill pool's).
+        dset = dataclasses.replace(decode_settings or settings, seed=settings.seed + 1)
         self.rule = decode_rule(name)
         self.decode: Policy | None = None
         self.decode_router: Router | None = None
         if self.rule == "same":
             dec = make_policy(name, workers=workers, block_size=block_size, loads=decode_loads, caches=caches,
-                              settings=dataclasses.replace(settings, seed=settings.seed + 1))
-            self.decode = _narrow(dec, members, decode_loads, settings.seed + 1)
+                              settings=dset)
+            self.decode = _narrow(dec, members, decode_loads, dset.seed)
         else:
             index = self.kv.index if self.kv is not None else TieredIndex(block_size)
-            self.decode_router = Router(index, decode_cost(name, settings), loads=decode_loads,
+            self.decode_router = Router(index, decode_cost(name, dset), loads=decode_loads,
                                         workers=[self._streams[i] for i in members],
-                                        temperature=settings.temperature, seed=settings.seed + 1)
+                                        temperature=dset.temperature, seed=dset.seed)
         # The index the conditional check reads where the policy keeps none (see the module's docstring).
         self._local: IndexConsumer | None = None
         if local_prefill_tokens and self.kv is None:

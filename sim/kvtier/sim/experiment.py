@@ -264,8 +264,9 @@ _FIELDS: dict[str, tuple[str, Callable[[str], Any]]] = {
 _TO_CONFIG: dict[str, Callable[[Any], Any]] = {"latency": resolve_latency}
 
 
-#: Settings of the prefill -> decode link: an aggregated grid point has none (see :func:`grid_jobs`).
-DISAGG_ONLY = ("kv_link", "kv_gbps", "local_prefill_tokens")
+#: Settings of the prefill -> decode link and the decode pool: an aggregated grid point has none (see
+#: :func:`grid_jobs`).
+DISAGG_ONLY = ("kv_link", "kv_gbps", "local_prefill_tokens", "decode_device_tokens", "decode_max_running")
 
 #: Grid points of one sweep at most: its jobs are all made before the first runs.
 MAX_GRID_POINTS = 10_000
@@ -303,9 +304,9 @@ def grid_jobs(trace: Sequence[Request] | TraceSource, base_cluster: ClusterConfi
               grid: dict[str, list[Any]], *, keep_records: bool = True) -> list[RunSpec]:
     """One job per combination of ``grid``, in grid order; ``keep_records``: see :class:`RunSpec`.
 
-    An aggregated point has no prefill -> decode link: its axes of :data:`DISAGG_ONLY` are tagged None (not
-    applicable) and left at the base cluster's values, and it runs once, not once per link (the first combination
-    that reaches it stands for the others)."""
+    An aggregated point has no prefill -> decode link nor decode pool: its axes of :data:`DISAGG_ONLY` are tagged
+    None (not applicable) and left at the base cluster's values, and it runs once, not once per value of them (the
+    first combination that reaches it stands for the others)."""
     jobs = []
     source = as_source(trace)
     seen: set[tuple[tuple[str, Any], ...]] = set()  # aggregated points' tags, made once

@@ -214,6 +214,7 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
         policy = DisaggPolicy(run.policy, prefill=cluster_cfg.prefill_workers, decode=cluster_cfg.decode_workers,
                               block_size=ps, loads=loads, decode_loads=decode_loads, caches=lambda: cluster.caches,
                               settings=routing_settings(cluster_cfg, run),
+                              decode_settings=routing_settings(cluster_cfg.decode_config(), run),
                               local_prefill_tokens=cluster_cfg.local_prefill_tokens)
     else:
         policy = make_policy(run.policy, workers=cluster_cfg.workers, block_size=ps, loads=loads,
