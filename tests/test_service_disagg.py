@@ -167,6 +167,8 @@ def test_the_indexer_cli_refuses_a_pool_without_decode_workers_in_one_line(
         (["--endpoint", "w0=tcp://127.0.0.1:1,role=prefill", "--endpoint", "w1=tcp://127.0.0.1:2,role=decode",
           "--kv-link-gbps", "-1"], "kv_gbps"),
         (["--endpoint", "w0=tcp://127.0.0.1:1,role=dec"], "role 'dec'"),
+        (["--endpoint", "w0=tcp://127.0.0.1:1,role=prefill", "--endpoint", "w1=tcp://127.0.0.1:2,role=decode",
+          "--decode-capacity-tokens", "0"], "decode_capacity_tokens"),
     ):
         rc = cli(["indexer", "--listen", "127.0.0.1:0", *argv])
         err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
@@ -201,6 +203,29 @@ def test_a_pair_predicts_the_simulators_ttft_for_a_lone_request_and_hears_back()
     assert warm["predicted"]["ttft_ms"] == pytest.approx(cold["predicted"]["ttft_ms"] - saved, rel=1e-9)
     assert svc.first_token("b")["observed_ttft_ms"] >= 0
     assert svc.metrics()["predictions"]["ttft"]["abs_error_seconds"]["count"] == 1
+
+
+def test_a_pair_predicts_with_its_decode_workers_own_capacity() -> None:
+    """``decode_capacity_tokens`` (the simulator's ``decode_device_tokens``): the decode worker's first step, in the
+    pair's predicted TTFT, and its TPOT are priced on the decode worker's own memory, as the simulator runs them (to the
+    float for a lone request); without it, on the prefill workers' ``capacity_tokens``."""
+    from kvtier.sim.cluster import ClusterConfig
+    from kvtier.sim.run import RunConfig, simulate
+    from kvtier.sim.trace import Request
+
+    n = 3000
+    pd = ClusterConfig.of(prefill_workers=1, decode_workers=1, page_size=64, device_tokens=65_536, host_ratio=0.0,
+                          decode_device_tokens=8192)
+    sim = simulate([Request("a", 0.0, n, 5, [1, 2, 3, 4, 5, 6])], pd, RunConfig("round_robin")).records[0]
+    eps = [parse_endpoint("p=tcp://127.0.0.1:1,role=prefill"), parse_endpoint("d=tcp://127.0.0.1:2,role=decode")]
+    predicted = {}
+    for decode in (8192, None):
+        svc = IndexerService(ServiceConfig(endpoints=eps, block_size=64, listen="127.0.0.1:0", policy="min_ttft",
+                                           capacity_tokens=pd.capacity_tokens(), decode_capacity_tokens=decode))
+        predicted[decode] = svc.route({"token_ids": list(range(7, 7 + n)), "request_id": "a"})["predicted"]
+    assert predicted[8192]["ttft_ms"] == pytest.approx(sim.ttft * 1000, rel=1e-9)
+    assert predicted[None]["ttft_ms"] < predicted[8192]["ttft_ms"]
+    assert predicted[None]["tpot_ms"] < predicted[8192]["tpot_ms"]
 
 
 def test_a_requests_slo_steers_the_goodput_pair() -> None:

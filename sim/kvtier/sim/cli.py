@@ -727,6 +727,7 @@ def cmd_indexer(a: argparse.Namespace) -> int:
                  ("storage_link", a.storage_link), ("h2d_gbps", a.h2d_gbps), ("storage_gbps", a.storage_gbps),
                  ("host_credit", a.host_credit), ("disk_credit", a.disk_credit), ("temperature", a.temperature),
                  ("seed", a.seed), ("prefill_budget", a.prefill_budget), ("capacity_tokens", a.capacity_tokens),
+                 ("decode_capacity_tokens", a.decode_capacity_tokens),
                  ("latency_path", a.latency), ("slo_out_of_reach", a.slo_out_of_reach), ("kv_link", a.kv_link),
                  ("kv_gbps", a.kv_link_gbps), ("local_prefill_tokens", a.local_prefill_tokens),
                  ("liveness_timeout_s", a.liveness_timeout),
@@ -892,6 +893,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--slo-out-of-reach", choices=OUT_OF_REACH, help=OUT_OF_REACH_HELP)
     g.add_argument("--prefill-budget", type=int, help="the workers' chunked-prefill tokens per iteration")
     g.add_argument("--capacity-tokens", type=int, help="each worker's device KV, tokens (ttft costs)")
+    g.add_argument("--decode-capacity-tokens", type=int,
+                   help="endpoints with roles: each decode worker's device KV, tokens (default: --capacity-tokens)")
     g.add_argument("--host-credit", type=float, help="credit cost: weight of a host-tier block")
     g.add_argument("--disk-credit", type=float, help="credit cost: weight of a disk or shared-pool block")
     g.add_argument("--temperature", type=float, help="softmax sampling over costs (0: argmin)")

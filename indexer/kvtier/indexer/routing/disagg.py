@@ -226,14 +226,16 @@ def pool_routers(name: str, settings: RoutingSettings, index: TieredIndex, roles
                  make: Callable[[], tuple[CostModel, RoutingPolicy | None]],
                  rebuilding: Callable[[], Collection[StreamId]] | None = None,
                  dead: Callable[[], Collection[StreamId]] | None = None,
-                 local_prefill_tokens: int = 0) -> PairRouter | None:
+                 local_prefill_tokens: int = 0, *, decode_settings: RoutingSettings | None = None,
+                 make_decode: Callable[[], tuple[CostModel, RoutingPolicy | None]] | None = None) -> PairRouter | None:
     """The service's pair of routers over one index for policy ``name``, or None where every worker serves both
     roles (an aggregated pool). ``make`` builds the policy's cost and plugin as the service does for an aggregated
     pool (called once per pool: a plugin keeps its own history per pool); the registry's policies get their pool
     rules (:func:`prefill_cost`, :func:`decode_rule`). ``loads`` books a request on its prefill worker until its
     first token, ``decode_loads`` on its decode worker until it finishes; each pool's router reads a worker that
-    serves both roles with both added (:class:`~kvtier.indexer.routing.load.PoolLoads`). :class:`ValueError` for a pool
-    without a prefill or a decode worker."""
+    serves both roles with both added (:class:`~kvtier.indexer.routing.load.PoolLoads`). The decode pool is priced with
+    ``decode_settings`` and built by ``make_decode`` where its workers differ (default: ``settings``, ``make``).
+    :class:`ValueError` for a pool without a prefill or a decode worker."""
     if all(r == "both" for r in roles.values()):
         return None
     prefill = [s for s, r in roles.items() if r in ("prefill", "both")]
@@ -247,9 +249,9 @@ def pool_routers(name: str, settings: RoutingSettings, index: TieredIndex, roles
         cost = prefill_cost(name, settings)
     rule = decode_rule(name) if known else "same"
     if rule == "same":
-        dcost, dplugin = make()
+        dcost, dplugin = (make_decode or make)()
     else:
-        dcost, dplugin = decode_cost(name, settings), None
+        dcost, dplugin = decode_cost(name, decode_settings or settings), None
 
     def router(c: CostModel, p: RoutingPolicy | None, workers: list[StreamId], ld: LoadView, seed: int) -> Router:
         return Router(index, c, loads=ld, workers=workers, policy=p, rebuilding=rebuilding, window_aware=True,

@@ -98,12 +98,14 @@ class IndexerService:
         # What /route predicts for each request on its worker (TTFT, TPOT), as the goodput policy estimates them
         # (kvtier.indexer.service.predictions), whatever the policy.
         rs = self.router_settings
-        self._predictor = SloCost(TtftCost(rs.transfer(), rs.latency, prefill_budget=rs.prefill_budget,
-                                           capacity_tokens=rs.capacity_tokens))
+        self._predictor = _predictor(rs)
         self.predictions = Predictions()
-        # A disaggregated pool (endpoints with roles): a (prefill, decode) pair per request, each pool booked apart.
+        # A disaggregated pool (endpoints with roles): a (prefill, decode) pair per request, each pool booked apart,
+        # the decode side priced and predicted with its own workers' capacity (decode_capacity_tokens).
         self.decode_loads = LoadTracker(config.block_size)
-        self.kv_link = KvLinkCost.of(rs)  # what a pair's prediction adds between its prefill and its first token
+        drs = config.routing_settings(decode=True)
+        self._decode_predictor = _predictor(drs)
+        self.kv_link = KvLinkCost.of(drs)  # what a pair's prediction adds between its prefill and its first token
         for ep in config.endpoints:
             self.index.set_role(ep.stream, ep.role)
         name = config.policy or "kv_all"
@@ -111,7 +113,8 @@ class IndexerService:
             #: A disaggregated pool's routers (None in an aggregated pool).
             self.pair = pool_routers(name, rs, self.index, {s: self.index.role(s) for s in streams}, self.loads,
                                      self.decode_loads, lambda: _policy(name, rs, config.block_size),
-                                     self._rebuilding, self._dead, config.local_prefill_tokens)
+                                     self._rebuilding, self._dead, config.local_prefill_tokens,
+                                     decode_settings=drs, make_decode=lambda: _policy(name, drs, config.block_size))
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         #: An aggregated pool's router (None in a disaggregated pool: its policy and plugin are built per pool
@@ -542,6 +545,13 @@ class IndexerService:
             out["block_size_error"] = (f"stores of another block size than the index's {self.index.block_size} were "
                                        f"rejected from {', '.join(wrong)}: set --block-size to the engines' page size")
         return out
+
+
+def _predictor(settings: RoutingSettings) -> SloCost:
+    """What /route predicts a request's TTFT and TPOT with on a worker priced by ``settings``, as the goodput policy
+    estimates them, whatever the policy."""
+    return SloCost(TtftCost(settings.transfer(), settings.latency, prefill_budget=settings.prefill_budget,
+                            capacity_tokens=settings.capacity_tokens))
 
 
 def _policy(name: str, settings: RoutingSettings, block_size: int) -> tuple[CostModel, RoutingPolicy | None]:

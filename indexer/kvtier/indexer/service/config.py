@@ -49,6 +49,8 @@ class ServiceConfig:
     prefill_budget: int = field(default=8192, metadata=at_least(1))
     # each worker's device KV capacity in tokens (ttft costs' decode and memory terms)
     capacity_tokens: int | None = field(default=None, metadata=at_least(1, optional=True))
+    # a disaggregated pool's decode workers' own (None: capacity_tokens), as the simulator's --decode-device-tokens
+    decode_capacity_tokens: int | None = field(default=None, metadata=at_least(1, optional=True))
     model: str = field(default="llama-3.1-8b", metadata=one_of(*PRESETS))  # preset for the ttft cost's transfers
     # The links KV moves over (kvtier.hardware.links presets), as the simulator's --gpu-link / --storage-link;
     # h2d_gbps / storage_gbps override them
@@ -158,9 +160,11 @@ class ServiceConfig:
                 raise ConfigError(f"endpoints: {what(first)} and {what(ep.stream)} are both named {ep.stream} in "
                                   "every answer")
 
-    def routing_settings(self) -> RoutingSettings:
-        """What the policy prices with, as the simulator builds it (:mod:`kvtier.indexer.routing.policies`); a latency
-        file that cannot be read is a :class:`ConfigError`."""
+    def routing_settings(self, *, decode: bool = False) -> RoutingSettings:
+        """What the policy prices with, as the simulator builds it (:mod:`kvtier.indexer.routing.policies`); with
+        ``decode``, a disaggregated pool's decode side (its workers' ``decode_capacity_tokens``). A latency file that
+        cannot be read is a :class:`ConfigError`."""
+        capacity = self.decode_capacity_tokens or self.capacity_tokens if decode else self.capacity_tokens
         latency = MockerLatency()
         if self.latency_path is not None:
             try:
@@ -172,14 +176,14 @@ class ServiceConfig:
             except ValueError as exc:
                 raise ConfigError(f"latency_path {self.latency_path}: {exc} (a pass computes up to prefill_budget "
                                   "tokens, and a prompt has up to max_query_tokens)") from None
-        if self.capacity_tokens is not None:
-            latency = latency.for_pool(self.capacity_tokens)
+        if capacity is not None:
+            latency = latency.for_pool(capacity)
         return RoutingSettings(
             cost=self.cost, model=self.model,
             h2d_gbps=self.h2d_gbps if self.h2d_gbps is not None else GPU_LINKS[self.gpu_link].gbps,
             storage_gbps=self.storage_gbps if self.storage_gbps is not None else STORAGE_LINKS[self.storage_link].gbps,
             host_credit=self.host_credit, disk_credit=self.disk_credit, prefill_budget=self.prefill_budget,
-            capacity_tokens=self.capacity_tokens, latency=latency, temperature=self.temperature, seed=self.seed,
+            capacity_tokens=capacity, latency=latency, temperature=self.temperature, seed=self.seed,
             slo_out_of_reach=self.slo_out_of_reach,
             kv_gbps=self.kv_gbps if self.kv_gbps is not None else KV_LINKS[self.kv_link].gbps)
 

@@ -35,16 +35,16 @@ def predict_pair(svc: IndexerService, pair: PairRouter, decision: PairDecision, 
     """Predicted (TTFT, TPOT) in ms of a request on its pair (see the module docstring), before it is booked, each
     worker's load as its pool's router reads it; TPOT nan without a configured capacity. Caller holds the service's
     lock. O(blocks)."""
-    est, bs = svc._predictor, svc.index.block_size
+    bs = svc.index.block_size
     d = decision.decode
     (dload,), (dshared,) = pair.decode.loads.loads_and_shared([d.worker], keys)
     held = d.overlaps.workers.get(d.worker, _NONE)  # (a load-based decode side reads no overlap)
-    ttft, tpot = est.estimates(tokens, bs, held, dload, dshared, pair.decode.loads.expected_output)
+    ttft, tpot = svc._decode_predictor.estimates(tokens, bs, held, dload, dshared, pair.decode.loads.expected_output)
     if decision.local:
         return ttft, tpot
     p = decision.prefill
     (pload,), (pshared,) = pair.prefill.loads.loads_and_shared([p.worker], keys)
-    ttft, _ = est.estimates(tokens, bs, p.overlaps.workers.get(p.worker, _NONE), pload, pshared)
+    ttft, _ = svc._predictor.estimates(tokens, bs, p.overlaps.workers.get(p.worker, _NONE), pload, pshared)
     link = svc.kv_link
     return ttft + link.lacking_ms(tokens, bs, held, dshared) + link.step_ms(dload, tokens), tpot
 
