@@ -126,9 +126,10 @@ class DynamoCost:
       are broken at random, and a temperature > 0 samples a softmax over the costs (the Router does both).
 
     Not modelled: Dynamo's router-side queue (``router_queue_threshold``: requests held while every worker's queued
-    prefill is past it; off before Dynamo 1.0, on by default since), and newer releases' booking of a routed
-    request's prefill less its credit-weighted overlap (``effective_prefill_tokens``): here it books its prompt less
-    every cached block, whatever the tier.
+    prefill is past it; off before Dynamo 1.0, on by default in its frontend since, unset and so off in the
+    ``KvRouterConfig`` of 1.6.1's mocker replay, which ``bench/crosscheck_dynamo.py`` runs), and newer releases'
+    booking of a routed request's prefill less its credit-weighted overlap (``effective_prefill_tokens``): here it
+    books its prompt less every cached block, whatever the tier.
 
     Disaggregated (:mod:`kvtier.indexer.routing.disagg`), Dynamo's prefill router leaves decode blocks out
     (``router_track_active_blocks`` off: ``decode_scale`` 0) and its decode router prefill blocks
