@@ -155,6 +155,8 @@ CASES: dict[str, Case] = {
                                    "--kv-link-gbps, --local-prefill-tokens: they apply to a disaggregated cluster"),
     "decode pool aggregated": (replay("--decode-device-tokens", "4096", "--decode-max-running", "8"),
                                "--decode-device-tokens, --decode-max-running: they apply to a disaggregated cluster"),
+    "kv link sharing aggregated": (replay("--kv-link-sharing", "nic"),
+                                   "--kv-link-sharing: it applies to a disaggregated cluster only"),
     "sweep decode pool axis aggregated": (lambda t, f: ["sweep", *SMALL, "--grid", "decode_max_running=8,16"],
                                           "grid axis 'decode_max_running': it applies to a disaggregated cluster"),
     "decode device tokens tiny": (replay("--prefill-workers", "1", "--decode-workers", "1", "--decode-device-tokens",

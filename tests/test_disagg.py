@@ -23,9 +23,11 @@ from kvtier.indexer.routing.policies import POLICIES, RoutingSettings
 from kvtier.indexer.routing.scoring import SLO_MISS_MS, SloCost
 from kvtier.sim.cli import main as cli
 from kvtier.sim.cluster import ClusterConfig
+from kvtier.sim.core import Environment
 from kvtier.sim.disagg import DisaggPolicy
 from kvtier.sim.experiment import grid_jobs, parse_grid
 from kvtier.sim.generators import PRESETS, generate
+from kvtier.sim.kvlink import KvLink
 from kvtier.sim.metrics import RequestRecord, SummaryBuilder, summarize
 from kvtier.sim.policies import KvPolicy
 from kvtier.sim.run import RunConfig, routing_settings, simulate
@@ -494,3 +496,43 @@ def test_the_decode_pool_is_sized_apart() -> None:
     link = policy.decode_router.cost_model
     assert isinstance(link, KvLinkCost) and link.capacity_tokens == 8192
     assert link.latency == dec.worker_latency()
+
+
+def test_the_kv_link_shares_each_nic_among_the_transfers_it_carries() -> None:
+    """``kv_link_sharing="nic"``: transfers into one decode worker share its NIC, as do transfers out of one prefill
+    worker, each at its bottleneck's fair share, recomputed as transfers start and end; ``none`` moves each at the whole
+    bandwidth (Dynamo's mocker)."""
+    def ends(sharing: str, starts: list[tuple[float, int, int]]) -> list[float]:
+        env = Environment()
+        link = KvLink(env, 1.0, sharing)  # 1 GB/s
+        out = [math.nan] * len(starts)
+        for k, (t, src, dst) in enumerate(starts):
+            def go(k: int = k, src: int = src, dst: int = dst) -> None:
+                link.start(src, dst, 1e9, lambda: out.__setitem__(k, env.now))
+            env.at(t, go)
+        env.run()
+        assert link.in_flight == 0
+        return out
+    # two into worker 9 share its NIC; one from 2 into 8 has both NICs alone
+    assert ends("nic", [(0, 0, 9), (0, 1, 9), (0, 2, 8)]) == pytest.approx([2.0, 2.0, 1.0])
+    assert ends("none", [(0, 0, 9), (0, 1, 9), (0, 2, 8)]) == pytest.approx([1.0, 1.0, 1.0])
+    # the second starts halfway through the first: 0.5 GB each at half speed, then the rest alone
+    assert ends("nic", [(0, 0, 9), (0.5, 1, 9)]) == pytest.approx([1.5, 2.0])
+    # one prefill worker sending to two decode workers shares its own NIC
+    assert ends("nic", [(0, 0, 8), (0, 0, 9)]) == pytest.approx([2.0, 2.0])
+    with pytest.raises(ValueError, match="kv_link_sharing 'bus'"):
+        KvLink(Environment(), 1.0, "bus")
+
+
+def test_nic_sharing_slows_the_transfers_that_meet_and_no_lone_one() -> None:
+    """Two prefill workers handing prompts to one decode worker over a slow link: shared, the transfers that overlap
+    take longer and TTFT grows; a lone request is timed as without sharing, to the float."""
+    cfg = ClusterConfig.of(prefill_workers=2, decode_workers=1, page_size=64, device_tokens=65_536, host_ratio=0.0,
+                           kv_gbps=1.0)
+    reqs = [Request(f"r{i}", 0.0, 4096, 8, [10 * i + k for k in range(8)]) for i in range(8)]
+    alone, shared = (simulate(reqs, cfg.replace(kv_link_sharing=s), RunConfig("round_robin")) for s in ("none", "nic"))
+    assert shared.summary.requests == alone.summary.requests == 8 and shared.summary.unfinished == 0
+    assert shared.summary.ttft_p50 > alone.summary.ttft_p50
+    lone = [Request("a", 0.0, 4096, 8, list(range(8)))]
+    assert simulate(lone, cfg.replace(kv_link_sharing="nic"), RunConfig("round_robin")).records[0].ttft == \
+        simulate(lone, cfg, RunConfig("round_robin")).records[0].ttft

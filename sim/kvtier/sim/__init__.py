@@ -5,6 +5,8 @@ module            holds
 ================  ==================================================================================================
 ``core``          a tiny deterministic event loop (SimPy-like: timers, priorities)
 ``cluster``       simulated workers running the real cache logic (:mod:`kvtier.engine`) on the modeled data path
+``kvlink``        a disaggregated cluster's prefill -> decode KV transfers, each NIC shared or not
+``disagg``        a policy picking a (prefill, decode) pair over a disaggregated cluster
 ``run``           one run: a trace through a cluster behind one policy
 ``policies``      routing policies as the simulator runs them, built from :mod:`kvtier.indexer.routing.policies`
 ``transport``     the engine -> router event path: delay, loss, and the router's recovery

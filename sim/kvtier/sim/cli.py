@@ -152,7 +152,7 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-link-gbps", type=float, help="prefill -> decode bandwidth, GB/s (default: --kv-link's)")
     g.add_argument("--local-prefill-tokens", type=int, default=0, metavar="N",
                    help="a prompt whose part its decode worker lacks is under N tokens prefills there (0: never)")
-    add_options(g, ClusterConfig, ["decode_device_tokens", "decode_max_running"])
+    add_options(g, ClusterConfig, ["kv_link_sharing", "decode_device_tokens", "decode_max_running"])
 
 
 def _add_router_args(p: argparse.ArgumentParser, *, itl_series: bool = True) -> None:
@@ -218,6 +218,7 @@ def _cluster(a: argparse.Namespace, axes: Collection[str] = ()) -> ClusterConfig
         inert = [f for f, given in (("--kv-link", a.kv_link is not None),
                                     ("--kv-link-gbps", a.kv_link_gbps is not None),
                                     ("--local-prefill-tokens", a.local_prefill_tokens != 0),
+                                    ("--kv-link-sharing", a.kv_link_sharing != "none"),
                                     ("--decode-device-tokens", a.decode_device_tokens is not None),
                                     ("--decode-max-running", a.decode_max_running is not None)) if given]
         inert += [f"grid axis {axis!r}" for axis in DISAGG_ONLY if axis in axes]
@@ -230,6 +231,7 @@ def _cluster(a: argparse.Namespace, axes: Collection[str] = ()) -> ClusterConfig
         kv_link=a.kv_link or DEFAULT_KV_LINK,
         kv_gbps=a.kv_link_gbps, local_prefill_tokens=a.local_prefill_tokens,
         decode_device_tokens=a.decode_device_tokens, decode_max_running=a.decode_max_running,
+        kv_link_sharing=a.kv_link_sharing,
         **{k: getattr(a, k) for k in ("device_tokens", "l3", "l3_tokens", "model", "swa_ratio", "prefill_budget",
                                       "max_running", *CACHE_SETTINGS)},
         h2d_gbps=a.h2d_gbps if a.h2d_gbps is not None else GPU_LINKS[a.gpu_link].gbps,

@@ -17,11 +17,12 @@ below are the prefill pool's), and receives only the part it lacks over the KV l
 bytes per token / bandwidth``. The transfer starts once the prefill has finished, not layer by layer beside it:
 vLLM's NixlConnector (what Dynamo and llm-d run) reads the prompt's blocks from the prefill worker when the prefill
 request has finished, and Dynamo's mocker times its handoff the same way; a layer-wise push would hide most of it
-behind the prefill. Transfers do not contend for a NIC (nor do the mocker's). The first token comes from the decode
-worker's first decode step after the KV landed (as vLLM's decode worker and Dynamo's mocker produce it), so the
-transfer and that step show in TTFT. A prompt whose part its decode worker lacks, as the router's index shows it
-(whatever the policy: :mod:`kvtier.sim.disagg`), is under ``local_prefill_tokens`` prefills on its decode worker
-instead (conditional disaggregation, as vLLM's and Dynamo's routers allow).
+behind the prefill. Transfers do not contend for a NIC (nor do the mocker's) unless ``kv_link_sharing`` is ``nic``
+(:mod:`kvtier.sim.kvlink`). The first token comes from the decode worker's first decode step after the KV landed (as
+vLLM's decode worker and Dynamo's mocker produce it), so the transfer and that step show in TTFT. A prompt whose
+part its decode worker lacks, as the router's index shows it (whatever the policy: :mod:`kvtier.sim.disagg`), is
+under ``local_prefill_tokens`` prefills on its decode worker instead (conditional disaggregation, as vLLM's and
+Dynamo's routers allow).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from kvtier.hardware.links import (
 )
 from kvtier.indexer.routing.scoring import visible
 from kvtier.sim.core import Environment, Timer
+from kvtier.sim.kvlink import SHARING, KvLink
 from kvtier.sim.metrics import RequestRecord
 from kvtier.sim.trace import Request
 from kvtier.util.fields import ConfigError, at_least, check_fields, one_of, within
@@ -159,6 +161,11 @@ class ClusterConfig:
         "device KV per decode worker, tokens (default: --device-tokens)")))
     decode_max_running: int | None = field(default=None, metadata=at_least(1, optional=True, help=(
         "requests in a decode worker's batch at once (default: --max-running)")))
+    # how transfers share the KV link (kvtier.sim.kvlink): none (each at the whole bandwidth, as Dynamo's mocker) or
+    # nic (each worker's NIC shared by the transfers it sends or receives at once)
+    kv_link_sharing: str = field(default="none", metadata=one_of(*SHARING, help=(
+        "how KV transfers share the link: none (each at the whole bandwidth, as Dynamo's mocker) or nic (each "
+        "worker's NIC shared by the transfers it sends or receives at once)")))
 
     @property
     def disaggregated(self) -> bool:
@@ -361,6 +368,7 @@ class SimWorker:
         self.receiving = 0  # decode role: requests whose KV is on the way (they count against max_running)
         self.received: list[Job] = []  # decode role: KV landed; they join the batch at the next iteration
         self.handing_off = 0  # prefill role: computed prompts held here until their decode worker has them
+        self.kv_link: KvLink | None = None  # decode role: what prompts arrive over (set by build_cluster)
 
     # --- arrivals and cache bookkeeping --------------------------------------------------
 
@@ -515,8 +523,8 @@ class SimWorker:
         rec.receive_start = self.env.now
         self.receiving += 1
         nbytes = trailing_kv_bytes(missing, self.kv_bytes_per_token, *self.kv_window)
-        delay = nbytes / (self.cfg.kv_link_gbps * 1e9)
-        self.env.after(delay, lambda: self._received(job), priority=1)
+        assert self.kv_link is not None and job.source is not None, "a decode worker receives over the KV link"
+        self.kv_link.start(job.source.index, self.index, nbytes, lambda: self._received(job))
 
     def _received(self, job: Job) -> None:
         self.receiving -= 1
@@ -726,11 +734,13 @@ def build_cluster(cfg: ClusterConfig, env: Environment, on_event: Callable[[int,
     pool = PageStore(pages, shared=True) if cfg.l3 == "external" else None
     cluster = Cluster(cfg, pool=pool)
     decode_cfg = cfg.decode_config() if cfg.disaggregated else cfg
+    link = KvLink(env, cfg.kv_link_gbps, cfg.kv_link_sharing) if cfg.disaggregated else None
     for i in range(cfg.workers):
         role = cfg.role(i)
         if role == "decode":
             cluster.workers.append(SimWorker(i, env, decode_cfg, None, on_event, on_first_token, on_finish, latency,
                                              on_progress, role))
+            cluster.workers[-1].kv_link = link
             continue
         store = pool if pool is not None else (PageStore(pages) if cfg.l3 == "disk" else None)
         cluster.workers.append(SimWorker(i, env, cfg, store, on_event, on_first_token, on_finish, latency,

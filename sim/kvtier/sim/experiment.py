@@ -266,7 +266,8 @@ _TO_CONFIG: dict[str, Callable[[Any], Any]] = {"latency": resolve_latency}
 
 #: Settings of the prefill -> decode link and the decode pool: an aggregated grid point has none (see
 #: :func:`grid_jobs`).
-DISAGG_ONLY = ("kv_link", "kv_gbps", "local_prefill_tokens", "decode_device_tokens", "decode_max_running")
+DISAGG_ONLY = ("kv_link", "kv_gbps", "kv_link_sharing", "local_prefill_tokens", "decode_device_tokens",
+               "decode_max_running")
 
 #: Grid points of one sweep at most: its jobs are all made before the first runs.
 MAX_GRID_POINTS = 10_000
