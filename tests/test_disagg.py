@@ -479,9 +479,12 @@ def test_the_decode_pool_is_sized_apart() -> None:
     # fits the prefill worker's 65,536 tokens, not the decode worker's 8,192 (prompt and whole output): rejected
     reqs = [Request(f"r{i}", 0.01 * i, 2048, 64, [10 * i + k for k in range(4)]) for i in range(6)]
     reqs.append(Request("big", 0.1, 8192, 64, list(range(1000, 1016))))
+    # no output, its prompt the decode device's size: the one token every request generates does not fit either
+    reqs.append(Request("full", 0.1, 8192, 0, list(range(2000, 2016))))
     res = simulate(reqs, cfg, RunConfig("kv_host"))
     by_id = {r.request_id: r for r in res.records}
-    assert by_id["big"].rejected and res.summary.rejected == 1 and res.summary.unfinished == 0
+    assert by_id["big"].rejected and by_id["full"].rejected
+    assert res.summary.rejected == 2 and res.summary.unfinished == 0
     assert simulate(reqs, PD, RunConfig("kv_host")).summary.rejected == 0
     # one request at a time in the decode worker's batch: its decodes never overlap
     def overlapping(records: list[RequestRecord]) -> bool:
@@ -518,6 +521,9 @@ def test_the_kv_link_shares_each_nic_among_the_transfers_it_carries() -> None:
     assert ends("none", [(0, 0, 9), (0, 1, 9), (0, 2, 8)]) == pytest.approx([1.0, 1.0, 1.0])
     # the second starts halfway through the first: 0.5 GB each at half speed, then the rest alone
     assert ends("nic", [(0, 0, 9), (0.5, 1, 9)]) == pytest.approx([1.5, 2.0])
+    # the same at a clock past 2e7 s (a trace in Unix time), where a nanosecond is below its resolution
+    epoch = 1.7e9
+    assert ends("nic", [(epoch, 0, 9), (epoch + 0.5, 1, 9)]) == pytest.approx([epoch + 1.5, epoch + 2.0], abs=1e-6)
     # one prefill worker sending to two decode workers shares its own NIC
     assert ends("nic", [(0, 0, 8), (0, 0, 9)]) == pytest.approx([2.0, 2.0])
     with pytest.raises(ValueError, match="kv_link_sharing 'bus'"):

@@ -376,10 +376,10 @@ class SimWorker:
         """A request arrives; ``visible_tier`` limits the true overlap recorded against the router's guess."""
         job.visible_tier = visible_tier
         # Rejected if it could never fit: here (its prompt and the output room it reserves here) or on a decode
-        # worker (its prompt and whole output).
+        # worker (its prompt and whole output, at least the one token every request generates).
         prompt = job.req.input_length
         if prompt + self._output_room(job) > self.capacity_tokens or \
-                prompt + job.req.output_length > self.decode_capacity_tokens:
+                prompt + max(1, job.req.output_length) > self.decode_capacity_tokens:
             job.record.rejected = True
             self._on_finish(job)
             return

@@ -17,6 +17,7 @@ one timer pending fires at the earliest end among them.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -93,13 +94,15 @@ class KvLink:
         self._timer = self.env.after(first, self._end, priority=1)
 
     def _end(self) -> None:
-        """The earliest transfer (and any ending with it, to within rounding) has moved its last byte."""
+        """The earliest transfer has moved its last byte, and so has any due within the clock's rounding of it: they
+        end now, whatever rounding left of their bytes (at a large ``now`` a nanosecond is below the clock's
+        resolution, and waiting for the rest would fire again at the same instant)."""
         self._timer = None
         self._advance()
-        ended = [t for t in self._active if t.left <= t.rate * 1e-9]  # (within a nanosecond: rounding)
-        if not ended:  # (rounding put the end a hair early: wait the rest)
-            self._reschedule()
-            return
+        due = [max(t.left, 0.0) / t.rate for t in self._active]
+        tolerance = max(1e-9, 4 * math.ulp(self.env.now))
+        first = min(due)
+        ended = [t for t, d in zip(self._active, due, strict=True) if d <= first + tolerance]
         for t in ended:
             self._active.remove(t)
             self._out[t.src] -= 1
