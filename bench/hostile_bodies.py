@@ -5,7 +5,8 @@ the count of arrays and objects) and parsed (:func:`kvtier.indexer.service.reque
 front end's event loop, so what a body costs there every other connection waits for. Each case is a body of
 ``max_body_bytes`` (the default cap, 8 MiB) built to be costly to check or to parse, within every other limit:
 
-  prompt           a legitimate one: a token-id array filling the body (the yardstick)
+  prompt           a legitimate one: the most token ids a request may carry (``max_query_tokens``), six digits
+                   each as a large vocabulary's are, or as many as fill the body (the yardstick)
   empty arrays     an unknown field holding empty arrays (the parser skips each at many times a byte's cost)
   empty objects    the same with objects
   numbers          an unknown field holding an array of small ints
@@ -35,11 +36,12 @@ from kvtier.indexer.service.requestbody import parse_body
 RATIO = 5.0
 
 
-def bodies(size: int) -> dict[str, bytes]:
-    """Each case's body, ``size`` bytes or just under."""
+def bodies(size: int, max_tokens: int) -> dict[str, bytes]:
+    """Each case's body, ``size`` bytes or just under (the prompt: at most ``max_tokens`` ids)."""
     head, n = b'{"token_ids": [1, 2], "x": ', size - 40
+    ids = min(max_tokens, n // 7)
     return {
-        "prompt": b'{"token_ids": [' + b"7," * (n // 2) + b"7]}",
+        "prompt": b'{"token_ids": [' + b",".join(b"%d" % (100_000 + i % 50_000) for i in range(ids)) + b"]}",
         "empty arrays": head + b"[" + b"[]," * (n // 3) + b"[]]}",
         "empty objects": head + b"[" + b"{}," * (n // 3) + b"{}]}",
         "numbers": head + b"[" + b"1," * (n // 2) + b"1]}",
@@ -67,9 +69,9 @@ def main() -> int:
     ap.add_argument("--repeat", type=count(), default=3, help="runs per case, the median printed")
     a = ap.parse_args()
     cfg = ServiceConfig(endpoints=[])
-    cases = bodies(a.mib << 20)
-    print(f"bodies of {a.mib} MiB; max_json_depth {cfg.max_json_depth}, max_json_containers "
-          f"{cfg.max_json_containers:,}")
+    cases = bodies(a.mib << 20, cfg.max_query_tokens)
+    print(f"bodies of {a.mib} MiB (the prompt: {len(cases['prompt']) / 2**20:.1f} MiB); max_json_depth "
+          f"{cfg.max_json_depth}, max_json_containers {cfg.max_json_containers:,}")
     print(f"{'case':<16}{'ms':>9}{'x prompt':>10}  answer / target")
     base = 0.0
     misses = 0
