@@ -274,6 +274,14 @@ CASES: dict[str, Case] = {
         "nan.csv:2: ContextTokens 'lots' is not an integer"),
     "latency file not UTF-8": (lambda t, f: replay("--latency", _bytes(t, "fit.json", b'{"prefill_ms": "\xff"}'))(
         t, f), "fit.json: not UTF-8"),
+    # a fit that bends below zero past the prefill pool's prompts, within the decode pool's: refused before any run
+    "latency bends on the decode pool": (lambda t, f: [
+        "sweep", "--trace", "builtin:chat:6", "--no-plots", "--out", str(t / "o"), "--prefill-workers", "1",
+        "--decode-workers", "1", "--device-tokens", "8192", "--latency",
+        _bytes(t, "bend.json", b'{"prefill_ms": [-1e-6, 0.01, 1.0], "decode_ms": [-25.74, 54.01, 5.74]}'),
+        "--grid", "decode_device_tokens=8192,16384"],
+        "gives -104 ms for 16384 tokens; a prefill of 1 to 16384 tokens must take more than 0 ms (a decode worker's "
+        "router prices prompts up to --decode-device-tokens)"),
     # coefficients that overflow a price: an infinite floor (JSON's Infinity), a huge constant, a fit to huge points
     "latency floor Infinity": (lambda t, f: replay("--latency", _bytes(t, "inf.json", b'{"prefill_ms": [0, 0.01, 10], '
                                                    b'"decode_ms": [0, 0, 5], "decode_floor_ms": Infinity}'))(t, f),

@@ -251,6 +251,12 @@ class ClusterConfig:
         except ValueError as exc:
             raise ConfigError(f"--latency: {exc} (engines compute up to --prefill-budget tokens a pass, and the "
                               "router prices prompts up to --device-tokens)") from None
+        if self.decode_device_tokens is not None and self.prefill_workers > 0:  # (the decode pool's, checked now)
+            try:  # a decode worker may prefill a prompt of up to its device (local_prefill_tokens)
+                self.latency.check_prefill(self.decode_device_tokens // self.page_size * self.page_size)
+            except ValueError as exc:
+                raise ConfigError(f"--latency: {exc} (a decode worker's router prices prompts up to "
+                                  "--decode-device-tokens)") from None
         if (self.prefill_workers > 0) != (self.decode_workers > 0):
             raise ConfigError(f"--prefill-workers {self.prefill_workers} --decode-workers {self.decode_workers}: "
                               "give both (disaggregated) or neither (aggregated)")
