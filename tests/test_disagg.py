@@ -15,10 +15,11 @@ from typing import Any
 import pytest
 
 from kvtier.engine.config import WritePolicy
+from kvtier.hardware.latency import LATENCY_PRESETS
 from kvtier.hardware.latency import PRESETS as MODELS
 from kvtier.hardware.links import KV_LINKS
 from kvtier.indexer.routing.disagg import KvLinkCost, decode_cost, prefill_cost, prefills_locally
-from kvtier.indexer.routing.load import LoadTracker, WorkerLoad
+from kvtier.indexer.routing.load import WorkerLoad
 from kvtier.indexer.routing.policies import POLICIES, RoutingSettings
 from kvtier.indexer.routing.scoring import SLO_MISS_MS, SloCost
 from kvtier.sim.cli import main as cli
@@ -468,8 +469,8 @@ def test_an_aggregated_point_of_a_link_axis_runs_once_tagged_not_applicable(tmp_
 
 def test_the_decode_pool_is_sized_apart() -> None:
     """``decode_device_tokens`` and ``decode_max_running`` size the decode workers alone (as Dynamo's mocker takes
-    decode engine args apart): their caches, their batch, the rejection of a request no decode device could hold,
-    and what the decode side of the router prices with. Unset, the decode pool is the prefill pool's size."""
+    decode engine args apart): their caches, their batch, and the rejection of a request no decode device could
+    hold. Unset, the decode pool is the prefill pool's size."""
     cfg = PD.replace(decode_device_tokens=8192, decode_max_running=1)
     dec = cfg.decode_config()
     assert (dec.device_tokens, dec.max_running, dec.workers, dec.disaggregated) == (8192, 1, 1, False)
@@ -491,14 +492,31 @@ def test_the_decode_pool_is_sized_apart() -> None:
         spans = sorted((r.receive_start, r.finish) for r in records if not r.rejected)
         return any(b[0] < a[1] for a, b in itertools.pairwise(spans))
     assert not overlapping(res.records) and overlapping(simulate(reqs[:6], PD, RunConfig("kv_host")).records)
-    run = RunConfig("min_ttft")  # (its decode side prices the decode worker's memory and step in time)
-    policy = DisaggPolicy("min_ttft", prefill=1, decode=1, block_size=64, loads=LoadTracker(64),
-                          decode_loads=LoadTracker(64), caches=list, settings=routing_settings(cfg, run),
-                          decode_settings=routing_settings(dec, run))
+
+
+def test_a_runs_decode_side_prices_with_the_decode_pools_capacity_and_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run's router prices its decode side on the decode pool (its capacity, and a latency fit that states its
+    pool rescaled to that capacity), its prefill side on the prefill pool: the policy a run builds is the one read."""
+    import kvtier.sim.run as run_module
+
+    built: list[DisaggPolicy] = []
+
+    class Spy(DisaggPolicy):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(run_module, "DisaggPolicy", Spy)
+    cfg = PD.replace(decode_device_tokens=16_384, latency=LATENCY_PRESETS["h200-llama-3.1-8b"])
+    reqs = [Request(f"r{i}", 0.01 * i, 1024, 8, [10 * i + k for k in range(2)]) for i in range(4)]
+    assert simulate(reqs, cfg, RunConfig("min_ttft")).summary.unfinished == 0
+    (policy,) = built
     assert policy.decode_router is not None
     link = policy.decode_router.cost_model
-    assert isinstance(link, KvLinkCost) and link.capacity_tokens == 8192
-    assert link.latency == dec.worker_latency()
+    assert isinstance(link, KvLinkCost) and link.capacity_tokens == 16_384
+    assert link.latency == cfg.latency.for_pool(16_384) != cfg.latency.for_pool(65_536)
+    prefill = policy.kv.router.cost_model if policy.kv is not None else None
+    assert prefill is not None and getattr(prefill, "capacity_tokens", None) == 65_536
 
 
 def test_the_kv_link_shares_each_nic_among_the_transfers_it_carries() -> None:

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.hardware.latency import PRESETS
+from kvtier.hardware.latency import LATENCY_PRESETS, PRESETS
+from kvtier.indexer.routing.disagg import KvLinkCost
 from kvtier.indexer.routing.plugins import PluginError, PolicyBase, RouteContext
 from kvtier.indexer.service.app import ConfigError, IndexerService, ServiceConfig, load_config, parse_endpoint
 from kvtier.indexer.service.clients import TooManyInFlight
@@ -226,6 +227,24 @@ def test_a_pair_predicts_with_its_decode_workers_own_capacity() -> None:
     assert predicted[8192]["ttft_ms"] == pytest.approx(sim.ttft * 1000, rel=1e-9)
     assert predicted[None]["ttft_ms"] < predicted[8192]["ttft_ms"]
     assert predicted[None]["tpot_ms"] < predicted[8192]["tpot_ms"]
+
+
+@pytest.mark.parametrize("policy", ["min_ttft", "llmd_kv"])
+def test_a_pools_decode_router_is_built_on_the_decode_workers_capacity(policy: str) -> None:
+    """The decode side's router: a cost priced (``min_ttft``) or a policy built (``llmd_kv``, an incumbent's rule
+    over each pool) on ``decode_capacity_tokens``, with a latency fit that states its pool rescaled to it; the
+    prefill side's on ``capacity_tokens``."""
+    svc = _service(policy, capacity_tokens=100_000, decode_capacity_tokens=20_000, latency_path="h200-llama-3.1-8b")
+    assert svc.pair is not None
+    pre, dec = svc.pair.prefill, svc.pair.decode
+    if policy == "min_ttft":
+        assert isinstance(dec.cost_model, KvLinkCost) and dec.cost_model.capacity_tokens == 20_000
+        fit = LATENCY_PRESETS["h200-llama-3.1-8b"]
+        assert dec.cost_model.latency == fit.for_pool(20_000) != fit.for_pool(100_000)
+        assert getattr(pre.cost_model, "capacity_tokens", None) == 100_000
+    else:
+        assert getattr(dec.policy, "capacity_tokens", None) == 20_000
+        assert getattr(pre.policy, "capacity_tokens", None) == 100_000
 
 
 def test_a_requests_slo_steers_the_goodput_pair() -> None:
