@@ -441,9 +441,9 @@ def test_a_sweep_over_splits_takes_the_link_options(tmp_path: Path) -> None:
 
 
 def test_an_aggregated_point_of_a_link_axis_runs_once_tagged_not_applicable(tmp_path: Path) -> None:
-    """``pools=agg,2:2`` crossed with ``kv_link``: the aggregated point has no link, so it runs once, its link
-    tagged None (null in sweep.json, empty in sweep.csv), where it ran once per link, labelled with links it never
-    used; the split point runs per link. The plots draw it as a level across the link axis."""
+    """``pools=agg,2:2`` crossed with ``kv_link``: the aggregated point has no link, so it runs once, not once per
+    link, its link tagged None (null in sweep.json, empty in sweep.csv); the split point runs per link. The plots
+    draw it as a level across the link axis."""
     grid = parse_grid(["kv_link=tcp-100g,rdma-400g", "pools=agg,2:2"])
     jobs = grid_jobs(generate(dataclasses.replace(PRESETS["chat"], requests=5), 0), ClusterConfig.of(workers=4),
                      RunConfig("round_robin"), grid)

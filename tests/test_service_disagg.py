@@ -170,6 +170,8 @@ def test_the_indexer_cli_refuses_a_pool_without_decode_workers_in_one_line(
         (["--endpoint", "w0=tcp://127.0.0.1:1,role=dec"], "role 'dec'"),
         (["--endpoint", "w0=tcp://127.0.0.1:1,role=prefill", "--endpoint", "w1=tcp://127.0.0.1:2,role=decode",
           "--decode-capacity-tokens", "0"], "decode_capacity_tokens"),
+        (["--endpoint", "w0=tcp://127.0.0.1:1", "--decode-capacity-tokens", "4096", "--kv-link-gbps", "50"],
+         "kv_gbps, decode_capacity_tokens: they apply to a disaggregated pool only"),
     ):
         rc = cli(["indexer", "--listen", "127.0.0.1:0", *argv])
         err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]

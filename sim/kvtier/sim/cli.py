@@ -468,7 +468,7 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
             for p, run, part, itl in zip(policies, runs, parts, itl_parts, strict=True)]
     _warn_inert(a)  # (once every option is checked: a refused one gets its error alone)
     print(f"kvtier: {len(trace)} requests from {a.trace}, {cluster.describe_workers()}, "
-          f"{cluster.device_tokens:,} device tokens each, host x{cluster.host_ratio:g}, l3={cluster.l3}; "
+          f"{cluster.describe_devices()}, host x{cluster.host_ratio:g}, l3={cluster.l3}; "
           f"policies: {', '.join(policies)}", file=sys.stderr)
     t0 = time.monotonic()
     _load_kernels_saying_so(load_kernels, "the simulator's", "run", "a minute or two")
@@ -494,7 +494,7 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
     _warn(summaries)
     written = list(outputs)
     if not a.no_plots:
-        where = (f"{a.trace}, {cluster.describe_workers()} x {cluster.device_tokens:,} device tokens, "
+        where = (f"{a.trace}, {cluster.describe_workers()}, {cluster.describe_devices()}, "
                  f"host x{cluster.host_ratio:g}, l3 {cluster.l3}")
         with _interrupt_after():
             written += plot(out_dir, summaries, [res for _, res in results], where, runs[0].slo)

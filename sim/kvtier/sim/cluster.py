@@ -182,6 +182,12 @@ class ClusterConfig:
             return f"{self.workers} workers"
         return f"{self.prefill_workers} prefill + {self.decode_workers} decode workers"
 
+    def describe_devices(self) -> str:
+        """Device KV in words: ``262,144 device tokens each``, or per pool where the decode pool is sized apart."""
+        if self.disaggregated and self.decode_device_tokens:
+            return f"{self.device_tokens:,} device tokens a prefill worker, {self.decode_device_tokens:,} a decode one"
+        return f"{self.device_tokens:,} device tokens each"
+
     def role(self, worker: int) -> str:
         """``"prefill"``, ``"decode"`` or ``"both"`` (aggregated)."""
         if not self.disaggregated:

@@ -130,7 +130,7 @@ def write_sweep(out_dir: Path, rows: Sequence[dict[str, Any]], axes: Sequence[st
         categorical = any(isinstance(v, str) for pts in lines.values() for v, _ in pts)
         legend = bool(rest) or any(r[x] is None for r in rows)
         for key, pts in lines.items():
-            name = ", ".join(f"{a}={v}" for a, v in zip(rest, key, strict=True) if v is not None)
+            name = ", ".join(f"{a}={v}" if v is not None else f"{a} n/a" for a, v in zip(rest, key, strict=True))
             level = [y for v, y in pts if v is None]
             pts = [(v, y) for v, y in pts if v is not None]
             if pts:

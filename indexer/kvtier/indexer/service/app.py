@@ -121,6 +121,10 @@ class IndexerService:
         #: there, by :func:`~kvtier.indexer.routing.disagg.pool_routers`, and nowhere else).
         self.router: Router | None = None
         if self.pair is None:
+            idle = config.disaggregated_settings()
+            if idle:  # (they would change nothing: say so rather than serve as if they did)
+                raise ConfigError(f"{', '.join(idle)}: {'they apply' if len(idle) > 1 else 'it applies'} to a "
+                                  "disaggregated pool only (endpoints with role=prefill and role=decode)")
             cost, plugin = _policy(name, rs, config.block_size)
             self.router = Router(self.index, cost, loads=self.loads, policy=plugin, rebuilding=self._rebuilding,
                                  window_aware=True, temperature=rs.temperature, seed=rs.seed, dead=self._dead)

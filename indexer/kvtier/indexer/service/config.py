@@ -49,7 +49,8 @@ class ServiceConfig:
     prefill_budget: int = field(default=8192, metadata=at_least(1))
     # each worker's device KV capacity in tokens (ttft costs' decode and memory terms)
     capacity_tokens: int | None = field(default=None, metadata=at_least(1, optional=True))
-    # a disaggregated pool's decode workers' own (None: capacity_tokens), as the simulator's --decode-device-tokens
+    # what a disaggregated pool's decode side prices its workers with (None: capacity_tokens), as the simulator's
+    # --decode-device-tokens; refused in an aggregated pool
     decode_capacity_tokens: int | None = field(default=None, metadata=at_least(1, optional=True))
     model: str = field(default="llama-3.1-8b", metadata=one_of(*PRESETS))  # preset for the ttft cost's transfers
     # The links KV moves over (kvtier.hardware.links presets), as the simulator's --gpu-link / --storage-link;
@@ -159,6 +160,14 @@ class ServiceConfig:
                     return f"worker {s.worker!r}" + (f" rank {s.dp_rank}" if s.dp_rank else "")
                 raise ConfigError(f"endpoints: {what(first)} and {what(ep.stream)} are both named {ep.stream} in "
                                   "every answer")
+
+    def disaggregated_settings(self) -> list[str]:
+        """The settings given that only a disaggregated pool reads (the KV link, conditional disaggregation, the
+        decode workers' capacity), by name."""
+        given = (("kv_link", self.kv_link != DEFAULT_KV_LINK), ("kv_gbps", self.kv_gbps is not None),
+                 ("local_prefill_tokens", self.local_prefill_tokens != 0),
+                 ("decode_capacity_tokens", self.decode_capacity_tokens is not None))
+        return [name for name, set_ in given if set_]
 
     def routing_settings(self, *, decode: bool = False) -> RoutingSettings:
         """What the policy prices with, as the simulator builds it (:mod:`kvtier.indexer.routing.policies`); with
