@@ -497,16 +497,7 @@ def test_the_decode_pool_is_sized_apart() -> None:
 def test_a_runs_decode_side_prices_with_the_decode_pools_capacity_and_fit(monkeypatch: pytest.MonkeyPatch) -> None:
     """The run's router prices its decode side on the decode pool (its capacity, and a latency fit that states its
     pool rescaled to that capacity), its prefill side on the prefill pool: the policy a run builds is the one read."""
-    import kvtier.sim.run as run_module
-
-    built: list[DisaggPolicy] = []
-
-    class Spy(DisaggPolicy):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            built.append(self)
-
-    monkeypatch.setattr(run_module, "DisaggPolicy", Spy)
+    built = _spy_policies(monkeypatch)
     cfg = PD.replace(decode_device_tokens=16_384, latency=LATENCY_PRESETS["h200-llama-3.1-8b"])
     reqs = [Request(f"r{i}", 0.01 * i, 1024, 8, [10 * i + k for k in range(2)]) for i in range(4)]
     assert simulate(reqs, cfg, RunConfig("min_ttft")).summary.unfinished == 0
