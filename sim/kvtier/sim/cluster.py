@@ -276,10 +276,11 @@ class ClusterConfig:
         if self.l3 != "none" and self.l3_tokens < self.page_size:
             raise ConfigError(f"--l3-tokens: {self.l3_tokens} holds no page of --page-size {self.page_size}")
         # Device, host and window-KV pages, before any is made (a decode worker has no host tier).
-        pages = self.workers * self._pages(self.device_tokens, self.host_ratio)
         if self.disaggregated:
             pages = (self.prefill_workers * self._pages(self.device_tokens, self.host_ratio)
                      + self.decode_workers * self._pages(self.decode_device_tokens or self.device_tokens, 0.0))
+        else:
+            pages = self.workers * self._pages(self.device_tokens, self.host_ratio)
         if pages > MAX_PAGES:
             who = (f"--prefill-workers {self.prefill_workers} --decode-workers {self.decode_workers}"
                    if self.disaggregated else f"--workers {self.workers}")
@@ -342,7 +343,7 @@ class SimWorker:
                  on_event: Callable[[int, EventBatch], None], on_first_token: Callable[[Job], None],
                  on_finish: Callable[[Job], None], latency: LatencyModel | None = None,
                  on_progress: Callable[[Job, int], None] | None = None, role: str = "both",
-                 on_prefilled: Callable[[Job], None] | None = None) -> None:
+                 on_prefilled: Callable[[Job], None] | None = None, kv_link: KvLink | None = None) -> None:
         self.index = index
         # "both" (aggregated), "prefill" (computes prompts and hands each to ``on_prefilled``, holding its KV until
         # the decode worker has it: :meth:`release_source`) or "decode" (receives prompts: :meth:`receive`)
@@ -374,13 +375,14 @@ class SimWorker:
         self._decode: _DecodeRun | None = None  # a merged decode run in progress
         self._wake: Timer | None = None  # next copy completion
         self.capacity_tokens = cfg.capacity_tokens()
-        # what a decode worker's device holds (set by build_cluster for a prefill worker; this one's own otherwise)
-        self.decode_capacity_tokens = self.capacity_tokens
+        # what a decode worker's device holds (a prefill worker's cluster config is the whole cluster's)
+        self.decode_capacity_tokens = cfg.decode_config().capacity_tokens() if role == "prefill" else \
+            self.capacity_tokens
         self.peers: list[SimWorker] = []  # workers sharing this one's L3 pool
         self.receiving = 0  # decode role: requests whose KV is on the way (they count against max_running)
         self.received: list[Job] = []  # decode role: KV landed; they join the batch at the next iteration
         self.handing_off = 0  # prefill role: computed prompts held here until their decode worker has them
-        self.kv_link: KvLink | None = None  # decode role: what prompts arrive over (set by build_cluster)
+        self.kv_link = kv_link  # decode role: what prompts arrive over (the cluster's one link)
 
     # --- arrivals and cache bookkeeping --------------------------------------------------
 
@@ -751,14 +753,11 @@ def build_cluster(cfg: ClusterConfig, env: Environment, on_event: Callable[[int,
         role = cfg.role(i)
         if role == "decode":
             cluster.workers.append(SimWorker(i, env, decode_cfg, None, on_event, on_first_token, on_finish, latency,
-                                             on_progress, role))
-            cluster.workers[-1].kv_link = link
+                                             on_progress, role, kv_link=link))
             continue
         store = pool if pool is not None else (PageStore(pages) if cfg.l3 == "disk" else None)
         cluster.workers.append(SimWorker(i, env, cfg, store, on_event, on_first_token, on_finish, latency,
                                          on_progress, role, on_prefilled))
-        if role == "prefill":
-            cluster.workers[-1].decode_capacity_tokens = decode_cfg.capacity_tokens()
     if pool is not None:
         sharing = [w for w in cluster.workers if w.role != "decode"]
         for w in sharing:
