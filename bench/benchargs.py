@@ -7,7 +7,9 @@ check every element.
 from __future__ import annotations
 
 import argparse
+import shutil
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 from kvtier.util.fields import Domain
 
@@ -41,6 +43,27 @@ def fraction(text: str) -> float:
 def rates(text: str) -> list[float]:
     """Comma-separated numbers, each > 0."""
     return [positive(x) for x in text.split(",")]
+
+
+def directory(text: str) -> Path:
+    """An existing directory."""
+    if not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: no such directory")
+    return Path(text)
+
+
+def existing_file(text: str) -> Path:
+    """An existing file."""
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"{text}: no such file")
+    return Path(text)
+
+
+def executable(text: str) -> str:
+    """An executable, as a path or a name on ``PATH`` (an interpreter to run a peer with)."""
+    if shutil.which(text) is None:
+        raise argparse.ArgumentTypeError(f"{text}: no such executable")
+    return text
 
 
 def names(choices: Iterable[str]) -> Callable[[str], list[str]]:

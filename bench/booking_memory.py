@@ -49,6 +49,7 @@ def main() -> None:
     for name, roles in (("aggregated (2 workers)", ("both", "both")),
                         ("disaggregated (1P+1D)", ("prefill", "decode"))):
         print(f"  {name:24} {per_block(roles, a.bookings, a.blocks):6.1f} bytes per booked block")
+    print("target: none set; the figure turns the caps on booked blocks into bytes. No peer books prompts this way")
 
 
 if __name__ == "__main__":

@@ -451,7 +451,8 @@ class Chaos:
             lo = gone_since + self.liveness_s + 1.0  # a second's grace past the timeout
             picked = sum(1 for t, who in w.routes if lo <= t <= gone_until and who == gone)
             total = sum(1 for t, _ in w.routes if lo <= t <= gone_until)
-            row.to_gone = f"{picked}/{total}"
+            # (none routed in the window, e.g. a fault shorter than the liveness timeout: nothing measured)
+            row.to_gone = f"{picked}/{total}" if total else "-"
         return row
 
     def detect(self, t0: float, row: Row) -> None:
@@ -613,7 +614,8 @@ def main() -> int:
     for r in rows:
         print_row(r)
     print("to gone: /route answers that picked the hurt engine from the liveness timeout + 1 s after the fault "
-          "until it came back, of all answers then; detect: fault to /health not ok; healthy: end of the fault to "
+          "until it came back, of all answers then (-: none then, as when the fault is shorter); detect: fault to "
+          "/health not ok; healthy: end of the fault to "
           "/health ok; index=engines: the indexer's snapshot equals every engine's state dump once they idle")
     missed = [r.scenario for r in rows if r.healthy_s.startswith(">") or r.index_equal != "yes"]
     print(f"target: healthy again within {HEALTHY_WITHIN_S:.0f} s and index=engines in every scenario: "

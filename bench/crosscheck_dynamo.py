@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from benchargs import count, names, positive
+from benchargs import count, executable, names, positive
 
 from kvtier.hardware.latency import PRESETS
 from kvtier.sim.cluster import ClusterConfig
@@ -181,11 +181,11 @@ def _fmt(r: Row) -> str:
     return f"{r.hit:7.4f} " + " ".join(f"{getattr(r, f):7.1f}" for _, f in LATENCIES) + f" {r.wall_s:6.1f}"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", type=Path, help="Mooncake JSONL (default: the shared conversation trace)")
     ap.add_argument("--limit", type=count(), help="first N requests only")
-    ap.add_argument("--workers", type=count(), default=16, help="workers of the default cluster")
+    ap.add_argument("--workers", type=count(), default=16, help="workers of the default and default-host4x clusters")
     ap.add_argument("--clusters", type=names(clusters(16)), default="default,default-host4x,loaded",
                     help="comma-separated, from default, default-host4x, loaded")
     ap.add_argument("--disagg", metavar="P:D",
@@ -199,12 +199,12 @@ def main() -> int:
                     "(default: the cluster's); both simulators' decode engines get it")
     ap.add_argument("--decode-max-running", type=count(), help="with --disagg: a decode worker's batch (default: the "
                     "cluster's)")
-    ap.add_argument("--dynamo-python",
+    ap.add_argument("--dynamo-python", type=executable,
                     help="interpreter with ai-dynamo-runtime==1.6.1 (default: this one, if it has it)")
     ap.add_argument("--dynamo-runs", type=count(), default=1,
                     help="runs of Dynamo's mocker per cluster: its kv_router's hit rate varies from run to run, and "
                          "the `dynamo` policy is judged against their mean (default: %(default)s)")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     path = a.trace or shared_dir() / "traces" / "mooncake_conversation_trace.jsonl"
     reqs = load_mooncake(path, limit=a.limit)
     known = clusters(a.workers)
@@ -232,11 +232,12 @@ def main() -> int:
             runs = [run_dynamo(py, trace, cfg, host_credit=0.75) for _ in range(a.dynamo_runs)] if py else []
             dyn = runs[0] if runs else {}
             ours = {p: run_kvtier(reqs, cfg, p) for p in ("round_robin", "dynamo", "min_ttft")}
-            dec = cfg.decode_config()
-            pools = (f" ({cfg.prefill_workers} prefill, host x{cfg.host_ratio:g}; {cfg.decode_workers} decode, device "
-                     f"only, {dec.device_tokens // dec.page_size:,} pages, {dec.max_running} running; KV link "
-                     f"{cfg.kv_link_gbps:g} GB/s, the part a decode worker lacks)"
-                     if cfg.disaggregated else f", host x{cfg.host_ratio:g}")
+            pools = f", host x{cfg.host_ratio:g}"
+            if cfg.disaggregated:  # (an aggregated cluster has no decode pool to describe)
+                dec = cfg.decode_config()
+                pools = (f" ({cfg.prefill_workers} prefill, host x{cfg.host_ratio:g}; {cfg.decode_workers} decode, "
+                         f"device only, {dec.device_tokens // dec.page_size:,} pages, {dec.max_running} running; KV "
+                         f"link {cfg.kv_link_gbps:g} GB/s, the part a decode worker lacks)")
             print(f"\n{name}: {cfg.workers} workers, {cfg.device_tokens // cfg.page_size:,} pages each{pools}; "
                   f"kvtier evicts by {a.eviction}"
                   f"\n{'run':<20}{header}")

@@ -283,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         w.writerows(rows)
     print(f"wrote {a.output} ({len(rows)} points); fit it with: kvtier fit-latency {a.output} "
           f"--kv-pool-tokens {capacity}", file=sys.stderr)
+    print("target: none set; the points are the measured latency model (kvtier fit-latency), no peer's to compare",
+          file=sys.stderr)
     return 0
 
 

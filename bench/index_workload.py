@@ -35,9 +35,11 @@ def engine_hashes(conv: int) -> list[int]:
 
 
 def placement(conv: int, workers: int) -> list[int]:
-    """The workers holding a conversation: one, or two for every fourth."""
+    """The workers holding a conversation: one, or two for every fourth (where there are two workers)."""
     first = conv % workers
-    return [first, (first + 1 + conv % 3) % workers] if conv % 4 == 0 else [first]
+    if conv % 4 or workers < 2:
+        return [first]
+    return [first, (first + 1 + conv % 3 % (workers - 1)) % workers]  # (an offset of 1..workers-1: another worker)
 
 
 def conversations(n_events: int, workers: int) -> Iterator[tuple[int, list[int], list[int], list[int]]]:

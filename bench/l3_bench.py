@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchargs import count
+from benchargs import count, directory
 
 from kvtier.engine.hashing import ROOT_DIGEST, event_hash, page_digest
 from kvtier.engine.l3.pagedir import SyncPolicy
@@ -65,7 +65,7 @@ def main() -> None:
     ap.add_argument("--page-kib", type=count(), default=256, help="KV bytes per page, KiB")
     ap.add_argument("--batch", type=count(), default=16, help="pages per copy op")
     ap.add_argument("--repeat", type=count(), default=3)
-    ap.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary folder)")
+    ap.add_argument("--dir", type=directory, default=None, help="where to write (default: a temporary folder)")
     a = ap.parse_args()
     payload = os.urandom(a.page_kib * 1024)
     mb = a.pages * len(payload) / 1e6

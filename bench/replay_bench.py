@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchargs import at_least, count
+from benchargs import at_least, count, existing_file
 
 from kvtier.indexer.index.consumer import IndexConsumer
 from kvtier.indexer.index.tiered import TieredIndex
@@ -148,7 +148,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=count(), default=3, help="runs per publisher (default: 3)")
     ap.add_argument("--slow", type=at_least(0), default=1.0, help="seconds not reading after the join (default: 1)")
     ap.add_argument("--blocks", type=count(), default=16, help="blocks of 64 tokens per batch (default: 16)")
-    ap.add_argument("--sglang-kv-events", type=Path, help="SGLang's sglang/srt/disaggregation/kv_events.py")
+    ap.add_argument("--sglang-kv-events", type=existing_file, help="SGLang's sglang/srt/disaggregation/kv_events.py")
     ap.add_argument("--vllm-kv-events", type=Path, help="vLLM's vllm/distributed/kv_events.py")
     args = ap.parse_args()
     logging.basicConfig(level=logging.ERROR)

@@ -17,6 +17,7 @@ batches, dumps): the snapshot's row replays and dumps nothing but the batches pu
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -84,12 +85,13 @@ def sent(node: EngineNode, since: tuple[int, int, int]) -> str:
     return f"{st.messages - since[0] - (st.requests - since[2])} batches sent, {st.dumps - since[1]} dumps"
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=count(100), default=3000,
                     help="distinct 64-page prompts cached, at least 100: their 200 batches overflow the dump row's "
                          "buffer of 100 (default: 3000)")
     args = ap.parse_args()
+    misses = 0
     for label, buffer in (("replay from seq 0", 1 << 30), ("state dump", 100)):
         dumps = label == "state dump"
         node, now = engine(args.prompts, buffer)
@@ -124,10 +126,12 @@ def main() -> None:
                   f"in {wrote:.2f} s; {pub.last_seq + 1 - published} batches published since; "
                   f"{sent(node, mark)}, the first the check that the engine still holds the batch applied last)")
             resumed = pub.replay_stats.dumps == mark[1]
+            misses += not resumed
             print(f"target: a restart from the snapshot resumes at its seq, no dump: {'MET' if resumed else 'MISS'}")
             svc.stop()
         node.close()
+    return 1 if misses else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -26,6 +26,9 @@ from pathlib import Path
 
 from benchargs import count, positive
 
+from kvtier.indexer.routing.plugins import is_plugin_spec
+from kvtier.indexer.routing.policies import REGISTRY
+
 TARGET_S = 15 * 60
 TARGET_GROWTH = 1.25  # the whole replay's peak over the tenth's
 
@@ -59,6 +62,11 @@ def main() -> int:
                     help="trace and results (default: out/bench/scale)")
     ap.add_argument("--no-tenth", action="store_true", help="skip the replay of the first tenth")
     a = ap.parse_args()
+    policies = [p.strip() for p in a.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in REGISTRY and not is_plugin_spec(p)]
+    if unknown or not policies:  # (before the trace is made and the first policy replayed)
+        ap.error(f"--policies: {', '.join(unknown) or 'none given'}; expected built-in policies "
+                 f"({', '.join(REGISTRY)}) or plugins (module:attr, file.py:attr, an entry point)")
     a.out.mkdir(parents=True, exist_ok=True)
     trace = a.out / f"chat-{a.requests}-rate{a.rate:g}.jsonl"
     if not trace.exists():
@@ -72,7 +80,7 @@ def main() -> int:
     print(f"{'policy':<12} {'requests':>10} {'unfin':>6} {'wall s':>8} {'req/s':>7} {'peak MiB':>9} {'hit':>6} "
           f"{'p50 ms':>7}  target")
     misses = 0
-    for policy in [p.strip() for p in a.policies.split(",") if p.strip()]:
+    for policy in policies:
         limits = [None] if a.no_tenth else [a.requests // 10, None]
         tenth_peak = None
         for limit in limits:

@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchargs import count, names
+from benchargs import count, executable, names
 from crosscheck_dynamo import crosscheck_cluster, dynamo_python, run_dynamo
 
 from kvtier.indexer.routing.policies import REGISTRY
@@ -91,7 +91,7 @@ def main() -> int:
                     help="kvtier policies (default: %(default)s)")
     ap.add_argument("--configs", type=names(CONFIGS), default=",".join(CONFIGS),
                     help="cluster configurations (default: %(default)s)")
-    ap.add_argument("--dynamo-python",
+    ap.add_argument("--dynamo-python", type=executable,
                     help="interpreter with ai-dynamo-runtime==1.6.1 (default: this one, if it has it)")
     ap.add_argument("--one", nargs=2, metavar=("CONFIG", "POLICY"), help=argparse.SUPPRESS)
     a = ap.parse_args()
