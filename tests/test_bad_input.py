@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -398,7 +400,21 @@ CASES: dict[str, Case] = {
     "itl-series is a plot": (lambda t, f: ["compare", "--trace", "builtin:chat:4", "--out", _dir(t, "o"),
                                            "--itl-series", "o/../o/ttft_cdf.png"],
                              "ttft_cdf.png: is one of --out's own outputs"),
+    # an output that is an input: the trace was overwritten, and a later run refused it
+    "itl-series is the trace": (lambda t, f: ["replay", "--trace", _bytes(t, "t.jsonl", _MOONCAKE_LINE), "--no-plots",
+                                              "--out", str(t / "o"), "--itl-series", str(t / "t.jsonl")],
+                                "t.jsonl: is the --trace file the run reads; name another file"),
+    "out holds the trace": (lambda t, f: ["replay", "--trace", _bytes(t, "requests.csv", _AZURE_LINES), "--no-plots",
+                                          "--out", str(t)], "requests.csv: is the --trace file the run reads"),
+    "sweep out holds the trace": (lambda t, f: ["sweep", "--trace", _bytes(t, "sweep.json", _MOONCAKE_LINE),
+                                                "--no-plots", "--grid", "workers=1,2", "--out", str(t)],
+                                  "sweep.json: is the --trace file the run reads"),
+    # a host tier of no page: an --l3 tier behind it silently did nothing
+    "host ratio of no page": (lambda t, f: ["replay", *SMALL, "--device-tokens", "32768", "--host-ratio", "0.0001",
+                                            "--l3", "disk"], "--host-ratio 0.0001: a host tier of no page"),
     # gen-trace
+    "gen-trace to a full device": (lambda t, f: ["gen-trace", "--requests", "3", "-o", "/dev/full"],
+                                   "-o /dev/full: No space left on device"),
     "gen-trace requests 0": (lambda t, f: ["gen-trace", "--requests", "0", "-o", str(t / "x.jsonl")],
                              "argument --requests: 0 is not allowed"),
     "gen-trace rate -1": (lambda t, f: ["gen-trace", "--rate", "-1", "-o", str(t / "x.jsonl")],
@@ -409,7 +425,7 @@ CASES: dict[str, Case] = {
     "gen-trace seed -1": (lambda t, f: ["gen-trace", "--seed", "-1", "-o", str(t / "x.jsonl")],
                           "argument --seed: -1 is not allowed; expected an integer >= 0"),
     "gen-trace missing directory": (lambda t, f: ["gen-trace", "--requests", "3", "-o", str(t / "no" / "x.jsonl")],
-                                    "No such file or directory"),
+                                    "/no/x.jsonl: directory "),
     # fit-latency
     "fit-latency missing csv": (lambda t, f: ["fit-latency", str(t / "none.csv")], "none.csv: No such file"),
     "latency preset unknown": (lambda t, f: ["replay", *SMALL, "--latency", "h100-llama"],
@@ -539,6 +555,11 @@ def _fifo(tmp: Path, name: str) -> str:
     os.mkfifo(tmp / name)
     return str(tmp / name)
 
+
+#: A one-request Mooncake trace, and a two-request Azure one.
+_MOONCAKE_LINE = b'{"timestamp": 0, "input_length": 128, "output_length": 4, "hash_ids": [1]}\n'
+_AZURE_LINES = (b"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n"
+                b"2023-11-16 18:15:50.9951690,396,109\n")
 
 #: A plugin the cases above break one way each.
 _PLUGIN = (b"from kvtier.indexer.routing.plugins import PolicyBase\n\n\nclass P(PolicyBase):\n    name = \"p\"\n\n"
@@ -678,6 +699,27 @@ def test_an_itl_series_that_cannot_be_written_is_refused_before_the_run(tmp_path
     output directory, no part file)."""
     assert main(["replay", *SMALL, "--out", str(tmp_path / "o"), "--itl-series", str(tmp_path)]) == 2
     assert list(tmp_path.iterdir()) == []  # no output directory, no part file
+
+
+def test_outputs_that_are_links_or_fifos_are_written_through_not_replaced(tmp_path: Path) -> None:
+    """Outputs were written beside their path and renamed over it: a FIFO, a device or a symbolic link given as
+    ``--itl-series`` (``/dev/stdout``) or ``-o`` was replaced by a regular file (``/dev/full`` among them, run as root).
+    They are written through; a regular file is still replaced whole."""
+    fifo = tmp_path / "gaps.fifo"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    assert main(["replay", *SMALL, "--out", str(tmp_path / "o"), "--itl-series", str(fifo)]) == 0
+    reader.join(60)
+    assert stat.S_ISFIFO(fifo.lstat().st_mode)
+    assert len(got[0].splitlines()) == 4 and got[0].startswith(b'{"policy": "kv_all"')
+    (tmp_path / "real.jsonl").write_text("old\n")
+    link = tmp_path / "link.jsonl"
+    link.symlink_to("real.jsonl")
+    assert main(["gen-trace", "--requests", "3", "-o", str(link)]) == 0
+    assert link.is_symlink() and len((tmp_path / "real.jsonl").read_text().splitlines()) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gaps.fifo", "link.jsonl", "o", "real.jsonl"]
 
 
 def test_through_a_real_process(tmp_path: Path) -> None:

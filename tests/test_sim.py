@@ -641,6 +641,30 @@ def test_rejected_requests_are_named_on_stderr(tmp_path: Path, capsys: pytest.Ca
     assert "requests rejected" not in capsys.readouterr().err
 
 
+def test_requests_rejected_for_the_decode_pool_name_its_option(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Disaggregated, a request may fit its prefill worker and no decode worker: the warning blamed --device-tokens
+    for rejections --decode-device-tokens made, and summary.json did not tell the two apart."""
+    base = ["replay", "--trace", "builtin:chat:60", "--prefill-workers", "1", "--decode-workers", "1", "--no-plots",
+            "--device-tokens", "4096", "--allow-unfinished"]
+    assert cli([*base, "--decode-device-tokens", "3000", "--out", str(tmp_path / "mixed")]) == 0
+    run = json.loads((tmp_path / "mixed" / "summary.json").read_text())["runs"][0]
+    decode, rejected = run["extra"]["rejected_decode"], run["rejected"]
+    assert 0 < decode < rejected
+    assert (f"warning: kv_all: {rejected} of 60 requests rejected: their prompt and output do not fit a worker's "
+            f"device: {rejected - decode} a prefill worker's (--device-tokens), {decode} a decode worker's "
+            "(--decode-device-tokens, which defaults to --device-tokens)") in capsys.readouterr().err
+    assert cli([*base[:-3], "--device-tokens", "65536", "--decode-device-tokens", "256",
+                "--out", str(tmp_path / "decode")]) == 0
+    run = json.loads((tmp_path / "decode" / "summary.json").read_text())["runs"][0]
+    assert run["rejected"] == run["extra"]["rejected_decode"] == 60
+    assert ("warning: kv_all: 60 of 60 requests rejected: their prompt and output do not fit a decode worker's "
+            "device (--decode-device-tokens") in capsys.readouterr().err
+    assert cli(["replay", "--trace", "builtin:chat:20", "--device-tokens", "1024", "--no-plots",
+                "--out", str(tmp_path / "agg")]) == 0
+    assert json.loads((tmp_path / "agg" / "summary.json").read_text())["runs"][0]["extra"]["rejected_decode"] == 0
+
+
 def test_requests_csv_leaves_latencies_that_never_came_empty(tmp_path: Path) -> None:
     """A rejected request has no first token, no finish and no prefill start; an unfinished one lacks some of
     them: requests.csv leaves those cells empty (it wrote -1 minus the arrival: a negative latency a mean took in),

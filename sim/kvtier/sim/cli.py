@@ -426,9 +426,20 @@ def _check_output(option: str, path: str | Path) -> None:
         raise CliError(f"{option} {path}: {problem}")
 
 
+def _not_an_input(a: argparse.Namespace, option: str, path: Path) -> None:
+    """:class:`CliError` if writing ``path`` would overwrite one of the run's input files (``--trace``,
+    ``--latency``), which a later run would then read. O(1)."""
+    inputs = {Path(p).resolve(): name for name, p in (("--trace", getattr(a, "trace", None)),
+                                                        ("--latency", getattr(a, "latency", None)))
+              if p and Path(p).is_file()}
+    clash = inputs.get(path.resolve())
+    if clash is not None:
+        raise CliError(f"{option} {path}: is the {clash} file the run reads; name another file")
+
+
 def _out_dir(a: argparse.Namespace, *names: str) -> Path:
-    """``--out``, made if need be, once it is known that ``names`` can be written in it: checked now, not once
-    every run is done and its results have nowhere to go. O(1)."""
+    """``--out``, made if need be, once it is known that ``names`` can be written in it (and would overwrite no
+    input): checked now, not once every run is done and its results have nowhere to go. O(1)."""
     if not a.out:
         raise CliError("--out: empty; name a directory")
     out_dir = Path(a.out)
@@ -442,6 +453,7 @@ def _out_dir(a: argparse.Namespace, *names: str) -> Path:
         problem = unwritable((out_dir / name).resolve())
         if problem is not None:
             raise CliError(f"--out {a.out}: {name} {problem}")
+        _not_an_input(a, f"--out {a.out}:", out_dir / name)
     return out_dir
 
 
@@ -454,8 +466,9 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
     runs = [_run_cfg(a, p) for p in policies]  # (before --out is made: a refused policy leaves nothing behind)
     if a.itl_series is not None:
         _check_output("--itl-series", a.itl_series)  # (now, not once every run is done)
-    out_dir = _out_dir(a, "summary.json", "requests.csv")
+    out_dir = _out_dir(a, "summary.json", "requests.csv", *([] if a.no_plots else PLOTS))
     if a.itl_series is not None:
+        _not_an_input(a, "--itl-series", a.itl_series)
         own = {(out_dir / n).resolve() for n in ("summary.json", "requests.csv", *([] if a.no_plots else PLOTS))}
         if a.itl_series.resolve() in own:
             raise CliError(f"--itl-series {a.itl_series}: is one of --out's own outputs; name another file")
@@ -612,7 +625,7 @@ def cmd_sweep(a: argparse.Namespace) -> int:
     _warn_inert(a, grid)
     if a.ray and importlib.util.find_spec("ray") is None:
         raise CliError("--ray needs Ray: pip install ray (or drop --ray for a local process pool)")
-    out_dir = _out_dir(a, "sweep.json", "sweep.csv")
+    out_dir = _out_dir(a, "sweep.json", "sweep.csv", *([] if a.no_plots else SWEEP_PLOTS))
     print(f"kvtier sweep: {len(jobs)} runs over {', '.join(grid)}"
           f" on {'Ray' if a.ray else 'a local process pool'}", file=sys.stderr)
     _load_kernels_saying_so(load_kernels, "the simulator's", "run", "a minute or two")
@@ -653,11 +666,14 @@ def cmd_gen_trace(a: argparse.Namespace) -> int:
             if i % GEN_PROGRESS_EVERY == 0:
                 print(f"kvtier: {i:,} of {a.requests:,} requests written", file=sys.stderr, flush=True)
 
+    from kvtier.sim.report import whole
+
+    _check_output("-o", a.output)
     try:
-        n = write_mooncake(stream(), Path(a.output))
-    except CliError:
-        Path(a.output).unlink(missing_ok=True)  # (no partial trace left behind)
-        raise
+        with whole(Path(a.output)) as part:  # (no partial trace left behind, and a device or FIFO written through)
+            n = write_mooncake(stream(), part)
+    except OSError as exc:
+        raise CliError(f"-o {a.output}: {exc.strerror or exc}") from None
     print(f"wrote {n} {a.kind} requests over {last:.0f} s to {a.output}", file=sys.stderr)
     return 0
 

@@ -249,6 +249,10 @@ class ClusterConfig:
             if tokens is not None and tokens < self.page_size * 4:
                 raise ConfigError(f"{option}: {tokens} holds fewer than 4 pages of --page-size {self.page_size}; "
                                   f"expected >= {self.page_size * 4}")
+        if self.host_ratio > 0 and int(self.device_tokens // self.page_size * self.host_ratio) == 0:
+            raise ConfigError(f"--host-ratio {self.host_ratio:g}: a host tier of no page (--device-tokens "
+                              f"{self.device_tokens:,} is {self.device_tokens // self.page_size:,} pages); expected 0 "
+                              "for none, or a ratio giving at least a page")
         if self.l3 != "none" and self.host_ratio <= 0:
             raise ConfigError(f"--l3 {self.l3}: needs a host tier (--host-ratio > 0): pages reach storage from host "
                               "memory and are prefetched back into it")
@@ -382,6 +386,7 @@ class SimWorker:
         self.receiving = 0  # decode role: requests whose KV is on the way (they count against max_running)
         self.received: list[Job] = []  # decode role: KV landed; they join the batch at the next iteration
         self.handing_off = 0  # prefill role: computed prompts held here until their decode worker has them
+        self.rejected_for_decode = 0  # prefill role: rejected requests that fit here but on no decode worker
         self.kv_link = kv_link  # decode role: what prompts arrive over (the cluster's one link)
 
     # --- arrivals and cache bookkeeping --------------------------------------------------
@@ -392,8 +397,9 @@ class SimWorker:
         # Rejected if it could never fit: here (its prompt and the output room it reserves here) or on a decode
         # worker (its prompt and whole output, at least the one token every request generates).
         prompt = job.req.input_length
-        if prompt + self._output_room(job) > self.capacity_tokens or \
-                prompt + max(1, job.req.output_length) > self.decode_capacity_tokens:
+        fits_here = prompt + self._output_room(job) <= self.capacity_tokens
+        if not fits_here or prompt + max(1, job.req.output_length) > self.decode_capacity_tokens:
+            self.rejected_for_decode += fits_here
             job.record.rejected = True
             self._on_finish(job)
             return

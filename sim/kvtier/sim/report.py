@@ -80,11 +80,19 @@ def overloaded(s: RunSummary) -> str | None:
 
 def rejections(s: RunSummary) -> str | None:
     """What a run's rejected requests mean, or None if it rejected none: each needs room for its prompt and output
-    on a worker's device, which no routing policy makes."""
+    on a worker's device (disaggregated: on a prefill worker's and on a decode worker's; ``extra["rejected_decode"]``
+    counts those that fit the first alone), which no routing policy makes."""
     if not s.rejected:
         return None
-    return (f"{s.policy}: {s.rejected} of {s.total} requests rejected: their prompt and output do not fit a "
-            "worker's device (--device-tokens)")
+    decode = int(s.extra.get("rejected_decode", 0))
+    head = f"{s.policy}: {s.rejected} of {s.total} requests rejected: their prompt and output do not fit"
+    dec = "--decode-device-tokens, which defaults to --device-tokens"
+    if not decode:
+        return f"{head} a worker's device (--device-tokens)"
+    if decode == s.rejected:
+        return f"{head} a decode worker's device ({dec})"
+    return (f"{head} a worker's device: {s.rejected - decode} a prefill worker's (--device-tokens), {decode} a decode "
+            f"worker's ({dec})")
 
 
 def run_warnings(summaries: Sequence[RunSummary]) -> list[str]:
@@ -260,15 +268,20 @@ def whole(path: Path) -> Iterator[Path]:
 @contextlib.contextmanager
 def wholes(paths: Sequence[Path]) -> Iterator[list[Path]]:
     """:func:`whole` of several files at once: their parts are renamed into place together, once what it wraps is
-    done (a stopped run leaves none of them beside the others half-written), or all removed. O(files)."""
-    parts = [p.with_name(f".{p.name}.part") for p in paths]
+    done (a stopped run leaves none of them beside the others half-written), or all removed. A path that is a
+    symbolic link, a device or a FIFO (``/dev/stdout``, a pipe) is written through, not staged: a rename would
+    replace it with a regular file. O(files)."""
+    staged = [not p.is_symlink() and (p.is_file() or not p.exists()) for p in paths]
+    parts = [p.with_name(f".{p.name}.part") if s else p for p, s in zip(paths, staged, strict=True)]
     try:
         yield parts
-        for part, path in zip(parts, paths, strict=True):
-            os.replace(part, path)
+        for part, path, s in zip(parts, paths, staged, strict=True):
+            if s:
+                os.replace(part, path)
     except BaseException:
-        for part in parts:
-            part.unlink(missing_ok=True)
+        for part, s in zip(parts, staged, strict=True):
+            if s:
+                part.unlink(missing_ok=True)
         raise
 
 

@@ -307,7 +307,8 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
     summary = builder.summary(run.label, rejected, total=total)
     summary.extra.update(events_published=counters.published, event_blocks=counters.blocks,
                          events_lost=counters.lost, replay_requests=counters.replay_requests, dumps=counters.dumps,
-                         partial_marks=counters.partial_marks)
+                         partial_marks=counters.partial_marks,
+                         rejected_decode=sum(w.rejected_for_decode for w in cluster.workers))
     return RunResult(summary, records, decisions, counters.published, counters.lost, counters, builder.ttft,
                      builder.tpot, builder.e2e)
 
