@@ -73,7 +73,8 @@ def overloaded(s: RunSummary) -> str | None:
         # (the wait is the handed-off requests' median, the TTFT every request's: prompts prefilled on their decode
         # worker wait for none)
         return (f"{s.policy}: overloaded: the median request handed to a decode worker waited "
-                f"{s.decode_queue_p50:.1f} s there for room (the median TTFT: {s.ttft_p50:.1f} s); the decode pool "
+                f"{s.decode_queue_p50:.1f} s there for room (the median TTFT of every request, those prefilled on "
+                f"their decode worker included: {s.ttft_p50:.1f} s); the decode pool "
                 f"cannot keep up (more decode workers, a larger --time-scale or fewer requests)")
     return None
 
