@@ -149,7 +149,7 @@ def main() -> int:
     ap.add_argument("--slow", type=at_least(0), default=1.0, help="seconds not reading after the join (default: 1)")
     ap.add_argument("--blocks", type=count(), default=16, help="blocks of 64 tokens per batch (default: 16)")
     ap.add_argument("--sglang-kv-events", type=existing_file, help="SGLang's sglang/srt/disaggregation/kv_events.py")
-    ap.add_argument("--vllm-kv-events", type=Path, help="vLLM's vllm/distributed/kv_events.py")
+    ap.add_argument("--vllm-kv-events", type=existing_file, help="vLLM's vllm/distributed/kv_events.py")
     args = ap.parse_args()
     logging.basicConfig(level=logging.ERROR)
     global BLOCKS

@@ -28,7 +28,10 @@ from kvtier.sim import cli as cli_module
 from kvtier.sim import experiment
 from kvtier.sim.cli import main
 from kvtier.sim.cluster import MAX_PAGES
+from kvtier.sim.report import wholes
+from kvtier.util import outpath
 from kvtier.util.fields import ConfigError
+from kvtier.util.outpath import unwritable
 from tests.test_multiprocess import ROOT, free_port
 
 SMALL = ["--trace", "builtin:chat:4", "--no-plots"]
@@ -720,6 +723,56 @@ def test_outputs_that_are_links_or_fifos_are_written_through_not_replaced(tmp_pa
     assert main(["gen-trace", "--requests", "3", "-o", str(link)]) == 0
     assert link.is_symlink() and len((tmp_path / "real.jsonl").read_text().splitlines()) == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gaps.fifo", "link.jsonl", "o", "real.jsonl"]
+
+
+def test_a_linked_output_is_still_written_whole(tmp_path: Path) -> None:
+    """Through a symbolic link, the file it names is staged and replaced (written in place, a stopped write left a
+    truncated file where the old one was)."""
+    target, link = tmp_path / "real.txt", tmp_path / "link.txt"
+    target.write_text("old")
+    link.symlink_to(target.name)
+    with pytest.raises(KeyboardInterrupt), wholes([link]) as (part,):
+        part.write_text("half")
+        raise KeyboardInterrupt
+    assert target.read_text() == "old" and link.is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.txt", "real.txt"]  # (no part left)
+    with wholes([link]) as (part,):
+        part.write_text("new")
+    assert target.read_text() == "new" and link.is_symlink()
+
+
+def test_a_device_is_judged_by_itself_not_by_its_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``-o /dev/null`` was refused for a user who cannot write to ``/dev``: a device or a FIFO is written through,
+    so only it must be writable (faked here: the tests run as root, whom every directory lets write)."""
+    fifo = tmp_path / "f"
+    os.mkfifo(fifo)
+    real = os.access
+    monkeypatch.setattr(outpath.os, "access", lambda p, mode: Path(p) != tmp_path and real(p, mode))
+    assert unwritable(fifo) is None
+    assert unwritable(tmp_path / "new.txt") == f"directory {tmp_path} is not writable"
+
+
+def test_an_itl_series_on_the_file_stdout_goes_to_is_refused(tmp_path: Path) -> None:
+    """``--itl-series /dev/stdout`` with stdout redirected to a file: the gaps were written through a second opening of
+    that file, then the results table printed over their start."""
+    with open(tmp_path / "out.txt", "w") as out:
+        r = subprocess.run([sys.executable, "-m", "kvtier", "replay", *SMALL, "--out", str(tmp_path / "o"),
+                            "--itl-series", "/dev/stdout"], cwd=ROOT, stdout=out, stderr=subprocess.PIPE, text=True,
+                           timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().endswith("--itl-series /dev/stdout: is the file this run's standard output goes to, "
+                                     "where the results table is printed; name another file")
+    assert not (tmp_path / "o").exists()  # (refused before --out is made)
+
+
+def test_a_latency_preset_is_no_input_file_whatever_the_directory_holds(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--latency`` names a preset before a file: a file of a preset's name in the working directory is not the
+    run's input, and an output may be written there."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "dynamo-mocker").write_text("")
+    assert main(["replay", *SMALL, "--latency", "dynamo-mocker", "--out", "o", "--itl-series", "dynamo-mocker"]) == 0
+    assert (tmp_path / "dynamo-mocker").read_text().startswith('{"policy": "kv_all"')
 
 
 def test_through_a_real_process(tmp_path: Path) -> None:

@@ -26,8 +26,7 @@ def test_the_dynamo_crosscheck_runs_aggregated_and_disaggregated_clusters(shared
                                                                           disagg: list[str]) -> None:
     """An aggregated cluster crashed asking for its decode pool (which only a disaggregated one has)."""
     trace = shared_dir / "traces" / "mooncake_conversation_trace.jsonl"
-    run = bench("bench/crosscheck_dynamo.py", "--trace", str(trace), "--limit", "40", "--clusters", "loaded",
-                "--workers", "4", *disagg)
+    run = bench("bench/crosscheck_dynamo.py", "--trace", str(trace), "--limit", "40", "--clusters", "loaded", *disagg)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "Traceback" not in run.stderr
     rows = [ln.split()[1] for ln in run.stdout.splitlines() if ln.startswith("kvtier ")]

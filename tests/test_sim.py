@@ -660,6 +660,12 @@ def test_requests_rejected_for_the_decode_pool_name_its_option(tmp_path: Path,
     assert run["rejected"] == run["extra"]["rejected_decode"] == 60
     assert ("warning: kv_all: 60 of 60 requests rejected: their prompt and output do not fit a decode worker's "
             "device (--decode-device-tokens") in capsys.readouterr().err
+    # prefilled on the decode worker (conditional disaggregation), a prompt rejected there fits no decode worker
+    assert cli([*base[:-3], "--device-tokens", "65536", "--decode-device-tokens", "256", "--local-prefill-tokens",
+                "100000", "--out", str(tmp_path / "local")]) == 0
+    run = json.loads((tmp_path / "local" / "summary.json").read_text())["runs"][0]
+    assert run["rejected"] == run["extra"]["rejected_decode"] == 60
+    capsys.readouterr()
     assert cli(["replay", "--trace", "builtin:chat:20", "--device-tokens", "1024", "--no-plots",
                 "--out", str(tmp_path / "agg")]) == 0
     assert json.loads((tmp_path / "agg" / "summary.json").read_text())["runs"][0]["extra"]["rejected_decode"] == 0

@@ -8,11 +8,13 @@ import dataclasses
 import difflib
 import functools
 import importlib.util
+import io
 import json
 import logging
 import math
 import os
 import signal
+import stat
 import sys
 import threading
 import time
@@ -429,12 +431,23 @@ def _check_output(option: str, path: str | Path) -> None:
 def _not_an_input(a: argparse.Namespace, option: str, path: Path) -> None:
     """:class:`CliError` if writing ``path`` would overwrite one of the run's input files (``--trace``,
     ``--latency``), which a later run would then read. O(1)."""
+    latency = getattr(a, "latency", None)
     inputs = {Path(p).resolve(): name for name, p in (("--trace", getattr(a, "trace", None)),
-                                                        ("--latency", getattr(a, "latency", None)))
+                                                        ("--latency", None if latency in LATENCY_PRESETS else latency))
               if p and Path(p).is_file()}
     clash = inputs.get(path.resolve())
     if clash is not None:
         raise CliError(f"{option} {path}: is the {clash} file the run reads; name another file")
+
+
+def _is_stdout_file(path: Path) -> bool:
+    """Whether ``path`` is the regular file this process's standard output writes to (``/dev/stdout`` with stdout
+    redirected to a file): written there too, the one would overwrite the other. O(1)."""
+    try:
+        st, out = os.stat(path), os.fstat(sys.stdout.fileno())
+    except (OSError, ValueError, io.UnsupportedOperation):  # (no such file yet; a stdout without a descriptor)
+        return False
+    return stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) == (out.st_dev, out.st_ino)
 
 
 def _out_dir(a: argparse.Namespace, *names: str) -> Path:
@@ -464,18 +477,21 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
     trace = _trace(a)
     cluster = _cluster(a)
     runs = [_run_cfg(a, p) for p in policies]  # (before --out is made: a refused policy leaves nothing behind)
-    if a.itl_series is not None:
-        _check_output("--itl-series", a.itl_series)  # (now, not once every run is done)
-    out_dir = _out_dir(a, "summary.json", "requests.csv", *([] if a.no_plots else PLOTS))
-    if a.itl_series is not None:
+    names = ("summary.json", "requests.csv", *([] if a.no_plots else PLOTS))
+    if a.itl_series is not None:  # (now, not once every run is done; and before --out is made)
+        _check_output("--itl-series", a.itl_series)
         _not_an_input(a, "--itl-series", a.itl_series)
-        own = {(out_dir / n).resolve() for n in ("summary.json", "requests.csv", *([] if a.no_plots else PLOTS))}
-        if a.itl_series.resolve() in own:
+        if a.out and a.itl_series.resolve() in {(Path(a.out) / n).resolve() for n in names}:
             raise CliError(f"--itl-series {a.itl_series}: is one of --out's own outputs; name another file")
+        if _is_stdout_file(a.itl_series):
+            raise CliError(f"--itl-series {a.itl_series}: is the file this run's standard output goes to, where "
+                           "the results table is printed; name another file")
+    out_dir = _out_dir(a, *names)
     # Each run streams its records to a part of requests.csv (in its own process), so no process holds a
     # long trace's records; the parts are joined in policy order.
     parts = [out_dir / f".requests.{i}.csv" for i in range(len(policies))]
-    itl_parts = ([a.itl_series.with_name(f".{a.itl_series.name}.{i}") for i in range(len(policies))]
+    # (in --out, not beside --itl-series: that may be a device, /dev/stdout)
+    itl_parts = ([out_dir / f".itl.{i}.jsonl" for i in range(len(policies))]
                  if a.itl_series is not None else [None] * len(policies))
     jobs = [RunSpec(trace, cluster, run, {"policy": policy_label(p)}, records_csv=part, itl_jsonl=itl)
             for p, run, part, itl in zip(policies, runs, parts, itl_parts, strict=True)]

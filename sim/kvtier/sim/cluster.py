@@ -250,9 +250,10 @@ class ClusterConfig:
                 raise ConfigError(f"{option}: {tokens} holds fewer than 4 pages of --page-size {self.page_size}; "
                                   f"expected >= {self.page_size * 4}")
         if self.host_ratio > 0 and int(self.device_tokens // self.page_size * self.host_ratio) == 0:
+            device = self.device_tokens // self.page_size
             raise ConfigError(f"--host-ratio {self.host_ratio:g}: a host tier of no page (--device-tokens "
-                              f"{self.device_tokens:,} is {self.device_tokens // self.page_size:,} pages); expected 0 "
-                              "for none, or a ratio giving at least a page")
+                              f"{self.device_tokens:,} is {device:,} pages); expected 0 for none, or a ratio "
+                              f"giving a page: 1/{device} or more")
         if self.l3 != "none" and self.host_ratio <= 0:
             raise ConfigError(f"--l3 {self.l3}: needs a host tier (--host-ratio > 0): pages reach storage from host "
                               "memory and are prefetched back into it")
@@ -386,7 +387,9 @@ class SimWorker:
         self.receiving = 0  # decode role: requests whose KV is on the way (they count against max_running)
         self.received: list[Job] = []  # decode role: KV landed; they join the batch at the next iteration
         self.handing_off = 0  # prefill role: computed prompts held here until their decode worker has them
-        self.rejected_for_decode = 0  # prefill role: rejected requests that fit here but on no decode worker
+        # rejected requests that fit no decode worker: on a prefill worker, those that fit it; on a decode worker
+        # (prefilled there: conditional disaggregation), all
+        self.rejected_for_decode = 0
         self.kv_link = kv_link  # decode role: what prompts arrive over (the cluster's one link)
 
     # --- arrivals and cache bookkeeping --------------------------------------------------
@@ -399,7 +402,7 @@ class SimWorker:
         prompt = job.req.input_length
         fits_here = prompt + self._output_room(job) <= self.capacity_tokens
         if not fits_here or prompt + max(1, job.req.output_length) > self.decode_capacity_tokens:
-            self.rejected_for_decode += fits_here
+            self.rejected_for_decode += fits_here or self.role == "decode"
             job.record.rejected = True
             self._on_finish(job)
             return

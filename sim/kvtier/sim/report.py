@@ -9,6 +9,7 @@ import json
 import math
 import os
 import shutil
+import stat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -269,21 +270,31 @@ def whole(path: Path) -> Iterator[Path]:
 @contextlib.contextmanager
 def wholes(paths: Sequence[Path]) -> Iterator[list[Path]]:
     """:func:`whole` of several files at once: their parts are renamed into place together, once what it wraps is
-    done (a stopped run leaves none of them beside the others half-written), or all removed. A path that is a
-    symbolic link, a device or a FIFO (``/dev/stdout``, a pipe) is written through, not staged: a rename would
-    replace it with a regular file. O(files)."""
-    staged = [not p.is_symlink() and (p.is_file() or not p.exists()) for p in paths]
-    parts = [p.with_name(f".{p.name}.part") if s else p for p, s in zip(paths, staged, strict=True)]
+    done (a stopped run leaves none of them beside the others half-written), or all removed. A symbolic link is
+    kept: the file it names is the one replaced. A device or a FIFO (``/dev/stdout`` on a terminal, a pipe) is
+    written through, not staged: a rename would replace it with a regular file. O(files)."""
+    targets = [_staged_at(p) for p in paths]
+    parts = [t.with_name(f".{t.name}.part") if t is not None else p for p, t in zip(paths, targets, strict=True)]
     try:
         yield parts
-        for part, path, s in zip(parts, paths, staged, strict=True):
-            if s:
-                os.replace(part, path)
+        for part, target in zip(parts, targets, strict=True):
+            if target is not None:
+                os.replace(part, target)
     except BaseException:
-        for part, s in zip(parts, staged, strict=True):
-            if s:
+        for part, target in zip(parts, targets, strict=True):
+            if target is not None:
                 part.unlink(missing_ok=True)
         raise
+
+
+def _staged_at(path: Path) -> Path | None:
+    """The regular file ``path`` names, links followed (a new one where none is yet), which :func:`wholes` replaces;
+    None where it names a device, a FIFO or a socket, written through. O(1)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:  # nothing there yet: made where the path (or the link in it) leads
+        return Path(os.path.realpath(path))
+    return Path(os.path.realpath(path)) if stat.S_ISREG(mode) else None
 
 
 def join_files(path: Path, parts: Sequence[Path], header: bytes = b"") -> None:

@@ -9,10 +9,12 @@ from pathlib import Path
 
 def unwritable(path: Path) -> str | None:
     """Why ``path`` cannot be written as a file, or None: it is a directory, or its directory is missing, no
-    directory or not writable. O(1)."""
+    directory or not writable (a device or a FIFO: it is not writable itself). O(1)."""
     where = path.parent
     if path.is_dir():
         return "is a directory; name a file in it"
+    if path.exists() and not path.is_file():  # a device or a FIFO: written through, nothing made beside it
+        return None if os.access(path, os.W_OK) else "is not writable"
     if where.exists() and not where.is_dir():
         return f"{where} is not a directory"
     if not where.is_dir():
