@@ -409,6 +409,12 @@ CASES: dict[str, Case] = {
                                 "t.jsonl: is the --trace file the run reads; name another file"),
     "out holds the trace": (lambda t, f: ["replay", "--trace", _bytes(t, "requests.csv", _AZURE_LINES), "--no-plots",
                                           "--out", str(t)], "requests.csv: is the --trace file the run reads"),
+    "itl-series is a plugin's file": (lambda t, f: ["compare", *SMALL, "--policies", "kv_all," + _bytes(
+        t, "p.py", _PLUGIN) + ":P", "--out", str(t / "o"), "--itl-series", str(t / "p.py")],
+        "p.py: is the --policies plugin file the run reads"),
+    "fit-latency over its points": (lambda t, f: ["fit-latency", _bytes(
+        t, "pts.csv", b"kind,x,ms\nprefill,512,20\nprefill,2048,50\nprefill,8192,200\n"), "-o", str(t / "pts.csv")],
+        "pts.csv: is the points file the fit reads"),
     "sweep out holds the trace": (lambda t, f: ["sweep", "--trace", _bytes(t, "sweep.json", _MOONCAKE_LINE),
                                                 "--no-plots", "--grid", "workers=1,2", "--out", str(t)],
                                   "sweep.json: is the --trace file the run reads"),

@@ -430,11 +430,16 @@ def _check_output(option: str, path: str | Path) -> None:
 
 def _not_an_input(a: argparse.Namespace, option: str, path: Path) -> None:
     """:class:`CliError` if writing ``path`` would overwrite one of the run's input files (``--trace``,
-    ``--latency``), which a later run would then read. O(1)."""
+    ``--latency``, a policy plugin's file), which a later run would then read. O(policies)."""
     latency = getattr(a, "latency", None)
-    inputs = {Path(p).resolve(): name for name, p in (("--trace", getattr(a, "trace", None)),
-                                                        ("--latency", None if latency in LATENCY_PRESETS else latency))
-              if p and Path(p).is_file()}
+    named = [("--trace", getattr(a, "trace", None)), ("--latency", None if latency in LATENCY_PRESETS else latency)]
+    for option_name in ("policy", "policies"):
+        specs = getattr(a, option_name, None)
+        for spec in specs.split(",") if isinstance(specs, str) else []:
+            file, _, _ = spec.rpartition(":")
+            if file.endswith(".py"):
+                named.append((f"--{option_name} plugin", file))
+    inputs = {Path(p).resolve(): name for name, p in named if p and Path(p).is_file()}
     clash = inputs.get(path.resolve())
     if clash is not None:
         raise CliError(f"{option} {path}: is the {clash} file the run reads; name another file")
@@ -719,6 +724,8 @@ def cmd_tokens(a: argparse.Namespace) -> int:
 
 def cmd_fit_latency(a: argparse.Namespace) -> int:
     _check_output("-o", a.output)  # (said before the fit is printed, not after it)
+    if Path(a.output).resolve() == Path(a.csv).resolve():  # (the measured points would be lost to their fit)
+        raise CliError(f"-o {a.output}: is the points file the fit reads; name another file")
     try:
         prefill, decode = load_latency_points(str(a.csv))
         fit = fit_latency(prefill, decode, a.kv_pool_tokens)
