@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier.engine.config import MAX_CACHE_PAGES, CacheConfig
+from kvtier.hardware.latency import MockerLatency, latency_to_json
 from kvtier.indexer.service import app as service
 from kvtier.sim import cli as cli_module
 from kvtier.sim import experiment
@@ -415,6 +416,9 @@ CASES: dict[str, Case] = {
     "fit-latency over its points": (lambda t, f: ["fit-latency", _bytes(
         t, "pts.csv", b"kind,x,ms\nprefill,512,20\nprefill,2048,50\nprefill,8192,200\n"), "-o", str(t / "pts.csv")],
         "pts.csv: is the points file the fit reads"),
+    "sweep out holds a grid's latency fit": (lambda t, f: ["sweep", *SMALL, "--grid", "latency=dynamo-mocker," + _bytes(
+        t, "sweep.json", latency_to_json(MockerLatency()).encode()), "--out", str(t)],
+        "sweep.json: is the --grid latency file the run reads"),
     "sweep out holds the trace": (lambda t, f: ["sweep", "--trace", _bytes(t, "sweep.json", _MOONCAKE_LINE),
                                                 "--no-plots", "--grid", "workers=1,2", "--out", str(t)],
                                   "sweep.json: is the --trace file the run reads"),
@@ -461,6 +465,9 @@ CASES: dict[str, Case] = {
     "engine disk-pages -1": (lambda t, f: engine("--disk-pages", "-1"), "argument --disk-pages: -1 is not allowed"),
     "engine page-size 0": (lambda t, f: engine("--page-size", "0"), "argument --page-size: 0 is not allowed"),
     "engine l3 without host": (lambda t, f: engine("--host-ratio", "0"), "--l3 disk: needs a host tier"),
+    "engine residency over its trace": (lambda t, f: [*engine(), "--trace", _bytes(t, "t.jsonl", _MOONCAKE_LINE),
+                                                      "--residency", str(t / "t.jsonl")],
+                                        "t.jsonl: is the --trace file the engine replays"),
     "engine residency in a missing directory": (lambda t, f: engine("--residency", str(t / "no" / "r.json")),
                                                 "--residency"),
     "engine l3-dir is a file": (lambda t, f: engine("--l3-dir", _bytes(t, "afile", b"x")), "--l3-dir"),
@@ -758,16 +765,22 @@ def test_a_device_is_judged_by_itself_not_by_its_directory(tmp_path: Path, monke
     assert unwritable(tmp_path / "new.txt") == f"directory {tmp_path} is not writable"
 
 
-def test_an_itl_series_on_the_file_stdout_goes_to_is_refused(tmp_path: Path) -> None:
-    """``--itl-series /dev/stdout`` with stdout redirected to a file: the gaps were written through a second opening of
-    that file, then the results table printed over their start."""
+@pytest.mark.parametrize("command", ["replay", "fit-latency"])
+def test_an_output_on_the_file_stdout_goes_to_is_refused(tmp_path: Path, command: str) -> None:
+    """``--itl-series /dev/stdout`` (or ``fit-latency -o /dev/stdout``) with stdout redirected to a file: the output
+    was written through a second opening of that file, then the results table printed over its start (or the file
+    replaced, and what was printed lost)."""
+    pts = tmp_path / "pts.csv"
+    pts.write_text("kind,x,ms\nprefill,512,20\nprefill,2048,50\nprefill,8192,200\n")
+    argv = (["replay", *SMALL, "--out", str(tmp_path / "o"), "--itl-series", "/dev/stdout"] if command == "replay"
+            else ["fit-latency", str(pts), "-o", "/dev/stdout"])
     with open(tmp_path / "out.txt", "w") as out:
-        r = subprocess.run([sys.executable, "-m", "kvtier", "replay", *SMALL, "--out", str(tmp_path / "o"),
-                            "--itl-series", "/dev/stdout"], cwd=ROOT, stdout=out, stderr=subprocess.PIPE, text=True,
-                           timeout=120)
+        r = subprocess.run([sys.executable, "-m", "kvtier", *argv], cwd=ROOT, stdout=out, stderr=subprocess.PIPE,
+                           text=True, timeout=120)
     assert r.returncode == 2, r.stderr
-    assert r.stderr.strip().endswith("--itl-series /dev/stdout: is the file this run's standard output goes to, "
-                                     "where the results table is printed; name another file")
+    option = "--itl-series" if command == "replay" else "-o"
+    assert f"error: {option} /dev/stdout: is the file this " in r.stderr and "standard output goes to" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()  # (refused before --out is made)
 
 

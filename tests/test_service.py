@@ -358,6 +358,22 @@ def test_a_snapshot_write_that_fails_leaves_no_temporary_file(tmp_path: Path, mo
     assert sorted(p.name for p in tmp_path.iterdir()) == ["index.snap"] and snap.read_bytes() == before
 
 
+def test_a_snapshot_through_a_symbolic_link_replaces_the_file_it_names(tmp_path: Path) -> None:
+    """``--snapshot`` given as a link (to a volume's file): the write renamed a regular file over the link, and the
+    file it named was never written again."""
+    (tmp_path / "vol").mkdir()
+    real, link = tmp_path / "vol" / "index.snap", tmp_path / "index.snap"
+    link.symlink_to(real)
+    index = TieredIndex(BS)
+    index.apply(StreamId(WorkerId("w0")), stored([1, 2, 3], None, 0))
+    persist.save(link, index, {})
+    assert link.is_symlink() and len(persist.load(real, BS)[0]) == 3
+    index.apply(StreamId(WorkerId("w0")), stored([4], 3, 3))
+    persist.save(link, index, {})
+    assert link.is_symlink() and len(persist.load(real, BS)[0]) == 4
+    assert sorted(p.name for p in (tmp_path / "vol").iterdir()) == ["index.snap"]  # (no temporary file left)
+
+
 def test_a_start_removes_the_temporary_files_of_writers_that_are_gone(tmp_path: Path) -> None:
     """A writer that crashed mid-write (killed, the machine lost) left its temporary file, named for its pid: the
     next start removes those of processes gone, and its own pid's (a container's restarted process has the same),

@@ -430,9 +430,14 @@ def _check_output(option: str, path: str | Path) -> None:
 
 def _not_an_input(a: argparse.Namespace, option: str, path: Path) -> None:
     """:class:`CliError` if writing ``path`` would overwrite one of the run's input files (``--trace``,
-    ``--latency``, a policy plugin's file), which a later run would then read. O(policies)."""
+    ``--latency`` or a sweep's ``latency`` values, a policy plugin's file), which a later run would then read.
+    O(policies + grid values)."""
     latency = getattr(a, "latency", None)
     named = [("--trace", getattr(a, "trace", None)), ("--latency", None if latency in LATENCY_PRESETS else latency)]
+    for item in getattr(a, "grid", None) or []:
+        axis, _, values = item.partition("=")
+        if axis.strip() == "latency":
+            named += [("--grid latency", v) for v in values.split(",") if v not in LATENCY_PRESETS]
     for option_name in ("policy", "policies"):
         specs = getattr(a, option_name, None)
         for spec in specs.split(",") if isinstance(specs, str) else []:
@@ -723,9 +728,14 @@ def cmd_tokens(a: argparse.Namespace) -> int:
 
 
 def cmd_fit_latency(a: argparse.Namespace) -> int:
+    from kvtier.sim.report import whole
+
     _check_output("-o", a.output)  # (said before the fit is printed, not after it)
     if Path(a.output).resolve() == Path(a.csv).resolve():  # (the measured points would be lost to their fit)
         raise CliError(f"-o {a.output}: is the points file the fit reads; name another file")
+    if _is_stdout_file(Path(a.output)):
+        raise CliError(f"-o {a.output}: is the file this command's standard output goes to, where the fit is "
+                       "printed; name another file")
     try:
         prefill, decode = load_latency_points(str(a.csv))
         fit = fit_latency(prefill, decode, a.kv_pool_tokens)
@@ -743,7 +753,8 @@ def cmd_fit_latency(a: argparse.Namespace) -> int:
         print(f"  prefill {tokens:>5} tokens: {fit.prefill_ms(tokens):8.2f} ms "
               f"(mocker fit {default.prefill_ms(tokens):8.2f})")
     try:
-        Path(a.output).write_text(latency_to_json(fit))
+        with whole(Path(a.output)) as part:  # (a failed write leaves the previous fit whole)
+            part.write_text(latency_to_json(fit))
     except OSError as exc:
         raise CliError(f"-o {a.output}: {exc.strerror or exc}") from None
     print(f"wrote {a.output}; use it with --latency {a.output}", file=sys.stderr)

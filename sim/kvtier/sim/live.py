@@ -95,6 +95,9 @@ def _open(args: argparse.Namespace) -> tuple[TieredCache, EngineNode, DataPath, 
     if args.parent_pid is not None and os.getppid() != args.parent_pid:  # (it stopped at once, "after 0 requests")
         raise EngineError(f"--parent-pid {args.parent_pid}: not this process's parent (that is {os.getppid()})")
     problem = unwritable(Path(args.residency).resolve()) if args.residency else None
+    if problem is None and args.residency and Path(args.trace).is_file() and \
+            Path(args.residency).resolve() == Path(args.trace).resolve():
+        problem = "is the --trace file the engine replays; name another file"
     if problem is not None:
         raise EngineError(f"--residency {args.residency}: {problem}")
     try:

@@ -52,15 +52,19 @@ def check_path(path: Path) -> None:
 
 
 def _temporary(path: Path, pid: int) -> Path:
-    return path.with_name(f".{path.name}.tmp-{pid}")
+    """A writer's temporary file: beside the file ``path`` names, links followed, so that the rename replaces that
+    file and a symbolic link at ``path`` stays one."""
+    real = Path(os.path.realpath(path))
+    return real.with_name(f".{real.name}.tmp-{pid}")
 
 
 def remove_stale(path: Path) -> list[Path]:
     """Removes the temporary files a writer of ``path`` left when it crashed mid-write (each the size of a snapshot;
     a crash-looping service on a full disk would leave one a life): those of this process, which has written none
     yet, and of processes that are gone. A live process's is left alone. Returns what it removed."""
-    prefix, removed = _temporary(path, 0).name[:-1], []
-    for tmp in path.parent.glob(f"{glob.escape(prefix)}*"):
+    first = _temporary(path, 0)
+    prefix, removed = first.name[:-1], []
+    for tmp in first.parent.glob(f"{glob.escape(prefix)}*"):
         pid = tmp.name[len(prefix):]
         if not (pid.isascii() and pid.isdigit()) or (int(pid) != os.getpid() and alive(int(pid))):
             continue
@@ -99,17 +103,18 @@ def write(path: Path, pending: Pending) -> int:
     positions = [[s.worker, s.dp_rank, seq, digest] for s, (seq, digest) in pending.positions.items()]
     data = msgspec.msgpack.encode({"version": VERSION, "index": index, "positions": positions,
                                    "checksum": _checksum(index, positions)})
+    real = Path(os.path.realpath(path))  # the file replaced: a symbolic link at path keeps linking to it
     tmp = _temporary(path, os.getpid())
     try:
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, real)
     except BaseException:  # a full disk: the part written would hold its space until the next start
         tmp.unlink(missing_ok=True)
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+    dir_fd = os.open(real.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)  # the rename itself is durable
     finally:
