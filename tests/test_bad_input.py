@@ -400,22 +400,27 @@ CASES: dict[str, Case] = {
     # (it was run, then renamed over requests.csv: the gaps' JSONL was left in it)
     "itl-series is requests.csv": (lambda t, f: replay("--out", _dir(t, "o"), "--itl-series",
                                                        str(t / "o" / "requests.csv"))(t, f),
-                                   "requests.csv: is one of --out's own outputs; name another file"),
+                                   "requests.csv: is --out or one of its own outputs; name another file"),
     "itl-series is a plot": (lambda t, f: ["compare", "--trace", "builtin:chat:4", "--out", _dir(t, "o"),
                                            "--itl-series", "o/../o/ttft_cdf.png"],
-                             "ttft_cdf.png: is one of --out's own outputs"),
+                             "ttft_cdf.png: is --out or one of its own outputs"),
     # an output that is an input: the trace was overwritten, and a later run refused it
     "itl-series is the trace": (lambda t, f: ["replay", "--trace", _bytes(t, "t.jsonl", _MOONCAKE_LINE), "--no-plots",
                                               "--out", str(t / "o"), "--itl-series", str(t / "t.jsonl")],
                                 "t.jsonl: is the --trace file the run reads; name another file"),
     "out holds the trace": (lambda t, f: ["replay", "--trace", _bytes(t, "requests.csv", _AZURE_LINES), "--no-plots",
                                           "--out", str(t)], "requests.csv: is the --trace file the run reads"),
-    "itl-series is a plugin's file": (lambda t, f: ["compare", *SMALL, "--policies", "kv_all," + _bytes(
+    "itl-series is a plugin's file": (lambda t, f: ["compare", *SMALL, "--policies", "kv_all, " + _bytes(
         t, "p.py", _PLUGIN) + ":P", "--out", str(t / "o"), "--itl-series", str(t / "p.py")],
         "p.py: is the --policies plugin file the run reads"),
     "fit-latency over its points": (lambda t, f: ["fit-latency", _bytes(
         t, "pts.csv", b"kind,x,ms\nprefill,512,20\nprefill,2048,50\nprefill,8192,200\n"), "-o", str(t / "pts.csv")],
         "pts.csv: is the points file the fit reads"),
+    "itl-series is --out": (lambda t, f: replay("--out", str(t / "o"), "--itl-series", str(t / "o"))(t, f),
+                            "o: is --out or one of its own outputs"),
+    "itl-series is a socket": (lambda t, f: replay("--itl-series", _socket(t, "s.sock"))(t, f), "s.sock: is a socket"),
+    "fit-latency points through a link loop": (lambda t, f: ["fit-latency", _loop(t, "loop.csv"), "-o",
+                                                             str(t / "f.json")], "loop.csv: Too many levels"),
     "sweep out holds a grid's latency fit": (lambda t, f: ["sweep", *SMALL, "--grid", "latency=dynamo-mocker," + _bytes(
         t, "sweep.json", latency_to_json(MockerLatency()).encode()), "--out", str(t)],
         "sweep.json: is the --grid latency file the run reads"),
@@ -564,6 +569,19 @@ CASES: dict[str, Case] = {
 
 def _dir(tmp: Path, name: str) -> str:
     (tmp / name).mkdir(parents=True)
+    return str(tmp / name)
+
+
+def _socket(tmp: Path, name: str) -> str:
+    """A Unix socket's file (bound, then closed: the file stays)."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(tmp / name))
+    return str(tmp / name)
+
+
+def _loop(tmp: Path, name: str) -> str:
+    """A symbolic link to itself."""
+    (tmp / name).symlink_to(name)
     return str(tmp / name)
 
 
@@ -717,10 +735,10 @@ def test_an_itl_series_that_cannot_be_written_is_refused_before_the_run(tmp_path
     assert list(tmp_path.iterdir()) == []  # no output directory, no part file
 
 
-def test_outputs_that_are_links_or_fifos_are_written_through_not_replaced(tmp_path: Path) -> None:
+def test_outputs_that_are_fifos_or_links_are_not_replaced_by_a_file(tmp_path: Path) -> None:
     """Outputs were written beside their path and renamed over it: a FIFO, a device or a symbolic link given as
     ``--itl-series`` (``/dev/stdout``) or ``-o`` was replaced by a regular file (``/dev/full`` among them, run as root).
-    They are written through; a regular file is still replaced whole."""
+    A FIFO or a device is written through; a link keeps linking to the file it names, replaced whole."""
     fifo = tmp_path / "gaps.fifo"
     os.mkfifo(fifo)
     got: list[bytes] = []
@@ -754,6 +772,25 @@ def test_a_linked_output_is_still_written_whole(tmp_path: Path) -> None:
     assert target.read_text() == "new" and link.is_symlink()
 
 
+def test_a_file_reached_through_a_descriptor_is_written_through(tmp_path: Path) -> None:
+    """``/dev/stdout``, ``/dev/stderr`` or ``/proc/self/fd/N`` with the stream redirected to a file: the file was
+    replaced by a rename, and whoever else wrote to it (this process's own later lines, a supervisor's log) wrote to
+    the replaced one; where the file was deleted, a file named "... (deleted)" was made. They are written through."""
+    held = tmp_path / "held.txt"
+    with open(held, "w") as f:
+        fd_path = Path(f"/proc/self/fd/{f.fileno()}")
+        link = tmp_path / "link"
+        link.symlink_to(fd_path)
+        with wholes([fd_path, link]) as parts:
+            assert parts == [fd_path, link]
+            parts[0].write_text("through")
+        assert held.read_text() == "through"
+        held.unlink()
+        with wholes([fd_path]) as (part,):
+            part.write_text("to the deleted file")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link"]  # (no "held.txt (deleted)" made)
+
+
 def test_a_device_is_judged_by_itself_not_by_its_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``-o /dev/null`` was refused for a user who cannot write to ``/dev``: a device or a FIFO is written through,
     so only it must be writable (faked here: the tests run as root, whom every directory lets write)."""
@@ -779,8 +816,9 @@ def test_an_output_on_the_file_stdout_goes_to_is_refused(tmp_path: Path, command
                            text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     option = "--itl-series" if command == "replay" else "-o"
-    assert f"error: {option} /dev/stdout: is the file this " in r.stderr and "standard output goes to" in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1
+    errors = [ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith(NOTICES)]
+    assert len(errors) == 1 and f"error: {option} /dev/stdout: is the file this " in errors[0], r.stderr
+    assert "standard output goes to" in errors[0]
     assert not (tmp_path / "o").exists()  # (refused before --out is made)
 
 

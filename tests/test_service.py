@@ -374,6 +374,15 @@ def test_a_snapshot_through_a_symbolic_link_replaces_the_file_it_names(tmp_path:
     assert sorted(p.name for p in (tmp_path / "vol").iterdir()) == ["index.snap"]  # (no temporary file left)
 
 
+def test_a_snapshot_link_into_a_missing_directory_is_refused_at_start(tmp_path: Path) -> None:
+    """The start checked the link's own directory, where nothing is written: every snapshot, the last one at stop
+    included, then failed."""
+    link = tmp_path / "index.snap"
+    link.symlink_to(tmp_path / "gone" / "index.snap")
+    with pytest.raises(ValueError, match=f"snapshot {link}: directory {tmp_path / 'gone'} does not exist"):
+        persist.check_path(link)
+
+
 def test_a_start_removes_the_temporary_files_of_writers_that_are_gone(tmp_path: Path) -> None:
     """A writer that crashed mid-write (killed, the machine lost) left its temporary file, named for its pid: the
     next start removes those of processes gone, and its own pid's (a container's restarted process has the same),

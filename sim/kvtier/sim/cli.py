@@ -8,7 +8,6 @@ import dataclasses
 import difflib
 import functools
 import importlib.util
-import io
 import json
 import logging
 import math
@@ -441,11 +440,11 @@ def _not_an_input(a: argparse.Namespace, option: str, path: Path) -> None:
     for option_name in ("policy", "policies"):
         specs = getattr(a, option_name, None)
         for spec in specs.split(",") if isinstance(specs, str) else []:
-            file, _, _ = spec.rpartition(":")
+            file, _, _ = spec.strip().rpartition(":")
             if file.endswith(".py"):
                 named.append((f"--{option_name} plugin", file))
-    inputs = {Path(p).resolve(): name for name, p in named if p and Path(p).is_file()}
-    clash = inputs.get(path.resolve())
+    inputs = {os.path.realpath(p): name for name, p in named if p and Path(p).is_file()}
+    clash = inputs.get(os.path.realpath(path))
     if clash is not None:
         raise CliError(f"{option} {path}: is the {clash} file the run reads; name another file")
 
@@ -454,8 +453,8 @@ def _is_stdout_file(path: Path) -> bool:
     """Whether ``path`` is the regular file this process's standard output writes to (``/dev/stdout`` with stdout
     redirected to a file): written there too, the one would overwrite the other. O(1)."""
     try:
-        st, out = os.stat(path), os.fstat(sys.stdout.fileno())
-    except (OSError, ValueError, io.UnsupportedOperation):  # (no such file yet; a stdout without a descriptor)
+        st, out = os.stat(path), os.fstat(1)
+    except OSError:  # (no such file yet; stdout closed)
         return False
     return stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) == (out.st_dev, out.st_ino)
 
@@ -491,8 +490,9 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
     if a.itl_series is not None:  # (now, not once every run is done; and before --out is made)
         _check_output("--itl-series", a.itl_series)
         _not_an_input(a, "--itl-series", a.itl_series)
-        if a.out and a.itl_series.resolve() in {(Path(a.out) / n).resolve() for n in names}:
-            raise CliError(f"--itl-series {a.itl_series}: is one of --out's own outputs; name another file")
+        own = {os.path.realpath(Path(a.out) / n) for n in (".", *names)} if a.out else set()
+        if os.path.realpath(a.itl_series) in own:
+            raise CliError(f"--itl-series {a.itl_series}: is --out or one of its own outputs; name another file")
         if _is_stdout_file(a.itl_series):
             raise CliError(f"--itl-series {a.itl_series}: is the file this run's standard output goes to, where "
                            "the results table is printed; name another file")
@@ -731,7 +731,7 @@ def cmd_fit_latency(a: argparse.Namespace) -> int:
     from kvtier.sim.report import whole
 
     _check_output("-o", a.output)  # (said before the fit is printed, not after it)
-    if Path(a.output).resolve() == Path(a.csv).resolve():  # (the measured points would be lost to their fit)
+    if Path(a.csv).is_file() and os.path.realpath(a.output) == os.path.realpath(a.csv):  # (the points, lost)
         raise CliError(f"-o {a.output}: is the points file the fit reads; name another file")
     if _is_stdout_file(Path(a.output)):
         raise CliError(f"-o {a.output}: is the file this command's standard output goes to, where the fit is "

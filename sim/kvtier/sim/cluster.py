@@ -251,9 +251,9 @@ class ClusterConfig:
                                   f"expected >= {self.page_size * 4}")
         if self.host_ratio > 0 and int(self.device_tokens // self.page_size * self.host_ratio) == 0:
             device = self.device_tokens // self.page_size
+            least = math.ceil(1e6 / device) / 1e6  # (1/device itself may round to no page)
             raise ConfigError(f"--host-ratio {self.host_ratio:g}: a host tier of no page (--device-tokens "
-                              f"{self.device_tokens:,} is {device:,} pages); expected 0 for none, or a ratio "
-                              f"giving a page: 1/{device} or more")
+                              f"{self.device_tokens:,} is {device:,} pages); expected 0 for none, or {least:g} or more")
         if self.l3 != "none" and self.host_ratio <= 0:
             raise ConfigError(f"--l3 {self.l3}: needs a host tier (--host-ratio > 0): pages reach storage from host "
                               "memory and are prefetched back into it")

@@ -289,12 +289,28 @@ def wholes(paths: Sequence[Path]) -> Iterator[list[Path]]:
 
 def _staged_at(path: Path) -> Path | None:
     """The regular file ``path`` names, links followed (a new one where none is yet), which :func:`wholes` replaces;
-    None where it names a device, a FIFO or a socket, written through. O(1)."""
+    None where it is written through: a device, a FIFO or a socket, or a file reached through a process's open
+    descriptor (``/dev/stdout``, ``/proc/self/fd/2``: another holder of that file would go on writing to the one a
+    rename replaced, or to none where it was deleted). O(links followed)."""
+    if _through_descriptor(path):
+        return None
     try:
         mode = os.stat(path).st_mode
     except OSError:  # nothing there yet: made where the path (or the link in it) leads
         return Path(os.path.realpath(path))
     return Path(os.path.realpath(path)) if stat.S_ISREG(mode) else None
+
+
+def _through_descriptor(path: Path) -> bool:
+    """Whether ``path``, or a symbolic link it leads through, is under ``/proc`` or ``/dev/fd``. O(links)."""
+    p = os.path.abspath(path)
+    for _ in range(40):  # (the kernel's own limit on links followed)
+        if p.startswith(("/proc/", "/dev/fd/")):
+            return True
+        if not os.path.islink(p):
+            return False
+        p = os.path.normpath(os.path.join(os.path.dirname(p), os.readlink(p)))
+    return False
 
 
 def join_files(path: Path, parts: Sequence[Path], header: bytes = b"") -> None:

@@ -13,6 +13,8 @@ def unwritable(path: Path) -> str | None:
     where = path.parent
     if path.is_dir():
         return "is a directory; name a file in it"
+    if path.is_socket():
+        return "is a socket; name a file"
     if path.exists() and not path.is_file():  # a device or a FIFO: written through, nothing made beside it
         return None if os.access(path, os.W_OK) else "is not writable"
     if where.exists() and not where.is_dir():
