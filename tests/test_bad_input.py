@@ -419,6 +419,8 @@ CASES: dict[str, Case] = {
     "itl-series is --out": (lambda t, f: replay("--out", str(t / "o"), "--itl-series", str(t / "o"))(t, f),
                             "o: is --out or one of its own outputs"),
     "itl-series is a socket": (lambda t, f: replay("--itl-series", _socket(t, "s.sock"))(t, f), "s.sock: is a socket"),
+    "itl-series is a link loop": (lambda t, f: replay("--itl-series", _loop(t, "gaps.jsonl"))(t, f),
+                                  "gaps.jsonl: is a loop of symbolic links"),
     "fit-latency points through a link loop": (lambda t, f: ["fit-latency", _loop(t, "loop.csv"), "-o",
                                                              str(t / "f.json")], "loop.csv: Too many levels"),
     "sweep out holds a grid's latency fit": (lambda t, f: ["sweep", *SMALL, "--grid", "latency=dynamo-mocker," + _bytes(

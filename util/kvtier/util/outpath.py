@@ -3,6 +3,7 @@ when the command starts, not after the work it was to hold."""
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -11,6 +12,11 @@ def unwritable(path: Path) -> str | None:
     """Why ``path`` cannot be written as a file, or None: it is a directory, or its directory is missing, no
     directory or not writable (a device or a FIFO: it is not writable itself). O(1)."""
     where = path.parent
+    try:
+        os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "is a loop of symbolic links; name a file"
     if path.is_dir():
         return "is a directory; name a file in it"
     if path.is_socket():
