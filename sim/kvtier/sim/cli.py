@@ -422,7 +422,7 @@ class _RunsProgress:
 
 def _check_output(option: str, path: str | Path) -> None:
     """:class:`CliError` naming ``option`` if the file ``path`` could not be written. O(1)."""
-    problem = unwritable(Path(os.path.realpath(path)))  # (realpath: a link loop is unwritable, not a RuntimeError)
+    problem = unwritable(path)
     if problem is not None:
         raise CliError(f"{option} {path}: {problem}")
 
@@ -472,7 +472,7 @@ def _out_dir(a: argparse.Namespace, *names: str) -> Path:
     except OSError as exc:
         raise CliError(f"--out {a.out}: {exc.strerror or exc}") from None
     for name in names:
-        problem = unwritable(Path(os.path.realpath(out_dir / name)))
+        problem = unwritable(out_dir / name)
         if problem is not None:
             raise CliError(f"--out {a.out}: {name} {problem}")
         _not_an_input(a, f"--out {a.out}:", out_dir / name)

@@ -249,8 +249,8 @@ class ClusterConfig:
             if tokens is not None and tokens < self.page_size * 4:
                 raise ConfigError(f"{option}: {tokens} holds fewer than 4 pages of --page-size {self.page_size}; "
                                   f"expected >= {self.page_size * 4}")
-        if self.host_ratio > 0 and int(self.device_tokens // self.page_size * self.host_ratio) == 0:
-            device = self.device_tokens // self.page_size
+        device = self.device_tokens // self.page_size
+        if self.host_ratio > 0 and int(device * self.host_ratio) == 0:
             least = math.ceil(1e6 / device) / 1e6  # (1/device itself may round to no page)
             raise ConfigError(f"--host-ratio {self.host_ratio:g}: a host tier of no page (--device-tokens "
                               f"{self.device_tokens:,} is {device:,} pages); expected 0 for none, or {least:g} or more")

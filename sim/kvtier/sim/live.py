@@ -94,7 +94,7 @@ def _store(args: argparse.Namespace) -> PageStore | None:
 def _open(args: argparse.Namespace) -> tuple[TieredCache, EngineNode, DataPath, list[Request]]:
     if args.parent_pid is not None and os.getppid() != args.parent_pid:  # (it stopped at once, "after 0 requests")
         raise EngineError(f"--parent-pid {args.parent_pid}: not this process's parent (that is {os.getppid()})")
-    problem = unwritable(Path(os.path.realpath(args.residency))) if args.residency else None
+    problem = unwritable(args.residency) if args.residency else None
     if problem is None and args.residency and Path(args.trace).is_file() and \
             os.path.realpath(args.residency) == os.path.realpath(args.trace):
         problem = "is the --trace file the engine replays; name another file"

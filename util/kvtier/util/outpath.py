@@ -5,23 +5,28 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from pathlib import Path
 
 
-def unwritable(path: Path) -> str | None:
-    """Why ``path`` cannot be written as a file, or None: it is a directory, or its directory is missing, no
-    directory or not writable (a device or a FIFO: it is not writable itself). O(1)."""
+def unwritable(path: str | Path) -> str | None:
+    """Why ``path`` cannot be written as a file, or None: it is a directory, a socket or a loop of links, or its
+    directory is missing, no directory or not writable (a device or a FIFO: it is not writable itself). A symbolic
+    link is judged by where it leads, as the writers write there (a file is made beside the one a link names and
+    renamed over it). O(1)."""
+    path = Path(os.path.realpath(path))  # (realpath, not Path.resolve: a loop comes back as it is, not raised)
     where = path.parent
     try:
-        os.stat(path)
+        mode: int | None = os.stat(path).st_mode
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             return "is a loop of symbolic links; name a file"
-    if path.is_dir():
+        mode = None  # nothing there yet
+    if mode is not None and stat.S_ISDIR(mode):
         return "is a directory; name a file in it"
-    if path.is_socket():
+    if mode is not None and stat.S_ISSOCK(mode):
         return "is a socket; name a file"
-    if path.exists() and not path.is_file():  # a device or a FIFO: written through, nothing made beside it
+    if mode is not None and not stat.S_ISREG(mode):  # a device or a FIFO: written through, nothing made beside it
         return None if os.access(path, os.W_OK) else "is not writable"
     if where.exists() and not where.is_dir():
         return f"{where} is not a directory"

@@ -45,7 +45,7 @@ def check_path(path: Path) -> None:
     """``ValueError`` naming what keeps :func:`save` from writing ``path``: a directory that is missing or not
     writable, or a directory where the file would be (checked when the service starts, not 30 s later). Removes the
     temporary files of writers that are gone (:func:`remove_stale`). O(1), plus the directory's entries."""
-    problem = unwritable(Path(os.path.realpath(path)))  # (where save writes: beside the file a link names)
+    problem = unwritable(path)
     if problem is not None:
         raise ValueError(f"snapshot {path}: {problem}")
     remove_stale(path)
