@@ -277,12 +277,36 @@ def test_a_gone_engine_is_not_routed_to_and_comes_back_whole_after_a_restart() -
                 p.close()
 
 
-def idle_engine_comes_up(svc: IndexerService, clock: Clock, live: str, replay: str) -> Publisher:
-    """Worker w0's engine, at ``live`` and ``replay``, is not up when the service starts: its stream is given up with
+class VacantPorts:
+    """Two loopback TCP ports that nothing listens on, held bound (not listening) until :meth:`release`: a connection
+    to either is refused. A closed publisher's addresses are no such thing: ZMQ tears its listeners down on a thread
+    of its own after ``close()`` returns, so a subscriber connecting at once may still reach it."""
+
+    def __init__(self) -> None:
+        self._socks = [socket.socket() for _ in range(2)]
+        for s in self._socks:
+            s.bind(("127.0.0.1", 0))
+        self.live, self.replay = (f"tcp://127.0.0.1:{s.getsockname()[1]}" for s in self._socks)
+
+    def release(self) -> None:
+        """Frees both ports for a publisher to bind (again: nothing)."""
+        for s in self._socks:
+            s.close()
+
+    def __enter__(self) -> VacantPorts:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def idle_engine_comes_up(svc: IndexerService, clock: Clock, vacant: VacantPorts) -> Publisher:
+    """Worker w0's engine, at ``vacant``'s addresses, is not up when the service starts: its stream is given up with
     nothing at hand, dead and partial. The engine then starts and publishes nothing: it is alive while its live
     connection holds, through a minute of idleness. Returns its publisher."""
     run_clock(clock, lambda: health(svc)["dead_workers"] == ["w0"] == health(svc)["partial_workers"], step=0.25)
-    pub = Publisher(live, replay)
+    vacant.release()
+    pub = Publisher(vacant.live, vacant.replay)
     run_clock(clock, lambda: health(svc)["dead_workers"] == [], step=0.25, limit_s=15.0)
     clock.t += 60.0
     assert health(svc)["dead_workers"] == []
@@ -294,16 +318,15 @@ def test_an_engine_that_cannot_dump_started_after_the_indexer_is_alive_while_idl
     given up with nothing at hand, which no idle probe can ask from. The engine then came up and stayed idle (nothing
     routed to it yet), and was listed dead for good: the router sent it nothing, so it never published. A live
     connection to the publisher now shows it up; once gone again, it is silent as before."""
-    first = Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
-    live, replay = first.endpoint, first.replay_endpoint
-    first.close()  # its addresses, with nobody behind them yet
+    vacant = VacantPorts()  # its addresses, with nobody behind them yet
     clock = Clock()
-    svc = IndexerService(ServiceConfig(endpoints=[parse_endpoint(f"w0={live},replay={replay}")], block_size=BS,
-                                       listen="127.0.0.1:0", replay_timeout_s=1.0, liveness_timeout_s=5.0), clock=clock)
+    svc = IndexerService(ServiceConfig(endpoints=[parse_endpoint(f"w0={vacant.live},replay={vacant.replay}")],
+                                       block_size=BS, listen="127.0.0.1:0", replay_timeout_s=1.0,
+                                       liveness_timeout_s=5.0), clock=clock)
     svc.start()
     pub: Publisher | None = None
     try:
-        pub = idle_engine_comes_up(svc, clock, live, replay)
+        pub = idle_engine_comes_up(svc, clock, vacant)
         pub.publish(batch(stored([1, 2, 3], None, 0)))  # its first batch: the state is whole from here
         run_clock(clock, lambda: health(svc)["status"] == "ok" and query(svc)["workers"]["w0"]["device"] == 3,
                   step=0.1)
@@ -312,6 +335,7 @@ def test_an_engine_that_cannot_dump_started_after_the_indexer_is_alive_while_idl
         run_clock(clock, lambda: health(svc)["dead_workers"] == ["w0"], step=0.25)
     finally:
         svc.stop()
+        vacant.release()
         if pub is not None:
             pub.close()
 
@@ -527,12 +551,9 @@ def test_a_publisher_never_reached_is_named_by_its_address_once(caplog: pytest.L
     from kvtier.wire import ResyncNeeded
     from kvtier.wire.transport.subscriber import EndpointConfig, Subscriber
 
-    first = Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
-    live, replay = first.endpoint, first.replay_endpoint
-    first.close()  # nobody behind these addresses
     given_up = 0
-    with caplog.at_level(logging.WARNING), \
-            Subscriber([EndpointConfig("w0", live, replay)], replay_timeout_s=0.2, probe_s=0.1) as sub:
+    with VacantPorts() as vacant, caplog.at_level(logging.WARNING), \
+            Subscriber([EndpointConfig("w0", vacant.live, vacant.replay)], replay_timeout_s=0.2, probe_s=0.1) as sub:
         deadline = time.monotonic() + 15.0
         while given_up < 2:
             assert time.monotonic() < deadline, "the stream was not given up twice"
@@ -540,5 +561,5 @@ def test_a_publisher_never_reached_is_named_by_its_address_once(caplog: pytest.L
             if given_up == 1:
                 sub.request_resync(StreamId(WorkerId("w0"), 0), "asked again")  # (given up again: no second line)
     named = [r.getMessage() for r in caplog.records if "no connection to its publisher" in r.getMessage()]
-    assert named == [f"stream w0: no connection to its publisher at {live} (replay {replay}) yet: check that "
-                     "address, and that the engine runs with its KV events on"]
+    assert named == [f"stream w0: no connection to its publisher at {vacant.live} (replay {vacant.replay}) yet: "
+                     "check that address, and that the engine runs with its KV events on"]
