@@ -519,7 +519,7 @@ def test_the_indexer_says_why_it_is_quiet_while_its_kernels_compile(monkeypatch:
     said = threading.Event()
     monkeypatch.setattr(cli, "KERNEL_NOTICE_S", 0.0)
     monkeypatch.setattr(app, "load_kernels", lambda: said.wait(10))
-    monkeypatch.setattr(app, "serve", lambda cfg, load: load())
+    monkeypatch.setattr(app, "serve", lambda cfg, load, inputs: load())
     real_print = print
 
     def print_then_go(*args: Any, **kwargs: Any) -> None:

@@ -21,6 +21,7 @@ import pytest
 import zmq
 
 from kvtier.indexer.service.app import ConfigError, IndexerService, ServiceConfig, parse_endpoint
+from kvtier.sim.cli import main as cli_main
 from kvtier.wire import BlockRemoved, BlockStored, EventBatch, Publisher, StorageTier, WorkerId
 from kvtier.wire.notices import StreamId
 from tests.test_bad_input import NOTICES
@@ -709,3 +710,40 @@ def test_a_large_batch_lets_waiting_requests_in_between_its_slices(
     p0.publish(EventBatch(ts=time.time(), events=[AllBlocksCleared() for _ in range(n)]))
     wait_for(lambda: seen[0] == n and s.metrics()["batches_applied"] >= 1, timeout=30)
     assert answered.is_set()
+
+
+def test_what_needs_no_kernel_is_refused_before_they_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """The first start after an install compiles the index's kernels for half a minute: a snapshot path that cannot
+    be written, the config file or the token file given as the snapshot, a token file with no token, a plugin that
+    is not there, or a port taken already is refused before that, not after."""
+    from kvtier.indexer.service import app
+
+    def loaded() -> None:
+        raise AssertionError("the kernels were loaded before the check")
+
+    monkeypatch.setattr(app, "load_kernels", loaded)
+    config = tmp_path / "kvtier.toml"
+    config.write_text('[[endpoints]]\nworker = "w"\nendpoint = "tcp://127.0.0.1:2"\n')
+    tokens = tmp_path / "tokens"
+    tokens.write_text("s3cret\n")
+    empty = tmp_path / "empty"
+    empty.write_text("# none yet\n")
+    base = ["indexer", "--endpoint", "a=tcp://127.0.0.1:1", "--listen", "127.0.0.1:0"]
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        cases = [
+            (["--snapshot", str(tmp_path / "no" / "x.snap")], "does not exist"),
+            (["--config", str(config), "--snapshot", str(config)],
+             f"snapshot {config}: that is the --config file, which the snapshot would replace"),
+            (["--auth-token-file", str(tokens), "--snapshot", str(tokens)],
+             f"snapshot {tokens}: that is auth_token_file, which the snapshot would replace"),
+            (["--auth-token-file", str(empty)], f"auth_token_file {empty}: holds no token"),
+            (["--policy", str(tmp_path / "none.py")], "none.py"),
+            (["--listen", f"127.0.0.1:{busy.getsockname()[1]}"], "cannot listen on 127.0.0.1"),
+        ]
+        for args, message in cases:
+            assert cli_main([*base[:3], *args] if "--listen" in args else [*base, *args]) == 2, args
+            err = capsys.readouterr().err
+            assert message in err and "Traceback" not in err, (args, err)

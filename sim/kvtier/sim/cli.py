@@ -791,7 +791,7 @@ def cmd_indexer(a: argparse.Namespace) -> int:
             raise ConfigError("give at least one --endpoint or a --config with [[endpoints]]")
         cfg.routing_settings()  # (its errors now, not after a first start's compilation)
         serve(cfg, functools.partial(_load_kernels_saying_so, load_index_kernels, "the index's", "start",
-                                     "half a minute or more"))
+                                     "half a minute or more"), [("the --config file", a.config)] if a.config else [])
     except ConfigError as exc:
         raise CliError(str(exc)) from None
     except OSError as exc:  # the HTTP port: in use, or an address this host does not have

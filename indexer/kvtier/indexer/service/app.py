@@ -30,11 +30,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -596,10 +598,52 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def serve(config: ServiceConfig, load: Callable[[], object] = load_kernels) -> None:
+def preflight(config: ServiceConfig, inputs: Collection[tuple[str, str]] = ()) -> None:
+    """Refuses now what a start would refuse that needs no compiled kernel, before they load (half a minute on a
+    first start after an install): the snapshot's path (not one of ``inputs``, (what, path) pairs such as the config
+    file, nor the token file), the token file, a plugin policy, and an HTTP port taken already. Raises
+    :class:`ConfigError`, or :class:`OSError` as binding the port would. The start checks each again: a port may be
+    taken between the two. O(1), plus the snapshot directory's entries."""
+    if config.snapshot_path is not None:
+        snapshot = Path(config.snapshot_path)
+        named = [*inputs, *([("auth_token_file", config.auth_token_file)] if config.auth_token_file else [])]
+        for what, path in named:
+            with suppress(OSError):  # (one missing: not the same file)
+                if os.path.samefile(snapshot, path):
+                    raise ConfigError(f"snapshot {snapshot}: that is {what}, which the snapshot would replace")
+        try:
+            persist.check_path(snapshot)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    if config.auth_token_file is not None:
+        load_tokens(config.auth_token_file)
+    name = config.policy or "kv_all"
+    if name not in REGISTRY:
+        _policy(name, config.routing_settings(), config.block_size)
+    host, port = config.host_port
+    if port:
+        _check_bindable(host, port)
+
+
+def _check_bindable(host: str, port: int) -> None:
+    """Binds, as the HTTP front end does (every address ``host`` names, address reuse on), and lets go at once: an
+    :class:`OSError` where one is taken or not this host's. O(addresses)."""
+    for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                               flags=socket.AI_PASSIVE):
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # (as asyncio binds it: the IPv4 address is bound on its own)
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+
+
+def serve(config: ServiceConfig, load: Callable[[], object] = load_kernels,
+          inputs: Collection[tuple[str, str]] = ()) -> None:
     """Runs the service until interrupted (Ctrl-C, or SIGTERM: how supervisors and Kubernetes stop a process),
     then stops it, the last snapshot written; exits non-zero if its event loop dies. ``load`` loads the compiled
-    kernels first (the CLI's says so while a first start compiles them), a stop signal heeded meanwhile too."""
+    kernels first (the CLI's says so while a first start compiles them), a stop signal heeded meanwhile too; what
+    :func:`preflight` (given ``inputs``) refuses is refused before."""
+    preflight(config, inputs)
     main = threading.current_thread() is threading.main_thread()  # (only the main thread may set handlers)
     previous = signal.signal(signal.SIGTERM, _interrupt) if main else None
     svc: IndexerService | None = None
@@ -635,4 +679,4 @@ def serve(config: ServiceConfig, load: Callable[[], object] = load_kernels) -> N
 
 
 __all__ = ["ConfigError", "IndexerService", "ServiceConfig", "ServiceUnavailable", "load_config", "load_kernels",
-           "parse_body", "parse_endpoint", "serve"]
+           "parse_body", "parse_endpoint", "preflight", "serve"]
