@@ -12,6 +12,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -130,6 +131,28 @@ def test_ctrl_c_mid_trace_stops_the_engine_cleanly_and_says_where(tmp_path: Path
         assert rc == 0 and "Traceback" not in err, err
         assert re.fullmatch(r"engine w0: stopped after \d+ of 300 requests\n", err), err
         assert res.is_file()
+
+
+def test_a_residency_fifo_no_one_reads_does_not_outlive_sigterm(tmp_path: Path) -> None:
+    """``--residency`` naming a FIFO that no process reads blocks the write (opening it waits for a reader). The
+    engine's SIGTERM handler only set a flag, after which Python went back to waiting: no SIGTERM stopped it. Now a
+    stop signal ends the write, and the line says the residency was not written. SIGTERM is sent until the engine
+    exits: the first may come while it still replays (that stops the replay, then the write blocks)."""
+    fifo = tmp_path / "res.fifo"
+    os.mkfifo(fifo)
+    with _engine("--trace", "builtin:chat:2", "--speed", "1000", "--hold", "0", "--residency", str(fifo)) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        line = proc.stdout.readline()  # its signal handlers are in place
+        assert "publishing on" in line, line + proc.stderr.read()
+        deadline = time.monotonic() + 30.0
+        while proc.poll() is None and time.monotonic() < deadline:
+            proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=0.2)
+        assert proc.poll() is not None, "the engine outlived SIGTERM while writing its residency"
+        err = proc.stderr.read()
+        assert proc.returncode == 2 and "Traceback" not in err, err
+        assert f"kvtier engine: error: --residency {fifo}: stopped by a signal before it was written" in err, err
 
 
 def test_prompts_that_do_not_fit_the_device_are_counted_not_dropped_silently(

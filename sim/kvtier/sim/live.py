@@ -13,6 +13,7 @@ keeps serving replay and dump requests until SIGTERM or ``--hold`` seconds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import math
@@ -20,6 +21,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import zmq
@@ -230,11 +232,11 @@ def _serve(args: argparse.Namespace, stop: dict[str, bool]) -> int:
         node.step()
         if args.residency:
             try:
-                with node.lock:
+                with node.lock, _stop_signals_raise(stop):
                     write_residency(cache, Path(args.residency))
-            except OSError as exc:
-                print(f"kvtier engine: error: --residency {args.residency}: {exc.strerror or exc}", file=sys.stderr,
-                      flush=True)
+            except (OSError, _Stopped) as exc:
+                why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+                print(f"kvtier engine: error: --residency {args.residency}: {why}", file=sys.stderr, flush=True)
                 rc = 2
         if done < len(trace):
             print(f"engine {args.name}: stopped after {done} of {len(trace)} requests", file=sys.stderr, flush=True)
@@ -263,6 +265,28 @@ def _serve(args: argparse.Namespace, stop: dict[str, bool]) -> int:
     if stop["signal"]:
         _exit_now(rc)
     return rc
+
+
+class _Stopped(Exception):
+    """A stop signal came while a write that may block (to a FIFO no one reads) was under way."""
+
+
+@contextlib.contextmanager
+def _stop_signals_raise(stop: dict[str, bool]) -> Iterator[None]:
+    """Within it SIGTERM and SIGINT stop as they do elsewhere and also raise :class:`_Stopped`, which ends a blocked
+    system call: the handlers :func:`run` installs only set a flag, after which Python retries the call, so an
+    engine writing its residency to a FIFO that no process reads would outlive every SIGTERM. O(1)."""
+
+    def stopped(*_: object) -> None:
+        stop.update(now=True, signal=True)
+        raise _Stopped("stopped by a signal before it was written")
+
+    previous = {sig: signal.signal(sig, stopped) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _exit_now(code: int) -> None:
