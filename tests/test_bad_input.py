@@ -73,7 +73,8 @@ def busy_zmq() -> Iterator[str]:
 
 
 def engine(*args: str) -> list[str]:
-    return ["engine", "--endpoint", f"tcp://127.0.0.1:{free_port()}", "--replay", f"tcp://127.0.0.1:{free_port()}",
+    # (port 0: the engine binds free ones itself; two ports found free apart may be one, or taken meanwhile)
+    return ["engine", "--endpoint", "tcp://127.0.0.1:0", "--replay", "tcp://127.0.0.1:0",
             "--trace", "builtin:chat:2", "--hold", "0", *args]
 
 

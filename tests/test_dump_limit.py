@@ -253,6 +253,8 @@ def test_a_peer_that_stops_reading_has_a_bounded_part_of_a_replay_queued() -> No
         reader.send_multipart([b"", pack_seq(0)])  # and never reads
         still, last = 0, -1
         deadline = time.monotonic() + WAIT_S
+        while pub.replay_stats.messages == 0 and time.monotonic() < deadline:  # the request arrived, first answers
+            pub.serve_requests(5)
         while still < 50 and time.monotonic() < deadline:  # until nothing more goes out
             pub.serve_requests(5)
             still, last = (still + 1 if pub.replay_stats.messages == last else 0), pub.replay_stats.messages

@@ -327,9 +327,18 @@ def test_an_engine_that_cannot_dump_started_after_the_indexer_is_alive_while_idl
     pub: Publisher | None = None
     try:
         pub = idle_engine_comes_up(svc, clock, vacant)
-        pub.publish(batch(stored([1, 2, 3], None, 0)))  # its first batch: the state is whole from here
-        run_clock(clock, lambda: health(svc)["status"] == "ok" and query(svc)["workers"]["w0"]["device"] == 3,
-                  step=0.1)
+        # Its first batches: the state is whole from here. A PUB drops what it sends before the subscriber's
+        # subscription reached it (ZMQ's slow joiner), which the connection seen does not rule out: a block a batch
+        # until the index holds every one (a later batch's seq shows an earlier one missing, which a replay brings).
+        sent = 0
+        deadline = time.monotonic() + 60.0
+        while not (sent and health(svc)["status"] == "ok" and query(svc)["workers"]["w0"]["device"] == sent):
+            assert time.monotonic() < deadline, f"the index did not come to hold the {sent} blocks sent"
+            if sent < 4:
+                pub.publish(batch(stored([sent + 1], sent or None, sent)))
+                sent += 1
+            clock.t += 0.1
+            time.sleep(0.05)
         pub.close()
         pub = None
         run_clock(clock, lambda: health(svc)["dead_workers"] == ["w0"], step=0.25)

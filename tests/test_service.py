@@ -68,6 +68,18 @@ class Clock:
         return self.t
 
 
+def replaced_by_a_directory(snapshot: Path) -> bool:
+    """Puts a directory where a service's snapshot file is, so that the rename over it fails (as a full disk would
+    fail the write); False where a snapshot was written between the removal and the directory (the service's loop
+    writes without a lock): ``wait_for`` it. O(1)."""
+    snapshot.unlink(missing_ok=True)
+    try:
+        snapshot.mkdir()
+    except FileExistsError:
+        return False
+    return True
+
+
 def wait_for(cond: Callable[[], bool], timeout: float = 8.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -16,7 +16,7 @@ import pytest
 
 from kvtier.indexer.service.app import IndexerService, ServiceConfig, parse_endpoint
 from kvtier.wire import BlockStored, EventBatch, Publisher
-from tests.test_service import BS, TOKS, get, stored, wait_for
+from tests.test_service import BS, TOKS, get, replaced_by_a_directory, stored, wait_for
 from tests.test_service_disagg import PROMPT, W, _service, _store
 from tests.test_service_http import refuse_subscriptions
 from tests.test_service_limits import call
@@ -98,8 +98,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
         assert code == 400, out["error"]
         # A snapshot that cannot be written (the rename over a directory fails), and stores of another block size.
         wait_for(snap.exists)
-        snap.unlink()
-        snap.mkdir()
+        wait_for(lambda: replaced_by_a_directory(snap))
         pub.publish(EventBatch(ts=time.time(), events=[
             BlockStored(block_hashes=[99], parent_block_hash=None, token_ids=TOKS[:2 * BS], block_size=2 * BS,
                         medium="GPU")]))

@@ -59,7 +59,7 @@ from kvtier.wire import BlockStored, EventBatch, Publisher, WorkerId
 from kvtier.wire.notices import StreamId
 from tests.test_bad_input import NOTICES
 from tests.test_multiprocess import ROOT
-from tests.test_service import BS, TOKS, Clock, get, wait_for
+from tests.test_service import BS, TOKS, Clock, get, replaced_by_a_directory, wait_for
 
 
 @contextmanager
@@ -632,7 +632,8 @@ def test_one_peer_past_its_cap_gets_a_json_429_and_another_peer_is_served(loop: 
             other.request("POST", "/query", body=json.dumps({"token_ids": TOKS}))
             assert other.getresponse().status == 200
             other.close()
-        assert s._http._server is not None and not s._http._server.peers  # every peer's count back to none
+        # Every peer's count back to none (the loop thread updates it a moment after the count of open ones)
+        wait_for(lambda: s._http._server is not None and not s._http._server.peers)
         assert call(s, "POST", "/query", {"token_ids": TOKS})[0] == 200  # room again for the first peer
         assert "kvtier_http_connections_refused_per_peer_total 1" in get(s.address + "/metrics")
 
@@ -813,15 +814,7 @@ def test_a_snapshot_that_cannot_be_written_is_reported(tmp_path: Path) -> None:
     with service(snapshot_path=str(snap), snapshot_interval_s=0.1) as s:
         wait_for(lambda: snap.exists())
 
-        def replaced_by_a_directory() -> bool:  # the rename over it fails (as a full disk would fail the write)
-            snap.unlink(missing_ok=True)
-            try:
-                snap.mkdir()
-            except FileExistsError:  # a snapshot was written between the two (the loop writes without a lock)
-                return False
-            return True
-
-        wait_for(replaced_by_a_directory)
+        wait_for(lambda: replaced_by_a_directory(snap))
         wait_for(lambda: s.health()["status"] == "degraded")
         h = s.health()
         assert "snapshot" in h["snapshot_error"] and h["partial_workers"] == h["recovering_workers"] == []

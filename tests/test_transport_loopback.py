@@ -131,7 +131,14 @@ def oversized(i: int, n: int = 1 << 17) -> EventBatch:
 def test_a_frame_past_the_cap_is_never_taken_and_its_stream_recovers_or_is_marked_partial(dump: bool) -> None:
     """A frame past ``max_frame_bytes`` drops its connection unread; its batch is lost as a dropped one is. Replays of
     it fail the same way, so the recovery ends in a state dump (its batches small) where the engine has one, else in
-    the stream marked partial; another publisher's stream is untouched."""
+    the stream marked partial; another publisher's stream is untouched. The streams' clock stands still until both
+    have caught up at the start: a catch-up slower than the 0.3 s timeout (a loaded machine) would be given up, and
+    the untouched stream counted a resync."""
+    started: list[float] = []  # when the clock started
+
+    def clock() -> float:
+        return time.monotonic() - started[0] if started else 0.0
+
     state = EventBatch(ts=-1.0, events=[batch(99).events[0]])
     holder: dict[str, Publisher] = {}
     p = Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", buffer_size=100,
@@ -141,11 +148,12 @@ def test_a_frame_past_the_cap_is_never_taken_and_its_stream_recovers_or_is_marke
     with p, Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0") as other, Subscriber(
             [EndpointConfig("w0", p.endpoint, p.replay_endpoint, supports_dump=dump),
              EndpointConfig("w1", other.endpoint, other.replay_endpoint)],
-            replay_timeout_s=0.3, max_frame_bytes=1 << 16) as sub:
+            replay_timeout_s=0.3, max_frame_bytes=1 << 16, clock=clock) as sub:
         time.sleep(0.1)
         p.publish(batch(0))
         other.publish(batch(0))
-        drain(sub, lambda o: len(received(o)) == 2)
+        drain(sub, lambda o: len(received(o)) == 2 and not sub.recovering(w0) and not sub.recovering(w1))
+        started.append(time.monotonic())
         p.publish(oversized(1))
         for i in range(2, 5):
             p.publish(batch(i))
