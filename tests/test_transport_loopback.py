@@ -218,6 +218,101 @@ def test_publisher_restart_is_reported() -> None:
             p2.close()
 
 
+class _Process:
+    """A publisher process by hand: an XPUB socket (it sees each subscription arrive) and a ROUTER answering replay
+    requests from ``payloads`` (seq -> payload), at given ports or free ones."""
+
+    def __init__(self, payloads: dict[int, bytes], port: int = 0, rport: int = 0) -> None:
+        ctx = zmq.Context.instance()
+        self.payloads = payloads
+        self.pub, self.router = ctx.socket(zmq.XPUB), ctx.socket(zmq.ROUTER)
+        self.port, self.rport = self._bind(self.pub, port), self._bind(self.router, rport)
+
+    @staticmethod
+    def _bind(sock: zmq.Socket[bytes], port: int) -> int:
+        if not port:
+            return sock.bind_to_random_port("tcp://127.0.0.1")
+        deadline = time.monotonic() + 10.0
+        while True:  # (the port of a process just closed: ZMQ lets go of it on a thread of its own)
+            try:
+                sock.bind(f"tcp://127.0.0.1:{port}")
+                return port
+            except zmq.ZMQError as exc:
+                assert exc.errno == zmq.EADDRINUSE and time.monotonic() < deadline, exc
+                time.sleep(0.05)
+
+    def subscribed(self) -> None:
+        """Waits until a subscriber's subscription arrived: what it sends from now on is not dropped."""
+        assert self.pub.poll(10_000), "no subscriber connected"
+        assert self.pub.recv().startswith(b"\x01")
+
+    def send(self, seq: int) -> None:
+        self.pub.send_multipart([b"kv", pack_seq(seq), self.payloads[seq]])
+
+    def answer(self) -> None:
+        """Answers the replay requests waiting: each seq held from the one asked, then the end marker."""
+        while self.router.poll(0):
+            ident, _, request = self.router.recv_multipart()
+            for seq in sorted(q for q in self.payloads if q >= unpack_seq(request)):
+                self.router.send_multipart([ident, b"", b"kv", pack_seq(seq), self.payloads[seq]])
+            self.router.send_multipart([ident, b"", b"", END_SEQ, b""])
+
+    def close(self) -> None:
+        self.pub.close(0)
+        self.router.close(0)
+
+
+def test_a_restarted_publishers_batch_is_not_taken_before_its_disconnect() -> None:
+    """A publisher restarts while the subscriber drains a backlog: the disconnect's event comes after the poll that
+    found the backlog, and the new process's batches 0-2 are lost while the SUB reconnects. Its batch 3, the seq the
+    old stream expects next, was then taken before the disconnect, as the old process's next batch; the check of the
+    publisher the disconnect then asked for compared that batch with itself, and the old process's blocks stayed
+    indexed. Forced: the poll that finds batch 3 is made to miss the monitor's events. Now a live message is taken
+    after its connection's events: the check finds the publisher's batch 2 changed, a new process, taken from 0."""
+    old = _Process({i: encode_payload(batch(i)) for i in range(3)})
+    new: _Process | None = None
+    try:
+        cfg = EndpointConfig("w0", f"tcp://127.0.0.1:{old.port}", f"tcp://127.0.0.1:{old.rport}")
+        with Subscriber([cfg]) as sub:
+            old.subscribed()
+            for seq in range(3):
+                old.send(seq)
+            out: list[Delivery] = []
+            deadline = time.monotonic() + 10.0
+            while received(out) != [0, 1, 2]:
+                assert time.monotonic() < deadline, out
+                out += sub.poll(20)
+                old.answer()
+            old.close()
+            new = _Process({i: encode_payload(batch(100 + i)) for i in range(4)}, old.port, old.rport)
+            conn = sub._conns[cfg.stream]
+            # A call on the SUB socket alone (a backlog's messages taken) hands it the reconnected pipe, and its
+            # subscription goes out again; the monitor's events stay unread.
+            deadline = time.monotonic() + 10.0
+            while not new.pub.poll(20):
+                assert time.monotonic() < deadline, "the SUB never reconnected"
+                conn.sub.get(zmq.EVENTS)
+            new.subscribed()
+            new.send(3)
+            assert zmq.select([conn.sub], [], [], 10.0)[0], "batch 3 never reached the SUB socket"
+            assert conn.monitor.poll(0), "the disconnect's event is waiting"
+            real_poll = sub._poller.poll
+            sub._poller.poll = lambda timeout=None: [(conn.sub, zmq.POLLIN)]  # type: ignore[method-assign]
+            out = sub.poll(20)  # the poll that found batch 3 and not (yet) the monitor's events
+            sub._poller.poll = real_poll  # type: ignore[method-assign]
+            deadline = time.monotonic() + 10.0
+            while len(received(out)) < 4:
+                assert time.monotonic() < deadline, out
+                out += sub.poll(20)
+                new.answer()
+            assert any(isinstance(d, PublisherRestarted) for d in out), out
+            assert received(out) == [100, 101, 102, 103]  # the new process's batches from its seq 0, nothing stale
+    finally:
+        old.close()
+        if new is not None:
+            new.close()
+
+
 def test_legacy_replay_frames_without_topic() -> None:
     with Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", replay_with_topic=False) as p, \
             Subscriber([EndpointConfig("old", p.endpoint, p.replay_endpoint)]) as sub:
