@@ -33,7 +33,7 @@ from kvtier.sim.report import wholes
 from kvtier.util import outpath
 from kvtier.util.fields import ConfigError
 from kvtier.util.outpath import unwritable
-from tests.test_multiprocess import ROOT, free_port
+from tests.test_multiprocess import ROOT, free_ports
 
 SMALL = ["--trace", "builtin:chat:4", "--no-plots"]
 
@@ -79,7 +79,7 @@ def engine(*args: str) -> list[str]:
 
 
 def indexer(*args: str) -> list[str]:
-    return ["indexer", "--endpoint", f"w0=tcp://127.0.0.1:{free_port()}", *args]
+    return ["indexer", "--endpoint", f"w0=tcp://127.0.0.1:{free_ports()[0]}", *args]
 
 
 def toml(tmp: Path, text: str) -> str:

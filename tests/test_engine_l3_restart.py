@@ -22,7 +22,7 @@ from kvtier.engine.l3.pagefile import Layout, read_header
 from kvtier.indexer.service.app import IndexerService, ServiceConfig
 from kvtier.wire import StorageTier
 from kvtier.wire.transport.subscriber import EndpointConfig
-from tests.test_multiprocess import ROOT, free_port, read_residency
+from tests.test_multiprocess import ROOT, free_ports, read_residency
 
 LAYOUT = Layout("kvtier-live", 16, kv_bytes_per_token=1024)  # `kvtier engine`'s defaults
 
@@ -37,7 +37,7 @@ def engine(l3_dir: Path, pub: int, rep: int, *extra: str, name: str = "w0", l3: 
 
 def test_engine_killed_mid_write_restarts_warm(tmp_path: Path) -> None:
     base = tmp_path / LAYOUT.tag()
-    pub, rep = free_port(), free_port()
+    pub, rep = free_ports(2)
     first = engine(tmp_path, pub, rep, "--trace", "builtin:chat:400", "--speed", "20")
     try:
         deadline = time.monotonic() + 60
@@ -52,7 +52,7 @@ def test_engine_killed_mid_write_restarts_warm(tmp_path: Path) -> None:
     (base / (pagedir.tmp_prefix(first.pid) + "torn")).write_bytes(b"KVTP half a page")  # what a kill mid-write leaves
 
     residency = tmp_path / "res.json"
-    pub, rep = free_port(), free_port()
+    pub, rep = free_ports(2)
     second = engine(tmp_path, pub, rep, "--trace", "builtin:chat:3", "--speed", "1000", "--disk-pages", "200",
                     "--residency", str(residency), "--hold", "60")
     svc = IndexerService(ServiceConfig(endpoints=[EndpointConfig("w0", f"tcp://127.0.0.1:{pub}",
@@ -85,8 +85,8 @@ def test_engines_sharing_a_pool_never_delete_each_others_pages(tmp_path: Path) -
     restarted with a capacity far below what it held. Every page the other holds stays, sound."""
     base = tmp_path / LAYOUT.tag()
     common = ("--trace", "builtin:sysprompt:60", "--speed", "200", "--l3-sync", "batch")
-    a = engine(tmp_path, free_port(), free_port(), *common, "--hold", "60", name="a", l3="external")
-    b = engine(tmp_path, free_port(), free_port(), *common, "--hold", "0", name="b", l3="external")
+    a = engine(tmp_path, 0, 0, *common, "--hold", "60", name="a", l3="external")
+    b = engine(tmp_path, 0, 0, *common, "--hold", "0", name="b", l3="external")
     try:
         assert b.wait(timeout=120) == 0
         held_by_b = sorted(os.listdir(base / "refs" / "b"))
@@ -94,7 +94,7 @@ def test_engines_sharing_a_pool_never_delete_each_others_pages(tmp_path: Path) -
         assert len(held_by_b) > 50 and shared, "the engines should have written some of the same pages"
         a.send_signal(signal.SIGKILL)
         a.wait(timeout=10)
-        again = engine(tmp_path, free_port(), free_port(), "--trace", "builtin:chat:1", "--disk-pages", "5",
+        again = engine(tmp_path, 0, 0, "--trace", "builtin:chat:1", "--disk-pages", "5",
                        "--hold", "0", name="a", l3="external")
         assert again.wait(timeout=60) == 0
         assert len(os.listdir(base / "refs" / "a")) <= 5 + 5  # what fits, plus the one new prompt's chain

@@ -6,6 +6,7 @@ engine process dumps to a file when its trace is done.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -27,11 +28,14 @@ ROOT = Path(__file__).resolve().parent.parent
 ANY_PORT = "tcp://127.0.0.1:0"
 
 
-def free_port() -> int:
-    """A port free right now (other tests' helpers; this test lets its engines bind port 0 instead)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_ports(n: int = 1) -> list[int]:
+    """``n`` distinct ports free right now, for a process to bind later (other tests' helpers; this test lets its
+    engines bind port 0 instead). Held together while found: ports found one after another may be the same one."""
+    with contextlib.ExitStack() as held:
+        socks = [held.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
 
 
 def start(name: str, seed: int, residency: Path, pub: str = ANY_PORT,
