@@ -9,7 +9,8 @@ Each block runs in a fresh ``bash`` with ``-e -o pipefail`` from the repository 
 command leaves ``.venv``), echoing its lines as bash reads them (``-v``) with their output, so the transcript is
 the block and what it printed. A block that exits non-zero, or runs past ``--timeout`` (its whole process group
 is killed then), fails the script: exit status 1, naming the block. Blocks that start background processes stop
-them themselves (a ``trap``); the timeout is the backstop.
+them themselves (a ``trap``); the timeout is the backstop, and so is an interrupt (Ctrl-C: exit status 130) or the
+transcript's reader going away, which stop the block's whole session.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,6 +61,11 @@ def run_block(name: str, body: str, *, cwd: Path, timeout_s: float) -> int:
             sys.stdout.buffer.write(line)
             sys.stdout.flush()
         rc = proc.wait()
+    except BaseException:
+        # Ctrl-C (it reaches this process alone: the block has a session of its own), or the transcript's reader
+        # gone: what the block started would run on
+        stop(proc)
+        raise
     finally:
         watchdog.cancel()
         proc.stdout.close()
@@ -67,6 +74,19 @@ def run_block(name: str, body: str, *, cwd: Path, timeout_s: float) -> int:
         return 124
     print(f"=== quickstart-{name}: exit {rc}", flush=True)
     return rc
+
+
+def stop(block: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
+    """Stops every process of ``block``'s session: SIGTERM (the servers stop cleanly), then SIGKILL whatever is left
+    after ``grace_s``."""
+    with contextlib.suppress(ProcessLookupError):  # (all gone already)
+        os.killpg(block.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            block.poll()  # (the block's shell reaped: a zombie would still count as one of the session)
+            os.killpg(block.pid, 0)  # (raises once none is left)
+            time.sleep(0.05)
+        os.killpg(block.pid, signal.SIGKILL)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,8 +110,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"readme_quickstart: error: {a.readme} has no quick start {', '.join(unknown) or '(none at all)'}; "
               f"it has: {', '.join(blocks) or 'none'}", file=sys.stderr)
         return 2
-    failed = [n for n in (a.names or list(blocks))
-              if run_block(n, blocks[n], cwd=a.cwd, timeout_s=a.timeout) != 0]
+    try:
+        failed = [n for n in (a.names or list(blocks))
+                  if run_block(n, blocks[n], cwd=a.cwd, timeout_s=a.timeout) != 0]
+    except KeyboardInterrupt:
+        print("readme_quickstart: interrupted; what the block started was stopped", file=sys.stderr)
+        return 130
     if failed:
         print(f"readme_quickstart: failed: {', '.join(failed)}", file=sys.stderr)
         return 1

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -61,6 +63,44 @@ def test_a_block_past_its_timeout_is_killed_with_what_it_started(tmp_path: Path)
     assert out.returncode == 1 and "killed after 3 s" in out.stdout
     bg = int((tmp_path / "bg.pid").read_text())
     assert not Path(f"/proc/{bg}").exists() or "zombie" in Path(f"/proc/{bg}/status").read_text().lower()
+
+
+def _gone(pid: int) -> bool:
+    return not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+@pytest.mark.parametrize("how", ["interrupt", "reader gone"])
+def test_an_interrupted_run_stops_what_its_block_started(tmp_path: Path, how: str) -> None:
+    """Ctrl-C reaches the runner alone (the block has a session of its own), and a transcript piped to a reader that
+    went away (``| head``) ended it too: either way the runner died and the block's servers ran on, holding their
+    ports. They are stopped with it now."""
+    readme = tmp_path / "README.md"
+    readme.write_text("```bash quickstart-servers\nsleep 300 &\necho $! > bg.pid\necho started\n"
+                      "while true; do echo serving; sleep 0.05; done\n```\n")
+    runner = subprocess.Popen([sys.executable, str(SCRIPT), "--readme", str(readme), "--cwd", str(tmp_path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert runner.stdout is not None
+        for line in runner.stdout:  # the block is under way, its server started
+            if line == b"started\n":
+                break
+        bg = int((tmp_path / "bg.pid").read_text())
+        assert not _gone(bg)
+        if how == "interrupt":
+            runner.send_signal(signal.SIGINT)
+            assert runner.wait(timeout=30) == 130
+            assert runner.stderr is not None and b"interrupted" in runner.stderr.read()
+        else:
+            runner.stdout.close()  # its next transcript line meets a broken pipe
+            assert runner.wait(timeout=30) != 0
+        deadline = time.monotonic() + 10.0
+        while not _gone(bg):
+            assert time.monotonic() < deadline, "the block's server still runs"
+            time.sleep(0.05)
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+            runner.wait()
 
 
 @pytest.mark.slow
