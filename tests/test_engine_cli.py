@@ -12,7 +12,6 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -134,25 +133,43 @@ def test_ctrl_c_mid_trace_stops_the_engine_cleanly_and_says_where(tmp_path: Path
 
 
 def test_a_residency_fifo_no_one_reads_does_not_outlive_sigterm(tmp_path: Path) -> None:
-    """``--residency`` naming a FIFO that no process reads blocks the write (opening it waits for a reader). The
-    engine's SIGTERM handler only set a flag, after which Python went back to waiting: no SIGTERM stopped it. Now a
-    stop signal ends the write, and the line says the residency was not written. SIGTERM is sent until the engine
-    exits: the first may come while it still replays (that stops the replay, then the write blocks)."""
+    """``--residency`` naming a FIFO that no process reads: opening it to write would wait for a reader, and the
+    engine's SIGTERM handler only sets a flag, after which such a call goes back to waiting. One SIGTERM, whether it
+    comes while the trace is replayed or while the engine waits for a reader, stops the engine, and the line says
+    the residency was not written."""
     fifo = tmp_path / "res.fifo"
     os.mkfifo(fifo)
     with _engine("--trace", "builtin:chat:2", "--speed", "1000", "--hold", "0", "--residency", str(fifo)) as proc:
         assert proc.stdout is not None and proc.stderr is not None
         line = proc.stdout.readline()  # its signal handlers are in place
         assert "publishing on" in line, line + proc.stderr.read()
-        deadline = time.monotonic() + 30.0
-        while proc.poll() is None and time.monotonic() < deadline:
-            proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=0.2)
-        assert proc.poll() is not None, "the engine outlived SIGTERM while writing its residency"
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("the engine outlived SIGTERM while writing its residency") from None
         err = proc.stderr.read()
-        assert proc.returncode == 2 and "Traceback" not in err, err
-        assert f"kvtier engine: error: --residency {fifo}: stopped by a signal before it was written" in err, err
+        assert rc == 2 and "Traceback" not in err, err
+        assert re.search(rf"kvtier engine: error: --residency {re.escape(str(fifo))}: a stop signal came before a "
+                         r"process opened the FIFO to read it\n", err), err
+
+
+def test_a_residency_fifo_is_written_through_once_a_reader_opens_it(tmp_path: Path) -> None:
+    """A FIFO's reader that opens it after the trace is done gets the whole residency; the engine waits for it."""
+    fifo = tmp_path / "res.fifo"
+    os.mkfifo(fifo)
+    proc = subprocess.Popen([sys.executable, "-m", "kvtier", "engine", "--endpoint", "tcp://127.0.0.1:0", "--replay",
+                             "tcp://127.0.0.1:0", "--trace", "builtin:chat:2", "--speed", "1000", "--hold", "0",
+                             "--residency", str(fifo)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        with open(fifo, "rb") as reader:  # (waits for the engine to open it)
+            data = json.loads(reader.read())
+        assert proc.wait(timeout=60) == 0
+        assert set(data) >= {"DEVICE"} and data["DEVICE"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_prompts_that_do_not_fit_the_device_are_counted_not_dropped_silently(
@@ -200,14 +217,14 @@ def test_a_residency_write_that_fails_leaves_nothing_and_one_that_succeeds_follo
         capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A full disk failed the write after its temporary file was made, and the file stayed; a residency written was
     mode 0600 whatever the umask (the temporary file's mode, kept by the rename)."""
-    real = Path.write_text
+    real = Path.write_bytes
 
     def full(self: Path, *args: Any, **kwargs: Any) -> int:
-        real(self, "")  # made, then the disk is full
+        real(self, b"")  # made, then the disk is full
         raise OSError(errno.ENOSPC, "No space left on device")
 
     res = tmp_path / "r.json"
-    monkeypatch.setattr(Path, "write_text", full)
+    monkeypatch.setattr(Path, "write_bytes", full)
     rc, err = _run(capsys, "--trace", "builtin:chat:2", "--l3", "none", "--residency", str(res))
     assert rc == 2 and f"kvtier engine: error: --residency {res}: No space left on device" in err, err
     assert list(tmp_path.iterdir()) == []

@@ -13,15 +13,17 @@ keeps serving replay and dump requests until SIGTERM or ``--hold`` seconds.
 from __future__ import annotations
 
 import argparse
-import contextlib
+import errno
 import importlib.util
 import json
 import math
 import os
+import select
 import signal
+import stat
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import zmq
@@ -47,12 +49,50 @@ _DEVICE_PAGES = CacheConfig().device_pages
 PROGRESS_S = 15.0
 
 
-def write_residency(cache: TieredCache, path: Path) -> None:
-    """``--residency``: per tier name, the engine hashes of the pages held there, sorted (JSON), written whole or
-    not at all (a failed write leaves no part file). O(pages)."""
-    data = {t.name: sorted(hs) for t, hs in cache.residency().items()}
-    with whole(path) as part:
-        part.write_text(json.dumps(data))
+def residency_json(cache: TieredCache) -> bytes:
+    """``--residency``'s content: per tier name, the engine hashes of the pages held there, sorted (JSON). The
+    caller holds the node's lock. O(pages)."""
+    return json.dumps({t.name: sorted(hs) for t, hs in cache.residency().items()}).encode()
+
+
+def write_residency(data: bytes, path: Path, stopped: Callable[[], bool]) -> None:
+    """Writes ``data`` to ``path``: a file whole or not at all (a failed write leaves no part file); a FIFO through,
+    without blocking: it waits for a reader, and for the reader to take what it wrote, until ``stopped()`` (a stop
+    signal only sets a flag, after which a blocked call would be retried: an engine writing to a FIFO no process
+    reads would outlive every SIGTERM). :class:`StoppedWrite` then. O(len(data))."""
+    try:
+        fifo = stat.S_ISFIFO(os.stat(path).st_mode)
+    except FileNotFoundError:
+        fifo = False
+    if not fifo:
+        with whole(path) as part:
+            part.write_bytes(data)
+        return
+    while True:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+            break
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:  # (ENXIO: no reader yet)
+                raise
+        if stopped():
+            raise StoppedWrite("a stop signal came before a process opened the FIFO to read it")
+        time.sleep(0.05)
+    try:
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[os.write(fd, view):]
+            except BlockingIOError:  # the pipe is full: its reader has yet to take what is in it
+                if stopped():
+                    raise StoppedWrite("a stop signal came before the FIFO's reader took it whole") from None
+                select.select([], [fd], [], 0.05)
+    finally:
+        os.close(fd)
+
+
+class StoppedWrite(Exception):
+    """A stop signal came while a write waited on a FIFO's reader."""
 
 
 class EngineError(Exception):
@@ -232,9 +272,10 @@ def _serve(args: argparse.Namespace, stop: dict[str, bool]) -> int:
         node.step()
         if args.residency:
             try:
-                with node.lock, _stop_signals_raise(stop):
-                    write_residency(cache, Path(args.residency))
-            except (OSError, _Stopped) as exc:
+                with node.lock:
+                    data = residency_json(cache)
+                write_residency(data, Path(args.residency), halted)
+            except (OSError, StoppedWrite) as exc:
                 why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
                 print(f"kvtier engine: error: --residency {args.residency}: {why}", file=sys.stderr, flush=True)
                 rc = 2
@@ -247,9 +288,9 @@ def _serve(args: argparse.Namespace, stop: dict[str, bool]) -> int:
             failed = cache.l3.write_failures if cache.l3 is not None else 0
             if failed:  # (a full disk: each batch logged sparsely above, the pages kept off the L3 tier)
                 skipped += f"{failed} copy batches to L3 failed and their pages were not stored there; "
-            print(f"engine {args.name}: trace done; {skipped}serving replay and dump requests "
-                  + ("until SIGTERM" if math.isinf(args.hold) else f"for {args.hold:g} s more (--hold)"),
-                  file=sys.stderr, flush=True)
+            serving = ("stopping: a stop signal came" if halted() else "serving replay and dump requests "
+                       + ("until SIGTERM" if math.isinf(args.hold) else f"for {args.hold:g} s more (--hold)"))
+            print(f"engine {args.name}: trace done; {skipped}{serving}", file=sys.stderr, flush=True)
         deadline = time.monotonic() + args.hold
         while not halted() and time.monotonic() < deadline:
             time.sleep(0.02)  # the publisher's thread keeps answering replay and dump requests
@@ -265,28 +306,6 @@ def _serve(args: argparse.Namespace, stop: dict[str, bool]) -> int:
     if stop["signal"]:
         _exit_now(rc)
     return rc
-
-
-class _Stopped(Exception):
-    """A stop signal came while a write that may block (to a FIFO no one reads) was under way."""
-
-
-@contextlib.contextmanager
-def _stop_signals_raise(stop: dict[str, bool]) -> Iterator[None]:
-    """Within it SIGTERM and SIGINT stop as they do elsewhere and also raise :class:`_Stopped`, which ends a blocked
-    system call: the handlers :func:`run` installs only set a flag, after which Python retries the call, so an
-    engine writing its residency to a FIFO that no process reads would outlive every SIGTERM. O(1)."""
-
-    def stopped(*_: object) -> None:
-        stop.update(now=True, signal=True)
-        raise _Stopped("stopped by a signal before it was written")
-
-    previous = {sig: signal.signal(sig, stopped) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def _exit_now(code: int) -> None:
