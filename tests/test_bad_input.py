@@ -215,7 +215,13 @@ CASES: dict[str, Case] = {
     "loss-burst 0": (replay("--loss-burst", "0"), "--loss-burst: 0 is not allowed"),
     "sla-ttft-ms 0": (replay("--sla-ttft-ms", "0"), "--sla-ttft-ms: 0.0 is not allowed; expected a number > 0"),
     "sla-tpot-ms nan": (replay("--sla-tpot-ms", "nan"), "--sla-tpot-ms: nan is not allowed"),
-    "unknown policy": (replay("--policy", "bogus"), "unknown policy 'bogus'"),
+    "unknown policy": (replay("--policy", "bogus"), "unknown policy 'bogus'; expected one of round_robin"),
+    "policy typo": (replay("--policy", "kvall"), "unknown policy 'kvall' (did you mean 'kv_all'?); expected"),
+    "policy with a hyphen": (replay("--policy", "min-ttft"), "unknown policy 'min-ttft' (did you mean 'min_ttft'?)"),
+    "builtin trace typo": (lambda t, f: ["replay", "--no-plots", "--trace", "builtin:chatt"],
+                           "unknown builtin trace 'chatt' (did you mean 'chat'?); expected one of agentic, chat, "
+                           "sysprompt"),
+    "draft model unknown": (replay("--draft-model", "llama-9"), "argument --draft-model: invalid choice: 'llama-9'"),
     # trace options
     "time-scale -1": (replay("--time-scale", "-1"),
                       "argument --time-scale: -1 is not allowed; expected a number in [1e-06, 1000000]"),
@@ -345,7 +351,16 @@ CASES: dict[str, Case] = {
                           "--grid policy=bogus: unknown policy 'bogus'"),
     "grid page_size=0": (lambda t, f: ["sweep", *SMALL[:2], "--grid", "page_size=0"],
                          "--grid page_size=0: --page-size: 0 is not allowed"),
-    "grid unknown axis": (lambda t, f: ["sweep", *SMALL[:2], "--grid", "colour=red"], "grid axis 'colour'"),
+    "grid unknown axis": (lambda t, f: ["sweep", *SMALL[:2], "--grid", "colour=red"],
+                          "grid axis 'colour' is not a setting; known: closed_loop, cost"),
+    "grid axis typo": (lambda t, f: ["sweep", *SMALL[:2], "--grid", "devce_tokens=1"],
+                       "grid axis 'devce_tokens' is not a setting (did you mean 'device_tokens'?)"),
+    "grid axis by its option": (lambda t, f: ["sweep", *SMALL[:2], "--grid", "event_delay=0,1"],
+                                "grid axis 'event_delay' is not a setting (it is 'event_delay_s', as summary.json "
+                                "names it)"),
+    "policies two unknown": (lambda t, f: ["compare", *SMALL, "--policies", "round_robin,kvall,min-ttft"],
+                             "--policies: unknown policies 'kvall' (did you mean 'kv_all'?), 'min-ttft' (did you "
+                             "mean 'min_ttft'?); expected names from round_robin"),
     # a sweep writes no inter-token series: the option is refused, not accepted and ignored
     "sweep itl series": (lambda t, f: ["sweep", *SMALL[:2], "--grid", "workers=1", "--itl-series", "x.jsonl"],
                          "kvtier sweep: error: unrecognized arguments: --itl-series x.jsonl (see kvtier sweep --help)"),

@@ -41,6 +41,18 @@ def test_every_cache_option_defaults_to_the_field_default(command: str) -> None:
         assert getattr(args, f.name) == getattr(cluster, f.name), f.name
 
 
+def test_every_cluster_setting_has_an_option_that_reaches_the_cluster() -> None:
+    """What summary.json's meta.cluster reports and a sweep's grid varies can be set on the command line too:
+    draft_model could not (no option, no help). ``cache`` is the cache settings' own options; ``kv_gbps`` is
+    --kv-link-gbps."""
+    from kvtier.sim.cli import _cluster
+
+    args = build_parser().parse_args(["replay", "--draft-model", "tiny"])
+    missing = [f.name for f in dataclasses.fields(ClusterConfig) if not hasattr(args, f.name)]
+    assert missing == ["cache", "kv_gbps"]
+    assert _cluster(args).draft_model == "tiny" and ClusterConfig().draft_model is None
+
+
 def test_flat_settings_reach_the_cache_and_the_cluster() -> None:
     c = ClusterConfig.of(workers=3, page_size=16, host_ratio=4.0, write_policy="write_back",
                          prefetch_policy=PrefetchPolicy.TIMEOUT, selective_threshold=5)
@@ -104,3 +116,13 @@ def test_the_indexers_help_says_each_default_a_setting_stands_for() -> None:
     helps = {a.dest: a.help for a in indexer._actions}
     assert helps["gpu_link"].endswith("(default: the config's, else h100-pcie5)")
     assert helps["max_connections"].endswith("(default: the config's, else 1024)")
+
+
+def test_compare_runs_the_goodput_policy_by_default_where_an_slo_is_given(tmp_path: Path) -> None:
+    """The default policies compared under an SLO left out kvtier's own SLO-aware policy, the one an SLO is told to
+    (without one it routes as min_ttft, so it is left out there)."""
+    for slo, last in (([], "llmd_precise"), (["--sla-ttft-ms", "100"], "goodput")):
+        out = tmp_path / last
+        assert cli(["compare", "--trace", "builtin:chat:4", "--no-plots", "--out", str(out), *slo]) == 0
+        runs = json.loads((out / "summary.json").read_text())["runs"]
+        assert [r["policy"] for r in runs][-1] == last and len(runs) == 14 + bool(slo)

@@ -43,7 +43,7 @@ from kvtier.hardware.links import (
     KV_LINKS,
     STORAGE_LINKS,
 )
-from kvtier.indexer.routing.plugins import PluginError
+from kvtier.indexer.routing.plugins import PluginError, is_plugin_spec
 from kvtier.indexer.routing.policies import REGISTRY
 from kvtier.indexer.routing.scoring import AUTO_DISCOUNT_BELOW, DEFAULT_OUT_OF_REACH, OUT_OF_REACH
 from kvtier.indexer.service.config import ENDPOINT_SPEC, ServiceConfig
@@ -56,12 +56,14 @@ from kvtier.sim.run import RunConfig, RunResult, load_kernels
 from kvtier.sim.source import TraceSource
 from kvtier.sim.trace import MAX_TIMESTAMP_MS, TIME_SCALE, Request, TraceError, is_azure, write_mooncake
 from kvtier.sim.transport import Recovery
-from kvtier.util.fields import ConfigError, Domain, OneLineParser, add_options
+from kvtier.util.fields import ConfigError, Domain, OneLineParser, add_options, did_you_mean
 from kvtier.util.outpath import unwritable
 from kvtier.wire.protocol import DEFAULT_BLOCK_SIZE
 
 # The incumbents route in O(prompt blocks) per request, and all but llmd_precise (fed events, like kv_host) hear no
 # events: cheap beside the kv_* policies.
+#: How --policy and --policies name a plugin (kvtier.indexer.routing.plugins).
+_PLUGIN_FORMS = "or a plugin: FILE.py:ATTR, MODULE:ATTR, or an entry point of the group kvtier.policies"
 DEFAULT_POLICIES = ("round_robin,least_loaded,approx,kv_device,kv_host,kv_all,dynamo,min_ttft,oracle,"
                     "sglang_cache_aware,power_of_two,llmd,llmd_kv,llmd_precise")
 
@@ -104,8 +106,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def _add_trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default="builtin:chat",
-                   help="Mooncake JSONL, Azure CSV, or builtin:chat|agentic|sysprompt[:N] (N requests; default: "
-                        "--limit, else 1,000)")
+                   help="Mooncake JSONL, Azure CSV, or builtin:chat|agentic|sysprompt[:N] (N requests: by default "
+                        "--limit, else 1,000); default: %(default)s")
     p.add_argument("--limit", type=COUNT.parse, help="use only the first N requests (default: all)")
     p.add_argument("--time-scale", type=TIME_SCALE.parse, default=1.0,
                    help="multiply arrival times (<1 = higher load); closed loop (the default), it moves sessions' "
@@ -130,7 +132,7 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=d.model, choices=sorted(MODEL_PRESETS), metavar="NAME",
                    help="model preset, its KV bytes per token (hybrid: full-attention + sliding-window KV): "
                         + "; ".join(_describe(p) for p in MODEL_PRESETS.values()))
-    add_options(g, ClusterConfig, ["swa_ratio"])
+    add_options(g, ClusterConfig, ["swa_ratio", "draft_model"])
     add_options(g, CacheConfig, ["swa_events", "write_policy", "eviction", "selective_threshold", "load_back",
                                  "prefetch_policy", "prefetch_min_pages", "prefetch_timeout_s"])
     add_options(g, ClusterConfig, ["prefill_budget", "max_running"])
@@ -233,7 +235,8 @@ def _cluster(a: argparse.Namespace, axes: Collection[str] = ()) -> ClusterConfig
         kv_gbps=a.kv_link_gbps, local_prefill_tokens=a.local_prefill_tokens,
         decode_device_tokens=a.decode_device_tokens, decode_max_running=a.decode_max_running,
         kv_link_sharing=a.kv_link_sharing,
-        **{k: getattr(a, k) for k in ("device_tokens", "l3", "l3_tokens", "model", "swa_ratio", "prefill_budget",
+        **{k: getattr(a, k) for k in ("device_tokens", "l3", "l3_tokens", "model", "swa_ratio", "draft_model",
+                                      "prefill_budget",
                                       "max_running", *CACHE_SETTINGS)},
         h2d_gbps=a.h2d_gbps if a.h2d_gbps is not None else GPU_LINKS[a.gpu_link].gbps,
         storage_gbps=a.storage_gbps if a.storage_gbps is not None else STORAGE_LINKS[a.storage_link].gbps,
@@ -616,10 +619,17 @@ def _unfinished_status(a: argparse.Namespace, summaries: list[Any], total: int) 
 
 
 def cmd_compare(a: argparse.Namespace) -> int:
+    if a.policies is None:  # kvtier's SLO-aware policy where there is an SLO to be told (without: min_ttft's rows)
+        slo = any(v is not None for v in (a.sla_ttft_ms, a.sla_tpot_ms, a.sla_e2e_ms))
+        a.policies = DEFAULT_POLICIES + (",goodput" if slo else "")
     policies = [p.strip() for p in a.policies.split(",") if p.strip()]
     if not policies:
         raise CliError(f"--policies: {a.policies!r} names no policy; expected a comma-separated list from "
                        f"{', '.join(POLICIES)} or plugins")
+    unknown = [p for p in policies if p not in REGISTRY and not is_plugin_spec(p)]
+    if len(unknown) > 1:  # (one: the registry's line)
+        raise CliError(f"--policies: unknown policies {', '.join(repr(p) + did_you_mean(p, POLICIES) for p in unknown)}"
+                       f"; expected names from {', '.join(POLICIES)}, or plugins")
     named: dict[str, str] = {}
     for p in policies:
         label = policy_label(p)
@@ -843,7 +853,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_trace_args(p)
     _add_cluster_args(p)
     _add_router_args(p)
-    p.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated, from {', '.join(POLICIES)}")
+    p.add_argument("--policies",
+                   help=f"comma-separated, from {', '.join(POLICIES)}; {_PLUGIN_FORMS} (default: {DEFAULT_POLICIES}; "
+                        "and goodput where an --sla-* bound is given)")
     p.add_argument("--out", default="out/compare", help="output directory")
     p.add_argument("--jobs", type=COUNT.parse, help="parallel processes (default: one per core)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -853,7 +865,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_trace_args(p)
     _add_cluster_args(p)
     _add_router_args(p)
-    p.add_argument("--policy", default="kv_all", help=f"one of {', '.join(POLICIES)}")
+    p.add_argument("--policy", default="kv_all", help=f"one of {', '.join(POLICIES)}; {_PLUGIN_FORMS} "
+                                                      "(default: %(default)s)")
     p.add_argument("--out", default="out/replay", help="output directory")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.set_defaults(func=cmd_replay)
@@ -862,11 +875,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_trace_args(p)
     _add_cluster_args(p)
     _add_router_args(p, itl_series=False)
-    p.add_argument("--policy", default="kv_all", help="policy unless the grid has a policy axis")
+    p.add_argument("--policy", default="kv_all",
+                   help="policy unless the grid has a policy axis, as replay's --policy (default: %(default)s)")
     p.add_argument("--grid", nargs="+", required=True, metavar="NAME=V1,V2",
                    help="axes, e.g. device_tokens=65536,131072 host_ratio=0,2 policy=kv_device,kv_all "
                         "pools=agg,8:8,4:12 (splits of --workers into prefill:decode workers; or prefill_workers= and "
-                        "decode_workers=, which resize the cluster)")
+                        "decode_workers=, which resize the cluster). NAME is a setting as summary.json's "
+                        "meta.cluster and meta.run name it: mostly the option's, event_delay_s for --event-delay")
     p.add_argument("--out", default="out/sweep", help="output directory")
     p.add_argument("--jobs", type=COUNT.parse, help="parallel processes (default: one per core)")
     p.add_argument("--ray", action="store_true", help="run on a Ray cluster (RAY_ADDRESS or a local one)")

@@ -89,7 +89,9 @@ class ClusterConfig:
     swa_ratio: float = field(default=0.8, metadata=within(0, 1024, help=(
         "hybrid models: window-KV pool tokens per full-attention pool token (SGLang's --swa-full-tokens-ratio)")))
     # speculative-decoding draft model whose KV moves with each page
-    draft_model: str | None = field(default=None, metadata=one_of(*PRESETS, optional=True))
+    draft_model: str | None = field(default=None, metadata=one_of(*PRESETS, optional=True, help=(
+        "speculative decoding's draft model preset: its KV is copied with every page and sent with every prompt "
+        "(default: none)")))
     prefill_budget: int = field(default=8192, metadata=at_least(1, help="chunked-prefill tokens per iteration"))
     max_running: int = field(default=64, metadata=at_least(1, help="requests in a worker's batch at once"))
     # host <-> device and host <-> L3, GB/s (see kvtier.hardware.links)

@@ -28,7 +28,7 @@ from kvtier.sim.report import CsvRecords, ItlSeries
 from kvtier.sim.run import RunConfig, RunResult, simulate
 from kvtier.sim.source import ListTrace, MooncakeFile, TraceSource, as_source
 from kvtier.sim.trace import Request, is_azure, load_azure, load_trace
-from kvtier.util.fields import ConfigError
+from kvtier.util.fields import ConfigError, did_you_mean
 
 #: Requests of a builtin trace at most: each is made in memory before the run (about a kilobyte with its hash ids).
 MAX_BUILTIN_REQUESTS = 1_000_000
@@ -46,7 +46,8 @@ def resolve_trace(spec: str, *, limit: int | None = None, seed: int = 0, time_sc
         parts = spec.split(":")
         kind = parts[1] if len(parts) > 1 else ""
         if kind not in PRESETS:
-            raise ValueError(f"unknown builtin trace {kind!r}; expected one of {sorted(PRESETS)}")
+            raise ValueError(f"unknown builtin trace {kind!r}{did_you_mean(kind, PRESETS)}; expected one of "
+                             f"{', '.join(sorted(PRESETS))}")
         count = parts[2] if len(parts) == 3 else None
         if len(parts) > 3 or (count is not None and not (count.isascii() and count.isdigit() and int(count) >= 1)):
             # (isdigit alone takes '²', which int() refuses)
@@ -269,6 +270,9 @@ _TO_CONFIG: dict[str, Callable[[Any], Any]] = {"latency": resolve_latency}
 DISAGG_ONLY = ("kv_link", "kv_gbps", "kv_link_sharing", "local_prefill_tokens", "decode_device_tokens",
                "decode_max_running")
 
+#: The grid axes whose name is not their command-line option's (--event-delay sets event_delay_s).
+_AXIS_OF_OPTION = {"event_delay": "event_delay_s", "until": "until_s", "kv_link_gbps": "kv_gbps"}
+
 #: Grid points of one sweep at most: its jobs are all made before the first runs.
 MAX_GRID_POINTS = 10_000
 
@@ -281,7 +285,9 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[Any]]:
         if not sep or not values:
             raise ValueError(f"grid axis {item!r}: expected NAME=V1,V2,...")
         if key not in _FIELDS:
-            raise ValueError(f"grid axis {key!r} is not a setting; known: {sorted(_FIELDS)}")
+            meant = _AXIS_OF_OPTION.get(key)
+            hint = f" (it is {meant!r}, as summary.json names it)" if meant else did_you_mean(key, _FIELDS)
+            raise ValueError(f"grid axis {key!r} is not a setting{hint}; known: {', '.join(sorted(_FIELDS))}")
         if key in grid:
             raise ValueError(f"grid axis {key!r} is given twice: give its values once, as {key}=V1,V2,...")
         cast = _FIELDS[key][1]

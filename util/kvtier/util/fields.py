@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,6 +109,13 @@ def positive(kind: type = float, **kw: Any) -> Mapping[str, Domain]:
 
 def within(lo: float, hi: float, kind: type = float, **kw: Any) -> Mapping[str, Domain]:
     return Domain(kind, lo=lo, hi=hi, **kw).meta()
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """``" (did you mean 'x'?)"`` where ``name`` looks like one of ``known`` (a typo, ``-`` for ``_``), else
+    nothing: for the line refusing an unknown name. O(known)."""
+    near = difflib.get_close_matches(name.replace("-", "_"), list(known), n=1, cutoff=0.7)
+    return f" (did you mean {near[0]!r}?)" if near else ""
 
 
 def one_of(*choices: str, **kw: Any) -> Mapping[str, Domain]:

@@ -63,7 +63,7 @@ from kvtier.indexer.routing.scoring import (
     TierCredits,
     TtftCost,
 )
-from kvtier.util.fields import ConfigError
+from kvtier.util.fields import ConfigError, did_you_mean
 from kvtier.wire.protocol import StorageTier
 
 
@@ -195,9 +195,11 @@ def policy_spec(name: str) -> PolicySpec:
         raise ConfigError(f"policy {name!r}: a plugin file is named with the policy in it, {name}:ATTR (its class, "
                           "factory or instance)")
     if spec is None:
-        raise ConfigError(f"unknown policy {name!r}; expected one of {', '.join(POLICIES)}, module:attr, "
-                          "file.py:attr, or an entry point of the group kvtier.policies")
+        raise ConfigError(f"unknown policy {name!r}{did_you_mean(name, POLICIES)}; expected one of "
+                          f"{', '.join(POLICIES)}, module:attr, file.py:attr, or an entry point of the group "
+                          "kvtier.policies")
     return spec
+
 
 
 def make_plugin(name: str, settings: RoutingSettings, block_size: int) -> RoutingPolicy:
