@@ -744,9 +744,9 @@ def test_what_needs_no_kernel_is_refused_before_they_load(tmp_path: Path, monkey
         cases = [
             (["--snapshot", str(tmp_path / "no" / "x.snap")], "does not exist"),
             (["--config", str(config), "--snapshot", str(config)],
-             f"snapshot {config}: that is the --config file, which the snapshot would replace"),
+             f"snapshot {config}: is the --config file, which the service reads; name another file"),
             (["--auth-token-file", str(tokens), "--snapshot", str(tokens)],
-             f"snapshot {tokens}: that is auth_token_file, which the snapshot would replace"),
+             f"snapshot {tokens}: is auth_token_file, which the service reads; name another file"),
             (["--auth-token-file", str(empty)], f"auth_token_file {empty}: holds no token"),
             (["--policy", str(tmp_path / "none.py")], "none.py"),
             (["--listen", f"127.0.0.1:{busy.getsockname()[1]}"], "cannot listen on 127.0.0.1"),
@@ -755,3 +755,24 @@ def test_what_needs_no_kernel_is_refused_before_they_load(tmp_path: Path, monkey
             assert cli_main([*base[:3], *args] if "--listen" in args else [*base, *args]) == 2, args
             err = capsys.readouterr().err
             assert message in err and "Traceback" not in err, (args, err)
+
+
+def test_the_checks_before_the_kernels_run_no_plugin_code_and_name_what_they_cannot_remove(tmp_path: Path) -> None:
+    """The checks made before the kernels load find a plugin's file without running it (its module would run
+    twice, once more at the start); a snapshot's left-over temporary file that cannot be removed (a directory) is
+    named as the snapshot's problem, not as a port that cannot be listened on."""
+    from kvtier.indexer.service.app import preflight
+
+    ran = tmp_path / "ran"
+    plugin = tmp_path / "mine.py"
+    plugin.write_text(f"open({str(ran)!r}, 'a').write('x')\nclass Mine:\n    name = 'mine'\n")
+    eps = [parse_endpoint("a=tcp://127.0.0.1:1")]
+    preflight(ServiceConfig(endpoints=eps, listen="127.0.0.1:0", policy=f"{plugin}:Mine"))
+    assert not ran.exists()
+    with pytest.raises(ConfigError, match=r"policy 'kvall': not module:attr, and no 'kvtier.policies' entry point "
+                                          r"has that name \(did you mean 'kv_all'\?\); built-in policies: "):
+        preflight(ServiceConfig(endpoints=eps, listen="127.0.0.1:0", policy="kvall"))
+    snap = tmp_path / "x.snap"
+    (tmp_path / ".x.snap.tmp-999999999").mkdir()  # (a writer long gone; not a file)
+    with pytest.raises(ConfigError, match=r"snapshot .*x\.snap: Is a directory: .*\.x\.snap\.tmp-999999999$"):
+        preflight(ServiceConfig(endpoints=eps, listen="127.0.0.1:0", snapshot_path=str(snap)))

@@ -178,10 +178,25 @@ def _where(exc: BaseException, policy: object = None) -> str:
         return ""
 
 
+def unloadable(spec: str) -> str | None:
+    """What keeps ``spec`` from naming a plugin, found without running any of its code (a file that is not there, a
+    name that is neither module:attr nor an entry point's), else None: :func:`load_policy` may still fail. O(entry
+    points)."""
+    if ":" in spec:
+        mod_name = spec.rpartition(":")[0]
+        return f"policy {spec!r}: no such file {mod_name}" if mod_name.endswith(".py") and \
+            not Path(mod_name).is_file() else None
+    if not any(ep.name == spec for ep in entry_points(group=ENTRY_POINT_GROUP)):
+        return f"policy {spec!r}: not module:attr, and no {ENTRY_POINT_GROUP!r} entry point has that name"
+    return None
+
+
 def load_policy(spec: str) -> RoutingPolicy:
     """The policy ``spec`` names (see the module docstring). ``ValueError`` naming what went wrong, whatever the
     plugin's code raised while it loaded (a syntax error, an exception at import or in its constructor), or what it
     lacks."""
+    if (problem := unloadable(spec)) is not None:
+        raise ValueError(problem)
     target: object
     if ":" in spec:
         mod_name, _, attr = spec.rpartition(":")
@@ -202,9 +217,6 @@ def load_policy(spec: str) -> RoutingPolicy:
             raise ValueError(f"policy {spec!r}: {_failed(exc)}") from None
     else:
         eps = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == spec]
-        if not eps:
-            raise ValueError(f"policy {spec!r}: not module:attr, and no {ENTRY_POINT_GROUP!r} entry point "
-                             "has that name")
         try:
             target = eps[0].load()
         except _FAULTS as exc:

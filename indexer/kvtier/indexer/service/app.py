@@ -46,7 +46,7 @@ from kvtier.indexer.index.keytable import warm_tables
 from kvtier.indexer.index.tiered import TieredIndex
 from kvtier.indexer.routing.disagg import KvLinkCost, PairRouter, pool_routers
 from kvtier.indexer.routing.load import LoadTracker, WorkerLoad
-from kvtier.indexer.routing.plugins import BUILTIN, RoutingPolicy, load_policy, note_routed
+from kvtier.indexer.routing.plugins import BUILTIN, RoutingPolicy, load_policy, note_routed, unloadable
 from kvtier.indexer.routing.policies import REGISTRY, RoutingSettings, make_cost, make_plugin
 from kvtier.indexer.routing.router import RouteDecision, Router
 from kvtier.indexer.routing.scoring import CostModel, SloCost, TtftCost, slo_met
@@ -62,7 +62,7 @@ from kvtier.indexer.service.indexlock import IndexLock
 from kvtier.indexer.service.metrics import render_metrics
 from kvtier.indexer.service.predictions import Predictions
 from kvtier.indexer.service.requestbody import RequestBody, parse_body, parse_finish
-from kvtier.util.fields import ConfigError
+from kvtier.util.fields import ConfigError, did_you_mean
 from kvtier.util.gcpause import GcPauses, freeze_startup_objects
 from kvtier.wire.notices import StreamId
 from kvtier.wire.overlap import OverlapScores
@@ -578,9 +578,15 @@ def _policy(name: str, settings: RoutingSettings, block_size: int) -> tuple[Cost
     try:
         return make_cost("kv_all", settings), load_policy(name)
     except ValueError as exc:
-        served = ", ".join(n for n, p in REGISTRY.items() if p.served)
-        # (a bare name is a typo of a built-in more often than an entry point's)
-        raise ConfigError(f"{exc}" + ("" if ":" in name else f"; built-in policies: {served}")) from None
+        raise _plugin_error(name, str(exc)) from None
+
+
+def _plugin_error(name: str, problem: str) -> ConfigError:
+    """The line refusing plugin ``name``: ``problem``, and the served built-ins where ``name`` is a bare name (a typo
+    of a built-in more often than an entry point's). O(policies)."""
+    served = ", ".join(n for n, p in REGISTRY.items() if p.served)
+    return ConfigError(problem + ("" if ":" in name else f"{did_you_mean(name, REGISTRY)}; built-in policies: "
+                                                         f"{served}"))
 
 
 def load_kernels() -> None:
@@ -610,16 +616,18 @@ def preflight(config: ServiceConfig, inputs: Collection[tuple[str, str]] = ()) -
         for what, path in named:
             with suppress(OSError):  # (one missing: not the same file)
                 if os.path.samefile(snapshot, path):
-                    raise ConfigError(f"snapshot {snapshot}: that is {what}, which the snapshot would replace")
+                    raise ConfigError(f"snapshot {snapshot}: is {what}, which the service reads; name another file")
         try:
             persist.check_path(snapshot)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        except OSError as exc:  # (a writer's left-over temporary file that cannot be removed: a directory, say)
+            raise ConfigError(f"snapshot {snapshot}: {exc.strerror or exc}: {exc.filename}") from None
     if config.auth_token_file is not None:
         load_tokens(config.auth_token_file)
     name = config.policy or "kv_all"
-    if name not in REGISTRY:
-        _policy(name, config.routing_settings(), config.block_size)
+    if name not in REGISTRY and (problem := unloadable(name)) is not None:  # (its code runs once, at the start)
+        raise _plugin_error(name, problem)
     host, port = config.host_port
     if port:
         _check_bindable(host, port)
@@ -630,7 +638,11 @@ def _check_bindable(host: str, port: int) -> None:
     :class:`OSError` where one is taken or not this host's. O(addresses)."""
     for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                                flags=socket.AI_PASSIVE):
-        with socket.socket(family, kind, proto) as sock:
+        try:
+            sock = socket.socket(family, kind, proto)
+        except OSError:  # a family this host cannot make (IPv6 off): skipped, as asyncio skips it
+            continue
+        with sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:  # (as asyncio binds it: the IPv4 address is bound on its own)
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
