@@ -72,8 +72,8 @@ def _gone(pid: int) -> bool:
 @pytest.mark.parametrize("how", ["interrupt", "reader gone"])
 def test_an_interrupted_run_stops_what_its_block_started(tmp_path: Path, how: str) -> None:
     """Ctrl-C reaches the runner alone (the block has a session of its own), and a transcript piped to a reader that
-    went away (``| head``) ended it too: either way the runner died and the block's servers ran on, holding their
-    ports. They are stopped with it now."""
+    goes away (``| head``) ends it too: either way the block's servers, which would run on holding their ports, are
+    stopped with the runner."""
     readme = tmp_path / "README.md"
     readme.write_text("```bash quickstart-servers\nsleep 300 &\necho $! > bg.pid\necho started\n"
                       "while true; do echo serving; sleep 0.05; done\n```\n")

@@ -264,11 +264,11 @@ class _Process:
 
 def test_a_restarted_publishers_batch_is_not_taken_before_its_disconnect() -> None:
     """A publisher restarts while the subscriber drains a backlog: the disconnect's event comes after the poll that
-    found the backlog, and the new process's batches 0-2 are lost while the SUB reconnects. Its batch 3, the seq the
-    old stream expects next, was then taken before the disconnect, as the old process's next batch; the check of the
-    publisher the disconnect then asked for compared that batch with itself, and the old process's blocks stayed
-    indexed. Forced: the poll that finds batch 3 is made to miss the monitor's events. Now a live message is taken
-    after its connection's events: the check finds the publisher's batch 2 changed, a new process, taken from 0."""
+    found the backlog, and the new process's batches 0-2 are lost while the SUB reconnects. Its batch 3 is the seq the
+    old stream expects next: taken before the disconnect, it would pass for the old process's next batch (the check
+    the disconnect asks for would compare it with itself, and the old process's blocks stay indexed). Forced: the
+    poll that finds batch 3 misses the monitor's events. A live message is taken after its connection's events, so
+    the check finds the publisher's batch 2 changed: a new process, its stream taken from 0."""
     old = _Process({i: encode_payload(batch(i)) for i in range(3)})
     new: _Process | None = None
     try:

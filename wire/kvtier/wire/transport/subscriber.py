@@ -293,9 +293,10 @@ class Subscriber:
     def _events(self, conn: _Conn, now: float) -> None:
         """Takes the connection events waiting on ``conn``'s monitor, before a live message is taken: a restarted
         publisher's first batch taken before the disconnect that came first could pass for the old process's next
-        one (its seq may be the one expected), unchecked. A new connection's messages reach the socket only after a
-        call on it that follows the disconnect's event (libzmq hands a reconnected SUB its new pipe so), so checking
-        here, not once per poll, keeps them in order. O(events waiting), O(1) with none."""
+        one (its seq may be the one expected), unchecked. libzmq queues a disconnect's event before it reconnects,
+        and a reconnected SUB sends its subscription again (without which a publisher sends it nothing) only on a
+        later call on the socket: a new connection's message is taken only once its disconnect's event waits here,
+        which a check once per poll would not see. O(events waiting), O(1) with none."""
         while cast(int, conn.monitor.get(zmq.EVENTS)) & zmq.POLLIN:
             self._on_event(conn, conn.monitor.recv_multipart(zmq.NOBLOCK), now)
 
