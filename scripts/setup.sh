@@ -2,7 +2,8 @@
 # Creates .venv and installs kvtier with its dev tools. Idempotent; safe to re-run: an install that
 # succeeded for this pyproject.toml, this script and this checkout's place is not run again
 # (.venv/install.stamp; kvtier is installed editable, from here).
-# pip's output goes to .venv/install.log and is shown only if the install fails.
+# pip's output goes to .venv/install.log, shown if the install fails; meanwhile a line every 15 s says
+# what it is at.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -35,10 +36,22 @@ log=.venv/install.log
 : >"$log"
 echo "kvtier: installing into .venv (log: $log)" >&2
 
-step() {  # step WHAT CMD...: says WHAT, runs CMD into the log; on failure shows the log and stops
+step() {  # step WHAT CMD...: says WHAT, runs CMD into the log, saying every 15 s what pip is at; on failure
+          # shows the log and stops
     echo "kvtier: $1" >&2
     shift
-    if ! "$@" >>"$log" 2>&1; then
+    "$@" >>"$log" 2>&1 &
+    local pid=$! waited=0 at
+    while kill -0 "$pid" 2>/dev/null; do
+        sleep 1
+        waited=$((waited + 1))
+        if [ $((waited % 15)) = 0 ]; then
+            at=$(grep -E '^ *(Collecting|Downloading|Building|Installing collected)' "$log" | tail -n 1 |
+                 sed 's/^ *//' | cut -c1-90 || true)
+            echo "kvtier:   ... ${waited} s${at:+ ($at)}" >&2
+        fi
+    done
+    if ! wait "$pid"; then
         cat "$log" >&2
         echo "kvtier: install failed (see above)" >&2
         exit 1
@@ -55,8 +68,8 @@ step "upgrading pip" .venv/bin/python -m pip install -q --upgrade pip
 if .venv/bin/python -c "import urllib.request; urllib.request.urlopen('https://download.pytorch.org/whl/cpu/', timeout=5)" \
         >/dev/null 2>&1; then
     step "installing $torch_pin, CPU build (some 200 MB), from PyTorch's index" \
-        .venv/bin/python -m pip install -q --index-url https://download.pytorch.org/whl/cpu "$torch_pin"
+        .venv/bin/python -m pip install --progress-bar off --index-url https://download.pytorch.org/whl/cpu "$torch_pin"
 fi
 step "installing kvtier and its dependencies (minutes on a first install: 1.3 GB in all)" \
-    .venv/bin/python -m pip install -q -e ".[dev]"
+    .venv/bin/python -m pip install --progress-bar off -e ".[dev]"
 echo "$want" > "$stamp"
