@@ -296,7 +296,8 @@ class Subscriber:
         one (its seq may be the one expected), unchecked. libzmq queues a disconnect's event before it reconnects,
         and a reconnected SUB sends its subscription again (without which a publisher sends it nothing) only on a
         later call on the socket: a new connection's message is taken only once its disconnect's event waits here,
-        which a check once per poll would not see. O(events waiting), O(1) with none."""
+        which a check once per poll would not see. The old connection's messages still unread then follow the
+        disconnect: they go through the check of the publisher it asks for. O(events waiting), O(1) with none."""
         while cast(int, conn.monitor.get(zmq.EVENTS)) & zmq.POLLIN:
             self._on_event(conn, conn.monitor.recv_multipart(zmq.NOBLOCK), now)
 
