@@ -309,7 +309,10 @@ def test_cli_sweep_gen_trace_and_errors(tmp_path: Path, capsys: pytest.CaptureFi
     assert csv_rows[0].startswith("host_ratio,policy,requests,") and len(csv_rows) == 5
     for measure in ("hit_rate", "ttft_p90", "tpot_p90"):
         assert (tmp_path / "s" / f"sweep_{measure}.png").stat().st_size > 5_000
-    assert "grid point" in capsys.readouterr().out
+    said = capsys.readouterr()
+    assert "grid point" in said.out
+    # (as compare's: how long it took and the memory it peaked at, with what it wrote)
+    assert re.search(r"\nran in \d+\.\d s, peak memory [\d,]+ MiB \(largest process\); wrote .*sweep\.json", said.err)
     assert [(r["host_ratio"], r["policy"]) for r in rows] == [(0.0, "kv_device"), (0.0, "kv_host"),
                                                                (2.0, "kv_device"), (2.0, "kv_host")]
     assert cli(["replay", "--trace", str(trace), "--policy", "teleport"]) == 2

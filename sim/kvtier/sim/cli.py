@@ -664,9 +664,11 @@ def cmd_sweep(a: argparse.Namespace) -> int:
     out_dir = _out_dir(a, "sweep.json", "sweep.csv", *([] if a.no_plots else SWEEP_PLOTS))
     print(f"kvtier sweep: {len(jobs)} runs over {', '.join(grid)}"
           f" on {'Ray' if a.ray else 'a local process pool'}", file=sys.stderr)
+    t0 = time.monotonic()
     _load_kernels_saying_so(load_kernels, "the simulator's", "run", "a minute or two")
     with _RunsProgress(len(jobs)) as bar:
         results = run_jobs(jobs, processes=a.jobs, use_ray=a.ray, on_done=bar.done)
+    wall, peak = time.monotonic() - t0, _peak_rss_mib()
     rows = []
     summaries = []
     for tag, res in results:
@@ -683,7 +685,9 @@ def cmd_sweep(a: argparse.Namespace) -> int:
     with _interrupt_after():
         written = [out_dir / "sweep.json", *write_sweep(out_dir, rows, list(grid), plots=not a.no_plots)]
     remove_stale(out_dir, SWEEP_PLOTS, written)
-    print(f"\nwrote {', '.join(str(p) for p in written)}", file=sys.stderr)
+    where = " (this process: Ray's workers not counted)" if a.ray else " (largest process)"
+    print(f"\nran in {wall:.1f} s, peak memory {peak:,.0f} MiB{where}; wrote {', '.join(str(p) for p in written)}",
+          file=sys.stderr)
     return _unfinished_status(a, summaries, len(jobs[0].trace) if jobs else 0)
 
 
