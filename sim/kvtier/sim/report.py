@@ -62,20 +62,19 @@ def table(summaries: Sequence[RunSummary], first: str = "policy") -> str:
 
 def overloaded(s: RunSummary) -> str | None:
     """Why a run's cluster could not keep up, or None: most of the median request's TTFT was spent queued before
-    its prefill (arrivals outpaced the workers), or, disaggregated, waiting for room on its decode worker once its
-    prompt was computed (the decode pool is short), which no routing policy fixes."""
+    its prefill (arrivals outpaced the workers), or, disaggregated, the median request handed off waited over a
+    second for room on its decode worker once its prompt was computed (the decode pool is short; its share of the
+    TTFT is not asked: a prefill slowed by the prompts its workers cannot hand off makes up the rest), which no
+    routing policy fixes."""
     if not s.requests:
         return None
     if s.queue_p50 > 1.0 and s.queue_p50 > 0.5 * s.ttft_p50:
         return (f"{s.policy}: overloaded: the median request waited {s.queue_p50:.1f} s in queue of a "
                 f"{s.ttft_p50:.1f} s TTFT; arrivals outpace the cluster (more workers, a larger --time-scale or "
                 f"fewer requests)")
-    if s.decode_queue_p50 > 1.0 and s.decode_queue_p50 > 0.5 * s.ttft_p50:  # (False where nan: aggregated)
-        # (the wait is the handed-off requests' median, the TTFT every request's: prompts prefilled on their decode
-        # worker wait for none)
+    if s.decode_queue_p50 > 1.0:  # (False where nan: aggregated)
         return (f"{s.policy}: overloaded: the median request handed to a decode worker waited "
-                f"{s.decode_queue_p50:.1f} s there for room (the median TTFT of every request, those prefilled on "
-                f"their decode worker included: {s.ttft_p50:.1f} s); the decode pool "
+                f"{s.decode_queue_p50:.1f} s there for room (the median TTFT: {s.ttft_p50:.1f} s); the decode pool "
                 f"cannot keep up (more decode workers, a larger --time-scale or fewer requests)")
     return None
 
