@@ -253,8 +253,8 @@ def test_the_wait_for_room_on_a_decode_worker_is_recorded_reported_and_named(
     summary = json.loads((tmp_path / "summary.json").read_text())["runs"][0]
     assert summary["queue_p50"] < 1.0 < summary["decode_queue_p50"]
     # A decode wait over a second at the median is the decode pool's shortage even where it is under half the TTFT
-    # (the rest: prefills slowed by the prompts their workers cannot hand off), as round robin's 3.6 s of a 7.6 s
-    # TTFT on 2 + 2 workers, beside policies with longer waits.
+    # (the rest: long prefills in crowded batches), as round robin's 3.6 s of a 7.6 s TTFT on 2 + 2 workers, beside
+    # policies with longer waits.
     from kvtier.sim.report import overloaded
 
     assert overloaded(dataclasses.replace(res.summary, queue_p50=0.007, decode_queue_p50=3.6, ttft_p50=7.6))

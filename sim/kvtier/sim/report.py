@@ -63,9 +63,8 @@ def table(summaries: Sequence[RunSummary], first: str = "policy") -> str:
 def overloaded(s: RunSummary) -> str | None:
     """Why a run's cluster could not keep up, or None: most of the median request's TTFT was spent queued before
     its prefill (arrivals outpaced the workers), or, disaggregated, the median request handed off waited over a
-    second for room on its decode worker once its prompt was computed (the decode pool is short; its share of the
-    TTFT is not asked: a prefill slowed by the prompts its workers cannot hand off makes up the rest), which no
-    routing policy fixes."""
+    second for room on its decode worker once its prompt was computed (the decode pool is short, whatever else
+    makes up the TTFT: its share of it is not asked), which no routing policy fixes."""
     if not s.requests:
         return None
     if s.queue_p50 > 1.0 and s.queue_p50 > 0.5 * s.ttft_p50:
