@@ -150,8 +150,8 @@ def test_a_residency_fifo_no_one_reads_does_not_outlive_sigterm(tmp_path: Path) 
             raise AssertionError("the engine outlived SIGTERM while writing its residency") from None
         err = proc.stderr.read()
         assert rc == 2 and "Traceback" not in err, err
-        assert re.search(rf"kvtier engine: error: --residency {re.escape(str(fifo))}: a stop signal came before a "
-                         r"process opened the FIFO to read it\n", err), err
+        assert re.search(rf"kvtier engine: error: --residency {re.escape(str(fifo))}: the engine was stopped before "
+                         r"a process opened the FIFO to read it\n", err), err
 
 
 def test_a_residency_fifo_is_written_through_once_a_reader_opens_it(tmp_path: Path) -> None:

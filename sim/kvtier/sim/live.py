@@ -59,7 +59,7 @@ def write_residency(data: bytes, path: Path, stopped: Callable[[], bool]) -> Non
     """Writes ``data`` to ``path``: a file whole or not at all (a failed write leaves no part file); a FIFO through,
     without blocking: it waits for a reader, and for the reader to take what it wrote, until ``stopped()`` (a stop
     signal only sets a flag, after which a blocked call would be retried: an engine writing to a FIFO no process
-    reads would outlive every SIGTERM). :class:`StoppedWrite` then. O(len(data))."""
+    reads would outlive every SIGTERM); :class:`StoppedWrite` then. O(len(data))."""
     try:
         fifo = stat.S_ISFIFO(os.stat(path).st_mode)
     except FileNotFoundError:
@@ -76,7 +76,7 @@ def write_residency(data: bytes, path: Path, stopped: Callable[[], bool]) -> Non
             if exc.errno != errno.ENXIO:  # (ENXIO: no reader yet)
                 raise
         if stopped():
-            raise StoppedWrite("a stop signal came before a process opened the FIFO to read it")
+            raise StoppedWrite("the engine was stopped before a process opened the FIFO to read it")
         time.sleep(0.05)
     try:
         view = memoryview(data)
@@ -85,14 +85,14 @@ def write_residency(data: bytes, path: Path, stopped: Callable[[], bool]) -> Non
                 view = view[os.write(fd, view):]
             except BlockingIOError:  # the pipe is full: its reader has yet to take what is in it
                 if stopped():
-                    raise StoppedWrite("a stop signal came before the FIFO's reader took it whole") from None
+                    raise StoppedWrite("the engine was stopped before the FIFO's reader took it whole") from None
                 select.select([], [fd], [], 0.05)
     finally:
         os.close(fd)
 
 
 class StoppedWrite(Exception):
-    """A stop signal came while a write waited on a FIFO's reader."""
+    """The engine was stopped (SIGTERM, Ctrl-C, its parent gone) while a write waited on a FIFO's reader."""
 
 
 class EngineError(Exception):
@@ -288,7 +288,7 @@ def _serve(args: argparse.Namespace, stop: dict[str, bool]) -> int:
             failed = cache.l3.write_failures if cache.l3 is not None else 0
             if failed:  # (a full disk: each batch logged sparsely above, the pages kept off the L3 tier)
                 skipped += f"{failed} copy batches to L3 failed and their pages were not stored there; "
-            serving = ("stopping: a stop signal came" if halted() else "serving replay and dump requests "
+            serving = ("stopping, as asked" if halted() else "serving replay and dump requests "
                        + ("until SIGTERM" if math.isinf(args.hold) else f"for {args.hold:g} s more (--hold)"))
             print(f"engine {args.name}: trace done; {skipped}{serving}", file=sys.stderr, flush=True)
         deadline = time.monotonic() + args.hold
