@@ -60,10 +60,11 @@ from kvtier.util.fields import ConfigError, Domain, OneLineParser, add_options, 
 from kvtier.util.outpath import unwritable
 from kvtier.wire.protocol import DEFAULT_BLOCK_SIZE
 
-# The incumbents route in O(prompt blocks) per request, and all but llmd_precise (fed events, like kv_host) hear no
-# events: cheap beside the kv_* policies.
 #: How --policy and --policies name a plugin (kvtier.indexer.routing.plugins).
 _PLUGIN_FORMS = "or a plugin: FILE.py:ATTR, MODULE:ATTR, or an entry point of the group kvtier.policies"
+
+# The incumbents route in O(prompt blocks) per request, and all but llmd_precise (fed events, like kv_host) hear no
+# events: cheap beside the kv_* policies.
 DEFAULT_POLICIES = ("round_robin,least_loaded,approx,kv_device,kv_host,kv_all,dynamo,min_ttft,oracle,"
                     "sglang_cache_aware,power_of_two,llmd,llmd_kv,llmd_precise")
 
@@ -236,8 +237,7 @@ def _cluster(a: argparse.Namespace, axes: Collection[str] = ()) -> ClusterConfig
         decode_device_tokens=a.decode_device_tokens, decode_max_running=a.decode_max_running,
         kv_link_sharing=a.kv_link_sharing,
         **{k: getattr(a, k) for k in ("device_tokens", "l3", "l3_tokens", "model", "swa_ratio", "draft_model",
-                                      "prefill_budget",
-                                      "max_running", *CACHE_SETTINGS)},
+                                      "prefill_budget", "max_running", *CACHE_SETTINGS)},
         h2d_gbps=a.h2d_gbps if a.h2d_gbps is not None else GPU_LINKS[a.gpu_link].gbps,
         storage_gbps=a.storage_gbps if a.storage_gbps is not None else STORAGE_LINKS[a.storage_link].gbps,
         latency=_latency(a.latency))
