@@ -201,7 +201,6 @@ def policy_spec(name: str) -> PolicySpec:
     return spec
 
 
-
 def make_plugin(name: str, settings: RoutingSettings, block_size: int) -> RoutingPolicy:
     """A fresh plugin of built-in policy ``name`` (an incumbent's) under ``settings``: the simulator and the service
     each build their own with this, from the same settings. :class:`ConfigError` for a policy without one."""

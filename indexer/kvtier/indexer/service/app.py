@@ -607,9 +607,9 @@ def _interrupt(signum: int, frame: object) -> None:
 def preflight(config: ServiceConfig, inputs: Collection[tuple[str, str]] = ()) -> None:
     """Refuses now what a start would refuse that needs no compiled kernel, before they load (half a minute on a
     first start after an install): the snapshot's path (not one of ``inputs``, (what, path) pairs such as the config
-    file, nor the token file), the token file, a plugin policy, and an HTTP port taken already. Raises
-    :class:`ConfigError`, or :class:`OSError` as binding the port would. The start checks each again: a port may be
-    taken between the two. O(1), plus the snapshot directory's entries."""
+    file, nor the token file), the token file, a plugin policy's file or entry point (its code is not run), and an
+    HTTP port taken already. Raises :class:`ConfigError`, or :class:`OSError` as binding the port would. The start
+    checks each again: a port may be taken between the two. O(1), plus the snapshot directory's entries."""
     if config.snapshot_path is not None:
         snapshot = Path(config.snapshot_path)
         named = [*inputs, *([("auth_token_file", config.auth_token_file)] if config.auth_token_file else [])]
