@@ -303,6 +303,7 @@ class Subscriber:
 
     @staticmethod
     def _on_event(conn: _Conn, frames: list[bytes], now: float) -> None:
+        """A monitor event: the live socket's handshake with the publisher (reached, up) or its connection lost."""
         if parse_monitor_message(frames)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             conn.reached = True
             conn.tracker.on_connect(now)
