@@ -186,7 +186,7 @@ def unloadable(spec: str) -> str | None:
         mod_name = spec.rpartition(":")[0]
         return f"policy {spec!r}: no such file {mod_name}" if mod_name.endswith(".py") and \
             not Path(mod_name).is_file() else None
-    if not any(ep.name == spec for ep in entry_points(group=ENTRY_POINT_GROUP)):
+    if not is_plugin_spec(spec):  # (no ':' here: no entry point has that name)
         return f"policy {spec!r}: not module:attr, and no {ENTRY_POINT_GROUP!r} entry point has that name"
     return None
 
