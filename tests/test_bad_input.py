@@ -368,6 +368,12 @@ CASES: dict[str, Case] = {
     "misspelt option": (lambda t, f: ["compare", *SMALL, "--polices", "kv_all"],
                         "kvtier compare: error: unrecognized arguments: --polices kv_all; did you mean --policies? "
                         "(see kvtier compare --help)"),
+    # one given before the subcommand is kvtier's own, named by kvtier with kvtier's options
+    "unknown option before the subcommand": (lambda t, f: ["--bogus", "replay", *SMALL],
+                                             "kvtier: error: unrecognized arguments: --bogus (see kvtier --help)"),
+    "kvtier's own option misspelt": (lambda t, f: ["--verbse", "compare", *SMALL, "--polices", "kv_all"],
+                                     "kvtier: error: unrecognized arguments: --verbse; did you mean --verbose? "
+                                     "(see kvtier --help)"),
     "grid bad value": (lambda t, f: ["sweep", *SMALL[:2], "--grid", "workers=x"],
                        "grid axis 'workers': 'x' is not an integer"),
     "grid bad number": (lambda t, f: ["sweep", *SMALL[:2], "--grid", "host_ratio=4,lots"],

@@ -1013,18 +1013,24 @@ def _say_service_defaults(p: argparse.ArgumentParser) -> None:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    """The command line parsed; arguments no option takes are refused by the subcommand they were given to
-    (``kvtier compare: error: ...``, its --help named), with the nearest of its options to a misspelt one."""
+    """The command line parsed; arguments no option takes are refused by the parser they were given to: the
+    subcommand's (``kvtier compare: error: ...``, its --help named) or, before the subcommand, kvtier's own, with
+    the nearest of that parser's options to a misspelt one."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:
+        given = sys.argv[1:] if argv is None else argv
+        # kvtier's own options take no value, so the subcommand is the first argument that is not an option
+        before = set(given[:given.index(args.command)])
+        top = [x for x in extra if x in before]
         subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        sub = subs.choices[args.command]
-        options = [o for action in sub._actions for o in action.option_strings if o.startswith("--")]
+        owner = parser if top else subs.choices[args.command]
+        extra = top or extra
+        options = [o for action in owner._actions for o in action.option_strings if o.startswith("--")]
         near = [m for x in extra if x.startswith("--")
                 for m in difflib.get_close_matches(x.partition("=")[0], options, n=1, cutoff=0.75)]
         hint = f"; did you mean {', '.join(dict.fromkeys(near))}?" if near else ""
-        sub.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+        owner.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     return args
 
 
