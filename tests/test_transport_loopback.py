@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import cast
 
 import msgspec
 import pytest
@@ -168,6 +169,21 @@ def test_a_frame_past_the_cap_is_never_taken_and_its_stream_recovers_or_is_marke
             assert [e.block_hashes for e in dumped if isinstance(e, BlockStored)] == [[99]]
         else:
             assert any(isinstance(d, ResyncNeeded) and d.stream == w0 for d in out)
+        # libzmq never connects a socket again after a frame past its cap (a protocol error): later batches come
+        # live only once the subscriber has connected it anew. One a while, until one does (the new connection's
+        # subscription may miss the first: ZMQ's slow joiner); replays would fill in without a live socket.
+        later: list[Delivery] = []
+        i, deadline = 5, time.monotonic() + 30
+        while not live(later, w0) and time.monotonic() < deadline:
+            p.publish(batch(i))
+            i += 1
+            later.extend(drain(sub, lambda o: bool(live(o, w0)), timeout=0.5))
+        assert live(later, w0), "no live batch of w0 after its connection was dropped for a frame past the cap"
+
+
+def live(out: list[Delivery], stream: StreamId) -> list[int]:
+    """The batches of ``stream`` in ``out`` that came over the live socket."""
+    return [int(d.batch.ts) for d in out if isinstance(d, Received) and d.source == "live" and d.stream == stream]
 
 
 def test_state_dump_resynchronises() -> None:
@@ -648,6 +664,35 @@ def test_a_seq_no_probe_could_follow_is_refused_and_the_stream_goes_on() -> None
             out = hand.rounds(sub, 5)
             assert received(out) == [1]
             assert sub.stats(hand.cfg.stream).malformed == 2
+    finally:
+        hand.close()
+
+
+@pytest.mark.timeout(60)  # (a send on a socket without a connection blocks for ever: the failure is a hang)
+def test_a_replay_socket_zmq_dropped_for_good_is_replaced_not_written_to() -> None:
+    """A frame past ``max_frame_bytes`` on the replay socket (here an unsolicited one, after an answer has ended)
+    makes libzmq drop that connection for good, and a socket with no connection left blocks whoever sends on it: the
+    next idle probe held the event loop for ever. It goes out on a new socket."""
+    hand = _ByHand(step=2.0)  # (every idle probe falls due)
+    try:
+        with Subscriber([hand.cfg], clock=hand.clock, max_frame_bytes=1 << 16) as sub:
+            hand.connect(sub)
+            hand.answering = False
+            hand.rounds(sub, 1)
+            assert hand.router.poll(5000), "no idle probe"
+            ident, _, _ = hand.router.recv_multipart()
+            hand.router.send_multipart([ident, b"", b"", END_SEQ, b""])  # the probe answered: nothing pending
+            hand.router.send_multipart([ident, b"", b"", pack_seq(1), b"x" * (1 << 17)])  # then a frame past the cap
+            dealer = sub._conns[hand.cfg.stream].dealer
+            assert dealer is not None
+            deadline = time.monotonic() + 10  # (forced: the connection gone before the next probe is sent)
+            while cast(int, dealer.get(zmq.EVENTS)) & zmq.POLLOUT and time.monotonic() < deadline:
+                sub.poll(20)
+            assert not cast(int, dealer.get(zmq.EVENTS)) & zmq.POLLOUT, "the replay connection was not dropped"
+            hand.rounds(sub, 1)  # the next idle probe
+            assert hand.router.poll(5000), "the probe never reached the publisher"
+            again, _, _ = hand.router.recv_multipart()
+            assert again != ident  # (a new socket)
     finally:
         hand.close()
 

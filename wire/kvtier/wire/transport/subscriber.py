@@ -5,9 +5,12 @@ stream, which orders them, asks for replay or a state dump when something was
 lost, and turns them into :data:`indexer.stream.Delivery` items for the consumer.
 
 A frame larger than ``max_frame_bytes`` is never taken into memory: ZMQ drops the connection that carries it
-(``ZMQ_MAXMSGSIZE``) and reconnects. What it carried is then lost like any dropped batch: the gap is replayed, and
-a replay that keeps failing (the same frame, too large again) ends in a state dump (a kvtier engine cuts its dumps
-into batches far smaller), or, from an engine without dumps, in the worker marked partial.
+(``ZMQ_MAXMSGSIZE``). libzmq takes that for a protocol error and, unlike a connection lost, never connects that
+socket again (4.3): a live socket dropped with no reconnect under way within :data:`RECONNECT_GRACE_S` is connected
+again here, and a replay socket found with no connection to send on is replaced. What the frame carried is then lost
+like any dropped batch: the gap is replayed, and a replay that keeps failing (the same frame, too large again) ends
+in a state dump (a kvtier engine cuts its dumps into batches far smaller), or, from an engine without dumps, in the
+worker marked partial.
 """
 
 from __future__ import annotations
@@ -35,7 +38,13 @@ MAX_FRAME_BYTES = 64 << 20  # the default cap on one frame (a publisher's batch 
 #: Seconds of silence after which TCP keepalive drops a live socket's connection whose peer host no longer answers
 #: (a second idle, then a probe a second, the last unanswered).
 TCP_KEEPALIVE_S = 5
+#: Seconds after a live socket's connection dropped by which libzmq has said it reconnects (it says so at once, as it
+#: arms its reconnect timer); past them with no word the socket is connected again here (see the module's text).
+RECONNECT_GRACE_S = 2.0
 
+
+#: The live socket's connection events watched: a handshake, a connection lost, libzmq arming its reconnect.
+_WATCHED = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_CONNECT_RETRIED
 
 #: The engines an endpoint may name (EndpointConfig.engine).
 ENGINES = ("sglang", "vllm", "kvtier")
@@ -94,6 +103,7 @@ class _Conn:
     monitor: zmq.Socket[bytes]  # connection events of `sub`: a publisher's handshake, a lost connection
     reached: bool = False  # `sub` completed a handshake with the publisher once
     told_unreached: bool = False  # the log said the publisher was never reached (once)
+    dropped_at: float | None = None  # when `sub` lost its connection, while libzmq has not said it reconnects
 
 
 class Subscriber:
@@ -205,7 +215,7 @@ class Subscriber:
         sub.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 1)
         sub.setsockopt(zmq.TCP_KEEPALIVE_CNT, TCP_KEEPALIVE_S - 1)
         # (monitored before it connects: a publisher already up may complete its handshake at once, unseen)
-        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        monitor = sub.get_monitor_socket(_WATCHED)
         sub.connect(cfg.endpoint)
         tracker = StreamTracker(cfg.stream, can_replay=cfg.replay_endpoint is not None,
                                 can_dump=cfg.supports_dump, timeout_s=self._timeout, probe_s=self._probe_s)
@@ -284,6 +294,8 @@ class Subscriber:
                     self._on_reply(conn, frames, now, out)
         now = self._now()
         for conn in list(self._conns.values()):
+            if conn.dropped_at is not None and now - conn.dropped_at >= RECONNECT_GRACE_S:
+                self._connect_again(conn)
             out.extend(conn.tracker.on_tick(now))
             self._flush(conn)
             if not conn.reached and not conn.told_unreached and conn.tracker.stats.resyncs:
@@ -303,12 +315,30 @@ class Subscriber:
 
     @staticmethod
     def _on_event(conn: _Conn, frames: list[bytes], now: float) -> None:
-        """A monitor event: the live socket's handshake with the publisher (reached, up) or its connection lost."""
-        if parse_monitor_message(frames)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+        """A monitor event: the live socket's handshake with the publisher (reached, up), its connection lost, or
+        libzmq's word that it will connect again (after a connection lost, not after a frame past the cap)."""
+        event = parse_monitor_message(frames)["event"]
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             conn.reached = True
+            conn.dropped_at = None
             conn.tracker.on_connect(now)
-        else:
+        elif event == zmq.EVENT_DISCONNECTED:
+            conn.dropped_at = now
             conn.tracker.on_disconnect()
+        else:
+            conn.dropped_at = None
+
+    def _connect_again(self, conn: _Conn) -> None:
+        """Connects ``conn``'s live socket again: libzmq dropped its connection and will not reconnect (a frame past
+        ``max_frame_bytes``). Messages of the old connection still queued are discarded: a gap the tracker
+        replays. O(1)."""
+        conn.dropped_at = None
+        endpoint = conn.config.endpoint
+        log.warning("stream %s: ZMQ dropped the connection to %s for good (a frame past max_frame_bytes, %d bytes); "
+                    "connecting again", conn.config.stream, endpoint, self._max_frame)
+        with contextlib.suppress(zmq.ZMQError):  # (the endpoint may be gone with its session)
+            conn.sub.disconnect(endpoint)
+        conn.sub.connect(endpoint)
 
     def _unreached(self, conn: _Conn) -> None:
         """A stream given up (or asked for a dump) whose publisher was never reached: the tracker's line names the
@@ -344,22 +374,39 @@ class Subscriber:
         out.extend(conn.tracker.on_malformed(reason))
 
     def _flush(self, conn: _Conn) -> None:
+        """Sends the tracker's requests on the replay socket, recreated first where the tracker asks. A socket with
+        no connection to send on (ZMQ dropped it for good: an answer's frame past ``max_frame_bytes``) would block
+        the sender, and so the owner's loop, forever: it is recreated, and the request sent on the new one (a new
+        socket queues at once). O(requests)."""
         tracker = conn.tracker
         if tracker.reset_replay_socket and conn.dealer is not None:
-            self._poller.unregister(conn.dealer)
-            self._by_socket.pop(conn.dealer, None)
-            conn.dealer.close(linger=0)
-            conn.dealer = self._new_dealer(conn.config)
-            assert conn.dealer is not None
-            self._poller.register(conn.dealer, zmq.POLLIN)
-            self._by_socket[conn.dealer] = conn
+            self._renew_dealer(conn)
         tracker.reset_replay_socket = False
         if conn.dealer is None:
             tracker.outbox.clear()
             return
         for request in tracker.outbox:
-            conn.dealer.send_multipart([b"", request])
+            try:
+                conn.dealer.send_multipart([b"", request], zmq.NOBLOCK)
+            except zmq.Again:
+                log.warning("stream %s: the replay socket to %s has no connection left (a frame past "
+                            "max_frame_bytes, %d bytes); connecting again", conn.config.stream,
+                            conn.config.replay_endpoint, self._max_frame)
+                self._renew_dealer(conn)
+                with contextlib.suppress(zmq.Again):  # (a request lost: the tracker's deadline asks again)
+                    conn.dealer.send_multipart([b"", request], zmq.NOBLOCK)
         tracker.outbox.clear()
+
+    def _renew_dealer(self, conn: _Conn) -> None:
+        """Replaces ``conn``'s replay socket with a new one: answers in flight on the old one are dropped. O(1)."""
+        assert conn.dealer is not None
+        self._poller.unregister(conn.dealer)
+        self._by_socket.pop(conn.dealer, None)
+        conn.dealer.close(linger=0)
+        conn.dealer = self._new_dealer(conn.config)
+        assert conn.dealer is not None
+        self._poller.register(conn.dealer, zmq.POLLIN)
+        self._by_socket[conn.dealer] = conn
 
     def close(self) -> None:
         """Close every socket. Idempotent."""
