@@ -613,23 +613,25 @@ def test_a_disconnect_before_anything_was_delivered_leaves_no_restart_mark_behin
 def test_batches_set_aside_cost_bounded_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """Live batches held through a long replay whose answers hold nothing are set aside at most
     :data:`MAX_HELD_BYTES` of them (the highest seqs past it go as corrupt), and a replay under way counts them with
-    what it holds."""
-    monkeypatch.setattr(recovery, "MAX_HELD_BYTES", 20 * (len(payload(0)) + recovery.HELD_ENTRY_BYTES))
+    what it holds, from its first batch."""
+    entry = len(payload(0)) + recovery.HELD_ENTRY_BYTES
+    monkeypatch.setattr(recovery, "MAX_HELD_BYTES", 60 * entry)
     t = tracker()
     t.on_live(0, payload(0), 0.0)
     for q in range(5, 55):  # held while the gap's replay is pending
         t.on_live(q, payload(q), 0.0)
+    monkeypatch.setattr(recovery, "MAX_HELD_BYTES", 20 * entry)  # (a bound the 50 held pass only once set aside)
     _answer_honestly(t, {0: payload(0)}, 0.0)
     t._check()
     aside = t._state.doubtful
     assert [q for q, _ in aside] == list(range(5, 25)) and t.stats.bogus_seqs == 30
     assert recovery._bytes(aside) <= recovery.MAX_HELD_BYTES
-    # The next live batch starts a replay to settle them; the live batches held while it goes on take the bytes
-    # held past the bound when they are counted (at 1,024 batches held, with those set aside): given up.
-    out = [d for q in range(60, 60 + 1024 - 20) for d in t.on_live(q, payload(q), 0.1)]
+    # The next live batch starts a replay to settle them; the batches set aside fill the bound, so the live batch
+    # held next passes it: given up.
+    out = [d for q in range(60, 63) for d in t.on_live(q, payload(q), 0.1)]
     t._check()
     assert isinstance(out[-1], Received) and any(isinstance(d, ResyncNeeded) for d in out)
-    assert not t._state.doubtful and not t.recovering and t.stats.resyncs == 1 and t.expected == 60 + 1024 - 20
+    assert not t._state.doubtful and not t.recovering and t.stats.resyncs == 1 and t.expected == 63
 
 
 def test_batches_the_replay_does_not_hold_are_real_if_the_live_ones_go_on_past_them() -> None:
@@ -1147,6 +1149,37 @@ def test_a_recovery_holds_bounded_bytes(where: str, monkeypatch: pytest.MonkeyPa
     assert seq * size < 2 * (64 << 10) + 2 * 1024 * size  # within twice the cap (or the first count)
     assert t.reset_replay_socket and not t.recovering
     assert seqs(out) == list(range(2, seq + 1))  # (seq 1 given up for lost)
+
+
+@pytest.mark.parametrize("where", ["live", "answer"])
+def test_large_batches_held_in_a_recovery_stop_near_the_cap(where: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The held bytes were first counted when 1,024 batches were held: fewer, larger ones were held whatever their
+    size (up to 1,023 frames of ``max_frame_bytes``, 64 GiB at the defaults). They now stop within 1.125 times the
+    cap, and the batch that passed it."""
+    cap = 1 << 20
+    monkeypatch.setattr(recovery, "MAX_HELD_BYTES", cap)
+    t = tracker()
+    t.on_live(0, payload(0), 0.0)
+    t.on_live(2, payload(2), 0.0)  # seq 1 missing: a replay from 1 is asked
+    t.outbox.clear()
+
+    def bulky(seq: int) -> bytes:  # about 80 KiB: 16,384 ids of 5 bytes each
+        return encode_payload(EventBatch(ts=float(seq), dp_rank=0, events=[BlockStored(
+            block_hashes=[seq], parent_block_hash=None, token_ids=list(range(1 << 17, (1 << 17) + (1 << 14))),
+            block_size=1 << 14)]))
+
+    out: list[Delivery] = []
+    for seq in range(3, 1000):
+        if where == "live":
+            out += t.on_live(seq, bulky(seq), 0.1)
+        else:  # the answer starts past seq 1 (lost for good) and goes on without an end marker
+            out += t.on_reply(pack_seq(seq), bulky(seq), 0.1)
+        if any(isinstance(d, ResyncNeeded) for d in out):
+            break
+    size = len(bulky(3)) + recovery.HELD_ENTRY_BYTES
+    assert any(isinstance(d, ResyncNeeded) for d in out), "held without bound"
+    assert (seq - 2) * size <= cap + cap // 8 + size, f"{seq - 2} batches of {size} bytes held, past the cap"
+    assert seqs(out) == list(range(2, seq + 1))  # (seq 1 given up for lost; what was held delivered in order)
 
 
 def _store(q: int, proc: int = 1) -> bytes:

@@ -78,6 +78,8 @@ class StreamRecovery:
     dump_seq: int | None = None  # last live seq the incoming dump includes
     dump_applied: bool = False  # a batch of the pending dump was handed on: an answer asked again replaces it
     size_check_at: int = _FIRST_SIZE_CHECK  # batches held when :meth:`overheld` next counts their bytes
+    bytes_check_at: int = MAX_HELD_BYTES  # or bytes taken since the last count, whichever comes first
+    taken: int = 0  # bytes taken (a batch, an entry each) since the last count
     undecodable: str | None = None  # a batch the pending replay delivered did not decode: why (see lost_batch)
 
     @property
@@ -104,7 +106,7 @@ class StreamRecovery:
         if not self.can_replay:
             return self.unrecoverable("no replay socket", now, out)
         self.mode = Mode.REPLAY
-        self.size_check_at = _FIRST_SIZE_CHECK
+        self._count_afresh()
         self.undecodable = None
         self.replay.ask(start, for_gap=for_gap, probe=probe, resyncing=resyncing, verify=verify, settle=settle,
                         below=below)
@@ -136,23 +138,36 @@ class StreamRecovery:
             self._dumped(seq, payload, out)
         return []
 
-    def overheld(self, now: float, out: list[Delivery]) -> Held | None:
-        """None while what the recovery holds is within :data:`MAX_HELD_BYTES` (its bytes counted when the held
-        batches reach 1,024, 2,048, ... so that the count costs O(1) a batch); past it, the answer is abandoned
+    def overheld(self, now: float, out: list[Delivery], taken: int = 0) -> Held | None:
+        """None while what the recovery holds is within :data:`MAX_HELD_BYTES`; past it, the answer is abandoned
         and the recovery ends as a loss for good (a dump for a stream that has one, else the stream marked
-        partial, what is held delivered). Amortised O(1)."""
+        partial, what is held delivered). ``taken``: the payload bytes of the batch just taken.
+
+        Its bytes are counted when the held batches reach 1,024, 2,048, ... or when the bytes taken since the last
+        count reach the cap's room left, or an eighth of what was counted if more: so what is held never passes
+        1.125 times the cap by more than the batch just taken, and each count's O(held) is paid for by the batches
+        or bytes taken before it. Amortised O(1) a batch."""
+        self.taken += taken + HELD_ENTRY_BYTES
         s = self.state
         held = len(s.held) + len(self.replay.beyond) + len(s.doubtful)
-        if self.mode is Mode.LIVE or held < self.size_check_at:
+        if self.mode is Mode.LIVE or (held < self.size_check_at and self.taken < self.bytes_check_at):
             return None
         size = _bytes(s.held) + _bytes(self.replay.beyond) + _bytes(s.doubtful)
         if size <= MAX_HELD_BYTES:
-            self.size_check_at = 2 * held
+            self.size_check_at = max(2 * held, _FIRST_SIZE_CHECK)
+            self.bytes_check_at, self.taken = max(MAX_HELD_BYTES - size, size // 8), 0
             return None
-        self.size_check_at = _FIRST_SIZE_CHECK
+        self._count_afresh()
         self._fresh_socket()  # (the rest of this answer is not taken)
         reason = f"{held} batches ({size >> 20} MiB) held while a {self.mode.name.lower()} went on"
         return self.unrecoverable(reason, now, out) if self.mode is Mode.REPLAY else self._give_up(reason, now, out)
+
+    def _count_afresh(self) -> None:
+        """A new request: :meth:`overheld` counts from nothing, or, where batches set aside are still held, at the
+        next batch taken. O(1)."""
+        s = self.state
+        carried = len(s.held) + len(self.replay.beyond) + len(s.doubtful)
+        self.size_check_at, self.bytes_check_at, self.taken = _FIRST_SIZE_CHECK, 0 if carried else MAX_HELD_BYTES, 0
 
     def resync(self, reason: str, now: float, out: list[Delivery]) -> Held:
         """The consumer wants the stream from scratch (the owner checked nothing is pending): a full replay from

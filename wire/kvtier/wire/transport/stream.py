@@ -105,7 +105,7 @@ class StreamTracker:
         self._last_seen = self._heard = now
         out: list[Delivery] = []
         self._live(seq, payload, now, out)
-        self._bound_held(now, out)
+        self._bound_held(now, out, len(payload))
         return out
 
     def on_reply(self, seq_frame: bytes, payload: bytes, now: float) -> list[Delivery]:
@@ -116,14 +116,14 @@ class StreamTracker:
             return out  # an answer nobody waits for any more
         self._last_seen = now
         self._drain(self._recovery.on_reply(seq_frame, payload, now, out), now, out)
-        self._bound_held(now, out)
+        self._bound_held(now, out, len(payload))
         return out
 
-    def _bound_held(self, now: float, out: list[Delivery]) -> None:
-        """Ends a recovery that holds more than :data:`~kvtier.wire.transport.recovery.MAX_HELD_BYTES`. O(1)
-        amortised."""
+    def _bound_held(self, now: float, out: list[Delivery], taken: int) -> None:
+        """Ends a recovery that holds more than :data:`~kvtier.wire.transport.recovery.MAX_HELD_BYTES`; ``taken``: the
+        payload bytes of the batch just taken. O(1) amortised."""
         if self._recovery.active:
-            held = self._recovery.overheld(now, out)
+            held = self._recovery.overheld(now, out, taken)
             if held is not None:
                 self._drain(held, now, out)
 
