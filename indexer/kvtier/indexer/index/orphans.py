@@ -94,16 +94,21 @@ class OrphanPool:
         them. O(blocks held)."""
         return [(_encode(r.event), int(r.tier), list(r.present), r.extras) for r in self._age.values()]
 
-    def load(self, runs: list[tuple[bytes, int, list[bool], list[int | None] | None]]) -> None:
+    def load(self, runs: list[tuple[bytes, int, list[bool], list[int | None] | None]], block_size: int) -> None:
         """Holds :meth:`dump`'s runs again as they were (removals applied to them kept), after those held now; no
         counter moves and nothing is aged out. ``ValueError``, ``TypeError`` or ``msgspec.DecodeError`` if a run
-        is not what :meth:`dump` writes. O(blocks)."""
+        is not what :meth:`dump` writes, nor a store the index (of ``block_size``) would have held: blocks of
+        another size, token ids out of step with its blocks, a parent among them. O(blocks)."""
         for raw, tier, present, extras in runs:
             event = _decode_stored(raw)
             n = len(event.block_hashes)
             if event.parent_block_hash is None or len(present) != n or not (
                     extras is None or (len(extras) == n and all(x is None or type(x) is int for x in extras))):
                 raise ValueError("a held orphan run with no parent, or flags or key scopes out of step with its blocks")
+            if not n or event.block_size != block_size or event.num_tokens != n * block_size \
+                    or event.parent_block_hash in event.block_hashes:
+                raise ValueError(f"a held orphan run no store could make: {n} blocks of {event.block_size} (the "
+                                 f"index's: {block_size}), {event.num_tokens} token ids, or under one of its blocks")
             self._keep(OrphanRun(event, StorageTier(tier), [bool(p) for p in present], extras))
 
     def _keep(self, run: OrphanRun) -> None:

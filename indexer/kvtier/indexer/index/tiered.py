@@ -376,7 +376,7 @@ class TieredIndex:
                 if len(b.keys):  # (without loose blocks the worker is not known to be prefix-closed: queries scan)
                     index._closure.restore_slot(w.slot, b.loose)
                 w.ghosts.update((eh, BlockKey(key)) for eh, key in rec.ghosts)
-                w.orphans.load(rec.orphans)
+                w.orphans.load(rec.orphans, snap.block_size)
                 w.closed_tiers = rec.closed_tiers & ((1 << TIERS) - 1)
                 w.ups.update(rec.ups)
             index._closure.link_all(*snapfmt.links(snap))
