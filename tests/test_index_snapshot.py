@@ -166,6 +166,28 @@ def test_snapshot_bytes_are_canonical() -> None:
     assert TieredIndex.restore(back.snapshot()).find_matches(toks) == idx.find_matches(toks)
 
 
+@pytest.mark.parametrize("kept", [[7], [7, -3], [7, 1 << 63], []])
+def test_snapshot_bytes_are_canonical_for_hashes_once_moved_to_a_dict(kept: list[int]) -> None:
+    """A worker's hashes move to a dict for good when one fits no table (a bytes hash); once that one is gone, a
+    restore puts those left back in a table, which wrote them packed where the dict wrote a list: the same index,
+    other bytes."""
+    idx = TieredIndex(BS)
+    assert idx.apply(S, BlockStored(block_hashes=[b"h" * 32], parent_block_hash=None, token_ids=TOKS[:BS],
+                                    block_size=BS)) is Outcome.APPLIED
+    for i, eh in enumerate(kept):
+        assert idx.apply(S, BlockStored(block_hashes=[eh], parent_block_hash=None, token_ids=OTHER[i * BS:(i + 1) * BS],
+                                        block_size=BS)) is Outcome.APPLIED
+    idx.apply(S, BlockRemoved(block_hashes=[b"h" * 32]))
+    assert idx._workers[S].hashes.py is not None  # (in a dict)
+    data = idx.snapshot()
+    back = TieredIndex.restore(data)
+    back._check()
+    layout = ("dict", "signed")  # (where the hashes live, and their signedness where a dict holds them)
+    assert ({k: v for k, v in describe(back)[S].items() if k not in layout}
+            == {k: v for k, v in describe(idx)[S].items() if k not in layout})
+    assert back.snapshot() == data
+
+
 def _record(**change: Any) -> bytes:
     """A snapshot of one worker holding blocks 1 and 2 (engine hashes 7 and 8) with ``change`` made to its record."""
     keys = np.array([1, 2], "<u8").tobytes()

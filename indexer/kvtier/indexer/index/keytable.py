@@ -368,6 +368,20 @@ class KeyTable(RowTable, MutableMapping[BlockKey, int]):
         return arr if arr is not None and len(arr) == len(keys) else np.array(keys, dtype=np.uint64)
 
 
+def _packed(ehs: list[EngineHash]) -> tuple[U64, bool | None] | None:
+    """``ehs`` as an empty table would hold them (:meth:`EngineHashes.int64s`): their 64 bits and how they read back
+    (True: some are negative; False: some are past 2**63; None: neither), or None where no table can (a hash that is
+    no int, negative ones beside ones past 2**63). O(len(ehs))."""
+    try:
+        try:
+            arr = np.frombuffer(array.array("q", ehs), np.int64)  # type: ignore[type-var]
+        except OverflowError:  # one past 2**63: all unsigned, or none fits
+            return np.frombuffer(array.array("Q", ehs), np.uint64), False  # type: ignore[type-var]
+    except (OverflowError, TypeError, ValueError):
+        return None
+    return arr.view(np.uint64), True if (arr < 0).any() else None
+
+
 class EngineHashes(RowTable, MutableMapping[EngineHash, BlockKey]):
     """One worker's engine hash -> key, as ``WorkerState.hashes``: a compiled table while its engine hashes are all
     ``int64`` (SGLang) or all ``uint64`` (vLLM), each stored as its 64 bits; a Python dict (``py``) from the first
@@ -489,29 +503,32 @@ class EngineHashes(RowTable, MutableMapping[EngineHash, BlockKey]):
         out: list[BlockKey] = self.r[self.used(), VAL].tolist()
         return out
 
-    def export(self) -> tuple[U64 | list[EngineHash], U64]:
-        """Every entry, for a snapshot: the engine hashes (their 64 bits, read back as :attr:`signed` says, or the
-        hashes themselves where they live in a dict) and the keys they name, in the same order. O(entries)."""
+    def export(self) -> tuple[U64 | list[EngineHash], U64, bool | None]:
+        """Every entry, for a snapshot: the engine hashes (their 64 bits, or the hashes themselves where no table
+        could hold them), the keys they name in the same order, and how 64-bit hashes read back (:attr:`signed`).
+        Entries in a dict are written as a table holding them would write them, as :meth:`load` would put them back:
+        the same entries, the same snapshot, whether they moved to a dict once or not. O(entries)."""
         if self.py is not None:
-            return list(self.py), np.array(list(self.py.values()), dtype=np.uint64)
+            ehs, keys = list(self.py), np.array(list(self.py.values()), dtype=np.uint64)
+            packed = _packed(ehs)
+            return (ehs, keys, self.signed) if packed is None else (packed[0], keys, packed[1])
         rows = self.used()
-        return self.r[rows, KEY], self.r[rows, VAL]
+        return self.r[rows, KEY], self.r[rows, VAL], self.signed
 
     def load(self, ehs: U64 | list[EngineHash], keys: U64, signed: bool | None) -> None:
-        """Adds :meth:`export`'s entries to an empty table (``signed``: how 64-bit hashes read back);
-        ``ValueError`` naming an engine hash given twice. O(entries)."""
+        """Adds :meth:`export`'s entries to an empty table (``signed``: how 64-bit hashes read back); hashes given as
+        a list go into the table where they fit it, else into a dict. ``ValueError`` naming an engine hash given
+        twice. O(entries)."""
         assert not len(self), "load fills an empty table"
         if isinstance(ehs, list):
-            arr = self.int64s(ehs)
-            if arr is None:  # hashes the table cannot hold: a dict
+            packed = _packed(ehs)
+            if packed is None:  # hashes the table cannot hold: a dict
                 py = self.demote()
                 py.update(zip(ehs, keys.tolist(), strict=True))
                 if len(py) != len(ehs):
                     raise ValueError("an engine hash given twice")
                 return
-            ehs = arr
-            # (int64s says unsigned ones; negative ones are its int64s read as such)
-            signed = self.signed if self.signed is not None else (True if (arr.view(np.int64) < 0).any() else None)
+            ehs, signed = packed
         elif signed is None and len(ehs) and int(ehs.max()) >= _SIGN:
             raise ValueError("engine hashes past 2**63 without their signedness")
         self.signed = signed

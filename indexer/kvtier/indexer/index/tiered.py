@@ -338,11 +338,11 @@ class TieredIndex:
         records, blocks = [], []
         windows = self._win.by_slot(guard or nullcontext())
         for w in self._workers.values():
-            hashes, keys = w.hashes.export()
+            hashes, keys, signed = w.hashes.export()
             blocks.append((keys, self._masks.slot_bits(keys, w.slot), hashes))
             records.append(snapfmt.WorkerRecord(
                 worker=w.stream.worker, dp_rank=w.stream.dp_rank, partial=w.partial, keys=b"", bits=b"", hashes=b"",
-                signed=w.hashes.signed, window=w.window, inferred=w.inferred, window_bits=windows.get(w.slot, []),
+                signed=signed, window=w.window, inferred=w.inferred, window_bits=windows.get(w.slot, []),
                 loose=None if w.slot in self._closure.unknown else self._closure.loose_of(w.slot, TIERS),
                 # Then what is held outside the blocks: the keys of blocks dropped at a loss and their parents, oldest
                 # first (the order they are forgotten in), and the stores awaiting a parent.
