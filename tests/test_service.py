@@ -343,6 +343,19 @@ def test_a_snapshot_file_without_its_checksum_is_refused_and_an_older_one_is_rea
     assert persist.load(snap, BS)[1] == {StreamId(WorkerId("w0")): (7, 12345)}
 
 
+@pytest.mark.parametrize("lacks", ["index", "positions"])
+def test_a_snapshot_file_lacking_a_field_names_it(tmp_path: Path, lacks: str) -> None:
+    """A file of the version without checksums that lacks a field said only the field's name (``'index'``)."""
+    import msgspec
+
+    snap = tmp_path / "index.snap"
+    obj: dict[str, Any] = {"version": 1, "index": TieredIndex(BS).snapshot(), "positions": []}
+    del obj[lacks]
+    snap.write_bytes(msgspec.msgpack.encode(obj))
+    with pytest.raises(ValueError, match=f"^snapshot {snap}: no '{lacks}' field, which a snapshot holds"):
+        persist.load(snap, BS)
+
+
 def test_a_snapshot_file_nested_past_the_decoders_depth_is_one_line(tmp_path: Path) -> None:
     snap = tmp_path / "index.snap"
     snap.write_bytes(b"\x83\xa7version\x01\xa5index" + b"\x91" * 200_000 + b"\xc0\xa9positions\x90")

@@ -151,7 +151,10 @@ def load(path: Path, block_size: int) -> tuple[TieredIndex, Positions]:
                 raise ValueError(f"stream position {[w, dp, seq, digest]!r}; expected [worker, dp rank >= 0, "
                                  f"next seq in 1..{MAX_SEQ + 1}, digest or null]")
             positions[StreamId(WorkerId(w), dp)] = (seq, digest)
-    except (OSError, msgspec.DecodeError, KeyError, TypeError, ValueError, IndexError, RecursionError) as exc:
+    except KeyError as exc:  # (a field the file lacks: str(exc) would be its name alone)
+        raise ValueError(f"snapshot {path}: no {exc} field, which a snapshot holds (a damaged file); remove it to "
+                         "start afresh") from None
+    except (OSError, msgspec.DecodeError, TypeError, ValueError, IndexError, RecursionError) as exc:
         raise ValueError(f"snapshot {path}: {exc}") from None
     if index.block_size != block_size:
         raise ValueError(f"snapshot {path}: block size {index.block_size}, the service's is {block_size}")
