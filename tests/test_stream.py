@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import pytest
 
@@ -1122,15 +1123,23 @@ def test_batches_of_no_payload_held_in_a_recovery_are_bounded_too(monkeypatch: p
     assert seq * recovery.HELD_ENTRY_BYTES < 2 * (64 << 10) + 2 * 1024 * recovery.HELD_ENTRY_BYTES
 
 
+def _bulky(seq: int) -> bytes:
+    """Batch ``seq``: about 80 KiB (16,384 token ids of 5 bytes each)."""
+    return encode_payload(EventBatch(ts=float(seq), dp_rank=0, events=[BlockStored(
+        block_hashes=[seq], parent_block_hash=None, token_ids=list(range(1 << 17, (1 << 17) + (1 << 14))),
+        block_size=1 << 14)]))
+
+
+@pytest.mark.parametrize("cap, batch", [(64 << 10, payload), (1 << 20, _bulky)], ids=["small", "large"])
 @pytest.mark.parametrize("where", ["live", "answer"])
-def test_a_recovery_holds_bounded_bytes(where: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_recovery_holds_bounded_bytes(where: str, cap: int, batch: Callable[[int], bytes],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Batches held while a replay goes on (live ones held back, or an answer's batches past a loss) stop at
     ``MAX_HELD_BYTES``: a replay answer that never ends, or that trickles while live traffic piles up, ends as a
     loss for good: the answer is abandoned (a fresh replay socket), the stream is marked partial, and what was held
-    is delivered in order."""
-    from kvtier.wire.transport import recovery
-
-    monkeypatch.setattr(recovery, "MAX_HELD_BYTES", 64 << 10)
+    is delivered in order. Large batches too: their bytes were first counted when 1,024 were held, so up to 1,023
+    frames of ``max_frame_bytes`` (64 GiB at the defaults) were held whatever their size."""
+    monkeypatch.setattr(recovery, "MAX_HELD_BYTES", cap)
     t = tracker()
     t.on_live(0, payload(0), 0.0)
     t.on_live(2, payload(2), 0.0)  # seq 1 missing: a replay from 1 is asked
@@ -1139,47 +1148,17 @@ def test_a_recovery_holds_bounded_bytes(where: str, monkeypatch: pytest.MonkeyPa
     out: list[Delivery] = []
     for seq in range(3, 3000):
         if where == "live":
-            out += t.on_live(seq, payload(seq), 0.1)
+            out += t.on_live(seq, batch(seq), 0.1)
         else:  # the answer starts past seq 1 (lost for good) and goes on without an end marker
-            out += t.on_reply(pack_seq(seq), payload(seq), 0.1)
+            out += t.on_reply(pack_seq(seq), batch(seq), 0.1)
         if any(isinstance(d, ResyncNeeded) for d in out):
             break
-    size = len(payload(3))
+    size = len(batch(3)) + recovery.HELD_ENTRY_BYTES
     assert any(isinstance(d, ResyncNeeded) for d in out), "held without bound"
-    assert seq * size < 2 * (64 << 10) + 2 * 1024 * size  # within twice the cap (or the first count)
+    # within 1.125 times the cap, and the batch that passed it
+    assert (seq - 2) * size <= cap + cap // 8 + size, f"{seq - 2} batches of {size} bytes held, past the cap"
     assert t.reset_replay_socket and not t.recovering
     assert seqs(out) == list(range(2, seq + 1))  # (seq 1 given up for lost)
-
-
-@pytest.mark.parametrize("where", ["live", "answer"])
-def test_large_batches_held_in_a_recovery_stop_near_the_cap(where: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The held bytes were first counted when 1,024 batches were held: fewer, larger ones were held whatever their
-    size (up to 1,023 frames of ``max_frame_bytes``, 64 GiB at the defaults). They now stop within 1.125 times the
-    cap, and the batch that passed it."""
-    cap = 1 << 20
-    monkeypatch.setattr(recovery, "MAX_HELD_BYTES", cap)
-    t = tracker()
-    t.on_live(0, payload(0), 0.0)
-    t.on_live(2, payload(2), 0.0)  # seq 1 missing: a replay from 1 is asked
-    t.outbox.clear()
-
-    def bulky(seq: int) -> bytes:  # about 80 KiB: 16,384 ids of 5 bytes each
-        return encode_payload(EventBatch(ts=float(seq), dp_rank=0, events=[BlockStored(
-            block_hashes=[seq], parent_block_hash=None, token_ids=list(range(1 << 17, (1 << 17) + (1 << 14))),
-            block_size=1 << 14)]))
-
-    out: list[Delivery] = []
-    for seq in range(3, 1000):
-        if where == "live":
-            out += t.on_live(seq, bulky(seq), 0.1)
-        else:  # the answer starts past seq 1 (lost for good) and goes on without an end marker
-            out += t.on_reply(pack_seq(seq), bulky(seq), 0.1)
-        if any(isinstance(d, ResyncNeeded) for d in out):
-            break
-    size = len(bulky(3)) + recovery.HELD_ENTRY_BYTES
-    assert any(isinstance(d, ResyncNeeded) for d in out), "held without bound"
-    assert (seq - 2) * size <= cap + cap // 8 + size, f"{seq - 2} batches of {size} bytes held, past the cap"
-    assert seqs(out) == list(range(2, seq + 1))  # (seq 1 given up for lost; what was held delivered in order)
 
 
 def _store(q: int, proc: int = 1) -> bytes:
