@@ -236,6 +236,9 @@ CASES: dict[str, Case] = {
     # trace contents
     "duplicate request_id": (lambda t, f: ["replay", "--no-plots", "--trace", mooncake(
         t, "dup.jsonl", [rec(request_id="a"), rec(5, request_id="a")])], "dup.jsonl:2: request_id 'a' already used"),
+    # JSON true is no session: taken as the session "True", a record naming that one became its next turn
+    "boolean session_id": (lambda t, f: ["replay", "--no-plots", "--trace", mooncake(
+        t, "s.jsonl", [rec(session_id=True)])], "s.jsonl:1: session_id must be a string or an integer, got True"),
     "NaN timestamp": (lambda t, f: ["replay", "--no-plots", "--trace", mooncake(
         t, "nan.jsonl", [json.dumps(rec()), json.dumps(rec(float("nan")))])],
         "nan.jsonl:2: timestamp must be a finite non-negative number"),

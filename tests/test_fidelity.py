@@ -64,6 +64,16 @@ def test_cli_fails_when_requests_never_finish_unless_allowed(tmp_path: Path,
     assert summary["runs"][0]["unfinished"] > 0
 
 
+def test_a_sweep_whose_grid_stops_its_runs_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A grid's until_s stops its points as --until does: the reason named is that stop, not requests that "never
+    completed"."""
+    args = ["sweep", "--trace", "builtin:chat:80", "--workers", "1", "--device-tokens", "32768", "--grid",
+            "until_s=30", "--jobs", "1", "--no-plots", "--out", str(tmp_path)]
+    assert cli(args) == 1
+    err = capsys.readouterr().err
+    assert "did not finish under until_s=30.0 (the run stopped at until_s=30 s)" in err, err
+
+
 def test_pages_cached_by_a_concurrent_request_are_device_hits_not_storage() -> None:
     # b is admitted while a prefills (nothing cached yet) and starts once a's pages are on device.
     ids = list(range(20))

@@ -605,13 +605,17 @@ def _peak_rss_mib() -> float:
     return kib / (1024 * 1024 if sys.platform == "darwin" else 1024)  # macOS counts bytes, Linux KiB
 
 
-def _unfinished_status(a: argparse.Namespace, summaries: list[Any], total: int) -> int:
-    """1 (with the reason on stderr) if some requests did not finish, unless --allow-unfinished."""
+def _unfinished_status(a: argparse.Namespace, summaries: list[Any], total: int,
+                       stops: list[str | None] | None = None) -> int:
+    """1 (with the reason on stderr) if some requests did not finish, unless --allow-unfinished. ``stops``: where
+    each run was told to stop, as its setting is named (default: ``--until``, where given)."""
+    until = f"--until {a.until:g}" if a.until is not None else None
+    for s, stop in zip(summaries, stops or [until] * len(summaries), strict=True):
+        if s.unfinished:
+            why = f"the run stopped at {stop} s" if stop is not None else "they never completed"
+            print(f"kvtier: {s.unfinished} of {total} requests did not finish under {s.policy} ({why})",
+                  file=sys.stderr)
     short = [s for s in summaries if s.unfinished]
-    for s in short:
-        why = f"the run stopped at --until {a.until:g} s" if a.until is not None else "they never completed"
-        print(f"kvtier: {s.unfinished} of {total} requests did not finish under {s.policy} ({why})",
-              file=sys.stderr)
     if short and not a.allow_unfinished:
         print("kvtier: error: unfinished requests (pass --allow-unfinished to accept them)", file=sys.stderr)
         return 1
@@ -688,7 +692,10 @@ def cmd_sweep(a: argparse.Namespace) -> int:
     where = " (this process: Ray's workers not counted)" if a.ray else " (largest process)"
     print(f"\nran in {wall:.1f} s, peak memory {peak:,.0f} MiB{where}; wrote {', '.join(str(p) for p in written)}",
           file=sys.stderr)
-    return _unfinished_status(a, summaries, len(jobs[0].trace) if jobs else 0)
+    # (a grid's until_s stops its own points)
+    stops = [f"until_s={tag['until_s']:g}" if tag.get("until_s") is not None else
+             (f"--until {a.until:g}" if a.until is not None else None) for tag, _ in results]
+    return _unfinished_status(a, summaries, len(jobs[0].trace) if jobs else 0, stops)
 
 
 def cmd_gen_trace(a: argparse.Namespace) -> int:

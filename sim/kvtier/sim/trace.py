@@ -312,7 +312,7 @@ def request_from(obj: object, where: str) -> Request:
     if not isinstance(rid, str | int) or isinstance(rid, bool):
         raise TraceError(f"{where}: request_id must be a string or an integer, got {_show(rid)}")
     session, think = obj.get("session_id"), obj.get("think_s")
-    if session is not None and not isinstance(session, str | int):
+    if session is not None and (not isinstance(session, str | int) or isinstance(session, bool)):
         raise TraceError(f"{where}: session_id must be a string or an integer, got {_show(session)}")
     if think is not None and not _within(think, 0, MAX_THINK_S):
         raise TraceError(f"{where}: think_s must be a non-negative number of seconds up to {MAX_THINK_S:g}, "
