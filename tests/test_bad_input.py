@@ -236,6 +236,16 @@ CASES: dict[str, Case] = {
     # trace contents
     "duplicate request_id": (lambda t, f: ["replay", "--no-plots", "--trace", mooncake(
         t, "dup.jsonl", [rec(request_id="a"), rec(5, request_id="a")])], "dup.jsonl:2: request_id 'a' already used"),
+    # the latest arrival a run takes (the clock's microseconds), in the trace or through --time-scale
+    "timestamp past the clock": (lambda t, f: ["replay", "--no-plots", "--trace", mooncake(
+        t, "far.jsonl", [rec(), rec(10**12)])],
+        "far.jsonl:2: timestamp must be a finite non-negative number of ms up to 1e+11, got 1000000000000"),
+    "time-scale past the clock": (lambda t, f: ["replay", "--no-plots", "--time-scale", "1000", "--trace", mooncake(
+        t, "s.jsonl", [rec(), rec(10**9)])], "--time-scale 1000 takes request 'r1' of "),
+    "time-scale past the clock, builtin": (lambda t, f: ["replay", "--no-plots", "--time-scale", "1e6", "--trace",
+                                                         "builtin:chat:50"],
+                                           "kvtier: error: --time-scale 1e+06 takes request 'r49' of builtin:chat:50, "
+                                           "arriving at 436.268 s, to 4.36e+08 s: past 1e+08 s"),
     # JSON true is no session: taken as the session "True", a record naming that one became its next turn
     "boolean session_id": (lambda t, f: ["replay", "--no-plots", "--trace", mooncake(
         t, "s.jsonl", [rec(session_id=True)])], "s.jsonl:1: session_id must be a string or an integer, got True"),

@@ -74,6 +74,23 @@ def test_a_sweep_whose_grid_stops_its_runs_says_so(tmp_path: Path, capsys: pytes
     assert "did not finish under until_s=30.0 (the run stopped at until_s=30 s)" in err, err
 
 
+def test_a_request_at_the_latest_arrival_taken_sees_the_latencies_one_at_zero_does() -> None:
+    """The clock is seconds in a float: at the 1e15 ms a timestamp could reach, or 1e6 times a trace's span through
+    --time-scale, a request's latencies came out quantised to 0.1 ms, or 0. At the latest arrival taken now they keep
+    their microseconds, and a trace or a scale past it is refused (tests/test_bad_input.py)."""
+    from kvtier.sim.trace import MAX_ARRIVAL_S
+
+    cfg = ClusterConfig.of(workers=1, page_size=64, device_tokens=32_768)
+    reqs = [Request("early", 0.0, 1000, 10, list(range(2))), Request("late", MAX_ARRIVAL_S, 1000, 10,
+                                                                      list(range(100, 102)))]
+    res = simulate(reqs, cfg, RunConfig("round_robin"))
+    assert res.summary.requests == 2
+    (ttft0, ttft1), (tpot0, tpot1), (e2e0, e2e1) = res.ttft, res.tpot, res.e2e
+    assert ttft0 > 0.001 and tpot0 > 0.001
+    for early, late in ((ttft0, ttft1), (tpot0, tpot1), (e2e0, e2e1)):
+        assert abs(early - late) < 1e-7, (early, late)
+
+
 def test_pages_cached_by_a_concurrent_request_are_device_hits_not_storage() -> None:
     # b is admitted while a prefills (nothing cached yet) and starts once a's pages are on device.
     ids = list(range(20))

@@ -27,7 +27,7 @@ from kvtier.sim.policies import check_policy
 from kvtier.sim.report import CsvRecords, ItlSeries
 from kvtier.sim.run import RunConfig, RunResult, simulate
 from kvtier.sim.source import ListTrace, MooncakeFile, TraceSource, as_source
-from kvtier.sim.trace import Request, is_azure, load_azure, load_trace
+from kvtier.sim.trace import Request, check_scaled, is_azure, load_azure, load_trace
 from kvtier.util.fields import ConfigError, did_you_mean
 
 #: Requests of a builtin trace at most: each is made in memory before the run (about a kilobyte with its hash ids).
@@ -68,6 +68,9 @@ def resolve_trace(spec: str, *, limit: int | None = None, seed: int = 0, time_sc
     if limit is not None:
         reqs = reqs[:limit]
     if time_scale != 1.0:
+        if reqs:
+            last = max(reqs, key=lambda r: r.arrival)
+            check_scaled(last.arrival, time_scale, f"request {last.request_id!r} of {spec}")
         reqs = [dataclasses.replace(r, arrival=r.arrival * time_scale) for r in reqs]
     return reqs
 

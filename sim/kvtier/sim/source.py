@@ -15,7 +15,15 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol, runtime_checkable
 
-from kvtier.sim.trace import Request, TraceError, decode_record, read_line, read_mooncake, request_from
+from kvtier.sim.trace import (
+    Request,
+    TraceError,
+    check_scaled,
+    decode_record,
+    read_line,
+    read_mooncake,
+    request_from,
+)
 
 
 @runtime_checkable
@@ -110,16 +118,21 @@ class MooncakeFile:
         naming the first malformed line. O(requests); later calls are free."""
         if self._indexed:
             return self
+        last: list[Request] = []  # the latest arrival (timestamps never go back)
+
         def sessions() -> Iterator[str | None]:
             for _, offset, req in read_mooncake(self.path, self.limit):  # messages name the path as given
                 self._offsets.append(offset)
                 self._next.append(-1)
                 self._follows.append(0)
+                last[:] = [req]
                 yield req.session
 
         for i, j in next_turns(sessions()):
             self._next[i] = j
             self._follows[j] = 1
+        if last and self.time_scale != 1.0:
+            check_scaled(last[0].arrival, self.time_scale, f"request {last[0].request_id!r} of {self.path}")
         self._indexed = True
         return self
 

@@ -47,9 +47,13 @@ MAX_HASH_IDS = MAX_TOKENS // HASH_BLOCK
 #: Deepest nesting of arrays and objects in a JSONL line, the record itself counted: a record is 2 deep
 #: (its ``hash_ids``); room is left for extra fields, which are ignored.
 MAX_DEPTH = 32
-#: Largest ``timestamp`` (ms; about 31,700 years, exact in a float) and ``think_s`` (s) taken.
-MAX_TIMESTAMP_MS = 1e15
-MAX_THINK_S = 1e12
+#: The latest arrival a run takes, seconds (about 3.2 years), after ``--time-scale``: the simulator's clock is seconds
+#: in a float, whose step there is 15 ns; far past it a request's latencies would lose their microseconds (at 1e15 s
+#: they came out 0).
+MAX_ARRIVAL_S = 1e8
+#: Largest ``timestamp`` (ms) and ``think_s`` (s) taken: a run's latest arrival.
+MAX_TIMESTAMP_MS = MAX_ARRIVAL_S * 1000
+MAX_THINK_S = MAX_ARRIVAL_S
 #: A factor on a trace's arrival times (``--time-scale``, an engine's ``1 / --speed``) or a rate of arrivals
 #: (``--rate``) as a setting takes: past these, arrivals leave what a run reaches or a float holds.
 TIME_SCALE = Domain(float, lo=1e-6, hi=1e6)
@@ -57,6 +61,15 @@ TIME_SCALE = Domain(float, lo=1e-6, hi=1e6)
 
 class TraceError(ValueError):
     """A malformed trace; the message names the file and line."""
+
+
+def check_scaled(arrival: float, time_scale: float, what: str) -> None:
+    """:class:`TraceError` where ``time_scale`` takes the latest arrival, ``arrival`` seconds (of ``what``: a request
+    or trace named), past :data:`MAX_ARRIVAL_S`. O(1)."""
+    if arrival * time_scale > MAX_ARRIVAL_S:
+        raise TraceError(f"--time-scale {time_scale:g} takes {what}, arriving at {arrival:g} s, to "
+                         f"{arrival * time_scale:.3g} s: past {MAX_ARRIVAL_S:g} s, where the simulator's clock "
+                         "(seconds in a float) no longer keeps a latency's microseconds")
 
 
 @dataclass(slots=True)
