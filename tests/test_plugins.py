@@ -3,13 +3,16 @@ simulator and in the service."""
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -249,3 +252,103 @@ def test_a_plugins_error_names_the_line_of_its_own_code(tmp_path: Path) -> None:
                          timeout=300, check=False, cwd=tmp_path, env={k: v for k, v in os.environ.items()
                                                                       if k != "PYTHONPATH"})
     assert run.returncode == 2 and run.stderr.rstrip().endswith("could not convert string to float: 'abc'"), run.stderr
+
+
+class Interrupts(PolicyBase):
+    """Raises what no ``except Exception`` takes (a KeyboardInterrupt of its own, an asyncio.CancelledError)."""
+
+    name = "interrupts"
+    raises: type[BaseException] = KeyboardInterrupt
+
+    def score(self, ctx: RouteContext, worker: StreamId) -> float:
+        raise self.raises
+
+
+class Meddles(PolicyBase):
+    """Adjusts the load it is shown, drops workers from the overlaps, and picks a plain tuple."""
+
+    name = "meddles"
+
+    def score(self, ctx: RouteContext, worker: StreamId) -> float:
+        load = ctx.load(worker)
+        load.running += 5
+        ctx.overlaps.workers.pop(worker, None)
+        return 0.0
+
+    def pick(self, ctx: RouteContext, scores: dict[StreamId, float]) -> StreamId:
+        return cast(StreamId, tuple(min(scores)))
+
+
+def _two_workers() -> tuple[list[StreamId], RouteContext]:
+    from kvtier.indexer.routing.load import LoadTracker
+    from kvtier.wire.overlap import OverlapScores
+    from kvtier.wire.protocol import WorkerId
+
+    workers = [StreamId(WorkerId("w0")), StreamId(WorkerId("w1"))]
+    return workers, RouteContext(64, BS, [], OverlapScores(total_blocks=4), LoadTracker(BS), frozenset())
+
+
+@pytest.mark.parametrize("raises", [KeyboardInterrupt, asyncio.CancelledError])
+def test_a_plugin_raising_past_exception_off_the_main_thread_fails_as_a_plugin(
+        raises: type[BaseException]) -> None:
+    """In the service a plugin runs on the HTTP thread, where no Ctrl-C lands: a KeyboardInterrupt it raised killed
+    that thread (the service up, every request unanswered for ever), an asyncio.CancelledError dropped the connection
+    unanswered. Off the main thread either is the plugin's failure; on it a KeyboardInterrupt is still the user's
+    Ctrl-C."""
+    from kvtier.indexer.routing.plugins import PluginError, route_with
+
+    workers, ctx = _two_workers()
+    policy = Interrupts()
+    policy.raises = raises
+    got: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            route_with(policy, ctx, workers)
+        except BaseException as exc:  # (what reached the thread's top)
+            got.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert isinstance(got[0], PluginError) and "score() raised" in str(got[0]), got
+    if raises is KeyboardInterrupt:
+        with pytest.raises(KeyboardInterrupt):
+            route_with(policy, ctx, workers)
+
+
+def test_what_a_plugin_changes_of_what_it_is_shown_changes_no_booking_and_no_answer() -> None:
+    """``ctx.load`` handed the router's own load: a plugin that adjusted it left phantom running requests behind,
+    skewing every later choice. One that dropped workers from ``ctx.overlaps`` made the service answer a cryptic
+    400 (the chosen worker's overlap missing), and a plain tuple equal to a worker was answered as that tuple."""
+    from kvtier.indexer.index.tiered import TieredIndex
+    from kvtier.indexer.routing.load import LoadTracker
+    from kvtier.indexer.routing.router import Router
+    from kvtier.indexer.routing.scoring import CreditCost
+    from kvtier.wire import WorkerId
+
+    index = TieredIndex(BS)
+    workers = [StreamId(WorkerId(f"w{i}")) for i in range(2)]
+    for w in workers:
+        index.add_worker(w)
+    loads = LoadTracker(BS)
+    router = Router(index, CreditCost(), loads=loads, workers=workers, policy=Meddles())
+    d = router.route(TOKS)
+    assert d.worker == workers[0] and type(d.worker) is StreamId
+    assert set(d.overlaps.workers) == set(workers)
+    assert all(loads.load(w).running == 0 for w in workers)
+
+
+def test_a_plugin_whose_name_raises_later_is_named_by_its_class() -> None:
+    """The error path read the plugin's name again: one whose name raised after it loaded turned its failure into
+    kvtier's own error (a 500 with a traceback in the service)."""
+    from kvtier.indexer.routing.plugins import PluginError, route_with
+
+    class Fickle(Nobody):
+        @property  # type: ignore[override]
+        def name(self) -> str:
+            raise RuntimeError("no name now")
+
+    workers, ctx = _two_workers()
+    with pytest.raises(PluginError, match=r"^policy Fickle \(its name raised\): filter kept \[\]"):
+        route_with(Fickle(), ctx, workers)

@@ -16,6 +16,7 @@ with no arguments. See ``examples/fresh_first_policy.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import importlib.util
@@ -23,6 +24,7 @@ import math
 import os
 import sys
 import sysconfig
+import threading
 import traceback
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -55,8 +57,8 @@ class RouteContext:
         return self.overlaps.workers.get(worker, _NONE)
 
     def load(self, worker: StreamId) -> WorkerLoad:
-        """The worker's in-flight load. O(1)."""
-        return self.loads.load(worker)
+        """The worker's in-flight load: a copy, so that a plugin that adjusts it changes no booking. O(1)."""
+        return dataclasses.replace(self.loads.load(worker))
 
 
 @runtime_checkable
@@ -106,7 +108,10 @@ class PluginError(LookupError):
 
 
 #: What a plugin's code may raise that is its failure, named in one line: any error, and SystemExit (a plugin that
-#: calls sys.exit must not end a run silently, or leave the service's event loop without an answer).
+#: calls sys.exit must not end a run silently, or leave the service's event loop without an answer). Off the main
+#: thread (the service's HTTP thread) anything at all: no signal's KeyboardInterrupt lands there, and one the plugin
+#: raised, or an asyncio.CancelledError (no await runs inside a plugin's call), killed that thread or dropped the
+#: connection unanswered.
 _FAULTS = (Exception, SystemExit)
 
 _P = TypeVar("_P", bound=type)
@@ -123,8 +128,20 @@ def own_policy(cls: _P) -> _P:
 
 def _faults(policy: object) -> tuple[type[BaseException], ...]:
     """What to take as ``policy``'s failure: everything for a user's plugin (whatever its module is named: the
-    ``kvtier`` namespace is open to other packages); nothing for kvtier's own policies (:func:`own_policy`)."""
-    return () if type(policy) in _OWN else _FAULTS
+    ``kvtier`` namespace is open to other packages; a Ctrl-C on the main thread excepted, see :data:`_FAULTS`);
+    nothing for kvtier's own policies (:func:`own_policy`)."""
+    if type(policy) in _OWN:
+        return ()
+    return _FAULTS if threading.current_thread() is threading.main_thread() else (BaseException,)
+
+
+def _label(policy: object) -> str:
+    """``policy``'s name as errors quote it; its class's where reading the name raises (a property may). O(1)."""
+    faults = _faults(policy) or _FAULTS  # (kvtier's own have a plain name)
+    try:
+        return repr(policy.name)  # type: ignore[attr-defined]
+    except faults:  # (whatever its code raises: the error being reported is another)
+        return f"{type(policy).__name__} (its name raised)"
 
 
 #: Characters of a plugin's message or value quoted in an error, so that the error stays one short line.
@@ -247,14 +264,14 @@ def load_policy(spec: str) -> RoutingPolicy:
     return plugin
 
 
-def _subset(got: object, of: Collection[StreamId]) -> bool:
+def _subset(got: object, of: Collection[StreamId], faults: tuple[type[BaseException], ...]) -> bool:
     """Whether a plugin's ``got`` is a non-empty collection of members of ``of`` (False for anything else, an
-    unhashable item included)."""
+    unhashable item included, or one whose code raises ``faults``)."""
     if not isinstance(got, Collection):  # (a generator: the check would use it up)
         return False
     try:
         return bool(got) and set(got) <= set(of)
-    except _FAULTS:  # (an item's __hash__ or __eq__, or the collection's own __len__, is the plugin's code too)
+    except faults:  # (an item's __hash__ or __eq__, or the collection's own __len__, is the plugin's code too)
         return False
 
 
@@ -262,30 +279,31 @@ def route_with(
     policy: RoutingPolicy, ctx: RouteContext, workers: list[StreamId]
 ) -> tuple[StreamId, dict[StreamId, float]]:
     """Runs a policy's three steps, checking what each returns. :class:`PluginError` for whatever a step raises
-    (a ``ValueError`` in a plugin's score is its bug, not a bad request) or returns out of protocol. O(workers)
-    plugin calls."""
+    (a ``ValueError`` in a plugin's score is its bug, not a bad request) or returns out of protocol. The worker
+    returned is the one scored (a plugin may pick an equal tuple). O(workers) plugin calls."""
     faults = _faults(policy)
     try:
         kept = policy.filter(ctx, workers)
     except faults as exc:
-        raise PluginError(f"policy {policy.name!r}: filter() raised {_failed(exc, policy)}") from exc
-    if not _subset(kept, workers):
-        raise PluginError(f"policy {policy.name!r}: filter kept {_brief(repr(kept))}, expected a non-empty subset of "
-                          "the workers")
+        raise PluginError(f"policy {_label(policy)}: filter() raised {_failed(exc, policy)}") from exc
+    if not _subset(kept, workers, faults):
+        raise PluginError(f"policy {_label(policy)}: filter kept {_brief(repr(kept))}, expected a non-empty subset "
+                          "of the workers")
     try:
         scores = {w: float(policy.score(ctx, w)) for w in kept}
     except faults as exc:  # its own error, or a score float() does not take
-        raise PluginError(f"policy {policy.name!r}: score() raised {_failed(exc, policy)}") from exc
+        raise PluginError(f"policy {_label(policy)}: score() raised {_failed(exc, policy)}") from exc
     nan = [w for w, v in scores.items() if math.isnan(v)]  # (min() over a NaN depends on the workers' order)
     if nan:
-        raise PluginError(f"policy {policy.name!r}: score() returned NaN for {_brief(', '.join(map(str, nan)))}")
+        raise PluginError(f"policy {_label(policy)}: score() returned NaN for {_brief(', '.join(map(str, nan)))}")
     try:
         chosen = policy.pick(ctx, scores)
     except faults as exc:
-        raise PluginError(f"policy {policy.name!r}: pick() raised {_failed(exc, policy)}") from exc
-    if not _subset([chosen], scores):
-        raise PluginError(f"policy {policy.name!r}: picked {_brief(repr(chosen))}, not a scored worker")
-    return chosen, scores
+        raise PluginError(f"policy {_label(policy)}: pick() raised {_failed(exc, policy)}") from exc
+    if not _subset([chosen], scores, faults):
+        raise PluginError(f"policy {_label(policy)}: picked {_brief(repr(chosen))}, not a scored worker")
+    # (a set found it among the scored: the same lookup names the one scored, never the plugin's own object)
+    return {w: w for w in scores}[chosen], scores
 
 
 @own_policy
@@ -330,8 +348,7 @@ def note_routed(policy: RoutingPolicy | None, keys: Sequence[BlockKey], num_toke
         try:
             hook(keys, num_tokens, worker)
         except _faults(policy) as exc:
-            name = getattr(policy, "name", "?")
-            raise PluginError(f"policy {name!r}: routed() raised {_failed(exc, policy)}") from exc
+            raise PluginError(f"policy {_label(policy)}: routed() raised {_failed(exc, policy)}") from exc
 
 
 #: kvtier's cache-blind policies as plugins, so the service runs them by name too.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -113,7 +114,9 @@ class Router:
         bs = self.index.block_size
         if self.policy is not None:
             partial = frozenset(s for s in self.index.streams if self.index.is_partial(s))
-            ctx = RouteContext(num_tokens, bs, keys or [], overlaps, self.loads, partial)
+            # (the plugin is given its own copy of the overlaps: one that drops a worker from them changes no answer)
+            mine = dataclasses.replace(overlaps, workers=dict(overlaps.workers))
+            ctx = RouteContext(num_tokens, bs, keys or [], mine, self.loads, partial)
             chosen, scores = route_with(self.policy, ctx, list(candidates))
             return RouteDecision(chosen, scores, overlaps)
         # The hot loop of routing (once per worker and request): the built-in models price every candidate in
