@@ -125,7 +125,7 @@ class StreamTracker:
         if self._recovery.active:
             held = self._recovery.overheld(now, out, taken)
             if held is not None:
-                self._drain(held, now, out)
+                self._drain(held, now, out, lossy=True)
 
     def start(self, now: float) -> None:
         """Catches up on join: asks for everything from seq 0 before the first live message.
@@ -378,16 +378,22 @@ class StreamTracker:
                 s.bogus(q, f"not in the publisher's replay answers, and its next batch is seq {seq}", out)
             s.doubtful = []
 
-    def _drain(self, pending: Held, now: float, out: list[Delivery]) -> None:
+    def _drain(self, pending: Held, now: float, out: list[Delivery], *, lossy: bool = False) -> None:
         """Batches a recovery handed back, through the live path in seq order; those after one that starts a
         new recovery are held for it. Once the stream is live, batches set aside as doubtful that a replay or dump
-        moved ``expected`` past are settled."""
+        moved ``expected`` past are settled. ``lossy``: a recovery given up for holding too much handed them back
+        (the stream marked partial): a gap among them is lost for good too, not replayed, or the rest would be held
+        again past the bound, one run released per batch taken."""
         if self._state.doubtful and not self._recovery.active:
             self._state.settle_passed_doubtful(out)
         for i, (seq, payload) in enumerate(pending):
             s = self._state
             if s.expected is not None and seq < s.expected and not s.history.foreign(seq, payload):
                 continue  # already delivered by the replay, or a straggler of a loss or a dump
+            if lossy and s.expected is not None and seq > s.expected and not self._recovery.active:
+                s.history.give_up(s.expected, seq)
+                s.stats.gaps += 1
+                s.expected = seq
             self._live(seq, payload, now, out)
             if self._recovery.active:  # a new hole inside the held messages
                 self._state.held.extend(pending[i + 1:])
