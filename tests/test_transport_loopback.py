@@ -668,6 +668,17 @@ def test_a_seq_no_probe_could_follow_is_refused_and_the_stream_goes_on() -> None
         hand.close()
 
 
+def _next_request(hand: _ByHand, sub: Subscriber) -> bytes:
+    """Rounds until a request (a probe, or one asked again) reaches the publisher, unanswered: its sender's
+    identity."""
+    for _ in range(50):
+        hand.rounds(sub, 1)
+        if hand.router.poll(100):
+            ident, _, _ = hand.router.recv_multipart()
+            return cast(bytes, ident)
+    raise AssertionError("no request reached the publisher")
+
+
 @pytest.mark.timeout(60)  # (a send on a socket without a connection blocks for ever: the failure is a hang)
 def test_a_replay_socket_zmq_dropped_for_good_is_replaced_not_written_to() -> None:
     """A frame past ``max_frame_bytes`` on the replay socket (here an unsolicited one, after an answer has ended)
@@ -678,21 +689,21 @@ def test_a_replay_socket_zmq_dropped_for_good_is_replaced_not_written_to() -> No
         with Subscriber([hand.cfg], clock=hand.clock, max_frame_bytes=1 << 16) as sub:
             hand.connect(sub)
             hand.answering = False
-            hand.rounds(sub, 1)
-            assert hand.router.poll(5000), "no idle probe"
-            ident, _, _ = hand.router.recv_multipart()
+            ident = _next_request(hand, sub)
             hand.router.send_multipart([ident, b"", b"", END_SEQ, b""])  # the probe answered: nothing pending
-            hand.router.send_multipart([ident, b"", b"", pack_seq(1), b"x" * (1 << 17)])  # then a frame past the cap
-            dealer = sub._conns[hand.cfg.stream].dealer
+            conn = sub._conns[hand.cfg.stream]
+            deadline = time.monotonic() + 10  # (the answer taken before the frame that drops the connection comes)
+            while conn.tracker._recovery.mode is not Mode.LIVE and time.monotonic() < deadline:
+                sub.poll(20)
+            assert conn.tracker._recovery.mode is Mode.LIVE, "the probe's answer was not taken"
+            hand.router.send_multipart([ident, b"", b"", pack_seq(1), b"x" * (1 << 17)])  # a frame past the cap
+            dealer = conn.dealer
             assert dealer is not None
             deadline = time.monotonic() + 10  # (forced: the connection gone before the next probe is sent)
             while cast(int, dealer.get(zmq.EVENTS)) & zmq.POLLOUT and time.monotonic() < deadline:
                 sub.poll(20)
             assert not cast(int, dealer.get(zmq.EVENTS)) & zmq.POLLOUT, "the replay connection was not dropped"
-            hand.rounds(sub, 1)  # the next idle probe
-            assert hand.router.poll(5000), "the probe never reached the publisher"
-            again, _, _ = hand.router.recv_multipart()
-            assert again != ident  # (a new socket)
+            assert _next_request(hand, sub) != ident  # the next idle probe, on a new socket
     finally:
         hand.close()
 
