@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import struct
 import threading
 import time
@@ -706,6 +707,36 @@ def test_a_replay_socket_zmq_dropped_for_good_is_replaced_not_written_to() -> No
             assert _next_request(hand, sub) != ident  # the next idle probe, on a new socket
     finally:
         hand.close()
+
+
+def test_a_live_socket_that_fails_its_handshakes_is_connected_again_with_a_thinned_log(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Live and replay addresses swapped: the SUB socket's handshake with a ROUTER fails on socket type, a protocol
+    error after which libzmq never connects again, as after a frame past the cap. It is connected again after each
+    grace period (the peer may be fixed), and its log line, which names both causes, is thinned as other repeating
+    faults' are."""
+    from kvtier.util.ratelog import FIRST
+    from kvtier.wire.transport.subscriber import RECONNECT_GRACE_S
+
+    ctx = zmq.Context.instance()
+    pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+    port, rport = pub.bind_to_random_port("tcp://127.0.0.1"), router.bind_to_random_port("tcp://127.0.0.1")
+    now = [0.0]
+    cfg = EndpointConfig("w0", f"tcp://127.0.0.1:{rport}", f"tcp://127.0.0.1:{port}")  # swapped
+    try:
+        with caplog.at_level(logging.WARNING, "kvtier.wire.transport.subscriber"), \
+                Subscriber([cfg], clock=lambda: now[0]) as sub:
+            deadline = time.monotonic() + 30
+            while sub.stats(cfg.stream).disconnects < FIRST + 5 and time.monotonic() < deadline:
+                sub.poll(20)
+                now[0] += RECONNECT_GRACE_S / 2
+            assert sub.stats(cfg.stream).disconnects >= FIRST + 5, "the live socket was not connected again"
+            lines = [r.getMessage() for r in caplog.records if "will not make it again" in r.getMessage()
+                     and "replay" not in r.getMessage()]
+            assert len(lines) == FIRST and "or a peer that is no ZMQ publisher" in lines[0], lines
+    finally:
+        pub.close(0)
+        router.close(0)
 
 
 def test_time_the_owner_spends_away_from_polling_is_no_silence() -> None:

@@ -19,12 +19,13 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from kvtier.util.ratelog import EVERY, FIRST, worth_logging
 from kvtier.wire.notices import Delivery, StreamId, StreamStats
 from kvtier.wire.protocol import ROLES, WorkerId
 from kvtier.wire.transport.addresses import connect_address_error
@@ -104,6 +105,7 @@ class _Conn:
     reached: bool = False  # `sub` completed a handshake with the publisher once
     told_unreached: bool = False  # the log said the publisher was never reached (once)
     dropped_at: float | None = None  # when `sub` lost its connection, while libzmq has not said it reconnects
+    renewed: list[int] = field(default_factory=lambda: [0, 0])  # connections made again here: live, replay
 
 
 class Subscriber:
@@ -334,8 +336,7 @@ class Subscriber:
         replays. O(1)."""
         conn.dropped_at = None
         endpoint = conn.config.endpoint
-        log.warning("stream %s: ZMQ dropped the connection to %s for good (a frame past max_frame_bytes, %d bytes); "
-                    "connecting again", conn.config.stream, endpoint, self._max_frame)
+        self._renewed(conn, 0, endpoint)
         with contextlib.suppress(zmq.ZMQError):  # (the endpoint may be gone with its session)
             conn.sub.disconnect(endpoint)
         conn.sub.connect(endpoint)
@@ -389,13 +390,24 @@ class Subscriber:
             try:
                 conn.dealer.send_multipart([b"", request], zmq.NOBLOCK)
             except zmq.Again:
-                log.warning("stream %s: the replay socket to %s has no connection left (a frame past "
-                            "max_frame_bytes, %d bytes); connecting again", conn.config.stream,
-                            conn.config.replay_endpoint, self._max_frame)
+                self._renewed(conn, 1, conn.config.replay_endpoint)
                 self._renew_dealer(conn)
                 with contextlib.suppress(zmq.Again):  # (a request lost: the tracker's deadline asks again)
                     conn.dealer.send_multipart([b"", request], zmq.NOBLOCK)
         tracker.outbox.clear()
+
+    def _renewed(self, conn: _Conn, replay: int, endpoint: str | None) -> None:
+        """Logs a connection made again here (``replay``: 1 for the replay socket's, 0 for the live one's): the first
+        few, then one in a thousand (a peer that is no ZMQ publisher of that kind, a swapped port, fails every
+        handshake, and libzmq gives up on each). O(1)."""
+        conn.renewed[replay] += 1
+        n = conn.renewed[replay]
+        if worth_logging(n):
+            log.warning("stream %s: ZMQ dropped the %sconnection to %s and will not make it again (a frame past "
+                        "max_frame_bytes, %d bytes, or a peer that is no ZMQ publisher of that kind: check the "
+                        "address); connecting again%s", conn.config.stream, "replay " if replay else "", endpoint,
+                        self._max_frame, f" ({n} times; from the {FIRST}th on logged every {EVERY}th)"
+                        if n >= FIRST else "")
 
     def _renew_dealer(self, conn: _Conn) -> None:
         """Replaces ``conn``'s replay socket with a new one: answers in flight on the old one are dropped. O(1)."""
