@@ -384,6 +384,9 @@ CASES: dict[str, Case] = {
     # one given before the subcommand is kvtier's own, named by kvtier with kvtier's options
     "unknown option before the subcommand": (lambda t, f: ["--bogus", "replay", *SMALL],
                                              "kvtier: error: unrecognized arguments: --bogus (see kvtier --help)"),
+    "kvtier's own option after the subcommand": (lambda t, f: ["--verbose", "replay", *SMALL, "--verbose"],
+                                                 "kvtier replay: error: unrecognized arguments: --verbose (see kvtier "
+                                                 "replay --help)"),
     "kvtier's own option misspelt": (lambda t, f: ["--verbse", "compare", *SMALL, "--polices", "kv_all"],
                                      "kvtier: error: unrecognized arguments: --verbse; did you mean --verbose? "
                                      "(see kvtier --help)"),

@@ -1027,9 +1027,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args, extra = parser.parse_known_args(argv)
     if extra:
         given = sys.argv[1:] if argv is None else argv
-        # kvtier's own options take no value, so the subcommand is the first argument that is not an option
-        before = set(given[:given.index(args.command)])
-        top = [x for x in extra if x in before]
+        # kvtier's own options take no value, so the subcommand is the first argument that is not an option. Left
+        # over arguments keep their order: each is found from the end, at or before where the one after it was.
+        at, end, where = given.index(args.command), len(given), []
+        for x in reversed(extra):
+            end = next(i for i in range(end - 1, -1, -1) if given[i] == x)
+            where.append(end)
+        top = [x for x, i in zip(extra, reversed(where), strict=True) if i < at]
         subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         owner = parser if top else subs.choices[args.command]
         extra = top or extra
