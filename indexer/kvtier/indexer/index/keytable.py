@@ -506,14 +506,18 @@ class EngineHashes(RowTable, MutableMapping[EngineHash, BlockKey]):
     def export(self) -> tuple[U64 | list[EngineHash], U64, bool | None]:
         """Every entry, for a snapshot: the engine hashes (their 64 bits, or the hashes themselves where no table
         could hold them), the keys they name in the same order, and how 64-bit hashes read back (:attr:`signed`).
-        Entries in a dict are written as a table holding them would write them, as :meth:`load` would put them back:
-        the same entries, the same snapshot, whether they moved to a dict once or not. O(entries)."""
+        Entries in a dict are written as a table holding them would write them, as :meth:`load` would put them back,
+        and the signedness is what the entries held show: the same entries, the same snapshot, whatever their
+        history. O(entries)."""
         if self.py is not None:
             ehs, keys = list(self.py), np.array(list(self.py.values()), dtype=np.uint64)
             packed = _packed(ehs)
             return (ehs, keys, self.signed) if packed is None else (packed[0], keys, packed[1])
         rows = self.used()
-        return self.r[rows, KEY], self.r[rows, VAL], self.signed
+        names = self.r[rows, KEY]
+        # (the signedness of hashes that went: none left has its top bit set, so it changes nothing held; dropped,
+        # as _packed drops it)
+        return names, self.r[rows, VAL], self.signed if len(names) and int(names.max()) >= _SIGN else None
 
     def load(self, ehs: U64 | list[EngineHash], keys: U64, signed: bool | None) -> None:
         """Adds :meth:`export`'s entries to an empty table (``signed``: how 64-bit hashes read back); hashes given as
