@@ -246,6 +246,9 @@ CASES: dict[str, Case] = {
                                                          "builtin:chat:50"],
                                            "kvtier: error: --time-scale 1e+06 takes request 'r49' of builtin:chat:50, "
                                            "arriving at 436.268 s, to 4.36e+08 s: past 1e+08 s"),
+    "azure span past the clock": (lambda t, f: ["replay", "--no-plots", "--trace", azure(
+        t, "a.csv", ["2024-05-10 00:00:00", "9999-12-31 00:00:00"])],
+        "a.csv arrives at 2.52e+11 s: past 1e+08 s, where the simulator's clock (seconds in a float)"),
     # JSON true is no session: taken as the session "True", a record naming that one became its next turn
     "boolean session_id": (lambda t, f: ["replay", "--no-plots", "--trace", mooncake(
         t, "s.jsonl", [rec(session_id=True)])], "s.jsonl:1: session_id must be a string or an integer, got True"),
@@ -671,6 +674,18 @@ def test_bad_input_gets_one_line_and_exit_2(name: str, tmp_path: Path, capsys: p
     assert rc == 2, (argv, err)
     assert len(err) == 1 and "error: " in err[0], err
     assert expected in err[0], err
+
+
+def test_think_times_that_add_up_past_the_clock_stop_the_run_in_a_line(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """Each think time is within the cap, but a closed-loop session's turns add them up, after latencies no trace
+    check knows: the turn that would arrive past the latest arrival a run takes stops the run (exit 2, one error
+    line after the run's banner)."""
+    trace = mooncake(tmp_path, "th.jsonl", [rec(session_id="s"), rec(session_id="s", think_s=1e8)])
+    assert main(["replay", "--no-plots", "--trace", trace, "--out", str(tmp_path / "out")]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(err) == 1 and err[0].startswith("kvtier: error: request 'r1': its session's turns and think times "
+                                               "take it to 100,000,000."), err
 
 
 def test_gen_trace_stops_where_arrivals_pass_the_timestamps_cap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

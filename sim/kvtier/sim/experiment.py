@@ -67,10 +67,10 @@ def resolve_trace(spec: str, *, limit: int | None = None, seed: int = 0, time_sc
                            limit=limit) if is_azure(path) else load_trace(path, limit))
     if limit is not None:
         reqs = reqs[:limit]
+    if reqs:  # (an Azure CSV's span is its timestamps', which no cap on a field bounds)
+        last = max(reqs, key=lambda r: r.arrival)
+        check_scaled(last.arrival, time_scale, f"request {last.request_id!r} of {spec}")
     if time_scale != 1.0:
-        if reqs:
-            last = max(reqs, key=lambda r: r.arrival)
-            check_scaled(last.arrival, time_scale, f"request {last.request_id!r} of {spec}")
         reqs = [dataclasses.replace(r, arrival=r.arrival * time_scale) for r in reqs]
     return reqs
 

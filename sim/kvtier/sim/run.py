@@ -22,7 +22,7 @@ from kvtier.sim.lookahead import Lookahead, lookahead_backend
 from kvtier.sim.metrics import RequestRecord, RunSummary, Slo, SummaryBuilder
 from kvtier.sim.policies import Choice, KvPolicy, Policy, RouteInput, make_policy, policy_label
 from kvtier.sim.source import TraceSource, as_source
-from kvtier.sim.trace import Request, TokenBank, bank_backend
+from kvtier.sim.trace import MAX_ARRIVAL_S, Request, TokenBank, TraceError, bank_backend
 from kvtier.sim.transport import Recovery, SimWire, WireConfig, WireCounters, event_blocks
 from kvtier.util.fields import Domain, at_least, check_fields, one_of, positive, within
 from kvtier.util.gcpause import rare_collections
@@ -199,6 +199,10 @@ def simulate(trace: Sequence[Request] | TraceSource, cluster_cfg: ClusterConfig,
         nxt = source.successor(job.req.request_id) if run.closed_loop else None
         if nxt is not None:
             release = env.now + nxt.think_s if nxt.think_s is not None else max(env.now, nxt.arrival)
+            if release > MAX_ARRIVAL_S:  # (think times add up turn by turn: no trace check sees the sum)
+                raise TraceError(f"request {nxt.request_id!r}: its session's turns and think times take it to "
+                                 f"{release:,.3f} s, past {MAX_ARRIVAL_S:,.0f} s, where the simulator's clock (seconds "
+                                 "in a float) no longer keeps a latency's microseconds")
             env.at(release, lambda: arrive(nxt), priority=2)
 
     def on_progress(job: Job, generated: int) -> None:

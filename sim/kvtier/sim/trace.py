@@ -47,9 +47,10 @@ MAX_HASH_IDS = MAX_TOKENS // HASH_BLOCK
 #: Deepest nesting of arrays and objects in a JSONL line, the record itself counted: a record is 2 deep
 #: (its ``hash_ids``); room is left for extra fields, which are ignored.
 MAX_DEPTH = 32
-#: The latest arrival a run takes, seconds (about 3.2 years), after ``--time-scale``: the simulator's clock is seconds
-#: in a float, whose step there is 15 ns; far past it a request's latencies would lose their microseconds (at 1e15 s
-#: they came out 0).
+#: The latest arrival a run takes, seconds (about 3.2 years), after ``--time-scale``, a trace's span (an Azure CSV's
+#: too) and a closed-loop session's think times summed turn by turn (checked as each turn is released): the
+#: simulator's clock is seconds in a float, whose step there is 15 ns; far past it a request's latencies would lose
+#: their microseconds (at 1e15 s they came out 0).
 MAX_ARRIVAL_S = 1e8
 #: Largest ``timestamp`` (ms) and ``think_s`` (s) taken: a run's latest arrival.
 MAX_TIMESTAMP_MS = MAX_ARRIVAL_S * 1000
@@ -64,12 +65,13 @@ class TraceError(ValueError):
 
 
 def check_scaled(arrival: float, time_scale: float, what: str) -> None:
-    """:class:`TraceError` where ``time_scale`` takes the latest arrival, ``arrival`` seconds (of ``what``: a request
-    or trace named), past :data:`MAX_ARRIVAL_S`. O(1)."""
+    """:class:`TraceError` where the latest arrival, ``arrival`` seconds (of ``what``: a request or trace named), is
+    past :data:`MAX_ARRIVAL_S` once ``time_scale`` multiplies it. O(1)."""
     if arrival * time_scale > MAX_ARRIVAL_S:
-        raise TraceError(f"--time-scale {time_scale:g} takes {what}, arriving at {arrival:g} s, to "
-                         f"{arrival * time_scale:.3g} s: past {MAX_ARRIVAL_S:g} s, where the simulator's clock "
-                         "(seconds in a float) no longer keeps a latency's microseconds")
+        how = f"--time-scale {time_scale:g} takes {what}, arriving at {arrival:g} s, to" if time_scale != 1.0 \
+            else f"{what} arrives at"
+        raise TraceError(f"{how} {arrival * time_scale:.3g} s: past {MAX_ARRIVAL_S:g} s, where the simulator's "
+                         "clock (seconds in a float) no longer keeps a latency's microseconds")
 
 
 @dataclass(slots=True)
