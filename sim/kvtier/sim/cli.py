@@ -1031,7 +1031,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         # over arguments keep their order: each is found from the end, at or before where the one after it was.
         at, end, where = given.index(args.command), len(given), []
         for x in reversed(extra):
-            end = next(i for i in range(end - 1, -1, -1) if given[i] == x)
+            end = next((i for i in range(end - 1, -1, -1) if given[i] == x), at)  # (not found: the subcommand's)
             where.append(end)
         top = [x for x, i in zip(extra, reversed(where), strict=True) if i < at]
         subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

@@ -332,8 +332,8 @@ class Subscriber:
 
     def _connect_again(self, conn: _Conn) -> None:
         """Connects ``conn``'s live socket again: libzmq dropped its connection and will not reconnect (a frame past
-        ``max_frame_bytes``). Messages of the old connection still queued are discarded: a gap the tracker
-        replays. O(1)."""
+        ``max_frame_bytes``, or a failed handshake). Messages of the old connection still queued are discarded: a gap
+        the tracker replays. O(1)."""
         conn.dropped_at = None
         endpoint = conn.config.endpoint
         self._renewed(conn, 0, endpoint)
@@ -406,7 +406,7 @@ class Subscriber:
             log.warning("stream %s: ZMQ dropped the %sconnection to %s and will not make it again (a frame past "
                         "max_frame_bytes, %d bytes, or a peer that is no ZMQ publisher of that kind: check the "
                         "address); connecting again%s", conn.config.stream, "replay " if replay else "", endpoint,
-                        self._max_frame, f" ({n} times; from the {FIRST}th on logged every {EVERY}th)"
+                        self._max_frame, f" ({n} times; after the first {FIRST}, one in {EVERY} is logged)"
                         if n >= FIRST else "")
 
     def _renew_dealer(self, conn: _Conn) -> None:
