@@ -51,14 +51,17 @@ class RouteContext:
     overlaps: OverlapScores  # per worker, leading blocks held per tier (cumulative levels)
     loads: LoadView  # in-flight requests per worker, as the router booked them
     partial: frozenset[StreamId]  # workers whose index lost events for good (what they show is a lower bound)
+    guarded: bool = True  # a user's plugin: :meth:`load` hands it copies (kvtier's own policies read the loads as is)
 
     def overlap(self, worker: StreamId) -> TierOverlap:
         """The worker's overlaps (zero if the index does not know it). O(1)."""
         return self.overlaps.workers.get(worker, _NONE)
 
     def load(self, worker: StreamId) -> WorkerLoad:
-        """The worker's in-flight load: a copy, so that a plugin that adjusts it changes no booking. O(1)."""
-        return dataclasses.replace(self.loads.load(worker))
+        """The worker's in-flight load: for a user's plugin a copy, so that one that adjusts it changes no booking.
+        O(1)."""
+        load = self.loads.load(worker)
+        return dataclasses.replace(load) if self.guarded else load
 
 
 @runtime_checkable
@@ -126,11 +129,16 @@ def own_policy(cls: _P) -> _P:
     return cls
 
 
+def is_own(policy: object) -> bool:
+    """Whether ``policy`` is one of kvtier's own (:func:`own_policy`), not a user's plugin (whatever its module is
+    named: the ``kvtier`` namespace is open to other packages). O(1)."""
+    return type(policy) in _OWN
+
+
 def _faults(policy: object) -> tuple[type[BaseException], ...]:
-    """What to take as ``policy``'s failure: everything for a user's plugin (whatever its module is named: the
-    ``kvtier`` namespace is open to other packages; a Ctrl-C on the main thread excepted, see :data:`_FAULTS`);
-    nothing for kvtier's own policies (:func:`own_policy`)."""
-    if type(policy) in _OWN:
+    """What to take as ``policy``'s failure: everything for a user's plugin (a Ctrl-C on the main thread excepted,
+    see :data:`_FAULTS`); nothing for kvtier's own policies (:func:`is_own`)."""
+    if is_own(policy):
         return ()
     return _FAULTS if threading.current_thread() is threading.main_thread() else (BaseException,)
 
@@ -302,8 +310,9 @@ def route_with(
         raise PluginError(f"policy {_label(policy)}: pick() raised {_failed(exc, policy)}") from exc
     if not _subset([chosen], scores, faults):
         raise PluginError(f"policy {_label(policy)}: picked {_brief(repr(chosen))}, not a scored worker")
-    # (a set found it among the scored: the same lookup names the one scored, never the plugin's own object)
-    return {w: w for w in scores}[chosen], scores
+    if type(chosen) is not StreamId:  # (an equal tuple, say: the scored worker is named, never the plugin's object)
+        chosen = next(w for w in scores if w == chosen)
+    return chosen, scores
 
 
 @own_policy

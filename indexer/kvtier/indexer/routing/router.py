@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from kvtier.indexer.index.keys import BlockKey
 from kvtier.indexer.index.tiered import TieredIndex
 from kvtier.indexer.routing.load import LoadTracker, LoadView
-from kvtier.indexer.routing.plugins import RouteContext, RoutingPolicy, route_with
+from kvtier.indexer.routing.plugins import RouteContext, RoutingPolicy, is_own, route_with
 from kvtier.indexer.routing.scoring import CostModel
 from kvtier.wire.notices import StreamId
 from kvtier.wire.overlap import OverlapScores, TierOverlap
@@ -114,9 +114,11 @@ class Router:
         bs = self.index.block_size
         if self.policy is not None:
             partial = frozenset(s for s in self.index.streams if self.index.is_partial(s))
-            # (the plugin is given its own copy of the overlaps: one that drops a worker from them changes no answer)
-            mine = dataclasses.replace(overlaps, workers=dict(overlaps.workers))
-            ctx = RouteContext(num_tokens, bs, keys or [], mine, self.loads, partial)
+            # (a user's plugin is shown copies of the overlaps and loads: one that changes them changes no answer or
+            # booking; kvtier's own policies read them as they are)
+            own = is_own(self.policy)
+            shown = overlaps if own else dataclasses.replace(overlaps, workers=dict(overlaps.workers))
+            ctx = RouteContext(num_tokens, bs, keys or [], shown, self.loads, partial, guarded=not own)
             chosen, scores = route_with(self.policy, ctx, list(candidates))
             return RouteDecision(chosen, scores, overlaps)
         # The hot loop of routing (once per worker and request): the built-in models price every candidate in
