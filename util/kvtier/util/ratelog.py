@@ -11,8 +11,9 @@ def worth_logging(count: int) -> bool:
     return count <= FIRST or count % EVERY == 0
 
 
-def suffix(count: int, counted_in: str = "/metrics") -> str:
-    """Tells the reader the log is thinned out from here on, and where every occurrence is counted."""
+def suffix(count: int, counted_in: str | None = "/metrics") -> str:
+    """Tells the reader the log is thinned out from here on, and where every occurrence is counted (None: nowhere
+    but in the log's own count)."""
     if count == FIRST:
-        return f" (further ones logged every {EVERY}th; all are counted in {counted_in})"
+        return f" (further ones logged every {EVERY}th{f'; all are counted in {counted_in}' if counted_in else ''})"
     return f" ({count} so far)" if count > FIRST else ""

@@ -25,7 +25,7 @@ from typing import cast
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from kvtier.util.ratelog import EVERY, FIRST, worth_logging
+from kvtier.util.ratelog import suffix, worth_logging
 from kvtier.wire.notices import Delivery, StreamId, StreamStats
 from kvtier.wire.protocol import ROLES, WorkerId
 from kvtier.wire.transport.addresses import connect_address_error
@@ -406,8 +406,7 @@ class Subscriber:
             log.warning("stream %s: ZMQ dropped the %sconnection to %s and will not make it again (a frame past "
                         "max_frame_bytes, %d bytes, or a peer that is no ZMQ publisher of that kind: check the "
                         "address); connecting again%s", conn.config.stream, "replay " if replay else "", endpoint,
-                        self._max_frame, f" ({n} times; after the first {FIRST}, one in {EVERY} is logged)"
-                        if n >= FIRST else "")
+                        self._max_frame, suffix(n, None if replay else "the disconnects metric"))
 
     def _renew_dealer(self, conn: _Conn) -> None:
         """Replaces ``conn``'s replay socket with a new one: answers in flight on the old one are dropped. O(1)."""
