@@ -1124,11 +1124,15 @@ def test_batches_of_no_payload_held_in_a_recovery_are_bounded_too(monkeypatch: p
     assert seq * recovery.HELD_ENTRY_BYTES < 2 * (64 << 10) + 2 * 1024 * recovery.HELD_ENTRY_BYTES
 
 
+def _stored(seq: int, n: int, first: int = 0) -> bytes:
+    """Batch ``seq``: one block of ``n`` token ids from ``first``."""
+    return encode_payload(EventBatch(ts=float(seq), dp_rank=0, events=[BlockStored(
+        block_hashes=[seq], parent_block_hash=None, token_ids=list(range(first, first + n)), block_size=n)]))
+
+
 def _bulky(seq: int) -> bytes:
     """Batch ``seq``: about 80 KiB (16,384 token ids of 5 bytes each)."""
-    return encode_payload(EventBatch(ts=float(seq), dp_rank=0, events=[BlockStored(
-        block_hashes=[seq], parent_block_hash=None, token_ids=list(range(1 << 17, (1 << 17) + (1 << 14))),
-        block_size=1 << 14)]))
+    return _stored(seq, 1 << 14, first=1 << 17)
 
 
 @pytest.mark.parametrize("cap, batch", [(64 << 10, payload), (1 << 20, _bulky)], ids=["small", "large"])
@@ -1201,10 +1205,6 @@ def test_held_bytes_stay_bounded_whatever_comes(seed: int, monkeypatch: pytest.M
     t.on_live(0, payload(0), 0.0)
     seq, now, largest, b = 1, 0.0, 0, b""
 
-    def sized(q: int, n: int) -> bytes:
-        return encode_payload(EventBatch(ts=float(q), dp_rank=0, events=[BlockStored(
-            block_hashes=[q], parent_block_hash=None, token_ids=list(range(n)), block_size=n)]))
-
     for _ in range(1500):
         now += 0.001
         n = rng.choice([1, 100, 2000, 8000, 30000])
@@ -1212,12 +1212,12 @@ def test_held_bytes_stay_bounded_whatever_comes(seed: int, monkeypatch: pytest.M
         if op < 0.75:
             if rng.random() < 0.05:
                 seq += rng.randint(1, 5)  # a gap
-            b = sized(seq, n)
+            b = _stored(seq, n)
             t.on_live(seq, b, now)
             seq += 1
         elif op < 0.95:
             q = max(0, seq - rng.randint(1, 50))
-            b = sized(q, n)
+            b = _stored(q, n)
             t.on_reply(pack_seq(q), b, now)
         elif op < 0.98:
             t.on_reply(END_SEQ, b"", now)
