@@ -22,23 +22,23 @@ from kvtier.engine.l3.pagefile import Layout, read_header
 from kvtier.indexer.service.app import IndexerService, ServiceConfig
 from kvtier.wire import StorageTier
 from kvtier.wire.transport.subscriber import EndpointConfig
-from tests.test_multiprocess import ROOT, free_ports, read_residency
+from tests.test_multiprocess import ROOT, read_residency
 
 LAYOUT = Layout("kvtier-live", 16, kv_bytes_per_token=1024)  # `kvtier engine`'s defaults
 
 
-def engine(l3_dir: Path, pub: int, rep: int, *extra: str, name: str = "w0", l3: str = "disk"
-           ) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "kvtier", "engine", "--name", name, "--endpoint", f"tcp://127.0.0.1:{pub}",
-           "--replay", f"tcp://127.0.0.1:{rep}", "--l3", l3, "--l3-dir", str(l3_dir), "--page-size", "16",
+def engine(l3_dir: Path, *extra: str, name: str = "w0", l3: str = "disk") -> subprocess.Popen[bytes]:
+    """An engine process binding port 0 for both endpoints: a port picked here and bound later could be taken in
+    between, and the engine would exit before publishing. It prints the endpoints it bound."""
+    cmd = [sys.executable, "-m", "kvtier", "engine", "--name", name, "--endpoint", "tcp://127.0.0.1:0",
+           "--replay", "tcp://127.0.0.1:0", "--l3", l3, "--l3-dir", str(l3_dir), "--page-size", "16",
            "--device-pages", "1024", "--host-ratio", "2", "--parent-pid", str(os.getpid()), *extra]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
 
 
 def test_engine_killed_mid_write_restarts_warm(tmp_path: Path) -> None:
     base = tmp_path / LAYOUT.tag()
-    pub, rep = free_ports(2)
-    first = engine(tmp_path, pub, rep, "--trace", "builtin:chat:400", "--speed", "20")
+    first = engine(tmp_path, "--trace", "builtin:chat:400", "--speed", "20")
     try:
         deadline = time.monotonic() + 60
         while len(os.listdir(base / "pages")) < 300 if (base / "pages").exists() else True:
@@ -52,18 +52,19 @@ def test_engine_killed_mid_write_restarts_warm(tmp_path: Path) -> None:
     (base / (pagedir.tmp_prefix(first.pid) + "torn")).write_bytes(b"KVTP half a page")  # what a kill mid-write leaves
 
     residency = tmp_path / "res.json"
-    pub, rep = free_ports(2)
-    second = engine(tmp_path, pub, rep, "--trace", "builtin:chat:3", "--speed", "1000", "--disk-pages", "200",
+    second = engine(tmp_path, "--trace", "builtin:chat:3", "--speed", "1000", "--disk-pages", "200",
                     "--residency", str(residency), "--hold", "60")
-    svc = IndexerService(ServiceConfig(endpoints=[EndpointConfig("w0", f"tcp://127.0.0.1:{pub}",
-                                                                 f"tcp://127.0.0.1:{rep}", supports_dump=True)],
+    assert second.stdout is not None
+    line = second.stdout.readline().decode()
+    found = re.search(r"adopted (\d+) pages; removed (\d+) temporary", line)
+    assert found and int(found[1]) == 200 and int(found[2]) >= 1, line  # the torn write is gone
+    line = second.stdout.readline().decode()
+    bound = re.search(r"publishing on (\S+), replay (\S+),", line)
+    assert bound, line
+    svc = IndexerService(ServiceConfig(endpoints=[EndpointConfig("w0", bound[1], bound[2], supports_dump=True)],
                                        block_size=16, listen="127.0.0.1:0", replay_timeout_s=1.0))
     svc.start()
     try:
-        assert second.stdout is not None
-        line = second.stdout.readline().decode()
-        found = re.search(r"adopted (\d+) pages; removed (\d+) temporary", line)
-        assert found and int(found[1]) == 200 and int(found[2]) >= 1, line  # the torn write is gone
         deadline = time.monotonic() + 60
         while (truth := read_residency(residency)) is None or svc.view(svc.config.endpoints[0].stream) != truth:
             assert time.monotonic() < deadline, "the indexer did not converge on the restarted engine"
@@ -85,8 +86,8 @@ def test_engines_sharing_a_pool_never_delete_each_others_pages(tmp_path: Path) -
     restarted with a capacity far below what it held. Every page the other holds stays, sound."""
     base = tmp_path / LAYOUT.tag()
     common = ("--trace", "builtin:sysprompt:60", "--speed", "200", "--l3-sync", "batch")
-    a = engine(tmp_path, 0, 0, *common, "--hold", "60", name="a", l3="external")
-    b = engine(tmp_path, 0, 0, *common, "--hold", "0", name="b", l3="external")
+    a = engine(tmp_path, *common, "--hold", "60", name="a", l3="external")
+    b = engine(tmp_path, *common, "--hold", "0", name="b", l3="external")
     try:
         assert b.wait(timeout=120) == 0
         held_by_b = sorted(os.listdir(base / "refs" / "b"))
@@ -94,7 +95,7 @@ def test_engines_sharing_a_pool_never_delete_each_others_pages(tmp_path: Path) -
         assert len(held_by_b) > 50 and shared, "the engines should have written some of the same pages"
         a.send_signal(signal.SIGKILL)
         a.wait(timeout=10)
-        again = engine(tmp_path, 0, 0, "--trace", "builtin:chat:1", "--disk-pages", "5",
+        again = engine(tmp_path, "--trace", "builtin:chat:1", "--disk-pages", "5",
                        "--hold", "0", name="a", l3="external")
         assert again.wait(timeout=60) == 0
         assert len(os.listdir(base / "refs" / "a")) <= 5 + 5  # what fits, plus the one new prompt's chain
