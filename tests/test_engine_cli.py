@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from kvtier.engine.cache import Admission, PrefillPlan, TieredCache
 from kvtier.sim import live
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -188,6 +189,38 @@ def test_a_replay_behind_its_schedule_caches_every_prompt_that_fits(capsys: pyte
     rc, err = _run(capsys, "--trace", "builtin:sysprompt:120", "--device-pages", "200", "--host-ratio", "1",
                    "--speed", "100000")
     assert rc == 0 and err == "engine w0: trace done; serving replay and dump requests for 0 s more (--hold)\n", err
+
+
+def test_a_prompt_waits_for_its_prefix_to_load_back_before_its_prefill(capsys: pytest.CaptureFixture[str],
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine began each prefill as soon as it admitted the request, while the prefix it found on host (or in
+    L3) was still loading back: the prefill recomputed it, and every page past the loading node was left uncached
+    and unannounced (at --device-tokens 16384, 301 prefills of this trace began early). A prefill now begins once
+    its load-backs and, per the prefetch policy, its L3 prefetch have landed."""
+    seen = {"loads": 0, "prefetches": 0, "early": 0, "dropped": 0}
+    admit, begin, finish = TieredCache.admit, TieredCache.begin_prefill, TieredCache.finish_prefill
+
+    def admitted(cache: TieredCache, *a: Any, **k: Any) -> Admission:
+        adm = admit(cache, *a, **k)
+        seen["loads"] += bool(cache.waiting_for(adm))
+        seen["prefetches"] += adm.prefetch_op is not None
+        return adm
+
+    def begun(cache: TieredCache, adm: Admission, *a: Any, **k: Any) -> PrefillPlan | None:
+        seen["early"] += bool(cache.waiting_for(adm)) or adm.prefetch_op is not None
+        return begin(cache, adm, *a, **k)
+
+    def finished(cache: TieredCache, adm: Admission, *a: Any, **k: Any) -> None:
+        seen["dropped"] += any(n.device is None and n.loading is not None for n in cache.tree.match(adm.tokens))
+        finish(cache, adm, *a, **k)
+
+    monkeypatch.setattr(TieredCache, "admit", admitted)
+    monkeypatch.setattr(TieredCache, "begin_prefill", begun)
+    monkeypatch.setattr(TieredCache, "finish_prefill", finished)
+    rc, _ = _run(capsys, "--trace", "builtin:chat:120", "--speed", "1000", "--device-tokens", "16384")
+    assert rc == 0
+    assert seen["loads"] >= 20 and seen["prefetches"] >= 5, seen  # both kinds of load were there to wait for
+    assert seen["early"] == seen["dropped"] == 0, seen
 
 
 def test_an_external_pool_without_a_directory_is_refused(capsys: pytest.CaptureFixture[str]) -> None:

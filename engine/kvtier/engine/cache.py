@@ -137,6 +137,22 @@ class TieredCache:
         """Op ids the request still waits for (load-backs; the prefetch per policy is the caller's)."""
         return self.copies.in_flight(adm.waits)
 
+    def ready(self, adm: Admission, admitted_at: float, now: float) -> bool:
+        """Whether ``adm``, admitted at ``admitted_at``, may begin its prefill at ``now`` (seconds of the caller's
+        clock): its load-backs have landed, and its L3 prefetch per ``prefetch_policy``. A prefill begun before a
+        load-back lands recomputes the loading prefix and leaves the pages past it uncached (:meth:`finish_prefill`),
+        so every scheduler asks this first. O(1)."""
+        if self.waiting_for(adm):
+            return False
+        if adm.prefetch_op is None:
+            return True
+        policy = self.config.prefetch_policy
+        if policy is PrefetchPolicy.BEST_EFFORT:
+            return True
+        if policy is PrefetchPolicy.TIMEOUT:
+            return now >= admitted_at + self.config.prefetch_timeout_s
+        return False
+
     def begin_prefill(self, adm: Admission, output_tokens: int = 0, *, last_resort: bool = False) -> PrefillPlan | None:
         """Reserves device pages to compute the rest of the prompt and ``output_tokens``.
 

@@ -444,18 +444,8 @@ class SimWorker:
         self.kick()
 
     def _ready(self, job: Job) -> bool:
-        adm = job.adm
-        assert adm is not None
-        if self.cache.waiting_for(adm):
-            return False
-        if adm.prefetch_op is None:
-            return True
-        policy = self.cfg.prefetch_policy
-        if policy is PrefetchPolicy.BEST_EFFORT:
-            return True
-        if policy is PrefetchPolicy.TIMEOUT:
-            return self.env.now >= job.admitted_at + self.cache.config.prefetch_timeout_s
-        return False
+        assert job.adm is not None
+        return self.cache.ready(job.adm, job.admitted_at, self.env.now)
 
     def _admit_from_queue(self) -> None:
         # Admit a bounded number ahead of the batch: admission locks prefixes and starts loads.

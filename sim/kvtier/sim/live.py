@@ -245,7 +245,17 @@ def _serve(args: argparse.Namespace, stop: dict[str, bool]) -> int:
                 break
             with node.lock:
                 adm = cache.admit(req.request_id, bank.packed(req))
-                plan = cache.begin_prefill(adm, last_resort=not dp.ops)
+            admitted = time.monotonic()
+            # Its prefix's load-backs (and L3 prefetch, per the policy) land first: else the prefill recomputes the
+            # loading prefix and the pages past it stay uncached.
+            while not halted():
+                with node.lock:
+                    if cache.ready(adm, admitted, time.monotonic()):
+                        break
+                node.step()
+                time.sleep(0.002)
+            with node.lock:
+                plan = None if halted() else cache.begin_prefill(adm, last_resort=not dp.ops)
             # Copies in flight (backups to host, writes to L3) hold device pages until polled, and a replay behind its
             # schedule never waits above: a prompt that finds no room waits for them to land. Then it is alone on
             # the engine, and only a prompt the device cannot hold finds none.
