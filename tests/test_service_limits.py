@@ -1014,6 +1014,59 @@ def test_stop_waits_for_the_snapshots_it_writes_on_its_way_out(tmp_path: Path,
     assert not loop._thread.is_alive() and loop.snapshots == 2
 
 
+class _Gated:
+    """Holds the event loop's next poll once ``armed``, until ``gate`` opens: a pass that applies a catch-up's
+    deliveries for seconds (a poll takes up to 10,000 batches)."""
+
+    def __init__(self) -> None:
+        self.armed, self.entered, self.gate = threading.Event(), threading.Event(), threading.Event()
+
+    def subscriber(self) -> type[Any]:
+        from kvtier.wire.transport.subscriber import Subscriber
+        gated = self
+
+        class GatedSubscriber(Subscriber):
+            def poll(self, *a: Any, **k: Any) -> Any:
+                if gated.armed.is_set():
+                    gated.entered.set()
+                    assert gated.gate.wait(30)
+                return super().poll(*a, **k)
+        return GatedSubscriber
+
+
+@pytest.mark.parametrize("finishes", [True, False])
+def test_a_stop_during_a_long_pass_writes_the_last_snapshot_or_says_it_did_not(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, finishes: bool) -> None:
+    """A stop came while the loop applied a long poll (a catch-up): join waited 5 s, then only while a snapshot was
+    being written, which the loop had not reached. The process exited 0 with the loop's daemon thread mid-pass, and
+    the last snapshot was never written. A stop now waits for the pass and the snapshot; one that outlasts even
+    that wait is a failed snapshot, which the service exits 1 for."""
+    from kvtier.indexer.service import eventloop
+
+    held = _Gated()
+    monkeypatch.setattr(eventloop, "Subscriber", held.subscriber())
+    monkeypatch.setattr(eventloop, "_STOP_WAIT_S", 30.0 if finishes else 0.3)
+    loop = _loop(tmp_path)
+    loop.start()
+    try:
+        held.armed.set()
+        assert held.entered.wait(10)  # the loop is mid-pass
+        loop.stop()
+        if finishes:
+            threading.Timer(0.5, held.gate.set).start()  # the pass ends well within the wait
+        loop.join(timeout_s=0.1)
+        if finishes:
+            assert not loop._thread.is_alive() and loop.snapshots == 1 and loop.snapshot_error is None
+            assert (tmp_path / "s").is_file()
+        else:
+            assert loop._thread.is_alive() and loop.snapshots == 0 and loop.snapshot_failures == 1
+            assert "not written: the event loop was still applying events 0.4 s after the stop" in (
+                loop.snapshot_error or ""), loop.snapshot_error
+    finally:
+        held.gate.set()
+        loop._thread.join(10)
+
+
 @pytest.mark.parametrize(("text", "expected"), [
     ('block_size = 1180591620717411303424\n', "block_size: 1180591620717411303424 is not allowed"),
     ("snapshot_interval_s = 1e-9\n", "snapshot_interval_s: 1e-09 is not allowed"),

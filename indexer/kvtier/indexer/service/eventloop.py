@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 _EXPIRE_BATCH = 64  # requests expired per hold of the service's lock
 _RESTART_BACKOFF_S = 0.5  # the first wait before a failed event loop starts again
 _RESTART_BACKOFF_MAX_S = 30.0  # the longest, as failures repeat
+_STOP_WAIT_S = 60.0  # how much longer than join's timeout a stop waits for the last snapshot (EventLoop.join)
 _WRITER = HelperThread("kvtier-snapshot")  # writes the periodic snapshots' copies (EventLoop._save_behind)
 
 
@@ -65,7 +66,6 @@ class EventLoop:
         self.snapshot_seconds = 0.0  # how long the last one took, copy and write
         self.snapshot_pause_seconds = 0.0  # how long the copy of the last one stopped the loop
         self._writing: Future[None] | None = None  # the periodic snapshot being written on the writer thread
-        self._saving = False  # a snapshot is being written on this thread (the last, on stop): join waits for it
         self.snapshot_failures = 0  # snapshots that could not be written
         self.snapshot_error: str | None = None  # why the last one failed, until one succeeds again
         self.apply_wait = Histogram()  # a delivered batch's wait for the lock: how long requests held it up
@@ -82,16 +82,24 @@ class EventLoop:
         self._stop.set()
 
     def join(self, timeout_s: float = 5.0) -> None:
-        """Waits for the thread to end after :meth:`stop`: at most ``timeout_s``, and as long as snapshots are being
-        written on the way out (the one in flight, then the last), up to a minute or three times the last one's
-        length more (a process that exits meanwhile would lose the last snapshot); nothing to wait for if it never
-        started (a service stopped during its start)."""
+        """Waits for the thread to end after :meth:`stop`: at most ``timeout_s`` without snapshots. With snapshots the
+        thread ends only once it applied what it last polled (a catch-up's poll takes seconds) and wrote the last
+        snapshot (after the one in flight), and a process that exits before would lose it (the thread is a daemon):
+        it is waited for up to :data:`_STOP_WAIT_S` or three times the last snapshot's length more, and if it is
+        still at work then, the last snapshot counts as failed (``snapshot_error``), so that the service exits
+        saying so. Nothing to wait for if it never started (a service stopped during its start)."""
         if self._thread.ident is None:
             return
         self._thread.join(timeout=timeout_s)
-        end = time.monotonic() + max(60.0, 3 * self.snapshot_seconds)
-        while self._thread.is_alive() and self._saving and time.monotonic() < end:
-            self._thread.join(timeout=0.05)
+        if self.config.snapshot_path is None or not self._thread.is_alive():
+            return
+        more = max(_STOP_WAIT_S, 3 * self.snapshot_seconds)
+        self._thread.join(timeout=more)
+        if self._thread.is_alive():
+            self.snapshot_failures += 1
+            self.snapshot_error = (f"snapshot to {self.config.snapshot_path} not written: the event loop was still "
+                                   f"applying events {timeout_s + more:g} s after the stop")
+            log.error("%s", self.snapshot_error)
 
     def is_alive(self) -> bool:
         """Whether the thread runs and has not died for good (it may be waiting to restart). O(1)."""
@@ -158,11 +166,7 @@ class EventLoop:
             self._writing = None
 
     def _save_logged(self, positions: persist.Positions | None = None) -> None:
-        self._saving = True
-        try:
-            self._logged(lambda: self.save_snapshot(positions))
-        finally:
-            self._saving = False
+        self._logged(lambda: self.save_snapshot(positions))
 
     def _save_behind(self) -> bool:
         """The periodic snapshot: copies the index on this thread and writes the copy on the writer thread, so that
