@@ -7,6 +7,7 @@ import gc
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -409,20 +410,77 @@ def test_a_snapshot_link_into_a_missing_directory_is_refused_at_start(tmp_path: 
 
 
 def test_a_start_removes_the_temporary_files_of_writers_that_are_gone(tmp_path: Path) -> None:
-    """A writer that crashed mid-write (killed, the machine lost) left its temporary file, named for its pid: the
-    next start removes those of processes gone, and its own pid's (a container's restarted process has the same),
-    never a live process's (two services on one path: the other's write in progress)."""
+    """A writer that crashed mid-write (killed, the machine lost) left its temporary file: the next start removes
+    them. It holds the path (a second service is refused), so every writer's is a gone one's, its own pid's and a
+    live process's too (a pid says nothing across containers); a file of another name stays."""
     snap = tmp_path / "index.snap"
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
-                          check=True).stdout.strip()
-    names = {f".index.snap.tmp-{pid}" for pid in (gone, os.getpid(), os.getppid())} | {".index.snap.tmp-x",
-                                                                                         ".other.snap.tmp-1"}
+    names = {f".index.snap.tmp-{pid}" for pid in (1, os.getpid(), os.getppid())} | {
+        ".index.snap.tmp-7-0123abcd", ".index.snap.tmp-x", ".other.snap.tmp-1"}
     for n in names:
         (tmp_path / n).write_bytes(b"part of a snapshot")
     IndexerService(ServiceConfig(endpoints=[parse_endpoint("w0=tcp://127.0.0.1:1")], block_size=BS,
                                  snapshot_path=str(snap)))
-    assert {p.name for p in tmp_path.iterdir()} == {f".index.snap.tmp-{os.getppid()}", ".index.snap.tmp-x",
-                                                     ".other.snap.tmp-1"}
+    assert {p.name for p in tmp_path.iterdir()} == {".index.snap.tmp-x", ".other.snap.tmp-1", ".index.snap.lock"}
+
+
+def test_a_second_service_on_a_snapshot_path_is_refused_until_the_first_stops(tmp_path: Path) -> None:
+    """Two services on one snapshot path (two containers on a shared volume, each service pid 1) wrote the same
+    temporary file: each renamed it while the other wrote into it, leaving a torn snapshot at the path that the next
+    start refuses, and each start removed the other's write in progress. A running service now holds the path."""
+    from kvtier.indexer.service.app import preflight
+
+    snap = tmp_path / "index.snap"
+    cfg = ServiceConfig(endpoints=[parse_endpoint("w0=tcp://127.0.0.1:1")], block_size=BS, listen="127.0.0.1:0",
+                        snapshot_path=str(snap))
+    first = IndexerService(cfg)
+    first.start()
+    try:
+        in_use = f"snapshot {snap}: in use by another indexer \\(it holds the lock on {tmp_path}/.index.snap.lock\\)"
+        with pytest.raises(ConfigError, match=in_use):
+            preflight(cfg)
+        with pytest.raises(ConfigError, match=in_use):
+            IndexerService(cfg)
+    finally:
+        first.stop()
+    again = IndexerService(cfg)
+    again.start()
+    again.stop()
+    assert snap.is_file()
+
+
+def test_writers_of_one_path_with_one_pid_never_share_a_temporary_file(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writers named their temporary file by pid alone, and two containers' services are both pid 1: the second
+    truncated and wrote the file the first was writing and renamed it into place, and the first's rename then
+    failed (or, interleaved, left a torn file at the path)."""
+    snap = tmp_path / "index.snap"
+    monkeypatch.setattr(os, "getpid", lambda: 1)
+    gate, entered, sync = threading.Event(), threading.Event(), os.fsync
+
+    def held_fsync(fd: int) -> None:
+        if threading.current_thread().name == "first":
+            entered.set()
+            assert gate.wait(10)
+        sync(fd)
+
+    monkeypatch.setattr(os, "fsync", held_fsync)
+    index, failed = TieredIndex(BS), []
+    index.apply(StreamId(WorkerId("w0")), stored([1, 2, 3], None, 0))
+
+    def first_write() -> None:
+        try:
+            persist.save(snap, index, {})
+        except OSError as exc:
+            failed.append(exc)
+
+    first = threading.Thread(target=first_write, name="first")
+    first.start()
+    assert entered.wait(10)
+    persist.save(snap, TieredIndex(BS), {})  # the second writer, whole, while the first is mid-write
+    gate.set()
+    first.join(10)
+    assert not failed and len(persist.load(snap, BS)[0]) == 3  # the first's rename came last
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["index.snap"]
 
 
 def _sigterm_after_a_batch(snap: Path, before_stop: Callable[[], object] = lambda: None) -> tuple[int, str]:
@@ -459,7 +517,7 @@ def test_a_stop_whose_last_snapshot_cannot_be_written_exits_non_zero(tmp_path: P
     a supervisor took the stop for clean and the next start came up cold. It says why on stderr and exits 1."""
     snap = tmp_path / "gone" / "index.snap"
     snap.parent.mkdir()
-    code, err = _sigterm_after_a_batch(snap, before_stop=snap.parent.rmdir)
+    code, err = _sigterm_after_a_batch(snap, before_stop=lambda: shutil.rmtree(snap.parent))  # (its lock file too)
     assert code == 1, err
     assert err.splitlines()[-1].startswith(f"kvtier indexer: stopped without its last snapshot: snapshot to {snap} "
                                            "failed"), err

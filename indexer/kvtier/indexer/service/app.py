@@ -91,6 +91,7 @@ class IndexerService:
         self.index = TieredIndex(config.block_size, window_tokens=config.inferred_window_tokens)
         self._resume: persist.Positions = {}  # streams restored from the snapshot, and where they were
         self.restored_from: str | None = None  # the snapshot file the index was restored from
+        self._claim: persist.Claim | None = None  # the snapshot path, held from start to stop
         if config.snapshot_path is not None:
             self._restore(Path(config.snapshot_path), streams)
         self.loads = LoadTracker(config.block_size)
@@ -221,11 +222,21 @@ class IndexerService:
         load_kernels()  # now, not on a query or an event
         # Descriptors for every endpoint and connection, now rather than "Too many open files" mid-run.
         fdlimit.ensure(len(self.config.endpoints), self.config.max_connections)
-        self._loop.start()
+        if self.config.snapshot_path is not None:
+            try:  # (held until stop: a second service on the path is refused)
+                self._claim = persist.claim(Path(self.config.snapshot_path))
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         try:
-            self._http.start()
+            self._loop.start()
+            try:
+                self._http.start()
+            except BaseException:
+                self._loop.stop()
+                self._loop.join()
+                raise
         except BaseException:
-            self._loop.stop()
+            self._let_go()
             raise
         # Everything startup made (modules, kernels, a restored index) lives as long as the service: out of
         # the collector's full passes, which otherwise stall every thread for tens of ms (kvtier.util.gcpause).
@@ -237,6 +248,14 @@ class IndexerService:
         self._loop.stop()
         self._http.stop()
         self._loop.join()
+        self._let_go()
+
+    def _let_go(self) -> None:
+        """Lets go of the snapshot path once the event loop, its last writer, has ended (a loop still at work after
+        the stop's wait keeps it until the process exits)."""
+        if self._claim is not None and not self._loop.is_alive():
+            self._claim.release()
+            self._claim = None
 
     def _rebuilding(self) -> set[StreamId]:
         """:meth:`EventLoop.rebuilding <kvtier.indexer.service.eventloop.EventLoop.rebuilding>`. O(streams)."""

@@ -5,7 +5,8 @@ applied last (the publisher is first checked to still hold that batch, else it i
 the stream starts over). Only what the publishers' replay buffers no longer hold falls back to a
 dump or a partial mark. The file is written atomically (a temporary file in the same directory,
 fsynced, then renamed over the old one), so a crash mid-write leaves the previous snapshot intact; a failed write
-removes its temporary file, and a start removes those crashed writers left (:func:`remove_stale`). A checksum
+removes its temporary file, and a start removes those crashed writers left (:func:`remove_stale`). A running
+service holds its path (:func:`claim`): a second one is refused. A checksum
 over what it holds refuses a file damaged since (a flipped bit in a block key would restore a wrong index).
 
 A snapshot is taken in two parts: :func:`capture` copies the index and the positions on the thread that applies
@@ -15,8 +16,11 @@ the caller likes, while events go on being applied.
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import os
+import re
+import secrets
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +33,6 @@ from kvtier.indexer.index.snapshot import Capture, encode
 from kvtier.indexer.index.tiered import TieredIndex
 from kvtier.util.infile import read_input
 from kvtier.util.outpath import unwritable
-from kvtier.util.pids import alive
 from kvtier.wire.notices import StreamId
 from kvtier.wire.protocol import WorkerId
 from kvtier.wire.transport.frames import MAX_SEQ
@@ -43,37 +46,92 @@ Positions = dict[StreamId, tuple[int, int | None]]
 
 def check_path(path: Path) -> None:
     """``ValueError`` naming what keeps :func:`save` from writing ``path``: a directory that is missing or not
-    writable, or a directory where the file would be (checked when the service starts, not 30 s later). Removes the
-    temporary files of writers that are gone (:func:`remove_stale`). O(1), plus the directory's entries."""
+    writable, a directory where the file would be, or another service holding the path (:func:`claim`); checked
+    when the service starts, not 30 s later. Removes the temporary files of writers that are gone
+    (:func:`remove_stale`). O(1), plus the directory's entries."""
     problem = unwritable(path)
     if problem is not None:
         raise ValueError(f"snapshot {path}: {problem}")
-    remove_stale(path)
+    claim(path).release()
 
 
-def _temporary(path: Path, pid: int) -> Path:
-    """A writer's temporary file: beside the file ``path`` names, links followed, so that the rename replaces that
-    file and a symbolic link at ``path`` stays one."""
-    real = Path(os.path.realpath(path))
-    return real.with_name(f".{real.name}.tmp-{pid}")
+def _real(path: Path) -> Path:
+    """The file ``path`` names, links followed: the rename replaces that file, and a symbolic link at ``path`` stays
+    one; its temporary files and lock file live beside it."""
+    return Path(os.path.realpath(path))
+
+
+def _temporary(path: Path) -> Path:
+    """A new temporary file of a writer of ``path``, beside the file it names, made here (``O_EXCL``) and so no other
+    writer's: named for the pid and a random part, as two containers' services (each pid 1) may share a volume."""
+    real = _real(path)
+    while True:
+        tmp = real.with_name(f".{real.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666))
+            return tmp
+        except FileExistsError:
+            continue
+
+
+class Claim:
+    """A service's hold on its snapshot path: an exclusive ``flock`` on the lock file ``.<name>.lock`` beside the
+    snapshot, for as long as it runs. A second service on the path (another container on a shared volume) is
+    refused rather than writing over the first one's file, and the holder knows every temporary file of the path
+    to be a gone writer's. The lock file stays when released: removing it would let two services lock two
+    files."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        """Lets go (idempotent)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def claim(path: Path) -> Claim:
+    """Holds ``path`` for this service (:class:`Claim`) and removes what crashed writers left (:func:`remove_stale`);
+    ``ValueError`` if another service holds it. O(1), plus the directory's entries."""
+    real = _real(path)
+    lock = real.with_name(f".{real.name}.lock")
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ValueError(f"snapshot {path}: in use by another indexer (it holds the lock on {lock})") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    held = Claim(fd)
+    try:
+        remove_stale(path)
+    except BaseException:
+        held.release()
+        raise
+    return held
 
 
 def remove_stale(path: Path) -> list[Path]:
-    """Removes the temporary files a writer of ``path`` left when it crashed mid-write (each the size of a snapshot;
-    a crash-looping service on a full disk would leave one a life): those of this process, which has written none
-    yet, and of processes that are gone. A live process's is left alone. Returns what it removed."""
-    first = _temporary(path, 0)
-    prefix, removed = first.name[:-1], []
-    for tmp in first.parent.glob(f"{glob.escape(prefix)}*"):
-        pid = tmp.name[len(prefix):]
-        if not (pid.isascii() and pid.isdigit()) or (int(pid) != os.getpid() and alive(int(pid))):
-            continue
+    """Removes the temporary files writers of ``path`` left when they crashed mid-write (each the size of a snapshot;
+    a crash-looping service on a full disk would leave one a life). The caller holds the path (:func:`claim`): no
+    other writer is at work. Returns what it removed."""
+    real = _real(path)
+    prefix, removed = f".{real.name}.tmp-", []
+    for tmp in real.parent.glob(f"{glob.escape(prefix)}*"):
+        if _TEMPORARY.fullmatch(tmp.name[len(prefix):]) is None:
+            continue  # (not a name a writer makes)
         try:
             tmp.unlink()
             removed.append(tmp)
         except FileNotFoundError:
             pass
     return removed
+
+
+_TEMPORARY = re.compile(r"[0-9]+(-[0-9a-f]{8})?")  # what follows ".<name>.tmp-" (a pid alone: an older writer's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,8 +161,8 @@ def write(path: Path, pending: Pending) -> int:
     positions = [[s.worker, s.dp_rank, seq, digest] for s, (seq, digest) in pending.positions.items()]
     data = msgspec.msgpack.encode({"version": VERSION, "index": index, "positions": positions,
                                    "checksum": _checksum(index, positions)})
-    real = Path(os.path.realpath(path))  # the file replaced: a symbolic link at path keeps linking to it
-    tmp = _temporary(path, os.getpid())
+    real = _real(path)
+    tmp = _temporary(path)
     try:
         with open(tmp, "wb") as f:
             f.write(data)
