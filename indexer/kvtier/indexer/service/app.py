@@ -227,6 +227,9 @@ class IndexerService:
                 self._claim = persist.claim(Path(self.config.snapshot_path))
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
+            except OSError as exc:  # (a file system without locks; one that went read-only since the preflight)
+                raise ConfigError(f"snapshot {self.config.snapshot_path}: {exc.strerror or exc}: {exc.filename}"
+                                  ) from None
         try:
             self._loop.start()
             try:
