@@ -315,6 +315,35 @@ def test_a_restarted_event_loop_resumes_streams_and_rebuilds_the_torn_one(monkey
         assert s.loop_restarts == 1 and not s.failed.is_set()
 
 
+def test_a_restarted_event_loop_goes_on_counting_from_where_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each life of the loop has a subscriber of its own, whose counters start at 0: after a restart every stream's
+    counters (batches delivered, gaps, resyncs...) went down, which Prometheus reads as a counter reset."""
+    from dataclasses import astuple
+
+    from kvtier.indexer.index.consumer import IndexConsumer
+
+    with restartable_pair() as (pubs, s, device):
+        before = {w: astuple(st) for w, st in s._loop.stream_stats().items()}
+        assert {w.worker: st[1] for w, st in before.items()} == {"w0": 1, "w1": 1}  # (delivered)
+        real, failures = IndexConsumer.feed, []
+
+        def feed_failing_once(self: IndexConsumer, deliveries: Any) -> None:
+            if not failures:
+                failures.append(1)
+                raise RuntimeError("injected")
+            real(self, deliveries)
+
+        monkeypatch.setattr(IndexConsumer, "feed", feed_failing_once)
+        pubs[1].publish(EventBatch(ts=time.time(), events=[stored([13], 12, 2)]))
+        wait_for(lambda: s.loop_restarts == 1)
+        pubs[1].publish(EventBatch(ts=time.time(), events=[stored([14], 13, 3)]))
+        wait_for(lambda: device("w1") == 4)
+        after = s._loop.stream_stats()
+        for w, st in before.items():
+            assert all(a >= b for a, b in zip(astuple(after[w]), st, strict=True)), (w, st, after[w])
+        assert after[StreamId(WorkerId("w1"))].delivered >= 3  # 1 before, the failed one, the one after
+
+
 def test_a_restarted_event_loop_rebuilds_every_stream_with_a_batch_of_the_failed_poll_unapplied(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """One poll hands over a batch of w0 and then one of w1, and applying w0's fails: w1's position counts its

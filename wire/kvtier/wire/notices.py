@@ -7,7 +7,7 @@ tells it to drop what it holds for the stream first. The other notices are for m
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal, NamedTuple, TypeAlias
 
 from kvtier.wire.protocol import EventBatch, WorkerId
@@ -134,3 +134,7 @@ class StreamStats:
     # one a loss's replay answer holds at another seq; dropped, each counted in ``malformed`` too
     bogus_seqs: int = 0
     disconnects: int = 0  # live connections lost (a publisher gone or restarting, a frame past max_frame_bytes)
+
+    def __add__(self, other: StreamStats) -> StreamStats:
+        """Both counts added, field by field: one stream's counters over two subscribers' lives."""
+        return StreamStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(StreamStats)))

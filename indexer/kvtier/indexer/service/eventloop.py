@@ -54,6 +54,7 @@ class EventLoop:
         self._resume = resume  # where each stream resumes at start (restored from a snapshot)
         self.consumer = IndexConsumer(index)  # applies deliveries; its counters are the service's metrics
         self._sub: Subscriber | None = None  # the subscriber of the current life of the loop
+        self._carried: dict[StreamId, StreamStats] = {}  # each stream's counters over the loop's ended lives
         self._stop = threading.Event()
         self.ready = threading.Event()  # set once it subscribed (or failed, or waits to restart)
         self.failed = threading.Event()  # set when it died for good: the index no longer follows the engines
@@ -125,9 +126,12 @@ class EventLoop:
         return sub.silent(self.config.liveness_timeout_s)
 
     def stream_stats(self) -> dict[StreamId, StreamStats]:
-        """Each subscribed stream's counters. O(streams)."""
+        """Each subscribed stream's counters since the service started, over every life of the loop (a counter that
+        went down at a restart would read as a reset to Prometheus, its increase lost). O(streams)."""
         sub = self._sub
-        return {} if sub is None else {s: sub.stats(s) for s in sub.streams}
+        now = {} if sub is None else {s: sub.stats(s) for s in sub.streams}
+        return {s: self._carried.get(s, StreamStats()) + now.get(s, StreamStats())
+                for s in now.keys() | self._carried.keys()}
 
     # --- snapshots ------------------------------------------------------------------------
 
@@ -299,7 +303,10 @@ class EventLoop:
             # The subscriber counts every delivery it handed over: the stream of one not applied (the one that
             # failed, or one polled after it) is past what the index holds, so it is not resumed.
             self._torn = {d.stream for d in polled[applied:]}
-            sub.close()
+            with self._lock:  # (a reader of the counts sees each once: the subscriber's, or carried)
+                for s in sub.streams:
+                    self._carried[s] = self._carried.get(s, StreamStats()) + sub.stats(s)
+                sub.close()
 
     def _died(self, exc: Exception) -> None:
         self.error = f"{type(exc).__name__}: {exc}"
