@@ -433,7 +433,9 @@ class IndexerService:
 
     def first_token(self, rid: str, owner: str = "local") -> dict[str, Any]:
         """``POST /requests/{id}/first_token``: its prefill is done (idempotent); only its owner may say so
-        (:class:`~kvtier.indexer.service.clients.Forbidden`)."""
+        (:class:`~kvtier.indexer.service.clients.Forbidden`). A request not in flight (never routed, finished,
+        expired, or booked before a restart, which forgets bookings) is answered ``in_flight: false``, as a finish
+        is: the client did nothing wrong."""
         with self._lock:
             self.clients.check_owner(rid, owner)
             known = rid in self._deadlines
@@ -442,9 +444,7 @@ class IndexerService:
                 self.loads.finish(rid)
                 self.decode_loads.prefill_done(rid)
             observed = self.predictions.first_token(rid, self._deadlines.clock())
-        if not known:
-            raise LookupError(f"request {rid!r} is not in flight (never routed, finished or expired)")
-        answer: dict[str, Any] = {"request_id": rid, "in_flight": True}
+        answer: dict[str, Any] = {"request_id": rid, "in_flight": known}
         if observed is not None:
             answer["observed_ttft_ms"] = observed * 1000
         return answer
