@@ -594,3 +594,17 @@ def test_removals_in_a_row_on_one_tier_and_group_are_one_event() -> None:
     assert [e.block_hashes for e in batch.events if isinstance(e, BlockRemoved)] == [[1, 2, 3], [4], [5], [6], [7]]
     after = log.flush()
     assert after is not None and [e.block_hashes for e in after.events if isinstance(e, BlockRemoved)] == [[8]]
+
+
+def test_a_second_begin_prefill_on_one_admission_is_refused_and_leaks_nothing() -> None:
+    """A second begin_prefill on one admission (a scheduler re-planning it) overwrote the first's reservation: those
+    device pages were held by nothing, lost to the cache for good, and a prompt the device holds could no longer be
+    admitted."""
+    h = Harness(CacheConfig(page_size=PS, device_pages=16, host_ratio=0.0))
+    adm = h.cache.admit("a", toks(0, 4))
+    assert h.cache.begin_prefill(adm, 4) is not None
+    with pytest.raises(ValueError, match="admission 'a' began its prefill already"):
+        h.cache.begin_prefill(adm, 4)
+    h.cache.release(adm)
+    assert h.cache.device.used == 0  # (nothing cached: no finish)
+    h.run("whole", toks(1000, 16))  # the whole device

@@ -159,9 +159,12 @@ class TieredCache:
         Returns None (nothing reserved) if the device cannot make room now. ``last_resort``: the caller knows nothing
         else will free room (no request runs, no copy is in flight); with SWA, the window KV of the request's own
         path may then go too, the window it would read included (it is recomputed), where the window pool cannot
-        hold that window and the new one beside it: else such a request would wait for ever.
+        hold that window and the new one beside it: else such a request would wait for ever. Once per admission
+        (``ValueError`` for a second: the first's pages would be held by nothing, lost to the cache for good).
         """
         self._check_live(adm)
+        if adm.started:
+            raise ValueError(f"admission {adm.request_id!r} began its prefill already")
         ps = self.config.page_size
         path = self.tree.match(adm.tokens)
         last = path[-1] if path else self.tree.root
