@@ -223,6 +223,32 @@ def test_a_prompt_waits_for_its_prefix_to_load_back_before_its_prefill(capsys: p
     assert seen["early"] == seen["dropped"] == 0, seen
 
 
+def test_a_start_that_fails_lets_go_of_its_copy_thread_and_pools(capsys: pytest.CaptureFixture[str],
+                                                                   tmp_path: Path) -> None:
+    """An endpoint that could not be bound failed the start after the real data path was made: its copy thread, and
+    with it both KV pools, stayed alive in a process that goes on (a test's, a notebook's), one set a failed start."""
+    import socket
+    import threading
+
+    def copy_threads() -> int:
+        return sum(t.name == "kv-copy" for t in threading.enumerate())
+
+    before = copy_threads()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        args = live.build_parser().parse_args([
+            "--endpoint", f"tcp://127.0.0.1:{busy.getsockname()[1]}", "--replay", "tcp://127.0.0.1:0", "--hold", "0",
+            "--trace", "builtin:chat:2", "--l3-dir", str(tmp_path), "--device-pages", "16", "--host-ratio", "1",
+            "--kv-bytes-per-token", "8"])
+        assert live.run(args) == 2
+    assert "cannot bind" in capsys.readouterr().err
+    assert copy_threads() == before
+    rc, _ = _run(capsys, "--trace", "builtin:chat:2", "--l3-dir", str(tmp_path), "--device-pages", "16",
+                 "--host-ratio", "1", "--kv-bytes-per-token", "8")  # the same owner's directory, held no more
+    assert rc == 0 and copy_threads() == before
+
+
 def test_an_external_pool_without_a_directory_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     """Without --l3-dir an engine's pool lives in its process: no other engine could read what it announces as
     EXTERNAL, which an indexer credits to every worker."""

@@ -192,14 +192,27 @@ def _open(args: argparse.Namespace) -> tuple[TieredCache, EngineNode, DataPath, 
     else:
         dp = ModeledDataPath(args.page_size * 1024, time.monotonic,
                              Bandwidths(d2h=2e8, h2d=2e8, storage_write=5e7, storage_read=5e7))
-    store = _store(args)
-    cache = TieredCache(cfg, dp, store, name=args.name)
-    try:
-        node = EngineNode(cache, args.endpoint, args.replay, dp_rank=args.dp_rank,
-                          dump_interval_s=args.dump_interval, max_dumps=args.max_dumps)
-    except (zmq.ZMQError, ValueError) as exc:  # (ValueError: an address no socket could bind)
-        raise EngineError(f"cannot bind {args.endpoint} / {args.replay}: {exc}") from None
+    store: PageStore | None = None
+    try:  # (a start that fails lets go of what it made: in a process that goes on, the copy thread kept the pools)
+        store = _store(args)
+        cache = TieredCache(cfg, dp, store, name=args.name)
+        try:
+            node = EngineNode(cache, args.endpoint, args.replay, dp_rank=args.dp_rank,
+                              dump_interval_s=args.dump_interval, max_dumps=args.max_dumps)
+        except (zmq.ZMQError, ValueError) as exc:  # (ValueError: an address no socket could bind)
+            raise EngineError(f"cannot bind {args.endpoint} / {args.replay}: {exc}") from None
+    except BaseException:
+        _close(dp, store)
+        raise
     return cache, node, dp, trace
+
+
+def _close(dp: DataPath, store: PageStore | None) -> None:
+    """Stops the copy thread of a real data path (which holds its pools) and lets go of the L3 store's directory."""
+    if isinstance(dp, TorchDataPath):
+        dp.close()
+    if store is not None:
+        store.close()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -306,8 +319,7 @@ def _serve(args: argparse.Namespace, stop: dict[str, bool]) -> int:
             time.sleep(0.02)  # the publisher's thread keeps answering replay and dump requests
     finally:
         node.close()
-        if isinstance(dp, TorchDataPath):
-            dp.close()
+        _close(dp, cache.store)
         if cache.store is not None:
             if cache.store.directory is not None:
                 failed = cache.l3.write_failures if cache.l3 is not None else 0
