@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -30,6 +31,7 @@ from kvtier.sim.run import RunConfig, simulate
 from kvtier.sim.trace import Request, prefix_reuse
 from kvtier.sim.transport import SimWire, WireConfig
 from kvtier.wire.protocol import EventBatch
+from tests.test_multiprocess import ROOT
 
 SMALL = ClusterConfig.of(workers=3, page_size=64, device_tokens=32_768, host_ratio=1.0, l3="disk", l3_tokens=131_072)
 
@@ -201,6 +203,56 @@ def _stop_a_pool(how: str) -> None:
         experiment.run_jobs(jobs, processes=2, on_done=interrupt)
     assert time.monotonic() - t0 < 60  # (the stalled runs would take 120 s each)
     assert multiprocessing.active_children() == []
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not ended (a zombie no one reaped has). Linux."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_compare_stopped_by_a_signal_leaves_no_workers_and_no_parts(tmp_path: Path, sig: int) -> None:
+    """``kill`` (SIGTERM) of a ``kvtier compare`` killed the parent alone, mid-run: its pool's workers, blocked on
+    the pipe it held, stayed for good (a Mooncake run's two held 750 MiB each), its hidden parts stayed in --out,
+    and nothing was said. SIGTERM is now taken as Ctrl-C is (the pool stopped, the parts removed, one line, the
+    signal's status); a parent killed outright (SIGKILL) takes its workers with it."""
+    out, log = tmp_path / "out", tmp_path / "err"
+    with log.open("w") as err:  # (a file, not a pipe: a worker left behind would hold a pipe open)
+        proc = subprocess.Popen([sys.executable, "-m", "kvtier", "compare", "--trace", "builtin:chat:20000",
+                                 "--policies", "round_robin,kv_all", "--jobs", "2", "--no-plots", "--out", str(out)],
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(workers) < 2 or len([p for p in out.glob(".requests.*.csv") if p.stat().st_size]) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+            workers = _children(proc.pid)
+            time.sleep(0.05)
+        proc.send_signal(sig)  # both runs under way (each takes many seconds more)
+        assert proc.wait(timeout=60) == (143 if sig == signal.SIGTERM else -signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while any(_running(w) for w in workers):
+            assert time.monotonic() < deadline, "a pool worker outlived its parent"
+            time.sleep(0.05)
+        if sig == signal.SIGTERM:
+            assert log.read_text().splitlines()[-1] == "kvtier: stopped by SIGTERM"
+            assert list(out.iterdir()) == []  # (no part, no output claiming to be whole)
+    finally:
+        for pid in [proc.pid, *workers]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
 
 
 def test_lost_events_are_recovered_by_the_routers_stream_tracker() -> None:

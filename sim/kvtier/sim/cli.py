@@ -546,23 +546,61 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
     return _unfinished_status(a, summaries, len(trace))
 
 
+class Stopped(KeyboardInterrupt):
+    """A stop signal (SIGTERM: ``kill``, ``timeout``, a supervisor; SIGHUP: the terminal closed) taken as a Ctrl-C
+    is: the runs under way end, their parts are removed, and the exit status is the signal's."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _stopping(signum: int, frame: object) -> None:
+    raise Stopped(signum)
+
+
 @contextlib.contextmanager
-def _interrupt_after() -> Iterator[None]:
-    """Holds a Ctrl-C while the plots are drawn and written, and raises it once they are: matplotlib runs weakref
-    callbacks, where Python prints an interrupt and drops it (the command then went on and exited 0). A no-op off
-    the main thread, or where SIGINT is ignored. O(1)."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) in (
-            signal.SIG_IGN, None):
+def _stop_signals() -> Iterator[None]:
+    """Raises :class:`Stopped` on a stop signal while the command runs (one ignored, as ``nohup`` ignores SIGHUP,
+    stays so); the handlers before are back after. A no-op off the main thread. O(1)."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    held: list[int] = []
-    before = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    before = {sig: signal.getsignal(sig) for sig in _STOP_SIGNALS}
+    for sig, handler in before.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(sig, _stopping)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, before)
+        for sig, handler in before.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def _interrupt_after() -> Iterator[None]:
+    """Holds a Ctrl-C (or a stop signal) while the plots are drawn and written, and raises it once they are:
+    matplotlib runs weakref callbacks, where Python prints an interrupt and drops it (the command then went on and
+    exited 0). A no-op off the main thread; a signal ignored stays so. O(1)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, *_STOP_SIGNALS)}
+    for sig, handler in before.items():
+        if handler not in (signal.SIG_IGN, None):
+            signal.signal(sig, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            if handler is not None:
+                signal.signal(sig, handler)
     if held:
-        raise KeyboardInterrupt
+        raise KeyboardInterrupt if held[0] == signal.SIGINT else Stopped(held[0])
 
 
 @contextlib.contextmanager
@@ -1050,7 +1088,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return int(args.func(args))
+        with _stop_signals():
+            return int(args.func(args))
     # (KernelsUnavailable: no numba here, so the index cannot run; PluginError: a plugin broke the protocol mid-run)
     except (CliError, ConfigError, TraceError, KernelsUnavailable, PluginError) as exc:
         print(f"kvtier: error: {exc}", file=sys.stderr)
@@ -1059,7 +1098,11 @@ def main(argv: list[str] | None = None) -> int:
         where = f"{exc.filename}: " if exc.filename else ""
         print(f"kvtier: error: {where}{exc.strerror or exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C mid-run (or mid-import of a plugin): no traceback, the shell's status
+    except KeyboardInterrupt as exc:  # Ctrl-C or a stop signal mid-run (or mid-import of a plugin): no traceback,
+        # the shell's status
+        if isinstance(exc, Stopped):
+            print(f"kvtier: stopped by {signal.Signals(exc.signum).name}", file=sys.stderr)
+            return 128 + exc.signum
         print("kvtier: interrupted", file=sys.stderr)
         return 130
     except SystemError as exc:  # Ctrl-C inside a compiled kernel: numba's dispatch wraps it in a SystemError

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import gc
 import itertools
 import math
 import os
 import signal
+import sys
+import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -150,7 +154,7 @@ def run_jobs(jobs: Sequence[RunSpec], *, processes: int | None = None, use_ray: 
     # Workers ignore Ctrl-C: this process stops the pool at the first failure or interruption (an executor's exit
     # would wait for every run still queued, each interrupted worker going on to the next). A worker that dies
     # (killed for memory) breaks the pool, raised here too.
-    pool = ProcessPoolExecutor(max_workers=n, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN))
+    pool = ProcessPoolExecutor(max_workers=n, initializer=_pool_worker, initargs=(os.getpid(),))
     try:
         futures = {pool.submit(execute, j): i for i, j in enumerate(jobs)}
         for fut in as_completed(futures):
@@ -163,6 +167,30 @@ def run_jobs(jobs: Sequence[RunSpec], *, processes: int | None = None, use_ray: 
         raise
     pool.shutdown()
     return [results[i] for i in range(len(jobs))]
+
+
+def _pool_worker(parent: int) -> None:
+    """A pool worker's start: it ignores Ctrl-C (its parent stops the pool), dies of a stop signal rather than
+    running the handler it inherited, and dies with its parent. A parent killed outright (SIGKILL, out of memory)
+    runs no clean-up, and its workers, blocked on the pipe it held, stayed for good, each holding a run's memory."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    else:  # (no such call: the parent is looked for every second)
+        threading.Thread(target=_watch_parent, args=(parent,), name="kvtier-parent-watch", daemon=True).start()
+    if os.getppid() != parent:  # it died before the call above: no signal will come
+        os._exit(1)
+
+
+_PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent dies
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
 
 
 def _stop(pool: ProcessPoolExecutor) -> None:
