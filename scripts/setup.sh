@@ -37,11 +37,13 @@ log=.venv/install.log
 echo "kvtier: installing into .venv (log: $log)" >&2
 
 step() {  # step WHAT CMD...: says WHAT, runs CMD into the log, saying every 15 s what pip is at; on failure
-          # shows the log and stops
+          # shows the log and stops. Ctrl-C (or a stop signal) stops CMD too: run in the background it ignores
+          # Ctrl-C, and would go on writing into .venv beside the next run's install.
     echo "kvtier: $1" >&2
     shift
     "$@" >>"$log" 2>&1 &
     local pid=$! waited=0 at
+    trap 'kill -TERM "$pid" 2>/dev/null; wait "$pid" 2>/dev/null || true; echo "kvtier: install stopped; bash scripts/setup.sh starts it again" >&2; exit 130' INT TERM HUP
     while kill -0 "$pid" 2>/dev/null; do
         sleep 1
         waited=$((waited + 1))
@@ -51,6 +53,7 @@ step() {  # step WHAT CMD...: says WHAT, runs CMD into the log, saying every 15 
             echo "kvtier:   ... ${waited} s${at:+ ($at)}" >&2
         fi
     done
+    trap - INT TERM HUP
     if ! wait "$pid"; then
         cat "$log" >&2
         echo "kvtier: install failed (see above)" >&2
