@@ -790,6 +790,16 @@ def test_an_itl_series_that_cannot_be_written_is_refused_before_the_run(tmp_path
     assert list(tmp_path.iterdir()) == []  # no output directory, no part file
 
 
+def test_an_itl_series_in_the_out_directory_a_run_makes_is_taken(tmp_path: Path) -> None:
+    """--itl-series in the --out the run makes was refused ("directory ... does not exist"), where --out alone is
+    made; one in a directory that nothing makes still is, with no output directory left."""
+    out = tmp_path / "o"
+    assert main(["replay", *SMALL, "--out", str(out), "--itl-series", str(out / "itl.jsonl")]) == 0
+    assert (out / "itl.jsonl").stat().st_size > 0 and (out / "summary.json").is_file()
+    assert main(["replay", *SMALL, "--out", str(tmp_path / "p"), "--itl-series", str(tmp_path / "q" / "i")]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]
+
+
 def test_outputs_that_are_fifos_or_links_are_not_replaced_by_a_file(tmp_path: Path) -> None:
     """Outputs were written beside their path and renamed over it: a FIFO, a device or a symbolic link given as
     ``--itl-series`` (``/dev/stdout``) or ``-o`` was replaced by a regular file (``/dev/full`` among them, run as root).

@@ -490,8 +490,13 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
     cluster = _cluster(a)
     runs = [_run_cfg(a, p) for p in policies]  # (before --out is made: a refused policy leaves nothing behind)
     names = ("summary.json", "requests.csv", *([] if a.no_plots else PLOTS))
-    if a.itl_series is not None:  # (now, not once every run is done; and before --out is made)
-        _check_output("--itl-series", a.itl_series)
+    # --itl-series is checked now, not once every run is done; before --out is made, unless it is to go in --out
+    # (its directory is missing until then)
+    itl_in_out = a.itl_series is not None and a.out and not a.itl_series.parent.exists() and \
+        os.path.realpath(a.itl_series.parent) == os.path.realpath(a.out)
+    if a.itl_series is not None:
+        if not itl_in_out:
+            _check_output("--itl-series", a.itl_series)
         _not_an_input(a, "--itl-series", a.itl_series)
         own = {os.path.realpath(Path(a.out) / n) for n in (".", *names)} if a.out else set()
         if os.path.realpath(a.itl_series) in own:
@@ -500,6 +505,8 @@ def _compare(a: argparse.Namespace, policies: list[str]) -> int:
             raise CliError(f"--itl-series {a.itl_series}: is the file this run's standard output goes to, where "
                            "the results table is printed; name another file")
     out_dir = _out_dir(a, *names)
+    if itl_in_out:
+        _check_output("--itl-series", a.itl_series)
     # Each run streams its records to a part of requests.csv (in its own process), so no process holds a
     # long trace's records; the parts are joined in policy order.
     parts = [out_dir / f".requests.{i}.csv" for i in range(len(policies))]
