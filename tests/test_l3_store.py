@@ -155,6 +155,30 @@ def test_overwritten_pages_are_never_served(tmp_path: Path) -> None:
     assert served == 0 and store.stats.damaged_reads == 40
 
 
+def test_a_sound_write_replaces_another_owners_damaged_file_of_the_page(tmp_path: Path) -> None:
+    """Two owners of one directory (engines on one pool): b's file of a page rotted, and a's write of that page
+    shared b's file, throwing its own sound bytes away. a announced a page it could never read, and so on at every
+    rewrite. A damaged file found there is now replaced by the sound one; a sound one is still shared."""
+    b = chain_store(tmp_path, 2, owner="b", shared=True)
+    assert b.pages_path is not None
+    rotted = b.pages_path / k(0)
+    data = bytearray(rotted.read_bytes())
+    data[-1] ^= 0xFF
+    rotted.write_bytes(bytes(data))  # in place: b's hold sees it too
+    a = PageStore(64, tmp_path, owner="a", shared=True, layout=L)
+    a.attach("a", lambda keys: None)
+    for i in (0, 1):
+        a.begin_write(k(i), meta(i, i - 1 if i else None))
+        a.write_pages([(k(i), bytes([100 + i]) * 64)])
+        assert a.commit(k(i), "a")
+    assert bytes(a.read_page(k(0))) == bytes([100]) * 64 and a.stats.damaged_reads == 0
+    assert bytes(a.read_page(k(1))) == bytes([1]) * 64  # b's sound file, shared
+    holds = tmp_path / L.tag() / "refs"
+    assert os.path.samefile(holds / "a" / k(0), b.pages_path / k(0))
+    assert not os.path.samefile(holds / "b" / k(0), b.pages_path / k(0))  # b's hold: the damaged file, b's to drop
+    assert os.path.samefile(holds / "a" / k(1), holds / "b" / k(1))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_damaged_or_missing_page_is_dropped_with_its_descendants_and_removed_from_the_index(
         tmp_path: Path, device: str) -> None:

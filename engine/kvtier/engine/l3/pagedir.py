@@ -200,12 +200,15 @@ class PageDir:
                 for (header, _), tmp in zip(items, tmps, strict=True):
                     name = file_name(header.key)
                     page = self.pages / name
-                    with contextlib.suppress(FileExistsError):  # another owner wrote the same page:
-                        os.link(tmp, page)  # share its file, never replace it
-                    os.unlink(tmp)  # the page's link count now counts owners only
+                    try:
+                        os.link(tmp, page)
+                    except FileExistsError:  # another owner wrote the same page: its file is shared, never
+                        if self._damaged(page, header.key):  # replaced, unless it is damaged: then this one's is
+                            os.replace(tmp, page)  # (its holders' links keep the damaged file, theirs to drop)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(tmp)  # the page's link count now counts owners only
                     linked.append(name)
-                    with contextlib.suppress(FileExistsError):
-                        os.link(page, self.refs / name)
+                    self._hold(page, self.refs / name)
                     if self.sync is SyncPolicy.PAGE:
                         _fsync_dir(self.pages)
                         _fsync_dir(self.refs)
@@ -219,6 +222,28 @@ class PageDir:
             with self._locked():
                 self._release_locked(linked)
             raise
+
+    def _damaged(self, page: Path, key: str) -> bool:
+        """Whether the file at ``page`` fails its checks (an error reading it is not taken for damage). O(size)."""
+        try:
+            decode(page.read_bytes(), key, self.layout)
+        except PageFileError:
+            return True
+        except OSError:
+            return False
+        return False
+
+    def _hold(self, page: Path, ref: Path) -> None:
+        """This owner's link ``ref`` to the file at ``page`` now: a link it held to a file since replaced there (a
+        damaged one) is replaced too, through a temporary link (a crash leaves a dead writer's file). Under the
+        lock. O(1)."""
+        try:
+            os.link(page, ref)
+        except FileExistsError:
+            if not os.path.samefile(page, ref):
+                fresh = self.base / (tmp_prefix(token=self.token) + secrets.token_hex(4))
+                os.link(page, fresh)
+                os.replace(fresh, ref)
 
     # --- reads ---------------------------------------------------------------------------
 
