@@ -179,6 +179,29 @@ def test_a_sound_write_replaces_another_owners_damaged_file_of_the_page(tmp_path
     assert os.path.samefile(holds / "a" / k(1), holds / "b" / k(1))
 
 
+def test_page_files_follow_the_umask_and_a_page_that_cannot_be_read_is_counted(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Page files were made by mkstemp, readable by their owner alone: another user's engine on a shared pool missed
+    every page the first one wrote (the miss neither counted nor logged) and failed to hold any. They follow the
+    umask now, and a page found that cannot be read counts as a failed probe."""
+    old = os.umask(0o022)
+    try:
+        a = chain_store(tmp_path, 1, shared=True)
+    finally:
+        os.umask(old)
+    assert a.pages_path is not None
+    assert (a.pages_path / k(0)).stat().st_mode & 0o777 == 0o644
+    b = PageStore(64, tmp_path, owner="b", shared=True, layout=L)
+    b.attach("b", lambda keys: None)
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(pagedir, "read_header", refused)
+    assert b._dir is not None and b._dir.probe(k(0)) is None
+    assert b._dir.probe_failures == 1
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_damaged_or_missing_page_is_dropped_with_its_descendants_and_removed_from_the_index(
         tmp_path: Path, device: str) -> None:

@@ -34,7 +34,6 @@ import os
 import re
 import secrets
 import socket
-import tempfile
 import time
 import weakref
 from collections.abc import Iterator, Sequence
@@ -166,7 +165,7 @@ class PageDir:
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o666)  # (the umask decides, as for pages)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
@@ -181,7 +180,7 @@ class PageDir:
         linked: list[str] = []
         try:
             for header, payload in items:
-                fd, tmp = tempfile.mkstemp(dir=self.base, prefix=tmp_prefix(token=self.token))
+                fd, tmp = self._new_file()
                 tmps.append(tmp)
                 with os.fdopen(fd, "wb") as f:
                     f.writelines(encode(header, payload))
@@ -223,6 +222,17 @@ class PageDir:
                 self._release_locked(linked)
             raise
 
+    def _new_file(self) -> tuple[int, str]:
+        """A new temporary file (descriptor, path) for a page, made here (``O_EXCL``), readable by whom the umask
+        lets read it: another user's engine on a shared pool reads and holds the page (mkstemp's files are the
+        owner's alone). O(1)."""
+        while True:
+            tmp = str(self.base / (tmp_prefix(token=self.token) + secrets.token_hex(6)))
+            try:
+                return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666), tmp
+            except FileExistsError:
+                continue
+
     def _damaged(self, page: Path, key: str) -> bool:
         """Whether the file at ``page`` fails its checks (an error reading it is not taken for damage). O(size)."""
         try:
@@ -254,8 +264,9 @@ class PageDir:
 
     def probe(self, key: str) -> PageHeader | None:
         """A page another owner wrote, if present and sound: its header, and this owner now holds it. Otherwise None,
-        as for a page this owner cannot hold: the lock or the hard link could not be made (a full or read-only disk:
-        ENOSPC, EDQUOT, EROFS), which is counted in :attr:`probe_failures` and logged sparsely."""
+        as for a page this owner cannot hold: the file could not be read (EACCES: another user's), or the lock or the
+        hard link could not be made (a full or read-only disk: ENOSPC, EDQUOT, EROFS), which is counted in
+        :attr:`probe_failures` and logged sparsely."""
         name = file_name(key)
         try:
             with self._locked():
@@ -263,7 +274,7 @@ class PageDir:
                     header = read_header(str(self.pages / name), key, self.layout)
                 except FileNotFoundError:
                     return None
-                except (OSError, PageFileError):
+                except PageFileError:  # (damaged: not to be held; a file that cannot be read is counted below)
                     return None
                 with contextlib.suppress(FileExistsError):
                     os.link(self.pages / name, self.refs / name)
