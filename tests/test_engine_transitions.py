@@ -11,6 +11,7 @@ from kvtier.engine.datapath import CopyKind
 from kvtier.engine.dump import dump_batches, wire_bytes
 from kvtier.engine.events import EventLog
 from kvtier.engine.hashing import chain, event_hash
+from kvtier.engine.l3.pagetree import PageMeta
 from kvtier.engine.l3.storage import PageStore
 from kvtier.indexer.index.tiered import TieredIndex
 from kvtier.wire import (
@@ -212,6 +213,29 @@ def test_l3_write_and_eviction_emit_disk_events(tmp_path: Path) -> None:
     removed = [e for e in h.log if isinstance(e, BlockRemoved) and e.medium == "DISK"]
     assert [x for e in removed for x in e.block_hashes] == hashes(toks(0, 4))[:1:-1]
     assert len(store) == 6
+
+
+def test_pages_deeper_than_the_store_holds_are_not_written(tmp_path: Path) -> None:
+    """A prompt whose chain is longer than the store holds was written whole, then trimmed back once committed: its
+    pages past the store's capacity (each with more ancestors than the store has room for) took disk space and I/O
+    for nothing (on disk, `kvtier engine --disk-pages 500` held 1,006 page files). They are not written; what the
+    store keeps is the same."""
+    store = PageStore(6, tmp_path)
+    reserved: list[int] = []
+    begin = store.begin_write
+
+    def counted(key: str, meta: PageMeta) -> None:
+        reserved.append(meta.depth)
+        begin(key, meta)
+
+    store.begin_write = counted  # type: ignore[method-assign]
+    h = Harness(CacheConfig(page_size=PS, device_pages=16, host_ratio=2.0), store)
+    h.run("a", toks(0, 10))
+    h.settle()
+    assert sorted(reserved) == list(range(6))
+    disk = [x for e in h.log if isinstance(e, BlockStored) and e.medium == "DISK" for x in e.block_hashes]
+    assert disk == hashes(toks(0, 10))[:6] and len(store) == 6
+    assert not [e for e in h.log if isinstance(e, BlockRemoved) and e.medium == "DISK"]
 
 
 def test_l3_pages_share_their_nodes_tokens_and_read_back_their_own() -> None:

@@ -123,6 +123,8 @@ class L3Link:
                 continue  # another engine is writing it into the shared pool
             if parent_key is not None and parent_key not in store and not store.is_pending(parent_key):
                 break  # the parent page is gone and cannot be rewritten from here: stop the run
+            if depth0 + i >= store.capacity:
+                break  # it and its ancestors outnumber what the store holds: written, it would be trimmed at once
             store.begin_write(key, meta)
             self.pending.add(key)
             keys.append(key)
