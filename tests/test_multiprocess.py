@@ -127,7 +127,7 @@ def test_engines_killed_and_restarted_converge(tmp_path: Path) -> None:
                 p.kill()
 
 
-def _gone(pid: int) -> bool:
+def gone(pid: int) -> bool:
     """Whether process ``pid`` has exited (a zombie nobody reaped counts: a container's init may not reap)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -151,7 +151,7 @@ def test_an_engine_exits_when_the_parent_it_was_given_dies() -> None:
     out = subprocess.run([sys.executable, "-c", launcher], cwd=ROOT, capture_output=True, text=True, timeout=120)
     pid = int(out.stdout)
     deadline = time.monotonic() + 30
-    while not _gone(pid):
+    while not gone(pid):
         if time.monotonic() > deadline:
             os.kill(pid, signal.SIGKILL)
             raise AssertionError("the engine outlived its parent by 30 s")

@@ -287,23 +287,27 @@ def restartable_pair() -> Iterator[tuple[list[Publisher], IndexerService, Callab
             p.close()
 
 
+def _fail_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The event loop's next application of a delivery fails (an injected bug), and none after it."""
+    from kvtier.indexer.index.consumer import IndexConsumer
+
+    real, failures = IndexConsumer.feed, []
+
+    def feed_failing_once(self: IndexConsumer, deliveries: Any) -> None:
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("injected")
+        real(self, deliveries)
+
+    monkeypatch.setattr(IndexConsumer, "feed", feed_failing_once)
+
+
 def test_a_restarted_event_loop_resumes_streams_and_rebuilds_the_torn_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """The loop fails while applying w0's batch: w0's position already counts that batch, which the index
     holds in part or not at all, so w0 is rebuilt from its publisher's replay (resumed, block 5 would be
     an orphan under the missing block 4); w1 resumes after its last batch with its blocks kept."""
     with restartable_pair() as (pubs, s, device):
-        from kvtier.indexer.index.consumer import IndexConsumer
-
-        real = IndexConsumer.feed
-        failures = []
-
-        def feed_failing_once(self: IndexConsumer, deliveries: Any) -> None:
-            if not failures:  # the loop dies before the batch is applied, though its stream's position counts it
-                failures.append(1)
-                raise RuntimeError("injected")
-            real(self, deliveries)
-
-        monkeypatch.setattr(IndexConsumer, "feed", feed_failing_once)
+        _fail_once(monkeypatch)  # the loop dies before the batch is applied, though its stream's position counts it
         pubs[0].publish(EventBatch(ts=time.time(), events=[stored([4], 3, 3)]))
         wait_for(lambda: s.loop_restarts == 1)
         assert not s.failed.is_set()
@@ -321,20 +325,11 @@ def test_a_restarted_event_loop_goes_on_counting_from_where_it_was(monkeypatch: 
     counters (batches delivered, gaps, resyncs...) went down, which Prometheus reads as a counter reset."""
     from dataclasses import astuple
 
-    from kvtier.indexer.index.consumer import IndexConsumer
 
     with restartable_pair() as (pubs, s, device):
         before = {w: astuple(st) for w, st in s._loop.stream_stats().items()}
         assert {w.worker: st[1] for w, st in before.items()} == {"w0": 1, "w1": 1}  # (delivered)
-        real, failures = IndexConsumer.feed, []
-
-        def feed_failing_once(self: IndexConsumer, deliveries: Any) -> None:
-            if not failures:
-                failures.append(1)
-                raise RuntimeError("injected")
-            real(self, deliveries)
-
-        monkeypatch.setattr(IndexConsumer, "feed", feed_failing_once)
+        _fail_once(monkeypatch)
         pubs[1].publish(EventBatch(ts=time.time(), events=[stored([13], 12, 2)]))
         wait_for(lambda: s.loop_restarts == 1)
         pubs[1].publish(EventBatch(ts=time.time(), events=[stored([14], 13, 3)]))

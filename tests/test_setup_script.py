@@ -12,14 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_multiprocess import ROOT
-
-
-def _running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
-    except OSError:
-        return False
+from tests.test_multiprocess import ROOT, gone
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -50,14 +43,14 @@ def test_ctrl_c_during_the_install_stops_pip_too(tmp_path: Path) -> None:
         os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=30) == 130, err.read_text()
         deadline = time.monotonic() + 10
-        while _running(pip):
+        while not gone(pip):
             assert time.monotonic() < deadline, "pip went on after Ctrl-C"
             time.sleep(0.05)
         assert err.read_text().splitlines()[-1] == "kvtier: install stopped; bash scripts/setup.sh starts it again"
         assert not (tmp_path / ".venv" / "install.stamp").exists()
     finally:
         for pid in [int(p) for p in pips.read_text().split()] if pips.exists() else []:
-            if _running(pid):
+            if not gone(pid):
                 os.kill(pid, signal.SIGKILL)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

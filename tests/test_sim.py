@@ -31,7 +31,7 @@ from kvtier.sim.run import RunConfig, simulate
 from kvtier.sim.trace import Request, prefix_reuse
 from kvtier.sim.transport import SimWire, WireConfig
 from kvtier.wire.protocol import EventBatch
-from tests.test_multiprocess import ROOT
+from tests.test_multiprocess import ROOT, gone
 
 SMALL = ClusterConfig.of(workers=3, page_size=64, device_tokens=32_768, host_ratio=1.0, l3="disk", l3_tokens=131_072)
 
@@ -212,14 +212,6 @@ def _children(pid: int) -> list[int]:
         return []
 
 
-def _running(pid: int) -> bool:
-    """Whether ``pid`` is a process that has not ended (a zombie no one reaped has). Linux."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_a_compare_stopped_by_a_signal_leaves_no_workers_and_no_parts(tmp_path: Path, sig: int) -> None:
@@ -242,7 +234,7 @@ def test_a_compare_stopped_by_a_signal_leaves_no_workers_and_no_parts(tmp_path: 
         proc.send_signal(sig)  # both runs under way (each takes many seconds more)
         assert proc.wait(timeout=60) == (143 if sig == signal.SIGTERM else -signal.SIGKILL)
         deadline = time.monotonic() + 30
-        while any(_running(w) for w in workers):
+        while not all(gone(w) for w in workers):
             assert time.monotonic() < deadline, "a pool worker outlived its parent"
             time.sleep(0.05)
         if sig == signal.SIGTERM:
