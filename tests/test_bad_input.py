@@ -338,6 +338,9 @@ CASES: dict[str, Case] = {
                                  "GiB of memory, more than the"),  # (was torch's allocation traceback)
     "engine l3-dir without l3": (lambda t, f: engine("--l3", "none", "--l3-dir", str(t)),
                                  "--l3-dir: --l3 none keeps no L3 tier"),
+    "engine l3-dir missing": (lambda t, f: engine("--l3-dir", str(t / "typo" / "l3"), "--device-pages", "16",
+                                                  "--kv-bytes-per-token", "8"),  # (was made: a cold start)
+                              "does not exist; make the directory first"),
     "engine speed too small": (lambda t, f: engine("--speed", "1e-300"),
                                "argument --speed: 1e-300 is not allowed; expected a number in [1e-06, 1000000]"),
     "gen-trace requests past the cap": (lambda t, f: ["gen-trace", "--requests", "100000000000000", "-o",

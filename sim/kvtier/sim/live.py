@@ -122,6 +122,9 @@ def _store(args: argparse.Namespace) -> PageStore | None:
         layout = Layout(args.model, args.page_size, "bfloat16", kv_bytes_per_token=args.kv_bytes_per_token)
     except ValueError as exc:
         raise EngineError(f"--model: {str(exc).removeprefix('layout: ')}") from None
+    if not os.path.exists(args.l3_dir):  # (a mistyped path would start cold, saying only "adopted 0 pages")
+        raise EngineError(f"--l3-dir {args.l3_dir}: does not exist; make the directory first (the engine makes "
+                          "only its own folders inside it)")
     try:
         store = PageStore(args.disk_pages, Path(args.l3_dir), shared=shared, layout=layout, owner=args.name,
                           sync=SyncPolicy(args.l3_sync))
