@@ -205,6 +205,20 @@ def _stop_a_pool(how: str) -> None:
     assert multiprocessing.active_children() == []
 
 
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_a_pool_runs_under_every_start_method(method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pool workers took a parent other than the process that made the pool for a dead one, which holds only where
+    workers are forked: under forkserver (Python 3.14's default on Linux) or spawn each exited at start, and every
+    run with --jobs 2 failed with a broken pool."""
+    real = multiprocessing.get_context
+    monkeypatch.setattr(multiprocessing, "get_context", lambda how=None: real(how or method))
+    jobs = [experiment.RunSpec(experiment.as_source(chat(20)), SMALL, RunConfig(p), {"policy": p})
+            for p in ("round_robin", "kv_all")]
+    got = experiment.run_jobs(jobs, processes=2)
+    assert [tag["policy"] for tag, _ in got] == ["round_robin", "kv_all"]
+    assert all(res.summary.requests == 20 for _, res in got)
+
+
 def _children(pid: int) -> list[int]:
     try:
         return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]

@@ -8,6 +8,7 @@ import dataclasses
 import gc
 import itertools
 import math
+import multiprocessing
 import os
 import signal
 import sys
@@ -154,7 +155,9 @@ def run_jobs(jobs: Sequence[RunSpec], *, processes: int | None = None, use_ray: 
     # Workers ignore Ctrl-C: this process stops the pool at the first failure or interruption (an executor's exit
     # would wait for every run still queued, each interrupted worker going on to the next). A worker that dies
     # (killed for memory) breaks the pool, raised here too.
-    pool = ProcessPoolExecutor(max_workers=n, initializer=_pool_worker, initargs=(os.getpid(),))
+    context = multiprocessing.get_context()
+    pool = ProcessPoolExecutor(max_workers=n, mp_context=context, initializer=_pool_worker,
+                               initargs=(os.getpid(), context.get_start_method()))
     try:
         futures = {pool.submit(execute, j): i for i, j in enumerate(jobs)}
         for fut in as_completed(futures):
@@ -169,19 +172,21 @@ def run_jobs(jobs: Sequence[RunSpec], *, processes: int | None = None, use_ray: 
     return [results[i] for i in range(len(jobs))]
 
 
-def _pool_worker(parent: int) -> None:
+def _pool_worker(pool_owner: int, start_method: str) -> None:
     """A pool worker's start: it ignores Ctrl-C (its parent stops the pool), dies of a stop signal rather than
     running the handler it inherited, and dies with its parent. A parent killed outright (SIGKILL, out of memory)
-    runs no clean-up, and its workers, blocked on the pipe it held, stayed for good, each holding a run's memory."""
+    runs no clean-up, and its workers, blocked on the pipe it held, stayed for good, each holding a run's memory.
+    Its parent is the pool's owner where workers are forked, a fork server otherwise (which ends with the owner)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)
+    parent = os.getppid()
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     else:  # (no such call: the parent is looked for every second)
         threading.Thread(target=_watch_parent, args=(parent,), name="kvtier-parent-watch", daemon=True).start()
-    if os.getppid() != parent:  # it died before the call above: no signal will come
-        os._exit(1)
+    if os.getppid() != parent or (start_method == "fork" and parent != pool_owner):
+        os._exit(1)  # its parent died before the call above: no signal will come
 
 
 _PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent dies
