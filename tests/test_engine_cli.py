@@ -117,15 +117,17 @@ def test_device_tokens_and_pages_are_one_choice() -> None:
     assert info.value.code == 2
 
 
-def test_ctrl_c_mid_trace_stops_the_engine_cleanly_and_says_where(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP])
+def test_ctrl_c_mid_trace_stops_the_engine_cleanly_and_says_where(tmp_path: Path, sig: int) -> None:
     """Ctrl-C (SIGINT) stops the engine as SIGTERM does: no traceback, exit 0, the residency written; and a trace cut
-    short is not reported done but stopped, after how many of its requests."""
+    short is not reported done but stopped, after how many of its requests. So does SIGHUP (the terminal closed),
+    which skipped the clean stop and the residency."""
     res = tmp_path / "res.json"
     with _engine("--trace", "builtin:chat:300", "--speed", "1", "--residency", str(res)) as proc:
         assert proc.stdout is not None and proc.stderr is not None
         line = proc.stdout.readline()  # published: the trace is being replayed (300 requests take minutes)
         assert "publishing on" in line, line + proc.stderr.read()
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         rc = proc.wait(timeout=10)
         err = proc.stderr.read()
         assert rc == 0 and "Traceback" not in err, err

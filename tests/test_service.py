@@ -559,12 +559,15 @@ def test_a_stop_signal_during_start_or_the_banner_still_stops_cleanly(
     assert snap.exists() == (where == "banner")  # a service that never started has nothing to save
 
 
-def test_a_second_sigterm_while_it_stops_does_not_cut_the_stop_short(tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("first", "second"), [(signal.SIGTERM, signal.SIGTERM), (signal.SIGTERM, signal.SIGHUP),
+                                               (signal.SIGHUP, signal.SIGTERM)])
+def test_a_second_sigterm_while_it_stops_does_not_cut_the_stop_short(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     first: int, second: int) -> None:
     """A supervisor may signal again while the service stops (``timeout`` signals the process and then its
     group, so it gets SIGTERM twice): that one is ignored, and the stop runs to its end, snapshot written, with no
     KeyboardInterrupt out of the stop and the caller's SIGTERM handler back after it. Both signals are real ones,
-    sent to this process, the first once the service is up, the second from inside its stop."""
+    sent to this process, the first once the service is up, the second from inside its stop. SIGHUP (the terminal
+    closed) stops it as SIGTERM does: during a stop it cut the stop short, with no last snapshot."""
     from kvtier.indexer.service import app
 
     started, original_stop = app.IndexerService.start, app.IndexerService.stop
@@ -572,23 +575,23 @@ def test_a_second_sigterm_while_it_stops_does_not_cut_the_stop_short(tmp_path: P
 
     def start(self: IndexerService) -> None:
         started(self)
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), first)
 
     def stop(self: IndexerService) -> None:
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), second)
         original_stop(self)
         stops.append(True)
 
     monkeypatch.setattr(app.IndexerService, "start", start)
     monkeypatch.setattr(app.IndexerService, "stop", stop)
-    before = signal.getsignal(signal.SIGTERM)
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
     snap = tmp_path / "index.snap"
     with Publisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0") as pub:
         cfg = ServiceConfig(endpoints=[parse_endpoint(f"w0={pub.endpoint},replay={pub.replay_endpoint}")],
                             block_size=BS, listen="127.0.0.1:0", snapshot_path=str(snap))
         app.serve(cfg)  # returns: no KeyboardInterrupt escapes
     assert stops == [True] and snap.exists()
-    assert signal.getsignal(signal.SIGTERM) == before  # the caller's handler is back
+    assert {sig: signal.getsignal(sig) for sig in before} == before  # the caller's handlers are back
 
 
 def test_the_indexer_says_why_it_is_quiet_while_its_kernels_compile(monkeypatch: pytest.MonkeyPatch,

@@ -219,18 +219,21 @@ def _close(dp: DataPath, store: PageStore | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Replays the trace, then serves replay and dump requests until ``--hold`` ends or SIGTERM (or Ctrl-C) comes:
-    a clean stop either way. The process's own handlers of those signals are back when this returns (an engine
-    run in a process that goes on, such as a test's or a notebook's, leaves no handler behind that swallows
-    them)."""
+    """Replays the trace, then serves replay and dump requests until ``--hold`` ends or SIGTERM (or Ctrl-C, or
+    SIGHUP unless ignored) comes: a clean stop either way. The process's own handlers of those signals are back when
+    this returns (an engine run in a process that goes on, such as a test's or a notebook's, leaves no handler behind
+    that swallows them)."""
     stop = {"now": False, "signal": False}
-    previous = {sig: signal.signal(sig, lambda *_: stop.update(now=True, signal=True))
-                for sig in (signal.SIGTERM, signal.SIGINT)}  # a supervisor's stop, or Ctrl-C: the same clean stop
+    # A supervisor's stop, Ctrl-C, or the terminal closed: the same clean stop (nohup's SIGHUP stays ignored).
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    for sig, handler in previous.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(sig, lambda *_: stop.update(now=True, signal=True))
     try:
         return _serve(args, stop)
     finally:
         for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def _serve(args: argparse.Namespace, stop: dict[str, bool]) -> int:

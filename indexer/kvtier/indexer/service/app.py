@@ -619,11 +619,20 @@ def load_kernels() -> None:
     warm_tables()
 
 
+#: Signals that stop the service as Ctrl-C does: a supervisor's (SIGTERM), the terminal's closing (SIGHUP).
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
 def _interrupt(signum: int, frame: object) -> None:
-    """SIGTERM as Ctrl-C: the service stops. A second one while it stops (a supervisor signalling the process and
+    """A stop signal as Ctrl-C: the service stops. Another while it stops (a supervisor signalling the process and
     then its group) is ignored, so that it cannot cut the stop short before the snapshot is written."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _ignore_stops()
     raise KeyboardInterrupt
+
+
+def _ignore_stops() -> None:
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def preflight(config: ServiceConfig, inputs: Collection[tuple[str, str]] = ()) -> None:
@@ -679,7 +688,10 @@ def serve(config: ServiceConfig, load: Callable[[], object] = load_kernels,
     :func:`preflight` (given ``inputs``) refuses is refused before."""
     preflight(config, inputs)
     main = threading.current_thread() is threading.main_thread()  # (only the main thread may set handlers)
-    previous = signal.signal(signal.SIGTERM, _interrupt) if main else None
+    previous = {sig: signal.getsignal(sig) for sig in _STOP_SIGNALS} if main else {}
+    for sig, handler in previous.items():
+        if handler is not signal.SIG_IGN:  # (nohup's SIGHUP stays ignored)
+            signal.signal(sig, _interrupt)
     svc: IndexerService | None = None
     try:
         # A signal may land anywhere from here on, the kernels' loading, the start and the banner included (a
@@ -695,13 +707,13 @@ def serve(config: ServiceConfig, load: Callable[[], object] = load_kernels,
         except KeyboardInterrupt:
             pass
         finally:
-            if main:  # (stopped by Ctrl-C or a dead event loop: no SIGTERM may cut the stop short either)
-                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            if main:  # (stopped by Ctrl-C or a dead event loop: no stop signal may cut the stop short either)
+                _ignore_stops()
             if svc is not None:
                 svc.stop()
     finally:
-        if main:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
     if svc is None:
         return
     if svc.failed.is_set():
