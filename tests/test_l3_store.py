@@ -158,7 +158,8 @@ def test_overwritten_pages_are_never_served(tmp_path: Path) -> None:
 def test_a_sound_write_replaces_another_owners_damaged_file_of_the_page(tmp_path: Path) -> None:
     """Two owners of one directory (engines on one pool): b's file of a page rotted, and a's write of that page
     shared b's file, throwing its own sound bytes away. a announced a page it could never read, and so on at every
-    rewrite. A damaged file found there is now replaced by the sound one; a sound one is still shared."""
+    rewrite. A damaged file found there is now replaced by the sound one, b's hold moved to it (the file stays while
+    b holds it, a gone); a sound one is still shared."""
     b = chain_store(tmp_path, 2, owner="b", shared=True)
     assert b.pages_path is not None
     rotted = b.pages_path / k(0)
@@ -174,9 +175,14 @@ def test_a_sound_write_replaces_another_owners_damaged_file_of_the_page(tmp_path
     assert bytes(a.read_page(k(0))) == bytes([100]) * 64 and a.stats.damaged_reads == 0
     assert bytes(a.read_page(k(1))) == bytes([1]) * 64  # b's sound file, shared
     holds = tmp_path / L.tag() / "refs"
-    assert os.path.samefile(holds / "a" / k(0), b.pages_path / k(0))
-    assert not os.path.samefile(holds / "b" / k(0), b.pages_path / k(0))  # b's hold: the damaged file, b's to drop
-    assert os.path.samefile(holds / "a" / k(1), holds / "b" / k(1))
+    for i in (0, 1):
+        assert os.path.samefile(holds / "a" / k(i), holds / "b" / k(i))
+        assert os.path.samefile(holds / "a" / k(i), b.pages_path / k(i))
+        assert (b.pages_path / k(i)).stat().st_nlink == 3  # the page's name and its two owners
+    assert a._dir is not None
+    a._dir.release([k(1), k(0)])
+    assert bytes(b.read_page(k(0))) == bytes([100]) * 64 and b.stats.damaged_reads == b.stats.missing_reads == 0
+    assert sorted(p.name for p in (tmp_path / L.tag()).iterdir() if p.name.startswith(".tmp-")) == []
 
 
 def test_page_files_follow_the_umask_and_a_page_that_cannot_be_read_is_counted(tmp_path: Path,

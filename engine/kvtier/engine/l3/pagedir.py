@@ -195,6 +195,10 @@ class PageDir:
                         os.fsync(fd)
                     finally:
                         os.close(fd)
+            # Another owner's file of a page is checked here, outside the pool's lock (a read of the whole page):
+            # found damaged, and still the same file under the lock, it is replaced by this one.
+            damaged = {name: st for header, _ in items
+                       if (st := self._damaged(self.pages / (name := file_name(header.key)), header.key))}
             with self._locked():
                 for (header, _), tmp in zip(items, tmps, strict=True):
                     name = file_name(header.key)
@@ -202,8 +206,8 @@ class PageDir:
                     try:
                         os.link(tmp, page)
                     except FileExistsError:  # another owner wrote the same page: its file is shared, never
-                        if self._damaged(page, header.key):  # replaced, unless it is damaged: then this one's is
-                            os.replace(tmp, page)  # (its holders' links keep the damaged file, theirs to drop)
+                        if name in damaged:  # replaced, unless it is damaged: then this one's is
+                            self._replace(tmp, page, damaged[name])
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(tmp)  # the page's link count now counts owners only
                     linked.append(name)
@@ -233,15 +237,35 @@ class PageDir:
             except FileExistsError:
                 continue
 
-    def _damaged(self, page: Path, key: str) -> bool:
-        """Whether the file at ``page`` fails its checks (an error reading it is not taken for damage). O(size)."""
+    def _damaged(self, page: Path, key: str) -> os.stat_result | None:
+        """The file at ``page`` (its stat) if it is there and fails its checks; None if it is sound, missing or
+        cannot be read (not taken for damage). O(size)."""
         try:
-            decode(page.read_bytes(), key, self.layout)
+            with open(page, "rb") as f:
+                st = os.fstat(f.fileno())
+                decode(f.read(), key, self.layout)
         except PageFileError:
-            return True
+            return st
         except OSError:
-            return False
-        return False
+            return None
+        return None
+
+    def _replace(self, tmp: str, page: Path, bad: os.stat_result) -> None:
+        """Puts the file ``tmp`` at ``page`` in place of the damaged file ``bad``, if that is still the one there,
+        and moves every owner's hold on it to the new file: the link count goes on counting owners, and no holder
+        keeps a file no read finds. Under the lock. O(owners)."""
+        with contextlib.suppress(FileNotFoundError):
+            if not os.path.samestat(os.stat(page), bad):
+                return  # (replaced, or removed and written again, since it was checked: shared as found)
+        holders = []
+        for owner in os.scandir(self.base / "refs"):
+            ref = Path(owner.path) / page.name
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                if owner.is_dir() and os.path.samestat(os.stat(ref), bad):
+                    holders.append(ref)
+        os.replace(tmp, page)
+        for ref in holders:
+            self._hold(page, ref)
 
     def _hold(self, page: Path, ref: Path) -> None:
         """This owner's link ``ref`` to the file at ``page`` now: a link it held to a file since replaced there (a
