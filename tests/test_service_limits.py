@@ -1067,6 +1067,36 @@ def test_a_stop_during_a_long_pass_writes_the_last_snapshot_or_says_it_did_not(
         loop._thread.join(10)
 
 
+def test_a_start_whose_port_is_taken_says_so_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A start whose HTTP port could not be bound waited for the event loop's last snapshot, as a stop does: a
+    minute more where its pass was long, before the port's error, for a service that never served. It is said
+    within the loop's first wait, and the snapshot path is let go once the loop ends."""
+    from kvtier.indexer.service import eventloop
+
+    held = _Gated()
+    monkeypatch.setattr(eventloop, "Subscriber", held.subscriber())
+    monkeypatch.setattr(eventloop, "_STOP_WAIT_S", 60.0)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        snap = tmp_path / "index.snap"
+        svc = IndexerService(ServiceConfig(endpoints=[parse_endpoint("w0=tcp://127.0.0.1:1")], block_size=BS,
+                                           listen=f"127.0.0.1:{taken.getsockname()[1]}", snapshot_path=str(snap)))
+        held.armed.set()  # the loop's first pass is long
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(OSError):
+                svc.start()
+            assert time.monotonic() - t0 < 30
+        finally:
+            held.gate.set()
+            svc._loop._thread.join(10)
+    again = IndexerService(ServiceConfig(endpoints=[parse_endpoint("w0=tcp://127.0.0.1:1")], block_size=BS,
+                                         listen="127.0.0.1:0", snapshot_path=str(snap)))
+    again.start()  # (the path is free)
+    again.stop()
+
+
 @pytest.mark.parametrize(("text", "expected"), [
     ('block_size = 1180591620717411303424\n', "block_size: 1180591620717411303424 is not allowed"),
     ("snapshot_interval_s = 1e-9\n", "snapshot_interval_s: 1e-09 is not allowed"),

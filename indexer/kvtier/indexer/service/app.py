@@ -91,7 +91,6 @@ class IndexerService:
         self.index = TieredIndex(config.block_size, window_tokens=config.inferred_window_tokens)
         self._resume: persist.Positions = {}  # streams restored from the snapshot, and where they were
         self.restored_from: str | None = None  # the snapshot file the index was restored from
-        self._claim: persist.Claim | None = None  # the snapshot path, held from start to stop
         if config.snapshot_path is not None:
             self._restore(Path(config.snapshot_path), streams)
         self.loads = LoadTracker(config.block_size)
@@ -223,23 +222,19 @@ class IndexerService:
         # Descriptors for every endpoint and connection, now rather than "Too many open files" mid-run.
         fdlimit.ensure(len(self.config.endpoints), self.config.max_connections)
         if self.config.snapshot_path is not None:
-            try:  # (held until stop: a second service on the path is refused)
-                self._claim = persist.claim(Path(self.config.snapshot_path))
+            try:  # (held by the event loop, the snapshots' writer, until it ends: a second service is refused)
+                self._loop.claim = persist.claim(Path(self.config.snapshot_path))
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
             except OSError as exc:  # (a file system without locks; one that went read-only since the preflight)
                 raise ConfigError(f"snapshot {self.config.snapshot_path}: {exc.strerror or exc}: {exc.filename}"
                                   ) from None
+        self._loop.start()
         try:
-            self._loop.start()
-            try:
-                self._http.start()
-            except BaseException:
-                self._loop.stop()
-                self._loop.join()
-                raise
-        except BaseException:
-            self._let_go()
+            self._http.start()
+        except BaseException:  # (the port: said at once, not after the loop's last snapshot)
+            self._loop.stop()
+            self._loop.join(last_snapshot=False)
             raise
         # Everything startup made (modules, kernels, a restored index) lives as long as the service: out of
         # the collector's full passes, which otherwise stall every thread for tens of ms (kvtier.util.gcpause).
@@ -251,14 +246,6 @@ class IndexerService:
         self._loop.stop()
         self._http.stop()
         self._loop.join()
-        self._let_go()
-
-    def _let_go(self) -> None:
-        """Lets go of the snapshot path once the event loop, its last writer, has ended (a loop still at work after
-        the stop's wait keeps it until the process exits)."""
-        if self._claim is not None and not self._loop.is_alive():
-            self._claim.release()
-            self._claim = None
 
     def _rebuilding(self) -> set[StreamId]:
         """:meth:`EventLoop.rebuilding <kvtier.indexer.service.eventloop.EventLoop.rebuilding>`. O(streams)."""

@@ -71,28 +71,40 @@ class EventLoop:
         self.snapshot_error: str | None = None  # why the last one failed, until one succeeds again
         self.apply_wait = Histogram()  # a delivered batch's wait for the lock: how long requests held it up
         self.apply_hold = Histogram()  # the lock held by one delivered batch's application (a slice of a large one)
+        self.claim: persist.Claim | None = None  # the snapshot path, held until the thread ends (persist.claim)
         self._thread = threading.Thread(target=self._run, name="kv-indexer", daemon=True)
 
     def start(self, ready_within_s: float = 5.0) -> None:
         """Starts the thread and waits (at most ``ready_within_s``) until it subscribed."""
-        self._thread.start()
+        try:
+            self._thread.start()
+        except BaseException:
+            self._let_go()
+            raise
         self.ready.wait(ready_within_s)
+
+    def _let_go(self) -> None:
+        """Lets go of the snapshot path: no snapshot is written from here on."""
+        if self.claim is not None:
+            self.claim.release()
+            self.claim = None
 
     def stop(self) -> None:
         """Asks the thread to stop; it writes a last snapshot on its way out (:meth:`join`)."""
         self._stop.set()
 
-    def join(self, timeout_s: float = 5.0) -> None:
+    def join(self, timeout_s: float = 5.0, *, last_snapshot: bool = True) -> None:
         """Waits for the thread to end after :meth:`stop`: at most ``timeout_s`` without snapshots. With snapshots the
         thread ends only once it applied what it last polled (a catch-up's poll takes seconds) and wrote the last
         snapshot (after the one in flight), and a process that exits before would lose it (the thread is a daemon):
         it is waited for up to :data:`_STOP_WAIT_S` or three times the last snapshot's length more, and if it is
         still at work then, the last snapshot counts as failed (``snapshot_error``), so that the service exits
-        saying so. Nothing to wait for if it never started (a service stopped during its start)."""
+        saying so. Nothing to wait for if it never started (a service stopped during its start). Without
+        ``last_snapshot`` (a start that failed: there was nothing to serve) at most ``timeout_s``."""
         if self._thread.ident is None:
             return
         self._thread.join(timeout=timeout_s)
-        if self.config.snapshot_path is None or not self._thread.is_alive():
+        if not last_snapshot or self.config.snapshot_path is None or not self._thread.is_alive():
             return
         more = max(_STOP_WAIT_S, 3 * self.snapshot_seconds)
         self._thread.join(timeout=more)
@@ -215,6 +227,14 @@ class EventLoop:
     # --- the thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
+        """The thread: follows the engines (:meth:`_follow_until_stopped`), then lets go of the snapshot path, as it
+        writes no snapshot any more."""
+        try:
+            self._follow_until_stopped()
+        finally:
+            self._let_go()
+
+    def _follow_until_stopped(self) -> None:
         """Follows the engines until stop. A failure ends it (``failed``), unless ``loop_restarts`` allows
         another try: it then starts again after a back-off, each stream resuming after its last applied batch,
         as from a snapshot (a stream that was not in sync starts afresh)."""
