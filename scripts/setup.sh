@@ -36,6 +36,13 @@ log=.venv/install.log
 : >"$log"
 echo "kvtier: installing into .venv (log: $log)" >&2
 
+stop_step() {  # stop_step PID STATUS: stops a step's command and what it started (pip's build backend), then exits
+    if command -v pkill >/dev/null; then pkill -TERM -P "$1" 2>/dev/null || true; fi
+    kill -TERM "$1" 2>/dev/null || true
+    wait "$1" 2>/dev/null || true
+    echo "kvtier: install stopped; bash scripts/setup.sh starts it again" >&2
+    exit "$2"
+}
 step() {  # step WHAT CMD...: says WHAT, runs CMD into the log, saying every 15 s what pip is at; on failure
           # shows the log and stops. Ctrl-C (or a stop signal) stops CMD too: run in the background it ignores
           # Ctrl-C, and would go on writing into .venv beside the next run's install.
@@ -43,7 +50,9 @@ step() {  # step WHAT CMD...: says WHAT, runs CMD into the log, saying every 15 
     shift
     "$@" >>"$log" 2>&1 &
     local pid=$! waited=0 at
-    trap 'kill -TERM "$pid" 2>/dev/null; wait "$pid" 2>/dev/null || true; echo "kvtier: install stopped; bash scripts/setup.sh starts it again" >&2; exit 130' INT TERM HUP
+    trap 'stop_step "$pid" 130' INT
+    trap 'stop_step "$pid" 143' TERM
+    trap 'stop_step "$pid" 129' HUP
     while kill -0 "$pid" 2>/dev/null; do
         sleep 1
         waited=$((waited + 1))

@@ -54,17 +54,18 @@ def test_engine_killed_mid_write_restarts_warm(tmp_path: Path) -> None:
     residency = tmp_path / "res.json"
     second = engine(tmp_path, "--trace", "builtin:chat:3", "--speed", "1000", "--disk-pages", "200",
                     "--residency", str(residency), "--hold", "60")
-    assert second.stdout is not None
-    line = second.stdout.readline().decode()
-    found = re.search(r"adopted (\d+) pages; removed (\d+) temporary", line)
-    assert found and int(found[1]) == 200 and int(found[2]) >= 1, line  # the torn write is gone
-    line = second.stdout.readline().decode()
-    bound = re.search(r"publishing on (\S+), replay (\S+),", line)
-    assert bound, line
-    svc = IndexerService(ServiceConfig(endpoints=[EndpointConfig("w0", bound[1], bound[2], supports_dump=True)],
-                                       block_size=16, listen="127.0.0.1:0", replay_timeout_s=1.0))
-    svc.start()
+    svc = None
     try:
+        assert second.stdout is not None
+        line = second.stdout.readline().decode()
+        found = re.search(r"adopted (\d+) pages; removed (\d+) temporary", line)
+        assert found and int(found[1]) == 200 and int(found[2]) >= 1, line  # the torn write is gone
+        line = second.stdout.readline().decode()
+        bound = re.search(r"publishing on (\S+), replay (\S+),", line)
+        assert bound, line
+        svc = IndexerService(ServiceConfig(endpoints=[EndpointConfig("w0", bound[1], bound[2], supports_dump=True)],
+                                           block_size=16, listen="127.0.0.1:0", replay_timeout_s=1.0))
+        svc.start()
         deadline = time.monotonic() + 60
         while (truth := read_residency(residency)) is None or svc.view(svc.config.endpoints[0].stream) != truth:
             assert time.monotonic() < deadline, "the indexer did not converge on the restarted engine"
@@ -76,7 +77,8 @@ def test_engine_killed_mid_write_restarts_warm(tmp_path: Path) -> None:
         assert on_disk == truth[StorageTier.DISK]  # every file is a page the engine and the router know
         assert json.loads(residency.read_text())["DISK"]
     finally:
-        svc.stop()
+        if svc is not None:
+            svc.stop()
         second.send_signal(signal.SIGTERM)
         second.wait(timeout=10)
 

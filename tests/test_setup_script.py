@@ -16,19 +16,20 @@ from tests.test_multiprocess import ROOT, gone
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_ctrl_c_during_the_install_stops_pip_too(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("sig", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_during_the_install_stops_pip_too(tmp_path: Path, sig: int, status: int) -> None:
     """Ctrl-C during a first install ended both scripts at once while pip, run in the background (where a script's
     jobs ignore Ctrl-C), went on writing into .venv: running the command again started a second pip beside it. Here
-    a stand-in for pip records its pid and waits; Ctrl-C goes to the script's process group, as a terminal sends
-    it."""
+    a stand-in for pip records its pid and its child's (pip's build backend) and waits; Ctrl-C goes to the script's
+    process group, as a terminal sends it, SIGTERM to the script alone, as kill sends it."""
     (tmp_path / "scripts").mkdir()
     shutil.copy(ROOT / "scripts" / "setup.sh", tmp_path / "scripts" / "setup.sh")
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     pips = tmp_path / "pips"
     python = tmp_path / ".venv" / "bin" / "python"
     python.parent.mkdir(parents=True)
-    python.write_text(f'#!/bin/bash\nif [ "$1 $2" = "-m pip" ]; then echo $$ >> {pips}; exec sleep 60; fi\n'
-                      f'exec {sys.executable} "$@"\n')
+    python.write_text(f'#!/bin/bash\nif [ "$1 $2" = "-m pip" ]; then\n    sleep 61 & echo $$ $! >> {pips}\n'
+                      f'    exec sleep 60\nfi\nexec {sys.executable} "$@"\n')
     python.chmod(0o755)
     err = tmp_path / "err"
     with err.open("w") as log:
@@ -39,12 +40,15 @@ def test_ctrl_c_during_the_install_stops_pip_too(tmp_path: Path) -> None:
         while not (pips.exists() and pips.read_text().strip()):
             assert time.monotonic() < deadline and proc.poll() is None, err.read_text()
             time.sleep(0.05)
-        pip = int(pips.read_text().split()[0])
-        os.killpg(proc.pid, signal.SIGINT)
-        assert proc.wait(timeout=30) == 130, err.read_text()
+        started = [int(p) for p in pips.read_text().split()]
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+        assert proc.wait(timeout=30) == status, err.read_text()
         deadline = time.monotonic() + 10
-        while not gone(pip):
-            assert time.monotonic() < deadline, "pip went on after Ctrl-C"
+        while not all(gone(p) for p in started):
+            assert time.monotonic() < deadline, "pip (or what it started) went on after the stop"
             time.sleep(0.05)
         assert err.read_text().splitlines()[-1] == "kvtier: install stopped; bash scripts/setup.sh starts it again"
         assert not (tmp_path / ".venv" / "install.stamp").exists()
