@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import stat
 import subprocess
@@ -736,6 +737,17 @@ def test_ctrl_c_inside_a_compiled_kernel_is_one_line_and_status_130(monkeypatch:
     monkeypatch.setattr(experiment, "simulate", interrupted)
     assert main(["replay", *SMALL]) == 130
     assert capsys.readouterr().err.strip().splitlines()[-1] == "kvtier: interrupted"
+
+    def stopped(*args: object, **kwargs: object) -> None:  # (a SIGTERM there: its own line and status)
+        try:
+            raise cli_module.Stopped(signal.SIGTERM)
+        except KeyboardInterrupt as exc:
+            raise SystemError("CPUDispatcher(<function strip_tokens>) returned a result with an exception set") \
+                from exc
+
+    monkeypatch.setattr(experiment, "simulate", stopped)
+    assert main(["replay", *SMALL]) == 143
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "kvtier: stopped by SIGTERM"
 
     def broken(*args: object, **kwargs: object) -> None:
         raise SystemError("a bug")

@@ -1107,28 +1107,34 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt as exc:  # Ctrl-C or a stop signal mid-run (or mid-import of a plugin): no traceback,
         # the shell's status
-        if isinstance(exc, Stopped):
-            print(f"kvtier: stopped by {signal.Signals(exc.signum).name}", file=sys.stderr)
-            return 128 + exc.signum
-        print("kvtier: interrupted", file=sys.stderr)
-        return 130
+        return _said_interrupted(exc)
     except SystemError as exc:  # Ctrl-C inside a compiled kernel: numba's dispatch wraps it in a SystemError
-        if not _interrupted(exc):
+        cause = _interrupted(exc)
+        if cause is None:
             raise
-        print("kvtier: interrupted", file=sys.stderr)
-        return 130
+        return _said_interrupted(cause)
 
 
-def _interrupted(exc: BaseException) -> bool:
-    """Whether ``exc`` was caused by a KeyboardInterrupt (its cause or context, at any depth). O(chain)."""
+def _said_interrupted(exc: KeyboardInterrupt) -> int:
+    """Says that the run was stopped, and by what: the exit status, the shell's for that signal."""
+    if isinstance(exc, Stopped):
+        print(f"kvtier: stopped by {signal.Signals(exc.signum).name}", file=sys.stderr)
+        return 128 + exc.signum
+    print("kvtier: interrupted", file=sys.stderr)
+    return 130
+
+
+def _interrupted(exc: BaseException) -> KeyboardInterrupt | None:
+    """The KeyboardInterrupt (or stop signal) that caused ``exc`` (its cause or context, at any depth), if one did.
+    O(chain)."""
     seen: set[int] = set()
     e: BaseException | None = exc
     while e is not None and id(e) not in seen:
         if isinstance(e, KeyboardInterrupt):
-            return True
+            return e
         seen.add(id(e))
         e = e.__cause__ or e.__context__
-    return False
+    return None
 
 
 __all__ = ["RunResult", "build_parser", "main"]
