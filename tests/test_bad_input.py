@@ -727,27 +727,19 @@ def test_ctrl_c_inside_a_compiled_kernel_is_one_line_and_status_130(monkeypatch:
     """A Ctrl-C that lands inside a numba kernel surfaces as a SystemError ("returned a result with an exception
     set") caused by the KeyboardInterrupt: it printed that traceback and exited 1. A SystemError of its own still
     raises."""
-    def interrupted(*args: object, **kwargs: object) -> None:
-        try:
-            raise KeyboardInterrupt
-        except KeyboardInterrupt as exc:
-            raise SystemError("CPUDispatcher(<function strip_tokens>) returned a result with an exception set") \
-                from exc
+    # (a SIGTERM there has its own line and status)
+    for cause, status, line in [(KeyboardInterrupt(), 130, "kvtier: interrupted"),
+                                (cli_module.Stopped(signal.SIGTERM), 143, "kvtier: stopped by SIGTERM")]:
+        def interrupted(*args: object, cause: BaseException = cause, **kwargs: object) -> None:
+            try:
+                raise cause
+            except KeyboardInterrupt as exc:
+                raise SystemError("CPUDispatcher(<function strip_tokens>) returned a result with an exception set") \
+                    from exc
 
-    monkeypatch.setattr(experiment, "simulate", interrupted)
-    assert main(["replay", *SMALL]) == 130
-    assert capsys.readouterr().err.strip().splitlines()[-1] == "kvtier: interrupted"
-
-    def stopped(*args: object, **kwargs: object) -> None:  # (a SIGTERM there: its own line and status)
-        try:
-            raise cli_module.Stopped(signal.SIGTERM)
-        except KeyboardInterrupt as exc:
-            raise SystemError("CPUDispatcher(<function strip_tokens>) returned a result with an exception set") \
-                from exc
-
-    monkeypatch.setattr(experiment, "simulate", stopped)
-    assert main(["replay", *SMALL]) == 143
-    assert capsys.readouterr().err.strip().splitlines()[-1] == "kvtier: stopped by SIGTERM"
+        monkeypatch.setattr(experiment, "simulate", interrupted)
+        assert main(["replay", *SMALL]) == status
+        assert capsys.readouterr().err.strip().splitlines()[-1] == line
 
     def broken(*args: object, **kwargs: object) -> None:
         raise SystemError("a bug")
