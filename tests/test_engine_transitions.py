@@ -224,9 +224,9 @@ def test_pages_deeper_than_the_store_holds_are_not_written(tmp_path: Path) -> No
     reserved: list[int] = []
     begin = store.begin_write
 
-    def counted(key: str, meta: PageMeta) -> None:
+    def counted(key: str, meta: PageMeta) -> bool:
         reserved.append(meta.depth)
-        begin(key, meta)
+        return begin(key, meta)
 
     store.begin_write = counted  # type: ignore[method-assign]
     h = Harness(CacheConfig(page_size=PS, device_pages=16, host_ratio=2.0), store)

@@ -183,13 +183,13 @@ def test_a_reader_of_a_dropped_page_never_unpins_the_page_written_again() -> Non
     assert pool.meta(p).pins == 1
     pool._check()
     q = k(5, 5)
-    pool.begin_write(q, meta(5, None))
-    assert pool.commit(q, "w0") and p in pool and q not in pool  # p is being read: the new page goes itself
+    assert not pool.begin_write(q, meta(5, None))  # p is being read: no room for the new page
+    assert p in pool and not pool.is_pending(q)
     pool.unpin(third)
     assert pool.meta(p).pins == 0
     pool._check()
-    pool.begin_write(q, meta(5, None))
-    assert pool.commit(q, "w0") and p not in pool and q in pool
+    assert pool.begin_write(q, meta(5, None)) and p not in pool  # the write takes its room at once
+    assert pool.commit(q, "w0") and q in pool
 
 
 # --- temporary files of several stores -------------------------------------------------------------------------------

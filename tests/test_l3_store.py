@@ -576,3 +576,28 @@ def test_children_begun_under_an_aborted_page_count_when_it_is_found_on_disk_ins
     assert a.commit(k(9, 9), "a")  # over capacity: a leaf goes, and k0 is not one
     a._check()
     assert k(0) in a and k(1) not in a
+
+
+def test_writes_in_flight_take_their_room(tmp_path: Path) -> None:
+    """A full store that took writes was over its capacity by every write in flight until they landed: the files
+    counted nothing in flight (`kvtier engine --disk-pages 500` peaked at 947-966 page files), so a disk sized to
+    the capacity could fill. A write takes its room when it is reserved, evicting then, and the files never
+    outnumber the capacity. With no room to make (every page pinned), the write is refused, nothing reserved."""
+    store = chain_store(tmp_path, 4, capacity=4)
+    pages = store.pages_path
+    assert pages is not None
+    gone: list[str] = []
+    store.attach("a", gone.extend)
+    for i in range(10, 14):  # four new chains' first pages, all in flight at once
+        assert store.begin_write(k(i, i), meta(i, None))
+        assert len(store) + len(store._pending) <= 4
+    assert gone == [k(3), k(2), k(1), k(0)]  # leaves first, each as it made room
+    store.write_pages([(k(i, i), bytes([i]) * 64) for i in range(10, 14)])
+    assert len([p for p in pages.iterdir() if p.is_file()]) == 4
+    for i in range(10, 14):
+        assert store.commit(k(i, i), "a")
+    held = store.pin([k(i, i) for i in range(10, 14)])
+    assert not store.begin_write(k(20, 20), meta(20, None))  # every page is being read
+    assert not store.is_pending(k(20, 20)) and len(store) == 4
+    store.unpin(held)
+    store._check()

@@ -125,7 +125,8 @@ class L3Link:
                 break  # the parent page is gone and cannot be rewritten from here: stop the run
             if depth0 + i >= store.capacity:
                 break  # it and its ancestors outnumber what the store holds: written, it would be trimmed at once
-            store.begin_write(key, meta)
+            if not store.begin_write(key, meta):
+                break  # no room: every other page is pinned or being written (its children need it first)
             self.pending.add(key)
             keys.append(key)
             metas.append(meta)

@@ -8,12 +8,14 @@ is gone, is never served: the read fails, the caller drops the page (:meth:`Page
 its announcers publish ``BlockRemoved``. On start a directory store adopts the sound pages its
 owner held before (prefix-closed, within capacity), so a restarted engine is warm.
 
-Two invariants make the store safe for event consumers:
+Three invariants make the store safe for event consumers and for the disk under it:
 
 * **prefix closure**: a page is committed only after its parent (``begin_write``
   counts pending children too), and only pages with no committed or pending
   children are evicted (leaf-first LRU). So every announced page's parent is
   announced too, and a state dump never names an unknown parent;
+* **capacity**: committed pages and writes in flight together never outnumber it. A write takes its room when it
+  is reserved (``begin_write`` evicts then, or refuses), so the files on disk stay within it too;
 * pages being read (``pin``) are never evicted. A pin belongs to the entry it was taken on: a reader's
   ``unpin`` of a page dropped meanwhile (:meth:`PageStore.drop`) never touches the entry of the page written
   again since, so pins never go negative.
@@ -190,9 +192,16 @@ class PageStore:
 
     # --- writes --------------------------------------------------------------------------
 
-    def begin_write(self, key: str, meta: PageMeta) -> None:
-        """Reserves ``key`` before its bytes are written. Asserts its parent is present. O(1)."""
+    def begin_write(self, key: str, meta: PageMeta) -> bool:
+        """Reserves ``key`` before its bytes are written; True if it did. A write in flight takes its room at once:
+        least-recently-used leaves are evicted to make it (never its parent), so committed pages and writes in
+        flight together stay within capacity, and a disk sized to the capacity holds every file. False, with
+        nothing reserved, when no room can be made: every other page is pinned, the parent, or under a write in
+        flight. Asserts its parent is present. O(1) per page evicted."""
+        if self._room() < 1 and not self._evict_over_capacity(protect=meta.parent_key or "", need=1):
+            return False
         self._tree.reserve(key, meta)
+        return True
 
     def write_pages(self, pages: Sequence[tuple[str, bytes | memoryview]]) -> None:
         """Writes reserved pages' files, all or nothing (no-op without a directory). Runs on a copy
@@ -235,9 +244,7 @@ class PageStore:
 
         False (the page is dropped) when its parent is not committed: aborted meanwhile, e.g. by
         another engine's reset in a shared pool, or still in flight from another engine: a page
-        never lives without its parent. Evicts
-        least-recently-used leaves first if the store is over capacity; their announcers are
-        told through their listeners.
+        never lives without its parent. Nothing is evicted: the page took its room when it was reserved.
         """
         meta = self._tree.unreserve(key)
         if meta.parent_key is not None and meta.parent_key not in self._entries:
@@ -245,7 +252,6 @@ class PageStore:
             self._unlink(key)
             return False
         self._insert(key, meta, frozenset((engine,)))
-        self._evict_over_capacity(protect=key)
         return True
 
     def _insert(self, key: str, meta: PageMeta, announcers: frozenset[EngineTag]) -> None:
@@ -281,20 +287,26 @@ class PageStore:
 
     # --- eviction ------------------------------------------------------------------------
 
-    def _evict_over_capacity(self, protect: str) -> None:
+    def _room(self) -> int:
+        """Pages the store can take before it evicts: committed pages and writes in flight both count. O(1)."""
+        return self.capacity - len(self._entries) - len(self._pending)
+
+    def _evict_over_capacity(self, protect: str, need: int = 0) -> bool:
+        """Evicts unpinned least-recently-used leaves other than ``protect`` until ``need`` more pages fit; True if
+        they do. With ``need`` 0, ``protect`` (a page just found in a shared pool) goes itself if nothing else can.
+        Each announcer is told what it lost. O(pages evicted, + pinned leaves skipped)."""
         lost: dict[EngineTag, list[str]] = {}
-        while len(self._entries) > self.capacity:
+        while self._room() < need:
             leaves = self._tree.leaves
             victim = next((k for k in leaves if self._entries[k].pins == 0 and k != protect), None)
-            if victim is None and protect in leaves and self._entries[protect].pins == 0:
-                # Nothing older to give up: the new leaf goes itself, and then, a leaf in turn, its
-                # parent, so a chain longer than the store is trimmed to what fits once written.
-                victim, protect = protect, ""
+            if victim is None and not need and protect in leaves and self._entries[protect].pins == 0:
+                victim, protect = protect, ""  # nothing else can go: the page just found is not adopted
             if victim is None:
-                break  # everything is pinned or has children pending: over capacity until those land
+                break  # every other page is pinned or under a write in flight
             self._remove(victim, lost)
         for engine, keys in lost.items():
             self._listeners[engine](keys)
+        return self._room() >= need
 
     def delete(self, key: str) -> None:
         """Deletes a page explicitly. Raises ``ValueError`` if it has children or readers."""
@@ -366,6 +378,7 @@ class PageStore:
     def _check(self) -> None:
         """Asserts the tree's invariants (prefix closure, children, leaves) and the store's own. O(pages^2)."""
         self._tree._check()
+        assert self._room() >= 0, f"{len(self._entries)} pages and {len(self._pending)} writes over {self.capacity}"
         for k, e in self._entries.items():
             assert e.pins >= 0, f"page {k}: negative pins"
             assert self._tags.get(e.announcers) is e.announcers, f"page {k}: announcer set not interned"
