@@ -58,6 +58,7 @@ from kvtier.sim.trace import MAX_TIMESTAMP_MS, TIME_SCALE, Request, TraceError, 
 from kvtier.sim.transport import Recovery
 from kvtier.util.fields import ConfigError, Domain, OneLineParser, add_options, did_you_mean
 from kvtier.util.outpath import unwritable
+from kvtier.util.signals import STOP_SIGNALS, handling
 from kvtier.wire.protocol import DEFAULT_BLOCK_SIZE
 
 #: How --policy and --policies name a plugin (kvtier.indexer.routing.plugins).
@@ -345,8 +346,6 @@ def _load_kernels_saying_so(load: Callable[[], object], whose: str, first: str, 
     inherit; the index's before the service starts). Loading takes about a second from numba's cache; the first
     ``first`` after an install compiles them, which ``takes`` on 2 cores: past :data:`KERNEL_NOTICE_S` a line says
     so, and when they are ready how long it took."""
-    import threading
-
     done = threading.Event()
     said = threading.Event()
 
@@ -562,50 +561,23 @@ class Stopped(KeyboardInterrupt):
         self.signum = signum
 
 
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-
-
 def _stopping(signum: int, frame: object) -> None:
     raise Stopped(signum)
 
 
-@contextlib.contextmanager
-def _stop_signals() -> Iterator[None]:
-    """Raises :class:`Stopped` on a stop signal while the command runs (one ignored, as ``nohup`` ignores SIGHUP,
-    stays so); the handlers before are back after. A no-op off the main thread. O(1)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    before = {sig: signal.getsignal(sig) for sig in _STOP_SIGNALS}
-    for sig, handler in before.items():
-        if handler is not signal.SIG_IGN:
-            signal.signal(sig, _stopping)
-    try:
-        yield
-    finally:
-        for sig, handler in before.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+def _stop_signals() -> contextlib.AbstractContextManager[bool]:
+    """Raises :class:`Stopped` on a stop signal while the command runs (see :mod:`kvtier.util.signals`). O(1)."""
+    return handling(STOP_SIGNALS, _stopping)
 
 
 @contextlib.contextmanager
 def _interrupt_after() -> Iterator[None]:
     """Holds a Ctrl-C (or a stop signal) while the plots are drawn and written, and raises it once they are:
     matplotlib runs weakref callbacks, where Python prints an interrupt and drops it (the command then went on and
-    exited 0). A no-op off the main thread; a signal ignored stays so. O(1)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+    exited 0). See :mod:`kvtier.util.signals` for the signals ignored and the threads. O(1)."""
     held: list[int] = []
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, *_STOP_SIGNALS)}
-    for sig, handler in before.items():
-        if handler not in (signal.SIG_IGN, None):
-            signal.signal(sig, lambda signum, frame: held.append(signum))
-    try:
+    with handling((signal.SIGINT, *STOP_SIGNALS), lambda signum, frame: held.append(signum)):
         yield
-    finally:
-        for sig, handler in before.items():
-            if handler is not None:
-                signal.signal(sig, handler)
     if held:
         raise KeyboardInterrupt if held[0] == signal.SIGINT else Stopped(held[0])
 

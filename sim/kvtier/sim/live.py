@@ -39,6 +39,7 @@ from kvtier.sim.report import whole
 from kvtier.sim.trace import TIME_SCALE, Request, TokenBank
 from kvtier.util.fields import Domain, OneLineParser, add_options
 from kvtier.util.outpath import unwritable
+from kvtier.util.signals import STOP_SIGNALS, handling
 from kvtier.wire.protocol import DEFAULT_BLOCK_SIZE
 from kvtier.wire.transport.publisher import DUMP_INTERVAL_S, MAX_DUMPS
 from kvtier.wire.transport.subscriber import MAX_DP_RANK
@@ -225,15 +226,8 @@ def run(args: argparse.Namespace) -> int:
     that swallows them)."""
     stop = {"now": False, "signal": False}
     # A supervisor's stop, Ctrl-C, or the terminal closed: the same clean stop (nohup's SIGHUP stays ignored).
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
-    for sig, handler in previous.items():
-        if handler is not signal.SIG_IGN:
-            signal.signal(sig, lambda *_: stop.update(now=True, signal=True))
-    try:
+    with handling((signal.SIGINT, *STOP_SIGNALS), lambda *_: stop.update(now=True, signal=True)):
         return _serve(args, stop)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def _serve(args: argparse.Namespace, stop: dict[str, bool]) -> int:

@@ -6,5 +6,6 @@
 * :mod:`~kvtier.util.gcpause` -- garbage-collector pauses of a long-running process, measured and kept short;
 * :mod:`~kvtier.util.lazy` -- lazy re-exports for package facades;
 * :mod:`~kvtier.util.infile` -- a file read whole, in bounded memory and never waited on;
-* :mod:`~kvtier.util.outpath` -- a file written later, checked when the command starts.
+* :mod:`~kvtier.util.outpath` -- a file written later, checked when the command starts;
+* :mod:`~kvtier.util.signals` -- signal handlers for the length of a block (the stop signals' clean stop).
 """

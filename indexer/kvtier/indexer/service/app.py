@@ -33,7 +33,6 @@ import logging
 import os
 import signal
 import socket
-import threading
 import time
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager, suppress
@@ -64,6 +63,7 @@ from kvtier.indexer.service.predictions import Predictions
 from kvtier.indexer.service.requestbody import RequestBody, parse_body, parse_finish
 from kvtier.util.fields import ConfigError, did_you_mean
 from kvtier.util.gcpause import GcPauses, freeze_startup_objects
+from kvtier.util.signals import STOP_SIGNALS, handling
 from kvtier.wire.notices import StreamId
 from kvtier.wire.overlap import OverlapScores
 from kvtier.wire.protocol import TOKEN_BYTES, PackedTokens
@@ -606,10 +606,6 @@ def load_kernels() -> None:
     warm_tables()
 
 
-#: Signals that stop the service as Ctrl-C does: a supervisor's (SIGTERM), the terminal's closing (SIGHUP).
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-
-
 def _interrupt(signum: int, frame: object) -> None:
     """A stop signal as Ctrl-C: the service stops. Another while it stops (a supervisor signalling the process and
     then its group) is ignored, so that it cannot cut the stop short before the snapshot is written."""
@@ -618,7 +614,7 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def _ignore_stops() -> None:
-    for sig in _STOP_SIGNALS:
+    for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
 
 
@@ -674,13 +670,8 @@ def serve(config: ServiceConfig, load: Callable[[], object] = load_kernels,
     kernels first (the CLI's says so while a first start compiles them), a stop signal heeded meanwhile too; what
     :func:`preflight` (given ``inputs``) refuses is refused before."""
     preflight(config, inputs)
-    main = threading.current_thread() is threading.main_thread()  # (only the main thread may set handlers)
-    previous = {sig: signal.getsignal(sig) for sig in _STOP_SIGNALS} if main else {}
-    for sig, handler in previous.items():
-        if handler is not signal.SIG_IGN:  # (nohup's SIGHUP stays ignored)
-            signal.signal(sig, _interrupt)
     svc: IndexerService | None = None
-    try:
+    with handling(STOP_SIGNALS, _interrupt) as main:  # (nohup's SIGHUP stays ignored; main: handlers were set)
         # A signal may land anywhere from here on, the kernels' loading, the start and the banner included (a
         # supervisor that saw the banner may stop the process before print has returned): every path stops what
         # was made, the service with its snapshot written.
@@ -698,9 +689,6 @@ def serve(config: ServiceConfig, load: Callable[[], object] = load_kernels,
                 _ignore_stops()
             if svc is not None:
                 svc.stop()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
     if svc is None:
         return
     if svc.failed.is_set():
