@@ -329,6 +329,19 @@ def test_goodput_checks_its_tpot_bound_on_the_decode_side() -> None:
     assert decode_cost("min_ttft", settings).cost(4096, 64, none, busy) < SLO_MISS_MS
 
 
+@pytest.mark.parametrize("name", ["kv_all", "kv_swa"])
+@pytest.mark.parametrize("cost", ["credit", "ttft"])
+def test_the_decode_side_credits_no_shared_pool(name: str, cost: str) -> None:
+    """A decode worker receives the KV it lacks on its own tiers over the link, a shared pool's blocks included. The
+    pool was credited, and a tier's credit counts the blocks past the tier above it, so of two decode workers the
+    one holding less of the prompt on device gained more (in a 2+2 run with a pool, 92 of 250 requests went to
+    another decode worker than the one the decode engines' own state picks)."""
+    dec = decode_cost(name, RoutingSettings(cost=cost))
+    for own in (TierOverlap(0, 0, 0, 0), TierOverlap(16, 16, 16, 16), TierOverlap(10, 20, 30, 30)):
+        pooled = TierOverlap(own.device, own.host, own.disk, 45)
+        assert dec.cost(4096, 64, pooled, WorkerLoad()) == dec.cost(4096, 64, own, WorkerLoad())
+
+
 def test_kv_link_cost_prices_the_missing_kv_in_time() -> None:
     c = KvLinkCost(BYTES, 50.0)
     none, half = TierOverlap(0, 0, 0, 0), TierOverlap(32, 32, 32, 32)

@@ -27,7 +27,17 @@ from kvtier.indexer.routing.disagg import decode_cost, decode_rule, prefill_cost
 from kvtier.indexer.routing.load import LoadTracker
 from kvtier.indexer.routing.policies import RoutingSettings
 from kvtier.indexer.routing.router import Router
-from kvtier.sim.policies import Choice, KvPolicy, LeastLoaded, Policy, RandomPolicy, RoundRobin, RouteInput, make_policy
+from kvtier.sim.policies import (
+    Choice,
+    KvPolicy,
+    LeastLoaded,
+    Oracle,
+    Policy,
+    RandomPolicy,
+    RoundRobin,
+    RouteInput,
+    make_policy,
+)
 from kvtier.wire.notices import Delivery, StreamId
 from kvtier.wire.overlap import OverlapScores, TierOverlap
 from kvtier.wire.protocol import WorkerId
@@ -177,6 +187,8 @@ class DisaggPolicy:
             # The prefill side's walk of the index found every worker's overlap, the decode pool's too: reused
             # when this request was just routed there (not at handoff, when the index has moved on).
             known = self.kv.last_overlaps if self.kv is not None and not self.decode_at_handoff else None
+            if isinstance(self.prefill, Oracle):  # it reads the engines, the decode pool's too
+                known = self.prefill.overlaps(req)
             overlaps = known if known is not None else router.index.find_matches_keys(req.keys)
             dec = router.choose(overlaps, req.num_tokens, req.keys)
         worker = self._streams.index(dec.worker)

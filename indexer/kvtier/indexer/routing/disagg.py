@@ -19,12 +19,12 @@ decode pool by the rule below (:func:`decode_rule`):
 | two, llmd, llmd_kv, llmd_prec. | PD mode runs a policy per pool (``--prefill-policy``, ``--decode-policy``, both  |
 |                                | the main one unless set); llm-d's P/D profile handler runs a decode profile,     |
 |                                | which kvtier gives the same scorers                                              |
-| kv_*                           | the same cost over the decode pool, on the decode workers' overlap in the tiers  |
-|                                | the policy hears: the KV that need not cross the link (the simulator's decode    |
+| kv_*, oracle                   | the same cost over the decode pool, on the decode workers' overlap in the tiers  |
+|                                | the policy hears (the oracle: the decode engines' own), a shared storage pool    |
+|                                | not credited: the KV that need not cross the link (the simulator's decode        |
 |                                | workers hold device only; a served one that offloads to host has its host copy   |
-|                                | credited as the policy credits host); a shared storage pool's blocks, where the  |
-|                                | cost credits storage, count for every decode worker alike: no choice changes     |
-| approx, oracle                 | the same cost over the decode pool, seeing no decode overlap (they keep no index)|
+|                                | credited as the policy credits host)                                             |
+| approx                         | the same cost over the decode pool, seeing no decode overlap (it keeps no index) |
 | min_ttft, goodput              | :class:`KvLinkCost`: the transfer of what the decode worker lacks, the decode    |
 |                                | step there (the TPOT the request will see and bring), memory, in milliseconds;   |
 |                                | goodput's TPOT bound is checked here, its TTFT bound on the prefill side         |
@@ -56,7 +56,7 @@ from kvtier.indexer.routing.router import RouteDecision, Router, draws_taken_bac
 from kvtier.indexer.routing.scoring import SLO_MISS_MS, CostModel, DynamoCost, SloCost
 from kvtier.wire.notices import StreamId
 from kvtier.wire.overlap import TierOverlap
-from kvtier.wire.protocol import ROLES
+from kvtier.wire.protocol import ROLES, StorageTier
 
 __all__ = ["ROLES", "KvLinkCost", "PairDecision", "PairRouter", "decode_cost", "decode_rule", "pool_routers",
            "prefill_cost", "prefills_locally"]
@@ -166,7 +166,13 @@ def decode_cost(name: str, settings: RoutingSettings) -> CostModel:
         return DynamoCost(settings.credits(), prefill_load_scale=0.0)
     if rule == "time":
         return KvLinkCost.of(settings, tpot_ms=settings.slo_tpot_ms if name == "goodput" else None)
-    return make_cost(name, settings)
+    make_cost(name, settings)  # (refuses a policy without one)
+    spec = policy_spec(name)
+    assert spec.cost is not None and spec.tier is not None
+    # A decode worker is credited the KV it holds itself: a shared pool's blocks would cross to it as the prefill
+    # worker's do. Credited, they were not alike for every decode worker (a tier's credit counts the blocks past the
+    # tier above it), so a worker with less of the prompt on device gained more.
+    return spec.cost(settings, min(spec.tier, StorageTier.DISK))
 
 
 def prefills_locally(num_tokens: int, decode_cached_tokens: int, threshold: int) -> bool:
