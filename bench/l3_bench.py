@@ -52,7 +52,7 @@ def write_run(root: Path, sync: SyncPolicy, pages: int, payload: bytes, batch: i
     for lo in range(0, pages, batch):
         keys = [key for key, _ in chain[lo:lo + batch]]
         for key, meta in chain[lo:lo + batch]:
-            store.begin_write(key, meta)
+            assert store.begin_write(key, meta)  # (the store holds the whole chain)
         store.write_pages([(k, payload) for k in keys])
         for k in keys:
             assert store.commit(k, "bench")
