@@ -160,9 +160,17 @@ def test_a_prompt_its_decode_worker_nearly_holds_prefills_there() -> None:
 
 
 def test_the_indexer_cli_refuses_a_pool_without_decode_workers_in_one_line(
-        capsys: pytest.CaptureFixture[str]) -> None:
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each refused before the compiled kernels load: a pool without decode workers, and a pool's settings given to an
+    aggregated one, were refused only once they had (half a minute on the first start after an install, with a line
+    saying so)."""
+    from kvtier.indexer.service import app
     from kvtier.sim.cli import main as cli
 
+    def loading() -> None:
+        raise AssertionError("the kernels were loaded before the refusal")
+
+    monkeypatch.setattr(app, "load_kernels", loading)
     for argv, expected in (
         (["--endpoint", "w0=tcp://127.0.0.1:1,role=prefill"], "needs a prefill and a decode worker"),
         (["--endpoint", "w0=tcp://127.0.0.1:1,role=prefill", "--endpoint", "w1=tcp://127.0.0.1:2,role=decode",

@@ -43,7 +43,7 @@ skipping the transfer, as vLLM's and Dynamo's routers allow. So does a prompt wh
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from kvtier.hardware.latency import PRESETS, LatencyModel, MockerLatency, trailing_kv_bytes
@@ -227,6 +227,15 @@ class PairRouter:
             return self.route_keys(keys, num_tokens)
 
 
+def pool_error(roles: Iterable[str]) -> str | None:
+    """Why workers of these roles make no pool (a disaggregated one without a prefill or a decode worker), or None.
+    O(workers)."""
+    have = set(roles)
+    if have != {"both"} and not (have & {"prefill", "both"} and have & {"decode", "both"}):
+        return f"endpoints: a disaggregated pool needs a prefill and a decode worker; roles: {sorted(have)}"
+    return None
+
+
 def pool_routers(name: str, settings: RoutingSettings, index: TieredIndex, roles: Mapping[StreamId, str],
                  loads: LoadTracker, decode_loads: LoadTracker,
                  make: Callable[[], tuple[CostModel, RoutingPolicy | None]],
@@ -244,11 +253,10 @@ def pool_routers(name: str, settings: RoutingSettings, index: TieredIndex, roles
     :class:`ValueError` for a pool without a prefill or a decode worker."""
     if all(r == "both" for r in roles.values()):
         return None
+    if (wrong := pool_error(roles.values())) is not None:
+        raise ValueError(wrong)
     prefill = [s for s, r in roles.items() if r in ("prefill", "both")]
     decode = [s for s, r in roles.items() if r in ("decode", "both")]
-    if not prefill or not decode:
-        raise ValueError(f"endpoints: a disaggregated pool needs a prefill and a decode worker; roles: "
-                         f"{sorted(set(roles.values()))}")
     known = name in REGISTRY
     cost, plugin = make()
     if known and plugin is None:

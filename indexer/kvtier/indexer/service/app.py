@@ -43,7 +43,7 @@ from kvtier.indexer.index.consumer import Lag
 from kvtier.indexer.index.keys import BlockKey, key_backend
 from kvtier.indexer.index.keytable import warm_tables
 from kvtier.indexer.index.tiered import TieredIndex
-from kvtier.indexer.routing.disagg import KvLinkCost, PairRouter, pool_routers
+from kvtier.indexer.routing.disagg import KvLinkCost, PairRouter, pool_error, pool_routers
 from kvtier.indexer.routing.load import LoadTracker, WorkerLoad
 from kvtier.indexer.routing.plugins import BUILTIN, RoutingPolicy, load_policy, note_routed, unloadable
 from kvtier.indexer.routing.policies import REGISTRY, RoutingSettings, make_cost, make_plugin
@@ -123,10 +123,8 @@ class IndexerService:
         #: there, by :func:`~kvtier.indexer.routing.disagg.pool_routers`, and nowhere else).
         self.router: Router | None = None
         if self.pair is None:
-            idle = config.disaggregated_settings()
-            if idle:  # (they would change nothing: say so rather than serve as if they did)
-                raise ConfigError(f"{', '.join(idle)}: {'they apply' if len(idle) > 1 else 'it applies'} to a "
-                                  "disaggregated pool only (endpoints with role=prefill and role=decode)")
+            if (idle := _idle_settings(config)) is not None:
+                raise ConfigError(idle)
             cost, plugin = _policy(name, rs, config.block_size)
             self.router = Router(self.index, cost, loads=self.loads, policy=plugin, rebuilding=self._rebuilding,
                                  window_aware=True, temperature=rs.temperature, seed=rs.seed, dead=self._dead)
@@ -618,10 +616,21 @@ def _ignore_stops() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
+def _idle_settings(config: ServiceConfig) -> str | None:
+    """Why an aggregated pool (every endpoint of role ``both``) refuses the settings given: those of a disaggregated
+    pool would change nothing there, so it says so rather than serve as if they did. None where there are none. O(1)."""
+    idle = config.disaggregated_settings()
+    if not idle or any(ep.role != "both" for ep in config.endpoints):
+        return None
+    return (f"{', '.join(idle)}: {'they apply' if len(idle) > 1 else 'it applies'} to a disaggregated pool only "
+            "(endpoints with role=prefill and role=decode)")
+
+
 def preflight(config: ServiceConfig, inputs: Collection[tuple[str, str]] = ()) -> None:
     """Refuses now what a start would refuse that needs no compiled kernel, before they load (half a minute on a
     first start after an install): the snapshot's path (not one of ``inputs``, (what, path) pairs such as the config
-    file, nor the token file), the token file, a plugin policy's file or entry point (its code is not run), and an
+    file, nor the token file), the token file, a disaggregated pool without a prefill or a decode worker and settings
+    of such a pool given to an aggregated one, a plugin policy's file or entry point (its code is not run), and an
     HTTP port taken already. Raises :class:`ConfigError`, or :class:`OSError` as binding the port would. The start
     checks each again: a port may be taken between the two. O(1), plus the snapshot directory's entries."""
     if config.snapshot_path is not None:
@@ -639,6 +648,8 @@ def preflight(config: ServiceConfig, inputs: Collection[tuple[str, str]] = ()) -
             raise ConfigError(f"snapshot {snapshot}: {exc.strerror or exc}: {exc.filename}") from None
     if config.auth_token_file is not None:
         load_tokens(config.auth_token_file)
+    if (wrong := pool_error(ep.role for ep in config.endpoints) or _idle_settings(config)) is not None:
+        raise ConfigError(wrong)
     name = config.policy or "kv_all"
     if name not in REGISTRY and (problem := unloadable(name)) is not None:  # (its code runs once, at the start)
         raise _plugin_error(name, problem)
