@@ -571,3 +571,53 @@ def test_nic_sharing_slows_the_transfers_that_meet_and_no_lone_one() -> None:
     lone = [Request("a", 0.0, 4096, 8, list(range(8)))]
     assert simulate(lone, cfg.replace(kv_link_sharing="nic"), RunConfig("round_robin")).records[0].ttft == \
         simulate(lone, cfg, RunConfig("round_robin")).records[0].ttft
+
+
+def test_kv_link_cost_counts_a_prefix_in_flight_there_as_held() -> None:
+    """The decode side lacks the prompt's KV past its device overlap or past the prefix its in-flight requests
+    hold, whichever is longer."""
+    c = KvLinkCost(BYTES, 50.0)
+    none = TierOverlap(0, 0, 0, 0)
+    assert c.lacking_ms(4096, 64, none, shared_blocks=48) == pytest.approx(1024 * BYTES / 50e6)
+    assert c.cost(4096, 64, TierOverlap(16, 16, 16, 16), WorkerLoad(), 48) == pytest.approx(1024 * BYTES / 50e6)
+
+
+def test_a_prompt_lacking_exactly_the_threshold_on_its_decode_worker_is_not_prefilled_there() -> None:
+    """Conditional disaggregation prefills locally what lacks under ``local_prefill_tokens`` tokens, not at it."""
+    assert not prefills_locally(1000, 488, 512) and prefills_locally(1000, 489, 512)
+
+
+def test_kv_link_cost_reads_a_full_worker_at_its_full_step_and_blind_headroom() -> None:
+    """The decode step is read at most at a full worker's utilisation (the latency fit is not extrapolated past it),
+    and while no output length is known the worker counts as full at ``blind_headroom`` of its capacity."""
+    lat = LATENCY_PRESETS["dynamo-mocker"]
+    c = KvLinkCost(BYTES, 50.0, lat, capacity_tokens=10_000, decode_weight=1.0, memory_wait_ms=10_000.0)
+    over = WorkerLoad(running=50, context_tokens=30_000)
+    assert c.step_ms(over, 4096) == pytest.approx(lat.decode_ms(1.0))
+    none = TierOverlap(0, 0, 0, 0)
+    base = c.lacking_ms(8000, 64, none) + c.step_ms(WorkerLoad(), 8000)
+    # 8,000 of 10,000 tokens: past the blind headroom (0.7) by 0.1, within the informed one (0.9)
+    assert c.cost(8000, 64, none, WorkerLoad()) == pytest.approx(base + 0.1 * 10_000.0)
+    assert c.cost(8000, 64, none, WorkerLoad(), output_tokens=500.0) == pytest.approx(
+        base + max(0.0, 0.85 - 0.9) * 10_000.0)
+
+
+def test_conditional_disaggregation_reads_only_the_decode_workers_device_overlap() -> None:
+    """Whether a prompt prefills on its decode worker depends on what that worker holds on device: KV it holds on
+    host only is not counted as held there (nor booked as such)."""
+    from kvtier.indexer.index.keys import block_keys
+    from kvtier.indexer.routing.load import LoadTracker
+    from kvtier.sim.policies import RouteInput
+    from kvtier.wire import BlockStored, WorkerId
+    from kvtier.wire.notices import StreamId
+    from kvtier.wire.protocol import pack_tokens
+
+    bs, toks = 16, list(range(1000, 1000 + 64 * 16))
+    pol = DisaggPolicy("kv_all", prefill=1, decode=1, block_size=bs, loads=LoadTracker(bs),
+                       decode_loads=LoadTracker(bs), caches=lambda: [], settings=RoutingSettings(),
+                       local_prefill_tokens=512)
+    assert pol.kv is not None
+    pol.kv.index.apply(StreamId(WorkerId("w1")), BlockStored(block_hashes=list(range(1, 65)), parent_block_hash=None,
+                                                            token_ids=toks, block_size=bs, medium="CPU_PINNED"))
+    pair = pol.choose(RouteInput("r", pack_tokens(toks), len(toks), block_keys(toks, bs), 0.0))
+    assert pair.decode == 1 and pair.decode_cached == 0 and not pair.local

@@ -632,3 +632,17 @@ def test_a_second_begin_prefill_on_one_admission_is_refused_and_leaks_nothing() 
     h.cache.release(adm)
     assert h.cache.device.used == 0  # (nothing cached: no finish)
     h.run("whole", toks(1000, 16))  # the whole device
+
+
+def test_request_larger_than_the_device_evicts_nothing_evictable() -> None:
+    """As ``test_request_larger_than_the_device_evicts_nothing``, with the cached prefix evictable (its backup
+    landed, no request holds it): a request that could never fit must still not empty the device for nothing."""
+    h = Harness(CacheConfig(page_size=PS, device_pages=8, host_ratio=1.0))
+    h.run("a", toks(0, 4))
+    h.settle()
+    h.log.clear()
+    adm = h.cache.admit("huge", toks(1000, 9))
+    assert h.cache.begin_prefill(adm) is None
+    assert h.cache.residency()[StorageTier.DEVICE] == set(hashes(toks(0, 4)))
+    h.cache.release(adm)
+    assert kinds(h.deliver()) == []

@@ -330,3 +330,58 @@ def test_percentiles_stay_within_the_values_and_in_order(low: list[float], ties:
         cuts = statistics.quantiles(xs, n=1000, method="inclusive")
         want = [cuts[round(p * 10) - 1] for p in (0.1, 1.0, 50.0, 90.0, 99.0, 99.9)]
         assert got == pytest.approx(want, rel=1e-12)
+
+
+def test_a_router_estimate_equal_to_a_bound_meets_it() -> None:
+    """The SLO's bounds are inclusive (``TTFT <= bound``, ``TPOT <= bound``), for the router's estimates as for the
+    simulator's goodput (:meth:`Slo.met`): an estimate exactly at a bound meets it, just past it misses."""
+    from kvtier.indexer.routing.scoring import slo_met
+
+    assert slo_met(500.0, 50.0, 500.0, 50.0) is True
+    assert slo_met(500.0, 50.0, 500.0, None) is True
+    assert slo_met(500.0, 50.0, None, 50.0) is True
+    assert slo_met(500.1, 50.0, 500.0, 50.0) is False
+    assert slo_met(500.0, 50.1, 500.0, 50.0) is False
+    assert slo_met(500.0, float("nan"), 500.0, 50.0) is None
+
+
+def test_a_request_exactly_at_a_bound_meets_it() -> None:
+    """The SLO's bounds are inclusive, as its description says ("TTFT <= 500 ms"): a request whose TTFT, TPOT or
+    end-to-end latency equals a bound counts toward goodput."""
+    r = RequestRecord("at-bound", 0, 0.0, 100, 3, prefill_start=0.0, first_token=0.5, finish=1.0)  # TPOT 0.25
+    assert (r.ttft, r.tpot, r.e2e) == (0.5, 0.25, 1.0)
+    for slo in (Slo(ttft_s=0.5), Slo(tpot_s=0.25), Slo(e2e_s=1.0), Slo(0.5, 0.25, 1.0)):
+        assert summarize("p", [r], workers=1, slo=slo).goodput == 1.0, slo.describe()
+    assert summarize("p", [r], workers=1, slo=Slo(ttft_s=0.49)).goodput == 0.0
+
+
+def test_max_itl_percentiles_leave_out_requests_of_one_token() -> None:
+    """A request that generated one token has no inter-token gap (``max_itl`` -1): the max-ITL percentiles are over
+    the requests that generated two or more, as the TTST and TPOT ones are, never a -1 gap."""
+    one = [RequestRecord(f"one{i}", 0, 0.0, 100, 1, prefill_start=0.0, first_token=0.2, finish=0.2) for i in range(3)]
+    two = RequestRecord("two", 0, 0.0, 100, 2, prefill_start=0.0, first_token=0.2, finish=0.3, second_token=0.3,
+                        max_itl=0.1)
+    s = summarize("p", [*one, two], workers=1)
+    assert s.itl_max_p50 == pytest.approx(0.1) and s.itl_max_p99 == pytest.approx(0.1)
+    assert s.tpot_p50 == pytest.approx(0.1)
+
+
+def test_a_request_that_fills_a_workers_device_exactly_is_served() -> None:
+    """A request is rejected only if its prompt and output could never fit a worker's device: one that fills it
+    exactly runs; one token more is rejected."""
+    cfg = ClusterConfig.of(workers=1, device_tokens=1024)
+    exact = simulate([Request("exact", 0.0, 1000, 24, [1, 2])], cfg, RunConfig("round_robin")).summary
+    assert (exact.requests, exact.rejected) == (1, 0)
+    over = simulate([Request("over", 0.0, 1000, 25, [1, 2])], cfg, RunConfig("round_robin")).summary
+    assert (over.requests, over.rejected) == (0, 1)
+
+
+def test_a_prompt_cached_whole_still_runs_its_last_token_pass() -> None:
+    """A prompt found whole on device computes nothing, but its last token still runs through the model for the
+    logits of its first output token: its TTFT is that one-token pass, not a decode step."""
+    lat = MockerLatency()
+    cfg = ClusterConfig.of(workers=1, page_size=64, device_tokens=65_536, host_ratio=0.0)
+    reqs = [Request("first", 0.0, 3072, 1, [1, 2, 3, 4, 5, 6]), Request("again", 100.0, 3072, 1, [1, 2, 3, 4, 5, 6])]
+    again = simulate(reqs, cfg, RunConfig("round_robin")).records[1]
+    assert (again.device_tokens, again.recomputed_tokens) == (3072, 0)
+    assert again.ttft == pytest.approx(lat.prefill_ms(1) / 1000)

@@ -282,3 +282,18 @@ def test_a_query_takes_no_random_draw_from_later_routes(name: str, temperature: 
         got.append(queried.route({"request_id": str(i), "token_ids": t})["worker"])
     assert len(set(alone)) > 1  # the draws do decide
     assert got == alone and said == got
+
+
+def test_power_of_two_gives_a_tie_to_the_first_worker_drawn() -> None:
+    """SMG's power_of_two: the first index uniform, the second among the others, and the first wins a tie."""
+    import random
+
+    from kvtier.wire import WorkerId
+    from kvtier.wire.notices import StreamId
+
+    ws = [StreamId(WorkerId(f"w{i}")) for i in range(4)]
+    p, ref = PowerOfTwo(seed=3), random.Random(3)
+    for _ in range(20):
+        i = ref.randrange(4)
+        ref.randrange(3)
+        assert p.pick(None, dict.fromkeys(ws, 1.0)) == ws[i]  # type: ignore[arg-type]

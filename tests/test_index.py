@@ -874,3 +874,30 @@ def test_a_rejection_quoting_a_huge_value_stays_one_short_line(caplog: pytest.Lo
     err = idx.stats(A).last_error or ""
     assert "unrecognised item" in err and len(err) < 400 and err.endswith("characters)")
     assert max(len(r.getMessage()) for r in caplog.records) < 500
+
+
+def test_a_complete_clear_forgets_the_blocks_remembered_at_a_loss() -> None:
+    """After a loss for good the dropped blocks' keys are remembered, so a store under one applies at once; once the
+    worker's state is complete again (``AllBlocksCleared``) they are stale, and a store under one waits as an orphan
+    rather than being indexed under a block the worker no longer holds."""
+    toks = list(range(100, 116))
+    idx = TieredIndex(4)
+    idx.apply(A, BlockStored(block_hashes=[1, 2], parent_block_hash=None, token_ids=toks[:8], block_size=4))
+    idx.clear_worker(A, partial=True)
+    assert idx.apply(A, BlockStored(block_hashes=[3], parent_block_hash=2, token_ids=toks[8:12],
+                                    block_size=4)) is Outcome.APPLIED
+    assert idx.apply(A, AllBlocksCleared()) is Outcome.APPLIED
+    assert idx.apply(A, BlockStored(block_hashes=[4], parent_block_hash=2, token_ids=toks[12:16],
+                                    block_size=4)) is Outcome.ORPHANED
+    assert idx.find_matches(toks).workers[A] == TierOverlap(0, 0, 0, 0)
+    idx._check()
+
+
+def test_clears_are_counted_per_worker() -> None:
+    """``WorkerStats.clears`` counts each time a worker's blocks were dropped (``AllBlocksCleared``, a restart, a
+    loss); other workers' counts are untouched."""
+    idx = TieredIndex(4)
+    idx.add_worker(B)
+    idx.apply(A, AllBlocksCleared())
+    idx.clear_worker(A, partial=True)
+    assert (idx.stats(A).clears, idx.stats(B).clears) == (2, 0)

@@ -395,3 +395,48 @@ def test_a_key_the_compiled_counts_cannot_hold_moves_the_worker_to_a_dict_with_i
         lt.finish(rid)
         lt._check()
     assert lt.load(A) == WorkerLoad() and lt.load(B) == WorkerLoad() and not lt._workers[A].refs
+
+
+def test_ttft_cost_counts_a_shared_pool_hit_as_cached() -> None:
+    """Blocks found only in the shared pool (external tier) are loaded, not recomputed: the TTFT estimate charges
+    their load time and prefills only the rest of the prompt."""
+    t = TransferModel(bytes_per_token=128 * 1024, host_to_device_gbps=20.0, storage_to_host_gbps=5.0,
+                      external_to_host_gbps=5.0)
+    m = TtftCost(t)
+    lat = MockerLatency()
+    got = m.cost(1600, 16, TierOverlap(0, 0, 0, 80), WorkerLoad())
+    want = t.load_ms(StorageTier.EXTERNAL, 80 * 16) + lat.prefill_ms(1600 - 80 * 16)
+    assert got == pytest.approx(want)
+
+
+def test_pool_loads_give_a_worker_serving_both_roles_the_longer_sides_prefix() -> None:
+    """A worker of role "both" in a disaggregated pool: its engine holds what either side's in-flight requests hold,
+    so the prefix a new request shares there is the longer of the two sides' (a worker of one role: its own side's)."""
+    from kvtier.indexer.routing.load import PoolLoads
+
+    own, other = LoadTracker(block_size=4), LoadTracker(block_size=4)
+    other.add("d1", A, keys=[1, 2, 3], prompt_tokens=12, prefill_tokens=0)
+    own.add("p1", A, keys=[1], prompt_tokens=4, prefill_tokens=4)
+    other.add("d2", B, keys=[1, 2, 3], prompt_tokens=12, prefill_tokens=0)
+    view = PoolLoads(own, other, [A])
+    assert view.shared_blocks(A, [1, 2, 3, 4]) == 3
+    assert view.loads_and_shared([A, B], [1, 2, 3, 4])[1] == [3, 0]
+    assert view.load(A).running == 2
+
+
+def _two_workers_a_cached() -> tuple[TieredIndex, list[int]]:
+    """An index where worker A holds the prompt on device and B holds nothing."""
+    idx = TieredIndex(block_size=4)
+    idx.add_worker(A)
+    idx.add_worker(B)
+    prompt = list(range(16))
+    idx.apply(A, BlockStored(block_hashes=[1, 2, 3, 4], parent_block_hash=None, token_ids=prompt, block_size=4))
+    return idx, prompt
+
+
+def test_router_routes_when_every_worker_looks_dead() -> None:
+    """A worker whose publisher looks gone is never chosen while another is alive; when every one looks gone the
+    request is still routed (by cost), not refused."""
+    idx, prompt = _two_workers_a_cached()
+    assert Router(idx, CreditCost(), dead=lambda: {A}).route(prompt).worker == B
+    assert Router(idx, CreditCost(), dead=lambda: {A, B}).route(prompt).worker == A

@@ -352,3 +352,53 @@ def test_a_pairs_finish_teaches_the_output_length_to_the_decode_pool_alone() -> 
             svc.first_token("r")
         svc.finish("r", {"output_tokens": 8000})
         assert svc.loads.expected_output == 0 and svc.decode_loads.expected_output > 0, report_first
+
+
+def test_a_route_books_as_prefill_only_what_no_tier_of_the_worker_holds() -> None:
+    """/route books the prompt tokens the chosen worker must compute: those past its overlap on any tier (a host hit
+    is loaded, not prefilled), as the simulator books them."""
+    svc = _service("kv_all", ("both", "both"))
+    svc.index.apply(W[0], BlockStored(block_hashes=list(range(1, 33)), parent_block_hash=None,
+                                      token_ids=PROMPT[:32 * BS], block_size=BS, medium="CPU_PINNED"))
+    out = svc.route({"token_ids": PROMPT, "request_id": "r"})
+    assert out["worker"] == "w0"
+    assert svc.loads.load(W[0]).pending_prefill_tokens == len(PROMPT) - 32 * BS
+    assert svc.metrics()["workers"]["w0"]["pending_prefill_tokens"] == len(PROMPT) - 32 * BS
+
+
+def test_an_expired_pair_booking_frees_its_prefill_and_its_decode_worker() -> None:
+    """A request of a disaggregated pool never finished is dropped at its deadline from both pools' bookings."""
+    now = [0.0]
+    eps = [parse_endpoint(f"w{i}=tcp://127.0.0.1:{i + 1},role={r}")
+           for i, r in enumerate(("prefill", "prefill", "decode", "decode"))]
+    svc = IndexerService(ServiceConfig(endpoints=eps, block_size=BS, listen="127.0.0.1:0", policy="kv_all",
+                                       request_ttl_s=10.0), request_clock=lambda: now[0])
+    out = svc.route({"token_ids": PROMPT, "request_id": "r"})
+    p = StreamId(WorkerId(out["prefill"]["recommended"]))
+    d = StreamId(WorkerId(out["decode"]["recommended"]))
+    assert svc.loads.load(p).running == 1 and svc.decode_loads.load(d).running == 1
+    now[0] = 11.0
+    for rid in svc._deadlines.expire(now[0]):  # what the event loop does at each deadline
+        svc._expired(rid)
+    assert svc.loads.load(p).running == 0 and svc.decode_loads.load(d).running == 0
+    workers = svc.metrics()["workers"]
+    assert workers[str(d)]["requests_running"] == 0 and workers[str(d)]["active_blocks"] == 0
+
+
+def test_a_request_id_with_a_slash_is_refused() -> None:
+    """A request id is a path segment of ``/requests/{id}/first_token`` and ``.../finish``: one with a "/" could
+    never be finished, so /route refuses it, books nothing."""
+    svc = _service("kv_all", ("both", "both"))
+    with pytest.raises(ValueError, match="request_id"):
+        svc.route({"token_ids": PROMPT, "request_id": "a/b"})
+    assert svc.metrics()["requests_in_flight"] == 0
+
+
+def test_dynamos_decode_side_counts_a_prompt_in_flight_there_again() -> None:
+    """Dynamo's decode router assumes no reuse: a prompt already in flight on a decode worker is booked there in
+    full again (kv_all's decode side counts those blocks once)."""
+    svc = _service("dynamo")
+    svc.decode_loads.add("before", W[2], svc.index.request_keys(PROMPT), len(PROMPT), 0)
+    out = svc.route({"token_ids": PROMPT, "request_id": "r"})
+    assert out["decode"]["costs"]["w2"] == pytest.approx(2 * 64)  # 64 blocks in flight + this request's 64
+    assert out["decode"]["costs"]["w3"] == pytest.approx(64)

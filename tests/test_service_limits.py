@@ -1169,3 +1169,32 @@ def test_a_service_whose_open_files_cannot_be_raised_exits_2() -> None:
                          preexec_fn=low)
     lines = [ln for ln in out.stderr.splitlines() if ln.strip() and not ln.startswith(NOTICES)]  # (a slow load)
     assert out.returncode == 2 and len(lines) == 1 and "open-files limit 200" in lines[0], out.stderr
+
+
+def test_a_clients_blocks_are_given_back_booking_by_booking() -> None:
+    """Releasing one of a client's bookings gives back its blocks at once, while the client still has others in
+    flight: the per-client block cap counts only what is still booked."""
+    from kvtier.indexer.service.clients import Clients, TooManyInFlight
+
+    c = Clients(None, max_in_flight=10, max_per_client=10, max_blocks=1000, max_blocks_per_client=25)
+    c.book("r1", "peer:a", 10)
+    c.book("r2", "peer:a", 10)
+    with pytest.raises(TooManyInFlight):
+        c.check_room("peer:a", 15)
+    c.release("r1")
+    c.check_room("peer:a", 15)  # 10 still booked + 15: within the cap
+    assert c.blocks == 10
+
+
+def test_a_body_of_exactly_the_cap_is_read_and_one_byte_more_is_refused() -> None:
+    """``max_body_bytes`` and ``max_body_bytes_in_flight`` are inclusive caps: a body of exactly the cap is read
+    whole, one byte past it refused, on the wire as in the shared budget."""
+    cap = 1000
+    assert asyncio.run(read_body(_Request(b"x" * cap, "identity"), cap)) == b"x" * cap  # type: ignore[arg-type]
+    with pytest.raises(BodyTooLarge):
+        asyncio.run(read_body(_Request(b"x" * (cap + 1), "identity"), cap))  # type: ignore[arg-type]
+    budget = BodyBudget(cap)
+    budget.take(cap)
+    with pytest.raises(BodiesBusy):
+        budget.take(1)
+    assert (budget.held, budget.refused) == (cap, 1)

@@ -165,3 +165,14 @@ def test_window_cut_by_hand() -> None:
     assert window_cut([t, f, t], 3, 4) == 1
     assert window_cut([f, t, t, t, t], 5, 4) == 5  # the window before the cut is whole again
     assert window_cut([t, t, t], 3, 0) == 3  # no window: every block is reusable
+
+
+def test_an_announced_window_not_a_multiple_of_the_block_size_covers_the_partial_block() -> None:
+    """A sliding window of 9 tokens over blocks of 4 spans 3 blocks: a prefix is usable only where its last 3
+    blocks have window KV, not 2."""
+    idx = TieredIndex(BS)
+    idx.apply_events(A, [stored(0, 8)])
+    idx.apply_events(A, [stored(6, 8, **window_group(WINDOW + 1))])
+    assert query(idx, 8)[A][0] < 8  # block 5's window KV is missing
+    idx.apply_events(A, [stored(5, 6, **window_group(WINDOW + 1))])
+    assert query(idx, 8)[A][0] == 8
