@@ -646,3 +646,24 @@ def test_request_larger_than_the_device_evicts_nothing_evictable() -> None:
     assert h.cache.residency()[StorageTier.DEVICE] == set(hashes(toks(0, 4)))
     h.cache.release(adm)
     assert kinds(h.deliver()) == []
+
+
+def test_a_prefill_reserves_room_for_its_output_beside_its_prompt() -> None:
+    """``begin_prefill`` reserves the prompt's uncomputed pages and, with them, the pages its output will fill (the
+    partial last page of the prompt counted with the output), as an engine reserves a request's whole context: a
+    request whose output would not fit beside it waits (None, nothing reserved), and the pages come back when it
+    ends. (Only the simulator's pinned results noticed a prefill that reserved the prompt alone.)"""
+    h = Harness(CacheConfig(page_size=PS, device_pages=8, host_ratio=0.0))
+    prompt = [*toks(0, 3), 90, 91]  # 3 full pages and 2 tokens of a fourth
+    adm = h.cache.admit("a", prompt)
+    plan = h.cache.begin_prefill(adm, output_tokens=7)  # 2 + 7 tokens past the full pages: 3 pages
+    assert plan is not None and (len(adm.compute), len(adm.private)) == (3, 3)
+    assert h.cache.device.free == 2
+    h.cache.finish_prefill(adm)
+    h.cache.release(adm)
+    big = h.cache.admit("b", toks(100, 3))
+    assert h.cache.begin_prefill(big, output_tokens=6 * PS + 1) is None  # 3 + 7 pages: more than the device
+    assert h.cache.device.free == 8 - 3  # a's three full pages stay cached; the rest came back
+    assert h.cache.begin_prefill(big, output_tokens=PS) is not None
+    h.deliver()
+    h.check()
