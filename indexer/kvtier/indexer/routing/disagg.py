@@ -166,13 +166,10 @@ def decode_cost(name: str, settings: RoutingSettings) -> CostModel:
         return DynamoCost(settings.credits(), prefill_load_scale=0.0)
     if rule == "time":
         return KvLinkCost.of(settings, tpot_ms=settings.slo_tpot_ms if name == "goodput" else None)
-    make_cost(name, settings)  # (refuses a policy without one)
-    spec = policy_spec(name)
-    assert spec.cost is not None and spec.tier is not None
     # A decode worker is credited the KV it holds itself: a shared pool's blocks would cross to it as the prefill
     # worker's do. Credited, they were not alike for every decode worker (a tier's credit counts the blocks past the
     # tier above it), so a worker with less of the prompt on device gained more.
-    return spec.cost(settings, min(spec.tier, StorageTier.DISK))
+    return make_cost(name, settings, deepest=StorageTier.DISK)
 
 
 def prefills_locally(num_tokens: int, decode_cached_tokens: int, threshold: int) -> bool:

@@ -210,10 +210,11 @@ def make_plugin(name: str, settings: RoutingSettings, block_size: int) -> Routin
     return spec.plugin(settings, block_size)
 
 
-def make_cost(name: str, settings: RoutingSettings) -> CostModel:
+def make_cost(name: str, settings: RoutingSettings, deepest: StorageTier | None = None) -> CostModel:
     """The cost model of built-in policy ``name`` under ``settings``: the one object both the simulator and the
-    service route with. :class:`ConfigError` for a policy without one (blind or load-only)."""
+    service route with; ``deepest``: it credits no tier past that one (nor past the policy's own). :class:`ConfigError`
+    for a policy without one (blind or load-only)."""
     spec = policy_spec(name)
     if spec.cost is None or spec.tier is None:
         raise ConfigError(f"policy {name!r} prices no cache: it has no cost model")
-    return spec.cost(settings, spec.tier)
+    return spec.cost(settings, spec.tier if deepest is None else min(spec.tier, deepest))
