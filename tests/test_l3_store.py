@@ -571,9 +571,9 @@ def test_children_begun_under_an_aborted_page_count_when_it_is_found_on_disk_ins
     a.write_pages([(k(1), bytes([1]) * 64)])
     assert a.commit(k(1), "a")
     a._check()
-    a.begin_write(k(9, 9), meta(9, None))
+    assert a.begin_write(k(9, 9), meta(9, None))  # the store is full: a leaf goes, and k0 is not one
     a.write_pages([(k(9, 9), bytes([9]) * 64)])
-    assert a.commit(k(9, 9), "a")  # over capacity: a leaf goes, and k0 is not one
+    assert a.commit(k(9, 9), "a")
     a._check()
     assert k(0) in a and k(1) not in a
 
@@ -598,6 +598,28 @@ def test_writes_in_flight_take_their_room(tmp_path: Path) -> None:
         assert store.commit(k(i, i), "a")
     held = store.pin([k(i, i) for i in range(10, 14)])
     assert not store.begin_write(k(20, 20), meta(20, None))  # every page is being read
-    assert not store.is_pending(k(20, 20)) and len(store) == 4
+    assert not store.is_pending(k(20, 20)) and len(store) == 4 and store.stats.refused_writes == 1
     store.unpin(held)
     store._check()
+
+
+def test_a_page_found_in_the_pool_takes_its_room_or_is_not_adopted(tmp_path: Path) -> None:
+    """A page another process wrote into the pool is adopted only if the store can make room for it, as a write
+    makes it: where the room is taken by writes in flight (and the page found has a child still being written under
+    it, so it cannot go itself), it was adopted all the same and the store went over its capacity. Now it is not
+    adopted; the child is dropped when it lands, never a page without its parent. (From review BB.)"""
+    a = PageStore(2, tmp_path, owner="a", shared=True, layout=L)
+    a.attach("a", lambda keys: None)
+    assert a.begin_write(k(0), meta(0, None))
+    assert a.begin_write(k(1), meta(1, 0))
+    a.abort(k(0))  # its write failed; k1's goes on
+    assert a.begin_write(k(9, 9), meta(9, None))  # no room left: two writes in flight
+    chain_store(tmp_path, 1, owner="b", shared=True)  # another process of the pool writes k0
+    assert not a.lookup(k(0))
+    a._check()
+    a.write_pages([(k(1), bytes([1]) * 64)])
+    assert not a.commit(k(1), "a")  # its parent is not here: dropped
+    a.write_pages([(k(9, 9), bytes([9]) * 64)])
+    assert a.commit(k(9, 9), "a")
+    assert a.lookup(k(0)) and len(a) == 2  # room now
+    a._check()

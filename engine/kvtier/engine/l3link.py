@@ -124,7 +124,7 @@ class L3Link:
             if parent_key is not None and parent_key not in store and not store.is_pending(parent_key):
                 break  # the parent page is gone and cannot be rewritten from here: stop the run
             if depth0 + i >= store.capacity:
-                break  # it and its ancestors outnumber what the store holds: written, it would be trimmed at once
+                break  # it and its ancestors outnumber what the store holds: there is no room for it
             if not store.begin_write(key, meta):
                 break  # no room: every other page is pinned or being written (its children need it first)
             self.pending.add(key)
@@ -145,9 +145,7 @@ class L3Link:
                 continue
             if store.commit(key, self.name):
                 landed.append((key, meta))
-        # A store smaller than the run may have evicted some of it at once (leaves first: a kept page's
-        # parent is kept too).
-        self.announce([(k, m) for k, m in landed if k in store])
+        self.announce(landed)
         if error:
             self.write_failures += 1
             if worth_logging(self.write_failures):

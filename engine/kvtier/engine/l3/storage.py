@@ -52,6 +52,7 @@ class StoreStats:
     missing_reads: int = 0  # reads of a page whose file was gone
     adopted: int = 0  # pages adopted on start
     dropped_at_start: int = 0  # held pages found damaged, orphaned, or over capacity on start
+    refused_writes: int = 0  # writes refused for want of room (every other page pinned or under a write in flight)
     tmp_removed: int = 0  # temporary files of dead writers removed on start
     unheld_removed: int = 0  # page files no owner held, removed on start
     release_failures: int = 0  # holds or page files that could not be removed (PageDir.release)
@@ -134,7 +135,8 @@ class PageStore:
 
     def lookup(self, key: str) -> bool:
         """Committed here, or (a shared directory) sound on disk, written by another process: then
-        adopted, unannounced, if its parent is committed here. O(1), plus a header read on a miss."""
+        adopted, unannounced, if its parent is committed here and the store has room for it, made as a write makes
+        it (:meth:`begin_write`). O(1), plus a header read on a miss, and the pages evicted."""
         if key in self._entries:
             return True
         if self._dir is None or not self.shared or key in self._pending:
@@ -147,11 +149,12 @@ class PageStore:
         if meta.parent_key is not None and (parent is None or parent.depth + 1 != meta.depth):
             self._dir.release([key])  # (a depth off its parent's is a damaged header)
             return False
+        if not self._make_room(protect=meta.parent_key or ""):
+            return False  # (a child of it still being written is dropped when it lands: no page without its parent)
         if meta.parent_key is not None:
             self._tree.add_child(meta.parent_key)
         self._insert(key, meta, frozenset())
-        self._evict_over_capacity(protect=key)
-        return key in self._entries
+        return True
 
     def unannounced(self) -> list[str]:
         """Committed pages no engine announced (adopted on start), parents first. O(pages)."""
@@ -197,8 +200,10 @@ class PageStore:
         least-recently-used leaves are evicted to make it (never its parent), so committed pages and writes in
         flight together stay within capacity, and a disk sized to the capacity holds every file. False, with
         nothing reserved, when no room can be made: every other page is pinned, the parent, or under a write in
-        flight. Asserts its parent is present. O(1) per page evicted."""
-        if self._room() < 1 and not self._evict_over_capacity(protect=meta.parent_key or "", need=1):
+        flight (counted: ``stats.refused_writes``). A write that fails or is aborted then has still cost the page it
+        evicted. Asserts its parent is present. O(pages evicted, + pinned leaves skipped)."""
+        if not self._make_room(protect=meta.parent_key or ""):
+            self.stats.refused_writes += 1
             return False
         self._tree.reserve(key, meta)
         return True
@@ -291,22 +296,19 @@ class PageStore:
         """Pages the store can take before it evicts: committed pages and writes in flight both count. O(1)."""
         return self.capacity - len(self._entries) - len(self._pending)
 
-    def _evict_over_capacity(self, protect: str, need: int = 0) -> bool:
-        """Evicts unpinned least-recently-used leaves other than ``protect`` until ``need`` more pages fit; True if
-        they do. With ``need`` 0, ``protect`` (a page just found in a shared pool) goes itself if nothing else can.
-        Each announcer is told what it lost. O(pages evicted, + pinned leaves skipped)."""
+    def _make_room(self, protect: str) -> bool:
+        """Evicts unpinned least-recently-used leaves other than ``protect`` (the parent of the page to come) until
+        one more page fits; True if it does. Each announcer is told what it lost. O(pages evicted, + pinned leaves
+        skipped)."""
         lost: dict[EngineTag, list[str]] = {}
-        while self._room() < need:
-            leaves = self._tree.leaves
-            victim = next((k for k in leaves if self._entries[k].pins == 0 and k != protect), None)
-            if victim is None and not need and protect in leaves and self._entries[protect].pins == 0:
-                victim, protect = protect, ""  # nothing else can go: the page just found is not adopted
+        while self._room() < 1:
+            victim = next((k for k in self._tree.leaves if self._entries[k].pins == 0 and k != protect), None)
             if victim is None:
                 break  # every other page is pinned or under a write in flight
             self._remove(victim, lost)
         for engine, keys in lost.items():
             self._listeners[engine](keys)
-        return self._room() >= need
+        return self._room() >= 1
 
     def delete(self, key: str) -> None:
         """Deletes a page explicitly. Raises ``ValueError`` if it has children or readers."""
