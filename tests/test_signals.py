@@ -48,3 +48,26 @@ def test_off_the_main_thread_nothing_changes() -> None:
     t.start()
     t.join()
     assert seen == [False, signal.getsignal(signal.SIGTERM)]
+
+
+def test_a_handler_set_from_c_is_left_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A handler Python did not install (``getsignal`` None: set by a program embedding Python) cannot be put back
+    once replaced: the block leaves it alone. (The CLI's held interrupt did; one helper for all then set SIG_DFL in
+    its place after the block, and a Ctrl-C killed the embedding program outright. From review BB.)"""
+    real_get, real_set = signal.getsignal, signal.signal
+    set_int: list[object] = []
+
+    def getsignal(sig: int) -> object:
+        return None if sig == signal.SIGINT else real_get(sig)
+
+    def set_signal(sig: int, handler: object) -> object:
+        if sig == signal.SIGINT:
+            set_int.append(handler)
+            return None
+        return real_set(sig, handler)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(signal, "getsignal", getsignal)
+    monkeypatch.setattr(signal, "signal", set_signal)
+    with handling((signal.SIGINT, *STOP_SIGNALS), lambda signum, frame: None) as held:
+        assert held
+    assert set_int == []

@@ -34,6 +34,7 @@ from kvtier.sim.run import RunConfig, RunResult, simulate
 from kvtier.sim.source import ListTrace, MooncakeFile, TraceSource, as_source
 from kvtier.sim.trace import Request, check_scaled, is_azure, load_azure, load_trace
 from kvtier.util.fields import ConfigError, did_you_mean
+from kvtier.util.signals import STOP_SIGNALS
 
 #: Requests of a builtin trace at most: each is made in memory before the run (about a kilobyte with its hash ids).
 MAX_BUILTIN_REQUESTS = 1_000_000
@@ -178,7 +179,7 @@ def _pool_worker(pool_owner: int, start_method: str) -> None:
     runs no clean-up, and its workers, blocked on the pipe it held, stayed for good, each holding a run's memory.
     Its parent is the pool's owner where workers are forked, a fork server otherwise (which ends with the owner)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)
     parent = os.getppid()
     if sys.platform.startswith("linux"):
