@@ -186,6 +186,16 @@ def test_the_indexer_cli_refuses_a_pool_without_decode_workers_in_one_line(
         assert rc == 2 and len(err) == 1 and expected in err[0], (argv, err)
 
 
+def test_no_endpoints_are_no_pool_error() -> None:
+    """A configuration without endpoints is refused as such (by the service: "no endpoints configured"), not as a
+    disaggregated pool missing a role. (From review BB.)"""
+    from kvtier.indexer.routing.disagg import pool_error
+
+    assert pool_error([]) is None and pool_error(["both", "both"]) is None
+    assert pool_error(["prefill", "decode"]) is None and pool_error(["both", "decode"]) is None
+    assert "needs a prefill and a decode worker" in (pool_error(["prefill"]) or "")
+
+
 def test_a_pair_predicts_the_simulators_ttft_for_a_lone_request_and_hears_back() -> None:
     """On an idle pool, the pair's predicted TTFT is the prefill, the KV transfer and the decode worker's first step,
     as the simulator runs a lone request (to the float); a decode worker holding the prompt saves its transfer in the

@@ -225,10 +225,10 @@ class PairRouter:
 
 
 def pool_error(roles: Iterable[str]) -> str | None:
-    """Why workers of these roles make no pool (a disaggregated one without a prefill or a decode worker), or None.
-    O(workers)."""
+    """Why workers of these roles make no pool (a disaggregated one without a prefill or a decode worker), or None
+    (no workers at all is the configuration's own error). O(workers)."""
     have = set(roles)
-    if have != {"both"} and not (have & {"prefill", "both"} and have & {"decode", "both"}):
+    if have and have != {"both"} and not (have & {"prefill", "both"} and have & {"decode", "both"}):
         return f"endpoints: a disaggregated pool needs a prefill and a decode worker; roles: {sorted(have)}"
     return None
 
