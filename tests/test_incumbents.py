@@ -291,9 +291,21 @@ def test_power_of_two_gives_a_tie_to_the_first_worker_drawn() -> None:
     from kvtier.wire import WorkerId
     from kvtier.wire.notices import StreamId
 
+    class Drawn(random.Random):
+        """Draws as scripted: the pair (first, second) each pick compares."""
+
+        def __init__(self, draws: list[int]) -> None:
+            super().__init__(0)
+            self.draws = draws
+
+        def randrange(self, *args: object, **kw: object) -> int:  # type: ignore[override]
+            return self.draws.pop(0)
+
     ws = [StreamId(WorkerId(f"w{i}")) for i in range(4)]
-    p, ref = PowerOfTwo(seed=3), random.Random(3)
-    for _ in range(20):
-        i = ref.randrange(4)
-        ref.randrange(3)
-        assert p.pick(None, dict.fromkeys(ws, 1.0)) == ws[i]  # type: ignore[arg-type]
+    p = PowerOfTwo()
+    for first, offset in ((2, 0), (3, 2), (0, 1)):  # the second is (first + 1 + offset) mod 4
+        p.rng = Drawn([first, offset])
+        assert p.pick(None, dict.fromkeys(ws, 1.0)) == ws[first]  # type: ignore[arg-type]
+        second = (first + 1 + offset) % 4
+        p.rng = Drawn([first, offset])
+        assert p.pick(None, {**dict.fromkeys(ws, 1.0), ws[second]: 0.5}) == ws[second]  # type: ignore[arg-type]
