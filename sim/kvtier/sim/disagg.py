@@ -184,11 +184,10 @@ class DisaggPolicy:
                 overlaps = self.kv.index.find_matches_keys(req.keys)
             dec = router.choose(OverlapScores(total_blocks=len(req.keys)), req.num_tokens, None)
         else:
-            # The prefill side's walk of the index found every worker's overlap, the decode pool's too: reused
-            # when this request was just routed there (not at handoff, when the index has moved on).
-            known = self.kv.last_overlaps if self.kv is not None and not self.decode_at_handoff else None
-            if isinstance(self.prefill, Oracle):  # it reads the engines, the decode pool's too
-                known = self.prefill.overlaps(req)
+            # The prefill side's walk of the index (the oracle's: of the engines) found every worker's overlap, the
+            # decode pool's too: reused when this request was just routed there (not at handoff, when it has moved on).
+            walked = self.kv if self.kv is not None else self.prefill if isinstance(self.prefill, Oracle) else None
+            known = walked.last_overlaps if walked is not None and not self.decode_at_handoff else None
             overlaps = known if known is not None else router.index.find_matches_keys(req.keys)
             dec = router.choose(overlaps, req.num_tokens, req.keys)
         worker = self._streams.index(dec.worker)

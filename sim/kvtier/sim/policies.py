@@ -223,17 +223,13 @@ class Oracle:
         self._caches = caches
         self.router = Router(TieredIndex(block_size), cost, loads=loads, workers=self.streams,
                              temperature=temperature, seed=seed)
-
-    def overlaps(self, req: RouteInput) -> OverlapScores:
-        """Every worker's overlap with ``req`` as its engine holds it now: what it would reuse (SWA: the cut).
-        O(workers x blocks)."""
-        scores = OverlapScores(total_blocks=len(req.keys))
-        for s, cache in zip(self.streams, self._caches(), strict=True):
-            scores.workers[s] = cache.usable_overlap(req.tokens)
-        return scores
+        self.last_overlaps: OverlapScores | None = None  # every worker's, as the engines held them, latest request
 
     def choose(self, req: RouteInput, *, learn: bool = True) -> Choice:
-        scores = self.overlaps(req)
+        scores = OverlapScores(total_blocks=len(req.keys))
+        for s, cache in zip(self.streams, self._caches(), strict=True):
+            scores.workers[s] = cache.usable_overlap(req.tokens)  # what the engine would reuse (SWA: the cut)
+        self.last_overlaps = scores
         d = self.router.choose(scores, req.num_tokens, req.keys)
         i = self.streams.index(d.worker)
         return Choice(i, scores.workers[d.worker])
