@@ -203,7 +203,7 @@ class PageStore:
         flight (counted: ``stats.refused_writes``). A write that fails or is aborted then has still cost the page it
         evicted. Asserts its parent is present. O(pages evicted, + pinned leaves skipped)."""
         if not self._make_room(protect=meta.parent_key or ""):
-            self.stats.refused_writes += 1
+            self._stats.refused_writes += 1
             return False
         self._tree.reserve(key, meta)
         return True
